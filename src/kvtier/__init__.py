@@ -1,0 +1,1 @@
+from kvtier.version import __version__ as __version__

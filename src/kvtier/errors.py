@@ -1,0 +1,80 @@
+"""The kvtier exception hierarchy.
+
+Every error kvtier raises on purpose derives from :class:`KvtierError`. Messages
+name the offending value and, where there is one, the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class KvtierError(Exception):
+    """Base class of every error kvtier raises on purpose."""
+
+
+class ConfigError(KvtierError, ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+class RegionError(KvtierError):
+    """The shared CPU region could not be created, attached or released."""
+
+
+class InsufficientSpaceError(RegionError):
+    """The file system backing the region (usually /dev/shm) lacks the space asked for."""
+
+
+class RegionBusyError(RegionError):
+    """Cleanup of the region was refused because views of its memory are still alive."""
+
+
+class CorruptValueError(KvtierError):
+    """A value read from a tier failed its header, length or checksum verification."""
+
+
+class TierError(KvtierError):
+    """A secondary tier failed an operation."""
+
+
+class TierDrainTimeout(TierError):
+    """A tier did not finish its in-flight jobs within the drain timeout."""
+
+
+@dataclass(frozen=True)
+class TierFailure:
+    """One secondary tier's failure during shutdown."""
+
+    index: int
+    tier_type: str
+    class_name: str
+    error: BaseException
+
+    def __str__(self) -> str:
+        return (
+            f"tier #{self.index} (type={self.tier_type}, class={self.class_name}): "
+            f"{type(self.error).__name__}: {self.error}"
+        )
+
+
+class TierShutdownError(TierError):
+    """One or more secondary tiers failed to shut down.
+
+    ``failures`` holds every failure of the attempt, in tier order; the last one
+    is also chained as ``__cause__``. The primary tier and its shared mapping were
+    left intact, because a failed tier may still be using the CPU rows. Calling
+    ``TieringManager.shutdown()`` again retries only the failed tiers.
+    """
+
+    def __init__(self, failures: list[TierFailure]) -> None:
+        self.failures = list(failures)
+        lines = "; ".join(str(f) for f in self.failures)
+        super().__init__(
+            f"{len(self.failures)} secondary tier(s) failed to shut down; the primary tier "
+            f"was kept mapped. Call shutdown() again to retry them. Failures: {lines}"
+        )
+
+    @property
+    def errors(self) -> list[BaseException]:
+        """The underlying exceptions, in tier order."""
+        return [f.error for f in self.failures]

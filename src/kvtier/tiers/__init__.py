@@ -1,0 +1,1 @@
+"""Secondary tiers: the contract (``base``), the value format and the backends."""
