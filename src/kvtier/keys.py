@@ -20,6 +20,7 @@ import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -62,7 +63,7 @@ def dtype_bytes(dtype: str) -> int:
         ) from None
 
 
-def _new_hasher(algorithm: str) -> hashlib._Hash:
+def _new_hasher(algorithm: str) -> Any:
     if algorithm == "sha256":
         return hashlib.sha256()
     if algorithm == "blake2b":
@@ -87,7 +88,8 @@ def root_key(namespace: Namespace | None = None, algorithm: str = "sha256") -> B
     h.update(_ROOT_SEED)
     if namespace is not None:
         h.update(namespace.digest)
-    return h.digest()
+    digest: bytes = h.digest()
+    return digest
 
 
 def chain_key(
@@ -108,7 +110,8 @@ def chain_key(
     h.update(len(tok).to_bytes(4, "little"))
     h.update(tok)
     h.update(extra)
-    return h.digest()
+    digest: bytes = h.digest()
+    return digest
 
 
 def prefix_keys(

@@ -57,6 +57,10 @@ class TierContext:
     namespace: Namespace
     index: int = 0
 
+    def release_rows(self) -> None:
+        """Drop this context's view of the CPU rows (the manager calls it after a tier shut down)."""
+        self.rows = np.empty((0, 0), dtype=np.uint8)
+
     @property
     def geometry(self) -> KVGeometry:
         return self.namespace.geometry

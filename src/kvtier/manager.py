@@ -1,0 +1,562 @@
+"""TieringManager: the scheduler-side orchestrator of the CPU tier and the secondary tiers.
+
+Every method except :meth:`reset_cache` and :meth:`shutdown` is called from
+the engine's scheduler thread and does bookkeeping only: it never moves bytes
+and never blocks on I/O. Bytes move in engine workers (device <-> CPU rows)
+and in each secondary tier's I/O threads (CPU rows <-> tier), which report
+completion through ``poll_finished``.
+
+Contract per engine step (DESIGN.md section 5):
+
+* Tier jobs are polled at most once per step, at the first ``lookup``,
+  ``prepare_load`` or ``prepare_store`` of the step (or in ``on_schedule_end``),
+  so pins released by finished cascades count in the eviction decisions.
+* ``lookup`` answers HIT / HIT_PENDING / RETRY / MISS. On a CPU miss the
+  secondary tiers are asked in order; on the first secondary HIT a CPU row is
+  reserved at once (a second lookup of the key, from any request, sees
+  HIT_PENDING) and the load is submitted in ``on_schedule_end``, batched per
+  (tier, request). If no row can be reserved the answer is MISS.
+* ``complete_store(success=True)`` cascades the stored blocks to every
+  secondary tier, pinning their rows once per tier until that tier reports the
+  job. A failed store cascades nothing.
+* A tier's ``on_request_finished`` runs only once the request finished and no
+  device store of it is still outstanding (no more cascades can be issued).
+
+Secondary tiers are numbered from 1 in logs, labels and errors; the CPU tier is 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import (
+    ConfigError,
+    RegionBusyError,
+    TierError,
+    TierFailure,
+    TierShutdownError,
+)
+from kvtier.keys import BlockKey, Namespace
+from kvtier.primary import PrepareStoreResult, PrimaryTier
+from kvtier.region import SharedRegion, round_up
+from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
+from kvtier.tiers.registry import create_tier
+from kvtier.types import BlockEvent, LookupResult, OffloadPolicy, RequestContext
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ManagerStats:
+    lookups: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in LookupResult})
+    promotions_started: int = 0
+    promotion_jobs: int = 0
+    promotions_succeeded: int = 0
+    promotions_failed: int = 0
+    promotion_alloc_failures: int = 0
+    cascade_jobs: int = 0
+    cascades_succeeded: int = 0
+    cascades_failed: int = 0
+    submit_errors: int = 0
+    unknown_job_results: int = 0
+    store_rejections: int = 0
+
+
+@dataclass
+class _Job:
+    tier_index: int
+    is_promotion: bool
+    keys: list[BlockKey]
+    req_id: str | None
+
+
+@dataclass
+class _RequestState:
+    request: RequestContext
+    request_level_tiers: list[int] = field(default_factory=list)
+    pending_store_keys: set[BlockKey] = field(default_factory=set)
+    parked_cascades: list[BlockKey] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class _PendingPromotion:
+    request: RequestContext | None
+    keys: list[BlockKey] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+
+
+class TieringManager:
+    """Coordinates a :class:`PrimaryTier` with secondary tiers; see the module docstring.
+
+    Build one with :meth:`create` (which also makes the shared region and the
+    tiers, cleaning up in reverse order if any step fails), or pass ready parts.
+    The manager owns the parts it is given: :meth:`shutdown` shuts them down.
+    """
+
+    def __init__(
+        self,
+        primary: PrimaryTier,
+        tiers: Sequence[SecondaryTier] = (),
+        *,
+        drain_timeout: float | None = 120.0,
+    ) -> None:
+        self.primary = primary
+        self.tiers: list[SecondaryTier] = list(tiers)
+        self.drain_timeout = drain_timeout
+        self._jobs: dict[int, _Job] = {}
+        self._next_job_id = 1
+        self._requests: dict[str, _RequestState] = {}
+        self._pending_promotions: dict[tuple[int, str | None], _PendingPromotion] = {}
+        self._polled_this_step = False
+        self._tiers_down: set[int] = set()
+        self._shutdown_complete = False
+        self._stats = ManagerStats()
+
+    # --- construction ----------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        namespace: Namespace,
+        num_cpu_blocks: int | None = None,
+        cpu_bytes: int | None = None,
+        policy: str = "lru",
+        tiers: Sequence[dict[str, Any]] = (),
+        region_name: str | None = None,
+        shm_dir: str | os.PathLike[str] = "/dev/shm",
+        expected_mappers: int = 1,
+        prefault: bool = True,
+        pin: bool = False,
+        sweep_stale: bool = True,
+        drain_timeout: float | None = 120.0,
+    ) -> TieringManager:
+        """Build the region, the CPU tier and each secondary tier (``{"type": ..., **options}``).
+
+        If any step fails, the tiers already built are shut down in reverse order,
+        the region is released, and the original error is raised.
+        """
+        block_bytes = namespace.geometry.bytes_per_block
+        if num_cpu_blocks is None:
+            if cpu_bytes is None:
+                raise ConfigError("give the CPU tier a size: num_cpu_blocks or cpu_bytes")
+            num_cpu_blocks = cpu_bytes // round_up(block_bytes)
+            if num_cpu_blocks < 1:
+                raise ConfigError(
+                    f"cpu_bytes={cpu_bytes} holds no block of {round_up(block_bytes)} bytes (page-aligned); "
+                    "raise cpu_bytes"
+                )
+        if sweep_stale:
+            SharedRegion.sweep_stale(shm_dir, remove=True)
+        name = region_name or f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        region = SharedRegion(
+            name, num_cpu_blocks, block_bytes, expected_mappers=expected_mappers, shm_dir=shm_dir,
+            prefault=prefault, pin=pin,
+        )
+        built: list[SecondaryTier] = []
+        primary: PrimaryTier | None = None
+        try:
+            primary = PrimaryTier(region, block_bytes, policy)
+            for index, spec in enumerate(tiers, start=1):
+                context = TierContext(rows=region.rows, block_bytes=block_bytes, namespace=namespace, index=index)
+                built.append(create_tier(spec, context))
+                del context
+            return cls(primary, built, drain_timeout=drain_timeout)
+        except BaseException:
+            cls._cleanup_failed_construction(region, primary, built)
+            raise
+
+    @staticmethod
+    def _cleanup_failed_construction(
+        region: SharedRegion, primary: PrimaryTier | None, built: list[SecondaryTier]
+    ) -> None:
+        for tier in reversed(built):
+            try:
+                tier.shutdown()
+                tier.context.release_rows()
+            except Exception:
+                logger.exception(
+                    "cleanup after failed construction: secondary tier #%d (type=%s, class=%s) failed to shut down",
+                    tier.context.index, tier.tier_type, type(tier).__qualname__,
+                )
+        built.clear()
+        if primary is not None:
+            primary.rows = None
+        try:
+            region.close()
+        except RegionBusyError:
+            # A frame of the failed constructor may still reference the rows; make sure the
+            # path cannot leak, and let the mapping go with the last reference.
+            logger.warning("region %s still referenced after failed construction; unlinking its path", region.name)
+            region._unlink_if_ours()
+
+    # --- properties -------------------------------------------------------------------
+
+    @property
+    def region(self) -> SharedRegion:
+        return self.primary.region
+
+    @property
+    def rows(self) -> np.ndarray:
+        """A ``(num_blocks, row_stride)`` uint8 view of the CPU rows (for workers in this process)."""
+        return self.region.rows
+
+    @property
+    def block_bytes(self) -> int:
+        return self.primary.block_bytes
+
+    def tier_label(self, index: int) -> str:
+        """``"0:primary"`` or ``"<n>:<type>"`` for secondary tier n (1-based)."""
+        return "0:primary" if index == 0 else f"{index}:{self.tiers[index - 1].tier_type}"
+
+    # --- per-step polling ----------------------------------------------------------------
+
+    def _poll_once(self) -> None:
+        if not self._polled_this_step:
+            self._polled_this_step = True
+            self._poll_all()
+
+    def _poll_all(self) -> None:
+        for pos, tier in enumerate(self.tiers):
+            if pos in self._tiers_down:
+                continue
+            for result in tier.poll_finished():
+                self._finish_job(pos, result)
+
+    def _finish_job(self, pos: int, result: JobResult) -> None:
+        job = self._jobs.get(result.job_id)
+        if job is None or job.tier_index != pos:
+            self._stats.unknown_job_results += 1
+            logger.error("secondary tier #%d reported unknown job %d; ignored", pos + 1, result.job_id)
+            return
+        del self._jobs[result.job_id]
+        if job.is_promotion:
+            ok = result.succeeded(job.keys)
+            ok_set = set(ok)
+            failed = [k for k in job.keys if k not in ok_set]
+            self.primary.complete_write(ok, True)
+            self.primary.complete_write(failed, False)
+            self._stats.promotions_succeeded += len(ok)
+            self._stats.promotions_failed += len(failed)
+            if failed:
+                logger.debug("promotion job %d from tier #%d: %d of %d keys failed (%s)",
+                             result.job_id, pos + 1, len(failed), len(job.keys), result.error)
+        else:
+            self.primary.unpin(job.keys)
+            if result.success:
+                self._stats.cascades_succeeded += len(job.keys)
+            else:
+                self._stats.cascades_failed += len(job.keys)
+
+    def _new_job(self, pos: int, keys: list[BlockKey], slots: np.ndarray, promotion: bool,
+                 request: RequestContext | None) -> TransferJob:
+        job_id = self._next_job_id
+        self._next_job_id += 1
+        self._jobs[job_id] = _Job(pos, promotion, keys, request.req_id if request else None)
+        return TransferJob(job_id, keys, slots, promotion, request)
+
+    # --- lookups and loads ---------------------------------------------------------------
+
+    def lookup(self, key: BlockKey, request: RequestContext | None = None) -> LookupResult:
+        """Where is ``key``? Starts a promotion on a secondary hit (see the module docstring)."""
+        self._poll_once()
+        result = self.primary.lookup(key)
+        if result is LookupResult.MISS and self.tiers:
+            result = self._lookup_secondary(key, request)
+        self._stats.lookups[result.value] += 1
+        return result
+
+    def _lookup_secondary(self, key: BlockKey, request: RequestContext | None) -> LookupResult:
+        retry = False
+        for pos, tier in enumerate(self.tiers):
+            if pos in self._tiers_down:
+                continue
+            answer = tier.lookup(key, request)
+            if answer is LookupResult.HIT:
+                reserved = self.primary.prepare_write([key])
+                if reserved is None or not reserved.keys_to_store:
+                    self._stats.promotion_alloc_failures += 1
+                    return LookupResult.MISS
+                req_id = request.req_id if request else None
+                pending = self._pending_promotions.get((pos, req_id))
+                if pending is None:
+                    pending = self._pending_promotions[(pos, req_id)] = _PendingPromotion(request)
+                pending.keys.append(key)
+                pending.slots.append(int(reserved.slots[0]))
+                self._stats.promotions_started += 1
+                return LookupResult.HIT_PENDING
+            if answer is LookupResult.RETRY:
+                retry = True
+        return LookupResult.RETRY if retry else LookupResult.MISS
+
+    def prepare_load(self, keys: Sequence[BlockKey], request: RequestContext | None = None) -> np.ndarray:
+        """Pin HIT blocks for a device load; returns their CPU rows. Raises if one is not HIT."""
+        self._poll_once()
+        return self.primary.pin(list(keys))
+
+    def complete_load(self, keys: Iterable[BlockKey], request: RequestContext | None = None) -> None:
+        self.primary.unpin(keys)
+
+    def touch(self, keys: Sequence[BlockKey], request: RequestContext | None = None) -> None:
+        """Recency for ``keys`` in every tier (also for blocks hit in the device cache)."""
+        self.primary.touch(keys)
+        for pos, tier in enumerate(self.tiers):
+            if pos not in self._tiers_down:
+                tier.touch(keys, request)
+
+    # --- stores and cascades -----------------------------------------------------------
+
+    def _state(self, request: RequestContext | None) -> _RequestState | None:
+        if request is None:
+            return None
+        state = self._requests.get(request.req_id)
+        if state is None:
+            state = self._requests[request.req_id] = _RequestState(request)
+        return state
+
+    def prepare_store(
+        self, keys: Sequence[BlockKey], request: RequestContext | None = None
+    ) -> PrepareStoreResult | None:
+        """Reserve CPU rows for a device -> CPU store; None if no room can be made."""
+        self._poll_once()
+        result = self.primary.prepare_store(keys)
+        if result is None:
+            self._stats.store_rejections += 1
+            return None
+        state = self._state(request)
+        if state is not None:
+            state.pending_store_keys.update(result.keys_to_store)
+            if state.request_level_tiers:
+                new = set(result.keys_to_store)
+                present = [k for k in dict.fromkeys(keys) if k not in new]
+                self._cascade_request_level(state, present)
+        return result
+
+    def _cascade_request_level(self, state: _RequestState, keys: list[BlockKey]) -> None:
+        ready: list[BlockKey] = []
+        for key in keys:
+            ref = self.primary.ref_count(key)
+            if ref is None:
+                continue
+            if ref < 0:
+                state.parked_cascades.append(key)
+            else:
+                ready.append(key)
+        if ready:
+            self._cascade(ready, state.request_level_tiers, state.request)
+
+    def complete_store(
+        self, keys: Sequence[BlockKey], request: RequestContext | None = None, success: bool = True
+    ) -> None:
+        """The device -> CPU copy of ``keys`` finished; on success cascade them to every tier."""
+        state = self._state(request)
+        if state is not None:
+            keys = [k for k in keys if k in state.pending_store_keys]
+            state.pending_store_keys.difference_update(keys)
+        done = self.primary.complete_store(keys, success)
+        if success and done:
+            self._cascade(done, range(len(self.tiers)), request)
+        if state is not None:
+            self._maybe_finalize(state)
+
+    def _cascade(self, keys: list[BlockKey], positions: Iterable[int], request: RequestContext | None) -> None:
+        for pos in positions:
+            if pos in self._tiers_down:
+                continue
+            slots = self.primary.pin(keys)
+            job = self._new_job(pos, list(keys), slots, False, request)
+            self._stats.cascade_jobs += 1
+            try:
+                self.tiers[pos].submit_store(job)
+            except Exception:
+                logger.exception("secondary tier #%d failed to accept store job %d", pos + 1, job.job_id)
+                self._stats.submit_errors += 1
+                del self._jobs[job.job_id]
+                self.primary.unpin(keys)
+
+    # --- requests and steps ---------------------------------------------------------------
+
+    def on_new_request(self, request: RequestContext) -> OffloadPolicy:
+        """REQUEST_LEVEL if any tier asks for it, else BLOCK_LEVEL."""
+        state = self._state(request)
+        assert state is not None
+        state.request_level_tiers = [
+            pos for pos, tier in enumerate(self.tiers)
+            if pos not in self._tiers_down and tier.on_new_request(request) is OffloadPolicy.REQUEST_LEVEL
+        ]
+        return OffloadPolicy.REQUEST_LEVEL if state.request_level_tiers else OffloadPolicy.BLOCK_LEVEL
+
+    def on_request_finished(self, request: RequestContext) -> None:
+        """No more submit-side calls for ``request``; completions may still arrive."""
+        state = self._requests.get(request.req_id)
+        if state is None:
+            for pos, tier in enumerate(self.tiers):
+                if pos not in self._tiers_down:
+                    tier.on_request_finished(request)
+            return
+        state.finished = True
+        self._maybe_finalize(state)
+
+    def _maybe_finalize(self, state: _RequestState) -> None:
+        if state.finished and not state.pending_store_keys and not state.parked_cascades:
+            del self._requests[state.request.req_id]
+            for pos, tier in enumerate(self.tiers):
+                if pos not in self._tiers_down:
+                    tier.on_request_finished(state.request)
+
+    def on_schedule_end(self) -> None:
+        """Once per engine step: poll, submit this step's promotions, flush parked cascades."""
+        self._poll_once()
+        pending, self._pending_promotions = self._pending_promotions, {}
+        for (pos, _), promo in pending.items():
+            job = self._new_job(pos, promo.keys, np.asarray(promo.slots, dtype=np.int64), True, promo.request)
+            self._stats.promotion_jobs += 1
+            try:
+                self.tiers[pos].submit_load(job)
+            except Exception:
+                logger.exception("secondary tier #%d failed to accept load job %d", pos + 1, job.job_id)
+                self._stats.submit_errors += 1
+                del self._jobs[job.job_id]
+                self.primary.complete_write(promo.keys, False)
+        for state in list(self._requests.values()):
+            if state.parked_cascades:
+                parked, state.parked_cascades = state.parked_cascades, []
+                self._cascade_request_level(state, parked)
+                self._maybe_finalize(state)
+        for pos, tier in enumerate(self.tiers):
+            if pos not in self._tiers_down:
+                tier.on_schedule_end()
+        self._polled_this_step = False
+
+    def has_pending_work(self) -> bool:
+        """True while a tier job is in flight, a promotion awaits submission, or a cascade is parked."""
+        return bool(
+            self._jobs
+            or self._pending_promotions
+            or any(s.parked_cascades for s in self._requests.values())
+            or any(t.has_pending_work() for p, t in enumerate(self.tiers) if p not in self._tiers_down)
+        )
+
+    def take_events(self) -> list[BlockEvent]:
+        """Stored/removed events of the CPU tier and every secondary tier since the last call."""
+        events = self.primary.take_events()
+        for pos, tier in enumerate(self.tiers):
+            if pos not in self._tiers_down:
+                events.extend(tier.take_events())
+        return events
+
+    def jobs_in_flight(self) -> int:
+        return len(self._jobs)
+
+    # --- reset -----------------------------------------------------------------------------
+
+    def reset_cache(self, drain_timeout: float | None = None) -> None:
+        """Drain every tier, consume completions, drop unsubmitted promotions, reset the CPU tier.
+
+        Blocks until in-flight tier copies finish (never aborts one halfway).
+        Persistent tiers keep their data. Raises :class:`TierError` (and resets
+        nothing) if a tier cannot drain within the timeout.
+        """
+        timeout = self.drain_timeout if drain_timeout is None else drain_timeout
+        for pos, tier in enumerate(self.tiers):
+            if pos not in self._tiers_down:
+                tier.drain(timeout)
+        self._poll_all()
+        if self._jobs:
+            raise TierError(
+                f"{len(self._jobs)} tier job(s) still unreported after drain; the CPU tier was not reset"
+            )
+        self._pending_promotions.clear()
+        for state in list(self._requests.values()):
+            state.pending_store_keys.clear()
+            state.parked_cascades.clear()
+            self._maybe_finalize(state)
+        self.primary.reset()
+        self._polled_this_step = False
+
+    # --- stats ---------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """A JSON-able snapshot: manager counters, the CPU tier, and each secondary tier."""
+        primary = self.primary
+        tiers: dict[str, Any] = {}
+        for pos, tier in enumerate(self.tiers):
+            entry: dict[str, Any] = {"class": type(tier).__qualname__, **asdict(tier.stats)}
+            if pos not in self._tiers_down:
+                usage = tier.usage()
+                health = tier.health()
+                entry.update(used_bytes=usage.used_bytes, capacity_bytes=usage.capacity_bytes,
+                             entries=usage.entries, health=health.state.value)
+            tiers[self.tier_label(pos + 1)] = entry
+        return {
+            "manager": {**asdict(self._stats), "jobs_in_flight": len(self._jobs),
+                        "active_requests": len(self._requests)},
+            "primary": {
+                **asdict(primary.stats),
+                "blocks": len(primary),
+                "capacity_blocks": primary.num_blocks,
+                "block_bytes": primary.block_bytes,
+                "used_bytes": len(primary) * primary.region.row_stride,
+                "capacity_bytes": primary.num_blocks * primary.region.row_stride,
+            },
+            "tiers": tiers,
+        }
+
+    # --- shutdown --------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Shut down every secondary tier, then (only if all succeeded) the CPU tier.
+
+        Every tier is attempted even after earlier ones fail; each failure is
+        logged with the tier's index, type and class. If any failed, the CPU tier
+        and its shared mapping are left intact (a failed tier may still be using
+        the rows) and :class:`TierShutdownError` is raised, carrying every failure
+        and chained to the last one. Calling again retries only the failed tiers,
+        then releases the CPU tier. After a complete shutdown this is a no-op.
+        KeyboardInterrupt and SystemExit propagate at once and never lead to the
+        CPU tier being released.
+        """
+        if self._shutdown_complete:
+            return
+        failures: list[TierFailure] = []
+        for pos, tier in enumerate(self.tiers):
+            if pos in self._tiers_down:
+                continue
+            try:
+                tier.shutdown()
+            except Exception as exc:
+                logger.error(
+                    "Failed to shut down secondary tier #%d (type=%s, class=%s): %s",
+                    pos + 1, tier.tier_type, type(tier).__qualname__, exc, exc_info=exc,
+                )
+                failures.append(TierFailure(pos + 1, tier.tier_type, type(tier).__qualname__, exc))
+            else:
+                self._tiers_down.add(pos)
+                tier.context.release_rows()
+        if failures:
+            raise TierShutdownError(failures) from failures[-1].error
+        self._jobs.clear()
+        self._pending_promotions.clear()
+        self.primary.shutdown()
+        self._shutdown_complete = True
+
+    @property
+    def is_shut_down(self) -> bool:
+        return self._shutdown_complete
+
+    def __enter__(self) -> TieringManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+__all__ = ["ManagerStats", "TieringManager"]

@@ -1,0 +1,38 @@
+"""Eviction policies for the CPU primary tier, by name or by import path."""
+
+from __future__ import annotations
+
+import importlib
+
+from kvtier.errors import ConfigError
+from kvtier.policies.arc import ARCPolicy
+from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.lru import LRUPolicy
+
+POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+
+__all__ = ["POLICIES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "create_policy", "resolve_policy"]
+
+
+def resolve_policy(name_or_path: str) -> type[EvictionPolicy]:
+    """A policy class from a registered name (``"lru"``, ``"arc"``) or ``"module:Class"``."""
+    if name_or_path in POLICIES:
+        return POLICIES[name_or_path]
+    if ":" not in name_or_path:
+        raise ConfigError(
+            f"unknown eviction policy {name_or_path!r}: use one of {sorted(POLICIES)} "
+            "or an import path 'package.module:ClassName'"
+        )
+    module_name, _, class_name = name_or_path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"eviction policy module {module_name!r} failed to import: {exc}") from exc
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
+        raise ConfigError(f"{name_or_path!r} does not name an EvictionPolicy subclass")
+    return cls
+
+
+def create_policy(name_or_path: str, capacity: int) -> EvictionPolicy:
+    return resolve_policy(name_or_path)(capacity)

@@ -1,0 +1,132 @@
+"""Adaptive Replacement Cache (Megiddo & Modha) over evictable blocks only.
+
+Resident keys live in T1 (seen once) or T2 (seen again); B1/B2 remember keys
+recently evicted from each. A hit in B1 grows the target size ``p`` of T1, a
+hit in B2 shrinks it; eviction takes the LRU evictable key of T1 while T1
+exceeds ``p`` and of T2 otherwise.
+
+To keep eviction O(1) without scanning pinned blocks, each resident list is
+kept as a count (all members) plus an ordered dict of its *evictable* members.
+Invariants: ``t1 + t2`` equals the number of resident keys; ``_t1e`` and
+``_t2e`` hold exactly the evictable members of each; ``len(B1)``, ``len(B2)``
+never exceed the capacity.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Container
+from typing import ClassVar
+
+from kvtier.keys import BlockKey
+from kvtier.policies.base import EvictionPolicy
+
+
+class ARCPolicy(EvictionPolicy):
+    name: ClassVar[str] = "arc"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.p = 0.0
+        self._where: dict[BlockKey, int] = {}
+        self.t1 = 0
+        self.t2 = 0
+        self._t1e: OrderedDict[BlockKey, None] = OrderedDict()
+        self._t2e: OrderedDict[BlockKey, None] = OrderedDict()
+        self._b1: OrderedDict[BlockKey, None] = OrderedDict()
+        self._b2: OrderedDict[BlockKey, None] = OrderedDict()
+
+    def insert(self, key: BlockKey) -> None:
+        if key in self._b1:
+            self.p = min(float(self.capacity), self.p + max(len(self._b2) / len(self._b1), 1.0))
+            del self._b1[key]
+            self._where[key] = 2
+            self.t2 += 1
+        elif key in self._b2:
+            self.p = max(0.0, self.p - max(len(self._b1) / len(self._b2), 1.0))
+            del self._b2[key]
+            self._where[key] = 2
+            self.t2 += 1
+        else:
+            self._where[key] = 1
+            self.t1 += 1
+
+    def remove(self, key: BlockKey) -> None:
+        where = self._where.pop(key, 0)
+        if where == 1:
+            self.t1 -= 1
+            self._t1e.pop(key, None)
+        elif where == 2:
+            self.t2 -= 1
+            self._t2e.pop(key, None)
+
+    def touch(self, key: BlockKey) -> None:
+        where = self._where.get(key)
+        if where == 1:
+            self._where[key] = 2
+            self.t1 -= 1
+            self.t2 += 1
+            if self._t1e.pop(key, 0) is None:
+                self._t2e[key] = None
+        elif where == 2 and key in self._t2e:
+            self._t2e.move_to_end(key)
+
+    def mark_evictable(self, key: BlockKey) -> None:
+        where = self._where.get(key)
+        if where == 1:
+            self._t1e[key] = None
+        elif where == 2:
+            self._t2e[key] = None
+
+    def mark_pinned(self, key: BlockKey) -> None:
+        self._t1e.pop(key, None)
+        self._t2e.pop(key, None)
+
+    def evict(self, n: int, protected: Container[BlockKey] = ()) -> list[BlockKey] | None:
+        if n <= 0:
+            return []
+        if n > len(self._t1e) + len(self._t2e):
+            return None
+        it1 = (k for k in self._t1e if k not in protected)
+        it2 = (k for k in self._t2e if k not in protected)
+        next1: BlockKey | None = next(it1, None)
+        next2: BlockKey | None = next(it2, None)
+        t1 = self.t1
+        chosen: list[tuple[BlockKey, int]] = []
+        while len(chosen) < n:
+            take_t1 = next1 is not None and (t1 > self.p or next2 is None)
+            if take_t1:
+                assert next1 is not None
+                chosen.append((next1, 1))
+                t1 -= 1
+                next1 = next(it1, None)
+            elif next2 is not None:
+                chosen.append((next2, 2))
+                next2 = next(it2, None)
+            else:
+                return None
+        for key, where in chosen:
+            del self._where[key]
+            if where == 1:
+                del self._t1e[key]
+                self.t1 -= 1
+                self._b1[key] = None
+            else:
+                del self._t2e[key]
+                self.t2 -= 1
+                self._b2[key] = None
+        while len(self._b1) > self.capacity:
+            self._b1.popitem(last=False)
+        while len(self._b2) > self.capacity:
+            self._b2.popitem(last=False)
+        return [key for key, _ in chosen]
+
+    def clear(self) -> None:
+        self.p = 0.0
+        self._where.clear()
+        self.t1 = self.t2 = 0
+        for d in (self._t1e, self._t2e, self._b1, self._b2):
+            d.clear()
+
+    def evictable_count(self) -> int:
+        return len(self._t1e) + len(self._t2e)

@@ -1,0 +1,264 @@
+"""The CPU primary tier: slots of the shared region, an index, ref counts, events.
+
+Per block (DESIGN.md section 4): ref count ``-1`` means a write is in flight
+(a device store or a promotion from a secondary tier), ``0`` means ready and
+evictable, ``> 0`` means pinned by that many readers (device loads, cascades
+to secondary tiers). Only evictable blocks are ever evicted, and the policy
+sees only evictable blocks, so eviction never scans pinned ones.
+
+Every method is called from the scheduler thread and does bookkeeping only;
+bytes are moved by engine workers and tier I/O threads, into and out of
+``rows[slot]``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtier.errors import KvtierError
+from kvtier.keys import BlockKey
+from kvtier.policies import EvictionPolicy, create_policy
+from kvtier.region import SharedRegion
+from kvtier.types import BlockEvent, LookupResult
+
+logger = logging.getLogger(__name__)
+
+IN_FLIGHT = -1
+
+
+@dataclass
+class PrepareStoreResult:
+    """What ``prepare_store`` decided: write ``keys_to_store[i]`` into row ``slots[i]``."""
+
+    keys_to_store: list[BlockKey]
+    slots: np.ndarray
+    evicted_keys: list[BlockKey] = field(default_factory=list)
+
+
+@dataclass
+class PrimaryStats:
+    hits: int = 0
+    hits_pending: int = 0
+    misses: int = 0
+    blocks_stored: int = 0
+    store_failures: int = 0
+    evictions: int = 0
+    store_rejections: int = 0
+
+
+class PrimaryTier:
+    """CPU tier over a :class:`SharedRegion`; one block per row."""
+
+    tier_label = "primary"
+    medium = "cpu"
+
+    def __init__(
+        self,
+        region: SharedRegion,
+        block_bytes: int,
+        policy: str | EvictionPolicy = "lru",
+    ) -> None:
+        if block_bytes > region.row_stride:
+            raise KvtierError(
+                f"block_bytes {block_bytes} exceeds the region's row stride {region.row_stride}"
+            )
+        self.region = region
+        self.block_bytes = block_bytes
+        self.num_blocks = region.num_rows
+        self.policy = policy if isinstance(policy, EvictionPolicy) else create_policy(policy, self.num_blocks)
+        self.rows: np.ndarray | None = region.rows
+        self._slot_of: dict[BlockKey, int] = {}
+        self._ref: list[int] = [0] * self.num_blocks
+        self._free: list[int] = []
+        self._next_fresh = 0
+        self._events: list[BlockEvent] = []
+        self.stats = PrimaryStats()
+        self._shut_down = False
+
+    # --- queries -------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._slot_of
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free) + self.num_blocks - self._next_fresh
+
+    def ref_count(self, key: BlockKey) -> int | None:
+        """The ref count of ``key``, or None if absent."""
+        slot = self._slot_of.get(key)
+        return None if slot is None else self._ref[slot]
+
+    def slot_of(self, key: BlockKey) -> int | None:
+        return self._slot_of.get(key)
+
+    def lookup(self, key: BlockKey) -> LookupResult:
+        """HIT if ready, HIT_PENDING if a write is in flight, else MISS."""
+        slot = self._slot_of.get(key)
+        if slot is None:
+            self.stats.misses += 1
+            return LookupResult.MISS
+        if self._ref[slot] == IN_FLIGHT:
+            self.stats.hits_pending += 1
+            return LookupResult.HIT_PENDING
+        self.stats.hits += 1
+        return LookupResult.HIT
+
+    # --- writes into the tier (device stores and promotions) -------------------------
+
+    def prepare_store(self, keys: Iterable[BlockKey]) -> PrepareStoreResult | None:
+        """Reserve rows for the keys not yet present, evicting as needed.
+
+        Never evicts the keys being stored, pinned or in-flight blocks. Returns
+        None, changing nothing, if not enough blocks can be evicted. New blocks are
+        in flight (ref -1) until ``complete_store``.
+        """
+        keys = list(keys)
+        new_keys: list[BlockKey] = []
+        seen: set[BlockKey] = set()
+        for key in keys:
+            if key not in self._slot_of and key not in seen:
+                seen.add(key)
+                new_keys.append(key)
+        evicted: list[BlockKey] = []
+        shortfall = len(new_keys) - self.free_slots
+        if shortfall > 0:
+            chosen = self.policy.evict(shortfall, seen)
+            if chosen is None:
+                self.stats.store_rejections += 1
+                return None
+            for key in chosen:
+                self._free.append(self._slot_of.pop(key))
+            evicted = chosen
+            self.stats.evictions += len(chosen)
+            self._events.append(BlockEvent(tuple(chosen), self.tier_label, self.medium, removed=True))
+        slots = np.empty(len(new_keys), dtype=np.int64)
+        for i, key in enumerate(new_keys):
+            slot = self._free.pop() if self._free else self._take_fresh()
+            self._slot_of[key] = slot
+            self._ref[slot] = IN_FLIGHT
+            self.policy.insert(key)
+            slots[i] = slot
+        return PrepareStoreResult(new_keys, slots, evicted)
+
+    def _take_fresh(self) -> int:
+        slot = self._next_fresh
+        self._next_fresh += 1
+        return slot
+
+    def complete_store(self, keys: Iterable[BlockKey], success: bool = True) -> list[BlockKey]:
+        """Finish writes: make blocks readable, or remove them and free their rows.
+
+        Keys that are not in flight (unknown, or already completed, e.g. after a
+        reset) are ignored. Returns the keys whose state changed.
+        """
+        done: list[BlockKey] = []
+        for key in keys:
+            slot = self._slot_of.get(key)
+            if slot is None or self._ref[slot] != IN_FLIGHT:
+                continue
+            if success:
+                self._ref[slot] = 0
+                self.policy.mark_evictable(key)
+            else:
+                del self._slot_of[key]
+                self._ref[slot] = 0
+                self._free.append(slot)
+                self.policy.remove(key)
+            done.append(key)
+        if done:
+            if success:
+                self.stats.blocks_stored += len(done)
+                self._events.append(BlockEvent(tuple(done), self.tier_label, self.medium, removed=False))
+            else:
+                self.stats.store_failures += len(done)
+        return done
+
+    # Promotions reserve and complete rows exactly like device stores.
+    prepare_write = prepare_store
+    complete_write = complete_store
+
+    # --- reads out of the tier (device loads and cascades) --------------------------
+
+    def pin(self, keys: Sequence[BlockKey]) -> np.ndarray:
+        """Pin ready blocks for reading; returns their rows. Raises if one is not ready."""
+        slots = np.empty(len(keys), dtype=np.int64)
+        for i, key in enumerate(keys):
+            slot = self._slot_of.get(key)
+            if slot is None or self._ref[slot] == IN_FLIGHT:
+                for undo in keys[:i]:
+                    self._unpin_one(undo)
+                state = "absent" if slot is None else "still being written"
+                raise KvtierError(f"cannot pin block {key.hex()[:16]}: it is {state}; only HIT blocks can be read")
+            ref = self._ref[slot]
+            if ref == 0:
+                self.policy.mark_pinned(key)
+            self._ref[slot] = ref + 1
+            slots[i] = slot
+        return slots
+
+    def unpin(self, keys: Iterable[BlockKey]) -> None:
+        """Release pins taken by :meth:`pin`; keys no longer present are ignored."""
+        for key in keys:
+            self._unpin_one(key)
+
+    def _unpin_one(self, key: BlockKey) -> None:
+        slot = self._slot_of.get(key)
+        if slot is None:
+            return
+        ref = self._ref[slot]
+        if ref <= 0:
+            logger.error("unpin of block %s with ref count %d ignored", key.hex()[:16], ref)
+            return
+        self._ref[slot] = ref - 1
+        if ref == 1:
+            self.policy.mark_evictable(key)
+
+    prepare_load = pin
+    complete_load = unpin
+    prepare_read = pin
+    complete_read = unpin
+
+    def touch(self, keys: Iterable[BlockKey]) -> None:
+        """Recency update for ready blocks; unknown or in-flight keys are ignored."""
+        for key in keys:
+            slot = self._slot_of.get(key)
+            if slot is not None and self._ref[slot] != IN_FLIGHT:
+                self.policy.touch(key)
+
+    # --- events, reset, shutdown -----------------------------------------------------
+
+    def take_events(self) -> list[BlockEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def in_flight_count(self) -> int:
+        return sum(1 for slot in self._slot_of.values() if self._ref[slot] == IN_FLIGHT)
+
+    def pinned_count(self) -> int:
+        return sum(1 for slot in self._slot_of.values() if self._ref[slot] > 0)
+
+    def reset(self) -> None:
+        """Forget every block. The caller guarantees no copy touches the rows any more."""
+        if self._slot_of:
+            self._events.append(BlockEvent(tuple(self._slot_of), self.tier_label, self.medium, removed=True))
+        self._slot_of.clear()
+        self._ref = [0] * self.num_blocks
+        self._free.clear()
+        self._next_fresh = 0
+        self.policy.clear()
+
+    def shutdown(self) -> None:
+        """Drop this tier's view and release the region (strict cleanup order). Idempotent."""
+        if self._shut_down:
+            return
+        self.rows = None
+        self.region.close()
+        self._shut_down = True
