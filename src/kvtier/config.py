@@ -22,7 +22,6 @@ All functions here are pure (no global state) and may be called from any thread.
 from __future__ import annotations
 
 import difflib
-import importlib
 import inspect
 import json
 import logging
@@ -84,9 +83,7 @@ def parse_size(value: int | float | str) -> int:
     (naming the value and the accepted forms) for anything else or a negative size.
     """
     if isinstance(value, bool):
-        raise ConfigError(
-            f"size {value!r} is a boolean: give bytes as an integer or a string like '4GiB'"
-        )
+        raise ConfigError(f"size {value!r} is a boolean: give bytes as an integer or a string like '4GiB'")
     if isinstance(value, int):
         if value < 0:
             raise ConfigError(f"size {value} is negative: give a positive number of bytes")
@@ -106,9 +103,7 @@ def parse_size(value: int | float | str) -> int:
             "with a unit "
             "such as '512MiB', '4GiB', '4G' (binary) or '4GB' (decimal)"
         )
-    raise ConfigError(
-        f"size {value!r} has type {type(value).__name__}: use an int or a string like '4GiB'"
-    )
+    raise ConfigError(f"size {value!r} has type {type(value).__name__}: use an int or a string like '4GiB'")
 
 
 def format_size(num_bytes: float) -> str:
@@ -186,12 +181,8 @@ class GeometryConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    num_layers: int | None = Field(
-        default=None, gt=0, description="Attention layers held by this rank."
-    )
-    num_kv_heads: int | None = Field(
-        default=None, gt=0, description="KV heads per layer held by this rank."
-    )
+    num_layers: int | None = Field(default=None, gt=0, description="Attention layers held by this rank.")
+    num_kv_heads: int | None = Field(default=None, gt=0, description="KV heads per layer held by this rank.")
     head_dim: int | None = Field(default=None, gt=0, description="Elements per head (per token).")
     tokens_per_block: int | None = Field(
         default=None, gt=0, description="Tokens per KV block (the engine's block size). Default 16."
@@ -222,18 +213,10 @@ class FsTierConfig(BaseModel):
     max_bytes: int | None = Field(
         default=None, description="Byte capacity (LRU of files beyond it). Sizes like '64GiB'."
     )
-    read_threads: int | None = Field(
-        default=None, gt=0, description="I/O threads serving promotions."
-    )
-    write_threads: int | None = Field(
-        default=None, gt=0, description="I/O threads serving cascades."
-    )
-    fsync: bool | None = Field(
-        default=None, description="fsync every file before it becomes visible."
-    )
-    direct_io: bool | None = Field(
-        default=None, description="Use O_DIRECT where the file system allows it."
-    )
+    read_threads: int | None = Field(default=None, gt=0, description="I/O threads serving promotions.")
+    write_threads: int | None = Field(default=None, gt=0, description="I/O threads serving cascades.")
+    fsync: bool | None = Field(default=None, description="fsync every file before it becomes visible.")
+    direct_io: bool | None = Field(default=None, description="Use O_DIRECT where the file system allows it.")
 
     @field_validator("max_bytes", mode="before")
     @classmethod
@@ -249,15 +232,9 @@ class RedisTierConfig(BaseModel):
     type: Literal["redis"] = "redis"
     url: str = Field(description="redis://[user:pass@]host:port[/db] or rediss:// for TLS.")
     cluster: bool | None = Field(default=None, description="Talk to a Redis Cluster.")
-    prefix: str | None = Field(
-        default=None, description="Key prefix in front of the namespace digest."
-    )
-    ttl_seconds: int | None = Field(
-        default=None, gt=0, description="Expire values after this many seconds."
-    )
-    max_bytes: int | None = Field(
-        default=None, description="Byte budget this engine may use on the server."
-    )
+    prefix: str | None = Field(default=None, description="Key prefix in front of the namespace digest.")
+    ttl_seconds: int | None = Field(default=None, gt=0, description="Expire values after this many seconds.")
+    max_bytes: int | None = Field(default=None, description="Byte budget this engine may use on the server.")
 
     @field_validator("max_bytes", mode="before")
     @classmethod
@@ -268,9 +245,7 @@ class RedisTierConfig(BaseModel):
     @classmethod
     def _url(cls, value: str) -> str:
         if not re.match(r"^(redis|rediss|unix|valkey|valkeys)://", value):
-            raise ValueError(
-                f"url {value!r} must start with redis://, rediss://, valkey:// or unix://"
-            )
+            raise ValueError(f"url {value!r} must start with redis://, rediss://, valkey:// or unix://")
         return value
 
 
@@ -281,14 +256,10 @@ def _validate_tier(index: int, spec: Any) -> dict[str, Any]:
     """Validate one ``{"type": ..., **options}`` entry; returns it normalized."""
     where = f"tiers[{index}]"
     if not isinstance(spec, Mapping):
-        raise ValueError(
-            f"{where} must be a mapping like {{'type': 'fs', 'root': '/path'}}, got {spec!r}"
-        )
+        raise ValueError(f"{where} must be a mapping like {{'type': 'fs', 'root': '/path'}}, got {spec!r}")
     tier_type = spec.get("type")
     if not isinstance(tier_type, str) or not tier_type:
-        raise ValueError(
-            f"{where} needs a 'type': 'fs', 'redis', or an import path 'package.module:Class'"
-        )
+        raise ValueError(f"{where} needs a 'type': 'fs', 'redis', or an import path 'package.module:Class'")
     schema = _TIER_SCHEMAS.get(tier_type)
     if schema is None:
         if ":" not in tier_type:
@@ -313,12 +284,9 @@ def _validate_tier(index: int, spec: Any) -> dict[str, Any]:
                 known = sorted(set(schema.model_fields) | allowed - {"type"})
                 hints = [difflib.get_close_matches(u, known, n=1) for u in unknown]
                 fix = "; ".join(
-                    f"{u!r} (did you mean {h[0]!r}?)" if h else repr(u)
-                    for u, h in zip(unknown, hints, strict=True)
+                    f"{u!r} (did you mean {h[0]!r}?)" if h else repr(u) for u, h in zip(unknown, hints, strict=True)
                 )
-                raise ValueError(
-                    f"{where} ({tier_type}) has unknown option(s) {fix}: known options are {known}"
-                )
+                raise ValueError(f"{where} ({tier_type}) has unknown option(s) {fix}: known options are {known}")
     return out
 
 
@@ -338,17 +306,10 @@ def _tier_option_names(tier_type: str) -> set[str] | None:
 
 def _known_policies() -> list[str] | None:
     try:
-        module = importlib.import_module("kvtier.policies")
+        from kvtier.policies import POLICIES
     except ImportError:
         return None
-    for attr in ("policy_names", "names", "available_policies"):
-        fn = getattr(module, attr, None)
-        if callable(fn):
-            try:
-                return sorted(str(n) for n in fn())
-            except Exception:  # a broken registry must not break config loading
-                return None
-    return None
+    return sorted(POLICIES)
 
 
 class KvtierConfig(BaseModel):
@@ -368,34 +329,25 @@ class KvtierConfig(BaseModel):
     )
     policy: str = Field(
         default="lru",
-        description=(
-            "CPU-tier eviction policy: 'lru', 'arc', or an import path 'package.module:Class'."
-        ),
+        description=("CPU-tier eviction policy: 'lru', 'arc', or an import path 'package.module:Class'."),
     )
     model: str = Field(
         default="llama-3.1-8b",
-        description=(
-            f"A model preset ({', '.join(MODEL_PRESETS)}) or any model id (then give geometry)."
-        ),
+        description=(f"A model preset ({', '.join(MODEL_PRESETS)}) or any model id (then give geometry)."),
     )
     model_revision: str = Field(default="", description="Model revision; part of the namespace.")
     geometry: GeometryConfig = Field(
         default_factory=lambda: GeometryConfig(),
         description="KV block layout; fields not given come from the model preset.",
     )
-    shm_dir: str = Field(
-        default="/dev/shm", description="Directory of the shared CPU region (a tmpfs)."
-    )
+    shm_dir: str = Field(default="/dev/shm", description="Directory of the shared CPU region (a tmpfs).")
     region_name: str | None = Field(
         default=None,
         description="Name of the shared region file; default: derived from the process.",
     )
     tiers: list[dict[str, Any]] = Field(
         default_factory=list,
-        description=(
-            "Secondary tiers in cascade order, each "
-            "{type: fs|redis|package.module:Class, **options}."
-        ),
+        description=("Secondary tiers in cascade order, each {type: fs|redis|package.module:Class, **options}."),
     )
 
     @field_validator("cpu_bytes", mode="before")
@@ -418,13 +370,9 @@ class KvtierConfig(BaseModel):
             return value
         known = _known_policies()
         if known is not None and value not in known:
-            raise ValueError(
-                f"policy {value!r} is unknown: use one of {known} or 'package.module:Class'"
-            )
+            raise ValueError(f"policy {value!r} is unknown: use one of {known} or 'package.module:Class'")
         if known is None and not re.fullmatch(r"[a-z][a-z0-9_-]*", value):
-            raise ValueError(
-                f"policy {value!r} is not a policy name: use 'lru', 'arc' or 'package.module:Class'"
-            )
+            raise ValueError(f"policy {value!r} is not a policy name: use 'lru', 'arc' or 'package.module:Class'")
         return value
 
     @field_validator("model")
@@ -442,9 +390,7 @@ class KvtierConfig(BaseModel):
         if isinstance(value, Mapping):
             value = [value]
         if not isinstance(value, list | tuple):
-            raise ValueError(
-                f"tiers must be a list of {{type: ..., ...}} mappings, got {type(value).__name__}"
-            )
+            raise ValueError(f"tiers must be a list of {{type: ..., ...}} mappings, got {type(value).__name__}")
         return [_validate_tier(i, spec) for i, spec in enumerate(value)]
 
     @model_validator(mode="after")
@@ -501,9 +447,7 @@ class KvtierConfig(BaseModel):
             )
         return blocks
 
-    def namespace(
-        self, *, tp_size: int = 1, tp_rank: int = 0, pp_size: int = 1, pp_rank: int = 0
-    ) -> Namespace:
+    def namespace(self, *, tp_size: int = 1, tp_rank: int = 0, pp_size: int = 1, pp_rank: int = 0) -> Namespace:
         """The :class:`Namespace` of this configuration (one rank of the parallel layout)."""
         return Namespace(
             model_id=self.model_id,
@@ -555,21 +499,16 @@ def _read_file(path: str) -> dict[str, Any]:
             data = json.loads(text)
         else:
             raise ConfigError(
-                f"config file {path!r} has an unknown extension {suffix!r}: "
-                "use .yaml, .yml, .toml or .json"
+                f"config file {path!r} has an unknown extension {suffix!r}: use .yaml, .yml, .toml or .json"
             )
     except ConfigError:
         raise
     except Exception as exc:
-        raise ConfigError(
-            f"config file {path!r} is not valid {suffix.lstrip('.').upper()}: {exc}"
-        ) from None
+        raise ConfigError(f"config file {path!r} is not valid {suffix.lstrip('.').upper()}: {exc}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {path!r} must hold a mapping of fields, got {type(data).__name__}"
-        )
+        raise ConfigError(f"config file {path!r} must hold a mapping of fields, got {type(data).__name__}")
     if set(data) == {"kvtier"} and isinstance(data["kvtier"], dict):
         data = data["kvtier"]
     return dict(data)
@@ -584,9 +523,7 @@ def _parse_env(env: Mapping[str, str]) -> dict[str, Any]:
         if field not in _FIELDS:
             close = difflib.get_close_matches(field, _FIELDS, n=1)
             if close:
-                logger.warning(
-                    "ignoring %s: not a kvtier setting (did you mean %s?)", name, env_var(close[0])
-                )
+                logger.warning("ignoring %s: not a kvtier setting (did you mean %s?)", name, env_var(close[0]))
             continue
         out[field] = _decode_text(field, raw, source=f"environment variable {name}")
     return out
@@ -600,14 +537,9 @@ def _decode_text(field: str, raw: Any, *, source: str) -> Any:
         try:
             return json.loads(raw)
         except json.JSONDecodeError as exc:
-            example = (
-                '[{"type": "fs", "root": "/mnt/nvme/kv"}]'
-                if field == "tiers"
-                else '{"tokens_per_block": 16}'
-            )
+            example = '[{"type": "fs", "root": "/mnt/nvme/kv"}]' if field == "tiers" else '{"tokens_per_block": 16}'
             raise ConfigError(
-                f"{field} from {source} is not valid JSON ({exc.msg}): "
-                f"write it as JSON, e.g. {example}"
+                f"{field} from {source} is not valid JSON ({exc.msg}): write it as JSON, e.g. {example}"
             ) from None
     if field in ("region_name", "cpu_bytes", "num_cpu_blocks") and raw.strip() == "":
         return None
@@ -622,17 +554,12 @@ def _merge(layers: list[tuple[str, dict[str, Any]]]) -> tuple[dict[str, Any], di
         if unknown:
             hints = [difflib.get_close_matches(u, _FIELDS, n=1) for u in unknown]
             text = ", ".join(
-                f"{u!r} (did you mean {h[0]!r}?)" if h else repr(u)
-                for u, h in zip(unknown, hints, strict=True)
+                f"{u!r} (did you mean {h[0]!r}?)" if h else repr(u) for u, h in zip(unknown, hints, strict=True)
             )
-            raise ConfigError(
-                f"unknown setting(s) {text} in {source}: known settings are {list(_FIELDS)}"
-            )
+            raise ConfigError(f"unknown setting(s) {text} in {source}: known settings are {list(_FIELDS)}")
         present = [f for f in _CPU_SIZE_FIELDS if data.get(f) is not None]
         if len(present) == 2:
-            raise ConfigError(
-                f"cpu_bytes and num_cpu_blocks are both set in {source}: set only one of them"
-            )
+            raise ConfigError(f"cpu_bytes and num_cpu_blocks are both set in {source}: set only one of them")
         if present:
             for f in _CPU_SIZE_FIELDS:
                 merged.pop(f, None)
@@ -640,11 +567,7 @@ def _merge(layers: list[tuple[str, dict[str, Any]]]) -> tuple[dict[str, Any], di
         for field, value in data.items():
             if value is None:
                 continue
-            if (
-                field == "geometry"
-                and isinstance(value, Mapping)
-                and isinstance(merged.get("geometry"), dict)
-            ):
+            if field == "geometry" and isinstance(value, Mapping) and isinstance(merged.get("geometry"), dict):
                 merged["geometry"] = {**merged["geometry"], **value}
             else:
                 merged[field] = dict(value) if isinstance(value, Mapping) else value
@@ -652,9 +575,7 @@ def _merge(layers: list[tuple[str, dict[str, Any]]]) -> tuple[dict[str, Any], di
     return merged, sources
 
 
-def _explain(
-    exc: ValidationError, prefix: str = "config", sources: Mapping[str, str] | None = None
-) -> str:
+def _explain(exc: ValidationError, prefix: str = "config", sources: Mapping[str, str] | None = None) -> str:
     """One readable line per pydantic error: the field, where it came from, what to do."""
     lines = []
     for err in exc.errors():
@@ -854,9 +775,7 @@ def render_config_reference() -> str:
             if name == "type":
                 continue
             required = " (required)" if info.is_required() else ""
-            lines.append(
-                f"| `{name}`{required} | {_type_text(info.annotation)} | {info.description} |"
-            )
+            lines.append(f"| `{name}`{required} | {_type_text(info.annotation)} | {info.description} |")
     lines += [
         "",
         "Other options are passed to the tier class as keyword arguments and checked against its",

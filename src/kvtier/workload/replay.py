@@ -1,0 +1,166 @@
+"""Replay a block trace through the real :class:`~kvtier.manager.TieringManager`.
+
+Metadata-only mode: the manager, the CPU tier and its eviction policy run for
+real, but no KV bytes move (the region is tiny and never pre-faulted: rows of
+one page each, and nothing writes them). Each request does what an engine's
+scheduler does:
+
+1. ``lookup`` its keys in order until the first non-HIT (a prefix hit; with
+   secondary tiers, HIT_PENDING promotions are waited for, step by step);
+2. ``prepare_load`` / ``complete_load`` the hit prefix (recency);
+3. ``prepare_store`` / ``complete_store`` the rest (evicting as needed);
+4. ``on_request_finished``, ``on_schedule_end``.
+
+With secondary tiers configured, their cascades and promotions are real (they
+read and write the small rows), so per-tier hit rates are measured end to end.
+
+Called from one thread (the caller's), which plays the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvtier.errors import KvtierError
+from kvtier.keys import BlockKey, KVGeometry, Namespace, chain_ids
+from kvtier.manager import TieringManager
+from kvtier.types import LookupResult, RequestContext
+from kvtier.workload.simulate import HitRateResult
+from kvtier.workload.trace import FlatTrace
+
+logger = logging.getLogger(__name__)
+
+REPLAY_BLOCK_BYTES = 64
+"""Payload bytes per block in metadata-only replay (a row still takes one page)."""
+
+
+def replay_namespace(block_bytes: int = REPLAY_BLOCK_BYTES) -> Namespace:
+    """The namespace replays run under (a synthetic uint8 geometry of ``block_bytes``)."""
+    return Namespace("kvtier/trace-replay", KVGeometry.from_block_bytes(block_bytes, tokens_per_block=16))
+
+
+def trace_keys(trace: FlatTrace, namespace: Namespace) -> list[list[BlockKey]]:
+    """Block keys per request: each request's ``hash_ids`` chained under ``namespace``."""
+    starts = trace.starts.tolist()
+    ids = trace.ids.tolist()
+    return [chain_ids(ids[starts[i] : starts[i + 1]], namespace) for i in range(len(starts) - 1)]
+
+
+def _tier_of(manager: TieringManager, before: Sequence[int]) -> int:
+    for pos, tier in enumerate(manager.tiers):
+        if tier.stats.lookups_hit > before[pos]:
+            return pos + 1
+    return 0
+
+
+def replay_manager(
+    keys: Sequence[Sequence[BlockKey]],
+    capacity: int,
+    *,
+    policy: str = "lru",
+    namespace: Namespace | None = None,
+    tiers: Sequence[dict[str, Any]] = (),
+    shm_dir: str = "/dev/shm",
+    pending_timeout: float = 30.0,
+    progress: Callable[[int], None] | None = None,
+) -> HitRateResult:
+    """Replay requests (lists of block keys) through a real manager with ``capacity`` CPU blocks.
+
+    Returns prefix hits split by tier (``"cpu"`` and each secondary tier's label).
+    ``progress`` is called with the number of requests done, every 256 requests.
+    Raises :class:`KvtierError` if a promotion stays pending beyond ``pending_timeout``.
+    """
+    ns = namespace or replay_namespace()
+    start = time.perf_counter()
+    manager = TieringManager.create(
+        namespace=ns,
+        num_cpu_blocks=capacity,
+        policy=policy,
+        tiers=[dict(t) for t in tiers],
+        shm_dir=shm_dir,
+        prefault=False,
+        region_name=f"replay-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+    )
+    labels = ["cpu"] + [manager.tier_label(i + 1) for i in range(len(manager.tiers))]
+    tier_hits = dict.fromkeys(labels, 0)
+    refs = 0
+    rejected = 0
+    lookup_seconds = 0.0
+    lookups = 0
+    try:
+        lookup = manager.lookup
+        hit = LookupResult.HIT
+        for n, request_keys in enumerate(keys):
+            req = RequestContext(f"r{n}")
+            manager.on_new_request(req)
+            refs += len(request_keys)
+            hits = 0
+            t0 = time.perf_counter()
+            for key in request_keys:
+                if not manager.tiers:
+                    if lookup(key, req) is not hit:
+                        break
+                    tier_hits["cpu"] += 1
+                else:
+                    found = _lookup_waiting(manager, key, req, pending_timeout)
+                    if found is None:
+                        break
+                    tier_hits[labels[found]] += 1
+                hits += 1
+            lookup_seconds += time.perf_counter() - t0
+            lookups += min(hits + 1, len(request_keys))
+            if hits:
+                prefix = list(request_keys[:hits])
+                manager.prepare_load(prefix, req)
+                manager.complete_load(prefix, req)
+            rest = request_keys[hits:]
+            if rest:
+                result = manager.prepare_store(rest, req)
+                if result is None:
+                    rejected += 1
+                elif result.keys_to_store:
+                    manager.complete_store(result.keys_to_store, req, True)
+            manager.on_request_finished(req)
+            manager.on_schedule_end()
+            if progress is not None and (n + 1) % 256 == 0:
+                progress(n + 1)
+        deadline = time.monotonic() + pending_timeout
+        while manager.has_pending_work():
+            if time.monotonic() > deadline:
+                raise KvtierError(f"tier jobs still pending {pending_timeout}s after the replay ended")
+            manager.on_schedule_end()
+            time.sleep(0.001)
+        stats = manager.stats()
+    finally:
+        manager.shutdown()
+    hits_total = sum(tier_hits.values())
+    extra: dict[str, float] = {
+        "store_rejections": rejected,
+        "evictions": stats["primary"]["evictions"],
+        "lookup_us_mean": 1e6 * lookup_seconds / lookups if lookups else 0.0,
+    }
+    return HitRateResult(f"kvtier-{policy}", capacity, refs, hits_total, time.perf_counter() - start, tier_hits, extra)
+
+
+def _lookup_waiting(manager: TieringManager, key: BlockKey, req: RequestContext, timeout: float) -> int | None:
+    """Tier index (0 = CPU) that served ``key``, stepping the manager while it is pending."""
+    before = [t.stats.lookups_hit for t in manager.tiers]
+    source: int | None = None
+    deadline = time.monotonic() + timeout
+    while True:
+        answer = manager.lookup(key, req)
+        if answer is LookupResult.HIT:
+            return source if source is not None else _tier_of(manager, before)
+        if answer is LookupResult.MISS:
+            return None
+        if source is None and answer is LookupResult.HIT_PENDING:
+            source = _tier_of(manager, before)
+        if time.monotonic() > deadline:
+            raise KvtierError(f"block stayed {answer.value} for {timeout}s during replay; is a tier stuck?")
+        manager.on_schedule_end()
+        time.sleep(0.0002)
