@@ -1,0 +1,378 @@
+"""TieringManager's per-step contract (DESIGN.md section 5) with scripted secondary tiers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import tier_doubles
+from tier_doubles import ScriptedTier
+
+from kvtier import LookupResult, Namespace, OffloadPolicy, RequestContext, TieringManager, prefix_keys
+from kvtier.errors import ConfigError, KvtierError
+from kvtier.tiers.registry import register_tier
+
+pytestmark = pytest.mark.usefixtures("shm_leak_check")
+register_tier("scripted", "tier_doubles:ScriptedTier")
+
+HIT, HIT_PENDING, RETRY, MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY, LookupResult.MISS
+
+
+@pytest.fixture(autouse=True)
+def _clear_calls() -> Iterator[None]:
+    tier_doubles.CALLS.clear()
+    yield
+
+
+@pytest.fixture
+def make(namespace: Namespace) -> Iterator[Any]:
+    built: list[TieringManager] = []
+
+    def factory(blocks: int = 8, *tier_options: dict[str, Any], policy: str = "lru") -> TieringManager:
+        specs = [{"type": "scripted", "name": f"t{i}", **o} for i, o in enumerate(tier_options, start=1)]
+        mgr = TieringManager.create(namespace=namespace, num_cpu_blocks=blocks, tiers=specs, policy=policy)
+        built.append(mgr)
+        return mgr
+
+    yield factory
+    for mgr in built:
+        for tier in mgr.tiers:
+            if isinstance(tier, ScriptedTier):
+                tier.shutdown_error = None
+        mgr.shutdown()
+
+
+def keys(n: int, seed: int = 0) -> list[bytes]:
+    return prefix_keys(np.arange(n * 4) + seed * 100_000, 4)
+
+
+def payload(key: bytes, size: int) -> np.ndarray:
+    """Deterministic bytes for a key (what the 'device' computed)."""
+    rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
+    return rng.integers(0, 256, size, dtype=np.uint8)
+
+
+def store(mgr: TieringManager, ks: list[bytes], req: RequestContext, success: bool = True) -> None:
+    result = mgr.prepare_store(ks, req)
+    assert result is not None
+    rows = mgr.rows
+    for key, slot in zip(result.keys_to_store, result.slots):
+        rows[slot, : mgr.block_bytes] = payload(key, mgr.block_bytes)
+    del rows
+    mgr.complete_store(result.keys_to_store, req, success=success)
+
+
+def tiers(mgr: TieringManager) -> list[ScriptedTier]:
+    return [t for t in mgr.tiers if isinstance(t, ScriptedTier)]
+
+
+def test_store_then_hit_without_tiers(make: Any) -> None:
+    mgr = make(4)
+    req = RequestContext("r1")
+    ks = keys(3)
+    assert mgr.lookup(ks[0], req) is MISS
+    result = mgr.prepare_store(ks, req)
+    assert result is not None and result.keys_to_store == ks and result.evicted_keys == []
+    assert mgr.lookup(ks[0], req) is HIT_PENDING
+    mgr.complete_store(ks, req)
+    assert [mgr.lookup(k, req) for k in ks] == [HIT, HIT, HIT]
+    again = mgr.prepare_store(ks, req)
+    assert again is not None and again.keys_to_store == [], "present keys are skipped"
+
+
+def test_cascade_pins_once_per_tier_until_each_reports(make: Any) -> None:
+    mgr = make(8, {"auto_complete": False}, {"auto_complete": False})
+    req = RequestContext("r1")
+    ks = keys(2)
+    store(mgr, ks, req)
+    t1, t2 = tiers(mgr)
+    assert len(t1.queued) == 1 and len(t2.queued) == 1
+    assert [mgr.primary.ref_count(k) for k in ks] == [2, 2]
+    t1.complete_all()
+    mgr.on_schedule_end()  # this step already polled (in prepare_store): the pin survives the step end
+    assert [mgr.primary.ref_count(k) for k in ks] == [2, 2]
+    mgr.on_schedule_end()  # a step whose first poll sees tier 1's report
+    assert [mgr.primary.ref_count(k) for k in ks] == [1, 1]
+    t2.complete_all()
+    mgr.on_schedule_end()
+    assert [mgr.primary.ref_count(k) for k in ks] == [0, 0]
+    assert set(t1.data) == set(ks) == set(t2.data)
+
+
+def test_polling_is_once_per_step_and_before_eviction(make: Any) -> None:
+    mgr = make(2, {"auto_complete": False})
+    req = RequestContext("r1")
+    a = keys(2, seed=1)
+    store(mgr, a, req)
+    (t1,) = tiers(mgr)
+    mgr.on_schedule_end()
+    # both rows pinned by the cascade: no room for new blocks
+    assert mgr.prepare_store(keys(1, seed=2), req) is None
+    t1.complete_all()
+    # same step: already polled, so the pins still count
+    assert mgr.prepare_store(keys(1, seed=2), req) is None
+    mgr.on_schedule_end()  # this step's poll already happened before the tier finished
+    # next step: the first call polls before deciding evictions, so the freed pins count
+    result = mgr.prepare_store(keys(1, seed=2), req)
+    assert result is not None and len(result.evicted_keys) == 1
+
+
+def test_failed_store_cascades_nothing_and_frees_rows(make: Any) -> None:
+    mgr = make(4, {})
+    req = RequestContext("r1")
+    ks = keys(2)
+    store(mgr, ks, req, success=False)
+    (t1,) = tiers(mgr)
+    assert t1.data == {} and tier_doubles.CALLS == []
+    assert [mgr.lookup(k, req) for k in ks] == [MISS, MISS]
+    assert mgr.primary.free_slots == 4
+
+
+def test_promotion_round_trip_is_byte_exact(make: Any) -> None:
+    mgr = make(4, {})
+    req = RequestContext("r1")
+    ks = keys(3)
+    store(mgr, ks, req)
+    mgr.on_schedule_end()
+    mgr.reset_cache()
+    assert len(mgr.primary) == 0
+    assert [mgr.lookup(k, req) for k in ks] == [HIT_PENDING] * 3
+    (t1,) = tiers(mgr)
+    assert tier_doubles.CALLS.count(("t1", "submit_load")) == 0, "loads are submitted at step end"
+    mgr.on_schedule_end()
+    assert tier_doubles.CALLS.count(("t1", "submit_load")) == 1, "one batched job per (tier, request)"
+    assert [mgr.lookup(k, req) for k in ks] == [HIT] * 3
+    slots = mgr.prepare_load(ks, req)
+    rows = mgr.rows
+    for key, slot in zip(ks, slots):
+        assert np.array_equal(rows[slot, : mgr.block_bytes], payload(key, mgr.block_bytes))
+    del rows
+    mgr.complete_load(ks, req)
+
+
+def test_same_key_from_two_requests_promotes_once(make: Any) -> None:
+    mgr = make(4, {"auto_complete": False})
+    ks = keys(1)
+    (t1,) = tiers(mgr)
+    t1.data[ks[0]] = payload(ks[0], mgr.block_bytes).tobytes()
+    assert mgr.lookup(ks[0], RequestContext("a")) is HIT_PENDING
+    assert mgr.lookup(ks[0], RequestContext("b")) is HIT_PENDING
+    mgr.on_schedule_end()
+    assert len(t1.queued) == 1 and list(t1.queued[0].keys) == ks
+    assert t1.queued[0].request is not None and t1.queued[0].request.req_id == "a"
+
+
+def test_promotion_batches_per_tier_and_request(make: Any) -> None:
+    mgr = make(8, {"auto_complete": False}, {"auto_complete": False})
+    t1, t2 = tiers(mgr)
+    a, b = keys(2, seed=1), keys(2, seed=2)
+    for k in a:
+        t1.data[k] = b"x" * mgr.block_bytes
+    for k in b:
+        t2.data[k] = b"y" * mgr.block_bytes
+    for k in a + b:
+        assert mgr.lookup(k, RequestContext("r1")) is HIT_PENDING
+    for k in keys(1, seed=3):
+        t1.data[k] = b"z" * mgr.block_bytes
+        assert mgr.lookup(k, RequestContext("r2")) is HIT_PENDING
+    mgr.on_schedule_end()
+    assert sorted(len(j.keys) for j in t1.queued) == [1, 2]
+    assert [len(j.keys) for j in t2.queued] == [2]
+    assert all(j.is_promotion for j in t1.queued + t2.queued)
+
+
+def test_promotion_without_room_is_a_miss(make: Any) -> None:
+    mgr = make(2, {})
+    req = RequestContext("r1")
+    pinned = keys(2, seed=1)
+    store(mgr, pinned, req)
+    mgr.on_schedule_end()
+    mgr.prepare_load(pinned, req)  # every row pinned
+    (t1,) = tiers(mgr)
+    other = keys(1, seed=2)[0]
+    t1.data[other] = b"q" * mgr.block_bytes
+    assert mgr.lookup(other, req) is MISS
+    assert mgr.stats()["manager"]["promotion_alloc_failures"] == 1
+    mgr.complete_load(pinned, req)
+
+
+def test_failed_and_partial_promotions_end_as_miss(make: Any) -> None:
+    mgr = make(4, {})
+    req = RequestContext("r1")
+    ks = keys(3)
+    store(mgr, ks, req)
+    mgr.on_schedule_end()
+    mgr.reset_cache()
+    (t1,) = tiers(mgr)
+    t1.fail_keys = {ks[1]}
+    assert [mgr.lookup(k, req) for k in ks] == [HIT_PENDING] * 3
+    mgr.on_schedule_end()
+    t1.fail_keys = set()
+    del t1.data[ks[1]]
+    assert [mgr.lookup(k, req) for k in ks] == [HIT, MISS, HIT]
+    assert mgr.primary.in_flight_count() == 0
+
+
+def test_retry_from_a_tier_is_passed_on(make: Any) -> None:
+    mgr = make(4, {}, {})
+    t1, t2 = tiers(mgr)
+    k = keys(1)[0]
+    t1.retry_keys = {k}
+    assert mgr.lookup(k, RequestContext("r")) is RETRY
+    t2.data[k] = b"w" * mgr.block_bytes
+    assert mgr.lookup(k, RequestContext("r")) is HIT_PENDING, "a later tier's HIT wins over an earlier RETRY"
+
+
+def test_request_finished_hook_waits_for_outstanding_stores(make: Any) -> None:
+    mgr = make(8, {})
+    req = RequestContext("late")
+    ks = keys(2)
+    result = mgr.prepare_store(ks, req)
+    assert result is not None
+    mgr.on_request_finished(req)
+    (t1,) = tiers(mgr)
+    assert t1.finished_requests == [], "a store is outstanding: more cascades can still come"
+    mgr.complete_store(ks, req)
+    assert tier_doubles.CALLS == [("t1", "submit_store"), ("t1", "finished:late")]
+
+
+def test_request_with_failed_or_no_store_is_finalized(make: Any) -> None:
+    mgr = make(8, {})
+    (t1,) = tiers(mgr)
+    failed = RequestContext("failed")
+    result = mgr.prepare_store(keys(1), failed)
+    assert result is not None
+    mgr.on_request_finished(failed)
+    mgr.complete_store(result.keys_to_store, failed, success=False)
+    idle = RequestContext("idle")
+    mgr.on_new_request(idle)
+    mgr.on_request_finished(idle)
+    assert t1.finished_requests == ["failed", "idle"]
+
+
+def test_request_level_policy_cascades_existing_blocks(make: Any) -> None:
+    mgr = make(8, {}, {"request_level": True})
+    t1, t2 = tiers(mgr)
+    ks = keys(3)
+    store(mgr, ks[:2], RequestContext("first"))
+    t2.data.clear()
+    req = RequestContext("second")
+    assert mgr.on_new_request(req) is OffloadPolicy.REQUEST_LEVEL
+    store(mgr, ks, req)
+    assert set(t2.data) == set(ks), "prefix-hit blocks reach request-level tiers too"
+    assert set(t1.data) == set(ks)
+
+
+def test_request_level_parks_blocks_still_in_flight(make: Any) -> None:
+    mgr = make(8, {"request_level": True})
+    (t1,) = tiers(mgr)
+    ks = keys(2)
+    writer = RequestContext("writer")
+    pending = mgr.prepare_store(ks[:1], writer)
+    assert pending is not None
+    req = RequestContext("reader")
+    mgr.on_new_request(req)
+    result = mgr.prepare_store(ks, req)
+    assert result is not None and result.keys_to_store == ks[1:]
+    assert mgr.has_pending_work(), "a parked cascade is pending work"
+    mgr.complete_store(ks[1:], req)
+    mgr.complete_store(ks[:1], writer)
+    t1.data.pop(ks[0], None)
+    mgr.on_schedule_end()
+    assert ks[0] in t1.data
+
+
+def test_touch_reaches_every_tier(make: Any) -> None:
+    mgr = make(4, {}, {})
+    ks = keys(2)
+    mgr.touch(ks, RequestContext("r"))
+    assert [t.touched for t in tiers(mgr)] == [ks, ks]
+
+
+def test_reset_drains_drops_unsubmitted_promotions_and_keeps_active_requests(make: Any) -> None:
+    mgr = make(4, {"auto_complete": False})
+    (t1,) = tiers(mgr)
+    active, done = RequestContext("active"), RequestContext("done")
+    store(mgr, keys(1, seed=1), active)
+    store(mgr, keys(1, seed=2), done)
+    mgr.on_request_finished(done)
+    promo = keys(1, seed=3)[0]
+    t1.data[promo] = b"p" * mgr.block_bytes
+    assert mgr.lookup(promo, active) is HIT_PENDING
+    assert mgr.has_pending_work()
+    mgr.reset_cache()
+    assert t1.drains == 1
+    assert not mgr.has_pending_work()
+    assert len(mgr.primary) == 0 and mgr.primary.in_flight_count() == 0
+    assert tier_doubles.CALLS.count(("t1", "submit_load")) == 0, "unsubmitted promotions are dropped"
+    assert "done" in t1.finished_requests and "active" not in t1.finished_requests
+    assert set(t1.data) >= set(keys(1, seed=1) + keys(1, seed=2)), "persistent tiers keep their data"
+    mgr.on_request_finished(active)
+    assert "active" in t1.finished_requests
+
+
+def test_events_report_primary_and_evictions(make: Any) -> None:
+    mgr = make(2)
+    req = RequestContext("r")
+    store(mgr, keys(2, seed=1), req)
+    store(mgr, keys(1, seed=2), req)
+    events = mgr.take_events()
+    stored = [e for e in events if not e.removed]
+    removed = [e for e in events if e.removed]
+    assert sum(len(e.keys) for e in stored) == 3
+    assert [len(e.keys) for e in removed] == [1] and removed[0].tier == "primary" and removed[0].medium == "cpu"
+    assert mgr.take_events() == []
+
+
+def test_prepare_load_of_non_hit_raises_and_pins_nothing(make: Any) -> None:
+    mgr = make(4)
+    req = RequestContext("r")
+    ks = keys(2)
+    store(mgr, ks[:1], req)
+    with pytest.raises(KvtierError, match="absent"):
+        mgr.prepare_load(ks, req)
+    assert mgr.primary.ref_count(ks[0]) == 0
+
+
+def test_stale_complete_store_after_reset_is_ignored(make: Any) -> None:
+    mgr = make(4, {})
+    req = RequestContext("r")
+    ks = keys(1)
+    result = mgr.prepare_store(ks, req)
+    assert result is not None
+    mgr.reset_cache()
+    mgr.complete_store(ks, req)
+    assert mgr.lookup(ks[0], req) is MISS
+    assert tiers(mgr)[0].data == {}
+
+
+def test_arc_policy_and_unknown_policy(make: Any, namespace: Namespace) -> None:
+    mgr = make(4, policy="arc")
+    store(mgr, keys(4), RequestContext("r"))
+    store(mgr, keys(2, seed=9), RequestContext("r"))
+    assert len(mgr.primary) == 4
+    with pytest.raises(ConfigError, match="unknown eviction policy"):
+        TieringManager.create(namespace=namespace, num_cpu_blocks=4, policy="fifo-ish")
+
+
+def test_size_from_cpu_bytes_and_errors(namespace: Namespace) -> None:
+    mgr = TieringManager.create(namespace=namespace, cpu_bytes=5 * 8192 + 100)
+    assert mgr.primary.num_blocks == 5
+    mgr.shutdown()
+    with pytest.raises(ConfigError, match="cpu_bytes"):
+        TieringManager.create(namespace=namespace, cpu_bytes=100)
+    with pytest.raises(ConfigError, match="num_cpu_blocks or cpu_bytes"):
+        TieringManager.create(namespace=namespace)
+
+
+def test_stats_snapshot(make: Any) -> None:
+    mgr = make(4, {})
+    req = RequestContext("r")
+    store(mgr, keys(2), req)
+    mgr.lookup(keys(1, seed=5)[0], req)
+    stats = mgr.stats()
+    assert stats["primary"]["blocks"] == 2 and stats["primary"]["capacity_blocks"] == 4
+    assert stats["manager"]["lookups"]["miss"] == 1
+    assert stats["tiers"]["1:scripted"]["entries"] == 2

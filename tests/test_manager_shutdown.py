@@ -1,0 +1,173 @@
+"""TieringManager.shutdown: every case of DESIGN.md section 5 "Shutdown", one test each."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import tier_doubles
+from tier_doubles import ScriptedTier
+
+from kvtier import Namespace, RequestContext, TieringManager, TierShutdownError
+from kvtier.errors import ConfigError
+from kvtier.region import region_path
+from kvtier.tiers.registry import register_tier
+
+pytestmark = pytest.mark.usefixtures("shm_leak_check")
+register_tier("scripted", "tier_doubles:ScriptedTier")
+
+
+@pytest.fixture(autouse=True)
+def _clear_calls() -> Iterator[None]:
+    tier_doubles.CALLS.clear()
+    yield
+    tier_doubles.CALLS.clear()
+
+
+def _manager(namespace: Namespace, *tier_options: dict[str, Any]) -> TieringManager:
+    specs = [{"type": "scripted", "name": f"t{i}", **opts} for i, opts in enumerate(tier_options, start=1)]
+    return TieringManager.create(namespace=namespace, num_cpu_blocks=8, tiers=specs)
+
+
+def _store_block(mgr: TieringManager, key: bytes, fill: int) -> None:
+    req = RequestContext("r")
+    result = mgr.prepare_store([key], req)
+    assert result is not None
+    rows = mgr.rows
+    rows[int(result.slots[0]), : mgr.block_bytes] = fill
+    del rows
+    mgr.complete_store(result.keys_to_store, req)
+
+
+def _tiers(mgr: TieringManager) -> list[ScriptedTier]:
+    return [t for t in mgr.tiers if isinstance(t, ScriptedTier)]
+
+
+def test_all_tiers_succeed_releases_primary(namespace: Namespace) -> None:
+    mgr = _manager(namespace, {}, {}, {})
+    path = region_path(mgr.region.name)
+    _store_block(mgr, b"k" * 32, 5)
+    mgr.shutdown()
+    assert [t.shutdown_calls for t in _tiers(mgr)] == [1, 1, 1]
+    assert mgr.region.closed and mgr.is_shut_down
+    assert not path.exists()
+
+
+def test_first_of_three_fails(namespace: Namespace, caplog: pytest.LogCaptureFixture) -> None:
+    boom = RuntimeError("disk thread stuck")
+    mgr = _manager(namespace, {"shutdown_error": boom}, {}, {})
+    _store_block(mgr, b"a" * 32, 7)
+    with caplog.at_level(logging.ERROR, logger="kvtier.manager"), pytest.raises(TierShutdownError) as info:
+        mgr.shutdown()
+    first, second, third = _tiers(mgr)
+    assert (first.shutdown_calls, second.shutdown_calls, third.shutdown_calls) == (1, 1, 1)
+    records = [r for r in caplog.records if "Failed to shut down" in r.getMessage()]
+    assert len(records) == 1
+    message = records[0].getMessage()
+    assert "#1" in message and "type=scripted" in message and "class=ScriptedTier" in message
+    assert records[0].exc_info is not None and records[0].exc_info[1] is boom
+    # the error raised is that tier's: chained as the cause and carried as the only failure
+    assert info.value.__cause__ is boom
+    assert info.value.errors == [boom]
+    assert info.value.failures[0].index == 1 and info.value.failures[0].class_name == "ScriptedTier"
+    # the primary is not shut down and its bytes are still readable
+    assert not mgr.region.closed and not mgr.is_shut_down
+    rows = mgr.rows
+    slot = mgr.primary.slot_of(b"a" * 32)
+    assert slot is not None and int(rows[slot, 0]) == 7 and int(rows[slot, mgr.block_bytes - 1]) == 7
+    del rows
+    first.shutdown_error = None
+    mgr.shutdown()
+    assert mgr.region.closed
+
+
+def test_two_fail_last_is_raised_and_both_reachable(namespace: Namespace, caplog: pytest.LogCaptureFixture) -> None:
+    e1, e3 = OSError("first"), ValueError("third")
+    mgr = _manager(namespace, {"shutdown_error": e1}, {}, {"shutdown_error": e3})
+    with caplog.at_level(logging.ERROR, logger="kvtier.manager"), pytest.raises(TierShutdownError) as info:
+        mgr.shutdown()
+    logged = [r.getMessage() for r in caplog.records if "Failed to shut down" in r.getMessage()]
+    assert len(logged) == 2
+    assert "#1" in logged[0] and "#3" in logged[1]
+    assert info.value.__cause__ is e3, "the last failure must be the one chained"
+    assert info.value.errors == [e1, e3]
+    assert [f.index for f in info.value.failures] == [1, 3]
+    assert not mgr.region.closed
+    for t in _tiers(mgr):
+        t.shutdown_error = None
+    mgr.shutdown()
+
+
+def test_retry_shuts_down_only_failed_tiers_then_primary(namespace: Namespace) -> None:
+    mgr = _manager(namespace, {}, {"shutdown_error": RuntimeError("x")}, {})
+    with pytest.raises(TierShutdownError):
+        mgr.shutdown()
+    t1, t2, t3 = _tiers(mgr)
+    with pytest.raises(TierShutdownError):
+        mgr.shutdown()  # still failing: only tier 2 is retried
+    assert (t1.shutdown_calls, t2.shutdown_calls, t3.shutdown_calls) == (1, 2, 1)
+    assert not mgr.region.closed
+    t2.shutdown_error = None
+    mgr.shutdown()
+    assert (t1.shutdown_calls, t2.shutdown_calls, t3.shutdown_calls) == (1, 3, 1)
+    assert mgr.region.closed and mgr.is_shut_down
+
+
+def test_completed_shutdown_is_a_noop(namespace: Namespace) -> None:
+    mgr = _manager(namespace, {}, {})
+    mgr.shutdown()
+    mgr.shutdown()
+    assert [t.shutdown_calls for t in _tiers(mgr)] == [1, 1]
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_interrupt_inside_a_tier_propagates_and_never_releases_primary(
+    namespace: Namespace, interrupt: type[BaseException]
+) -> None:
+    mgr = _manager(namespace, {}, {"shutdown_error": interrupt()}, {})
+    _store_block(mgr, b"i" * 32, 3)
+    with pytest.raises(interrupt):
+        mgr.shutdown()
+    t1, t2, t3 = _tiers(mgr)
+    assert not mgr.region.closed and not mgr.is_shut_down
+    rows = mgr.rows
+    slot = mgr.primary.slot_of(b"i" * 32)
+    assert slot is not None and int(rows[slot, 0]) == 3
+    del rows
+    assert t3.shutdown_calls == 0, "an interrupt stops the shutdown where it happened"
+    t2.shutdown_error = None
+    mgr.shutdown()
+    assert (t1.shutdown_calls, t2.shutdown_calls, t3.shutdown_calls) == (1, 2, 1)
+    assert mgr.region.closed
+
+
+def test_construction_failure_cleans_up_in_reverse_and_raises_original(namespace: Namespace) -> None:
+    original = ConfigError("tier 3 cannot reach its bucket")
+    specs = [
+        {"type": "scripted", "name": "t1"},
+        {"type": "scripted", "name": "t2"},
+        {"type": "scripted", "name": "t3", "construct_error": original},
+    ]
+    with pytest.raises(ConfigError) as info:
+        TieringManager.create(namespace=namespace, num_cpu_blocks=4, tiers=specs, region_name="ctor-fail")
+    assert info.value is original
+    assert tier_doubles.CALLS == [("t2", "shutdown"), ("t1", "shutdown")]
+    assert not region_path("ctor-fail").exists()
+
+
+def test_construction_failure_of_unknown_tier_type(namespace: Namespace) -> None:
+    with pytest.raises(ConfigError, match="unknown tier type 'nope'"):
+        TieringManager.create(namespace=namespace, num_cpu_blocks=4, tiers=[{"type": "nope"}])
+
+
+def test_shutdown_error_message_names_every_failure(namespace: Namespace) -> None:
+    mgr = _manager(namespace, {"shutdown_error": RuntimeError("alpha")}, {"shutdown_error": RuntimeError("beta")})
+    with pytest.raises(TierShutdownError) as info:
+        mgr.shutdown()
+    text = str(info.value)
+    assert "alpha" in text and "beta" in text and "tier #1" in text and "tier #2" in text
+    for t in _tiers(mgr):
+        t.shutdown_error = None
+    mgr.shutdown()
