@@ -1,0 +1,219 @@
+"""The scheduler side: vLLM's ``OffloadingManager`` API on top of kvtier's :class:`TieringManager`.
+
+Runs in vLLM's scheduler process. vLLM's OffloadingConnector calls every
+method from its one scheduler thread; none of them blocks on I/O except
+``reset_cache`` (drains in-flight tier copies) and ``shutdown``.
+
+Translation, and why it is thin:
+
+* **Keys.** vLLM's ``OffloadKey`` is its chained prefix hash plus a 4-byte
+  KV-group index (36 bytes with the default sha256). kvtier keys are at most 32
+  bytes, so the kvtier key is ``sha256(b"vllm/" + offload_key)``: as stable
+  across processes as vLLM's own hash (sha256 hashes are, by default). A
+  bounded reverse map turns kvtier keys back into vLLM keys for
+  ``evicted_keys`` and KV events; keys that fell out of it are left out of
+  events (they are advisory) rather than guessed.
+* **Requests.** ``ReqContext`` becomes a :class:`RequestContext` with the same
+  ``req_id`` and the request's ``kv_transfer_params``.
+* **Results.** Lookup results and offload policies map one to one by name;
+  ``prepare_load`` / ``prepare_store`` return vLLM's ``CPULoadStoreSpec`` whose
+  ids are rows of the shared region (picklable, so it crosses to workers).
+* **Events.** kvtier's ``BlockEvent`` becomes ``OffloadingEvent`` with medium
+  CPU for the CPU tier and STORAGE for secondary tiers (``ownership`` names the
+  tier, e.g. ``"1:fs"``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Collection, Iterable
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    LoadStoreSpec,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.base import LookupResult as VllmLookup
+from vllm.v1.kv_offload.base import OffloadPolicy as VllmPolicy
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.keys import BlockKey
+from kvtier.manager import TieringManager
+from kvtier.types import LookupResult, OffloadPolicy, RequestContext
+
+logger = logging.getLogger(__name__)
+
+_LOOKUP = {r: VllmLookup[r.name] for r in LookupResult}
+_POLICY = {
+    OffloadPolicy.BLOCK_LEVEL: VllmPolicy.CHUNK_LEVEL,
+    OffloadPolicy.REQUEST_LEVEL: VllmPolicy.REQUEST_LEVEL,
+}
+_KEY_PREFIX = b"vllm/"
+
+
+def kvtier_key(key: bytes) -> BlockKey:
+    """The kvtier key of a vLLM ``OffloadKey`` (32 bytes, stable across processes)."""
+    return hashlib.sha256(_KEY_PREFIX + key).digest()
+
+
+class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
+    """Adapter from vLLM's OffloadingManager onto a :class:`TieringManager` it owns.
+
+    ``reverse_map_size`` bounds the kvtier-key -> vLLM-key map (an LRU); it
+    should exceed the number of CPU rows so that every key the CPU tier holds
+    is in it.
+    """
+
+    def __init__(self, manager: TieringManager, *, reverse_map_size: int = 65536) -> None:
+        self.manager = manager
+        self._reverse: OrderedDict[BlockKey, OffloadKey] = OrderedDict()
+        self._reverse_cap = max(reverse_map_size, 2 * manager.primary.num_blocks, 1024)
+        self._contexts: dict[str, RequestContext] = {}
+        self._promoted: OrderedDict[BlockKey, CacheHitSource] = OrderedDict()
+        self._promotion_source = self._outermost_source()
+        self._shut_down = False
+
+    # --- translation helpers -------------------------------------------------------
+
+    def _key(self, key: OffloadKey) -> BlockKey:
+        kv = kvtier_key(key)
+        rev = self._reverse
+        if kv in rev:
+            rev.move_to_end(kv)
+        else:
+            rev[kv] = key
+            if len(rev) > self._reverse_cap:
+                rev.popitem(last=False)
+        return kv
+
+    def _keys(self, keys: Iterable[OffloadKey]) -> list[BlockKey]:
+        return [self._key(k) for k in keys]
+
+    def _vllm_keys(self, keys: Iterable[BlockKey]) -> list[OffloadKey]:
+        rev = self._reverse
+        return [rev[k] for k in keys if k in rev]
+
+    def _context(self, req: ReqContext, keep: bool = True) -> RequestContext:
+        # Completions may arrive after on_request_finished: those use a
+        # throwaway context (keep=False) so nothing is retained for the request.
+        ctx = self._contexts.get(req.req_id)
+        if ctx is None:
+            params = dict(req.kv_transfer_params) if req.kv_transfer_params else {}
+            ctx = RequestContext(req.req_id, params)
+            if keep:
+                self._contexts[req.req_id] = ctx
+        return ctx
+
+    def _outermost_source(self) -> CacheHitSource:
+        media = {t.medium for t in self.manager.tiers}
+        if media and media <= {"disk", "storage", "fs"}:
+            return CacheHitSource.DISK
+        return CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    # --- lookups and loads -----------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> VllmLookup:
+        kv = self._key(key)
+        in_cpu = kv in self.manager.primary
+        result = self.manager.lookup(kv, self._context(req_context))
+        if not in_cpu and result is LookupResult.HIT_PENDING:
+            self._promoted[kv] = self._promotion_source
+            if len(self._promoted) > self._reverse_cap:
+                self._promoted.popitem(last=False)
+        return _LOOKUP[result]
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        return self._promoted.pop(kvtier_key(key), CacheHitSource.HOST)
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        slots = self.manager.prepare_load(self._keys(keys), self._context(req_context))
+        return CPULoadStoreSpec(slots.tolist())
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.manager.touch(self._keys(keys), self._context(req_context))
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.manager.complete_load(self._keys(keys), self._context(req_context, keep=False))
+
+    # --- stores --------------------------------------------------------------------------
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        kv_keys = self._keys(keys)
+        result = self.manager.prepare_store(kv_keys, self._context(req_context))
+        if result is None:
+            return None
+        return PrepareStoreOutput(
+            keys_to_store=self._vllm_keys(result.keys_to_store),
+            store_spec=CPULoadStoreSpec(result.slots.tolist()),
+            evicted_keys=self._vllm_keys(result.evicted_keys),
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        self.manager.complete_store(
+            self._keys(keys), self._context(req_context, keep=False), success
+        )
+
+    # --- requests and steps -----------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        policy = self.manager.on_new_request(self._context(req_context))
+        return RequestOffloadingContext(policy=_POLICY[policy])
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        ctx = self._context(req_context, keep=False)
+        self._contexts.pop(req_context.req_id, None)
+        self.manager.on_request_finished(ctx)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self.manager.on_schedule_end()
+
+    def has_pending_work(self) -> bool:
+        return self.manager.has_pending_work()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        out: list[OffloadingEvent] = []
+        for event in self.manager.take_events():
+            keys = self._vllm_keys(event.keys)
+            if not keys:
+                continue
+            primary = event.tier in ("primary", "0:primary")
+            out.append(
+                OffloadingEvent(
+                    keys=keys,
+                    medium=Medium.CPU if primary else Medium.STORAGE,
+                    removed=event.removed,
+                    ownership=None if primary else event.tier,
+                )
+            )
+        return out
+
+    def reset_cache(self) -> None:
+        self.manager.reset_cache()
+        self._promoted.clear()
+
+    def kvtier_stats(self) -> dict[str, Any]:
+        """kvtier's own counters (CPU tier, each secondary tier, manager); JSON-able."""
+        return self.manager.stats()
+
+    def shutdown(self) -> None:
+        """Shut down every tier and release the CPU region. Idempotent; raises on tier failure."""
+        if self._shut_down:
+            return
+        self.manager.shutdown()
+        self._shut_down = True
+        self._reverse.clear()
+        self._contexts.clear()

@@ -1,0 +1,119 @@
+"""``KvtierOffloadingSpec``: kvtier as a vLLM OffloadingSpec.
+
+Select it with::
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_name": "KvtierOffloadingSpec",
+        "spec_module_path": "kvtier.integrations.vllm.spec", "cpu_bytes": "8GiB",
+        "tiers": [{"type": "fs", "root": "/mnt/nvme/kvtier"}]}}'
+
+vLLM builds the spec in its scheduler process and in every worker process.
+The scheduler side (:meth:`get_manager`) creates the :class:`TieringManager`,
+its shared CPU region in /dev/shm and the secondary tiers; each worker
+(:meth:`get_worker`) attaches to the same region (name derived from vLLM's
+``engine_id``) and copies KV blocks into and out of it. The region's path is
+unlinked once the scheduler and every worker have mapped it, so nothing is left
+in /dev/shm after the engine exits, even after SIGKILL.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from kvtier.config import build_manager
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.config import (
+    EngineLayout,
+    check_vllm_version,
+    installed_vllm_version,
+    resolve_settings,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def engine_layout(config: OffloadingConfig) -> EngineLayout:
+    """The parts of vLLM's OffloadingConfig that decide the region layout and namespace."""
+    tokens_per_block = max((g.tokens_per_block for g in config.groups), default=0)
+    return EngineLayout(
+        engine_id=str(config.engine_id),
+        model_name=str(config.model.name),
+        kv_dtype=str(config.model.dtype),
+        tokens_per_chunk=tokens_per_block * config.cache.blocks_per_chunk,
+        blocks_per_chunk=config.cache.blocks_per_chunk,
+        worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
+        world_size=config.parallel.world_size,
+        tp_size=config.parallel.tp_size,
+        pp_size=config.parallel.pp_size,
+        layer_names=tuple(name for g in config.groups for name in g.layer_names),
+        kv_cache_layout=str(config.kv_cache_layout or ""),
+    )
+
+
+class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
+    """vLLM OffloadingSpec backed by kvtier; see the module docstring.
+
+    Construction validates the vLLM version and the configuration (raising
+    :class:`ConfigError` with the bad key and the fix) but creates nothing; the
+    manager and the worker are built on first request and cached.
+    """
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        extra: dict[str, Any] = dict(self.extra_config)
+        version = installed_vllm_version()
+        allow = bool(extra.get("allow_untested_vllm", False))
+        check_vllm_version(version, allow_untested=allow)
+        if allow:
+            logger.warning("kvtier: running on vllm %s with allow_untested_vllm=true", version)
+        if config.canonical_layout:
+            raise ConfigError(
+                "kv_connector_extra_config['canonical_layout'] is not supported by kvtier: remove it "
+                "(kvtier stores each rank's blocks in the engine's own layout)"
+            )
+        self.layout = engine_layout(config)
+        self.settings = resolve_settings(extra, self.layout)
+        self._manager: OffloadingManager | None = None
+        self._worker: OffloadingWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        """Scheduler side: build (once) the TieringManager, its region and tiers. Blocks while
+        the region is created and pre-faulted."""
+        if self._manager is None:
+            from kvtier.integrations.vllm.manager import KvtierOffloadingManager
+
+            s = self.settings
+            tiering = build_manager(
+                s.config,
+                expected_mappers=s.expected_mappers,
+                namespace=s.namespace,
+                region_name=s.region_name,
+                num_cpu_blocks=s.num_rows,
+            )
+            self._manager = KvtierOffloadingManager(tiering)
+            logger.info(
+                "kvtier: CPU tier of %d rows x %d bytes in region %s, %d secondary tier(s), "
+                "namespace %s",
+                s.num_rows, s.layout.row_bytes, s.region_name, len(tiering.tiers),
+                s.namespace.hexdigest,
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        """Worker side: attach (once) to the region and return the copy worker."""
+        if self._worker is None:
+            from kvtier.integrations.vllm.worker import KvtierOffloadingWorker
+
+            self._worker = KvtierOffloadingWorker(
+                kv_caches, self.settings, rank=self.config.parallel.rank
+            )
+        return self._worker
