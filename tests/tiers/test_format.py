@@ -1,0 +1,52 @@
+"""The shared value format: every mismatch is detected, nothing is trusted unverified."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.errors import CorruptValueError
+from kvtier.tiers.format import HEADER_SIZE, decode_header, encode_header, verify_payload
+
+NS = bytes(range(16))
+KEY = b"k" * 32
+PAYLOAD = bytes(range(256)) * 40
+
+
+def test_round_trip() -> None:
+    raw = encode_header(NS, KEY, PAYLOAD)
+    assert len(raw) == HEADER_SIZE
+    header = decode_header(raw, namespace=NS, key=KEY, payload_len=len(PAYLOAD))
+    verify_payload(header, PAYLOAD)
+    assert header.payload_len == len(PAYLOAD)
+
+
+@pytest.mark.parametrize("offset", [0, 9, 20, 40, 70, 75, 85, 90])
+def test_any_flipped_header_byte_is_detected(offset: int) -> None:
+    raw = bytearray(encode_header(NS, KEY, PAYLOAD))
+    raw[offset] ^= 0x40
+    with pytest.raises(CorruptValueError):
+        decode_header(raw, namespace=NS, key=KEY, payload_len=len(PAYLOAD))
+
+
+def test_mismatches_are_named() -> None:
+    raw = encode_header(NS, KEY, PAYLOAD)
+    with pytest.raises(CorruptValueError, match="namespace"):
+        decode_header(raw, namespace=bytes(16), key=KEY)
+    with pytest.raises(CorruptValueError, match="key mismatch"):
+        decode_header(raw, namespace=NS, key=b"o" * 32)
+    with pytest.raises(CorruptValueError, match="length"):
+        decode_header(raw, namespace=NS, key=KEY, payload_len=1)
+    with pytest.raises(CorruptValueError, match="truncated"):
+        decode_header(raw[:50], namespace=NS, key=KEY)
+    with pytest.raises(CorruptValueError, match="magic"):
+        decode_header(b"\x00" * HEADER_SIZE, namespace=NS, key=KEY)
+
+
+def test_payload_corruption_and_truncation() -> None:
+    header = decode_header(encode_header(NS, KEY, PAYLOAD), namespace=NS, key=KEY)
+    bad = bytearray(PAYLOAD)
+    bad[5000] ^= 1
+    with pytest.raises(CorruptValueError, match="checksum"):
+        verify_payload(header, bad)
+    with pytest.raises(CorruptValueError, match="truncated"):
+        verify_payload(header, PAYLOAD[:-1])
