@@ -1,0 +1,240 @@
+"""A minimal RESP2 fast path for the Redis tier's bulk transfers.
+
+redis-py handles connecting (URL, TLS, AUTH/ACL user, SELECT, cluster
+topology); this module moves the bytes over a connection redis-py has already
+set up, because redis-py's reply parser copies every value through a
+``BytesIO`` and returns ``bytes`` that would then be copied again into the CPU
+row. Here:
+
+* commands are sent as a list of pieces: small pieces are joined, large values
+  (the CPU-row payload) are passed as memoryviews, so nothing is concatenated;
+* replies are read by :class:`RespReader`, which reads bulk strings straight
+  into a caller's buffer with ``recv_into`` (the CPU row of a load).
+
+Only the reply types the tier uses are parsed: simple strings, errors,
+integers and bulk strings (including null). Arrays raise
+:class:`RespProtocolError`. Nothing read is ever evaluated.
+
+All functions run on the tier's I/O threads and block on the socket, bounded
+by the socket timeout redis-py configured on it.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+_CRLF = b"\r\n"
+_JOIN_LIMIT = 16 * 1024
+
+Piece = bytes | memoryview
+
+
+class RespProtocolError(ConnectionError):
+    """The server sent something this reader does not expect; the connection is unusable."""
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """A ``-ERR ...`` reply (e.g. ``MOVED``, ``OOM``); the connection stays usable."""
+
+    message: str
+
+    @property
+    def is_redirect(self) -> bool:
+        return self.message.startswith(("MOVED ", "ASK ", "CLUSTERDOWN", "TRYAGAIN"))
+
+
+def pack_command(out: list[Piece], *args: bytes | memoryview) -> None:
+    """Append the RESP encoding of one command to ``out``.
+
+    Arguments longer than a few KiB (payloads) are appended as-is, so a
+    memoryview of a CPU row is sent without a copy; the rest is joined.
+    """
+    parts: list[bytes] = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        n = arg.nbytes if isinstance(arg, memoryview) else len(arg)
+        if n > _JOIN_LIMIT:
+            parts.append(b"$%d\r\n" % n)
+            out.append(b"".join(parts))
+            out.append(arg)
+            parts = [_CRLF]
+        else:
+            parts.append(b"$%d\r\n" % n)
+            parts.append(bytes(arg))
+            parts.append(_CRLF)
+    out.append(b"".join(parts))
+
+
+def pack_bulk_value(
+    out: list[Piece], command: Sequence[bytes], value: Sequence[Piece], trailing: Sequence[bytes] = ()
+) -> None:
+    """Append ``command... <value> trailing...`` where ``value`` is one bulk string given in pieces.
+
+    Used for ``SET key <header + payload> [PX ms]`` without joining header and
+    payload into one buffer.
+    """
+    total = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in value)
+    head: list[bytes] = [b"*%d\r\n" % (len(command) + 1 + len(trailing))]
+    for arg in command:
+        head.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
+    head.append(b"$%d\r\n" % total)
+    small = b"".join(head)
+    for piece in value:
+        n = piece.nbytes if isinstance(piece, memoryview) else len(piece)
+        if n > _JOIN_LIMIT:
+            out.append(small)
+            out.append(piece)
+            small = b""
+        else:
+            small += bytes(piece)
+    tail = [small, _CRLF]
+    for arg in trailing:
+        tail.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
+    out.append(b"".join(tail))
+
+
+def coalesce(pieces: list[Piece]) -> list[Piece]:
+    """Join consecutive small pieces so each ``sendall`` moves a useful amount."""
+    out: list[Piece] = []
+    pending: list[bytes] = []
+    size = 0
+    for piece in pieces:
+        if isinstance(piece, memoryview) and piece.nbytes > _JOIN_LIMIT:
+            if pending:
+                out.append(b"".join(pending))
+                pending, size = [], 0
+            out.append(piece)
+        else:
+            b = bytes(piece)
+            pending.append(b)
+            size += len(b)
+            if size >= 64 * 1024:
+                out.append(b"".join(pending))
+                pending, size = [], 0
+    if pending:
+        out.append(b"".join(pending))
+    return out
+
+
+def send_pieces(sock: socket.socket, pieces: list[Piece]) -> None:
+    """``sendall`` every piece (coalesced); raises ``OSError``/``TimeoutError`` from the socket."""
+    for piece in coalesce(pieces):
+        sock.sendall(piece)
+
+
+class RespReader:
+    """Reads RESP2 replies from a socket, bulk payloads straight into caller buffers.
+
+    One reader per connection per batch; it must consume exactly the replies
+    of the commands sent, so the connection can go back to its pool clean.
+    """
+
+    def __init__(self, sock: socket.socket, bufsize: int = 64 * 1024) -> None:
+        self._sock = sock
+        self._buf = bytearray(bufsize)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+
+    def _fill(self, max_bytes: int) -> None:
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end + max_bytes > len(self._buf):
+            n = self._end - self._start
+            self._buf[:n] = self._buf[self._start : self._end]
+            self._start, self._end = 0, n
+        room = min(max_bytes, len(self._buf) - self._end)
+        got = self._sock.recv_into(self._view[self._end : self._end + room])
+        if got == 0:
+            raise ConnectionResetError("Redis closed the connection")
+        self._end += got
+
+    def _read_line(self, max_fill: int) -> bytes:
+        while True:
+            i = self._buf.find(_CRLF, self._start, self._end)
+            if i >= 0:
+                line = bytes(self._buf[self._start : i])
+                self._start = i + 2
+                return line
+            if self._end - self._start >= len(self._buf) - 1:
+                raise RespProtocolError("reply line longer than the read buffer")
+            self._fill(max_fill)
+
+    def read_into(self, dest: memoryview) -> None:
+        """Fill ``dest`` exactly with the next bytes of the stream."""
+        n = dest.nbytes
+        got = min(n, self._end - self._start)
+        if got:
+            dest[:got] = self._view[self._start : self._start + got]
+            self._start += got
+        while got < n:
+            r = self._sock.recv_into(dest[got:])
+            if r == 0:
+                raise ConnectionResetError("Redis closed the connection")
+            got += r
+
+    def _skip_crlf(self) -> None:
+        crlf = bytearray(2)
+        self.read_into(memoryview(crlf))
+        if crlf != _CRLF:
+            raise RespProtocolError("bulk string not terminated by CRLF")
+
+    def read_reply(self) -> bytes | int | ErrorReply | None:
+        """One reply: simple/bulk string as bytes, integer, None (null) or :class:`ErrorReply`."""
+        line = self._read_line(len(self._buf))
+        kind, rest = line[:1], line[1:]
+        if kind == b"+":
+            return rest
+        if kind == b":":
+            return int(rest)
+        if kind == b"-":
+            return ErrorReply(rest.decode("utf-8", "replace"))
+        if kind == b"_":  # RESP3 null
+            return None
+        if kind == b"$":
+            n = int(rest)
+            if n < 0:
+                return None
+            data = bytearray(n)
+            self.read_into(memoryview(data))
+            self._skip_crlf()
+            return bytes(data)
+        raise RespProtocolError(f"unexpected RESP reply type {kind!r}")
+
+    def read_bulk_split(self, head: memoryview, body: memoryview) -> int | ErrorReply | None:
+        """Read one bulk-string reply expected to be ``len(head) + len(body)`` bytes long.
+
+        On that exact length the first bytes land in ``head`` and the rest in
+        ``body`` (zero extra copies for the body) and the length is returned.
+        Any other length is consumed and discarded and its length returned, so
+        the caller can tell a truncated or foreign value; None is a null reply
+        (missing key); an error reply is returned as :class:`ErrorReply`.
+        """
+        line = self._read_line(64 + head.nbytes)
+        kind, rest = line[:1], line[1:]
+        if kind == b"-":
+            return ErrorReply(rest.decode("utf-8", "replace"))
+        if kind == b"_":  # RESP3 null
+            return None
+        if kind != b"$":
+            raise RespProtocolError(f"expected a bulk string, got reply type {kind!r}")
+        n = int(rest)
+        if n < 0:
+            return None
+        if n == head.nbytes + body.nbytes:
+            self.read_into(head)
+            self.read_into(body)
+        else:
+            self.discard(n)
+        self._skip_crlf()
+        return n
+
+    def discard(self, n: int) -> None:
+        """Consume ``n`` bytes without keeping them."""
+        scratch = memoryview(bytearray(min(n, 1 << 20) or 1))
+        while n > 0:
+            step = min(n, scratch.nbytes)
+            self.read_into(scratch[:step])
+            n -= step

@@ -1,0 +1,186 @@
+"""Fixtures that run real Redis servers on free loopback ports.
+
+``redis_server`` starts a fresh ``redis-server`` per test (no persistence) and
+can be killed with SIGKILL and restarted on the same port. ``redis_cluster``
+starts a 3-node Redis Cluster (no replicas) once per module. Both skip with a
+clear reason when no ``redis-server`` binary is installed
+(``apt-get install -y redis-server``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REDIS_SERVER = shutil.which("redis-server")
+REDIS_CLI = shutil.which("redis-cli")
+_SKIP_REASON = "redis-server not found on PATH; install it with: apt-get install -y redis-server"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))
+    except OSError:
+        return False
+
+
+class RedisServer:
+    """One redis-server process on 127.0.0.1; ``kill()`` sends SIGKILL, ``start()`` restarts it."""
+
+    def __init__(self, workdir: Path, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
+        assert REDIS_SERVER is not None
+        self.workdir = workdir
+        self.port = port or _free_port()
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def args(self) -> list[str]:
+        assert REDIS_SERVER is not None
+        return [
+            REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "no",
+            "--logfile", str(self.workdir / f"redis-{self.port}.log"), *self.extra_args,
+        ]
+
+    def start(self, timeout: float = 10.0) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(self.args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server on port {self.port} exited with {self.proc.returncode}")
+            if _ping(self.port):
+                return
+            time.sleep(0.02)
+        raise RuntimeError(f"redis-server on port {self.port} did not answer PING within {timeout}s")
+
+    def kill(self) -> None:
+        """SIGKILL the server and wait for it to die."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        self.kill()
+        self.proc = None
+
+
+def _start_server(workdir: Path, extra_args: tuple[str, ...] = ()) -> RedisServer:
+    last: Exception | None = None
+    for _ in range(5):  # a free port can be taken between probing and binding
+        server = RedisServer(workdir, extra_args=extra_args)
+        try:
+            server.start()
+            return server
+        except RuntimeError as exc:
+            last = exc
+            server.stop()
+    raise RuntimeError(f"could not start redis-server: {last}")
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A fresh standalone redis-server on a free loopback port."""
+    if REDIS_SERVER is None:
+        pytest.skip(_SKIP_REASON)
+    server = _start_server(tmp_path / "redis")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_server_factory(tmp_path: Path) -> Iterator[object]:
+    """Start servers with extra arguments: ``redis_server_factory("--maxmemory", "8mb")``."""
+    if REDIS_SERVER is None:
+        pytest.skip(_SKIP_REASON)
+    servers: list[RedisServer] = []
+
+    def start(*extra_args: str) -> RedisServer:
+        server = _start_server(tmp_path / f"redis-{len(servers)}", tuple(extra_args))
+        servers.append(server)
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.stop()
+
+
+class RedisCluster3:
+    """Three cluster-enabled redis-servers joined into one cluster (no replicas)."""
+
+    def __init__(self, nodes: list[RedisServer]) -> None:
+        self.nodes = nodes
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url.rsplit("/", 1)[0]
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+def _cluster_ok(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"CLUSTER INFO\r\n")
+            data = s.recv(4096)
+            return b"cluster_state:ok" in data
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster3]:
+    """A 3-node Redis Cluster on loopback ports, shared by one test module."""
+    if REDIS_SERVER is None:
+        pytest.skip(_SKIP_REASON)
+    if REDIS_CLI is None:
+        pytest.skip("redis-cli not found on PATH (it ships with redis-server / redis-tools)")
+    root = tmp_path_factory.mktemp("redis-cluster")
+    nodes: list[RedisServer] = []
+    cluster = RedisCluster3(nodes)
+    try:
+        for i in range(3):
+            node_dir = root / f"node{i}"
+            nodes.append(_start_server(node_dir, (
+                "--cluster-enabled", "yes", "--cluster-config-file", str(node_dir / "nodes.conf"),
+                "--cluster-node-timeout", "2000",
+            )))
+        subprocess.run(
+            [REDIS_CLI, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=30,
+        )
+        deadline = time.monotonic() + 15
+        while not all(_cluster_ok(n.port) for n in nodes):
+            if time.monotonic() > deadline:
+                raise RuntimeError("redis cluster did not reach cluster_state:ok within 15s")
+            time.sleep(0.05)
+        yield cluster
+    finally:
+        cluster.stop()

@@ -1,0 +1,462 @@
+"""RedisTier against a real redis-server on a loopback port (see conftest.py)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+from kvtier.errors import ConfigError, TierError
+from kvtier.keys import BlockKey, KVGeometry, Namespace, chain_ids
+from kvtier.tiers.base import HealthState, JobResult, TierContext, TransferJob
+from kvtier.tiers.format import HEADER_SIZE
+from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.registry import create_tier
+from kvtier.types import LookupResult
+
+pytestmark = pytest.mark.redis
+
+BLOCK = 64 * 1024
+_job_ids = itertools.count(1)
+
+
+def namespace(model: str = "model-a", block_bytes: int = BLOCK) -> Namespace:
+    return Namespace(model, KVGeometry.from_block_bytes(block_bytes))
+
+
+def random_rows(num_rows: int, block_bytes: int = BLOCK, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, size=(num_rows, block_bytes), dtype=np.uint8)
+
+
+def keys_for(ns: Namespace, n: int, start: int = 0) -> list[BlockKey]:
+    return chain_ids(range(start, start + n), ns)
+
+
+def job(keys: list[BlockKey], slots: list[int], promotion: bool) -> TransferJob:
+    return TransferJob(next(_job_ids), keys, np.asarray(slots, dtype=np.int64), promotion)
+
+
+def wait_results(tier: RedisTier, n: int, timeout: float = 10.0) -> list[JobResult]:
+    results: list[JobResult] = []
+    deadline = time.monotonic() + timeout
+    while len(results) < n:
+        assert time.monotonic() < deadline, f"only {len(results)} of {n} job results after {timeout}s"
+        results.extend(tier.poll_finished())
+        time.sleep(0.002)
+    return results
+
+
+def resolve(tier: RedisTier, key: BlockKey, timeout: float = 5.0) -> LookupResult:
+    """Ask like the scheduler does, one step at a time, until the answer is not RETRY."""
+    deadline = time.monotonic() + timeout
+    while True:
+        answer = tier.lookup(key, None)
+        if answer is not LookupResult.RETRY:
+            return answer
+        assert time.monotonic() < deadline, "lookup still RETRY"
+        tier.on_schedule_end()
+        time.sleep(0.002)
+
+
+@pytest.fixture
+def make_tier() -> Iterator[Callable[..., RedisTier]]:
+    tiers: list[RedisTier] = []
+
+    def make(url: str, rows: np.ndarray, ns: Namespace | None = None, **options: object) -> RedisTier:
+        ctx = TierContext(rows, rows.shape[1], ns or namespace(block_bytes=rows.shape[1]))
+        tier = RedisTier(ctx, url=url, **options)  # type: ignore[arg-type]
+        tiers.append(tier)
+        return tier
+
+    yield make
+    for tier in tiers:
+        tier.shutdown()
+
+
+def store(tier: RedisTier, keys: list[BlockKey], slots: list[int]) -> JobResult:
+    tier.submit_store(job(keys, slots, False))
+    (result,) = wait_results(tier, 1)
+    return result
+
+
+def load(tier: RedisTier, keys: list[BlockKey], slots: list[int]) -> JobResult:
+    tier.submit_load(job(keys, slots, True))
+    (result,) = wait_results(tier, 1)
+    return result
+
+
+def test_round_trip_is_byte_exact(redis_server: Any, make_tier: Callable[..., RedisTier]) -> None:
+    rows = random_rows(16)
+    rows[8:] = 0
+    ns = namespace()
+    tier = make_tier(redis_server.url, rows, ns)
+    keys = keys_for(ns, 8)
+    result = store(tier, keys, list(range(8)))
+    assert result.success and result.error is None
+    assert result.bytes_moved == 8 * (HEADER_SIZE + BLOCK)
+    for key in keys:
+        assert resolve(tier, key) is LookupResult.HIT
+    result = load(tier, keys, list(range(8, 16)))
+    assert result.success, result.error
+    assert np.array_equal(rows[8:16], rows[0:8])
+    assert tier.stats.bytes_read == 8 * (HEADER_SIZE + BLOCK)
+    events = tier.take_events()
+    assert [e.removed for e in events] == [False] and set(events[0].keys) == set(keys)
+    assert events[0].medium == "remote" and events[0].tier == tier.label
+
+
+def test_value_layout_and_key_name(redis_server: Any, make_tier: Callable[..., RedisTier]) -> None:
+    rows = random_rows(2)
+    ns = namespace()
+    tier = make_tier(redis_server.url, rows, ns, prefix="kvt")
+    (key,) = keys_for(ns, 1)
+    assert store(tier, [key], [0]).success
+    name = f"kvt:{ns.hexdigest}:{key.hex()}".encode()
+    assert tier.redis_key(key) == name
+    raw = redis.Redis.from_url(redis_server.url).get(name)
+    assert raw is not None and len(raw) == HEADER_SIZE + BLOCK
+    assert raw[HEADER_SIZE:] == rows[0].tobytes()
+
+
+def test_unknown_key_is_retry_then_miss(redis_server: Any, make_tier: Callable[..., RedisTier]) -> None:
+    tier = make_tier(redis_server.url, random_rows(2))
+    (key,) = keys_for(namespace(), 1, start=1000)
+    assert tier.lookup(key, None) is LookupResult.RETRY
+    assert tier.lookup(key, None) is LookupResult.RETRY  # same step: no duplicate check queued
+    assert resolve(tier, key) is LookupResult.MISS
+    assert tier.stats.lookups_retry >= 2 and tier.stats.lookups_miss == 1
+
+
+def test_missing_key_fails_only_that_key(redis_server: Any, make_tier: Callable[..., RedisTier]) -> None:
+    rows = random_rows(8)
+    ns = namespace()
+    tier = make_tier(redis_server.url, rows, ns)
+    keys = keys_for(ns, 3)
+    assert store(tier, keys[:2], [0, 1]).success
+    result = load(tier, keys, [4, 5, 6])
+    assert not result.success
+    assert result.successful_keys == frozenset(keys[:2])
+    assert result.error is not None and "missing" in result.error
+    assert np.array_equal(rows[4:6], rows[0:2])
+
+
+def test_store_skips_keys_known_present(redis_server: Any, make_tier: Callable[..., RedisTier]) -> None:
+    rows = random_rows(4)
+    ns = namespace()
+    tier = make_tier(redis_server.url, rows, ns, lookup_cache_seconds=30.0)
+    keys = keys_for(ns, 2)
+    assert store(tier, keys[:1], [0]).success
+    written = tier.stats.bytes_written
+    result = store(tier, keys, [0, 1])
+    assert result.success
+    assert tier.stats.bytes_written - written == HEADER_SIZE + BLOCK
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["flip_payload", "truncate", "header_junk", "short", "wrong_key", "empty"],
+)
+def test_corrupt_values_are_miss_deleted_and_counted(
+    redis_server: Any, make_tier: Callable[..., RedisTier], damage: str
+) -> None:
+    rows = random_rows(8)
+    rows[4:] = 0
+    ns = namespace()
+    tier = make_tier(redis_server.url, rows, ns)
+    keys = keys_for(ns, 2)
+    assert store(tier, keys, [0, 1]).success
+    raw = redis.Redis.from_url(redis_server.url)
+    name = tier.redis_key(keys[0])
+    value = raw.get(name)
+    assert value is not None
+    if damage == "flip_payload":
+        raw.setrange(name, HEADER_SIZE + 1234, bytes([value[HEADER_SIZE + 1234] ^ 0xFF]))
+    elif damage == "truncate":
+        raw.set(name, value[:-10])
+    elif damage == "header_junk":
+        raw.setrange(name, 40, b"\x00junk\x00")
+    elif damage == "short":
+        raw.set(name, value[:50])
+    elif damage == "wrong_key":
+        raw.set(name, raw.get(tier.redis_key(keys[1])))
+    elif damage == "empty":
+        raw.set(name, b"")
+
+    result = load(tier, keys, [4, 5])
+    assert not result.success
+    assert result.successful_keys == frozenset([keys[1]])
+    assert tier.stats.corrupt_values == 1
+    assert raw.exists(name) == 0, "a corrupt value must be deleted"
+    assert raw.exists(tier.redis_key(keys[1])) == 1
+    assert np.array_equal(rows[5], rows[1])
+    assert resolve(tier, keys[0]) is LookupResult.MISS
+    assert any(e.removed and e.keys == (keys[0],) for e in tier.take_events())
+    assert tier.health().state is HealthState.CLOSED
+
+
+def test_value_of_other_namespace_is_never_served(
+    redis_server: Any, make_tier: Callable[..., RedisTier]
+) -> None:
+    rows_a, rows_b = random_rows(2, seed=1), np.zeros((2, BLOCK), dtype=np.uint8)
+    ns_a, ns_b = namespace("model-a"), namespace("model-b")
+    tier_a = make_tier(redis_server.url, rows_a, ns_a)
+    tier_b = make_tier(redis_server.url, rows_b, ns_b)
+    keys = keys_for(ns_a, 1)
+    assert store(tier_a, keys, [0]).success
+    # Same block key, other namespace: a different Redis key, so B never sees it...
+    assert resolve(tier_b, keys[0]) is LookupResult.MISS
+    # ...and a value copied under B's name fails B's namespace check.
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.set(tier_b.redis_key(keys[0]), raw.get(tier_a.redis_key(keys[0])))
+    result = load(tier_b, keys, [0])
+    assert not result.success and tier_b.stats.corrupt_values == 1
+    assert raw.exists(tier_b.redis_key(keys[0])) == 0
+
+
+def test_ttl_expired_key_is_miss(redis_server: Any, make_tier: Callable[..., RedisTier]) -> None:
+    rows = random_rows(4)
+    ns = namespace()
+    tier = make_tier(redis_server.url, rows, ns, ttl_seconds=0.3, lookup_cache_seconds=0.05)
+    keys = keys_for(ns, 2)
+    assert store(tier, keys, [0, 1]).success
+    raw = redis.Redis.from_url(redis_server.url)
+    assert 0 < raw.pttl(tier.redis_key(keys[0])) <= 300
+    time.sleep(0.5)
+    assert resolve(tier, keys[0]) is LookupResult.MISS
+    result = load(tier, keys, [2, 3])
+    assert not result.success and result.successful_keys is None
+    assert tier.stats.corrupt_values == 0
+
+
+def test_touch_refreshes_ttl(redis_server: Any, make_tier: Callable[..., RedisTier]) -> None:
+    rows = random_rows(2)
+    ns = namespace()
+    tier = make_tier(redis_server.url, rows, ns, ttl_seconds=100.0)
+    keys = keys_for(ns, 1)
+    assert store(tier, keys, [0]).success
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.pexpire(tier.redis_key(keys[0]), 5000)
+    tier.touch(keys, None)
+    deadline = time.monotonic() + 5
+    while raw.pttl(tier.redis_key(keys[0])) < 50_000:
+        assert time.monotonic() < deadline, "touch did not refresh the TTL"
+        time.sleep(0.01)
+
+
+def test_maxmemory_eviction_is_miss_never_error(
+    redis_server_factory: Callable[..., Any], make_tier: Callable[..., RedisTier]
+) -> None:
+    server = redis_server_factory("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")
+    n = 64  # 64 x 64 KiB = 4 MiB of payload, plus overhead: Redis must evict
+    rows = random_rows(2 * n)
+    ns = namespace()
+    tier = make_tier(server.url, rows, ns, lookup_cache_seconds=0.0)
+    keys = keys_for(ns, n)
+    for i in range(0, n, 8):
+        result = store(tier, keys[i:i + 8], list(range(i, i + 8)))
+        assert result.success, result.error
+    answers = [resolve(tier, k) for k in keys]
+    assert set(answers) <= {LookupResult.HIT, LookupResult.MISS}
+    assert LookupResult.MISS in answers, "the test needs Redis to have evicted something"
+    result = load(tier, keys, list(range(n, 2 * n)))
+    loaded = result.succeeded(keys)
+    assert 0 < len(loaded) < n
+    for key in loaded:
+        i = keys.index(key)
+        assert np.array_equal(rows[n + i], rows[i])
+    assert tier.stats.corrupt_values == 0
+    assert tier.health().state is HealthState.CLOSED
+    deadline = time.monotonic() + 10
+    while tier.usage().capacity_bytes is None:
+        assert time.monotonic() < deadline, "usage() never picked up maxmemory"
+        time.sleep(0.05)
+    usage = tier.usage()
+    assert usage.capacity_bytes == 4 * 1024 * 1024 and usage.used_bytes > 0
+
+
+def _timed(call: Callable[[], object], worst: list[float]) -> object:
+    t0 = time.perf_counter()
+    out = call()
+    worst[0] = max(worst[0], time.perf_counter() - t0)
+    return out
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_opens_fast_and_recovers(
+    redis_server: Any, make_tier: Callable[..., RedisTier]
+) -> None:
+    rows = random_rows(64)
+    ns = namespace()
+    tier = make_tier(redis_server.url, rows, ns, open_seconds=0.5, socket_timeout=0.5,
+                     connect_timeout=0.5, lookup_cache_seconds=0.05)
+    keys = keys_for(ns, 32)
+    assert store(tier, keys[:16], list(range(16))).success
+    worst = [0.0]
+    submitted = 0
+    results: list[JobResult] = []
+
+    def step(i: int) -> list[LookupResult]:
+        nonlocal submitted
+        answers = [_timed(lambda k=k: tier.lookup(k, None), worst) for k in keys[:4]]  # type: ignore[misc]
+        _timed(lambda: tier.submit_load(job(keys[:16], list(range(32, 48)), True)), worst)
+        _timed(lambda: tier.submit_store(job(keys[16:], list(range(16, 32)), False)), worst)
+        submitted += 2
+        _timed(tier.on_schedule_end, worst)
+        results.extend(_timed(tier.poll_finished, worst))  # type: ignore[arg-type]
+        return answers  # type: ignore[return-value]
+
+    for i in range(5):  # jobs in flight when the server dies
+        step(i)
+    redis_server.kill()
+    killed_at = time.monotonic()
+    miss_at = None
+    while time.monotonic() - killed_at < 3.0:
+        answers = step(0)
+        if miss_at is None and all(a is LookupResult.MISS for a in answers):
+            miss_at = time.monotonic() - killed_at
+        time.sleep(0.01)
+    assert miss_at is not None and miss_at < 2.0, f"lookups answered MISS only after {miss_at}s"
+    assert tier.health().state is not HealthState.CLOSED
+    assert tier.stats.stores_dropped > 0
+    assert worst[0] < 0.05, f"a scheduler-thread call took {worst[0] * 1000:.1f} ms"
+    results.extend(wait_results(tier, submitted - len(results), timeout=10))
+    assert sorted(r.job_id for r in results) == sorted(set(r.job_id for r in results))
+    assert any(not r.success for r in results)
+    for r in results:  # failed jobs carry a reason
+        assert r.success or r.error
+
+    redis_server.start()  # same port, empty (no persistence)
+    deadline = time.monotonic() + 10
+    while tier.health().state is not HealthState.CLOSED:
+        assert time.monotonic() < deadline, f"tier did not recover: {tier.health()}"
+        tier.lookup(keys[0], None)
+        tier.on_schedule_end()
+        time.sleep(0.02)
+    assert store(tier, keys[:4], [0, 1, 2, 3]).success
+    rows[60:64] = 0
+    result = load(tier, keys[:4], [60, 61, 62, 63])
+    assert result.success, result.error
+    assert np.array_equal(rows[60:64], rows[0:4])
+
+
+def test_server_down_from_the_start(make_tier: Callable[..., RedisTier]) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rows = random_rows(4)
+    ns = namespace()
+    tier = make_tier(f"redis://127.0.0.1:{port}/0", rows, ns, open_seconds=30.0)
+    (key,) = keys_for(ns, 1)
+    deadline = time.monotonic() + 2
+    while resolve(tier, key) is not LookupResult.MISS or tier.health().serving:
+        assert time.monotonic() < deadline
+    t0 = time.perf_counter()
+    tier.submit_store(job([key], [0], False))
+    tier.submit_load(job([key], [1], True))
+    assert time.perf_counter() - t0 < 0.05
+    results = wait_results(tier, 2)
+    assert not any(r.success for r in results)
+    assert tier.stats.stores_dropped == 1 and tier.stats.loads_failed == 1
+    assert "refused" in tier.health().detail.lower()
+
+
+def test_shutdown_stops_threads_and_releases_rows(
+    redis_server: Any, make_tier: Callable[..., RedisTier]
+) -> None:
+    rows = random_rows(4)
+    tier = make_tier(redis_server.url, rows)
+    before = threading.active_count()
+    tier.shutdown()
+    assert threading.active_count() == before - tier.io_threads
+    assert tier.context.rows.size == 0
+    with pytest.raises(TierError, match="shut down"):
+        tier.submit_store(job(keys_for(namespace(), 1), [0], False))
+    assert tier.lookup(keys_for(namespace(), 1)[0], None) is LookupResult.MISS
+    tier.shutdown()  # idempotent
+
+
+def test_drain_waits_for_jobs(redis_server: Any, make_tier: Callable[..., RedisTier]) -> None:
+    rows = random_rows(32)
+    ns = namespace()
+    tier = make_tier(redis_server.url, rows, ns)
+    keys = keys_for(ns, 32)
+    for i in range(0, 32, 4):
+        tier.submit_store(job(keys[i:i + 4], list(range(i, i + 4)), False))
+    assert tier.has_pending_work()
+    tier.drain(timeout=10)
+    results = tier.poll_finished()
+    assert len(results) == 8 and all(r.success for r in results)
+    assert not tier.has_pending_work()
+
+
+def test_registry_and_config_errors(redis_server: Any) -> None:
+    rows = random_rows(2)
+    ctx = TierContext(rows, BLOCK, namespace())
+    tier = create_tier({"type": "redis", "url": redis_server.url, "prefix": "x", "io_threads": 1}, ctx)
+    try:
+        assert isinstance(tier, RedisTier)
+        assert tier.describe()["key_prefix"] == f"x:{namespace().hexdigest}:"
+    finally:
+        tier.shutdown()
+    with pytest.raises(ConfigError, match="scheme 'http'"):
+        RedisTier(ctx, url="http://localhost:6379")
+    with pytest.raises(ConfigError, match="ttl_seconds"):
+        RedisTier(ctx, url=redis_server.url, ttl_seconds=0)
+    with pytest.raises(ConfigError, match="bad options"):
+        create_tier({"type": "redis", "hostname": "x"}, ctx)
+    secret = RedisTier(ctx, url="redis://user:hunter2@127.0.0.1:1/0", io_threads=1)
+    try:
+        assert "hunter2" not in str(secret.describe())
+    finally:
+        secret.shutdown()
+
+
+def test_password_in_url(redis_server_factory: Callable[..., Any],
+                         make_tier: Callable[..., RedisTier]) -> None:
+    server = redis_server_factory("--requirepass", "s3cret")
+    rows = random_rows(4)
+    ns = namespace()
+    keys = keys_for(ns, 2)
+    bad = make_tier(f"redis://:wrong@127.0.0.1:{server.port}/0", rows, ns, failure_threshold=1)
+    assert resolve(bad, keys[0]) is LookupResult.MISS
+    tier = make_tier(f"redis://:s3cret@127.0.0.1:{server.port}/0", rows, ns)
+    assert store(tier, keys, [0, 1]).success
+    assert load(tier, keys, [2, 3]).success
+    assert np.array_equal(rows[2:4], rows[0:2])
+
+
+def test_cluster_round_trip(redis_cluster: object, make_tier: Callable[..., RedisTier]) -> None:
+    from redis.cluster import RedisCluster
+
+    url = redis_cluster.url  # type: ignore[attr-defined]
+    rows = random_rows(64)
+    rows[32:] = 0
+    ns = namespace()
+    tier = make_tier(url, rows, ns, cluster=True)
+    keys = keys_for(ns, 32)
+    result = store(tier, keys, list(range(32)))
+    assert result.success, result.error
+    client = RedisCluster.from_url(url)
+    try:
+        nodes = {client.get_node_from_key(tier.redis_key(k)).name for k in keys}
+        assert len(nodes) == 3, "32 keys should land on all three nodes"
+        assert all(client.exists(tier.redis_key(k)) for k in keys)
+    finally:
+        client.close()
+    assert all(resolve(tier, k) is LookupResult.HIT for k in keys)
+    result = load(tier, keys, list(range(32, 64)))
+    assert result.success, result.error
+    assert np.array_equal(rows[32:], rows[:32])
+    deadline = time.monotonic() + 10
+    while tier.usage().used_bytes == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
