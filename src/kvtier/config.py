@@ -216,7 +216,9 @@ class FsTierConfig(BaseModel):
     read_threads: int | None = Field(default=None, gt=0, description="I/O threads serving promotions.")
     write_threads: int | None = Field(default=None, gt=0, description="I/O threads serving cascades.")
     fsync: bool | None = Field(default=None, description="fsync every file before it becomes visible.")
-    direct_io: bool | None = Field(default=None, description="Use O_DIRECT where the file system allows it.")
+    direct_io: bool | Literal["auto"] | None = Field(
+        default=None, description="Use O_DIRECT where the file system allows it."
+    )
 
     @field_validator("max_bytes", mode="before")
     @classmethod
