@@ -14,6 +14,7 @@ bytes are moved by engine workers and tier I/O threads, into and out of
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -61,6 +62,8 @@ class PrimaryTier:
         region: SharedRegion,
         block_bytes: int,
         policy: str | EvictionPolicy = "lru",
+        *,
+        max_pending_events: int = 4096,
     ) -> None:
         if block_bytes > region.row_stride:
             raise KvtierError(
@@ -75,7 +78,8 @@ class PrimaryTier:
         self._ref: list[int] = [0] * self.num_blocks
         self._free: list[int] = []
         self._next_fresh = 0
-        self._events: list[BlockEvent] = []
+        # Bounded: an engine that never takes events must not grow memory without limit.
+        self._events: deque[BlockEvent] = deque(maxlen=max_pending_events)
         self.stats = PrimaryStats()
         self._shut_down = False
 
@@ -236,7 +240,9 @@ class PrimaryTier:
     # --- events, reset, shutdown -----------------------------------------------------
 
     def take_events(self) -> list[BlockEvent]:
-        events, self._events = self._events, []
+        """Events since the last call (at most ``max_pending_events``; older ones are dropped)."""
+        events = list(self._events)
+        self._events.clear()
         return events
 
     def in_flight_count(self) -> int:
