@@ -30,7 +30,7 @@ def test_keys_are_chained_and_cover_the_whole_prefix() -> None:
     changed = tokens.copy()
     changed[3] = 999
     b = prefix_keys(changed, 16)
-    assert all(x != y for x, y in zip(a, b)), "a change in block 0 changes every later key"
+    assert all(x != y for x, y in zip(a, b, strict=True)), "a change in block 0 changes every later key"
     changed = tokens.copy()
     changed[40] = 999
     c = prefix_keys(changed, 16)

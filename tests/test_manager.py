@@ -7,12 +7,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-import tier_doubles
-from tier_doubles import ScriptedTier
 
+import tier_doubles
 from kvtier import LookupResult, Namespace, OffloadPolicy, RequestContext, TieringManager, prefix_keys
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.tiers.registry import register_tier
+from tier_doubles import ScriptedTier
 
 pytestmark = pytest.mark.usefixtures("shm_leak_check")
 register_tier("scripted", "tier_doubles:ScriptedTier")
@@ -58,7 +58,7 @@ def store(mgr: TieringManager, ks: list[bytes], req: RequestContext, success: bo
     result = mgr.prepare_store(ks, req)
     assert result is not None
     rows = mgr.rows
-    for key, slot in zip(result.keys_to_store, result.slots):
+    for key, slot in zip(result.keys_to_store, result.slots, strict=True):
         rows[slot, : mgr.block_bytes] = payload(key, mgr.block_bytes)
     del rows
     mgr.complete_store(result.keys_to_store, req, success=success)
@@ -139,14 +139,13 @@ def test_promotion_round_trip_is_byte_exact(make: Any) -> None:
     mgr.reset_cache()
     assert len(mgr.primary) == 0
     assert [mgr.lookup(k, req) for k in ks] == [HIT_PENDING] * 3
-    (t1,) = tiers(mgr)
     assert tier_doubles.CALLS.count(("t1", "submit_load")) == 0, "loads are submitted at step end"
     mgr.on_schedule_end()
     assert tier_doubles.CALLS.count(("t1", "submit_load")) == 1, "one batched job per (tier, request)"
     assert [mgr.lookup(k, req) for k in ks] == [HIT] * 3
     slots = mgr.prepare_load(ks, req)
     rows = mgr.rows
-    for key, slot in zip(ks, slots):
+    for key, slot in zip(ks, slots, strict=True):
         assert np.array_equal(rows[slot, : mgr.block_bytes], payload(key, mgr.block_bytes))
     del rows
     mgr.complete_load(ks, req)

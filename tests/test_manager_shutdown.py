@@ -7,13 +7,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import tier_doubles
-from tier_doubles import ScriptedTier
 
+import tier_doubles
 from kvtier import Namespace, RequestContext, TieringManager, TierShutdownError
 from kvtier.errors import ConfigError
 from kvtier.region import region_path
 from kvtier.tiers.registry import register_tier
+from tier_doubles import ScriptedTier
 
 pytestmark = pytest.mark.usefixtures("shm_leak_check")
 register_tier("scripted", "tier_doubles:ScriptedTier")

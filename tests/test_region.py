@@ -178,9 +178,8 @@ def test_more_than_shm_holds_is_a_clear_error_and_leaves_no_file() -> None:
 
 def test_attach_with_other_geometry_is_refused() -> None:
     name = _unique()
-    with SharedRegion(name, 2, 4096, expected_mappers=2):
-        with pytest.raises(RegionError, match="same geometry"):
-            SharedRegion(name, 3, 4096, expected_mappers=2, create=False)
+    with SharedRegion(name, 2, 4096, expected_mappers=2), pytest.raises(RegionError, match="same geometry"):
+        SharedRegion(name, 3, 4096, expected_mappers=2, create=False)
 
 
 def test_attach_only_times_out_clearly() -> None:
@@ -190,9 +189,8 @@ def test_attach_only_times_out_clearly() -> None:
 
 def test_must_create_fails_when_taken() -> None:
     name = _unique()
-    with SharedRegion(name, 2, 4096, expected_mappers=2):
-        with pytest.raises(RegionError, match="already exists"):
-            SharedRegion(name, 2, 4096, create=True)
+    with SharedRegion(name, 2, 4096, expected_mappers=2), pytest.raises(RegionError, match="already exists"):
+        SharedRegion(name, 2, 4096, create=True)
 
 
 def test_close_with_live_view_fails_loudly_and_keeps_region_valid() -> None:

@@ -73,7 +73,7 @@ class ScriptedTier(SecondaryTier):
         rows, n = self.context.rows, self.context.block_bytes
         for job in self.queued:
             ok: list[BlockKey] = []
-            for key, slot in zip(job.keys, job.slots):
+            for key, slot in zip(job.keys, job.slots, strict=True):
                 if not success or key in self.fail_keys:
                     continue
                 if job.is_promotion:

@@ -134,7 +134,9 @@ class PrimaryTier:
         evicted: list[BlockKey] = []
         shortfall = len(new_keys) - self.free_slots
         if shortfall > 0:
-            chosen = self.policy.evict(shortfall, seen)
+            # Every input key is protected, also those already present: evicting a block
+            # the caller is about to rely on would defeat the store.
+            chosen = self.policy.evict(shortfall, set(keys))
             if chosen is None:
                 self.stats.store_rejections += 1
                 return None
