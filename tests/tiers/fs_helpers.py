@@ -6,6 +6,7 @@ and by the crash-test child process (which adds it explicitly).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import mmap
@@ -103,8 +104,6 @@ def dir_bytes(root: Path) -> int:
     for dirpath, _, names in os.walk(root):
         for name in names:
             if name.endswith((".kv", ".tmp")):
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     total += os.stat(os.path.join(dirpath, name)).st_size
-                except FileNotFoundError:
-                    pass
     return total

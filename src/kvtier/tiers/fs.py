@@ -33,7 +33,6 @@ How it works (layout and file format: :mod:`kvtier.tiers.fs_layout`):
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import logging
 import os
@@ -353,10 +352,11 @@ class FilesystemTier(SecondaryTier):
             self._maybe_probe()
             self.stats.lookups_miss += 1
             return LookupResult.MISS
+        scanned = self._scanned[key[0]]  # read before the index: the scan adds keys, then flags
         if self._index.hit(key):
             self.stats.lookups_hit += 1
             return LookupResult.HIT
-        if not self._scanned[key[0]]:
+        if not scanned:
             self.stats.lookups_retry += 1
             return LookupResult.RETRY
         self.stats.lookups_miss += 1
@@ -831,6 +831,6 @@ class FilesystemTier(SecondaryTier):
             )
         self._threads.clear()
         self._rows = None
-        self.context = dataclasses.replace(self.context, rows=np.empty((0, 0), dtype=np.uint8))
+        self.context.release_rows()
         self._instance.close(remove=True)
         self._shut = True

@@ -204,7 +204,9 @@ class InstanceDir:
     def __init__(self, ns_dir: Path) -> None:
         self.path = ns_dir / TMP_DIR / f"{os.getpid()}-{secrets.token_hex(6)}"
         self.path.mkdir(parents=True)
-        self._lock_fd: int | None = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # Read-only: an open writable file would keep the file system from being remounted ro.
+        flags = os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC
+        self._lock_fd: int | None = os.open(self.path / LOCK_FILE, flags, 0o644)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._seq = itertools.count(1)
 
@@ -252,7 +254,7 @@ def temp_dirs(ns_dir: Path) -> Iterator[TempDirState]:
 
 def _held_by_live_process(path: Path) -> bool:
     try:
-        fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(path / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         # A creator dies between mkdir and creating its lock only in a tiny window; an
         # unlocked directory older than a minute is certainly abandoned.

@@ -1,0 +1,639 @@
+"""The filesystem tier against real files: round trips, warm restart, corruption, capacity,
+ENOSPC and health on real (tmpfs) file systems, temp sweeping, shutdown, offline verify."""
+
+from __future__ import annotations
+
+import fcntl
+import gc
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fs_helpers import (
+    AlignedRows,
+    block_bytes_for,
+    dir_bytes,
+    fill,
+    key_of,
+    load,
+    make_tier,
+    store,
+    temp_files,
+    value_files,
+)
+
+from kvtier.errors import ConfigError, TierError
+from kvtier.tiers.base import HealthState, TransferJob
+from kvtier.tiers.fs import FilesystemTier, verify_root
+from kvtier.tiers.fs_index import FileIndex, Reservation
+from kvtier.tiers.fs_layout import PAYLOAD_OFFSET, entry_bytes, value_path
+from kvtier.tiers.registry import create_tier
+from kvtier.types import LookupResult
+
+BB = 64 * 1024
+ENTRY = entry_bytes(BB)
+
+
+@pytest.fixture
+def rows() -> np.ndarray:
+    return AlignedRows(32, BB).rows
+
+
+def _mount_tmpfs(where: Path, size: str) -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip() or proc.returncode}); "
+                    "the test needs root or CAP_SYS_ADMIN")
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A real 8 MiB tmpfs, unmounted afterwards."""
+    mnt = tmp_path / "small"
+    _mount_tmpfs(mnt, "8m")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _check_rows(rows: np.ndarray, slots: list[int], keys: list[bytes], n: int = BB) -> None:
+    for slot, key in zip(slots, keys, strict=True):
+        assert np.array_equal(rows[slot, :n], block_bytes_for(key, n)), f"slot {slot} differs"
+
+
+# --- round trips ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_round_trip_is_byte_exact(tmp_path: Path, rows: np.ndarray, direct_io: bool) -> None:
+    tier = make_tier(tmp_path, rows, BB, direct_io=direct_io)
+    try:
+        assert tier.direct_io is direct_io
+        keys = [key_of(i) for i in range(8)]
+        fill(rows, range(8), keys, BB)
+        result = store(tier, keys, list(range(8)))
+        assert result.success and result.bytes_moved == 8 * BB
+        rows[8:16] = 0
+        result = load(tier, keys, list(range(8, 16)))
+        assert result.success and result.bytes_moved == 8 * BB
+        _check_rows(rows, list(range(8, 16)), keys)
+        assert all(tier.lookup(k, None) is LookupResult.HIT for k in keys)
+        assert tier.lookup(key_of(999), None) is LookupResult.MISS
+        assert tier.usage().used_bytes == 8 * ENTRY and tier.usage().entries == 8
+        assert tier.stats.bytes_written == tier.stats.bytes_read == 8 * BB
+        assert len(value_files(tmp_path)) == 8
+        stored = [e for e in tier.take_events() if not e.removed]
+        assert {k for e in stored for k in e.keys} == set(keys)
+        assert all(e.tier == "0:fs" and e.medium == "disk" for e in stored)
+    finally:
+        tier.shutdown()
+
+
+def test_block_size_not_a_page_multiple(tmp_path: Path) -> None:
+    bb = 3 * 4096 + 112
+    rows = AlignedRows(4, bb).rows
+    tier = make_tier(tmp_path, rows, bb)
+    try:
+        keys = [key_of(i) for i in range(2)]
+        fill(rows, [0, 1], keys, bb)
+        assert store(tier, keys, [0, 1]).success
+        rows[2:4] = 0
+        assert load(tier, keys, [2, 3]).success
+        _check_rows(rows, [2, 3], keys, bb)
+    finally:
+        tier.shutdown()
+
+
+def test_created_through_registry(tmp_path: Path, rows: np.ndarray) -> None:
+    from fs_helpers import namespace
+
+    from kvtier.tiers.base import TierContext
+
+    ctx = TierContext(rows=rows, block_bytes=BB, namespace=namespace(BB), index=2)
+    tier = create_tier({"type": "fs", "root": str(tmp_path), "max_bytes": 10 * ENTRY}, ctx)
+    try:
+        assert isinstance(tier, FilesystemTier) and tier.label == "2:fs"
+        assert tier.usage().capacity_bytes == 10 * ENTRY
+        desc = tier.describe()
+        assert desc["type"] == "fs" and desc["root"] == str(tmp_path) and desc["max_bytes"] == 10 * ENTRY
+    finally:
+        tier.shutdown()
+    with pytest.raises(ConfigError, match="bad options"):
+        create_tier({"type": "fs", "root": str(tmp_path), "no_such_option": 1}, ctx)
+
+
+def test_present_keys_are_skipped(tmp_path: Path, rows: np.ndarray) -> None:
+    tier = make_tier(tmp_path, rows, BB)
+    try:
+        keys = [key_of(i) for i in range(3)]
+        fill(rows, range(3), keys, BB)
+        assert store(tier, keys, [0, 1, 2]).success
+        inodes = {p.name: p.stat().st_ino for p in value_files(tmp_path)}
+        rows[0:3] = 7  # would be wrong data if rewritten
+        result = store(tier, keys, [0, 1, 2])
+        assert result.success and result.bytes_moved == 0
+        assert tier.stats.extra["stores_skipped"] == 3
+        assert {p.name: p.stat().st_ino for p in value_files(tmp_path)} == inodes
+        assert load(tier, keys, [3, 4, 5]).success
+        _check_rows(rows, [3, 4, 5], keys)
+    finally:
+        tier.shutdown()
+
+
+def test_load_of_unknown_key_fails_only_that_key(tmp_path: Path, rows: np.ndarray) -> None:
+    tier = make_tier(tmp_path, rows, BB)
+    try:
+        good = key_of(1)
+        fill(rows, [0], [good], BB)
+        assert store(tier, [good], [0]).success
+        result = load(tier, [good, key_of(2)], [1, 2])
+        assert not result.success and result.successful_keys == frozenset([good])
+        assert tier.stats.loads_failed == 1
+        _check_rows(rows, [1], [good])
+    finally:
+        tier.shutdown()
+
+
+# --- warm restart and namespaces --------------------------------------------------------------
+
+
+def test_warm_restart_hits_same_namespace_only(tmp_path: Path, rows: np.ndarray) -> None:
+    keys = [key_of(i) for i in range(6)]
+    fill(rows, range(6), keys, BB)
+    first = make_tier(tmp_path, rows, BB)
+    assert store(first, keys, list(range(6))).success
+    first.shutdown()
+
+    again = make_tier(tmp_path, rows, BB)
+    try:
+        assert all(again.lookup(k, None) is LookupResult.HIT for k in keys)
+        assert again.usage().entries == 6
+        rows[6:12] = 0
+        assert load(again, keys, list(range(6, 12))).success
+        _check_rows(rows, list(range(6, 12)), keys)
+    finally:
+        again.shutdown()
+
+    other = make_tier(tmp_path, rows, BB, model_id="another/model")
+    try:
+        assert other.ns_dir != again.ns_dir
+        assert all(other.lookup(k, None) is LookupResult.MISS for k in keys)
+        assert other.usage().entries == 0
+        mine = [key_of(100)]
+        fill(rows, [0], mine, BB)
+        assert store(other, mine, [0]).success
+    finally:
+        other.shutdown()
+    # The first namespace's files are untouched by the other engine.
+    assert len(list(again.ns_dir.rglob("*.kv"))) == 6
+
+
+def test_background_scan_answers_retry_until_known(tmp_path: Path, rows: np.ndarray) -> None:
+    keys = [key_of(i) for i in range(200)]
+    tier = make_tier(tmp_path, rows, BB)
+    for start in range(0, 200, 20):
+        fill(rows, range(20), keys[start : start + 20], BB)
+        assert store(tier, keys[start : start + 20], list(range(20))).success
+    tier.shutdown()
+
+    again = make_tier(tmp_path, rows, BB, scan_in_background=True)
+    try:
+        answers: set[LookupResult] = set()
+        deadline = time.monotonic() + 20
+        while not again.scan_complete and time.monotonic() < deadline:
+            answers.update(again.lookup(k, None) for k in keys)
+        assert again.scan_complete
+        assert answers <= {LookupResult.HIT, LookupResult.RETRY}
+        assert all(again.lookup(k, None) is LookupResult.HIT for k in keys)
+        assert again.lookup(key_of(10_000), None) is LookupResult.MISS
+        assert again.stats.extra["scan_entries"] == 200
+    finally:
+        again.shutdown()
+
+
+def test_lookup_racing_the_scan_answers_retry_not_miss(tmp_path: Path, rows: np.ndarray) -> None:
+    """Regression: a lookup that missed the index just before the scanner added the key's
+    shard (and flagged it scanned) used to answer MISS."""
+    key = key_of(7)
+    fill(rows, [0], [key], BB)
+    tier = make_tier(tmp_path, rows, BB)
+    try:
+        assert store(tier, [key], [0]).success
+        # Rewind to "shard of key not scanned yet" and let the scan land inside lookup.
+        assert tier._index.begin_delete(key)
+        tier._index.finish_delete([key])
+        tier._scanned[key[0]] = 0
+        real_hit = tier._index.hit
+
+        def hit_then_scan(k: bytes) -> bool:
+            found = real_hit(k)
+            tier._index.add_scanned([k])
+            tier._scanned[k[0]] = 1
+            return found
+
+        tier._index.hit = hit_then_scan  # type: ignore[method-assign]
+        assert tier.lookup(key, None) is LookupResult.RETRY
+        tier._index.hit = real_hit  # type: ignore[method-assign]
+        assert tier.lookup(key, None) is LookupResult.HIT
+    finally:
+        tier.shutdown()
+
+
+@pytest.mark.slow
+def test_scan_of_100k_entries_does_not_hold_up_start(tmp_path: Path, rows: np.ndarray) -> None:
+    first = make_tier(tmp_path, rows, BB)
+    ns_dir = first.ns_dir
+    first.shutdown()
+    keys = [key_of(i) for i in range(100_000)]
+    for key in keys:  # names only: the scan never reads contents
+        os.close(os.open(value_path(ns_dir, key), os.O_CREAT | os.O_WRONLY, 0o644))
+    t0 = time.perf_counter()
+    tier = make_tier(tmp_path, rows, BB, scan_in_background=True, max_bytes=200_000 * ENTRY)
+    started = time.perf_counter() - t0
+    try:
+        assert started < 1.0, f"constructor took {started:.2f}s with 100k files"
+        early = tier.lookup(keys[-1], None)
+        assert early in (LookupResult.HIT, LookupResult.RETRY)
+        deadline = time.monotonic() + 60
+        while not tier.scan_complete and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tier.usage().entries == 100_000
+        assert tier.lookup(keys[12345], None) is LookupResult.HIT
+    finally:
+        tier.shutdown()
+
+
+def test_restart_with_smaller_budget_evicts_oldest(tmp_path: Path, rows: np.ndarray) -> None:
+    keys = [key_of(i) for i in range(10)]
+    fill(rows, range(10), keys, BB)
+    tier = make_tier(tmp_path, rows, BB)
+    assert store(tier, keys, list(range(10))).success
+    tier.shutdown()
+    for i, key in enumerate(keys):  # key i was stored at time 1000 + i
+        os.utime(value_path(tier.ns_dir, key), (1000 + i, 1000 + i))
+    small = make_tier(tmp_path, rows, BB, max_bytes=4 * ENTRY)
+    try:
+        assert small.usage().entries == 4
+        assert [small.lookup(k, None) for k in keys] == [LookupResult.MISS] * 6 + [LookupResult.HIT] * 4
+        assert len(value_files(tmp_path)) == 4 and small.stats.evictions == 6
+    finally:
+        small.shutdown()
+
+
+def test_manifest_of_other_data_is_refused(tmp_path: Path, rows: np.ndarray) -> None:
+    tier = make_tier(tmp_path, rows, BB)
+    tier.shutdown()
+    manifest = tier.ns_dir / "manifest.json"
+    manifest.write_text(manifest.read_text().replace(f'"block_bytes": {BB}', '"block_bytes": 12345'))
+    with pytest.raises(ConfigError, match="block_bytes"):
+        make_tier(tmp_path, rows, BB)
+    manifest.write_text("{not json")
+    with pytest.raises(ConfigError, match="unreadable"):
+        make_tier(tmp_path, rows, BB)
+
+
+def test_orphaned_temp_files_of_dead_processes_are_swept(tmp_path: Path, rows: np.ndarray) -> None:
+    tier = make_tier(tmp_path, rows, BB)
+    tier.shutdown()
+    dead = tier.ns_dir / "tmp" / "999999-dead"
+    dead.mkdir()
+    (dead / "lock").touch()
+    (dead / "ab.1.tmp").write_bytes(b"partial")
+    live = tier.ns_dir / "tmp" / "1-live"
+    live.mkdir()
+    (live / "cd.1.tmp").write_bytes(b"in progress")
+    fd = os.open(live / "lock", os.O_CREAT | os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        again = make_tier(tmp_path, rows, BB)
+        try:
+            assert not dead.exists()
+            assert (live / "cd.1.tmp").exists()
+            assert again.swept_temp_files == 1
+        finally:
+            again.shutdown()
+    finally:
+        os.close(fd)
+
+
+# --- corruption -----------------------------------------------------------------------------
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+CORRUPTIONS = {
+    "payload_byte": lambda path, other: _flip(path, PAYLOAD_OFFSET + BB // 2),
+    "last_payload_byte": lambda path, other: _flip(path, PAYLOAD_OFFSET + BB - 1),
+    "header_byte": lambda path, other: _flip(path, 40),
+    "truncated": lambda path, other: os.truncate(path, PAYLOAD_OFFSET + BB - 1),
+    "truncated_to_header": lambda path, other: os.truncate(path, 100),
+    "other_keys_file": lambda path, other: shutil.copyfile(other, path),
+}
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+@pytest.mark.parametrize("damage", sorted(CORRUPTIONS))
+def test_corruption_is_a_miss_and_deletes_the_file(
+    tmp_path: Path, rows: np.ndarray, damage: str, direct_io: bool
+) -> None:
+    tier = make_tier(tmp_path, rows, BB, direct_io=direct_io)
+    try:
+        bad, good = key_of(1), key_of(2)
+        fill(rows, [0, 1], [bad, good], BB)
+        assert store(tier, [bad, good], [0, 1]).success
+        bad_path, good_path = value_path(tier.ns_dir, bad), value_path(tier.ns_dir, good)
+        CORRUPTIONS[damage](bad_path, good_path)
+
+        rows[2:4] = 0
+        result = load(tier, [bad, good], [2, 3])
+        assert not result.success
+        assert result.successful_keys == frozenset([good])  # wrong bytes never count as a success
+        assert "corrupt" in (result.error or "")
+        _check_rows(rows, [3], [good])
+        assert tier.stats.corrupt_values == 1
+        assert not bad_path.exists() and good_path.exists()
+        assert tier.lookup(bad, None) is LookupResult.MISS
+        assert tier.usage().entries == 1
+        assert any(e.removed and bad in e.keys for e in tier.take_events())
+        assert tier.health().state is HealthState.CLOSED  # bad data is not an I/O failure
+    finally:
+        tier.shutdown()
+
+
+# --- capacity ---------------------------------------------------------------------------------
+
+
+def test_lru_eviction_keeps_recently_used(tmp_path: Path, rows: np.ndarray) -> None:
+    tier = make_tier(tmp_path, rows, BB, max_bytes=4 * ENTRY)
+    try:
+        keys = [key_of(i) for i in range(5)]
+        fill(rows, range(5), keys, BB)
+        assert store(tier, keys[:4], [0, 1, 2, 3]).success
+        tier.touch([keys[0]], None)
+        assert tier.lookup(keys[1], None) is LookupResult.HIT  # a hit is a use too
+        assert store(tier, [keys[4]], [4]).success
+        present = [tier.lookup(k, None) is LookupResult.HIT for k in keys]
+        assert present == [True, True, False, True, True]
+        assert tier.stats.evictions == 1 and len(value_files(tmp_path)) == 4
+        assert any(e.removed and e.keys == (keys[2],) for e in tier.take_events())
+    finally:
+        tier.shutdown()
+
+
+def test_directory_never_exceeds_budget_under_store_stream(tmp_path: Path, rows: np.ndarray) -> None:
+    # Sampled with statvfs on a dedicated tmpfs: an atomic view of the bytes in use (a
+    # directory walk races with renames and evictions and would double count).
+    mnt = tmp_path / "cap"
+    _mount_tmpfs(mnt, "16m")
+    budget = 6 * ENTRY
+    try:
+        tier = make_tier(mnt, rows, BB, max_bytes=budget, write_threads=2)
+
+        def used() -> int:
+            st = os.statvfs(mnt)
+            return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+        baseline = used()  # the manifest and lock file
+        peak = 0
+        stop = threading.Event()
+
+        def sample() -> None:
+            nonlocal peak
+            while not stop.is_set():
+                peak = max(peak, used() - baseline)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            for start in range(0, 240, 8):
+                keys = [key_of(i) for i in range(start, start + 8)]
+                fill(rows, range(8), keys, BB)
+                assert store(tier, keys, list(range(8))).success
+        finally:
+            stop.set()
+            sampler.join()
+            tier.shutdown()
+        assert 0 < peak <= budget + ENTRY, f"peak {peak} > budget {budget} + one block"
+        assert dir_bytes(mnt) <= budget
+        assert tier.stats.evictions == 240 - 6
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_index_never_evicts_pinned_entries() -> None:
+    index = FileIndex(capacity=2 * 100, entry_bytes=100)
+    for key in (b"a", b"b"):
+        assert index.reserve(key).outcome is Reservation.GRANTED
+        index.commit(key)
+    assert index.pin(b"a") and index.pin(b"b")
+    assert index.reserve(b"c").outcome is Reservation.FULL
+    index.unpin(b"a")
+    plan = index.reserve(b"c")
+    assert plan.outcome is Reservation.GRANTED and plan.victims == [b"a"]
+    assert index.reserve(b"a").outcome is Reservation.BUSY  # deletion not finished yet
+    index.finish_delete(plan.victims)
+    index.commit(b"c")
+    assert index.keys() == [b"b", b"c"] and index.used_bytes == 200
+
+
+def test_small_budget_refused(tmp_path: Path, rows: np.ndarray) -> None:
+    with pytest.raises(ConfigError, match="max_bytes"):
+        make_tier(tmp_path, rows, BB, max_bytes=ENTRY - 1)
+
+
+def test_default_budget_is_half_the_free_space(tmp_path: Path, rows: np.ndarray) -> None:
+    tier = make_tier(tmp_path, rows, BB)
+    try:
+        free = shutil.disk_usage(tmp_path).free
+        assert 0.4 * free < tier.max_bytes < 0.6 * free
+    finally:
+        tier.shutdown()
+
+
+# --- ENOSPC and health on real small file systems -------------------------------------------------
+
+
+def test_enospc_fails_store_cleanly_and_tier_keeps_working(small_fs: Path) -> None:
+    bb = 1 << 20
+    rows = AlignedRows(16, bb).rows
+    filler = small_fs / "filler"
+    filler.write_bytes(bytes(3 << 20))
+    tier = make_tier(small_fs, rows, bb, max_bytes=1 << 30, probe_interval=0.05)
+    try:
+        keys = [key_of(i, b"enospc") for i in range(12)]
+        fill(rows, range(12), keys, bb)
+        outcomes = [store(tier, [k], [i]).success for i, k in enumerate(keys[:8])]
+        assert outcomes[0] and not all(outcomes), outcomes
+        stored = [k for k, ok in zip(keys, outcomes, strict=False) if ok]
+        assert tier.stats.extra["enospc"] >= 1 and tier.stats.stores_failed >= 1
+        assert tier.health().state is HealthState.CLOSED  # a full disk is not a broken one
+        assert temp_files(small_fs) == []
+        assert tier.usage().capacity_bytes < 1 << 30
+        # Earlier blocks still load, byte exact.
+        rows[12:16] = 0
+        probe = stored[-2:]
+        assert load(tier, probe, [12, 13]).success
+        _check_rows(rows, [12, 13], probe, bb)
+        # New stores keep working by evicting within the lowered capacity.
+        for i in (8, 9):
+            assert store(tier, [keys[i]], [i]).success
+        # Once space is freed, the capacity grows back.
+        lowered = tier.usage().capacity_bytes
+        entries_before = tier.usage().entries
+        filler.unlink()
+        time.sleep(0.1)
+        assert store(tier, [keys[10]], [10]).success
+        assert store(tier, [keys[11]], [11]).success
+        assert tier.usage().capacity_bytes > lowered
+        assert tier.usage().entries > entries_before
+    finally:
+        tier.shutdown()
+
+
+def test_io_errors_take_tier_out_of_service_and_probe_brings_it_back(small_fs: Path) -> None:
+    rows = AlignedRows(8, BB).rows
+    tier = make_tier(small_fs, rows, BB, max_bytes=4 << 20, failure_threshold=3, probe_interval=0.2)
+    try:
+        keys = [key_of(i, b"health") for i in range(8)]
+        fill(rows, range(8), keys, BB)
+        assert store(tier, keys[:2], [0, 1]).success
+        subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+        try:
+            for i in (2, 3, 4):
+                result = store(tier, [keys[i]], [i])
+                assert not result.success and "failed" in (result.error or "")
+            assert tier.health().state is HealthState.OPEN
+            assert tier.lookup(keys[0], None) is LookupResult.MISS
+            result = store(tier, [keys[5]], [5])
+            assert not result.success and tier.stats.stores_dropped >= 1
+            time.sleep(0.25)
+            tier.on_schedule_end()  # probe while still read-only: fails
+            deadline = time.monotonic() + 5
+            while tier._breaker.state is HealthState.HALF_OPEN and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert tier.health().state is HealthState.OPEN
+        finally:
+            subprocess.run(["mount", "-o", "remount,rw", str(small_fs)], check=True)
+        deadline = time.monotonic() + 5
+        while tier.health().state is not HealthState.CLOSED and time.monotonic() < deadline:
+            tier.on_schedule_end()
+            time.sleep(0.02)
+        assert tier.health().state is HealthState.CLOSED
+        assert tier.lookup(keys[0], None) is LookupResult.HIT
+        assert store(tier, [keys[6]], [6]).success
+        assert tier.stats.extra["io_errors"] >= 3
+    finally:
+        tier.shutdown()
+
+
+def test_unaligned_rows_fall_back_to_buffered_io(tmp_path: Path) -> None:
+    backing = np.zeros((4, BB + 64), dtype=np.uint8)
+    tier = make_tier(tmp_path, backing[:, 64:], BB)
+    try:
+        assert not tier.direct_io and "aligned" in tier.direct_io_reason
+        rows = backing[:, 64:]
+        keys = [key_of(1)]
+        fill(rows, [0], keys, BB)
+        assert store(tier, keys, [0]).success and load(tier, keys, [1]).success
+        _check_rows(rows, [1], keys)
+    finally:
+        tier.shutdown()
+    with pytest.raises(ConfigError, match="aligned"):
+        make_tier(tmp_path, backing[:, 64:], BB, direct_io=True)
+
+
+# --- threads, drain, shutdown ---------------------------------------------------------------------
+
+
+def test_loads_are_served_before_queued_stores() -> None:
+    from kvtier.tiers.fs import _Task, _WorkQueue
+
+    queue = _WorkQueue()
+    queue.put([_Task(None, b"s1"), _Task(None, b"s2")], load=False)
+    queue.put([_Task(None, b"l1")], load=True)
+    first = queue.get(takes_stores=True)
+    assert first is not None and first[0].key == b"l1" and first[1]
+    second = queue.get(takes_stores=True)
+    assert second is not None and second[0].key == b"s1"
+    assert [t.key for t, _ in queue.close()] == [b"s2"]
+    assert queue.get(takes_stores=True) is None
+
+
+def test_drain_waits_for_every_job(tmp_path: Path, rows: np.ndarray) -> None:
+    tier = make_tier(tmp_path, rows, BB, fsync=True)
+    try:
+        for j in range(4):
+            keys = [key_of(i) for i in range(j * 8, j * 8 + 8)]
+            fill(rows, range(8), keys, BB)
+            tier.submit_store(TransferJob(100 + j, keys, np.arange(8), is_promotion=False))
+            tier.drain(timeout=30)  # rows are rewritten next round: the job must be done
+        assert not tier.has_pending_work()
+        results = tier.poll_finished()
+        assert sorted(r.job_id for r in results) == [100, 101, 102, 103]
+        assert all(r.success for r in results)
+    finally:
+        tier.shutdown()
+
+
+def test_shutdown_finishes_queued_jobs_and_releases_rows(tmp_path: Path) -> None:
+    region = AlignedRows(32, BB)
+    tier = make_tier(tmp_path, region.rows, BB, read_threads=1, write_threads=1)
+    keys = [key_of(i) for i in range(32)]
+    fill(region.rows, range(32), keys, BB)
+    tier.submit_store(TransferJob(1, keys, np.arange(32), is_promotion=False))
+    instance_dir = tier._instance.path
+    tier.shutdown()
+    results = tier.poll_finished()
+    assert [r.job_id for r in results] == [1] and results[0].success
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvtier-fs")]
+    assert tier.context.rows.size == 0 and not instance_dir.exists()
+    with pytest.raises(TierError, match="shut down"):
+        tier.submit_load(TransferJob(2, keys[:1], np.arange(1), is_promotion=True))
+    tier.shutdown()  # idempotent
+    gc.collect()
+    region.close()  # raises BufferError if any view of the rows survived
+
+
+# --- offline verification -------------------------------------------------------------------------
+
+
+def test_verify_root_reports_and_removes_corrupt_entries(tmp_path: Path, rows: np.ndarray) -> None:
+    tier = make_tier(tmp_path, rows, BB)
+    keys = [key_of(i) for i in range(5)]
+    fill(rows, range(5), keys, BB)
+    assert store(tier, keys, list(range(5))).success
+    tier.shutdown()
+    _flip(value_path(tier.ns_dir, keys[3]), PAYLOAD_OFFSET + 10)
+    (tier.ns_dir / "ab" / "stray.txt").write_text("hello")
+
+    report = verify_root(tmp_path)
+    assert not report.ok and report.entries == 5 and report.corrupt == 1
+    (ns,) = report.namespaces
+    assert ns.digest == tier.ns_dir.name and ns.verified == 4 and ns.bytes == 5 * (PAYLOAD_OFFSET + BB)
+    assert "checksum" in ns.corrupt[0].reason and ns.foreign_files[0].endswith("stray.txt")
+    data = report.to_dict()
+    assert data["namespaces"][0]["model_id"] == "test/fs-model" and data["namespaces"][0]["block_bytes"] == BB
+
+    quick = verify_root(tmp_path, check_payloads=False)
+    assert quick.ok and quick.entries == 5
+    assert verify_root(tmp_path, namespace="ffff").namespaces == [] or tier.ns_dir.name.startswith("ffff")
+
+    fixed = verify_root(tier.ns_dir, remove_corrupt=True)
+    assert fixed.namespaces[0].removed_corrupt == 1
+    after = verify_root(tmp_path)
+    assert after.ok and after.entries == 4
+    with pytest.raises(ConfigError):
+        verify_root(tmp_path / "missing")
