@@ -1,0 +1,175 @@
+"""Shared pieces of the per-policy test modules.
+
+``ProtocolMachine`` drives an eviction policy through exactly the call order
+the primary tier uses (insert -> mark_evictable / mark_pinned ... -> remove or
+eviction) and compares every ``evict`` answer with a naive reference model of
+the same policy, written with plain lists so that it is obviously right. Each
+test module subclasses it with its policy and its reference.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Container, Iterable
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvtier.keys import BlockKey
+from kvtier.policies.base import EvictionPolicy
+
+NUM_KEYS = 10
+
+
+def key(i: int) -> BlockKey:
+    """A 32-byte block key for small integer ``i``."""
+    return i.to_bytes(32, "big")
+
+
+class ScanSpy(Container[BlockKey]):
+    """A ``protected`` set that records every key the policy asks it about."""
+
+    def __init__(self, keys: Iterable[BlockKey] = ()) -> None:
+        self.keys = set(keys)
+        self.asked: list[BlockKey] = []
+
+    def __contains__(self, item: object) -> bool:
+        assert isinstance(item, bytes)
+        self.asked.append(item)
+        return item in self.keys
+
+
+class KeyState(enum.Enum):
+    ABSENT = "absent"
+    NEW = "new"  # inserted, write in flight: not evictable
+    EVICTABLE = "evictable"
+    PINNED = "pinned"
+
+
+class ReferencePolicy:
+    """The interface of a naive reference model (same calls as EvictionPolicy)."""
+
+    def insert(self, k: BlockKey) -> None:
+        raise NotImplementedError
+
+    def remove(self, k: BlockKey) -> None:
+        raise NotImplementedError
+
+    def touch(self, k: BlockKey) -> None:
+        raise NotImplementedError
+
+    def mark_evictable(self, k: BlockKey) -> None:
+        raise NotImplementedError
+
+    def mark_pinned(self, k: BlockKey) -> None:
+        raise NotImplementedError
+
+    def evict(self, n: int, protected: set[BlockKey]) -> list[BlockKey] | None:
+        raise NotImplementedError
+
+    def clear(self) -> None:
+        raise NotImplementedError
+
+
+class ProtocolMachine(RuleBasedStateMachine):
+    """Random interleavings of the primary tier's calls, checked against a reference."""
+
+    capacity = 4
+    make_policy: Callable[[int], EvictionPolicy]
+    make_reference: Callable[[int], ReferencePolicy]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy = type(self).make_policy(self.capacity)
+        self.ref = type(self).make_reference(self.capacity)
+        self.state = {key(i): KeyState.ABSENT for i in range(NUM_KEYS)}
+
+    def _keys_in(self, *states: KeyState) -> list[BlockKey]:
+        return [k for k, s in self.state.items() if s in states]
+
+    # --- the primary tier's calls, in its order ---------------------------------------
+
+    @rule(i=st.integers(0, NUM_KEYS - 1))
+    def insert(self, i: int) -> None:
+        k = key(i)
+        if self.state[k] is not KeyState.ABSENT:
+            return
+        self.policy.insert(k)
+        self.ref.insert(k)
+        self.state[k] = KeyState.NEW
+
+    @rule(i=st.integers(0, NUM_KEYS - 1))
+    def complete(self, i: int) -> None:
+        k = key(i)
+        if self.state[k] is not KeyState.NEW:
+            return
+        self.policy.mark_evictable(k)
+        self.ref.mark_evictable(k)
+        self.state[k] = KeyState.EVICTABLE
+
+    @rule(i=st.integers(0, NUM_KEYS - 1))
+    def remove(self, i: int) -> None:
+        k = key(i)
+        if self.state[k] is KeyState.ABSENT:
+            return
+        self.policy.remove(k)
+        self.ref.remove(k)
+        self.state[k] = KeyState.ABSENT
+
+    @rule(i=st.integers(0, NUM_KEYS - 1))
+    def pin(self, i: int) -> None:
+        k = key(i)
+        if self.state[k] is not KeyState.EVICTABLE:
+            return
+        self.policy.mark_pinned(k)
+        self.ref.mark_pinned(k)
+        self.state[k] = KeyState.PINNED
+
+    @rule(i=st.integers(0, NUM_KEYS - 1))
+    def unpin(self, i: int) -> None:
+        k = key(i)
+        if self.state[k] is not KeyState.PINNED:
+            return
+        self.policy.mark_evictable(k)
+        self.ref.mark_evictable(k)
+        self.state[k] = KeyState.EVICTABLE
+
+    @rule(i=st.integers(0, NUM_KEYS - 1))
+    def touch(self, i: int) -> None:
+        # The primary tier forwards touches of ready blocks (evictable or pinned) only;
+        # absent keys are included too, which a policy must ignore.
+        k = key(i)
+        if self.state[k] is KeyState.NEW:
+            return
+        self.policy.touch(k)
+        self.ref.touch(k)
+
+    @rule(n=st.integers(0, 4), protected=st.sets(st.integers(0, NUM_KEYS - 1), max_size=4))
+    def evict(self, n: int, protected: set[int]) -> None:
+        spy = ScanSpy(key(i) for i in protected)
+        before = self.policy.evictable_count()
+        chosen = self.policy.evict(n, spy)
+        expected = self.ref.evict(n, spy.keys)
+        assert chosen == expected
+        not_evictable = set(self._keys_in(KeyState.NEW, KeyState.PINNED))
+        assert not not_evictable.intersection(spy.asked), "evict scanned a pinned or in-flight key"
+        if chosen is None:
+            assert self.policy.evictable_count() == before
+            return
+        assert len(chosen) == n == len(set(chosen))
+        for k in chosen:
+            assert self.state[k] is KeyState.EVICTABLE
+            assert k not in spy.keys
+            self.state[k] = KeyState.ABSENT
+        assert self.policy.evictable_count() == before - n
+
+    @precondition(lambda self: any(s is not KeyState.ABSENT for s in self.state.values()))
+    @rule()
+    def clear(self) -> None:
+        self.policy.clear()
+        self.ref.clear()
+        self.state = dict.fromkeys(self.state, KeyState.ABSENT)
+
+    @invariant()
+    def evictable_count_matches(self) -> None:
+        assert self.policy.evictable_count() == len(self._keys_in(KeyState.EVICTABLE))
