@@ -35,6 +35,7 @@ from kvtier.config import KvtierConfig, build_manager, format_size, parse_size
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.keys import BlockKey, Namespace, prefix_keys
 from kvtier.manager import TieringManager
+from kvtier.metrics import KvtierMetrics
 from kvtier.transfer import TransferEngine, TransferResult
 from kvtier.types import LookupResult, RequestContext
 from kvtier.workload.chat import ChatRequest, ChatWorkloadSpec, generate_chat
@@ -64,6 +65,8 @@ class BenchOptions:
     batch_size: int = 4
     shm_dir: str = "/dev/shm"
     stall_timeout_s: float = 60.0
+    prefill_tokens_per_s: float = 50_000.0
+    """Simulated device compute: each step sleeps (tokens computed) / this rate; 0 = no compute time."""
 
     def config(self, fs_root: str | None) -> KvtierConfig:
         """The :class:`KvtierConfig` of this run (``fs_root``: the resolved fs directory)."""
@@ -147,6 +150,7 @@ class BenchResult:
     promotion_failures: int = 0
     tier_failures: int = 0
     stalled_requests: int = 0
+    stores_shed: int = 0
     bytes: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     job_seconds: dict[str, float] = field(default_factory=dict)
@@ -217,6 +221,7 @@ class BenchResult:
             },
             "store_rejections": self.store_rejections,
             "stalled_requests": self.stalled_requests,
+            "tier_stores_shed": self.stores_shed,
             "wall_s": self.wall_s,
             "setup_s": self.setup_s,
             "timeline": [
@@ -295,11 +300,11 @@ class Bench:
         options: BenchOptions,
         *,
         progress: Callable[[int, int], None] | None = None,
-        on_step: Callable[[TieringManager], None] | None = None,
+        metrics: KvtierMetrics | None = None,
     ) -> None:
         self.options = options
         self.progress = progress
-        self.on_step = on_step
+        self.metrics = metrics
 
     def run(self) -> BenchResult:
         opts = self.options
@@ -394,6 +399,7 @@ class Bench:
         perf = time.perf_counter_ns
         tier_objs = manager.tiers
         tier_busy = [0.0] * len(tier_objs)
+        promo_busy = [0.0]
         last_step = time.perf_counter()
 
         def finish(run: _Running) -> None:
@@ -405,6 +411,7 @@ class Bench:
                 done += 1
 
         try:
+            compute_tokens = 0
             while done < total:
                 sched_ns = 0
                 progressed = False
@@ -440,6 +447,8 @@ class Bench:
                         answer = lookup(key, req)
                         dt = perf() - t
                         lookup_ns.append(dt)
+                        if self.metrics is not None:
+                            self.metrics.observe_lookup(dt / 1e9)
                         sched_ns += dt
                         if answer is LookupResult.MISS:
                             break
@@ -528,6 +537,7 @@ class Bench:
                         result.hits[label] += n
                     result.hits["device"] += d
                     result.computed_blocks += len(new_keys)
+                    compute_tokens += len(requests[idx].token_ids) - (d + hits) * geometry.tokens_per_block
                     result.block_refs += len(req_keys)
                     result.prompt_tokens += len(requests[idx].token_ids)
                     result.requests += 1
@@ -542,13 +552,14 @@ class Bench:
                 manager.on_schedule_end()
                 sched_ns += perf() - t
                 step_ns.append(sched_ns)
-                now = time.perf_counter()
-                for pos, tier in enumerate(tier_objs):
-                    if tier.has_pending_work():
-                        tier_busy[pos] += now - last_step
-                last_step = now
-                if self.on_step is not None:
-                    self.on_step(manager)
+                last_step = self._account_busy(manager, tier_busy, promo_busy, last_step)
+                if self.metrics is not None:
+                    self.metrics.observe_step(sched_ns / 1e9)
+                    transfer = {d: (result.bytes[d], result.seconds[d]) for d in ("device_to_cpu", "cpu_to_device")}
+                    self.metrics.update(manager, transfer)
+                if compute_tokens and opts.prefill_tokens_per_s > 0:
+                    time.sleep(compute_tokens / opts.prefill_tokens_per_s)
+                    compute_tokens = 0
                 if self.progress is not None:
                     self.progress(done, total)
                 if not progressed:
@@ -566,11 +577,7 @@ class Bench:
                     raise KvtierError("secondary tiers still busy 60s after the last request")
                 manager.on_schedule_end()
                 time.sleep(0.001)
-                now = time.perf_counter()
-                for pos, tier in enumerate(tier_objs):
-                    if tier.has_pending_work():
-                        tier_busy[pos] += now - last_step
-                last_step = now
+                last_step = self._account_busy(manager, tier_busy, promo_busy, last_step)
         finally:
             engine.shutdown()
         stats = manager.stats()
@@ -580,17 +587,30 @@ class Bench:
             short = label.split(":", 1)[1]
             result.bytes[f"cpu_to_{short}"] = int(tier["bytes_written"])
             result.bytes[f"{short}_to_cpu"] = int(tier["bytes_read"])
-            # Tier job seconds overlap (many threads, queueing); rates use the wall
-            # time during which the tier had jobs in flight instead.
+            # Tier job seconds overlap (many threads, queueing), so rates use wall time:
+            # cascades while the tier had jobs in flight, promotions while any was pending.
             result.seconds[f"cpu_to_{short}"] = tier_busy[pos]
-            result.seconds[f"{short}_to_cpu"] = tier_busy[pos]
+            result.seconds[f"{short}_to_cpu"] = promo_busy[0]
             result.job_seconds[f"cpu_to_{short}"] = float(tier["seconds_writing"])
             result.job_seconds[f"{short}_to_cpu"] = float(tier["seconds_reading"])
             result.tier_failures += int(tier["stores_failed"]) + int(tier["loads_failed"])
             result.tier_failures += int(tier["corrupt_values"])
+            result.stores_shed += int(tier["stores_dropped"])
         if self.progress is not None:
             self.progress(total, total)
         return result
+
+    @staticmethod
+    def _account_busy(manager: TieringManager, tier_busy: list[float], promo_busy: list[float], last: float) -> float:
+        """Add the time since ``last`` to the busy time of tiers with work in flight."""
+        now = time.perf_counter()
+        for pos, tier in enumerate(manager.tiers):
+            if tier.has_pending_work():
+                tier_busy[pos] += now - last
+        m = manager.stats()["manager"] if manager.tiers else None
+        if m and m["promotions_started"] > m["promotions_succeeded"] + m["promotions_failed"]:
+            promo_busy[0] += now - last
+        return now
 
     @staticmethod
     def _complete_job(
@@ -635,10 +655,13 @@ def run_bench(
     options: BenchOptions | None = None,
     *,
     progress: Callable[[int, int], None] | None = None,
-    on_step: Callable[[TieringManager], None] | None = None,
+    metrics: KvtierMetrics | None = None,
 ) -> BenchResult:
-    """Run the bench and return its result. Raises :class:`KvtierError` on a setup problem."""
-    return Bench(options or BenchOptions(), progress=progress, on_step=on_step).run()
+    """Run the bench and return its result. Raises :class:`KvtierError` on a setup problem.
+
+    ``metrics`` (optional) is updated every step from the bench's thread.
+    """
+    return Bench(options or BenchOptions(), progress=progress, metrics=metrics).run()
 
 
 def options_from_args(**kwargs: Any) -> BenchOptions:

@@ -1,0 +1,464 @@
+"""The ``kvtier`` command.
+
+Subcommands:
+
+* ``kvtier bench``: a multi-turn chat workload through the whole stack with real
+  bytes (CPU tier in /dev/shm + an fs tier in a temp dir by default).
+* ``kvtier replay TRACE.jsonl``: metadata-only replay of a Mooncake trace through
+  the real manager, hit rate against capacity with unbounded and Belady references.
+* ``kvtier sweep-shm [--remove]``: stale kvtier regions of dead processes.
+* ``kvtier inspect DIR [--verify]``: summary of an fs tier directory.
+* ``kvtier config show|reference|schema``: the resolved configuration and its sizes.
+
+Exit status: 0 success; 1 the command ran and found a problem (bench errors,
+corrupt entries); 2 bad usage or configuration (the message names the fix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.config import (
+    KvtierConfig,
+    cli_flag,
+    describe_config,
+    format_size,
+    load_config,
+    parse_size,
+    render_config_reference,
+)
+from kvtier.errors import ConfigError, KvtierError
+from kvtier.version import __version__
+
+logger = logging.getLogger("kvtier.cli")
+
+DEFAULT_CAPACITIES = "1000,5000,9139,20000,50000"
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _capacities(text: str) -> list[int]:
+    try:
+        values = [int(parse_size(part)) for part in text.split(",") if part.strip()]
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"--capacity {text!r}: give positive block counts, e.g. 1000,9139,50000")
+    return values
+
+
+def _stderr_console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+# --------------------------------------------------------------------------- bench
+
+
+def _add_bench(sub: Any) -> None:
+    from kvtier.workload.bench import DEFAULT_BENCH_CPU_BYTES, DEFAULT_BENCH_FS_BYTES, DEFAULT_BENCH_MODEL
+
+    p = sub.add_parser(
+        "bench",
+        help="run a multi-turn chat workload through the tiers with real bytes",
+        description=(
+            "Run a deterministic multi-turn chat workload through kvtier: a simulated device KV pool, "
+            "the CPU tier in /dev/shm and an fs tier (temp dir unless --fs-root), moving and verifying "
+            "real bytes. Prints hit rates per tier, bandwidth, scheduler-side latency and prefill saved."
+        ),
+    )
+    w = p.add_argument_group("workload")
+    w.add_argument("--sessions", type=int, default=48, help="chat sessions (default 48)")
+    w.add_argument("--min-turns", type=int, default=2, help="turns per session, lower bound (default 2)")
+    w.add_argument("--max-turns", type=int, default=6, help="turns per session, upper bound (default 6)")
+    w.add_argument("--shared-prompts", type=int, default=4, help="shared system prompts (default 4)")
+    w.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    w.add_argument("--batch-size", type=int, default=4, help="requests admitted per engine step (default 4)")
+    w.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=50_000.0,
+        help="simulated device prefill speed; 0 = instantaneous (default 50000)",
+    )
+    s = p.add_argument_group("sizes and tiers")
+    s.add_argument("--model", default=DEFAULT_BENCH_MODEL, help=f"model preset (default {DEFAULT_BENCH_MODEL})")
+    s.add_argument("--tokens-per-block", type=int, default=16, help="tokens per KV block (default 16)")
+    s.add_argument(
+        "--cpu-bytes", type=_size, default=DEFAULT_BENCH_CPU_BYTES,
+        help=f"CPU tier size (default {format_size(DEFAULT_BENCH_CPU_BYTES)})",
+    )  # fmt: skip
+    s.add_argument("--device-blocks", type=int, default=512, help="simulated device pool, blocks (default 512)")
+    s.add_argument("--policy", default="lru", help="CPU tier eviction policy (default lru)")
+    s.add_argument("--shm-dir", default="/dev/shm", help="directory of the CPU region (default /dev/shm)")
+    s.add_argument("--fs-root", default=None, help="fs tier directory (kept); default: a temp dir, removed after")
+    s.add_argument(
+        "--fs-bytes", type=_size, default=DEFAULT_BENCH_FS_BYTES,
+        help=f"fs tier capacity (default {format_size(DEFAULT_BENCH_FS_BYTES)})",
+    )  # fmt: skip
+    s.add_argument("--no-fs", action="store_true", help="run without the fs tier")
+    s.add_argument("--redis", metavar="URL", default=None, help="add a redis tier, e.g. redis://127.0.0.1:6379/0")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", metavar="FILE", default=None, help="write the full result as JSON")
+    o.add_argument("--plot", metavar="FILE.png", default=None, help="plot hit rate over time and bytes per tier")
+    o.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics while running")
+    o.add_argument("--metrics-addr", default="127.0.0.1", help="address for --metrics-port (default 127.0.0.1)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvtier.metrics import KvtierMetrics
+    from kvtier.workload.bench import BenchOptions, describe_options, run_bench
+    from kvtier.workload.chat import ChatWorkloadSpec
+    from kvtier.workload.report import plot_bench, print_bench, write_json
+
+    workload = ChatWorkloadSpec(
+        sessions=args.sessions,
+        min_turns=args.min_turns,
+        max_turns=args.max_turns,
+        shared_system_prompts=args.shared_prompts,
+        seed=args.seed,
+    )
+    options = BenchOptions(
+        workload=workload,
+        model=args.model,
+        tokens_per_block=args.tokens_per_block,
+        cpu_bytes=args.cpu_bytes,
+        device_blocks=args.device_blocks,
+        policy=args.policy,
+        fs=not args.no_fs,
+        fs_root=args.fs_root,
+        fs_bytes=args.fs_bytes,
+        redis_url=args.redis,
+        batch_size=args.batch_size,
+        shm_dir=args.shm_dir,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+    )
+    err = _stderr_console()
+    err.print(f"kvtier bench: {describe_options(options)}")
+    metrics: KvtierMetrics | None = None
+    if args.metrics_port is not None:
+        metrics = KvtierMetrics()
+        port = metrics.serve(args.metrics_port, args.metrics_addr)
+        err.print(f"serving Prometheus metrics on http://{args.metrics_addr}:{port}/metrics")
+    try:
+        if args.no_progress:
+            result = run_bench(options, metrics=metrics)
+        else:
+            with Progress(
+                TextColumn("requests"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                console=err, transient=True,
+            ) as bar:  # fmt: skip
+                task = bar.add_task("bench", total=None)
+
+                def progress(done: int, total: int) -> None:
+                    bar.update(task, completed=done, total=total)
+
+                result = run_bench(options, progress=progress, metrics=metrics)
+    finally:
+        if metrics is not None:
+            metrics.close()
+    print_bench(result, Console(width=max(100, Console().width)))
+    if args.json:
+        write_json(args.json, result.to_dict())
+        err.print(f"wrote {args.json}")
+    if args.plot:
+        plot_bench(result, args.plot)
+        err.print(f"wrote {args.plot}")
+    return 1 if result.errors else 0
+
+
+# --------------------------------------------------------------------------- replay
+
+
+def _add_replay(sub: Any) -> None:
+    p = sub.add_parser(
+        "replay",
+        help="replay a Mooncake trace (metadata only): hit rate vs CPU capacity, with Belady and unbounded",
+        description=(
+            "Replay a Mooncake-format JSON-lines trace (timestamp, input_length, output_length, hash_ids) "
+            "through the real TieringManager without moving KV bytes. For each --capacity prints kvtier's "
+            "prefix-hit rate beside two references: Belady's offline optimum and an unbounded cache."
+        ),
+    )
+    p.add_argument("trace", help="trace file (JSON lines)")
+    p.add_argument(
+        "--capacity", type=_capacities, default=_capacities(DEFAULT_CAPACITIES),
+        help=f"CPU tier sizes in blocks, comma separated (default {DEFAULT_CAPACITIES})",
+    )  # fmt: skip
+    p.add_argument("--policy", default="lru", help="eviction policy (default lru)")
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--no-belady", action="store_true", help="skip the Belady reference")
+    p.add_argument(
+        "--fs-root", default=None,
+        help="also cascade to an fs tier in this directory (real bytes of small blocks); per-tier hit rates",
+    )  # fmt: skip
+    p.add_argument("--shm-dir", default="/dev/shm", help="directory of the CPU region (default /dev/shm)")
+    p.add_argument("--json", metavar="FILE", default=None, help="write the sweep as JSON")
+    p.set_defaults(func=_cmd_replay)
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from kvtier.workload.replay import replay_manager, replay_namespace, trace_keys
+    from kvtier.workload.report import replay_rows, replay_table, write_json
+    from kvtier.workload.simulate import HitRateResult, belady_hit_rate, unbounded_hit_rate
+    from kvtier.workload.trace import FlatTrace, read_trace, trace_summary
+
+    requests = read_trace(args.trace, limit=args.limit)
+    if not requests:
+        raise ConfigError(f"trace {args.trace!r} holds no requests")
+    summary = trace_summary(requests)
+    flat = FlatTrace.from_requests(requests)
+    unbounded = unbounded_hit_rate(flat)
+    namespace = replay_namespace()
+    keys = trace_keys(flat, namespace)
+    tiers = [{"type": "fs", "root": args.fs_root}] if args.fs_root else []
+    err = _stderr_console()
+    kv: list[HitRateResult] = []
+    bel: list[HitRateResult | None] = []
+    for cap in args.capacity:
+        err.print(f"replaying {summary['requests']} requests with {cap} CPU blocks ({args.policy})...")
+        kv.append(replay_manager(keys, cap, policy=args.policy, namespace=namespace, tiers=tiers, shm_dir=args.shm_dir))
+        bel.append(None if args.no_belady else belady_hit_rate(flat, cap))
+    out = Console(width=max(110, Console().width))
+    out.print(
+        f"trace {args.trace}: {summary['requests']} requests, {summary['block_refs']} block references, "
+        f"{summary['distinct_blocks']} distinct blocks, {summary['duration_s']:.0f} s"
+    )
+    out.print(f"unbounded cache prefix-hit rate: {100 * unbounded.hit_rate:.1f}%")
+    rows = replay_rows(kv, bel, unbounded)
+    out.print(replay_table(rows, f"prefix-hit rate vs CPU capacity (policy {args.policy})"))
+    for row in rows:
+        belady = row["belady"]
+        belady_text = "-" if belady is None else f"{100 * belady['hit_rate']:.2f}%"
+        out.print(
+            f"capacity {row['capacity']}: kvtier {100 * row['kvtier']['hit_rate']:.2f}%  "
+            f"belady {belady_text}  "
+            f"unbounded {100 * row['unbounded']['hit_rate']:.2f}%",
+            highlight=False,
+        )
+    if args.json:
+        write_json(args.json, {"trace": args.trace, "summary": summary, "policy": args.policy, "rows": rows})
+        err.print(f"wrote {args.json}")
+    return 0
+
+
+# --------------------------------------------------------------------------- sweep-shm / inspect
+
+
+def _add_sweep(sub: Any) -> None:
+    p = sub.add_parser(
+        "sweep-shm",
+        help="list (and remove) stale kvtier regions of dead processes",
+        description="Lists kvtier shared-memory regions that no live process holds (flock proof); "
+        "--remove deletes them. Regions of live processes are never touched.",
+    )
+    p.add_argument("--remove", action="store_true", help="delete the stale regions found")
+    p.add_argument("--shm-dir", default="/dev/shm", help="directory to sweep (default /dev/shm)")
+    p.set_defaults(func=_cmd_sweep)
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from kvtier.region import SharedRegion
+
+    found = SharedRegion.sweep_stale(args.shm_dir, remove=args.remove)
+    if not found:
+        print(f"no stale kvtier regions in {args.shm_dir}")
+        return 0
+    total = sum(r.size for r in found)
+    for r in found:
+        state = "removed" if r.removed else "stale"
+        print(f"{state:8} {format_size(r.size):>10}  {r.path}")
+    verb = "removed" if args.remove else "found (use --remove to delete)"
+    print(f"{len(found)} stale region(s), {format_size(total)} {verb}")
+    return 0
+
+
+def _add_inspect(sub: Any) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="summarize an fs tier directory: namespaces, blocks, bytes, corrupt entries",
+        description="Summarizes an fs tier root offline (no engine needed). --verify reads every value "
+        "and checks its header and checksum.",
+    )
+    p.add_argument("dir", help="the fs tier's root directory (or one namespace directory in it)")
+    p.add_argument("--verify", action="store_true", help="read and check every value (reads every byte)")
+    p.add_argument("--remove-corrupt", action="store_true", help="with --verify: delete corrupt values")
+    p.add_argument("--namespace", default=None, help="only this namespace digest (hex prefix)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=_cmd_inspect)
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from kvtier.tiers.fs import verify_root
+
+    report = verify_root(
+        args.dir,
+        namespace=args.namespace,
+        check_payloads=args.verify,
+        remove_corrupt=args.remove_corrupt and args.verify,
+    )
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return 0 if report.ok else 1
+    print(f"fs tier {report.root}: {len(report.namespaces)} namespace(s)")
+    for ns in report.namespaces:
+        info = ns.to_dict()
+        print(f"  namespace {ns.digest}")
+        print(f"    model:        {info.get('model_id') or '?'}")
+        print(f"    block bytes:  {info.get('block_bytes') or '?'}")
+        print(f"    blocks:       {ns.entries}")
+        print(f"    bytes:        {format_size(ns.bytes)} ({ns.bytes})")
+        if args.verify:
+            print(f"    verified:     {ns.verified}")
+            print(
+                f"    corrupt:      {len(ns.corrupt)}"
+                + (f" ({ns.removed_corrupt} removed)" if ns.removed_corrupt else "")
+            )
+            for c in ns.corrupt[:20]:
+                print(f"      {c.path}: {c.reason}")
+            if len(ns.corrupt) > 20:
+                print(f"      ... {len(ns.corrupt) - 20} more")
+        if ns.manifest_error:
+            print(f"    manifest:     {ns.manifest_error}")
+        if ns.foreign_files:
+            print(f"    foreign files: {len(ns.foreign_files)}")
+        if ns.temp_files_stale or ns.temp_files_live:
+            print(f"    temp files:   {ns.temp_files_live} live, {ns.temp_files_stale} stale")
+    print(
+        f"total: {report.entries} blocks, {format_size(report.bytes)}"
+        + (f", {report.corrupt} corrupt" if args.verify else "")
+    )
+    return 0 if report.ok else 1
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _add_config(sub: Any) -> None:
+    p = sub.add_parser("config", help="show the resolved configuration, its reference or schema")
+    csub = p.add_subparsers(dest="config_command", metavar="{show,reference,schema}")
+    csub.required = True
+    show = csub.add_parser(
+        "show",
+        help="print the resolved config (file < KVTIER_* env < flags) with derived sizes",
+        description="Resolves the configuration from --config FILE, KVTIER_<FIELD> environment "
+        "variables and the flags below (same names), and prints it with bytes per block and blocks per tier.",
+    )
+    show.add_argument("--config", metavar="FILE", default=None, help="YAML, TOML or JSON config file")
+    for name, info in KvtierConfig.model_fields.items():
+        show.add_argument(cli_flag(name), dest=f"field_{name}", default=None, metavar="VALUE",
+                          help=info.description)  # fmt: skip
+    show.add_argument("--json", action="store_true", help="print JSON")
+    show.set_defaults(func=_cmd_config_show)
+    ref = csub.add_parser("reference", help="print the configuration reference (Markdown)")
+    ref.add_argument("--output", metavar="FILE", default=None, help="write to FILE instead of stdout")
+    ref.set_defaults(func=_cmd_config_reference)
+    schema = csub.add_parser("schema", help="print the JSON schema of the configuration")
+    schema.set_defaults(func=_cmd_config_schema)
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    cli = {k.removeprefix("field_"): v for k, v in vars(args).items() if k.startswith("field_") and v is not None}
+    config = load_config(args.config, cli=cli)
+    info = describe_config(config)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    geo = info["geometry"]
+    cpu = info["cpu"]
+    print(f"model:           {config.model} ({info['model_id']})")
+    print(f"namespace:       {info['namespace']}")
+    print(
+        f"geometry:        {geo['num_layers']} layers x {geo['num_kv_heads']} KV heads x {geo['head_dim']} dim, "
+        f"{geo['dtype']}, kv_factor {geo['kv_factor']}, {geo['tokens_per_block']} tokens/block"
+    )
+    print(f"bytes per token: {info['bytes_per_token']}")
+    print(f"bytes per block: {info['bytes_per_block']} ({info['block_size']}); row stride {info['row_stride']}")
+    print(
+        f"cpu tier:        {cpu['blocks']} blocks = {cpu['tokens']} tokens, region {cpu['region_size']} "
+        f"in {cpu['shm_dir']}, policy {cpu['policy']}"
+    )
+    if not info["tiers"]:
+        print("secondary tiers: none")
+    for i, tier in enumerate(info["tiers"], start=1):
+        opts = ", ".join(f"{k}={v}" for k, v in tier["options"].items())
+        size = (
+            f"{tier['blocks']} blocks in {tier['capacity']}" if tier["blocks"] is not None else "capacity: tier default"
+        )
+        print(f"tier {i}:          {tier['type']} ({opts}); {size}")
+    print()
+    print("resolved config:")
+    print(json.dumps(info["config"], indent=2))
+    return 0
+
+
+def _cmd_config_reference(args: argparse.Namespace) -> int:
+    text = render_config_reference()
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _cmd_config_schema(args: argparse.Namespace) -> int:
+    print(json.dumps(KvtierConfig.model_json_schema(), indent=2))
+    return 0
+
+
+# --------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtier",
+        description="Tiered KV-cache offloading: bench, trace replay, inspection and maintenance.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    sub = parser.add_subparsers(dest="command", metavar="{bench,replay,sweep-shm,inspect,config}")
+    sub.required = True
+    _add_bench(sub)
+    _add_replay(sub)
+    _add_sweep(sub)
+    _add_inspect(sub)
+    _add_config(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvtier`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except KvtierError as exc:
+        print(f"kvtier {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"kvtier {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Console tables, JSON files and plots for ``kvtier bench`` and ``kvtier replay``.
+
+Rendering only: nothing here touches a manager. Call from any one thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from kvtier.config import format_size
+from kvtier.workload.bench import BenchResult
+from kvtier.workload.simulate import HitRateResult
+
+_DIRECTION_NAMES = {
+    "device_to_cpu": "device -> cpu (store)",
+    "cpu_to_device": "cpu -> device (load)",
+}
+
+
+def _direction_name(direction: str) -> str:
+    if direction in _DIRECTION_NAMES:
+        return _DIRECTION_NAMES[direction]
+    src, _, dst = direction.partition("_to_")
+    kind = "cascade" if src == "cpu" else "promotion"
+    return f"{src} -> {dst} ({kind})"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def bench_tables(result: BenchResult) -> list[Table]:
+    """The bench report as rich tables: summary, hit rates, bytes moved, latency."""
+    data = result.to_dict()
+    summary = Table(title="kvtier bench", show_header=False, title_justify="left")
+    summary.add_column("what")
+    summary.add_column("value", justify="right")
+    geo = result.geometry
+    summary.add_row("model / block", f"{data['options']['model']} / {geo['tokens_per_block']} tokens, "
+                    f"{format_size(geo['bytes_per_block'])}")  # fmt: skip
+    summary.add_row(
+        "device pool / cpu tier",
+        f"{data['options']['device_blocks']} / {data['options']['cpu_blocks']} blocks",
+    )
+    summary.add_row("requests", f"{result.requests}")
+    summary.add_row("blocks (prompt refs / computed)", f"{result.block_refs} / {result.computed_blocks}")
+    summary.add_row(
+        "prefill tokens saved",
+        f"{result.tokens_saved} of {result.prompt_tokens} ({_pct(data['prefill_tokens_saved_fraction'])})",
+    )
+    summary.add_row("loaded blocks verified byte-exact", f"{result.blocks_verified}")
+    summary.add_row("errors", f"{result.errors}")
+    if result.store_rejections:
+        summary.add_row("stores refused (cpu tier full of pinned blocks)", f"{result.store_rejections}")
+    if result.stores_shed:
+        summary.add_row("tier stores shed (write queue full)", f"{result.stores_shed}")
+    summary.add_row("wall time (setup)", f"{result.wall_s:.1f} s ({result.setup_s:.2f} s)")
+
+    hits = Table(title="hit rate by tier (share of prompt blocks)", title_justify="left")
+    hits.add_column("tier")
+    hits.add_column("blocks", justify="right")
+    hits.add_column("hit rate", justify="right")
+    for tier, n in data["hits"].items():
+        hits.add_row(tier, str(n), _pct(data["hit_rates"][tier]))
+    hits.add_row("computed (miss)", str(result.computed_blocks),
+                 _pct(result.computed_blocks / result.block_refs if result.block_refs else 0.0))  # fmt: skip
+    hits.add_row("[b]total hits[/b]", str(sum(data["hits"].values())), _pct(data["total_hit_rate"]))
+
+    moved = Table(title="bytes moved", title_justify="left")
+    moved.add_column("direction")
+    moved.add_column("bytes", justify="right")
+    moved.add_column("GB/s", justify="right")
+    for direction, n in data["bytes"].items():
+        rate = data["gbps"].get(direction)
+        moved.add_row(_direction_name(direction), format_size(n), f"{rate:.2f}" if rate else "-")
+    moved.caption = "device copies: copy-engine busy time; tiers: wall time with the tier's jobs in flight"
+
+    lat = Table(title="scheduler-side latency", title_justify="left")
+    lat.add_column("call")
+    lat.add_column("p50", justify="right")
+    lat.add_column("p99", justify="right")
+    lat.add_column("count", justify="right")
+    lt = data["latency"]
+    lat.add_row("lookup (per block)", f"{lt['lookup_p50_us']:.1f} us", f"{lt['lookup_p99_us']:.1f} us",
+                str(data["lookups"]))  # fmt: skip
+    lat.add_row("kvtier per engine step", f"{lt['step_p50_us']:.1f} us", f"{lt['step_p99_us']:.1f} us",
+                str(data["steps"]))  # fmt: skip
+    return [summary, hits, moved, lat]
+
+
+def print_bench(result: BenchResult, console: Console | None = None) -> None:
+    console = console or Console()
+    for table in bench_tables(result):
+        console.print(table)
+
+
+def write_json(path: str | os.PathLike[str], data: Any) -> None:
+    """Write ``data`` as indented JSON (atomically: temp file + rename)."""
+    target = os.fspath(path)
+    tmp = f"{target}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2, sort_keys=False, default=str)
+        handle.write("\n")
+    os.replace(tmp, target)
+
+
+def plot_bench(result: BenchResult, path: str | os.PathLike[str], window: int = 16) -> None:
+    """Hit rate per tier over time (rolling over ``window`` requests) and bytes per tier, as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tiers = ["device", *result.tiers]
+    n = len(result.timeline)
+    blocks = np.array([r.blocks for r in result.timeline], dtype=np.float64)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    if n:
+        kernel = np.ones(min(window, n))
+        denom = np.convolve(blocks, kernel, mode="valid")
+        denom[denom == 0] = 1
+        x = np.arange(len(denom)) + len(kernel)
+        layers = []
+        for tier in tiers:
+            col = np.array(
+                [r.device_hits if tier == "device" else r.tier_hits.get(tier, 0) for r in result.timeline],
+                dtype=np.float64,
+            )
+            layers.append(100 * np.convolve(col, kernel, mode="valid") / denom)
+        ax1.stackplot(x, *layers, labels=tiers)
+        ax1.set_xlim(x[0], x[-1])
+    ax1.set_ylim(0, 100)
+    ax1.set_xlabel("request")
+    ax1.set_ylabel(f"prefix-hit rate, % of blocks (rolling {window} requests)")
+    ax1.set_title("hit rate by tier over time")
+    ax1.legend(loc="upper left")
+    names = [_direction_name(d) for d in result.bytes]
+    values = [v / 1e9 for v in result.bytes.values()]
+    ax2.barh(names, values, color="tab:blue")
+    ax2.set_xlabel("GB moved")
+    ax2.set_title("bytes by direction")
+    ax2.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(os.fspath(path), dpi=110)
+    plt.close(fig)
+
+
+def replay_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
+    """Hit rate against capacity: kvtier (real manager), per-tier split, unbounded, Belady."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("capacity (blocks)", justify="right")
+    table.add_column("kvtier", justify="right")
+    tier_names: list[str] = []
+    for row in rows:
+        for name in row["kvtier"].get("tier_hits", {}):
+            if name not in tier_names:
+                tier_names.append(name)
+    show_tiers = len(tier_names) > 1
+    if show_tiers:
+        for name in tier_names:
+            table.add_column(f"  {name}", justify="right")
+    table.add_column("Belady (optimal)", justify="right")
+    table.add_column("unbounded", justify="right")
+    table.add_column("lookup mean", justify="right")
+    for row in rows:
+        kv = row["kvtier"]
+        cells = [str(row["capacity"]), _pct(kv["hit_rate"])]
+        if show_tiers:
+            cells += [_pct(kv["tier_hit_rates"].get(n, 0.0)) for n in tier_names]
+        belady = row.get("belady")
+        cells.append(_pct(belady["hit_rate"]) if belady else "-")
+        cells.append(_pct(row["unbounded"]["hit_rate"]))
+        cells.append(f"{kv.get('lookup_us_mean', 0.0):.2f} us")
+        table.add_row(*cells)
+    table.caption = "prefix-hit rate: share of block references served from cache with every earlier block a hit"
+    return table
+
+
+def replay_rows(
+    kvtier: Sequence[HitRateResult], belady: Sequence[HitRateResult | None], unbounded: HitRateResult
+) -> list[dict[str, Any]]:
+    """The JSON rows of a capacity sweep."""
+    return [
+        {
+            "capacity": k.capacity,
+            "kvtier": k.to_dict(),
+            "belady": b.to_dict() if b is not None else None,
+            "unbounded": unbounded.to_dict(),
+        }
+        for k, b in zip(kvtier, belady, strict=True)
+    ]
