@@ -57,9 +57,22 @@ class RedisServer:
     def args(self) -> list[str]:
         assert REDIS_SERVER is not None
         return [
-            REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "no",
-            "--logfile", str(self.workdir / f"redis-{self.port}.log"), *self.extra_args,
+            REDIS_SERVER,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.workdir),
+            "--protected-mode",
+            "no",
+            "--logfile",
+            str(self.workdir / f"redis-{self.port}.log"),
+            *self.extra_args,
         ]
 
     def start(self, timeout: float = 10.0) -> None:
@@ -167,14 +180,33 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
     try:
         for i in range(3):
             node_dir = root / f"node{i}"
-            nodes.append(_start_server(node_dir, (
-                "--cluster-enabled", "yes", "--cluster-config-file", str(node_dir / "nodes.conf"),
-                "--cluster-node-timeout", "2000",
-            )))
+            nodes.append(
+                _start_server(
+                    node_dir,
+                    (
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        str(node_dir / "nodes.conf"),
+                        "--cluster-node-timeout",
+                        "2000",
+                    ),
+                )
+            )
         subprocess.run(
-            [REDIS_CLI, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes),
-             "--cluster-replicas", "0", "--cluster-yes"],
-            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=30,
+            [
+                REDIS_CLI,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{n.port}" for n in nodes),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=30,
         )
         deadline = time.monotonic() + 15
         while not all(_cluster_ok(n.port) for n in nodes):

@@ -201,9 +201,7 @@ def test_corrupt_values_are_miss_deleted_and_counted(
     assert tier.health().state is HealthState.CLOSED
 
 
-def test_value_of_other_namespace_is_never_served(
-    redis_server: Any, make_tier: Callable[..., RedisTier]
-) -> None:
+def test_value_of_other_namespace_is_never_served(redis_server: Any, make_tier: Callable[..., RedisTier]) -> None:
     rows_a, rows_b = random_rows(2, seed=1), np.zeros((2, BLOCK), dtype=np.uint8)
     ns_a, ns_b = namespace("model-a"), namespace("model-b")
     tier_a = make_tier(redis_server.url, rows_a, ns_a)
@@ -260,7 +258,7 @@ def test_maxmemory_eviction_is_miss_never_error(
     tier = make_tier(server.url, rows, ns, lookup_cache_seconds=0.0)
     keys = keys_for(ns, n)
     for i in range(0, n, 8):
-        result = store(tier, keys[i:i + 8], list(range(i, i + 8)))
+        result = store(tier, keys[i : i + 8], list(range(i, i + 8)))
         assert result.success, result.error
     answers = [resolve(tier, k) for k in keys]
     assert set(answers) <= {LookupResult.HIT, LookupResult.MISS}
@@ -289,13 +287,12 @@ def _timed(call: Callable[[], object], worst: list[float]) -> object:
 
 
 @pytest.mark.slow
-def test_sigkill_mid_run_opens_fast_and_recovers(
-    redis_server: Any, make_tier: Callable[..., RedisTier]
-) -> None:
+def test_sigkill_mid_run_opens_fast_and_recovers(redis_server: Any, make_tier: Callable[..., RedisTier]) -> None:
     rows = random_rows(64)
     ns = namespace()
-    tier = make_tier(redis_server.url, rows, ns, open_seconds=0.5, socket_timeout=0.5,
-                     connect_timeout=0.5, lookup_cache_seconds=0.05)
+    tier = make_tier(
+        redis_server.url, rows, ns, open_seconds=0.5, socket_timeout=0.5, connect_timeout=0.5, lookup_cache_seconds=0.05
+    )
     keys = keys_for(ns, 32)
     assert store(tier, keys[:16], list(range(16))).success
     worst = [0.0]
@@ -369,9 +366,7 @@ def test_server_down_from_the_start(make_tier: Callable[..., RedisTier]) -> None
     assert "refused" in tier.health().detail.lower()
 
 
-def test_shutdown_stops_threads_and_releases_rows(
-    redis_server: Any, make_tier: Callable[..., RedisTier]
-) -> None:
+def test_shutdown_stops_threads_and_releases_rows(redis_server: Any, make_tier: Callable[..., RedisTier]) -> None:
     rows = random_rows(4)
     tier = make_tier(redis_server.url, rows)
     before = threading.active_count()
@@ -390,7 +385,7 @@ def test_drain_waits_for_jobs(redis_server: Any, make_tier: Callable[..., RedisT
     tier = make_tier(redis_server.url, rows, ns)
     keys = keys_for(ns, 32)
     for i in range(0, 32, 4):
-        tier.submit_store(job(keys[i:i + 4], list(range(i, i + 4)), False))
+        tier.submit_store(job(keys[i : i + 4], list(range(i, i + 4)), False))
     assert tier.has_pending_work()
     tier.drain(timeout=10)
     results = tier.poll_finished()
@@ -420,8 +415,7 @@ def test_registry_and_config_errors(redis_server: Any) -> None:
         secret.shutdown()
 
 
-def test_password_in_url(redis_server_factory: Callable[..., Any],
-                         make_tier: Callable[..., RedisTier]) -> None:
+def test_password_in_url(redis_server_factory: Callable[..., Any], make_tier: Callable[..., RedisTier]) -> None:
     server = redis_server_factory("--requirepass", "s3cret")
     rows = random_rows(4)
     ns = namespace()
@@ -460,3 +454,32 @@ def test_cluster_round_trip(redis_cluster: object, make_tier: Callable[..., Redi
     while tier.usage().used_bytes == 0:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def test_failed_jobs_leave_no_view_of_the_rows_after_shutdown(redis_server: Any) -> None:
+    """Regression: a traceback cycle kept an I/O frame (and its view of the rows) alive,
+    so the shared region could not be closed after Redis died mid-job."""
+    import gc
+    import mmap
+
+    ns = namespace()
+    n = 64
+    mm = mmap.mmap(-1, n * BLOCK)
+    gc.disable()
+    try:
+        rows = np.frombuffer(mm, dtype=np.uint8).reshape(n, BLOCK)
+        rows[:] = 7
+        tier = RedisTier(TierContext(rows, BLOCK, ns), url=redis_server.url, socket_timeout=0.5, connect_timeout=0.5)
+        del rows
+        keys = keys_for(ns, n)
+        for i in range(0, n, 8):
+            tier.submit_store(job(keys[i : i + 8], list(range(i, i + 8)), False))
+            tier.submit_load(job(keys[i : i + 8], list(range(i, i + 8)), True))
+        redis_server.kill()
+        results = wait_results(tier, 16)
+        assert any(not r.success for r in results)
+        tier.shutdown()
+        del tier
+        mm.close()  # BufferError if any view of the rows survived
+    finally:
+        gc.enable()

@@ -43,6 +43,7 @@ import itertools
 import logging
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -106,6 +107,31 @@ def _redact(url: str) -> str:
     netloc = parts.netloc.rsplit("@", 1)[1]
     user = f"{parts.username}:***@" if parts.username else ":***@"
     return urlunsplit(parts._replace(netloc=user + netloc))
+
+
+def _forget_frames(exc: BaseException) -> None:
+    """Drop the tracebacks of ``exc`` and its chain, clearing the finished frames.
+
+    Those frames hold views of the CPU rows (payload and destination
+    memoryviews); redis-py's exception chains can form reference cycles that
+    would keep them alive until a garbage collection, and the shared region
+    cannot be unmapped while any view exists.
+    """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+            e.__traceback__ = None
+        pending.extend((e.__cause__, e.__context__))
+
+
+def _format(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
 
 
 def _is_refused(exc: BaseException) -> bool:
@@ -487,8 +513,9 @@ class RedisTier(SecondaryTier):
                 continue
             try:
                 self._run(work)
-            except Exception:  # a bug must fail the job, not kill the thread
-                logger.exception("redis tier %s: unexpected error in %s work", self.label, work.kind)
+            except Exception as exc:  # a bug must fail the job, not kill the thread
+                logger.error("redis tier %s: unexpected error in %s work:\n%s", self.label, work.kind, _format(exc))
+                _forget_frames(exc)
                 if work.job is not None:
                     if work.kind == "store":
                         self._fail_store(work.job, "internal error (see log)", 0.0)
@@ -548,6 +575,7 @@ class RedisTier(SecondaryTier):
             return None
 
     def _record_error(self, exc: BaseException) -> str:
+        """Feed ``exc`` to the circuit breaker; called from ``except`` blocks on I/O threads."""
         detail = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, (TimeoutError, RedisTimeoutError)):
             self._breaker.record_failure(detail)
@@ -557,7 +585,9 @@ class RedisTier(SecondaryTier):
             self._breaker.record_failure(detail)
         else:
             self._breaker.record_failure(detail)
-            logger.exception("redis tier %s: unexpected error", self.label)
+            # Formatted here: a LogRecord holding the traceback would keep row views alive.
+            logger.error("redis tier %s: unexpected error:\n%s", self.label, _format(exc))
+        _forget_frames(exc)
         if not self._breaker.serving:
             logger.warning("redis tier %s out of service: %s", self.label, detail)
         return detail
