@@ -1,0 +1,121 @@
+"""Regression tests for bugs found in the core (by the stateful test or by reading).
+
+Each test is minimal and states the contract it checks. Tests of bugs not fixed
+yet are marked ``xfail(strict=True)``: when the fix lands they pass, strict
+xfail turns that into a failure, and the marker must be removed (and the matching
+flag in ``tests/test_manager_stateful.py`` switched on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+from kvtier import LookupResult, Namespace, RequestContext, TieringManager, chain_ids
+from kvtier.keys import BlockKey
+from kvtier.tiers.base import JobResult, SecondaryTier, TierUsage, TransferJob
+from kvtier.tiers.registry import register_tier
+
+pytestmark = pytest.mark.usefixtures("shm_leak_check")
+
+
+class HoldingTier(SecondaryTier):
+    """A collaborator double: holds a fixed set of blocks, loads them when told."""
+
+    tier_type: ClassVar[str] = "regression-holding"
+    medium: ClassVar[str] = "memory"
+
+    def __init__(self, context: Any) -> None:
+        super().__init__(context)
+        self.data: dict[BlockKey, bytes] = {}
+        self.queued: list[TransferJob] = []
+
+    def lookup(self, key: BlockKey, request: RequestContext | None) -> LookupResult:
+        return LookupResult.HIT if key in self.data else LookupResult.MISS
+
+    def submit_store(self, job: TransferJob) -> None:
+        self.queued.append(job)
+
+    def submit_load(self, job: TransferJob) -> None:
+        self.queued.append(job)
+
+    def poll_finished(self) -> list[JobResult]:
+        rows, n = self.context.rows, self.context.block_bytes
+        done = []
+        for job in self.queued:
+            for key, slot in zip(job.keys, job.slots, strict=True):
+                if job.is_promotion:
+                    rows[slot, :n] = np.frombuffer(self.data[key], dtype=np.uint8)
+                else:
+                    self.data[key] = rows[slot, :n].tobytes()
+            done.append(JobResult(job.job_id, True))
+        self.queued.clear()
+        return done
+
+    def has_pending_work(self) -> bool:
+        return bool(self.queued)
+
+    def usage(self) -> TierUsage:
+        return TierUsage(0, None)
+
+    def drain(self, timeout: float | None = None) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        self.queued.clear()
+
+
+register_tier("regression-holding", f"{__name__}:HoldingTier")
+
+
+@pytest.fixture
+def make(namespace: Namespace) -> Iterator[Any]:
+    built: list[TieringManager] = []
+
+    def factory(blocks: int, tiers: int = 0) -> TieringManager:
+        specs = [{"type": "regression-holding"}] * tiers
+        mgr = TieringManager.create(namespace=namespace, num_cpu_blocks=blocks, tiers=specs, sweep_stale=False)
+        built.append(mgr)
+        return mgr
+
+    yield factory
+    for mgr in built:
+        mgr.shutdown()
+
+
+def fill(mgr: TieringManager, key: BlockKey, value: int) -> None:
+    """Store ``key`` through the device path with every byte set to ``value``."""
+    result = mgr.prepare_store([key])
+    assert result is not None and list(result.keys_to_store) == [key]
+    rows = mgr.primary.rows
+    assert rows is not None
+    rows[result.slots[0], : mgr.block_bytes] = value
+    del rows
+    mgr.complete_store([key])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="TieringManager._lookup_secondary reserves a promotion row with primary.prepare_write([key]), which may "
+    "evict a block that lookup() answered HIT earlier in the same step; the engine's prepare_load of that HIT "
+    "prefix then raises KvtierError ('it is absent')",
+)
+def test_a_hit_stays_loadable_after_later_lookups_of_the_same_step(make: Any, namespace: Namespace) -> None:
+    mgr = make(1, tiers=1)
+    a, b = chain_ids([1, 2], namespace)
+    fill(mgr, a, 7)
+    mgr.on_schedule_end()
+    mgr.tiers[0].data[b] = bytes(mgr.block_bytes)  # the tier holds the next block of the prefix
+    req = RequestContext("r1")
+    # The engine scans a request's prefix, then loads the HIT prefix in the same step.
+    assert mgr.lookup(a, req) is LookupResult.HIT
+    mgr.lookup(b, req)  # no room for b without evicting a: must not evict a (MISS is the right answer)
+    slots = mgr.prepare_load([a], req)
+    rows = mgr.primary.rows
+    assert rows is not None
+    assert (rows[slots[0], : mgr.block_bytes] == 7).all()
+    del rows
+    mgr.complete_load([a], req)
