@@ -1,0 +1,298 @@
+"""The configuration schema: precedence, every validation error, derived sizes, docs in step."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from kvtier.config import (
+    DEFAULT_CPU_BYTES,
+    KvtierConfig,
+    build_manager,
+    describe_config,
+    format_size,
+    load_config,
+    parse_size,
+    render_config_reference,
+    row_stride_for,
+)
+from kvtier.errors import ConfigError
+from kvtier.keys import KVGeometry, Namespace
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+# --------------------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("4GiB", 4 * 2**30),
+        ("4G", 4 * 2**30),
+        ("4 gib", 4 * 2**30),
+        ("4GB", 4 * 10**9),
+        ("512MiB", 512 * 2**20),
+        ("1.5GiB", 3 * 2**29),
+        ("4096", 4096),
+        (4096, 4096),
+        (8.0, 8),
+    ],
+)
+def test_parse_size_accepts_units(text: str | int | float, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["4XB", "lots", "-1", "", "1.2.3G", True, -5, 1.5, None])
+def test_parse_size_rejects_with_accepted_forms(bad: object) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_size(bad)  # type: ignore[arg-type]
+    assert "GiB" in str(err.value) or "bytes" in str(err.value)
+
+
+def test_format_size() -> None:
+    assert format_size(1536) == "1.5 KiB"
+    assert format_size(100) == "100 B"
+    assert format_size(3 * 2**30) == "3.0 GiB"
+
+
+# --------------------------------------------------------------------------- defaults and derived values
+
+
+def test_defaults_resolve_from_the_model_preset() -> None:
+    config = load_config(env={})
+    geo = config.kv_geometry()
+    assert (geo.num_layers, geo.num_kv_heads, geo.head_dim, geo.tokens_per_block) == (32, 8, 128, 16)
+    assert config.block_bytes == 2 * 32 * 8 * 128 * 2 * 16
+    assert config.resolved_num_cpu_blocks() == DEFAULT_CPU_BYTES // config.row_stride
+    assert config.model_id == "meta-llama/Llama-3.1-8B-Instruct"
+    assert config.tiers == []
+
+
+def test_namespace_is_stable_and_covers_geometry_and_parallel_layout() -> None:
+    a = load_config(env={}).namespace()
+    b = load_config(env={}).namespace()
+    assert a.digest == b.digest
+    assert isinstance(a, Namespace)
+    other_block = load_config(env={}, cli={"geometry": '{"tokens_per_block": 32}'}).namespace()
+    assert other_block.digest != a.digest
+    assert load_config(env={}).namespace(tp_size=2, tp_rank=1).digest != a.digest
+
+
+def test_preset_by_model_id_and_geometry_override() -> None:
+    config = load_config(env={}, cli={"model": "Qwen/Qwen2.5-0.5B-Instruct", "geometry": '{"dtype": "fp8"}'})
+    geo = config.kv_geometry()
+    assert geo == KVGeometry(24, 2, 64, 16, "fp8", 2)
+
+
+def test_unknown_model_with_full_geometry() -> None:
+    config = load_config(
+        env={}, cli={"model": "acme/llm-1", "geometry": {"num_layers": 2, "num_kv_heads": 1, "head_dim": 64}}
+    )
+    assert config.model_id == "acme/llm-1"
+    assert config.block_bytes == 2 * 2 * 1 * 64 * 2 * 16
+
+
+def test_describe_config_derives_block_and_tier_sizes(tmp_path: Path) -> None:
+    config = load_config(
+        env={},
+        cli={
+            "model": "tiny",
+            "geometry": {"tokens_per_block": 64},
+            "cpu_bytes": "64MiB",
+            "tiers": [{"type": "fs", "root": str(tmp_path), "max_bytes": "1GiB"}, {"type": "redis", "url": "redis://x"}],
+        },
+    )
+    info = describe_config(config)
+    block = 2 * 2 * 2 * 64 * 2 * 64
+    assert info["bytes_per_block"] == block == 65536
+    assert info["row_stride"] == row_stride_for(block)
+    assert info["cpu"]["blocks"] == 64 * 2**20 // row_stride_for(block) == 1024
+    assert info["cpu"]["tokens"] == 1024 * 64
+    fs = info["tiers"][0]
+    assert fs["capacity_bytes"] == 2**30
+    assert fs["blocks"] == 2**30 // row_stride_for(block + 128)
+    assert info["tiers"][1]["blocks"] is None
+    json.dumps(info)  # JSON-able
+
+
+def test_num_cpu_blocks_instead_of_bytes() -> None:
+    config = load_config(env={}, cli={"num_cpu_blocks": 7})
+    assert config.resolved_num_cpu_blocks() == 7
+    assert describe_config(config)["cpu"]["blocks"] == 7
+
+
+# --------------------------------------------------------------------------- precedence
+
+
+def test_precedence_file_then_env_then_cli(tmp_path: Path) -> None:
+    path = write(tmp_path, "kv.yaml", "policy: arc\ncpu_bytes: 1GiB\nshm_dir: /file\nregion_name: from-file\n")
+    env = {"KVTIER_CPU_BYTES": "2GiB", "KVTIER_SHM_DIR": "/env", "OTHER": "x"}
+    config = load_config(path, env=env, cli={"shm_dir": "/cli", "region_name": None})
+    assert config.policy == "arc"  # file only
+    assert config.cpu_bytes == 2 * 2**30  # env beats file
+    assert config.shm_dir == "/cli"  # CLI beats env
+    assert config.region_name == "from-file"  # a None CLI value means "not given"
+
+
+def test_geometry_merges_key_by_key_across_sources(tmp_path: Path) -> None:
+    path = write(tmp_path, "kv.json", json.dumps({"geometry": {"tokens_per_block": 32, "dtype": "float16"}}))
+    config = load_config(path, env={"KVTIER_GEOMETRY": '{"tokens_per_block": 64}'})
+    assert config.kv_geometry().tokens_per_block == 64
+    assert config.kv_geometry().dtype == "float16"
+
+
+def test_tiers_are_replaced_as_a_whole(tmp_path: Path) -> None:
+    path = write(tmp_path, "kv.yaml", "tiers:\n  - type: fs\n    root: /a\n  - type: fs\n    root: /b\n")
+    config = load_config(path, env={"KVTIER_TIERS": json.dumps([{"type": "fs", "root": "/c"}])})
+    assert config.tiers == [{"type": "fs", "root": "/c"}]
+
+
+def test_cpu_size_is_one_setting_across_sources(tmp_path: Path) -> None:
+    path = write(tmp_path, "kv.toml", 'cpu_bytes = "8GiB"\n')
+    config = load_config(path, env={}, cli={"num_cpu_blocks": 100})
+    assert config.num_cpu_blocks == 100 and config.cpu_bytes is None
+    config = load_config(path, env={"KVTIER_NUM_CPU_BLOCKS": "5"}, cli={"cpu_bytes": "1GiB"})
+    assert config.cpu_bytes == 2**30 and config.num_cpu_blocks is None
+
+
+def test_toml_and_yaml_kvtier_section(tmp_path: Path) -> None:
+    toml = write(tmp_path, "kv.toml", '[kvtier]\npolicy = "arc"\n[[kvtier.tiers]]\ntype = "fs"\nroot = "/x"\n')
+    assert load_config(toml, env={}).tiers == [{"type": "fs", "root": "/x"}]
+    yaml = write(tmp_path, "kv.yml", "kvtier:\n  policy: arc\n")
+    assert load_config(yaml, env={}).policy == "arc"
+    empty = write(tmp_path, "empty.yaml", "")
+    assert load_config(empty, env={}).policy == "lru"
+
+
+def test_env_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVTIER_POLICY", "arc")
+    assert load_config().policy == "arc"
+
+
+def test_unknown_env_var_is_ignored_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvtier.config"):
+        config = load_config(env={"KVTIER_CPU_BYTE": "1GiB", "KVTIER_UNRELATED_THING": "1"})
+    assert config.cpu_bytes is None
+    assert "did you mean KVTIER_CPU_BYTES" in caplog.text
+
+
+# --------------------------------------------------------------------------- every validation error
+
+
+@pytest.mark.parametrize(
+    ("cli", "env", "expected"),
+    [
+        ({"cpu_bytes": "4XB"}, {}, ["cpu_bytes", "'512MiB'"]),
+        ({"cpu_bytes": 0}, {}, ["cpu_bytes", "positive"]),
+        ({}, {"KVTIER_CPU_BYTES": "-3"}, ["cpu_bytes", "from environment"]),
+        ({"num_cpu_blocks": 0}, {}, ["num_cpu_blocks", "greater than 0"]),
+        ({"num_cpu_blocks": "many"}, {}, ["num_cpu_blocks", "integer"]),
+        ({"cpu_bytes": "1GiB", "num_cpu_blocks": 3}, {}, ["cpu_bytes and num_cpu_blocks", "only one"]),
+        ({"policy": "Bad Policy"}, {}, ["policy", "'lru'"]),
+        ({"policy": "mru"}, {}, ["policy 'mru' is unknown", "'arc'"]),
+        ({"policy": "pkg.mod:"}, {}, ["policy", "package.module:ClassName"]),
+        ({"model": "acme/unknown"}, {}, ["not a preset", "num_layers", "geometry="]),
+        ({"model": " "}, {}, ["model", "preset name"]),
+        ({"geometry": '{"num_layer": 3}'}, {}, ["geometry.num_layer", "known geometry fields"]),
+        ({"geometry": '{"head_dim": -1}'}, {}, ["geometry.head_dim", "greater than 0"]),
+        ({"geometry": '{"dtype": "float7"}'}, {}, ["dtype", "bfloat16"]),
+        ({"geometry": '{"kv_factor": 3}'}, {}, ["geometry.kv_factor", "1 or 2"]),
+        ({"geometry": "{broken"}, {}, ["geometry from CLI flag --geometry", "JSON"]),
+        ({}, {"KVTIER_TIERS": "[bad"}, ["KVTIER_TIERS", "JSON"]),
+        ({"tiers": '"fs"'}, {}, ["tiers", "list"]),
+        ({"tiers": "[42]"}, {}, ["tiers[0]", "mapping"]),
+        ({"tiers": '[{"root": "/x"}]'}, {}, ["tiers[0]", "needs a 'type'"]),
+        ({"tiers": '[{"type": "nfs"}]'}, {}, ["tiers[0].type 'nfs'", "'fs'"]),
+        ({"tiers": '[{"type": "fs"}]'}, {}, ["tiers[0] (fs)", "root"]),
+        ({"tiers": '[{"type": "fs", "root": "/x", "max_bytes": "lots"}]'}, {}, ["max_bytes", "GiB"]),
+        ({"tiers": '[{"type": "fs", "root": "/x", "read_thread": 2}]'}, {}, ["read_thread", "read_threads"]),
+        ({"tiers": '[{"type": "fs", "root": "/x", "fsync": "maybe"}]'}, {}, ["fsync", "bool"]),
+        ({"tiers": '[{"type": "redis", "url": "http://x"}]'}, {}, ["url", "redis://"]),
+        ({"tiers": '[{"type": "redis", "url": "redis://x", "ttl_seconds": 0}]'}, {}, ["ttl_seconds"]),
+        ({"cpu_byte": 1}, {}, ["'cpu_byte'", "did you mean 'cpu_bytes'"]),
+    ],
+)
+def test_validation_errors_name_field_and_fix(cli: dict[str, object], env: dict[str, str], expected: list[str]) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(env=env, cli=cli)
+    message = str(err.value)
+    for fragment in expected:
+        assert fragment in message, message
+
+
+def test_cpu_bytes_smaller_than_one_row_is_explained() -> None:
+    config = load_config(env={}, cli={"cpu_bytes": "1MiB"})
+    with pytest.raises(ConfigError, match="raise cpu_bytes to at least 2097152"):
+        config.resolved_num_cpu_blocks()
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_config(str(tmp_path / "missing.yaml"), env={})
+    with pytest.raises(ConfigError, match=r"unknown extension '\.ini'"):
+        load_config(write(tmp_path, "kv.ini", "x=1"), env={})
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "kv.yaml", "policy: [unclosed"), env={})
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "kv.toml", "policy = "), env={})
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(write(tmp_path, "list.json", "[1, 2]"), env={})
+    with pytest.raises(ConfigError, match=r"'polcy' \(did you mean 'policy'\?\) in file"):
+        load_config(write(tmp_path, "typo.yaml", "polcy: arc\n"), env={})
+
+
+def test_errors_name_their_source(tmp_path: Path) -> None:
+    path = write(tmp_path, "kv.yaml", "cpu_bytes: nonsense\n")
+    with pytest.raises(ConfigError, match=r"cpu_bytes' \(from file .*kv\.yaml\)"):
+        load_config(path, env={})
+
+
+def test_custom_tier_import_path_passes_options_through() -> None:
+    config = load_config(env={}, cli={"tiers": [{"type": "mypkg.tiers:Custom", "anything": 1}]})
+    assert config.tiers == [{"type": "mypkg.tiers:Custom", "anything": 1}]
+
+
+def test_schema_is_serializable() -> None:
+    schema = KvtierConfig.model_json_schema()
+    assert "cpu_bytes" in schema["properties"]
+
+
+# --------------------------------------------------------------------------- manager and docs
+
+
+def test_build_manager_makes_a_working_manager(tmp_path: Path, shm_leak_check: None) -> None:
+    config = load_config(
+        env={},
+        cli={
+            "model": "tiny",
+            "num_cpu_blocks": 8,
+            "tiers": [{"type": "fs", "root": str(tmp_path / "fs"), "scan_in_background": False}],
+        },
+    )
+    manager = build_manager(config)
+    try:
+        assert manager.primary.num_blocks == 8
+        assert manager.block_bytes == config.block_bytes
+        assert manager.rows.shape[0] == 8
+        assert [t.tier_type for t in manager.tiers] == ["fs"]
+    finally:
+        manager.shutdown()
+
+
+def test_docs_configuration_md_is_in_step_with_the_schema() -> None:
+    expected = render_config_reference()
+    assert DOCS.read_text() == expected, (
+        "docs/configuration.md is out of date: run `kvtier config reference --output docs/configuration.md`"
+    )
+    for name in KvtierConfig.model_fields:
+        assert f"`{name}`" in expected
