@@ -93,7 +93,18 @@ class RedisServer:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
 
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its sockets but answers nothing (a hung server)."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
         self.kill()
         self.proc = None
 

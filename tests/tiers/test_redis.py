@@ -483,3 +483,55 @@ def test_failed_jobs_leave_no_view_of_the_rows_after_shutdown(redis_server: Any)
         mm.close()  # BufferError if any view of the rows survived
     finally:
         gc.enable()
+
+
+@pytest.mark.slow
+def test_hung_server_times_out_opens_and_recovers(redis_server: Any, make_tier: Callable[..., RedisTier]) -> None:
+    rows = random_rows(16)
+    ns = namespace()
+    tier = make_tier(
+        redis_server.url,
+        rows,
+        ns,
+        socket_timeout=0.3,
+        connect_timeout=0.3,
+        failure_threshold=2,
+        open_seconds=0.5,
+        lookup_cache_seconds=0.0,
+    )
+    keys = keys_for(ns, 8)
+    assert store(tier, keys[:4], [0, 1, 2, 3]).success
+    redis_server.pause()
+    try:
+        worst = [0.0]
+        paused_at = time.monotonic()
+        tier.submit_load(job(keys[:4], [8, 9, 10, 11], True))
+        results: list[JobResult] = []
+        miss_at = None
+        while time.monotonic() - paused_at < 4.0 and (miss_at is None or not results):
+            answer = _timed(lambda: tier.lookup(keys[5], None), worst)
+            if answer is LookupResult.MISS and miss_at is None:
+                miss_at = time.monotonic() - paused_at
+            _timed(tier.on_schedule_end, worst)
+            results.extend(_timed(tier.poll_finished, worst))  # type: ignore[arg-type]
+            time.sleep(0.01)
+        assert miss_at is not None and miss_at < 3.0, f"lookups answered MISS only after {miss_at}s"
+        assert worst[0] < 0.05, f"a scheduler-thread call took {worst[0] * 1000:.1f} ms"
+        assert len(results) == 1 and not results[0].success
+        assert results[0].error is not None and "Timeout" in results[0].error
+        deadline = time.monotonic() + 5
+        while tier.health().state is HealthState.CLOSED:
+            assert time.monotonic() < deadline, "a hung server must take the tier out of service"
+            tier.lookup(keys[6], None)
+            tier.on_schedule_end()
+            time.sleep(0.01)
+    finally:
+        redis_server.resume()
+    deadline = time.monotonic() + 10
+    while tier.health().state is not HealthState.CLOSED:
+        assert time.monotonic() < deadline, f"tier did not recover: {tier.health()}"
+        time.sleep(0.02)
+    rows[12:16] = 0
+    result = load(tier, keys[:4], [12, 13, 14, 15])
+    assert result.success, result.error
+    assert np.array_equal(rows[12:16], rows[0:4])

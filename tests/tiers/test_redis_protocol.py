@@ -1,0 +1,121 @@
+"""The RESP fast path of the Redis tier, over a real socket pair (byte-level edge cases)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from kvtier.tiers.redis_protocol import (
+    ErrorReply,
+    Piece,
+    RespProtocolError,
+    RespReader,
+    pack_bulk_value,
+    pack_command,
+    send_pieces,
+)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    a, b = socket.socketpair()
+    a.settimeout(2.0)
+    b.settimeout(2.0)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def feed(sock: socket.socket, data: bytes, chunk: int = 7) -> threading.Thread:
+    """Send ``data`` in tiny pieces from another thread, to exercise partial reads."""
+
+    def run() -> None:
+        for i in range(0, len(data), chunk):
+            sock.sendall(data[i : i + chunk])
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_pack_command_and_bulk_value_are_valid_resp() -> None:
+    out: list[Piece] = []
+    pack_command(out, b"GET", b"k1")
+    assert b"".join(bytes(p) for p in out) == b"*2\r\n$3\r\nGET\r\n$2\r\nk1\r\n"
+    payload = memoryview(bytes(range(256)) * 100)  # large: must be passed through, not copied
+    out = []
+    pack_bulk_value(out, (b"SET", b"key"), (b"HEAD", payload), (b"PX", b"1000"))
+    assert any(p is payload for p in out)
+    wire = b"".join(bytes(p) for p in out)
+    value = b"HEAD" + bytes(payload)
+    assert wire == (b"*5\r\n$3\r\nSET\r\n$3\r\nkey\r\n$%d\r\n%s\r\n$2\r\nPX\r\n$4\r\n1000\r\n" % (len(value), value))
+
+
+def test_reader_parses_scalar_replies_across_partial_reads(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    thread = feed(a, b"+OK\r\n:42\r\n-ERR bad thing\r\n$-1\r\n_\r\n$5\r\nhello\r\n$0\r\n\r\n")
+    reader = RespReader(b, bufsize=16)
+    assert reader.read_reply() == b"OK"
+    assert reader.read_reply() == 42
+    assert reader.read_reply() == ErrorReply("ERR bad thing")
+    assert reader.read_reply() is None
+    assert reader.read_reply() is None
+    assert reader.read_reply() == b"hello"
+    assert reader.read_reply() == b""
+    thread.join()
+
+
+def test_bulk_split_reads_into_buffers_and_flags_other_lengths(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    good = bytes(range(10)) + bytes(range(100, 200))
+    short = b"xyz"
+    thread = feed(a, b"$%d\r\n%s\r\n$3\r\n%s\r\n$-1\r\n-MOVED 12 127.0.0.1:1\r\n" % (len(good), good, short), 13)
+    reader = RespReader(b, bufsize=32)
+    head, body = bytearray(10), bytearray(100)
+    assert reader.read_bulk_split(memoryview(head), memoryview(body)) == len(good)
+    assert bytes(head) + bytes(body) == good
+    head2, body2 = bytearray(10), bytearray(100)
+    assert reader.read_bulk_split(memoryview(head2), memoryview(body2)) == 3
+    assert body2 == bytearray(100), "a value of the wrong length must not be written into the row"
+    assert reader.read_bulk_split(memoryview(head2), memoryview(body2)) is None
+    reply = reader.read_bulk_split(memoryview(head2), memoryview(body2))
+    assert isinstance(reply, ErrorReply) and reply.is_redirect
+    thread.join()
+
+
+def test_reader_rejects_malformed_streams(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    a.sendall(b"*1\r\n")
+    with pytest.raises(RespProtocolError, match="unexpected RESP reply type"):
+        RespReader(b).read_reply()
+    a.sendall(b"$3\r\nabcXY")
+    with pytest.raises(RespProtocolError, match="CRLF"):
+        RespReader(b).read_reply()
+
+
+def test_reader_reports_a_closed_connection(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    a.sendall(b"$10\r\nabc")
+    a.close()
+    with pytest.raises(ConnectionError):
+        RespReader(b).read_reply()
+
+
+def test_send_pieces_sends_everything(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    big = memoryview(bytes(range(256)) * 4096)  # 1 MiB, more than the socket buffer
+    pieces: list[Piece] = [b"a", b"b", big, b"c"]
+    received = bytearray()
+
+    def drain() -> None:
+        while len(received) < 3 + big.nbytes:
+            received.extend(b.recv(1 << 16))
+
+    thread = threading.Thread(target=drain)
+    thread.start()
+    send_pieces(a, pieces)
+    thread.join(5)
+    assert bytes(received) == b"ab" + bytes(big) + b"c"
