@@ -717,7 +717,12 @@ def describe_config(config: KvtierConfig) -> dict[str, Any]:
 
 def _type_text(annotation: Any) -> str:
     text = str(annotation).replace("typing.", "")
-    return re.sub(r"<class '([^']+)'>", r"\1", text).replace("kvtier.config.", "")
+    return _cell(re.sub(r"<class '([^']+)'>", r"\1", text).replace("kvtier.config.", ""))
+
+
+def _cell(text: object) -> str:
+    """Text safe inside a Markdown table cell."""
+    return str(text).replace("|", "\\|")
 
 
 def render_config_reference() -> str:
@@ -753,11 +758,11 @@ def render_config_reference() -> str:
         lines.append(
             f"| `{name}` | `{env_var(name)}` | `{cli_flag(name)}` | "
             f"{_type_text(info.annotation)} | "
-            f"{default_text(info)} | {info.description} |"
+            f"{default_text(info)} | {_cell(info.description)} |"
         )
     lines += ["", "## `geometry`", "", "| field | type | meaning |", "|---|---|---|"]
     for name, info in GeometryConfig.model_fields.items():
-        lines.append(f"| `{name}` | {_type_text(info.annotation)} | {info.description} |")
+        lines.append(f"| `{name}` | {_type_text(info.annotation)} | {_cell(info.description)} |")
     lines += [
         "",
         "## Model presets",
@@ -777,7 +782,7 @@ def render_config_reference() -> str:
             if name == "type":
                 continue
             required = " (required)" if info.is_required() else ""
-            lines.append(f"| `{name}`{required} | {_type_text(info.annotation)} | {info.description} |")
+            lines.append(f"| `{name}`{required} | {_type_text(info.annotation)} | {_cell(info.description)} |")
     lines += [
         "",
         "Other options are passed to the tier class as keyword arguments and checked against its",
