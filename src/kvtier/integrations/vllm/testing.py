@@ -93,8 +93,18 @@ def build_tiny_llama(directory: str | Path, shape: TinyLlamaShape | None = None,
     few seconds for the default shape. Blocking; call it from test setup.
     """
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from tokenizers import (  # type: ignore[import-not-found,unused-ignore]
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        trainers,
+    )
+    from transformers import (  # type: ignore[import-not-found,unused-ignore]
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
 
     shape = shape or TinyLlamaShape()
     out = Path(directory)
@@ -111,7 +121,7 @@ def build_tiny_llama(directory: str | Path, shape: TinyLlamaShape | None = None,
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(2000, seed), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call,unused-ignore]
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
     )
     fast.save_pretrained(str(out))
@@ -130,9 +140,8 @@ def build_tiny_llama(directory: str | Path, shape: TinyLlamaShape | None = None,
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,
         tie_word_embeddings=False,
-        torch_dtype="float32",
     )
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call,unused-ignore]
     # Larger-than-default init spreads the logits, so greedy decoding is not a
     # flat tie and token-identical comparisons are meaningful.
     with torch.no_grad():

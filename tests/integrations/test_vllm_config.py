@@ -1,0 +1,184 @@
+"""The vLLM integration's pure parts: version pin, extra_config mapping, row layout and copy plans.
+
+No vLLM needed: these run in every venv.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvtier
+from kvtier.errors import ConfigError, KvtierError
+from kvtier.integrations.vllm import SPEC_MODULE_PATH, SPEC_NAME, kv_transfer_config
+from kvtier.integrations.vllm.config import (
+    EngineLayout,
+    VllmVersionError,
+    check_vllm_version,
+    region_name_for,
+    resolve_settings,
+)
+from kvtier.integrations.vllm.copier import block_copy_pairs, plan_group_layout
+from kvtier.region import region_path
+
+LAYOUT = EngineLayout(
+    engine_id="0f1e2d3c-aaaa-bbbb-cccc-000000000001",
+    model_name="/models/tiny",
+    kv_dtype="float32",
+    tokens_per_chunk=64,
+    blocks_per_chunk=2,
+    worker_kv_bytes_per_block=32768,
+    world_size=2,
+    layer_names=("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"),
+)
+
+
+def test_importing_kvtier_and_the_integration_does_not_import_vllm() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kvtier, kvtier.integrations.vllm, kvtier.integrations.vllm.config, "
+        "kvtier.integrations.vllm.copier; print('vllm' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    assert kvtier.__name__ == "kvtier"
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.32.7.dev3"])
+def test_supported_versions_pass(version: str) -> None:
+    assert check_vllm_version(version)[:2] == (0, 32)
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0"])
+def test_versions_outside_the_pin_fail_with_the_range_and_the_fix(version: str) -> None:
+    with pytest.raises(VllmVersionError, match=r">=0\.32\.0,<0\.33\.0.*" + version.replace(".", r"\.")):
+        check_vllm_version(version)
+    assert check_vllm_version(version, allow_untested=True)
+
+
+def test_unparseable_version_is_a_clear_error() -> None:
+    with pytest.raises(VllmVersionError, match="cannot parse"):
+        check_vllm_version("banana")
+
+
+def test_settings_size_rows_for_every_rank_and_count_every_mapper() -> None:
+    s = resolve_settings({"cpu_bytes": "8MiB", "block_size": 64, "spec_name": SPEC_NAME}, LAYOUT, env={})
+    assert s.layout.rank_bytes == 2 * 32768
+    assert s.layout.row_bytes == 2 * 2 * 32768
+    assert s.namespace.geometry.bytes_per_block == s.layout.row_bytes
+    assert s.num_rows == (8 << 20) // s.layout.row_bytes
+    assert s.expected_mappers == 3  # two workers and the scheduler
+    assert s.region_name == region_name_for(LAYOUT.engine_id)
+    region_path(s.region_name)  # a valid region file name
+
+
+def test_settings_are_deterministic_and_namespaced_by_engine_layout() -> None:
+    a = resolve_settings({"num_cpu_blocks": 10}, LAYOUT, env={})
+    b = resolve_settings({"num_cpu_blocks": 10}, LAYOUT, env={})
+    assert (a.region_name, a.num_rows, a.namespace.digest) == (b.region_name, 10, b.namespace.digest)
+    other_dtype = EngineLayout(**{**LAYOUT.__dict__, "kv_dtype": "bfloat16"})
+    assert resolve_settings({"num_cpu_blocks": 10}, other_dtype, env={}).namespace.digest != a.namespace.digest
+    other_engine = EngineLayout(**{**LAYOUT.__dict__, "engine_id": "another"})
+    # Another engine instance of the same model shares tier data but not the region.
+    c = resolve_settings({"num_cpu_blocks": 10}, other_engine, env={})
+    assert c.namespace.digest == a.namespace.digest and c.region_name != a.region_name
+
+
+def test_vllm_cpu_offloading_names_are_accepted_as_aliases() -> None:
+    s = resolve_settings({"cpu_bytes_to_use": 1 << 22, "eviction_policy": "arc"}, LAYOUT, env={})
+    assert s.config.cpu_bytes == 1 << 22 and s.config.policy == "arc"
+
+
+def test_environment_applies_below_extra_config() -> None:
+    s = resolve_settings({"policy": "lru"}, LAYOUT, env={"KVTIER_POLICY": "arc", "KVTIER_CPU_BYTES": "4MiB"})
+    assert s.config.policy == "lru" and s.config.cpu_bytes == 4 << 20
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"cpu_byte": 1}, r"unknown key 'cpu_byte'.*known keys"),
+        ({"model": "x"}, r"come from the engine"),
+        ({"geometry": {}}, r"come from the engine"),
+        ({"cpu_bytes": 1, "cpu_bytes_to_use": 2}, r"twice"),
+        ({"cpu_bytes": "lots"}, r"cpu_bytes"),
+        ({"policy": "nope"}, r"policy"),
+        ({"tiers": [{"type": "fs"}]}, r"tiers\[0\]"),
+        ({"cpu_bytes": 1000}, r"holds no block"),
+    ],
+)
+def test_bad_extra_config_names_the_key(extra: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        resolve_settings(extra, LAYOUT, env={})
+
+
+def test_kv_transfer_config_selects_the_spec_and_validates_early() -> None:
+    cfg = kv_transfer_config(cpu_bytes="1GiB", block_size=64)
+    assert cfg["kv_connector"] == "OffloadingConnector"
+    extra = cfg["kv_connector_extra_config"]
+    assert (extra["spec_name"], extra["spec_module_path"]) == (SPEC_NAME, SPEC_MODULE_PATH)
+    assert extra["cpu_bytes"] == "1GiB" and extra["block_size"] == 64
+    with pytest.raises(ConfigError, match="unknown key"):
+        kv_transfer_config(cpu_gigs=4)
+
+
+def test_group_plan_packs_references_and_rejects_overflow() -> None:
+    plans = plan_group_layout([[(0, 100), (1, 50)], [(2, 30)]], blocks_per_chunk=2, rank_bytes=300)
+    assert [(r.tensor_idx, r.row_offset) for r in plans[0]] == [(0, 0), (1, 200)]
+    assert [(r.tensor_idx, r.row_offset) for r in plans[1]] == [(2, 0)]
+    with pytest.raises(KvtierError, match="needs 302 bytes"):
+        plan_group_layout([[(0, 100), (1, 51)]], blocks_per_chunk=2, rank_bytes=300)
+
+
+def _devices(num_blocks: int = 8) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 255, size=(num_blocks, 16), dtype=np.uint8) for _ in range(2)]
+
+
+def test_store_then_load_round_trips_a_partial_first_chunk() -> None:
+    """Blocks 3..6 of a request with 2 blocks per chunk: the first chunk is entered half way."""
+    bpc = 2
+    plans = plan_group_layout([[(0, 16), (1, 12)]], bpc, rank_bytes=64)
+    devices = _devices()
+    rows = np.zeros((4, 64), dtype=np.uint8)
+    block_ids = np.array([5, 1, 7, 2])
+    slots = np.array([3, 0, 2])  # chunks 1, 2, 3 of the request (blocks 2-3, 4-5, 6-7)
+    pairs = block_copy_pairs(plans, devices, rows, block_ids, [4], [3], slots, bpc, to_device=False)
+    for dst, src in pairs:
+        np.copyto(dst, src)
+    # Block 3 is the second sub-block of chunk 1 (row 3): tensor 0 at 16, tensor 1 at 32 + 12.
+    assert (rows[3, 16:32] == devices[0][5]).all()
+    assert (rows[3, 44:56] == devices[1][5, :12]).all()
+    assert (rows[0, 0:16] == devices[0][1]).all() and (rows[0, 16:32] == devices[0][7]).all()
+    assert (rows[2, 0:16] == devices[0][2]).all()
+
+    restored = [np.zeros_like(d) for d in devices]
+    back = block_copy_pairs(plans, restored, rows, block_ids, [4], [3], slots, bpc, to_device=True)
+    for dst, src in back:
+        np.copyto(dst, src)
+    for b in block_ids:
+        assert (restored[0][b] == devices[0][b]).all()
+        assert (restored[1][b, :12] == devices[1][b, :12]).all()
+
+
+def test_groups_take_their_own_rows_in_order() -> None:
+    plans = plan_group_layout([[(0, 16)], [(1, 16)]], 1, rank_bytes=16)
+    devices = _devices()
+    rows = np.zeros((4, 16), dtype=np.uint8)
+    pairs = block_copy_pairs(plans, devices, rows, np.array([1, 2, 3]), [2, 1], [0, 4], np.array([0, 1, 2]), 1, False)
+    for dst, src in pairs:
+        np.copyto(dst, src)
+    assert (rows[0] == devices[0][1]).all() and (rows[1] == devices[0][2]).all()
+    assert (rows[2] == devices[1][3]).all()
+
+
+def test_inconsistent_specs_are_rejected() -> None:
+    plans = plan_group_layout([[(0, 16)]], 2, rank_bytes=32)
+    devices = _devices()
+    rows = np.zeros((4, 32), dtype=np.uint8)
+    with pytest.raises(KvtierError, match="rows"):
+        block_copy_pairs(plans, devices, rows, np.array([1, 2, 3]), [3], [0], np.array([0]), 2, False)
+    with pytest.raises(KvtierError, match="mismatch"):
+        block_copy_pairs(plans, devices, rows, np.array([1, 2]), [2], [0], np.array([0, 1]), 2, False)
