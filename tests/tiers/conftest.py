@@ -153,6 +153,98 @@ def redis_server_factory(tmp_path: Path) -> Iterator[object]:
             server.stop()
 
 
+@pytest.fixture
+def redis_tls_server(tmp_path: Path) -> Iterator[tuple[RedisServer, str]]:
+    """A redis-server with a TLS port too (self-signed CA); yields ``(server, rediss_url)``."""
+    if REDIS_SERVER is None:
+        pytest.skip(_SKIP_REASON)
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl not found on PATH; it is needed to make test certificates")
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    ca_key, ca_crt = certs / "ca.key", certs / "ca.crt"
+    key, csr, crt, ext = certs / "server.key", certs / "server.csr", certs / "server.crt", certs / "ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    quiet = {"check": True, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "timeout": 60}
+    subprocess.run(
+        [
+            openssl,
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(ca_key),
+            "-out",
+            str(ca_crt),
+            "-days",
+            "2",
+            "-subj",
+            "/CN=kvtier-test-ca",
+        ],
+        **quiet,  # type: ignore[arg-type]
+    )
+    subprocess.run(
+        [
+            openssl,
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(csr),
+            "-subj",
+            "/CN=127.0.0.1",
+        ],
+        **quiet,  # type: ignore[arg-type]
+    )
+    subprocess.run(
+        [
+            openssl,
+            "x509",
+            "-req",
+            "-in",
+            str(csr),
+            "-CA",
+            str(ca_crt),
+            "-CAkey",
+            str(ca_key),
+            "-CAcreateserial",
+            "-out",
+            str(crt),
+            "-days",
+            "2",
+            "-extfile",
+            str(ext),
+        ],
+        **quiet,  # type: ignore[arg-type]
+    )
+    tls_port = _free_port()
+    server = _start_server(
+        tmp_path / "redis-tls",
+        (
+            "--tls-port",
+            str(tls_port),
+            "--tls-cert-file",
+            str(crt),
+            "--tls-key-file",
+            str(key),
+            "--tls-ca-cert-file",
+            str(ca_crt),
+            "--tls-auth-clients",
+            "no",
+        ),
+    )
+    try:
+        yield server, f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={ca_crt}&ssl_cert_reqs=required"
+    finally:
+        server.stop()
+
+
 class RedisCluster3:
     """Three cluster-enabled redis-servers joined into one cluster (no replicas)."""
 

@@ -535,3 +535,35 @@ def test_hung_server_times_out_opens_and_recovers(redis_server: Any, make_tier: 
     result = load(tier, keys[:4], [12, 13, 14, 15])
     assert result.success, result.error
     assert np.array_equal(rows[12:16], rows[0:4])
+
+
+def test_tls_round_trip(redis_tls_server: Any, make_tier: Callable[..., RedisTier]) -> None:
+    _, url = redis_tls_server
+    rows = random_rows(16, block_bytes=256 * 1024)
+    rows[8:] = 0
+    ns = namespace(block_bytes=256 * 1024)
+    tier = make_tier(url, rows, ns)
+    keys = keys_for(ns, 8)
+    result = store(tier, keys, list(range(8)))
+    assert result.success, result.error
+    assert resolve(tier, keys[0]) is LookupResult.HIT
+    result = load(tier, keys, list(range(8, 16)))
+    assert result.success, result.error
+    assert np.array_equal(rows[8:], rows[:8])
+
+
+def test_acl_user_in_url(redis_server: Any, make_tier: Callable[..., RedisTier]) -> None:
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.acl_setuser("engine", enabled=True, passwords=["+pw1"], keys=["kvtier:*"], commands=["+@all"])
+    rows = random_rows(4)
+    ns = namespace()
+    keys = keys_for(ns, 2)
+    tier = make_tier(f"redis://engine:pw1@127.0.0.1:{redis_server.port}/0", rows, ns)
+    assert store(tier, keys, [0, 1]).success
+    assert load(tier, keys, [2, 3]).success
+    assert np.array_equal(rows[2:4], rows[0:2])
+    # The ACL really applies: this user may not touch keys outside its prefix.
+    other = make_tier(f"redis://engine:pw1@127.0.0.1:{redis_server.port}/0", rows, ns, prefix="other")
+    result = store(other, keys, [0, 1])
+    assert not result.success and result.error is not None and "NOPERM" in result.error
+    assert other.health().state is HealthState.CLOSED
