@@ -109,7 +109,10 @@ def test_describe_config_derives_block_and_tier_sizes(tmp_path: Path) -> None:
             "model": "tiny",
             "geometry": {"tokens_per_block": 64},
             "cpu_bytes": "64MiB",
-            "tiers": [{"type": "fs", "root": str(tmp_path), "max_bytes": "1GiB"}, {"type": "redis", "url": "redis://x"}],
+            "tiers": [
+                {"type": "fs", "root": str(tmp_path), "max_bytes": "1GiB"},
+                {"type": "redis", "url": "redis://x"},
+            ],
         },
     )
     info = describe_config(config)
