@@ -7,35 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from workload_helpers import flat, random_chat_trace
 
 from kvtier.errors import ConfigError
 from kvtier.workload.simulate import belady_hit_rate, lru_hit_rate, next_use, unbounded_hit_rate
-from kvtier.workload.trace import FlatTrace, TraceRequest, read_trace
+from kvtier.workload.trace import FlatTrace, read_trace
 
 REAL_TRACE = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "conversation_trace.jsonl"
-
-
-def flat(*requests: list[int]) -> FlatTrace:
-    return FlatTrace.from_requests([TraceRequest(i, 0, 0, tuple(r)) for i, r in enumerate(requests)])
-
-
-def random_chat_trace(seed: int, n_requests: int = 300) -> FlatTrace:
-    """Chained ids: sessions grow their prefix; a few shared roots."""
-    rng = np.random.default_rng(seed)
-    sessions: list[list[int]] = []
-    next_id = 100
-    reqs = []
-    for _ in range(n_requests):
-        if sessions and rng.random() < 0.6:
-            s = sessions[int(rng.integers(len(sessions)))]
-        else:
-            s = [int(rng.integers(0, 5))]
-            sessions.append(s)
-        for _ in range(int(rng.integers(1, 4))):
-            s.append(next_id)
-            next_id += 1
-        reqs.append(list(s))
-    return flat(*reqs)
 
 
 def test_prefix_rule_counts_only_leading_hits() -> None:

@@ -13,6 +13,10 @@ scheduler does:
 
 With secondary tiers configured, their cascades and promotions are real (they
 read and write the small rows), so per-tier hit rates are measured end to end.
+Each request's cascades are waited for before the next request starts (a real
+engine's compute time), so a tier never sheds writes because the replay
+outruns it; this is slow (one small file per distinct block for fs), so use
+``--limit`` with tiers.
 
 Called from one thread (the caller's), which plays the scheduler.
 """
@@ -110,13 +114,17 @@ def replay_manager(
                     found = _lookup_waiting(manager, key, req, pending_timeout)
                     if found is None:
                         break
+                    # Pin at once: waiting for the next promotion steps the manager,
+                    # and a promotion's reservation may evict unpinned blocks.
+                    manager.prepare_load([key], req)
                     tier_hits[labels[found]] += 1
                 hits += 1
             lookup_seconds += time.perf_counter() - t0
             lookups += min(hits + 1, len(request_keys))
             if hits:
                 prefix = list(request_keys[:hits])
-                manager.prepare_load(prefix, req)
+                if not manager.tiers:
+                    manager.prepare_load(prefix, req)
                 manager.complete_load(prefix, req)
             rest = request_keys[hits:]
             if rest:
@@ -127,14 +135,13 @@ def replay_manager(
                     manager.complete_store(result.keys_to_store, req, True)
             manager.on_request_finished(req)
             manager.on_schedule_end()
+            if manager.tiers:
+                # Lossless replay: let every cascade land before the next request (a
+                # real engine's compute time), so tiers never shed writes here.
+                _settle(manager, pending_timeout)
             if progress is not None and (n + 1) % 256 == 0:
                 progress(n + 1)
-        deadline = time.monotonic() + pending_timeout
-        while manager.has_pending_work():
-            if time.monotonic() > deadline:
-                raise KvtierError(f"tier jobs still pending {pending_timeout}s after the replay ended")
-            manager.on_schedule_end()
-            time.sleep(0.001)
+        _settle(manager, pending_timeout)
         stats = manager.stats()
     finally:
         manager.shutdown()
@@ -145,6 +152,16 @@ def replay_manager(
         "lookup_us_mean": 1e6 * lookup_seconds / lookups if lookups else 0.0,
     }
     return HitRateResult(f"kvtier-{policy}", capacity, refs, hits_total, time.perf_counter() - start, tier_hits, extra)
+
+
+def _settle(manager: TieringManager, timeout: float) -> None:
+    """Step the manager until no tier job is in flight (bounded by ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while manager.has_pending_work():
+        if time.monotonic() > deadline:
+            raise KvtierError(f"tier jobs still pending after {timeout}s; is a tier stuck?")
+        time.sleep(0.0001)
+        manager.on_schedule_end()
 
 
 def _lookup_waiting(manager: TieringManager, key: BlockKey, req: RequestContext, timeout: float) -> int | None:
