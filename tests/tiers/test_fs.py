@@ -248,6 +248,19 @@ def test_lookup_racing_the_scan_answers_retry_not_miss(tmp_path: Path, rows: np.
 
 @pytest.mark.slow
 def test_scan_of_100k_entries_does_not_hold_up_start(tmp_path: Path, rows: np.ndarray) -> None:
+    # On a tmpfs when possible: creating 100k files on the virtual disk takes ~30 s.
+    where = tmp_path / "many"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)],
+                             capture_output=True).returncode == 0
+    try:
+        _scan_100k(where, rows)
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def _scan_100k(tmp_path: Path, rows: np.ndarray) -> None:
     first = make_tier(tmp_path, rows, BB)
     ns_dir = first.ns_dir
     first.shutdown()
@@ -266,6 +279,7 @@ def test_scan_of_100k_entries_does_not_hold_up_start(tmp_path: Path, rows: np.nd
             time.sleep(0.01)
         assert tier.usage().entries == 100_000
         assert tier.lookup(keys[12345], None) is LookupResult.HIT
+        print(f"100k entries: constructor {started:.3f}s, scan {tier.stats.extra['scan_seconds']:.2f}s")
     finally:
         tier.shutdown()
 
@@ -389,6 +403,34 @@ def test_lru_eviction_keeps_recently_used(tmp_path: Path, rows: np.ndarray) -> N
         assert present == [True, True, False, True, True]
         assert tier.stats.evictions == 1 and len(value_files(tmp_path)) == 4
         assert any(e.removed and e.keys == (keys[2],) for e in tier.take_events())
+    finally:
+        tier.shutdown()
+
+
+def test_evicted_file_is_recycled_and_trimmed(tmp_path: Path) -> None:
+    """A store at capacity overwrites the LRU victim's file in place (same inode), trimmed to
+    the new value's size (a page-padded O_DIRECT file reused by buffered I/O)."""
+    bb = 3 * 4096 + 112
+    rows = AlignedRows(4, bb).rows
+    old, new = key_of(1), key_of(2)
+    fill(rows, [0, 1], [old, new], bb)
+    direct = make_tier(tmp_path, rows, bb, direct_io=True)
+    assert store(direct, [old], [0]).success
+    direct.shutdown()
+    old_path = value_path(direct.ns_dir, old)
+    inode, size = old_path.stat().st_ino, old_path.stat().st_size
+    assert size == entry_bytes(bb)
+
+    tier = make_tier(tmp_path, rows, bb, direct_io=False, max_bytes=entry_bytes(bb))
+    try:
+        assert store(tier, [new], [1]).success
+        new_path = value_path(tier.ns_dir, new)
+        assert not old_path.exists() and new_path.stat().st_ino == inode
+        assert new_path.stat().st_size == PAYLOAD_OFFSET + bb
+        rows[2:4] = 0
+        assert load(tier, [new], [2]).success
+        _check_rows(rows, [2], [new], bb)
+        assert tier.lookup(old, None) is LookupResult.MISS and tier.stats.evictions == 1
     finally:
         tier.shutdown()
 
