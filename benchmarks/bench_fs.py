@@ -100,14 +100,21 @@ class _Bench:
             opts = {"read_threads": int(threads), "write_threads": int(threads)}
         max_bytes = 1 << 40 if capacity_blocks is None else capacity_blocks * entry_bytes(self.block)
         ctx = TierContext(rows=self.rows, block_bytes=self.block, namespace=self.ns)
-        tier = FilesystemTier(ctx, root=str(self.base / f"tier-{next(self._roots)}"), max_bytes=max_bytes,
-                              direct_io=direct, scan_in_background=False, **opts)
+        tier = FilesystemTier(
+            ctx,
+            root=str(self.base / f"tier-{next(self._roots)}"),
+            max_bytes=max_bytes,
+            direct_io=direct,
+            scan_in_background=False,
+            **opts,
+        )
         assert tier.direct_io is direct
         return tier
 
     def line(self, label: str, threads: str, op: str, raw_s: float, tier_s: float) -> None:
-        print(f"{label:<28}{threads:>8}{op:>18}{self.gb / raw_s:>10.2f}{self.gb / tier_s:>11.2f}"
-              f"{raw_s / tier_s:>10.2f}")
+        print(
+            f"{label:<28}{threads:>8}{op:>18}{self.gb / raw_s:>10.2f}{self.gb / tier_s:>11.2f}{raw_s / tier_s:>10.2f}"
+        )
 
     def run(self, label: str, direct: bool, threads: str) -> None:
         n, block, rows, repeat, batch = self.n, self.block, self.rows, self.args.repeat, self.args.batch
@@ -157,8 +164,9 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=64, help="blocks per measurement (default 64 = 128 MiB)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--batch", type=int, default=16, help="blocks per tier job")
-    parser.add_argument("--threads", default="1,default",
-                        help="comma list of tier I/O thread counts; 'default' = 4 read / 2 write")
+    parser.add_argument(
+        "--threads", default="1,default", help="comma list of tier I/O thread counts; 'default' = 4 read / 2 write"
+    )
     args = parser.parse_args()
 
     block, n = args.block_bytes, args.blocks
@@ -171,12 +179,16 @@ def main() -> None:
     modes = [("hot (page cache, buffered)", False)]
     if direct_reason is None:
         modes.append(("cold (O_DIRECT)", True))
-    print(f"bench_fs: {n} x {block / 2**20:.1f} MiB blocks ({bench.gb:.2f} GB) per measurement, "
-          f"best of {args.repeat}, dir {base}")
+    print(
+        f"bench_fs: {n} x {block / 2**20:.1f} MiB blocks ({bench.gb:.2f} GB) per measurement, "
+        f"best of {args.repeat}, dir {base}"
+    )
     if direct_reason is not None:
         print(f"  O_DIRECT unavailable here ({direct_reason}): cold measurement skipped")
-    print("  raw = 1 thread, sequential os.pwrite/os.preadv of the same bytes on one file (fresh file for "
-          "'empty tier', overwritten for 'full tier')")
+    print(
+        "  raw = 1 thread, sequential os.pwrite/os.preadv of the same bytes on one file (fresh file for "
+        "'empty tier', overwritten for 'full tier')"
+    )
     print(f"{'mode':<28}{'threads':>8}{'op':>18}{'raw GB/s':>10}{'tier GB/s':>11}{'tier/raw':>10}")
     try:
         for label, direct in modes:

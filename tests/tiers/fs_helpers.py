@@ -58,8 +58,9 @@ def fill(rows: np.ndarray, slots: Sequence[int], keys: Sequence[bytes], n: int) 
         rows[slot, :n] = block_bytes_for(key, n)
 
 
-def make_tier(root: Path | str, rows: np.ndarray, block_bytes: int, *, model_id: str = "test/fs-model",
-              **options: Any) -> FilesystemTier:
+def make_tier(
+    root: Path | str, rows: np.ndarray, block_bytes: int, *, model_id: str = "test/fs-model", **options: Any
+) -> FilesystemTier:
     ctx = TierContext(rows=rows, block_bytes=block_bytes, namespace=namespace(block_bytes, model_id))
     options.setdefault("scan_in_background", False)
     options.setdefault("read_threads", 2)

@@ -47,11 +47,14 @@ def rows() -> np.ndarray:
 
 def _mount_tmpfs(where: Path, size: str) -> None:
     where.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True
+    )
     if proc.returncode:
-        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip() or proc.returncode}); "
-                    "the test needs root or CAP_SYS_ADMIN")
+        pytest.skip(
+            f"cannot mount a tmpfs here ({proc.stderr.strip() or proc.returncode}); "
+            "the test needs root or CAP_SYS_ADMIN"
+        )
 
 
 @pytest.fixture
@@ -251,8 +254,10 @@ def test_scan_of_100k_entries_does_not_hold_up_start(tmp_path: Path, rows: np.nd
     # On a tmpfs when possible: creating 100k files on the virtual disk takes ~30 s.
     where = tmp_path / "many"
     where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)],
-                             capture_output=True).returncode == 0
+    mounted = (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)], capture_output=True).returncode
+        == 0
+    )
     try:
         _scan_100k(where, rows)
     finally:

@@ -24,8 +24,16 @@ def _manager(root: Path, direct_io: bool | str = "auto") -> TieringManager:
     return TieringManager.create(
         namespace=NS,
         num_cpu_blocks=8,
-        tiers=[{"type": "fs", "root": str(root), "max_bytes": 64 << 20, "read_threads": 2,
-                "write_threads": 1, "direct_io": direct_io}],
+        tiers=[
+            {
+                "type": "fs",
+                "root": str(root),
+                "max_bytes": 64 << 20,
+                "read_threads": 2,
+                "write_threads": 1,
+                "direct_io": direct_io,
+            }
+        ],
     )
 
 

@@ -624,10 +624,11 @@ class FilesystemTier(SecondaryTier):
                     self.stats.extra["stores_skipped"] += 1
                 self._block_done(task.job, key, 0, None)
             return
-        if plan.victims:
-            self._unlink_victims(plan.victims)
         error: str | None = None
         tmp = self._instance.temp_path(key)
+        reuse = False
+        if plan.victims:
+            reuse = self._unlink_victims(plan.victims, recycle_to=tmp)
         try:
             row = self._row_view(task.slot)
             try:
@@ -640,6 +641,7 @@ class FilesystemTier(SecondaryTier):
                     block_bytes=self.block_bytes,
                     direct=self.direct_io,
                     fsync=self.fsync,
+                    reuse=reuse,
                 )
             finally:
                 row.release()
@@ -673,10 +675,19 @@ class FilesystemTier(SecondaryTier):
                 self.stats.stores_failed += 1
         self._block_done(task.job, key, self.block_bytes if error is None else 0, error)
 
-    def _unlink_victims(self, victims: list[BlockKey]) -> None:
+    def _unlink_victims(self, victims: list[BlockKey], recycle_to: Path | None = None) -> bool:
+        """Delete evicted values. With ``recycle_to``, the first victim's file is renamed there
+        instead, for the caller to overwrite: rewriting allocated blocks is about twice as fast as
+        filling a fresh file (no block allocation). Returns True if a file was recycled."""
+        recycled = False
         for victim in victims:
+            path = value_path(self.ns_dir, victim)
             try:
-                os.unlink(value_path(self.ns_dir, victim))
+                if recycle_to is not None and not recycled:
+                    os.rename(path, recycle_to)
+                    recycled = True
+                else:
+                    os.unlink(path)
             except FileNotFoundError:
                 pass
             except OSError as exc:
@@ -685,6 +696,7 @@ class FilesystemTier(SecondaryTier):
         with self._lock:
             self.stats.evictions += len(victims)
             self._events.append(BlockEvent(tuple(victims), self.label, self.medium, removed=True))
+        return recycled
 
     def _delete(self, key: BlockKey) -> None:
         """Remove a corrupt or vanished value from the index and the disk."""

@@ -332,6 +332,7 @@ def write_value(
     block_bytes: int,
     direct: bool,
     fsync: bool,
+    reuse: bool = False,
 ) -> int:
     """Write one value file at ``path`` (a temp path; the caller renames it into place).
 
@@ -340,12 +341,16 @@ def write_value(
     ``block_bytes`` are the block; with ``direct`` it must be page aligned and a whole
     number of pages long (the padding is written too). One ``pwritev`` moves header
     and payload with no intermediate copy. Returns the file size. Raises OSError; a
-    failed write leaves a partial temp file for the caller to unlink.
+    failed write leaves a partial temp file for the caller to unlink. With ``reuse``,
+    ``path`` is an existing file (an evicted value renamed there) that is overwritten in
+    place and trimmed to size.
     """
     checksum = payload_checksum(payload[:block_bytes])
     header_page[:HEADER_SIZE] = ValueHeader(namespace, key, block_bytes, checksum).pack()
     header_page[HEADER_SIZE:PAYLOAD_OFFSET] = _ZERO_TAIL
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (O_DIRECT if direct else 0)
+    flags = os.O_WRONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0)
+    if not reuse:
+        flags |= os.O_CREAT | os.O_EXCL
     fd = os.open(path, flags, 0o644)
     try:
         total = PAYLOAD_OFFSET + len(payload)
@@ -355,6 +360,8 @@ def write_value(
                 done += os.pwritev(fd, [header_page[done:], payload], done)
             else:
                 done += os.pwrite(fd, payload[done - PAYLOAD_OFFSET :], done)
+        if reuse:
+            os.ftruncate(fd, total)  # the recycled file may have been longer
         if fsync:
             os.fsync(fd)
     finally:
