@@ -684,3 +684,31 @@ def test_verify_root_reports_and_removes_corrupt_entries(tmp_path: Path, rows: n
     assert after.ok and after.entries == 4
     with pytest.raises(ConfigError):
         verify_root(tmp_path / "missing")
+
+
+def test_stores_are_shed_when_the_write_queue_is_full(tmp_path: Path, rows: np.ndarray) -> None:
+    tier = make_tier(tmp_path, rows, BB, write_threads=1, fsync=True, max_queued_stores=4)
+    try:
+        first = [key_of(i) for i in range(16)]
+        second = [key_of(i) for i in range(16, 20)]
+        fill(rows, range(20), first + second, BB)
+        tier.submit_store(TransferJob(1, first, np.arange(16), is_promotion=False))
+        tier.submit_store(TransferJob(2, second, np.arange(16, 20), is_promotion=False))
+        tier.drain(timeout=60)
+        results = {r.job_id: r for r in tier.poll_finished()}
+        assert results[1].success
+        assert not results[2].success and results[2].successful_keys == frozenset()
+        assert "queue full" in (results[2].error or "")
+        assert tier.stats.stores_dropped == 4
+        assert all(tier.lookup(k, None) is LookupResult.MISS for k in second)
+    finally:
+        tier.shutdown()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"read_threads": 0}, {"write_threads": 0}, {"direct_io": "sometimes"}, {"probe_interval": 0}],
+)
+def test_bad_options_are_config_errors(tmp_path: Path, rows: np.ndarray, options: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        make_tier(tmp_path, rows, BB, **options)
