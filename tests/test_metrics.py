@@ -1,0 +1,139 @@
+"""Prometheus metrics built from a real TieringManager's stats."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier.config import build_manager, load_config
+from kvtier.errors import KvtierError
+from kvtier.keys import chain_ids
+from kvtier.metrics import KvtierMetrics
+from kvtier.types import LookupResult, RequestContext
+
+
+def samples(metrics: KvtierMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+@pytest.fixture
+def private_shm() -> Iterator[Path]:
+    """A private region directory (other processes' /dev/shm files never interfere)."""
+    path = Path(tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm"))
+    try:
+        yield path
+        assert not list(path.iterdir()), "region file left behind"
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_metrics_follow_a_real_manager(tmp_path: Path, private_shm: Path) -> None:
+    config = load_config(
+        env={},
+        cli={
+            "model": "tiny",
+            "shm_dir": str(private_shm),
+            "num_cpu_blocks": 4,
+            "tiers": [{"type": "fs", "root": str(tmp_path), "scan_in_background": False}],
+        },
+    )
+    manager = build_manager(config)
+    metrics = KvtierMetrics()
+    try:
+        req = RequestContext("r1")
+        keys = chain_ids(range(6))
+        prepared = manager.prepare_store(keys[:4], req)
+        assert prepared is not None
+        for slot in prepared.slots:
+            manager.rows[int(slot), : manager.block_bytes] = 7
+        manager.complete_store(prepared.keys_to_store, req)
+        manager.on_request_finished(req)
+        deadline = time.monotonic() + 10
+        while manager.has_pending_work() and time.monotonic() < deadline:
+            manager.on_schedule_end()
+            time.sleep(0.005)
+        assert manager.lookup(keys[0], req) is LookupResult.HIT
+        assert manager.lookup(keys[5], req) is LookupResult.MISS
+        metrics.update(manager, {"device_to_cpu": (123, 0.5)})
+        got = samples(metrics)
+    finally:
+        manager.shutdown()
+    stats_bytes = 4 * config.block_bytes
+    assert got[("kvtier_lookups_total", (("result", "hit"), ("tier", "0:primary")))] == 1
+    assert got[("kvtier_lookups_total", (("result", "miss"), ("tier", "0:primary")))] == 1
+    assert got[("kvtier_lookups_total", (("result", "miss"), ("tier", "1:fs")))] == 1
+    assert got[("kvtier_bytes_total", (("direction", "write"), ("tier", "0:primary")))] == stats_bytes
+    assert got[("kvtier_bytes_total", (("direction", "write"), ("tier", "1:fs")))] == stats_bytes
+    assert got[("kvtier_bytes_total", (("direction", "device_to_cpu"), ("tier", "device")))] == 123
+    assert got[("kvtier_cascades_total", (("result", "succeeded"),))] == 4
+    assert got[("kvtier_entries", (("tier", "0:primary"),))] == 4
+    assert got[("kvtier_entries", (("tier", "1:fs"),))] == 4
+    assert got[("kvtier_capacity_bytes", (("tier", "0:primary"),))] == 4 * manager.region.row_stride
+    assert got[("kvtier_health_state", (("state", "closed"), ("tier", "1:fs")))] == 1
+    assert got[("kvtier_health_state", (("state", "open"), ("tier", "1:fs")))] == 0
+    assert got[("kvtier_jobs_in_flight", ())] == 0
+
+
+def test_health_and_failures_from_a_snapshot() -> None:
+    metrics = KvtierMetrics()
+    metrics.update(
+        {
+            "manager": {"jobs_in_flight": 3, "promotions_failed": 2},
+            "primary": {"hits": 5, "block_bytes": 10, "blocks_stored": 2},
+            "tiers": {"1:redis": {"health": "open", "stores_failed": 4, "corrupt_values": 1, "used_bytes": 9}},
+        }
+    )
+    metrics.observe_lookup(2e-6)
+    metrics.observe_step(3e-4)
+    got = samples(metrics)
+    assert got[("kvtier_health_state", (("state", "open"), ("tier", "1:redis")))] == 1
+    assert got[("kvtier_failures_total", (("kind", "store_failed"), ("tier", "1:redis")))] == 4
+    assert got[("kvtier_failures_total", (("kind", "corrupt_value"), ("tier", "1:redis")))] == 1
+    assert got[("kvtier_promotions_total", (("result", "failed"),))] == 2
+    assert got[("kvtier_jobs_in_flight", ())] == 3
+    assert got[("kvtier_bytes_total", (("direction", "write"), ("tier", "0:primary")))] == 20
+    assert got[("kvtier_lookup_seconds_count", ())] == 1
+    assert got[("kvtier_scheduler_step_seconds_count", ())] == 1
+
+
+def test_registries_are_private() -> None:
+    a, b = KvtierMetrics(), KvtierMetrics()  # a global registry would refuse the second
+    a.observe_lookup(1e-6)
+    assert samples(b)[("kvtier_lookup_seconds_count", ())] == 0
+    assert not any(name.startswith("kvtier_lookups") for name, _ in samples(b))  # no snapshot yet
+
+
+def test_serve_and_close() -> None:
+    metrics = KvtierMetrics()
+    metrics.update({"manager": {}, "primary": {"hits": 11}, "tiers": {}})
+    port = metrics.serve(0)
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert 'kvtier_lookups_total{result="hit",tier="0:primary"} 11.0' in body
+        with pytest.raises(KvtierError, match="already running"):
+            metrics.serve(0)
+    finally:
+        metrics.close()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def test_port_in_use_is_explained() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        with pytest.raises(KvtierError, match="pick a free --metrics-port"):
+            KvtierMetrics().serve(port)
