@@ -598,15 +598,23 @@ class RedisTier(SecondaryTier):
         send: Callable[[list[Piece], int], None],
         receive: Callable[[RespReader, int], None],
     ) -> None:
-        """Send one command per key (grouped by server), then read the replies in order."""
+        """Send one command per key (grouped by server), then read the replies in order.
+
+        A command carrying a payload is sent as soon as it is packed, so the
+        server processes value ``i`` while the next header and checksum are computed.
+        """
         for pool, indexes in self._backend.groups(rkeys):
             conn = pool.get_connection()
             clean = False
             try:
+                sock = conn._sock
                 pieces: list[Piece] = []
                 for i in indexes:
                     send(pieces, i)
-                sock = conn._sock
+                    if len(pieces) >= 256 or any(isinstance(p, memoryview) for p in pieces[-3:]):
+                        # Keep the small tail to join it with the next command's head.
+                        send_pieces(sock, pieces[:-1])
+                        del pieces[:-1]
                 send_pieces(sock, pieces)
                 reader = RespReader(sock)
                 for i in indexes:
