@@ -800,27 +800,18 @@ class RedisTier(SecondaryTier):
         self._finish(self._result(job, loaded, len(loaded) * self._value_bytes, seconds, errors))
 
     def _delete(self, keys: list[BlockKey]) -> None:
-        rkeys = [self.redis_key(k) for k in keys]
-
-        def send(out: list[Piece], i: int) -> None:
-            pack_command(out, b"DEL", rkeys[i])
-
-        def receive(reader: RespReader, i: int) -> None:
-            reader.read_reply()
-
-        try:
-            self._pipeline(rkeys, send, receive)
-        except Exception as exc:
-            self._record_error(exc)
+        self._best_effort(b"DEL", keys)
 
     def _do_touch(self, keys: list[BlockKey]) -> None:
-        if self._px is None or not self._breaker.serving:
-            return
-        px = self._px
+        if self._px is not None and self._breaker.serving:
+            self._best_effort(b"PEXPIRE", keys, self._px)
+
+    def _best_effort(self, command: bytes, keys: list[BlockKey], *args: bytes) -> None:
+        """``<command> <key> <args...>`` for every key, pipelined; replies are not inspected."""
         rkeys = [self.redis_key(k) for k in keys]
 
         def send(out: list[Piece], i: int) -> None:
-            pack_command(out, b"PEXPIRE", rkeys[i], px)
+            pack_command(out, command, rkeys[i], *args)
 
         def receive(reader: RespReader, i: int) -> None:
             reader.read_reply()
