@@ -668,6 +668,10 @@ def _tier_capacity(spec: Mapping[str, Any], block_bytes: int) -> dict[str, Any]:
     max_bytes = spec.get("max_bytes")
     if isinstance(max_bytes, int):
         per_block = row_stride_for(block_bytes + HEADER_SIZE)
+        if spec.get("type") == "fs":
+            from kvtier.tiers.fs_layout import entry_bytes
+
+            per_block = entry_bytes(block_bytes)
         out["capacity_bytes"] = max_bytes
         out["capacity"] = format_size(max_bytes)
         out["blocks"] = max_bytes // per_block

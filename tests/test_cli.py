@@ -1,0 +1,247 @@
+"""Every ``kvtier`` command, run in a subprocess, with its output checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+REAL_TRACE = REPO / ".." / "shared" / "traces" / "conversation_trace.jsonl"
+_SCRIPT = Path(sys.executable).parent / "kvtier"
+KVTIER = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "kvtier.cli"]
+
+
+def run(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    full_env.update(env or {})
+    full_env["COLUMNS"] = "160"
+    return subprocess.run(
+        [*KVTIER, *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO, check=False
+    )
+
+
+@pytest.fixture
+def private_shm() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+TINY_BENCH = [
+    "bench", "--sessions", "6", "--max-turns", "3", "--model", "tiny", "--cpu-bytes", "2MiB",
+    "--device-blocks", "200", "--prefill-tokens-per-s", "0", "--no-progress",
+]  # fmt: skip
+
+
+def test_version_and_help() -> None:
+    out = run("--version")
+    assert out.returncode == 0 and out.stdout.startswith("kvtier ")
+    out = run("--help")
+    assert out.returncode == 0
+    for command in ("bench", "replay", "sweep-shm", "inspect", "config"):
+        assert command in out.stdout
+
+
+def test_bench_prints_tables_and_writes_json_and_plot(tmp_path: Path, private_shm: Path) -> None:
+    out = run(*TINY_BENCH, "--shm-dir", str(private_shm), "--fs-root", str(tmp_path / "fs"),
+              "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png"))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    for text in ("kvtier bench", "hit rate by tier", "device", "cpu", "fs", "bytes moved", "GB/s",
+                 "lookup (per block)", "kvtier per engine step", "prefill tokens saved", "errors"):  # fmt: skip
+        assert text in out.stdout, text
+    assert re.search(r"errors\s*│\s*0\s*│", out.stdout), out.stdout
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert data["errors"]["total"] == 0
+    assert data["verified_blocks"] == data["hits"]["cpu"] + data["hits"]["fs"] > 0
+    assert data["requests"] > 6 and data["timeline"]
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(private_shm.iterdir()), "bench left its region behind"
+    # The fs tier it left behind is a valid tier: inspect it (next test covers --verify).
+    out = run("inspect", str(tmp_path / "fs"), "--verify")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "corrupt:      0" in out.stdout and "kvtier/tiny" in out.stdout
+
+
+def test_bench_serves_metrics_while_running(private_shm: Path) -> None:
+    with socket_port() as port:
+        pass
+    args = [*TINY_BENCH, "--shm-dir", str(private_shm), "--no-fs", "--metrics-port", str(port)]
+    args[args.index("--prefill-tokens-per-s") + 1] = "2000"  # slow enough to scrape
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    proc = subprocess.Popen([*KVTIER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        body = ""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and "kvtier_lookups_total" not in body:
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+            except OSError:
+                time.sleep(0.1)
+        assert "kvtier_lookups_total" in body
+        assert 'kvtier_capacity_bytes{tier="0:primary"}' in body
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stderr
+    assert f"http://127.0.0.1:{port}/metrics" in stderr
+
+
+class socket_port:
+    """A free loopback port (closed again on exit, so a child can bind it)."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        return int(self.sock.getsockname()[1])
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
+
+
+def test_bench_bad_size_is_a_usage_error() -> None:
+    out = run("bench", "--cpu-bytes", "lots")
+    assert out.returncode == 2
+    assert "size 'lots' is not understood" in out.stderr
+
+
+@pytest.mark.skipif(not REAL_TRACE.is_file(), reason="shared Mooncake trace not present")
+def test_replay_real_trace_acceptance(tmp_path: Path, private_shm: Path) -> None:
+    out = run("replay", str(REAL_TRACE), "--capacity", "9139", "--policy", "lru",
+              "--shm-dir", str(private_shm), "--json", str(tmp_path / "r.json"))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "12031 requests, 288500 block references" in out.stdout
+    assert "unbounded cache prefix-hit rate: 36.6%" in out.stdout
+    m = re.search(r"capacity 9139: kvtier ([\d.]+)%\s+belady ([\d.]+)%\s+unbounded ([\d.]+)%", out.stdout)
+    assert m, out.stdout
+    kvtier, belady, unbounded = (float(g) for g in m.groups())
+    assert kvtier == pytest.approx(19.5, abs=0.5)
+    assert unbounded == pytest.approx(36.6, abs=0.05)
+    assert kvtier <= belady <= unbounded
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert rows[0]["capacity"] == 9139 and rows[0]["belady"]["hit_rate"] >= rows[0]["kvtier"]["hit_rate"]
+
+
+def test_replay_capacity_sweep_on_a_small_trace(tmp_path: Path, private_shm: Path) -> None:
+    lines = [
+        {"timestamp": i, "input_length": 1024, "output_length": 8, "hash_ids": ids}
+        for i, ids in enumerate([[0, 1, 2], [0, 1, 3], [4, 5], [0, 1, 2, 6], [4, 5, 7]])
+    ]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    out = run("replay", str(trace), "--capacity", "2,100", "--shm-dir", str(private_shm))
+    assert out.returncode == 0, out.stderr
+    # 15 refs; unbounded hits: [0,1] + [] + [0,1,2] + [4,5] = 7
+    assert "5 requests, 15 block references, 8 distinct blocks" in out.stdout
+    assert "unbounded cache prefix-hit rate: 46.7%" in out.stdout
+    assert "capacity 100: kvtier 46.67%  belady 46.67%  unbounded 46.67%" in out.stdout
+    assert "capacity 2: kvtier 13.33%  belady 26.67%  unbounded 46.67%" in out.stdout
+    out = run("replay", str(trace), "--capacity", "0")
+    assert out.returncode == 2 and "positive block counts" in out.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"hash_ids": "x"}\n')
+    out = run("replay", str(bad))
+    assert out.returncode == 2 and f"{bad}:1" in out.stderr
+
+
+def test_sweep_shm_lists_and_removes_only_dead_regions(private_shm: Path) -> None:
+    child = textwrap.dedent(
+        f"""
+        import os, signal
+        from kvtier.region import SharedRegion
+        region = SharedRegion("dead-owner", 4, 4096, expected_mappers=2, shm_dir={str(private_shm)!r})
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    from kvtier.region import SharedRegion
+
+    live = SharedRegion("live-owner", 4, 4096, expected_mappers=2, shm_dir=private_shm)
+    try:
+        out = run("sweep-shm", "--shm-dir", str(private_shm))
+        assert out.returncode == 0, out.stderr
+        assert "dead-owner" in out.stdout and "live-owner" not in out.stdout
+        assert "1 stale region(s)" in out.stdout and "use --remove" in out.stdout
+        assert any("dead-owner" in p.name for p in private_shm.iterdir())
+        out = run("sweep-shm", "--shm-dir", str(private_shm), "--remove")
+        assert out.returncode == 0 and "removed" in out.stdout
+        assert not any("dead-owner" in p.name for p in private_shm.iterdir())
+        assert any("live-owner" in p.name for p in private_shm.iterdir())
+        out = run("sweep-shm", "--shm-dir", str(private_shm))
+        assert "no stale kvtier regions" in out.stdout
+    finally:
+        live.close()
+
+
+def test_inspect_reports_corrupt_entries(tmp_path: Path, private_shm: Path) -> None:
+    root = tmp_path / "fs"
+    out = run(*TINY_BENCH, "--shm-dir", str(private_shm), "--fs-root", str(root))
+    assert out.returncode == 0, out.stderr
+    out = run("inspect", str(root))
+    assert out.returncode == 0
+    m = re.search(r"blocks:\s+(\d+)", out.stdout)
+    assert m and int(m.group(1)) > 0
+    values = sorted(p for p in root.rglob("*.kv") if p.is_file())
+    victim = values[0]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    out = run("inspect", str(root), "--verify")
+    assert out.returncode == 1
+    assert "corrupt:      1" in out.stdout and victim.name in out.stdout
+    out = run("inspect", str(root), "--verify", "--json")
+    assert out.returncode == 1 and json.loads(out.stdout)["corrupt"] == 1
+    out = run("inspect", str(tmp_path / "missing"))
+    assert out.returncode == 2 and "not a directory" in out.stderr
+
+
+def test_config_show_resolves_file_env_and_flags(tmp_path: Path) -> None:
+    cfg = tmp_path / "kv.yaml"
+    cfg.write_text(
+        f"policy: arc\nmodel: qwen2.5-0.5b\ntiers:\n  - type: fs\n    root: {tmp_path}\n    max_bytes: 1GiB\n"
+    )
+    out = run("config", "show", "--config", str(cfg), "--cpu-bytes", "96MiB", env={"KVTIER_CPU_BYTES": "1GiB"})
+    assert out.returncode == 0, out.stderr
+    assert "bytes per block: 196608 (192.0 KiB)" in out.stdout
+    assert "cpu tier:        512 blocks" in out.stdout and "policy arc" in out.stdout
+    assert f"{2**30 // (4096 + 196608)} blocks in 1.0 GiB" in out.stdout  # header page + payload
+    out = run("config", "show", "--json", env={"KVTIER_NUM_CPU_BLOCKS": "10", "KVTIER_MODEL": "tiny"})
+    info = json.loads(out.stdout)
+    assert info["cpu"]["blocks"] == 10 and info["bytes_per_block"] == 2 * 2 * 2 * 64 * 2 * 16
+    out = run("config", "show", "--cpu-bytes", "4XB")
+    assert out.returncode == 2 and "cpu_bytes" in out.stderr and "'4GiB'" in out.stderr
+    out = run("config", "show", env={"KVTIER_TIERS": '[{"type": "fs"}]'})
+    assert out.returncode == 2 and "tiers[0] (fs)" in out.stderr and "root" in out.stderr
+
+
+def test_config_reference_and_schema() -> None:
+    out = run("config", "reference")
+    assert out.returncode == 0
+    assert out.stdout == (REPO / "docs" / "configuration.md").read_text()
+    out = run("config", "schema")
+    assert "cpu_bytes" in json.loads(out.stdout)["properties"]
+
+
+def test_usage_errors_exit_2() -> None:
+    assert run("replay").returncode == 2
+    assert run("frobnicate").returncode == 2
+    assert run("config").returncode == 2
