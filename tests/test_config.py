@@ -222,6 +222,7 @@ def test_unknown_env_var_is_ignored_with_a_warning(caplog: pytest.LogCaptureFixt
         ({"tiers": '[{"type": "fs", "root": "/x", "fsync": "maybe"}]'}, {}, ["fsync", "bool"]),
         ({"tiers": '[{"type": "redis", "url": "http://x"}]'}, {}, ["url", "redis://"]),
         ({"tiers": '[{"type": "redis", "url": "redis://x", "ttl_seconds": 0}]'}, {}, ["ttl_seconds"]),
+        ({"tiers": '[{"type": "redis", "url": "redis://x", "io_thread": 2}]'}, {}, ["'io_thread'", "'io_threads'"]),
         ({"cpu_byte": 1}, {}, ["'cpu_byte'", "did you mean 'cpu_bytes'"]),
     ],
 )

@@ -235,19 +235,13 @@ class RedisTierConfig(BaseModel):
     url: str = Field(description="redis://[user:pass@]host:port[/db] or rediss:// for TLS.")
     cluster: bool | None = Field(default=None, description="Talk to a Redis Cluster.")
     prefix: str | None = Field(default=None, description="Key prefix in front of the namespace digest.")
-    ttl_seconds: int | None = Field(default=None, gt=0, description="Expire values after this many seconds.")
-    max_bytes: int | None = Field(default=None, description="Byte budget this engine may use on the server.")
-
-    @field_validator("max_bytes", mode="before")
-    @classmethod
-    def _size(cls, value: Any) -> Any:
-        return None if value is None else parse_size(value)
+    ttl_seconds: float | None = Field(default=None, gt=0, description="Expire values after this many seconds.")
 
     @field_validator("url")
     @classmethod
     def _url(cls, value: str) -> str:
-        if not re.match(r"^(redis|rediss|unix|valkey|valkeys)://", value):
-            raise ValueError(f"url {value!r} must start with redis://, rediss://, valkey:// or unix://")
+        if not re.match(r"^(redis|rediss|unix)://", value):
+            raise ValueError(f"url {value!r} must start with redis://, rediss:// (TLS) or unix://")
         return value
 
 
@@ -277,13 +271,13 @@ def _validate_tier(index: int, spec: Any) -> dict[str, Any]:
     except ValidationError as exc:
         raise ValueError(f"{where} ({tier_type}): " + _explain(exc, prefix="")) from None
     out = {k: v for k, v in model.model_dump().items() if v is not None}
-    extra = set(model.model_extra or {})
-    if extra:
+    given = set(out) - {"type"}
+    if given:
         allowed = _tier_option_names(tier_type)
         if allowed is not None:
-            unknown = sorted(extra - allowed)
+            unknown = sorted(given - allowed)
             if unknown:
-                known = sorted(set(schema.model_fields) | allowed - {"type"})
+                known = sorted(allowed)
                 hints = [difflib.get_close_matches(u, known, n=1) for u in unknown]
                 fix = "; ".join(
                     f"{u!r} (did you mean {h[0]!r}?)" if h else repr(u) for u, h in zip(unknown, hints, strict=True)
