@@ -375,3 +375,35 @@ def test_stats_snapshot(make: Any) -> None:
     assert stats["primary"]["blocks"] == 2 and stats["primary"]["capacity_blocks"] == 4
     assert stats["manager"]["lookups"]["miss"] == 1
     assert stats["tiers"]["1:scripted"]["entries"] == 2
+
+
+def test_finished_hook_waits_for_promotions_on_every_tier(make: Any) -> None:
+    # regression: finalizing right after the first tier's promotion job was submitted let
+    # the second tier's submit_load arrive after its on_request_finished hook
+    mgr = make(8, {"auto_complete": False}, {"auto_complete": False})
+    t1, t2 = tiers(mgr)
+    a, b = keys(1, seed=1)[0], keys(1, seed=2)[0]
+    t1.data[a] = b"1" * mgr.block_bytes
+    t2.data[b] = b"2" * mgr.block_bytes
+    req = RequestContext("both")
+    assert mgr.lookup(a, req) is HIT_PENDING and mgr.lookup(b, req) is HIT_PENDING
+    mgr.on_request_finished(req)
+    assert t1.finished_requests == [] and t2.finished_requests == [], "promotions are not submitted yet"
+    mgr.on_schedule_end()
+    for name in ("t1", "t2"):
+        calls = [c for tier, c in tier_doubles.CALLS if tier == name]
+        assert calls == ["submit_load", "finished:both"], (name, calls)
+
+
+def test_a_hit_is_protected_from_eviction_until_the_step_ends(make: Any) -> None:
+    mgr = make(1)
+    req = RequestContext("r")
+    a = keys(1, seed=1)
+    store(mgr, a, req)
+    mgr.on_schedule_end()
+    assert mgr.lookup(a[0], req) is HIT
+    assert mgr.prepare_store(keys(1, seed=2), RequestContext("other")) is None, "the HIT may still be loaded"
+    mgr.prepare_load(a, req)
+    mgr.complete_load(a, req)
+    mgr.on_schedule_end()
+    assert mgr.prepare_store(keys(1, seed=2), RequestContext("other")) is not None

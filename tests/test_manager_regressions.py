@@ -1,9 +1,7 @@
 """Regression tests for bugs found in the core (by the stateful test or by reading).
 
-Each test is minimal and states the contract it checks. Tests of bugs not fixed
-yet are marked ``xfail(strict=True)``: when the fix lands they pass, strict
-xfail turns that into a failure, and the marker must be removed (and the matching
-flag in ``tests/test_manager_stateful.py`` switched on).
+Each test is minimal and states the contract it checks, and stays as a guard
+once the bug is fixed.
 """
 
 from __future__ import annotations
@@ -103,12 +101,6 @@ def fill(mgr: TieringManager, key: BlockKey, value: int) -> None:
     mgr.complete_store([key])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="TieringManager._lookup_secondary reserves a promotion row with primary.prepare_write([key]), which may "
-    "evict a block that lookup() answered HIT earlier in the same step; the engine's prepare_load of that HIT "
-    "prefix then raises KvtierError ('it is absent')",
-)
 def test_a_hit_stays_loadable_after_later_lookups_of_the_same_step(make: Any, namespace: Namespace) -> None:
     mgr = make(1, tiers=1)
     a, b = chain_ids([1, 2], namespace)
@@ -127,13 +119,6 @@ def test_a_hit_stays_loadable_after_later_lookups_of_the_same_step(make: Any, na
     mgr.complete_load([a], req)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="TieringManager._maybe_finalize runs the tiers' on_request_finished as soon as the request has no "
-    "outstanding device store; a promotion it started by lookup() is still waiting for on_schedule_end, whose "
-    "submit_load then reaches the tier after the hook (SecondaryTier.on_request_finished: 'No more submits will "
-    "come for request')",
-)
 def test_finished_hook_waits_for_the_requests_promotions(make: Any, namespace: Namespace) -> None:
     mgr = make(4, tiers=1)
     (a,) = chain_ids([1], namespace)

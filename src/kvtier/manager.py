@@ -83,6 +83,7 @@ class _RequestState:
     request_level_tiers: list[int] = field(default_factory=list)
     pending_store_keys: set[BlockKey] = field(default_factory=set)
     parked_cascades: list[BlockKey] = field(default_factory=list)
+    unsubmitted_promotions: int = 0
     finished: bool = False
 
 
@@ -116,6 +117,9 @@ class TieringManager:
         self._requests: dict[str, _RequestState] = {}
         self._pending_promotions: dict[tuple[int, str | None], _PendingPromotion] = {}
         self._polled_this_step = False
+        # Keys answered HIT this step: the engine may still prepare_load them in this
+        # step, so no eviction (for a store or a promotion) may take them before it ends.
+        self._step_hits: set[BlockKey] = set()
         self._tiers_down: set[int] = set()
         self._shutdown_complete = False
         self._stats = ManagerStats()
@@ -269,7 +273,9 @@ class TieringManager:
         """Where is ``key``? Starts a promotion on a secondary hit (see the module docstring)."""
         self._poll_once()
         result = self.primary.lookup(key)
-        if result is LookupResult.MISS and self.tiers:
+        if result is LookupResult.HIT:
+            self._step_hits.add(key)
+        elif result is LookupResult.MISS and self.tiers:
             result = self._lookup_secondary(key, request)
         self._stats.lookups[result.value] += 1
         return result
@@ -281,7 +287,7 @@ class TieringManager:
                 continue
             answer = tier.lookup(key, request)
             if answer is LookupResult.HIT:
-                reserved = self.primary.prepare_write([key])
+                reserved = self.primary.prepare_write([key], self._step_hits)
                 if reserved is None or not reserved.keys_to_store:
                     self._stats.promotion_alloc_failures += 1
                     return LookupResult.MISS
@@ -291,6 +297,9 @@ class TieringManager:
                     pending = self._pending_promotions[(pos, req_id)] = _PendingPromotion(request)
                 pending.keys.append(key)
                 pending.slots.append(int(reserved.slots[0]))
+                state = self._state(request)
+                if state is not None:
+                    state.unsubmitted_promotions += 1
                 self._stats.promotions_started += 1
                 return LookupResult.HIT_PENDING
             if answer is LookupResult.RETRY:
@@ -327,7 +336,7 @@ class TieringManager:
     ) -> PrepareStoreResult | None:
         """Reserve CPU rows for a device -> CPU store; None if no room can be made."""
         self._poll_once()
-        result = self.primary.prepare_store(keys)
+        result = self.primary.prepare_store(keys, self._step_hits)
         if result is None:
             self._stats.store_rejections += 1
             return None
@@ -406,7 +415,12 @@ class TieringManager:
         self._maybe_finalize(state)
 
     def _maybe_finalize(self, state: _RequestState) -> None:
-        if state.finished and not state.pending_store_keys and not state.parked_cascades:
+        if (
+            state.finished
+            and not state.pending_store_keys
+            and not state.parked_cascades
+            and not state.unsubmitted_promotions
+        ):
             del self._requests[state.request.req_id]
             for pos, tier in enumerate(self.tiers):
                 if pos not in self._tiers_down:
@@ -427,13 +441,15 @@ class TieringManager:
                 del self._jobs[job.job_id]
                 self.primary.complete_write(promo.keys, False)
         for state in list(self._requests.values()):
+            state.unsubmitted_promotions = 0  # every promotion of this step was just submitted
             if state.parked_cascades:
                 parked, state.parked_cascades = state.parked_cascades, []
                 self._cascade_request_level(state, parked)
-                self._maybe_finalize(state)
+            self._maybe_finalize(state)
         for pos, tier in enumerate(self.tiers):
             if pos not in self._tiers_down:
                 tier.on_schedule_end()
+        self._step_hits.clear()
         self._polled_this_step = False
 
     def has_pending_work(self) -> bool:
@@ -478,8 +494,10 @@ class TieringManager:
         for state in list(self._requests.values()):
             state.pending_store_keys.clear()
             state.parked_cascades.clear()
+            state.unsubmitted_promotions = 0
             self._maybe_finalize(state)
         self.primary.reset()
+        self._step_hits.clear()
         self._polled_this_step = False
 
     # --- stats ---------------------------------------------------------------------------

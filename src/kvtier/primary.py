@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,6 +49,18 @@ class PrimaryStats:
     store_failures: int = 0
     evictions: int = 0
     store_rejections: int = 0
+
+
+class _Union:
+    """Membership in either of two collections, without building their union."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: Collection[BlockKey], b: Collection[BlockKey]) -> None:
+        self.a, self.b = a, b
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.a or key in self.b
 
 
 class PrimaryTier:
@@ -117,10 +129,13 @@ class PrimaryTier:
 
     # --- writes into the tier (device stores and promotions) -------------------------
 
-    def prepare_store(self, keys: Iterable[BlockKey]) -> PrepareStoreResult | None:
+    def prepare_store(
+        self, keys: Iterable[BlockKey], protected: Collection[BlockKey] = ()
+    ) -> PrepareStoreResult | None:
         """Reserve rows for the keys not yet present, evicting as needed.
 
-        Never evicts the keys being stored, pinned or in-flight blocks. Returns
+        Never evicts the keys being stored, keys in ``protected``, pinned or
+        in-flight blocks. Returns
         None, changing nothing, if not enough blocks can be evicted. New blocks are
         in flight (ref -1) until ``complete_store``.
         """
@@ -136,7 +151,7 @@ class PrimaryTier:
         if shortfall > 0:
             # Every input key is protected, also those already present: evicting a block
             # the caller is about to rely on would defeat the store.
-            chosen = self.policy.evict(shortfall, set(keys))
+            chosen = self.policy.evict(shortfall, _Union(set(keys), protected))
             if chosen is None:
                 self.stats.store_rejections += 1
                 return None
