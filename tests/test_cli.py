@@ -43,8 +43,8 @@ def private_shm() -> Iterator[Path]:
 
 
 TINY_BENCH = [
-    "bench", "--sessions", "6", "--max-turns", "3", "--model", "tiny", "--cpu-bytes", "2MiB",
-    "--device-blocks", "200", "--prefill-tokens-per-s", "0", "--no-progress",
+    "bench", "--sessions", "16", "--max-turns", "4", "--model", "tiny", "--cpu-bytes", "3MiB",
+    "--device-blocks", "200", "--prefill-tokens-per-s", "200000", "--no-progress",
 ]  # fmt: skip
 
 

@@ -14,7 +14,7 @@ from kvtier.workload.bench import BenchOptions, BlockContent, run_bench
 from kvtier.workload.chat import ChatWorkloadSpec
 
 SMALL = ChatWorkloadSpec(
-    sessions=10, min_turns=2, max_turns=4, system_tokens=(128, 384), user_tokens=(16, 64), answer_tokens=(16, 96)
+    sessions=16, min_turns=2, max_turns=4, system_tokens=(128, 384), user_tokens=(16, 64), answer_tokens=(16, 96)
 )
 
 
@@ -26,7 +26,7 @@ def small_options(shm: Path, **overrides: object) -> BenchOptions:
         "tokens_per_block": 16,  # 16 KiB blocks
         "cpu_bytes": 2 * 2**20,  # 128 blocks: smaller than the working set
         "device_blocks": 96,
-        "prefill_tokens_per_s": 0.0,
+        "prefill_tokens_per_s": 200_000.0,  # paces stores so the fs tier keeps up
     }
     base.update(overrides)
     return BenchOptions(**base)  # type: ignore[arg-type]
