@@ -81,7 +81,7 @@ def test_bench_serves_metrics_while_running(private_shm: Path) -> None:
     with socket_port() as port:
         pass
     args = [*TINY_BENCH, "--shm-dir", str(private_shm), "--no-fs", "--metrics-port", str(port)]
-    args[args.index("--prefill-tokens-per-s") + 1] = "2000"  # slow enough to scrape
+    args[args.index("--prefill-tokens-per-s") + 1] = "20000"  # runs a few seconds: time to scrape
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     proc = subprocess.Popen([*KVTIER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
