@@ -88,8 +88,8 @@ def _add_bench(sub: Any) -> None:
     w.add_argument(
         "--prefill-tokens-per-s",
         type=float,
-        default=50_000.0,
-        help="simulated device prefill speed; 0 = instantaneous (default 50000)",
+        default=25_000.0,
+        help="simulated device prefill speed; 0 = instantaneous (default 25000)",
     )
     s = p.add_argument_group("sizes and tiers")
     s.add_argument("--model", default=DEFAULT_BENCH_MODEL, help=f"model preset (default {DEFAULT_BENCH_MODEL})")

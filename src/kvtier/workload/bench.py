@@ -65,7 +65,7 @@ class BenchOptions:
     batch_size: int = 4
     shm_dir: str = "/dev/shm"
     stall_timeout_s: float = 60.0
-    prefill_tokens_per_s: float = 50_000.0
+    prefill_tokens_per_s: float = 25_000.0
     """Simulated device compute: each step sleeps (tokens computed) / this rate; 0 = no compute time."""
 
     def config(self, fs_root: str | None) -> KvtierConfig:
