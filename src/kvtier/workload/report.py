@@ -39,7 +39,7 @@ def _pct(x: float) -> str:
 def bench_tables(result: BenchResult) -> list[Table]:
     """The bench report as rich tables: summary, hit rates, bytes moved, latency."""
     data = result.to_dict()
-    summary = Table(title="kvtier bench", show_header=False, title_justify="left")
+    summary = Table(title="kvtier bench", show_header=False, title_justify="left", min_width=60)
     summary.add_column("what")
     summary.add_column("value", justify="right")
     geo = result.geometry
@@ -63,7 +63,7 @@ def bench_tables(result: BenchResult) -> list[Table]:
         summary.add_row("tier stores shed (write queue full)", f"{result.stores_shed}")
     summary.add_row("wall time (setup)", f"{result.wall_s:.1f} s ({result.setup_s:.2f} s)")
 
-    hits = Table(title="hit rate by tier (share of prompt blocks)", title_justify="left")
+    hits = Table(title="hit rate by tier", title_justify="left", min_width=60)
     hits.add_column("tier")
     hits.add_column("blocks", justify="right")
     hits.add_column("hit rate", justify="right")
@@ -72,17 +72,18 @@ def bench_tables(result: BenchResult) -> list[Table]:
     hits.add_row("computed (miss)", str(result.computed_blocks),
                  _pct(result.computed_blocks / result.block_refs if result.block_refs else 0.0))  # fmt: skip
     hits.add_row("[b]total hits[/b]", str(sum(data["hits"].values())), _pct(data["total_hit_rate"]))
+    hits.caption = "share of prompt blocks served by each tier (prefix hits)"
 
-    moved = Table(title="bytes moved", title_justify="left")
+    moved = Table(title="bytes moved", title_justify="left", min_width=60)
     moved.add_column("direction")
     moved.add_column("bytes", justify="right")
     moved.add_column("GB/s", justify="right")
     for direction, n in data["bytes"].items():
         rate = data["gbps"].get(direction)
         moved.add_row(_direction_name(direction), format_size(n), f"{rate:.2f}" if rate else "-")
-    moved.caption = "device copies: copy-engine busy time; tiers: wall time with the tier's jobs in flight"
+    moved.caption = "GB/s: device copies over copy-engine busy time, tiers over wall time with jobs in flight"
 
-    lat = Table(title="scheduler-side latency", title_justify="left")
+    lat = Table(title="scheduler-side latency", title_justify="left", min_width=60)
     lat.add_column("call")
     lat.add_column("p50", justify="right")
     lat.add_column("p99", justify="right")
