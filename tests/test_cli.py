@@ -245,3 +245,15 @@ def test_usage_errors_exit_2() -> None:
     assert run("replay").returncode == 2
     assert run("frobnicate").returncode == 2
     assert run("config").returncode == 2
+
+
+def test_closed_stdout_pipe_is_not_a_traceback() -> None:
+    """Regression: `kvtier config show | head -2` printed a BrokenPipeError traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    proc = subprocess.Popen([*KVTIER, "config", "show"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the first write
+    stderr = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(timeout=60) == 141
+    assert "Traceback" not in stderr, stderr
