@@ -149,7 +149,6 @@ class BenchResult:
     store_rejections: int = 0
     promotion_failures: int = 0
     tier_failures: int = 0
-    stalled_requests: int = 0
     stores_shed: int = 0
     bytes: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -220,7 +219,6 @@ class BenchResult:
                 "tier_failures": self.tier_failures,
             },
             "store_rejections": self.store_rejections,
-            "stalled_requests": self.stalled_requests,
             "tier_stores_shed": self.stores_shed,
             "wall_s": self.wall_s,
             "setup_s": self.setup_s,

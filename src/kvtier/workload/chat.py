@@ -42,9 +42,7 @@ class ChatWorkloadSpec:
         if self.sessions < 1:
             raise ConfigError(f"sessions must be >= 1, got {self.sessions}")
         if not 1 <= self.min_turns <= self.max_turns:
-            raise ConfigError(
-                f"turns must satisfy 1 <= min_turns <= max_turns, got {self.min_turns}..{self.max_turns}"
-            )
+            raise ConfigError(f"turns must satisfy 1 <= min_turns <= max_turns, got {self.min_turns}..{self.max_turns}")
         if not 0.0 <= self.shared_fraction <= 1.0:
             raise ConfigError(f"shared_fraction must lie in [0, 1], got {self.shared_fraction}")
         for name in ("system_tokens", "user_tokens", "answer_tokens"):
