@@ -1,0 +1,376 @@
+"""Scheduler-side cost of TieringManager, against a plain dict lookup in the same run.
+
+Measures the bookkeeping the engine's scheduler thread pays per block (no bytes
+move: the secondary tiers are in-memory doubles that answer at once and copy
+nothing, and the rows of the shared region are never touched):
+
+* lookup HIT on a CPU tier of ``--blocks`` ready blocks;
+* lookup MISS with 2 secondary tiers that answer MISS;
+* prepare_store + complete_store of ``--batch`` new blocks into a full CPU tier
+  (every block evicts one), without and with cascades to 2 secondary tiers, one
+  engine step per batch;
+* a promotion round trip: lookup -> HIT_PENDING -> on_schedule_end -> the tier
+  completes -> next step's lookup -> HIT, in batches of ``--batch`` blocks;
+* metadata bytes per block of the CPU tier (index, ref counts, policy, and the
+  key objects the index keeps alive) at ``--meta-blocks`` blocks, by tracemalloc,
+  both right after filling an empty tier and in the steady state of a running
+  engine (after as many evictions again: hash tables grown by deletions, ARC's
+  ghost lists full), with the allocation sites that cost the most.
+
+The baseline is ``dict.get`` over the same keys in the same (random) order, in
+the same loop shape, interleaved with the lookup runs. Each figure is the best
+of ``--repeat`` runs; the machine is shared and noisy, so read the ratios. Targets: lookup HIT within
+20x the dict baseline; metadata at most 256 bytes per block.
+
+    .venv/bin/python benchmarks/bench_manager.py                 # < 1 min
+    .venv/bin/python benchmarks/bench_manager.py --policy arc --repeat 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import linecache
+import multiprocessing
+import os
+import random
+import sys
+import time
+import tracemalloc
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any, ClassVar
+
+import numpy as np
+
+from kvtier import KVGeometry, LookupResult, Namespace, RequestContext, TieringManager
+from kvtier.keys import BlockKey
+from kvtier.primary import PrimaryTier
+from kvtier.region import SharedRegion, format_bytes
+from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TierUsage, TransferJob
+from kvtier.tiers.registry import register_tier
+
+BLOCK_BYTES = 4096
+NAMESPACE = Namespace("bench-manager", KVGeometry.from_block_bytes(BLOCK_BYTES))
+HIT_TARGET_RATIO = 20.0
+META_TARGET_BYTES = 256.0
+
+
+class MemoryDouble(SecondaryTier):
+    """A secondary tier that answers from a set and finishes every job at the next poll.
+
+    It copies no bytes: the benchmark measures the scheduler-side bookkeeping only.
+    """
+
+    tier_type: ClassVar[str] = "bench-double"
+    medium: ClassVar[str] = "memory"
+
+    def __init__(self, context: TierContext) -> None:
+        super().__init__(context)
+        self.held: set[BlockKey] = set()
+        self.jobs: list[int] = []
+
+    def lookup(self, key: BlockKey, request: RequestContext | None) -> LookupResult:
+        return LookupResult.HIT if key in self.held else LookupResult.MISS
+
+    def submit_store(self, job: TransferJob) -> None:
+        self.jobs.append(job.job_id)
+
+    def submit_load(self, job: TransferJob) -> None:
+        self.jobs.append(job.job_id)
+
+    def poll_finished(self) -> list[JobResult]:
+        if not self.jobs:
+            return []
+        done = [JobResult(job_id, True) for job_id in self.jobs]
+        self.jobs.clear()
+        return done
+
+    def has_pending_work(self) -> bool:
+        return bool(self.jobs)
+
+    def usage(self) -> TierUsage:
+        return TierUsage(0, None, len(self.held))
+
+    def drain(self, timeout: float | None = None) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        self.jobs.clear()
+
+
+register_tier("bench-double", f"{__name__}:MemoryDouble")
+
+
+def random_keys(n: int, seed: int) -> list[BlockKey]:
+    """``n`` random 32-byte keys (distinct with overwhelming probability), without hashing per key."""
+    buf = np.random.default_rng(seed).bytes(32 * n)
+    return [buf[i : i + 32] for i in range(0, 32 * n, 32)]
+
+
+def make_keys(tag: str, n: int) -> list[BlockKey]:
+    return random_keys(n, int.from_bytes(hashlib.sha256(tag.encode()).digest()[:8], "little"))
+
+
+def fill(mgr: TieringManager, keys: Sequence[BlockKey], batch: int = 4096) -> None:
+    """Make ``keys`` ready blocks of the CPU tier (bookkeeping only; rows untouched)."""
+    for start in range(0, len(keys), batch):
+        chunk = keys[start : start + batch]
+        result = mgr.prepare_store(chunk)
+        if result is None:
+            raise SystemExit("fill: prepare_store refused")
+        mgr.complete_store(result.keys_to_store)
+        mgr.on_schedule_end()
+    mgr.take_events()
+
+
+def new_manager(blocks: int, policy: str, tiers: int, shm_dir: str) -> TieringManager:
+    return TieringManager.create(
+        namespace=NAMESPACE, num_cpu_blocks=blocks, policy=policy, tiers=[{"type": "bench-double"}] * tiers,
+        shm_dir=shm_dir, prefault=False, sweep_stale=False,
+    )
+
+
+def doubles(mgr: TieringManager) -> list[MemoryDouble]:
+    return [t for t in mgr.tiers if isinstance(t, MemoryDouble)]
+
+
+# --- per-operation timings ------------------------------------------------------------------
+
+
+def time_dict(table: dict[BlockKey, int], order: list[BlockKey]) -> float:
+    get = table.get
+    t0 = time.perf_counter_ns()
+    for k in order:
+        get(k)
+    return (time.perf_counter_ns() - t0) / len(order)
+
+
+def time_lookups(mgr: TieringManager, order: list[BlockKey], req: RequestContext, expect: LookupResult) -> float:
+    mgr.on_schedule_end()
+    lookup = mgr.lookup
+    t0 = time.perf_counter_ns()
+    for k in order:
+        lookup(k, req)
+    ns = (time.perf_counter_ns() - t0) / len(order)
+    if lookup(order[0], req) is not expect:
+        raise SystemExit(f"lookup answered {lookup(order[0], req)}, expected {expect}")
+    return ns
+
+
+def time_stores(mgr: TieringManager, fresh: list[BlockKey], batch: int, req: RequestContext) -> float:
+    """prepare_store + complete_store of new blocks into a full tier, one step per batch."""
+    evicted = 0
+    gc.collect()
+    t0 = time.perf_counter_ns()
+    for start in range(0, len(fresh), batch):
+        chunk = fresh[start : start + batch]
+        result = mgr.prepare_store(chunk, req)
+        if result is None:
+            raise SystemExit("prepare_store refused although every block was evictable")
+        evicted += len(result.evicted_keys)
+        mgr.complete_store(result.keys_to_store, req)
+        mgr.on_schedule_end()
+    ns = (time.perf_counter_ns() - t0) / len(fresh)
+    if evicted != len(fresh):
+        raise SystemExit(f"expected {len(fresh)} evictions, got {evicted}")
+    mgr.take_events()
+    return ns
+
+
+def time_promotions(mgr: TieringManager, held: list[BlockKey], batch: int, req: RequestContext) -> float:
+    """lookup -> HIT_PENDING -> step end -> tier completes -> lookup -> HIT, per block."""
+    lookup, step_end = mgr.lookup, mgr.on_schedule_end
+    pending, hit = LookupResult.HIT_PENDING, LookupResult.HIT
+    bad = 0
+    gc.collect()
+    t0 = time.perf_counter_ns()
+    for start in range(0, len(held), batch):
+        chunk = held[start : start + batch]
+        for k in chunk:
+            bad += lookup(k, req) is not pending
+        step_end()
+        for k in chunk:
+            bad += lookup(k, req) is not hit
+        step_end()
+    ns = (time.perf_counter_ns() - t0) / len(held)
+    if bad:
+        raise SystemExit(f"{bad} promotion lookups gave an unexpected answer")
+    mgr.take_events()
+    return ns
+
+
+# --- metadata ---------------------------------------------------------------------------------
+
+
+class _VirtualRegion:
+    """Stands in for a SharedRegion when /dev/shm cannot hold even a sparse file of this size."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.num_rows = num_rows
+        self.row_stride = BLOCK_BYTES
+        self.rows = np.empty((0, BLOCK_BYTES), dtype=np.uint8)
+        self.name = "virtual"
+
+    def close(self) -> None:
+        pass
+
+
+def metadata_bytes(blocks: int, policy: str, shm_dir: str) -> dict[str, Any]:
+    """Traced bytes per block of a CPU tier of ``blocks`` blocks (run in a child process).
+
+    ``full``: after storing ``blocks`` blocks into an empty tier. ``steady``: after
+    storing ``blocks`` more (each evicting one), the state a running engine lives in:
+    its hash tables have grown through deletions and ARC's ghost lists are full.
+    Key objects are counted: once the engine forgets a block hash, the index (and
+    the ghost lists) are what keeps it alive.
+    """
+    needed = (blocks + 1) * BLOCK_BYTES
+    st = os.statvfs(shm_dir)
+    region: Any
+    if st.f_bavail * st.f_frsize >= needed:
+        region = SharedRegion(f"bench-meta-{os.getpid()}", blocks, BLOCK_BYTES, shm_dir=shm_dir, prefault=False)
+        where = f"{shm_dir} region of {format_bytes(needed)}, not prefaulted"
+    else:
+        region = _VirtualRegion(blocks)
+        where = f"virtual region: {shm_dir} has less than {format_bytes(needed)} free"
+    out: dict[str, Any] = {"region": where}
+    try:
+        gc.collect()
+        tracemalloc.start()
+        primary = PrimaryTier(region, BLOCK_BYTES, policy)
+        for phase in ("full", "steady"):
+            keys = make_keys(f"meta-{phase}", blocks)
+            for start in range(0, blocks, 8192):
+                chunk = keys[start : start + 8192]
+                if primary.prepare_store(chunk) is None:
+                    raise SystemExit("metadata: prepare_store refused")
+                primary.complete_store(chunk)
+            primary.take_events()
+            del keys, chunk
+            gc.collect()
+            out[phase] = tracemalloc.get_traced_memory()[0] / blocks
+        snapshot = tracemalloc.take_snapshot()
+        tracemalloc.stop()
+        sites = []
+        for stat in snapshot.statistics("lineno")[:6]:
+            frame = stat.traceback[0]
+            filename = frame.filename.split("/src/")[-1] if "/src/" in frame.filename else os.path.basename(
+                frame.filename)
+            sites.append((f"{filename}:{frame.lineno}", stat.size / blocks, linecache.getline(
+                frame.filename, frame.lineno).strip()))
+        out["sites"] = sites
+        del snapshot
+        primary.shutdown()
+    finally:
+        if tracemalloc.is_tracing():
+            tracemalloc.stop()
+        if isinstance(region, SharedRegion) and not region.closed:
+            region.close()
+    return out
+
+
+# --- main -------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=100_000, help="CPU tier size for the timings")
+    parser.add_argument("--meta-blocks", type=int, default=1_000_000, help="CPU tier size for the metadata figure")
+    parser.add_argument("--batch", type=int, default=16, help="blocks per store / promotion step")
+    parser.add_argument("--ops", type=int, default=50_000, help="blocks per store / promotion measurement")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--policy", default="lru", help="eviction policy of the CPU tier (lru, arc)")
+    parser.add_argument("--shm-dir", default="/dev/shm")
+    args = parser.parse_args(argv)
+    n, batch, ops = args.blocks, args.batch, min(args.ops, args.blocks)
+    rng = random.Random(0)
+    req = RequestContext("bench")
+    print(f"bench_manager: {n:,} CPU blocks of {BLOCK_BYTES} B, policy={args.policy}, batch={batch}, "
+          f"best of {args.repeat}; python {sys.version.split()[0]}")
+
+    resident = make_keys("resident", n)
+    order = resident[:]
+    rng.shuffle(order)
+    absent = make_keys("absent", n)
+    rng.shuffle(absent)
+    table = {k: i for i, k in enumerate(resident)}
+    rows: list[tuple[str, float, float | None]] = []
+
+    mgr = new_manager(n, args.policy, tiers=2, shm_dir=args.shm_dir)
+    try:
+        fill(mgr, resident)
+        dict_ns = float("inf")
+        hit_ns = miss_ns = float("inf")
+        for _ in range(args.repeat):
+            gc.collect()
+            dict_ns = min(dict_ns, time_dict(table, order))
+            hit_ns = min(hit_ns, time_lookups(mgr, order, req, LookupResult.HIT))
+            miss_ns = min(miss_ns, time_lookups(mgr, absent, req, LookupResult.MISS))
+        rows += [("dict.get (baseline)", dict_ns, None), ("lookup HIT", hit_ns, HIT_TARGET_RATIO),
+                 ("lookup MISS, 2 secondary tiers", miss_ns, None)]
+    finally:
+        mgr.shutdown()
+
+    for tiers in (0, 2):
+        mgr = new_manager(n, args.policy, tiers=tiers, shm_dir=args.shm_dir)
+        try:
+            fill(mgr, resident)
+            ns = min(time_stores(mgr, make_keys(f"store-{tiers}-{r}", ops), batch, req) for r in range(args.repeat))
+            what = "no secondary tiers" if tiers == 0 else "cascade to 2 tiers"
+            rows.append((f"prepare+complete_store, evicting, {what} (per block)", ns, None))
+        finally:
+            mgr.shutdown()
+
+    mgr = new_manager(n, args.policy, tiers=1, shm_dir=args.shm_dir)
+    try:
+        fill(mgr, resident)
+        tier = doubles(mgr)[0]
+        held = [make_keys(f"held-{r}", ops) for r in range(args.repeat)]
+        for keys in held:
+            tier.held.update(keys)
+        ns = min(time_promotions(mgr, keys, batch, req) for keys in held)
+        rows.append(("promotion round trip, evicting (per block)", ns, None))
+    finally:
+        mgr.shutdown()
+
+    print(f"\n{'operation':64} {'ns':>7} {'x dict':>7}")
+    verdicts: list[tuple[bool, str]] = []
+    for label, ns, target in rows:
+        ratio = ns / dict_ns
+        print(f"{label:64} {ns:7.0f} {ratio:7.1f}")
+        if target is not None:
+            met = ratio <= target
+            verdicts.append((met, f"lookup HIT within {target:.0f}x dict.get: {'MET' if met else 'MISSED'} "
+                                  f"({ratio:.1f}x)"))
+
+    print(f"\nmetadata per block at {args.meta_blocks:,} blocks (tracemalloc: index, ref counts, policy, "
+          "key objects; one child process per policy)")
+    policies = list(dict.fromkeys([args.policy, "lru", "arc"]))
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("fork")) as pool:
+        futures = {p: pool.submit(metadata_bytes, args.meta_blocks, p, args.shm_dir) for p in policies}
+        metas = {p: f.result() for p, f in futures.items()}
+    print(f"  ({metas[policies[0]]['region']}; {time.perf_counter() - t0:.1f} s)")
+    for policy, meta in metas.items():
+        print(f"  {policy}: {meta['full']:.0f} B/block when full, {meta['steady']:.0f} B/block in steady state "
+              f"(after {args.meta_blocks:,} evictions)")
+        for site, per_block, code in meta["sites"]:
+            if per_block >= 1:
+                if site.startswith("bench_manager.py"):
+                    code = "block key objects (made by the engine, kept alive by the tier)"
+                print(f"      {per_block:6.1f} B  {site:28} {code[:70]}")
+        met = max(meta["full"], meta["steady"]) <= META_TARGET_BYTES
+        figures = f"{meta['full']:.0f} B full, {meta['steady']:.0f} B steady"
+        verdicts.append((met, f"metadata ({policy}) at most {META_TARGET_BYTES:.0f} B/block, full and steady: "
+                              f"{'MET' if met else 'MISSED'} ({figures})"))
+
+    print("\ntargets:")
+    for _, verdict in verdicts:
+        print(f"  {verdict}")
+    return 0 if all(met for met, _ in verdicts) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
