@@ -183,6 +183,7 @@ class MemoryTierDouble(SecondaryTier):
 
 
 register_tier("stateful-double", f"{__name__}:MemoryTierDouble")
+pytestmark = pytest.mark.slow  # ~8 s per policy on the 2-core machine
 
 
 @dataclass
