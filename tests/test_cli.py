@@ -117,6 +117,22 @@ class socket_port:
         self.sock.close()
 
 
+def test_bench_runs_a_config_file_with_env_and_flag_overrides(tmp_path: Path, private_shm: Path) -> None:
+    cfg = tmp_path / "kv.yaml"
+    cfg.write_text(f"cpu_bytes: 1MiB\nmodel: tiny\npolicy: arc\ntiers:\n  - type: fs\n    root: {tmp_path / 'fs'}\n")
+    args = [a for a in TINY_BENCH if a not in ("--model", "tiny", "--cpu-bytes", "3MiB")]
+    out = run(*args, "--config", str(cfg), "--cpu-bytes", "3MiB", "--shm-dir", str(private_shm),
+              "--json", str(tmp_path / "b.json"), env={"KVTIER_POLICY": "lru"})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert data["options"]["policy"] == "lru"  # env beats the file
+    assert data["options"]["cpu_blocks"] == 3 * 2**20 // 16384  # the flag beats the file
+    assert data["options"]["tiers"] == [{"type": "fs", "root": str(tmp_path / "fs")}]  # no temp fs tier added
+    assert data["geometry"]["bytes_per_block"] == 16384 and data["errors"]["total"] == 0
+    assert data["hits"]["fs"] + data["hits"]["cpu"] > 0
+    assert any((tmp_path / "fs").iterdir())
+
+
 def test_bench_bad_size_is_a_usage_error() -> None:
     out = run("bench", "--cpu-bytes", "lots")
     assert out.returncode == 2

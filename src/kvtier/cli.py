@@ -93,16 +93,24 @@ def _add_bench(sub: Any) -> None:
         help="simulated device prefill speed; 0 = instantaneous (default 25000)",
     )
     s = p.add_argument_group("sizes and tiers")
-    s.add_argument("--model", default=DEFAULT_BENCH_MODEL, help=f"model preset (default {DEFAULT_BENCH_MODEL})")
-    s.add_argument("--tokens-per-block", type=int, default=16, help="tokens per KV block (default 16)")
     s.add_argument(
-        "--cpu-bytes", type=_size, default=DEFAULT_BENCH_CPU_BYTES,
+        "--config", metavar="FILE", default=None,
+        help="bench this kvtier config (YAML/TOML/JSON, plus KVTIER_* env): its CPU size, policy, model, "
+        "geometry and tiers; the flags below override it, --fs-root/--redis add tiers",
+    )  # fmt: skip
+    s.add_argument("--model", default=None, help=f"model preset (default {DEFAULT_BENCH_MODEL})")
+    s.add_argument("--tokens-per-block", type=int, default=None, help="tokens per KV block (default 16)")
+    s.add_argument(
+        "--cpu-bytes", type=_size, default=None,
         help=f"CPU tier size (default {format_size(DEFAULT_BENCH_CPU_BYTES)})",
     )  # fmt: skip
     s.add_argument("--device-blocks", type=int, default=512, help="simulated device pool, blocks (default 512)")
-    s.add_argument("--policy", default="lru", help="CPU tier eviction policy (default lru)")
-    s.add_argument("--shm-dir", default="/dev/shm", help="directory of the CPU region (default /dev/shm)")
-    s.add_argument("--fs-root", default=None, help="fs tier directory (kept); default: a temp dir, removed after")
+    s.add_argument("--policy", default=None, help="CPU tier eviction policy (default lru)")
+    s.add_argument("--shm-dir", default=None, help="directory of the CPU region (default /dev/shm)")
+    s.add_argument(
+        "--fs-root", default=None,
+        help="fs tier directory (kept); default: a temp dir, removed after (none with --config)",
+    )  # fmt: skip
     s.add_argument(
         "--fs-bytes", type=_size, default=DEFAULT_BENCH_FS_BYTES,
         help=f"fs tier capacity (default {format_size(DEFAULT_BENCH_FS_BYTES)})",
@@ -123,7 +131,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvtier.metrics import KvtierMetrics
-    from kvtier.workload.bench import BenchOptions, describe_options, run_bench
+    from kvtier.workload.bench import (
+        DEFAULT_BENCH_CPU_BYTES,
+        DEFAULT_BENCH_MODEL,
+        BenchOptions,
+        describe_options,
+        run_bench,
+    )
     from kvtier.workload.chat import ChatWorkloadSpec
     from kvtier.workload.report import plot_bench, print_bench, write_json
 
@@ -134,20 +148,29 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         shared_system_prompts=args.shared_prompts,
         seed=args.seed,
     )
+    base = None
+    if args.config is not None:
+        overrides: dict[str, Any] = {
+            "cpu_bytes": args.cpu_bytes, "policy": args.policy, "model": args.model, "shm_dir": args.shm_dir,
+        }  # fmt: skip
+        if args.tokens_per_block is not None:
+            overrides["geometry"] = {"tokens_per_block": args.tokens_per_block}
+        base = load_config(args.config, cli=overrides)
     options = BenchOptions(
         workload=workload,
-        model=args.model,
-        tokens_per_block=args.tokens_per_block,
-        cpu_bytes=args.cpu_bytes,
+        model=args.model or DEFAULT_BENCH_MODEL,
+        tokens_per_block=args.tokens_per_block or 16,
+        cpu_bytes=args.cpu_bytes or DEFAULT_BENCH_CPU_BYTES,
         device_blocks=args.device_blocks,
-        policy=args.policy,
-        fs=not args.no_fs,
+        policy=args.policy or "lru",
+        fs=not args.no_fs and (base is None or args.fs_root is not None),
         fs_root=args.fs_root,
         fs_bytes=args.fs_bytes,
         redis_url=args.redis,
         batch_size=args.batch_size,
-        shm_dir=args.shm_dir,
+        shm_dir=args.shm_dir or "/dev/shm",
         prefill_tokens_per_s=args.prefill_tokens_per_s,
+        base_config=base,
     )
     err = _stderr_console()
     err.print(f"kvtier bench: {describe_options(options)}")

@@ -67,6 +67,9 @@ class BenchOptions:
     stall_timeout_s: float = 60.0
     prefill_tokens_per_s: float = 25_000.0
     """Simulated device compute: each step sleeps (tokens computed) / this rate; 0 = no compute time."""
+    base_config: KvtierConfig | None = None
+    """A resolved configuration to bench instead of the fields above (CPU size, policy, model,
+    geometry, shm_dir, tiers); ``fs``/``redis_url``/``extra_tiers`` add tiers behind its own."""
 
     def config(self, fs_root: str | None) -> KvtierConfig:
         """The :class:`KvtierConfig` of this run (``fs_root``: the resolved fs directory)."""
@@ -79,6 +82,8 @@ class BenchOptions:
         if self.redis_url:
             tiers.append({"type": "redis", "url": self.redis_url})
         tiers.extend(self.extra_tiers)
+        if self.base_config is not None:
+            return self.base_config.model_copy(update={"tiers": [*self.base_config.tiers, *tiers]})
         return KvtierConfig.model_validate(
             {
                 "cpu_bytes": self.cpu_bytes,
@@ -355,9 +360,11 @@ class Bench:
                 "cpu_bytes": config.cpu_bytes,
                 "cpu_blocks": manager.primary.num_blocks,
                 "device_blocks": opts.device_blocks,
-                "policy": opts.policy,
+                "policy": config.policy,
+                # The temporary fs root is gone after the run: leave it out.
                 "tiers": [
-                    {k: v for k, v in t.items() if k != "root" or opts.fs_root is not None} for t in config.tiers
+                    {k: v for k, v in t.items() if not (k == "root" and "kvtier-bench-" in str(v))}
+                    for t in config.tiers
                 ],
                 "workload": opts.workload.to_dict(),
                 "batch_size": opts.batch_size,
@@ -672,12 +679,19 @@ def options_from_args(**kwargs: Any) -> BenchOptions:
 
 def describe_options(options: BenchOptions) -> str:
     """One line for the console: sizes and tiers of the run."""
-    tiers = ["cpu " + format_size(options.cpu_bytes)]
+    base = options.base_config
+    if base is not None:
+        cpu = format_size(base.resolved_num_cpu_blocks() * base.row_stride)
+        tiers = [f"cpu {cpu}"] + [f"{t['type']} {t.get('root') or t.get('url') or ''}".strip() for t in base.tiers]
+        model = base.model
+    else:
+        tiers = ["cpu " + format_size(options.cpu_bytes)]
+        model = options.model
     if options.fs:
         tiers.append("fs " + (options.fs_root or "(temp dir)"))
     if options.redis_url:
         tiers.append("redis " + options.redis_url)
-    return f"model {options.model}, device pool {options.device_blocks} blocks, tiers: " + ", ".join(tiers)
+    return f"model {model}, device pool {options.device_blocks} blocks, tiers: " + ", ".join(tiers)
 
 
 __all__ = [
