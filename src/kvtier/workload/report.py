@@ -81,7 +81,9 @@ def bench_tables(result: BenchResult) -> list[Table]:
     for direction, n in data["bytes"].items():
         rate = data["gbps"].get(direction)
         moved.add_row(_direction_name(direction), format_size(n), f"{rate:.2f}" if rate else "-")
-    moved.caption = "GB/s: device copies over copy-engine busy time, tiers over wall time with jobs in flight"
+    moved.caption = (
+        "GB/s over: copy-engine busy time (device), wall time with jobs in flight (cascades), job time (promotions)"
+    )
 
     lat = Table(title="scheduler-side latency", title_justify="left", min_width=60)
     lat.add_column("call")
