@@ -1,21 +1,39 @@
-"""Shared fixtures: namespaces, an isolated shm directory check, and leak detection."""
+"""Shared fixtures: namespaces, /dev/shm leak detection, private shm directories."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvtier.keys import KVGeometry, Namespace
-from kvtier.region import FILE_PREFIX
+from kvtier.region import FILE_PREFIX, FILE_SUFFIX
 
 SHM = Path("/dev/shm")
 
 
-def _kvtier_shm_files() -> set[str]:
-    return {p.name for p in SHM.glob(f"*{FILE_PREFIX}*")} if SHM.is_dir() else set()
+def _region_files(directory: Path) -> set[Path]:
+    return {p for p in directory.glob(f"*{FILE_PREFIX}*{FILE_SUFFIX}") if p.is_file()}
+
+
+def _unheld(path: Path) -> bool:
+    """True if no live process holds the region's liveness lock (a leak, not a neighbour)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
 
 
 @pytest.fixture
@@ -26,10 +44,29 @@ def namespace() -> Namespace:
 
 @pytest.fixture
 def shm_leak_check() -> Iterator[None]:
-    """Fails the test if it leaves a kvtier file behind in /dev/shm."""
-    before = _kvtier_shm_files()
+    """Fails the test if it leaves a kvtier region file in /dev/shm that no live process holds.
+
+    Files that appear meanwhile but are held by a live process (another test run or
+    engine on this machine) are neighbours, not leaks, and are left alone.
+    """
+    before = _region_files(SHM)
     yield
-    leaked = _kvtier_shm_files() - before
-    for name in leaked:
-        os.unlink(SHM / name)
-    assert not leaked, f"test leaked /dev/shm files: {sorted(leaked)}"
+    leaked = sorted(p for p in _region_files(SHM) - before if _unheld(p))
+    for path in leaked:
+        path.unlink(missing_ok=True)
+    assert not leaked, f"test leaked /dev/shm files: {[p.name for p in leaked]}"
+
+
+@pytest.fixture
+def private_shm() -> Iterator[Path]:
+    """A private directory in /dev/shm for regions; fails the test if one is left behind.
+
+    Private so that other processes' regions in /dev/shm never make the check flaky.
+    """
+    path = Path(tempfile.mkdtemp(prefix="kvtier-test-", dir=SHM))
+    try:
+        yield path
+        leaked = sorted(p.name for p in path.iterdir())
+        assert not leaked, f"test leaked region files: {leaked}"
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -5,15 +5,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,14 +29,6 @@ def run(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> 
         [*KVTIER, *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO, check=False
     )
 
-
-@pytest.fixture
-def private_shm() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 TINY_BENCH = [

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import shutil
 import socket
-import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,16 +24,6 @@ def samples(metrics: KvtierMetrics) -> dict[tuple[str, tuple[tuple[str, str], ..
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
 
-
-@pytest.fixture
-def private_shm() -> Iterator[Path]:
-    """A private region directory (other processes' /dev/shm files never interfere)."""
-    path = Path(tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm"))
-    try:
-        yield path
-        assert not list(path.iterdir()), "region file left behind"
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_metrics_follow_a_real_manager(tmp_path: Path, private_shm: Path) -> None:

@@ -30,7 +30,8 @@ def check_invariants(policy: ARCPolicy) -> None:
     assert policy.t1 + policy.t2 == len(where)
     assert all(where.get(k) == 1 for k in policy._t1e)
     assert all(where.get(k) == 2 for k in policy._t2e)
-    assert len(policy._b1) <= policy.capacity and len(policy._b2) <= policy.capacity
+    assert len(policy._b1) + len(policy._b2) <= policy.capacity
+    assert not policy._b1 or policy.t1 + len(policy._b1) <= policy.capacity
     assert not set(policy._b1) & set(policy._b2)
     assert not (set(policy._b1) | set(policy._b2)) & set(where), "a resident key is also a ghost"
     assert 0.0 <= policy.p <= policy.capacity
@@ -124,7 +125,7 @@ def test_ghost_hit_adaptation_scales_with_the_other_ghost_list() -> None:
 
 
 def test_p_stays_within_zero_and_capacity() -> None:
-    policy = ARCPolicy(2)
+    policy = ARCPolicy(3)
     for round_ in range(10):
         base = 10 * round_
         ready(policy, base, base + 1, base + 2)
@@ -133,8 +134,8 @@ def test_p_stays_within_zero_and_capacity() -> None:
             policy.insert(key(i))  # B1 ghost hits push p up
             policy.mark_evictable(key(i))
         assert policy.evict(3) is not None
-        assert 0.0 <= policy.p <= 2.0
-    assert policy.p == 2.0
+        assert 0.0 <= policy.p <= 3.0
+    assert policy.p == 3.0
     check_invariants(policy)
 
 
@@ -157,8 +158,10 @@ def test_ghost_lists_stay_bounded_by_capacity() -> None:
         if i % 2:
             policy.touch(key(i))
         assert policy.evict(1) == [key(i)]
-    assert len(policy._b1) == 3 and len(policy._b2) == 3
-    assert list(policy._b1) == [key(44), key(46), key(48)], "the oldest ghosts are dropped first"
+    # ARC's bounds: |T1| + |B1| <= c and at most c ghosts in all
+    assert len(policy._b1) + len(policy._b2) == 3
+    ghosts = list(policy._b1) + list(policy._b2)
+    assert all(int.from_bytes(g, "big") >= 44 for g in ghosts), "the oldest ghosts are dropped first"
     check_invariants(policy)
 
 
@@ -228,6 +231,13 @@ class ReferenceARC(ReferencePolicy):
         self.b2: list[BlockKey] = []
         self.evictable: set[BlockKey] = set()
 
+    def trim(self) -> None:
+        """ARC's directory bounds: |T1| + |B1| <= c, and at most c ghosts in all."""
+        while self.b1 and len(self.t1) + len(self.b1) > self.capacity:
+            self.b1.pop(0)
+        while self.b2 and len(self.b1) + len(self.b2) > self.capacity:
+            self.b2.pop(0)
+
     def insert(self, k: BlockKey) -> None:
         if k in self.b1:
             self.p = min(float(self.capacity), self.p + max(len(self.b2) / len(self.b1), 1.0))
@@ -239,6 +249,7 @@ class ReferenceARC(ReferencePolicy):
             self.t2.append(k)
         else:
             self.t1.append(k)
+            self.trim()
 
     def remove(self, k: BlockKey) -> None:
         for lst in (self.t1, self.t2):
@@ -287,8 +298,7 @@ class ReferenceARC(ReferencePolicy):
             ghosts = self.b1 if k in self.t1 else self.b2
             self.remove(k)
             ghosts.append(k)
-        del self.b1[: max(0, len(self.b1) - self.capacity)]
-        del self.b2[: max(0, len(self.b2) - self.capacity)]
+        self.trim()
         return chosen
 
     def clear(self) -> None:

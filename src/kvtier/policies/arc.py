@@ -8,8 +8,8 @@ exceeds ``p`` and of T2 otherwise.
 To keep eviction O(1) without scanning pinned blocks, each resident list is
 kept as a count (all members) plus an ordered dict of its *evictable* members.
 Invariants: ``t1 + t2`` equals the number of resident keys; ``_t1e`` and
-``_t2e`` hold exactly the evictable members of each; ``len(B1)``, ``len(B2)``
-never exceed the capacity.
+``_t2e`` hold exactly the evictable members of each; after every insertion and eviction
+``|T1| + |B1| <= c`` and ``|B1| + |B2| <= c`` (ARC's directory bounds).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class ARCPolicy(EvictionPolicy):
         else:
             self._where[key] = 1
             self.t1 += 1
+            self._trim_ghosts()
 
     def remove(self, key: BlockKey) -> None:
         where = self._where.pop(key, 0)
@@ -115,11 +116,17 @@ class ARCPolicy(EvictionPolicy):
                 del self._t2e[key]
                 self.t2 -= 1
                 self._b2[key] = None
-        while len(self._b1) > self.capacity:
-            self._b1.popitem(last=False)
-        while len(self._b2) > self.capacity:
-            self._b2.popitem(last=False)
+        self._trim_ghosts()
         return [key for key, _ in chosen]
+
+    def _trim_ghosts(self) -> None:
+        # ARC's bounds: |T1| + |B1| <= c, and at most c ghosts in all (with a full cache,
+        # ARC's |T1| + |T2| + |B1| + |B2| <= 2c allows no more).
+        c = self.capacity
+        while self._b1 and self.t1 + len(self._b1) > c:
+            self._b1.popitem(last=False)
+        while self._b2 and len(self._b1) + len(self._b2) > c:
+            self._b2.popitem(last=False)
 
     def clear(self) -> None:
         self.p = 0.0
