@@ -407,3 +407,48 @@ def test_a_hit_is_protected_from_eviction_until_the_step_ends(make: Any) -> None
     mgr.complete_load(a, req)
     mgr.on_schedule_end()
     assert mgr.prepare_store(keys(1, seed=2), RequestContext("other")) is not None
+
+
+class _Raising(ScriptedTier):
+    tier_type = "raising"
+
+    def lookup(self, key: bytes, request: RequestContext | None) -> LookupResult:
+        raise RuntimeError("lookup exploded")
+
+    def poll_finished(self) -> list[Any]:
+        raise RuntimeError("poll exploded")
+
+    def touch(self, keys: Any, request: RequestContext | None) -> None:
+        raise RuntimeError("touch exploded")
+
+    def on_request_finished(self, request: RequestContext) -> None:
+        raise RuntimeError("hook exploded")
+
+
+register_tier("raising", f"{__name__}:_Raising")
+
+
+def test_a_tier_raising_from_scheduler_calls_never_crashes_the_scheduler(
+    namespace: Namespace, caplog: pytest.LogCaptureFixture
+) -> None:
+    mgr = TieringManager.create(
+        namespace=namespace, num_cpu_blocks=4, tiers=[{"type": "raising"}, {"type": "scripted", "name": "ok"}]
+    )
+    try:
+        req = RequestContext("r")
+        k = keys(1)[0]
+        ok = tiers(mgr)[1]
+        ok.data[k] = b"v" * mgr.block_bytes
+        with caplog.at_level("ERROR", logger="kvtier.manager"):
+            assert mgr.lookup(k, req) is HIT_PENDING, "the healthy tier behind the raising one still serves"
+            assert mgr.lookup(keys(1, seed=4)[0], req) is MISS
+            mgr.touch([k], req)
+            mgr.on_schedule_end()
+            mgr.on_request_finished(req)
+        logged = [r.getMessage() for r in caplog.records if "raised from" in r.getMessage()]
+        assert any("lookup()" in m and "#1" in m and "type=raising" in m for m in logged)
+        assert sum("lookup()" in m for m in logged) == 1, "logged once per (tier, call), then counted"
+        assert mgr.stats()["manager"]["tier_call_errors"] >= 4
+        assert mgr.lookup(k, req) is HIT
+    finally:
+        mgr.shutdown()

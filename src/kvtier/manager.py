@@ -67,6 +67,7 @@ class ManagerStats:
     submit_errors: int = 0
     unknown_job_results: int = 0
     store_rejections: int = 0
+    tier_call_errors: int = 0
 
 
 @dataclass
@@ -123,6 +124,7 @@ class TieringManager:
         self._tiers_down: set[int] = set()
         self._shutdown_complete = False
         self._stats = ManagerStats()
+        self._logged_call_errors: set[tuple[int, str]] = set()
 
     # --- construction ----------------------------------------------------------------
 
@@ -221,6 +223,22 @@ class TieringManager:
         """``"0:primary"`` or ``"<n>:<type>"`` for secondary tier n (1-based)."""
         return "0:primary" if index == 0 else f"{index}:{self.tiers[index - 1].tier_type}"
 
+    def _tier_call_failed(self, pos: int, call: str) -> None:
+        """A tier raised from a scheduler-side call: count it, log it once per (tier, call).
+
+        The engine's scheduler must never crash because a tier misbehaves; the
+        call is treated as answered with its safe default (MISS, no results, ...).
+        """
+        self._stats.tier_call_errors += 1
+        if (pos, call) not in self._logged_call_errors:
+            self._logged_call_errors.add((pos, call))
+            tier = self.tiers[pos]
+            logger.exception(
+                "secondary tier #%d (type=%s, class=%s) raised from %s(); treated as its safe default "
+                "(further errors of this call are only counted)",
+                pos + 1, tier.tier_type, type(tier).__qualname__, call,
+            )
+
     # --- per-step polling ----------------------------------------------------------------
 
     def _poll_once(self) -> None:
@@ -232,7 +250,12 @@ class TieringManager:
         for pos, tier in enumerate(self.tiers):
             if pos in self._tiers_down:
                 continue
-            for result in tier.poll_finished():
+            try:
+                results = tier.poll_finished()
+            except Exception:
+                self._tier_call_failed(pos, "poll_finished")
+                continue
+            for result in results:
                 self._finish_job(pos, result)
 
     def _finish_job(self, pos: int, result: JobResult) -> None:
@@ -285,7 +308,11 @@ class TieringManager:
         for pos, tier in enumerate(self.tiers):
             if pos in self._tiers_down:
                 continue
-            answer = tier.lookup(key, request)
+            try:
+                answer = tier.lookup(key, request)
+            except Exception:
+                self._tier_call_failed(pos, "lookup")
+                continue
             if answer is LookupResult.HIT:
                 reserved = self.primary.prepare_write([key], self._step_hits)
                 if reserved is None or not reserved.keys_to_store:
@@ -319,7 +346,10 @@ class TieringManager:
         self.primary.touch(keys)
         for pos, tier in enumerate(self.tiers):
             if pos not in self._tiers_down:
-                tier.touch(keys, request)
+                try:
+                    tier.touch(keys, request)
+                except Exception:
+                    self._tier_call_failed(pos, "touch")
 
     # --- stores and cascades -----------------------------------------------------------
 
@@ -397,19 +427,24 @@ class TieringManager:
         """REQUEST_LEVEL if any tier asks for it, else BLOCK_LEVEL."""
         state = self._state(request)
         assert state is not None
-        state.request_level_tiers = [
-            pos for pos, tier in enumerate(self.tiers)
-            if pos not in self._tiers_down and tier.on_new_request(request) is OffloadPolicy.REQUEST_LEVEL
-        ]
+        state.request_level_tiers = []
+        for pos, tier in enumerate(self.tiers):
+            if pos in self._tiers_down:
+                continue
+            try:
+                policy = tier.on_new_request(request)
+            except Exception:
+                self._tier_call_failed(pos, "on_new_request")
+                continue
+            if policy is OffloadPolicy.REQUEST_LEVEL:
+                state.request_level_tiers.append(pos)
         return OffloadPolicy.REQUEST_LEVEL if state.request_level_tiers else OffloadPolicy.BLOCK_LEVEL
 
     def on_request_finished(self, request: RequestContext) -> None:
         """No more submit-side calls for ``request``; completions may still arrive."""
         state = self._requests.get(request.req_id)
         if state is None:
-            for pos, tier in enumerate(self.tiers):
-                if pos not in self._tiers_down:
-                    tier.on_request_finished(request)
+            self._notify_finished(request)
             return
         state.finished = True
         self._maybe_finalize(state)
@@ -422,9 +457,15 @@ class TieringManager:
             and not state.unsubmitted_promotions
         ):
             del self._requests[state.request.req_id]
-            for pos, tier in enumerate(self.tiers):
-                if pos not in self._tiers_down:
-                    tier.on_request_finished(state.request)
+            self._notify_finished(state.request)
+
+    def _notify_finished(self, request: RequestContext) -> None:
+        for pos, tier in enumerate(self.tiers):
+            if pos not in self._tiers_down:
+                try:
+                    tier.on_request_finished(request)
+                except Exception:
+                    self._tier_call_failed(pos, "on_request_finished")
 
     def on_schedule_end(self) -> None:
         """Once per engine step: poll, submit this step's promotions, flush parked cascades."""
@@ -448,7 +489,10 @@ class TieringManager:
             self._maybe_finalize(state)
         for pos, tier in enumerate(self.tiers):
             if pos not in self._tiers_down:
-                tier.on_schedule_end()
+                try:
+                    tier.on_schedule_end()
+                except Exception:
+                    self._tier_call_failed(pos, "on_schedule_end")
         self._step_hits.clear()
         self._polled_this_step = False
 
@@ -458,15 +502,27 @@ class TieringManager:
             self._jobs
             or self._pending_promotions
             or any(s.parked_cascades for s in self._requests.values())
-            or any(t.has_pending_work() for p, t in enumerate(self.tiers) if p not in self._tiers_down)
+            or any(self._tier_has_pending_work(pos) for pos in range(len(self.tiers)))
         )
+
+    def _tier_has_pending_work(self, pos: int) -> bool:
+        if pos in self._tiers_down:
+            return False
+        try:
+            return self.tiers[pos].has_pending_work()
+        except Exception:
+            self._tier_call_failed(pos, "has_pending_work")
+            return True  # keep the engine stepping so completions are still polled
 
     def take_events(self) -> list[BlockEvent]:
         """Stored/removed events of the CPU tier and every secondary tier since the last call."""
         events = self.primary.take_events()
         for pos, tier in enumerate(self.tiers):
             if pos not in self._tiers_down:
-                events.extend(tier.take_events())
+                try:
+                    events.extend(tier.take_events())
+                except Exception:
+                    self._tier_call_failed(pos, "take_events")
         return events
 
     def jobs_in_flight(self) -> int:
