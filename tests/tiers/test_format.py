@@ -50,3 +50,14 @@ def test_payload_corruption_and_truncation() -> None:
         verify_payload(header, bad)
     with pytest.raises(CorruptValueError, match="truncated"):
         verify_payload(header, PAYLOAD[:-1])
+
+
+def test_checksum_is_xxh3_64_for_small_and_large_payloads() -> None:
+    import xxhash
+
+    from kvtier.tiers.format import payload_checksum
+
+    for size in (0, 100, 64 * 1024 - 1, 64 * 1024, 3 * 1024 * 1024 + 5):
+        data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+        assert payload_checksum(data) == xxhash.xxh3_64_intdigest(data), size
+        assert payload_checksum(memoryview(data)) == payload_checksum(bytearray(data))

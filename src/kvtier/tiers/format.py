@@ -39,8 +39,18 @@ _HEADER_CHECK_OFFSET = _LAYOUT.size  # 88
 _CHECK = struct.Struct("<Q")
 
 
+_GIL_FREE_CHECKSUM_BYTES = 64 * 1024
+
+
 def payload_checksum(payload: bytes | bytearray | memoryview) -> int:
-    """xxh3_64 of a payload; runs at memory speed (tens of GB/s)."""
+    """xxh3_64 of a payload; runs at memory speed (tens of GB/s).
+
+    Large payloads go through the streaming ``xxh3_64`` object, whose update
+    releases the GIL (the one-shot function does not), so tier I/O threads hash
+    blocks in parallel with each other and with the scheduler thread.
+    """
+    if len(memoryview(payload).cast("B")) >= _GIL_FREE_CHECKSUM_BYTES:
+        return int(xxhash.xxh3_64(payload).intdigest())
     return int(xxhash.xxh3_64_intdigest(payload))
 
 
