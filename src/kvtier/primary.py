@@ -4,7 +4,9 @@ Per block (DESIGN.md section 4): ref count ``-1`` means a write is in flight
 (a device store or a promotion from a secondary tier), ``0`` means ready and
 evictable, ``> 0`` means pinned by that many readers (device loads, cascades
 to secondary tiers). Only evictable blocks are ever evicted, and the policy
-sees only evictable blocks, so eviction never scans pinned ones.
+sees only evictable blocks, so eviction never scans pinned ones. Every policy
+call names the block's row slot too, so a policy can keep its per-block state
+in slot-indexed arrays rather than hash tables (see ``kvtier.policies.base``).
 
 Every method is called from the scheduler thread and does bookkeeping only;
 bytes are moved by engine workers and tier I/O threads, into and out of
@@ -165,7 +167,7 @@ class PrimaryTier:
             slot = self._free.pop() if self._free else self._take_fresh()
             self._slot_of[key] = slot
             self._ref[slot] = IN_FLIGHT
-            self.policy.insert(key)
+            self.policy.insert(key, slot)
             slots[i] = slot
         return PrepareStoreResult(new_keys, slots, evicted)
 
@@ -187,12 +189,12 @@ class PrimaryTier:
                 continue
             if success:
                 self._ref[slot] = 0
-                self.policy.mark_evictable(key)
+                self.policy.mark_evictable(key, slot)
             else:
                 del self._slot_of[key]
                 self._ref[slot] = 0
                 self._free.append(slot)
-                self.policy.remove(key)
+                self.policy.remove(key, slot)
             done.append(key)
         if done:
             if success:
@@ -220,7 +222,7 @@ class PrimaryTier:
                 raise KvtierError(f"cannot pin block {key.hex()[:16]}: it is {state}; only HIT blocks can be read")
             ref = self._ref[slot]
             if ref == 0:
-                self.policy.mark_pinned(key)
+                self.policy.mark_pinned(key, slot)
             self._ref[slot] = ref + 1
             slots[i] = slot
         return slots
@@ -240,7 +242,7 @@ class PrimaryTier:
             return
         self._ref[slot] = ref - 1
         if ref == 1:
-            self.policy.mark_evictable(key)
+            self.policy.mark_evictable(key, slot)
 
     prepare_load = pin
     complete_load = unpin
@@ -252,7 +254,7 @@ class PrimaryTier:
         for key in keys:
             slot = self._slot_of.get(key)
             if slot is not None and self._ref[slot] != IN_FLIGHT:
-                self.policy.touch(key)
+                self.policy.touch(key, slot)
 
     # --- events, reset, shutdown -----------------------------------------------------
 

@@ -1,5 +1,8 @@
 """Shared pieces of the per-policy test modules.
 
+``Slotted`` drives a policy the way the primary tier does: each new key takes
+a free row slot, every later call names it, and removal or eviction frees it.
+
 ``ProtocolMachine`` drives an eviction policy through exactly the call order
 the primary tier uses (insert -> mark_evictable / mark_pinned ... -> remove or
 eviction) and compares every ``evict`` answer with a naive reference model of
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Container, Iterable
+from typing import Generic, TypeVar
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -39,6 +43,68 @@ class ScanSpy(Container[BlockKey]):
         return item in self.keys
 
 
+P = TypeVar("P", bound=EvictionPolicy)
+
+
+class Slotted(Generic[P]):
+    """A policy with the primary tier's slot bookkeeping, called by key.
+
+    ``insert`` gives a new key a free slot (the ``pick``-th free one, so tests can
+    vary which), the other calls pass the key's slot, and ``remove`` and
+    ``evict`` free the slots again. ``touch`` and ``remove`` of an unknown key
+    name a free slot, which the policy must ignore.
+    """
+
+    def __init__(self, policy: P) -> None:
+        self.policy = policy
+        self.slot_of: dict[BlockKey, int] = {}
+        self.free = list(range(policy.capacity - 1, -1, -1))
+
+    def _slot_or_free(self, k: BlockKey) -> int:
+        slot = self.slot_of.get(k)
+        if slot is None:
+            assert self.free, "an unknown key can only name a free slot"
+            return self.free[-1]
+        return slot
+
+    def insert(self, k: BlockKey, pick: int = 0) -> None:
+        assert k not in self.slot_of, "a key is inserted once"
+        assert self.free, "no free slot: the tier evicts before it inserts"
+        slot = self.free.pop(len(self.free) - 1 - pick % len(self.free))
+        self.slot_of[k] = slot
+        self.policy.insert(k, slot)
+
+    def remove(self, k: BlockKey) -> None:
+        slot = self._slot_or_free(k)
+        self.policy.remove(k, slot)
+        if self.slot_of.pop(k, None) is not None:
+            self.free.append(slot)
+
+    def touch(self, k: BlockKey) -> None:
+        self.policy.touch(k, self._slot_or_free(k))
+
+    def mark_evictable(self, k: BlockKey) -> None:
+        self.policy.mark_evictable(k, self.slot_of[k])
+
+    def mark_pinned(self, k: BlockKey) -> None:
+        self.policy.mark_pinned(k, self.slot_of[k])
+
+    def evict(self, n: int, protected: Container[BlockKey] = ()) -> list[BlockKey] | None:
+        chosen = self.policy.evict(n, protected)
+        for k in chosen or ():
+            assert k in self.slot_of, "evicted a key that is not resident"
+            self.free.append(self.slot_of.pop(k))
+        return chosen
+
+    def clear(self) -> None:
+        self.policy.clear()
+        self.slot_of.clear()
+        self.free = list(range(self.policy.capacity - 1, -1, -1))
+
+    def evictable_count(self) -> int:
+        return self.policy.evictable_count()
+
+
 class KeyState(enum.Enum):
     ABSENT = "absent"
     NEW = "new"  # inserted, write in flight: not evictable
@@ -47,7 +113,7 @@ class KeyState(enum.Enum):
 
 
 class ReferencePolicy:
-    """The interface of a naive reference model (same calls as EvictionPolicy)."""
+    """The interface of a naive reference model (EvictionPolicy's calls, by key only)."""
 
     def insert(self, k: BlockKey) -> None:
         raise NotImplementedError
@@ -80,7 +146,8 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.policy = type(self).make_policy(self.capacity)
+        self.tier = Slotted(type(self).make_policy(self.capacity))
+        self.policy = self.tier.policy
         self.ref = type(self).make_reference(self.capacity)
         self.state = {key(i): KeyState.ABSENT for i in range(NUM_KEYS)}
 
@@ -89,12 +156,12 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     # --- the primary tier's calls, in its order ---------------------------------------
 
-    @rule(i=st.integers(0, NUM_KEYS - 1))
-    def insert(self, i: int) -> None:
+    @rule(i=st.integers(0, NUM_KEYS - 1), pick=st.integers(0, 3))
+    def insert(self, i: int, pick: int) -> None:
         k = key(i)
-        if self.state[k] is not KeyState.ABSENT:
-            return
-        self.policy.insert(k)
+        if self.state[k] is not KeyState.ABSENT or not self.tier.free:
+            return  # the tier evicts before it inserts into a full tier
+        self.tier.insert(k, pick)
         self.ref.insert(k)
         self.state[k] = KeyState.NEW
 
@@ -103,7 +170,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         k = key(i)
         if self.state[k] is not KeyState.NEW:
             return
-        self.policy.mark_evictable(k)
+        self.tier.mark_evictable(k)
         self.ref.mark_evictable(k)
         self.state[k] = KeyState.EVICTABLE
 
@@ -112,7 +179,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         k = key(i)
         if self.state[k] is KeyState.ABSENT:
             return
-        self.policy.remove(k)
+        self.tier.remove(k)
         self.ref.remove(k)
         self.state[k] = KeyState.ABSENT
 
@@ -121,7 +188,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         k = key(i)
         if self.state[k] is not KeyState.EVICTABLE:
             return
-        self.policy.mark_pinned(k)
+        self.tier.mark_pinned(k)
         self.ref.mark_pinned(k)
         self.state[k] = KeyState.PINNED
 
@@ -130,25 +197,25 @@ class ProtocolMachine(RuleBasedStateMachine):
         k = key(i)
         if self.state[k] is not KeyState.PINNED:
             return
-        self.policy.mark_evictable(k)
+        self.tier.mark_evictable(k)
         self.ref.mark_evictable(k)
         self.state[k] = KeyState.EVICTABLE
 
     @rule(i=st.integers(0, NUM_KEYS - 1))
     def touch(self, i: int) -> None:
         # The primary tier forwards touches of ready blocks (evictable or pinned) only;
-        # absent keys are included too, which a policy must ignore.
+        # absent keys are included too (naming a free slot), which a policy must ignore.
         k = key(i)
-        if self.state[k] is KeyState.NEW:
+        if self.state[k] is KeyState.NEW or (self.state[k] is KeyState.ABSENT and not self.tier.free):
             return
-        self.policy.touch(k)
+        self.tier.touch(k)
         self.ref.touch(k)
 
     @rule(n=st.integers(0, 4), protected=st.sets(st.integers(0, NUM_KEYS - 1), max_size=4))
     def evict(self, n: int, protected: set[int]) -> None:
         spy = ScanSpy(key(i) for i in protected)
         before = self.policy.evictable_count()
-        chosen = self.policy.evict(n, spy)
+        chosen = self.tier.evict(n, spy)
         expected = self.ref.evict(n, spy.keys)
         assert chosen == expected
         not_evictable = set(self._keys_in(KeyState.NEW, KeyState.PINNED))
@@ -166,10 +233,11 @@ class ProtocolMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(s is not KeyState.ABSENT for s in self.state.values()))
     @rule()
     def clear(self) -> None:
-        self.policy.clear()
+        self.tier.clear()
         self.ref.clear()
         self.state = dict.fromkeys(self.state, KeyState.ABSENT)
 
     @invariant()
     def evictable_count_matches(self) -> None:
         assert self.policy.evictable_count() == len(self._keys_in(KeyState.EVICTABLE))
+        assert set(self.tier.slot_of) == set(self._keys_in(KeyState.NEW, KeyState.EVICTABLE, KeyState.PINNED))

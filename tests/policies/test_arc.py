@@ -1,216 +1,234 @@
 """ARCPolicy: adaptive replacement over evictable blocks, with bounded ghost lists.
 
 White-box where the contract is about internal state: ``t1``/``t2`` (resident
-counts), ``p`` (the adaptive T1 target) and the ghost lists ``_b1``/``_b2``.
+counts), ``_where`` (the list of the block in each slot), ``p`` (the adaptive
+T1 target) and the ghost lists ``_b1``/``_b2``.
 """
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import invariant
-from policy_helpers import KeyState, ProtocolMachine, ReferencePolicy, ScanSpy, key
+from policy_helpers import KeyState, ProtocolMachine, ReferencePolicy, ScanSpy, Slotted, key
 
 from kvtier.keys import BlockKey
 from kvtier.policies import ARCPolicy
 
 
-def ready(policy: ARCPolicy, *ids: int) -> None:
+def ready(tier: Slotted[ARCPolicy], *ids: int) -> None:
     """Insert and complete keys ``ids`` in order (each enters T1, evictable)."""
     for i in ids:
-        policy.insert(key(i))
-        policy.mark_evictable(key(i))
+        tier.insert(key(i))
+        tier.mark_evictable(key(i))
 
 
-def check_invariants(policy: ARCPolicy) -> None:
+def check_invariants(tier: Slotted[ARCPolicy]) -> None:
     """The class invariants stated in the module docstring of ``kvtier.policies.arc``."""
+    policy = tier.policy
     where = policy._where
-    assert policy.t1 == sum(1 for w in where.values() if w == 1)
-    assert policy.t2 == sum(1 for w in where.values() if w == 2)
-    assert policy.t1 + policy.t2 == len(where)
-    assert all(where.get(k) == 1 for k in policy._t1e)
-    assert all(where.get(k) == 2 for k in policy._t2e)
+    assert len(where) == policy.capacity
+    assert policy.t1 == where.count(1)
+    assert policy.t2 == where.count(2)
+    assert policy.t1 + policy.t2 == len(tier.slot_of)
+    assert {s for s in range(policy.capacity) if where[s]} == set(tier.slot_of.values()), "resident = listed slots"
+    assert all(where[s] == 1 and tier.slot_of.get(k) == s for k, s in policy._t1e.items())
+    assert all(where[s] == 2 and tier.slot_of.get(k) == s for k, s in policy._t2e.items())
     assert len(policy._b1) + len(policy._b2) <= policy.capacity
     assert not policy._b1 or policy.t1 + len(policy._b1) <= policy.capacity
     assert not set(policy._b1) & set(policy._b2)
-    assert not (set(policy._b1) | set(policy._b2)) & set(where), "a resident key is also a ghost"
+    assert not (set(policy._b1) | set(policy._b2)) & set(tier.slot_of), "a resident key is also a ghost"
     assert 0.0 <= policy.p <= policy.capacity
 
 
 def test_new_keys_enter_t1_and_a_second_use_moves_them_to_t2() -> None:
-    policy = ARCPolicy(4)
-    ready(policy, 1, 2)
+    tier = Slotted(ARCPolicy(4))
+    policy = tier.policy
+    ready(tier, 1, 2)
     assert (policy.t1, policy.t2) == (2, 0)
-    policy.touch(key(1))
+    tier.touch(key(1))
     assert (policy.t1, policy.t2) == (1, 1)
-    policy.touch(key(1))
+    tier.touch(key(1))
     assert (policy.t1, policy.t2) == (1, 1)
-    check_invariants(policy)
+    check_invariants(tier)
 
 
 def test_touch_of_a_pinned_t1_key_moves_it_to_t2_without_making_it_evictable() -> None:
-    policy = ARCPolicy(4)
-    ready(policy, 1)
-    policy.mark_pinned(key(1))
-    policy.touch(key(1))
+    tier = Slotted(ARCPolicy(4))
+    policy = tier.policy
+    ready(tier, 1)
+    tier.mark_pinned(key(1))
+    tier.touch(key(1))
     assert (policy.t1, policy.t2) == (0, 1)
-    assert policy.evict(1) is None
-    policy.mark_evictable(key(1))
-    assert policy.evict(1) == [key(1)]
+    assert tier.evict(1) is None
+    tier.mark_evictable(key(1))
+    assert tier.evict(1) == [key(1)]
     assert key(1) in policy._b2
-    check_invariants(policy)
+    check_invariants(tier)
 
 
 def test_in_flight_keys_are_neither_evictable_nor_promoted_by_touch_order() -> None:
-    policy = ARCPolicy(4)
-    policy.insert(key(1))
-    assert policy.evictable_count() == 0
-    assert policy.evict(1) is None
-    policy.mark_evictable(key(1))
-    assert policy.evict(1) == [key(1)]
+    tier = Slotted(ARCPolicy(4))
+    tier.insert(key(1))
+    assert tier.evictable_count() == 0
+    assert tier.evict(1) is None
+    tier.mark_evictable(key(1))
+    assert tier.evict(1) == [key(1)]
 
 
 def test_with_p_zero_t1_is_evicted_before_t2() -> None:
-    policy = ARCPolicy(8)
-    ready(policy, 1, 2, 3)
-    policy.touch(key(1))  # T2: 1; T1: 2, 3
+    tier = Slotted(ARCPolicy(8))
+    policy = tier.policy
+    ready(tier, 1, 2, 3)
+    tier.touch(key(1))  # T2: 1; T1: 2, 3
     assert policy.p == 0.0
-    assert policy.evict(2) == [key(2), key(3)]
-    assert policy.evict(1) == [key(1)]
+    assert tier.evict(2) == [key(2), key(3)]
+    assert tier.evict(1) == [key(1)]
 
 
 def test_frequently_used_blocks_survive_a_scan() -> None:
-    policy = ARCPolicy(8)
-    ready(policy, 1, 2)
-    policy.touch(key(1))
-    policy.touch(key(2))
+    tier = Slotted(ARCPolicy(8))
+    policy = tier.policy
+    ready(tier, 1, 2)
+    tier.touch(key(1))
+    tier.touch(key(2))
     for i in range(100, 140):  # a long scan of one-time blocks
-        policy.insert(key(i))
-        policy.mark_evictable(key(i))
-        if policy.t1 + policy.t2 > 8:
-            evicted = policy.evict(1)
+        if policy.t1 + policy.t2 == 8:  # full: the tier evicts before it inserts
+            evicted = tier.evict(1)
             assert evicted is not None and evicted[0] not in (key(1), key(2))
-    assert policy._where.get(key(1)) == 2 and policy._where.get(key(2)) == 2
-    check_invariants(policy)
+        tier.insert(key(i))
+        tier.mark_evictable(key(i))
+    assert policy._where[tier.slot_of[key(1)]] == 2 and policy._where[tier.slot_of[key(2)]] == 2
+    check_invariants(tier)
 
 
 def test_ghost_hit_in_b1_grows_p_and_in_b2_shrinks_it() -> None:
-    policy = ARCPolicy(4)
-    ready(policy, 1, 2)
-    assert policy.evict(1) == [key(1)]
+    tier = Slotted(ARCPolicy(4))
+    policy = tier.policy
+    ready(tier, 1, 2)
+    assert tier.evict(1) == [key(1)]
     assert key(1) in policy._b1
-    policy.insert(key(1))  # ghost hit in B1: T1 was too small
+    tier.insert(key(1))  # ghost hit in B1: T1 was too small
     assert policy.p == 1.0
-    assert policy._where[key(1)] == 2, "a ghost hit re-enters in T2"
+    assert policy._where[tier.slot_of[key(1)]] == 2, "a ghost hit re-enters in T2"
     assert key(1) not in policy._b1
-    policy.mark_evictable(key(1))
-    policy.touch(key(2))  # T2: 1, 2 and T1 empty
-    assert policy.evict(1) == [key(1)]
+    tier.mark_evictable(key(1))
+    tier.touch(key(2))  # T2: 1, 2 and T1 empty
+    assert tier.evict(1) == [key(1)]
     assert key(1) in policy._b2
-    policy.insert(key(1))  # ghost hit in B2: T2 was too small
+    tier.insert(key(1))  # ghost hit in B2: T2 was too small
     assert policy.p == 0.0
-    check_invariants(policy)
+    check_invariants(tier)
 
 
 def test_ghost_hit_adaptation_scales_with_the_other_ghost_list() -> None:
-    policy = ARCPolicy(8)
-    ready(policy, 1, 2, 3, 4)
+    tier = Slotted(ARCPolicy(8))
+    policy = tier.policy
+    ready(tier, 1, 2, 3, 4)
     for i in (2, 3, 4):
-        policy.touch(key(i))
-    assert policy.evict(1) == [key(1)]  # B1: 1
-    assert policy.evict(3) == [key(2), key(3), key(4)]  # B2: 2, 3, 4
-    policy.insert(key(1))
+        tier.touch(key(i))
+    assert tier.evict(1) == [key(1)]  # B1: 1
+    assert tier.evict(3) == [key(2), key(3), key(4)]  # B2: 2, 3, 4
+    tier.insert(key(1))
     assert policy.p == 3.0  # |B2| / |B1| = 3
-    check_invariants(policy)
+    check_invariants(tier)
 
 
 def test_p_stays_within_zero_and_capacity() -> None:
-    policy = ARCPolicy(3)
+    tier = Slotted(ARCPolicy(3))
+    policy = tier.policy
     for round_ in range(10):
         base = 10 * round_
-        ready(policy, base, base + 1, base + 2)
-        assert policy.evict(3) is not None
+        ready(tier, base, base + 1, base + 2)
+        assert tier.evict(3) is not None
         for i in (base, base + 1, base + 2):
-            policy.insert(key(i))  # B1 ghost hits push p up
-            policy.mark_evictable(key(i))
-        assert policy.evict(3) is not None
+            tier.insert(key(i))  # B1 ghost hits push p up
+            tier.mark_evictable(key(i))
+        assert tier.evict(3) is not None
         assert 0.0 <= policy.p <= 3.0
     assert policy.p == 3.0
-    check_invariants(policy)
+    check_invariants(tier)
 
 
 def test_a_larger_p_makes_eviction_take_from_t2() -> None:
-    policy = ARCPolicy(4)
-    ready(policy, 1, 2, 3)
-    assert policy.evict(1) == [key(1)]
-    policy.insert(key(1))  # p = 1, key 1 in T2
-    policy.mark_evictable(key(1))
+    tier = Slotted(ARCPolicy(4))
+    policy = tier.policy
+    ready(tier, 1, 2, 3)
+    assert tier.evict(1) == [key(1)]
+    tier.insert(key(1))  # p = 1, key 1 in T2
+    tier.mark_evictable(key(1))
     assert (policy.t1, policy.t2, policy.p) == (2, 1, 1.0)
-    assert policy.evict(1) == [key(2)]  # t1 (2) > p (1): from T1
-    assert policy.evict(1) == [key(1)]  # t1 (1) == p: from T2
-    check_invariants(policy)
+    assert tier.evict(1) == [key(2)]  # t1 (2) > p (1): from T1
+    assert tier.evict(1) == [key(1)]  # t1 (1) == p: from T2
+    check_invariants(tier)
 
 
 def test_ghost_lists_stay_bounded_by_capacity() -> None:
-    policy = ARCPolicy(3)
+    tier = Slotted(ARCPolicy(3))
+    policy = tier.policy
     for i in range(50):
-        ready(policy, i)
+        ready(tier, i)
         if i % 2:
-            policy.touch(key(i))
-        assert policy.evict(1) == [key(i)]
+            tier.touch(key(i))
+        assert tier.evict(1) == [key(i)]
     # ARC's bounds: |T1| + |B1| <= c and at most c ghosts in all
     assert len(policy._b1) + len(policy._b2) == 3
     ghosts = list(policy._b1) + list(policy._b2)
     assert all(int.from_bytes(g, "big") >= 44 for g in ghosts), "the oldest ghosts are dropped first"
-    check_invariants(policy)
+    check_invariants(tier)
 
 
 def test_pinned_t1_keys_are_skipped_and_eviction_falls_back_to_t2() -> None:
-    policy = ARCPolicy(8)
-    ready(policy, 1, 2, 3)
-    policy.touch(key(3))  # T2: 3; T1: 1, 2 (t1 = 2 > p = 0)
-    policy.mark_pinned(key(1))
-    policy.mark_pinned(key(2))
+    tier = Slotted(ARCPolicy(8))
+    ready(tier, 1, 2, 3)
+    tier.touch(key(3))  # T2: 3; T1: 1, 2 (t1 = 2 > p = 0)
+    tier.mark_pinned(key(1))
+    tier.mark_pinned(key(2))
     spy = ScanSpy()
-    assert policy.evict(1, spy) == [key(3)]
+    assert tier.evict(1, spy) == [key(3)]
     assert key(1) not in spy.asked and key(2) not in spy.asked
-    check_invariants(policy)
+    check_invariants(tier)
 
 
 def test_eviction_is_atomic_and_protected_keys_are_kept() -> None:
-    policy = ARCPolicy(8)
-    ready(policy, 1, 2, 3)
-    policy.touch(key(3))
-    policy.mark_pinned(key(2))
+    tier = Slotted(ARCPolicy(8))
+    policy = tier.policy
+    ready(tier, 1, 2, 3)
+    tier.touch(key(3))
+    tier.mark_pinned(key(2))
     before = (policy.t1, policy.t2, policy.p, list(policy._b1), list(policy._b2))
-    assert policy.evict(3) is None
-    assert policy.evict(2, {key(1)}) is None
+    assert tier.evict(3) is None
+    assert tier.evict(2, {key(1)}) is None
     assert (policy.t1, policy.t2, policy.p, list(policy._b1), list(policy._b2)) == before
-    assert policy.evictable_count() == 2
-    assert policy.evict(1, {key(1)}) == [key(3)]
-    assert policy.evict(1) == [key(1)]
-    check_invariants(policy)
+    assert tier.evictable_count() == 2
+    assert tier.evict(1, {key(1)}) == [key(3)]
+    assert tier.evict(1) == [key(1)]
+    check_invariants(tier)
 
 
 def test_remove_does_not_leave_a_ghost() -> None:
-    policy = ARCPolicy(4)
-    ready(policy, 1)
-    policy.insert(key(2))
-    policy.remove(key(2))  # a failed store
-    policy.remove(key(1))
+    tier = Slotted(ARCPolicy(4))
+    policy = tier.policy
+    ready(tier, 1)
+    tier.insert(key(2))
+    tier.remove(key(2))  # a failed store
+    tier.remove(key(1))
     assert (policy.t1, policy.t2) == (0, 0)
     assert not policy._b1 and not policy._b2
-    check_invariants(policy)
+    check_invariants(tier)
 
 
 def test_clear_resets_p_and_ghosts() -> None:
-    policy = ARCPolicy(4)
-    ready(policy, 1, 2)
-    policy.evict(1)
-    policy.insert(key(1))
+    tier = Slotted(ARCPolicy(4))
+    policy = tier.policy
+    ready(tier, 1, 2)
+    tier.evict(1)
+    tier.insert(key(1))
     assert policy.p > 0
-    policy.clear()
-    assert (policy.t1, policy.t2, policy.p, policy.evictable_count()) == (0, 0, 0.0, 0)
+    tier.clear()
+    assert (policy.t1, policy.t2, policy.p, tier.evictable_count()) == (0, 0, 0.0, 0)
     assert not policy._b1 and not policy._b2
 
 
@@ -313,12 +331,13 @@ class ARCMachine(ProtocolMachine):
     def same_lists_as_reference(self) -> None:
         policy = self.policy
         assert isinstance(policy, ARCPolicy) and isinstance(self.ref, ReferenceARC)
-        check_invariants(policy)
+        check_invariants(cast("Slotted[ARCPolicy]", self.tier))
         assert policy.p == self.ref.p
         assert (policy.t1, policy.t2) == (len(self.ref.t1), len(self.ref.t2))
         assert list(policy._b1) == self.ref.b1 and list(policy._b2) == self.ref.b2
         resident = {k for k, s in self.state.items() if s is not KeyState.ABSENT}
-        assert set(policy._where) == resident
+        assert set(self.tier.slot_of) == resident
+        assert {s for s in range(policy.capacity) if policy._where[s]} == {self.tier.slot_of[k] for k in resident}
 
 
 ARCMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

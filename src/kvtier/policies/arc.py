@@ -6,10 +6,13 @@ hit in B2 shrinks it; eviction takes the LRU evictable key of T1 while T1
 exceeds ``p`` and of T2 otherwise.
 
 To keep eviction O(1) without scanning pinned blocks, each resident list is
-kept as a count (all members) plus an ordered dict of its *evictable* members.
-Invariants: ``t1 + t2`` equals the number of resident keys; ``_t1e`` and
-``_t2e`` hold exactly the evictable members of each; after every insertion and eviction
-``|T1| + |B1| <= c`` and ``|B1| + |B2| <= c`` (ARC's directory bounds).
+kept as a count (all members) plus an ordered dict of its *evictable* members
+(key -> slot). ``_where[slot]`` says which list the block in a slot is in (1:
+T1, 2: T2, 0: free slot), one byte per slot instead of a hash table.
+Invariants: ``t1`` and ``t2`` count the slots with ``_where`` 1 and 2 (the
+resident blocks); ``_t1e`` and ``_t2e`` hold exactly the evictable members of
+each, with their slots; after every insertion and eviction ``|T1| + |B1| <= c``
+and ``|B1| + |B2| <= c`` (ARC's directory bounds).
 """
 
 from __future__ import annotations
@@ -28,32 +31,33 @@ class ARCPolicy(EvictionPolicy):
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self.p = 0.0
-        self._where: dict[BlockKey, int] = {}
+        self._where = bytearray(capacity)
         self.t1 = 0
         self.t2 = 0
-        self._t1e: OrderedDict[BlockKey, None] = OrderedDict()
-        self._t2e: OrderedDict[BlockKey, None] = OrderedDict()
+        self._t1e: OrderedDict[BlockKey, int] = OrderedDict()
+        self._t2e: OrderedDict[BlockKey, int] = OrderedDict()
         self._b1: OrderedDict[BlockKey, None] = OrderedDict()
         self._b2: OrderedDict[BlockKey, None] = OrderedDict()
 
-    def insert(self, key: BlockKey) -> None:
+    def insert(self, key: BlockKey, slot: int) -> None:
         if key in self._b1:
             self.p = min(float(self.capacity), self.p + max(len(self._b2) / len(self._b1), 1.0))
             del self._b1[key]
-            self._where[key] = 2
+            self._where[slot] = 2
             self.t2 += 1
         elif key in self._b2:
             self.p = max(0.0, self.p - max(len(self._b1) / len(self._b2), 1.0))
             del self._b2[key]
-            self._where[key] = 2
+            self._where[slot] = 2
             self.t2 += 1
         else:
-            self._where[key] = 1
+            self._where[slot] = 1
             self.t1 += 1
             self._trim_ghosts()
 
-    def remove(self, key: BlockKey) -> None:
-        where = self._where.pop(key, 0)
+    def remove(self, key: BlockKey, slot: int) -> None:
+        where = self._where[slot]
+        self._where[slot] = 0
         if where == 1:
             self.t1 -= 1
             self._t1e.pop(key, None)
@@ -61,25 +65,25 @@ class ARCPolicy(EvictionPolicy):
             self.t2 -= 1
             self._t2e.pop(key, None)
 
-    def touch(self, key: BlockKey) -> None:
-        where = self._where.get(key)
+    def touch(self, key: BlockKey, slot: int) -> None:
+        where = self._where[slot]
         if where == 1:
-            self._where[key] = 2
+            self._where[slot] = 2
             self.t1 -= 1
             self.t2 += 1
-            if self._t1e.pop(key, 0) is None:
-                self._t2e[key] = None
+            if self._t1e.pop(key, None) is not None:
+                self._t2e[key] = slot
         elif where == 2 and key in self._t2e:
             self._t2e.move_to_end(key)
 
-    def mark_evictable(self, key: BlockKey) -> None:
-        where = self._where.get(key)
+    def mark_evictable(self, key: BlockKey, slot: int) -> None:
+        where = self._where[slot]
         if where == 1:
-            self._t1e[key] = None
+            self._t1e[key] = slot
         elif where == 2:
-            self._t2e[key] = None
+            self._t2e[key] = slot
 
-    def mark_pinned(self, key: BlockKey) -> None:
+    def mark_pinned(self, key: BlockKey, slot: int) -> None:
         self._t1e.pop(key, None)
         self._t2e.pop(key, None)
 
@@ -88,26 +92,26 @@ class ARCPolicy(EvictionPolicy):
             return []
         if n > len(self._t1e) + len(self._t2e):
             return None
-        it1 = (k for k in self._t1e if k not in protected)
-        it2 = (k for k in self._t2e if k not in protected)
-        next1: BlockKey | None = next(it1, None)
-        next2: BlockKey | None = next(it2, None)
+        it1 = ((k, s) for k, s in self._t1e.items() if k not in protected)
+        it2 = ((k, s) for k, s in self._t2e.items() if k not in protected)
+        next1: tuple[BlockKey, int] | None = next(it1, None)
+        next2: tuple[BlockKey, int] | None = next(it2, None)
         t1 = self.t1
-        chosen: list[tuple[BlockKey, int]] = []
+        chosen: list[tuple[BlockKey, int, int]] = []
         while len(chosen) < n:
             take_t1 = next1 is not None and (t1 > self.p or next2 is None)
             if take_t1:
                 assert next1 is not None
-                chosen.append((next1, 1))
+                chosen.append((*next1, 1))
                 t1 -= 1
                 next1 = next(it1, None)
             elif next2 is not None:
-                chosen.append((next2, 2))
+                chosen.append((*next2, 2))
                 next2 = next(it2, None)
             else:
                 return None
-        for key, where in chosen:
-            del self._where[key]
+        for key, slot, where in chosen:
+            self._where[slot] = 0
             if where == 1:
                 del self._t1e[key]
                 self.t1 -= 1
@@ -117,7 +121,7 @@ class ARCPolicy(EvictionPolicy):
                 self.t2 -= 1
                 self._b2[key] = None
         self._trim_ghosts()
-        return [key for key, _ in chosen]
+        return [key for key, _, _ in chosen]
 
     def _trim_ghosts(self) -> None:
         # ARC's bounds: |T1| + |B1| <= c, and at most c ghosts in all (with a full cache,
@@ -130,7 +134,7 @@ class ARCPolicy(EvictionPolicy):
 
     def clear(self) -> None:
         self.p = 0.0
-        self._where.clear()
+        self._where = bytearray(self.capacity)
         self.t1 = self.t2 = 0
         for d in (self._t1e, self._t2e, self._b1, self._b2):
             d.clear()

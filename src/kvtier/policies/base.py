@@ -1,14 +1,26 @@
 """The eviction-policy contract used by the CPU primary tier.
 
-The primary tier owns ref counts; a policy only orders keys. The tier tells the
-policy when a block becomes evictable (ref count 0) and when it stops being
-evictable (pinned or in flight), so ``evict`` only ever visits evictable keys:
-pinned blocks are never scanned.
+The primary tier owns ref counts and the rows; a policy only orders blocks. The
+tier tells the policy when a block becomes evictable (ref count 0) and when it
+stops being evictable (pinned or in flight), so ``evict`` only ever visits
+evictable blocks: pinned blocks are never scanned.
 
-Call order per key: ``insert`` (new block, not yet evictable) ->
+Every call names a block by its key and by its row ``slot`` (``0 <= slot <
+capacity``), so a policy can keep its per-block state in arrays indexed by
+slot instead of hash tables keyed by block (hash tables grow to several times
+their entries under the delete/insert churn of a running engine). A slot holds
+one block from ``insert`` until ``remove`` or eviction, then the tier reuses it
+for another key. The slot objects passed are the tier's own ints, the same
+object for a slot every time, so a policy may store them without allocating.
+
+Call order per block: ``insert(key, slot)`` (new block, not yet evictable) ->
 ``mark_evictable`` / ``mark_pinned`` any number of times -> ``remove`` or
-eviction. ``touch`` is a recency hint and may come for pinned keys.
+eviction. ``touch`` is a recency hint and may come for pinned blocks.
+``touch`` and ``remove`` naming a slot that holds no block must be ignored.
 All calls come from the scheduler thread.
+
+Out-of-tree policies subclass :class:`EvictionPolicy` (constructor
+``cls(capacity)``) and are named by import path ``"package.module:Class"``.
 """
 
 from __future__ import annotations
@@ -29,30 +41,31 @@ class EvictionPolicy(abc.ABC):
         self.capacity = capacity
 
     @abc.abstractmethod
-    def insert(self, key: BlockKey) -> None:
-        """A new block was allocated (not evictable until ``mark_evictable``)."""
+    def insert(self, key: BlockKey, slot: int) -> None:
+        """A new block was allocated in ``slot`` (not evictable until ``mark_evictable``)."""
 
     @abc.abstractmethod
-    def remove(self, key: BlockKey) -> None:
-        """The block was removed by the tier (not an eviction)."""
+    def remove(self, key: BlockKey, slot: int) -> None:
+        """The block was removed by the tier (not an eviction); ``slot`` is free again."""
 
     @abc.abstractmethod
-    def touch(self, key: BlockKey) -> None:
+    def touch(self, key: BlockKey, slot: int) -> None:
         """The block was used (recency)."""
 
     @abc.abstractmethod
-    def mark_evictable(self, key: BlockKey) -> None:
+    def mark_evictable(self, key: BlockKey, slot: int) -> None:
         """The block's ref count became 0."""
 
     @abc.abstractmethod
-    def mark_pinned(self, key: BlockKey) -> None:
+    def mark_pinned(self, key: BlockKey, slot: int) -> None:
         """The block's ref count left 0 (a reader pinned it)."""
 
     @abc.abstractmethod
     def evict(self, n: int, protected: Container[BlockKey] = ()) -> list[BlockKey] | None:
-        """Choose and forget ``n`` evictable keys not in ``protected``.
+        """Choose and forget ``n`` evictable blocks whose keys are not in ``protected``.
 
-        Atomic: returns None and changes nothing if fewer than ``n`` qualify.
+        Returns their keys (the tier frees their slots). Atomic: returns None and
+        changes nothing if fewer than ``n`` qualify.
         """
 
     @abc.abstractmethod
@@ -61,4 +74,4 @@ class EvictionPolicy(abc.ABC):
 
     @abc.abstractmethod
     def evictable_count(self) -> int:
-        """How many keys could be evicted right now."""
+        """How many blocks could be evicted right now."""
