@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import importlib
-
 from kvtier.errors import ConfigError
+from kvtier.plugins import load_class
 from kvtier.policies.arc import ARCPolicy
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.lru import LRUPolicy
@@ -23,14 +22,7 @@ def resolve_policy(name_or_path: str) -> type[EvictionPolicy]:
             f"unknown eviction policy {name_or_path!r}: use one of {sorted(POLICIES)} "
             "or an import path 'package.module:ClassName'"
         )
-    module_name, _, class_name = name_or_path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"eviction policy module {module_name!r} failed to import: {exc}") from exc
-    cls = getattr(module, class_name, None)
-    if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
-        raise ConfigError(f"{name_or_path!r} does not name an EvictionPolicy subclass")
+    cls: type[EvictionPolicy] = load_class(name_or_path, EvictionPolicy, "eviction policy")
     return cls
 
 

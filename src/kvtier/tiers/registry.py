@@ -6,10 +6,10 @@ needed only by the tiers that use them.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.plugins import load_class
 from kvtier.tiers.base import SecondaryTier, TierContext
 
 _BUILTIN: dict[str, str] = {
@@ -38,17 +38,9 @@ def resolve_tier_class(name_or_path: str) -> type[SecondaryTier]:
             f"unknown tier type {name_or_path!r}: use one of {tier_names()} "
             "or an import path 'package.module:ClassName'"
         )
-    module_name, _, class_name = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(
-            f"tier {name_or_path!r} needs module {module_name!r}, which failed to import: {exc}. "
-            "Install the matching extra, e.g. pip install 'kvtier[redis]'"
-        ) from exc
-    cls = getattr(module, class_name, None)
-    if not (isinstance(cls, type) and issubclass(cls, SecondaryTier)):
-        raise ConfigError(f"{path!r} does not name a SecondaryTier subclass")
+    cls: type[SecondaryTier] = load_class(
+        path, SecondaryTier, "tier", " Install the matching extra, e.g. pip install 'kvtier[redis]'"
+    )
     return cls
 
 
