@@ -13,7 +13,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 @pytest.mark.usefixtures("shm_leak_check")
 def test_python_quickstart_runs() -> None:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    quickstart = next(b for b in blocks if "TieringManager.create" in b)
+    quickstart = next(b for b in blocks if "prefix_keys(token_ids" in b)
     namespace: dict[str, object] = {}
     exec(compile(quickstart, str(README), "exec"), namespace)
     mgr = namespace["mgr"]
