@@ -1,12 +1,17 @@
 """ARCPolicy: adaptive replacement over evictable blocks, with bounded ghost lists.
 
 White-box where the contract is about internal state: ``t1``/``t2`` (resident
-counts), ``_where`` (the list of the block in each slot), ``p`` (the adaptive
-T1 target) and the ghost lists ``_b1``/``_b2``.
+counts), ``_where`` (the list of the block in each slot), the slot-indexed
+linked lists of evictable members (``_prev``/``_next`` through the sentinel
+slots ``capacity`` for T1 and ``capacity + 1`` for T2, ``_evictable``,
+``_key_of``), ``p`` (the adaptive T1 target) and the ghost lists ``_b1``/``_b2``.
 """
 
 from __future__ import annotations
 
+import gc
+import os
+import tracemalloc
 from typing import cast
 
 import pytest
@@ -25,6 +30,28 @@ def ready(tier: Slotted[ARCPolicy], *ids: int) -> None:
         tier.mark_evictable(key(i))
 
 
+def linked_slots(policy: ARCPolicy, end: int) -> list[int]:
+    """The slots linked through sentinel ``end``, least recent first, after checking the links."""
+    slots: list[int] = []
+    slot = policy._next[end]
+    while slot != end:
+        assert 0 <= slot < policy.capacity, "a list runs into the other list's sentinel"
+        assert len(slots) < policy.capacity, "the list has a cycle"
+        assert policy._next[policy._prev[slot]] == slot
+        slots.append(slot)
+        slot = policy._next[slot]
+    assert policy._prev[end] == (slots[-1] if slots else end)
+    return slots
+
+
+def evictable_keys(tier: Slotted[ARCPolicy]) -> tuple[list[BlockKey], list[BlockKey]]:
+    """The evictable keys of T1 and of T2, least recent first."""
+    policy = tier.policy
+    c = policy.capacity
+    return ([policy._key_of[s] for s in linked_slots(policy, c)],
+            [policy._key_of[s] for s in linked_slots(policy, c + 1)])
+
+
 def check_invariants(tier: Slotted[ARCPolicy]) -> None:
     """The class invariants stated in the module docstring of ``kvtier.policies.arc``."""
     policy = tier.policy
@@ -34,8 +61,14 @@ def check_invariants(tier: Slotted[ARCPolicy]) -> None:
     assert policy.t2 == where.count(2)
     assert policy.t1 + policy.t2 == len(tier.slot_of)
     assert {s for s in range(policy.capacity) if where[s]} == set(tier.slot_of.values()), "resident = listed slots"
-    assert all(where[s] == 1 and tier.slot_of.get(k) == s for k, s in policy._t1e.items())
-    assert all(where[s] == 2 and tier.slot_of.get(k) == s for k, s in policy._t2e.items())
+    c = policy.capacity
+    assert len(policy._prev) == len(policy._next) == c + 2
+    t1e, t2e = linked_slots(policy, c), linked_slots(policy, c + 1)
+    assert all(where[s] == 1 for s in t1e) and all(where[s] == 2 for s in t2e)
+    assert sorted(t1e + t2e) == [s for s in range(c) if policy._evictable[s]], "linked = flagged evictable"
+    assert len(t1e) + len(t2e) == policy.evictable_count()
+    key_of = {s: k for k, s in tier.slot_of.items()}
+    assert all(policy._key_of[s] == key_of.get(s, b"") for s in range(c)), "_key_of is stale"
     assert len(policy._b1) + len(policy._b2) <= policy.capacity
     assert not policy._b1 or policy.t1 + len(policy._b1) <= policy.capacity
     assert not set(policy._b1) & set(policy._b2)
@@ -66,6 +99,39 @@ def test_touch_of_a_pinned_t1_key_moves_it_to_t2_without_making_it_evictable() -
     tier.mark_evictable(key(1))
     assert tier.evict(1) == [key(1)]
     assert key(1) in policy._b2
+    check_invariants(tier)
+
+
+def test_touch_moves_an_evictable_block_to_t2s_most_recent_end() -> None:
+    tier = Slotted(ARCPolicy(8))
+    ready(tier, 1, 2, 3, 4)
+    for i in (1, 2, 3):
+        tier.touch(key(i))  # T1 -> T2, in touch order
+    assert evictable_keys(tier) == ([key(4)], [key(1), key(2), key(3)])
+    tier.touch(key(1))  # T2 -> T2's most recent end
+    tier.touch(key(1))  # already the most recent: no change
+    assert evictable_keys(tier) == ([key(4)], [key(2), key(3), key(1)])
+    tier.touch(key(4))  # T1 -> T2's most recent end
+    assert evictable_keys(tier) == ([], [key(2), key(3), key(1), key(4)])
+    check_invariants(tier)
+    assert tier.evict(4) == [key(2), key(3), key(1), key(4)]
+    assert list(tier.policy._b2) == [key(2), key(3), key(1), key(4)]
+    check_invariants(tier)
+
+
+def test_a_pinned_block_rejoins_its_list_as_most_recent() -> None:
+    tier = Slotted(ARCPolicy(8))
+    ready(tier, 1, 2, 3, 4, 5)
+    for i in (3, 4, 5):
+        tier.touch(key(i))
+    tier.mark_pinned(key(1))
+    tier.mark_pinned(key(3))
+    tier.touch(key(3))  # pinned T2 block: stays unlinked
+    assert evictable_keys(tier) == ([key(2)], [key(4), key(5)])
+    assert tier.evictable_count() == 3
+    tier.mark_evictable(key(3))
+    tier.mark_evictable(key(1))
+    assert evictable_keys(tier) == ([key(2), key(1)], [key(4), key(5), key(3)])
     check_invariants(tier)
 
 
@@ -237,6 +303,51 @@ def test_capacity_must_be_positive() -> None:
         ARCPolicy(-1)
 
 
+def test_memory_per_block_stays_bounded_under_churn() -> None:
+    # regression: OrderedDicts of the evictable keys of T1/T2 cost ~150 B per block in a
+    # running engine, because delete/insert churn resizes a hash table to ~3x its entries.
+    # The slot-indexed lists cost 8 B per slot each, however long the engine runs; only the
+    # ghost lists (at most ``capacity`` keys in all) are hash tables.
+    blocks, stores = 20_000, 100_000
+    keys = [os.urandom(32) for _ in range(blocks + stores)]  # made by the engine, not counted
+    slots = list(range(blocks))  # the tier's slot ints, not counted either
+    gc.collect()
+    tracemalloc.start()
+    try:
+        policy = ARCPolicy(blocks)
+        for slot, k in zip(slots, keys[:blocks], strict=True):
+            policy.insert(k, slot)
+            policy.mark_evictable(k, slot)
+        full = tracemalloc.get_traced_memory()[0] / blocks
+        slot_of = dict(zip(keys[:blocks], slots, strict=True))  # the tier's index, freed before the next figure
+        for i in range(blocks, blocks + stores):
+            (victim,) = policy.evict(1) or ()
+            slot = slot_of.pop(victim)
+            k = keys[i]
+            slot_of[k] = slot
+            policy.insert(k, slot)
+            policy.mark_evictable(k, slot)
+            if i % 4:  # three in four blocks are used again: T2 fills up, and so does B2
+                policy.touch(k, slot)
+        del slot_of, victim, k
+        gc.collect()
+        steady = tracemalloc.get_traced_memory()[0] / blocks
+        counts = (policy.t1, policy.t2, len(policy._b1), len(policy._b2))
+        policy._b1.clear()
+        policy._b2.clear()
+        gc.collect()
+        without_ghosts = tracemalloc.get_traced_memory()[0] / blocks
+    finally:
+        tracemalloc.stop()
+    t1, t2, b1, b2 = counts
+    assert policy.evictable_count() == blocks
+    assert t2 > t1 and b2 > 0 and b1 + b2 == blocks, f"T1 {t1}, T2 {t2}, B1 {b1}, B2 {b2}"
+    assert full <= 64, f"ARC policy costs {full:.0f} B per block when full"
+    assert without_ghosts <= 64, f"ARC's slot lists grew to {without_ghosts:.0f} B per block under churn"
+    ghost_bytes = (steady - without_ghosts) * blocks / (b1 + b2)
+    assert ghost_bytes <= 160, f"a ghost costs {ghost_bytes:.0f} B (key objects not counted)"
+
+
 class ReferenceARC(ReferencePolicy):
     """ARC with plain lists: T1/T2 hold every resident key (least recent first)."""
 
@@ -338,6 +449,9 @@ class ARCMachine(ProtocolMachine):
         resident = {k for k, s in self.state.items() if s is not KeyState.ABSENT}
         assert set(self.tier.slot_of) == resident
         assert {s for s in range(policy.capacity) if policy._where[s]} == {self.tier.slot_of[k] for k in resident}
+        ref_t1e = [k for k in self.ref.t1 if k in self.ref.evictable]
+        ref_t2e = [k for k in self.ref.t2 if k in self.ref.evictable]
+        assert evictable_keys(cast("Slotted[ARCPolicy]", self.tier)) == (ref_t1e, ref_t2e), "list order"
 
 
 ARCMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -6,13 +6,25 @@ hit in B2 shrinks it; eviction takes the LRU evictable key of T1 while T1
 exceeds ``p`` and of T2 otherwise.
 
 To keep eviction O(1) without scanning pinned blocks, each resident list is
-kept as a count (all members) plus an ordered dict of its *evictable* members
-(key -> slot). ``_where[slot]`` says which list the block in a slot is in (1:
-T1, 2: T2, 0: free slot), one byte per slot instead of a hash table.
+kept as a count (all members) plus a list of its *evictable* members, least
+recent first. Both lists are intrusive doubly linked lists over row slots, as
+in :mod:`kvtier.policies.lru`: ``_prev[slot]`` / ``_next[slot]`` link the
+evictable slots of T1 through the sentinel slot ``capacity`` and those of T2
+through the sentinel slot ``capacity + 1`` (``_next[sentinel]`` is the head,
+``_prev[sentinel]`` the tail). ``_where[slot]`` says which list the block in a
+slot is in (1: T1, 2: T2, 0: free slot), ``_evictable[slot]`` is 1 exactly for
+the linked slots, and ``_key_of[slot]`` is the key of the block in the slot
+(``b""`` for a free slot).
+
 Invariants: ``t1`` and ``t2`` count the slots with ``_where`` 1 and 2 (the
-resident blocks); ``_t1e`` and ``_t2e`` hold exactly the evictable members of
-each, with their slots; after every insertion and eviction ``|T1| + |B1| <= c``
-and ``|B1| + |B2| <= c`` (ARC's directory bounds).
+resident blocks); the slots linked through each sentinel are exactly the
+evictable members of that list, and ``_count`` is their number; after every
+insertion and eviction ``|T1| + |B1| <= c`` and ``|B1| + |B2| <= c`` (ARC's
+directory bounds).
+
+Memory: three lists of about ``capacity`` pointers and two bytes per slot,
+allocated once; the links hold the slot ints the tier passes, so churn grows
+nothing. Only the ghost lists B1/B2 are hash tables (their keys have no slot).
 """
 
 from __future__ import annotations
@@ -24,22 +36,52 @@ from typing import ClassVar
 from kvtier.keys import BlockKey
 from kvtier.policies.base import EvictionPolicy
 
+_NO_KEY: BlockKey = b""
+
 
 class ARCPolicy(EvictionPolicy):
     name: ClassVar[str] = "arc"
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self.p = 0.0
-        self._where = bytearray(capacity)
-        self.t1 = 0
-        self.t2 = 0
-        self._t1e: OrderedDict[BlockKey, int] = OrderedDict()
-        self._t2e: OrderedDict[BlockKey, int] = OrderedDict()
         self._b1: OrderedDict[BlockKey, None] = OrderedDict()
         self._b2: OrderedDict[BlockKey, None] = OrderedDict()
+        self._reset()
+
+    def _reset(self) -> None:
+        c = self.capacity
+        self.p = 0.0
+        self.t1 = 0
+        self.t2 = 0
+        self._where = bytearray(c)
+        self._evictable = bytearray(c)
+        self._key_of: list[BlockKey] = [_NO_KEY] * c
+        # Sentinels: T1's evictable list runs through slot c, T2's through slot c + 1.
+        self._end2 = end2 = c + 1
+        self._prev: list[int] = [c] * (c + 2)
+        self._next: list[int] = [c] * (c + 2)
+        self._prev[end2] = self._next[end2] = end2
+        self._count = 0
+        self._b1.clear()
+        self._b2.clear()
+
+    def _unlink(self, slot: int) -> None:
+        prv, nxt = self._prev, self._next
+        before, after = prv[slot], nxt[slot]
+        nxt[before] = after
+        prv[after] = before
+
+    def _append(self, slot: int, end: int) -> None:
+        """Link ``slot`` as the most recent of the list with sentinel ``end``."""
+        prv = self._prev
+        tail = prv[end]
+        self._next[tail] = slot
+        prv[slot] = tail
+        self._next[slot] = end
+        prv[end] = slot
 
     def insert(self, key: BlockKey, slot: int) -> None:
+        self._key_of[slot] = key
         if key in self._b1:
             self.p = min(float(self.capacity), self.p + max(len(self._b2) / len(self._b1), 1.0))
             del self._b1[key]
@@ -57,13 +99,18 @@ class ARCPolicy(EvictionPolicy):
 
     def remove(self, key: BlockKey, slot: int) -> None:
         where = self._where[slot]
+        if not where:
+            return
+        if self._evictable[slot]:
+            self._unlink(slot)
+            self._evictable[slot] = 0
+            self._count -= 1
         self._where[slot] = 0
+        self._key_of[slot] = _NO_KEY
         if where == 1:
             self.t1 -= 1
-            self._t1e.pop(key, None)
-        elif where == 2:
+        else:
             self.t2 -= 1
-            self._t2e.pop(key, None)
 
     def touch(self, key: BlockKey, slot: int) -> None:
         where = self._where[slot]
@@ -71,57 +118,88 @@ class ARCPolicy(EvictionPolicy):
             self._where[slot] = 2
             self.t1 -= 1
             self.t2 += 1
-            if self._t1e.pop(key, None) is not None:
-                self._t2e[key] = slot
-        elif where == 2 and key in self._t2e:
-            self._t2e.move_to_end(key)
+            if not self._evictable[slot]:
+                return  # pinned: joins T2 when it becomes evictable again
+        elif where != 2 or not self._evictable[slot]:
+            return
+        end2 = self._end2
+        prv, nxt = self._prev, self._next
+        if nxt[slot] == end2:
+            return  # already T2's most recent
+        before, after = prv[slot], nxt[slot]
+        nxt[before] = after
+        prv[after] = before
+        tail = prv[end2]
+        nxt[tail] = slot
+        prv[slot] = tail
+        nxt[slot] = end2
+        prv[end2] = slot
 
     def mark_evictable(self, key: BlockKey, slot: int) -> None:
         where = self._where[slot]
-        if where == 1:
-            self._t1e[key] = slot
-        elif where == 2:
-            self._t2e[key] = slot
+        if where and not self._evictable[slot]:
+            self._evictable[slot] = 1
+            self._append(slot, self.capacity if where == 1 else self._end2)
+            self._count += 1
 
     def mark_pinned(self, key: BlockKey, slot: int) -> None:
-        self._t1e.pop(key, None)
-        self._t2e.pop(key, None)
+        if self._evictable[slot]:
+            self._unlink(slot)
+            self._evictable[slot] = 0
+            self._count -= 1
 
     def evict(self, n: int, protected: Container[BlockKey] = ()) -> list[BlockKey] | None:
         if n <= 0:
             return []
-        if n > len(self._t1e) + len(self._t2e):
+        if n > self._count:
             return None
-        it1 = ((k, s) for k, s in self._t1e.items() if k not in protected)
-        it2 = ((k, s) for k, s in self._t2e.items() if k not in protected)
-        next1: tuple[BlockKey, int] | None = next(it1, None)
-        next2: tuple[BlockKey, int] | None = next(it2, None)
-        t1 = self.t1
-        chosen: list[tuple[BlockKey, int, int]] = []
+        end1, end2 = self.capacity, self._end2
+        nxt, key_of = self._next, self._key_of
+        # First choose, changing nothing: protected keys may leave too few. Each cursor
+        # rests on its list's least recent unprotected slot (or on the sentinel).
+        s1 = nxt[end1]
+        while s1 != end1 and key_of[s1] in protected:
+            s1 = nxt[s1]
+        s2 = nxt[end2]
+        while s2 != end2 and key_of[s2] in protected:
+            s2 = nxt[s2]
+        t1, p = self.t1, self.p
+        chosen: list[int] = []
         while len(chosen) < n:
-            take_t1 = next1 is not None and (t1 > self.p or next2 is None)
-            if take_t1:
-                assert next1 is not None
-                chosen.append((*next1, 1))
+            if s1 != end1 and (t1 > p or s2 == end2):
+                chosen.append(s1)
                 t1 -= 1
-                next1 = next(it1, None)
-            elif next2 is not None:
-                chosen.append((*next2, 2))
-                next2 = next(it2, None)
+                s1 = nxt[s1]
+                while s1 != end1 and key_of[s1] in protected:
+                    s1 = nxt[s1]
+            elif s2 != end2:
+                chosen.append(s2)
+                s2 = nxt[s2]
+                while s2 != end2 and key_of[s2] in protected:
+                    s2 = nxt[s2]
             else:
                 return None
-        for key, slot, where in chosen:
-            self._where[slot] = 0
-            if where == 1:
-                del self._t1e[key]
+        prv, flags, where_of = self._prev, self._evictable, self._where
+        b1, b2 = self._b1, self._b2
+        keys: list[BlockKey] = []
+        for slot in chosen:
+            before, after = prv[slot], nxt[slot]
+            nxt[before] = after
+            prv[after] = before
+            flags[slot] = 0
+            key = key_of[slot]
+            key_of[slot] = _NO_KEY
+            keys.append(key)
+            if where_of[slot] == 1:
                 self.t1 -= 1
-                self._b1[key] = None
+                b1[key] = None
             else:
-                del self._t2e[key]
                 self.t2 -= 1
-                self._b2[key] = None
+                b2[key] = None
+            where_of[slot] = 0
+        self._count -= n
         self._trim_ghosts()
-        return [key for key, _, _ in chosen]
+        return keys
 
     def _trim_ghosts(self) -> None:
         # ARC's bounds: |T1| + |B1| <= c, and at most c ghosts in all (with a full cache,
@@ -133,11 +211,7 @@ class ARCPolicy(EvictionPolicy):
             self._b2.popitem(last=False)
 
     def clear(self) -> None:
-        self.p = 0.0
-        self._where = bytearray(self.capacity)
-        self.t1 = self.t2 = 0
-        for d in (self._t1e, self._t2e, self._b1, self._b2):
-            d.clear()
+        self._reset()
 
     def evictable_count(self) -> int:
-        return len(self._t1e) + len(self._t2e)
+        return self._count
