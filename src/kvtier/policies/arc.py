@@ -34,12 +34,10 @@ from collections.abc import Container
 from typing import ClassVar
 
 from kvtier.keys import BlockKey
-from kvtier.policies.base import EvictionPolicy
-
-_NO_KEY: BlockKey = b""
+from kvtier.policies.slot_lists import NO_KEY, SlotListPolicy
 
 
-class ARCPolicy(EvictionPolicy):
+class ARCPolicy(SlotListPolicy):
     name: ClassVar[str] = "arc"
 
     def __init__(self, capacity: int) -> None:
@@ -54,31 +52,11 @@ class ARCPolicy(EvictionPolicy):
         self.t1 = 0
         self.t2 = 0
         self._where = bytearray(c)
-        self._evictable = bytearray(c)
-        self._key_of: list[BlockKey] = [_NO_KEY] * c
         # Sentinels: T1's evictable list runs through slot c, T2's through slot c + 1.
-        self._end2 = end2 = c + 1
-        self._prev: list[int] = [c] * (c + 2)
-        self._next: list[int] = [c] * (c + 2)
-        self._prev[end2] = self._next[end2] = end2
-        self._count = 0
+        self._init_lists(2)
+        self._end2 = c + 1
         self._b1.clear()
         self._b2.clear()
-
-    def _unlink(self, slot: int) -> None:
-        prv, nxt = self._prev, self._next
-        before, after = prv[slot], nxt[slot]
-        nxt[before] = after
-        prv[after] = before
-
-    def _append(self, slot: int, end: int) -> None:
-        """Link ``slot`` as the most recent of the list with sentinel ``end``."""
-        prv = self._prev
-        tail = prv[end]
-        self._next[tail] = slot
-        prv[slot] = tail
-        self._next[slot] = end
-        prv[end] = slot
 
     def insert(self, key: BlockKey, slot: int) -> None:
         self._key_of[slot] = key
@@ -101,12 +79,9 @@ class ARCPolicy(EvictionPolicy):
         where = self._where[slot]
         if not where:
             return
-        if self._evictable[slot]:
-            self._unlink(slot)
-            self._evictable[slot] = 0
-            self._count -= 1
+        self._unlink_evictable(slot)
         self._where[slot] = 0
-        self._key_of[slot] = _NO_KEY
+        self._key_of[slot] = NO_KEY
         if where == 1:
             self.t1 -= 1
         else:
@@ -137,16 +112,8 @@ class ARCPolicy(EvictionPolicy):
 
     def mark_evictable(self, key: BlockKey, slot: int) -> None:
         where = self._where[slot]
-        if where and not self._evictable[slot]:
-            self._evictable[slot] = 1
-            self._append(slot, self.capacity if where == 1 else self._end2)
-            self._count += 1
-
-    def mark_pinned(self, key: BlockKey, slot: int) -> None:
-        if self._evictable[slot]:
-            self._unlink(slot)
-            self._evictable[slot] = 0
-            self._count -= 1
+        if where:
+            self._link_evictable(slot, self.capacity if where == 1 else self._end2)
 
     def evict(self, n: int, protected: Container[BlockKey] = ()) -> list[BlockKey] | None:
         if n <= 0:
@@ -188,7 +155,7 @@ class ARCPolicy(EvictionPolicy):
             prv[after] = before
             flags[slot] = 0
             key = key_of[slot]
-            key_of[slot] = _NO_KEY
+            key_of[slot] = NO_KEY
             keys.append(key)
             if where_of[slot] == 1:
                 self.t1 -= 1
@@ -212,6 +179,3 @@ class ARCPolicy(EvictionPolicy):
 
     def clear(self) -> None:
         self._reset()
-
-    def evictable_count(self) -> int:
-        return self._count
