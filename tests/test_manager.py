@@ -452,3 +452,33 @@ def test_a_tier_raising_from_scheduler_calls_never_crashes_the_scheduler(
         assert mgr.lookup(k, req) is HIT
     finally:
         mgr.shutdown()
+
+
+def test_complete_store_never_completes_a_promotion_in_flight(make: Any) -> None:
+    # regression: an anonymous complete_store (no request) of a key whose row a promotion is
+    # still writing marked that row readable before its bytes arrived
+    mgr = make(4, {"auto_complete": False})
+    (t1,) = tiers(mgr)
+    k = keys(1)[0]
+    t1.data[k] = payload(k, mgr.block_bytes).tobytes()
+    assert mgr.lookup(k, RequestContext("r")) is HIT_PENDING
+    mgr.complete_store([k])
+    mgr.complete_store([k], RequestContext("other"))
+    assert mgr.primary.ref_count(k) == -1 and mgr.lookup(k, RequestContext("r")) is HIT_PENDING
+    mgr.on_schedule_end()
+    t1.complete_all()
+    mgr.on_schedule_end()
+    assert mgr.lookup(k, RequestContext("r")) is HIT
+    rows = mgr.rows
+    assert np.array_equal(rows[mgr.primary.slot_of(k), : mgr.block_bytes], payload(k, mgr.block_bytes))
+    del rows
+
+
+def test_anonymous_store_round_trip(make: Any) -> None:
+    mgr = make(4, {})
+    ks = keys(2)
+    result = mgr.prepare_store(ks)
+    assert result is not None
+    mgr.complete_store(ks)
+    assert [mgr.lookup(k) for k in ks] == [HIT, HIT]
+    assert set(tiers(mgr)[0].data) == set(ks)

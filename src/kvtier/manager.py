@@ -121,6 +121,9 @@ class TieringManager:
         # Keys answered HIT this step: the engine may still prepare_load them in this
         # step, so no eviction (for a store or a promotion) may take them before it ends.
         self._step_hits: set[BlockKey] = set()
+        # Keys reserved by prepare_store and not yet completed: complete_store acts on these
+        # only, never on a row a promotion is writing (also in flight) or after a reset.
+        self._device_stores: set[BlockKey] = set()
         self._tiers_down: set[int] = set()
         self._shutdown_complete = False
         self._stats = ManagerStats()
@@ -370,6 +373,7 @@ class TieringManager:
         if result is None:
             self._stats.store_rejections += 1
             return None
+        self._device_stores.update(result.keys_to_store)
         state = self._state(request)
         if state is not None:
             state.pending_store_keys.update(result.keys_to_store)
@@ -396,9 +400,10 @@ class TieringManager:
         self, keys: Sequence[BlockKey], request: RequestContext | None = None, success: bool = True
     ) -> None:
         """The device -> CPU copy of ``keys`` finished; on success cascade them to every tier."""
+        keys = [k for k in keys if k in self._device_stores]
+        self._device_stores.difference_update(keys)
         state = self._state(request)
         if state is not None:
-            keys = [k for k in keys if k in state.pending_store_keys]
             state.pending_store_keys.difference_update(keys)
         done = self.primary.complete_store(keys, success)
         if success and done:
@@ -553,6 +558,7 @@ class TieringManager:
             state.unsubmitted_promotions = 0
             self._maybe_finalize(state)
         self.primary.reset()
+        self._device_stores.clear()
         self._step_hits.clear()
         self._polled_this_step = False
 
