@@ -482,3 +482,18 @@ def test_anonymous_store_round_trip(make: Any) -> None:
     mgr.complete_store(ks)
     assert [mgr.lookup(k) for k in ks] == [HIT, HIT]
     assert set(tiers(mgr)[0].data) == set(ks)
+
+
+def test_late_completion_does_not_resurrect_a_finished_request(make: Any) -> None:
+    # regression: complete_store after reset_cache re-created the request's state, which
+    # nothing would ever finish (a slow leak per request)
+    mgr = make(4, {})
+    req = RequestContext("gone")
+    ks = keys(1)
+    assert mgr.prepare_store(ks, req) is not None
+    mgr.on_request_finished(req)
+    mgr.reset_cache()
+    assert mgr.stats()["manager"]["active_requests"] == 0
+    mgr.complete_store(ks, req)
+    assert mgr.stats()["manager"]["active_requests"] == 0
+    assert mgr.lookup(ks[0], req) is MISS

@@ -402,7 +402,9 @@ class TieringManager:
         """The device -> CPU copy of ``keys`` finished; on success cascade them to every tier."""
         keys = [k for k in keys if k in self._device_stores]
         self._device_stores.difference_update(keys)
-        state = self._state(request)
+        # A late completion (after reset, or after the request was finalized) must not
+        # bring back a state that nothing would ever finish.
+        state = self._requests.get(request.req_id) if request is not None else None
         if state is not None:
             state.pending_store_keys.difference_update(keys)
         done = self.primary.complete_store(keys, success)
