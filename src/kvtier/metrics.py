@@ -215,6 +215,11 @@ class KvtierMetrics:
         self._server, self._thread = server, thread
         return int(server.server_port)
 
+    @property
+    def port(self) -> int | None:
+        """The port ``/metrics`` is served on, or None when not serving."""
+        return None if self._server is None else int(self._server.server_port)
+
     def close(self, timeout: float = 5.0) -> None:
         """Stop the HTTP server, if any, and join its thread."""
         server, thread = self._server, self._thread

@@ -62,6 +62,37 @@ def test_store_lookup_load_round_trip_in_vllm_terms(adapter: KvtierOffloadingMan
     assert stored and stored[0].medium is Medium.CPU and set(stored[0].keys) == set(keys)
 
 
+def test_metrics_are_served_while_the_engine_runs_and_stop_at_shutdown(shm: Path) -> None:
+    import urllib.error
+    import urllib.request
+
+    from kvtier.metrics import KvtierMetrics
+
+    ns = Namespace("unit", KVGeometry.from_block_bytes(4096))
+    metrics = KvtierMetrics()
+    port = metrics.serve(0)
+    adapter = KvtierOffloadingManager(
+        TieringManager.create(namespace=ns, num_cpu_blocks=4, shm_dir=shm), metrics=metrics, metrics_interval=0.0
+    )
+    try:
+        req = ReqContext("r1")
+        keys = _keys(2)
+        assert adapter.lookup(keys[0], req) is VllmLookup.MISS
+        out = adapter.prepare_store(keys, req)
+        assert out is not None
+        adapter.complete_store(keys, req)
+        adapter.on_schedule_end(None)  # type: ignore[arg-type]
+        url = f"http://127.0.0.1:{port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+        assert 'kvtier_lookups_total{result="miss",tier="0:primary"} 1.0' in text
+        assert 'kvtier_entries{tier="0:primary"} 2.0' in text
+    finally:
+        adapter.shutdown()
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(url, timeout=2)
+
+
 def test_evicted_keys_come_back_as_vllm_keys(adapter: KvtierOffloadingManager) -> None:
     req = ReqContext("r1")
     first = _keys(4)

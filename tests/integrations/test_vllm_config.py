@@ -107,11 +107,18 @@ def test_environment_applies_below_extra_config() -> None:
         ({"policy": "nope"}, r"policy"),
         ({"tiers": [{"type": "fs"}]}, r"tiers\[0\]"),
         ({"cpu_bytes": 1000}, r"holds no block"),
+        ({"metrics_port": "9400"}, r"metrics_port"),
+        ({"metrics_port": 70000}, r"metrics_port"),
     ],
 )
 def test_bad_extra_config_names_the_key(extra: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         resolve_settings(extra, LAYOUT, env={})
+
+
+def test_metrics_port_is_carried_to_the_settings() -> None:
+    assert resolve_settings({"metrics_port": 9400}, LAYOUT, env={}).metrics_port == 9400
+    assert resolve_settings({}, LAYOUT, env={}).metrics_port is None
 
 
 def test_kv_transfer_config_selects_the_spec_and_validates_early() -> None:

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +76,7 @@ def _run_child(args: dict[str, Any], tmp_path: Path, timeout: float = 300) -> di
 def test_a_reload_from_cpu_tier_after_prefix_cache_reset(
     model_dir: Path, prompts: list[list[int]], baseline: list[tuple[int, ...]], shm_dir: Path
 ) -> None:
-    config = kv_transfer_config(cpu_bytes="64MiB", shm_dir=str(shm_dir))
+    config = kv_transfer_config(cpu_bytes="64MiB", shm_dir=str(shm_dir), metrics_port=0)
     with engine(model_dir, config) as llm:
         first = generate(llm, prompts)
         settle(llm)
@@ -84,6 +85,9 @@ def test_a_reload_from_cpu_tier_after_prefix_cache_reset(
         assert llm.reset_prefix_cache()
         second = generate(llm, prompts)
         stats = mgr.kvtier_stats()
+        assert mgr.metrics is not None and mgr.metrics.port is not None
+        with urllib.request.urlopen(f"http://127.0.0.1:{mgr.metrics.port}/metrics", timeout=5) as response:
+            exposition = response.read().decode()
 
         # Negative control: the reloaded KV really comes from kvtier's rows. Zero them,
         # drop the device cache again, and the same "hits" must now give other tokens.
@@ -102,6 +106,7 @@ def test_a_reload_from_cpu_tier_after_prefix_cache_reset(
     assert stats["primary"]["hits"] >= sum(expected_cached(p) // 32 for p in prompts)
     assert _cached(corrupted) == [expected_cached(p) for p in prompts]
     assert _tokens(corrupted) != baseline
+    assert 'kvtier_lookups_total{result="hit",tier="0:primary"}' in exposition
 
 
 def test_b_promotion_from_fs_after_cpu_tier_reset(

@@ -59,7 +59,7 @@ KVTIER_KEYS = frozenset({"cpu_bytes", "num_cpu_blocks", "policy", "tiers", "shm_
 _ALIASES = {"cpu_bytes_to_use": "cpu_bytes", "eviction_policy": "policy"}
 """Names used by vLLM's own CPUOffloadingSpec, accepted for easy migration."""
 
-_INTEGRATION_KEYS = frozenset({"kvtier_config_file", "allow_untested_vllm"})
+_INTEGRATION_KEYS = frozenset({"kvtier_config_file", "allow_untested_vllm", "metrics_port"})
 _ENGINE_DERIVED = frozenset({"model", "geometry"})
 
 
@@ -136,6 +136,7 @@ class VllmKvtierSettings:
     region_name: str
     num_rows: int
     expected_mappers: int
+    metrics_port: int | None = None
 
 
 def region_name_for(engine_id: str) -> str:
@@ -143,6 +144,18 @@ def region_name_for(engine_id: str) -> str:
     safe = re.sub(r"[^A-Za-z0-9._-]", "-", engine_id)[:48]
     digest = hashlib.sha256(engine_id.encode()).hexdigest()[:12]
     return f"vllm-{safe}-{digest}"
+
+
+def _metrics_port(extra: Mapping[str, Any]) -> int | None:
+    port = extra.get("metrics_port")
+    if port is None:
+        return None
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(
+            f"kv_connector_extra_config['metrics_port'] must be a TCP port in [0, 65535] (0 = any free port), "
+            f"got {port!r}"
+        )
+    return port
 
 
 def _normalize_extra(extra: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
@@ -237,6 +250,7 @@ def resolve_settings(
         region_name=config.region_name or region_name_for(layout.engine_id),
         num_rows=num_rows,
         expected_mappers=layout.world_size + 1,
+        metrics_port=_metrics_port(extra),
     )
 
 

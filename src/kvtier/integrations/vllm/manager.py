@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from typing import Any
@@ -49,6 +50,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.keys import BlockKey
 from kvtier.manager import TieringManager
+from kvtier.metrics import KvtierMetrics
 from kvtier.types import LookupResult, OffloadPolicy, RequestContext
 
 logger = logging.getLogger(__name__)
@@ -74,8 +76,18 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     is in it.
     """
 
-    def __init__(self, manager: TieringManager, *, reverse_map_size: int = 65536) -> None:
+    def __init__(
+        self,
+        manager: TieringManager,
+        *,
+        reverse_map_size: int = 65536,
+        metrics: KvtierMetrics | None = None,
+        metrics_interval: float = 1.0,
+    ) -> None:
         self.manager = manager
+        self.metrics = metrics
+        self._metrics_interval = metrics_interval
+        self._metrics_due = 0.0
         self._reverse: OrderedDict[BlockKey, OffloadKey] = OrderedDict()
         self._reverse_cap = max(reverse_map_size, 2 * manager.primary.num_blocks, 1024)
         self._contexts: dict[str, RequestContext] = {}
@@ -180,6 +192,11 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self.manager.on_schedule_end()
+        if self.metrics is not None:
+            now = time.monotonic()
+            if now >= self._metrics_due:  # a stats snapshot per interval, not per step
+                self._metrics_due = now + self._metrics_interval
+                self.metrics.update(self.manager)
 
     def has_pending_work(self) -> bool:
         return self.manager.has_pending_work()
@@ -213,6 +230,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         """Shut down every tier and release the CPU region. Idempotent; raises on tier failure."""
         if self._shut_down:
             return
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         self.manager.shutdown()
         self._shut_down = True
         self._reverse.clear()

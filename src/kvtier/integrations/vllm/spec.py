@@ -99,7 +99,18 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
                 region_name=s.region_name,
                 num_cpu_blocks=s.num_rows,
             )
-            self._manager = KvtierOffloadingManager(tiering)
+            metrics = None
+            if s.metrics_port is not None:
+                from kvtier.metrics import KvtierMetrics
+
+                metrics = KvtierMetrics()
+                try:
+                    port = metrics.serve(s.metrics_port)
+                except BaseException:
+                    tiering.shutdown()
+                    raise
+                logger.info("kvtier: Prometheus metrics on http://127.0.0.1:%d/metrics", port)
+            self._manager = KvtierOffloadingManager(tiering, metrics=metrics)
             logger.info(
                 "kvtier: CPU tier of %d rows x %d bytes in region %s, %d secondary tier(s), "
                 "namespace %s",
