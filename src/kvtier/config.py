@@ -25,7 +25,6 @@ import difflib
 import inspect
 import json
 import logging
-import mmap
 import os
 import re
 import sys
@@ -44,6 +43,7 @@ from pydantic import (
 
 from kvtier.errors import ConfigError
 from kvtier.keys import KVGeometry, Namespace, dtype_bytes
+from kvtier.region import format_bytes, round_up
 
 if TYPE_CHECKING:
     from kvtier.manager import TieringManager  # type: ignore[import-not-found,unused-ignore]
@@ -52,7 +52,6 @@ logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "KVTIER_"
 DEFAULT_CPU_BYTES = 4 * 1024**3
-PAGE_SIZE = mmap.PAGESIZE
 
 # --------------------------------------------------------------------------- sizes
 
@@ -108,17 +107,12 @@ def parse_size(value: int | float | str) -> int:
 
 def format_size(num_bytes: float) -> str:
     """``1536`` -> ``"1.5 KiB"``; binary units, at most one decimal."""
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+    return format_bytes(num_bytes)
 
 
-def row_stride_for(block_bytes: int, page_size: int = PAGE_SIZE) -> int:
+def row_stride_for(block_bytes: int) -> int:
     """Bytes one CPU row takes in the shared region: the block rounded up to a page."""
-    return -(-block_bytes // page_size) * page_size
+    return round_up(block_bytes)
 
 
 # --------------------------------------------------------------------------- model presets
