@@ -269,7 +269,7 @@ def metadata_bytes(blocks: int, policy: str, shm_dir: str) -> dict[str, Any]:
             policy = primary.policy
             if isinstance(policy, ARCPolicy):
                 out[f"{phase}-lists"] = (f"T1 {policy.t1:,}, T2 {policy.t2:,}, "
-                                         f"B1 {len(policy._b1):,}, B2 {len(policy._b2):,}")
+                                         f"B1 {policy.b1:,}, B2 {policy.b2:,}")
         snapshot = tracemalloc.take_snapshot()
         tracemalloc.stop()
         sites = []

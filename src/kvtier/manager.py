@@ -44,6 +44,7 @@ from kvtier.errors import (
     TierShutdownError,
 )
 from kvtier.keys import BlockKey, Namespace
+from kvtier.policies import DEFAULT_POLICY
 from kvtier.primary import PrepareStoreResult, PrimaryTier
 from kvtier.region import SharedRegion, round_up
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
@@ -86,6 +87,7 @@ class _RequestState:
     parked_cascades: list[BlockKey] = field(default_factory=list)
     unsubmitted_promotions: int = 0
     finished: bool = False
+    chain_tail: BlockKey | None = None  # the last block loaded or stored: the parent of the next
 
 
 @dataclass
@@ -138,7 +140,7 @@ class TieringManager:
         namespace: Namespace,
         num_cpu_blocks: int | None = None,
         cpu_bytes: int | None = None,
-        policy: str = "lru",
+        policy: str = DEFAULT_POLICY,
         tiers: Sequence[dict[str, Any]] = (),
         region_name: str | None = None,
         shm_dir: str | os.PathLike[str] = "/dev/shm",
@@ -339,7 +341,12 @@ class TieringManager:
     def prepare_load(self, keys: Sequence[BlockKey], request: RequestContext | None = None) -> np.ndarray:
         """Pin HIT blocks for a device load; returns their CPU rows. Raises if one is not HIT."""
         self._poll_once()
-        return self.primary.pin(list(keys))
+        keys = list(keys)
+        state = self._requests.get(request.req_id) if request is not None else None
+        rows = self.primary.prepare_load(keys, after=state.chain_tail if state is not None else None)
+        if state is not None and keys:
+            state.chain_tail = keys[-1]
+        return rows
 
     def complete_load(self, keys: Iterable[BlockKey], request: RequestContext | None = None) -> None:
         self.primary.unpin(keys)
@@ -369,13 +376,15 @@ class TieringManager:
     ) -> PrepareStoreResult | None:
         """Reserve CPU rows for a device -> CPU store; None if no room can be made."""
         self._poll_once()
-        result = self.primary.prepare_store(keys, self._step_hits)
+        state = self._state(request)
+        result = self.primary.prepare_store(keys, self._step_hits, after=state.chain_tail if state else None)
         if result is None:
             self._stats.store_rejections += 1
             return None
         self._device_stores.update(result.keys_to_store)
-        state = self._state(request)
         if state is not None:
+            if keys:
+                state.chain_tail = keys[-1]
             state.pending_store_keys.update(result.keys_to_store)
             if state.request_level_tiers:
                 new = set(result.keys_to_store)

@@ -24,7 +24,7 @@ import numpy as np
 
 from kvtier.errors import KvtierError
 from kvtier.keys import BlockKey
-from kvtier.policies import EvictionPolicy, create_policy
+from kvtier.policies import DEFAULT_POLICY, EvictionPolicy, create_policy
 from kvtier.region import SharedRegion
 from kvtier.types import BlockEvent, LookupResult
 
@@ -75,7 +75,7 @@ class PrimaryTier:
         self,
         region: SharedRegion,
         block_bytes: int,
-        policy: str | EvictionPolicy = "lru",
+        policy: str | EvictionPolicy = DEFAULT_POLICY,
         *,
         max_pending_events: int = 4096,
     ) -> None:
@@ -132,16 +132,37 @@ class PrimaryTier:
     # --- writes into the tier (device stores and promotions) -------------------------
 
     def prepare_store(
-        self, keys: Iterable[BlockKey], protected: Collection[BlockKey] = ()
+        self, keys: Iterable[BlockKey], protected: Collection[BlockKey] = (), after: BlockKey | None = None
     ) -> PrepareStoreResult | None:
-        """Reserve rows for the keys not yet present, evicting as needed.
+        """Reserve rows for the keys not yet present, evicting as needed, for a device store.
 
-        Never evicts the keys being stored, keys in ``protected``, pinned or
-        in-flight blocks. Returns
-        None, changing nothing, if not enough blocks can be evicted. New blocks are
-        in flight (ref -1) until ``complete_store``.
+        ``keys`` are a request's blocks in prefix order and ``after`` the block
+        before the first of them, if the caller knows it: the policy learns the
+        chain (see :meth:`EvictionPolicy.reference_chain`). Never evicts the keys
+        being stored, keys in ``protected``, pinned or in-flight blocks. Returns
+        None, changing nothing, if not enough blocks can be evicted. New blocks
+        are in flight (ref -1) until ``complete_store``.
         """
         keys = list(keys)
+        result = self._reserve(keys, protected)
+        if result is not None and keys:
+            chain = list(dict.fromkeys(keys))
+            slot_of = self._slot_of
+            parent = -1 if after is None else slot_of.get(after, -1)
+            self.policy.reference_chain(chain, [slot_of[k] for k in chain], parent, False)
+        return result
+
+    def prepare_write(
+        self, keys: Iterable[BlockKey], protected: Collection[BlockKey] = ()
+    ) -> PrepareStoreResult | None:
+        """Reserve rows like :meth:`prepare_store`, for a promotion from a secondary tier.
+
+        No reference is reported: the promoted blocks are referenced when the
+        request loads them.
+        """
+        return self._reserve(list(keys), protected)
+
+    def _reserve(self, keys: list[BlockKey], protected: Collection[BlockKey]) -> PrepareStoreResult | None:
         new_keys: list[BlockKey] = []
         seen: set[BlockKey] = set()
         for key in keys:
@@ -183,7 +204,8 @@ class PrimaryTier:
         reset) are ignored. Returns the keys whose state changed.
         """
         done: list[BlockKey] = []
-        for key in keys:
+        # Tail first, so a policy that orders by completion keeps a chain's head longest.
+        for key in reversed(list(keys)):
             slot = self._slot_of.get(key)
             if slot is None or self._ref[slot] != IN_FLIGHT:
                 continue
@@ -196,6 +218,7 @@ class PrimaryTier:
                 self._free.append(slot)
                 self.policy.remove(key, slot)
             done.append(key)
+        done.reverse()
         if done:
             if success:
                 self.stats.blocks_stored += len(done)
@@ -204,8 +227,7 @@ class PrimaryTier:
                 self.stats.store_failures += len(done)
         return done
 
-    # Promotions reserve and complete rows exactly like device stores.
-    prepare_write = prepare_store
+    # Promotions complete rows exactly like device stores.
     complete_write = complete_store
 
     # --- reads out of the tier (device loads and cascades) --------------------------
@@ -228,8 +250,11 @@ class PrimaryTier:
         return slots
 
     def unpin(self, keys: Iterable[BlockKey]) -> None:
-        """Release pins taken by :meth:`pin`; keys no longer present are ignored."""
-        for key in keys:
+        """Release pins taken by :meth:`pin`; keys no longer present are ignored.
+
+        Released tail first, so a policy that orders by release keeps a chain's head longest.
+        """
+        for key in reversed(list(keys)):
             self._unpin_one(key)
 
     def _unpin_one(self, key: BlockKey) -> None:
@@ -244,17 +269,43 @@ class PrimaryTier:
         if ref == 1:
             self.policy.mark_evictable(key, slot)
 
-    prepare_load = pin
+    def prepare_load(self, keys: Sequence[BlockKey], after: BlockKey | None = None) -> np.ndarray:
+        """Pin ready blocks for a device load (a hit) and report the reference to the policy.
+
+        ``keys`` are in prefix order; ``after`` is the block before the first of
+        them, if the caller knows it. Raises like :meth:`pin`.
+        """
+        slots = self.pin(keys)
+        if len(keys):
+            parent = -1 if after is None else self._slot_of.get(after, -1)
+            self.policy.reference_chain(list(keys), slots.tolist(), parent, True)
+        return slots
+
     complete_load = unpin
     prepare_read = pin
     complete_read = unpin
 
     def touch(self, keys: Iterable[BlockKey]) -> None:
-        """Recency update for ready blocks; unknown or in-flight keys are ignored."""
+        """A use of ``keys`` (in prefix order) elsewhere, e.g. a device-cache hit.
+
+        Unknown or in-flight keys are ignored; each run of ready keys is
+        reported to the policy as one chain.
+        """
+        run: list[BlockKey] = []
+        slots: list[int] = []
+        parent = -1
         for key in keys:
             slot = self._slot_of.get(key)
             if slot is not None and self._ref[slot] != IN_FLIGHT:
-                self.policy.touch(key, slot)
+                run.append(key)
+                slots.append(slot)
+                continue
+            if run:
+                self.policy.reference_chain(run, slots, parent, True)
+                run, slots = [], []
+            parent = -1 if slot is None else slot
+        if run:
+            self.policy.reference_chain(run, slots, parent, True)
 
     # --- events, reset, shutdown -----------------------------------------------------
 

@@ -4,7 +4,8 @@ White-box where the contract is about internal state: ``t1``/``t2`` (resident
 counts), ``_where`` (the list of the block in each slot), the slot-indexed
 linked lists of evictable members (``_prev``/``_next`` through the sentinel
 slots ``capacity`` for T1 and ``capacity + 1`` for T2, ``_evictable``,
-``_key_of``), ``p`` (the adaptive T1 target) and the ghost lists ``_b1``/``_b2``.
+``_key_of``), ``p`` (the adaptive T1 target) and the ghost lists B1/B2 (fingerprints
+in ``ghosts``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,17 @@ from policy_helpers import KeyState, ProtocolMachine, ReferencePolicy, ScanSpy, 
 
 from kvtier.keys import BlockKey
 from kvtier.policies import ARCPolicy
+from kvtier.policies.arc import B1, B2
+from kvtier.policies.fingerprints import fingerprint
+
+
+def ghosts(policy: ARCPolicy, which: int) -> list[int]:
+    """The fingerprints ghost list ``which`` (B1 or B2) remembers, least recent first."""
+    return policy.ghosts.fingerprints(which)
+
+
+def fps(*ids: int) -> list[int]:
+    return [fingerprint(key(i)) for i in ids]
 
 
 def ready(tier: Slotted[ARCPolicy], *ids: int) -> None:
@@ -57,7 +69,7 @@ def check_invariants(tier: Slotted[ARCPolicy]) -> None:
     policy = tier.policy
     where = policy._where
     assert len(where) == policy.capacity
-    assert policy.t1 == where.count(1)
+    assert policy.t1 == where.count(1) + where.count(3)  # 3: in T1, still being written
     assert policy.t2 == where.count(2)
     assert policy.t1 + policy.t2 == len(tier.slot_of)
     assert {s for s in range(policy.capacity) if where[s]} == set(tier.slot_of.values()), "resident = listed slots"
@@ -65,14 +77,18 @@ def check_invariants(tier: Slotted[ARCPolicy]) -> None:
     assert len(policy._prev) == len(policy._next) == c + 2
     t1e, t2e = linked_slots(policy, c), linked_slots(policy, c + 1)
     assert all(where[s] == 1 for s in t1e) and all(where[s] == 2 for s in t2e)
+    assert all(not policy._evictable[s] for s in range(c) if where[s] == 3)
     assert sorted(t1e + t2e) == [s for s in range(c) if policy._evictable[s]], "linked = flagged evictable"
     assert len(t1e) + len(t2e) == policy.evictable_count()
     key_of = {s: k for k, s in tier.slot_of.items()}
     assert all(policy._key_of[s] == key_of.get(s, b"") for s in range(c)), "_key_of is stale"
-    assert len(policy._b1) + len(policy._b2) <= policy.capacity
-    assert not policy._b1 or policy.t1 + len(policy._b1) <= policy.capacity
-    assert not set(policy._b1) & set(policy._b2)
-    assert not (set(policy._b1) | set(policy._b2)) & set(tier.slot_of), "a resident key is also a ghost"
+    b1, b2 = ghosts(policy, B1), ghosts(policy, B2)
+    assert (policy.b1, policy.b2) == (len(b1), len(b2))
+    assert len(b1) + len(b2) <= policy.capacity
+    assert not b1 or policy.t1 + len(b1) <= policy.capacity
+    assert len(set(b1) | set(b2)) == len(b1) + len(b2), "a fingerprint is in one ghost list at most, once"
+    assert all(policy.ghosts.find(fp) >= 0 for fp in b1 + b2), "every ghost is indexed"
+    assert not set(b1 + b2) & {fingerprint(k) for k in tier.slot_of}, "a resident key is also a ghost"
     assert 0.0 <= policy.p <= policy.capacity
 
 
@@ -98,7 +114,7 @@ def test_touch_of_a_pinned_t1_key_moves_it_to_t2_without_making_it_evictable() -
     assert tier.evict(1) is None
     tier.mark_evictable(key(1))
     assert tier.evict(1) == [key(1)]
-    assert key(1) in policy._b2
+    assert policy.is_ghost(key(1)) == 2
     check_invariants(tier)
 
 
@@ -115,7 +131,7 @@ def test_touch_moves_an_evictable_block_to_t2s_most_recent_end() -> None:
     assert evictable_keys(tier) == ([], [key(2), key(3), key(1), key(4)])
     check_invariants(tier)
     assert tier.evict(4) == [key(2), key(3), key(1), key(4)]
-    assert list(tier.policy._b2) == [key(2), key(3), key(1), key(4)]
+    assert ghosts(tier.policy, B2) == fps(2, 3, 1, 4)
     check_invariants(tier)
 
 
@@ -175,15 +191,15 @@ def test_ghost_hit_in_b1_grows_p_and_in_b2_shrinks_it() -> None:
     policy = tier.policy
     ready(tier, 1, 2)
     assert tier.evict(1) == [key(1)]
-    assert key(1) in policy._b1
+    assert policy.is_ghost(key(1)) == 1
     tier.insert(key(1))  # ghost hit in B1: T1 was too small
     assert policy.p == 1.0
     assert policy._where[tier.slot_of[key(1)]] == 2, "a ghost hit re-enters in T2"
-    assert key(1) not in policy._b1
+    assert not policy.is_ghost(key(1))
     tier.mark_evictable(key(1))
     tier.touch(key(2))  # T2: 1, 2 and T1 empty
     assert tier.evict(1) == [key(1)]
-    assert key(1) in policy._b2
+    assert policy.is_ghost(key(1)) == 2
     tier.insert(key(1))  # ghost hit in B2: T2 was too small
     assert policy.p == 0.0
     check_invariants(tier)
@@ -240,9 +256,9 @@ def test_ghost_lists_stay_bounded_by_capacity() -> None:
             tier.touch(key(i))
         assert tier.evict(1) == [key(i)]
     # ARC's bounds: |T1| + |B1| <= c and at most c ghosts in all
-    assert len(policy._b1) + len(policy._b2) == 3
-    ghosts = list(policy._b1) + list(policy._b2)
-    assert all(int.from_bytes(g, "big") >= 44 for g in ghosts), "the oldest ghosts are dropped first"
+    assert policy.b1 + policy.b2 == 3
+    remembered = set(ghosts(policy, B1) + ghosts(policy, B2))
+    assert remembered <= set(fps(*range(44, 50))), "the oldest ghosts are dropped first"
     check_invariants(tier)
 
 
@@ -264,10 +280,10 @@ def test_eviction_is_atomic_and_protected_keys_are_kept() -> None:
     ready(tier, 1, 2, 3)
     tier.touch(key(3))
     tier.mark_pinned(key(2))
-    before = (policy.t1, policy.t2, policy.p, list(policy._b1), list(policy._b2))
+    before = (policy.t1, policy.t2, policy.p, ghosts(policy, B1), ghosts(policy, B2))
     assert tier.evict(3) is None
     assert tier.evict(2, {key(1)}) is None
-    assert (policy.t1, policy.t2, policy.p, list(policy._b1), list(policy._b2)) == before
+    assert (policy.t1, policy.t2, policy.p, ghosts(policy, B1), ghosts(policy, B2)) == before
     assert tier.evictable_count() == 2
     assert tier.evict(1, {key(1)}) == [key(3)]
     assert tier.evict(1) == [key(1)]
@@ -282,7 +298,7 @@ def test_remove_does_not_leave_a_ghost() -> None:
     tier.remove(key(2))  # a failed store
     tier.remove(key(1))
     assert (policy.t1, policy.t2) == (0, 0)
-    assert not policy._b1 and not policy._b2
+    assert (policy.b1, policy.b2) == (0, 0)
     check_invariants(tier)
 
 
@@ -295,7 +311,7 @@ def test_clear_resets_p_and_ghosts() -> None:
     assert policy.p > 0
     tier.clear()
     assert (policy.t1, policy.t2, policy.p, tier.evictable_count()) == (0, 0, 0.0, 0)
-    assert not policy._b1 and not policy._b2
+    assert (policy.b1, policy.b2) == (0, 0)
 
 
 def test_capacity_must_be_positive() -> None:
@@ -305,9 +321,10 @@ def test_capacity_must_be_positive() -> None:
 
 def test_memory_per_block_stays_bounded_under_churn() -> None:
     # regression: OrderedDicts of the evictable keys of T1/T2 cost ~150 B per block in a
-    # running engine, because delete/insert churn resizes a hash table to ~3x its entries.
-    # The slot-indexed lists cost 8 B per slot each, however long the engine runs; only the
-    # ghost lists (at most ``capacity`` keys in all) are hash tables.
+    # running engine, because delete/insert churn resizes a hash table to ~3x its entries,
+    # and OrderedDict ghost lists cost ~155 B per remembered key (371-406 B per block in all
+    # when B1 + B2 were full). The slot-indexed lists cost 8 B per slot each and the ghosts
+    # are fingerprints in arrays allocated once, however long the engine runs.
     blocks, stores = 20_000, 100_000
     keys = [os.urandom(32) for _ in range(blocks + stores)]  # made by the engine, not counted
     slots = list(range(blocks))  # the tier's slot ints, not counted either
@@ -332,20 +349,13 @@ def test_memory_per_block_stays_bounded_under_churn() -> None:
         del slot_of, victim, k
         gc.collect()
         steady = tracemalloc.get_traced_memory()[0] / blocks
-        counts = (policy.t1, policy.t2, len(policy._b1), len(policy._b2))
-        policy._b1.clear()
-        policy._b2.clear()
-        gc.collect()
-        without_ghosts = tracemalloc.get_traced_memory()[0] / blocks
     finally:
         tracemalloc.stop()
-    t1, t2, b1, b2 = counts
+    t1, t2, b1, b2 = policy.t1, policy.t2, policy.b1, policy.b2
     assert policy.evictable_count() == blocks
     assert t2 > t1 and b2 > 0 and b1 + b2 == blocks, f"T1 {t1}, T2 {t2}, B1 {b1}, B2 {b2}"
-    assert full <= 64, f"ARC policy costs {full:.0f} B per block when full"
-    assert without_ghosts <= 64, f"ARC's slot lists grew to {without_ghosts:.0f} B per block under churn"
-    ghost_bytes = (steady - without_ghosts) * blocks / (b1 + b2)
-    assert ghost_bytes <= 160, f"a ghost costs {ghost_bytes:.0f} B (key objects not counted)"
+    assert full <= 64, f"ARC policy costs {full:.0f} B per block when full (ghost table included)"
+    assert steady <= full + 2, f"ARC grew from {full:.0f} to {steady:.0f} B per block with full ghost lists"
 
 
 class ReferenceARC(ReferencePolicy):
@@ -445,7 +455,8 @@ class ARCMachine(ProtocolMachine):
         check_invariants(cast("Slotted[ARCPolicy]", self.tier))
         assert policy.p == self.ref.p
         assert (policy.t1, policy.t2) == (len(self.ref.t1), len(self.ref.t2))
-        assert list(policy._b1) == self.ref.b1 and list(policy._b2) == self.ref.b2
+        assert ghosts(policy, B1) == [fingerprint(k) for k in self.ref.b1]
+        assert ghosts(policy, B2) == [fingerprint(k) for k in self.ref.b2]
         resident = {k for k, s in self.state.items() if s is not KeyState.ABSENT}
         assert set(self.tier.slot_of) == resident
         assert {s for s in range(policy.capacity) if policy._where[s]} == {self.tier.slot_of[k] for k in resident}

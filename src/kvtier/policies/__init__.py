@@ -10,7 +10,11 @@ from kvtier.policies.lru import LRUPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
 
-__all__ = ["POLICIES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "create_policy", "resolve_policy"]
+DEFAULT_POLICY = "lru"
+"""The CPU tier's policy when none is configured."""
+
+__all__ = ["DEFAULT_POLICY", "POLICIES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "create_policy",
+           "resolve_policy"]
 
 
 def resolve_policy(name_or_path: str) -> type[EvictionPolicy]:

@@ -15,9 +15,25 @@ object for a slot every time, so a policy may store them without allocating.
 
 Call order per block: ``insert(key, slot)`` (new block, not yet evictable) ->
 ``mark_evictable`` / ``mark_pinned`` any number of times -> ``remove`` or
-eviction. ``touch`` is a recency hint and may come for pinned blocks.
-``touch`` and ``remove`` naming a slot that holds no block must be ignored.
-All calls come from the scheduler thread.
+eviction. ``touch`` is a recency hint and may come for pinned blocks and for
+blocks still being written. ``touch`` and ``remove`` naming a slot that holds
+no block must be ignored. All calls come from the owning tier's thread (the
+scheduler thread for the CPU tier).
+
+Prefix structure: keys are chained prefix hashes, so a block can only be hit
+while every block before it in its request is held too. The tier reports each
+request's blocks in prefix order through :meth:`reference_chain` (a load of a
+hit prefix, a store of the blocks that missed, a touch), naming the block that
+precedes the first one when it knows it. A policy may use this to evict leaves
+before their parents and to protect a chain's head at least as long as its
+tail; the default treats it as touches, tail first, so the head ends most
+recent.
+
+Any tier that evicts can drive a policy: it needs a key -> slot map over a
+fixed number of slots (the CPU tier's rows; a disk tier with fixed-size value
+files could number its entries the same way), calls ``insert`` / ``remove`` as
+entries come and go, ``mark_pinned`` / ``mark_evictable`` around reads, and
+``evict`` to make room.
 
 Out-of-tree policies subclass :class:`EvictionPolicy` (constructor
 ``cls(capacity)``) and are named by import path ``"package.module:Class"``.
@@ -26,7 +42,7 @@ Out-of-tree policies subclass :class:`EvictionPolicy` (constructor
 from __future__ import annotations
 
 import abc
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from typing import ClassVar
 
 from kvtier.keys import BlockKey
@@ -51,6 +67,23 @@ class EvictionPolicy(abc.ABC):
     @abc.abstractmethod
     def touch(self, key: BlockKey, slot: int) -> None:
         """The block was used (recency)."""
+
+    def reference_chain(self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int, hit: bool) -> None:
+        """One request referenced these blocks (all held by the tier), in prefix order.
+
+        The block in ``slots[i]`` extends the one in ``slots[i - 1]``, and
+        ``slots[0]`` extends the block in slot ``parent`` (-1: unknown or none).
+        ``hit``: the tier is serving them (a load or a touch); False: the request
+        missed them here and they are being stored (those inserted since their
+        last reference are new; the others were held but unreachable). Comes
+        after ``insert`` of the new blocks; the blocks may be evictable, pinned
+        or still being written.
+
+        The default touches each block, the tail first, so the head of the chain
+        ends the most recently used.
+        """
+        for i in range(len(slots) - 1, -1, -1):
+            self.touch(keys[i], slots[i])
 
     @abc.abstractmethod
     def mark_evictable(self, key: BlockKey, slot: int) -> None:
