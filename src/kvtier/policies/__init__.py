@@ -7,14 +7,15 @@ from kvtier.plugins import load_class
 from kvtier.policies.arc import ARCPolicy
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.lru import LRUPolicy
+from kvtier.policies.return_time import ReturnTimePolicy
 
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy, "return-time": ReturnTimePolicy}
 
 DEFAULT_POLICY = "lru"
 """The CPU tier's policy when none is configured."""
 
-__all__ = ["DEFAULT_POLICY", "POLICIES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "create_policy",
-           "resolve_policy"]
+__all__ = ["DEFAULT_POLICY", "POLICIES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "ReturnTimePolicy",
+           "create_policy", "resolve_policy"]
 
 
 def resolve_policy(name_or_path: str) -> type[EvictionPolicy]:

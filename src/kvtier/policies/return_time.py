@@ -1,0 +1,473 @@
+"""Prefix-closed eviction by learned holding times (``"return-time"``).
+
+Each reference of a block holds it for a time learned online from the return
+times of blocks like it; eviction takes the block whose hold ran out first,
+leaves before their parents.
+
+**Prefix structure.** The tier reports every request's blocks in prefix order
+(:meth:`EvictionPolicy.reference_chain`), so each block knows its parent
+(``_parent[slot]``, -1 if unknown) and how many held blocks name it as parent
+(``_children[slot]``). A chain's head never expires before its tail (a
+reference raises the expiry of the block's ancestors to its own), and eviction
+takes leaves first: a block with children is skipped while any leaf qualifies.
+Both keep the cache prefix-closed, so no room goes to blocks a prefix lookup
+can never reach.
+
+**Holding times.** A reference gives its block a class from cheap features of
+the request: whether the block is new here, referenced once before, or more
+often; how many of the request's blocks are genuinely new (not held, and not
+the end of a recently seen request: ``<= 1, 3, 7, 15`` or more); and whether it
+is the request's last block. A block's expiry becomes ``max(expiry, now +
+hold[class])`` on the clock of block references. The holds come from
+:mod:`kvtier.policies.return_times`: a sample of keys is followed whether
+cached or not, their return times per class give survival curves, and the
+holds are the ones that maximise predicted hits with predicted occupancy equal
+to the capacity. The learned holds are used only while they predict at least
+2 % more hits than holding every class alike (which is LRU's order), and only
+while a sampled LRU confirms that they do not lose: otherwise every hold is 0,
+which is exactly LRU (recency order, heads protected), for a back-off period
+that doubles with each loss.
+
+Nothing to tune per workload: the horizon (8x capacity references), sample
+size and solve period scale with the capacity.
+
+**Queue.** Evictable blocks sit in intrusive doubly linked lists over row
+slots (see :mod:`kvtier.policies.slot_lists`): a timing wheel of ``RING``
+lists, each holding the blocks whose expiry falls in one interval of
+``_width`` references (sentinel ``capacity + 1 + bucket % RING``), and one
+list of expired blocks in expiry order (sentinel ``capacity``), into which a
+wheel list is spliced in O(1) when the clock passes its interval. Eviction
+scans the expired list and then the wheel in time order; inside a list,
+blocks are in reference order, a chain's tail before its head. With every hold
+0 this is LRU order.
+
+Per slot: the lists' two pointers and the key (24 bytes), ``_evictable``,
+``_touches`` (1 byte each), ``_parent``, ``_children`` (4 bytes each),
+``_expiry`` (8 bytes); plus the sample tables, about ``capacity / 4``
+fingerprints, all allocated once. Every operation is O(1) per block, except
+that eviction skips blocks that are not leaves (which it moves behind, so they
+are not scanned again) and a reference walks up the ancestors whose expiry it
+raises. Called from one thread (the tier's).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import deque
+from collections.abc import Container, Iterator, Sequence
+from typing import ClassVar
+
+from kvtier.keys import BlockKey
+from kvtier.policies.fingerprints import fingerprint
+from kvtier.policies.return_times import (
+    SAMPLE_SCALE,
+    HoldingPlan,
+    ReturnSampler,
+    ReturnTimeModel,
+    SampledLRU,
+    sample_threshold,
+)
+from kvtier.policies.slot_lists import NO_KEY, SlotListPolicy
+
+RING = 128
+"""Lists in the timing wheel."""
+
+NEW_BUCKETS = 5
+"""Classes by genuinely new blocks in the request: <= 1, <= 3, <= 7, <= 15, more."""
+
+CLASSES = NEW_BUCKETS * 2 * 3
+"""new-blocks bucket x last block or not x referenced 0 / 1 / 2+ times before."""
+
+_NEW_BUCKET = [0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 4]
+"""Bucket of ``min(new_blocks, 16)``."""
+
+_GAIN_NEEDED = 1.02
+"""Learned holds are used only if they predict this many times the hits of uniform holds."""
+
+_GUARD_SIGMAS = 2.0
+"""The sampled LRU must beat the learned holds by this many standard deviations to stop them."""
+
+_HORIZON = 8
+"""Return times are followed up to this many times the capacity, in references."""
+
+_SAMPLE_SIZE = 16384
+"""Sampled keys followed at least (and a quarter of the capacity if more)."""
+
+_LEAVES_FIRST = True
+_CONTINUE = True
+_BUDGET = 1.0
+_PASSED_LIMIT = 1024
+"""Non-leaves an eviction may pass over (beyond 4 per block evicted) before it moves them behind."""
+_HALF_LIFE = 2.0
+"""Statistics lose half their weight in this many horizons."""
+
+
+class ReturnTimePolicy(SlotListPolicy):
+    name: ClassVar[str] = "return-time"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        c = capacity
+        self.horizon = max(256, _HORIZON * c)
+        self._width = max(1, -(-self.horizon // (RING - 2)))
+        self.max_hold = (RING - 2) * self._width
+        sample_size = max(_SAMPLE_SIZE, c // 4)
+        self._sample_below = sample_threshold(min(0.25, sample_size / self.horizon))
+        self.sample_rate = self._sample_below / SAMPLE_SCALE
+        self.solve_every = max(2048, c // 2)
+        self.model = ReturnTimeModel(CLASSES, self.horizon)
+        self.sampler = ReturnSampler(sample_size, self.horizon, self.model)
+        self.sampled_lru = SampledLRU(max(1, round(self.sample_rate * c)))
+        history = max(256, c // 16)
+        self._history: set[int] = set()
+        self._history_order: deque[int] = deque(maxlen=history)
+        self.hold: list[int] = [0] * CLASSES
+        self.plan: HoldingPlan | None = None
+        self.learning = False
+        self.fallbacks = 0
+        self._partial = -1
+        self._extended = 0
+        self._fraction = 0.0
+        self._dither = 0.0
+        self._class_refs = [0] * CLASSES
+        self._now = 0
+        self._last_solve = 0
+        self._next_solve = self.solve_every
+        self._backoff = 1
+        self._lru_until = 0
+        self._guard = [0, 0, 0]  # sampled hits: realised, sampled LRU's, discordant
+        self._pending: tuple[int, int, list[BlockKey], list[int], list[int], list[int], int] | None = None
+        self._reset_blocks()
+
+    def _reset_blocks(self) -> None:
+        c = self.capacity
+        self._init_lists(1 + RING)
+        self._parent = array("i", [-1]) * c
+        self._children = array("i", bytes(4 * c))
+        self._expiry = array("q", bytes(8 * c))
+        self._touches = bytearray(c)
+        self._cur = self._now // self._width
+
+    # --- the tier's calls -------------------------------------------------------------
+
+    def insert(self, key: BlockKey, slot: int) -> None:
+        self._key_of[slot] = key
+        self._parent[slot] = -1
+        self._touches[slot] = 0
+        self._expiry[slot] = self._now
+        # _children[slot] keeps counting orphans of an earlier block of this slot (see evict).
+
+    def remove(self, key: BlockKey, slot: int) -> None:
+        if self._key_of[slot] is NO_KEY:
+            return
+        self._unlink_evictable(slot)
+        parent = self._parent[slot]
+        if parent >= 0:
+            self._children[parent] -= 1
+            self._parent[slot] = -1
+        self._key_of[slot] = NO_KEY
+
+    def touch(self, key: BlockKey, slot: int) -> None:
+        if self._key_of[slot] is not NO_KEY:
+            self.reference_chain((key,), (slot,), -1, True)
+
+    def mark_evictable(self, key: BlockKey, slot: int) -> None:
+        self._link_evictable(slot, self._list_for(self._expiry[slot]))
+
+    def _list_for(self, expiry: int) -> int:
+        bucket = expiry // self._width
+        return self.capacity if bucket < self._cur else self.capacity + 1 + bucket % RING
+
+    def reference_chain(self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int, hit: bool) -> None:
+        """Link the chain, classify and hold each block (tail first), raise the ancestors.
+
+        Cost: O(len(slots)) plus one step per ancestor whose expiry is raised.
+        """
+        n = len(slots)
+        if not n:
+            return
+        now = self._now
+        if now // self._width != self._cur:
+            self._advance(now // self._width)
+        par, children, touches, expiry = self._parent, self._children, self._touches, self._expiry
+        prev = parent
+        for s in slots:
+            if prev >= 0 and prev != s and par[s] != prev:
+                old = par[s]
+                if old >= 0:
+                    children[old] -= 1
+                par[s] = prev
+                children[prev] += 1
+            prev = s
+        if hit:
+            base = 0
+        else:
+            base = _NEW_BUCKET[min(self._new_blocks(keys, slots), 16)] * 6
+            history = self._history
+            for k in keys[-2:]:
+                fp = fingerprint(k)
+                if fp not in history:
+                    if len(self._history_order) == self._history_order.maxlen:
+                        history.discard(self._history_order[0])
+                    self._history_order.append(fp)
+                    history.add(fp)
+        hold, refs, partial = self.hold, self._class_refs, self._partial
+        flags, prv, nxt = self._evictable, self._prev, self._next
+        width, c1 = self._width, self.capacity + 1
+        below = self._sample_below
+        deeper = 0
+        last = n - 1
+        # The partial class's extension is decided per chain: the tail's hold reaches the
+        # head anyway, so deciding per block would extend nearly every long chain.
+        self._dither += self._fraction
+        if self._dither >= 1.0:
+            self._dither -= 1.0
+            extended = self._extended
+        else:
+            extended = hold[partial] if partial >= 0 else 0
+        olds: list[int] = []
+        classes: list[int] = []
+        for i in range(last, -1, -1):
+            s = slots[i]
+            t = touches[s]
+            cls = base + (3 if i == last and not hit else 0) + t
+            if t < 2:
+                touches[s] = t + 1
+            refs[cls] += 1
+            e = now + (extended if cls == partial else hold[cls])
+            old = expiry[s]
+            if hit:
+                olds.append(old)
+                classes.append(cls)
+            if old > e:
+                e = old
+            if deeper > e:
+                e = deeper
+            expiry[s] = deeper = e
+            if flags[s]:
+                # Move to the tail of the list of its expiry (its bucket is never in the past).
+                before, after = prv[s], nxt[s]
+                nxt[before] = after
+                prv[after] = before
+                end = c1 + (e // width) % RING
+                tail = prv[end]
+                nxt[tail] = s
+                prv[s] = tail
+                nxt[s] = end
+                prv[end] = s
+            key = keys[i]
+            if key[-1] < below:
+                self._observe(fingerprint(key), cls, hit)
+        p = parent if parent >= 0 else par[slots[0]]
+        pending = self._pending
+        if hit:
+            self._pending = (slots[-1], now + n, list(keys), list(slots), olds, classes, now)
+        elif pending is not None:
+            self._pending = None
+            if _CONTINUE and base and pending[0] == parent and pending[1] == now:
+                deeper, p = self._reclassify(pending, base, deeper)
+        bucket = deeper // width
+        while p >= 0 and expiry[p] // width < bucket:
+            expiry[p] = deeper
+            if flags[p]:
+                before, after = prv[p], nxt[p]
+                nxt[before] = after
+                prv[after] = before
+                end = c1 + bucket % RING
+                tail = prv[end]
+                nxt[tail] = p
+                prv[p] = tail
+                nxt[p] = end
+                prv[end] = p
+            p = par[p]
+        self._now = now + n
+        if self._now >= self._next_solve:
+            self._solve()
+
+    def _reclassify(
+        self, pending: tuple[int, int, list[BlockKey], list[int], list[int], list[int], int], base: int, floor: int
+    ) -> tuple[int, int]:
+        """Give the hit prefix loaded just before the classes of its request, now known to add new blocks."""
+        _, _, keys, slots, olds, classes, then = pending
+        key_of, expiry, flags, refs, hold = self._key_of, self._expiry, self._evictable, self._class_refs, self.hold
+        below = self._sample_below
+        n = len(slots)
+        for j in range(n):  # olds / classes are tail first
+            i = n - 1 - j
+            s = slots[i]
+            if key_of[s] != keys[i]:
+                return floor, -1
+            old_cls = classes[j]
+            cls = base + old_cls % 3
+            refs[old_cls] -= 1
+            refs[cls] += 1
+            e = max(olds[j], then + hold[cls], floor)
+            expiry[s] = floor = e
+            if flags[s]:
+                self._unlink(s)
+                self._append(s, self._list_for(e))
+            if keys[i][-1] < below:
+                self.sampler.reclass(fingerprint(keys[i]), cls)
+        return floor, self._parent[slots[0]]
+
+    def _new_blocks(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> int:
+        """Blocks after the deepest one held before this call or seen recently as a request's end."""
+        touches, history = self._touches, self._history
+        n = len(slots)
+        for i in range(n - 1, max(-1, n - 18), -1):
+            if touches[slots[i]] or fingerprint(keys[i]) in history:
+                return n - 1 - i
+        return n
+
+    def _observe(self, fp: int, cls: int, hit: bool) -> None:
+        prev = self.sampler.observe(fp, self._now, cls)
+        if prev >= 0:
+            self.model.record(prev, self.sampler.last_age)
+        lru_hit = self.sampled_lru.observe(fp)
+        guard = self._guard
+        guard[0] += hit
+        guard[1] += lru_hit
+        guard[2] += hit != lru_hit
+
+    def evict(self, n: int, protected: Container[BlockKey] = ()) -> list[BlockKey] | None:
+        """Take ``n`` unprotected evictable blocks, earliest expiry first, leaves before parents.
+
+        A block with held children is passed over while leaves qualify; it is
+        taken only if leaves (counting those its chosen children leave behind)
+        are too few. Passed-over blocks move to the end of their list so the
+        next eviction does not scan them again. Atomic: None and no change if
+        fewer than ``n`` qualify.
+        """
+        if n <= 0:
+            return []
+        if n > self._count:
+            return None
+        nxt, key_of, children, par = self._next, self._key_of, self._children, self._parent
+        chosen: list[int] = []
+        passed: list[int] = []
+        for end in self._scan_order():
+            slot = nxt[end]
+            while slot != end:
+                if children[slot] and _LEAVES_FIRST:
+                    passed.append(slot)
+                elif key_of[slot] not in protected:
+                    chosen.append(slot)
+                    parent = par[slot]
+                    if parent >= 0:
+                        children[parent] -= 1
+                    if len(chosen) == n:
+                        break
+                slot = nxt[slot]
+            if len(chosen) == n:
+                break
+        if len(chosen) < n:
+            self._take_passed(n, chosen, passed, protected)
+        if len(chosen) < n:
+            for slot in chosen:  # undo: too few qualify
+                parent = par[slot]
+                if parent >= 0:
+                    children[parent] += 1
+            return None
+        return self._forget(chosen, passed)
+
+    def _take_passed(self, n: int, chosen: list[int], passed: list[int], protected: Container[BlockKey]) -> None:
+        """Top ``chosen`` up from ``passed``: leaves by now first, then any (orphaning children)."""
+        key_of, children, par = self._key_of, self._children, self._parent
+        taken: set[int] = set()
+        for leaves_only in (True, False):
+            for slot in passed:
+                if len(chosen) == n:
+                    return
+                if slot in taken or (leaves_only and children[slot]) or key_of[slot] in protected:
+                    continue
+                taken.add(slot)
+                chosen.append(slot)
+                parent = par[slot]
+                if parent >= 0:
+                    children[parent] -= 1
+
+    def _forget(self, chosen: list[int], passed: list[int]) -> list[BlockKey]:
+        prv, nxt, flags, key_of, par = self._prev, self._next, self._evictable, self._key_of, self._parent
+        keys: list[BlockKey] = []
+        for slot in chosen:
+            before, after = prv[slot], nxt[slot]
+            nxt[before] = after
+            prv[after] = before
+            flags[slot] = 0
+            keys.append(key_of[slot])
+            key_of[slot] = NO_KEY
+            par[slot] = -1
+        self._count -= len(chosen)
+        if len(passed) > _PASSED_LIMIT + 16 * len(chosen):
+            # Many non-leaves at the front (children pinned, or linked without their parent
+            # being referenced): move them behind, so later evictions do not scan them again.
+            expiry, children = self._expiry, self._children
+            for slot in passed:
+                if flags[slot] and children[slot]:
+                    self._unlink(slot)
+                    self._append(slot, self._list_for(expiry[slot]))
+        return keys
+
+    def _scan_order(self) -> Iterator[int]:
+        yield self.capacity
+        c1 = self.capacity + 1
+        for bucket in range(self._cur, self._cur + RING):
+            yield c1 + bucket % RING
+
+    def _advance(self, cur: int) -> None:
+        """Splice the wheel lists whose interval the clock passed onto the expired list."""
+        prv, nxt = self._prev, self._next
+        expired, c1 = self.capacity, self.capacity + 1
+        for bucket in range(self._cur, min(cur, self._cur + RING)):
+            end = c1 + bucket % RING
+            first = nxt[end]
+            if first == end:
+                continue
+            last = prv[end]
+            tail = prv[expired]
+            nxt[tail] = first
+            prv[first] = tail
+            nxt[last] = expired
+            prv[expired] = last
+            nxt[end] = prv[end] = end
+        self._cur = cur
+
+    # --- learning ---------------------------------------------------------------------
+
+    def _solve(self) -> None:
+        """Refresh the holding times from the statistics (every ``solve_every`` references)."""
+        now = self._now
+        elapsed = now - self._last_solve
+        self._last_solve = now
+        self._next_solve = now + self.solve_every
+        self.sampler.expire(now)
+        decay = 0.5 ** (elapsed / (_HALF_LIFE * self.horizon))
+        plan = self.model.solve(
+            _BUDGET * self.capacity, self._class_refs, elapsed, decay, self.sampler.in_progress(now)
+        )
+        self._class_refs = [0] * CLASSES
+        self.plan = plan
+        realised, lru, discordant = self._guard
+        self._guard = [0, 0, 0]
+        if self.learning and lru - realised > _GUARD_SIGMAS * discordant**0.5:
+            # The learned holds lost to LRU on the sample: LRU order for a while.
+            self.fallbacks += 1
+            self._lru_until = now + self._backoff * self.solve_every
+            self._backoff = min(2 * self._backoff, 64)
+        elif self.learning:
+            self._backoff = max(1, self._backoff // 2)
+        useful = plan.learned_hits >= _GAIN_NEEDED * plan.lru_hits and plan.learned_hits > 0
+        self.learning = useful and now >= self._lru_until
+        if self.learning:
+            self.hold = [min(h, self.max_hold) for h in plan.hold]
+            self._partial, self._fraction = plan.partial, plan.fraction
+            self._extended = min(plan.extended, self.max_hold)
+        else:
+            self.hold = [0] * CLASSES
+            self._partial, self._extended, self._fraction = -1, 0, 0.0
+
+    # --- reset ------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Forget every block; what was learned about the workload stays."""
+        self._reset_blocks()
