@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -11,8 +12,10 @@ import pytest
 import tier_doubles
 from kvtier import LookupResult, Namespace, OffloadPolicy, RequestContext, TieringManager, prefix_keys
 from kvtier.errors import ConfigError, KvtierError
+from kvtier.primary import PrimaryTier
+from kvtier.region import SharedRegion
 from kvtier.tiers.registry import register_tier
-from tier_doubles import ScriptedTier
+from tier_doubles import RecordingLRU, ScriptedTier
 
 pytestmark = pytest.mark.usefixtures("shm_leak_check")
 register_tier("scripted", "tier_doubles:ScriptedTier")
@@ -497,3 +500,30 @@ def test_late_completion_does_not_resurrect_a_finished_request(make: Any) -> Non
     mgr.complete_store(ks, req)
     assert mgr.stats()["manager"]["active_requests"] == 0
     assert mgr.lookup(ks[0], req) is MISS
+
+
+def test_a_request_chains_its_store_after_its_load(namespace: Namespace, private_shm: Path) -> None:
+    region = SharedRegion("mgr-chains", 8, namespace.geometry.bytes_per_block, shm_dir=private_shm)
+    policy = RecordingLRU(8)
+    mgr = TieringManager(PrimaryTier(region, namespace.geometry.bytes_per_block, policy))
+    try:
+        ks = keys(6)
+        first, second, other = RequestContext("a"), RequestContext("b"), RequestContext("c")
+        for req in (first, second, other):
+            mgr.on_new_request(req)
+        store(mgr, ks[:3], first)
+        mgr.prepare_load(ks[:3], second)  # the next turn hits the first three ...
+        mgr.complete_load(ks[:3], second)
+        store(mgr, ks[3:5], second)  # ... and stores two more, chained after them
+        store(mgr, ks[5:], second)  # a later store of the same request chains on
+        store(mgr, [keys(1, seed=9)[0]], other)  # another request's store starts a chain
+        slot = mgr.primary.slot_of
+        assert [(c[0], c[2], c[3]) for c in policy.chains] == [
+            (ks[:3], -1, False),
+            (ks[:3], -1, True),
+            (ks[3:5], slot(ks[2]), False),
+            (ks[5:], slot(ks[4]), False),
+            ([keys(1, seed=9)[0]], -1, False),
+        ]
+    finally:
+        mgr.shutdown()

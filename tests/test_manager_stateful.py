@@ -1,7 +1,7 @@
 """A hypothesis state machine driving TieringManager through random interleavings.
 
 The manager under test is real: a real /dev/shm region, the real PrimaryTier with
-LRU or ARC. Its collaborators, the secondary tiers, are in-memory doubles
+LRU, ARC or the return-time policy. Its collaborators, the secondary tiers, are in-memory doubles
 (:class:`MemoryTierDouble`) that finish jobs only when the machine says so,
 really copy bytes between their store and the shared rows, and can fail jobs,
 reject submissions, answer MISS (unhealthy) or RETRY, forget blocks, and refuse
@@ -716,7 +716,13 @@ class ARCManagerMachine(ManagerMachine):
     policy = "arc"
 
 
+class ReturnTimeManagerMachine(ManagerMachine):
+    policy = "return-time"
+
+
 LRUManagerMachine.TestCase.settings = SETTINGS
 ARCManagerMachine.TestCase.settings = SETTINGS
+ReturnTimeManagerMachine.TestCase.settings = SETTINGS
 TestManagerStatefulLRU = LRUManagerMachine.TestCase
 TestManagerStatefulARC = ARCManagerMachine.TestCase
+TestManagerStatefulReturnTime = ReturnTimeManagerMachine.TestCase

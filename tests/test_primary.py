@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,7 @@ from kvtier.errors import KvtierError
 from kvtier.primary import PrimaryTier
 from kvtier.region import SharedRegion
 from kvtier.types import LookupResult
+from tier_doubles import RecordingLRU
 
 pytestmark = pytest.mark.usefixtures("shm_leak_check")
 
@@ -107,3 +109,56 @@ def test_reset_forgets_everything_and_reports_removal(tier: PrimaryTier) -> None
     assert len(tier) == 0 and tier.free_slots == 4
     (event,) = tier.take_events()
     assert event.removed and set(event.keys) == {k(1), k(2)}
+
+
+@pytest.fixture
+def recorded(private_shm: Path) -> Iterator[tuple[PrimaryTier, RecordingLRU]]:
+    region = SharedRegion("primary-rec", 8, 4096, shm_dir=private_shm)
+    policy = RecordingLRU(8)
+    primary = PrimaryTier(region, 4096, policy)
+    yield primary, policy
+    primary.shutdown()
+
+
+def test_stores_loads_and_touches_are_reported_as_chains(recorded: tuple[PrimaryTier, RecordingLRU]) -> None:
+    tier, policy = recorded
+    fill(tier, 1, 2)
+    assert policy.chains == [([k(1), k(2)], [tier.slot_of(k(1)), tier.slot_of(k(2))], -1, False)]
+    policy.chains.clear()
+    result = tier.prepare_store([k(2), k(3), k(3), k(4)], after=k(1))  # 2 is held, 3 is given twice
+    assert result is not None and result.keys_to_store == [k(3), k(4)]
+    slots = [tier.slot_of(x) for x in (k(2), k(3), k(4))]
+    assert policy.chains == [([k(2), k(3), k(4)], slots, tier.slot_of(k(1)), False)], "after the inserts"
+    tier.complete_store(result.keys_to_store)
+    policy.chains.clear()
+    tier.prepare_load([k(1), k(2)])
+    tier.complete_load([k(1), k(2)])
+    assert policy.chains == [([k(1), k(2)], [tier.slot_of(k(1)), tier.slot_of(k(2))], -1, True)]
+    policy.chains.clear()
+    tier.prepare_write([k(5)])  # a promotion is referenced when it is loaded, not when reserved
+    assert policy.chains == []
+    tier.touch([k(1), k(2), k(5), k(9), k(3), k(4)])  # 5 is in flight, 9 unknown: three runs
+    assert [(c[0], c[2]) for c in policy.chains] == [
+        ([k(1), k(2)], -1),
+        ([k(3), k(4)], -1),
+    ]
+
+
+def test_touch_runs_after_an_in_flight_block_name_it_as_parent(recorded: tuple[PrimaryTier, RecordingLRU]) -> None:
+    tier, policy = recorded
+    fill(tier, 1)
+    assert tier.prepare_store([k(2)]) is not None  # 2 in flight
+    fill(tier, 3)
+    policy.chains.clear()
+    tier.touch([k(1), k(2), k(3)])
+    assert [(c[0], c[2]) for c in policy.chains] == [([k(1)], -1), ([k(3)], tier.slot_of(k(2)))]
+
+
+def test_chains_are_released_tail_first_so_lru_keeps_the_head(recorded: tuple[PrimaryTier, RecordingLRU]) -> None:
+    tier, _ = recorded
+    fill(tier, 1, 2, 3)
+    tier.prepare_load([k(1), k(2), k(3)])
+    tier.complete_load([k(1), k(2), k(3)])
+    result = tier.prepare_store([k(i) for i in range(4, 10)])  # 6 new blocks into 5 free rows
+    assert result is not None and result.evicted_keys == [k(3)], "the tail goes first, the head stays"
+    assert tier.complete_store(result.keys_to_store) == result.keys_to_store, "completion order is kept"

@@ -1,6 +1,7 @@
-"""Test doubles for *collaborators* of the manager: scripted in-memory secondary tiers.
+"""Test doubles for *collaborators* of the manager and the CPU tier.
 
-They keep real bytes (copied out of and into the real shared rows), complete
+:class:`RecordingLRU` is LRU that records the chains the CPU tier reports.
+The scripted in-memory secondary tiers keep real bytes (copied out of and into the real shared rows), complete
 jobs only when the test says so (or at once with ``auto_complete``), and can be
 told to fail jobs, lookups or their own shutdown.
 """
@@ -13,8 +14,22 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvtier.keys import BlockKey
+from kvtier.policies import LRUPolicy
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TierUsage, TransferJob
 from kvtier.types import LookupResult, OffloadPolicy, RequestContext
+
+
+class RecordingLRU(LRUPolicy):
+    """LRU that records each ``reference_chain`` call as (keys, slots, parent, hit)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.chains: list[tuple[list[BlockKey], list[int], int, bool]] = []
+
+    def reference_chain(self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int, hit: bool) -> None:
+        self.chains.append((list(keys), list(slots), parent, hit))
+        super().reference_chain(keys, slots, parent, hit)
+
 
 CALLS: list[tuple[str, str]] = []
 """Global log of (tier label, method) for order assertions; tests clear it."""

@@ -83,6 +83,11 @@ class Slotted(Generic[P]):
     def touch(self, k: BlockKey) -> None:
         self.policy.touch(k, self._slot_or_free(k))
 
+    def reference_chain(self, keys: list[BlockKey], parent: BlockKey | None = None, hit: bool = True) -> None:
+        """Report resident ``keys`` as one request's chain, after ``parent`` (resident or None)."""
+        up = -1 if parent is None else self.slot_of[parent]
+        self.policy.reference_chain(keys, [self.slot_of[k] for k in keys], up, hit)
+
     def mark_evictable(self, k: BlockKey) -> None:
         self.policy.mark_evictable(k, self.slot_of[k])
 

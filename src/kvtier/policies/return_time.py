@@ -57,6 +57,8 @@ from collections import deque
 from collections.abc import Container, Iterator, Sequence
 from typing import ClassVar
 
+import numpy as np
+
 from kvtier.keys import BlockKey
 from kvtier.policies.fingerprints import fingerprint
 from kvtier.policies.return_times import (
@@ -81,23 +83,23 @@ CLASSES = NEW_BUCKETS * 2 * 3
 _NEW_BUCKET = [0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 4]
 """Bucket of ``min(new_blocks, 16)``."""
 
-_GAIN_NEEDED = 1.02
+_GAIN_NEEDED = 1.05
 """Learned holds are used only if they predict this many times the hits of uniform holds."""
 
-_GUARD_SIGMAS = 2.0
+_GUARD_SIGMAS = 1.0
 """The sampled LRU must beat the learned holds by this many standard deviations to stop them."""
+
+_GUARD_DECAY = 0.8
+"""Weight of the previous periods in the guard's sums."""
 
 _HORIZON = 8
 """Return times are followed up to this many times the capacity, in references."""
 
-_SAMPLE_SIZE = 16384
+_SAMPLE_SIZE = 65536
 """Sampled keys followed at least (and a quarter of the capacity if more)."""
 
-_LEAVES_FIRST = True
-_CONTINUE = True
-_BUDGET = 1.0
-_PASSED_LIMIT = 1024
-"""Non-leaves an eviction may pass over (beyond 4 per block evicted) before it moves them behind."""
+_PASS_LIMIT = 64
+"""Non-leaves an eviction may pass over (plus 4 per block it evicts) before taking them in order."""
 _HALF_LIFE = 2.0
 """Statistics lose half their weight in this many horizons."""
 
@@ -111,7 +113,9 @@ class ReturnTimePolicy(SlotListPolicy):
         self.horizon = max(256, _HORIZON * c)
         self._width = max(1, -(-self.horizon // (RING - 2)))
         self.max_hold = (RING - 2) * self._width
-        sample_size = max(_SAMPLE_SIZE, c // 4)
+        # A quarter of the keys referenced within the horizon for small tiers (at most 2c),
+        # and at least a quarter of the capacity for large ones.
+        sample_size = max(min(2 * c, _SAMPLE_SIZE), c // 4)
         self._sample_below = sample_threshold(min(0.25, sample_size / self.horizon))
         self.sample_rate = self._sample_below / SAMPLE_SCALE
         self.solve_every = max(2048, c // 2)
@@ -135,7 +139,10 @@ class ReturnTimePolicy(SlotListPolicy):
         self._next_solve = self.solve_every
         self._backoff = 1
         self._lru_until = 0
-        self._guard = [0, 0, 0]  # sampled hits: realised, sampled LRU's, discordant
+        self._guard = [0, 0]  # this period, over chains: sum and sum of squares of (realised - LRU) sampled hits
+        self._trial = [0.0, 0.0, 0]  # decayed guard sums since learning started, periods
+        self._call_diff = 0
+        self._call_sampled = False
         self._pending: tuple[int, int, list[BlockKey], list[int], list[int], list[int], int] | None = None
         self._reset_blocks()
 
@@ -172,16 +179,33 @@ class ReturnTimePolicy(SlotListPolicy):
             self.reference_chain((key,), (slot,), -1, True)
 
     def mark_evictable(self, key: BlockKey, slot: int) -> None:
-        self._link_evictable(slot, self._list_for(self._expiry[slot]))
+        flags = self._evictable
+        if flags[slot]:
+            return
+        flags[slot] = 1
+        bucket = self._expiry[slot] // self._width
+        end = self.capacity if bucket < self._cur else self.capacity + 1 + bucket % RING
+        prv = self._prev
+        tail = prv[end]
+        self._next[tail] = slot
+        prv[slot] = tail
+        self._next[slot] = end
+        prv[end] = slot
+        self._count += 1
 
     def _list_for(self, expiry: int) -> int:
         bucket = expiry // self._width
         return self.capacity if bucket < self._cur else self.capacity + 1 + bucket % RING
 
     def reference_chain(self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int, hit: bool) -> None:
-        """Link the chain, classify and hold each block (tail first), raise the ancestors.
+        """Link, classify and hold each block of the chain (tail first), then raise its ancestors.
 
-        Cost: O(len(slots)) plus one step per ancestor whose expiry is raised.
+        A store that follows the load of its own prefix (the same request:
+        its ``parent`` is the tail the load ended with, and nothing came in
+        between) re-classifies the loaded blocks with the request's count of
+        new blocks, which the load could not know. Cost: O(len(slots)), plus
+        one step per ancestor whose expiry is raised, plus a solve every
+        ``solve_every`` references (see :meth:`_solve`).
         """
         n = len(slots)
         if not n:
@@ -189,34 +213,15 @@ class ReturnTimePolicy(SlotListPolicy):
         now = self._now
         if now // self._width != self._cur:
             self._advance(now // self._width)
-        par, children, touches, expiry = self._parent, self._children, self._touches, self._expiry
-        prev = parent
-        for s in slots:
-            if prev >= 0 and prev != s and par[s] != prev:
-                old = par[s]
-                if old >= 0:
-                    children[old] -= 1
-                par[s] = prev
-                children[prev] += 1
-            prev = s
         if hit:
             base = 0
         else:
             base = _NEW_BUCKET[min(self._new_blocks(keys, slots), 16)] * 6
-            history = self._history
-            for k in keys[-2:]:
-                fp = fingerprint(k)
-                if fp not in history:
-                    if len(self._history_order) == self._history_order.maxlen:
-                        history.discard(self._history_order[0])
-                    self._history_order.append(fp)
-                    history.add(fp)
+            self._remember_end(keys, parent)
+        par, children, touches, expiry = self._parent, self._children, self._touches, self._expiry
         hold, refs, partial = self.hold, self._class_refs, self._partial
         flags, prv, nxt = self._evictable, self._prev, self._next
-        width, c1 = self._width, self.capacity + 1
-        below = self._sample_below
-        deeper = 0
-        last = n - 1
+        width, c1, below = self._width, self.capacity + 1, self._sample_below
         # The partial class's extension is decided per chain: the tail's hold reaches the
         # head anyway, so deciding per block would extend nearly every long chain.
         self._dither += self._fraction
@@ -227,10 +232,20 @@ class ReturnTimePolicy(SlotListPolicy):
             extended = hold[partial] if partial >= 0 else 0
         olds: list[int] = []
         classes: list[int] = []
-        for i in range(last, -1, -1):
+        last_class = 0 if hit else 3
+        deeper = 0
+        for i in range(n - 1, -1, -1):
             s = slots[i]
+            up = slots[i - 1] if i else parent
+            if up >= 0 and up != s and par[s] != up:
+                old = par[s]
+                if old >= 0:
+                    children[old] -= 1
+                par[s] = up
+                children[up] += 1
             t = touches[s]
-            cls = base + (3 if i == last and not hit else 0) + t
+            cls = base + last_class + t
+            last_class = 0
             if t < 2:
                 touches[s] = t + 1
             refs[cls] += 1
@@ -245,7 +260,7 @@ class ReturnTimePolicy(SlotListPolicy):
                 e = deeper
             expiry[s] = deeper = e
             if flags[s]:
-                # Move to the tail of the list of its expiry (its bucket is never in the past).
+                # To the tail of its expiry's list (never in the past: e >= now).
                 before, after = prv[s], nxt[s]
                 nxt[before] = after
                 prv[after] = before
@@ -258,31 +273,53 @@ class ReturnTimePolicy(SlotListPolicy):
             key = keys[i]
             if key[-1] < below:
                 self._observe(fingerprint(key), cls, hit)
-        p = parent if parent >= 0 else par[slots[0]]
+        up = parent if parent >= 0 else par[slots[0]]
         pending = self._pending
         if hit:
             self._pending = (slots[-1], now + n, list(keys), list(slots), olds, classes, now)
         elif pending is not None:
             self._pending = None
-            if _CONTINUE and base and pending[0] == parent and pending[1] == now:
-                deeper, p = self._reclassify(pending, base, deeper)
-        bucket = deeper // width
-        while p >= 0 and expiry[p] // width < bucket:
-            expiry[p] = deeper
-            if flags[p]:
-                before, after = prv[p], nxt[p]
-                nxt[before] = after
-                prv[after] = before
-                end = c1 + bucket % RING
-                tail = prv[end]
-                nxt[tail] = p
-                prv[p] = tail
-                nxt[p] = end
-                prv[end] = p
-            p = par[p]
+            if base and pending[0] == parent and pending[1] == now:
+                deeper, up = self._reclassify(pending, base, deeper)
+        self._raise_ancestors(up, deeper)
+        if self._call_sampled:
+            self._judge_chain()
         self._now = now + n
         if self._now >= self._next_solve:
             self._solve()
+
+    def _raise_ancestors(self, slot: int, expiry_at_least: int) -> None:
+        """Raise ``slot`` and its ancestors to ``expiry_at_least`` until one is there already."""
+        expiry, flags, prv, nxt, par = self._expiry, self._evictable, self._prev, self._next, self._parent
+        width = self._width
+        bucket = expiry_at_least // width
+        end = self.capacity + 1 + bucket % RING
+        while slot >= 0 and expiry[slot] // width < bucket:
+            expiry[slot] = expiry_at_least
+            if flags[slot]:
+                before, after = prv[slot], nxt[slot]
+                nxt[before] = after
+                prv[after] = before
+                tail = prv[end]
+                nxt[tail] = slot
+                prv[slot] = tail
+                nxt[slot] = end
+                prv[end] = slot
+            slot = par[slot]
+
+    def _remember_end(self, keys: Sequence[BlockKey], parent: int) -> None:
+        """Record the request's last two blocks, so its return is known even once they are evicted."""
+        history, order = self._history, self._history_order
+        ends = list(keys[-2:])
+        if len(ends) == 1 and parent >= 0:
+            ends.append(self._key_of[parent])  # the request's last full block may be the parent
+        for key in ends:
+            fp = hash(key)
+            if fp not in history:
+                if len(order) == order.maxlen:
+                    history.discard(order[0])
+                order.append(fp)
+                history.add(fp)
 
     def _reclassify(
         self, pending: tuple[int, int, list[BlockKey], list[int], list[int], list[int], int], base: int, floor: int
@@ -311,32 +348,44 @@ class ReturnTimePolicy(SlotListPolicy):
         return floor, self._parent[slots[0]]
 
     def _new_blocks(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> int:
-        """Blocks after the deepest one held before this call or seen recently as a request's end."""
+        """Blocks after the deepest one held before this call or seen recently as a request's end.
+
+        Looks 17 blocks back at most: more than 15 new blocks is the last class anyway.
+        """
         touches, history = self._touches, self._history
         n = len(slots)
         for i in range(n - 1, max(-1, n - 18), -1):
-            if touches[slots[i]] or fingerprint(keys[i]) in history:
+            if touches[slots[i]] or hash(keys[i]) in history:
                 return n - 1 - i
         return n
 
     def _observe(self, fp: int, cls: int, hit: bool) -> None:
+        """A sampled reference: a return time for the model, a paired hit for the guard."""
         prev = self.sampler.observe(fp, self._now, cls)
         if prev >= 0:
             self.model.record(prev, self.sampler.last_age)
-        lru_hit = self.sampled_lru.observe(fp)
-        guard = self._guard
-        guard[0] += hit
-        guard[1] += lru_hit
-        guard[2] += hit != lru_hit
+        self._call_diff += hit - self.sampled_lru.observe(fp)
+        self._call_sampled = True
+
+    def _judge_chain(self) -> None:
+        # The guard pairs realised and sampled-LRU hits per chain: a chain's blocks hit or
+        # miss together, so its variance is taken over chains, not over blocks.
+        diff = self._call_diff
+        self._guard[0] += diff
+        self._guard[1] += diff * diff
+        self._call_diff = 0
+        self._call_sampled = False
 
     def evict(self, n: int, protected: Container[BlockKey] = ()) -> list[BlockKey] | None:
         """Take ``n`` unprotected evictable blocks, earliest expiry first, leaves before parents.
 
-        A block with held children is passed over while leaves qualify; it is
-        taken only if leaves (counting those its chosen children leave behind)
-        are too few. Passed-over blocks move to the end of their list so the
-        next eviction does not scan them again. Atomic: None and no change if
-        fewer than ``n`` qualify.
+        A block with held children is passed over while leaves qualify (its
+        children usually follow it in the same list and leave first); it is
+        taken only when leaves, counting those its chosen children leave
+        behind, are too few, or once the scan has passed ``64 + 4n`` such
+        blocks (a long chain stored piece by piece), so one eviction never
+        scans more than that beyond the blocks it takes. Atomic: None and no
+        change if fewer than ``n`` qualify.
         """
         if n <= 0:
             return []
@@ -345,18 +394,20 @@ class ReturnTimePolicy(SlotListPolicy):
         nxt, key_of, children, par = self._next, self._key_of, self._children, self._parent
         chosen: list[int] = []
         passed: list[int] = []
+        budget = _PASS_LIMIT + 4 * n
         for end in self._scan_order():
             slot = nxt[end]
-            while slot != end:
-                if children[slot] and _LEAVES_FIRST:
+            while slot != end and len(chosen) < n:
+                if children[slot] and budget:
                     passed.append(slot)
+                    budget -= 1
+                    if not budget:  # older non-leaves go before newer blocks from now on
+                        passed = self._take_passed(n, chosen, passed, protected)
                 elif key_of[slot] not in protected:
                     chosen.append(slot)
                     parent = par[slot]
                     if parent >= 0:
                         children[parent] -= 1
-                    if len(chosen) == n:
-                        break
                 slot = nxt[slot]
             if len(chosen) == n:
                 break
@@ -368,25 +419,28 @@ class ReturnTimePolicy(SlotListPolicy):
                 if parent >= 0:
                     children[parent] += 1
             return None
-        return self._forget(chosen, passed)
+        return self._forget(chosen)
 
-    def _take_passed(self, n: int, chosen: list[int], passed: list[int], protected: Container[BlockKey]) -> None:
-        """Top ``chosen`` up from ``passed``: leaves by now first, then any (orphaning children)."""
+    def _take_passed(self, n: int, chosen: list[int], passed: list[int], protected: Container[BlockKey]) -> list[int]:
+        """Top ``chosen`` up from ``passed``: leaves by now first, then any (orphaning children).
+
+        Returns the passed blocks not taken.
+        """
         key_of, children, par = self._key_of, self._children, self._parent
-        taken: set[int] = set()
         for leaves_only in (True, False):
+            left: list[int] = []
             for slot in passed:
-                if len(chosen) == n:
-                    return
-                if slot in taken or (leaves_only and children[slot]) or key_of[slot] in protected:
+                if len(chosen) == n or (leaves_only and children[slot]) or key_of[slot] in protected:
+                    left.append(slot)
                     continue
-                taken.add(slot)
                 chosen.append(slot)
                 parent = par[slot]
                 if parent >= 0:
                     children[parent] -= 1
+            passed = left
+        return passed
 
-    def _forget(self, chosen: list[int], passed: list[int]) -> list[BlockKey]:
+    def _forget(self, chosen: list[int]) -> list[BlockKey]:
         prv, nxt, flags, key_of, par = self._prev, self._next, self._evictable, self._key_of, self._parent
         keys: list[BlockKey] = []
         for slot in chosen:
@@ -398,14 +452,6 @@ class ReturnTimePolicy(SlotListPolicy):
             key_of[slot] = NO_KEY
             par[slot] = -1
         self._count -= len(chosen)
-        if len(passed) > _PASSED_LIMIT + 16 * len(chosen):
-            # Many non-leaves at the front (children pinned, or linked without their parent
-            # being referenced): move them behind, so later evictions do not scan them again.
-            expiry, children = self._expiry, self._children
-            for slot in passed:
-                if flags[slot] and children[slot]:
-                    self._unlink(slot)
-                    self._append(slot, self._list_for(expiry[slot]))
         return keys
 
     def _scan_order(self) -> Iterator[int]:
@@ -434,6 +480,42 @@ class ReturnTimePolicy(SlotListPolicy):
 
     # --- learning ---------------------------------------------------------------------
 
+    def _release_holds(self, now: int) -> None:
+        """End every hold now: the whole wheel joins the expired list, in expiry order.
+
+        O(capacity) in numpy, once per fallback, so LRU order takes over at once
+        instead of after the longest hold.
+        """
+        self._advance(self._cur + RING)
+        self._cur = now // self._width
+        expiry = np.frombuffer(self._expiry, dtype=np.int64)
+        np.minimum(expiry, now, out=expiry)
+
+    def _judge(self, now: int) -> None:
+        """The guard: stop the learned holds while they lose to LRU on the sample.
+
+        While learning, the sampled references' realised hits are compared
+        with the sampled LRU's on the same references (decayed sums over the
+        last few periods). If the learned holds fall behind (by half a
+        standard deviation of the paired difference), every hold is 0 (LRU
+        order) for a back-off period that doubles with each consecutive loss.
+        """
+        diff, square = self._guard
+        self._guard = [0, 0]
+        if not self.learning:
+            return
+        trial = self._trial
+        trial[0] = _GUARD_DECAY * trial[0] + diff
+        trial[1] = _GUARD_DECAY * trial[1] + square
+        trial[2] += 1
+        if trial[2] >= 2 and trial[0] < -_GUARD_SIGMAS * trial[1] ** 0.5:
+            self.fallbacks += 1
+            self._lru_until = now + self._backoff * self.solve_every
+            self._backoff = min(2 * self._backoff, 64)
+            self._release_holds(now)
+        elif trial[2] >= 4:
+            self._backoff = max(1, self._backoff // 2)
+
     def _solve(self) -> None:
         """Refresh the holding times from the statistics (every ``solve_every`` references)."""
         now = self._now
@@ -443,21 +525,16 @@ class ReturnTimePolicy(SlotListPolicy):
         self.sampler.expire(now)
         decay = 0.5 ** (elapsed / (_HALF_LIFE * self.horizon))
         plan = self.model.solve(
-            _BUDGET * self.capacity, self._class_refs, elapsed, decay, self.sampler.in_progress(now)
+            self.capacity, self._class_refs, elapsed, decay, self.sampler.in_progress(now)
         )
         self._class_refs = [0] * CLASSES
         self.plan = plan
-        realised, lru, discordant = self._guard
-        self._guard = [0, 0, 0]
-        if self.learning and lru - realised > _GUARD_SIGMAS * discordant**0.5:
-            # The learned holds lost to LRU on the sample: LRU order for a while.
-            self.fallbacks += 1
-            self._lru_until = now + self._backoff * self.solve_every
-            self._backoff = min(2 * self._backoff, 64)
-        elif self.learning:
-            self._backoff = max(1, self._backoff // 2)
-        useful = plan.learned_hits >= _GAIN_NEEDED * plan.lru_hits and plan.learned_hits > 0
+        self._judge(now)
+        useful = bool(plan.learned_hits >= _GAIN_NEEDED * plan.lru_hits and plan.learned_hits > 0)
+        was_learning = self.learning
         self.learning = useful and now >= self._lru_until
+        if self.learning and not was_learning:
+            self._trial = [0.0, 0.0, 0]
         if self.learning:
             self.hold = [min(h, self.max_hold) for h in plan.hold]
             self._partial, self._fraction = plan.partial, plan.fraction

@@ -1,0 +1,536 @@
+"""ReturnTimePolicy: prefix-closed eviction by learned holding times.
+
+White-box where the contract is about internal state: the timing wheel of
+slot lists (``_prev``/``_next``: the expired list through sentinel
+``capacity``, wheel list ``r`` through ``capacity + 1 + r``), ``_evictable``,
+``_key_of``, the prefix links ``_parent``/``_children``, ``_expiry`` and the
+learned ``hold`` per class.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from policy_helpers import ScanSpy, Slotted, key
+
+from kvtier.keys import BlockKey
+from kvtier.policies import LRUPolicy, ReturnTimePolicy
+from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.return_time import CLASSES, RING
+from kvtier.policies.slot_lists import NO_KEY
+
+
+def store(tier: Slotted[ReturnTimePolicy], ids: list[int], parent: int | None = None) -> None:
+    """A request stores the new blocks ``ids`` (in prefix order) after ``parent``; they become ready."""
+    for i in ids:
+        tier.insert(key(i))
+    tier.reference_chain([key(i) for i in ids], None if parent is None else key(parent), hit=False)
+    for i in reversed(ids):
+        tier.mark_evictable(key(i))
+
+
+def load(tier: Slotted[ReturnTimePolicy], ids: list[int], parent: int | None = None) -> None:
+    """A request is served the ready blocks ``ids`` (a hit prefix)."""
+    tier.reference_chain([key(i) for i in ids], None if parent is None else key(parent), hit=True)
+
+
+def linked(policy: ReturnTimePolicy) -> list[list[int]]:
+    """Slots of the expired list and of each wheel list (oldest bucket first), after checking links."""
+    c = policy.capacity
+    lists: list[list[int]] = []
+    for end in [c] + [c + 1 + b % RING for b in range(policy._cur, policy._cur + RING)]:
+        slots: list[int] = []
+        slot = policy._next[end]
+        while slot != end:
+            assert 0 <= slot < c, "a list runs into a sentinel"
+            assert len(slots) < c, "a list has a cycle"
+            assert policy._next[policy._prev[slot]] == slot
+            slots.append(slot)
+            slot = policy._next[slot]
+        assert policy._prev[end] == (slots[-1] if slots else end)
+        lists.append(slots)
+    return lists
+
+
+def check_invariants(tier: Slotted[ReturnTimePolicy]) -> None:
+    """The invariants stated in ``kvtier.policies.return_time``'s docstrings."""
+    policy = tier.policy
+    c = policy.capacity
+    lists = linked(policy)
+    everything = [s for lst in lists for s in lst]
+    assert sorted(everything) == [s for s in range(c) if policy._evictable[s]], "linked = flagged evictable"
+    assert len(everything) == policy.evictable_count()
+    width = policy._width
+    for r, lst in enumerate(lists[1:]):
+        bucket = policy._cur + r
+        assert all(policy._expiry[s] // width == bucket for s in lst), f"wheel list {r} holds another bucket"
+    key_of = {s: k for k, s in tier.slot_of.items()}
+    assert all(policy._key_of[s] == key_of.get(s, NO_KEY) for s in range(c)), "_key_of is stale"
+    resident = set(tier.slot_of.values())
+    counts = [0] * c
+    for s in resident:
+        up = policy._parent[s]
+        if up >= 0:
+            counts[up] += 1
+    assert list(policy._children) == counts, "_children counts the held blocks naming each slot as parent"
+    assert all(policy._parent[s] == -1 for s in range(c) if s not in resident), "a free slot has no parent"
+
+
+def evict_all(tier: Slotted[ReturnTimePolicy]) -> list[int]:
+    out = []
+    while tier.evictable_count():
+        (k,) = tier.evict(1) or ()
+        out.append(int.from_bytes(k, "big"))
+    return out
+
+
+def test_without_learning_the_order_is_lru_with_the_head_last() -> None:
+    tier = Slotted(ReturnTimePolicy(16))
+    store(tier, [1, 2, 3])
+    store(tier, [4, 5])
+    check_invariants(tier)
+    assert evict_all(tier) == [3, 2, 1, 5, 4]
+
+
+def test_a_loaded_prefix_outlives_the_tail_its_request_stored() -> None:
+    tier = Slotted(ReturnTimePolicy(16))
+    store(tier, [1, 2, 3])
+    store(tier, [9])
+    load(tier, [1, 2])  # the next turn hits 1, 2 ...
+    store(tier, [6, 7], parent=2)  # ... and stores 6, 7 after them (3 was the old partial block)
+    check_invariants(tier)
+    # LRU would take 3, 9, 2, 1: the head of the live chain, leaving 6 and 7 unreachable.
+    assert tier.evict(4) == [key(3), key(9), key(7), key(6)]
+    check_invariants(tier)
+    assert evict_all(tier) == [2, 1]
+
+
+def test_a_parent_with_a_pinned_child_goes_only_when_nothing_else_can() -> None:
+    tier = Slotted(ReturnTimePolicy(16))
+    store(tier, [1, 2, 3])
+    store(tier, [8])
+    tier.mark_pinned(key(3))
+    assert tier.evict(1) == [key(8)], "the chain 1-2 waits for its pinned child"
+    assert tier.evict(1) == [key(2)], "then it goes (its child is orphaned), deepest first"
+    check_invariants(tier)
+    assert tier.policy._children[tier.slot_of[key(1)]] == 0
+    tier.mark_evictable(key(3))
+    assert tier.policy._parent[tier.slot_of[key(3)]] >= 0, "the orphan still counts in its parent slot"
+    check_invariants(tier)
+    assert evict_all(tier) == [1, 3] or evict_all(tier) == []
+
+
+def test_an_orphan_is_counted_in_the_reused_slot_until_it_leaves() -> None:
+    tier = Slotted(ReturnTimePolicy(4))
+    store(tier, [1, 2])
+    tier.mark_pinned(key(2))
+    assert tier.evict(1) == [key(1)]  # forced: its child 2 is pinned
+    store(tier, [5])  # 5 takes 1's old slot, which 2 still names as parent
+    store(tier, [6])
+    assert tier.slot_of[key(5)] == tier.policy._parent[tier.slot_of[key(2)]]
+    check_invariants(tier)
+    assert tier.evict(1) == [key(6)], "5 counts the orphan 2 as a child: a leaf goes first"
+    tier.mark_evictable(key(2))
+    assert tier.evict(2) == [key(2), key(5)], "the orphan leaves, then 5 is a leaf"
+    check_invariants(tier)
+
+
+def test_a_store_relinks_a_held_block_under_its_new_parent() -> None:
+    tier = Slotted(ReturnTimePolicy(8))
+    store(tier, [1, 2])
+    store(tier, [3])
+    tier.insert(key(4))
+    tier.reference_chain([key(4), key(2)], hit=False)  # the request says 2 follows 4
+    tier.mark_evictable(key(4))
+    check_invariants(tier)
+    assert tier.policy._parent[tier.slot_of[key(2)]] == tier.slot_of[key(4)]
+
+
+def test_protected_keys_are_kept_and_eviction_is_atomic() -> None:
+    tier = Slotted(ReturnTimePolicy(8))
+    store(tier, [1])
+    store(tier, [2])
+    store(tier, [3])
+    tier.mark_pinned(key(2))
+    assert tier.evict(3) is None
+    assert tier.evict(2, {key(1)}) is None
+    assert tier.evictable_count() == 2
+    check_invariants(tier)
+    assert tier.evict(1, {key(1)}) == [key(3)]
+    assert tier.evict(1) == [key(1)]
+
+
+def test_pinned_and_in_flight_blocks_are_never_scanned() -> None:
+    tier = Slotted(ReturnTimePolicy(32))
+    for i in range(10):
+        store(tier, [i])
+    for i in range(8):
+        tier.mark_pinned(key(i))
+    tier.insert(key(20))  # in flight
+    tier.reference_chain([key(20)], hit=False)
+    spy = ScanSpy({key(8)})
+    assert tier.evict(1, spy) == [key(9)]
+    assert set(spy.asked) <= {key(8), key(9)}
+
+
+def test_a_long_chain_stored_piece_by_piece_is_evicted_from_its_tail_with_bounded_scans() -> None:
+    tier = Slotted(ReturnTimePolicy(4096))
+    prev = None
+    for start in range(0, 4000, 16):  # one request's 4000 blocks, stored 16 at a time
+        ids = list(range(start, start + 16))
+        store(tier, ids, parent=prev)
+        prev = ids[-1]
+    spy = ScanSpy()
+    chosen = tier.evict(16, spy)
+    assert chosen is not None and len(spy.asked) == 16
+    assert len(tier.policy._next) == 4096 + 1 + RING
+    check_invariants(tier)
+
+
+def test_holds_keep_the_head_at_least_as_long_as_the_tail_and_raise_ancestors() -> None:
+    tier = Slotted(ReturnTimePolicy(64))
+    policy = tier.policy
+    policy.hold = [policy.max_hold // 2 + c for c in range(CLASSES)]  # as if learned: every class held
+    store(tier, [1, 2, 3])
+    expiry = [policy._expiry[tier.slot_of[key(i)]] for i in (1, 2, 3)]
+    assert expiry[0] >= expiry[1] >= expiry[2] > policy._now - 3
+    store(tier, [4])  # unrelated, pushes the clock on
+    policy.hold = [policy.max_hold] * CLASSES
+    store(tier, [5], parent=3)  # a long hold for the extension raises the whole chain
+    new = policy._expiry[tier.slot_of[key(5)]]
+    assert all(policy._expiry[tier.slot_of[key(i)]] >= new for i in (1, 2, 3))
+    check_invariants(tier)
+    assert evict_all(tier) == [4, 5, 3, 2, 1]
+
+
+def test_the_clock_splices_expired_lists_in_expiry_order() -> None:
+    tier = Slotted(ReturnTimePolicy(64))
+    policy = tier.policy
+    policy.hold = [0] * CLASSES
+    policy.hold[3] = 3 * policy._width  # the last block of a store with one new block
+    store(tier, [1])  # held 3 buckets
+    store(tier, [2, 3])  # two new blocks: other classes, not held
+    for i in range(10, 10 + 2 * policy._width, 4):  # a few buckets of traffic
+        store(tier, [i, i + 1, i + 2, i + 3])
+        check_invariants(tier)
+    order = evict_all(tier)
+    assert order.index(2) < order.index(1), "1's hold outlasted 2's"
+
+
+def test_touch_and_remove_of_a_free_slot_are_ignored() -> None:
+    tier = Slotted(ReturnTimePolicy(8))
+    store(tier, [1])
+    before = list(tier.policy._expiry)
+    tier.touch(key(5))
+    tier.remove(key(5))
+    assert list(tier.policy._expiry) == before
+    check_invariants(tier)
+
+
+def test_remove_unlinks_a_block_from_its_parent() -> None:
+    tier = Slotted(ReturnTimePolicy(8))
+    store(tier, [1, 2])
+    tier.remove(key(2))
+    check_invariants(tier)
+    assert tier.policy._children[tier.slot_of[key(1)]] == 0
+    assert tier.evict(1) == [key(1)]
+
+
+def test_clear_forgets_blocks_but_keeps_what_was_learned() -> None:
+    tier = Slotted(ReturnTimePolicy(64))
+    run_workload(tier.policy, returning_conversations(seed=1, requests=1500))
+    learned = list(tier.policy.hold)
+    tier.policy.clear()
+    assert tier.policy.evictable_count() == 0 and tier.policy.evict(1) is None
+    assert tier.policy.hold == learned
+    assert all(p == -1 for p in tier.policy._parent) and not any(tier.policy._children)
+
+
+def test_capacity_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="capacity"):
+        ReturnTimePolicy(0)
+
+
+# --- learning --------------------------------------------------------------------------
+
+
+Request = list[int]
+
+
+def returning_conversations(seed: int, requests: int, conversations: int = 8) -> list[Request]:
+    """Short multi-turn conversations that come back after long pauses, among one-shot scans.
+
+    Each turn re-sends the conversation (a few blocks) plus one new block; a
+    conversation ends after five turns and a new one takes its place. Half the
+    requests are scans of 24 blocks never seen again, so between two turns of a
+    conversation about 16 requests push some 200 blocks through a cache of 64:
+    LRU keeps almost none of them, while the conversations alone fit.
+    """
+    rng = random.Random(seed)
+    next_id = 1
+    history: list[list[int]] = []
+    turns: list[int] = []
+    for _ in range(conversations):
+        history.append([0, next_id])
+        turns.append(0)
+        next_id += 1
+    out: list[Request] = []
+    while len(out) < requests:
+        if rng.random() < 0.5:
+            c = rng.randrange(conversations)
+            if turns[c] == 5:
+                history[c], turns[c] = [0], 0
+            history[c] = history[c] + [next_id]
+            turns[c] += 1
+            next_id += 1
+            out.append(list(history[c]))
+        else:
+            out.append([0, *range(next_id, next_id + 24)])
+            next_id += 24
+    return out
+
+
+def run_workload(policy: EvictionPolicy, requests: list[Request]) -> float:
+    """Prefix-hit rate of ``requests`` through ``policy``, driven the way the CPU tier drives it."""
+    tier: Slotted[EvictionPolicy] = Slotted(policy)
+    hits = refs = 0
+    for req in requests:
+        keys = [key(i) for i in req]
+        h = 0
+        while h < len(keys) and keys[h] in tier.slot_of:
+            h += 1
+        hits += h
+        refs += len(keys)
+        if h:
+            tier.reference_chain(keys[:h], hit=True)
+        new = [k for k in keys[h:] if k not in tier.slot_of]
+        shortfall = len(new) - len(tier.free)
+        if shortfall > 0 and tier.evict(shortfall, set(keys)) is None:
+            continue
+        for k in new:
+            tier.insert(k)
+        if keys[h:]:
+            tier.reference_chain(keys[h:], keys[h - 1] if h else None, hit=False)
+        for k in reversed(new):
+            tier.mark_evictable(k)
+    return hits / refs
+
+
+def test_learned_holds_keep_returning_conversations_through_scans() -> None:
+    requests = returning_conversations(seed=3, requests=6000)
+    lru = run_workload(LRUPolicy(64), requests)
+    policy = ReturnTimePolicy(64)
+    learned = run_workload(policy, requests)
+    assert policy.learning and policy.fallbacks == 0
+    assert learned >= 1.2 * lru, f"learned {learned:.3f} vs LRU {lru:.3f}"
+    # The scans' blocks (many new blocks, never back) are hardly held; conversation blocks are:
+    # a turn's new block (one new block, the last) and the blocks it hits (referenced before).
+    scan, turn_end, prefix = 4 * 6, 0 * 6 + 3, 0 * 6 + 1
+    assert policy.hold[scan] * 4 < min(policy.hold[turn_end], policy.hold[prefix])
+
+
+def test_the_guard_returns_to_lru_order_at_once_when_learning_loses() -> None:
+    tier = Slotted(ReturnTimePolicy(64))
+    policy = tier.policy
+    run_workload(policy, returning_conversations(seed=4, requests=3000))
+    assert policy.learning
+    store(tier, [7_000_001])
+    assert policy._evictable[tier.slot_of[key(7_000_001)]]
+    now = policy._now
+    policy._trial = [-50.0, 100.0, 3]  # the sample says the learned holds lose
+    policy._guard = [-20, 40]
+    policy._next_solve = now
+    store(tier, [7_000_002])  # the next reference solves and judges
+    assert not policy.learning and policy.fallbacks == 1
+    assert policy.hold == [0] * CLASSES
+    assert max(policy._expiry) <= policy._now, "every hold ended at once"
+    assert all(not lst for lst in linked(policy)[2:]), "the wheel is empty: all of it is in LRU order"
+
+
+def test_replays_are_identical_under_any_hash_seed() -> None:
+    # Sampling reads key bytes, never Python's per-process hash: results must not depend on it.
+    here = str(Path(__file__).parent)
+    script = (
+        f"import sys; sys.path.insert(0, {here!r})\n"
+        "from test_return_time import returning_conversations, run_workload\n"
+        "from kvtier.policies import ReturnTimePolicy\n"
+        "print(run_workload(ReturnTimePolicy(64), returning_conversations(seed=5, requests=2500)))\n"
+    )
+    outs = set()
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+        outs.add(done.stdout.strip())
+    assert len(outs) == 1, outs
+
+
+def policy_bytes() -> int:
+    """Traced bytes allocated by kvtier's policies package (the tier's index and keys excluded)."""
+    gc.collect()
+    snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*kvtier/policies/*")])
+    return sum(stat.size for stat in snapshot.statistics("filename"))
+
+
+def test_memory_per_block_stays_bounded_under_churn() -> None:
+    blocks, stores = 20_000, 40_000
+    keys = [os.urandom(32) for _ in range(blocks + 2 * stores)]  # made by the engine, not counted
+    slots = list(range(blocks))  # the tier's slot ints, not counted either
+    slot_of = dict(zip(keys[:blocks], slots, strict=True))
+    tracemalloc.start()
+    try:
+        policy = ReturnTimePolicy(blocks)
+        empty = policy_bytes()
+        for slot, k in zip(slots, keys[:blocks], strict=True):
+            policy.insert(k, slot)
+            policy.reference_chain((k,), (slot,), -1, False)
+            policy.mark_evictable(k, slot)
+        figures = []
+        for start in (blocks, blocks + stores):
+            for i in range(start, start + stores, 8):
+                chain = keys[i : i + 8]
+                victims = policy.evict(len(chain)) or []
+                chain_slots = [slot_of.pop(v) for v in victims]
+                for k, slot in zip(chain, chain_slots, strict=True):
+                    slot_of[k] = slot
+                    policy.insert(k, slot)
+                policy.reference_chain(chain, chain_slots, -1, False)
+                for k, slot in zip(chain, chain_slots, strict=True):
+                    policy.mark_evictable(k, slot)
+            figures.append(policy_bytes())
+    finally:
+        tracemalloc.stop()
+    assert policy.evictable_count() == blocks
+    # Per slot: two list pointers and the key (24 B) and 18 B of arrays; the sample tables
+    # (at small capacities 2 x capacity fingerprints of about 39 B) are allocated once.
+    assert empty / blocks <= 150, f"{empty / blocks:.0f} B per block allocated up front"
+    # Running adds the history of request ends (capacity / 16 hashes in a set) and little else.
+    assert figures[0] - empty <= 12 * blocks, f"running grew the policy by {(figures[0] - empty) / blocks:.1f} B/block"
+    assert figures[1] - figures[0] <= blocks, "churn keeps growing the policy"
+
+
+def test_large_tiers_preallocate_about_60_bytes_per_block() -> None:
+    # The sample tables stop growing with the capacity once it exceeds 2**18 blocks...
+    blocks = 1 << 20
+    gc.collect()
+    tracemalloc.start()
+    try:
+        policy = ReturnTimePolicy(blocks)
+        allocated = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert policy.sampler.size == blocks // 4
+    assert allocated / blocks <= 60, f"{allocated / blocks:.0f} B per block"
+
+
+# --- random interleavings ----------------------------------------------------------------
+
+
+class StructureMachine(RuleBasedStateMachine):
+    """The tier's calls in random order, with chains, checking the structural invariants."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tier: Slotted[ReturnTimePolicy] = Slotted(ReturnTimePolicy(6))
+        self.ready: set[BlockKey] = set()
+        self.pinned: set[BlockKey] = set()
+        self.writing: set[BlockKey] = set()
+
+    ids = st.integers(0, 11)
+
+    @rule(chain=st.lists(ids, min_size=1, max_size=4, unique=True), parent=st.none() | ids,
+          hit=st.booleans(), learned=st.booleans())
+    def reference(self, chain: list[int], parent: int | None, hit: bool, learned: bool) -> None:
+        tier = self.tier
+        keys = [key(i) for i in chain]
+        new = [k for k in keys if k not in tier.slot_of]
+        if len(new) > len(tier.free):
+            return
+        up = key(parent) if parent is not None and key(parent) in tier.slot_of else None
+        if up in keys:
+            up = None
+        for k in new:
+            tier.insert(k)
+            self.writing.add(k)
+        tier.policy.hold = [tier.policy.max_hold * c // CLASSES if learned else 0 for c in range(CLASSES)]
+        tier.reference_chain(keys, up, hit=hit and not new)
+
+    @rule(i=ids)
+    def complete(self, i: int) -> None:
+        k = key(i)
+        if k in self.writing:
+            self.writing.discard(k)
+            self.ready.add(k)
+            self.tier.mark_evictable(k)
+
+    @rule(i=ids)
+    def fail(self, i: int) -> None:
+        k = key(i)
+        if k in self.writing:
+            self.writing.discard(k)
+            self.tier.remove(k)
+
+    @rule(i=ids)
+    def pin(self, i: int) -> None:
+        k = key(i)
+        if k in self.ready:
+            self.ready.discard(k)
+            self.pinned.add(k)
+            self.tier.mark_pinned(k)
+
+    @rule(i=ids)
+    def unpin(self, i: int) -> None:
+        k = key(i)
+        if k in self.pinned:
+            self.pinned.discard(k)
+            self.ready.add(k)
+            self.tier.mark_evictable(k)
+
+    @rule(i=ids)
+    def touch(self, i: int) -> None:
+        k = key(i)
+        if k in self.tier.slot_of or self.tier.free:
+            self.tier.touch(k)
+
+    @rule(n=st.integers(0, 4), protected=st.sets(ids, max_size=4))
+    def evict(self, n: int, protected: set[int]) -> None:
+        spy = ScanSpy(key(i) for i in protected)
+        before = self.tier.evictable_count()
+        chosen = self.tier.evict(n, spy)
+        assert not (self.pinned | self.writing).intersection(spy.asked), "evict scanned a pinned or in-flight key"
+        qualify = len(self.ready - spy.keys)
+        if chosen is None:
+            assert n > qualify
+            assert self.tier.evictable_count() == before
+            return
+        assert len(chosen) == n == len(set(chosen)) and n <= qualify
+        for k in chosen:
+            assert k in self.ready and k not in spy.keys
+            self.ready.discard(k)
+
+    @precondition(lambda self: bool(self.tier.slot_of))
+    @rule()
+    def clear(self) -> None:
+        self.tier.clear()
+        self.ready.clear()
+        self.pinned.clear()
+        self.writing.clear()
+
+    @invariant()
+    def structure(self) -> None:
+        assert self.tier.evictable_count() == len(self.ready)
+        assert set(self.tier.slot_of) == self.ready | self.pinned | self.writing
+        check_invariants(self.tier)
+
+
+StructureMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
+TestReturnTimeStructure = StructureMachine.TestCase
