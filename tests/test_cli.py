@@ -152,7 +152,7 @@ def test_replay_capacity_sweep_on_a_small_trace(tmp_path: Path, private_shm: Pat
     ]
     trace = tmp_path / "t.jsonl"
     trace.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    out = run("replay", str(trace), "--capacity", "2,100", "--shm-dir", str(private_shm))
+    out = run("replay", str(trace), "--capacity", "2,100", "--policy", "lru", "--shm-dir", str(private_shm))
     assert out.returncode == 0, out.stderr
     # 15 refs; unbounded hits: [0,1] + [] + [0,1,2] + [4,5] = 7
     assert "5 requests, 15 block references, 8 distinct blocks" in out.stdout
@@ -165,6 +165,60 @@ def test_replay_capacity_sweep_on_a_small_trace(tmp_path: Path, private_shm: Pat
     bad.write_text('{"hash_ids": "x"}\n')
     out = run("replay", str(bad))
     assert out.returncode == 2 and f"{bad}:1" in out.stderr
+
+
+def test_replay_compares_policies_on_a_generated_workload(tmp_path: Path, private_shm: Path) -> None:
+    out = run("replay", "--synthetic", "chat", "--requests", "600", "--seed", "3", "--policy", "arc,return-time",
+              "--capacity", "2%,150", "--shm-dir", str(private_shm), "--json", str(tmp_path / "r.json"))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"synthetic chat \(seed 3\): 600 requests, \d+ block references, (\d+) distinct", out.stdout)
+    data = json.loads((tmp_path / "r.json").read_text())
+    distinct = data["summary"]["distinct_blocks"]
+    assert data["synthetic"] == "chat" and data["policies"] == ["arc", "return-time"]
+    assert [row["capacity"] for row in data["rows"]] == [round(0.02 * distinct), 150]
+    for row in data["rows"]:
+        policies = row["policies"]
+        assert list(policies) == ["arc", "return-time", "lru"], "lru runs as the baseline"
+        lru = policies["lru"]["hit_rate"]
+        for name, result in policies.items():
+            assert result["ratio_to_lru"] == pytest.approx(result["hit_rate"] / lru)
+            line = (f"capacity {row['capacity']}: {name} {100 * result['hit_rate']:.2f}%  belady "
+                    f"{100 * row['belady']['hit_rate']:.2f}%")  # fmt: skip
+            if name != "lru":
+                assert line in out.stdout
+            assert result["hit_rate"] <= row["belady"]["hit_rate"] <= row["unbounded"]["hit_rate"]
+        assert row["kvtier"] == policies["arc"]
+    for text in ("x LRU", "return-time", "Belady (optimal)"):
+        assert text in out.stdout
+    assert not list(private_shm.iterdir())
+
+
+def test_replay_usage_errors_name_the_fix(tmp_path: Path) -> None:
+    out = run("replay")
+    assert out.returncode == 2 and "give a trace file or --synthetic KIND" in out.stderr
+    out = run("replay", str(tmp_path / "t.jsonl"), "--synthetic", "chat")
+    assert out.returncode == 2 and "one of them" in out.stderr
+    out = run("replay", "--synthetic", "video")
+    assert out.returncode == 2 and "invalid choice: 'video'" in out.stderr
+    out = run("replay", "--synthetic", "chat", "--policy", "lru,fifo")
+    assert out.returncode == 2 and "unknown eviction policy 'fifo'" in out.stderr
+    out = run("replay", "--synthetic", "chat", "--capacity", "150%")
+    assert out.returncode == 2 and "(0%, 100%]" in out.stderr
+    out = run("replay", "--synthetic", "chat", "--requests", "0")
+    assert out.returncode == 2 and "requests must be a positive number" in out.stderr
+
+
+def test_replay_gives_each_run_its_own_fs_tier(tmp_path: Path, private_shm: Path) -> None:
+    out = run("replay", "--synthetic", "rag", "--requests", "150", "--policy", "return-time", "--capacity", "40",
+              "--fs-root", str(tmp_path / "fs"), "--shm-dir", str(private_shm), "--json", str(tmp_path / "r.json"),
+              timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in (tmp_path / "fs").iterdir()) == ["lru-40", "return-time-40"]
+    row = json.loads((tmp_path / "r.json").read_text())["rows"][0]
+    for result in row["policies"].values():
+        # Lossless fs tier behind the CPU tier, started cold: every reuse is served, no more.
+        assert result["hit_rate"] == pytest.approx(row["unbounded"]["hit_rate"])
+        assert result["tier_hits"]["1:fs"] > 0
 
 
 def test_sweep_shm_lists_and_removes_only_dead_regions(private_shm: Path) -> None:

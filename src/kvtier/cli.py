@@ -4,8 +4,9 @@ Subcommands:
 
 * ``kvtier bench``: a multi-turn chat workload through the whole stack with real
   bytes (CPU tier in /dev/shm + an fs tier in a temp dir by default).
-* ``kvtier replay TRACE.jsonl``: metadata-only replay of a Mooncake trace through
-  the real manager, hit rate against capacity with unbounded and Belady references.
+* ``kvtier replay TRACE.jsonl`` (or ``--synthetic KIND``): metadata-only replay of
+  a Mooncake trace or a generated workload through the real manager, hit rate per
+  policy and capacity with its ratio to LRU, beside unbounded and Belady references.
 * ``kvtier sweep-shm [--remove]``: stale kvtier regions of dead processes.
 * ``kvtier inspect DIR [--verify]``: summary of an fs tier directory.
 * ``kvtier config show|reference|schema``: the resolved configuration and its sizes.
@@ -46,16 +47,6 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _capacities(text: str) -> list[int]:
-    try:
-        values = [int(parse_size(part)) for part in text.split(",") if part.strip()]
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"--capacity {text!r}: give positive block counts, e.g. 1000,9139,50000")
-    return values
 
 
 def _stderr_console() -> Any:
@@ -208,28 +199,88 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- replay
 
+DEFAULT_SYNTHETIC_CAPACITIES = "0.5%,1%,2%,5%,10%,20%"
+
+
+def _capacity_list(text: str) -> list[int | float]:
+    """Block counts (``9139``, ``4k``) or shares of the trace's distinct blocks (``5%``, as a float)."""
+    values: list[int | float] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if part.endswith("%"):
+            try:
+                share = float(part[:-1]) / 100
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"--capacity {part!r}: not a percentage like 5%") from None
+            if not 0 < share <= 1:
+                raise argparse.ArgumentTypeError(f"--capacity {part!r}: a share must lie in (0%, 100%]")
+            values.append(share)
+            continue
+        try:
+            values.append(int(parse_size(part)))
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"--capacity {text!r}: give positive block counts or shares of the distinct blocks, "
+            "e.g. 1000,9139,50000 or 1%,5%"
+        )
+    return values
+
+
+def _policy_list(text: str) -> list[str]:
+    from kvtier.policies import resolve_policy
+
+    names = list(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    if not names:
+        raise argparse.ArgumentTypeError(f"--policy {text!r}: give policy names, e.g. lru,arc,return-time")
+    for name in names:
+        try:
+            resolve_policy(name)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return names
+
 
 def _add_replay(sub: Any) -> None:
+    from kvtier.policies import DEFAULT_POLICY
+    from kvtier.workload.synthetic import DEFAULT_REQUESTS, KINDS
+
     p = sub.add_parser(
         "replay",
-        help="replay a Mooncake trace (metadata only): hit rate vs CPU capacity, with Belady and unbounded",
+        help="replay a Mooncake trace or a generated workload (metadata only): hit rate per policy and capacity",
         description=(
-            "Replay a Mooncake-format JSON-lines trace (timestamp, input_length, output_length, hash_ids) "
-            "through the real TieringManager without moving KV bytes. For each --capacity prints kvtier's "
-            "prefix-hit rate beside two references: Belady's offline optimum and an unbounded cache."
+            "Replay a Mooncake-format JSON-lines trace (timestamp, input_length, output_length, hash_ids), "
+            "or a generated workload (--synthetic), through the real TieringManager without moving KV bytes. "
+            "For each --capacity and each --policy prints kvtier's prefix-hit rate and its ratio to LRU's, "
+            "beside two references: Belady's offline optimum and an unbounded cache."
         ),
     )
-    p.add_argument("trace", help="trace file (JSON lines)")
+    p.add_argument("trace", nargs="?", default=None, help="trace file (JSON lines); or use --synthetic")
     p.add_argument(
-        "--capacity", type=_capacities, default=_capacities(DEFAULT_CAPACITIES),
-        help=f"CPU tier sizes in blocks, comma separated (default {DEFAULT_CAPACITIES})",
+        "--synthetic", metavar="KIND", choices=KINDS, default=None,
+        help=f"replay a generated workload instead of a trace: {', '.join(KINDS)}",
     )  # fmt: skip
-    p.add_argument("--policy", default="lru", help="eviction policy (default lru)")
+    p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS,
+                   help=f"requests of the generated workload (default {DEFAULT_REQUESTS})")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated workload (default 0)")
+    p.add_argument(
+        "--capacity", type=_capacity_list, default=None,
+        help="CPU tier sizes, comma separated: blocks, or shares of the distinct blocks like 5%% "
+        f"(default {DEFAULT_CAPACITIES} for a trace, {DEFAULT_SYNTHETIC_CAPACITIES} for --synthetic)",
+    )  # fmt: skip
+    p.add_argument(
+        "--policy", type=_policy_list, default=[DEFAULT_POLICY],
+        help=f"eviction policies to compare, comma separated, e.g. lru,arc,{DEFAULT_POLICY} "
+        f"(default {DEFAULT_POLICY}); lru always runs as the baseline of the ratios",
+    )  # fmt: skip
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--no-belady", action="store_true", help="skip the Belady reference")
     p.add_argument(
         "--fs-root", default=None,
-        help="also cascade to an fs tier in this directory (real bytes of small blocks); per-tier hit rates",
+        help="also cascade to an fs tier under this directory (one subdirectory per run; real bytes of "
+        "small blocks); per-tier hit rates",
     )  # fmt: skip
     p.add_argument("--shm-dir", default="/dev/shm", help="directory of the CPU region (default /dev/shm)")
     p.add_argument("--json", metavar="FILE", default=None, help="write the sweep as JSON")
@@ -239,46 +290,74 @@ def _add_replay(sub: Any) -> None:
 def _cmd_replay(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from kvtier.workload.replay import replay_manager, replay_namespace, trace_keys
+    from kvtier.workload.replay import compare_policies, replay_namespace, trace_keys
     from kvtier.workload.report import replay_rows, replay_table, write_json
     from kvtier.workload.simulate import HitRateResult, belady_hit_rate, unbounded_hit_rate
+    from kvtier.workload.synthetic import generate
     from kvtier.workload.trace import FlatTrace, read_trace, trace_summary
 
-    requests = read_trace(args.trace, limit=args.limit)
+    if (args.trace is None) == (args.synthetic is None):
+        raise ConfigError("give a trace file or --synthetic KIND (one of them)")
+    if args.synthetic is not None:
+        requests = generate(args.synthetic, args.requests, args.seed)
+        source = f"synthetic {args.synthetic} (seed {args.seed})"
+        if args.limit is not None:
+            requests = requests[: args.limit]
+    else:
+        requests = read_trace(args.trace, limit=args.limit)
+        source = f"trace {args.trace}"
     if not requests:
-        raise ConfigError(f"trace {args.trace!r} holds no requests")
+        raise ConfigError(f"{source} holds no requests")
     summary = trace_summary(requests)
+    spec = args.capacity or _capacity_list(
+        DEFAULT_SYNTHETIC_CAPACITIES if args.synthetic is not None else DEFAULT_CAPACITIES
+    )
+    distinct = int(summary["distinct_blocks"])
+    capacities = list(dict.fromkeys(v if isinstance(v, int) else max(1, round(v * distinct)) for v in spec))
     flat = FlatTrace.from_requests(requests)
     unbounded = unbounded_hit_rate(flat)
     namespace = replay_namespace()
     keys = trace_keys(flat, namespace)
-    tiers = [{"type": "fs", "root": args.fs_root}] if args.fs_root else []
+    fs_root = args.fs_root
+
+    def tiers(policy: str, capacity: int) -> list[dict[str, Any]]:
+        if fs_root is None:
+            return []
+        return [{"type": "fs", "root": os.path.join(fs_root, f"{policy.replace(':', '_')}-{capacity}")}]
+
     err = _stderr_console()
-    kv: list[HitRateResult] = []
-    bel: list[HitRateResult | None] = []
-    for cap in args.capacity:
-        err.print(f"replaying {summary['requests']} requests with {cap} CPU blocks ({args.policy})...")
-        kv.append(replay_manager(keys, cap, policy=args.policy, namespace=namespace, tiers=tiers, shm_dir=args.shm_dir))
-        bel.append(None if args.no_belady else belady_hit_rate(flat, cap))
-    out = Console(width=max(110, Console().width))
+    runs = compare_policies(
+        keys, capacities, args.policy, namespace=namespace, tiers=tiers, shm_dir=args.shm_dir,
+        announce=lambda p, c: err.print(f"replaying {summary['requests']} requests with {c} CPU blocks ({p})..."),
+    )  # fmt: skip
+    belady: dict[int, HitRateResult | None] = {
+        c: None if args.no_belady else belady_hit_rate(flat, c) for c in capacities
+    }
+    out = Console(width=max(120, Console().width))
     out.print(
-        f"trace {args.trace}: {summary['requests']} requests, {summary['block_refs']} block references, "
-        f"{summary['distinct_blocks']} distinct blocks, {summary['duration_s']:.0f} s"
+        f"{source}: {summary['requests']} requests, {summary['block_refs']} block references, "
+        f"{summary['distinct_blocks']} distinct blocks, {summary['duration_s']:.0f} s",
+        highlight=False,
     )
     out.print(f"unbounded cache prefix-hit rate: {100 * unbounded.hit_rate:.1f}%")
-    rows = replay_rows(kv, bel, unbounded)
-    out.print(replay_table(rows, f"prefix-hit rate vs CPU capacity (policy {args.policy})"))
+    rows = replay_rows(runs, args.policy, belady, unbounded)
+    out.print(replay_table(rows, f"prefix-hit rate vs CPU capacity ({', '.join(rows[0]['policies'])})"))
+    single = len(args.policy) == 1
     for row in rows:
-        belady = row["belady"]
-        belady_text = "-" if belady is None else f"{100 * belady['hit_rate']:.2f}%"
-        out.print(
-            f"capacity {row['capacity']}: kvtier {100 * row['kvtier']['hit_rate']:.2f}%  "
-            f"belady {belady_text}  "
-            f"unbounded {100 * row['unbounded']['hit_rate']:.2f}%",
-            highlight=False,
-        )
+        bel = row["belady"]
+        belady_text = "-" if bel is None else f"{100 * bel['hit_rate']:.2f}%"
+        for name in args.policy:
+            kv = row["policies"][name]
+            out.print(
+                f"capacity {row['capacity']}: {'kvtier' if single else name} {100 * kv['hit_rate']:.2f}%  "
+                f"belady {belady_text}  unbounded {100 * row['unbounded']['hit_rate']:.2f}%  "
+                f"({kv['ratio_to_lru']:.3f}x lru)",
+                highlight=False,
+            )
     if args.json:
-        write_json(args.json, {"trace": args.trace, "summary": summary, "policy": args.policy, "rows": rows})
+        what = {"synthetic": args.synthetic, "seed": args.seed} if args.synthetic else {"trace": args.trace}
+        write_json(args.json, {**what, "summary": summary, "policy": args.policy[0], "policies": args.policy,
+                               "rows": rows})  # fmt: skip
         err.print(f"wrote {args.json}")
     return 0
 

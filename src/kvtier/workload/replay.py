@@ -33,6 +33,7 @@ from typing import Any
 from kvtier.errors import KvtierError
 from kvtier.keys import BlockKey, KVGeometry, Namespace, chain_ids
 from kvtier.manager import TieringManager
+from kvtier.policies import DEFAULT_POLICY
 from kvtier.types import LookupResult, RequestContext
 from kvtier.workload.simulate import HitRateResult
 from kvtier.workload.trace import FlatTrace
@@ -66,7 +67,7 @@ def replay_manager(
     keys: Sequence[Sequence[BlockKey]],
     capacity: int,
     *,
-    policy: str = "lru",
+    policy: str = DEFAULT_POLICY,
     namespace: Namespace | None = None,
     tiers: Sequence[dict[str, Any]] = (),
     shm_dir: str = "/dev/shm",
@@ -152,6 +153,42 @@ def replay_manager(
         "lookup_us_mean": 1e6 * lookup_seconds / lookups if lookups else 0.0,
     }
     return HitRateResult(f"kvtier-{policy}", capacity, refs, hits_total, time.perf_counter() - start, tier_hits, extra)
+
+
+def compare_policies(
+    keys: Sequence[Sequence[BlockKey]],
+    capacities: Sequence[int],
+    policies: Sequence[str],
+    *,
+    namespace: Namespace | None = None,
+    tiers: Callable[[str, int], Sequence[dict[str, Any]]] | None = None,
+    shm_dir: str = "/dev/shm",
+    announce: Callable[[str, int], None] | None = None,
+) -> dict[int, dict[str, HitRateResult]]:
+    """Replay ``keys`` through a manager per (capacity, policy); ``"lru"`` always runs, as the baseline.
+
+    Each result's ``extra["ratio_to_lru"]`` is its hit rate over LRU's at the
+    same capacity (1.0 where both are 0). ``tiers(policy, capacity)`` gives
+    each run its own secondary tiers (a persistent tier must not be shared
+    between runs, or a later run starts warm). ``announce(policy, capacity)``
+    is called before each run.
+    """
+    names = list(dict.fromkeys([*policies, "lru"]))
+    out: dict[int, dict[str, HitRateResult]] = {}
+    for capacity in capacities:
+        runs: dict[str, HitRateResult] = {}
+        for name in names:
+            if announce is not None:
+                announce(name, capacity)
+            runs[name] = replay_manager(
+                keys, capacity, policy=name, namespace=namespace, shm_dir=shm_dir,
+                tiers=tiers(name, capacity) if tiers is not None else (),
+            )  # fmt: skip
+        lru = runs["lru"].hit_rate
+        for result in runs.values():
+            result.extra["ratio_to_lru"] = result.hit_rate / lru if lru else 1.0
+        out[capacity] = runs
+    return out
 
 
 def _settle(manager: TieringManager, timeout: float) -> None:

@@ -156,15 +156,18 @@ def plot_bench(result: BenchResult, path: str | os.PathLike[str], window: int = 
 
 
 def replay_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
-    """Hit rate against capacity: kvtier (real manager), per-tier split, unbounded, Belady."""
+    """Hit rate per capacity and policy (real manager), its ratio to LRU, per-tier split, Belady, unbounded."""
     table = Table(title=title, title_justify="left")
     table.add_column("capacity (blocks)", justify="right")
-    table.add_column("kvtier", justify="right")
+    table.add_column("policy")
+    table.add_column("hit rate", justify="right")
+    table.add_column("x LRU", justify="right")
     tier_names: list[str] = []
     for row in rows:
-        for name in row["kvtier"].get("tier_hits", {}):
-            if name not in tier_names:
-                tier_names.append(name)
+        for result in row["policies"].values():
+            for name in result.get("tier_hits", {}):
+                if name not in tier_names:
+                    tier_names.append(name)
     show_tiers = len(tier_names) > 1
     if show_tiers:
         for name in tier_names:
@@ -173,29 +176,43 @@ def replay_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
     table.add_column("unbounded", justify="right")
     table.add_column("lookup mean", justify="right")
     for row in rows:
-        kv = row["kvtier"]
-        cells = [str(row["capacity"]), _pct(kv["hit_rate"])]
-        if show_tiers:
-            cells += [_pct(kv["tier_hit_rates"].get(n, 0.0)) for n in tier_names]
-        belady = row.get("belady")
-        cells.append(_pct(belady["hit_rate"]) if belady else "-")
-        cells.append(_pct(row["unbounded"]["hit_rate"]))
-        cells.append(f"{kv.get('lookup_us_mean', 0.0):.2f} us")
-        table.add_row(*cells)
-    table.caption = "prefix-hit rate: share of block references served from cache with every earlier block a hit"
+        for i, (policy, kv) in enumerate(row["policies"].items()):
+            first = i == 0
+            cells = [str(row["capacity"]) if first else "", policy, _pct(kv["hit_rate"]), f"{kv['ratio_to_lru']:.3f}"]
+            if show_tiers:
+                cells += [_pct(kv["tier_hit_rates"].get(n, 0.0)) for n in tier_names]
+            belady = row.get("belady")
+            cells.append((_pct(belady["hit_rate"]) if belady else "-") if first else "")
+            cells.append(_pct(row["unbounded"]["hit_rate"]) if first else "")
+            cells.append(f"{kv.get('lookup_us_mean', 0.0):.2f} us")
+            table.add_row(*cells, end_section=i == len(row["policies"]) - 1)
+    table.caption = (
+        "prefix-hit rate: share of block references served from cache with every earlier block a hit; "
+        "x LRU: hit rate over LRU's at the same capacity"
+    )
     return table
 
 
 def replay_rows(
-    kvtier: Sequence[HitRateResult], belady: Sequence[HitRateResult | None], unbounded: HitRateResult
+    runs: dict[int, dict[str, HitRateResult]],
+    policies: Sequence[str],
+    belady: dict[int, HitRateResult | None],
+    unbounded: HitRateResult,
 ) -> list[dict[str, Any]]:
-    """The JSON rows of a capacity sweep."""
-    return [
-        {
-            "capacity": k.capacity,
-            "kvtier": k.to_dict(),
+    """The JSON rows of a capacity sweep: per capacity, every policy (``policies`` first, then LRU).
+
+    ``kvtier`` repeats the first policy's result (the row format of a one-policy replay).
+    """
+    rows = []
+    for capacity, by_policy in runs.items():
+        order = list(dict.fromkeys([*policies, *by_policy]))
+        results = {name: by_policy[name].to_dict() for name in order}
+        b = belady.get(capacity)
+        rows.append({
+            "capacity": capacity,
+            "kvtier": results[order[0]],
+            "policies": results,
             "belady": b.to_dict() if b is not None else None,
             "unbounded": unbounded.to_dict(),
-        }
-        for k, b in zip(kvtier, belady, strict=True)
-    ]
+        })  # fmt: skip
+    return rows
