@@ -8,7 +8,6 @@ import pytest
 from kvtier.policies.return_times import (
     ReturnSampler,
     ReturnTimeModel,
-    SampledLRU,
     _upper_hull,
     sample_threshold,
 )
@@ -118,10 +117,15 @@ def test_sampler_reports_returns_and_censors_what_it_loses() -> None:
     assert len(classes) == len(ages) == 0
 
 
-def test_sampled_lru_is_an_lru() -> None:
-    lru = SampledLRU(2)
-    assert not lru.observe(1)
-    assert not lru.observe(2)
-    assert lru.observe(1)
-    assert not lru.observe(3)  # evicts 2, the least recent
-    assert lru.observe(1) and not lru.observe(2)
+def test_sampler_estimates_an_lru_of_lru_size_entries() -> None:
+    model = ReturnTimeModel(1, 1000, prior=0.0)
+    sampler = ReturnSampler(4, 1000, model, lru_size=2)
+    hits = []
+    for now, fp in enumerate([1, 2, 1, 3, 2, 1, 1]):
+        sampler.observe(fp, now, 0)
+        hits.append(sampler.lru_hit)
+    # LRU of 2 over 1 2 1 3 2 1 1: miss miss hit miss miss(2 was pushed out by 3) miss hit
+    assert hits == [False, False, True, False, False, False, True]
+    assert sampler.table.count(0) == 2 and len(sampler.table) == 3
+    with pytest.raises(ValueError, match="lru_size"):
+        ReturnSampler(4, 1000, model, lru_size=5)

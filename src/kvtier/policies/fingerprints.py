@@ -131,8 +131,19 @@ class FingerprintLists:
 
     def move_to_end(self, entry: int, which: int) -> None:
         """Make ``entry`` the most recent of list ``which`` (it may come from another list)."""
-        self._unlink(entry)
-        self._link(entry, which)
+        prv, nxt, counts, list_of = self._prev, self._next, self._counts, self._list_of
+        before, after = prv[entry], nxt[entry]
+        nxt[before] = after
+        prv[after] = before
+        counts[list_of[entry]] -= 1
+        end = self.capacity + which
+        tail = prv[end]
+        nxt[tail] = entry
+        prv[entry] = tail
+        nxt[entry] = end
+        prv[end] = entry
+        list_of[entry] = which
+        counts[which] += 1
 
     def remove(self, entry: int) -> None:
         """Forget ``entry``: out of its list and the index; the entry is free again."""

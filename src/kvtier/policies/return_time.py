@@ -55,6 +55,7 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from collections.abc import Container, Iterator, Sequence
+from itertools import pairwise
 from typing import ClassVar
 
 import numpy as np
@@ -66,7 +67,6 @@ from kvtier.policies.return_times import (
     HoldingPlan,
     ReturnSampler,
     ReturnTimeModel,
-    SampledLRU,
     sample_threshold,
 )
 from kvtier.policies.slot_lists import NO_KEY, SlotListPolicy
@@ -95,7 +95,7 @@ _GUARD_DECAY = 0.8
 _HORIZON = 8
 """Return times are followed up to this many times the capacity, in references."""
 
-_SAMPLE_SIZE = 65536
+_SAMPLE_SIZE = 16384
 """Sampled keys followed at least (and a quarter of the capacity if more)."""
 
 _PASS_LIMIT = 64
@@ -114,14 +114,15 @@ class ReturnTimePolicy(SlotListPolicy):
         self._width = max(1, -(-self.horizon // (RING - 2)))
         self.max_hold = (RING - 2) * self._width
         # A quarter of the keys referenced within the horizon for small tiers (at most 2c),
-        # and at least a quarter of the capacity for large ones.
-        sample_size = max(min(2 * c, _SAMPLE_SIZE), c // 4)
+        # and at least an eighth of the capacity for large ones (1 in 64 references).
+        sample_size = max(min(2 * c, _SAMPLE_SIZE), c // 8)
         self._sample_below = sample_threshold(min(0.25, sample_size / self.horizon))
         self.sample_rate = self._sample_below / SAMPLE_SCALE
         self.solve_every = max(2048, c // 2)
         self.model = ReturnTimeModel(CLASSES, self.horizon)
-        self.sampler = ReturnSampler(sample_size, self.horizon, self.model)
-        self.sampled_lru = SampledLRU(max(1, round(self.sample_rate * c)))
+        self.sampler = ReturnSampler(
+            sample_size, self.horizon, self.model, lru_size=min(sample_size, max(1, round(self.sample_rate * c)))
+        )
         history = max(256, c // 16)
         self._history: set[int] = set()
         self._history_order: deque[int] = deque(maxlen=history)
@@ -144,25 +145,28 @@ class ReturnTimePolicy(SlotListPolicy):
         self._call_diff = 0
         self._call_sampled = False
         self._pending: tuple[int, int, list[BlockKey], list[int], list[int], list[int], int] | None = None
+        self._fresh: list[int] = []  # slots inserted since the last chain, in order
         self._reset_blocks()
 
     def _reset_blocks(self) -> None:
         c = self.capacity
         self._init_lists(1 + RING)
-        self._parent = array("i", [-1]) * c
-        self._children = array("i", bytes(4 * c))
+        # Lists, not arrays: parents are the tier's own slot ints and counts are small ints,
+        # both shared objects, and list items are read without boxing.
+        self._parent: list[int] = [-1] * c
+        self._children: list[int] = [0] * c
         self._expiry = array("q", bytes(8 * c))
         self._touches = bytearray(c)
         self._cur = self._now // self._width
+        self._fresh = []
 
     # --- the tier's calls -------------------------------------------------------------
 
     def insert(self, key: BlockKey, slot: int) -> None:
-        self._key_of[slot] = key
-        self._parent[slot] = -1
-        self._touches[slot] = 0
-        self._expiry[slot] = self._now
+        # A free slot already has no parent, no touches and expiry 0 (see _forget, remove);
         # _children[slot] keeps counting orphans of an earlier block of this slot (see evict).
+        self._key_of[slot] = key
+        self._fresh.append(slot)  # cleared by the next chain or eviction: at most capacity long
 
     def remove(self, key: BlockKey, slot: int) -> None:
         if self._key_of[slot] is NO_KEY:
@@ -173,6 +177,8 @@ class ReturnTimePolicy(SlotListPolicy):
             self._children[parent] -= 1
             self._parent[slot] = -1
         self._key_of[slot] = NO_KEY
+        self._touches[slot] = 0
+        self._expiry[slot] = 0
 
     def touch(self, key: BlockKey, slot: int) -> None:
         if self._key_of[slot] is not NO_KEY:
@@ -213,8 +219,18 @@ class ReturnTimePolicy(SlotListPolicy):
         now = self._now
         if now // self._width != self._cur:
             self._advance(now // self._width)
+        fresh = self._fresh
         if hit:
             base = 0
+        elif slots == fresh:
+            # The fast path: a store of new blocks only (no touches to read, nothing to move).
+            base = _NEW_BUCKET[min(self._new_blocks(keys, ()), 16)] * 6
+            self._remember_end(keys, parent)
+            fresh.clear()
+            self._pending = None
+            self._raise_ancestors(parent, self._hold_new_chain(keys, slots, parent, base, now, self._extension()))
+            self._end_reference(n)
+            return
         else:
             base = _NEW_BUCKET[min(self._new_blocks(keys, slots), 16)] * 6
             self._remember_end(keys, parent)
@@ -222,14 +238,8 @@ class ReturnTimePolicy(SlotListPolicy):
         hold, refs, partial = self.hold, self._class_refs, self._partial
         flags, prv, nxt = self._evictable, self._prev, self._next
         width, c1, below = self._width, self.capacity + 1, self._sample_below
-        # The partial class's extension is decided per chain: the tail's hold reaches the
-        # head anyway, so deciding per block would extend nearly every long chain.
-        self._dither += self._fraction
-        if self._dither >= 1.0:
-            self._dither -= 1.0
-            extended = self._extended
-        else:
-            extended = hold[partial] if partial >= 0 else 0
+        extended = self._extension()
+        fresh.clear()
         olds: list[int] = []
         classes: list[int] = []
         last_class = 0 if hit else 3
@@ -282,11 +292,58 @@ class ReturnTimePolicy(SlotListPolicy):
             if base and pending[0] == parent and pending[1] == now:
                 deeper, up = self._reclassify(pending, base, deeper)
         self._raise_ancestors(up, deeper)
+        self._end_reference(n)
+
+    def _extension(self) -> int:
+        """The hold of the partial class for this chain.
+
+        Decided per chain: the tail's hold reaches the head anyway, so deciding per
+        block would extend nearly every long chain.
+        """
+        self._dither += self._fraction
+        if self._dither >= 1.0:
+            self._dither -= 1.0
+            return self._extended
+        return self.hold[self._partial] if self._partial >= 0 else 0
+
+    def _end_reference(self, n: int) -> None:
         if self._call_sampled:
             self._judge_chain()
-        self._now = now + n
+        self._now += n
         if self._now >= self._next_solve:
             self._solve()
+
+    def _hold_new_chain(
+        self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int, base: int, now: int, extended: int
+    ) -> int:
+        """The fast path of :meth:`reference_chain` for a store of blocks all new: returns the head's expiry.
+
+        New blocks have no parent, no touches and expiry 0, are not evictable
+        yet, and take two classes (the last block's and the others').
+        """
+        par, children, touches, expiry = self._parent, self._children, self._touches, self._expiry
+        hold, partial, refs = self.hold, self._partial, self._class_refs
+        n = len(slots)
+        last = base + 3
+        tail_expiry = now + (extended if last == partial else hold[last])
+        head_expiry = max(now + (extended if base == partial else hold[base]), tail_expiry)
+        refs[last] += 1
+        refs[base] += n - 1
+        head = slots[0]
+        if parent >= 0 and parent != head:
+            par[head] = parent
+            children[parent] += 1
+        for up, s in pairwise(slots):
+            par[s] = up
+            children[up] += 1
+        for s in slots:
+            touches[s] = 1
+            expiry[s] = head_expiry
+        expiry[slots[-1]] = tail_expiry
+        below = self._sample_below
+        for i in [i for i, key in enumerate(keys) if key[-1] < below]:
+            self._observe(fingerprint(keys[i]), last if i == n - 1 else base, False)
+        return head_expiry
 
     def _raise_ancestors(self, slot: int, expiry_at_least: int) -> None:
         """Raise ``slot`` and its ancestors to ``expiry_at_least`` until one is there already."""
@@ -350,21 +407,26 @@ class ReturnTimePolicy(SlotListPolicy):
     def _new_blocks(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> int:
         """Blocks after the deepest one held before this call or seen recently as a request's end.
 
+        ``slots`` empty: all the blocks are new here (only the history counts).
         Looks 17 blocks back at most: more than 15 new blocks is the last class anyway.
         """
         touches, history = self._touches, self._history
-        n = len(slots)
-        for i in range(n - 1, max(-1, n - 18), -1):
-            if touches[slots[i]] or hash(keys[i]) in history:
+        n = len(keys)
+        low = max(0, n - 17)
+        if not slots and history.isdisjoint(map(hash, keys[low:])):
+            return n  # the common case, checked in C
+        for i in range(n - 1, low - 1, -1):
+            if hash(keys[i]) in history or (slots and touches[slots[i]]):
                 return n - 1 - i
         return n
 
     def _observe(self, fp: int, cls: int, hit: bool) -> None:
         """A sampled reference: a return time for the model, a paired hit for the guard."""
-        prev = self.sampler.observe(fp, self._now, cls)
+        sampler = self.sampler
+        prev = sampler.observe(fp, self._now, cls)
         if prev >= 0:
-            self.model.record(prev, self.sampler.last_age)
-        self._call_diff += hit - self.sampled_lru.observe(fp)
+            self.model.record(prev, sampler.last_age)
+        self._call_diff += hit - sampler.lru_hit
         self._call_sampled = True
 
     def _judge_chain(self) -> None:
@@ -387,6 +449,7 @@ class ReturnTimePolicy(SlotListPolicy):
         scans more than that beyond the blocks it takes. Atomic: None and no
         change if fewer than ``n`` qualify.
         """
+        self._fresh.clear()  # the tier evicts before it inserts
         if n <= 0:
             return []
         if n > self._count:
@@ -395,21 +458,28 @@ class ReturnTimePolicy(SlotListPolicy):
         chosen: list[int] = []
         passed: list[int] = []
         budget = _PASS_LIMIT + 4 * n
+        need = n
         for end in self._scan_order():
             slot = nxt[end]
-            while slot != end and len(chosen) < n:
+            while slot != end:
                 if children[slot] and budget:
                     passed.append(slot)
                     budget -= 1
                     if not budget:  # older non-leaves go before newer blocks from now on
                         passed = self._take_passed(n, chosen, passed, protected)
+                        need = n - len(chosen)
+                        if not need:
+                            break
                 elif key_of[slot] not in protected:
                     chosen.append(slot)
                     parent = par[slot]
                     if parent >= 0:
                         children[parent] -= 1
+                    need -= 1
+                    if not need:
+                        break
                 slot = nxt[slot]
-            if len(chosen) == n:
+            if not need:
                 break
         if len(chosen) < n:
             self._take_passed(n, chosen, passed, protected)
@@ -442,6 +512,7 @@ class ReturnTimePolicy(SlotListPolicy):
 
     def _forget(self, chosen: list[int]) -> list[BlockKey]:
         prv, nxt, flags, key_of, par = self._prev, self._next, self._evictable, self._key_of, self._parent
+        touches, expiry = self._touches, self._expiry
         keys: list[BlockKey] = []
         for slot in chosen:
             before, after = prv[slot], nxt[slot]
@@ -451,6 +522,8 @@ class ReturnTimePolicy(SlotListPolicy):
             keys.append(key_of[slot])
             key_of[slot] = NO_KEY
             par[slot] = -1
+            touches[slot] = 0
+            expiry[slot] = 0
         self._count -= len(chosen)
         return keys
 

@@ -9,7 +9,7 @@ for a fast and a slow engine.
   whether they are cached or not: a sampled key's next reference gives a return
   time for the class it had at its last reference; a key not seen again within
   the horizon (or pushed out of the table) gives a censored observation.
-* :class:`SampledLRU` is an LRU over the sampled keys only, of the sampled
+* The sampler also keeps an LRU over the sampled keys only, of the sampled
   share of the capacity: its hit ratio estimates a full LRU's (spatial
   sampling, as in SHARDS), which guards the learned policy.
 * :class:`ReturnTimeModel` turns the observations into a Kaplan-Meier survival
@@ -53,19 +53,31 @@ def sample_threshold(rate: float) -> int:
 class ReturnSampler:
     """The last reference (time, class) of each sampled key, for ``horizon`` references.
 
-    :meth:`observe` returns the previous class of a key it follows (or -1) and
-    leaves the key's age in :attr:`last_age`; censored observations go to the
-    model as they happen.
+    :meth:`observe` returns the previous class of a key it follows (or -1),
+    leaves the key's age in :attr:`last_age` and in :attr:`lru_hit` whether an
+    LRU of ``lru_size`` entries over the sampled keys would have held it;
+    censored observations go to the model as they happen.
+
+    The keys are one recency list in two segments of one
+    :class:`FingerprintLists`: the ``lru_size`` most recent (list 0, the
+    sampled LRU's content) and the older ones (list 1), so that the LRU
+    estimate (spatial sampling, as in SHARDS: an LRU of the sampled share of
+    the capacity over the sampled keys hits like the full LRU) costs no second
+    table. ``lru_size`` is at most ``size``.
     """
 
-    def __init__(self, size: int, horizon: int, model: ReturnTimeModel) -> None:
+    def __init__(self, size: int, horizon: int, model: ReturnTimeModel, lru_size: int = 1) -> None:
+        if not 1 <= lru_size <= size:
+            raise ValueError(f"lru_size must lie in 1..{size}, got {lru_size}")
         self.size = size
+        self.lru_size = lru_size
         self.horizon = horizon
         self.model = model
-        self.table = FingerprintLists(size)
+        self.table = FingerprintLists(size, lists=2)
         self.times = array("q", bytes(8 * size))
         self.classes = bytearray(size)
         self.last_age = 0
+        self.lru_hit = False
 
     def observe(self, fp: int, now: int, cls: int) -> int:
         table, times, classes = self.table, self.times, self.classes
@@ -74,13 +86,20 @@ class ReturnSampler:
         if entry >= 0:
             prev = classes[entry]
             self.last_age = now - times[entry]
+            self.lru_hit = table.list_of(entry) == 0
             table.move_to_end(entry, 0)
         else:
             prev = -1
+            self.lru_hit = False
             if len(table) >= self.size:
-                old = table.pop_head(0)
+                old = table.head(1)
+                if old < 0:
+                    old = table.head(0)
                 self.model.censor(classes[old], now - times[old])
+                table.remove(old)
             entry = table.add(fp, 0)
+        if table.count(0) > self.lru_size:
+            table.move_to_end(table.head(0), 1)  # the LRU's least recent drops out of it
         times[entry] = now
         classes[entry] = cls
         return prev
@@ -92,43 +111,23 @@ class ReturnSampler:
             self.classes[entry] = cls
 
     def expire(self, now: int) -> None:
-        """Censor the keys not referenced for ``horizon`` references."""
+        """Censor the keys not referenced for ``horizon`` references (the oldest are list 1's head)."""
         table, times = self.table, self.times
         limit = now - self.horizon
-        entry = table.head(0)
-        while entry >= 0 and times[entry] < limit:
-            self.model.censor(self.classes[entry], self.horizon)
-            table.remove(entry)
-            entry = table.head(0)
+        for which in (1, 0):
+            entry = table.head(which)
+            while entry >= 0 and times[entry] < limit:
+                self.model.censor(self.classes[entry], self.horizon)
+                table.remove(entry)
+                entry = table.head(which)
+            if entry >= 0:
+                return
 
     def in_progress(self, now: int) -> tuple[np.ndarray, np.ndarray]:
         """Classes and ages of the keys still followed (censored at their age if solved now)."""
         live = np.frombuffer(self.table._list_of, dtype=np.uint8) != FREE
         ages = now - np.frombuffer(self.times, dtype=np.int64)[live]
         return np.frombuffer(self.classes, dtype=np.uint8)[live], ages
-
-    def clear(self) -> None:
-        self.table.clear()
-
-
-class SampledLRU:
-    """An LRU of ``size`` entries over sampled keys: a hit-ratio estimate for a full LRU."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.table = FingerprintLists(size)
-
-    def observe(self, fp: int) -> bool:
-        """Reference ``fp``; True if the sampled LRU held it."""
-        table = self.table
-        entry = table.find(fp)
-        if entry >= 0:
-            table.move_to_end(entry, 0)
-            return True
-        if len(table) >= self.size:
-            table.pop_head(0)
-        table.add(fp, 0)
-        return False
 
     def clear(self) -> None:
         self.table.clear()
