@@ -43,7 +43,7 @@ import uuid
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -241,13 +241,40 @@ class SharedRegion:
         self._rows = base.reshape(self.num_rows, self.row_stride)
 
     def _prefault(self) -> None:
+        """Back every page of the new (not yet linked) file now, or raise InsufficientSpaceError.
+
+        Only EINVAL (a kernel without MADV_POPULATE_WRITE) falls back: fallocate, which
+        fails cleanly when the space is not there, then a write per page. Any other errno
+        (ENOMEM: memory cgroup limit; EFAULT: tmpfs full; EIO) means the memory is not
+        there: touching pages would end in a SIGBUS or an OOM kill later, so the pages got
+        so far are given back and the creation fails.
+        """
         assert self._mmap is not None
         try:
             self._mmap.madvise(_MADV_POPULATE_WRITE)
-        except OSError:
-            # Older kernel: a write per page faults it in (the file is new, so zeros are correct).
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                self._fail_prefault(exc)
+            try:
+                os.posix_fallocate(self._fd, 0, self.total_bytes)
+            except OSError as fallocate_exc:
+                if fallocate_exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    self._fail_prefault(fallocate_exc)
+            # The file is new, so zeros are correct; every page is backed now.
             assert self._rows is not None
             self._rows.reshape(-1)[::PAGE_SIZE] = 0
+
+    def _fail_prefault(self, exc: OSError) -> NoReturn:
+        got = os.fstat(self._fd).st_blocks * 512
+        os.ftruncate(self._fd, 0)  # give the pages back at once; the file was never linked
+        short = max(self.total_bytes - got, PAGE_SIZE)
+        reason = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        raise InsufficientSpaceError(
+            f"{self.path.parent} could not back region {self.name!r} of {format_bytes(self.total_bytes)} "
+            f"({reason}: {exc.strerror} after {format_bytes(got)}; {format_bytes(short)} short): a memory "
+            f"cgroup limit or the size of {self.path.parent} allows less than its free space suggests; "
+            "lower cpu_bytes or raise the limit"
+        ) from None
 
     def _count_attach(self) -> None:
         assert self._mmap is not None
