@@ -97,4 +97,3 @@ def test_prefault_beyond_a_memory_limit_is_a_clear_error_and_leaves_no_file(
     assert out.startswith("refused:"), out
     assert str(private_shm) in out and "short" in out, out
     assert not list(private_shm.iterdir())
-
