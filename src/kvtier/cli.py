@@ -290,8 +290,10 @@ def _add_sweep(sub: Any) -> None:
     p = sub.add_parser(
         "sweep-shm",
         help="list (and remove) stale kvtier regions of dead processes",
-        description="Lists kvtier shared-memory regions that no live process holds (flock proof); "
-        "--remove deletes them. Regions of live processes are never touched.",
+        description="Lists kvtier shared-memory regions of this user that no live process holds (flock "
+        "proof); --remove deletes them. Regions of live processes are never touched. Entries named like "
+        "regions that are not (symlinks, FIFOs, devices, other users' or header-less files) are listed as "
+        "ignored, with the reason, and never opened or deleted.",
     )
     p.add_argument("--remove", action="store_true", help="delete the stale regions found")
     p.add_argument("--shm-dir", default="/dev/shm", help="directory to sweep (default /dev/shm)")
@@ -301,16 +303,21 @@ def _add_sweep(sub: Any) -> None:
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from kvtier.region import SharedRegion
 
-    found = SharedRegion.sweep_stale(args.shm_dir, remove=args.remove)
-    if not found:
-        print(f"no stale kvtier regions in {args.shm_dir}")
-        return 0
-    total = sum(r.size for r in found)
-    for r in found:
+    result = SharedRegion.sweep(args.shm_dir, remove=args.remove)
+    for r in result.stale:
         state = "removed" if r.removed else "stale"
         print(f"{state:8} {format_size(r.size):>10}  {r.path}")
-    verb = "removed" if args.remove else "found (use --remove to delete)"
-    print(f"{len(found)} stale region(s), {format_size(total)} {verb}")
+    for entry in result.ignored:
+        print(f"{'ignored':8} {'':>10}  {entry.path}: {entry.reason}")
+    if not result.stale:
+        print(f"no stale kvtier regions in {args.shm_dir}")
+    else:
+        total = sum(r.size for r in result.stale)
+        verb = "removed" if args.remove else "found (use --remove to delete)"
+        print(f"{len(result.stale)} stale region(s), {format_size(total)} {verb}")
+    if result.ignored:
+        print(f"{len(result.ignored)} entr{'y' if len(result.ignored) == 1 else 'ies'} named like regions "
+              "ignored (not kvtier regions of this user; never opened or removed)")
     return 0
 
 

@@ -6,6 +6,7 @@ name the offending value and, where there is one, the fix.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -27,6 +28,16 @@ class InsufficientSpaceError(RegionError):
 
 class RegionBusyError(RegionError):
     """Cleanup of the region was refused because views of its memory are still alive."""
+
+
+class UnsafeEntryError(KvtierError):
+    """An entry of a shared directory is not a regular file of ours (symlink, FIFO, device,
+    directory, another user's file, ...): it was never followed, opened for I/O or deleted."""
+
+    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
+        self.path = os.fspath(path)
+        self.reason = reason
+        super().__init__(f"{self.path} is {reason}" if reason.startswith(("a ", "an ")) else f"{self.path}: {reason}")
 
 
 class CorruptValueError(KvtierError):
