@@ -18,6 +18,14 @@ class ConfigError(KvtierError, ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
 
 
+class InvalidKeyError(KvtierError, ValueError):
+    """A block key given to the manager is not ``bytes`` of 1 to ``MAX_KEY_BYTES`` bytes."""
+
+
+class ManagerClosedError(KvtierError, RuntimeError):
+    """A :class:`~kvtier.manager.TieringManager` method was called after ``shutdown()``."""
+
+
 class RegionError(KvtierError):
     """The shared CPU region could not be created, attached or released."""
 

@@ -22,6 +22,14 @@ Contract per engine step (DESIGN.md section 5):
 * A tier's ``on_request_finished`` runs only once the request finished and no
   device store of it is still outstanding (no more cascades can be issued).
 
+The boundary: every method taking keys accepts ``bytes`` keys of 1 to
+:data:`~kvtier.tiers.format.MAX_KEY_BYTES` bytes and raises
+:class:`~kvtier.errors.InvalidKeyError` at the call for anything else (nothing
+reaches a tier). Once :meth:`TieringManager.shutdown` was called, every method
+except ``shutdown``, ``is_shut_down`` and ``stats`` raises
+:class:`~kvtier.errors.ManagerClosedError`. ``stats`` never raises because a
+tier misbehaves.
+
 Secondary tiers are numbered from 1 in logs, labels and errors; the CPU tier is 0.
 """
 
@@ -32,12 +40,14 @@ import os
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from kvtier.errors import (
     ConfigError,
+    InvalidKeyError,
+    ManagerClosedError,
     RegionBusyError,
     TierError,
     TierFailure,
@@ -47,10 +57,28 @@ from kvtier.keys import BlockKey, Namespace
 from kvtier.primary import PrepareStoreResult, PrimaryTier
 from kvtier.region import SharedRegion, round_up
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
+from kvtier.tiers.format import MAX_KEY_BYTES
 from kvtier.tiers.registry import create_tier
 from kvtier.types import BlockEvent, LookupResult, OffloadPolicy, RequestContext
 
 logger = logging.getLogger(__name__)
+
+
+def _key_error(key: object) -> InvalidKeyError:
+    if not isinstance(key, bytes):
+        return InvalidKeyError(f"block keys must be bytes, got {type(key).__name__} {key!r:.80}")
+    return InvalidKeyError(
+        f"block key of {len(key)} bytes ({key[:16].hex()}...): keys must be 1 to {MAX_KEY_BYTES} bytes"
+    )
+
+
+def _checked_keys(keys: Iterable[BlockKey]) -> list[BlockKey]:
+    """``keys`` as a list, every one checked; the cost is a type and a length test per key."""
+    out = keys if type(keys) is list else list(keys)
+    for key in out:
+        if (type(key) is not bytes and not isinstance(key, bytes)) or not 0 < len(key) <= MAX_KEY_BYTES:
+            raise _key_error(key)
+    return out
 
 
 @dataclass
@@ -125,6 +153,7 @@ class TieringManager:
         # only, never on a row a promotion is writing (also in flight) or after a reset.
         self._device_stores: set[BlockKey] = set()
         self._tiers_down: set[int] = set()
+        self._closing = False  # shutdown() was called: only shutdown(), is_shut_down and stats() remain
         self._shutdown_complete = False
         self._stats = ManagerStats()
         self._logged_call_errors: set[tuple[int, str]] = set()
@@ -242,6 +271,17 @@ class TieringManager:
                 pos + 1, tier.tier_type, type(tier).__qualname__, call,
             )
 
+    def _refuse(self, call: str) -> NoReturn:
+        raise ManagerClosedError(
+            f"TieringManager.{call}() called after shutdown(): only shutdown(), is_shut_down and "
+            "stats() may be called now"
+        )
+
+    def _open_keys(self, call: str, keys: Iterable[BlockKey]) -> list[BlockKey]:
+        if self._closing:
+            self._refuse(call)
+        return _checked_keys(keys)
+
     # --- per-step polling ----------------------------------------------------------------
 
     def _poll_once(self) -> None:
@@ -297,6 +337,8 @@ class TieringManager:
 
     def lookup(self, key: BlockKey, request: RequestContext | None = None) -> LookupResult:
         """Where is ``key``? Starts a promotion on a secondary hit (see the module docstring)."""
+        if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES or self._closing:
+            self._open_keys("lookup", (key,))  # raises, unless a valid key of a bytes subclass
         self._poll_once()
         result = self.primary.lookup(key)
         if result is LookupResult.HIT:
@@ -338,14 +380,16 @@ class TieringManager:
 
     def prepare_load(self, keys: Sequence[BlockKey], request: RequestContext | None = None) -> np.ndarray:
         """Pin HIT blocks for a device load; returns their CPU rows. Raises if one is not HIT."""
+        keys = self._open_keys("prepare_load", keys)
         self._poll_once()
-        return self.primary.pin(list(keys))
+        return self.primary.pin(keys)
 
     def complete_load(self, keys: Iterable[BlockKey], request: RequestContext | None = None) -> None:
-        self.primary.unpin(keys)
+        self.primary.unpin(self._open_keys("complete_load", keys))
 
     def touch(self, keys: Sequence[BlockKey], request: RequestContext | None = None) -> None:
         """Recency for ``keys`` in every tier (also for blocks hit in the device cache)."""
+        keys = self._open_keys("touch", keys)
         self.primary.touch(keys)
         for pos, tier in enumerate(self.tiers):
             if pos not in self._tiers_down:
@@ -368,6 +412,7 @@ class TieringManager:
         self, keys: Sequence[BlockKey], request: RequestContext | None = None
     ) -> PrepareStoreResult | None:
         """Reserve CPU rows for a device -> CPU store; None if no room can be made."""
+        keys = self._open_keys("prepare_store", keys)
         self._poll_once()
         result = self.primary.prepare_store(keys, self._step_hits)
         if result is None:
@@ -400,7 +445,7 @@ class TieringManager:
         self, keys: Sequence[BlockKey], request: RequestContext | None = None, success: bool = True
     ) -> None:
         """The device -> CPU copy of ``keys`` finished; on success cascade them to every tier."""
-        keys = [k for k in keys if k in self._device_stores]
+        keys = [k for k in self._open_keys("complete_store", keys) if k in self._device_stores]
         self._device_stores.difference_update(keys)
         # A late completion (after reset, or after the request was finalized) must not
         # bring back a state that nothing would ever finish.
@@ -432,6 +477,8 @@ class TieringManager:
 
     def on_new_request(self, request: RequestContext) -> OffloadPolicy:
         """REQUEST_LEVEL if any tier asks for it, else BLOCK_LEVEL."""
+        if self._closing:
+            self._refuse("on_new_request")
         state = self._state(request)
         assert state is not None
         state.request_level_tiers = []
@@ -449,6 +496,8 @@ class TieringManager:
 
     def on_request_finished(self, request: RequestContext) -> None:
         """No more submit-side calls for ``request``; completions may still arrive."""
+        if self._closing:
+            self._refuse("on_request_finished")
         state = self._requests.get(request.req_id)
         if state is None:
             self._notify_finished(request)
@@ -476,6 +525,8 @@ class TieringManager:
 
     def on_schedule_end(self) -> None:
         """Once per engine step: poll, submit this step's promotions, flush parked cascades."""
+        if self._closing:
+            self._refuse("on_schedule_end")
         self._poll_once()
         pending, self._pending_promotions = self._pending_promotions, {}
         for (pos, _), promo in pending.items():
@@ -505,6 +556,8 @@ class TieringManager:
 
     def has_pending_work(self) -> bool:
         """True while a tier job is in flight, a promotion awaits submission, or a cascade is parked."""
+        if self._closing:
+            self._refuse("has_pending_work")
         return bool(
             self._jobs
             or self._pending_promotions
@@ -523,6 +576,8 @@ class TieringManager:
 
     def take_events(self) -> list[BlockEvent]:
         """Stored/removed events of the CPU tier and every secondary tier since the last call."""
+        if self._closing:
+            self._refuse("take_events")
         events = self.primary.take_events()
         for pos, tier in enumerate(self.tiers):
             if pos not in self._tiers_down:
@@ -533,6 +588,8 @@ class TieringManager:
         return events
 
     def jobs_in_flight(self) -> int:
+        if self._closing:
+            self._refuse("jobs_in_flight")
         return len(self._jobs)
 
     # --- reset -----------------------------------------------------------------------------
@@ -544,6 +601,8 @@ class TieringManager:
         Persistent tiers keep their data. Raises :class:`TierError` (and resets
         nothing) if a tier cannot drain within the timeout.
         """
+        if self._closing:
+            self._refuse("reset_cache")
         timeout = self.drain_timeout if drain_timeout is None else drain_timeout
         for pos, tier in enumerate(self.tiers):
             if pos not in self._tiers_down:
@@ -571,13 +630,7 @@ class TieringManager:
         primary = self.primary
         tiers: dict[str, Any] = {}
         for pos, tier in enumerate(self.tiers):
-            entry: dict[str, Any] = {"class": type(tier).__qualname__, **asdict(tier.stats)}
-            if pos not in self._tiers_down:
-                usage = tier.usage()
-                health = tier.health()
-                entry.update(used_bytes=usage.used_bytes, capacity_bytes=usage.capacity_bytes,
-                             entries=usage.entries, health=health.state.value)
-            tiers[self.tier_label(pos + 1)] = entry
+            tiers[self.tier_label(pos + 1)] = self._tier_stats(pos, tier)
         return {
             "manager": {**asdict(self._stats), "jobs_in_flight": len(self._jobs),
                         "active_requests": len(self._requests)},
@@ -591,6 +644,27 @@ class TieringManager:
             },
             "tiers": tiers,
         }
+
+    def _tier_stats(self, pos: int, tier: SecondaryTier) -> dict[str, Any]:
+        """One tier's entry of :meth:`stats`; a part the tier fails to give is left out (the
+        failure is counted and logged once), so ``stats()`` never raises."""
+        entry: dict[str, Any] = {"class": type(tier).__qualname__}
+        try:
+            entry.update(asdict(tier.stats))
+        except Exception:
+            self._tier_call_failed(pos, "stats")
+        if pos in self._tiers_down:
+            return entry
+        try:
+            usage = tier.usage()
+            entry.update(used_bytes=usage.used_bytes, capacity_bytes=usage.capacity_bytes, entries=usage.entries)
+        except Exception:
+            self._tier_call_failed(pos, "usage")
+        try:
+            entry["health"] = tier.health().state.value
+        except Exception:
+            self._tier_call_failed(pos, "health")
+        return entry
 
     # --- shutdown --------------------------------------------------------------------------
 
@@ -608,6 +682,7 @@ class TieringManager:
         """
         if self._shutdown_complete:
             return
+        self._closing = True
         failures: list[TierFailure] = []
         for pos, tier in enumerate(self.tiers):
             if pos in self._tiers_down:

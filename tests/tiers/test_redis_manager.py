@@ -257,3 +257,25 @@ def test_corrupt_value_warning_keeps_no_cpu_row_alive(
         if not b.is_shut_down:
             caplog.clear()
             b.shutdown()
+
+
+def test_keys_up_to_the_maximum_length_round_trip_through_redis(
+    redis_server: Any, make_manager: Callable[..., TieringManager]
+) -> None:
+    """A 40-byte key used to raise inside the Redis pipeline, count as a server failure, open the
+    breaker and drop valid stores; keys up to MAX_KEY_BYTES are now stored as they are."""
+    from kvtier.tiers.format import MAX_KEY_BYTES
+
+    ns = namespace()
+    a = make_manager(redis_server.url, ns)
+    b = make_manager(redis_server.url, ns)
+    keys = [bytes([i]) * n for i, n in enumerate((36, 40, MAX_KEY_BYTES, 32), start=1)]
+    data = store_blocks(a, keys, seed=7)
+    settle(a)
+    tier_a = a.tiers[0]
+    assert isinstance(tier_a, RedisTier)
+    assert tier_a.stats.stores_failed == 0 and tier_a.health().state is HealthState.CLOSED
+    req = RequestContext("reader")
+    b.on_new_request(req)
+    assert lookup_prefix(b, keys, req) == len(keys)
+    assert np.array_equal(load_blocks(b, keys, req), data)
