@@ -15,6 +15,7 @@ from kvtier.errors import (
     TierError,
     TierFailure,
     TierShutdownError,
+    TierShutdownTimeout,
     UnsafeEntryError,
 )
 from kvtier.keys import BlockKey, KVGeometry, Namespace, chain_ids, chain_key, prefix_keys, root_key
@@ -51,6 +52,7 @@ __all__ = [
     "TierError",
     "TierFailure",
     "TierShutdownError",
+    "TierShutdownTimeout",
     "TieringManager",
     "TransferJob",
     "UnsafeEntryError",

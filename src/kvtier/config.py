@@ -339,6 +339,14 @@ class KvtierConfig(BaseModel):
         default_factory=list,
         description=("Secondary tiers in cascade order, each {type: fs|redis|package.module:Class, **options}."),
     )
+    shutdown_timeout: float | None = Field(
+        default=120.0,
+        ge=0,
+        description=(
+            "Seconds shutdown gives all secondary tiers together; a tier that overruns its share is "
+            "abandoned and counted as failed (the CPU tier stays mapped). null: no deadline."
+        ),
+    )
 
     @field_validator("cpu_bytes", mode="before")
     @classmethod
@@ -639,6 +647,7 @@ def build_manager(
         "region_name": config.region_name,
         "shm_dir": config.shm_dir,
         "expected_mappers": expected_mappers,
+        "shutdown_timeout": config.shutdown_timeout,
     }
     if config.num_cpu_blocks is not None:
         kwargs["num_cpu_blocks"] = config.num_cpu_blocks

@@ -60,6 +60,14 @@ class TierDrainTimeout(TierError):
     """A tier did not finish its in-flight jobs within the drain timeout."""
 
 
+class TierShutdownTimeout(TierError):
+    """A secondary tier's ``shutdown()`` overran its share of the manager's shutdown deadline.
+
+    The call was abandoned (it may still be running, on a daemon thread) and counts as a
+    failure, so the primary tier stays mapped; a later ``shutdown()`` waits for it again.
+    """
+
+
 @dataclass(frozen=True)
 class TierFailure:
     """One secondary tier's failure during shutdown."""

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -52,6 +54,7 @@ from kvtier.errors import (
     TierError,
     TierFailure,
     TierShutdownError,
+    TierShutdownTimeout,
 )
 from kvtier.keys import BlockKey, Namespace
 from kvtier.primary import PrepareStoreResult, PrimaryTier
@@ -62,6 +65,9 @@ from kvtier.tiers.registry import create_tier
 from kvtier.types import BlockEvent, LookupResult, OffloadPolicy, RequestContext
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_SHUTDOWN_TIMEOUT = 120.0
+"""Seconds :meth:`TieringManager.shutdown` gives all secondary tiers together."""
 
 
 def _key_error(key: object) -> InvalidKeyError:
@@ -96,6 +102,31 @@ class ManagerStats:
     unknown_job_results: int = 0
     store_rejections: int = 0
     tier_call_errors: int = 0
+
+
+class _ShutdownRun:
+    """One call of a tier's ``shutdown()`` on its own daemon thread, so the manager can stop
+    waiting for it (a hung tier is abandoned, never waited on past its share of the deadline)."""
+
+    def __init__(self, tier: SecondaryTier, pos: int) -> None:
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(tier,), name=f"kvtier-shutdown-tier{pos + 1}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, tier: SecondaryTier) -> None:
+        try:
+            tier.shutdown()
+        except BaseException as exc:  # handed to the manager's thread, KeyboardInterrupt included
+            self.error = exc
+        finally:
+            self._done.set()
+
+    def wait(self, timeout: float | None) -> bool:
+        """True once the call returned or raised (``error`` then says which)."""
+        return self._done.wait(timeout)
 
 
 @dataclass
@@ -137,10 +168,14 @@ class TieringManager:
         tiers: Sequence[SecondaryTier] = (),
         *,
         drain_timeout: float | None = 120.0,
+        shutdown_timeout: float | None = DEFAULT_SHUTDOWN_TIMEOUT,
     ) -> None:
+        if shutdown_timeout is not None and not shutdown_timeout >= 0:
+            raise ConfigError(f"shutdown_timeout must be >= 0 seconds or None, got {shutdown_timeout!r}")
         self.primary = primary
         self.tiers: list[SecondaryTier] = list(tiers)
         self.drain_timeout = drain_timeout
+        self.shutdown_timeout = shutdown_timeout
         self._jobs: dict[int, _Job] = {}
         self._next_job_id = 1
         self._requests: dict[str, _RequestState] = {}
@@ -155,6 +190,7 @@ class TieringManager:
         self._tiers_down: set[int] = set()
         self._closing = False  # shutdown() was called: only shutdown(), is_shut_down and stats() remain
         self._shutdown_complete = False
+        self._shutdown_runs: dict[int, _ShutdownRun] = {}
         self._stats = ManagerStats()
         self._logged_call_errors: set[tuple[int, str]] = set()
 
@@ -176,6 +212,7 @@ class TieringManager:
         pin: bool = False,
         sweep_stale: bool = True,
         drain_timeout: float | None = 120.0,
+        shutdown_timeout: float | None = DEFAULT_SHUTDOWN_TIMEOUT,
     ) -> TieringManager:
         """Build the region, the CPU tier and each secondary tier (``{"type": ..., **options}``).
 
@@ -207,7 +244,7 @@ class TieringManager:
                 context = TierContext(rows=region.rows, block_bytes=block_bytes, namespace=namespace, index=index)
                 built.append(create_tier(spec, context))
                 del context
-            return cls(primary, built, drain_timeout=drain_timeout)
+            return cls(primary, built, drain_timeout=drain_timeout, shutdown_timeout=shutdown_timeout)
         except BaseException:
             cls._cleanup_failed_construction(region, primary, built)
             raise
@@ -668,7 +705,7 @@ class TieringManager:
 
     # --- shutdown --------------------------------------------------------------------------
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         """Shut down every secondary tier, then (only if all succeeded) the CPU tier.
 
         Every tier is attempted even after earlier ones fail; each failure is
@@ -679,31 +716,70 @@ class TieringManager:
         then releases the CPU tier. After a complete shutdown this is a no-op.
         KeyboardInterrupt and SystemExit propagate at once and never lead to the
         CPU tier being released.
+
+        Deadline: ``timeout`` seconds (default: ``shutdown_timeout`` of the
+        constructor; None there means no deadline) for all tiers together. Each
+        tier's ``shutdown()`` then runs on its own thread and is waited for at
+        most its share (the time left divided by the tiers left); a tier that
+        overruns is abandoned and fails with :class:`TierShutdownTimeout`, and the
+        next tiers are still attempted. A retry waits again for a tier still
+        running its earlier ``shutdown()`` instead of calling it twice.
         """
         if self._shutdown_complete:
             return
         self._closing = True
+        limit = self.shutdown_timeout if timeout is None else timeout
+        deadline = None if limit is None else time.monotonic() + max(0.0, limit)
+        pending = [pos for pos in range(len(self.tiers)) if pos not in self._tiers_down]
         failures: list[TierFailure] = []
-        for pos, tier in enumerate(self.tiers):
-            if pos in self._tiers_down:
-                continue
-            try:
-                tier.shutdown()
-            except Exception as exc:
-                logger.error(
-                    "Failed to shut down secondary tier #%d (type=%s, class=%s): %s",
-                    pos + 1, tier.tier_type, type(tier).__qualname__, exc, exc_info=exc,
-                )
-                failures.append(TierFailure(pos + 1, tier.tier_type, type(tier).__qualname__, exc))
-            else:
+        for done, pos in enumerate(pending):
+            tier = self.tiers[pos]
+            share = None if deadline is None else max(0.0, deadline - time.monotonic()) / (len(pending) - done)
+            error = self._shutdown_tier(pos, tier, share)
+            if error is None:
                 self._tiers_down.add(pos)
                 tier.context.release_rows()
+                continue
+            logger.error(
+                "Failed to shut down secondary tier #%d (type=%s, class=%s): %s",
+                pos + 1, tier.tier_type, type(tier).__qualname__, error, exc_info=error,
+            )
+            failures.append(TierFailure(pos + 1, tier.tier_type, type(tier).__qualname__, error))
         if failures:
             raise TierShutdownError(failures) from failures[-1].error
         self._jobs.clear()
         self._pending_promotions.clear()
         self.primary.shutdown()
         self._shutdown_complete = True
+
+    def _shutdown_tier(self, pos: int, tier: SecondaryTier, share: float | None) -> Exception | None:
+        """Run (or keep waiting for) one tier's ``shutdown()``; its error, or None on success.
+
+        Without a deadline, and with no earlier call still running, the call is made
+        in this thread. KeyboardInterrupt/SystemExit raised by the tier propagate.
+        """
+        run = self._shutdown_runs.get(pos)
+        if share is None and run is None:
+            try:
+                tier.shutdown()
+            except Exception as exc:
+                return exc
+            return None
+        if run is None:
+            run = self._shutdown_runs[pos] = _ShutdownRun(tier, pos)
+            still = ""
+        else:
+            still = " (still running the shutdown() of an earlier attempt)"
+        if not run.wait(share):
+            return TierShutdownTimeout(
+                f"secondary tier #{pos + 1} (type={tier.tier_type}) did not finish shutdown() within its "
+                f"{share:.3g}s share of the deadline{still}; abandoned while still running, so the CPU "
+                "tier stays mapped. Call shutdown() again to wait for it"
+            )
+        del self._shutdown_runs[pos]
+        if run.error is None or isinstance(run.error, Exception):
+            return run.error
+        raise run.error  # KeyboardInterrupt / SystemExit inside the tier: stop here
 
     @property
     def is_shut_down(self) -> bool:
