@@ -206,7 +206,7 @@ def test_unknown_env_var_is_ignored_with_a_warning(caplog: pytest.LogCaptureFixt
         ({"policy": "pkg.mod:"}, {}, ["policy", "package.module:ClassName"]),
         ({"model": "acme/unknown"}, {}, ["not a preset", "num_layers", "geometry="]),
         ({"model": " "}, {}, ["model", "preset name"]),
-        ({"geometry": '{"num_layer": 3}'}, {}, ["geometry.num_layer", "known geometry fields"]),
+        ({"geometry": '{"num_layer": 3}'}, {}, ["geometry.num_layer", "did you mean 'num_layers'", "known names"]),
         ({"geometry": '{"head_dim": -1}'}, {}, ["geometry.head_dim", "greater than 0"]),
         ({"geometry": '{"dtype": "float7"}'}, {}, ["dtype", "bfloat16"]),
         ({"geometry": '{"kv_factor": 3}'}, {}, ["geometry.kv_factor", "1 or 2"]),
