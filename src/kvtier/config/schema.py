@@ -10,8 +10,6 @@ Pure (no global state); any thread.
 
 from __future__ import annotations
 
-import difflib
-import inspect
 import re
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -20,7 +18,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    ValidationError,
     field_validator,
     model_validator,
 )
@@ -29,7 +26,6 @@ from kvtier.config.presets import MODEL_PRESETS, find_preset
 from kvtier.errors import ConfigError
 from kvtier.keys import KVGeometry, Namespace, dtype_bytes
 from kvtier.units import parse_size, row_stride_for, rows_that_fit
-from kvtier.validation import explain
 
 DEFAULT_CPU_BYTES = 4 * 1024**3
 
@@ -61,101 +57,15 @@ class GeometryConfig(BaseModel):
         return value
 
 
-class FsTierConfig(BaseModel):
-    """Local disk / NVMe tier (``type: fs``)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    type: Literal["fs"] = "fs"
-    root: str = Field(description="Directory that holds the tier's files (created if missing).")
-    max_bytes: int | None = Field(
-        default=None, description="Byte capacity (LRU of files beyond it). Sizes like '64GiB'."
-    )
-    read_threads: int | None = Field(default=None, gt=0, description="I/O threads serving promotions.")
-    write_threads: int | None = Field(default=None, gt=0, description="I/O threads serving cascades.")
-    fsync: bool | None = Field(default=None, description="fsync every file before it becomes visible.")
-    direct_io: bool | Literal["auto"] | None = Field(
-        default=None, description="Use O_DIRECT where the file system allows it."
-    )
-
-    @field_validator("max_bytes", mode="before")
-    @classmethod
-    def _size(cls, value: Any) -> Any:
-        return None if value is None else parse_size(value)
-
-
-class RedisTierConfig(BaseModel):
-    """Redis / Valkey tier (``type: redis``), standalone or cluster."""
-
-    model_config = ConfigDict(extra="allow")
-
-    type: Literal["redis"] = "redis"
-    url: str = Field(description="redis://[user:pass@]host:port[/db] or rediss:// for TLS.")
-    cluster: bool | None = Field(default=None, description="Talk to a Redis Cluster.")
-    prefix: str | None = Field(default=None, description="Key prefix in front of the namespace digest.")
-    ttl_seconds: float | None = Field(default=None, gt=0, description="Expire values after this many seconds.")
-
-    @field_validator("url")
-    @classmethod
-    def _url(cls, value: str) -> str:
-        if not re.match(r"^(redis|rediss|unix)://", value):
-            raise ValueError(f"url {value!r} must start with redis://, rediss:// (TLS) or unix://")
-        return value
-
-
-_TIER_SCHEMAS: dict[str, type[BaseModel]] = {"fs": FsTierConfig, "redis": RedisTierConfig}
-
-
 def _validate_tier(index: int, spec: Any) -> dict[str, Any]:
-    """Validate one ``{"type": ..., **options}`` entry; returns it normalized."""
-    where = f"tiers[{index}]"
-    if not isinstance(spec, Mapping):
-        raise ValueError(f"{where} must be a mapping like {{'type': 'fs', 'root': '/path'}}, got {spec!r}")
-    tier_type = spec.get("type")
-    if not isinstance(tier_type, str) or not tier_type:
-        raise ValueError(f"{where} needs a 'type': 'fs', 'redis', or an import path 'package.module:Class'")
-    schema = _TIER_SCHEMAS.get(tier_type)
-    if schema is None:
-        if ":" not in tier_type:
-            from kvtier.tiers.registry import tier_names
+    """One ``tiers`` entry validated by the tier registry, as ``{"type": ..., **options}``."""
+    from kvtier.tiers.registry import validate_tier_options
 
-            raise ValueError(
-                f"{where}.type {tier_type!r} is unknown: use one of {tier_names()} "
-                "or an import path 'package.module:Class'"
-            )
-        return dict(spec)
     try:
-        model = schema.model_validate(dict(spec))
-    except ValidationError as exc:
-        raise ValueError(f"{where} ({tier_type}): " + explain(exc, schema, prefix="")) from None
-    out = {k: v for k, v in model.model_dump().items() if v is not None}
-    given = set(out) - {"type"}
-    if given:
-        allowed = _tier_option_names(tier_type)
-        if allowed is not None:
-            unknown = sorted(given - allowed)
-            if unknown:
-                known = sorted(allowed)
-                hints = [difflib.get_close_matches(u, known, n=1) for u in unknown]
-                fix = "; ".join(
-                    f"{u!r} (did you mean {h[0]!r}?)" if h else repr(u) for u, h in zip(unknown, hints, strict=True)
-                )
-                raise ValueError(f"{where} ({tier_type}) has unknown option(s) {fix}: known options are {known}")
-    return out
-
-
-def _tier_option_names(tier_type: str) -> set[str] | None:
-    """Keyword options the tier class accepts, or None when unknown (class not importable)."""
-    try:
-        from kvtier.tiers.registry import resolve_tier_class
-
-        cls = resolve_tier_class(tier_type)
-    except (ConfigError, ImportError):
-        return None
-    params = inspect.signature(cls.__init__).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params if p.name not in ("self", "context")}
+        options = validate_tier_options(spec, where=f"tiers[{index}]")
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+    return {"type": spec["type"], **options}
 
 
 def _known_policies() -> list[str] | None:
@@ -201,7 +111,10 @@ class KvtierConfig(BaseModel):
     )
     tiers: list[dict[str, Any]] = Field(
         default_factory=list,
-        description=("Secondary tiers in cascade order, each {type: fs|redis|package.module:Class, **options}."),
+        description=(
+            "Secondary tiers in cascade order, each {type: <tier type>|package.module:Class, **options}; "
+            "options are validated by the tier (see the tier sections below)."
+        ),
     )
 
     @field_validator("cpu_bytes", mode="before")
