@@ -21,29 +21,32 @@ def build_manager(
     *,
     expected_mappers: int = 1,
     namespace: Namespace | None = None,
+    block_bytes: int | None = None,
     **overrides: Any,
 ) -> TieringManager:
     """Create the :class:`~kvtier.manager.TieringManager` that ``config`` describes.
 
     Called once by the process that owns the scheduler. ``namespace`` overrides
-    ``config.namespace()`` (an engine adds its parallel layout); ``overrides``
-    are passed on to ``TieringManager.create``. Blocks while the region is created
-    and pre-faulted (about 0.9 s per GiB).
+    ``config.namespace()`` (an engine adds its parallel layout); ``block_bytes``
+    overrides the block size of the config's geometry (an engine whose rows are
+    opaque bytes passes its own); ``overrides`` are passed on to
+    ``TieringManager.create``. Blocks while the region is created and
+    pre-faulted (about 0.9 s per GiB).
     """
     from kvtier.manager import TieringManager
 
+    if block_bytes is None:
+        block_bytes = config.block_bytes
     kwargs: dict[str, Any] = {
         "namespace": namespace if namespace is not None else config.namespace(),
+        "block_bytes": block_bytes,
+        "num_cpu_blocks": config.resolved_num_cpu_blocks(block_bytes),
         "policy": config.policy,
         "tiers": [dict(t) for t in config.tiers],
         "region_name": config.region_name,
         "shm_dir": config.shm_dir,
         "expected_mappers": expected_mappers,
     }
-    if config.num_cpu_blocks is not None:
-        kwargs["num_cpu_blocks"] = config.num_cpu_blocks
-    else:
-        kwargs["num_cpu_blocks"] = config.resolved_num_cpu_blocks()
     kwargs.update(overrides)
     return TieringManager.create(**kwargs)
 

@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from pydantic import ValidationError
 
 from kvtier.config.schema import KvtierConfig
 from kvtier.errors import ConfigError
-from kvtier.validation import explain
+from kvtier.validation import did_you_mean, explain
 
 logger = logging.getLogger(__name__)
 
@@ -122,17 +122,20 @@ def _decode_text(field: str, raw: Any, *, source: str) -> Any:
     return raw
 
 
-def _merge(layers: list[tuple[str, dict[str, Any]]]) -> tuple[dict[str, Any], dict[str, str]]:
+_Layer = tuple[str, dict[str, Any], Callable[[str], str]]
+"""(source name, its values, the name of one field's source, e.g. ``"CLI flag --cpu-bytes"``)."""
+
+
+def _merge(layers: list[_Layer]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Merge layers in increasing precedence; returns the values and each field's source."""
     merged: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    for source, data in layers:
+    for source, data, field_source in layers:
         unknown = sorted(set(data) - set(_FIELDS))
         if unknown:
-            hints = [difflib.get_close_matches(u, _FIELDS, n=1) for u in unknown]
-            text = ", ".join(
-                f"{u!r} (did you mean {h[0]!r}?)" if h else repr(u) for u, h in zip(unknown, hints, strict=True)
+            raise ConfigError(
+                f"unknown setting(s) {did_you_mean(unknown, _FIELDS)} in {source}: known settings are {list(_FIELDS)}"
             )
-            raise ConfigError(f"unknown setting(s) {text} in {source}: known settings are {list(_FIELDS)}")
         present = [f for f in _CPU_SIZE_FIELDS if data.get(f) is not None]
         if len(present) == 2:
             raise ConfigError(f"cpu_bytes and num_cpu_blocks are both set in {source}: set only one of them")
@@ -147,7 +150,7 @@ def _merge(layers: list[tuple[str, dict[str, Any]]]) -> tuple[dict[str, Any], di
                 merged["geometry"] = {**merged["geometry"], **value}
             else:
                 merged[field] = dict(value) if isinstance(value, Mapping) else value
-            sources[field] = source
+            sources[field] = field_source(field)
     return merged, sources
 
 
@@ -155,28 +158,53 @@ def load_config(
     file: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
     cli: Mapping[str, Any] | None = None,
+    *,
+    cli_source: str = "CLI flags",
+    layout_from_engine: bool = False,
 ) -> KvtierConfig:
     """Resolve the configuration from a file, environment variables and CLI values.
 
     ``env`` defaults to ``os.environ`` (pass ``{}`` to ignore the environment).
     ``cli`` maps field names (underscores) to values; ``None`` values mean "not
     given". Strings for ``tiers``/``geometry`` in env and CLI are parsed as JSON.
-    Raises :class:`ConfigError` naming the field, its source and the fix.
+    ``cli_source`` names where ``cli`` came from in messages and in
+    :attr:`KvtierConfig.sources` (an engine integration passes its own, e.g.
+    ``"kv_connector_extra_config"``). ``layout_from_engine`` skips the check that
+    ``model``/``geometry`` describe a complete KV layout, for an engine that
+    supplies the block size itself. Raises :class:`ConfigError` naming the
+    field, its source and the fix.
     """
-    layers: list[tuple[str, dict[str, Any]]] = []
+    layers: list[_Layer] = []
     if file is not None:
-        layers.append((f"file {os.fspath(file)}", _read_file(os.fspath(file))))
-    layers.append(("environment", _parse_env(os.environ if env is None else env)))
+        name = f"file {os.fspath(file)}"
+        layers.append((name, _read_file(os.fspath(file)), lambda _field: name))
+    layers.append(("environment", _parse_env(os.environ if env is None else env), env_source))
     if cli:
+        if cli_source == "CLI flags":
+            field_source: Callable[[str], str] = cli_flag_source
+        else:
+            field_source = lambda field: f"{cli_source}[{field!r}]"  # noqa: E731
         cli_values: dict[str, Any] = {}
         for name, value in cli.items():
             field = name.replace("-", "_")
-            cli_values[field] = _decode_text(field, value, source=f"CLI flag {cli_flag(field)}")
-        layers.append(("CLI flags", cli_values))
+            cli_values[field] = _decode_text(field, value, source=field_source(field))
+        layers.append((cli_source, cli_values, field_source))
     merged, sources = _merge(layers)
     try:
-        return KvtierConfig.model_validate(merged)
+        config = KvtierConfig.model_validate(merged, context={"layout_from_engine": layout_from_engine})
     except ValidationError as exc:
         raise ConfigError(explain(exc, KvtierConfig, sources=sources)) from None
     except ConfigError as exc:  # raised inside a validator that pydantic let through
         raise ConfigError(str(exc)) from None
+    config.record_sources(sources)
+    return config
+
+
+def env_source(field: str) -> str:
+    """``cpu_bytes`` -> ``"environment variable KVTIER_CPU_BYTES"``."""
+    return f"environment variable {env_var(field)}"
+
+
+def cli_flag_source(field: str) -> str:
+    """``cpu_bytes`` -> ``"CLI flag --cpu-bytes"``."""
+    return f"CLI flag {cli_flag(field)}"

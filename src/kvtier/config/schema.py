@@ -18,6 +18,8 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -80,6 +82,7 @@ class KvtierConfig(BaseModel):
     """The whole kvtier configuration. See ``docs/configuration.md`` for every field."""
 
     model_config = ConfigDict(extra="forbid", validate_default=True)
+    _sources: dict[str, str] = PrivateAttr(default_factory=dict)
 
     cpu_bytes: int | None = Field(
         default=None,
@@ -161,11 +164,24 @@ class KvtierConfig(BaseModel):
         return [_validate_tier(i, spec) for i, spec in enumerate(value)]
 
     @model_validator(mode="after")
-    def _geometry_complete(self) -> KvtierConfig:
+    def _geometry_complete(self, info: ValidationInfo) -> KvtierConfig:
         if self.cpu_bytes is not None and self.num_cpu_blocks is not None:
             raise ValueError("cpu_bytes and num_cpu_blocks are both set: set only one of them")
-        self.kv_geometry()  # raises a ValueError naming the missing fields
+        if not (info.context or {}).get("layout_from_engine"):
+            self.kv_geometry()  # raises a ValueError naming the missing fields
         return self
+
+    # ----------------------------------------------------------------- where values came from
+
+    def record_sources(self, sources: Mapping[str, str]) -> None:
+        """Remember where each field's value came from (the loader calls it once)."""
+        self._sources = {k: v for k, v in sources.items() if k in type(self).model_fields}
+
+    @property
+    def sources(self) -> dict[str, str]:
+        """Every field's source: ``"file kv.yaml"``, ``"environment variable KVTIER_X"``,
+        ``"CLI flag --x"`` (or the caller's name for its values), or ``"default"``."""
+        return {name: self._sources.get(name, "default") for name in type(self).model_fields}
 
     # ----------------------------------------------------------------- derived values
 

@@ -63,7 +63,8 @@ class TierContext:
         self.rows = np.empty((0, 0), dtype=np.uint8)
 
     @property
-    def geometry(self) -> KVGeometry:
+    def geometry(self) -> KVGeometry | None:
+        """The namespace's KV layout (``None`` for an engine whose rows are opaque bytes)."""
         return self.namespace.geometry
 
     @property
