@@ -88,6 +88,6 @@ def explain(
         name = ".".join(str(p) for p in loc)
         top = str(loc[0]) if loc else ""
         where = f" (from {sources[top]})" if sources and top in sources else ""
-        label = f"{prefix} {name!r}" if prefix and name else (name or prefix or "config")
+        label = f"{prefix} {name!r}" if prefix and name else (name or prefix.split(" ")[0] or "config")
         lines.append(f"{label}{where}: " + "; or ".join(messages))
     return "; ".join(lines)

@@ -160,6 +160,8 @@ def load_config(
     cli: Mapping[str, Any] | None = None,
     *,
     cli_source: str = "CLI flags",
+    defaults: Mapping[str, Any] | None = None,
+    defaults_source: str = "defaults",
     layout_from_engine: bool = False,
 ) -> KvtierConfig:
     """Resolve the configuration from a file, environment variables and CLI values.
@@ -169,12 +171,16 @@ def load_config(
     given". Strings for ``tiers``/``geometry`` in env and CLI are parsed as JSON.
     ``cli_source`` names where ``cli`` came from in messages and in
     :attr:`KvtierConfig.sources` (an engine integration passes its own, e.g.
-    ``"kv_connector_extra_config"``). ``layout_from_engine`` skips the check that
+    ``"kv_connector_extra_config"``). ``defaults`` replace the schema's defaults
+    below every other source (a command with its own defaults, such as
+    ``kvtier bench``); ``defaults_source`` names them. ``layout_from_engine`` skips the check that
     ``model``/``geometry`` describe a complete KV layout, for an engine that
     supplies the block size itself. Raises :class:`ConfigError` naming the
     field, its source and the fix.
     """
     layers: list[_Layer] = []
+    if defaults:
+        layers.append((defaults_source, dict(defaults), lambda _field: defaults_source))
     if file is not None:
         name = f"file {os.fspath(file)}"
         layers.append((name, _read_file(os.fspath(file)), lambda _field: name))
@@ -191,7 +197,9 @@ def load_config(
         layers.append((cli_source, cli_values, field_source))
     merged, sources = _merge(layers)
     try:
-        config = KvtierConfig.model_validate(merged, context={"layout_from_engine": layout_from_engine})
+        config = KvtierConfig.model_validate(
+            merged, context={"layout_from_engine": layout_from_engine, "sources": sources}
+        )
     except ValidationError as exc:
         raise ConfigError(explain(exc, KvtierConfig, sources=sources)) from None
     except ConfigError as exc:  # raised inside a validator that pydantic let through

@@ -167,8 +167,15 @@ class KvtierConfig(BaseModel):
     def _geometry_complete(self, info: ValidationInfo) -> KvtierConfig:
         if self.cpu_bytes is not None and self.num_cpu_blocks is not None:
             raise ValueError("cpu_bytes and num_cpu_blocks are both set: set only one of them")
-        if not (info.context or {}).get("layout_from_engine"):
-            self.kv_geometry()  # raises a ValueError naming the missing fields
+        context = info.context or {}
+        if not context.get("layout_from_engine"):
+            try:
+                self.kv_geometry()
+            except ValueError as exc:
+                sources = context.get("sources") or {}
+                given = [f"{name} from {sources[name]}" for name in ("model", "geometry") if name in sources]
+                where = f" ({', '.join(given)})" if given else ""
+                raise ValueError(f"{exc}{where}") from None
         return self
 
     # ----------------------------------------------------------------- where values came from
