@@ -77,11 +77,12 @@ from kvtier.region_file import (
     creator_alive,
     link_fd,
     read_header,
-    round_up,
     sweep,
     tmpfile_unsupported,
     unlink_if_same,
 )
+from kvtier.units import format_size as format_bytes
+from kvtier.units import round_up as round_up
 from kvtier.untrusted import flock_within, inspect_entry, lock_range, reopen, try_flock, try_lock_range, unlock_range
 
 logger = logging.getLogger(__name__)
@@ -101,14 +102,6 @@ __all__ = [
     "region_path",
     "round_up",
 ]
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def region_path(name: str, shm_dir: str | os.PathLike[str] = "/dev/shm") -> Path:

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.errors import UnsafeEntryError
+from kvtier.units import round_up
 from kvtier.untrusted import (
     inspect_entry,
     lock_range,
@@ -71,10 +72,6 @@ NAME_LOCK_OFFSET = 1536
 GENERATION_BYTES = 16
 NAME_LOCK_TIMEOUT = 5.0
 """Seconds to wait for a name lock; holders keep it for microseconds."""
-
-
-def round_up(n: int, to: int = PAGE_SIZE) -> int:
-    return -(-n // to) * to
 
 
 @dataclass(frozen=True)
