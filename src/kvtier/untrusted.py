@@ -83,9 +83,16 @@ def open_regular(
     """
     try:
         fd = os.open(path, flags | SAFE_OPEN_FLAGS, mode, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
     except OSError as exc:
-        if exc.errno == errno.ELOOP:  # the last component is a symlink
-            raise UnsafeEntryError(path, "a symbolic link") from None
+        # ELOOP: a symlink; ENXIO: a socket; EINVAL: O_DIRECT on a FIFO... say what is there.
+        try:
+            st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            raise exc from None
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeEntryError(path, kind_of(st.st_mode)) from None
         raise
     try:
         check_regular(os.fstat(fd), path, owner)
