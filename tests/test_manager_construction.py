@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,18 +23,6 @@ def _free(directory: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _region_fds(directory: Path) -> list[str]:
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(str(directory)):
-            out.append(target)
-    return out
-
-
 def _region_mappings(directory: Path) -> list[str]:
     return [line for line in Path("/proc/self/maps").read_text().splitlines() if str(directory) in line]
 
@@ -47,7 +36,7 @@ def _region_mappings(directory: Path) -> list[str]:
     ids=["tier-constructor-raises", "fs-root-unusable"],
 )
 def test_failed_creates_return_the_memory_fds_and_mappings(
-    private_shm: Path, tiers: list[dict], caplog: pytest.LogCaptureFixture
+    private_shm: Path, tiers: list[dict], caplog: pytest.LogCaptureFixture, open_fds: Callable[[Path], list[str]]
 ) -> None:
     """Three failed 64 MiB creates used to keep 192 MiB of /dev/shm mapped (path unlinked, fd and
     mapping alive, invisible to ls and sweep-shm) for as long as the exceptions lived."""
@@ -60,13 +49,15 @@ def test_failed_creates_return_the_memory_fds_and_mappings(
             kept.append(info.value)  # the caller keeps the exception and its traceback
     assert all(e.__traceback__ is not None for e in kept)
     assert before - _free(private_shm) < 8 << 20, "the failed regions' memory is still held"
-    assert _region_fds(private_shm) == [] and _region_mappings(private_shm) == []
+    assert open_fds(private_shm) == [] and _region_mappings(private_shm) == []
     assert not list(private_shm.iterdir())
     alarming = [r.getMessage() for r in caplog.records if r.name.startswith("kvtier") and r.levelno >= logging.WARNING]
     assert alarming == [], "a cleanup that succeeded says nothing alarming"
 
 
-def test_bad_options_are_refused_before_anything_is_created(private_shm: Path) -> None:
+def test_bad_options_are_refused_before_anything_is_created(
+    private_shm: Path, open_fds: Callable[[Path], list[str]]
+) -> None:
     for kwargs in (
         {"policy": "no-such-policy"},
         {"tiers": [{"type": "fs", "root": str(private_shm), "read_threads": 0}]},
@@ -75,4 +66,4 @@ def test_bad_options_are_refused_before_anything_is_created(private_shm: Path) -
     ):
         with pytest.raises(ConfigError):
             TieringManager.create(namespace=NS, num_cpu_blocks=REGION_BLOCKS, shm_dir=private_shm, **kwargs)
-        assert not list(private_shm.iterdir()) and _region_fds(private_shm) == []
+        assert not list(private_shm.iterdir()) and open_fds(private_shm) == []

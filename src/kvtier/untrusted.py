@@ -28,6 +28,7 @@ import os
 import stat
 import struct
 import time
+from collections.abc import Callable
 
 from kvtier.errors import UnsafeEntryError
 
@@ -40,23 +41,20 @@ _F_OFD_SETLK: int = getattr(fcntl, "F_OFD_SETLK", 37)
 _FLOCK = struct.Struct("@hhqqi4x")
 
 
+_KINDS = {
+    stat.S_IFREG: "a regular file",
+    stat.S_IFLNK: "a symbolic link",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFDIR: "a directory",
+}
+
+
 def kind_of(mode: int) -> str:
     """What a ``st_mode`` is, in words ("a FIFO", "a symbolic link", ...)."""
-    if stat.S_ISREG(mode):
-        return "a regular file"
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode):
-        return "a character device"
-    if stat.S_ISBLK(mode):
-        return "a block device"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    return f"an entry of unknown type {stat.S_IFMT(mode):o}"
+    return _KINDS.get(stat.S_IFMT(mode), f"an entry of unknown type {stat.S_IFMT(mode):o}")
 
 
 def check_regular(st: os.stat_result, path: str | os.PathLike[str], owner: int | None = None) -> None:
@@ -141,19 +139,24 @@ def try_lock_range(fd: int, start: int, length: int = 1, exclusive: bool = True)
     return True
 
 
-def lock_range(fd: int, start: int, length: int = 1, *, timeout: float, what: str = "lock") -> None:
+def _retry(attempt: Callable[[], bool], timeout: float, what: str) -> None:
+    """Call ``attempt`` until it succeeds, sleeping between tries, for at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    delay = 0.0005
+    while not attempt():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"could not take {what} within {timeout}s: another process holds it")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.02)
+
+
+def lock_range(fd: int, start: int, length: int = 1, *, timeout: float, what: str = "the lock") -> None:
     """Take an exclusive OFD lock, retrying for at most ``timeout`` seconds (never a blocking wait).
 
     Raises TimeoutError naming ``what``. Holders of kvtier's locks keep them for
     microseconds; only a stuck or hostile process of the same user makes this time out.
     """
-    deadline = time.monotonic() + timeout
-    delay = 0.0005
-    while not try_lock_range(fd, start, length):
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"could not take the {what} within {timeout}s: another process holds it")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.02)
+    _retry(lambda: try_lock_range(fd, start, length), timeout, what)
 
 
 def unlock_range(fd: int, start: int, length: int = 1) -> None:
@@ -178,13 +181,7 @@ def try_flock(fd: int, exclusive: bool) -> bool:
 
 def flock_within(fd: int, exclusive: bool, timeout: float, what: str) -> None:
     """``flock``, retrying for at most ``timeout`` seconds; TimeoutError naming ``what``."""
-    deadline = time.monotonic() + timeout
-    delay = 0.0005
-    while not try_flock(fd, exclusive):
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"could not lock {what} within {timeout}s: another process holds it")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.02)
+    _retry(lambda: try_flock(fd, exclusive), timeout, f"a lock on {what}")
 
 
 __all__ = [

@@ -8,7 +8,7 @@ import os
 import stat
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -233,30 +233,20 @@ def test_a_shared_group_gets_group_access(tmp_path: Path, rows: np.ndarray) -> N
 # --- construction failure -------------------------------------------------------------------------
 
 
-def _open_fds_under(path: Path) -> list[str]:
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(str(path)):
-            out.append(target)
-    return out
-
-
 @pytest.mark.parametrize(
     "options",
     [{"max_bytes": 100}, {"read_threads": 0}, {"max_queued_stores": 0}, {"share_group": "no-such-group-kvtier"}],
 )
-def test_invalid_options_leave_no_temp_dir_and_no_lock(tmp_path: Path, rows: np.ndarray, options: dict) -> None:
+def test_invalid_options_leave_no_temp_dir_and_no_lock(
+    tmp_path: Path, rows: np.ndarray, options: dict, open_fds: Callable[[Path], list[str]]
+) -> None:
     root = tmp_path / "root"
     _ns_dir(root, rows)  # the namespace directory exists; a failed start must add nothing to it
     before = sorted(p.relative_to(root) for p in root.rglob("*"))
     with pytest.raises(ConfigError):
         make_tier(root, rows, BB, **options)
     assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
-    assert _open_fds_under(root) == []
+    assert open_fds(root) == []
 
 
 # --- inspect --------------------------------------------------------------------------------------
