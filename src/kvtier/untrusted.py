@@ -92,12 +92,7 @@ def open_regular(
         if not stat.S_ISREG(st.st_mode):
             raise UnsafeEntryError(path, kind_of(st.st_mode)) from None
         raise
-    try:
-        check_regular(os.fstat(fd), path, owner)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return _proven_regular(fd, path, owner)
 
 
 def inspect_entry(path: str | os.PathLike[str], owner: int | None = None) -> int:
@@ -106,7 +101,11 @@ def inspect_entry(path: str | os.PathLike[str], owner: int | None = None) -> int
     A device, FIFO or socket is looked at but never opened; a symlink is never followed.
     Raises :class:`UnsafeEntryError` (nothing left open) or FileNotFoundError.
     """
-    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    return _proven_regular(os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC), path, owner)
+
+
+def _proven_regular(fd: int, path: str | os.PathLike[str], owner: int | None) -> int:
+    """``fd`` if it is a regular file (of ``owner``); else close it and raise UnsafeEntryError."""
     try:
         check_regular(os.fstat(fd), path, owner)
     except BaseException:
