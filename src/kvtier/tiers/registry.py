@@ -82,7 +82,7 @@ def _tier_type(spec: Any, where: str) -> str:
         )
     if ":" not in tier_type and tier_type not in _BUILTIN and tier_type not in _registered:
         raise ConfigError(
-            f"{where}.type {tier_type!r} is unknown: use one of {tier_names()} "
+            f"{where}.type {tier_type!r}: unknown tier type {tier_type!r}: use one of {tier_names()} "
             "or an import path 'package.module:ClassName'"
         )
     return tier_type

@@ -157,7 +157,7 @@ def test_a_tier_without_a_model_is_checked_against_its_constructor(plugin: str) 
     [
         ([1], "must be a mapping"),
         ({"root": "/x"}, "needs a 'type'"),
-        ({"type": "nfs"}, "'nfs' is unknown"),
+        ({"type": "nfs"}, "unknown tier type 'nfs'"),
         ({"type": "os:path"}, "does not name a SecondaryTier subclass"),
         ({"type": "fs", "root": "/x", "max_bytes": "much"}, "option 'max_bytes'"),
         ({"type": "fs", "root": "/x", "direct_io": "sometimes"}, "option 'direct_io'"),
