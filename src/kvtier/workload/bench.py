@@ -663,7 +663,7 @@ def describe_options(options: BenchOptions) -> str:
     """One line for the console: sizes and tiers of the run."""
     base = options.base_config
     if base is not None:
-        cpu = format_size(base.resolved_num_cpu_blocks() * base.row_stride)
+        cpu = format_size(base.cpu_bytes) if base.cpu_bytes is not None else f"{base.num_cpu_blocks} blocks"
         tiers = [f"cpu {cpu}"] + [f"{t['type']} {t.get('root') or t.get('url') or ''}".strip() for t in base.tiers]
         model = base.model
     else:

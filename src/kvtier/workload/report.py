@@ -120,7 +120,8 @@ def print_bench(result: BenchResult, console: Console | None = None) -> None:
     console.print(summary)
     for label, watch in result.tier_health.items():
         if watch.unreachable:
-            console.print(f"{label} tier out of service: {watch.detail or 'no detail'}", soft_wrap=True, highlight=False)
+            detail = watch.detail or "no detail"
+            console.print(f"{label} tier out of service: {detail}", soft_wrap=True, highlight=False, markup=False)
     console.print(hits)
     console.print(moved)
     for line in BENCH_NOTES:
