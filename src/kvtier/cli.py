@@ -296,6 +296,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         check_plot_file(args.plot)
     config = _bench_config(args)
     options = _bench_options(args, config)
+    options.config(options.fs_root)  # the tiers the bench adds (--redis ...) are checked before anything runs
     err = _stderr_console()
     _say(err, f"kvtier bench: {describe_options(options)}")
     chosen = [f"{name} ({source})" for name, source in config.sources.items() if "default" not in source]
@@ -607,6 +608,8 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
     print("settings (default < --config file < KVTIER_* environment < flags):")
     width = max(len(name) for name in info["config"])
     for name, value in info["config"].items():
+        if name == "geometry":  # only the fields given; the rest come from the model preset
+            value = {k: v for k, v in value.items() if v is not None}
         print(f"  {name:<{width}} = {json.dumps(value)}  ({info['sources'][name]})")
     return 0
 
