@@ -70,17 +70,6 @@ class TierWatch:
         """True if the tier was out of service (breaker open) at any sampled step."""
         return self.steps_out_of_service > 0
 
-    @staticmethod
-    def _timeline_entry(r: RequestRecord) -> dict[str, Any]:
-        return {
-            "req_id": r.req_id,
-            "t": r.scheduled_s,
-            "blocks": r.blocks,
-            "device": r.device_hits,
-            **r.tier_hits,
-            "computed": r.computed,
-        }
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "state_at_end": self.state,
