@@ -192,6 +192,20 @@ def test_sweep_commands_honour_the_environment(private_shm: Path) -> None:
     assert "is not a directory" in line
 
 
+def test_replay_honours_the_environment_and_checks_its_output(tmp_path: Path, private_shm: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 1024, "output_length": 8,
+                                         "hash_ids": [0, 1, i]}) + "\n" for i in range(2, 6)))  # fmt: skip
+    env = {"KVTIER_POLICY": "arc", "KVTIER_SHM_DIR": str(private_shm)}
+    out = run("replay", str(trace), "--capacity", "10", env=env)
+    assert out.returncode == 0, out.stderr
+    assert "(policy arc)" in out.stdout
+    out = run("replay", str(trace), "--capacity", "10", "--policy", "lru", env=env)
+    assert out.returncode == 0 and "(policy lru)" in out.stdout
+    line = one_line_error(run("replay", str(trace), "--json", str(tmp_path / "missing" / "r.json"), env=env))
+    assert "--json" in line and "does not exist" in line
+
+
 # --------------------------------------------------------------------------- outputs checked before the run
 
 

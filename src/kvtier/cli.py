@@ -345,14 +345,14 @@ def _add_replay(sub: Any) -> None:
         "--capacity", type=_capacities, default=_capacities(DEFAULT_CAPACITIES),
         help=f"CPU tier sizes in blocks, comma separated (default {DEFAULT_CAPACITIES})",
     )  # fmt: skip
-    p.add_argument("--policy", default="lru", help="eviction policy (default lru)")
-    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--policy", default=None, help="eviction policy (default: KVTIER_POLICY, else lru)")
+    p.add_argument("--limit", type=_int_at_least(1), default=None, help="replay only the first N requests")
     p.add_argument("--no-belady", action="store_true", help="skip the Belady reference")
     p.add_argument(
         "--fs-root", default=None,
         help="also cascade to an fs tier in this directory (real bytes of small blocks); per-tier hit rates",
     )  # fmt: skip
-    p.add_argument("--shm-dir", default="/dev/shm", help="directory of the CPU region (default /dev/shm)")
+    p.add_argument("--shm-dir", default=None, help="directory of the CPU region (default: KVTIER_SHM_DIR, /dev/shm)")
     p.add_argument("--json", metavar="FILE", default=None, help="write the sweep as JSON")
     p.set_defaults(func=_cmd_replay)
 
@@ -365,6 +365,10 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     from kvtier.workload.simulate import HitRateResult, belady_hit_rate, unbounded_hit_rate
     from kvtier.workload.trace import FlatTrace, read_trace, trace_summary
 
+    settings = load_config(cli={"policy": args.policy, "shm_dir": args.shm_dir})  # env < flags
+    args.policy, args.shm_dir = settings.policy, settings.shm_dir
+    if args.json:
+        check_output_file(args.json, "--json")
     requests = read_trace(args.trace, limit=args.limit)
     if not requests:
         raise ConfigError(f"trace {args.trace!r} holds no requests")
