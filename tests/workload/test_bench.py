@@ -146,3 +146,10 @@ def test_an_unreachable_tier_is_announced_or_with_strict_refused(private_shm: Pa
 def test_bench_options_refuse_values_no_run_can_use(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
         BenchOptions(**{field: value})  # type: ignore[arg-type]
+
+
+def test_the_console_line_never_shows_credentials() -> None:
+    from kvtier.workload.bench import describe_options
+
+    line = describe_options(BenchOptions(redis_url="redis://user:hunter2@10.0.0.1:6379/0", fs_root="/data/kv"))
+    assert "hunter2" not in line and "redis redis://10.0.0.1:6379/0" in line and "fs /data/kv" in line

@@ -36,6 +36,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvtier.config import KvtierConfig, build_manager, load_config
 from kvtier.errors import ConfigError, KvtierError
@@ -659,12 +660,23 @@ def options_from_args(**kwargs: Any) -> BenchOptions:
     return BenchOptions(**kwargs)
 
 
+def _where(spec: dict[str, Any]) -> str:
+    """Where a tier keeps its data, for the console: a directory, or a URL without its credentials."""
+    if spec.get("root"):
+        return str(spec["root"])
+    url = spec.get("url")
+    if not isinstance(url, str):
+        return ""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname or ''}{f':{parts.port}' if parts.port else ''}{parts.path}"
+
+
 def describe_options(options: BenchOptions) -> str:
-    """One line for the console: sizes and tiers of the run."""
+    """One line for the console: sizes and tiers of the run (no credentials)."""
     base = options.base_config
     if base is not None:
         cpu = format_size(base.cpu_bytes) if base.cpu_bytes is not None else f"{base.num_cpu_blocks} blocks"
-        tiers = [f"cpu {cpu}"] + [f"{t['type']} {t.get('root') or t.get('url') or ''}".strip() for t in base.tiers]
+        tiers = [f"cpu {cpu}"] + [f"{t['type']} {_where(t)}".strip() for t in base.tiers]
         model = base.model
     else:
         tiers = ["cpu " + format_size(options.cpu_bytes)]
@@ -672,7 +684,7 @@ def describe_options(options: BenchOptions) -> str:
     if options.fs:
         tiers.append("fs " + (options.fs_root or "(temp dir)"))
     if options.redis_url:
-        tiers.append("redis " + options.redis_url)
+        tiers.append("redis " + _where({"url": options.redis_url}))
     return f"model {model}, device pool {options.device_blocks} blocks, tiers: " + ", ".join(tiers)
 
 
