@@ -579,6 +579,83 @@ def verify_root(
     return RootReport(str(base), reports)
 
 
+@dataclass
+class _Verification:
+    """What :func:`_verify_namespace` found so far, shard by shard."""
+
+    digest: bytes
+    block_bytes: int | None
+    check_payloads: bool
+    remove_corrupt: bool
+    entries: int = 0
+    total: int = 0
+    verified: int = 0
+    removed: int = 0
+    corrupt: list[CorruptEntry] = field(default_factory=list)
+    unsafe: list[CorruptEntry] = field(default_factory=list)
+    foreign: list[str] = field(default_factory=list)
+    buf: bytearray | None = None
+    header: memoryview = field(default_factory=lambda: memoryview(bytearray(PAGE)))
+
+
+def _verify_shard(ns_dir: Path, shard: str, v: _Verification) -> None:
+    """Count (and with payload checks, read and verify) the values of one shard, following no link."""
+    try:
+        shard_fd = os.open(ns_dir / shard, DIR_FLAGS)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        v.unsafe.append(CorruptEntry(str(ns_dir / shard), f"not a directory ({exc.strerror or exc})"))
+        return
+    try:
+        for entry in sorted(os.scandir(shard_fd), key=lambda e: e.name):
+            path = ns_dir / shard / entry.name
+            key = parse_value_name(shard, entry.name)
+            if key is None:
+                v.foreign.append(str(path))
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                v.unsafe.append(CorruptEntry(str(path), kind_of(st.st_mode)))
+                continue
+            v.entries += 1
+            v.total += st.st_size
+            if v.check_payloads and v.block_bytes is not None:
+                _verify_value(shard_fd, entry.name, path, key, st, v)
+    finally:
+        os.close(shard_fd)
+
+
+def _verify_value(shard_fd: int, name: str, path: Path, key: bytes, st: os.stat_result, v: _Verification) -> None:
+    assert v.block_bytes is not None
+    if v.buf is None:
+        v.buf = bytearray(v.block_bytes)
+    try:
+        fd = open_regular(name, os.O_RDONLY, dir_fd=shard_fd)
+        try:
+            read_value(fd, os.fstat(fd).st_size, v.header, memoryview(v.buf), namespace=v.digest, key=key,
+                       block_bytes=v.block_bytes, direct=False, name=str(path))  # fmt: skip
+        finally:
+            os.close(fd)
+        v.verified += 1
+    except CorruptValueError as exc:
+        v.corrupt.append(CorruptEntry(str(path), str(exc)))
+        if v.remove_corrupt and st.st_uid == os.geteuid():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=shard_fd)
+            v.removed += 1
+    except UnsafeEntryError as exc:
+        v.entries -= 1
+        v.unsafe.append(CorruptEntry(str(path), exc.reason))
+    except FileNotFoundError:
+        v.entries -= 1
+    except OSError as exc:
+        v.corrupt.append(CorruptEntry(str(path), f"unreadable: {exc}"))
+
+
 def _verify_namespace(ns_dir: Path, check_payloads: bool, remove_corrupt: bool) -> NamespaceReport:
     manifest: dict[str, Any] | None = None
     manifest_error: str | None = None
@@ -593,67 +670,11 @@ def _verify_namespace(ns_dir: Path, check_payloads: bool, remove_corrupt: bool) 
     block_bytes = manifest.get("block_bytes") if manifest else None
     usable = manifest_error is None and isinstance(block_bytes, int) and block_bytes > 0
     digest = bytes.fromhex(ns_dir.name) if re.fullmatch(r"[0-9a-f]{32}", ns_dir.name) else b""
-
-    entries = total = verified = removed = 0
-    corrupt: list[CorruptEntry] = []
-    unsafe: list[CorruptEntry] = []
-    foreign: list[str] = []
-    buf: bytearray | None = None
-    header = memoryview(bytearray(PAGE))
-    uid = os.geteuid()
+    v = _Verification(digest, block_bytes if usable else None, check_payloads, remove_corrupt)
     for shard in SHARDS:
-        try:
-            shard_fd = os.open(ns_dir / shard, DIR_FLAGS)
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            unsafe.append(CorruptEntry(str(ns_dir / shard), f"not a directory ({exc.strerror or exc})"))
-            continue
-        try:
-            for entry in sorted(os.scandir(shard_fd), key=lambda e: e.name):
-                path = ns_dir / shard / entry.name
-                key = parse_value_name(shard, entry.name)
-                if key is None:
-                    foreign.append(str(path))
-                    continue
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if not stat.S_ISREG(st.st_mode):
-                    unsafe.append(CorruptEntry(str(path), kind_of(st.st_mode)))
-                    continue
-                entries += 1
-                total += st.st_size
-                if not (check_payloads and usable):
-                    continue
-                assert isinstance(block_bytes, int)
-                if buf is None:
-                    buf = bytearray(block_bytes)
-                try:
-                    fd = open_regular(entry.name, os.O_RDONLY, dir_fd=shard_fd)
-                    try:
-                        size = os.fstat(fd).st_size
-                        read_value(fd, size, header, memoryview(buf), namespace=digest, key=key,
-                                   block_bytes=block_bytes, direct=False, name=str(path))  # fmt: skip
-                    finally:
-                        os.close(fd)
-                    verified += 1
-                except CorruptValueError as exc:
-                    corrupt.append(CorruptEntry(str(path), str(exc)))
-                    if remove_corrupt and st.st_uid == uid:
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(entry.name, dir_fd=shard_fd)
-                        removed += 1
-                except UnsafeEntryError as exc:
-                    entries -= 1
-                    unsafe.append(CorruptEntry(str(path), exc.reason))
-                except FileNotFoundError:
-                    entries -= 1
-                except OSError as exc:
-                    corrupt.append(CorruptEntry(str(path), f"unreadable: {exc}"))
-        finally:
-            os.close(shard_fd)
+        _verify_shard(ns_dir, shard, v)
+    entries, total, verified, removed = v.entries, v.total, v.verified, v.removed
+    corrupt, unsafe, foreign = v.corrupt, v.unsafe, v.foreign
     live = stale = 0
     for state in temp_dirs(ns_dir):
         if state.live:
