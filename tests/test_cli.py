@@ -205,7 +205,9 @@ def test_replay_usage_errors_name_the_fix(tmp_path: Path) -> None:
     out = run("replay", "--synthetic", "chat", "--capacity", "150%")
     assert out.returncode == 2 and "(0%, 100%]" in out.stderr
     out = run("replay", "--synthetic", "chat", "--requests", "0")
-    assert out.returncode == 2 and "requests must be a positive number" in out.stderr
+    assert out.returncode == 2 and "--requests: must be at least 1, got 0" in out.stderr
+    out = run("replay", "--synthetic", "chat", "--json", str(tmp_path / "no" / "r.json"))
+    assert out.returncode == 2 and "does not exist" in out.stderr
 
 
 def test_replay_gives_each_run_its_own_fs_tier(tmp_path: Path, private_shm: Path) -> None:

@@ -206,7 +206,7 @@ def test_unknown_env_var_is_ignored_with_a_warning(caplog: pytest.LogCaptureFixt
         ({"policy": "pkg.mod:"}, {}, ["policy", "package.module:ClassName"]),
         ({"model": "acme/unknown"}, {}, ["not a preset", "num_layers", "geometry="]),
         ({"model": " "}, {}, ["model", "preset name"]),
-        ({"geometry": '{"num_layer": 3}'}, {}, ["geometry.num_layer", "known geometry fields"]),
+        ({"geometry": '{"num_layer": 3}'}, {}, ["geometry.num_layer", "did you mean 'num_layers'", "known names"]),
         ({"geometry": '{"head_dim": -1}'}, {}, ["geometry.head_dim", "greater than 0"]),
         ({"geometry": '{"dtype": "float7"}'}, {}, ["dtype", "bfloat16"]),
         ({"geometry": '{"kv_factor": 3}'}, {}, ["geometry.kv_factor", "1 or 2"]),
@@ -261,9 +261,11 @@ def test_errors_name_their_source(tmp_path: Path) -> None:
         load_config(path, env={})
 
 
-def test_custom_tier_import_path_passes_options_through() -> None:
-    config = load_config(env={}, cli={"tiers": [{"type": "mypkg.tiers:Custom", "anything": 1}]})
-    assert config.tiers == [{"type": "mypkg.tiers:Custom", "anything": 1}]
+def test_unimportable_tier_import_path_is_refused_when_the_config_loads() -> None:
+    """An import path is checked when the config loads, not when the engine starts (tiers/test_registry.py
+    covers out-of-tree tiers that do import)."""
+    with pytest.raises(ConfigError, match=r"tiers\[0\].*'mypkg\.tiers' failed to import"):
+        load_config(env={}, cli={"tiers": [{"type": "mypkg.tiers:Custom", "anything": 1}]})
 
 
 def test_schema_is_serializable() -> None:
@@ -300,3 +302,30 @@ def test_docs_configuration_md_is_in_step_with_the_schema() -> None:
     )
     for name in KvtierConfig.model_fields:
         assert f"`{name}`" in expected
+
+
+def test_sources_name_where_each_value_came_from(tmp_path: Path) -> None:
+    path = write(tmp_path, "kv.yaml", "policy: arc\nmodel: tiny\ngeometry:\n  tokens_per_block: 32\n")
+    config = load_config(
+        path,
+        env={"KVTIER_SHM_DIR": str(tmp_path)},
+        cli={"cpu_bytes": "8MiB", "geometry": '{"dtype": "float16"}'},
+        defaults={"model": "qwen2.5-0.5b", "region_name": "r"},
+        defaults_source="my defaults",
+    )
+    assert config.sources == {
+        "cpu_bytes": "CLI flag --cpu-bytes",
+        "num_cpu_blocks": "default",
+        "policy": f"file {path}",
+        "model": f"file {path}",
+        "model_revision": "default",
+        "geometry": "CLI flag --geometry",  # merged key by key; the last source that touched it
+        "shm_dir": "environment variable KVTIER_SHM_DIR",
+        "region_name": "my defaults",
+        "tiers": "default",
+        "shutdown_timeout": "default",
+    }
+    assert config.kv_geometry().tokens_per_block == 32 and config.kv_geometry().dtype == "float16"
+    engine = load_config(env={}, cli={"policy": "arc"}, cli_source="extra_config")
+    assert engine.sources["policy"] == "extra_config['policy']"
+    assert engine.model_copy().sources == engine.sources

@@ -104,9 +104,17 @@ def test_round_trip_through_manager_is_byte_exact(tmp_path: Path, direct_io: boo
         mgr.shutdown()
 
 
-def test_warm_restart_through_a_new_manager(tmp_path: Path) -> None:
+@pytest.mark.parametrize("key_kind", ["prefix", "long"])
+def test_warm_restart_through_a_new_manager(tmp_path: Path, key_kind: str) -> None:
+    """A new manager over the same root finds the blocks; keys longer than 32 bytes (vLLM's
+    36-byte offload keys, up to MAX_KEY_BYTES) are stored and named as they are."""
+    from kvtier.tiers.format import MAX_KEY_BYTES
+
     rng = np.random.default_rng(4)
-    keys = prefix_keys(rng.integers(0, 50_000, 16 * 4), 16, namespace=NS)
+    if key_kind == "prefix":
+        keys = prefix_keys(rng.integers(0, 50_000, 16 * 4), 16, namespace=NS)
+    else:
+        keys = [bytes([i]) * n for i, n in enumerate((36, 33, MAX_KEY_BYTES), start=1)]
     device = rng.integers(0, 256, (len(keys), BLOCK_BYTES), dtype=np.uint8)
 
     first = _manager(tmp_path)
@@ -117,8 +125,10 @@ def test_warm_restart_through_a_new_manager(tmp_path: Path) -> None:
             first.rows[slot, :BLOCK_BYTES] = device[i]
         first.complete_store(keys)
         _settle(first)
+        assert first.tiers[0].stats.stores_failed == 0
     finally:
         first.shutdown()
+    assert {p.name for p in tmp_path.rglob("*.kv")} == {k.hex() + ".kv" for k in keys}
 
     second = _manager(tmp_path)
     try:
