@@ -21,6 +21,7 @@ from kvtier.config import (
 )
 from kvtier.errors import ConfigError
 from kvtier.keys import KVGeometry, Namespace
+from kvtier.policies import DEFAULT_POLICY
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
@@ -174,7 +175,7 @@ def test_toml_and_yaml_kvtier_section(tmp_path: Path) -> None:
     yaml = write(tmp_path, "kv.yml", "kvtier:\n  policy: arc\n")
     assert load_config(yaml, env={}).policy == "arc"
     empty = write(tmp_path, "empty.yaml", "")
-    assert load_config(empty, env={}).policy == "lru"
+    assert load_config(empty, env={}).policy == DEFAULT_POLICY == "return-time"
 
 
 def test_env_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -389,7 +389,8 @@ def _add_replay(sub: Any) -> None:
     p.add_argument(
         "--capacity", type=_capacity_list, default=None,
         help="CPU tier sizes, comma separated: blocks, or shares of the distinct blocks like 5%% "
-        f"(default {DEFAULT_CAPACITIES} for a trace, {DEFAULT_SYNTHETIC_CAPACITIES} for --synthetic)",
+        f"(default {DEFAULT_CAPACITIES} for a trace, "
+        f"{DEFAULT_SYNTHETIC_CAPACITIES.replace('%', '%%')} for --synthetic)",
     )  # fmt: skip
     p.add_argument(
         "--policy", type=_policy_list, default=None,
@@ -466,7 +467,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     )
     out.print(f"unbounded cache prefix-hit rate: {100 * unbounded.hit_rate:.1f}%")
     rows = replay_rows(runs, args.policy, belady, unbounded)
-    out.print(replay_table(rows, f"prefix-hit rate vs CPU capacity ({', '.join(rows[0]['policies'])})"))
+    named = f"policy {args.policy[0]}" if len(args.policy) == 1 else f"policies {', '.join(args.policy)}"
+    out.print(replay_table(rows, f"prefix-hit rate vs CPU capacity ({named})"))
     single = len(args.policy) == 1
     for row in rows:
         bel = row["belady"]

@@ -95,7 +95,7 @@ class KvtierConfig(BaseModel):
         default=None, gt=0, description="Size of the CPU tier in blocks (instead of cpu_bytes)."
     )
     policy: str = Field(
-        default="lru",
+        default="return-time",
         description=("CPU-tier eviction policy: 'lru', 'arc', or an import path 'package.module:Class'."),
     )
     model: str = Field(

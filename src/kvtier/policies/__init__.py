@@ -11,7 +11,7 @@ from kvtier.policies.return_time import ReturnTimePolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy, "return-time": ReturnTimePolicy}
 
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = "return-time"
 """The CPU tier's policy when none is configured."""
 
 __all__ = ["DEFAULT_POLICY", "POLICIES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "ReturnTimePolicy",

@@ -234,12 +234,20 @@ class ReturnTimePolicy(SlotListPolicy):
         else:
             base = _NEW_BUCKET[min(self._new_blocks(keys, slots), 16)] * 6
             self._remember_end(keys, parent)
+        fresh.clear()
+        self._raise_ancestors(*self._hold_chain(keys, slots, parent, hit, base, now))
+        self._end_reference(n)
+
+    def _hold_chain(
+        self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int, hit: bool, base: int, now: int
+    ) -> tuple[int, int]:
+        """The general path of :meth:`reference_chain`: returns (ancestor to raise first, expiry to raise to)."""
         par, children, touches, expiry = self._parent, self._children, self._touches, self._expiry
         hold, refs, partial = self.hold, self._class_refs, self._partial
         flags, prv, nxt = self._evictable, self._prev, self._next
         width, c1, below = self._width, self.capacity + 1, self._sample_below
         extended = self._extension()
-        fresh.clear()
+        n = len(slots)
         olds: list[int] = []
         classes: list[int] = []
         last_class = 0 if hit else 3
@@ -291,8 +299,7 @@ class ReturnTimePolicy(SlotListPolicy):
             self._pending = None
             if base and pending[0] == parent and pending[1] == now:
                 deeper, up = self._reclassify(pending, base, deeper)
-        self._raise_ancestors(up, deeper)
-        self._end_reference(n)
+        return up, deeper
 
     def _extension(self) -> int:
         """The hold of the partial class for this chain.
