@@ -123,18 +123,8 @@ class ARCPolicy(SlotListPolicy):
                 return  # pinned: joins T2 when it becomes evictable again
         elif where != 2 or not self._evictable[slot]:
             return  # free, still being written (its store is its first use), or pinned in T2
-        end2 = self._end2
-        prv, nxt = self._prev, self._next
-        if nxt[slot] == end2:
-            return  # already T2's most recent
-        before, after = prv[slot], nxt[slot]
-        nxt[before] = after
-        prv[after] = before
-        tail = prv[end2]
-        nxt[tail] = slot
-        prv[slot] = tail
-        nxt[slot] = end2
-        prv[end2] = slot
+        if self._next[slot] != self._end2:  # not already T2's most recent
+            self._move_to_tail(slot, self._end2)
 
     def mark_evictable(self, key: BlockKey, slot: int) -> None:
         where = self._where[slot]

@@ -55,7 +55,6 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from collections.abc import Container, Iterator, Sequence
-from itertools import pairwise
 from typing import ClassVar
 
 import numpy as np
@@ -185,6 +184,7 @@ class ReturnTimePolicy(SlotListPolicy):
             self.reference_chain((key,), (slot,), -1, True)
 
     def mark_evictable(self, key: BlockKey, slot: int) -> None:
+        # _link_evictable to the list of the block's expiry, inlined: it runs for every block.
         flags = self._evictable
         if flags[slot]:
             return
@@ -244,7 +244,7 @@ class ReturnTimePolicy(SlotListPolicy):
         """The general path of :meth:`reference_chain`: returns (ancestor to raise first, expiry to raise to)."""
         par, children, touches, expiry = self._parent, self._children, self._touches, self._expiry
         hold, refs, partial = self.hold, self._class_refs, self._partial
-        flags, prv, nxt = self._evictable, self._prev, self._next
+        flags = self._evictable
         width, c1, below = self._width, self.capacity + 1, self._sample_below
         extended = self._extension()
         n = len(slots)
@@ -278,16 +278,7 @@ class ReturnTimePolicy(SlotListPolicy):
                 e = deeper
             expiry[s] = deeper = e
             if flags[s]:
-                # To the tail of its expiry's list (never in the past: e >= now).
-                before, after = prv[s], nxt[s]
-                nxt[before] = after
-                prv[after] = before
-                end = c1 + (e // width) % RING
-                tail = prv[end]
-                nxt[tail] = s
-                prv[s] = tail
-                nxt[s] = end
-                prv[end] = s
+                self._move_to_tail(s, c1 + (e // width) % RING)  # e >= now: never a past bucket
             key = keys[i]
             if key[-1] < below:
                 self._observe(fingerprint(key), cls, hit)
@@ -336,17 +327,20 @@ class ReturnTimePolicy(SlotListPolicy):
         head_expiry = max(now + (extended if base == partial else hold[base]), tail_expiry)
         refs[last] += 1
         refs[base] += n - 1
-        head = slots[0]
-        if parent >= 0 and parent != head:
-            par[head] = parent
+        it = iter(slots)
+        up = next(it)
+        if parent >= 0 and parent != up:
+            par[up] = parent
             children[parent] += 1
-        for up, s in pairwise(slots):
+        touches[up] = 1
+        expiry[up] = head_expiry
+        for s in it:  # one loop, no branch: this is the hot path of every store
             par[s] = up
             children[up] += 1
-        for s in slots:
             touches[s] = 1
             expiry[s] = head_expiry
-        expiry[slots[-1]] = tail_expiry
+            up = s
+        expiry[up] = tail_expiry
         below = self._sample_below
         for i in [i for i, key in enumerate(keys) if key[-1] < below]:
             self._observe(fingerprint(keys[i]), last if i == n - 1 else base, False)
@@ -354,21 +348,14 @@ class ReturnTimePolicy(SlotListPolicy):
 
     def _raise_ancestors(self, slot: int, expiry_at_least: int) -> None:
         """Raise ``slot`` and its ancestors to ``expiry_at_least`` until one is there already."""
-        expiry, flags, prv, nxt, par = self._expiry, self._evictable, self._prev, self._next, self._parent
+        expiry, flags, par = self._expiry, self._evictable, self._parent
         width = self._width
         bucket = expiry_at_least // width
         end = self.capacity + 1 + bucket % RING
         while slot >= 0 and expiry[slot] // width < bucket:
             expiry[slot] = expiry_at_least
             if flags[slot]:
-                before, after = prv[slot], nxt[slot]
-                nxt[before] = after
-                prv[after] = before
-                tail = prv[end]
-                nxt[tail] = slot
-                prv[slot] = tail
-                nxt[slot] = end
-                prv[end] = slot
+                self._move_to_tail(slot, end)
             slot = par[slot]
 
     def _remember_end(self, keys: Sequence[BlockKey], parent: int) -> None:
@@ -405,8 +392,7 @@ class ReturnTimePolicy(SlotListPolicy):
             e = max(olds[j], then + hold[cls], floor)
             expiry[s] = floor = e
             if flags[s]:
-                self._unlink(s)
-                self._append(s, self._list_for(e))
+                self._move_to_tail(s, self._list_for(e))
             if keys[i][-1] < below:
                 self.sampler.reclass(fingerprint(keys[i]), cls)
         return floor, self._parent[slots[0]]

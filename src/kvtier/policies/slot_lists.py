@@ -50,6 +50,18 @@ class SlotListPolicy(EvictionPolicy):
         self._next[slot] = end
         prv[end] = slot
 
+    def _move_to_tail(self, slot: int, end: int) -> None:
+        """Move a linked ``slot`` to the most recent end of the list with sentinel ``end``."""
+        prv, nxt = self._prev, self._next
+        before, after = prv[slot], nxt[slot]
+        nxt[before] = after
+        prv[after] = before
+        tail = prv[end]
+        nxt[tail] = slot
+        prv[slot] = tail
+        nxt[slot] = end
+        prv[end] = slot
+
     def _link_evictable(self, slot: int, end: int) -> None:
         if not self._evictable[slot]:
             self._evictable[slot] = 1
