@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 from workload_helpers import random_chat_trace
 
-from kvtier.workload.replay import replay_manager, replay_namespace, trace_keys
+from kvtier.policies import DEFAULT_POLICY
+from kvtier.workload.replay import compare_policies, replay_manager, replay_namespace, trace_keys
 from kvtier.workload.simulate import lru_hit_rate, unbounded_hit_rate
+from kvtier.workload.synthetic import KINDS, generate
 from kvtier.workload.trace import FlatTrace, read_trace
 
 REAL_TRACE = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "conversation_trace.jsonl"
@@ -19,7 +21,7 @@ def test_replay_agrees_with_the_reference_lru(private_shm: Path) -> None:
     ns = replay_namespace()
     keys = trace_keys(trace, ns)
     for cap in (40, 120):  # larger than the longest request (36 blocks)
-        got = replay_manager(keys, cap, namespace=ns, shm_dir=str(private_shm))
+        got = replay_manager(keys, cap, policy="lru", namespace=ns, shm_dir=str(private_shm))
         ref = lru_hit_rate(trace, cap)
         assert got.refs == ref.refs
         # The manager does not refresh blocks that follow a miss; the reference LRU does.
@@ -48,3 +50,31 @@ def test_real_trace_lru_at_9139_blocks(private_shm: Path) -> None:
     assert result.refs == 288500
     assert result.hit_rate == pytest.approx(0.195, abs=0.005)
     assert result.extra["store_rejections"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not REAL_TRACE.is_file(), reason="shared Mooncake trace not present")
+def test_the_default_policy_beats_lru_on_the_real_trace(private_shm: Path) -> None:
+    """The issue's capacities (0.5-20 % of the distinct blocks), through the real manager."""
+    trace = FlatTrace.from_requests(read_trace(REAL_TRACE))
+    keys = trace_keys(trace, replay_namespace())
+    runs = compare_policies(keys, [914, 1827, 3656, 9139, 18279, 36558], [DEFAULT_POLICY], shm_dir=str(private_shm))
+    ratios = {cap: by_policy[DEFAULT_POLICY].extra["ratio_to_lru"] for cap, by_policy in runs.items()}
+    assert all(r >= 1.0 for r in ratios.values()), ratios
+    assert ratios[1827] >= 1.5, ratios
+    assert ratios[914] >= 1.3 and ratios[3656] >= 1.3, ratios
+    assert ratios[9139] >= 1.05, ratios
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_default_policy_is_never_worse_than_lru_on_generated_workloads(kind: str, private_shm: Path) -> None:
+    requests = generate(kind, 4000, seed=1)
+    trace = FlatTrace.from_requests(requests)
+    distinct = len(set(trace.ids.tolist()))
+    capacities = [max(1, round(share * distinct)) for share in (0.005, 0.02, 0.2)]
+    runs = compare_policies(trace_keys(trace, replay_namespace()), capacities, [DEFAULT_POLICY],
+                            shm_dir=str(private_shm))  # fmt: skip
+    for cap, by_policy in runs.items():
+        ratio = by_policy[DEFAULT_POLICY].extra["ratio_to_lru"]
+        assert ratio >= 0.99, f"{kind} at {cap} blocks: {ratio:.3f}x LRU"
