@@ -252,6 +252,14 @@ def _validate_tier(index: int, spec: Any) -> dict[str, Any]:
         raise ValueError(f"{where} needs a 'type': 'fs', 'redis', or an import path 'package.module:Class'")
     schema = _TIER_SCHEMAS.get(tier_type)
     if schema is None:
+        declared = _declared_options_model(tier_type)
+        if declared is not None:
+            options = {k: v for k, v in spec.items() if k != "type"}
+            try:
+                model = declared.model_validate(options)
+            except ValidationError as exc:
+                raise ValueError(f"{where} ({tier_type}): " + _explain(exc, prefix="")) from None
+            return {"type": tier_type, **model.model_dump(exclude_unset=True)}
         if ":" not in tier_type:
             from kvtier.tiers.registry import tier_names
 
@@ -278,6 +286,20 @@ def _validate_tier(index: int, spec: Any) -> dict[str, Any]:
                 )
                 raise ValueError(f"{where} ({tier_type}) has unknown option(s) {fix}: known options are {known}")
     return out
+
+
+def _declared_options_model(tier_type: str) -> type[BaseModel] | None:
+    """The ``options_model`` a registered tier class declares (None if it declares none)."""
+    from kvtier.tiers.registry import resolve_tier_class, tier_names
+
+    if tier_type in tier_names():
+        return resolve_tier_class(tier_type).options_model
+    if ":" not in tier_type:
+        return None
+    try:  # an import path that does not import here is checked when the tier is built
+        return resolve_tier_class(tier_type).options_model
+    except ConfigError:
+        return None
 
 
 def _tier_option_names(tier_type: str) -> set[str] | None:
@@ -717,6 +739,22 @@ def _cell(text: object) -> str:
     return str(text).replace("|", "\\|")
 
 
+def _documented_tier_schemas() -> dict[str, type[BaseModel]]:
+    """Options models of the built-in tiers: the ones declared by tier classes, then config's own."""
+    from kvtier.tiers.registry import builtin_tier_names, resolve_tier_class
+
+    schemas: dict[str, type[BaseModel]] = dict(_TIER_SCHEMAS)
+    for name in builtin_tier_names():
+        if name not in schemas:
+            try:
+                model = resolve_tier_class(name).options_model
+            except ConfigError:  # not importable here: documented where it is
+                continue
+            if model is not None:
+                schemas[name] = model
+    return schemas
+
+
 def render_config_reference() -> str:
     """The Markdown of ``docs/configuration.md``, generated from the schema."""
     lines = [
@@ -767,7 +805,7 @@ def render_config_reference() -> str:
             f"| `{name}` | `{p['model_id']}` | {p['num_layers']} | {p['num_kv_heads']} | "
             f"{p['head_dim']} | {p.get('kv_factor', 2)} |"
         )
-    for tier_type, schema in _TIER_SCHEMAS.items():
+    for tier_type, schema in _documented_tier_schemas().items():
         lines += ["", f"## Tier `{tier_type}`", "", str(schema.__doc__ or "").strip(), ""]
         lines += ["| option | type | meaning |", "|---|---|---|"]
         for name, info in schema.model_fields.items():

@@ -1,6 +1,6 @@
 """Secondary-tier registry: built-in tiers by name, out-of-tree tiers by import path.
 
-Built-ins are imported lazily so optional dependencies (redis-py, boto3) are
+Built-ins are imported lazily so optional dependencies (redis-py, obstore) are
 needed only by the tiers that use them.
 """
 
@@ -15,6 +15,8 @@ from kvtier.tiers.base import SecondaryTier, TierContext
 _BUILTIN: dict[str, str] = {
     "fs": "kvtier.tiers.fs:FilesystemTier",
     "redis": "kvtier.tiers.redis:RedisTier",
+    "s3": "kvtier.tiers.s3:S3Tier",
+    "memory": "kvtier.tiers.memory:MemoryTier",
 }
 _registered: dict[str, str] = {}
 
@@ -24,6 +26,11 @@ def register_tier(name: str, import_path: str) -> None:
     if ":" not in import_path:
         raise ConfigError(f"tier import path {import_path!r} must look like 'package.module:ClassName'")
     _registered[name] = import_path
+
+
+def builtin_tier_names() -> list[str]:
+    """Names of the tiers that ship with kvtier, in documentation order."""
+    return list(_BUILTIN)
 
 
 def tier_names() -> list[str]:
