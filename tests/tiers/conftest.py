@@ -319,3 +319,51 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
         yield cluster
     finally:
         cluster.stop()
+
+
+# --- S3: moto in a separate process, and the fault-injecting stub (s3_servers.py) ---------------
+
+from s3_servers import MotoServer, S3Stub, moto_available, start_moto  # noqa: E402
+
+_MOTO_SKIP = "moto is not installed; install the test extra: pip install -e '.[test]' (moto[s3], flask, flask-cors)"
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    """One moto S3 server process per session on a free loopback port (tests use fresh buckets)."""
+    if not moto_available():
+        pytest.skip(_MOTO_SKIP)
+    server = start_moto(tmp_path_factory.mktemp("moto"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(moto_server: MotoServer) -> tuple[MotoServer, str]:
+    """``(server, bucket)``: a fresh, empty bucket on the session's moto server (restarted if a test killed it)."""
+    if moto_server.proc is None or moto_server.proc.poll() is not None:
+        moto_server.start()
+    return moto_server, moto_server.create_bucket()
+
+
+@pytest.fixture
+def own_moto(tmp_path: Path) -> Iterator[MotoServer]:
+    """A moto server of this test alone (to kill, pause and restart)."""
+    if not moto_available():
+        pytest.skip(_MOTO_SKIP)
+    server = start_moto(tmp_path / "moto")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_stub() -> Iterator[S3Stub]:
+    stub = S3Stub()
+    try:
+        yield stub
+    finally:
+        stub.close()

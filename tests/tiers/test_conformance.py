@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from s3_servers import MotoServer, s3_options
 
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import SecondaryTier
@@ -76,3 +77,56 @@ class TestRedisTier(TierConformance):
     @pytest.fixture
     def harness(self, redis_server: Any) -> RedisHarness:
         return RedisHarness(redis_server)
+
+
+class S3Harness(TierHarness):
+    persistent = True
+
+    def __init__(self, server: MotoServer, bucket: str) -> None:
+        self.server = server
+        self.bucket = bucket
+
+    def spec(self) -> dict[str, Any]:
+        return s3_options(self.server.endpoint, self.bucket, max_in_flight=4)
+
+    def fast_failure_options(self) -> dict[str, Any]:
+        return {
+            "request_timeout": 0.5,
+            "connect_timeout": 0.3,
+            "job_timeout": 1.5,
+            "max_retries": 1,
+            "check_timeout": 0.3,
+            "open_seconds": 0.3,
+            "failure_threshold": 2,
+            "miss_seconds": 0.5,
+        }
+
+    def damage(self, tier: SecondaryTier, key: BlockKey) -> bool:
+        import obstore as obs
+
+        from kvtier.tiers.s3 import S3Tier
+        from kvtier.tiers.s3_store import S3TierOptions, open_store
+
+        assert isinstance(tier, S3Tier)
+        raw = open_store(S3TierOptions(**{k: v for k, v in self.spec().items() if k != "type"}))
+        path = tier.object_path(key)
+        value = bytearray(obs.get(raw, path).bytes())
+        value[HEADER_SIZE + 100] ^= 0xFF
+        obs.put(raw, path, bytes(value))
+        return True
+
+    @contextlib.contextmanager
+    def outage(self) -> Iterator[bool]:
+        self.server.kill()
+        try:
+            yield True
+        finally:
+            self.server.start()
+            self.server.create_bucket(self.bucket)
+
+
+@pytest.mark.s3
+class TestS3Tier(TierConformance):
+    @pytest.fixture
+    def harness(self, s3_bucket: tuple[MotoServer, str]) -> S3Harness:
+        return S3Harness(*s3_bucket)

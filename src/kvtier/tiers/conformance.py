@@ -495,7 +495,10 @@ class TierConformance:
             if not supported:
                 pytest.skip("the harness cannot take the medium away")
             deadline = time.monotonic() + harness.wait_seconds
-            while not (tier.health().state is not HealthState.CLOSED and step() == [LookupResult.MISS] * 2):
+            while True:
+                answers = step()
+                if tier.health().state is not HealthState.CLOSED and answers == [LookupResult.MISS] * 2:
+                    break
                 assert time.monotonic() < deadline, f"breaker still {tier.health()} during the outage"
                 time.sleep(0.01)
             for _ in range(10):

@@ -229,6 +229,12 @@ def forget_frames(exc: BaseException) -> None:
         pending.extend((e.__cause__, e.__context__))
 
 
+def describe_error(exc: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message`` (clients often append a multi-line debug dump)."""
+    first = str(exc).strip().split("\n", 1)[0].strip()
+    return f"{type(exc).__name__}: {first[:limit]}"
+
+
 def format_exception(exc: BaseException) -> str:
     """The traceback of ``exc`` as text (log it as text: a LogRecord holding ``exc`` keeps row views alive)."""
     return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -335,7 +341,7 @@ class ThreadedTier(SecondaryTier):
             )  # fmt: skip
             forget_frames(exc)
             if state is not None and not work.done and not state.finished:
-                self._complete(work, error=f"internal error: {type(exc).__name__}: {exc}")
+                self._complete(work, error=f"internal error: {describe_error(exc)}")
             if not isinstance(exc, Exception):
                 raise
 
@@ -362,8 +368,8 @@ class ThreadedTier(SecondaryTier):
         try:
             self._probe()
         except Exception as exc:
-            self._breaker.record_failure(f"health probe failed: {type(exc).__name__}: {exc}")
-            logger.debug("%s tier %s: probe failed: %s", self.tier_type, self.label, exc)
+            self._breaker.record_failure(f"health probe failed: {describe_error(exc)}")
+            logger.debug("%s tier %s: probe failed: %s", self.tier_type, self.label, describe_error(exc))
             forget_frames(exc)
         else:
             self._breaker.record_success()
@@ -711,6 +717,7 @@ __all__ = [
     "ThreadedTier",
     "Work",
     "WorkQueue",
+    "describe_error",
     "forget_frames",
     "format_exception",
 ]
