@@ -40,6 +40,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import to_jsonable_python
 
 from kvtier.errors import ConfigError
 from kvtier.keys import KVGeometry, Namespace, dtype_bytes
@@ -674,7 +675,8 @@ def _tier_capacity(spec: Mapping[str, Any], block_bytes: int) -> dict[str, Any]:
     from kvtier.tiers.format import HEADER_SIZE
 
     out: dict[str, Any] = {"type": spec.get("type")}
-    out["options"] = {k: v for k, v in spec.items() if k != "type"}
+    # JSON-able, with secrets (pydantic SecretStr) shown as '**********'
+    out["options"] = to_jsonable_python({k: v for k, v in spec.items() if k != "type"})
     max_bytes = spec.get("max_bytes")
     if isinstance(max_bytes, int):
         per_block = row_stride_for(block_bytes + HEADER_SIZE)

@@ -5,7 +5,7 @@
   ``kill()`` sends SIGKILL and ``start()`` brings it back on the same port,
   empty, like a store that lost everything.
 * :class:`S3Stub` is an in-process ``http.server`` speaking just enough S3
-  (path-style PUT/GET/HEAD/DELETE, ``If-None-Match: *``) to inject what moto
+  (path-style PUT/GET/HEAD/DELETE, bulk delete, ``If-None-Match: *``) to inject what moto
   cannot: 503 SlowDown, a hanging server, a truncated body, a wrong length, a
   wrong header. It records every request.
 """
@@ -15,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import email.utils
 import hashlib
+import html
 import http.server
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -163,6 +165,9 @@ class _StubHandler(http.server.BaseHTTPRequestHandler):
             slowdown = stub.slowdowns > 0
             if slowdown:
                 stub.slowdowns -= 1
+            delay = stub.delays.get(self.command, 0.0)
+        if delay:
+            time.sleep(delay)
         if stub.hanging.is_set():
             stub.released.wait(60)
             self.close_connection = True
@@ -173,7 +178,7 @@ class _StubHandler(http.server.BaseHTTPRequestHandler):
         return True
 
     def _key(self) -> str:
-        return self.path.split("?", 1)[0].lstrip("/")
+        return self.path.split("?", 1)[0].strip("/")
 
     def do_PUT(self) -> None:
         length = int(self.headers.get("Content-Length", "0"))
@@ -240,6 +245,26 @@ class _StubHandler(http.server.BaseHTTPRequestHandler):
         self._send(204)
 
 
+    def do_POST(self) -> None:
+        """``POST /bucket?delete``: the bulk delete obstore uses even for one object."""
+        length = int(self.headers.get("Content-Length", "0"))
+        body = self.rfile.read(length).decode() if length else ""
+        if not self._before():
+            return
+        if not self.path.endswith("?delete"):
+            self._error(501, "NotImplemented")
+            return
+        bucket = self._key()
+        names = re.findall(r"<Key>(.*?)</Key>", body)
+        stub = self._stub()
+        with stub.lock:
+            for name in names:
+                stub.objects.pop(f"{bucket}/{html.unescape(name)}", None)
+        deleted = "".join(f"<Deleted><Key>{name}</Key></Deleted>" for name in names)
+        reply = f'<?xml version="1.0" encoding="UTF-8"?><DeleteResult>{deleted}</DeleteResult>'.encode()
+        self._send(200, reply, {"Content-Type": "application/xml"})
+
+
 class _StubHTTPServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
     stub: S3Stub
@@ -256,6 +281,7 @@ class S3Stub:
         self.requests: list[tuple[str, str]] = []
         self.faults: dict[str, str] = {}
         self.slowdowns = 0
+        self.delays: dict[str, float] = {}
         self.hanging = threading.Event()
         self.released = threading.Event()
         self._server = _StubHTTPServer(("127.0.0.1", 0), _StubHandler)
