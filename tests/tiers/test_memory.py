@@ -74,7 +74,7 @@ def test_options_are_validated_with_clear_errors() -> None:
     ctx = TierContext(rows, BLOCK, NS)
     with pytest.raises(ConfigError, match=r"'max_bytes'.*greater than 0"):
         MemoryTier(ctx, max_bytes=0)
-    with pytest.raises(ConfigError, match="'io_thread' is not an option"):
+    with pytest.raises(ConfigError, match="'io_thread': is not a setting \\(did you mean 'io_threads'"):
         MemoryTier(ctx, io_thread=2)
     tier = create_tier({"type": "memory", "max_bytes": "1MiB", "io_threads": 2}, ctx)
     try:

@@ -373,7 +373,7 @@ def _ctx() -> TierContext:
         ({"ca_file": "/nonexistent/ca.pem"}, "ca_file"),
         ({"max_in_flight": 0}, "max_in_flight"),
         ({"endpoint": "https://127.0.0.1:9000", "path_style": False}, "virtual-hosted"),
-        ({"bukket": "x"}, "'bukket' is not an option"),
+        ({"bukket": "x"}, "'bukket': is not a setting"),
     ],
 )
 def test_bad_options_name_the_problem(options: dict[str, Any], message: str) -> None:

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
-import pydantic
+from pydantic import BaseModel
 
 from kvtier.keys import BlockKey, KVGeometry, Namespace
 from kvtier.types import BlockEvent, LookupResult, OffloadPolicy, RequestContext
@@ -74,7 +74,8 @@ class TierContext:
         self.rows = np.empty((0, 0), dtype=np.uint8)
 
     @property
-    def geometry(self) -> KVGeometry:
+    def geometry(self) -> KVGeometry | None:
+        """The namespace's KV layout (``None`` for an engine whose rows are opaque bytes)."""
         return self.namespace.geometry
 
     @property
@@ -171,12 +172,14 @@ class TierStats:
 class SecondaryTier(abc.ABC):
     """Base class of every secondary tier. See the module docstring for the contract.
 
-    Subclasses set ``tier_type`` (the registry name), ``medium`` (``"disk"``,
-    ``"remote"``, ``"memory"``...) and ``options_model`` (a pydantic model of
-    their options, ``extra="forbid"``, with a description per field: config
-    validates ``{"type": ..., **options}`` through it and the generated
-    ``docs/configuration.md`` lists it), and take their options as keyword
-    arguments after ``context``.
+    Subclasses set ``tier_type`` (the registry name) and ``medium``, and take
+    their options as keyword arguments after ``context``. A subclass declares
+    those options as a pydantic model in ``options_model`` (``extra="forbid"``;
+    each field's ``description`` is its line in ``docs/configuration.md``): the
+    registry validates every ``{"type": ..., **options}`` spec through it before
+    the constructor runs, so configuration errors surface when the config is
+    loaded. Without a model, options are checked against the constructor's
+    keyword parameters.
 
     Construction: the manager builds tiers in order from the thread that calls
     :meth:`~kvtier.manager.TieringManager.create`. The constructor may block on
@@ -187,7 +190,7 @@ class SecondaryTier(abc.ABC):
 
     tier_type: ClassVar[str] = "abstract"
     medium: ClassVar[str] = "storage"
-    options_model: ClassVar[type[pydantic.BaseModel] | None] = None
+    options_model: ClassVar[type[BaseModel] | None] = None
 
     def __init__(self, context: TierContext) -> None:
         self.context = context
