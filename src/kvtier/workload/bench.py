@@ -688,6 +688,9 @@ def describe_options(options: BenchOptions) -> str:
         tiers.append("fs " + (options.fs_root or "(temp dir)"))
     if options.redis_url:
         tiers.append("redis " + options.redis_url)
+    for extra in options.extra_tiers:
+        where = extra.get("bucket") or extra.get("root") or extra.get("url") or ""
+        tiers.append(f"{extra['type']} {where}".strip())
     return f"model {model}, device pool {options.device_blocks} blocks, tiers: " + ", ".join(tiers)
 
 
