@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from s3_servers import MotoServer, s3_options
 
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import SecondaryTier
-from kvtier.tiers.conformance import TierConformance, TierHarness
+from kvtier.tiers.conformance import TierConformance, TierFactory, TierHarness
 from kvtier.tiers.format import HEADER_SIZE
 from kvtier.tiers.memory import MemoryTier
 
@@ -34,6 +35,62 @@ class TestMemoryTier(TierConformance):
     @pytest.fixture
     def harness(self) -> MemoryHarness:
         return MemoryHarness()
+
+
+class FsHarness(TierHarness):
+    persistent = True
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._away: list[Path] = []
+
+    def spec(self) -> dict[str, Any]:
+        return {
+            "type": "fs", "root": str(self.root), "max_bytes": "64MiB", "read_threads": 2, "write_threads": 1,
+            "scan_in_background": False,
+        }  # fmt: skip
+
+    def fast_failure_options(self) -> dict[str, Any]:
+        return {"failure_threshold": 1, "probe_interval": 0.2, "shutdown_timeout": 5.0}
+
+    def damage(self, tier: SecondaryTier, key: BlockKey) -> bool:
+        from kvtier.tiers.fs import FilesystemTier
+        from kvtier.tiers.fs_layout import value_path
+
+        assert isinstance(tier, FilesystemTier)
+        path = value_path(tier.ns_dir, key)
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0xFF
+        path.write_bytes(bytes(data))
+        return True
+
+    @contextlib.contextmanager
+    def outage(self) -> Iterator[bool]:
+        """Every namespace directory becomes a regular file: each open fails with ENOTDIR (even as root)."""
+        moved = []
+        for ns_dir in [p for p in self.root.iterdir() if p.is_dir()]:
+            away = ns_dir.with_name(ns_dir.name + ".away")
+            ns_dir.rename(away)
+            ns_dir.write_bytes(b"")
+            moved.append((ns_dir, away))
+        try:
+            yield True
+        finally:
+            for ns_dir, away in moved:
+                ns_dir.unlink()
+                away.rename(ns_dir)
+
+
+class TestFsTier(TierConformance):
+    @pytest.fixture
+    def harness(self, tmp_path: Path) -> FsHarness:
+        return FsHarness(tmp_path / "fs-root")
+
+    @pytest.mark.xfail(
+        strict=True, reason="fs lookup still answers from its index after shutdown; fixed by its move onto jobs.py"
+    )
+    def test_shutdown_is_idempotent_and_releases_everything(self, harness: TierHarness, tiers: TierFactory) -> None:
+        super().test_shutdown_is_idempotent_and_releases_everything(harness, tiers)
 
 
 class RedisHarness(TierHarness):

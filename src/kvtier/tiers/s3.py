@@ -48,7 +48,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from kvtier.errors import ConfigError, CorruptValueError
+import numpy as np
+
+from kvtier.errors import ConfigError, CorruptValueError, TierError
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import TierContext, TierUsage
 from kvtier.tiers.format import HEADER_SIZE, decode_header, encode_header, verify_payload
@@ -297,7 +299,10 @@ class S3Tier(ThreadedTier):
         key = work.keys[0]
         path = self.object_path(key)
         header = bytearray(HEADER_SIZE)
-        row = self._row(work.slots[0])
+        rows = self._rows
+        if rows is None:
+            raise TierError(f"s3 tier {self.label}: CPU rows were released")
+        row = rows[work.slots[0], : self._block_bytes]
         try:
             self._get_into(path, key, header, row)
         except FileNotFoundError:
@@ -319,15 +324,16 @@ class S3Tier(ThreadedTier):
             self._complete(work, error=f"download of {key.hex()[:16]} failed: {self._io_failure(exc)}")
             return
         finally:
-            row.release()
+            del row
         self._breaker.record_success()
         self._remember(key, True, time.monotonic())
         self._complete(work, ok=[key], nbytes=self._value_bytes)
 
-    def _get_into(self, path: str, key: BlockKey, header: bytearray, row: memoryview) -> None:
+    def _get_into(self, path: str, key: BlockKey, header: bytearray, row: np.ndarray) -> None:
         """GET ``path``: the first 128 bytes into ``header``, the rest into ``row``; then verify both.
 
-        Raises FileNotFoundError (404), CorruptValueError (wrong size, header or
+        Payload chunks are copied with numpy, which releases the GIL. Raises
+        FileNotFoundError (404), CorruptValueError (wrong size, header or
         checksum) or the client's error.
         """
         import obstore as obs
@@ -338,23 +344,20 @@ class S3Tier(ThreadedTier):
             raise CorruptValueError(f"object has {size} bytes, expected {self._value_bytes}")
         filled = 0
         for chunk in result.stream(min_chunk_size=_STREAM_CHUNK):
-            view = memoryview(chunk)
-            try:
-                n = len(view)
-                if filled + n > self._value_bytes:
-                    raise CorruptValueError(f"object body is longer than its {self._value_bytes} bytes")
-                if filled < HEADER_SIZE:
-                    take = min(n, HEADER_SIZE - filled)
-                    header[filled : filled + take] = view[:take]
-                    row[: n - take] = view[take:]
-                else:
-                    row[filled - HEADER_SIZE : filled - HEADER_SIZE + n] = view
-                filled += n
-            finally:
-                view.release()
+            data = np.frombuffer(chunk, dtype=np.uint8)
+            n = len(data)
+            if filled + n > self._value_bytes:
+                raise CorruptValueError(f"object body is longer than its {self._value_bytes} bytes")
+            if filled < HEADER_SIZE:
+                take = min(n, HEADER_SIZE - filled)
+                header[filled : filled + take] = data[:take].tobytes()
+                np.copyto(row[: n - take], data[take:])
+            else:
+                np.copyto(row[filled - HEADER_SIZE : filled - HEADER_SIZE + n], data)
+            filled += n
         if filled != self._value_bytes:
             raise CorruptValueError(f"object body truncated: {filled} of {self._value_bytes} bytes")
-        verify_payload(decode_header(header, namespace=self._digest, key=key, payload_len=self._block_bytes), row)
+        verify_payload(decode_header(header, namespace=self._digest, key=key, payload_len=self._block_bytes), row.data)
 
     def _delete(self, path: str) -> None:
         import obstore as obs
