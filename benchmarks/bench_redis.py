@@ -20,14 +20,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
 import redis
 
+from common import interleaved_best, wait_all
 from kvtier.keys import KVGeometry, Namespace, chain_ids
-from kvtier.tiers.base import JobResult, TierContext, TransferJob
+from kvtier.tiers.base import TierContext, TransferJob
 from kvtier.tiers.format import HEADER_SIZE
 from kvtier.tiers.redis import RedisTier
 
@@ -77,26 +78,6 @@ def redis_server() -> Iterator[str]:
         finally:
             proc.kill()
             proc.wait()
-
-
-def interleaved_best(nbytes: int, rounds: int, runs: dict[str, Callable[[], None]]) -> dict[str, float]:
-    """GB/s per run, best of ``rounds``; the runs alternate within each round so noise hits all alike."""
-    best = dict.fromkeys(runs, float("inf"))
-    for _ in range(rounds):
-        for name, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return {name: nbytes / seconds / 1e9 for name, seconds in best.items()}
-
-
-def wait_all(tier: RedisTier, n: int) -> list[JobResult]:
-    out: list[JobResult] = []
-    while len(out) < n:
-        out.extend(tier.poll_finished())
-        if len(out) < n:
-            time.sleep(0.0002)
-    return out
 
 
 def bench_size(

@@ -26,9 +26,8 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,8 +35,9 @@ from typing import Any
 
 import numpy as np
 
+from common import interleaved_best, wait_all
 from kvtier.keys import KVGeometry, Namespace, chain_ids
-from kvtier.tiers.base import JobResult, TierContext, TransferJob
+from kvtier.tiers.base import TierContext, TransferJob
 from kvtier.tiers.format import HEADER_SIZE, encode_header
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3_store import S3TierOptions, open_store
@@ -57,29 +57,6 @@ def moto_endpoint() -> Iterator[str]:
             yield server.endpoint
         finally:
             server.stop()
-
-
-def interleaved_best(nbytes: int, rounds: int, runs: dict[str, Callable[[], None]]) -> dict[str, float]:
-    """GB/s per run, best of ``rounds``; the runs alternate within each round so noise hits all alike."""
-    best = dict.fromkeys(runs, float("inf"))
-    for _ in range(rounds):
-        for name, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return {name: nbytes / seconds / 1e9 for name, seconds in best.items()}
-
-
-def wait_all(tier: S3Tier, n: int, timeout: float = 600.0) -> list[JobResult]:
-    out: list[JobResult] = []
-    deadline = time.monotonic() + timeout
-    while len(out) < n:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"only {len(out)} of {n} tier jobs finished in {timeout}s")
-        out.extend(tier.poll_finished())
-        if len(out) < n:
-            time.sleep(0.0005)
-    return out
 
 
 def bench_size(

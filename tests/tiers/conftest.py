@@ -9,9 +9,7 @@ clear reason when no ``redis-server`` binary is installed
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -19,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from server_process import ServerProcess
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
@@ -40,7 +39,7 @@ def _ping(port: int) -> bool:
         return False
 
 
-class RedisServer:
+class RedisServer(ServerProcess):
     """One redis-server process on 127.0.0.1; ``kill()`` sends SIGKILL, ``start()`` restarts it."""
 
     def __init__(self, workdir: Path, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
@@ -86,27 +85,6 @@ class RedisServer:
                 return
             time.sleep(0.02)
         raise RuntimeError(f"redis-server on port {self.port} did not answer PING within {timeout}s")
-
-    def kill(self) -> None:
-        """SIGKILL the server and wait for it to die."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def pause(self) -> None:
-        """SIGSTOP: the server keeps its sockets but answers nothing (a hung server)."""
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGCONT)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-        self.kill()
-        self.proc = None
 
 
 def _start_server(workdir: Path, extra_args: tuple[str, ...] = ()) -> RedisServer:

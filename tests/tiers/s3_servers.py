@@ -19,7 +19,6 @@ import html
 import http.server
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +29,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
+
+from server_process import ServerProcess
 
 
 def free_port() -> int:
@@ -47,7 +48,7 @@ def moto_available() -> bool:
     return True
 
 
-class MotoServer:
+class MotoServer(ServerProcess):
     """``moto.server`` on 127.0.0.1:port in a child process."""
 
     def __init__(self, workdir: Path, port: int | None = None) -> None:
@@ -87,26 +88,6 @@ class MotoServer:
             pass
         return name
 
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def pause(self) -> None:
-        """SIGSTOP: connections are accepted by the kernel, nothing answers (a hung server)."""
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGCONT)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-        self.kill()
-        self.proc = None
-
 
 def start_moto(workdir: Path) -> MotoServer:
     last: Exception | None = None
@@ -132,6 +113,27 @@ def s3_options(endpoint: str, bucket: str, **extra: Any) -> dict[str, Any]:
         "secret_access_key": "testing",
         **extra,
     }
+
+
+FAST_FAILURE: dict[str, Any] = {
+    "request_timeout": 0.5,
+    "connect_timeout": 0.3,
+    "job_timeout": 1.5,
+    "max_retries": 1,
+    "check_timeout": 0.3,
+    "open_seconds": 0.3,
+    "failure_threshold": 2,
+    "miss_seconds": 0.5,
+}
+"""S3 tier options under which an outage surfaces within about a second."""
+
+
+def raw_client(endpoint: str, bucket: str, **extra: Any) -> Any:
+    """A plain obstore client of the bucket (to look at or damage what a tier wrote)."""
+    from kvtier.tiers.s3_store import S3TierOptions, open_store
+
+    options = {k: v for k, v in s3_options(endpoint, bucket, **extra).items() if k != "type"}
+    return open_store(S3TierOptions(**options))
 
 
 class _StubHandler(http.server.BaseHTTPRequestHandler):
@@ -243,7 +245,6 @@ class _StubHandler(http.server.BaseHTTPRequestHandler):
         with stub.lock:
             stub.objects.pop(self._key(), None)
         self._send(204)
-
 
     def do_POST(self) -> None:
         """``POST /bucket?delete``: the bulk delete obstore uses even for one object."""

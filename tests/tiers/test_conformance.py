@@ -7,18 +7,29 @@ real medium, damage a stored value, and take the medium away.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from s3_servers import MotoServer, s3_options
+from s3_servers import FAST_FAILURE, MotoServer, raw_client, s3_options
 
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import SecondaryTier
 from kvtier.tiers.conformance import TierConformance, TierFactory, TierHarness
 from kvtier.tiers.format import HEADER_SIZE
 from kvtier.tiers.memory import MemoryTier
+
+
+@contextlib.contextmanager
+def server_down(server: Any, on_restart: Callable[[], object] = lambda: None) -> Iterator[bool]:
+    """SIGKILL ``server``; on exit start it again, empty, on the same port, then ``on_restart()``."""
+    server.kill()
+    try:
+        yield True
+    finally:
+        server.start()
+        on_restart()
 
 
 class MemoryHarness(TierHarness):
@@ -120,13 +131,8 @@ class RedisHarness(TierHarness):
             client.close()
         return True
 
-    @contextlib.contextmanager
-    def outage(self) -> Iterator[bool]:
-        self.server.kill()
-        try:
-            yield True
-        finally:
-            self.server.start()
+    def outage(self) -> contextlib.AbstractContextManager[bool]:
+        return server_down(self.server)
 
 
 @pytest.mark.redis
@@ -147,39 +153,23 @@ class S3Harness(TierHarness):
         return s3_options(self.server.endpoint, self.bucket, max_in_flight=4)
 
     def fast_failure_options(self) -> dict[str, Any]:
-        return {
-            "request_timeout": 0.5,
-            "connect_timeout": 0.3,
-            "job_timeout": 1.5,
-            "max_retries": 1,
-            "check_timeout": 0.3,
-            "open_seconds": 0.3,
-            "failure_threshold": 2,
-            "miss_seconds": 0.5,
-        }
+        return FAST_FAILURE
 
     def damage(self, tier: SecondaryTier, key: BlockKey) -> bool:
         import obstore as obs
 
         from kvtier.tiers.s3 import S3Tier
-        from kvtier.tiers.s3_store import S3TierOptions, open_store
 
         assert isinstance(tier, S3Tier)
-        raw = open_store(S3TierOptions(**{k: v for k, v in self.spec().items() if k != "type"}))
+        raw = raw_client(self.server.endpoint, self.bucket)
         path = tier.object_path(key)
         value = bytearray(obs.get(raw, path).bytes())
         value[HEADER_SIZE + 100] ^= 0xFF
         obs.put(raw, path, bytes(value))
         return True
 
-    @contextlib.contextmanager
-    def outage(self) -> Iterator[bool]:
-        self.server.kill()
-        try:
-            yield True
-        finally:
-            self.server.start()
-            self.server.create_bucket(self.bucket)
+    def outage(self) -> contextlib.AbstractContextManager[bool]:
+        return server_down(self.server, lambda: self.server.create_bucket(self.bucket))
 
 
 @pytest.mark.s3

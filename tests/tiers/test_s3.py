@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from s3_servers import MotoServer, S3Stub, s3_options
+from s3_servers import FAST_FAILURE, MotoServer, S3Stub, raw_client, s3_options
 
 from kvtier.config import describe_config, load_config
 from kvtier.errors import ConfigError
@@ -28,23 +28,14 @@ from kvtier.tiers.conformance import SCHEDULER_CALL_LIMIT, make_namespace, new_j
 from kvtier.tiers.format import HEADER_SIZE
 from kvtier.tiers.registry import create_tier
 from kvtier.tiers.s3 import S3Tier
-from kvtier.tiers.s3_store import S3TierOptions, key_of_path, manifest_dict, open_store
+from kvtier.tiers.s3_store import S3TierOptions, key_of_path, manifest_dict
 from kvtier.types import LookupResult, RequestContext
 
 pytestmark = pytest.mark.s3
 
 BLOCK = 64 * 1024
 VALUE = HEADER_SIZE + BLOCK
-FAST = {
-    "request_timeout": 0.5,
-    "connect_timeout": 0.3,
-    "job_timeout": 1.5,
-    "max_retries": 1,
-    "check_timeout": 0.3,
-    "open_seconds": 0.3,
-    "failure_threshold": 2,
-    "miss_seconds": 0.5,
-}
+FAST = FAST_FAILURE
 
 
 @pytest.fixture
@@ -72,10 +63,6 @@ def wait_ready(tier: S3Tier, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def raw_store(endpoint: str, bucket: str) -> Any:
-    return open_store(S3TierOptions(**{k: v for k, v in s3_options(endpoint, bucket).items() if k != "type"}))
-
-
 # --- moto: layout, manifest, processes, restarts ------------------------------------------------
 
 
@@ -87,7 +74,7 @@ def test_layout_manifest_and_value_format(s3_bucket: tuple[MotoServer, str], mak
     tier, rows = make(server.endpoint, bucket, ns, prefix="team/kv")
     keys = chain_ids(range(2), ns)
     assert run_job(tier, keys, [0, 1], False, 20).success
-    raw = raw_store(server.endpoint, bucket)
+    raw = raw_client(server.endpoint, bucket)
     listed = {m["path"]: m["size"] for batch in obs.list(raw, prefix="team/kv") for m in batch}
     ns_prefix = f"team/kv/{ns.hexdigest}"
     expected = {f"{ns_prefix}/{k.hex()[:2]}/{k.hex()}": VALUE for k in keys}
@@ -109,7 +96,7 @@ def test_a_manifest_of_another_block_size_keeps_the_tier_out_of_service(
 
     server, bucket = s3_bucket
     ns = make_namespace(BLOCK)
-    raw = raw_store(server.endpoint, bucket)
+    raw = raw_client(server.endpoint, bucket)
     foreign = {**manifest_dict(ns.digest, ns.canonical(), BLOCK), "block_bytes": 4096}
     obs.put(raw, f"kvtier/{ns.hexdigest}/manifest.json", json.dumps(foreign).encode())
     tier, _ = make(server.endpoint, bucket, ns)
@@ -340,7 +327,7 @@ def test_warm_start_answers_hit_without_existence_checks(s3_bucket: tuple[MotoSe
     writer, _ = make(server.endpoint, bucket, ns)
     keys = chain_ids(range(3), ns)
     assert run_job(writer, keys, [0, 1, 2], False, 20).success
-    raw = raw_store(server.endpoint, bucket)
+    raw = raw_client(server.endpoint, bucket)
     obs.put(raw, f"kvtier/{ns.hexdigest}/zz/not-a-block", b"x")
     obs.put(raw, writer.object_path(chain_ids([99], ns)[0]), b"short")  # a block object of the wrong size
     reader, _ = make(server.endpoint, bucket, ns, warm_start=True)

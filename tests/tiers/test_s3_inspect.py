@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from s3_servers import MotoServer, s3_options
+from s3_servers import MotoServer, raw_client, s3_options
 
 from kvtier.errors import ConfigError
 from kvtier.keys import KVGeometry, Namespace, chain_ids
@@ -19,7 +19,7 @@ from kvtier.tiers.conformance import run_job
 from kvtier.tiers.format import HEADER_SIZE
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3_inspect import inspect_prefix, options_from_url
-from kvtier.tiers.s3_store import S3TierOptions, open_store
+from kvtier.tiers.s3_store import S3TierOptions
 
 pytestmark = pytest.mark.s3
 
@@ -64,7 +64,7 @@ def test_inspect_counts_verifies_and_removes_corrupt_objects(s3_bucket: tuple[Mo
     tier_a, keys_a = _fill(server, bucket, "model-a", 4)
     tier_b, _ = _fill(server, bucket, "model-b", 2)
     options = S3TierOptions(**{k: v for k, v in s3_options(server.endpoint, bucket).items() if k != "type"})
-    raw = open_store(options)
+    raw = raw_client(server.endpoint, bucket)
     victim = tier_a.object_path(keys_a[0])
     body = bytearray(obs.get(raw, victim).bytes())
     body[HEADER_SIZE + 5] ^= 0xFF

@@ -285,6 +285,8 @@ class ThreadedTier(SecondaryTier):
         self._idle = threading.Condition(self._lock)
         self._stats_lock = threading.Lock()  # TierStats written by several threads
         self._active: dict[int, JobState] = {}
+        # Existence checks in flight (key -> when queued), for tiers that answer RETRY; under _lock.
+        self._checking: dict[BlockKey, float] = {}
         self._results: list[JobResult] = []
         self._events: list[BlockEvent] = []
         self._queue = WorkQueue()
@@ -632,8 +634,9 @@ class ThreadedTier(SecondaryTier):
         return done
 
     def has_pending_work(self) -> bool:
+        """True while jobs are in flight or unreported, or existence checks are under way."""
         with self._lock:
-            return bool(self._active or self._results)
+            return bool(self._active or self._results or self._checking)
 
     def take_events(self) -> list[BlockEvent]:
         with self._lock:
@@ -687,6 +690,8 @@ class ThreadedTier(SecondaryTier):
             if work.job is not None:
                 self._complete(work, error="tier shut down before the work ran", dropped=not work.job.is_load)
         self._stopping.set()
+        with self._lock:
+            self._checking.clear()
         self._stop()
         join_timeout = self._join_timeout()
         deadline = time.monotonic() + join_timeout

@@ -222,7 +222,6 @@ class RedisTier(ThreadedTier):
 
         # Existence answers, guarded by _lock (held for dictionary operations only).
         self._known: dict[BlockKey, tuple[bool, float, bool]] = {}
-        self._checking: dict[BlockKey, float] = {}
         self._usage = TierUsage(0, None)
         self._usage_at = float("-inf")
         self._need_refresh = False
@@ -310,12 +309,6 @@ class RedisTier(ThreadedTier):
             return
         self._queue_internal(Work(Lane.BACKGROUND, keys=list(keys)))
 
-    def has_pending_work(self) -> bool:
-        if super().has_pending_work():
-            return True
-        with self._lock:
-            return bool(self._checking)
-
     def usage(self) -> TierUsage:
         """Server memory from ``INFO memory`` (summed over cluster primaries), read by an I/O thread.
 
@@ -356,16 +349,6 @@ class RedisTier(ThreadedTier):
             self._do_store(work.job.job, work.keys)
         else:
             self._do_touch(work.keys)
-
-    def _abandon(self, work: Work) -> None:
-        if work.lane is Lane.EXISTS:
-            with self._lock:
-                for key in work.keys:
-                    self._checking.pop(key, None)
-
-    def _stop(self) -> None:
-        with self._lock:
-            self._checking.clear()
 
     def _close(self) -> None:
         self._backend.close()

@@ -53,7 +53,7 @@ import numpy as np
 from kvtier.errors import ConfigError, CorruptValueError, TierError
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import TierContext, TierUsage
-from kvtier.tiers.format import HEADER_SIZE, decode_header, encode_header, verify_payload
+from kvtier.tiers.format import HEADER_SIZE, decode_header, encode_header, payload_hasher, verify_digest
 from kvtier.tiers.health import CircuitBreaker
 from kvtier.tiers.jobs import ALL_LANES, READ_LANES, Lane, ThreadedTier, Work, forget_frames
 from kvtier.tiers.options import validate_options
@@ -115,7 +115,6 @@ class S3Tier(ThreadedTier):
         # The existence index, guarded by _lock: expiry times, each dict in expiry order.
         self._present: dict[BlockKey, float] = {}
         self._absent: dict[BlockKey, float] = {}
-        self._checking: dict[BlockKey, float] = {}
         # Scheduler thread only: this step's unknown keys, per request chain, in lookup order.
         self._chains: dict[object, list[BlockKey]] = {}
         self._pending: set[BlockKey] = set()
@@ -202,12 +201,6 @@ class S3Tier(ThreadedTier):
         with self._lock:
             return self._answer(key, time.monotonic()) is True
 
-    def has_pending_work(self) -> bool:
-        if super().has_pending_work():
-            return True
-        with self._lock:
-            return bool(self._checking)
-
     def usage(self) -> TierUsage:
         """The bytes this process uploaded (the bucket's total is unknown; capacity unbounded)."""
         return TierUsage(self.stats.bytes_written, None, int(self.stats.extra["objects_written"]))
@@ -243,18 +236,10 @@ class S3Tier(ThreadedTier):
         if loop is not None:
             loop.close()
 
-    def _abandon(self, work: Work) -> None:
-        if work.lane is Lane.EXISTS:
-            self._forget_checks(work.keys)
-
     def _forget_checks(self, keys: list[BlockKey]) -> None:
         with self._lock:
             for key in keys:
                 self._checking.pop(key, None)
-
-    def _stop(self) -> None:
-        with self._lock:
-            self._checking.clear()
 
     def _io_failure(self, exc: BaseException) -> str:
         """Feed a request failure to the breaker (refused connections open it at once); returns its text."""
@@ -332,7 +317,9 @@ class S3Tier(ThreadedTier):
     def _get_into(self, path: str, key: BlockKey, header: bytearray, row: np.ndarray) -> None:
         """GET ``path``: the first 128 bytes into ``header``, the rest into ``row``; then verify both.
 
-        Payload chunks are copied with numpy, which releases the GIL. Raises
+        Each payload chunk is copied into the row and hashed there as it
+        arrives (numpy and xxhash release the GIL), so the checksum of the
+        bytes that reached the row is ready when the body ends. Raises
         FileNotFoundError (404), CorruptValueError (wrong size, header or
         checksum) or the client's error.
         """
@@ -342,22 +329,25 @@ class S3Tier(ThreadedTier):
         size = int(result.meta["size"])
         if size != self._value_bytes:
             raise CorruptValueError(f"object has {size} bytes, expected {self._value_bytes}")
+        hasher = payload_hasher()
         filled = 0
         for chunk in result.stream(min_chunk_size=_STREAM_CHUNK):
             data = np.frombuffer(chunk, dtype=np.uint8)
             n = len(data)
             if filled + n > self._value_bytes:
                 raise CorruptValueError(f"object body is longer than its {self._value_bytes} bytes")
-            if filled < HEADER_SIZE:
-                take = min(n, HEADER_SIZE - filled)
+            take = max(0, min(n, HEADER_SIZE - filled))
+            if take:
                 header[filled : filled + take] = data[:take].tobytes()
-                np.copyto(row[: n - take], data[take:])
-            else:
-                np.copyto(row[filled - HEADER_SIZE : filled - HEADER_SIZE + n], data)
+            start = filled + take - HEADER_SIZE
+            dst = row[start : start + n - take]
+            np.copyto(dst, data[take:])
+            hasher.update(dst.data)
             filled += n
         if filled != self._value_bytes:
             raise CorruptValueError(f"object body truncated: {filled} of {self._value_bytes} bytes")
-        verify_payload(decode_header(header, namespace=self._digest, key=key, payload_len=self._block_bytes), row.data)
+        parsed = decode_header(header, namespace=self._digest, key=key, payload_len=self._block_bytes)
+        verify_digest(parsed, filled - HEADER_SIZE, hasher.intdigest())
 
     def _delete(self, path: str) -> None:
         import obstore as obs
