@@ -187,6 +187,28 @@ def test_server_killed_and_restarted_empty_mid_run(own_moto: MotoServer, make: A
     assert np.array_equal(rows[24:26], rows[0:2])
 
 
+def test_a_server_down_from_the_start_never_blocks_and_stores_fail_cleanly(make: Any) -> None:
+    from s3_servers import free_port
+
+    tier, _ = make(f"http://127.0.0.1:{free_port()}", "kv-cache", **FAST)
+    keys = chain_ids(range(2), tier.context.namespace)
+    t0 = time.perf_counter()
+    job = new_job(keys, [0, 1], False)
+    tier.submit_store(job)
+    assert time.perf_counter() - t0 < SCHEDULER_CALL_LIMIT
+    result = wait_results(tier, {job.job_id}, 10)[job.job_id]
+    assert not result.success and result.error
+    assert resolve(tier, keys[0], 5) is LookupResult.MISS
+    deadline = time.monotonic() + 5
+    while tier.health().state is HealthState.CLOSED:
+        assert time.monotonic() < deadline, "a refused connection must take the tier out of service"
+        time.sleep(0.01)
+    assert "connection refused" in tier.health().detail
+    t0 = time.perf_counter()
+    tier.shutdown()
+    assert time.perf_counter() - t0 < 5
+
+
 # --- the stub: batching, races, faults -------------------------------------------------------------
 
 

@@ -26,7 +26,7 @@ the options, their defaults and the bucket layout are in :mod:`kvtier.tiers.s3_s
 * **Manifest**: ``<prefix>/<namespace>/manifest.json`` is created or checked
   before the tier serves (a manifest of another layout or block size keeps it
   out of service, with the reason in ``health().detail``); until then lookups
-  answer RETRY.
+  answer RETRY for about ``check_timeout`` seconds, then MISS.
 * **Failures**: the data client retries with backoff and jitter within
   ``job_timeout - request_timeout``; refused connections open the breaker at
   once, timeouts, 5xx and SlowDown storms after ``failure_threshold`` in a
@@ -108,6 +108,7 @@ class S3Tier(ThreadedTier):
         self._manifest_path = f"{self._ns_prefix}/{MANIFEST}"
         self._manifest = manifest_dict(self._digest, context.namespace.canonical(), context.block_bytes)
         self._ready = threading.Event()
+        self._born = time.monotonic()
         self._manifest_lock = threading.Lock()
         self._manifest_error: str | None = None
         self._warmed = False
@@ -164,9 +165,10 @@ class S3Tier(ThreadedTier):
 
     def _lookup(self, key: BlockKey, request: RequestContext | None) -> LookupResult:
         """HIT/MISS from the index; RETRY for unknown keys (checked at step end) and before the manifest check."""
-        if not self._ready.is_set():
-            return LookupResult.RETRY
         now = time.monotonic()
+        if not self._ready.is_set():
+            # Before the manifest check: wait a little for it, then recompute rather than wait.
+            return LookupResult.RETRY if now - self._born < self.options.check_timeout + 1.0 else LookupResult.MISS
         with self._lock:
             answer = self._answer(key, now)
             since = self._checking.get(key)
@@ -443,10 +445,10 @@ class S3Tier(ThreadedTier):
         expected = json.dumps(self._manifest, indent=2, sort_keys=True).encode()
         for _ in range(2):
             try:
-                result = obs.get(self._quick, self._manifest_path)
+                result = obs.get(self._store, self._manifest_path)
             except FileNotFoundError:
                 try:
-                    obs.put(self._quick, self._manifest_path, expected, mode="create", use_multipart=False)
+                    obs.put(self._store, self._manifest_path, expected, mode="create", use_multipart=False)
                 except AlreadyExistsError:
                     continue  # another engine created it just now: read theirs
                 self._manifest_ready()
@@ -504,11 +506,10 @@ class S3Tier(ThreadedTier):
             if not self._ready.is_set() and self._breaker.serving:
                 try:
                     self._ensure_manifest()
-                except ConfigError as exc:
+                except ConfigError as exc:  # a foreign manifest: out of service until it changes
                     self._note_failure(str(exc), trip=True)
-                except Exception as exc:  # no manifest, no service: out until a probe succeeds
-                    self._note_failure(short_error(exc), trip=True)
-                    forget_frames(exc)
+                except Exception as exc:  # the store failed: retried at the next tick or probe
+                    self._io_failure(exc)
         finally:
             self._manifest_lock.release()
         return self._ready.is_set()
