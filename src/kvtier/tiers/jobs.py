@@ -79,6 +79,7 @@ from kvtier.types import BlockEvent, LookupResult, RequestContext
 logger = logging.getLogger(__name__)
 
 _MAX_ERRORS_PER_JOB = 8
+_IDLE_WAIT = 5.0  # seconds an idle worker that keeps no time sleeps between checks of the queue
 
 
 class Lane(enum.IntEnum):
@@ -258,7 +259,8 @@ class ThreadedTier(SecondaryTier):
     """
 
     housekeeping_interval: float = 0.1
-    """Idle worker threads wake this often to run probes and :meth:`_housekeeping`."""
+    """The first worker thread wakes this often while idle to run probes and :meth:`_housekeeping`
+    (every worker also runs them after each work item, when no other thread is)."""
 
     def __init__(
         self,
@@ -291,6 +293,7 @@ class ThreadedTier(SecondaryTier):
         self._events: list[BlockEvent] = []
         self._queue = WorkQueue()
         self._threads: list[threading.Thread] = []
+        self._has_keeper = False
         self._stopping = threading.Event()
         self._probe_lock = threading.Lock()
         self._house_lock = threading.Lock()
@@ -304,7 +307,11 @@ class ThreadedTier(SecondaryTier):
         """Start ``count`` worker threads that serve ``lanes``."""
         self._queue.serve(lanes)
         for i in range(count):
-            self._start_thread(f"{role}-{i}", self._worker_loop, lanes)
+            # The first worker of the tier keeps time (probes, housekeeping) while idle; the
+            # others sleep until work comes, so an idle tier costs one wake-up per interval.
+            keeper = not self._has_keeper
+            self._has_keeper = True
+            self._start_thread(f"{role}-{i}", self._worker_loop, lanes, keeper)
 
     def _start_thread(self, role: str, target: Callable[..., None], *args: Any) -> None:
         """Start an owned daemon thread; :meth:`shutdown` joins it (``target`` must watch ``_stopping``)."""
@@ -313,11 +320,12 @@ class ThreadedTier(SecondaryTier):
         thread.start()
         self._threads.append(thread)
 
-    def _worker_loop(self, lanes: frozenset[Lane]) -> None:
+    def _worker_loop(self, lanes: frozenset[Lane], keeper: bool) -> None:
         local = self._open_worker()
+        wait = self.housekeeping_interval if keeper else _IDLE_WAIT
         try:
             while True:
-                work = self._queue.get(lanes, self.housekeeping_interval)
+                work = self._queue.get(lanes, wait)
                 if self._queue.closed and work is None:
                     return
                 self._tick()
