@@ -131,76 +131,35 @@ def redis_server_factory(tmp_path: Path) -> Iterator[object]:
             server.stop()
 
 
+def make_test_certificates(certs: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1 signed by it: ``(ca.crt, server.crt, server.key)``.
+
+    Skips the test when no ``openssl`` binary is installed.
+    """
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl not found on PATH; it is needed to make test certificates")
+    certs.mkdir(parents=True, exist_ok=True)
+    ca_key, ca_crt = certs / "ca.key", certs / "ca.crt"
+    key, csr, crt, ext = certs / "server.key", certs / "server.csr", certs / "server.crt", certs / "ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    for args in (
+        ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca_crt),
+         "-days", "2", "-subj", "/CN=kvtier-test-ca"],
+        ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr), "-subj", "/CN=127.0.0.1"],
+        ["x509", "-req", "-in", str(csr), "-CA", str(ca_crt), "-CAkey", str(ca_key), "-CAcreateserial",
+         "-out", str(crt), "-days", "2", "-extfile", str(ext)],
+    ):  # fmt: skip
+        subprocess.run([openssl, *args], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+    return ca_crt, crt, key
+
+
 @pytest.fixture
 def redis_tls_server(tmp_path: Path) -> Iterator[tuple[RedisServer, str]]:
     """A redis-server with a TLS port too (self-signed CA); yields ``(server, rediss_url)``."""
     if REDIS_SERVER is None:
         pytest.skip(_SKIP_REASON)
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("openssl not found on PATH; it is needed to make test certificates")
-    certs = tmp_path / "certs"
-    certs.mkdir()
-    ca_key, ca_crt = certs / "ca.key", certs / "ca.crt"
-    key, csr, crt, ext = certs / "server.key", certs / "server.csr", certs / "server.crt", certs / "ext.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1\n")
-    quiet = {"check": True, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "timeout": 60}
-    subprocess.run(
-        [
-            openssl,
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(ca_key),
-            "-out",
-            str(ca_crt),
-            "-days",
-            "2",
-            "-subj",
-            "/CN=kvtier-test-ca",
-        ],
-        **quiet,  # type: ignore[arg-type]
-    )
-    subprocess.run(
-        [
-            openssl,
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(csr),
-            "-subj",
-            "/CN=127.0.0.1",
-        ],
-        **quiet,  # type: ignore[arg-type]
-    )
-    subprocess.run(
-        [
-            openssl,
-            "x509",
-            "-req",
-            "-in",
-            str(csr),
-            "-CA",
-            str(ca_crt),
-            "-CAkey",
-            str(ca_key),
-            "-CAcreateserial",
-            "-out",
-            str(crt),
-            "-days",
-            "2",
-            "-extfile",
-            str(ext),
-        ],
-        **quiet,  # type: ignore[arg-type]
-    )
+    ca_crt, crt, key = make_test_certificates(tmp_path / "certs")
     tls_port = _free_port()
     server = _start_server(
         tmp_path / "redis-tls",

@@ -20,6 +20,7 @@ import http.server
 import os
 import re
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -162,8 +163,11 @@ class _StubHandler(http.server.BaseHTTPRequestHandler):
     def _before(self) -> bool:
         """Record the request, apply hang and SlowDown faults; False if a fault answered it."""
         stub = self._stub()
+        credential = re.search(r"Credential=([^/,\s]+)/", self.headers.get("Authorization", ""))
         with stub.lock:
             stub.requests.append((self.command, self.path))
+            if credential:
+                stub.access_keys.add(credential.group(1))
             slowdown = stub.slowdowns > 0
             if slowdown:
                 stub.slowdowns -= 1
@@ -276,9 +280,11 @@ class S3Stub:
 
     bucket = "stub"
 
-    def __init__(self) -> None:
+    def __init__(self, tls: tuple[Path, Path] | None = None) -> None:
+        """``tls``: ``(certificate, key)`` to serve https instead of http."""
         self.lock = threading.Lock()
         self.objects: dict[str, bytes] = {}
+        self.access_keys: set[str] = set()
         self.requests: list[tuple[str, str]] = []
         self.faults: dict[str, str] = {}
         self.slowdowns = 0
@@ -287,12 +293,18 @@ class S3Stub:
         self.released = threading.Event()
         self._server = _StubHTTPServer(("127.0.0.1", 0), _StubHandler)
         self._server.stub = self
+        self.scheme = "http"
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(str(tls[0]), str(tls[1]))
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+            self.scheme = "https"
         self._thread = threading.Thread(target=self._server.serve_forever, name="s3-stub", daemon=True)
         self._thread.start()
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        return f"{self.scheme}://127.0.0.1:{self._server.server_address[1]}"
 
     def object_key(self, path: str) -> str:
         """The stub's key of a tier object path."""

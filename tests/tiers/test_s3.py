@@ -362,6 +362,43 @@ def test_warm_start_answers_hit_without_existence_checks(s3_bucket: tuple[MotoSe
     assert reader.stats.extra["checks"] == 0
 
 
+def test_https_endpoint_behind_a_private_ca(tmp_path: Path, make: Any) -> None:
+    from conftest import make_test_certificates
+
+    ca, cert, key = make_test_certificates(tmp_path / "certs")
+    stub = S3Stub(tls=(cert, key))
+    try:
+        trusted, rows = make(stub.endpoint, stub.bucket, ca_file=str(ca))
+        keys = chain_ids(range(2), trusted.context.namespace)
+        assert run_job(trusted, keys, [0, 1], False, 10).success
+        assert run_job(trusted, keys, [4, 5], True, 10).success
+        assert np.array_equal(rows[4:6], rows[0:2])
+        stranger, _ = make(stub.endpoint, stub.bucket, **FAST)
+        result = run_job(stranger, keys, [0, 1], False, 10)
+        assert not result.success, "a server whose CA is not trusted must not be written to"
+    finally:
+        stub.close()
+
+
+def test_credentials_from_the_standard_chain_or_explicit(
+    s3_stub: S3Stub, make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDFROMTHEENV")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "env-secret")
+    options = {k: v for k, v in s3_options(s3_stub.endpoint, s3_stub.bucket).items() if k != "type"}
+    del options["access_key_id"], options["secret_access_key"]
+    rows = np.zeros((2, BLOCK), dtype=np.uint8)
+    tier = S3Tier(TierContext(rows, BLOCK, make_namespace(BLOCK)), **options)
+    try:
+        assert run_job(tier, chain_ids(range(1), tier.context.namespace), [0], False, 10).success
+    finally:
+        tier.shutdown()
+    assert s3_stub.access_keys == {"AKIDFROMTHEENV"}
+    explicit, _ = make(s3_stub.endpoint, s3_stub.bucket, access_key_id="AKIDEXPLICIT")
+    assert run_job(explicit, chain_ids(range(1), explicit.context.namespace), [0], False, 10).success
+    assert "AKIDEXPLICIT" in s3_stub.access_keys
+
+
 # --- options ------------------------------------------------------------------------------------------
 
 
