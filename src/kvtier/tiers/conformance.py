@@ -308,6 +308,20 @@ class TierConformance:
         assert tier.stats.loads_failed == 0 and tier.stats.stores_failed == 0
         assert tier.stats.bytes_read > 0 and tier.stats.bytes_written > 0
 
+    def test_keys_of_every_accepted_length_round_trip(self, harness: TierHarness, tiers: TierFactory) -> None:
+        from kvtier.tiers.format import MAX_KEY_BYTES
+
+        tier, rows = tiers()
+        bb = harness.block_bytes
+        rng = np.random.default_rng()
+        keys = [rng.bytes(n) for n in (16, 36, MAX_KEY_BYTES)]  # vLLM's offload keys are 36 bytes
+        assert run_job(tier, keys, [0, 1, 2], False, harness.wait_seconds).success
+        for key in keys:
+            assert resolve(tier, key, harness.wait_seconds) is LookupResult.HIT
+        result = run_job(tier, keys, [4, 5, 6], True, harness.wait_seconds)
+        assert result.success, result.error
+        assert np.array_equal(rows[4:7, :bb], rows[0:3, :bb])
+
     def test_storing_held_keys_again_succeeds(self, harness: TierHarness, tiers: TierFactory) -> None:
         tier, rows = tiers()
         keys = chain_ids(range(2), tier.context.namespace)

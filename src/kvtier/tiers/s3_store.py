@@ -35,7 +35,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
-from kvtier.tiers.format import FORMAT_VERSION, HEADER_SIZE
+from kvtier.tiers.format import FORMAT_VERSION, HEADER_SIZE, MAX_KEY_BYTES
 from kvtier.tiers.options import TierOptions
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 64 * 1024
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9!_.*'()\-]+(/[A-Za-z0-9!_.*'()\-]+)*$")
-_OBJECT_RE = re.compile(r"^[0-9a-f]{2}/([0-9a-f]{2,64})$")
+_OBJECT_RE = re.compile(rf"^[0-9a-f]{{2}}/([0-9a-f]{{2,{2 * MAX_KEY_BYTES}}})$")
 
 
 class S3TierOptions(TierOptions):
