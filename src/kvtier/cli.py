@@ -552,8 +552,7 @@ def _inspect_s3(args: argparse.Namespace) -> Any:
     from kvtier.tiers.s3_inspect import inspect_prefix, options_from_url
     from kvtier.tiers.s3_store import S3TierOptions
 
-    region = args.region or os.environ.get("AWS_REGION")
-    spec = options_from_url(args.dir, **({"region": region} if region else {}))
+    spec = options_from_url(args.dir, **({"region": args.region} if args.region else {}))
     return inspect_prefix(
         validate_options(S3TierOptions, "s3", spec),
         namespace=args.namespace,

@@ -125,10 +125,10 @@ class S3Tier(ThreadedTier):
         if readers:
             self._start_workers(readers, READ_LANES, "read")
         self._start_workers(opts.max_in_flight - readers, ALL_LANES, "io")
+        where = opts.endpoint or f"AWS {opts.region or '(region from AWS_REGION)'}"
         logger.info(
             "s3 tier %s: %s/%s via %s, %d requests in flight",
-            self.label, opts.url(), context.namespace.hexdigest, opts.endpoint or f"AWS {opts.region}",
-            opts.max_in_flight,
+            self.label, opts.url(), context.namespace.hexdigest, where, opts.max_in_flight,
         )  # fmt: skip
 
     def object_path(self, key: BlockKey) -> str:

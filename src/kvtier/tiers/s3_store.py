@@ -58,7 +58,10 @@ class S3TierOptions(TierOptions):
         default=None,
         description="http(s)://host:port of an S3-compatible server; None = AWS S3 in 'region'.",
     )
-    region: str = Field(default="us-east-1", description="Region (signing scope; AWS endpoint when no endpoint).")
+    region: str | None = Field(
+        default=None,
+        description="Region (signing scope; the AWS endpoint when no endpoint). None = AWS_REGION, else us-east-1.",
+    )
     path_style: bool | None = Field(
         default=None,
         description="Path-style addressing (host/bucket/key). None = auto: path-style for any "
@@ -208,10 +211,11 @@ def open_store(options: S3TierOptions, *, quick: bool = False) -> S3Store:
         "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=2), "base": 2},
     }
     config: dict[str, Any] = {
-        "region": options.region,
         "unsigned_payload": True,
         "virtual_hosted_style_request": not options.uses_path_style,
     }
+    if options.region is not None:
+        config["region"] = options.region
     if options.endpoint is not None:
         endpoint = options.endpoint
         if not options.uses_path_style:
