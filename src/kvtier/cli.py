@@ -603,6 +603,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             print(f"    manifest:     {ns.manifest_error}")
         if ns.foreign_files:
             print(f"    foreign files: {len(ns.foreign_files)}")
+        if ns.unsafe_entries:
+            print(f"    unsafe entries: {len(ns.unsafe_entries)} (not regular files of this user: never opened)")
+            for c in ns.unsafe_entries[:20]:
+                print(f"      {c.path}: {c.reason}")
         if ns.temp_files_stale or ns.temp_files_live:
             print(f"    temp files:   {ns.temp_files_live} live, {ns.temp_files_stale} stale")
     print(

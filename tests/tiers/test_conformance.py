@@ -77,19 +77,23 @@ class FsHarness(TierHarness):
 
     @contextlib.contextmanager
     def outage(self) -> Iterator[bool]:
-        """Every namespace directory becomes a regular file: each open fails with ENOTDIR (even as root)."""
+        """Every shard directory becomes a regular file, so each open and rename in one fails with
+        ENOTDIR (even as root; the tier holds the namespace directory itself open)."""
+        from kvtier.tiers.fs_layout import SHARDS
+
         moved = []
         for ns_dir in [p for p in self.root.iterdir() if p.is_dir()]:
-            away = ns_dir.with_name(ns_dir.name + ".away")
-            ns_dir.rename(away)
-            ns_dir.write_bytes(b"")
-            moved.append((ns_dir, away))
+            for shard in SHARDS:
+                path = ns_dir / shard
+                path.rename(ns_dir / f"{shard}.away")
+                path.write_bytes(b"")
+                moved.append(path)
         try:
             yield True
         finally:
-            for ns_dir, away in moved:
-                ns_dir.unlink()
-                away.rename(ns_dir)
+            for path in moved:
+                path.unlink()
+                path.with_name(f"{path.name}.away").rename(path)
 
 
 class TestFsTier(TierConformance):

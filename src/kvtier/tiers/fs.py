@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import os
 import shutil
@@ -48,7 +49,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvtier.errors import ConfigError, CorruptValueError, TierDrainTimeout, TierError
+from kvtier.errors import ConfigError, CorruptValueError, TierDrainTimeout, TierError, UnsafeEntryError
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import (
     HealthState,
@@ -59,17 +60,26 @@ from kvtier.tiers.base import (
     TierUsage,
     TransferJob,
 )
+from kvtier.tiers.fs_files import (
+    FileModes,
+    create_file,
+    discard_corrupt,
+    open_for_read,
+    remove_value,
+    take_for_recycling,
+)
 from kvtier.tiers.fs_index import FileIndex, Reservation
 from kvtier.tiers.fs_layout import (
+    O_DIRECT,
     PAGE,
     SHARDS,
+    SUFFIX,
     InstanceDir,
     NamespaceReport,
     RootReport,
     aligned_buffer,
     ensure_manifest,
     entry_bytes,
-    fsync_dir,
     is_no_space,
     make_dirs,
     manifest_dict,
@@ -78,13 +88,14 @@ from kvtier.tiers.fs_layout import (
     round_up,
     scan_shard,
     sweep_temp_dirs,
-    value_path,
+    value_name,
     verify_root,
     write_value,
 )
 from kvtier.tiers.health import CircuitBreaker
 from kvtier.types import BlockEvent, LookupResult, RequestContext
 from kvtier.units import parse_size
+from kvtier.untrusted import open_regular
 
 __all__ = ["FilesystemTier", "FilesystemTierOptions", "NamespaceReport", "RootReport", "verify_root"]
 
@@ -122,6 +133,11 @@ class FilesystemTierOptions(BaseModel):
     shutdown_timeout: float = Field(
         default=30.0, gt=0, description="Seconds shutdown() lets queued jobs finish, then per thread join."
     )
+    share_group: str | int | None = Field(
+        default=None,
+        description="Share the cache with this Unix group (directories 2770, files 0640, the group's files "
+        "are served). Default: private to this user (0700 / 0600).",
+    )
 
     @field_validator("root", mode="before")
     @classmethod
@@ -154,6 +170,15 @@ class _Task:
     key: BlockKey = b""
     slot: int = 0
     pinned: bool = False
+
+
+class _Corrupt(Exception):
+    """A value failed verification (``removed``: its file was ours and is deleted)."""
+
+    def __init__(self, reason: str, removed: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.removed = removed
 
 
 class _WorkQueue:
@@ -222,6 +247,14 @@ class FilesystemTier(SecondaryTier):
       dropped (each queued store pins a CPU row), so a slow disk sheds writes first.
     * ``shutdown_timeout``: seconds ``shutdown()`` lets queued jobs finish before
       failing the rest, and then waits for each thread to exit.
+    * ``share_group``: a Unix group (name or gid) to share the cache with: directories
+      2770 (setgid), files 0640, and files of that group are served. Default: private
+      (directories 0700, files 0600, only this user's files are served).
+
+    The root is untrusted content (see :mod:`kvtier.tiers.fs_files`): no link is
+    followed, only regular files of this user (or group) are opened, nothing else is
+    indexed, served, recycled or deleted, and engines sharing a root never read a file
+    the other is recycling. Every option is validated before anything is created.
     """
 
     tier_type = "fs"
@@ -243,6 +276,7 @@ class FilesystemTier(SecondaryTier):
         probe_interval: float = 2.0,
         max_queued_stores: int = 256,
         shutdown_timeout: float = 30.0,
+        share_group: str | int | None = None,
     ) -> None:
         """Check the options, prepare the namespace directory, size the budget, start the threads.
 
@@ -268,6 +302,12 @@ class FilesystemTier(SecondaryTier):
                 f"fs tier needs rows as a 2-D uint8 array with rows of >= {block_bytes} bytes, "
                 f"got shape {rows.shape} dtype {rows.dtype}"
             )
+        if max_bytes is not None and int(max_bytes) < entry_bytes(block_bytes):
+            raise ConfigError(
+                f"fs tier max_bytes={int(max_bytes)} is smaller than one block file ({entry_bytes(block_bytes)} "
+                "bytes): raise max_bytes"
+            )
+        self.modes = FileModes.for_group(share_group)
         self.root = Path(root)
         self.ns_dir = self.root / context.namespace.hexdigest
         self.block_bytes = block_bytes
@@ -280,20 +320,25 @@ class FilesystemTier(SecondaryTier):
         self._digest = context.namespace.digest
         self._rows: np.ndarray | None = rows
 
+        # Every option is valid: now the side effects, each undone if a later one fails.
+        self._dirs = make_dirs(self.ns_dir, self.modes)
         try:
-            make_dirs(self.ns_dir)
-        except OSError as exc:
-            raise ConfigError(f"fs tier root {self.root} is not usable ({exc}): pick a writable 'root'") from exc
-        ensure_manifest(self.ns_dir, manifest_dict(self._digest, context.namespace.canonical(), block_bytes))
-        self.swept_temp_dirs, self.swept_temp_files = sweep_temp_dirs(self.ns_dir)
-        self._instance = InstanceDir(self.ns_dir)
-
-        self.direct_io, self.direct_io_reason = self._choose_direct_io(direct_io)
-        # Bytes moved per block: O_DIRECT needs whole pages (the row's padding rides along).
-        self._io_bytes = round_up(block_bytes) if self.direct_io else block_bytes
-
-        existing = self._count_existing_files()
-        self.max_bytes = self._resolve_max_bytes(max_bytes, existing)
+            ensure_manifest(self._dirs, manifest_dict(self._digest, context.namespace.canonical(), block_bytes))
+            self.swept_temp_dirs, self.swept_temp_files = sweep_temp_dirs(self.ns_dir)
+            self._instance = InstanceDir(self._dirs)
+        except BaseException:
+            self._dirs.close()
+            raise
+        try:
+            self.direct_io, self.direct_io_reason = self._choose_direct_io(direct_io)
+            # Bytes moved per block: O_DIRECT needs whole pages (the row's padding rides along).
+            self._io_bytes = round_up(block_bytes) if self.direct_io else block_bytes
+            self.max_bytes = self._resolve_max_bytes(max_bytes, self._count_existing_files())
+        except BaseException:
+            self._instance.close(remove=True)
+            self._dirs.close()
+            raise
+        self._direct_flag = O_DIRECT if self.direct_io else 0
         self._index = FileIndex(self.max_bytes, self.entry_bytes)
         self._breaker = CircuitBreaker(failure_threshold=failure_threshold, open_seconds=probe_interval)
         self._free_recheck_interval = probe_interval
@@ -305,6 +350,7 @@ class FilesystemTier(SecondaryTier):
         self._finished: list[JobResult] = []
         self._events: list[BlockEvent] = []
         self._probe_queued = False
+        self._probe_seq = itertools.count(1)
         self._accepting = True
         self._shut = False
         self._queue = _WorkQueue()
@@ -319,6 +365,7 @@ class FilesystemTier(SecondaryTier):
                 "stores_skipped": 0,
                 "scan_entries": 0,
                 "scan_seconds": 0.0,
+                "unsafe_entries": 0,
                 "temp_files_swept": float(self.swept_temp_files),
             }
         )
@@ -376,7 +423,7 @@ class FilesystemTier(SecondaryTier):
         return False, reason
 
     def _count_existing_files(self) -> int:
-        return sum(len(os.listdir(self.ns_dir / shard)) for shard in SHARDS)
+        return sum(1 for shard in SHARDS for e in self._dirs.entries(shard) if e.name.endswith(SUFFIX))
 
     def _resolve_max_bytes(self, max_bytes: int | float | None, existing_files: int) -> int:
         if max_bytes is None:
@@ -609,38 +656,37 @@ class FilesystemTier(SecondaryTier):
     def _load_block(self, task: _Task, header: memoryview) -> None:
         assert task.job is not None
         key = task.key
-        path = value_path(self.ns_dir, key)
+        shard, name = f"{key[0]:02x}", value_name(key)
         error: str | None = None
         nbytes = 0
         t0 = time.perf_counter()
         try:
-            row = self._row_view(task.slot)
+            shard_fd = self._dirs.subdir(shard)
             try:
-                nbytes = read_value(
-                    path,
-                    header,
-                    row,
-                    namespace=self._digest,
-                    key=key,
-                    block_bytes=self.block_bytes,
-                    direct=self.direct_io,
-                )
+                self._read_into_row(task.slot, shard_fd, name, key, header)
             finally:
-                row.release()
+                os.close(shard_fd)
+            nbytes = self.block_bytes
             self._breaker.record_success(time.perf_counter() - t0)
-        except CorruptValueError as exc:
-            error = f"corrupt value {key.hex()[:16]}: {exc}"
-            logger.warning("fs tier %s: %s; deleting it", self.label, error)
+        except _Corrupt as exc:
+            error = f"corrupt value {key.hex()[:16]}: {exc.reason}"
+            logger.warning("fs tier %s: %s; %s", self.label, error, "deleted" if exc.removed else "left in place")
             with self._lock:
                 self.stats.corrupt_values += 1
-            self._delete(key)
+            self._forget(key)
+        except UnsafeEntryError as exc:
+            error = f"value {key.hex()[:16]} is not served: {exc}"
+            logger.warning("fs tier %s: %s (never opened for I/O, never deleted)", self.label, error)
+            with self._lock:
+                self.stats.extra["unsafe_entries"] += 1
+            self._forget(key)
         except FileNotFoundError:
             error = f"value {key.hex()[:16]} vanished from disk"
             with self._lock:
                 self.stats.extra["vanished"] += 1
-            self._delete(key)
+            self._forget(key)
         except OSError as exc:
-            error = f"read of {path} failed: {exc.strerror or exc}"
+            error = f"read of {shard}/{name} failed: {exc.strerror or exc}"
             self._io_error(error)
         finally:
             if task.pinned:
@@ -651,6 +697,27 @@ class FilesystemTier(SecondaryTier):
             else:
                 self.stats.loads_failed += 1
         self._block_done(task.job, key, nbytes, error)
+
+    def _read_into_row(self, slot: int, shard_fd: int, name: str, key: BlockKey, header: memoryview) -> None:
+        """Read value ``name`` into CPU row ``slot`` and verify it; raises _Corrupt (after removing
+        the file if it is ours and still the one that failed), UnsafeEntryError, FileNotFoundError."""
+        fd, st = open_for_read(shard_fd, name, self._direct_flag, self.modes)
+        try:
+            row = self._row_view(slot)
+            try:
+                read_value(
+                    fd, st.st_size, header, row, namespace=self._digest, key=key,
+                    block_bytes=self.block_bytes, direct=self.direct_io, name=f"{key[0]:02x}/{name}",
+                )  # fmt: skip
+            finally:
+                row.release()
+        except CorruptValueError as exc:
+            removed = discard_corrupt(
+                shard_fd, name, st, self._instance.fd, self._instance.temp_name(key), self.modes
+            )
+            raise _Corrupt(str(exc), removed) from None
+        finally:
+            os.close(fd)
 
     def _store_block(self, task: _Task, header: memoryview) -> None:
         assert task.job is not None
@@ -673,36 +740,40 @@ class FilesystemTier(SecondaryTier):
                 self._block_done(task.job, key, 0, None)
             return
         error: str | None = None
-        tmp = self._instance.temp_path(key)
-        reuse = False
+        tmp = self._instance.temp_name(key)
+        tmp_dir = self._instance.fd
+        fd: int | None = None
         if plan.victims:
-            reuse = self._unlink_victims(plan.victims, recycle_to=tmp)
+            fd = self._unlink_victims(plan.victims, recycle_to=tmp)
+        recycled = fd is not None
         try:
+            if fd is None:
+                fd = create_file(tmp_dir, tmp, self._direct_flag, self.modes)
             row = self._row_view(task.slot)
             try:
                 write_value(
-                    tmp,
-                    header,
-                    row,
-                    namespace=self._digest,
-                    key=key,
-                    block_bytes=self.block_bytes,
-                    direct=self.direct_io,
-                    fsync=self.fsync,
-                    reuse=reuse,
-                )
+                    fd, header, row, namespace=self._digest, key=key, block_bytes=self.block_bytes,
+                    fsync=self.fsync, reuse=recycled,
+                )  # fmt: skip
             finally:
                 row.release()
-            final = value_path(self.ns_dir, key)
-            os.rename(tmp, final)
-            if self.fsync:
-                fsync_dir(final.parent)
+            os.close(fd)  # drops a recycled file's exclusive lock before it is visible again
+            fd = None
+            shard_fd = self._dirs.subdir(f"{key[0]:02x}")
+            try:
+                os.rename(tmp, value_name(key), src_dir_fd=tmp_dir, dst_dir_fd=shard_fd)
+                if self.fsync:
+                    os.fsync(shard_fd)
+            finally:
+                os.close(shard_fd)
             self._index.commit(key)
             self._breaker.record_success()
         except BaseException as exc:
+            if fd is not None:
+                os.close(fd)
             self._index.abort(key)
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=tmp_dir)
             if not isinstance(exc, OSError):
                 raise
             if is_no_space(exc):
@@ -723,19 +794,27 @@ class FilesystemTier(SecondaryTier):
                 self.stats.stores_failed += 1
         self._block_done(task.job, key, self.block_bytes if error is None else 0, error)
 
-    def _unlink_victims(self, victims: list[BlockKey], recycle_to: Path | None = None) -> bool:
-        """Delete evicted values. With ``recycle_to``, the first victim's file is renamed there
-        instead, for the caller to overwrite: rewriting allocated blocks is about twice as fast as
-        filling a fresh file (no block allocation). Returns True if a file was recycled."""
-        recycled = False
+    def _unlink_victims(self, victims: list[BlockKey], recycle_to: str | None = None) -> int | None:
+        """Delete evicted values. With ``recycle_to``, the first victim that may be recycled (a
+        regular file of ours that no reader holds, in any process) is moved there instead and
+        returned open and exclusively locked, for the caller to overwrite: rewriting allocated
+        blocks is about twice as fast as filling a fresh file. Entries that are not regular
+        files we may remove are left alone (they were never ours)."""
+        recycled: int | None = None
         for victim in victims:
-            path = value_path(self.ns_dir, victim)
+            shard, name = f"{victim[0]:02x}", value_name(victim)
             try:
-                if recycle_to is not None and not recycled:
-                    os.rename(path, recycle_to)
-                    recycled = True
-                else:
-                    os.unlink(path)
+                shard_fd = self._dirs.subdir(shard)
+                try:
+                    if recycle_to is not None and recycled is None:
+                        recycled = take_for_recycling(
+                            shard_fd, name, self._instance.fd, recycle_to, self._direct_flag, self.modes
+                        )
+                        if recycled is not None:
+                            continue
+                    remove_value(shard_fd, name, self.modes)
+                finally:
+                    os.close(shard_fd)
             except FileNotFoundError:
                 pass
             except OSError as exc:
@@ -746,17 +825,12 @@ class FilesystemTier(SecondaryTier):
             self._events.append(BlockEvent(tuple(victims), self.label, self.medium, removed=True))
         return recycled
 
-    def _delete(self, key: BlockKey) -> None:
-        """Remove a corrupt or vanished value from the index and the disk."""
+    def _forget(self, key: BlockKey) -> None:
+        """Drop a value that is corrupt, vanished or unsafe from the index (its file, if any, was
+        dealt with by the caller: a file is only ever removed when proven ours)."""
         if not self._index.begin_delete(key):
             return
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(value_path(self.ns_dir, key))
-        except OSError as exc:
-            logger.warning("fs tier %s: could not delete %s: %s", self.label, key.hex()[:16], exc)
-        finally:
-            self._index.finish_delete([key])
+        self._index.finish_delete([key])
         with self._lock:
             self._events.append(BlockEvent((key,), self.label, self.medium, removed=True))
 
@@ -790,20 +864,26 @@ class FilesystemTier(SecondaryTier):
 
     def _run_probe(self, header: memoryview) -> None:
         """Write, read back and delete a one-page file; closes or re-opens the breaker."""
-        path = self._instance.path / "health-probe"
+        name = f"health-probe.{next(self._probe_seq)}"
+        dir_fd = self._instance.fd
         try:
-            self._instance.ensure()
             payload = os.urandom(PAGE)
-            with open(path, "wb") as f:
-                f.write(payload)
-            with open(path, "rb") as f:
-                back = f.read()
-            os.unlink(path)
+            fd = create_file(dir_fd, name, 0, self.modes)
+            try:
+                os.write(fd, payload)
+            finally:
+                os.close(fd)
+            fd = open_regular(name, os.O_RDONLY, dir_fd=dir_fd)
+            try:
+                back = os.read(fd, PAGE + 1)
+            finally:
+                os.close(fd)
+            os.unlink(name, dir_fd=dir_fd)
             if back != payload:
                 raise OSError(errno.EIO, "probe read back different bytes")
             self._breaker.record_success()
             logger.info("fs tier %s back in service", self.label)
-        except OSError as exc:
+        except (OSError, UnsafeEntryError) as exc:
             self._breaker.record_failure(f"health probe failed: {exc}")
         finally:
             with self._lock:
@@ -819,7 +899,10 @@ class FilesystemTier(SecondaryTier):
             for i, shard in enumerate(SHARDS):
                 if self._stop_scan.is_set():
                     return
-                entries = scan_shard(self.ns_dir, shard)
+                entries, unsafe = scan_shard(self._dirs, shard)
+                if unsafe:
+                    with self._lock:
+                        self.stats.extra["unsafe_entries"] += unsafe
                 self._index.add_scanned(key for _, key in entries)
                 self._scanned[i] = 1
                 found.extend(entries)
@@ -893,4 +976,5 @@ class FilesystemTier(SecondaryTier):
         self._rows = None
         self.context.release_rows()
         self._instance.close(remove=True)
+        self._dirs.close()
         self._shut = True
