@@ -16,7 +16,7 @@ from s3_servers import FAST_FAILURE, MotoServer, raw_client, s3_options
 
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import SecondaryTier
-from kvtier.tiers.conformance import TierConformance, TierFactory, TierHarness
+from kvtier.tiers.conformance import TierConformance, TierHarness
 from kvtier.tiers.format import HEADER_SIZE
 from kvtier.tiers.memory import MemoryTier
 
@@ -100,12 +100,6 @@ class TestFsTier(TierConformance):
     @pytest.fixture
     def harness(self, tmp_path: Path) -> FsHarness:
         return FsHarness(tmp_path / "fs-root")
-
-    @pytest.mark.xfail(
-        strict=True, reason="fs lookup still answers from its index after shutdown; fixed by its move onto jobs.py"
-    )
-    def test_shutdown_is_idempotent_and_releases_everything(self, harness: TierHarness, tiers: TierFactory) -> None:
-        super().test_shutdown_is_idempotent_and_releases_everything(harness, tiers)
 
 
 class RedisHarness(TierHarness):
