@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_process import ServerProcess
+from server_process import ServerProcess, start_on_a_free_port
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
@@ -88,16 +88,7 @@ class RedisServer(ServerProcess):
 
 
 def _start_server(workdir: Path, extra_args: tuple[str, ...] = ()) -> RedisServer:
-    last: Exception | None = None
-    for _ in range(5):  # a free port can be taken between probing and binding
-        server = RedisServer(workdir, extra_args=extra_args)
-        try:
-            server.start()
-            return server
-        except RuntimeError as exc:
-            last = exc
-            server.stop()
-    raise RuntimeError(f"could not start redis-server: {last}")
+    return start_on_a_free_port(lambda: RedisServer(workdir, extra_args=extra_args), "redis-server")
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from server_process import ServerProcess
+from server_process import ServerProcess, start_on_a_free_port
 
 
 def free_port() -> int:
@@ -91,16 +91,7 @@ class MotoServer(ServerProcess):
 
 
 def start_moto(workdir: Path) -> MotoServer:
-    last: Exception | None = None
-    for _ in range(3):  # a free port can be taken between probing and binding
-        server = MotoServer(workdir)
-        try:
-            server.start()
-            return server
-        except RuntimeError as exc:
-            last = exc
-            server.stop()
-    raise RuntimeError(f"could not start moto: {last}")
+    return start_on_a_free_port(lambda: MotoServer(workdir), "moto", attempts=3)
 
 
 def s3_options(endpoint: str, bucket: str, **extra: Any) -> dict[str, Any]:

@@ -5,12 +5,18 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from collections.abc import Callable
+from typing import TypeVar
 
 
 class ServerProcess:
     """Base of the test servers (redis-server, moto): ``proc`` is the running child, if any."""
 
     proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Start the server (on its port) and wait until it answers; RuntimeError if it does not."""
+        raise NotImplementedError
 
     def kill(self) -> None:
         """SIGKILL the server and wait for it to die."""
@@ -32,3 +38,21 @@ class ServerProcess:
             os.kill(self.proc.pid, signal.SIGCONT)
         self.kill()
         self.proc = None
+
+
+ServerT = TypeVar("ServerT", bound=ServerProcess)
+
+
+def start_on_a_free_port(make: Callable[[], ServerT], what: str, attempts: int = 5) -> ServerT:
+    """``make()`` a server on a fresh free port and start it, retrying: a port found free can be
+    taken by someone else before the server binds it."""
+    last: Exception | None = None
+    for _ in range(attempts):
+        server = make()
+        try:
+            server.start()
+            return server
+        except RuntimeError as exc:
+            last = exc
+            server.stop()
+    raise RuntimeError(f"could not start {what}: {last}")
