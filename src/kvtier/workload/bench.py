@@ -36,7 +36,7 @@ from kvtier.errors import ConfigError, KvtierError
 from kvtier.keys import BlockKey, Namespace, prefix_keys
 from kvtier.manager import TieringManager
 from kvtier.metrics import KvtierMetrics
-from kvtier.transfer import TransferEngine, TransferResult
+from kvtier.transfer import TransferEngine, TransferResult, aligned_host_array
 from kvtier.types import LookupResult, RequestContext
 from kvtier.workload.chat import ChatRequest, ChatWorkloadSpec, generate_chat
 
@@ -259,7 +259,8 @@ class _DevicePool:
     """The simulated device KV cache: slots, an LRU prefix cache, pins."""
 
     def __init__(self, num_blocks: int, block_bytes: int) -> None:
-        self.data = np.zeros((num_blocks, block_bytes), dtype=np.uint8)
+        # Page aligned like a real engine's pool: numpy's own 16-byte offset makes loads 1.8x slower.
+        self.data = aligned_host_array((num_blocks, block_bytes))
         self.free = list(range(num_blocks - 1, -1, -1))
         self.cache: OrderedDict[BlockKey, int] = OrderedDict()
         self.pins = [0] * num_blocks
