@@ -170,7 +170,9 @@ def test_block_major_block_copies_as_one_piece() -> None:
         plan_group_layout([refs], 1, LAYERS * 2 * PAGE), views, aligned_host_array((4, LAYERS * 2 * PAGE)), 1
     )
     plan = planner.plan(np.array([5, 9]), [2], [0], np.array([3, 0]), False)
-    assert plan.num_copies == 2, "every layer of a block is adjacent on both sides: one copy per block"
+    assert plan.num_copies == 2 * LAYERS
+    (batch,) = plan.batches
+    assert batch.merged().num_copies == 2, "every layer of a block is adjacent on both sides: one copy per block"
 
 
 # --- vLLM's batched swap op ------------------------------------------------------------------

@@ -65,10 +65,27 @@ def test_back_to_back_pairs_merge_into_one_copy() -> None:
     src = np.arange(64, dtype=np.uint8).reshape(4, 16)
     dst = np.zeros_like(src)
     plan = CopyPlan.from_pairs([(dst[i], src[i]) for i in range(4)])
-    assert plan.num_copies == 1 and plan.nbytes == 64
+    assert plan.num_copies == 4 and plan.nbytes == 64
+    assert plan.batches[0].merged().num_copies == 1
     pointers = plan.pointer_arrays()
     assert pointers[0].tolist() == [src.ctypes.data] and pointers[2].tolist() == [64]
     assert copy_blocks(plan) == 64 and np.array_equal(dst, src)
+
+
+def test_one_batch_spans_several_allocations_and_runs_stay_inside_one() -> None:
+    a, b = np.arange(64, dtype=np.uint8), np.arange(64, 128, dtype=np.uint8)
+    out = np.zeros(64, np.uint8)
+    spaces = [byte_space(a)[0], byte_space(b)[0]]
+    dst = byte_space(out)[0]
+    # entries alternate between a and b with steps that would form a run within one space
+    batch = CopyBatch.create(spaces, dst, [0, 8, 16, 24], [0, 8, 16, 24], 8, src_index=[0, 0, 1, 1])
+    assert batch.runs().counts.tolist() == [1, 1, 1, 1] and batch.merged().num_copies == 2
+    HostCopyBackend().run(CopyPlan.of([batch]))
+    assert out[:16].tolist() == list(range(16)) and out[16:32].tolist() == list(range(80, 96))
+    with pytest.raises(KvtierError, match="source space index out of range: 2 spaces"):
+        CopyBatch.create(spaces, dst, [0], [0], 8, src_index=[2])
+    with pytest.raises(KvtierError, match=r"source range \[60, 68\) lies outside its allocation of 64"):
+        CopyBatch.create(spaces, dst, [0, 60], [0, 8], 8, src_index=[0, 1])
 
 
 def test_runs_find_a_constant_stride_and_skip_irregular_entries() -> None:

@@ -4,9 +4,9 @@
   CPU build, ``kvtier bench``). Copies each strided run of the plan with one
   call: small pieces by ``memoryview`` slice assignment (no GIL hand-off per
   piece), large ones with ``np.copyto`` (which releases the GIL while it
-  copies). torch's own CPU copy is avoided on purpose: it fans out over torch's
-  intra-op threads and, measured here, slows to a crawl next to a busy Python
-  thread.
+  copies). torch's own CPU copy is avoided on purpose: it fans
+  out over torch's intra-op threads and, measured here, slows to a crawl next
+  to a busy Python thread.
 * :class:`TorchCopyBackend` -- a device is involved and nothing better is
   available: one ``Tensor.copy_`` per merged entry, issued on the current CUDA
   stream.
@@ -44,6 +44,11 @@ class CopyBackend(Protocol):
         """
 
 
+_RUN_SEARCH_ENTRIES = 32
+"""Batches of at least this many entries look for strided runs (vectorized); smaller ones join
+back-to-back entries on the fly while copying."""
+
+
 def _strided(flat: np.ndarray, offset: int, count: int, size: int, step: int) -> np.ndarray:
     """A ``(count, size)`` view of ``flat`` starting at ``offset``, rows ``step`` bytes apart (bounds-checked)."""
     end = offset + (count - 1) * step + size
@@ -51,13 +56,57 @@ def _strided(flat: np.ndarray, offset: int, count: int, size: int, step: int) ->
     return view
 
 
-def copy_host_batch(batch: CopyBatch) -> None:
-    """Copy every entry of a host-to-host batch on the calling thread."""
-    src: np.ndarray = batch.src.view
-    dst: np.ndarray = batch.dst.view
+def _copy_one(src: np.ndarray, smv: memoryview, dst: np.ndarray, dmv: memoryview, so: int, do: int, n: int) -> None:
+    if n < _HOLD_GIL_BYTES:
+        dmv[do : do + n] = smv[so : so + n]
+    else:
+        np.copyto(dst[do : do + n], src[so : so + n], casting="no")
+
+
+def _copy_entries(batch: CopyBatch, srcs: list[np.ndarray], dsts: list[np.ndarray]) -> None:
+    """One call per entry, joining entries that continue each other on both sides."""
+    smvs = [a.data for a in srcs]
+    dmvs = [a.data for a in dsts]
+    try:
+        pending: list[int] = []  # si, di, so, do, n of the copy being extended
+        for entry in zip(
+            batch.src_index.tolist(),
+            batch.dst_index.tolist(),
+            batch.src_offsets.tolist(),
+            batch.dst_offsets.tolist(),
+            batch.sizes.tolist(),
+            strict=True,
+        ):
+            if (
+                pending
+                and entry[0] == pending[0]
+                and entry[1] == pending[1]
+                and entry[2] == pending[2] + pending[4]
+                and entry[3] == pending[3] + pending[4]
+            ):
+                pending[4] += entry[4]
+                continue
+            if pending:
+                si, di, so, do, n = pending
+                _copy_one(srcs[si], smvs[si], dsts[di], dmvs[di], so, do, n)
+            pending = list(entry)
+        if pending:
+            si, di, so, do, n = pending
+            _copy_one(srcs[si], smvs[si], dsts[di], dmvs[di], so, do, n)
+    finally:
+        for view in (*smvs, *dmvs):
+            view.release()
+
+
+def _copy_runs(batch: CopyBatch, srcs: list[np.ndarray], dsts: list[np.ndarray]) -> None:
+    """One call per strided run (see :meth:`CopyBatch.runs`)."""
     runs = batch.runs()
-    with src.data as smv, dst.data as dmv:
-        for so, do, size, count, ss, ds in zip(
+    smvs = [a.data for a in srcs]
+    dmvs = [a.data for a in dsts]
+    try:
+        for si, di, so, do, size, count, ss, ds in zip(
+            runs.src_index.tolist(),
+            runs.dst_index.tolist(),
             runs.src_offsets.tolist(),
             runs.dst_offsets.tolist(),
             runs.sizes.tolist(),
@@ -67,13 +116,23 @@ def copy_host_batch(batch: CopyBatch) -> None:
             strict=True,
         ):
             if count == 1 or (ss == size and ds == size):
-                n = size * count
-                if n < _HOLD_GIL_BYTES:
-                    dmv[do : do + n] = smv[so : so + n]
-                else:
-                    np.copyto(dst[do : do + n], src[so : so + n], casting="no")
+                _copy_one(srcs[si], smvs[si], dsts[di], dmvs[di], so, do, size * count)
             else:
+                src, dst = srcs[si], dsts[di]
                 np.copyto(_strided(dst, do, count, size, ds), _strided(src, so, count, size, ss), casting="no")
+    finally:
+        for view in (*smvs, *dmvs):
+            view.release()
+
+
+def copy_host_batch(batch: CopyBatch) -> None:
+    """Copy every entry of a host-to-host batch on the calling thread (see the module docstring)."""
+    srcs: list[np.ndarray] = [space.view for space in batch.src_spaces]
+    dsts: list[np.ndarray] = [space.view for space in batch.dst_spaces]
+    if batch.sizes.size < _RUN_SEARCH_ENTRIES:
+        _copy_entries(batch, srcs, dsts)
+    else:
+        _copy_runs(batch, srcs, dsts)
 
 
 class HostCopyBackend:
@@ -99,9 +158,15 @@ class TorchCopyBackend:
 
     def run(self, plan: CopyPlan) -> None:
         for batch in plan.batches:
-            src, dst = _torch_flat(batch.src.view), _torch_flat(batch.dst.view)
-            non_blocking = not (batch.src.on_host and batch.dst.on_host)
-            for so, do, n in zip(
-                batch.src_offsets.tolist(), batch.dst_offsets.tolist(), batch.sizes.tolist(), strict=True
+            merged = batch.merged()
+            srcs = [_torch_flat(space.view) for space in batch.src_spaces]
+            dsts = [_torch_flat(space.view) for space in batch.dst_spaces]
+            for si, di, so, do, n in zip(
+                merged.src_index.tolist(),
+                merged.dst_index.tolist(),
+                merged.src_offsets.tolist(),
+                merged.dst_offsets.tolist(),
+                merged.sizes.tolist(),
+                strict=True,
             ):
-                dst[do : do + n].copy_(src[so : so + n], non_blocking=non_blocking)
+                dsts[di][do : do + n].copy_(srcs[si][so : so + n], non_blocking=True)

@@ -153,9 +153,12 @@ class BlockPieces:
 
     def piece_offsets(self, block_ids: np.ndarray) -> np.ndarray:
         """``(len(block_ids), num_pieces)`` byte offsets of every piece of every block."""
-        ids = block_ids[:, None]
         k = self.blocks_per_row
         out: np.ndarray
+        if k == 1 and self.offsets.size == 1:  # one piece: scalar arithmetic is cheaper than broadcasting
+            out = (block_ids * int(self.strides[0]) + int(self.offsets[0]))[:, None]
+            return out
+        ids = block_ids[:, None]
         if k == 1:
             out = self.offsets + ids * self.strides
         else:
@@ -163,14 +166,22 @@ class BlockPieces:
         return out
 
     def check_ids(self, block_ids: Any, what: str) -> np.ndarray:
+        """``block_ids`` as a 1-D int64 array; raises :class:`KvtierError` on a non-integer or out-of-range id."""
         ids = np.asarray(block_ids)
         if ids.ndim != 1:
             ids = ids.reshape(-1)
-        if ids.size and ids.dtype.kind not in "iu":
+        if not ids.size:
+            return ids.astype(_INT64)
+        if ids.dtype.kind not in "iu":
             raise KvtierError(f"{what} block ids must be integers, got dtype {ids.dtype}")
         ids = ids.astype(_INT64, copy=False)
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
-            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        if ids.size <= 32:  # a Python min/max beats two numpy reductions on short arrays
+            values = ids.tolist()
+            lo, hi = min(values), max(values)
+        else:
+            lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.num_blocks:
+            bad = lo if lo < 0 else hi
             raise KvtierError(f"{what} block id {bad} is out of range: that side holds {self.num_blocks} blocks")
         return ids
 
@@ -179,10 +190,10 @@ class BlockMapping:
     """Whole-block copies from one :class:`BlockPieces` layout to another; plan per job with :meth:`plan`.
 
     Piece ``i`` of a source block goes to piece ``i`` of its destination block
-    (sizes must match). Pieces are grouped once by their pair of allocations;
-    each group becomes one batch per job, its entries ordered block by block so
-    the pieces of one block can merge into one copy where both sides keep them
-    adjacent.
+    (sizes must match). A job becomes one batch, whatever the number of
+    allocations, its entries ordered block by block, so the pieces of one
+    block can join into one copy (or one strided run) where both sides keep
+    them adjacent (or evenly spaced).
     """
 
     def __init__(self, src: BlockPieces, dst: BlockPieces) -> None:
@@ -194,16 +205,10 @@ class BlockMapping:
             )
         self.src = src
         self.dst = dst
-        groups: dict[tuple[int, int], list[int]] = {}
-        for i in range(src.num_pieces):
-            groups.setdefault((int(src.space_of[i]), int(dst.space_of[i])), []).append(i)
-        self._groups = [
-            (src.spaces[s], dst.spaces[d], np.asarray(cols, _INT64), src.sizes[cols]) for (s, d), cols in groups.items()
-        ]
         self.block_bytes = int(src.sizes.sum())
 
-    def batches(self, src_ids: Any, dst_ids: Any) -> list[CopyBatch]:
-        """The batches copying block ``src_ids[j]`` to block ``dst_ids[j]`` for every ``j``.
+    def batch(self, src_ids: Any, dst_ids: Any) -> CopyBatch | None:
+        """The batch copying block ``src_ids[j]`` to block ``dst_ids[j]`` for every ``j`` (None if empty).
 
         Raises :class:`KvtierError` if the id lists differ in length or an id is
         out of range on its side.
@@ -213,19 +218,30 @@ class BlockMapping:
         if s_ids.size != d_ids.size:
             raise KvtierError(f"{s_ids.size} source blocks but {d_ids.size} destination blocks")
         if not s_ids.size:
-            return []
-        s_off = self.src.piece_offsets(s_ids)
-        d_off = self.dst.piece_offsets(d_ids)
-        n = s_ids.size
-        out = []
-        for s_space, d_space, cols, sizes in self._groups:
-            if cols.size == s_off.shape[1]:
-                so, do = s_off.reshape(-1), d_off.reshape(-1)
-            else:
-                so, do = s_off[:, cols].reshape(-1), d_off[:, cols].reshape(-1)
-            out.append(CopyBatch.create(s_space, d_space, so, do, np.tile(sizes, n)))
-        return out
+            return None
+        n, pieces = s_ids.size, self.src.num_pieces
+        # Ids were checked against layouts whose pieces were checked against their
+        # allocations, so every entry is in bounds: the batch skips CopyBatch.create's checks.
+        return CopyBatch(
+            self.src.spaces,
+            self.dst.spaces,
+            _per_block(self.src.space_of, n),
+            _per_block(self.dst.space_of, n),
+            self.src.piece_offsets(s_ids).reshape(-1),
+            self.dst.piece_offsets(d_ids).reshape(-1),
+            _per_block(self.src.sizes, n) if pieces > 1 else np.full(n, int(self.src.sizes[0]), _INT64),
+        )
 
     def plan(self, src_ids: Any, dst_ids: Any) -> CopyPlan:
-        """One job's plan; see :meth:`batches`."""
-        return CopyPlan.of(self.batches(src_ids, dst_ids))
+        """One job's plan; see :meth:`batch`."""
+        batch = self.batch(src_ids, dst_ids)
+        if batch is None:
+            return CopyPlan((), 0)
+        return CopyPlan((batch,), batch.sizes.size // self.src.num_pieces * self.block_bytes)
+
+
+def _per_block(per_piece: np.ndarray, n: int) -> np.ndarray:
+    """``per_piece`` repeated for ``n`` blocks, block by block."""
+    if per_piece.size == 1:
+        return np.full(n, int(per_piece[0]), _INT64)
+    return np.tile(per_piece, n)

@@ -129,12 +129,15 @@ def _as_offsets(values: Any, what: str) -> np.ndarray:
 class StridedRuns(NamedTuple):
     """A batch's copies grouped into strided runs, in entry order.
 
-    Run ``r`` copies ``counts[r]`` pieces of ``sizes[r]`` bytes: piece ``j``
+    Run ``r`` copies ``counts[r]`` pieces of ``sizes[r]`` bytes from source
+    space ``src_index[r]`` to destination space ``dst_index[r]``: piece ``j``
     from ``src_offsets[r] + j * src_steps[r]`` to ``dst_offsets[r] + j *
     dst_steps[r]``. Steps are 0 for a single piece; a run whose steps equal its
     size on both sides is one contiguous copy of ``counts * sizes`` bytes.
     """
 
+    src_index: np.ndarray
+    dst_index: np.ndarray
     src_offsets: np.ndarray
     dst_offsets: np.ndarray
     sizes: np.ndarray
@@ -145,27 +148,46 @@ class StridedRuns(NamedTuple):
 
 @dataclass(frozen=True, eq=False)
 class CopyBatch:
-    """Copies from one allocation into another: entry ``i`` moves ``sizes[i]`` bytes.
+    """Copies between allocations: entry ``i`` moves ``sizes[i]`` bytes.
 
-    From ``src`` at ``src_offsets[i]`` to ``dst`` at ``dst_offsets[i]``. Built
-    with :meth:`create`, which checks every entry lies inside both allocations.
-    Entries must not overlap on the destination side (they are copied in an
-    unspecified order).
+    From ``src_spaces[src_index[i]]`` at ``src_offsets[i]`` to
+    ``dst_spaces[dst_index[i]]`` at ``dst_offsets[i]``; one batch can span any
+    number of allocations (a job over 64 per-layer tensors is one batch). All
+    arrays are 1-D int64 of one length. Build with :meth:`create`, which checks
+    every entry lies inside its allocations; the plain constructor trusts its
+    caller (:class:`~kvtier.transfer.layout.BlockMapping`, whose ids and layouts
+    are checked). Entries must not overlap on the destination side (they are
+    copied in an unspecified order).
     """
 
-    src: ByteSpace
-    dst: ByteSpace
+    src_spaces: tuple[ByteSpace, ...]
+    dst_spaces: tuple[ByteSpace, ...]
+    src_index: np.ndarray
+    dst_index: np.ndarray
     src_offsets: np.ndarray
     dst_offsets: np.ndarray
     sizes: np.ndarray
 
     @classmethod
-    def create(cls, src: ByteSpace, dst: ByteSpace, src_offsets: Any, dst_offsets: Any, sizes: Any) -> CopyBatch:
-        """A checked batch; ``sizes`` may be one int for every entry.
+    def create(
+        cls,
+        src: ByteSpace | Sequence[ByteSpace],
+        dst: ByteSpace | Sequence[ByteSpace],
+        src_offsets: Any,
+        dst_offsets: Any,
+        sizes: Any,
+        *,
+        src_index: Any = None,
+        dst_index: Any = None,
+    ) -> CopyBatch:
+        """A checked batch. ``src``/``dst``: one space or several (then ``*_index`` picks one per entry).
 
-        Raises :class:`KvtierError` naming the problem: lengths differ, a size is
-        negative, or an entry reaches outside its allocation.
+        ``sizes`` may be one int for every entry. Raises :class:`KvtierError`
+        naming the problem: lengths differ, a size is negative, an index or an
+        entry reaches outside its allocation.
         """
+        src_spaces = (src,) if isinstance(src, ByteSpace) else tuple(src)
+        dst_spaces = (dst,) if isinstance(dst, ByteSpace) else tuple(dst)
         so = _as_offsets(src_offsets, "source offsets")
         do = _as_offsets(dst_offsets, "destination offsets")
         sz = (
@@ -173,58 +195,85 @@ class CopyBatch:
             if isinstance(sizes, (int, np.integer))
             else _as_offsets(sizes, "sizes")
         )
-        if not (so.shape == do.shape == sz.shape):
+        si = np.zeros(so.shape, _INT64) if src_index is None else _as_offsets(src_index, "source space indexes")
+        di = np.zeros(so.shape, _INT64) if dst_index is None else _as_offsets(dst_index, "destination space indexes")
+        if not (so.shape == do.shape == sz.shape == si.shape == di.shape):
             raise KvtierError(
-                f"copy batch lengths differ: {so.size} source offsets, {do.size} destination offsets, {sz.size} sizes"
+                f"copy batch lengths differ: {so.size} source offsets, {do.size} destination offsets, "
+                f"{sz.size} sizes, {si.size} source and {di.size} destination space indexes"
             )
         if so.size:
             if int(sz.min()) < 0:
                 raise KvtierError(f"copy sizes must be >= 0, got {int(sz.min())}")
-            for name, offsets, space in (("source", so, src), ("destination", do, dst)):
-                lo, hi = int(offsets.min()), int((offsets + sz).max())
-                if lo < 0 or hi > space.nbytes:
+            for name, spaces, index, offsets in (("source", src_spaces, si, so), ("destination", dst_spaces, di, do)):
+                if int(index.min()) < 0 or int(index.max()) >= len(spaces):
+                    raise KvtierError(f"copy {name} space index out of range: {len(spaces)} spaces given")
+                ends = offsets + sz
+                limits = np.asarray([space.nbytes for space in spaces], _INT64)[index]
+                bad = np.flatnonzero((offsets < 0) | (ends > limits))
+                if bad.size:
+                    k = int(bad[0])
+                    space = spaces[int(index[k])]
                     raise KvtierError(
-                        f"copy {name} range [{lo}, {hi}) lies outside its allocation of {space.nbytes} bytes "
-                        f"({space.device})"
+                        f"copy {name} range [{int(offsets[k])}, {int(ends[k])}) lies outside its allocation of "
+                        f"{space.nbytes} bytes ({space.device})"
                     )
-        return cls(src, dst, so, do, sz)
+        return cls(src_spaces, dst_spaces, si, di, so, do, sz)
 
     @property
     def nbytes(self) -> int:
         return int(self.sizes.sum())
+
+    @property
+    def num_copies(self) -> int:
+        return int(self.sizes.size)
 
     def merged(self) -> CopyBatch:
         """The same copies with each run of back-to-back entries (contiguous on both sides) joined into one."""
         so, do, sz = self.src_offsets, self.dst_offsets, self.sizes
         if so.size < 2:
             return self
-        joins = (so[:-1] + sz[:-1] == so[1:]) & (do[:-1] + sz[:-1] == do[1:])
+        si, di = self.src_index, self.dst_index
+        joins = (
+            (so[:-1] + sz[:-1] == so[1:]) & (do[:-1] + sz[:-1] == do[1:]) & (si[:-1] == si[1:]) & (di[:-1] == di[1:])
+        )
         if not joins.any():
             return self
         starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-        return CopyBatch(self.src, self.dst, so[starts], do[starts], np.add.reduceat(sz, starts))
+        return CopyBatch(
+            self.src_spaces,
+            self.dst_spaces,
+            si[starts],
+            di[starts],
+            so[starts],
+            do[starts],
+            np.add.reduceat(sz, starts),
+        )
 
     def runs(self) -> StridedRuns:
         """The copies as strided runs (see :class:`StridedRuns`), found with a few vectorized passes.
 
-        A run is a stretch of at least three entries of one size whose source and
-        destination offsets each advance by a constant step no smaller than the
-        size (so its pieces never overlap): per-layer pieces of one block in a
-        layer-major cache, or one layer of consecutive blocks. Runs are searched
-        in entry order only; a backend copies each run with one strided call.
+        A run is a stretch of at least three entries of one size, within one pair
+        of allocations, whose source and destination offsets each advance by a
+        constant step no smaller than the size (so its pieces never overlap):
+        the per-layer pages of one block in a layer-major cache, one layer of
+        consecutive blocks, or back-to-back pieces. Runs are searched in entry
+        order only; a backend copies each run with one call.
         """
+        si, di = self.src_index, self.dst_index
         so, do, sz = self.src_offsets, self.dst_offsets, self.sizes
         n = so.size
         zeros = np.zeros(n, _INT64)
         if n < _MIN_RUN_ENTRIES:
-            return StridedRuns(so, do, sz, np.ones(n, _INT64), zeros, zeros)
-        ds, dd = np.diff(so), np.diff(do)
+            return StridedRuns(si, di, so, do, sz, np.ones(n, _INT64), zeros, zeros)
+        ds, dd = so[1:] - so[:-1], do[1:] - do[:-1]
         # link k joins entry k to entry k+1
         ok = (sz[1:] == sz[:-1]) & (ds >= sz[:-1]) & (dd >= sz[:-1]) & (sz[:-1] > 0)
+        ok &= (si[1:] == si[:-1]) & (di[1:] == di[:-1])
         same = np.zeros(n - 1, dtype=bool)
         same[1:] = ok[1:] & ok[:-1] & (ds[1:] == ds[:-1]) & (dd[1:] == dd[:-1])
         if not same.any():
-            return StridedRuns(so, do, sz, np.ones(n, _INT64), zeros, zeros)
+            return StridedRuns(si, di, so, do, sz, np.ones(n, _INT64), zeros, zeros)
         segment = np.cumsum(~same)  # links of one constant-step stretch share an id
         length = np.bincount(segment)[segment]
         member = ok & (length >= _MIN_RUN_ENTRIES - 1)
@@ -238,20 +287,27 @@ class CopyBatch:
         continues = np.zeros(n, dtype=bool)
         continues[1:] = member
         starts = np.flatnonzero(~continues)
-        counts = np.diff(np.append(starts, n)).astype(_INT64)
+        counts = (np.append(starts[1:], n) - starts).astype(_INT64)
         multi = counts > 1
         link = np.minimum(starts, n - 2)
         src_steps = np.where(multi, ds[link], 0).astype(_INT64)
         dst_steps = np.where(multi, dd[link], 0).astype(_INT64)
-        return StridedRuns(so[starts], do[starts], sz[starts], counts, src_steps, dst_steps)
+        return StridedRuns(si[starts], di[starts], so[starts], do[starts], sz[starts], counts, src_steps, dst_steps)
+
+    def pointer_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(src_addresses, dst_addresses, sizes)`` of every copy, int64, back-to-back copies joined."""
+        batch = self.merged()
+        src_base = np.asarray([s.address for s in self.src_spaces], _INT64)
+        dst_base = np.asarray([s.address for s in self.dst_spaces], _INT64)
+        return batch.src_offsets + src_base[batch.src_index], batch.dst_offsets + dst_base[batch.dst_index], batch.sizes
 
 
 @dataclass(frozen=True, eq=False)
 class CopyPlan:
-    """Every copy of one job: batches of (source allocation, destination allocation) entries.
+    """Every copy of one job, as batches (usually one: a batch may span many allocations).
 
     ``nbytes`` is the total moved. Build with :meth:`of`, :meth:`from_pairs` or
-    a layout-aware builder (:func:`kvtier.transfer.layout.block_copy_plan`).
+    a layout-aware builder (:class:`kvtier.transfer.layout.BlockMapping`).
     """
 
     batches: tuple[CopyBatch, ...]
@@ -259,8 +315,8 @@ class CopyPlan:
 
     @classmethod
     def of(cls, batches: Sequence[CopyBatch]) -> CopyPlan:
-        """A plan of ``batches``, each with its back-to-back entries joined; empty batches are dropped."""
-        kept = tuple(b.merged() for b in batches if b.sizes.size)
+        """A plan of ``batches``; empty ones are dropped."""
+        kept = tuple(b for b in batches if b.sizes.size)
         return cls(kept, sum(b.nbytes for b in kept))
 
     @classmethod
@@ -270,7 +326,18 @@ class CopyPlan:
         Each buffer must be contiguous. Raises :class:`KvtierError` on a size
         mismatch or a non-contiguous buffer.
         """
-        grouped: dict[tuple[int, int, int, int], tuple[ByteSpace, ByteSpace, list[int], list[int], list[int]]] = {}
+        spaces: dict[str, dict[tuple[int, int, str], int]] = {"src": {}, "dst": {}}
+        found: dict[str, list[ByteSpace]] = {"src": [], "dst": []}
+        columns: list[list[int]] = [[], [], [], [], []]  # src index, dst index, src offset, dst offset, size
+
+        def index(side: str, space: ByteSpace) -> int:
+            key = (space.address, space.nbytes, space.device)
+            known = spaces[side]
+            if key not in known:
+                known[key] = len(found[side])
+                found[side].append(space)
+            return known[key]
+
         for dst, src in pairs:
             n = _contiguous_nbytes(dst)
             m = _contiguous_nbytes(src)
@@ -278,14 +345,12 @@ class CopyPlan:
                 raise KvtierError(f"copy size mismatch: dst has {n} bytes, src has {m}")
             dspace, doff = byte_space(dst)
             sspace, soff = byte_space(src)
-            key = (sspace.address, sspace.nbytes, dspace.address, dspace.nbytes)
-            entry = grouped.get(key)
-            if entry is None:
-                entry = grouped[key] = (sspace, dspace, [], [], [])
-            entry[2].append(soff)
-            entry[3].append(doff)
-            entry[4].append(n)
-        return cls.of([CopyBatch.create(s, d, so, do, sz) for s, d, so, do, sz in grouped.values()])
+            for column, value in zip(columns, (index("src", sspace), index("dst", dspace), soff, doff, n), strict=True):
+                column.append(value)
+        if not columns[0]:
+            return cls((), 0)
+        si, di, so, do, sz = (np.asarray(c, _INT64) for c in columns)
+        return cls.of([CopyBatch(tuple(found["src"]), tuple(found["dst"]), si, di, so, do, sz)])
 
     @property
     def num_copies(self) -> int:
@@ -295,7 +360,7 @@ class CopyPlan:
     def device(self) -> str:
         """``"cpu"`` when every allocation is host memory, else the first device involved."""
         for batch in self.batches:
-            for space in (batch.src, batch.dst):
+            for space in (*batch.src_spaces, *batch.dst_spaces):
                 if not space.on_host:
                     return space.device
         return "cpu"
@@ -309,10 +374,11 @@ class CopyPlan:
         if not self.batches:
             empty = np.zeros(0, _INT64)
             return empty, empty, empty
-        src = np.concatenate([b.src_offsets + b.src.address for b in self.batches])
-        dst = np.concatenate([b.dst_offsets + b.dst.address for b in self.batches])
-        sizes = np.concatenate([b.sizes for b in self.batches])
-        return src, dst, sizes
+        parts = [b.pointer_arrays() for b in self.batches]
+        if len(parts) == 1:
+            return parts[0]
+        src, dst, sizes = zip(*parts, strict=True)
+        return np.concatenate(src), np.concatenate(dst), np.concatenate(sizes)
 
 
 def _contiguous_nbytes(buf: Any) -> int:

@@ -144,10 +144,9 @@ class ChunkCopyPlanner:
             pos = skip + np.arange(size, dtype=np.int64)
             host_ids = rows[slot_pos + pos // bpc] * bpc + pos % bpc
             dev_ids = block_ids[block_pos : block_pos + size]
-            if to_device:
-                batches.extend(mapping.batches(host_ids, dev_ids))
-            else:
-                batches.extend(mapping.batches(dev_ids, host_ids))
+            batch = mapping.batch(host_ids, dev_ids) if to_device else mapping.batch(dev_ids, host_ids)
+            if batch is not None:
+                batches.append(batch)
             block_pos += size
             slot_pos += num_chunks
         if block_pos != len(block_ids) or slot_pos != len(rows):

@@ -53,7 +53,7 @@ class VllmSwapBackend:
         descriptors = (torch.from_numpy(src), torch.from_numpy(dst), torch.from_numpy(sizes))
         # A CPU source is never written by a device stream, so the driver may read it out of
         # order (vLLM does the same for its CPU->GPU direction); device sources keep stream order.
-        host_source = all(batch.src.on_host for batch in plan.batches)
+        host_source = all(space.on_host for batch in plan.batches for space in batch.src_spaces)
         self._op(*descriptors, host_source)
         return descriptors
 
