@@ -119,3 +119,31 @@ def test_send_pieces_sends_everything(pair: tuple[socket.socket, socket.socket])
     send_pieces(a, pieces)
     thread.join(5)
     assert bytes(received) == b"ab" + bytes(big) + b"c"
+
+
+def test_send_pieces_gathers_more_pieces_than_one_sendmsg_takes(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    pieces: list[Piece] = [bytes([i % 251]) * (i % 5) for i in range(3000)]  # > IOV_MAX, some empty
+    pieces.insert(1500, memoryview(b"x" * 300_000))
+    expected = b"".join(bytes(p) for p in pieces)
+    received = bytearray()
+
+    def drain() -> None:
+        while len(received) < len(expected):
+            received.extend(b.recv(1 << 16))
+
+    thread = threading.Thread(target=drain)
+    thread.start()
+    send_pieces(a, pieces)
+    thread.join(5)
+    assert bytes(received) == expected
+
+
+def test_send_pieces_gives_up_after_the_socket_timeout_when_the_peer_stops_reading(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    a, _ = pair
+    a.settimeout(0.2)
+    big = memoryview(bytes(16 << 20))  # far more than the socket buffers hold
+    with pytest.raises(TimeoutError):
+        send_pieces(a, [b"head", big])

@@ -41,6 +41,7 @@ import dataclasses
 import heapq
 import itertools
 import logging
+import ssl
 import threading
 import time
 import traceback
@@ -600,21 +601,28 @@ class RedisTier(SecondaryTier):
     ) -> None:
         """Send one command per key (grouped by server), then read the replies in order.
 
-        A command carrying a payload is sent as soon as it is packed, so the
-        server processes value ``i`` while the next header and checksum are computed.
+        A command carrying a payload is sent as soon as it is packed (one
+        ``sendmsg`` for its head, value header, payload and tail), so the server
+        processes value ``i`` while the next header and checksum are computed.
         """
         for pool, indexes in self._backend.groups(rkeys):
             conn = pool.get_connection()
             clean = False
             try:
                 sock = conn._sock
+                # A TLS socket cannot gather pieces in one call: there the small tail waits to be
+                # joined with the next command's head instead of costing a TLS record of its own.
+                keep_tail = isinstance(sock, ssl.SSLSocket)
                 pieces: list[Piece] = []
                 for i in indexes:
                     send(pieces, i)
                     if len(pieces) >= 256 or any(isinstance(p, memoryview) for p in pieces[-3:]):
-                        # Keep the small tail to join it with the next command's head.
-                        send_pieces(sock, pieces[:-1])
-                        del pieces[:-1]
+                        if keep_tail:
+                            send_pieces(sock, pieces[:-1])
+                            del pieces[:-1]
+                        else:
+                            send_pieces(sock, pieces)
+                            pieces.clear()
                 send_pieces(sock, pieces)
                 reader = RespReader(sock)
                 for i in indexes:
