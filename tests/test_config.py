@@ -206,7 +206,7 @@ def test_unknown_env_var_is_ignored_with_a_warning(caplog: pytest.LogCaptureFixt
         ({"policy": "pkg.mod:"}, {}, ["policy", "package.module:ClassName"]),
         ({"model": "acme/unknown"}, {}, ["not a preset", "num_layers", "geometry="]),
         ({"model": " "}, {}, ["model", "preset name"]),
-        ({"geometry": '{"num_layer": 3}'}, {}, ["geometry.num_layer", "known geometry fields"]),
+        ({"geometry": '{"num_layer": 3}'}, {}, ["geometry.num_layer", "did you mean 'num_layers'", "known names"]),
         ({"geometry": '{"head_dim": -1}'}, {}, ["geometry.head_dim", "greater than 0"]),
         ({"geometry": '{"dtype": "float7"}'}, {}, ["dtype", "bfloat16"]),
         ({"geometry": '{"kv_factor": 3}'}, {}, ["geometry.kv_factor", "1 or 2"]),
@@ -261,9 +261,11 @@ def test_errors_name_their_source(tmp_path: Path) -> None:
         load_config(path, env={})
 
 
-def test_custom_tier_import_path_passes_options_through() -> None:
-    config = load_config(env={}, cli={"tiers": [{"type": "mypkg.tiers:Custom", "anything": 1}]})
-    assert config.tiers == [{"type": "mypkg.tiers:Custom", "anything": 1}]
+def test_unimportable_tier_import_path_is_refused_when_the_config_loads() -> None:
+    """An import path is checked when the config loads, not when the engine starts (tiers/test_registry.py
+    covers out-of-tree tiers that do import)."""
+    with pytest.raises(ConfigError, match=r"tiers\[0\].*'mypkg\.tiers' failed to import"):
+        load_config(env={}, cli={"tiers": [{"type": "mypkg.tiers:Custom", "anything": 1}]})
 
 
 def test_schema_is_serializable() -> None:

@@ -208,7 +208,9 @@ class Namespace:
     """
 
     model_id: str
-    geometry: KVGeometry
+    geometry: KVGeometry | None = None
+    """The KV layout; ``None`` when the engine describes its layout in ``extra`` instead
+    (its blocks are opaque bytes to kvtier, e.g. vLLM's)."""
     model_revision: str = ""
     tp_size: int = 1
     tp_rank: int = 0
@@ -220,6 +222,10 @@ class Namespace:
     def __post_init__(self) -> None:
         if not self.model_id:
             raise ConfigError("Namespace.model_id must be a non-empty model name")
+        if self.geometry is None and not self.extra:
+            raise ConfigError(
+                "Namespace needs a KV geometry, or 'extra' entries that describe the engine's block layout"
+            )
         if not (0 <= self.tp_rank < self.tp_size) or not (0 <= self.pp_rank < self.pp_size):
             raise ConfigError(
                 f"parallel layout is inconsistent: tp_rank={self.tp_rank}/tp_size={self.tp_size}, "
@@ -229,7 +235,8 @@ class Namespace:
     def canonical(self) -> str:
         """The canonical JSON that the digest covers (sorted keys, no spaces)."""
         data = asdict(self)
-        data["geometry"]["dtype"] = self.geometry.dtype.removeprefix("torch.").lower()
+        if self.geometry is not None:
+            data["geometry"]["dtype"] = self.geometry.dtype.removeprefix("torch.").lower()
         data["extra"] = sorted(list(pair) for pair in self.extra)
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 

@@ -45,10 +45,11 @@ from kvtier.errors import (
 )
 from kvtier.keys import BlockKey, Namespace
 from kvtier.primary import PrepareStoreResult, PrimaryTier
-from kvtier.region import SharedRegion, round_up
+from kvtier.region import SharedRegion
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
 from kvtier.tiers.registry import create_tier
 from kvtier.types import BlockEvent, LookupResult, OffloadPolicy, RequestContext
+from kvtier.units import rows_that_fit
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,7 @@ class TieringManager:
         cls,
         *,
         namespace: Namespace,
+        block_bytes: int | None = None,
         num_cpu_blocks: int | None = None,
         cpu_bytes: int | None = None,
         policy: str = "lru",
@@ -150,19 +152,22 @@ class TieringManager:
     ) -> TieringManager:
         """Build the region, the CPU tier and each secondary tier (``{"type": ..., **options}``).
 
-        If any step fails, the tiers already built are shut down in reverse order,
-        the region is released, and the original error is raised.
+        ``block_bytes`` is the payload of one block (one CPU row before page
+        rounding); by default the namespace's geometry gives it. An engine whose
+        rows are opaque bytes passes it directly. If any step fails, the tiers
+        already built are shut down in reverse order, the region is released, and
+        the original error is raised.
         """
-        block_bytes = namespace.geometry.bytes_per_block
+        if block_bytes is None:
+            if namespace.geometry is None:
+                raise ConfigError("give block_bytes: the namespace has no KV geometry to derive it from")
+            block_bytes = namespace.geometry.bytes_per_block
+        if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
+            raise ConfigError(f"block_bytes must be a positive integer, got {block_bytes!r}")
         if num_cpu_blocks is None:
             if cpu_bytes is None:
                 raise ConfigError("give the CPU tier a size: num_cpu_blocks or cpu_bytes")
-            num_cpu_blocks = cpu_bytes // round_up(block_bytes)
-            if num_cpu_blocks < 1:
-                raise ConfigError(
-                    f"cpu_bytes={cpu_bytes} holds no block of {round_up(block_bytes)} bytes (page-aligned); "
-                    "raise cpu_bytes"
-                )
+            num_cpu_blocks = rows_that_fit(cpu_bytes, block_bytes)
         if sweep_stale:
             SharedRegion.sweep_stale(shm_dir, remove=True)
         name = region_name or f"{os.getpid()}-{uuid.uuid4().hex[:12]}"

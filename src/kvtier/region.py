@@ -48,6 +48,8 @@ from typing import Any
 import numpy as np
 
 from kvtier.errors import InsufficientSpaceError, RegionBusyError, RegionError
+from kvtier.units import format_size as format_bytes
+from kvtier.units import round_up as round_up
 
 logger = logging.getLogger(__name__)
 
@@ -59,18 +61,6 @@ _MAGIC = b"KVTREG01"
 _HEADER = struct.Struct("<8sIIQQQQ")
 _ATTACHED_OFFSET = 512  # uint32 attach counter, guarded by a byte-range lock
 _MADV_POPULATE_WRITE = 23
-
-
-def round_up(n: int, to: int = PAGE_SIZE) -> int:
-    return -(-n // to) * to
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def region_path(name: str, shm_dir: str | os.PathLike[str] = "/dev/shm") -> Path:

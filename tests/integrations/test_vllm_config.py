@@ -5,6 +5,9 @@ No vLLM needed: these run in every venv.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 import kvtier
@@ -65,7 +68,8 @@ def test_settings_size_rows_for_every_rank_and_count_every_mapper() -> None:
     s = resolve_settings({"cpu_bytes": "8MiB", "block_size": 64, "spec_name": SPEC_NAME}, LAYOUT, env={})
     assert s.layout.rank_bytes == 2 * 32768
     assert s.layout.row_bytes == 2 * 2 * 32768
-    assert s.namespace.geometry.bytes_per_block == s.layout.row_bytes
+    assert s.namespace.geometry is None  # rows are opaque bytes: the layout is in the namespace's extra
+    assert dict(s.namespace.extra)["rank_bytes"] == str(s.layout.rank_bytes)
     assert s.num_rows == (8 << 20) // s.layout.row_bytes
     assert s.expected_mappers == 3  # two workers and the scheduler
     assert s.region_name == region_name_for(LAYOUT.engine_id)
@@ -92,6 +96,17 @@ def test_vllm_cpu_offloading_names_are_accepted_as_aliases() -> None:
 def test_environment_applies_below_extra_config() -> None:
     s = resolve_settings({"policy": "lru"}, LAYOUT, env={"KVTIER_POLICY": "arc", "KVTIER_CPU_BYTES": "4MiB"})
     assert s.config.policy == "lru" and s.config.cpu_bytes == 4 << 20
+
+
+@pytest.mark.parametrize("name", ["model", "geometry"])
+def test_engine_derived_settings_are_refused_from_the_file_and_environment(name: str, tmp_path: Path) -> None:
+    value = "acme/other" if name == "model" else '{"tokens_per_block": 32}'
+    with pytest.raises(ConfigError, match=rf"'{name}' is set by environment variable KVTIER_{name.upper()}.*engine"):
+        resolve_settings({}, LAYOUT, env={f"KVTIER_{name.upper()}": value})
+    cfg = tmp_path / "kv.json"
+    cfg.write_text(json.dumps({name: "acme/other" if name == "model" else {"tokens_per_block": 32}}))
+    with pytest.raises(ConfigError, match=rf"'{name}' is set by file .*kv\.json.*engine"):
+        resolve_settings({"kvtier_config_file": str(cfg)}, LAYOUT, env={})
 
 
 @pytest.mark.parametrize(

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
+from pydantic import BaseModel
 
 from kvtier.keys import BlockKey, KVGeometry, Namespace
 from kvtier.types import BlockEvent, LookupResult, OffloadPolicy, RequestContext
@@ -62,7 +63,8 @@ class TierContext:
         self.rows = np.empty((0, 0), dtype=np.uint8)
 
     @property
-    def geometry(self) -> KVGeometry:
+    def geometry(self) -> KVGeometry | None:
+        """The namespace's KV layout (``None`` for an engine whose rows are opaque bytes)."""
         return self.namespace.geometry
 
     @property
@@ -160,11 +162,18 @@ class SecondaryTier(abc.ABC):
     """Base class of every secondary tier. See the module docstring for the contract.
 
     Subclasses set ``tier_type`` (the registry name) and ``medium``, and take
-    their options as keyword arguments after ``context``.
+    their options as keyword arguments after ``context``. A subclass declares
+    those options as a pydantic model in ``options_model`` (``extra="forbid"``;
+    each field's ``description`` is its line in ``docs/configuration.md``): the
+    registry validates every ``{"type": ..., **options}`` spec through it before
+    the constructor runs, so configuration errors surface when the config is
+    loaded. Without a model, options are checked against the constructor's
+    keyword parameters.
     """
 
     tier_type: ClassVar[str] = "abstract"
     medium: ClassVar[str] = "storage"
+    options_model: ClassVar[type[BaseModel] | None] = None
 
     def __init__(self, context: TierContext) -> None:
         self.context = context

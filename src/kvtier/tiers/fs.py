@@ -43,9 +43,10 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvtier.errors import ConfigError, CorruptValueError, TierDrainTimeout, TierError
 from kvtier.keys import BlockKey
@@ -83,13 +84,54 @@ from kvtier.tiers.fs_layout import (
 )
 from kvtier.tiers.health import CircuitBreaker
 from kvtier.types import BlockEvent, LookupResult, RequestContext
+from kvtier.units import parse_size
 
-__all__ = ["FilesystemTier", "NamespaceReport", "RootReport", "verify_root"]
+__all__ = ["FilesystemTier", "FilesystemTierOptions", "NamespaceReport", "RootReport", "verify_root"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_FREE_FRACTION = 0.5
 """Without ``max_bytes``: the tier may use this share of (free space + its own files)."""
+
+
+class FilesystemTierOptions(BaseModel):
+    """Local disk / NVMe tier (``type: fs``): the keyword options of :class:`FilesystemTier`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    root: str = Field(description="Directory that holds the tier's files (created if missing).")
+    max_bytes: int | None = Field(
+        default=None,
+        description="Byte budget of this namespace's files, e.g. '64GiB' (LRU of files beyond it). "
+        "Default: half of the free space plus what the namespace already holds.",
+    )
+    read_threads: int = Field(default=4, gt=0, description="I/O threads serving only loads (promotions).")
+    write_threads: int = Field(default=2, gt=0, description="I/O threads serving stores, loads first.")
+    fsync: bool = Field(default=False, description="fsync each value and its directory before a store reports.")
+    direct_io: bool | Literal["auto"] = Field(
+        default="auto", description="O_DIRECT: 'auto' (where the file system allows it), true (required), false."
+    )
+    scan_in_background: bool = Field(
+        default=True, description="Rebuild the index from disk in a thread (unscanned keys answer RETRY)."
+    )
+    failure_threshold: int = Field(default=5, ge=1, description="Consecutive I/O errors that open the breaker.")
+    probe_interval: float = Field(default=2.0, gt=0, description="Seconds between health probes while open.")
+    max_queued_stores: int = Field(
+        default=256, ge=1, description="Blocks waiting to be written beyond which new stores are shed."
+    )
+    shutdown_timeout: float = Field(
+        default=30.0, gt=0, description="Seconds shutdown() lets queued jobs finish, then per thread join."
+    )
+
+    @field_validator("root", mode="before")
+    @classmethod
+    def _path(cls, value: Any) -> Any:
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+    @field_validator("max_bytes", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        return None if value is None else parse_size(value)
 
 
 @dataclass
@@ -184,6 +226,7 @@ class FilesystemTier(SecondaryTier):
 
     tier_type = "fs"
     medium = "disk"
+    options_model = FilesystemTierOptions
 
     def __init__(
         self,

@@ -52,6 +52,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -89,6 +90,40 @@ _CACHE_MAX_ENTRIES = 1 << 20
 # Work priorities: existence checks before loads before stores, so writes to a
 # slow server queue up (and are shed) before reads suffer.
 _P_EXISTS, _P_LOAD, _P_STORE, _P_TOUCH, _P_STOP = 0, 1, 2, 3, 9
+
+
+class RedisTierOptions(BaseModel):
+    """Redis / Valkey tier (``type: redis``), standalone or cluster: the keyword options of :class:`RedisTier`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(
+        description="redis://[user:pass@]host:port[/db], rediss:// for TLS, unix:///path; in cluster mode any node."
+    )
+    cluster: bool = Field(default=False, description="Talk to a Redis Cluster (keys spread over its slots).")
+    prefix: str = Field(default="kvtier", description="Key prefix in front of the namespace digest.")
+    ttl_seconds: float | None = Field(
+        default=None, gt=0, description="Expire values this many seconds after store/touch; none by default."
+    )
+    io_threads: int = Field(default=2, ge=1, description="I/O threads, each with its own connection.")
+    socket_timeout: float = Field(default=1.0, gt=0, description="Seconds for every read/write on a connection.")
+    connect_timeout: float = Field(default=1.0, gt=0, description="Seconds for every connect.")
+    failure_threshold: int = Field(
+        default=3, ge=1, description="Consecutive failures that take the tier out of service."
+    )
+    open_seconds: float = Field(default=2.0, gt=0, description="Seconds out of service before a PING probe.")
+    lookup_cache_seconds: float = Field(default=1.0, ge=0, description="How long an existence answer is trusted.")
+    max_queued_stores: int = Field(
+        default=64, ge=1, description="Store jobs allowed to wait; beyond that stores are shed."
+    )
+    usage_refresh_seconds: float = Field(default=5.0, gt=0, description="How often INFO memory is read for usage().")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if urlsplit(value).scheme not in _SCHEMES:
+            raise ValueError(f"url {_redact(value)!r} must start with redis://, rediss:// (TLS) or unix://")
+        return value
 
 
 @dataclass(order=True)
@@ -154,6 +189,7 @@ class RedisTier(SecondaryTier):
 
     tier_type = "redis"
     medium = "remote"
+    options_model = RedisTierOptions
 
     def __init__(
         self,

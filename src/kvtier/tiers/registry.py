@@ -1,16 +1,34 @@
 """Secondary-tier registry: built-in tiers by name, out-of-tree tiers by import path.
 
-Built-ins are imported lazily so optional dependencies (redis-py, boto3) are
-needed only by the tiers that use them.
+One registry maps a tier type to its class, and the class carries its options
+schema (``SecondaryTier.options_model``, a pydantic model). Everything that
+takes a ``{"type": name_or_path, **options}`` spec goes through
+:func:`validate_tier_options`: the configuration (so a typo in a tier option is
+refused when the config is loaded, naming the option and the close match), the
+manager (:func:`create_tier`) and the generated reference
+(``docs/configuration.md``). Built-in names, names added by
+:func:`register_tier` and ``package.module:Class`` paths are treated alike.
+
+A class without an ``options_model`` has its options checked against its
+constructor's keyword parameters instead.
+
+Built-ins are imported lazily so optional dependencies (redis-py, ...) are
+needed only by the tiers that use them. The registry is process-wide;
+:func:`register_tier` is meant for start-up, before tiers are built.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from typing import Any
+
+from pydantic import BaseModel, ValidationError
 
 from kvtier.errors import ConfigError
 from kvtier.plugins import load_class
 from kvtier.tiers.base import SecondaryTier, TierContext
+from kvtier.validation import did_you_mean, explain
 
 _BUILTIN: dict[str, str] = {
     "fs": "kvtier.tiers.fs:FilesystemTier",
@@ -27,31 +45,106 @@ def register_tier(name: str, import_path: str) -> None:
 
 
 def tier_names() -> list[str]:
+    """Every tier type known by name: the built-ins and those added by :func:`register_tier`."""
     return sorted({**_BUILTIN, **_registered})
 
 
+def builtin_tier_names() -> list[str]:
+    """The tier types that ship with kvtier, in documentation order."""
+    return list(_BUILTIN)
+
+
 def resolve_tier_class(name_or_path: str) -> type[SecondaryTier]:
-    """The tier class for a registered name or a ``module:Class`` path."""
+    """The tier class for a registered name or a ``module:Class`` path.
+
+    Raises :class:`ConfigError` for an unknown name, a module that fails to
+    import (naming the extra to install for a built-in) or a class that is not
+    a :class:`SecondaryTier`.
+    """
     path = _registered.get(name_or_path) or _BUILTIN.get(name_or_path) or name_or_path
     if ":" not in path:
         raise ConfigError(
             f"unknown tier type {name_or_path!r}: use one of {tier_names()} "
             "or an import path 'package.module:ClassName'"
         )
-    cls: type[SecondaryTier] = load_class(
-        path, SecondaryTier, "tier", " Install the matching extra, e.g. pip install 'kvtier[redis]'"
-    )
+    hint = f" Install what it needs: pip install 'kvtier[{name_or_path}]'." if name_or_path in _BUILTIN else ""
+    cls: type[SecondaryTier] = load_class(path, SecondaryTier, "tier", hint)
     return cls
 
 
-def create_tier(spec: dict[str, Any], context: TierContext) -> SecondaryTier:
-    """Build a tier from ``{"type": name_or_path, **options}``."""
-    options = dict(spec)
-    type_name = options.pop("type", None)
-    if not isinstance(type_name, str) or not type_name:
-        raise ConfigError(f"secondary tier #{context.index} needs a 'type' (one of {tier_names()})")
-    cls = resolve_tier_class(type_name)
+def _tier_type(spec: Any, where: str) -> str:
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"{where} must be a mapping like {{'type': 'fs', 'root': '/path'}}, got {spec!r}")
+    tier_type = spec.get("type")
+    if not isinstance(tier_type, str) or not tier_type:
+        raise ConfigError(
+            f"{where} needs a 'type': one of {tier_names()} or an import path 'package.module:ClassName'"
+        )
+    if ":" not in tier_type and tier_type not in _BUILTIN and tier_type not in _registered:
+        raise ConfigError(
+            f"{where}.type {tier_type!r}: unknown tier type {tier_type!r}: use one of {tier_names()} "
+            "or an import path 'package.module:ClassName'"
+        )
+    return tier_type
+
+
+def _check_signature(cls: type[SecondaryTier], options: Mapping[str, Any], what: str) -> None:
+    """For a tier without an options model: the options must match its constructor's keywords."""
+    params = [p for p in inspect.signature(cls.__init__).parameters.values() if p.name not in ("self", "context")]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    accepted = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ConfigError(
+            f"{what} has bad options: unknown option(s) {did_you_mean(unknown, accepted)}: "
+            f"known options are {sorted(accepted)}"
+        )
+    missing = [p.name for p in params if p.default is p.empty and p.name in accepted and p.name not in options]
+    if missing:
+        raise ConfigError(f"{what} has bad options: missing required option(s) {missing}")
+
+
+def validate_tier_options(spec: Any, *, where: str = "tier") -> dict[str, Any]:
+    """Validate a ``{"type": name_or_path, **options}`` spec; returns the options for the constructor.
+
+    The options (``spec`` without ``type``) are validated by the tier class's
+    ``options_model``: the result holds the options that were given, converted
+    by the model (e.g. ``"64GiB"`` -> bytes), and is passed as keyword arguments
+    to the class after its :class:`TierContext`; options left out keep the
+    constructor's defaults. Without a model, the options are checked against the
+    constructor's signature and returned unchanged.
+
+    ``where`` starts every error message (``"tiers[0]"``, ``"secondary tier #1"``).
+    Raises :class:`ConfigError` naming the option, the bad value and the fix.
+    Imports the tier's module (and so runs it) if it is not yet imported.
+    """
+    tier_type = _tier_type(spec, where)
+    try:
+        cls = resolve_tier_class(tier_type)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    options = {k: v for k, v in spec.items() if k != "type"}
+    what = f"{where} ({tier_type})"
+    model = getattr(cls, "options_model", None)
+    if model is None:
+        _check_signature(cls, options, what)
+        return options
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        raise ConfigError(f"{what}: {cls.__qualname__}.options_model must be a pydantic BaseModel subclass")
+    try:
+        validated = model.model_validate(options)
+    except ValidationError as exc:
+        raise ConfigError(f"{what} has bad options: " + explain(exc, model, prefix="option")) from None
+    return validated.model_dump(exclude_unset=True)
+
+
+def create_tier(spec: Mapping[str, Any], context: TierContext) -> SecondaryTier:
+    """Build a tier from ``{"type": name_or_path, **options}`` (validated by :func:`validate_tier_options`)."""
+    where = f"secondary tier #{context.index}"
+    options = validate_tier_options(spec, where=where)
+    cls = resolve_tier_class(spec["type"])
     try:
         return cls(context, **options)
     except TypeError as exc:
-        raise ConfigError(f"secondary tier #{context.index} ({type_name}): bad options: {exc}") from exc
+        raise ConfigError(f"{where} ({spec['type']}): bad options: {exc}") from exc

@@ -28,7 +28,7 @@ from typing import Any
 
 from kvtier.config import KvtierConfig, load_config
 from kvtier.errors import ConfigError
-from kvtier.keys import KVGeometry, Namespace
+from kvtier.keys import Namespace
 
 SUPPORTED_VLLM_MIN = (0, 32, 0)
 """Oldest vLLM release this integration was built and tested against (inclusive)."""
@@ -183,20 +183,6 @@ def _normalize_extra(extra: Mapping[str, Any]) -> tuple[dict[str, Any], str | No
     return values, config_file
 
 
-def _geometry_for(layout: EngineLayout) -> dict[str, Any]:
-    # A row is opaque bytes to kvtier; describe it as a byte geometry so that
-    # geometry.bytes_per_block is exactly the row payload.
-    tokens = layout.tokens_per_chunk if layout.row_bytes % layout.tokens_per_chunk == 0 else 1
-    return {
-        "num_layers": 1,
-        "num_kv_heads": 1,
-        "head_dim": layout.row_bytes // tokens,
-        "tokens_per_block": tokens,
-        "dtype": "uint8",
-        "kv_factor": 1,
-    }
-
-
 def resolve_settings(
     extra: Mapping[str, Any], layout: EngineLayout, env: Mapping[str, str] | None = None
 ) -> VllmKvtierSettings:
@@ -218,17 +204,21 @@ def resolve_settings(
             f"blocks_per_chunk={layout.blocks_per_chunk}, tokens_per_chunk={layout.tokens_per_chunk}"
         )
     values, config_file = _normalize_extra(extra)
-    values["model"] = layout.model_name
-    values["geometry"] = _geometry_for(layout)
-    config = load_config(file=config_file, env=env, cli=values)
-    # The file or environment may not name the engine-derived fields.
-    if config.model != layout.model_name:
-        raise ConfigError("the model is set by the engine; remove 'model' from the kvtier config file")
-    num_rows = config.resolved_num_cpu_blocks()
-    geometry: KVGeometry = config.kv_geometry()
+    config = load_config(
+        file=config_file, env=env, cli=values, cli_source="kv_connector_extra_config", layout_from_engine=True
+    )
+    # The model and the block layout come from the engine, whatever the file or environment says.
+    for name in sorted(_ENGINE_DERIVED):
+        source = config.sources[name]
+        if source != "default":
+            raise ConfigError(
+                f"{name!r} is set by {source}, but under vLLM the model and the KV block layout come from "
+                "the engine itself: remove it"
+            )
+    config = config.model_copy(update={"model": layout.model_name})
+    num_rows = config.resolved_num_cpu_blocks(layout.row_bytes)
     namespace = Namespace(
         model_id=layout.model_name,
-        geometry=geometry,
         model_revision=config.model_revision,
         tp_size=layout.tp_size,
         pp_size=layout.pp_size,

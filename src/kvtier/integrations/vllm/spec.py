@@ -96,6 +96,7 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
                 s.config,
                 expected_mappers=s.expected_mappers,
                 namespace=s.namespace,
+                block_bytes=s.layout.row_bytes,
                 region_name=s.region_name,
                 num_cpu_blocks=s.num_rows,
             )

@@ -1,0 +1,218 @@
+"""Loading the configuration: file < environment < CLI flags, field by field.
+
+The same field names are used everywhere:
+
+* files (YAML ``.yaml``/``.yml``, TOML ``.toml``, JSON ``.json``), either at the
+  top level or under a single ``kvtier`` table/section;
+* environment variables ``KVTIER_<FIELD>`` (upper case; nested values such as
+  ``tiers`` and ``geometry`` are JSON);
+* CLI flags ``--<field-with-dashes>`` (nested values as JSON).
+
+Precedence is file < environment < CLI, field by field. ``geometry`` is merged
+key by key across sources; ``tiers`` is replaced as a whole. ``cpu_bytes`` and
+``num_cpu_blocks`` are one setting: the highest-precedence source that names
+either one wins.
+
+Every validation problem raises :class:`~kvtier.errors.ConfigError` whose message
+names the field, where its value came from, and the fix. Pure (reads only the
+file and the environment mapping it is given); any thread.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvtier.config.schema import KvtierConfig
+from kvtier.errors import ConfigError
+from kvtier.validation import did_you_mean, explain
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "KVTIER_"
+_FIELDS = tuple(KvtierConfig.model_fields)
+_JSON_FIELDS = {"tiers", "geometry"}
+_CPU_SIZE_FIELDS = ("cpu_bytes", "num_cpu_blocks")
+
+
+def env_var(field: str) -> str:
+    """``cpu_bytes`` -> ``KVTIER_CPU_BYTES``."""
+    return ENV_PREFIX + field.upper()
+
+
+def cli_flag(field: str) -> str:
+    """``cpu_bytes`` -> ``--cpu-bytes``."""
+    return "--" + field.replace("_", "-")
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"config file {path!r} cannot be read: {exc.strerror or exc}") from None
+    suffix = p.suffix.lower()
+    try:
+        if suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        elif suffix == ".toml":
+            if sys.version_info >= (3, 11):
+                import tomllib
+            else:  # pragma: no cover - exercised on 3.10 only
+                import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
+            data = tomllib.loads(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(
+                f"config file {path!r} has an unknown extension {suffix!r}: use .yaml, .yml, .toml or .json"
+            )
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"config file {path!r} is not valid {suffix.lstrip('.').upper()}: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path!r} must hold a mapping of fields, got {type(data).__name__}")
+    if set(data) == {"kvtier"} and isinstance(data["kvtier"], dict):
+        data = data["kvtier"]
+    return dict(data)
+
+
+def _parse_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        field = name[len(ENV_PREFIX) :].lower()
+        if field not in _FIELDS:
+            close = difflib.get_close_matches(field, _FIELDS, n=1)
+            if close:
+                logger.warning("ignoring %s: not a kvtier setting (did you mean %s?)", name, env_var(close[0]))
+            continue
+        out[field] = _decode_text(field, raw, source=f"environment variable {name}")
+    return out
+
+
+def _decode_text(field: str, raw: Any, *, source: str) -> Any:
+    """Strings from env vars and CLI flags: JSON for nested fields, '' means unset."""
+    if not isinstance(raw, str):
+        return raw
+    if field in _JSON_FIELDS:
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as exc:
+            example = '[{"type": "fs", "root": "/mnt/nvme/kv"}]' if field == "tiers" else '{"tokens_per_block": 16}'
+            raise ConfigError(
+                f"{field} from {source} is not valid JSON ({exc.msg}): write it as JSON, e.g. {example}"
+            ) from None
+    if field in ("region_name", "cpu_bytes", "num_cpu_blocks") and raw.strip() == "":
+        return None
+    return raw
+
+
+_Layer = tuple[str, dict[str, Any], Callable[[str], str]]
+"""(source name, its values, the name of one field's source, e.g. ``"CLI flag --cpu-bytes"``)."""
+
+
+def _merge(layers: list[_Layer]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Merge layers in increasing precedence; returns the values and each field's source."""
+    merged: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for source, data, field_source in layers:
+        unknown = sorted(set(data) - set(_FIELDS))
+        if unknown:
+            raise ConfigError(
+                f"unknown setting(s) {did_you_mean(unknown, _FIELDS)} in {source}: known settings are {list(_FIELDS)}"
+            )
+        present = [f for f in _CPU_SIZE_FIELDS if data.get(f) is not None]
+        if len(present) == 2:
+            raise ConfigError(f"cpu_bytes and num_cpu_blocks are both set in {source}: set only one of them")
+        if present:
+            for f in _CPU_SIZE_FIELDS:
+                merged.pop(f, None)
+                sources.pop(f, None)
+        for field, value in data.items():
+            if value is None:
+                continue
+            if field == "geometry" and isinstance(value, Mapping) and isinstance(merged.get("geometry"), dict):
+                merged["geometry"] = {**merged["geometry"], **value}
+            else:
+                merged[field] = dict(value) if isinstance(value, Mapping) else value
+            sources[field] = field_source(field)
+    return merged, sources
+
+
+def load_config(
+    file: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    cli: Mapping[str, Any] | None = None,
+    *,
+    cli_source: str = "CLI flags",
+    defaults: Mapping[str, Any] | None = None,
+    defaults_source: str = "defaults",
+    layout_from_engine: bool = False,
+) -> KvtierConfig:
+    """Resolve the configuration from a file, environment variables and CLI values.
+
+    ``env`` defaults to ``os.environ`` (pass ``{}`` to ignore the environment).
+    ``cli`` maps field names (underscores) to values; ``None`` values mean "not
+    given". Strings for ``tiers``/``geometry`` in env and CLI are parsed as JSON.
+    ``cli_source`` names where ``cli`` came from in messages and in
+    :attr:`KvtierConfig.sources` (an engine integration passes its own, e.g.
+    ``"kv_connector_extra_config"``). ``defaults`` replace the schema's defaults
+    below every other source (a command with its own defaults, such as
+    ``kvtier bench``); ``defaults_source`` names them. ``layout_from_engine`` skips the check that
+    ``model``/``geometry`` describe a complete KV layout, for an engine that
+    supplies the block size itself. Raises :class:`ConfigError` naming the
+    field, its source and the fix.
+    """
+    layers: list[_Layer] = []
+    if defaults:
+        layers.append((defaults_source, dict(defaults), lambda _field: defaults_source))
+    if file is not None:
+        name = f"file {os.fspath(file)}"
+        layers.append((name, _read_file(os.fspath(file)), lambda _field: name))
+    layers.append(("environment", _parse_env(os.environ if env is None else env), env_source))
+    if cli:
+        if cli_source == "CLI flags":
+            field_source: Callable[[str], str] = cli_flag_source
+        else:
+            field_source = lambda field: f"{cli_source}[{field!r}]"  # noqa: E731
+        cli_values: dict[str, Any] = {}
+        for name, value in cli.items():
+            field = name.replace("-", "_")
+            cli_values[field] = _decode_text(field, value, source=field_source(field))
+        layers.append((cli_source, cli_values, field_source))
+    merged, sources = _merge(layers)
+    try:
+        config = KvtierConfig.model_validate(
+            merged, context={"layout_from_engine": layout_from_engine, "sources": sources}
+        )
+    except ValidationError as exc:
+        raise ConfigError(explain(exc, KvtierConfig, sources=sources)) from None
+    except ConfigError as exc:  # raised inside a validator that pydantic let through
+        raise ConfigError(str(exc)) from None
+    config.record_sources(sources)
+    return config
+
+
+def env_source(field: str) -> str:
+    """``cpu_bytes`` -> ``"environment variable KVTIER_CPU_BYTES"``."""
+    return f"environment variable {env_var(field)}"
+
+
+def cli_flag_source(field: str) -> str:
+    """``cpu_bytes`` -> ``"CLI flag --cpu-bytes"``."""
+    return f"CLI flag {cli_flag(field)}"

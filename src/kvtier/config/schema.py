@@ -1,0 +1,248 @@
+"""The configuration schema: one pydantic model for the whole stack.
+
+:class:`KvtierConfig` validates every field; secondary-tier entries are
+validated through the tier registry (:mod:`kvtier.tiers.registry`), so
+out-of-tree tiers are checked exactly like built-in ones. Derived values
+(geometry, namespace, CPU rows) are methods of the config.
+
+Pure (no global state); any thread.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from kvtier.config.presets import MODEL_PRESETS, find_preset
+from kvtier.errors import ConfigError
+from kvtier.keys import KVGeometry, Namespace, dtype_bytes
+from kvtier.units import parse_size, row_stride_for, rows_that_fit
+
+DEFAULT_CPU_BYTES = 4 * 1024**3
+
+
+class GeometryConfig(BaseModel):
+    """KV block layout; any field left out is taken from the ``model`` preset."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_layers: int | None = Field(default=None, gt=0, description="Attention layers held by this rank.")
+    num_kv_heads: int | None = Field(default=None, gt=0, description="KV heads per layer held by this rank.")
+    head_dim: int | None = Field(default=None, gt=0, description="Elements per head (per token).")
+    tokens_per_block: int | None = Field(
+        default=None, gt=0, description="Tokens per KV block (the engine's block size). Default 16."
+    )
+    dtype: str | None = Field(
+        default=None, description="KV element type, e.g. bfloat16, float16, fp8. Default bfloat16."
+    )
+    kv_factor: Literal[1, 2] | None = Field(
+        default=None,
+        description="2 when K and V are stored separately, 1 for a latent (MLA) cache.",
+    )
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str | None) -> str | None:
+        if value is not None:
+            dtype_bytes(value)
+        return value
+
+
+def _validate_tier(index: int, spec: Any) -> dict[str, Any]:
+    """One ``tiers`` entry validated by the tier registry, as ``{"type": ..., **options}``."""
+    from kvtier.tiers.registry import validate_tier_options
+
+    try:
+        options = validate_tier_options(spec, where=f"tiers[{index}]")
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+    return {"type": spec["type"], **options}
+
+
+def _known_policies() -> list[str] | None:
+    try:
+        from kvtier.policies import POLICIES
+    except ImportError:
+        return None
+    return sorted(POLICIES)
+
+
+class KvtierConfig(BaseModel):
+    """The whole kvtier configuration. See ``docs/configuration.md`` for every field."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+    _sources: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    cpu_bytes: int | None = Field(
+        default=None,
+        description=(
+            "Size of the CPU tier in /dev/shm, in bytes or as '4GiB'/'512MiB'. "
+            "Default 4GiB when num_cpu_blocks is not set either."
+        ),
+    )
+    num_cpu_blocks: int | None = Field(
+        default=None, gt=0, description="Size of the CPU tier in blocks (instead of cpu_bytes)."
+    )
+    policy: str = Field(
+        default="lru",
+        description=("CPU-tier eviction policy: 'lru', 'arc', or an import path 'package.module:Class'."),
+    )
+    model: str = Field(
+        default="llama-3.1-8b",
+        description=(f"A model preset ({', '.join(MODEL_PRESETS)}) or any model id (then give geometry)."),
+    )
+    model_revision: str = Field(default="", description="Model revision; part of the namespace.")
+    geometry: GeometryConfig = Field(
+        default_factory=lambda: GeometryConfig(),
+        description="KV block layout; fields not given come from the model preset.",
+    )
+    shm_dir: str = Field(default="/dev/shm", description="Directory of the shared CPU region (a tmpfs).")
+    region_name: str | None = Field(
+        default=None,
+        description="Name of the shared region file; default: derived from the process.",
+    )
+    tiers: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description=(
+            "Secondary tiers in cascade order, each {type: <tier type>|package.module:Class, **options}; "
+            "options are validated by the tier (see the tier sections below)."
+        ),
+    )
+
+    @field_validator("cpu_bytes", mode="before")
+    @classmethod
+    def _cpu_bytes(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        size = parse_size(value)
+        if size <= 0:
+            raise ValueError("cpu_bytes must be positive: give e.g. '4GiB'")
+        return size
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, value: str) -> str:
+        if ":" in value:
+            module, _, name = value.partition(":")
+            if not module or not name.isidentifier():
+                raise ValueError(f"policy {value!r} must look like 'package.module:ClassName'")
+            return value
+        known = _known_policies()
+        if known is not None and value not in known:
+            raise ValueError(f"policy {value!r} is unknown: use one of {known} or 'package.module:Class'")
+        if known is None and not re.fullmatch(r"[a-z][a-z0-9_-]*", value):
+            raise ValueError(f"policy {value!r} is not a policy name: use 'lru', 'arc' or 'package.module:Class'")
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("model must be a preset name or a model id, not empty")
+        return value
+
+    @field_validator("tiers", mode="before")
+    @classmethod
+    def _tiers(cls, value: Any) -> Any:
+        if value is None:
+            return []
+        if isinstance(value, Mapping):
+            value = [value]
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"tiers must be a list of {{type: ..., ...}} mappings, got {type(value).__name__}")
+        return [_validate_tier(i, spec) for i, spec in enumerate(value)]
+
+    @model_validator(mode="after")
+    def _geometry_complete(self, info: ValidationInfo) -> KvtierConfig:
+        if self.cpu_bytes is not None and self.num_cpu_blocks is not None:
+            raise ValueError("cpu_bytes and num_cpu_blocks are both set: set only one of them")
+        context = info.context or {}
+        if not context.get("layout_from_engine"):
+            try:
+                self.kv_geometry()
+            except ValueError as exc:
+                sources = context.get("sources") or {}
+                given = [f"{name} from {sources[name]}" for name in ("model", "geometry") if name in sources]
+                where = f" ({', '.join(given)})" if given else ""
+                raise ValueError(f"{exc}{where}") from None
+        return self
+
+    # ----------------------------------------------------------------- where values came from
+
+    def record_sources(self, sources: Mapping[str, str]) -> None:
+        """Remember where each field's value came from (the loader calls it once)."""
+        self._sources = {k: v for k, v in sources.items() if k in type(self).model_fields}
+
+    @property
+    def sources(self) -> dict[str, str]:
+        """Every field's source: ``"file kv.yaml"``, ``"environment variable KVTIER_X"``,
+        ``"CLI flag --x"`` (or the caller's name for its values), or ``"default"``."""
+        return {name: self._sources.get(name, "default") for name in type(self).model_fields}
+
+    # ----------------------------------------------------------------- derived values
+
+    @property
+    def model_id(self) -> str:
+        """The model id used in the namespace (a preset's id, or ``model`` itself)."""
+        preset = find_preset(self.model)
+        return str(preset["model_id"]) if preset else self.model
+
+    def kv_geometry(self) -> KVGeometry:
+        """The resolved :class:`KVGeometry` (preset values overridden by ``geometry``)."""
+        preset = find_preset(self.model) or {}
+        merged: dict[str, Any] = {"tokens_per_block": 16, "dtype": "bfloat16", "kv_factor": 2}
+        merged.update({k: v for k, v in preset.items() if k != "model_id"})
+        merged.update(self.geometry.model_dump(exclude_none=True))
+        missing = [f for f in ("num_layers", "num_kv_heads", "head_dim") if f not in merged]
+        if missing:
+            raise ValueError(
+                f"model {self.model!r} is not a preset ({', '.join(MODEL_PRESETS)}), "
+                f"so geometry needs {', '.join(missing)}: "
+                "e.g. geometry={num_layers: 32, num_kv_heads: 8, head_dim: 128}"
+            )
+        try:
+            return KVGeometry(**merged)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+
+    @property
+    def block_bytes(self) -> int:
+        return self.kv_geometry().bytes_per_block
+
+    @property
+    def row_stride(self) -> int:
+        return row_stride_for(self.block_bytes)
+
+    def resolved_num_cpu_blocks(self, block_bytes: int | None = None) -> int:
+        """CPU-tier rows: ``num_cpu_blocks``, or ``cpu_bytes`` (default 4 GiB) / row stride.
+
+        ``block_bytes`` (default: this config's geometry) is the payload of one row.
+        Raises :class:`ConfigError` when not even one row fits.
+        """
+        if self.num_cpu_blocks is not None:
+            return self.num_cpu_blocks
+        size = self.cpu_bytes if self.cpu_bytes is not None else DEFAULT_CPU_BYTES
+        return rows_that_fit(size, self.block_bytes if block_bytes is None else block_bytes)
+
+    def namespace(self, *, tp_size: int = 1, tp_rank: int = 0, pp_size: int = 1, pp_rank: int = 0) -> Namespace:
+        """The :class:`Namespace` of this configuration (one rank of the parallel layout)."""
+        return Namespace(
+            model_id=self.model_id,
+            geometry=self.kv_geometry(),
+            model_revision=self.model_revision,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            pp_size=pp_size,
+            pp_rank=pp_rank,
+        )

@@ -1,0 +1,102 @@
+"""Sizes: parsing ``"4GiB"``, formatting bytes, page rounding, rows that fit in a budget.
+
+One implementation of each, used by the configuration, the shared region, the
+manager and the command line. Pure functions; any thread.
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+
+from kvtier.errors import ConfigError
+
+PAGE_SIZE = mmap.PAGESIZE
+"""The machine's page size: every CPU-tier row starts on a page boundary."""
+
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kib": 1024,
+    "kb": 1000,
+    "m": 1024**2,
+    "mib": 1024**2,
+    "mb": 1000**2,
+    "g": 1024**3,
+    "gib": 1024**3,
+    "gb": 1000**3,
+    "t": 1024**4,
+    "tib": 1024**4,
+    "tb": 1000**4,
+}
+
+
+def parse_size(value: int | float | str) -> int:
+    """Bytes from an int or a size string.
+
+    ``"4GiB"``, ``"4G"`` and ``"4 gib"`` are 4 * 2**30; ``"4GB"`` is 4 * 10**9;
+    ``"512MiB"``, ``"1.5GiB"`` and ``"4096"`` work too. Raises :class:`ConfigError`
+    (naming the value and the accepted forms) for anything else or a negative size.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"size {value!r} is a boolean: give bytes as an integer or a string like '4GiB'")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"size {value} is negative: give a positive number of bytes")
+        return value
+    if isinstance(value, float):
+        if value < 0 or not value.is_integer():
+            raise ConfigError(f"size {value} must be a whole, non-negative number of bytes")
+        return int(value)
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m:
+            unit = m.group(2).lower()
+            if unit in _SIZE_UNITS:
+                return int(float(m.group(1)) * _SIZE_UNITS[unit])
+        raise ConfigError(
+            f"size {value!r} is not understood: use bytes (e.g. 4294967296) or a number "
+            "with a unit "
+            "such as '512MiB', '4GiB', '4G' (binary) or '4GB' (decimal)"
+        )
+    raise ConfigError(f"size {value!r} has type {type(value).__name__}: use an int or a string like '4GiB'")
+
+
+def format_size(num_bytes: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``; binary units, at most one decimal."""
+    n = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def round_up(n: int, to: int = PAGE_SIZE) -> int:
+    """``n`` rounded up to a multiple of ``to`` (default: the page size)."""
+    return -(-n // to) * to
+
+
+def row_stride_for(block_bytes: int) -> int:
+    """Bytes one CPU row takes in the shared region: the block rounded up to a page."""
+    return round_up(block_bytes)
+
+
+def rows_that_fit(cpu_bytes: int, block_bytes: int) -> int:
+    """CPU-tier rows of ``block_bytes`` (page-aligned) that ``cpu_bytes`` holds.
+
+    Raises :class:`ConfigError` naming the smallest useful size when not even one fits.
+    """
+    stride = row_stride_for(block_bytes)
+    rows = cpu_bytes // stride
+    if rows < 1:
+        raise ConfigError(
+            f"cpu_bytes={cpu_bytes} holds no block of {stride} bytes (one page-aligned row): "
+            f"raise cpu_bytes to at least {stride}"
+        )
+    return rows
+
+
+__all__ = ["PAGE_SIZE", "format_size", "parse_size", "round_up", "row_stride_for", "rows_that_fit"]

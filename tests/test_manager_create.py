@@ -1,0 +1,49 @@
+"""TieringManager.create: the CPU tier sized from bytes per block, with or without a KV geometry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier import ConfigError, KVGeometry, Namespace, TieringManager
+from kvtier.units import PAGE_SIZE
+
+
+def test_create_takes_bytes_per_block_for_a_namespace_without_geometry(tmp_path: Path, private_shm: Path) -> None:
+    ns = Namespace("engine-model", extra=(("engine", "test"), ("row_bytes", "5000")))
+    mgr = TieringManager.create(
+        namespace=ns, block_bytes=5000, cpu_bytes=10 * PAGE_SIZE * 2, shm_dir=private_shm,
+        tiers=[{"type": "fs", "root": str(tmp_path / "fs"), "scan_in_background": False}],
+    )  # fmt: skip
+    try:
+        assert mgr.block_bytes == 5000
+        assert mgr.rows.strides[0] == -(-5000 // PAGE_SIZE) * PAGE_SIZE
+        assert mgr.primary.num_blocks == (20 * PAGE_SIZE) // mgr.rows.strides[0]
+        assert mgr.tiers[0].context.block_bytes == 5000
+    finally:
+        mgr.shutdown()
+
+
+def test_block_bytes_overrides_the_geometry_and_bad_values_are_refused(private_shm: Path) -> None:
+    ns = Namespace("m", KVGeometry.from_block_bytes(8192))
+    mgr = TieringManager.create(namespace=ns, block_bytes=4096, num_cpu_blocks=2, shm_dir=private_shm)
+    try:
+        assert mgr.block_bytes == 4096
+    finally:
+        mgr.shutdown()
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="block_bytes must be a positive integer"):
+            TieringManager.create(namespace=ns, block_bytes=bad, num_cpu_blocks=2, shm_dir=private_shm)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="give block_bytes"):
+        TieringManager.create(namespace=Namespace("m", extra=(("a", "b"),)), num_cpu_blocks=2, shm_dir=private_shm)
+    with pytest.raises(ConfigError, match="holds no block of 8192 bytes"):
+        TieringManager.create(namespace=ns, cpu_bytes=4096, shm_dir=private_shm)
+
+
+def test_a_namespace_needs_a_geometry_or_an_engine_layout() -> None:
+    with pytest.raises(ConfigError, match="needs a KV geometry"):
+        Namespace("m")
+    a = Namespace("m", extra=(("row_bytes", "1"),))
+    b = Namespace("m", extra=(("row_bytes", "2"),))
+    assert a.digest != b.digest and a.canonical() == Namespace("m", extra=(("row_bytes", "1"),)).canonical()
