@@ -82,7 +82,9 @@ from kvtier.types import BlockEvent, LookupResult, RequestContext
 logger = logging.getLogger(__name__)
 
 _SCHEMES = ("redis", "rediss", "unix")
-# Bytes of values per pipelined round trip; bounds memory held by one batch.
+# Payload bytes of GET replies per pipelined round trip: bounds what the server buffers for
+# this client while the replies are read (16 blocks of 2 MiB). Stores need no bound: each SET
+# is applied as it arrives and its reply is 5 bytes, so a store job is one pipeline.
 _BATCH_BYTES = 32 * 1024 * 1024
 _EXISTS_BATCH = 512
 _CACHE_MAX_ENTRIES = 1 << 20
@@ -257,7 +259,7 @@ class RedisTier(SecondaryTier):
         self._ns_digest = context.namespace.digest
         self._key_prefix = f"{prefix}:{context.namespace.hexdigest}:".encode()
         self._px = b"%d" % max(1, round(ttl_seconds * 1000)) if ttl_seconds is not None else None
-        self._chunk = max(1, _BATCH_BYTES // self._value_bytes)
+        self._chunk = max(1, _BATCH_BYTES // self._block_bytes)
         # A check that has not answered in this long is treated as a MISS.
         self._check_deadline = socket_timeout + connect_timeout + 0.5
 
@@ -717,18 +719,17 @@ class RedisTier(SecondaryTier):
         stored: list[BlockKey] = []
         errors: list[str] = []
         started = time.perf_counter()
-        for base in range(0, len(keys), self._chunk):
-            chunk = keys[base : base + self._chunk]
-            rkeys = [self.redis_key(k) for k in chunk]
-            ok: list[bool] = [False] * len(chunk)
+        if keys:
+            rkeys = [self.redis_key(k) for k in keys]
+            ok: list[bool] = [False] * len(keys)
 
-            def send(out: list[Piece], i: int, chunk: list[BlockKey] = chunk, rkeys: list[bytes] = rkeys) -> None:
-                payload = rows[slot_of[chunk[i]], : self._block_bytes].data
-                header = encode_header(self._ns_digest, chunk[i], payload)
+            def send(out: list[Piece], i: int) -> None:
+                payload = rows[slot_of[keys[i]], : self._block_bytes].data
+                header = encode_header(self._ns_digest, keys[i], payload)
                 trailing = (b"PX", self._px) if self._px is not None else ()
                 pack_bulk_value(out, (b"SET", rkeys[i]), (header, payload), trailing)
 
-            def receive(reader: RespReader, i: int, ok: list[bool] = ok) -> None:
+            def receive(reader: RespReader, i: int) -> None:
                 reply = reader.read_reply()
                 if isinstance(reply, ErrorReply):
                     self._note_reply_error(reply)
@@ -740,9 +741,9 @@ class RedisTier(SecondaryTier):
                 self._pipeline(rkeys, send, receive)
             except Exception as exc:
                 errors.append(self._record_error(exc))
-                break
-            self._breaker.record_success()
-            stored.extend(k for k, good in zip(chunk, ok, strict=True) if good)
+            else:
+                self._breaker.record_success()
+                stored.extend(k for k, good in zip(keys, ok, strict=True) if good)
         seconds = time.perf_counter() - started
         now = time.monotonic()
         with self._lock:
