@@ -116,60 +116,46 @@ class Side:
 
     def per_piece(self, to_device: bool, dev_ids: np.ndarray, rows: np.ndarray) -> Callable[[], None]:
         """One copy call per (block, layer) piece on prebuilt views: kvtier's copy path before job plans."""
-        pairs = _pieces(self, dev_ids, rows)
-        if self.device == "cpu":
-
-            def run_host() -> None:
-                for dev, host in pairs:
-                    if to_device:
-                        np.copyto(dev, host)
-                    else:
-                        np.copyto(host, dev)
-
-            return run_host
-        import torch
-
-        def run_device() -> None:
-            for dev, host in pairs:
-                if to_device:
-                    dev.copy_(host, non_blocking=True)
-                else:
-                    host.copy_(dev, non_blocking=True)
-            torch.cuda.current_stream().synchronize()
-
-        return run_device
+        return self._runner([(d, h) if to_device else (h, d) for d, h in _pieces(self, dev_ids, rows)])
 
     def memcpy(self, to_device: bool, nbytes: int, rng: np.random.Generator) -> Callable[[], None]:
         """One contiguous copy of ``nbytes`` between random spots of the pool and the rows."""
         pool_at = int(rng.integers(0, self.pool_flat.shape[0] - nbytes + 1)) // 4096 * 4096
         host_at = int(rng.integers(0, self.num_rows - -(-nbytes // self.row_stride) + 1)) * self.row_stride
         dev = self.pool_flat[pool_at : pool_at + nbytes]
-        host = self.host_flat[host_at : host_at + nbytes]
+        host = self._host_view(self.host_flat[host_at : host_at + nbytes])
+        return self._runner([(dev, host) if to_device else (host, dev)])
+
+    def _host_view(self, host: np.ndarray) -> Any:
         if self.device == "cpu":
-            dst, src = (dev, host) if to_device else (host, dev)
-            return lambda: np.copyto(dst, src)
+            return host
         import torch
 
-        host_t = torch.from_numpy(host).view(torch.int8)
+        return torch.from_numpy(host).view(torch.int8)
 
-        def run() -> None:
-            if to_device:
-                dev.copy_(host_t, non_blocking=True)
-            else:
-                host_t.copy_(dev, non_blocking=True)
+    def _runner(self, pairs: list[tuple[Any, Any]]) -> Callable[[], None]:
+        """Copy every ``(dst, src)`` pair, one call each (``np.copyto``; on a GPU ``copy_``, then a sync)."""
+        if self.device == "cpu":
+
+            def run_host() -> None:
+                for dst, src in pairs:
+                    np.copyto(dst, src)
+
+            return run_host
+        import torch
+
+        def run_device() -> None:
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
             torch.cuda.current_stream().synchronize()
 
-        return run
+        return run_device
 
 
 def _pieces(side: Side, dev_ids: np.ndarray, rows: np.ndarray) -> list[tuple[Any, Any]]:
     """``(device piece, row piece)`` views of a job, built before timing."""
     piece = side.pool_tensors[0].shape[1]
-    host = side.rows
-    if side.device != "cpu":
-        import torch
-
-        host = torch.from_numpy(host).view(torch.int8)
+    host = side._host_view(side.rows)
     return [
         (t[int(b)], host[int(r), i * piece : (i + 1) * piece])
         for b, r in zip(dev_ids, rows, strict=True)

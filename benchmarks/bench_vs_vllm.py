@@ -96,12 +96,17 @@ def random_keys(n: int, rng: np.random.Generator) -> list[bytes]:
 
 
 class Side:
-    """One manager behind a common surface: fill, seed secondary tiers, and the timed operations."""
+    """One manager behind a common surface: its manager, request, tiers and lookup answers.
+
+    Subclasses set ``mgr``, ``req``, ``tiers`` (each with a ``chunks`` dict) and
+    ``answers`` (the manager's HIT, HIT_PENDING and MISS), and say how a step ends.
+    """
 
     name: str
-
-    def lookup_fn(self) -> Callable[[bytes], Any]:
-        raise NotImplementedError
+    mgr: Any
+    req: Any
+    tiers: list[Any]
+    answers: tuple[Any, Any, Any]
 
     def key(self, raw: bytes) -> bytes:
         return raw
@@ -109,24 +114,38 @@ class Side:
     def step_end(self) -> None:
         raise NotImplementedError
 
+    def lookup_fn(self) -> Callable[[bytes], Any]:
+        lookup, req = self.mgr.lookup, self.req
+        return lambda key: lookup(key, req)
+
     def store_batch(self, keys: Sequence[bytes]) -> int:
         """prepare_store + complete_store (cascading) + step end; returns blocks evicted."""
-        raise NotImplementedError
+        result = self.mgr.prepare_store(keys, self.req)
+        if result is None:
+            raise SystemExit(f"{self.name}: prepare_store refused although every block was evictable")
+        self.mgr.complete_store(result.keys_to_store, self.req)
+        self.step_end()
+        return len(result.evicted_keys)
 
     def seed_secondary(self, keys: Iterable[bytes]) -> None:
-        raise NotImplementedError
+        for key in keys:
+            for tier in self.tiers:
+                tier.chunks[key] = True
 
     def hit(self) -> Any:
-        raise NotImplementedError
+        return self.answers[0]
 
     def pending(self) -> Any:
-        raise NotImplementedError
+        return self.answers[1]
 
     def miss(self) -> Any:
-        raise NotImplementedError
+        return self.answers[2]
+
+    def drop_events(self) -> None:
+        self.mgr.take_events()
 
     def close(self) -> None:
-        raise NotImplementedError
+        self.mgr.shutdown()
 
 
 class KvtierSide(Side):
@@ -146,41 +165,10 @@ class KvtierSide(Side):
         self.req = RequestContext("bench")
         self.mgr.on_new_request(self.req)
         self.tiers = [t for t in self.mgr.tiers if isinstance(t, InMemoryTier)]
-
-    def lookup_fn(self) -> Callable[[bytes], Any]:
-        lookup, req = self.mgr.lookup, self.req
-        return lambda key: lookup(key, req)
+        self.answers = (LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS)
 
     def step_end(self) -> None:
         self.mgr.on_schedule_end()
-
-    def store_batch(self, keys: Sequence[bytes]) -> int:
-        result = self.mgr.prepare_store(keys, self.req)
-        if result is None:
-            raise SystemExit("kvtier: prepare_store refused although every block was evictable")
-        self.mgr.complete_store(result.keys_to_store, self.req)
-        self.mgr.on_schedule_end()
-        return len(result.evicted_keys)
-
-    def seed_secondary(self, keys: Iterable[bytes]) -> None:
-        for key in keys:
-            for tier in self.tiers:
-                tier.chunks[key] = True
-
-    def hit(self) -> Any:
-        return LookupResult.HIT
-
-    def pending(self) -> Any:
-        return LookupResult.HIT_PENDING
-
-    def miss(self) -> Any:
-        return LookupResult.MISS
-
-    def drop_events(self) -> None:
-        self.mgr.take_events()
-
-    def close(self) -> None:
-        self.mgr.shutdown()
 
 
 class VllmSide(Side):
@@ -193,7 +181,6 @@ class VllmSide(Side):
         from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
         from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager, TieringOffloadingManager
 
-        self._lookup_enum = VllmLookup
         self._make_key = make_offload_key
         self._context = ScheduleEndContext((), ())
         # vLLM's region lives in /dev/shm under its engine id; the barrier (a no-op for one
@@ -213,44 +200,13 @@ class VllmSide(Side):
         self.mgr = TieringOffloadingManager(primary, list(self.tiers))
         self.req = ReqContext("bench")
         self.mgr.on_new_request(self.req)
+        self.answers = (VllmLookup.HIT, VllmLookup.HIT_PENDING, VllmLookup.MISS)
 
     def key(self, raw: bytes) -> bytes:
         return bytes(self._make_key(raw, 0))
 
-    def lookup_fn(self) -> Callable[[bytes], Any]:
-        lookup, req = self.mgr.lookup, self.req
-        return lambda key: lookup(key, req)
-
     def step_end(self) -> None:
         self.mgr.on_schedule_end(self._context)
-
-    def store_batch(self, keys: Sequence[bytes]) -> int:
-        result = self.mgr.prepare_store(keys, self.req)
-        if result is None:
-            raise SystemExit("vLLM: prepare_store refused although every block was evictable")
-        self.mgr.complete_store(result.keys_to_store, self.req)
-        self.mgr.on_schedule_end(self._context)
-        return len(result.evicted_keys)
-
-    def seed_secondary(self, keys: Iterable[bytes]) -> None:
-        for key in keys:
-            for tier in self.tiers:
-                tier.chunks[key] = True
-
-    def hit(self) -> Any:
-        return self._lookup_enum.HIT
-
-    def pending(self) -> Any:
-        return self._lookup_enum.HIT_PENDING
-
-    def miss(self) -> Any:
-        return self._lookup_enum.MISS
-
-    def drop_events(self) -> None:
-        self.mgr.take_events()
-
-    def close(self) -> None:
-        self.mgr.shutdown()
 
 
 # --- the four operations, ns per block -------------------------------------------------------
@@ -279,7 +235,7 @@ def time_stores(side: Side, keys: Sequence[bytes], batch: int) -> float:
     ns = (time.perf_counter_ns() - t0) / len(keys)
     if evicted != len(keys):
         raise SystemExit(f"{side.name}: expected {len(keys)} evictions, got {evicted}")
-    side.drop_events()  # type: ignore[attr-defined]
+    side.drop_events()
     return ns
 
 
@@ -300,7 +256,7 @@ def time_promotions(side: Side, keys: Sequence[bytes], batch: int) -> float:
     ns = (time.perf_counter_ns() - t0) / len(keys)
     if bad:
         raise SystemExit(f"{side.name}: {bad} promotion lookups gave an unexpected answer")
-    side.drop_events()  # type: ignore[attr-defined]
+    side.drop_events()
     return ns
 
 
@@ -308,12 +264,12 @@ def fill(side: Side, keys: Sequence[bytes]) -> None:
     for start in range(0, len(keys), 4096):
         chunk = keys[start : start + 4096]
         # the tier is not full yet: nothing to evict
-        result = side.mgr.prepare_store(chunk, side.req)  # type: ignore[attr-defined]
+        result = side.mgr.prepare_store(chunk, side.req)
         if result is None:
             raise SystemExit(f"{side.name}: fill refused")
-        side.mgr.complete_store(result.keys_to_store, side.req)  # type: ignore[attr-defined]
+        side.mgr.complete_store(result.keys_to_store, side.req)
         side.step_end()
-    side.drop_events()  # type: ignore[attr-defined]
+    side.drop_events()
 
 
 OPERATIONS = ("lookup HIT", "lookup MISS", "store + cascade", "promotion round trip")

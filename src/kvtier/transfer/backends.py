@@ -56,83 +56,85 @@ def _strided(flat: np.ndarray, offset: int, count: int, size: int, step: int) ->
     return view
 
 
-def _copy_one(src: np.ndarray, smv: memoryview, dst: np.ndarray, dmv: memoryview, so: int, do: int, n: int) -> None:
-    if n < _HOLD_GIL_BYTES:
-        dmv[do : do + n] = smv[so : so + n]
-    else:
-        np.copyto(dst[do : do + n], src[so : so + n], casting="no")
+class _HostSpaces:
+    """The arrays of a batch's allocations and memoryviews of them, released by :meth:`release`."""
 
+    def __init__(self, batch: CopyBatch) -> None:
+        self.srcs: list[np.ndarray] = [space.view for space in batch.src_spaces]
+        self.dsts: list[np.ndarray] = [space.view for space in batch.dst_spaces]
+        self.smvs = [a.data for a in self.srcs]
+        self.dmvs = [a.data for a in self.dsts]
 
-def _copy_entries(batch: CopyBatch, srcs: list[np.ndarray], dsts: list[np.ndarray]) -> None:
-    """One call per entry, joining entries that continue each other on both sides."""
-    smvs = [a.data for a in srcs]
-    dmvs = [a.data for a in dsts]
-    try:
-        pending: list[int] = []  # si, di, so, do, n of the copy being extended
-        for entry in zip(
-            batch.src_index.tolist(),
-            batch.dst_index.tolist(),
-            batch.src_offsets.tolist(),
-            batch.dst_offsets.tolist(),
-            batch.sizes.tolist(),
-            strict=True,
-        ):
-            if (
-                pending
-                and entry[0] == pending[0]
-                and entry[1] == pending[1]
-                and entry[2] == pending[2] + pending[4]
-                and entry[3] == pending[3] + pending[4]
-            ):
-                pending[4] += entry[4]
-                continue
-            if pending:
-                si, di, so, do, n = pending
-                _copy_one(srcs[si], smvs[si], dsts[di], dmvs[di], so, do, n)
-            pending = list(entry)
-        if pending:
-            si, di, so, do, n = pending
-            _copy_one(srcs[si], smvs[si], dsts[di], dmvs[di], so, do, n)
-    finally:
-        for view in (*smvs, *dmvs):
+    def copy(self, si: int, di: int, so: int, do: int, n: int) -> None:
+        """``n`` contiguous bytes: under the GIL when small, else with ``np.copyto`` (which releases it)."""
+        if n < _HOLD_GIL_BYTES:
+            self.dmvs[di][do : do + n] = self.smvs[si][so : so + n]
+        else:
+            np.copyto(self.dsts[di][do : do + n], self.srcs[si][so : so + n], casting="no")
+
+    def release(self) -> None:
+        for view in (*self.smvs, *self.dmvs):
             view.release()
 
 
-def _copy_runs(batch: CopyBatch, srcs: list[np.ndarray], dsts: list[np.ndarray]) -> None:
+def _copy_entries(batch: CopyBatch, spaces: _HostSpaces) -> None:
+    """One call per entry, joining entries that continue each other on both sides."""
+    pending: list[int] = []  # si, di, so, do, n of the copy being extended
+    for entry in zip(
+        batch.src_index.tolist(),
+        batch.dst_index.tolist(),
+        batch.src_offsets.tolist(),
+        batch.dst_offsets.tolist(),
+        batch.sizes.tolist(),
+        strict=True,
+    ):
+        if (
+            pending
+            and entry[0] == pending[0]
+            and entry[1] == pending[1]
+            and entry[2] == pending[2] + pending[4]
+            and entry[3] == pending[3] + pending[4]
+        ):
+            pending[4] += entry[4]
+            continue
+        if pending:
+            spaces.copy(*pending)
+        pending = list(entry)
+    if pending:
+        spaces.copy(*pending)
+
+
+def _copy_runs(batch: CopyBatch, spaces: _HostSpaces) -> None:
     """One call per strided run (see :meth:`CopyBatch.runs`)."""
     runs = batch.runs()
-    smvs = [a.data for a in srcs]
-    dmvs = [a.data for a in dsts]
-    try:
-        for si, di, so, do, size, count, ss, ds in zip(
-            runs.src_index.tolist(),
-            runs.dst_index.tolist(),
-            runs.src_offsets.tolist(),
-            runs.dst_offsets.tolist(),
-            runs.sizes.tolist(),
-            runs.counts.tolist(),
-            runs.src_steps.tolist(),
-            runs.dst_steps.tolist(),
-            strict=True,
-        ):
-            if count == 1 or (ss == size and ds == size):
-                _copy_one(srcs[si], smvs[si], dsts[di], dmvs[di], so, do, size * count)
-            else:
-                src, dst = srcs[si], dsts[di]
-                np.copyto(_strided(dst, do, count, size, ds), _strided(src, so, count, size, ss), casting="no")
-    finally:
-        for view in (*smvs, *dmvs):
-            view.release()
+    for si, di, so, do, size, count, ss, ds in zip(
+        runs.src_index.tolist(),
+        runs.dst_index.tolist(),
+        runs.src_offsets.tolist(),
+        runs.dst_offsets.tolist(),
+        runs.sizes.tolist(),
+        runs.counts.tolist(),
+        runs.src_steps.tolist(),
+        runs.dst_steps.tolist(),
+        strict=True,
+    ):
+        if count == 1 or (ss == size and ds == size):
+            spaces.copy(si, di, so, do, size * count)
+        else:
+            src, dst = spaces.srcs[si], spaces.dsts[di]
+            np.copyto(_strided(dst, do, count, size, ds), _strided(src, so, count, size, ss), casting="no")
 
 
 def copy_host_batch(batch: CopyBatch) -> None:
     """Copy every entry of a host-to-host batch on the calling thread (see the module docstring)."""
-    srcs: list[np.ndarray] = [space.view for space in batch.src_spaces]
-    dsts: list[np.ndarray] = [space.view for space in batch.dst_spaces]
-    if batch.sizes.size < _RUN_SEARCH_ENTRIES:
-        _copy_entries(batch, srcs, dsts)
-    else:
-        _copy_runs(batch, srcs, dsts)
+    spaces = _HostSpaces(batch)
+    try:
+        if batch.sizes.size < _RUN_SEARCH_ENTRIES:
+            _copy_entries(batch, spaces)
+        else:
+            _copy_runs(batch, spaces)
+    finally:
+        spaces.release()
 
 
 class HostCopyBackend:
