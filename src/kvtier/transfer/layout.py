@@ -15,7 +15,7 @@ thread); nothing here blocks.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -59,6 +59,11 @@ class BlockPieces:
     sizes: np.ndarray
     num_blocks: int
     blocks_per_row: int = 1
+    _single: tuple[int, int] = field(default=(0, 0), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # The single-piece geometry as Python ints, for the per-job fast path of piece_offsets.
+        object.__setattr__(self, "_single", (int(self.strides[0]), int(self.offsets[0])) if self.sizes.size else (0, 0))
 
     @property
     def num_pieces(self) -> int:
@@ -152,11 +157,13 @@ class BlockPieces:
         )
 
     def piece_offsets(self, block_ids: np.ndarray) -> np.ndarray:
-        """``(len(block_ids), num_pieces)`` byte offsets of every piece of every block."""
+        """``(len(block_ids), num_pieces)`` byte offsets of every piece of every block (C order)."""
         k = self.blocks_per_row
         out: np.ndarray
         if k == 1 and self.offsets.size == 1:  # one piece: scalar arithmetic is cheaper than broadcasting
-            out = (block_ids * int(self.strides[0]) + int(self.offsets[0]))[:, None]
+            stride, offset = self._single
+            out = block_ids * stride
+            out += offset
             return out
         ids = block_ids[:, None]
         if k == 1:
@@ -206,6 +213,9 @@ class BlockMapping:
         self.src = src
         self.dst = dst
         self.block_bytes = int(src.sizes.sum())
+        # Per-entry space indexes and sizes repeat block after block: kept for the largest job so far,
+        # and sliced per job (batches never write to their arrays).
+        self._columns: tuple[np.ndarray, ...] = (np.zeros(0, _INT64),) * 3
 
     def batch(self, src_ids: Any, dst_ids: Any) -> CopyBatch | None:
         """The batch copying block ``src_ids[j]`` to block ``dst_ids[j]`` for every ``j`` (None if empty).
@@ -219,17 +229,21 @@ class BlockMapping:
             raise KvtierError(f"{s_ids.size} source blocks but {d_ids.size} destination blocks")
         if not s_ids.size:
             return None
-        n, pieces = s_ids.size, self.src.num_pieces
+        entries = s_ids.size * self.src.num_pieces
+        if self._columns[0].size < entries:
+            blocks = max(entries, 2 * self._columns[0].size) // self.src.num_pieces + 1
+            self._columns = tuple(np.tile(a, blocks) for a in (self.src.space_of, self.dst.space_of, self.src.sizes))
+        src_index, dst_index, sizes = (a[:entries] for a in self._columns)
         # Ids were checked against layouts whose pieces were checked against their
         # allocations, so every entry is in bounds: the batch skips CopyBatch.create's checks.
         return CopyBatch(
             self.src.spaces,
             self.dst.spaces,
-            _per_block(self.src.space_of, n),
-            _per_block(self.dst.space_of, n),
+            src_index,
+            dst_index,
             self.src.piece_offsets(s_ids).reshape(-1),
             self.dst.piece_offsets(d_ids).reshape(-1),
-            _per_block(self.src.sizes, n) if pieces > 1 else np.full(n, int(self.src.sizes[0]), _INT64),
+            sizes,
         )
 
     def plan(self, src_ids: Any, dst_ids: Any) -> CopyPlan:
@@ -238,10 +252,3 @@ class BlockMapping:
         if batch is None:
             return CopyPlan((), 0)
         return CopyPlan((batch,), batch.sizes.size // self.src.num_pieces * self.block_bytes)
-
-
-def _per_block(per_piece: np.ndarray, n: int) -> np.ndarray:
-    """``per_piece`` repeated for ``n`` blocks, block by block."""
-    if per_piece.size == 1:
-        return np.full(n, int(per_piece[0]), _INT64)
-    return np.tile(per_piece, n)

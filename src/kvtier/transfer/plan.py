@@ -299,7 +299,11 @@ class CopyBatch:
         batch = self.merged()
         src_base = np.asarray([s.address for s in self.src_spaces], _INT64)
         dst_base = np.asarray([s.address for s in self.dst_spaces], _INT64)
-        return batch.src_offsets + src_base[batch.src_index], batch.dst_offsets + dst_base[batch.dst_index], batch.sizes
+        return (
+            batch.src_offsets + src_base[batch.src_index],
+            batch.dst_offsets + dst_base[batch.dst_index],
+            batch.sizes.copy(),
+        )
 
 
 @dataclass(frozen=True, eq=False)
