@@ -13,7 +13,7 @@ from kvtier.tiers.redis_protocol import (
     Piece,
     RespProtocolError,
     RespReader,
-    pack_bulk_value,
+    SetEncoder,
     pack_command,
     send_pieces,
 )
@@ -46,12 +46,16 @@ def test_pack_command_and_bulk_value_are_valid_resp() -> None:
     pack_command(out, b"GET", b"k1")
     assert b"".join(bytes(p) for p in out) == b"*2\r\n$3\r\nGET\r\n$2\r\nk1\r\n"
     payload = memoryview(bytes(range(256)) * 100)  # large: must be passed through, not copied
-    out = []
-    pack_bulk_value(out, (b"SET", b"key"), (b"HEAD", payload), (b"PX", b"1000"))
-    assert any(p is payload for p in out)
-    wire = b"".join(bytes(p) for p in out)
     value = b"HEAD" + bytes(payload)
-    assert wire == (b"*5\r\n$3\r\nSET\r\n$3\r\nkey\r\n$%d\r\n%s\r\n$2\r\nPX\r\n$4\r\n1000\r\n" % (len(value), value))
+    for px, tail in ((b"1000", b"$2\r\nPX\r\n$4\r\n1000\r\n"), (None, b"")):
+        out = []
+        SetEncoder(len(value), px).pack(out, b"key", b"HEAD", payload)
+        assert any(p is payload for p in out)
+        wire = b"".join(bytes(p) for p in out)
+        argc = 5 if px else 3
+        assert wire == b"*%d\r\n$3\r\nSET\r\n$3\r\nkey\r\n$%d\r\n%s\r\n%s" % (argc, len(value), value, tail)
+    with pytest.raises(ValueError, match="this encoder packs"):
+        SetEncoder(len(value) + 1).pack([], b"key", b"HEAD", payload)
 
 
 def test_reader_parses_scalar_replies_across_partial_reads(pair: tuple[socket.socket, socket.socket]) -> None:

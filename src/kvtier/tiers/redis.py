@@ -73,7 +73,7 @@ from kvtier.tiers.redis_protocol import (
     ErrorReply,
     Piece,
     RespReader,
-    pack_bulk_value,
+    SetEncoder,
     pack_command,
     send_pieces,
 )
@@ -259,6 +259,7 @@ class RedisTier(SecondaryTier):
         self._ns_digest = context.namespace.digest
         self._key_prefix = f"{prefix}:{context.namespace.hexdigest}:".encode()
         self._px = b"%d" % max(1, round(ttl_seconds * 1000)) if ttl_seconds is not None else None
+        self._set_encoder = SetEncoder(self._value_bytes, self._px)
         self._chunk = max(1, _BATCH_BYTES // self._block_bytes)
         # A check that has not answered in this long is treated as a MISS.
         self._check_deadline = socket_timeout + connect_timeout + 0.5
@@ -723,11 +724,11 @@ class RedisTier(SecondaryTier):
             rkeys = [self.redis_key(k) for k in keys]
             ok: list[bool] = [False] * len(keys)
 
+            encoder, block_bytes, ns_digest = self._set_encoder, self._block_bytes, self._ns_digest
+
             def send(out: list[Piece], i: int) -> None:
-                payload = rows[slot_of[keys[i]], : self._block_bytes].data
-                header = encode_header(self._ns_digest, keys[i], payload)
-                trailing = (b"PX", self._px) if self._px is not None else ()
-                pack_bulk_value(out, (b"SET", rkeys[i]), (header, payload), trailing)
+                payload = rows[slot_of[keys[i]], :block_bytes].data
+                encoder.pack(out, rkeys[i], encode_header(ns_digest, keys[i], payload), payload)
 
             def receive(reader: RespReader, i: int) -> None:
                 reply = reader.read_reply()

@@ -27,7 +27,6 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 _CRLF = b"\r\n"
@@ -73,32 +72,28 @@ def pack_command(out: list[Piece], *args: bytes | memoryview) -> None:
     out.append(b"".join(parts))
 
 
-def pack_bulk_value(
-    out: list[Piece], command: Sequence[bytes], value: Sequence[Piece], trailing: Sequence[bytes] = ()
-) -> None:
-    """Append ``command... <value> trailing...`` where ``value`` is one bulk string given in pieces.
+class SetEncoder:
+    """RESP of ``SET <key> <header + payload> [PX <ms>]`` for values of one fixed length.
 
-    Used for ``SET key <header + payload> [PX ms]`` without joining header and
-    payload into one buffer.
+    The store path's per-value encoding: the parts that never change (argument
+    count, value length, the ``PX`` tail) are built once, so a value costs one
+    small ``bytes`` formatting and three list appends; the payload (a
+    memoryview of a CPU row) is appended as-is, never copied.
     """
-    total = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in value)
-    head: list[bytes] = [b"*%d\r\n" % (len(command) + 1 + len(trailing))]
-    for arg in command:
-        head.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
-    head.append(b"$%d\r\n" % total)
-    small = b"".join(head)
-    for piece in value:
-        n = piece.nbytes if isinstance(piece, memoryview) else len(piece)
-        if n > _JOIN_LIMIT:
-            out.append(small)
-            out.append(piece)
-            small = b""
-        else:
-            small += bytes(piece)
-    tail = [small, _CRLF]
-    for arg in trailing:
-        tail.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
-    out.append(b"".join(tail))
+
+    def __init__(self, value_len: int, px: bytes | None = None) -> None:
+        self.value_len = value_len
+        self._head = b"*%d\r\n$3\r\nSET\r\n" % (5 if px is not None else 3)
+        self._value_head = b"$%d\r\n" % value_len
+        self._tail = _CRLF if px is None else b"\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(px), px)
+
+    def pack(self, out: list[Piece], key: bytes, header: bytes, payload: memoryview) -> None:
+        """Append the command for ``key`` = ``header + payload``; raises ValueError on another length."""
+        if len(header) + payload.nbytes != self.value_len:
+            raise ValueError(f"value of {len(header) + payload.nbytes} bytes, this encoder packs {self.value_len}")
+        out.append(b"%s$%d\r\n%s\r\n%s%s" % (self._head, len(key), key, self._value_head, header))
+        out.append(payload)
+        out.append(self._tail)
 
 
 def coalesce(pieces: list[Piece]) -> list[Piece]:
