@@ -302,3 +302,29 @@ def test_docs_configuration_md_is_in_step_with_the_schema() -> None:
     )
     for name in KvtierConfig.model_fields:
         assert f"`{name}`" in expected
+
+
+def test_sources_name_where_each_value_came_from(tmp_path: Path) -> None:
+    path = write(tmp_path, "kv.yaml", "policy: arc\nmodel: tiny\ngeometry:\n  tokens_per_block: 32\n")
+    config = load_config(
+        path,
+        env={"KVTIER_SHM_DIR": str(tmp_path)},
+        cli={"cpu_bytes": "8MiB", "geometry": '{"dtype": "float16"}'},
+        defaults={"model": "qwen2.5-0.5b", "region_name": "r"},
+        defaults_source="my defaults",
+    )
+    assert config.sources == {
+        "cpu_bytes": "CLI flag --cpu-bytes",
+        "num_cpu_blocks": "default",
+        "policy": f"file {path}",
+        "model": f"file {path}",
+        "model_revision": "default",
+        "geometry": "CLI flag --geometry",  # merged key by key; the last source that touched it
+        "shm_dir": "environment variable KVTIER_SHM_DIR",
+        "region_name": "my defaults",
+        "tiers": "default",
+    }
+    assert config.kv_geometry().tokens_per_block == 32 and config.kv_geometry().dtype == "float16"
+    engine = load_config(env={}, cli={"policy": "arc"}, cli_source="extra_config")
+    assert engine.sources["policy"] == "extra_config['policy']"
+    assert engine.model_copy().sources == engine.sources

@@ -3,15 +3,21 @@
 Subcommands:
 
 * ``kvtier bench``: a multi-turn chat workload through the whole stack with real
-  bytes (CPU tier in /dev/shm + an fs tier in a temp dir by default).
+  bytes (CPU tier in /dev/shm + an fs tier in a lock-held temp dir by default).
 * ``kvtier replay TRACE.jsonl``: metadata-only replay of a Mooncake trace through
   the real manager, hit rate against capacity with unbounded and Belady references.
-* ``kvtier sweep-shm [--remove]``: stale kvtier regions of dead processes.
+* ``kvtier sweep [--remove]``: everything dead kvtier processes left (stale
+  regions, bench temp dirs); ``kvtier sweep-shm`` the regions only.
 * ``kvtier inspect DIR [--verify]``: summary of an fs tier directory.
 * ``kvtier config show|reference|schema``: the resolved configuration and its sizes.
 
-Exit status: 0 success; 1 the command ran and found a problem (bench errors,
-corrupt entries); 2 bad usage or configuration (the message names the fix).
+Settings resolve as default < ``--config FILE`` < ``KVTIER_*`` environment <
+flags for every command that reads them. Inputs are checked before any work
+(numbers at parse time, output paths and optional dependencies before a run).
+
+Exit status, for every command: 0 success; 1 the command ran and found a problem
+(wrong bytes loaded, a failed copy or tier job, corrupt entries); 2 bad usage,
+configuration or environment (the message names the input and the fix).
 """
 
 from __future__ import annotations
@@ -19,9 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from kvtier.config import (
@@ -48,6 +56,50 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _positive_size(text: str) -> int:
+    size = _size(text)
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be positive, e.g. '256MiB'")
+    return size
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low``, refused at parse time (exit 2) otherwise."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _float_at_least(low: float) -> Callable[[str], float]:
+    """An argparse type: a finite number >= ``low``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < low:
+            raise argparse.ArgumentTypeError(f"must be a finite number of at least {low:g}, got {text}")
+        return value
+
+    return parse
+
+
+def _port(text: str) -> int:
+    value = _int_at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535] (0 = any free port), got {value}")
+    return value
+
+
 def _capacities(text: str) -> list[int]:
     try:
         values = [int(parse_size(part)) for part in text.split(",") if part.strip()]
@@ -58,10 +110,41 @@ def _capacities(text: str) -> list[int]:
     return values
 
 
+def check_output_file(path: str, flag: str) -> None:
+    """Refuse, before any work, an output path whose directory is missing or unwritable (exit 2)."""
+    target = Path(path)
+    if target.is_dir():
+        raise ConfigError(f"{flag} {path!r} is a directory: give a file name")
+    parent = target.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {path!r}: directory {str(parent)!r} does not exist: create it or pick another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path!r}: directory {str(parent)!r} is not writable: pick another path")
+
+
+def check_plot_file(path: str) -> None:
+    """Refuse ``--plot`` before the run when matplotlib is missing or the file type is not one it writes."""
+    check_output_file(path, "--plot")
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib, which is not installed: pip install 'kvtier[plot]'") from None
+    kinds = sorted(FigureCanvasBase.get_supported_filetypes())
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in kinds:
+        what = repr(suffix) if suffix else "a file without a suffix"
+        raise ConfigError(f"--plot {path!r}: matplotlib cannot write {what}: use a suffix from {kinds}")
+
+
 def _stderr_console() -> Any:
     from rich.console import Console
 
     return Console(stderr=True)
+
+
+def _say(console: Any, text: str) -> None:
+    """One line to ``console`` as is: no markup, no highlighting, no hard wrapping."""
+    console.print(text, soft_wrap=True, highlight=False, markup=False)
 
 
 # --------------------------------------------------------------------------- bench
@@ -76,71 +159,87 @@ def _add_bench(sub: Any) -> None:
         description=(
             "Run a deterministic multi-turn chat workload through kvtier: a simulated device KV pool, "
             "the CPU tier in /dev/shm and an fs tier (temp dir unless --fs-root), moving and verifying "
-            "real bytes. Prints hit rates per tier, bandwidth, scheduler-side latency and prefill saved."
+            "real bytes. Prints hit rates per tier, bandwidth, scheduler-side latency and prefill saved. "
+            "Settings resolve as bench defaults < --config file < KVTIER_* environment < flags. "
+            "Exit status: 0 success, 1 a loaded block had wrong bytes or a copy/tier job failed, "
+            "2 bad usage, configuration or environment."
         ),
     )
+    positive, non_negative = _int_at_least(1), _int_at_least(0)
     w = p.add_argument_group("workload")
-    w.add_argument("--sessions", type=int, default=48, help="chat sessions (default 48)")
-    w.add_argument("--min-turns", type=int, default=2, help="turns per session, lower bound (default 2)")
-    w.add_argument("--max-turns", type=int, default=6, help="turns per session, upper bound (default 6)")
-    w.add_argument("--shared-prompts", type=int, default=4, help="shared system prompts (default 4)")
-    w.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    w.add_argument("--batch-size", type=int, default=4, help="requests admitted per engine step (default 4)")
+    w.add_argument("--sessions", type=positive, metavar="N", default=48, help="chat sessions (default 48)")
+    w.add_argument("--min-turns", type=positive, metavar="N", default=2,
+                   help="turns per session, lower bound (default 2)")  # fmt: skip
+    w.add_argument("--max-turns", type=positive, metavar="N", default=6,
+                   help="turns per session, upper bound (default 6)")  # fmt: skip
+    w.add_argument("--shared-prompts", type=non_negative, metavar="N", default=4,
+                   help="shared system prompts (default 4)")  # fmt: skip
+    w.add_argument("--seed", type=non_negative, metavar="N", default=0, help="workload seed (default 0)")
+    w.add_argument("--batch-size", type=positive, metavar="N", default=4,
+                   help="requests admitted per engine step (default 4)")  # fmt: skip
     w.add_argument(
-        "--prefill-tokens-per-s",
-        type=float,
-        default=25_000.0,
+        "--prefill-tokens-per-s", type=_float_at_least(0.0), metavar="TOKENS", default=25_000.0,
         help="simulated device prefill speed; 0 = instantaneous (default 25000)",
-    )
+    )  # fmt: skip
     s = p.add_argument_group("sizes and tiers")
     s.add_argument(
         "--config", metavar="FILE", default=None,
-        help="bench this kvtier config (YAML/TOML/JSON, plus KVTIER_* env): its CPU size, policy, model, "
-        "geometry and tiers; the flags below override it, --fs-root/--redis add tiers",
+        help="bench this kvtier config (YAML/TOML/JSON): its CPU size, policy, model, geometry and tiers; "
+        "KVTIER_* environment variables and the flags below override it; --fs-root/--redis add tiers",
     )  # fmt: skip
-    s.add_argument("--model", default=None, help=f"model preset (default {DEFAULT_BENCH_MODEL})")
-    s.add_argument("--tokens-per-block", type=int, default=None, help="tokens per KV block (default 16)")
+    s.add_argument("--model", metavar="PRESET", default=None, help=f"model preset (default {DEFAULT_BENCH_MODEL})")
+    s.add_argument("--tokens-per-block", type=positive, metavar="N", default=None,
+                   help="tokens per KV block (default 16)")  # fmt: skip
     s.add_argument(
-        "--cpu-bytes", type=_size, default=None,
+        "--cpu-bytes", type=_positive_size, metavar="SIZE", default=None,
         help=f"CPU tier size (default {format_size(DEFAULT_BENCH_CPU_BYTES)})",
     )  # fmt: skip
-    s.add_argument("--device-blocks", type=int, default=512, help="simulated device pool, blocks (default 512)")
-    s.add_argument("--policy", default=None, help="CPU tier eviction policy (default lru)")
-    s.add_argument("--shm-dir", default=None, help="directory of the CPU region (default /dev/shm)")
+    s.add_argument("--device-blocks", type=positive, metavar="N", default=512,
+                   help="simulated device pool, blocks (default 512)")  # fmt: skip
+    s.add_argument("--policy", metavar="NAME", default=None, help="CPU tier eviction policy (default lru)")
+    s.add_argument("--shm-dir", metavar="DIR", default=None, help="directory of the CPU region (default /dev/shm)")
     s.add_argument(
-        "--fs-root", default=None,
-        help="fs tier directory (kept); default: a temp dir, removed after (none with --config)",
+        "--fs-root", metavar="DIR", default=None,
+        help="fs tier directory (kept); default: a lock-held temp dir, removed after (none if the config has tiers)",
     )  # fmt: skip
     s.add_argument(
-        "--fs-bytes", type=_size, default=DEFAULT_BENCH_FS_BYTES,
+        "--fs-bytes", type=_positive_size, metavar="SIZE", default=DEFAULT_BENCH_FS_BYTES,
         help=f"fs tier capacity (default {format_size(DEFAULT_BENCH_FS_BYTES)})",
     )  # fmt: skip
-    s.add_argument("--no-fs", action="store_true", help="run without the fs tier")
+    s.add_argument("--no-fs", action="store_true", help="run without the bench's fs tier")
     s.add_argument("--redis", metavar="URL", default=None, help="add a redis tier, e.g. redis://127.0.0.1:6379/0")
+    s.add_argument(
+        "--strict", action="store_true",
+        help="a configured tier that is unreachable (circuit breaker open) is an error (exit 2)",
+    )  # fmt: skip
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="FILE", default=None, help="write the full result as JSON")
     o.add_argument("--plot", metavar="FILE.png", default=None, help="plot hit rate over time and bytes per tier")
-    o.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics while running")
-    o.add_argument("--metrics-addr", default="127.0.0.1", help="address for --metrics-port (default 127.0.0.1)")
-    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--metrics-port", type=_port, metavar="PORT", default=None,
+                   help="serve Prometheus metrics while running")  # fmt: skip
+    o.add_argument("--metrics-addr", metavar="ADDR", default="127.0.0.1",
+                   help="address for --metrics-port (default 127.0.0.1)")  # fmt: skip
+    o.add_argument("--no-progress", action="store_true", help="no progress bar (none is shown when not on a terminal)")
     p.set_defaults(func=_cmd_bench)
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def _bench_config(args: argparse.Namespace) -> KvtierConfig:
+    """The bench's configuration: bench defaults < --config file < KVTIER_* environment < flags."""
+    from kvtier.workload.bench import BENCH_DEFAULTS
 
-    from kvtier.metrics import KvtierMetrics
-    from kvtier.workload.bench import (
-        DEFAULT_BENCH_CPU_BYTES,
-        DEFAULT_BENCH_MODEL,
-        BenchOptions,
-        describe_options,
-        run_bench,
-    )
+    flags: dict[str, Any] = {
+        "cpu_bytes": args.cpu_bytes, "policy": args.policy, "model": args.model, "shm_dir": args.shm_dir,
+        "geometry": None if args.tokens_per_block is None else {"tokens_per_block": args.tokens_per_block},
+    }  # fmt: skip
+    return load_config(args.config, cli=flags, defaults=BENCH_DEFAULTS, defaults_source="kvtier bench default")
+
+
+def _bench_options(args: argparse.Namespace, config: KvtierConfig) -> Any:
+    from kvtier.workload.bench import BenchOptions
     from kvtier.workload.chat import ChatWorkloadSpec
-    from kvtier.workload.report import plot_bench, print_bench, write_json
 
+    if args.min_turns > args.max_turns:
+        raise ConfigError(f"--min-turns {args.min_turns} is above --max-turns {args.max_turns}: lower or raise one")
     workload = ChatWorkloadSpec(
         sessions=args.sessions,
         min_turns=args.min_turns,
@@ -148,61 +247,83 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         shared_system_prompts=args.shared_prompts,
         seed=args.seed,
     )
-    base = None
-    if args.config is not None:
-        overrides: dict[str, Any] = {
-            "cpu_bytes": args.cpu_bytes, "policy": args.policy, "model": args.model, "shm_dir": args.shm_dir,
-        }  # fmt: skip
-        if args.tokens_per_block is not None:
-            overrides["geometry"] = {"tokens_per_block": args.tokens_per_block}
-        base = load_config(args.config, cli=overrides)
-    options = BenchOptions(
+    own_tiers = config.sources["tiers"] != "default"
+    return BenchOptions(
         workload=workload,
-        model=args.model or DEFAULT_BENCH_MODEL,
-        tokens_per_block=args.tokens_per_block or 16,
-        cpu_bytes=args.cpu_bytes or DEFAULT_BENCH_CPU_BYTES,
         device_blocks=args.device_blocks,
-        policy=args.policy or "lru",
-        fs=not args.no_fs and (base is None or args.fs_root is not None),
+        fs=not args.no_fs and (args.fs_root is not None or not own_tiers),
         fs_root=args.fs_root,
         fs_bytes=args.fs_bytes,
         redis_url=args.redis,
         batch_size=args.batch_size,
-        shm_dir=args.shm_dir or "/dev/shm",
         prefill_tokens_per_s=args.prefill_tokens_per_s,
-        base_config=base,
+        base_config=config,
+        strict=args.strict,
     )
+
+
+def _run_bench_showing_progress(options: Any, metrics: Any, err: Any, show: bool) -> Any:
+    """Run the bench; a rich progress bar on stderr when ``show`` (a terminal), tier events as lines."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvtier.workload.bench import run_bench
+
+    def notify(line: str) -> None:
+        _say(err, f"kvtier bench: {line}")
+
+    if not show:
+        return run_bench(options, metrics=metrics, notify=notify)
+    columns = (TextColumn("requests"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task("bench", total=None)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        return run_bench(options, progress=progress, metrics=metrics, notify=notify)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from kvtier.metrics import KvtierMetrics
+    from kvtier.workload.bench import describe_options
+    from kvtier.workload.report import plot_bench, print_bench, write_json
+
+    if args.json:
+        check_output_file(args.json, "--json")
+    if args.plot:
+        check_plot_file(args.plot)
+    config = _bench_config(args)
+    options = _bench_options(args, config)
+    options.config(options.fs_root)  # the tiers the bench adds (--redis ...) are checked before anything runs
     err = _stderr_console()
-    err.print(f"kvtier bench: {describe_options(options)}")
+    _say(err, f"kvtier bench: {describe_options(options)}")
+    chosen = [f"{name} ({source})" for name, source in config.sources.items() if "default" not in source]
+    if chosen:
+        _say(err, "kvtier bench: settings from " + ", ".join(chosen))
     metrics: KvtierMetrics | None = None
     if args.metrics_port is not None:
         metrics = KvtierMetrics()
-        port = metrics.serve(args.metrics_port, args.metrics_addr)
-        err.print(f"serving Prometheus metrics on http://{args.metrics_addr}:{port}/metrics")
+        try:
+            port = metrics.serve(args.metrics_port, args.metrics_addr)
+        except OSError as exc:
+            raise ConfigError(
+                f"--metrics-port {args.metrics_port}: cannot listen on {args.metrics_addr}: {exc.strerror or exc}"
+            ) from None
+        _say(err, f"serving Prometheus metrics on http://{args.metrics_addr}:{port}/metrics")
     try:
-        if args.no_progress:
-            result = run_bench(options, metrics=metrics)
-        else:
-            with Progress(
-                TextColumn("requests"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                console=err, transient=True,
-            ) as bar:  # fmt: skip
-                task = bar.add_task("bench", total=None)
-
-                def progress(done: int, total: int) -> None:
-                    bar.update(task, completed=done, total=total)
-
-                result = run_bench(options, progress=progress, metrics=metrics)
+        result = _run_bench_showing_progress(options, metrics, err, show=not args.no_progress and err.is_terminal)
     finally:
         if metrics is not None:
             metrics.close()
-    print_bench(result, Console(width=max(100, Console().width)))
+    print_bench(result, Console())
     if args.json:
         write_json(args.json, result.to_dict())
-        err.print(f"wrote {args.json}")
+        _say(err, f"wrote {args.json}")
     if args.plot:
         plot_bench(result, args.plot)
-        err.print(f"wrote {args.plot}")
+        _say(err, f"wrote {args.plot}")
     return 1 if result.errors else 0
 
 
@@ -224,14 +345,14 @@ def _add_replay(sub: Any) -> None:
         "--capacity", type=_capacities, default=_capacities(DEFAULT_CAPACITIES),
         help=f"CPU tier sizes in blocks, comma separated (default {DEFAULT_CAPACITIES})",
     )  # fmt: skip
-    p.add_argument("--policy", default="lru", help="eviction policy (default lru)")
-    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--policy", default=None, help="eviction policy (default: KVTIER_POLICY, else lru)")
+    p.add_argument("--limit", type=_int_at_least(1), default=None, help="replay only the first N requests")
     p.add_argument("--no-belady", action="store_true", help="skip the Belady reference")
     p.add_argument(
         "--fs-root", default=None,
         help="also cascade to an fs tier in this directory (real bytes of small blocks); per-tier hit rates",
     )  # fmt: skip
-    p.add_argument("--shm-dir", default="/dev/shm", help="directory of the CPU region (default /dev/shm)")
+    p.add_argument("--shm-dir", default=None, help="directory of the CPU region (default: KVTIER_SHM_DIR, /dev/shm)")
     p.add_argument("--json", metavar="FILE", default=None, help="write the sweep as JSON")
     p.set_defaults(func=_cmd_replay)
 
@@ -244,6 +365,10 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     from kvtier.workload.simulate import HitRateResult, belady_hit_rate, unbounded_hit_rate
     from kvtier.workload.trace import FlatTrace, read_trace, trace_summary
 
+    settings = load_config(cli={"policy": args.policy, "shm_dir": args.shm_dir})  # env < flags
+    args.policy, args.shm_dir = settings.policy, settings.shm_dir
+    if args.json:
+        check_output_file(args.json, "--json")
     requests = read_trace(args.trace, limit=args.limit)
     if not requests:
         raise ConfigError(f"trace {args.trace!r} holds no requests")
@@ -286,6 +411,21 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- sweep-shm / inspect
 
 
+def _resolved_shm_dir(args: argparse.Namespace) -> str:
+    """``shm_dir`` by the usual precedence (--config file < KVTIER_SHM_DIR < --shm-dir); must be a directory."""
+    shm_dir = load_config(args.config, cli={"shm_dir": args.shm_dir}).shm_dir
+    if not Path(shm_dir).is_dir():
+        raise ConfigError(f"shm_dir {shm_dir!r} is not a directory: pass --shm-dir or set KVTIER_SHM_DIR")
+    return shm_dir
+
+
+def _add_config_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config", metavar="FILE", default=None,
+        help="kvtier config file (YAML/TOML/JSON); KVTIER_* environment variables and flags override it",
+    )  # fmt: skip
+
+
 def _add_sweep(sub: Any) -> None:
     p = sub.add_parser(
         "sweep-shm",
@@ -294,23 +434,64 @@ def _add_sweep(sub: Any) -> None:
         "--remove deletes them. Regions of live processes are never touched.",
     )
     p.add_argument("--remove", action="store_true", help="delete the stale regions found")
-    p.add_argument("--shm-dir", default="/dev/shm", help="directory to sweep (default /dev/shm)")
+    p.add_argument("--shm-dir", default=None, help="directory to sweep (default: the config's shm_dir, /dev/shm)")
+    _add_config_flag(p)
+    p.set_defaults(func=_cmd_sweep_shm)
+    p = sub.add_parser(
+        "sweep",
+        help="list (and remove) everything dead kvtier processes left: shm regions, bench temp dirs",
+        description="Lists kvtier shared-memory regions and `kvtier bench` temporary fs-tier directories "
+        "whose owner died (kill -9 included): a lock the kernel drops with the process proves it. --remove "
+        "deletes them. Nothing a live process holds, nothing of another user and no symlink is ever touched.",
+    )
+    p.add_argument("--remove", action="store_true", help="delete what was found")
+    p.add_argument("--shm-dir", default=None, help="regions directory (default: the config's shm_dir, /dev/shm)")
+    p.add_argument("--tmp-dir", default=None, help="where bench temp dirs live (default: the system temp dir)")
+    _add_config_flag(p)
     p.set_defaults(func=_cmd_sweep)
 
 
-def _cmd_sweep(args: argparse.Namespace) -> int:
+def _sweep_regions(shm_dir: str, remove: bool) -> int:
+    """Print the stale regions in ``shm_dir`` (removing them with ``remove``); returns how many."""
     from kvtier.region import SharedRegion
 
-    found = SharedRegion.sweep_stale(args.shm_dir, remove=args.remove)
+    found = SharedRegion.sweep_stale(shm_dir, remove=remove)
     if not found:
-        print(f"no stale kvtier regions in {args.shm_dir}")
+        print(f"no stale kvtier regions in {shm_dir}")
         return 0
-    total = sum(r.size for r in found)
     for r in found:
         state = "removed" if r.removed else "stale"
         print(f"{state:8} {format_size(r.size):>10}  {r.path}")
+    verb = "removed" if remove else "found (use --remove to delete)"
+    print(f"{len(found)} stale region(s), {format_size(sum(r.size for r in found))} {verb}")
+    return len(found)
+
+
+def _cmd_sweep_shm(args: argparse.Namespace) -> int:
+    _sweep_regions(_resolved_shm_dir(args), args.remove)
+    return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from kvtier.tempdir import sweep_stale_temp_dirs
+    from kvtier.workload.bench import TEMP_DIR_PREFIX
+
+    shm_dir = _resolved_shm_dir(args)
+    tmp_dir = args.tmp_dir or tempfile.gettempdir()
+    if not Path(tmp_dir).is_dir():
+        raise ConfigError(f"--tmp-dir {tmp_dir!r} is not a directory")
+    _sweep_regions(shm_dir, args.remove)
+    found = sweep_stale_temp_dirs(TEMP_DIR_PREFIX, tmp_dir, remove=args.remove)
+    if not found:
+        print(f"no stale kvtier bench directories in {tmp_dir}")
+        return 0
+    for d in found:
+        state = "removed" if d.removed else "stale"
+        print(f"{state:8} {format_size(d.size):>10}  {d.path}")
     verb = "removed" if args.remove else "found (use --remove to delete)"
-    print(f"{len(found)} stale region(s), {format_size(total)} {verb}")
+    print(f"{len(found)} stale bench dir(s), {format_size(sum(d.size for d in found))} {verb}")
     return 0
 
 
@@ -428,14 +609,19 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
         )
         print(f"tier {i}:          {tier['type']} ({opts}); {size}")
     print()
-    print("resolved config:")
-    print(json.dumps(info["config"], indent=2))
+    print("settings (default < --config file < KVTIER_* environment < flags):")
+    width = max(len(name) for name in info["config"])
+    for name, value in info["config"].items():
+        if name == "geometry":  # only the fields given; the rest come from the model preset
+            value = {k: v for k, v in value.items() if v is not None}
+        print(f"  {name:<{width}} = {json.dumps(value)}  ({info['sources'][name]})")
     return 0
 
 
 def _cmd_config_reference(args: argparse.Namespace) -> int:
     text = render_config_reference()
     if args.output:
+        check_output_file(args.output, "--output")
         with open(args.output, "w", encoding="utf-8") as handle:
             handle.write(text)
     else:
@@ -458,7 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
-    sub = parser.add_subparsers(dest="command", metavar="{bench,replay,sweep-shm,inspect,config}")
+    sub = parser.add_subparsers(dest="command", metavar="{bench,replay,sweep,sweep-shm,inspect,config}")
     sub.required = True
     _add_bench(sub)
     _add_replay(sub)
@@ -488,6 +674,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         return 141
+    except OSError as exc:
+        # The environment refused something (a permission, a full disk, a port in use).
+        print(f"kvtier {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

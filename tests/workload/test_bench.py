@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,8 @@ import pytest
 from kvtier.errors import ConfigError
 from kvtier.keys import chain_ids
 from kvtier.metrics import KvtierMetrics
-from kvtier.workload.bench import BenchOptions, BlockContent, run_bench
+from kvtier.tiers.base import HealthState, TierHealth
+from kvtier.workload.bench import BenchOptions, BlockContent, TierUnreachableError, TierWatch, run_bench
 from kvtier.workload.chat import ChatWorkloadSpec
 
 SMALL = ChatWorkloadSpec(
@@ -47,9 +49,9 @@ def test_block_content_detects_wrong_bytes() -> None:
 
 def test_simulated_device_pool_is_page_aligned_and_resident() -> None:
     """Regression: numpy's 16-byte offset made the bench's loads (CPU -> device) 1.8x slower than stores."""
-    from kvtier.workload.bench import _DevicePool
+    from kvtier.workload.device import DevicePool
 
-    pool = _DevicePool(8, 16384)
+    pool = DevicePool(8, 16384)
     assert pool.data.ctypes.data % 4096 == 0 and pool.data.shape == (8, 16384)
     assert not pool.data.any()
 
@@ -100,3 +102,63 @@ def test_same_seed_same_workload_shape(private_shm: Path) -> None:
     assert a.block_refs == b.block_refs and a.prompt_tokens == b.prompt_tokens
     # Scheduling order depends on copy timing; the set of requests does not.
     assert sorted(r.req_id for r in a.timeline) == sorted(r.req_id for r in b.timeline)
+
+
+class _FlakyTier:
+    """A collaborator of TierWatch: a tier whose health and drop counter the test sets."""
+
+    def __init__(self) -> None:
+        from kvtier.tiers.base import TierStats
+
+        self.stats = TierStats()
+        self.state = HealthState.CLOSED
+
+    def health(self) -> TierHealth:
+        return TierHealth(self.state, detail="refused" if self.state is HealthState.OPEN else "")
+
+
+def test_tier_watch_labels_dropped_stores_by_their_cause() -> None:
+    tier = _FlakyTier()
+    watch = TierWatch("redis")
+    tier.stats.stores_dropped = 3  # queue full while serving
+    assert watch.sample(tier) is False  # type: ignore[arg-type]
+    tier.state = HealthState.OPEN
+    tier.stats.stores_dropped = 10
+    assert watch.sample(tier) is True  # type: ignore[arg-type]  # just went out of service
+    assert watch.sample(tier) is False  # type: ignore[arg-type]  # announced once
+    tier.state = HealthState.HALF_OPEN
+    tier.stats.stores_dropped = 12  # dropped while it was still out at the previous sample
+    watch.sample(tier)  # type: ignore[arg-type]
+    tier.stats.stores_dropped = 20
+    watch.sample(tier)  # type: ignore[arg-type]
+    assert (watch.dropped_queue_full, watch.dropped_out_of_service) == (3 + 8, 7 + 2)
+    assert watch.unreachable and watch.steps_out_of_service == 2 and watch.detail == "refused"
+    assert watch.to_dict()["state_at_end"] == "half_open"
+
+
+def test_an_unreachable_tier_is_announced_or_with_strict_refused(private_shm: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"redis://127.0.0.1:{sock.getsockname()[1]}/0"  # closed before the bench connects
+    said: list[str] = []
+    result = run_bench(small_options(private_shm, fs=False, redis_url=url), notify=said.append)
+    assert result.errors == 0 and result.unreachable_tiers == ["redis"]
+    assert len(said) == 1 and "tier 1:redis is unreachable: circuit breaker open" in said[0]
+    with pytest.raises(TierUnreachableError, match="--strict"):
+        run_bench(small_options(private_shm, fs=False, redis_url=url, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("batch_size", 0), ("device_blocks", -1), ("prefill_tokens_per_s", -1.0),
+                         ("stall_timeout_s", 0.0), ("batch_size", True)]
+)
+def test_bench_options_refuse_values_no_run_can_use(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=field):
+        BenchOptions(**{field: value})  # type: ignore[arg-type]
+
+
+def test_the_console_line_never_shows_credentials() -> None:
+    from kvtier.workload.bench import describe_options
+
+    line = describe_options(BenchOptions(redis_url="redis://user:hunter2@10.0.0.1:6379/0", fs_root="/data/kv"))
+    assert "hunter2" not in line and "redis redis://10.0.0.1:6379/0" in line and "fs /data/kv" in line

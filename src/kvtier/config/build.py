@@ -81,6 +81,7 @@ def describe_config(config: KvtierConfig) -> dict[str, Any]:
     stride = config.row_stride
     return {
         "config": config.model_dump(mode="json"),
+        "sources": config.sources,
         "model_id": config.model_id,
         "namespace": ns.hexdigest,
         "geometry": {

@@ -182,8 +182,8 @@ def load_config(
     if defaults:
         layers.append((defaults_source, dict(defaults), lambda _field: defaults_source))
     if file is not None:
-        name = f"file {os.fspath(file)}"
-        layers.append((name, _read_file(os.fspath(file)), lambda _field: name))
+        file_source = f"file {os.fspath(file)}"
+        layers.append((file_source, _read_file(os.fspath(file)), lambda _field: file_source))
     layers.append(("environment", _parse_env(os.environ if env is None else env), env_source))
     if cli:
         if cli_source == "CLI flags":

@@ -244,6 +244,11 @@ class FilesystemTier(SecondaryTier):
         max_queued_stores: int = 256,
         shutdown_timeout: float = 30.0,
     ) -> None:
+        """Check the options, prepare the namespace directory, size the budget, start the threads.
+
+        Long because it is the tier's start-up sequence, in order: each step is a few
+        lines that need the previous one (directory before manifest, probe before budget).
+        """
         super().__init__(context)
         if read_threads < 1 or write_threads < 1:
             raise ConfigError(

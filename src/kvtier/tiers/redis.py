@@ -210,6 +210,11 @@ class RedisTier(SecondaryTier):
         max_queued_stores: int = 64,
         usage_refresh_seconds: float = 5.0,
     ) -> None:
+        """Check the options, build the backend, start the I/O threads.
+
+        Long because every option is checked here, one or two lines each, before any
+        thread starts; the options model repeats the checks for configuration files.
+        """
         super().__init__(context)
         scheme = urlsplit(url).scheme
         if scheme not in _SCHEMES:
@@ -761,6 +766,11 @@ class RedisTier(SecondaryTier):
         self._finish(self._result(job, done, len(stored) * self._value_bytes, seconds, errors))
 
     def _do_load(self, job: TransferJob) -> None:
+        """Read a load job's values straight into its CPU rows and verify each before success (I/O thread).
+
+        Long because the header read, the payload read into the row and the per-key
+        verification share one connection and one error path (the hot read path).
+        """
         if not self._breaker.serving:
             self._fail_load(job, "redis tier is out of service", 0.0)
             return

@@ -3,53 +3,76 @@
 The bench plays an inference engine around a real
 :class:`~kvtier.manager.TieringManager`:
 
-* a simulated device KV pool (a numpy array of ``device_blocks`` blocks, smaller
-  than the working set) with its own LRU prefix cache, as an engine's GPU has;
+* a simulated device KV pool (:class:`~kvtier.workload.device.DevicePool`,
+  smaller than the working set) with its own LRU prefix cache, as an engine's
+  GPU has;
 * "prefill" of a block writes bytes derived from its key
-  (:class:`BlockContent`) into a device slot;
+  (:class:`~kvtier.workload.device.BlockContent`) into a device slot;
 * device <-> CPU copies run on a :class:`~kvtier.transfer.TransferEngine`;
 * the manager cascades stored blocks to the secondary tiers (an fs tier in a
-  temporary directory by default) and promotes them back on a hit;
+  lock-held temporary directory by default) and promotes them back on a hit;
 * every block loaded into the device is compared byte for byte with what its
   key must hold; any difference is counted as an error.
 
+A run reads as the workload's story: **build** (configuration, manager, device
+pool, copy engine), **warm** (tiers finish starting: warm-restart scans, health),
+**run** (engine steps until every request was served), **verify** (drain every
+copy and tier job; the last loads are checked) and **report** (counters into a
+:class:`BenchResult`). Each secondary tier's health is sampled every step: a
+tier that goes out of service (circuit breaker open) is announced through
+``notify`` and, with ``BenchOptions.strict``, ends the run with
+:class:`TierUnreachableError`.
+
 The scheduler side (every manager call) is timed separately from the copies.
-Called from one thread (the caller's), which plays the engine's scheduler;
-the transfer engine's and the tiers' threads are started and joined here.
+Called from one thread (the caller's), which plays the engine's scheduler; the
+transfer engine's and the tiers' threads are started and joined here.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 import time
-from collections import OrderedDict
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
-import numpy as np
-
-from kvtier.config import KvtierConfig, build_manager, format_size, parse_size
+from kvtier.config import KvtierConfig, build_manager, load_config
 from kvtier.errors import ConfigError, KvtierError
-from kvtier.keys import BlockKey, Namespace, prefix_keys
+from kvtier.keys import BlockKey, prefix_keys
 from kvtier.manager import TieringManager
 from kvtier.metrics import KvtierMetrics
-from kvtier.transfer import TransferEngine, TransferResult, aligned_host_array
+from kvtier.tempdir import LockedTempDir, sweep_stale_temp_dirs
+from kvtier.tiers.registry import validate_tier_options
+from kvtier.transfer import TransferEngine, TransferResult
 from kvtier.types import LookupResult, RequestContext
+from kvtier.units import format_size, parse_size
+from kvtier.workload.bench_result import BenchResult, RequestRecord, TierWatch
 from kvtier.workload.chat import ChatRequest, ChatWorkloadSpec, generate_chat
+from kvtier.workload.device import BlockContent, DevicePool
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BENCH_CPU_BYTES = 256 * 1024**2
 DEFAULT_BENCH_FS_BYTES = 1024**3
 DEFAULT_BENCH_MODEL = "qwen2.5-0.5b"
+BENCH_DEFAULTS: dict[str, Any] = {"model": DEFAULT_BENCH_MODEL, "cpu_bytes": DEFAULT_BENCH_CPU_BYTES}
+"""Where ``kvtier bench`` differs from the schema's defaults (a small model, a 256 MiB CPU tier)."""
+TEMP_DIR_PREFIX = "kvtier-bench-"
+"""Name prefix of the bench's lock-held temporary fs-tier directories (swept by ``kvtier sweep``)."""
+
+
+class TierUnreachableError(KvtierError):
+    """A configured secondary tier was out of service during a ``strict`` bench run."""
 
 
 @dataclass
 class BenchOptions:
-    """What ``kvtier bench`` runs. ``fs_root=None`` uses a temporary directory (removed after)."""
+    """What ``kvtier bench`` runs. ``fs_root=None`` uses a lock-held temporary directory (removed after).
+
+    Raises :class:`ConfigError` for a value no run can use (zero batch size, ...).
+    """
 
     workload: ChatWorkloadSpec = field(default_factory=ChatWorkloadSpec)
     model: str = DEFAULT_BENCH_MODEL
@@ -70,9 +93,23 @@ class BenchOptions:
     base_config: KvtierConfig | None = None
     """A resolved configuration to bench instead of the fields above (CPU size, policy, model,
     geometry, shm_dir, tiers); ``fs``/``redis_url``/``extra_tiers`` add tiers behind its own."""
+    strict: bool = False
+    """A secondary tier that goes out of service (unreachable) ends the run with an error."""
+    temp_dir: str | None = None
+    """Parent of the temporary fs-tier directory (default: the system's temporary directory)."""
 
-    def config(self, fs_root: str | None) -> KvtierConfig:
-        """The :class:`KvtierConfig` of this run (``fs_root``: the resolved fs directory)."""
+    def __post_init__(self) -> None:
+        for name in ("device_blocks", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"bench {name} must be a positive integer, got {value!r}")
+        if not self.prefill_tokens_per_s >= 0:
+            raise ConfigError(f"bench prefill_tokens_per_s must be >= 0, got {self.prefill_tokens_per_s!r}")
+        if not self.stall_timeout_s > 0:
+            raise ConfigError(f"bench stall_timeout_s must be > 0, got {self.stall_timeout_s!r}")
+
+    def added_tiers(self, fs_root: str | None) -> list[dict[str, Any]]:
+        """The tiers the bench adds (fs, redis, extra) as ``{"type": ..., **options}`` specs."""
         tiers: list[dict[str, Any]] = []
         if self.fs and fs_root is not None:
             spec: dict[str, Any] = {"type": "fs", "root": fs_root}
@@ -82,164 +119,26 @@ class BenchOptions:
         if self.redis_url:
             tiers.append({"type": "redis", "url": self.redis_url})
         tiers.extend(self.extra_tiers)
+        return tiers
+
+    def config(self, fs_root: str | None) -> KvtierConfig:
+        """The :class:`KvtierConfig` of this run (``fs_root``: the resolved fs directory).
+
+        Raises :class:`ConfigError` naming the bad field or tier option.
+        """
+        added = self.added_tiers(fs_root)
         if self.base_config is not None:
-            return self.base_config.model_copy(update={"tiers": [*self.base_config.tiers, *tiers]})
-        return KvtierConfig.model_validate(
-            {
-                "cpu_bytes": self.cpu_bytes,
-                "policy": self.policy,
-                "model": self.model,
-                "geometry": {"tokens_per_block": self.tokens_per_block},
-                "shm_dir": self.shm_dir,
-                "tiers": tiers,
-            }
-        )
-
-
-class BlockContent:
-    """The bytes a block must hold: a fixed random pattern XOR a 64-bit word of its key.
-
-    Position-dependent (the pattern is random per byte) and key-dependent (the
-    word), so a wrong block, a shifted copy or a flipped byte all compare unequal.
-    """
-
-    def __init__(self, block_bytes: int, seed: int = 0) -> None:
-        if block_bytes % 8:
-            raise ConfigError(f"bench block size must be a multiple of 8 bytes, got {block_bytes}")
-        rng = np.random.Generator(np.random.PCG64([seed, 0xB10C]))
-        self.pattern = rng.integers(0, 2**63, size=block_bytes // 8, dtype=np.uint64)
-        self._scratch = np.empty_like(self.pattern)
-
-    @staticmethod
-    def word(key: BlockKey) -> np.uint64:
-        return np.uint64(int.from_bytes(key[:8], "little"))  # type: ignore[no-any-return,unused-ignore]
-
-    def fill(self, key: BlockKey, out: np.ndarray) -> None:
-        """Write the block's bytes into ``out`` (a uint8 row of block_bytes)."""
-        np.bitwise_xor(self.pattern, self.word(key), out=out.view(np.uint64))
-
-    def matches(self, key: BlockKey, data: np.ndarray) -> bool:
-        """True if ``data`` holds exactly the block's bytes."""
-        np.bitwise_xor(self.pattern, self.word(key), out=self._scratch)
-        return bool(np.array_equal(self._scratch, data.view(np.uint64)))
-
-
-@dataclass
-class RequestRecord:
-    """Per-request outcome, in scheduling order (for the timeline)."""
-
-    req_id: str
-    blocks: int
-    device_hits: int
-    tier_hits: dict[str, int]
-    computed: int
-    scheduled_s: float
-
-
-@dataclass
-class BenchResult:
-    """Everything ``kvtier bench`` reports; :meth:`to_dict` is the ``--json`` document."""
-
-    options: dict[str, Any]
-    geometry: dict[str, Any]
-    tiers: list[str]
-    requests: int = 0
-    block_refs: int = 0
-    prompt_tokens: int = 0
-    hits: dict[str, int] = field(default_factory=dict)
-    computed_blocks: int = 0
-    blocks_verified: int = 0
-    verify_failures: int = 0
-    transfer_failures: int = 0
-    store_rejections: int = 0
-    promotion_failures: int = 0
-    tier_failures: int = 0
-    stores_shed: int = 0
-    bytes: dict[str, int] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
-    job_seconds: dict[str, float] = field(default_factory=dict)
-    lookup_ns: list[int] = field(default_factory=list)
-    step_ns: list[int] = field(default_factory=list)
-    wall_s: float = 0.0
-    setup_s: float = 0.0
-    timeline: list[RequestRecord] = field(default_factory=list)
-    manager_stats: dict[str, Any] = field(default_factory=dict)
-    tokens_per_block: int = 16
-
-    @property
-    def errors(self) -> int:
-        return self.verify_failures + self.transfer_failures + self.promotion_failures + self.tier_failures
-
-    def hit_rate(self, tier: str) -> float:
-        return self.hits.get(tier, 0) / self.block_refs if self.block_refs else 0.0
-
-    @property
-    def tokens_saved(self) -> int:
-        return sum(self.hits.values()) * self.tokens_per_block
-
-    def gbps(self, direction: str) -> float | None:
-        seconds = self.seconds.get(direction, 0.0)
-        moved = self.bytes.get(direction, 0)
-        return moved / seconds / 1e9 if seconds > 0 and moved else None
-
-    @staticmethod
-    def _pct(values: list[int], q: float) -> float:
-        return float(np.percentile(np.asarray(values, dtype=np.float64), q)) / 1000 if values else 0.0
-
-    def latency_us(self) -> dict[str, float]:
-        return {
-            "lookup_p50_us": self._pct(self.lookup_ns, 50),
-            "lookup_p99_us": self._pct(self.lookup_ns, 99),
-            "step_p50_us": self._pct(self.step_ns, 50),
-            "step_p99_us": self._pct(self.step_ns, 99),
-        }
-
-    def to_dict(self) -> dict[str, Any]:
-        tiers = ["device", *self.tiers]
-        return {
-            "options": self.options,
-            "geometry": self.geometry,
-            "requests": self.requests,
-            "block_refs": self.block_refs,
-            "prompt_tokens": self.prompt_tokens,
-            "hits": {t: self.hits.get(t, 0) for t in tiers},
-            "hit_rates": {t: self.hit_rate(t) for t in tiers},
-            "total_hit_rate": sum(self.hits.values()) / self.block_refs if self.block_refs else 0.0,
-            "computed_blocks": self.computed_blocks,
-            "prefill_tokens_saved": self.tokens_saved,
-            "prefill_tokens_saved_fraction": self.tokens_saved / self.prompt_tokens if self.prompt_tokens else 0.0,
-            "bytes": dict(self.bytes),
-            "seconds": dict(self.seconds),
-            "tier_job_seconds": dict(self.job_seconds),
-            "gbps": {d: self.gbps(d) for d in self.bytes},
-            "latency": self.latency_us(),
-            "lookups": len(self.lookup_ns),
-            "steps": len(self.step_ns),
-            "verified_blocks": self.blocks_verified,
-            "errors": {
-                "total": self.errors,
-                "verify_failures": self.verify_failures,
-                "transfer_failures": self.transfer_failures,
-                "promotion_failures": self.promotion_failures,
-                "tier_failures": self.tier_failures,
-            },
-            "store_rejections": self.store_rejections,
-            "tier_stores_shed": self.stores_shed,
-            "wall_s": self.wall_s,
-            "setup_s": self.setup_s,
-            "timeline": [
-                {
-                    "req_id": r.req_id,
-                    "t": r.scheduled_s,
-                    "blocks": r.blocks,
-                    "device": r.device_hits,
-                    **r.tier_hits,
-                    "computed": r.computed,
-                }
-                for r in self.timeline
-            ],
-            "manager_stats": self.manager_stats,
-        }
+            base = self.base_config
+            checked = [
+                {"type": spec["type"], **validate_tier_options(spec, where=f"tiers[{len(base.tiers) + i}]")}
+                for i, spec in enumerate(added)
+            ]
+            return base.model_copy(update={"tiers": [*base.tiers, *checked]})
+        values = {
+            "cpu_bytes": self.cpu_bytes, "policy": self.policy, "model": self.model,
+            "geometry": {"tokens_per_block": self.tokens_per_block}, "shm_dir": self.shm_dir, "tiers": added,
+        }  # fmt: skip
+        return load_config(env={}, cli=values, cli_source="BenchOptions")
 
 
 @dataclass
@@ -247,385 +146,300 @@ class _Running:
     """A scheduled request waiting for its copy jobs."""
 
     req: RequestContext
-    load_job: int | None
-    store_job: int | None
-    load_keys: list[BlockKey]
-    load_dslots: list[int]
-    store_keys: list[BlockKey]
-    pinned_dslots: list[int]
+    load_job: int | None = None
+    store_job: int | None = None
+    load_keys: list[BlockKey] = field(default_factory=list)
+    load_dslots: list[int] = field(default_factory=list)
+    store_keys: list[BlockKey] = field(default_factory=list)
+    pinned_dslots: list[int] = field(default_factory=list)
 
 
-class _DevicePool:
-    """The simulated device KV cache: slots, an LRU prefix cache, pins."""
+class _Run:
+    """One run's engine simulation: the state of the scheduler loop and its phases after build.
 
-    def __init__(self, num_blocks: int, block_bytes: int) -> None:
-        # Page aligned like a real engine's pool: numpy's own 16-byte offset makes loads 1.8x slower.
-        self.data = aligned_host_array((num_blocks, block_bytes))
-        self.free = list(range(num_blocks - 1, -1, -1))
-        self.cache: OrderedDict[BlockKey, int] = OrderedDict()
-        self.pins = [0] * num_blocks
-        self.loading: set[BlockKey] = set()
-
-    def prefix(self, keys: list[BlockKey]) -> int:
-        n = 0
-        for key in keys:
-            if key not in self.cache:
-                break
-            n += 1
-        return n
-
-    def available(self, protected: set[int]) -> int:
-        free = len(self.free)
-        return free + sum(1 for s in self.cache.values() if not self.pins[s] and s not in protected)
-
-    def take(self, protected: set[int]) -> int:
-        if self.free:
-            return self.free.pop()
-        for key, slot in self.cache.items():
-            if not self.pins[slot] and slot not in protected:
-                del self.cache[key]
-                return slot
-        raise KvtierError("device pool exhausted")  # callers check available() first
-
-    def pin(self, slots: list[int]) -> None:
-        for s in slots:
-            self.pins[s] += 1
-
-    def unpin(self, slots: list[int]) -> None:
-        for s in slots:
-            self.pins[s] -= 1
-
-
-class Bench:
-    """One bench run; see the module docstring. Use :func:`run_bench`."""
+    Built by :class:`Bench` once the manager exists; every method runs on the
+    caller's thread (the simulated scheduler).
+    """
 
     def __init__(
-        self,
-        options: BenchOptions,
-        *,
-        progress: Callable[[int, int], None] | None = None,
-        metrics: KvtierMetrics | None = None,
-    ) -> None:
-        self.options = options
-        self.progress = progress
-        self.metrics = metrics
-
-    def run(self) -> BenchResult:
-        opts = self.options
-        started = time.perf_counter()
-        temp_root: str | None = None
-        fs_root = opts.fs_root
-        if opts.fs and fs_root is None:
-            temp_root = fs_root = tempfile.mkdtemp(prefix="kvtier-bench-")
-        try:
-            config = opts.config(fs_root)
-            namespace = config.namespace()
-            requests = generate_chat(opts.workload)
-            keys = [
-                prefix_keys(r.token_ids, config.kv_geometry().tokens_per_block, namespace=namespace) for r in requests
-            ]
-            longest = max((len(k) for k in keys), default=0)
-            if longest > opts.device_blocks:
-                raise ConfigError(
-                    f"device_blocks={opts.device_blocks} cannot hold the longest prompt ({longest} blocks): "
-                    f"raise --device-blocks to at least {longest}"
-                )
-            manager = build_manager(config)
-            try:
-                setup_s = time.perf_counter() - started
-                result = self._run(config, namespace, manager, requests, keys)
-                result.setup_s = setup_s
-            finally:
-                manager.shutdown()
-        finally:
-            if temp_root is not None:
-                shutil.rmtree(temp_root, ignore_errors=True)
-        result.wall_s = time.perf_counter() - started
-        return result
-
-    def _run(
-        self,
-        config: KvtierConfig,
-        namespace: Namespace,
-        manager: TieringManager,
-        requests: list[ChatRequest],
-        keys: list[list[BlockKey]],
-    ) -> BenchResult:
-        opts = self.options
+        self, bench: Bench, config: KvtierConfig, manager: TieringManager,
+        requests: list[ChatRequest], keys: list[list[BlockKey]],
+    ) -> None:  # fmt: skip
+        self.opts = bench.options
+        self.progress = bench.progress
+        self.metrics = bench.metrics
+        self.notify = bench.notify
+        self.manager = manager
+        self.requests = requests
+        self.keys = keys
         geometry = config.kv_geometry()
-        block_bytes = geometry.bytes_per_block
-        tier_labels = ["cpu"] + [manager.tier_label(i + 1).split(":", 1)[1] for i in range(len(manager.tiers))]
-        result = BenchResult(
-            options={
-                "model": config.model_id,
-                "cpu_bytes": config.cpu_bytes,
-                "cpu_blocks": manager.primary.num_blocks,
-                "device_blocks": opts.device_blocks,
-                "policy": config.policy,
-                # The temporary fs root is gone after the run: leave it out.
-                "tiers": [
-                    {k: v for k, v in t.items() if not (k == "root" and "kvtier-bench-" in str(v))}
-                    for t in config.tiers
-                ],
-                "workload": opts.workload.to_dict(),
-                "batch_size": opts.batch_size,
-            },
-            geometry={
-                "num_layers": geometry.num_layers,
-                "num_kv_heads": geometry.num_kv_heads,
-                "head_dim": geometry.head_dim,
-                "tokens_per_block": geometry.tokens_per_block,
-                "dtype": geometry.dtype,
-                "bytes_per_block": block_bytes,
-                "namespace": namespace.hexdigest,
-            },
-            tiers=tier_labels,
-            tokens_per_block=geometry.tokens_per_block,
-        )
-        result.hits = dict.fromkeys(["device", *tier_labels], 0)
-        result.bytes = {"device_to_cpu": 0, "cpu_to_device": 0}
-        result.seconds = {"device_to_cpu": 0.0, "cpu_to_device": 0.0}
-        content = BlockContent(block_bytes, seed=opts.workload.seed)
-        pool = _DevicePool(opts.device_blocks, block_bytes)
-        rows = manager.rows
-        engine = TransferEngine(name="kvtier-bench-transfer")
-        jobs: dict[int, tuple[_Running, bool]] = {}
-        next_job = 1
-        running: dict[str, _Running] = {}
-        waiting: list[int] = []
-        promoted_from: dict[str, dict[BlockKey, str]] = {}
-        stalled_since: dict[int, float] = {}
-        nxt = 0
-        done = 0
-        total = len(requests)
-        t0 = time.perf_counter()
-        lookup_ns = result.lookup_ns
-        step_ns = result.step_ns
-        lookup = manager.lookup
+        self.tokens_per_block = geometry.tokens_per_block
+        self.block_bytes = geometry.bytes_per_block
+        self.tier_labels = ["cpu"] + [manager.tier_label(i + 1).split(":", 1)[1] for i in range(len(manager.tiers))]
+        self.watches = [TierWatch(label) for label in self.tier_labels[1:]]
+        self.result = _new_result(config, manager, self.opts, self.tier_labels)
+        self.result.tier_health = dict(zip(self.tier_labels[1:], self.watches, strict=True))
+        self.content = BlockContent(self.block_bytes, seed=self.opts.workload.seed)
+        self.pool = DevicePool(self.opts.device_blocks, self.block_bytes)
+        self.rows: Any = manager.rows
+        self.engine = TransferEngine(name="kvtier-bench-transfer")
+        self.jobs: dict[int, tuple[_Running, bool]] = {}
+        self.next_job = 1
+        self.running: dict[str, _Running] = {}
+        self.waiting: list[int] = []
+        self.promoted_from: dict[str, dict[BlockKey, str]] = {}
+        self.stalled_since: dict[int, float] = {}
+        self.admitted = 0
+        self.done = 0
+        self.compute_tokens = 0
+        self.sched_ns = 0
+        self.tier_busy = [0.0] * len(manager.tiers)
+        self.last_step = time.perf_counter()
+        self.t0 = time.perf_counter()
+
+    # ----------------------------------------------------------------- warm
+
+    def warm(self, timeout_s: float) -> None:
+        """Let the tiers finish starting: warm-restart scans done, health known (strict: up to 1 s)."""
+        deadline = time.monotonic() + timeout_s
+        while any(not getattr(t, "scan_complete", True) for t in self.manager.tiers):
+            if time.monotonic() > deadline:
+                raise KvtierError(f"secondary tiers still scanning their directories after {timeout_s:.0f}s")
+            time.sleep(0.01)
+        probe_until = time.monotonic() + (1.0 if self.opts.strict else 0.0)
+        while True:
+            self.watch_tiers()
+            if time.monotonic() >= probe_until or any(w.unreachable for w in self.watches):
+                break
+            time.sleep(0.02)
+
+    def watch_tiers(self) -> None:
+        """Sample every tier's health; announce (or, strict, refuse) one that went out of service."""
+        for tier, watch in zip(self.manager.tiers, self.watches, strict=True):
+            if not watch.sample(tier):
+                continue
+            what = f"tier {tier.label} is unreachable: circuit breaker open ({watch.detail or 'no detail'})"
+            if self.opts.strict:
+                raise TierUnreachableError(f"{what}; --strict refuses to run without a configured tier")
+            if self.notify is not None:
+                self.notify(
+                    f"{what}; its lookups answer MISS and its stores are dropped until it recovers "
+                    "(--strict makes this an error)"
+                )
+
+    # ----------------------------------------------------------------- run
+
+    def run(self) -> None:
+        """Engine steps until every request has been scheduled and its copies consumed."""
+        total = len(self.requests)
+        while self.done < total:
+            self.sched_ns = 0
+            progressed = self.consume_copies()
+            while self.admitted < total and len(self.waiting) < self.opts.batch_size:
+                self.waiting.append(self.admitted)
+                self.admitted += 1
+            still_waiting = []
+            for idx in self.waiting:
+                if self.schedule(idx):
+                    progressed = True
+                else:
+                    still_waiting.append(idx)
+            self.waiting = still_waiting
+            self.end_step()
+            if self.progress is not None:
+                self.progress(self.done, total)
+            if not progressed:
+                time.sleep(0.0002 if self.engine.has_pending() else 0.0005)
+
+    def consume_copies(self) -> bool:
+        """Complete the copy jobs the engine finished; True if there were any."""
+        finished = self.engine.poll()
+        for res in finished:
+            run, is_load = self.jobs.pop(res.job_id)
+            self.complete_copy(res, run, is_load)
+            self.finish(run)
+        return bool(finished)
+
+    def finish(self, run: _Running) -> None:
+        if run.load_job is None and run.store_job is None:
+            self.pool.unpin(run.pinned_dslots)
+            self.manager.on_request_finished(run.req)
+            del self.running[run.req.req_id]
+            self.done += 1
+
+    def timed(self, call: Callable[[], Any]) -> Any:
+        """Run a scheduler-side manager call, adding its time to this step's."""
+        t = time.perf_counter_ns()
+        out = call()
+        self.sched_ns += time.perf_counter_ns() - t
+        return out
+
+    def schedule(self, idx: int) -> bool:
+        """Try to schedule request ``idx``: False while it must wait (promotions, loads, device room)."""
+        req_keys = self.keys[idx]
+        req = RequestContext(self.requests[idx].req_id)
+        if idx not in self.stalled_since:
+            self.stalled_since[idx] = time.monotonic()
+            self.timed(lambda: self.manager.on_new_request(req))
+        pool = self.pool
+        d = pool.prefix(req_keys)
+        if any(k in pool.loading for k in req_keys[d:]):
+            return False
+        hits, pending = self.lookup_prefix(req, req_keys[d:])
+        if pending:
+            if time.monotonic() - self.stalled_since[idx] > self.opts.stall_timeout_s:
+                raise KvtierError(
+                    f"request {req.req_id} waited {self.opts.stall_timeout_s}s for promotions; a tier is stuck"
+                )
+            return False
+        prefix_slots = [pool.cache[k] for k in req_keys[:d]]
+        protected = set(prefix_slots)
+        if pool.available(protected) < len(req_keys) - d:
+            return False
+        for k in req_keys[:d]:
+            pool.cache.move_to_end(k)
+        pool.pin(prefix_slots)
+        run = _Running(req, pinned_dslots=list(prefix_slots))
+        self.running[req.req_id] = run
+        load_keys = req_keys[d : d + hits]
+        self.start_loads(run, req_keys[:d], load_keys, protected)
+        new_keys = req_keys[d + hits :]
+        self.prefill_and_store(run, new_keys, protected)
+        self.account(idx, run, d, load_keys, new_keys)
+        self.finish(run)
+        return True
+
+    def lookup_prefix(self, req: RequestContext, keys: list[BlockKey]) -> tuple[int, bool]:
+        """Ask the manager about ``keys`` in order: (leading HITs, whether any answer means "wait")."""
+        hits = 0
+        pending = False
+        origin = self.promoted_from.setdefault(req.req_id, {})
+        tiers = self.manager.tiers
+        lookup = self.manager.lookup
         perf = time.perf_counter_ns
-        tier_objs = manager.tiers
-        tier_busy = [0.0] * len(tier_objs)
-        last_step = time.perf_counter()
+        lookup_ns = self.result.lookup_ns
+        for key in keys:
+            before = [t.stats.lookups_hit for t in tiers] if tiers else None
+            t = perf()
+            answer = lookup(key, req)
+            dt = perf() - t
+            lookup_ns.append(dt)
+            self.sched_ns += dt
+            if self.metrics is not None:
+                self.metrics.observe_lookup(dt / 1e9)
+            if answer is LookupResult.MISS:
+                break
+            if answer is LookupResult.HIT:
+                hits += 0 if pending else 1
+                continue
+            pending = True
+            if before is not None and key not in origin:
+                for pos, tier in enumerate(tiers):
+                    if tier.stats.lookups_hit > before[pos]:
+                        origin[key] = self.tier_labels[pos + 1]
+                        break
+        return hits, pending
 
-        def finish(run: _Running) -> None:
-            nonlocal done
-            if run.load_job is None and run.store_job is None:
-                pool.unpin(run.pinned_dslots)
-                manager.on_request_finished(run.req)
-                del running[run.req.req_id]
-                done += 1
+    def submit_copy(self, run: _Running, pairs: list[tuple[Any, Any]], is_load: bool) -> int:
+        job = self.next_job
+        self.next_job += 1
+        self.jobs[job] = (run, is_load)
+        self.engine.submit(job, pairs)
+        return job
 
-        try:
-            compute_tokens = 0
-            while done < total:
-                sched_ns = 0
-                progressed = False
-                # 1. Completed copies.
-                for res in engine.poll():
-                    run, is_load = jobs.pop(res.job_id)
-                    progressed = True
-                    sched_ns += self._complete_job(res, run, is_load, manager, pool, content, result)
-                    finish(run)
-                # 2. Admit requests (arrival order), up to batch_size new ones per step.
-                while nxt < total and len(waiting) < opts.batch_size:
-                    waiting.append(nxt)
-                    nxt += 1
-                still_waiting: list[int] = []
-                for idx in waiting:
-                    req_keys = keys[idx]
-                    req = RequestContext(requests[idx].req_id)
-                    if idx not in stalled_since:
-                        stalled_since[idx] = time.monotonic()
-                        t = perf()
-                        manager.on_new_request(req)
-                        sched_ns += perf() - t
-                    d = pool.prefix(req_keys)
-                    if any(k in pool.loading for k in req_keys[d:]):
-                        still_waiting.append(idx)
-                        continue
-                    hits = 0
-                    pending = False
-                    origin = promoted_from.setdefault(req.req_id, {})
-                    for key in req_keys[d:]:
-                        before = [t.stats.lookups_hit for t in tier_objs] if tier_objs else None
-                        t = perf()
-                        answer = lookup(key, req)
-                        dt = perf() - t
-                        lookup_ns.append(dt)
-                        if self.metrics is not None:
-                            self.metrics.observe_lookup(dt / 1e9)
-                        sched_ns += dt
-                        if answer is LookupResult.MISS:
-                            break
-                        if answer is LookupResult.HIT:
-                            if not pending:
-                                hits += 1
-                            continue
-                        pending = True
-                        if before is not None and key not in origin:
-                            for pos, tier in enumerate(tier_objs):
-                                if tier.stats.lookups_hit > before[pos]:
-                                    origin[key] = tier_labels[pos + 1]
-                                    break
-                    if pending:
-                        if time.monotonic() - stalled_since[idx] > opts.stall_timeout_s:
-                            raise KvtierError(
-                                f"request {req.req_id} waited {opts.stall_timeout_s}s for promotions; a tier is stuck"
-                            )
-                        still_waiting.append(idx)
-                        continue
-                    need = len(req_keys) - d
-                    prefix_slots = [pool.cache[k] for k in req_keys[:d]]
-                    protected = set(prefix_slots)
-                    if pool.available(protected) < need:
-                        still_waiting.append(idx)
-                        continue
-                    progressed = True
-                    for k in req_keys[:d]:
-                        pool.cache.move_to_end(k)
-                    pool.pin(prefix_slots)
-                    run = _Running(req, None, None, [], [], [], list(prefix_slots))
-                    running[req.req_id] = run
-                    # Loads: CPU -> device for the CPU-tier prefix.
-                    load_keys = req_keys[d : d + hits]
-                    t = perf()
-                    if d:
-                        manager.touch(req_keys[:d], req)
-                    if load_keys:
-                        cpu_slots = manager.prepare_load(load_keys, req)
-                    sched_ns += perf() - t
-                    if load_keys:
-                        dslots = [pool.take(protected) for _ in load_keys]
-                        pool.pin(dslots)
-                        run.pinned_dslots.extend(dslots)
-                        pool.loading.update(load_keys)
-                        pairs = [
-                            (pool.data[ds], rows[int(cs), :block_bytes])
-                            for ds, cs in zip(dslots, cpu_slots, strict=True)
-                        ]
-                        run.load_job = next_job
-                        run.load_keys = list(load_keys)
-                        run.load_dslots = dslots
-                        jobs[next_job] = (run, True)
-                        engine.submit(next_job, pairs)
-                        next_job += 1
-                    # Prefill: compute the rest into device slots, then store device -> CPU.
-                    new_keys = req_keys[d + hits :]
-                    new_slots = [pool.take(protected) for _ in new_keys]
-                    pool.pin(new_slots)
-                    run.pinned_dslots.extend(new_slots)
-                    for key, ds in zip(new_keys, new_slots, strict=True):
-                        content.fill(key, pool.data[ds])
-                        pool.cache[key] = ds
-                    if new_keys:
-                        t = perf()
-                        prepared = manager.prepare_store(new_keys, req)
-                        sched_ns += perf() - t
-                        if prepared is None:
-                            result.store_rejections += 1
-                        elif prepared.keys_to_store:
-                            where = dict(zip(new_keys, new_slots, strict=True))
-                            pairs = [
-                                (rows[int(cs), :block_bytes], pool.data[where[k]])
-                                for k, cs in zip(prepared.keys_to_store, prepared.slots, strict=True)
-                            ]
-                            run.store_job = next_job
-                            run.store_keys = list(prepared.keys_to_store)
-                            jobs[next_job] = (run, False)
-                            engine.submit(next_job, pairs)
-                            next_job += 1
-                    # Account.
-                    tier_hits = dict.fromkeys(tier_labels, 0)
-                    for key in load_keys:
-                        tier_hits[origin.get(key, "cpu")] += 1
-                    for label, n in tier_hits.items():
-                        result.hits[label] += n
-                    result.hits["device"] += d
-                    result.computed_blocks += len(new_keys)
-                    compute_tokens += len(requests[idx].token_ids) - (d + hits) * geometry.tokens_per_block
-                    result.block_refs += len(req_keys)
-                    result.prompt_tokens += len(requests[idx].token_ids)
-                    result.requests += 1
-                    result.timeline.append(
-                        RequestRecord(req.req_id, len(req_keys), d, tier_hits, len(new_keys), time.perf_counter() - t0)
-                    )
-                    promoted_from.pop(req.req_id, None)
-                    stalled_since.pop(idx, None)
-                    finish(run)
-                waiting = still_waiting
-                t = perf()
-                manager.on_schedule_end()
-                sched_ns += perf() - t
-                step_ns.append(sched_ns)
-                last_step = self._account_busy(manager, tier_busy, last_step)
-                if self.metrics is not None:
-                    self.metrics.observe_step(sched_ns / 1e9)
-                    transfer = {d: (result.bytes[d], result.seconds[d]) for d in ("device_to_cpu", "cpu_to_device")}
-                    self.metrics.update(manager, transfer)
-                if compute_tokens and opts.prefill_tokens_per_s > 0:
-                    time.sleep(compute_tokens / opts.prefill_tokens_per_s)
-                    compute_tokens = 0
-                if self.progress is not None:
-                    self.progress(done, total)
-                if not progressed:
-                    if engine.has_pending():
-                        time.sleep(0.0002)
-                    else:
-                        time.sleep(0.0005)
-            engine.wait(timeout=60)
-            for res in engine.poll():  # pragma: no cover - every job was consumed above
-                run, is_load = jobs.pop(res.job_id)
-                self._complete_job(res, run, is_load, manager, pool, content, result)
-            deadline = time.monotonic() + 60
-            while manager.has_pending_work():
-                if time.monotonic() > deadline:
-                    raise KvtierError("secondary tiers still busy 60s after the last request")
-                manager.on_schedule_end()
-                time.sleep(0.001)
-                last_step = self._account_busy(manager, tier_busy, last_step)
-        finally:
-            engine.shutdown()
-        stats = manager.stats()
-        result.manager_stats = stats
-        result.promotion_failures = int(stats["manager"]["promotions_failed"])
-        for pos, (label, tier) in enumerate(stats["tiers"].items()):
-            short = label.split(":", 1)[1]
-            result.bytes[f"cpu_to_{short}"] = int(tier["bytes_written"])
-            result.bytes[f"{short}_to_cpu"] = int(tier["bytes_read"])
-            # Cascade jobs queue behind each other on several threads, so their summed
-            # seconds would understate the rate: use the wall time with the tier busy.
-            # Promotions are served first (read priority): their summed job time is fair.
-            result.seconds[f"cpu_to_{short}"] = tier_busy[pos]
-            result.seconds[f"{short}_to_cpu"] = float(tier["seconds_reading"])
-            result.job_seconds[f"cpu_to_{short}"] = float(tier["seconds_writing"])
-            result.job_seconds[f"{short}_to_cpu"] = float(tier["seconds_reading"])
-            result.tier_failures += int(tier["stores_failed"]) + int(tier["loads_failed"])
-            result.tier_failures += int(tier["corrupt_values"])
-            result.stores_shed += int(tier["stores_dropped"])
-        if self.progress is not None:
-            self.progress(total, total)
-        return result
+    def start_loads(
+        self, run: _Running, device_prefix: list[BlockKey], load_keys: list[BlockKey], protected: set[int]
+    ) -> None:
+        """Pin the CPU-tier hits and copy them into device slots (the device prefix only gets touched)."""
+        req, pool = run.req, self.pool
+        if device_prefix:
+            self.timed(lambda: self.manager.touch(device_prefix, req))
+        if not load_keys:
+            return
+        cpu_slots = self.timed(lambda: self.manager.prepare_load(load_keys, req))
+        dslots = [pool.take(protected) for _ in load_keys]
+        pool.pin(dslots)
+        run.pinned_dslots.extend(dslots)
+        pool.loading.update(load_keys)
+        rows, block_bytes = self.rows, self.block_bytes
+        pairs = [(pool.data[ds], rows[int(cs), :block_bytes]) for ds, cs in zip(dslots, cpu_slots, strict=True)]
+        run.load_keys = list(load_keys)
+        run.load_dslots = dslots
+        run.load_job = self.submit_copy(run, pairs, is_load=True)
 
-    @staticmethod
-    def _account_busy(manager: TieringManager, tier_busy: list[float], last: float) -> float:
-        """Add the time since ``last`` to the busy time of tiers with work in flight."""
+    def prefill_and_store(self, run: _Running, new_keys: list[BlockKey], protected: set[int]) -> None:
+        """Compute the missing blocks into device slots, then offload them device -> CPU."""
+        pool = self.pool
+        new_slots = [pool.take(protected) for _ in new_keys]
+        pool.pin(new_slots)
+        run.pinned_dslots.extend(new_slots)
+        for key, ds in zip(new_keys, new_slots, strict=True):
+            self.content.fill(key, pool.data[ds])
+            pool.cache[key] = ds
+        if not new_keys:
+            return
+        prepared = self.timed(lambda: self.manager.prepare_store(new_keys, run.req))
+        if prepared is None:
+            self.result.store_rejections += 1
+        elif prepared.keys_to_store:
+            where = dict(zip(new_keys, new_slots, strict=True))
+            pairs = [
+                (self.rows[int(cs), : self.block_bytes], pool.data[where[k]])
+                for k, cs in zip(prepared.keys_to_store, prepared.slots, strict=True)
+            ]
+            run.store_keys = list(prepared.keys_to_store)
+            run.store_job = self.submit_copy(run, pairs, is_load=False)
+
+    def account(
+        self, idx: int, run: _Running, device_hits: int, load_keys: list[BlockKey], new_keys: list[BlockKey]
+    ) -> None:
+        """Count a scheduled request: hits per tier, blocks computed, tokens to prefill."""
+        result, req = self.result, run.req
+        origin = self.promoted_from.pop(req.req_id, {})
+        tier_hits = dict.fromkeys(self.tier_labels, 0)
+        for key in load_keys:
+            tier_hits[origin.get(key, "cpu")] += 1
+        for label, n in tier_hits.items():
+            result.hits[label] += n
+        result.hits["device"] += device_hits
+        result.computed_blocks += len(new_keys)
+        tokens = len(self.requests[idx].token_ids)
+        self.compute_tokens += tokens - (device_hits + len(load_keys)) * self.tokens_per_block
+        result.block_refs += len(self.keys[idx])
+        result.prompt_tokens += tokens
+        result.requests += 1
+        elapsed = time.perf_counter() - self.t0
+        result.timeline.append(
+            RequestRecord(req.req_id, len(self.keys[idx]), device_hits, tier_hits, len(new_keys), elapsed)
+        )
+        self.stalled_since.pop(idx, None)
+
+    def end_step(self) -> None:
+        """Close an engine step: the manager's step end, tier health, metrics, simulated compute time."""
+        self.timed(self.manager.on_schedule_end)
+        self.result.step_ns.append(self.sched_ns)
+        self.account_busy()
+        self.watch_tiers()
+        if self.metrics is not None:
+            self.metrics.observe_step(self.sched_ns / 1e9)
+            result = self.result
+            transfer = {d: (result.bytes[d], result.seconds[d]) for d in ("device_to_cpu", "cpu_to_device")}
+            self.metrics.update(self.manager, transfer)
+        if self.compute_tokens and self.opts.prefill_tokens_per_s > 0:
+            time.sleep(self.compute_tokens / self.opts.prefill_tokens_per_s)
+            self.compute_tokens = 0
+
+    def account_busy(self) -> None:
+        """Add the time since the last call to the busy time of tiers with work in flight."""
         now = time.perf_counter()
-        for pos, tier in enumerate(manager.tiers):
+        for pos, tier in enumerate(self.manager.tiers):
             if tier.has_pending_work():
-                tier_busy[pos] += now - last
-        return now
+                self.tier_busy[pos] += now - self.last_step
+        self.last_step = now
 
-    @staticmethod
-    def _complete_job(
-        res: TransferResult,
-        run: _Running,
-        is_load: bool,
-        manager: TieringManager,
-        pool: _DevicePool,
-        content: BlockContent,
-        result: BenchResult,
-    ) -> int:
-        """Consume one finished copy job; returns scheduler-side nanoseconds spent."""
+    def complete_copy(self, res: TransferResult, run: _Running, is_load: bool) -> None:
+        """Consume one finished copy job; a load's blocks are checked byte for byte here."""
+        result = self.result
         direction = "cpu_to_device" if is_load else "device_to_cpu"
         if not res.success:
             result.transfer_failures += 1
@@ -633,25 +447,192 @@ class Bench:
         else:
             result.bytes[direction] += res.bytes_moved
             result.seconds[direction] += res.seconds
-        t = time.perf_counter_ns()
-        if is_load:
-            manager.complete_load(run.load_keys, run.req)
-            spent = time.perf_counter_ns() - t
-            for key, ds in zip(run.load_keys, run.load_dslots, strict=True):
-                pool.loading.discard(key)
-                if res.success and content.matches(key, pool.data[ds]):
-                    result.blocks_verified += 1
-                    pool.cache[key] = ds
-                else:
-                    if res.success:
-                        result.verify_failures += 1
-                        logger.error("block %s loaded with wrong bytes", key.hex()[:16])
-            run.load_job = None
-        else:
-            manager.complete_store(run.store_keys, run.req, res.success)
-            spent = time.perf_counter_ns() - t
+        if not is_load:
+            self.timed(lambda: self.manager.complete_store(run.store_keys, run.req, res.success))
             run.store_job = None
-        return spent
+            return
+        self.timed(lambda: self.manager.complete_load(run.load_keys, run.req))
+        for key, ds in zip(run.load_keys, run.load_dslots, strict=True):
+            self.pool.loading.discard(key)
+            if not res.success:
+                continue
+            if self.content.matches(key, self.pool.data[ds]):
+                result.blocks_verified += 1
+                self.pool.cache[key] = ds
+            else:
+                result.verify_failures += 1
+                logger.error("block %s loaded with wrong bytes", key.hex()[:16])
+        run.load_job = None
+
+    def close(self) -> None:
+        """Stop the copy engine and drop every view of the CPU rows (before the manager shuts down)."""
+        self.engine.shutdown()
+        self.rows = None
+        self.jobs.clear()
+        self.running.clear()
+
+    # ----------------------------------------------------------------- verify and report
+
+    def verify(self, timeout_s: float = 60.0) -> None:
+        """Drain: the last copies (loads verified as they complete), then every tier job."""
+        self.engine.wait(timeout=timeout_s)
+        self.consume_copies()
+        deadline = time.monotonic() + timeout_s
+        while self.manager.has_pending_work():
+            if time.monotonic() > deadline:
+                raise KvtierError(f"secondary tiers still busy {timeout_s:.0f}s after the last request")
+            self.manager.on_schedule_end()
+            time.sleep(0.001)
+            self.account_busy()
+        self.watch_tiers()
+
+    def report(self) -> BenchResult:
+        """Fold the manager's and tiers' counters into the result."""
+        result = self.result
+        stats = self.manager.stats()
+        result.manager_stats = stats
+        result.promotion_failures = int(stats["manager"]["promotions_failed"])
+        for pos, tier in enumerate(stats["tiers"].values()):
+            short = self.tier_labels[pos + 1]
+            result.bytes[f"cpu_to_{short}"] = int(tier["bytes_written"])
+            result.bytes[f"{short}_to_cpu"] = int(tier["bytes_read"])
+            # Cascade jobs queue behind each other on several threads, so their summed
+            # seconds would understate the rate: use the wall time with the tier busy.
+            # Promotions are served first (read priority): their summed job time is fair.
+            result.seconds[f"cpu_to_{short}"] = self.tier_busy[pos]
+            result.seconds[f"{short}_to_cpu"] = float(tier["seconds_reading"])
+            result.job_seconds[f"cpu_to_{short}"] = float(tier["seconds_writing"])
+            result.job_seconds[f"{short}_to_cpu"] = float(tier["seconds_reading"])
+            result.tier_failures += int(tier["stores_failed"]) + int(tier["loads_failed"])
+            result.tier_failures += int(tier["corrupt_values"])
+            result.stores_shed += int(tier["stores_dropped"])
+        if self.progress is not None:
+            self.progress(len(self.requests), len(self.requests))
+        return result
+
+
+def _clear_frames(exc: BaseException) -> None:
+    """Clear the finished frames of ``exc``'s traceback and of the exceptions chained to it."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+        pending.extend((e.__cause__, e.__context__))
+
+
+def _new_result(config: KvtierConfig, manager: TieringManager, opts: BenchOptions, labels: list[str]) -> BenchResult:
+    geometry = config.kv_geometry()
+    result = BenchResult(
+        options={
+            "model": config.model_id,
+            "cpu_bytes": config.cpu_bytes,
+            "cpu_blocks": manager.primary.num_blocks,
+            "device_blocks": opts.device_blocks,
+            "policy": config.policy,
+            # The temporary fs root is gone after the run: leave it out.
+            "tiers": [
+                {k: v for k, v in t.items() if not (k == "root" and TEMP_DIR_PREFIX in str(v))} for t in config.tiers
+            ],
+            "workload": opts.workload.to_dict(),
+            "batch_size": opts.batch_size,
+        },
+        geometry={
+            "num_layers": geometry.num_layers,
+            "num_kv_heads": geometry.num_kv_heads,
+            "head_dim": geometry.head_dim,
+            "tokens_per_block": geometry.tokens_per_block,
+            "dtype": geometry.dtype,
+            "bytes_per_block": geometry.bytes_per_block,
+            "namespace": config.namespace().hexdigest,
+        },
+        tiers=labels,
+        tokens_per_block=geometry.tokens_per_block,
+    )
+    result.hits = dict.fromkeys(["device", *labels], 0)
+    result.bytes = {"device_to_cpu": 0, "cpu_to_device": 0}
+    result.seconds = {"device_to_cpu": 0.0, "cpu_to_device": 0.0}
+    return result
+
+
+class Bench:
+    """One bench run; see the module docstring. Use :func:`run_bench`.
+
+    ``progress(done, total)`` is called once per engine step and ``notify(line)``
+    for events a user should see (a tier going out of service), both from the
+    caller's thread.
+    """
+
+    def __init__(
+        self,
+        options: BenchOptions,
+        *,
+        progress: Callable[[int, int], None] | None = None,
+        metrics: KvtierMetrics | None = None,
+        notify: Callable[[str], None] | None = None,
+    ) -> None:
+        self.options = options
+        self.progress = progress
+        self.metrics = metrics
+        self.notify = notify
+
+    def run(self) -> BenchResult:
+        """Build, warm, run, verify, report; the manager and any temporary directory are always released."""
+        started = time.perf_counter()
+        scratch = self._temp_fs_dir()
+        try:
+            fs_root = self.options.fs_root or (str(scratch.path / "fs") if scratch is not None else None)
+            config = self.options.config(fs_root)
+            requests, keys = self._workload(config)
+            manager = build_manager(config)
+            try:
+                run = _Run(self, config, manager, requests, keys)
+                try:
+                    run.warm(timeout_s=self.options.stall_timeout_s)
+                    run.result.setup_s = time.perf_counter() - started
+                    run.run()
+                    run.verify()
+                except BaseException as exc:
+                    # The frames of the failed step hold views of the CPU rows (copy pairs);
+                    # the region cannot be released while they live, so drop them first.
+                    _clear_frames(exc)
+                    raise
+                finally:
+                    run.close()
+                result = run.report()
+            finally:
+                manager.shutdown()
+        finally:
+            if scratch is not None:
+                scratch.cleanup()
+        result.wall_s = time.perf_counter() - started
+        return result
+
+    def _temp_fs_dir(self) -> LockedTempDir | None:
+        """A lock-held temporary directory for the fs tier (after sweeping dead runs' ones), or None."""
+        if not self.options.fs or self.options.fs_root is not None:
+            return None
+        for stale in sweep_stale_temp_dirs(TEMP_DIR_PREFIX, self.options.temp_dir, remove=True):
+            logger.info("removed %s left by a bench that died (%s)", stale.path, format_size(stale.size))
+        return LockedTempDir(TEMP_DIR_PREFIX, self.options.temp_dir)
+
+    def _workload(self, config: KvtierConfig) -> tuple[list[ChatRequest], list[list[BlockKey]]]:
+        """The requests and their block keys; refuses a device pool smaller than the longest prompt."""
+        namespace = config.namespace()
+        tokens_per_block = config.kv_geometry().tokens_per_block
+        requests = generate_chat(self.options.workload)
+        keys = [prefix_keys(r.token_ids, tokens_per_block, namespace=namespace) for r in requests]
+        longest = max((len(k) for k in keys), default=0)
+        if longest > self.options.device_blocks:
+            raise ConfigError(
+                f"device_blocks={self.options.device_blocks} cannot hold the longest prompt ({longest} blocks): "
+                f"raise --device-blocks to at least {longest}"
+            )
+        return requests, keys
 
 
 def run_bench(
@@ -659,12 +640,16 @@ def run_bench(
     *,
     progress: Callable[[int, int], None] | None = None,
     metrics: KvtierMetrics | None = None,
+    notify: Callable[[str], None] | None = None,
 ) -> BenchResult:
-    """Run the bench and return its result. Raises :class:`KvtierError` on a setup problem.
+    """Run the bench and return its result.
 
+    Raises :class:`ConfigError` for a configuration no run can use,
+    :class:`TierUnreachableError` when ``options.strict`` and a tier goes out
+    of service, and :class:`KvtierError` for other setup problems.
     ``metrics`` (optional) is updated every step from the bench's thread.
     """
-    return Bench(options or BenchOptions(), progress=progress, metrics=metrics).run()
+    return Bench(options or BenchOptions(), progress=progress, metrics=metrics, notify=notify).run()
 
 
 def options_from_args(**kwargs: Any) -> BenchOptions:
@@ -675,12 +660,23 @@ def options_from_args(**kwargs: Any) -> BenchOptions:
     return BenchOptions(**kwargs)
 
 
+def _where(spec: dict[str, Any]) -> str:
+    """Where a tier keeps its data, for the console: a directory, or a URL without its credentials."""
+    if spec.get("root"):
+        return str(spec["root"])
+    url = spec.get("url")
+    if not isinstance(url, str):
+        return ""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname or ''}{f':{parts.port}' if parts.port else ''}{parts.path}"
+
+
 def describe_options(options: BenchOptions) -> str:
-    """One line for the console: sizes and tiers of the run."""
+    """One line for the console: sizes and tiers of the run (no credentials)."""
     base = options.base_config
     if base is not None:
-        cpu = format_size(base.resolved_num_cpu_blocks() * base.row_stride)
-        tiers = [f"cpu {cpu}"] + [f"{t['type']} {t.get('root') or t.get('url') or ''}".strip() for t in base.tiers]
+        cpu = format_size(base.cpu_bytes) if base.cpu_bytes is not None else f"{base.num_cpu_blocks} blocks"
+        tiers = [f"cpu {cpu}"] + [f"{t['type']} {_where(t)}".strip() for t in base.tiers]
         model = base.model
     else:
         tiers = ["cpu " + format_size(options.cpu_bytes)]
@@ -688,17 +684,21 @@ def describe_options(options: BenchOptions) -> str:
     if options.fs:
         tiers.append("fs " + (options.fs_root or "(temp dir)"))
     if options.redis_url:
-        tiers.append("redis " + options.redis_url)
+        tiers.append("redis " + _where({"url": options.redis_url}))
     return f"model {model}, device pool {options.device_blocks} blocks, tiers: " + ", ".join(tiers)
 
 
 __all__ = [
+    "BENCH_DEFAULTS",
     "DEFAULT_BENCH_CPU_BYTES",
+    "TEMP_DIR_PREFIX",
     "Bench",
     "BenchOptions",
     "BenchResult",
     "BlockContent",
     "RequestRecord",
+    "TierUnreachableError",
+    "TierWatch",
     "describe_options",
     "options_from_args",
     "run_bench",

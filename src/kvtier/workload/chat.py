@@ -41,6 +41,8 @@ class ChatWorkloadSpec:
     def __post_init__(self) -> None:
         if self.sessions < 1:
             raise ConfigError(f"sessions must be >= 1, got {self.sessions}")
+        if self.shared_system_prompts < 0:
+            raise ConfigError(f"shared_system_prompts must be >= 0, got {self.shared_system_prompts}")
         if not 1 <= self.min_turns <= self.max_turns:
             raise ConfigError(f"turns must satisfy 1 <= min_turns <= max_turns, got {self.min_turns}..{self.max_turns}")
         if not 0.0 <= self.shared_fraction <= 1.0:

@@ -78,6 +78,7 @@ def replay_manager(
     Returns prefix hits split by tier (``"cpu"`` and each secondary tier's label).
     ``progress`` is called with the number of requests done, every 256 requests.
     Raises :class:`KvtierError` if a promotion stays pending beyond ``pending_timeout``.
+    Long because set-up, the replay loop and the per-tier accounting share the manager's lifetime.
     """
     ns = namespace or replay_namespace()
     start = time.perf_counter()

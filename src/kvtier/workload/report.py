@@ -36,19 +36,15 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
-def bench_tables(result: BenchResult) -> list[Table]:
-    """The bench report as rich tables: summary, hit rates, bytes moved, latency."""
-    data = result.to_dict()
-    summary = Table(title="kvtier bench", show_header=False, title_justify="left", min_width=60)
-    summary.add_column("what")
-    summary.add_column("value", justify="right")
+def _summary_table(result: BenchResult, data: dict[str, Any]) -> Table:
+    summary = Table(title="kvtier bench", show_header=False, title_justify="left")
+    summary.add_column("what", no_wrap=True)
+    summary.add_column("value", justify="right", no_wrap=True)
     geo = result.geometry
-    summary.add_row("model / block", f"{data['options']['model']} / {geo['tokens_per_block']} tokens, "
-                    f"{format_size(geo['bytes_per_block'])}")  # fmt: skip
-    summary.add_row(
-        "device pool / cpu tier",
-        f"{data['options']['device_blocks']} / {data['options']['cpu_blocks']} blocks",
-    )
+    options = data["options"]
+    summary.add_row("model", str(options["model"]))
+    summary.add_row("block", f"{geo['tokens_per_block']} tokens, {format_size(geo['bytes_per_block'])}")
+    summary.add_row("device pool / cpu tier", f"{options['device_blocks']} / {options['cpu_blocks']} blocks")
     summary.add_row("requests", f"{result.requests}")
     summary.add_row("blocks (prompt refs / computed)", f"{result.block_refs} / {result.computed_blocks}")
     summary.add_row(
@@ -58,13 +54,30 @@ def bench_tables(result: BenchResult) -> list[Table]:
     summary.add_row("loaded blocks verified byte-exact", f"{result.blocks_verified}")
     summary.add_row("errors", f"{result.errors}")
     if result.store_rejections:
-        summary.add_row("stores refused (cpu tier full of pinned blocks)", f"{result.store_rejections}")
-    if result.stores_shed:
-        summary.add_row("tier stores shed (write queue full)", f"{result.stores_shed}")
+        summary.add_row("stores refused (cpu tier pinned)", f"{result.store_rejections}")
+    for label, watch in result.tier_health.items():
+        if watch.unreachable:
+            share = watch.steps_out_of_service / watch.steps if watch.steps else 1.0
+            summary.add_row(f"{label} tier", f"[b]unreachable[/b] ({_pct(share)} of steps)")
+        if watch.dropped_out_of_service:
+            summary.add_row(f"{label} stores dropped (out of service)", str(watch.dropped_out_of_service))
+        if watch.dropped_queue_full:
+            summary.add_row(f"{label} stores shed (queue full)", str(watch.dropped_queue_full))
     summary.add_row("wall time (setup)", f"{result.wall_s:.1f} s ({result.setup_s:.2f} s)")
+    return summary
 
-    hits = Table(title="hit rate by tier", title_justify="left", min_width=60)
-    hits.add_column("tier")
+
+def bench_tables(result: BenchResult) -> list[Table]:
+    """The bench report as rich tables: summary, hit rates, bytes moved, latency.
+
+    Every table fits in 80 columns and no cell wraps, so piped output reads as it
+    does on a terminal.
+    """
+    data = result.to_dict()
+    summary = _summary_table(result, data)
+
+    hits = Table(title="hit rate by tier (share of prompt blocks)", title_justify="left", min_width=60)
+    hits.add_column("tier", no_wrap=True)
     hits.add_column("blocks", justify="right")
     hits.add_column("hit rate", justify="right")
     for tier, n in data["hits"].items():
@@ -72,21 +85,17 @@ def bench_tables(result: BenchResult) -> list[Table]:
     hits.add_row("computed (miss)", str(result.computed_blocks),
                  _pct(result.computed_blocks / result.block_refs if result.block_refs else 0.0))  # fmt: skip
     hits.add_row("[b]total hits[/b]", str(sum(data["hits"].values())), _pct(data["total_hit_rate"]))
-    hits.caption = "share of prompt blocks served by each tier (prefix hits)"
 
     moved = Table(title="bytes moved", title_justify="left", min_width=60)
-    moved.add_column("direction")
+    moved.add_column("direction", no_wrap=True)
     moved.add_column("bytes", justify="right")
     moved.add_column("GB/s", justify="right")
     for direction, n in data["bytes"].items():
         rate = data["gbps"].get(direction)
         moved.add_row(_direction_name(direction), format_size(n), f"{rate:.2f}" if rate else "-")
-    moved.caption = (
-        "GB/s over: copy-engine busy time (device), wall time with jobs in flight (cascades), job time (promotions)"
-    )
 
     lat = Table(title="scheduler-side latency", title_justify="left", min_width=60)
-    lat.add_column("call")
+    lat.add_column("call", no_wrap=True)
     lat.add_column("p50", justify="right")
     lat.add_column("p99", justify="right")
     lat.add_column("count", justify="right")
@@ -98,10 +107,26 @@ def bench_tables(result: BenchResult) -> list[Table]:
     return [summary, hits, moved, lat]
 
 
+BENCH_NOTES = (
+    "GB/s: device copies per copy-engine busy time, cascades per wall time with",
+    "jobs in flight, promotions per job time.",
+)
+
+
 def print_bench(result: BenchResult, console: Console | None = None) -> None:
+    """Print the tables, then one line per tier that was unreachable (with the tier's own words)."""
     console = console or Console()
-    for table in bench_tables(result):
-        console.print(table)
+    summary, hits, moved, lat = bench_tables(result)
+    console.print(summary)
+    for label, watch in result.tier_health.items():
+        if watch.unreachable:
+            detail = watch.detail or "no detail"
+            console.print(f"{label} tier out of service: {detail}", soft_wrap=True, highlight=False, markup=False)
+    console.print(hits)
+    console.print(moved)
+    for line in BENCH_NOTES:
+        console.print(line, soft_wrap=True, highlight=False)
+    console.print(lat)
 
 
 def write_json(path: str | os.PathLike[str], data: Any) -> None:
