@@ -279,9 +279,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=100_000, help="CPU tier blocks (default 100,000)")
     parser.add_argument("--batch", type=int, default=16, help="blocks per batch / engine step (default 16)")
-    parser.add_argument("--ops", type=int, default=16_384, help="blocks per operation and round (< --blocks)")
+    parser.add_argument("--ops", type=int, default=16_384, help="blocks per operation and round (<= --blocks / 4)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is kept")
     args = parser.parse_args()
+    if args.ops * 4 > args.blocks:
+        parser.error("--ops must be at most a quarter of --blocks (a round evicts 2 x --ops blocks)")
     try:
         import vllm
         from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: F401
@@ -303,9 +305,12 @@ def main() -> int:
             resident = random_keys(args.blocks, rng)
             for side in sides:
                 fill(side, [side.key(k) for k in resident])
-            recent = resident[-args.ops :]  # the newest blocks: resident in both whatever their LRU order
+            # The newest half of the inserted blocks: each round evicts 2 x --ops blocks, all older
+            # than these, so they stay resident in both managers (and are looked up in random order).
+            inserted = list(resident)
             for r in range(args.rounds):
-                hits = [recent[int(i)] for i in rng.integers(0, len(recent), args.ops)]
+                newest = inserted[-(args.blocks // 2) :]
+                hits = [newest[int(i)] for i in rng.integers(0, len(newest), args.ops)]
                 misses = random_keys(args.ops, rng)
                 stores = random_keys(args.ops, rng)
                 promotions = random_keys(args.ops, rng)
@@ -319,7 +324,7 @@ def main() -> int:
                     mine = [k(x) for x in promotions]
                     side.seed_secondary(mine)
                     res["promotion round trip"][side.name].append(time_promotions(side, mine, args.batch))
-                recent = promotions  # promoted last, so resident in both tiers next round
+                inserted = inserted[-args.blocks :] + stores + promotions
         finally:
             for side in sides:
                 side.close()
