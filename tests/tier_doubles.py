@@ -7,6 +7,7 @@ told to fail jobs, lookups or their own shutdown.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -30,6 +31,7 @@ class ScriptedTier(SecondaryTier):
         *,
         auto_complete: bool = True,
         shutdown_error: BaseException | None = None,
+        shutdown_gate: threading.Event | None = None,
         construct_error: Exception | None = None,
         request_level: bool = False,
         name: str = "",
@@ -41,6 +43,7 @@ class ScriptedTier(SecondaryTier):
         self.data: dict[BlockKey, bytes] = {}
         self.auto_complete = auto_complete
         self.shutdown_error = shutdown_error
+        self.shutdown_gate = shutdown_gate  # shutdown() hangs until it is set
         self.request_level = request_level
         self.queued: list[TransferJob] = []
         self.finished: list[JobResult] = []
@@ -113,6 +116,8 @@ class ScriptedTier(SecondaryTier):
     def shutdown(self) -> None:
         CALLS.append((self.name, "shutdown"))
         self.shutdown_calls += 1
+        if self.shutdown_gate is not None:
+            self.shutdown_gate.wait()
         if self.shutdown_error is not None:
             raise self.shutdown_error
 

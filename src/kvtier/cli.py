@@ -430,8 +430,10 @@ def _add_sweep(sub: Any) -> None:
     p = sub.add_parser(
         "sweep-shm",
         help="list (and remove) stale kvtier regions of dead processes",
-        description="Lists kvtier shared-memory regions that no live process holds (flock proof); "
-        "--remove deletes them. Regions of live processes are never touched.",
+        description="Lists kvtier shared-memory regions of this user that no live process holds (flock "
+        "proof); --remove deletes them. Regions of live processes are never touched. Entries named like "
+        "regions that are not (symlinks, FIFOs, devices, other users' or header-less files) are listed as "
+        "ignored, with the reason, and never opened or deleted.",
     )
     p.add_argument("--remove", action="store_true", help="delete the stale regions found")
     p.add_argument("--shm-dir", default=None, help="directory to sweep (default: the config's shm_dir, /dev/shm)")
@@ -455,16 +457,22 @@ def _sweep_regions(shm_dir: str, remove: bool) -> int:
     """Print the stale regions in ``shm_dir`` (removing them with ``remove``); returns how many."""
     from kvtier.region import SharedRegion
 
-    found = SharedRegion.sweep_stale(shm_dir, remove=remove)
-    if not found:
-        print(f"no stale kvtier regions in {shm_dir}")
-        return 0
-    for r in found:
+    result = SharedRegion.sweep(shm_dir, remove=remove)
+    for r in result.stale:
         state = "removed" if r.removed else "stale"
         print(f"{state:8} {format_size(r.size):>10}  {r.path}")
-    verb = "removed" if remove else "found (use --remove to delete)"
-    print(f"{len(found)} stale region(s), {format_size(sum(r.size for r in found))} {verb}")
-    return len(found)
+    for entry in result.ignored:
+        print(f"{'ignored':8} {'':>10}  {entry.path}: {entry.reason}")
+    if not result.stale:
+        print(f"no stale kvtier regions in {shm_dir}")
+    else:
+        total = sum(r.size for r in result.stale)
+        verb = "removed" if remove else "found (use --remove to delete)"
+        print(f"{len(result.stale)} stale region(s), {format_size(total)} {verb}")
+    if result.ignored:
+        print(f"{len(result.ignored)} entr{'y' if len(result.ignored) == 1 else 'ies'} named like regions "
+              "ignored (not kvtier regions of this user; never opened or removed)")
+    return len(result.stale)
 
 
 def _cmd_sweep_shm(args: argparse.Namespace) -> int:

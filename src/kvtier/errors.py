@@ -6,6 +6,7 @@ name the offending value and, where there is one, the fix.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -15,6 +16,14 @@ class KvtierError(Exception):
 
 class ConfigError(KvtierError, ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
+
+
+class InvalidKeyError(KvtierError, ValueError):
+    """A block key given to the manager is not ``bytes`` of 1 to ``MAX_KEY_BYTES`` bytes."""
+
+
+class ManagerClosedError(KvtierError, RuntimeError):
+    """A :class:`~kvtier.manager.TieringManager` method was called after ``shutdown()``."""
 
 
 class RegionError(KvtierError):
@@ -29,6 +38,16 @@ class RegionBusyError(RegionError):
     """Cleanup of the region was refused because views of its memory are still alive."""
 
 
+class UnsafeEntryError(KvtierError):
+    """An entry of a shared directory is not a regular file of ours (symlink, FIFO, device,
+    directory, another user's file, ...): it was never followed, opened for I/O or deleted."""
+
+    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
+        self.path = os.fspath(path)
+        self.reason = reason
+        super().__init__(f"{self.path} is {reason}" if reason.startswith(("a ", "an ")) else f"{self.path}: {reason}")
+
+
 class CorruptValueError(KvtierError):
     """A value read from a tier failed its header, length or checksum verification."""
 
@@ -39,6 +58,14 @@ class TierError(KvtierError):
 
 class TierDrainTimeout(TierError):
     """A tier did not finish its in-flight jobs within the drain timeout."""
+
+
+class TierShutdownTimeout(TierError):
+    """A secondary tier's ``shutdown()`` overran its share of the manager's shutdown deadline.
+
+    The call was abandoned (it may still be running, on a daemon thread) and counts as a
+    failure, so the primary tier stays mapped; a later ``shutdown()`` waits for it again.
+    """
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,14 @@ Contract per engine step (DESIGN.md section 5):
 * A tier's ``on_request_finished`` runs only once the request finished and no
   device store of it is still outstanding (no more cascades can be issued).
 
+The boundary: every method taking keys accepts ``bytes`` keys of 1 to
+:data:`~kvtier.tiers.format.MAX_KEY_BYTES` bytes and raises
+:class:`~kvtier.errors.InvalidKeyError` at the call for anything else (nothing
+reaches a tier). Once :meth:`TieringManager.shutdown` was called, every method
+except ``shutdown``, ``is_shut_down`` and ``stats`` raises
+:class:`~kvtier.errors.ManagerClosedError`. ``stats`` never raises because a
+tier misbehaves.
+
 Secondary tiers are numbered from 1 in logs, labels and errors; the CPU tier is 0.
 """
 
@@ -29,29 +37,55 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from kvtier.errors import (
     ConfigError,
+    InvalidKeyError,
+    ManagerClosedError,
     RegionBusyError,
     TierError,
     TierFailure,
     TierShutdownError,
+    TierShutdownTimeout,
 )
 from kvtier.keys import BlockKey, Namespace
 from kvtier.primary import PrepareStoreResult, PrimaryTier
 from kvtier.region import SharedRegion
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
+from kvtier.tiers.format import MAX_KEY_BYTES
 from kvtier.tiers.registry import create_tier
 from kvtier.types import BlockEvent, LookupResult, OffloadPolicy, RequestContext
 from kvtier.units import rows_that_fit
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_SHUTDOWN_TIMEOUT = 120.0
+"""Seconds :meth:`TieringManager.shutdown` gives all secondary tiers together."""
+
+
+def _key_error(key: object) -> InvalidKeyError:
+    if not isinstance(key, bytes):
+        return InvalidKeyError(f"block keys must be bytes, got {type(key).__name__} {key!r:.80}")
+    return InvalidKeyError(
+        f"block key of {len(key)} bytes ({key[:16].hex()}...): keys must be 1 to {MAX_KEY_BYTES} bytes"
+    )
+
+
+def _checked_keys(keys: Iterable[BlockKey]) -> list[BlockKey]:
+    """``keys`` as a list, every one checked; the cost is a type and a length test per key."""
+    out = keys if type(keys) is list else list(keys)
+    for key in out:
+        if (type(key) is not bytes and not isinstance(key, bytes)) or not 0 < len(key) <= MAX_KEY_BYTES:
+            raise _key_error(key)
+    return out
 
 
 @dataclass
@@ -69,6 +103,31 @@ class ManagerStats:
     unknown_job_results: int = 0
     store_rejections: int = 0
     tier_call_errors: int = 0
+
+
+class _ShutdownRun:
+    """One call of a tier's ``shutdown()`` on its own daemon thread, so the manager can stop
+    waiting for it (a hung tier is abandoned, never waited on past its share of the deadline)."""
+
+    def __init__(self, tier: SecondaryTier, pos: int) -> None:
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(tier,), name=f"kvtier-shutdown-tier{pos + 1}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, tier: SecondaryTier) -> None:
+        try:
+            tier.shutdown()
+        except BaseException as exc:  # handed to the manager's thread, KeyboardInterrupt included
+            self.error = exc
+        finally:
+            self._done.set()
+
+    def wait(self, timeout: float | None) -> bool:
+        """True once the call returned or raised (``error`` then says which)."""
+        return self._done.wait(timeout)
 
 
 @dataclass
@@ -110,10 +169,14 @@ class TieringManager:
         tiers: Sequence[SecondaryTier] = (),
         *,
         drain_timeout: float | None = 120.0,
+        shutdown_timeout: float | None = DEFAULT_SHUTDOWN_TIMEOUT,
     ) -> None:
+        if shutdown_timeout is not None and not shutdown_timeout >= 0:
+            raise ConfigError(f"shutdown_timeout must be >= 0 seconds or None, got {shutdown_timeout!r}")
         self.primary = primary
         self.tiers: list[SecondaryTier] = list(tiers)
         self.drain_timeout = drain_timeout
+        self.shutdown_timeout = shutdown_timeout
         self._jobs: dict[int, _Job] = {}
         self._next_job_id = 1
         self._requests: dict[str, _RequestState] = {}
@@ -126,7 +189,9 @@ class TieringManager:
         # only, never on a row a promotion is writing (also in flight) or after a reset.
         self._device_stores: set[BlockKey] = set()
         self._tiers_down: set[int] = set()
+        self._closing = False  # shutdown() was called: only shutdown(), is_shut_down and stats() remain
         self._shutdown_complete = False
+        self._shutdown_runs: dict[int, _ShutdownRun] = {}
         self._stats = ManagerStats()
         self._logged_call_errors: set[tuple[int, str]] = set()
 
@@ -149,6 +214,7 @@ class TieringManager:
         pin: bool = False,
         sweep_stale: bool = True,
         drain_timeout: float | None = 120.0,
+        shutdown_timeout: float | None = DEFAULT_SHUTDOWN_TIMEOUT,
     ) -> TieringManager:
         """Build the region, the CPU tier and each secondary tier (``{"type": ..., **options}``).
 
@@ -183,7 +249,7 @@ class TieringManager:
                 context = TierContext(rows=region.rows, block_bytes=block_bytes, namespace=namespace, index=index)
                 built.append(create_tier(spec, context))
                 del context
-            return cls(primary, built, drain_timeout=drain_timeout)
+            return cls(primary, built, drain_timeout=drain_timeout, shutdown_timeout=shutdown_timeout)
         except BaseException:
             cls._cleanup_failed_construction(region, primary, built)
             raise
@@ -247,6 +313,17 @@ class TieringManager:
                 pos + 1, tier.tier_type, type(tier).__qualname__, call,
             )
 
+    def _refuse(self, call: str) -> NoReturn:
+        raise ManagerClosedError(
+            f"TieringManager.{call}() called after shutdown(): only shutdown(), is_shut_down and "
+            "stats() may be called now"
+        )
+
+    def _open_keys(self, call: str, keys: Iterable[BlockKey]) -> list[BlockKey]:
+        if self._closing:
+            self._refuse(call)
+        return _checked_keys(keys)
+
     # --- per-step polling ----------------------------------------------------------------
 
     def _poll_once(self) -> None:
@@ -302,6 +379,8 @@ class TieringManager:
 
     def lookup(self, key: BlockKey, request: RequestContext | None = None) -> LookupResult:
         """Where is ``key``? Starts a promotion on a secondary hit (see the module docstring)."""
+        if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES or self._closing:
+            self._open_keys("lookup", (key,))  # raises, unless a valid key of a bytes subclass
         self._poll_once()
         result = self.primary.lookup(key)
         if result is LookupResult.HIT:
@@ -343,14 +422,16 @@ class TieringManager:
 
     def prepare_load(self, keys: Sequence[BlockKey], request: RequestContext | None = None) -> np.ndarray:
         """Pin HIT blocks for a device load; returns their CPU rows. Raises if one is not HIT."""
+        keys = self._open_keys("prepare_load", keys)
         self._poll_once()
-        return self.primary.pin(list(keys))
+        return self.primary.pin(keys)
 
     def complete_load(self, keys: Iterable[BlockKey], request: RequestContext | None = None) -> None:
-        self.primary.unpin(keys)
+        self.primary.unpin(self._open_keys("complete_load", keys))
 
     def touch(self, keys: Sequence[BlockKey], request: RequestContext | None = None) -> None:
         """Recency for ``keys`` in every tier (also for blocks hit in the device cache)."""
+        keys = self._open_keys("touch", keys)
         self.primary.touch(keys)
         for pos, tier in enumerate(self.tiers):
             if pos not in self._tiers_down:
@@ -373,6 +454,7 @@ class TieringManager:
         self, keys: Sequence[BlockKey], request: RequestContext | None = None
     ) -> PrepareStoreResult | None:
         """Reserve CPU rows for a device -> CPU store; None if no room can be made."""
+        keys = self._open_keys("prepare_store", keys)
         self._poll_once()
         result = self.primary.prepare_store(keys, self._step_hits)
         if result is None:
@@ -405,7 +487,7 @@ class TieringManager:
         self, keys: Sequence[BlockKey], request: RequestContext | None = None, success: bool = True
     ) -> None:
         """The device -> CPU copy of ``keys`` finished; on success cascade them to every tier."""
-        keys = [k for k in keys if k in self._device_stores]
+        keys = [k for k in self._open_keys("complete_store", keys) if k in self._device_stores]
         self._device_stores.difference_update(keys)
         # A late completion (after reset, or after the request was finalized) must not
         # bring back a state that nothing would ever finish.
@@ -437,6 +519,8 @@ class TieringManager:
 
     def on_new_request(self, request: RequestContext) -> OffloadPolicy:
         """REQUEST_LEVEL if any tier asks for it, else BLOCK_LEVEL."""
+        if self._closing:
+            self._refuse("on_new_request")
         state = self._state(request)
         assert state is not None
         state.request_level_tiers = []
@@ -454,6 +538,8 @@ class TieringManager:
 
     def on_request_finished(self, request: RequestContext) -> None:
         """No more submit-side calls for ``request``; completions may still arrive."""
+        if self._closing:
+            self._refuse("on_request_finished")
         state = self._requests.get(request.req_id)
         if state is None:
             self._notify_finished(request)
@@ -481,6 +567,8 @@ class TieringManager:
 
     def on_schedule_end(self) -> None:
         """Once per engine step: poll, submit this step's promotions, flush parked cascades."""
+        if self._closing:
+            self._refuse("on_schedule_end")
         self._poll_once()
         pending, self._pending_promotions = self._pending_promotions, {}
         for (pos, _), promo in pending.items():
@@ -510,6 +598,8 @@ class TieringManager:
 
     def has_pending_work(self) -> bool:
         """True while a tier job is in flight, a promotion awaits submission, or a cascade is parked."""
+        if self._closing:
+            self._refuse("has_pending_work")
         return bool(
             self._jobs
             or self._pending_promotions
@@ -528,6 +618,8 @@ class TieringManager:
 
     def take_events(self) -> list[BlockEvent]:
         """Stored/removed events of the CPU tier and every secondary tier since the last call."""
+        if self._closing:
+            self._refuse("take_events")
         events = self.primary.take_events()
         for pos, tier in enumerate(self.tiers):
             if pos not in self._tiers_down:
@@ -538,6 +630,8 @@ class TieringManager:
         return events
 
     def jobs_in_flight(self) -> int:
+        if self._closing:
+            self._refuse("jobs_in_flight")
         return len(self._jobs)
 
     # --- reset -----------------------------------------------------------------------------
@@ -549,6 +643,8 @@ class TieringManager:
         Persistent tiers keep their data. Raises :class:`TierError` (and resets
         nothing) if a tier cannot drain within the timeout.
         """
+        if self._closing:
+            self._refuse("reset_cache")
         timeout = self.drain_timeout if drain_timeout is None else drain_timeout
         for pos, tier in enumerate(self.tiers):
             if pos not in self._tiers_down:
@@ -576,13 +672,7 @@ class TieringManager:
         primary = self.primary
         tiers: dict[str, Any] = {}
         for pos, tier in enumerate(self.tiers):
-            entry: dict[str, Any] = {"class": type(tier).__qualname__, **asdict(tier.stats)}
-            if pos not in self._tiers_down:
-                usage = tier.usage()
-                health = tier.health()
-                entry.update(used_bytes=usage.used_bytes, capacity_bytes=usage.capacity_bytes,
-                             entries=usage.entries, health=health.state.value)
-            tiers[self.tier_label(pos + 1)] = entry
+            tiers[self.tier_label(pos + 1)] = self._tier_stats(pos, tier)
         return {
             "manager": {**asdict(self._stats), "jobs_in_flight": len(self._jobs),
                         "active_requests": len(self._requests)},
@@ -597,9 +687,30 @@ class TieringManager:
             "tiers": tiers,
         }
 
+    def _tier_stats(self, pos: int, tier: SecondaryTier) -> dict[str, Any]:
+        """One tier's entry of :meth:`stats`; a part the tier fails to give is left out (the
+        failure is counted and logged once), so ``stats()`` never raises."""
+        entry: dict[str, Any] = {"class": type(tier).__qualname__}
+        try:
+            entry.update(asdict(tier.stats))
+        except Exception:
+            self._tier_call_failed(pos, "stats")
+        if pos in self._tiers_down:
+            return entry
+        try:
+            usage = tier.usage()
+            entry.update(used_bytes=usage.used_bytes, capacity_bytes=usage.capacity_bytes, entries=usage.entries)
+        except Exception:
+            self._tier_call_failed(pos, "usage")
+        try:
+            entry["health"] = tier.health().state.value
+        except Exception:
+            self._tier_call_failed(pos, "health")
+        return entry
+
     # --- shutdown --------------------------------------------------------------------------
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         """Shut down every secondary tier, then (only if all succeeded) the CPU tier.
 
         Every tier is attempted even after earlier ones fail; each failure is
@@ -610,30 +721,70 @@ class TieringManager:
         then releases the CPU tier. After a complete shutdown this is a no-op.
         KeyboardInterrupt and SystemExit propagate at once and never lead to the
         CPU tier being released.
+
+        Deadline: ``timeout`` seconds (default: ``shutdown_timeout`` of the
+        constructor; None there means no deadline) for all tiers together. Each
+        tier's ``shutdown()`` then runs on its own thread and is waited for at
+        most its share (the time left divided by the tiers left); a tier that
+        overruns is abandoned and fails with :class:`TierShutdownTimeout`, and the
+        next tiers are still attempted. A retry waits again for a tier still
+        running its earlier ``shutdown()`` instead of calling it twice.
         """
         if self._shutdown_complete:
             return
+        self._closing = True
+        limit = self.shutdown_timeout if timeout is None else timeout
+        deadline = None if limit is None else time.monotonic() + max(0.0, limit)
+        pending = [pos for pos in range(len(self.tiers)) if pos not in self._tiers_down]
         failures: list[TierFailure] = []
-        for pos, tier in enumerate(self.tiers):
-            if pos in self._tiers_down:
-                continue
-            try:
-                tier.shutdown()
-            except Exception as exc:
-                logger.error(
-                    "Failed to shut down secondary tier #%d (type=%s, class=%s): %s",
-                    pos + 1, tier.tier_type, type(tier).__qualname__, exc, exc_info=exc,
-                )
-                failures.append(TierFailure(pos + 1, tier.tier_type, type(tier).__qualname__, exc))
-            else:
+        for done, pos in enumerate(pending):
+            tier = self.tiers[pos]
+            share = None if deadline is None else max(0.0, deadline - time.monotonic()) / (len(pending) - done)
+            error = self._shutdown_tier(pos, tier, share)
+            if error is None:
                 self._tiers_down.add(pos)
                 tier.context.release_rows()
+                continue
+            logger.error(
+                "Failed to shut down secondary tier #%d (type=%s, class=%s): %s",
+                pos + 1, tier.tier_type, type(tier).__qualname__, error, exc_info=error,
+            )
+            failures.append(TierFailure(pos + 1, tier.tier_type, type(tier).__qualname__, error))
         if failures:
             raise TierShutdownError(failures) from failures[-1].error
         self._jobs.clear()
         self._pending_promotions.clear()
         self.primary.shutdown()
         self._shutdown_complete = True
+
+    def _shutdown_tier(self, pos: int, tier: SecondaryTier, share: float | None) -> Exception | None:
+        """Run (or keep waiting for) one tier's ``shutdown()``; its error, or None on success.
+
+        Without a deadline, and with no earlier call still running, the call is made
+        in this thread. KeyboardInterrupt/SystemExit raised by the tier propagate.
+        """
+        run = self._shutdown_runs.get(pos)
+        if share is None and run is None:
+            try:
+                tier.shutdown()
+            except Exception as exc:
+                return exc
+            return None
+        if run is None:
+            run = self._shutdown_runs[pos] = _ShutdownRun(tier, pos)
+            still = ""
+        else:
+            still = " (still running the shutdown() of an earlier attempt)"
+        if not run.wait(share):
+            return TierShutdownTimeout(
+                f"secondary tier #{pos + 1} (type={tier.tier_type}) did not finish shutdown() within its "
+                f"{share:.3g}s share of the deadline{still}; abandoned while still running, so the CPU "
+                "tier stays mapped. Call shutdown() again to wait for it"
+            )
+        del self._shutdown_runs[pos]
+        if run.error is None or isinstance(run.error, Exception):
+            return run.error
+        raise run.error  # KeyboardInterrupt / SystemExit inside the tier: stop here
 
     @property
     def is_shut_down(self) -> bool:

@@ -2,28 +2,42 @@
 
 Layout: a header page, then ``num_rows`` rows of ``row_stride`` bytes, where the
 stride is ``row_bytes`` rounded up to the page size, so every row is page
-aligned (O_DIRECT and pinning need it).
+aligned (O_DIRECT and pinning need it). The header and the locks in it are
+described in :mod:`kvtier.region_file`.
 
 Lifecycle (DESIGN.md section 3):
 
 * **Create-or-attach.** A creator builds the file fully sized, with its header
-  written, as an anonymous ``O_TMPFILE`` and links it into place atomically,
-  so an attacher never sees a half-made file and exactly one creator wins. The
-  others attach, waiting (bounded) for the file to appear.
+  (and a random per-start *generation*) written and every page backed, as an
+  anonymous ``O_TMPFILE``, takes its creator lock and links it into place
+  atomically, so an attacher never sees a half-made file and exactly one
+  creator wins. The others attach, waiting (bounded) for the file to appear.
+* **One start, one mapping.** A file whose creator lock is free belongs to a
+  dead start: it is never joined, whatever its attach count says; a process
+  that may create replaces it (unlinks the proven-stale name, then links a new
+  file), one that may only attach waits for its own creator to do so. Given a
+  ``generation``, an attacher joins only the file of that generation.
+* **Untrusted directory.** Nothing at the region's path is trusted: it is looked
+  at with ``O_PATH | O_NOFOLLOW`` and only a regular file of this uid with a
+  valid header is opened; anything else is refused with a clear error, never
+  followed, opened for I/O, waited on or deleted.
 * **Free space** in the directory is checked before anything is created; a
-  shortfall raises :class:`InsufficientSpaceError` naming both sizes.
+  shortfall, or a prefault the memory cannot back (memory cgroup limit, full
+  tmpfs), raises :class:`InsufficientSpaceError` naming both sizes.
 * **Liveness.** Every process holds a shared ``flock`` on the file while it maps
-  it. The kernel drops the lock when the process dies, so a file whose
-  exclusive lock can be taken has no live user: :meth:`SharedRegion.sweep_stale`
-  removes exactly those, and never another live engine's file.
+  it; :func:`sweep_stale` removes exactly the files whose exclusive lock can be
+  taken, and never another live engine's file.
 * **Unlink once mapped.** Each mapper increments an attach counter in the
   header (under a byte-range lock); the one that reaches ``expected_mappers``
-  unlinks the path, guarded by ``(st_dev, st_ino)`` so a late process of an old
-  generation cannot delete a new engine's file. From then on nothing can leak:
-  the kernel frees the memory with the last mapping, even after SIGKILL.
+  unlinks the path, under the file's name lock and only if the path still names
+  this inode, so a late process of an old generation cannot delete a new
+  engine's file. From then on nothing can leak: the kernel frees the memory
+  with the last mapping, even after SIGKILL. A process arriving after all
+  ``expected_mappers`` attached is refused.
 * **Cleanup order:** unpin, drop the exported views, close the mapping, close
   the fd. A view still held elsewhere makes :meth:`close` raise
-  :class:`RegionBusyError` (the region stays valid); it never crashes.
+  :class:`RegionBusyError` (the region stays valid); it never crashes. A failed
+  construction closes its mapping and descriptor before raising.
 
 Thread-safety: construct and close from one thread. ``rows`` may be read and
 written from any thread; coordinating who touches which row is the primary
@@ -37,30 +51,57 @@ import fcntl
 import logging
 import mmap
 import os
+import secrets
 import struct
 import time
 import uuid
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
-from kvtier.errors import InsufficientSpaceError, RegionBusyError, RegionError
+from kvtier.errors import InsufficientSpaceError, RegionBusyError, RegionError, UnsafeEntryError
+from kvtier.region_file import (
+    ATTACH_COUNT_OFFSET,
+    CREATOR_LOCK_OFFSET,
+    FILE_PREFIX,
+    FILE_SUFFIX,
+    GENERATION_BYTES,
+    PAGE_SIZE,
+    TMP_PREFIX,
+    IgnoredEntry,
+    RegionHeader,
+    ShmSweep,
+    StaleRegion,
+    creator_alive,
+    link_fd,
+    read_header,
+    sweep,
+    tmpfile_unsupported,
+    unlink_if_same,
+)
 from kvtier.units import format_size as format_bytes
 from kvtier.units import round_up as round_up
+from kvtier.untrusted import flock_within, inspect_entry, lock_range, reopen, try_flock, try_lock_range, unlock_range
 
 logger = logging.getLogger(__name__)
 
-PAGE_SIZE = mmap.PAGESIZE
-FILE_PREFIX = "kvtier-"
-FILE_SUFFIX = ".shm"
-_MAGIC = b"KVTREG01"
-# magic, version, expected_mappers, num_rows, row_bytes, row_stride, creator_pid
-_HEADER = struct.Struct("<8sIIQQQQ")
-_ATTACHED_OFFSET = 512  # uint32 attach counter, guarded by a byte-range lock
 _MADV_POPULATE_WRITE = 23
+_RETRY_SECONDS = 0.01
+
+__all__ = [
+    "FILE_PREFIX",
+    "FILE_SUFFIX",
+    "PAGE_SIZE",
+    "IgnoredEntry",
+    "SharedRegion",
+    "ShmSweep",
+    "StaleRegion",
+    "format_bytes",
+    "region_path",
+    "round_up",
+]
 
 
 def region_path(name: str, shm_dir: str | os.PathLike[str] = "/dev/shm") -> Path:
@@ -70,29 +111,16 @@ def region_path(name: str, shm_dir: str | os.PathLike[str] = "/dev/shm") -> Path
     return Path(shm_dir) / f"{FILE_PREFIX}{name}{FILE_SUFFIX}"
 
 
-def _link_fd(fd: int, path: Path) -> None:
-    """Give an O_TMPFILE file a name, atomically; FileExistsError if the name is taken."""
-    proc_fd = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        # linkat(..., AT_SYMLINK_FOLLOW) through /proc: plain link() would not follow the magic link.
-        os.link(str(fd), path, src_dir_fd=proc_fd, follow_symlinks=True)
-    finally:
-        os.close(proc_fd)
-
-
-@dataclass(frozen=True)
-class StaleRegion:
-    path: Path
-    size: int
-    removed: bool
-
-
 class SharedRegion:
     """A page-aligned array of rows in a shared-memory file; see the module docstring.
 
     ``create``: None = create or attach (whoever comes first creates); True =
-    must create (fails if the file exists); False = attach only (waits up to
-    ``attach_timeout`` seconds for it to appear).
+    must create (fails if a live file exists); False = attach only (waits up to
+    ``attach_timeout`` seconds for a live file of this start to appear).
+    ``generation``: 16 bytes shared by every process of one start, if the caller
+    has such a value; the creator stamps it (default: random) and attachers that
+    pass it join only that file. Without it, attachers join only a file whose
+    creator is alive.
     """
 
     def __init__(
@@ -107,11 +135,14 @@ class SharedRegion:
         attach_timeout: float = 30.0,
         prefault: bool = True,
         pin: bool = False,
+        generation: bytes | None = None,
     ) -> None:
         if num_rows <= 0 or row_bytes <= 0:
             raise RegionError(f"a region needs num_rows > 0 and row_bytes > 0, got {num_rows} and {row_bytes}")
         if expected_mappers < 1:
             raise RegionError(f"expected_mappers must be >= 1, got {expected_mappers}")
+        if generation is not None and (not isinstance(generation, bytes) or len(generation) != GENERATION_BYTES):
+            raise RegionError(f"generation must be {GENERATION_BYTES} bytes, got {generation!r}")
         self.name = name
         self.path = region_path(name, shm_dir)
         self.num_rows = num_rows
@@ -119,6 +150,7 @@ class SharedRegion:
         self.row_stride = round_up(row_bytes)
         self.total_bytes = PAGE_SIZE + num_rows * self.row_stride
         self.expected_mappers = expected_mappers
+        self.generation = generation
         self.is_creator = False
         self.unlinked = False
         self._fd = -1
@@ -128,13 +160,7 @@ class SharedRegion:
         self._closed = False
         self._views: list[weakref.ref[Any]] = []
         try:
-            if create is not False:
-                created = self._try_create(prefault)
-                if not created and create is True:
-                    raise RegionError(f"region file {self.path} already exists; pick another name")
-            if self._fd < 0:
-                self._attach(attach_timeout)
-            self._count_attach()
+            self._create_or_attach(create, attach_timeout, prefault)
             if pin:
                 self._pin()
         except BaseException:
@@ -142,6 +168,114 @@ class SharedRegion:
             raise
 
     # --- construction ------------------------------------------------------------
+
+    def _create_or_attach(self, create: bool | None, timeout: float, prefault: bool) -> None:
+        """Loop until this process created or joined the file of its start (bounded by ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            fd = self._open_existing()
+            if fd is None:
+                if create is not False and self._create(prefault):
+                    self._count_attach()
+                    return
+                waiting = "did not appear"
+            else:
+                self._fd = fd
+                waiting = self._join(create, deadline)
+                if not waiting:
+                    return
+                self._release_quietly()
+            if time.monotonic() >= deadline:
+                raise RegionError(
+                    f"region file {self.path} {waiting} within {timeout}s: is the creating process running "
+                    "and using the same region name and shm_dir?"
+                )
+            time.sleep(_RETRY_SECONDS)
+
+    def _open_existing(self) -> int | None:
+        """A read-write fd of the regular file of ours at the path, None if there is none.
+
+        Looks first with O_PATH | O_NOFOLLOW, so a symlink, FIFO, socket, device or
+        directory planted at the path is never followed, opened or waited on.
+        """
+        try:
+            path_fd = inspect_entry(self.path, owner=os.geteuid())
+        except FileNotFoundError:
+            return None
+        except UnsafeEntryError as exc:
+            raise RegionError(
+                f"region path {self.path} is {exc.reason}, not a kvtier region: kvtier will not use or remove "
+                "it; remove it yourself or choose another region name"
+                if exc.reason.startswith(("a ", "an "))
+                else f"region path {self.path} is not a kvtier region of this user ({exc.reason}): remove it "
+                "or choose another region name"
+            ) from None
+        try:
+            return reopen(path_fd, os.O_RDWR)
+        except FileNotFoundError:
+            return None
+        finally:
+            os.close(path_fd)
+
+    def _join(self, create: bool | None, deadline: float) -> str:
+        """Join the file open as ``self._fd``. Returns "" once joined, else why to try again."""
+        fd = self._fd
+        header = read_header(fd)
+        if isinstance(header, str):
+            raise RegionError(
+                f"region path {self.path} is a file of this user but {header}: kvtier will not use or remove "
+                "it; remove it or choose another region name"
+            )
+        if header.version != 2:
+            return self._replace_old_format(create)
+        try:
+            flock_within(fd, False, max(0.0, deadline - time.monotonic()), f"region {self.path}")
+        except TimeoutError as exc:
+            raise RegionError(str(exc)) from None
+        if os.fstat(fd).st_nlink == 0:
+            return "was replaced while attaching"
+        if not creator_alive(fd):
+            if create is False:
+                return f"belongs to a dead start (creator pid {header.creator_pid}) and was not replaced"
+            if unlink_if_same(self.path, fd):
+                logger.warning(
+                    "region %s: replaced file %s of a dead start (creator pid %d, %d of %d mappers had attached)",
+                    self.name, self.path, header.creator_pid, self._attach_count(), header.expected_mappers,
+                )
+            return "was being replaced"
+        if create is True:
+            raise RegionError(f"region file {self.path} already exists; pick another name")
+        if self.generation is not None and header.generation != self.generation:
+            raise RegionError(
+                f"region {self.path} belongs to another live start (creator pid {header.creator_pid}, "
+                f"generation {header.generation.hex()}, not {self.generation.hex()}): another engine uses "
+                "this region name"
+            )
+        found = (header.num_rows, header.row_bytes, header.row_stride, header.expected_mappers)
+        if found != (self.num_rows, self.row_bytes, self.row_stride, self.expected_mappers):
+            raise RegionError(
+                f"region {self.path} has {header.num_rows} rows of {header.row_bytes} bytes for "
+                f"{header.expected_mappers} mappers, but {self.num_rows} rows of {self.row_bytes} bytes for "
+                f"{self.expected_mappers} mappers were asked for: every process must use the same geometry, "
+                "cpu size and number of mappers"
+            )
+        self.generation = header.generation
+        self._map()
+        self._count_attach()
+        return ""
+
+    def _replace_old_format(self, create: bool | None) -> str:
+        """A format-1 file (older kvtier) has no creator lock: replace it only if no one maps it."""
+        if not try_flock(self._fd, exclusive=True):
+            raise RegionError(
+                f"region file {self.path} is in use by a process of an older kvtier version: stop it or "
+                "choose another region name"
+            )
+        if create is False:
+            return "is a stale file of an older kvtier and was not replaced"
+        if unlink_if_same(self.path, self._fd):
+            logger.warning("region %s: replaced stale file %s of an older kvtier version", self.name, self.path)
+        return "was being replaced"
 
     def _check_space(self) -> None:
         st = os.statvfs(self.path.parent)
@@ -153,28 +287,32 @@ class SharedRegion:
                 f"lower cpu_bytes or enlarge {self.path.parent}"
             )
 
-    def _try_create(self, prefault: bool) -> bool:
-        if self.path.exists():
-            return False
+    def _create(self, prefault: bool) -> bool:
+        """Build a complete file and link it at the path; False if another creator won the name."""
         if not self.path.parent.is_dir():
             raise RegionError(f"shared-memory directory {self.path.parent} does not exist")
         self._check_space()
         tmp_path: Path | None = None
         try:
-            fd = os.open(self.path.parent, os.O_TMPFILE | os.O_RDWR, 0o600)
+            fd = os.open(self.path.parent, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            if not tmpfile_unsupported(exc):
                 raise
-            tmp_path = self.path.parent / f".{FILE_PREFIX}tmp-{uuid.uuid4().hex}{FILE_SUFFIX}"
-            fd = os.open(tmp_path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            tmp_path = self.path.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}{FILE_SUFFIX}"
+            flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp_path, flags, 0o600)
         self._fd = fd
         try:
+            # The creator lock first: nobody may ever see this file linked without a live creator.
+            if not try_lock_range(fd, CREATOR_LOCK_OFFSET):
+                raise RegionError(f"could not take the creator lock of a new file for region {self.name!r}")
             fcntl.flock(fd, fcntl.LOCK_SH)
             os.ftruncate(fd, self.total_bytes)
-            header = _HEADER.pack(
-                _MAGIC, 1, self.expected_mappers, self.num_rows, self.row_bytes, self.row_stride, os.getpid()
+            generation = self.generation or secrets.token_bytes(GENERATION_BYTES)
+            header = RegionHeader(
+                self.expected_mappers, self.num_rows, self.row_bytes, self.row_stride, os.getpid(), generation
             )
-            os.pwrite(fd, header, 0)
+            os.pwrite(fd, header.pack(), 0)
             self._map()
             if prefault:
                 self._prefault()
@@ -182,48 +320,16 @@ class SharedRegion:
                 if tmp_path is not None:
                     os.link(tmp_path, self.path)
                 else:
-                    _link_fd(fd, self.path)
+                    link_fd(fd, self.path)
             except FileExistsError:
                 self._release_quietly()
                 return False
+            self.generation = generation
             self.is_creator = True
             return True
         finally:
             if tmp_path is not None:
                 tmp_path.unlink(missing_ok=True)
-
-    def _attach(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fd = os.open(self.path, os.O_RDWR)
-                break
-            except FileNotFoundError:
-                if time.monotonic() >= deadline:
-                    raise RegionError(
-                        f"region file {self.path} did not appear within {timeout}s: is the creating process "
-                        "running and using the same region name and shm_dir?"
-                    ) from None
-                time.sleep(0.01)
-        self._fd = fd
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        st = os.fstat(fd)
-        if st.st_nlink == 0:
-            raise RegionError(f"region file {self.path} was removed while attaching (its creator exited?)")
-        raw = os.pread(fd, _HEADER.size, 0)
-        if len(raw) < _HEADER.size:
-            raise RegionError(f"{self.path} is too short to be a kvtier region ({st.st_size} bytes)")
-        magic, _version, _expected, num_rows, row_bytes, row_stride, _pid = _HEADER.unpack(raw)
-        if magic != _MAGIC:
-            raise RegionError(f"{self.path} is not a kvtier region (bad magic)")
-        if (num_rows, row_bytes, row_stride) != (self.num_rows, self.row_bytes, self.row_stride):
-            raise RegionError(
-                f"region {self.path} has {num_rows} rows of {row_bytes} bytes, but {self.num_rows} rows of "
-                f"{self.row_bytes} bytes were asked for: every process must use the same geometry and cpu size"
-            )
-        if st.st_size != self.total_bytes:
-            raise RegionError(f"region {self.path} is {st.st_size} bytes, expected {self.total_bytes}")
-        self._map()
 
     def _map(self) -> None:
         self._mmap = mmap.mmap(self._fd, self.total_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -231,35 +337,72 @@ class SharedRegion:
         self._rows = base.reshape(self.num_rows, self.row_stride)
 
     def _prefault(self) -> None:
+        """Back every page of the new (not yet linked) file now, or raise InsufficientSpaceError.
+
+        Only EINVAL (a kernel without MADV_POPULATE_WRITE) falls back: fallocate, which
+        fails cleanly when the space is not there, then a write per page. Any other errno
+        (ENOMEM: memory cgroup limit; EFAULT: tmpfs full; EIO) means the memory is not
+        there: touching pages would end in a SIGBUS or an OOM kill later, so the pages got
+        so far are given back and the creation fails.
+        """
         assert self._mmap is not None
         try:
             self._mmap.madvise(_MADV_POPULATE_WRITE)
-        except OSError:
-            # Older kernel: a write per page faults it in (the file is new, so zeros are correct).
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                self._fail_prefault(exc)
+            try:
+                os.posix_fallocate(self._fd, 0, self.total_bytes)
+            except OSError as fallocate_exc:
+                if fallocate_exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    self._fail_prefault(fallocate_exc)
+            # The file is new, so zeros are correct; every page is backed now.
             assert self._rows is not None
             self._rows.reshape(-1)[::PAGE_SIZE] = 0
 
+    def _fail_prefault(self, exc: OSError) -> NoReturn:
+        got = os.fstat(self._fd).st_blocks * 512
+        os.ftruncate(self._fd, 0)  # give the pages back at once; the file was never linked
+        short = max(self.total_bytes - got, PAGE_SIZE)
+        reason = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        raise InsufficientSpaceError(
+            f"{self.path.parent} could not back region {self.name!r} of {format_bytes(self.total_bytes)} "
+            f"({reason}: {exc.strerror} after {format_bytes(got)}; {format_bytes(short)} short): a memory "
+            f"cgroup limit or the size of {self.path.parent} allows less than its free space suggests; "
+            "lower cpu_bytes or raise the limit"
+        ) from None
+
+    def _attach_count(self) -> int:
+        (count,) = struct.unpack("<I", os.pread(self._fd, 4, ATTACH_COUNT_OFFSET))
+        return int(count)
+
     def _count_attach(self) -> None:
+        """Count this mapper in; the one that completes the start unlinks the path.
+
+        A process arriving after every expected mapper attached (a wrong
+        ``expected_mappers``, or another engine with this name) is refused.
+        """
         assert self._mmap is not None
-        fcntl.lockf(self._fd, fcntl.LOCK_EX, 4, _ATTACHED_OFFSET)
         try:
-            (count,) = struct.unpack_from("<I", self._mmap, _ATTACHED_OFFSET)
+            lock_range(self._fd, ATTACH_COUNT_OFFSET, 4, timeout=10.0, what=f"attach counter of {self.path}")
+        except TimeoutError as exc:
+            raise RegionError(str(exc)) from None
+        try:
+            (count,) = struct.unpack_from("<I", self._mmap, ATTACH_COUNT_OFFSET)
+            if count >= self.expected_mappers:
+                raise RegionError(
+                    f"region {self.path} already has all {self.expected_mappers} expected mappers attached: "
+                    "expected_mappers is too low, or another engine uses this region name"
+                )
             count += 1
-            struct.pack_into("<I", self._mmap, _ATTACHED_OFFSET, count)
+            struct.pack_into("<I", self._mmap, ATTACH_COUNT_OFFSET, count)
             if count >= self.expected_mappers:
                 self._unlink_if_ours()
         finally:
-            fcntl.lockf(self._fd, fcntl.LOCK_UN, 4, _ATTACHED_OFFSET)
+            unlock_range(self._fd, ATTACH_COUNT_OFFSET, 4)
 
     def _unlink_if_ours(self) -> None:
-        mine = os.fstat(self._fd)
-        try:
-            there = os.stat(self.path)
-        except FileNotFoundError:
-            self.unlinked = True
-            return
-        if (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
-            self.path.unlink(missing_ok=True)
+        if unlink_if_same(self.path, self._fd):
             logger.debug("unlinked region path %s (all %d mappers attached)", self.path, self.expected_mappers)
         self.unlinked = True
 
@@ -338,17 +481,15 @@ class SharedRegion:
     def _close_fd(self) -> None:
         if self._fd < 0:
             return
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pass  # another live process still maps it; the last one out removes the path
-        else:
-            if not self.unlinked:
-                self._unlink_if_ours()
-        os.close(self._fd)
+        if try_flock(self._fd, exclusive=True) and not self.unlinked:
+            # No other live process maps it: the last one out removes the path.
+            self._unlink_if_ours()
+        os.close(self._fd)  # drops the flock and, for the creator, the creator lock
         self._fd = -1
 
     def _release_quietly(self) -> None:
+        """Close the mapping and the descriptor of a failed or abandoned attempt (never raises
+        for a mapping still referenced: the kernel frees it with the last reference)."""
         self._rows = None
         if self._mmap is not None:
             try:
@@ -375,38 +516,17 @@ class SharedRegion:
     # --- stale sweep -------------------------------------------------------------
 
     @staticmethod
-    def sweep_stale(shm_dir: str | os.PathLike[str] = "/dev/shm", remove: bool = False) -> list[StaleRegion]:
-        """Find (and with ``remove``, delete) region files that no live process holds.
+    def sweep(shm_dir: str | os.PathLike[str] = "/dev/shm", remove: bool = False) -> ShmSweep:
+        """Stale regions of this user (removed with ``remove``), live ones, and ignored entries.
 
-        Liveness is the flock every mapper holds: if an exclusive lock can be taken,
-        no live process maps the file. Files of live processes are never touched.
+        See :func:`kvtier.region_file.sweep`: only a regular file of this uid with a valid
+        header and no live mapper (flock) is stale; symlinks, FIFOs, devices, sockets,
+        directories, other users' and header-less files are listed as ignored, with the
+        reason, and never opened for I/O, waited on or deleted.
         """
-        found: list[StaleRegion] = []
-        directory = Path(shm_dir)
-        candidates = sorted(directory.glob(f"{FILE_PREFIX}*{FILE_SUFFIX}"))
-        candidates += sorted(directory.glob(f".{FILE_PREFIX}tmp-*{FILE_SUFFIX}"))
-        for path in candidates:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue
-                st = os.fstat(fd)
-                removed = False
-                if remove:
-                    try:
-                        there = os.stat(path)
-                        if (there.st_dev, there.st_ino) == (st.st_dev, st.st_ino):
-                            path.unlink()
-                            removed = True
-                            logger.info("removed stale region %s (%s)", path, format_bytes(st.st_size))
-                    except FileNotFoundError:
-                        pass
-                found.append(StaleRegion(path, st.st_size, removed))
-            finally:
-                os.close(fd)
-        return found
+        return sweep(shm_dir, remove)
+
+    @staticmethod
+    def sweep_stale(shm_dir: str | os.PathLike[str] = "/dev/shm", remove: bool = False) -> list[StaleRegion]:
+        """The stale regions :meth:`sweep` finds (and with ``remove``, deletes)."""
+        return sweep(shm_dir, remove).stale

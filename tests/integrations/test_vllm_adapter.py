@@ -142,3 +142,24 @@ def test_copier_round_trips_negative_int8_bytes_through_the_region(shm: Path) ->
     finally:
         copier.close()
     assert copier.region.closed and list(shm.iterdir()) == []
+
+
+def test_vllm_keys_are_kvtier_keys_as_they_are(adapter: KvtierOffloadingManager) -> None:
+    """No lossy rehash and no reverse map: the CPU tier holds vLLM's 36-byte keys themselves, and
+    every evicted key and event comes back as the very key vLLM gave."""
+    req = ReqContext("r1")
+    keys = _keys(4)
+    assert len(keys[0]) == 36
+    out = adapter.prepare_store(keys, req)
+    assert out is not None
+    adapter.complete_store(keys, req)
+    assert all(k in adapter.manager.primary for k in keys)
+    later = _keys(4, start=20)
+    out = adapter.prepare_store(later, req)
+    assert out is not None and sorted(out.evicted_keys) == sorted(keys)
+    adapter.complete_store(later, req)
+    events = list(adapter.take_events())
+    removed = {k for e in events if e.removed for k in e.keys}
+    stored = {k for e in events if not e.removed for k in e.keys}
+    assert removed == set(keys) and stored == set(keys) | set(later)
+    assert not hasattr(adapter, "_reverse")

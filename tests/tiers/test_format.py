@@ -61,3 +61,51 @@ def test_checksum_is_xxh3_64_for_small_and_large_payloads() -> None:
         data = bytes(range(256)) * (size // 256) + bytes(size % 256)
         assert payload_checksum(data) == xxhash.xxh3_64_intdigest(data), size
         assert payload_checksum(memoryview(data)) == payload_checksum(bytearray(data))
+
+
+@pytest.mark.parametrize("length", [1, 8, 32, 33, 36, 64])
+def test_keys_of_every_length_up_to_the_maximum_round_trip(length: int) -> None:
+    """vLLM's 36-byte offload keys (and anything up to MAX_KEY_BYTES) are stored as they are."""
+    from kvtier.tiers.format import MAX_KEY_BYTES
+
+    assert MAX_KEY_BYTES >= 64
+    key = bytes(range(1, length + 1))
+    raw = encode_header(NS, key, PAYLOAD)
+    assert len(raw) == HEADER_SIZE
+    version = int.from_bytes(raw[8:12], "little")
+    assert version == (1 if length <= 32 else 2), "keys of up to 32 bytes keep format 1 (readable by old releases)"
+    header = decode_header(raw, namespace=NS, key=key, payload_len=len(PAYLOAD))
+    assert header.key == key
+    with pytest.raises(CorruptValueError, match="key mismatch"):
+        decode_header(raw, namespace=NS, key=key[:-1] + b"\xff")
+    with pytest.raises(CorruptValueError, match="key mismatch"):
+        decode_header(raw, namespace=NS, key=key + b"\x00")
+
+
+@pytest.mark.parametrize("offset", [0, 9, 20, 40, 90, 97, 105, 115, 125])
+def test_any_flipped_byte_of_a_format_2_header_is_detected(offset: int) -> None:
+    key = b"v" * 36
+    raw = bytearray(encode_header(NS, key, PAYLOAD))
+    raw[offset] ^= 0x40
+    with pytest.raises(CorruptValueError):
+        decode_header(raw, namespace=NS, key=key, payload_len=len(PAYLOAD))
+
+
+def test_keys_beyond_the_maximum_or_empty_are_refused() -> None:
+    from kvtier.tiers.format import MAX_KEY_BYTES
+
+    for key in (b"", b"x" * (MAX_KEY_BYTES + 1)):
+        with pytest.raises(ValueError, match="block key"):
+            encode_header(NS, key, PAYLOAD)
+
+
+def test_unknown_format_version_is_refused_clearly() -> None:
+    import struct
+
+    import xxhash
+
+    raw = bytearray(encode_header(NS, KEY, PAYLOAD))
+    struct.pack_into("<I", raw, 8, 3)
+    struct.pack_into("<Q", raw, 88, xxhash.xxh3_64_intdigest(bytes(raw[:88])))
+    with pytest.raises(CorruptValueError, match="unsupported value format version 3"):
+        decode_header(raw, namespace=NS, key=KEY)

@@ -712,3 +712,29 @@ def test_stores_are_shed_when_the_write_queue_is_full(tmp_path: Path, rows: np.n
 def test_bad_options_are_config_errors(tmp_path: Path, rows: np.ndarray, options: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         make_tier(tmp_path, rows, BB, **options)
+
+
+def test_a_root_of_an_older_release_is_read_and_its_manifest_upgraded(tmp_path: Path, rows: np.ndarray) -> None:
+    """Values of the format-1 era stay servable; the manifest then names format 2, so a
+    format-1-only release refuses the directory instead of mistaking long-key values for corrupt."""
+    import json
+
+    keys = [key_of(i, b"old") for i in range(3)]
+    fill(rows, range(3), keys, BB)
+    tier = make_tier(tmp_path, rows, BB)
+    try:
+        assert store(tier, keys, [0, 1, 2]).success
+    finally:
+        tier.shutdown()
+    (manifest_path,) = tmp_path.glob("*/manifest.json")
+    manifest = json.loads(manifest_path.read_text())
+    manifest["value_format_version"] = 1
+    manifest_path.write_text(json.dumps(manifest))
+    rows[:3] = 0
+    tier = make_tier(tmp_path, rows, BB)
+    try:
+        assert load(tier, keys, [0, 1, 2]).success
+        _check_rows(rows, [0, 1, 2], keys)
+    finally:
+        tier.shutdown()
+    assert json.loads(manifest_path.read_text())["value_format_version"] == 2

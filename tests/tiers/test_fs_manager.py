@@ -126,3 +126,27 @@ def test_warm_restart_through_a_new_manager(tmp_path: Path) -> None:
         assert np.array_equal(back, device)
     finally:
         second.shutdown()
+
+
+def test_keys_longer_than_32_bytes_are_stored_and_found_after_a_restart(tmp_path: Path) -> None:
+    from kvtier.tiers.format import MAX_KEY_BYTES
+
+    keys = [bytes([i]) * n for i, n in enumerate((36, 33, MAX_KEY_BYTES), start=1)]
+    device = np.random.default_rng(9).integers(0, 256, (len(keys), BLOCK_BYTES), dtype=np.uint8)
+    first = _manager(tmp_path)
+    try:
+        plan = first.prepare_store(keys)
+        assert plan is not None
+        for i, slot in enumerate(plan.slots):
+            first.rows[slot, :BLOCK_BYTES] = device[i]
+        first.complete_store(keys)
+        _settle(first)
+        assert first.tiers[0].stats.stores_failed == 0
+    finally:
+        first.shutdown()
+    assert {p.name for p in tmp_path.rglob("*.kv")} == {k.hex() + ".kv" for k in keys}
+    second = _manager(tmp_path)
+    try:
+        assert np.array_equal(_promote_and_load(second, keys, RequestContext("again")), device)
+    finally:
+        second.shutdown()

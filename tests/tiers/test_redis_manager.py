@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -217,3 +218,64 @@ def test_step_loop_survives_sigkill_and_recovers(
     assert np.array_equal(load_blocks(b, fresh, req), data)
     settle(a)
     settle(b)
+
+
+def test_corrupt_value_warning_keeps_no_cpu_row_alive(
+    redis_server: Any, make_manager: Callable[..., TieringManager], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A handler that keeps log records (caplog, log shippers) must not pin a CPU row:
+    shutdown after a corrupt-value warning releases the region (regression: RegionBusyError)."""
+    import redis as redis_py
+
+    ns = namespace()
+    a = make_manager(redis_server.url, ns)
+    keys = chain_ids(range(2), ns)
+    store_blocks(a, keys, seed=5)
+    settle(a)
+    raw = redis_py.Redis.from_url(redis_server.url)
+    tier_a = a.tiers[0]
+    assert isinstance(tier_a, RedisTier)
+    name = tier_a.redis_key(keys[0])
+    value = raw.get(name)
+    assert value is not None
+    raw.setrange(name, len(value) - 1, bytes([value[-1] ^ 0xFF]))
+
+    b = TieringManager.create(namespace=ns, num_cpu_blocks=8, tiers=[
+        {"type": "redis", "url": redis_server.url, "lookup_cache_seconds": 0.05}
+    ])
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvtier.tiers.redis"):
+            req = RequestContext("reader")
+            b.on_new_request(req)
+            assert lookup_prefix(b, keys[:1], req) == 0
+            settle(b)
+        assert b.tiers[0].stats.corrupt_values == 1
+        assert any("corrupt" in r.getMessage() for r in caplog.records), "the warning is still logged"
+        b.shutdown()  # the records are still held by caplog
+        assert b.is_shut_down and b.region.closed
+    finally:
+        if not b.is_shut_down:
+            caplog.clear()
+            b.shutdown()
+
+
+def test_keys_up_to_the_maximum_length_round_trip_through_redis(
+    redis_server: Any, make_manager: Callable[..., TieringManager]
+) -> None:
+    """A 40-byte key used to raise inside the Redis pipeline, count as a server failure, open the
+    breaker and drop valid stores; keys up to MAX_KEY_BYTES are now stored as they are."""
+    from kvtier.tiers.format import MAX_KEY_BYTES
+
+    ns = namespace()
+    a = make_manager(redis_server.url, ns)
+    b = make_manager(redis_server.url, ns)
+    keys = [bytes([i]) * n for i, n in enumerate((36, 40, MAX_KEY_BYTES, 32), start=1)]
+    data = store_blocks(a, keys, seed=7)
+    settle(a)
+    tier_a = a.tiers[0]
+    assert isinstance(tier_a, RedisTier)
+    assert tier_a.stats.stores_failed == 0 and tier_a.health().state is HealthState.CLOSED
+    req = RequestContext("reader")
+    b.on_new_request(req)
+    assert lookup_prefix(b, keys, req) == len(keys)
+    assert np.array_equal(load_blocks(b, keys, req), data)

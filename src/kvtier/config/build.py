@@ -46,6 +46,7 @@ def build_manager(
         "region_name": config.region_name,
         "shm_dir": config.shm_dir,
         "expected_mappers": expected_mappers,
+        "shutdown_timeout": config.shutdown_timeout,
     }
     kwargs.update(overrides)
     return TieringManager.create(**kwargs)

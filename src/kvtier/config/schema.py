@@ -119,6 +119,14 @@ class KvtierConfig(BaseModel):
             "options are validated by the tier (see the tier sections below)."
         ),
     )
+    shutdown_timeout: float | None = Field(
+        default=120.0,
+        ge=0,
+        description=(
+            "Seconds shutdown gives all secondary tiers together; a tier that overruns its share is "
+            "abandoned and counted as failed (the CPU tier stays mapped). null: no deadline."
+        ),
+    )
 
     @field_validator("cpu_bytes", mode="before")
     @classmethod

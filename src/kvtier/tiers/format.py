@@ -1,19 +1,38 @@
 """The self-describing value format shared by every secondary tier.
 
-A stored value is a fixed 128-byte header followed by the payload::
+A stored value is a fixed 128-byte header followed by the payload. Two header
+layouts exist; the writer picks format 1 for keys of up to 32 bytes (so values
+stay readable by every kvtier release, and data written before format 2 keeps
+being served) and format 2 for longer keys (up to :data:`MAX_KEY_BYTES`, e.g.
+vLLM's 36-byte offload keys). Readers accept both.
+
+Format 1 (keys of 1..32 bytes)::
 
     offset size field
-    0      8    magic  b"KVTIER\\x00\\x01"
-    8      4    format version (uint32 LE)
+    0      8    magic  b"KVTIER\x00\x01"
+    8      4    format version (uint32 LE, 1)
     12     4    header length (uint32 LE, 128)
     16     16   namespace digest
-    32     32   block key (zero padded if shorter)
+    32     32   block key (zero padded)
     64     4    key length (uint32 LE)
     68     4    reserved (0)
     72     8    payload length (uint64 LE)
     80     8    payload checksum: xxh3_64 of the payload (uint64 LE)
     88     8    header checksum: xxh3_64 of bytes 0..88 (uint64 LE)
     96     32   reserved (0)
+
+Format 2 (keys of 33..64 bytes)::
+
+    0      8    magic  b"KVTIER\x00\x01"
+    8      4    format version (uint32 LE, 2)
+    12     4    header length (uint32 LE, 128)
+    16     16   namespace digest
+    32     64   block key (zero padded)
+    96     4    key length (uint32 LE)
+    100    4    reserved (0)
+    104    8    payload length (uint64 LE)
+    112    8    payload checksum: xxh3_64 of the payload (uint64 LE)
+    120    8    header checksum: xxh3_64 of bytes 0..120 (uint64 LE)
 
 Readers verify every field before a payload byte is trusted; any mismatch
 raises :class:`~kvtier.errors.CorruptValueError`. Nothing is ever unpickled or
@@ -31,11 +50,15 @@ import xxhash
 from kvtier.errors import CorruptValueError
 
 MAGIC = b"KVTIER\x00\x01"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest value format (readers accept 1 and 2)."""
 HEADER_SIZE = 128
-MAX_KEY_BYTES = 32
-_LAYOUT = struct.Struct("<8sII16s32sIIQQ")
-_HEADER_CHECK_OFFSET = _LAYOUT.size  # 88
+MAX_KEY_BYTES = 64
+"""The longest block key a value can carry (and the manager accepts)."""
+_V1_KEY_BYTES = 32
+_LAYOUT_V1 = struct.Struct("<8sII16s32sIIQQ")  # 88 bytes, then the header checksum
+_LAYOUT_V2 = struct.Struct("<8sII16s64sIIQQ")  # 120 bytes, then the header checksum
+_PREFIX = struct.Struct("<8sII")
 _CHECK = struct.Struct("<Q")
 
 
@@ -62,17 +85,19 @@ class ValueHeader:
     checksum: int
 
     def pack(self) -> bytes:
-        """The 128-byte header."""
+        """The 128-byte header (format 1 for keys of up to 32 bytes, else format 2)."""
         if len(self.namespace) != 16:
             raise ValueError(f"namespace digest must be 16 bytes, got {len(self.namespace)}")
-        if len(self.key) > MAX_KEY_BYTES:
-            raise ValueError(f"block key must be at most {MAX_KEY_BYTES} bytes, got {len(self.key)}")
-        head = _LAYOUT.pack(
+        if not 0 < len(self.key) <= MAX_KEY_BYTES:
+            raise ValueError(f"block key must be 1 to {MAX_KEY_BYTES} bytes, got {len(self.key)}")
+        v1 = len(self.key) <= _V1_KEY_BYTES
+        layout = _LAYOUT_V1 if v1 else _LAYOUT_V2
+        head = layout.pack(
             MAGIC,
-            FORMAT_VERSION,
+            1 if v1 else 2,
             HEADER_SIZE,
             self.namespace,
-            self.key.ljust(MAX_KEY_BYTES, b"\x00"),
+            self.key.ljust(_V1_KEY_BYTES if v1 else MAX_KEY_BYTES, b"\x00"),
             len(self.key),
             0,
             self.payload_len,
@@ -102,18 +127,19 @@ def decode_header(
     raw = bytes(raw[:HEADER_SIZE])
     if len(raw) < HEADER_SIZE:
         raise CorruptValueError(f"value header truncated: {len(raw)} of {HEADER_SIZE} bytes")
-    fields = _LAYOUT.unpack_from(raw)
-    magic, version, hlen, ns, padded_key, key_len, _, plen, checksum = fields
+    magic, version, hlen = _PREFIX.unpack_from(raw)
     if magic != MAGIC:
         raise CorruptValueError(f"bad magic {magic!r}")
-    (stored_check,) = _CHECK.unpack_from(raw, _HEADER_CHECK_OFFSET)
-    if stored_check != xxhash.xxh3_64_intdigest(raw[:_HEADER_CHECK_OFFSET]):
-        raise CorruptValueError("header checksum mismatch")
-    if version != FORMAT_VERSION or hlen != HEADER_SIZE:
+    layout = {1: _LAYOUT_V1, 2: _LAYOUT_V2}.get(version)
+    if layout is None or hlen != HEADER_SIZE:
         raise CorruptValueError(f"unsupported value format version {version} (header {hlen} bytes)")
+    (stored_check,) = _CHECK.unpack_from(raw, layout.size)
+    if stored_check != xxhash.xxh3_64_intdigest(raw[: layout.size]):
+        raise CorruptValueError("header checksum mismatch")
+    _, _, _, ns, padded_key, key_len, _, plen, checksum = layout.unpack_from(raw)
     if ns != namespace:
         raise CorruptValueError(f"namespace mismatch: value has {ns.hex()}, expected {namespace.hex()}")
-    if key_len > MAX_KEY_BYTES or padded_key[:key_len] != key:
+    if key_len > len(padded_key) or padded_key[:key_len] != key:
         raise CorruptValueError(f"key mismatch: value is for {padded_key[:key_len].hex()}, expected {key.hex()}")
     if payload_len is not None and plen != payload_len:
         raise CorruptValueError(f"payload length mismatch: header says {plen}, expected {payload_len}")

@@ -48,6 +48,7 @@ from kvtier.errors import ConfigError, CorruptValueError
 from kvtier.tiers.format import (
     FORMAT_VERSION,
     HEADER_SIZE,
+    MAX_KEY_BYTES,
     ValueHeader,
     decode_header,
     payload_checksum,
@@ -70,7 +71,8 @@ TMP_DIR = "tmp"
 LOCK_FILE = "lock"
 SUFFIX = ".kv"
 SHARDS = tuple(f"{i:02x}" for i in range(256))
-_NAME_RE = re.compile(r"^([0-9a-f]{2,64})\.kv$")
+_NAME_RE = re.compile(rf"^([0-9a-f]{{2,{2 * MAX_KEY_BYTES}}})\.kv$")
+_READABLE_FORMATS = (1, FORMAT_VERSION)
 _STALE_UNLOCKED_DIR_SECONDS = 60.0
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
@@ -148,6 +150,14 @@ def ensure_manifest(ns_dir: Path, expected: dict[str, Any]) -> None:
             f"fs tier manifest {path} is unreadable ({exc}); the directory cannot be trusted: "
             f"remove {ns_dir} or point 'root' elsewhere"
         ) from exc
+    found_format = found.get("value_format_version")
+    if found_format in _READABLE_FORMATS and found_format != expected["value_format_version"]:
+        # Written by a release that only knew format 1; this one reads it and may now write format 2
+        # (keys over 32 bytes), so say so: a format-1-only release then refuses the directory
+        # instead of taking format-2 values for corrupt ones.
+        upgraded = dict(found, value_format_version=expected["value_format_version"])
+        atomic_write_text(path, json.dumps(upgraded, indent=2, sort_keys=True) + "\n")
+        found = upgraded
     for field in (
         "kvtier_fs_layout",
         "value_format_version",

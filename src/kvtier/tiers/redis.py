@@ -820,8 +820,10 @@ class RedisTier(SecondaryTier):
                         )
                         verify_payload(parsed, body)
                     except CorruptValueError as exc:
+                        # str(exc), never exc: a handler that keeps records (caplog, log shippers) would
+                        # keep its traceback, whose frame holds ``body``, a view of a CPU row.
                         logger.warning(
-                            "redis tier %s: value of %s is corrupt (%s); deleting it", self.label, key.hex(), exc
+                            "redis tier %s: value of %s is corrupt (%s); deleting it", self.label, key.hex(), str(exc)
                         )
                         corrupt.append(key)
                     else:

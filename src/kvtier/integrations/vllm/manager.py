@@ -7,12 +7,10 @@ method from its one scheduler thread; none of them blocks on I/O except
 Translation, and why it is thin:
 
 * **Keys.** vLLM's ``OffloadKey`` is its chained prefix hash plus a 4-byte
-  KV-group index (36 bytes with the default sha256). kvtier keys are at most 32
-  bytes, so the kvtier key is ``sha256(b"vllm/" + offload_key)``: as stable
-  across processes as vLLM's own hash (sha256 hashes are, by default). A
-  bounded reverse map turns kvtier keys back into vLLM keys for
-  ``evicted_keys`` and KV events; keys that fell out of it are left out of
-  events (they are advisory) rather than guessed.
+  KV-group index (36 bytes with the default sha256). kvtier accepts keys of up
+  to :data:`~kvtier.tiers.format.MAX_KEY_BYTES` (64) bytes, so it is used as the
+  kvtier key as it is: no rehash, and ``evicted_keys`` and KV events carry
+  vLLM's own keys, all of them.
 * **Requests.** ``ReqContext`` becomes a :class:`RequestContext` with the same
   ``req_id`` and the request's ``kv_transfer_params``.
 * **Results.** Lookup results and offload policies map one to one by name;
@@ -25,7 +23,6 @@ Translation, and why it is thin:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -60,27 +57,20 @@ _POLICY = {
     OffloadPolicy.BLOCK_LEVEL: VllmPolicy.CHUNK_LEVEL,
     OffloadPolicy.REQUEST_LEVEL: VllmPolicy.REQUEST_LEVEL,
 }
-_KEY_PREFIX = b"vllm/"
-
-
-def kvtier_key(key: bytes) -> BlockKey:
-    """The kvtier key of a vLLM ``OffloadKey`` (32 bytes, stable across processes)."""
-    return hashlib.sha256(_KEY_PREFIX + key).digest()
 
 
 class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
     """Adapter from vLLM's OffloadingManager onto a :class:`TieringManager` it owns.
 
-    ``reverse_map_size`` bounds the kvtier-key -> vLLM-key map (an LRU); it
-    should exceed the number of CPU rows so that every key the CPU tier holds
-    is in it.
+    ``promotion_memory`` bounds how many promoted keys remember their source
+    tier until vLLM asks ``get_load_source`` (at least twice the CPU rows).
     """
 
     def __init__(
         self,
         manager: TieringManager,
         *,
-        reverse_map_size: int = 65536,
+        promotion_memory: int = 65536,
         metrics: KvtierMetrics | None = None,
         metrics_interval: float = 1.0,
     ) -> None:
@@ -88,32 +78,13 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self.metrics = metrics
         self._metrics_interval = metrics_interval
         self._metrics_due = 0.0
-        self._reverse: OrderedDict[BlockKey, OffloadKey] = OrderedDict()
-        self._reverse_cap = max(reverse_map_size, 2 * manager.primary.num_blocks, 1024)
+        self._promoted_cap = max(promotion_memory, 2 * manager.primary.num_blocks, 1024)
         self._contexts: dict[str, RequestContext] = {}
         self._promoted: OrderedDict[BlockKey, CacheHitSource] = OrderedDict()
         self._promotion_source = self._outermost_source()
         self._shut_down = False
 
     # --- translation helpers -------------------------------------------------------
-
-    def _key(self, key: OffloadKey) -> BlockKey:
-        kv = kvtier_key(key)
-        rev = self._reverse
-        if kv in rev:
-            rev.move_to_end(kv)
-        else:
-            rev[kv] = key
-            if len(rev) > self._reverse_cap:
-                rev.popitem(last=False)
-        return kv
-
-    def _keys(self, keys: Iterable[OffloadKey]) -> list[BlockKey]:
-        return [self._key(k) for k in keys]
-
-    def _vllm_keys(self, keys: Iterable[BlockKey]) -> list[OffloadKey]:
-        rev = self._reverse
-        return [rev[k] for k in keys if k in rev]
 
     def _context(self, req: ReqContext, keep: bool = True) -> RequestContext:
         # Completions may arrive after on_request_finished: those use a
@@ -135,49 +106,45 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     # --- lookups and loads -----------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> VllmLookup:
-        kv = self._key(key)
-        in_cpu = kv in self.manager.primary
-        result = self.manager.lookup(kv, self._context(req_context))
+        in_cpu = key in self.manager.primary
+        result = self.manager.lookup(key, self._context(req_context))
         if not in_cpu and result is LookupResult.HIT_PENDING:
-            self._promoted[kv] = self._promotion_source
-            if len(self._promoted) > self._reverse_cap:
+            self._promoted[key] = self._promotion_source
+            if len(self._promoted) > self._promoted_cap:
                 self._promoted.popitem(last=False)
         return _LOOKUP[result]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
-        return self._promoted.pop(kvtier_key(key), CacheHitSource.HOST)
+        return self._promoted.pop(key, CacheHitSource.HOST)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        slots = self.manager.prepare_load(self._keys(keys), self._context(req_context))
+        slots = self.manager.prepare_load(list(keys), self._context(req_context))
         return CPULoadStoreSpec(slots.tolist())
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.manager.touch(self._keys(keys), self._context(req_context))
+        self.manager.touch(list(keys), self._context(req_context))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.manager.complete_load(self._keys(keys), self._context(req_context, keep=False))
+        self.manager.complete_load(list(keys), self._context(req_context, keep=False))
 
     # --- stores --------------------------------------------------------------------------
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        kv_keys = self._keys(keys)
-        result = self.manager.prepare_store(kv_keys, self._context(req_context))
+        result = self.manager.prepare_store(list(keys), self._context(req_context))
         if result is None:
             return None
         return PrepareStoreOutput(
-            keys_to_store=self._vllm_keys(result.keys_to_store),
+            keys_to_store=list(result.keys_to_store),
             store_spec=CPULoadStoreSpec(result.slots.tolist()),
-            evicted_keys=self._vllm_keys(result.evicted_keys),
+            evicted_keys=list(result.evicted_keys),
         )
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        self.manager.complete_store(
-            self._keys(keys), self._context(req_context, keep=False), success
-        )
+        self.manager.complete_store(list(keys), self._context(req_context, keep=False), success)
 
     # --- requests and steps -----------------------------------------------------------
 
@@ -204,7 +171,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     def take_events(self) -> Iterable[OffloadingEvent]:
         out: list[OffloadingEvent] = []
         for event in self.manager.take_events():
-            keys = self._vllm_keys(event.keys)
+            keys = list(event.keys)
             if not keys:
                 continue
             primary = event.tier in ("primary", "0:primary")
@@ -235,5 +202,5 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             self.metrics = None
         self.manager.shutdown()
         self._shut_down = True
-        self._reverse.clear()
         self._contexts.clear()
+        self._promoted.clear()
