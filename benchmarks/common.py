@@ -9,10 +9,12 @@ from kvtier.tiers.base import JobResult, SecondaryTier
 
 
 def interleaved_best(nbytes: int, rounds: int, runs: dict[str, Callable[[], None]]) -> dict[str, float]:
-    """GB/s per run, best of ``rounds``; the runs alternate within each round so noise hits all alike."""
+    """GB/s per run, best of ``rounds``; the runs alternate within each round (the order reversed
+    every other round) so noise and warm-up hit all alike."""
     best = dict.fromkeys(runs, float("inf"))
-    for _ in range(rounds):
-        for name, run in runs.items():
+    for r in range(rounds):
+        order = list(runs.items())
+        for name, run in order if r % 2 == 0 else order[::-1]:
             t0 = time.perf_counter()
             run()
             best[name] = min(best[name], time.perf_counter() - t0)

@@ -38,6 +38,7 @@ dropped (``stats.stores_dropped``) and loads fail at once; after
 from __future__ import annotations
 
 import logging
+import ssl
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,7 +61,7 @@ from kvtier.tiers.redis_protocol import (
     ErrorReply,
     Piece,
     RespReader,
-    pack_bulk_value,
+    SetEncoder,
     pack_command,
     send_pieces,
 )
@@ -69,7 +70,9 @@ from kvtier.types import BlockEvent, LookupResult, RequestContext
 logger = logging.getLogger(__name__)
 
 _SCHEMES = ("redis", "rediss", "unix")
-# Bytes of values per pipelined round trip; bounds memory held by one batch.
+# Payload bytes of GET replies per pipelined round trip: bounds what the server buffers for
+# this client while the replies are read (16 blocks of 2 MiB). Stores need no bound: each SET
+# is applied as it arrives and its reply is 5 bytes, so a store job is one pipeline.
 _BATCH_BYTES = 32 * 1024 * 1024
 _EXISTS_BATCH = 512
 _CACHE_MAX_ENTRIES = 1 << 20
@@ -212,7 +215,8 @@ class RedisTier(ThreadedTier):
         self._ns_digest = context.namespace.digest
         self._key_prefix = f"{prefix}:{context.namespace.hexdigest}:".encode()
         self._px = b"%d" % max(1, round(ttl_seconds * 1000)) if ttl_seconds is not None else None
-        self._chunk = max(1, _BATCH_BYTES // self._value_bytes)
+        self._set_encoder = SetEncoder(self._value_bytes, self._px)
+        self._chunk = max(1, _BATCH_BYTES // self._block_bytes)
         # A check that has not answered in this long is treated as a MISS.
         self._check_deadline = socket_timeout + connect_timeout + 0.5
 
@@ -412,21 +416,28 @@ class RedisTier(ThreadedTier):
     ) -> None:
         """Send one command per key (grouped by server), then read the replies in order.
 
-        A command carrying a payload is sent as soon as it is packed, so the
-        server processes value ``i`` while the next header and checksum are computed.
+        A command carrying a payload is sent as soon as it is packed (one
+        ``sendmsg`` for its head, value header, payload and tail), so the server
+        processes value ``i`` while the next header and checksum are computed.
         """
         for pool, indexes in self._backend.groups(rkeys):
             conn = pool.get_connection()
             clean = False
             try:
                 sock = conn._sock
+                # A TLS socket cannot gather pieces in one call: there the small tail waits to be
+                # joined with the next command's head instead of costing a TLS record of its own.
+                keep_tail = isinstance(sock, ssl.SSLSocket)
                 pieces: list[Piece] = []
                 for i in indexes:
                     send(pieces, i)
                     if len(pieces) >= 256 or any(isinstance(p, memoryview) for p in pieces[-3:]):
-                        # Keep the small tail to join it with the next command's head.
-                        send_pieces(sock, pieces[:-1])
-                        del pieces[:-1]
+                        if keep_tail:
+                            send_pieces(sock, pieces[:-1])
+                            del pieces[:-1]
+                        else:
+                            send_pieces(sock, pieces)
+                            pieces.clear()
                 send_pieces(sock, pieces)
                 reader = RespReader(sock)
                 for i in indexes:
@@ -485,18 +496,17 @@ class RedisTier(ThreadedTier):
         stored: list[BlockKey] = []
         errors: list[str] = []
         started = time.perf_counter()
-        for base in range(0, len(keys), self._chunk):
-            chunk = keys[base : base + self._chunk]
-            rkeys = [self.redis_key(k) for k in chunk]
-            ok: list[bool] = [False] * len(chunk)
+        if keys:
+            rkeys = [self.redis_key(k) for k in keys]
+            ok: list[bool] = [False] * len(keys)
 
-            def send(out: list[Piece], i: int, chunk: list[BlockKey] = chunk, rkeys: list[bytes] = rkeys) -> None:
-                payload = rows[slot_of[chunk[i]], : self._block_bytes].data
-                header = encode_header(self._ns_digest, chunk[i], payload)
-                trailing = (b"PX", self._px) if self._px is not None else ()
-                pack_bulk_value(out, (b"SET", rkeys[i]), (header, payload), trailing)
+            encoder, block_bytes, ns_digest = self._set_encoder, self._block_bytes, self._ns_digest
 
-            def receive(reader: RespReader, i: int, ok: list[bool] = ok) -> None:
+            def send(out: list[Piece], i: int) -> None:
+                payload = rows[slot_of[keys[i]], :block_bytes].data
+                encoder.pack(out, rkeys[i], encode_header(ns_digest, keys[i], payload), payload)
+
+            def receive(reader: RespReader, i: int) -> None:
                 reply = reader.read_reply()
                 if isinstance(reply, ErrorReply):
                     self._note_reply_error(reply)
@@ -508,9 +518,9 @@ class RedisTier(ThreadedTier):
                 self._pipeline(rkeys, send, receive)
             except Exception as exc:
                 errors.append(self._record_error(exc))
-                break
-            self._breaker.record_success()
-            stored.extend(k for k, good in zip(chunk, ok, strict=True) if good)
+            else:
+                self._breaker.record_success()
+                stored.extend(k for k, good in zip(keys, ok, strict=True) if good)
         seconds = time.perf_counter() - started
         now = time.monotonic()
         with self._lock:
