@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.errors import KvtierError
+from kvtier.policies import ARCPolicy
 from kvtier.primary import PrimaryTier
 from kvtier.region import SharedRegion
 from kvtier.types import LookupResult
@@ -162,3 +163,19 @@ def test_chains_are_released_tail_first_so_lru_keeps_the_head(recorded: tuple[Pr
     result = tier.prepare_store([k(i) for i in range(4, 10)])  # 6 new blocks into 5 free rows
     assert result is not None and result.evicted_keys == [k(3)], "the tail goes first, the head stays"
     assert tier.complete_store(result.keys_to_store) == result.keys_to_store, "completion order is kept"
+
+
+def test_a_load_is_a_use_for_arc(private_shm: Path) -> None:
+    """Regression: loads only pinned and unpinned, so ARC never saw a second use (no block reached T2)."""
+    region = SharedRegion("primary-arc", 4, 4096, shm_dir=private_shm)
+    tier = PrimaryTier(region, 4096, "arc")
+    try:
+        fill(tier, 1, 2)
+        tier.prepare_load([k(1)])
+        tier.complete_load([k(1)])
+        policy = tier.policy
+        assert isinstance(policy, ARCPolicy) and (policy.t1, policy.t2) == (1, 1)
+        result = tier.prepare_store([k(3), k(4), k(5)])  # one eviction: T1's block, not the loaded one
+        assert result is not None and result.evicted_keys == [k(2)]
+    finally:
+        tier.shutdown()
