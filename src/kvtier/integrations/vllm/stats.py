@@ -158,6 +158,8 @@ class VllmStatsReporter:
         """The stats to hand to vLLM now, or None when it is not time yet (or nothing changed)."""
         now = time.monotonic()
         idle = self.manager.is_idle
+        if not idle:
+            self._flushed_idle = False
         if not force and now < self._due and (not idle or self._flushed_idle):
             return None
         self._due = now + self.interval
@@ -168,10 +170,10 @@ class VllmStatsReporter:
         stats = OffloadingConnectorStats()
         counters, gauges = _flatten(snap)
         last = self._last
-        for (name, labels), value in counters.items():
-            delta = value - last.get((name, labels), 0)
-            if delta > 0:
-                stats.increase_counter(name, delta, labels)
+        for key, value in counters.items():
+            before = last.get(key)
+            if before is None or value > before:  # a series first seen is sent even at 0, so it exists
+                stats.increase_counter(key[0], value - (before or 0), key[1])
         self._last = counters
         for (name, labels), value in gauges.items():
             stats.set_gauge(name, value, labels)
