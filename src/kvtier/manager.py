@@ -51,7 +51,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from time import perf_counter
 from typing import Any, NoReturn
 
@@ -122,25 +122,8 @@ def _checked_keys(keys: Iterable[BlockKey]) -> list[BlockKey]:
     return out
 
 
-@dataclass
-class ManagerStats:
-    lookups: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in LookupResult})
-    promotions_started: int = 0
-    promotion_jobs: int = 0
-    promotions_succeeded: int = 0
-    promotions_failed: int = 0
-    promotion_alloc_failures: int = 0
-    cascade_jobs: int = 0
-    cascades_succeeded: int = 0
-    cascades_failed: int = 0
-    cascades_skipped: int = 0
-    """Blocks not cascaded to a tier under backpressure (one count per tier skipped)."""
-    submit_errors: int = 0
-    unknown_job_results: int = 0
-    store_rejections: int = 0
-    stores_declined: int = 0
-    """Blocks a request asked not to store (``kvtier_store: false``)."""
-    tier_call_errors: int = 0
+ManagerStats = ManagerCounters
+"""The manager's counters (the name of earlier releases for :class:`~kvtier.telemetry.ManagerCounters`)."""
 
 
 class _ShutdownRun:
@@ -235,7 +218,7 @@ class TieringManager:
         self._closing = False  # shutdown() was called: only shutdown(), is_shut_down and stats() remain
         self._shutdown_complete = False
         self._shutdown_runs: dict[int, _ShutdownRun] = {}
-        self._stats = ManagerStats()
+        self._stats = ManagerCounters()
         self._logged_call_errors: set[tuple[int, str]] = set()
         # Index 0 is the CPU tier, index n secondary tier n (as in labels).
         self._telemetry = [TierTelemetry() for _ in range(len(self.tiers) + 1)]
@@ -854,13 +837,16 @@ class TieringManager:
         """
         tiers = [self._cpu_snapshot()]
         tiers += [self._tier_snapshot(pos, tier) for pos, tier in enumerate(self.tiers)]
-        counters = asdict(self._stats)
+        counters = replace(
+            self._stats, lookups=dict(self._stats.lookups), jobs_in_flight=len(self._jobs),
+            active_requests=len(self._requests),
+        )  # fmt: skip
         return ManagerSnapshot(
             taken_at=time.monotonic(),
             block_bytes=self.primary.block_bytes,
             row_stride=self.primary.region.row_stride,
             cpu_blocks=self.primary.num_blocks,
-            manager=ManagerCounters(**counters, jobs_in_flight=len(self._jobs), active_requests=len(self._requests)),
+            manager=counters,
             tiers=tuple(tiers),
         )
 

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.keys import BlockKey
+from kvtier.types import LookupResult
 
 LOOKUP_SECONDS_BUCKETS: tuple[float, ...] = (
     1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 5e-4, 1e-3, 1e-2, 0.1,
@@ -336,10 +337,19 @@ class TierSnapshot:
         return out
 
 
-@dataclass(frozen=True)
-class ManagerCounters:
-    """The manager's own counters (blocks unless the name says jobs), jobs in flight, requests."""
+def _zero_lookups() -> dict[str, int]:
+    return {r.value: 0 for r in LookupResult}
 
+
+@dataclass
+class ManagerCounters:
+    """The manager's own counters (blocks, unless the name says jobs).
+
+    The manager keeps one and updates it on its scheduler thread; every snapshot
+    holds a copy, with ``jobs_in_flight`` and ``active_requests`` filled in.
+    """
+
+    lookups: dict[str, int] = field(default_factory=_zero_lookups)
     promotions_started: int = 0
     promotion_jobs: int = 0
     promotions_succeeded: int = 0
@@ -349,12 +359,13 @@ class ManagerCounters:
     cascades_succeeded: int = 0
     cascades_failed: int = 0
     cascades_skipped: int = 0
+    """Blocks not cascaded to a tier under backpressure (one count per tier skipped)."""
     submit_errors: int = 0
     unknown_job_results: int = 0
     store_rejections: int = 0
     stores_declined: int = 0
+    """Blocks a request asked not to store (``kvtier_store: false``)."""
     tier_call_errors: int = 0
-    lookups: Mapping[str, int] = field(default_factory=dict)
     jobs_in_flight: int = 0
     active_requests: int = 0
 
@@ -425,6 +436,7 @@ class ManagerSnapshot(Mapping[str, Any]):
         manager = dict(data.get("manager", {}))
         names = {f.name for f in dataclasses.fields(ManagerCounters)}
         counters = ManagerCounters(**{k: v for k, v in manager.items() if k in names})
+        counters.lookups = {**_zero_lookups(), **counters.lookups}
         primary = dict(data.get("primary", {}))
         block_bytes = int(primary.get("block_bytes", 0))
         tiers = [_cpu_from_dict(primary, block_bytes, counters)]

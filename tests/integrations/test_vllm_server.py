@@ -20,12 +20,9 @@ The TTFT figures are printed (``pytest -s``) for the record.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import statistics
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +62,6 @@ def server_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def fs_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("server-fs")
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="kvt-server-test-", dir="/dev/shm"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _config(shm_dir: Path, fs_root: Path) -> dict[str, Any]:
