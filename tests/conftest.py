@@ -6,7 +6,7 @@ import fcntl
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -34,6 +34,25 @@ def _unheld(path: Path) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def open_fds_under(path: Path) -> list[str]:
+    """What this process has open below ``path`` (from /proc/self/fd): must be empty after a cleanup."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(path)):
+            out.append(target)
+    return out
+
+
+@pytest.fixture
+def open_fds() -> Callable[[Path], list[str]]:
+    """:func:`open_fds_under`, for tests in any folder."""
+    return open_fds_under
 
 
 @pytest.fixture

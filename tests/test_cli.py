@@ -262,3 +262,10 @@ def test_closed_stdout_pipe_is_not_a_traceback() -> None:
     proc.stderr.close()
     assert proc.wait(timeout=60) == 141
     assert "Traceback" not in stderr, stderr
+
+
+def test_bench_with_the_memory_tier(private_shm: Path) -> None:
+    out = run(*TINY_BENCH, "--shm-dir", str(private_shm), "--no-fs", "--memory-tier", "64MiB")
+    assert out.returncode == 0, out.stderr
+    assert "memory" in out.stderr and "cpu -> memory (cascade)" in out.stdout
+    assert re.search(r"memory\s*│\s*[1-9]\d*\s*│", out.stdout), "the memory tier served no block"

@@ -8,7 +8,7 @@ Subcommands:
   the real manager, hit rate against capacity with unbounded and Belady references.
 * ``kvtier sweep [--remove]``: everything dead kvtier processes left (stale
   regions, bench temp dirs); ``kvtier sweep-shm`` the regions only.
-* ``kvtier inspect DIR [--verify]``: summary of an fs tier directory.
+* ``kvtier inspect DIR|S3-URL [--verify|--sample N]``: summary of an fs tier directory or an S3 prefix.
 * ``kvtier config show|reference|schema``: the resolved configuration and its sizes.
 
 Settings resolve as default < ``--config FILE`` < ``KVTIER_*`` environment <
@@ -209,6 +209,14 @@ def _add_bench(sub: Any) -> None:
     s.add_argument("--no-fs", action="store_true", help="run without the bench's fs tier")
     s.add_argument("--redis", metavar="URL", default=None, help="add a redis tier, e.g. redis://127.0.0.1:6379/0")
     s.add_argument(
+        "--s3", metavar="URL", default=None,
+        help="add an S3 tier: s3://bucket/prefix (AWS) or http(s)://[key:secret@]host:port/bucket/prefix",
+    )  # fmt: skip
+    s.add_argument(
+        "--memory-tier", metavar="SIZE", nargs="?", const="256MiB", default=None, type=_positive_size,
+        help="add the in-process reference memory tier (default size 256MiB)",
+    )  # fmt: skip
+    s.add_argument(
         "--strict", action="store_true",
         help="a configured tier that is unreachable (circuit breaker open) is an error (exit 2)",
     )  # fmt: skip
@@ -234,6 +242,18 @@ def _bench_config(args: argparse.Namespace) -> KvtierConfig:
     return load_config(args.config, cli=flags, defaults=BENCH_DEFAULTS, defaults_source="kvtier bench default")
 
 
+def _extra_bench_tiers(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Tiers added by --s3 and --memory-tier, behind --fs-root/--redis."""
+    tiers: list[dict[str, Any]] = []
+    if args.s3:
+        from kvtier.tiers.s3_inspect import options_from_url
+
+        tiers.append({"type": "s3", **options_from_url(args.s3)})
+    if args.memory_tier is not None:
+        tiers.append({"type": "memory", "max_bytes": args.memory_tier})
+    return tiers
+
+
 def _bench_options(args: argparse.Namespace, config: KvtierConfig) -> Any:
     from kvtier.workload.bench import BenchOptions
     from kvtier.workload.chat import ChatWorkloadSpec
@@ -255,6 +275,7 @@ def _bench_options(args: argparse.Namespace, config: KvtierConfig) -> Any:
         fs_root=args.fs_root,
         fs_bytes=args.fs_bytes,
         redis_url=args.redis,
+        extra_tiers=_extra_bench_tiers(args),
         batch_size=args.batch_size,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         base_config=config,
@@ -506,31 +527,61 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 def _add_inspect(sub: Any) -> None:
     p = sub.add_parser(
         "inspect",
-        help="summarize an fs tier directory: namespaces, blocks, bytes, corrupt entries",
-        description="Summarizes an fs tier root offline (no engine needed). --verify reads every value "
-        "and checks its header and checksum.",
+        help="summarize an fs tier directory or an S3 tier prefix: namespaces, blocks, bytes, corrupt entries",
+        description="Summarizes an fs tier root or an S3 prefix offline (no engine needed). --verify reads every "
+        "value and checks its header and checksum; --sample N checks N random blocks per namespace (S3).",
     )
-    p.add_argument("dir", help="the fs tier's root directory (or one namespace directory in it)")
+    p.add_argument(
+        "dir",
+        help="the fs tier's root directory (or one namespace directory in it), or an S3 prefix: "
+        "s3://bucket/prefix or http(s)://[key:secret@]host:port/bucket/prefix",
+    )
     p.add_argument("--verify", action="store_true", help="read and check every value (reads every byte)")
-    p.add_argument("--remove-corrupt", action="store_true", help="with --verify: delete corrupt values")
+    p.add_argument(
+        "--sample", type=_int_at_least(1), default=None, metavar="N", help="S3: read and check N random blocks"
+    )
+    p.add_argument("--remove-corrupt", action="store_true", help="with --verify/--sample: delete corrupt values")
     p.add_argument("--namespace", default=None, help="only this namespace digest (hex prefix)")
+    p.add_argument("--region", default=None, help="S3: the bucket's region (default AWS_REGION or us-east-1)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=_cmd_inspect)
+
+
+def _inspect_s3(args: argparse.Namespace) -> Any:
+    from kvtier.tiers.options import validate_options
+    from kvtier.tiers.s3_inspect import inspect_prefix, options_from_url
+    from kvtier.tiers.s3_store import S3TierOptions
+
+    spec = options_from_url(args.dir, **({"region": args.region} if args.region else {}))
+    return inspect_prefix(
+        validate_options(S3TierOptions, "s3", spec),
+        namespace=args.namespace,
+        verify=args.verify,
+        sample=args.sample,
+        remove_corrupt=args.remove_corrupt and (args.verify or bool(args.sample)),
+    )
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from kvtier.tiers.fs import verify_root
 
-    report = verify_root(
-        args.dir,
-        namespace=args.namespace,
-        check_payloads=args.verify,
-        remove_corrupt=args.remove_corrupt and args.verify,
-    )
+    is_s3 = args.dir.startswith(("s3://", "http://", "https://"))
+    if args.sample is not None and not is_s3:
+        raise ConfigError("--sample applies to S3 prefixes; for an fs root use --verify")
+    if is_s3:
+        report = _inspect_s3(args)
+    else:
+        report = verify_root(
+            args.dir,
+            namespace=args.namespace,
+            check_payloads=args.verify,
+            remove_corrupt=args.remove_corrupt and args.verify,
+        )
+    checked = args.verify or bool(args.sample)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
         return 0 if report.ok else 1
-    print(f"fs tier {report.root}: {len(report.namespaces)} namespace(s)")
+    print(f"{'s3' if is_s3 else 'fs'} tier {report.root}: {len(report.namespaces)} namespace(s)")
     for ns in report.namespaces:
         info = ns.to_dict()
         print(f"  namespace {ns.digest}")
@@ -538,7 +589,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(f"    block bytes:  {info.get('block_bytes') or '?'}")
         print(f"    blocks:       {ns.entries}")
         print(f"    bytes:        {format_size(ns.bytes)} ({ns.bytes})")
-        if args.verify:
+        if checked:
             print(f"    verified:     {ns.verified}")
             print(
                 f"    corrupt:      {len(ns.corrupt)}"
@@ -552,11 +603,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             print(f"    manifest:     {ns.manifest_error}")
         if ns.foreign_files:
             print(f"    foreign files: {len(ns.foreign_files)}")
+        if ns.unsafe_entries:
+            print(f"    unsafe entries: {len(ns.unsafe_entries)} (not regular files of this user: never opened)")
+            for c in ns.unsafe_entries[:20]:
+                print(f"      {c.path}: {c.reason}")
         if ns.temp_files_stale or ns.temp_files_live:
             print(f"    temp files:   {ns.temp_files_live} live, {ns.temp_files_stale} stale")
     print(
         f"total: {report.entries} blocks, {format_size(report.bytes)}"
-        + (f", {report.corrupt} corrupt" if args.verify else "")
+        + (f", {report.corrupt} corrupt" if checked else "")
     )
     return 0 if report.ok else 1
 

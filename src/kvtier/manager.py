@@ -49,6 +49,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -69,6 +70,7 @@ from kvtier.errors import (
     TierShutdownTimeout,
 )
 from kvtier.keys import BlockKey, Namespace
+from kvtier.policies import resolve_policy
 from kvtier.primary import PrepareStoreResult, PrimaryTier
 from kvtier.region import SharedRegion
 from kvtier.request_control import TierDescriptor, parse_control, tier_locality
@@ -82,7 +84,7 @@ from kvtier.telemetry import (
 )
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
 from kvtier.tiers.format import MAX_KEY_BYTES
-from kvtier.tiers.registry import create_tier
+from kvtier.tiers.registry import create_tier, validate_tier_options
 from kvtier.types import (
     DEFAULT_CONTROL,
     PRIMARY_LABEL,
@@ -111,6 +113,24 @@ def _key_error(key: object) -> InvalidKeyError:
     return InvalidKeyError(
         f"block key of {len(key)} bytes ({key[:16].hex()}...): keys must be 1 to {MAX_KEY_BYTES} bytes"
     )
+
+
+def _check_shutdown_timeout(timeout: float | None) -> None:
+    if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
+        raise ConfigError(f"shutdown_timeout must be >= 0 seconds or None, got {timeout!r}")
+
+
+def _clear_traceback_frames(exc: BaseException) -> None:
+    """Drop the locals of the finished frames in ``exc``'s traceback (and its causes')."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        todo += [current.__cause__, current.__context__]
 
 
 def _checked_keys(keys: Iterable[BlockKey]) -> list[BlockKey]:
@@ -195,8 +215,7 @@ class TieringManager:
         backpressure: BackpressureSettings | None = None,
         lookup_timing_every: int = LOOKUP_TIMING_EVERY,
     ) -> None:
-        if shutdown_timeout is not None and not shutdown_timeout >= 0:
-            raise ConfigError(f"shutdown_timeout must be >= 0 seconds or None, got {shutdown_timeout!r}")
+        _check_shutdown_timeout(shutdown_timeout)
         if isinstance(lookup_timing_every, bool) or not isinstance(lookup_timing_every, int) or lookup_timing_every < 1:
             raise ConfigError(f"lookup_timing_every must be an integer >= 1, got {lookup_timing_every!r}")
         self.primary = primary
@@ -280,6 +299,12 @@ class TieringManager:
             if cpu_bytes is None:
                 raise ConfigError("give the CPU tier a size: num_cpu_blocks or cpu_bytes")
             num_cpu_blocks = rows_that_fit(cpu_bytes, block_bytes)
+        # Everything that can be checked without side effects is checked first.
+        _check_shutdown_timeout(shutdown_timeout)
+        if isinstance(policy, str):
+            resolve_policy(policy)
+        for index, spec in enumerate(tiers, start=1):
+            validate_tier_options(spec, where=f"secondary tier #{index}")
         if sweep_stale:
             SharedRegion.sweep_stale(shm_dir, remove=True)
         name = region_name or f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
@@ -289,17 +314,23 @@ class TieringManager:
         )
         built: list[SecondaryTier] = []
         primary: PrimaryTier | None = None
+        context: TierContext | None = None
         try:
             primary = PrimaryTier(region, block_bytes, policy)
             for index, spec in enumerate(tiers, start=1):
                 context = TierContext(rows=region.rows, block_bytes=block_bytes, namespace=namespace, index=index)
                 built.append(create_tier(spec, context))
-                del context
+                context = None
             return cls(
                 primary, built, drain_timeout=drain_timeout, shutdown_timeout=shutdown_timeout,
                 backpressure=backpressure,
             )
-        except BaseException:
+        except BaseException as exc:
+            # The failed constructors' frames (kept alive by the exception's traceback, which
+            # the caller may keep) still reference the CPU rows: drop their locals, or the
+            # mapping (and its memory) would outlive this call.
+            context = None
+            _clear_traceback_frames(exc)
             cls._cleanup_failed_construction(region, primary, built)
             raise
 
@@ -322,9 +353,12 @@ class TieringManager:
         try:
             region.close()
         except RegionBusyError:
-            # A frame of the failed constructor may still reference the rows; make sure the
-            # path cannot leak, and let the mapping go with the last reference.
-            logger.warning("region %s still referenced after failed construction; unlinking its path", region.name)
+            # Something outside kvtier still holds a view of the rows: make sure the path cannot
+            # leak, and let the mapping go with the last reference.
+            logger.warning(
+                "region %s still referenced after failed construction; its path is unlinked, its memory is "
+                "returned when the last view of its rows is dropped", region.name,
+            )
             region._unlink_if_ours()
 
     # --- properties -------------------------------------------------------------------

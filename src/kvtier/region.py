@@ -384,7 +384,7 @@ class SharedRegion:
         """
         assert self._mmap is not None
         try:
-            lock_range(self._fd, ATTACH_COUNT_OFFSET, 4, timeout=10.0, what=f"attach counter of {self.path}")
+            lock_range(self._fd, ATTACH_COUNT_OFFSET, 4, timeout=10.0, what=f"the attach counter of {self.path}")
         except TimeoutError as exc:
             raise RegionError(str(exc)) from None
         try:

@@ -142,7 +142,7 @@ def unlink_if_same(path: Path, fd: int, timeout: float = NAME_LOCK_TIMEOUT) -> b
     process of the same user) leaves the path alone and logs why.
     """
     try:
-        lock_range(fd, NAME_LOCK_OFFSET, timeout=timeout, what=f"name lock of {path}")
+        lock_range(fd, NAME_LOCK_OFFSET, timeout=timeout, what=f"the name lock of {path}")
     except TimeoutError as exc:
         logger.warning("region path %s left in place: %s", path, exc)
         return False

@@ -28,6 +28,7 @@ import os
 import stat
 import struct
 import time
+from collections.abc import Callable
 
 from kvtier.errors import UnsafeEntryError
 
@@ -40,23 +41,20 @@ _F_OFD_SETLK: int = getattr(fcntl, "F_OFD_SETLK", 37)
 _FLOCK = struct.Struct("@hhqqi4x")
 
 
+_KINDS = {
+    stat.S_IFREG: "a regular file",
+    stat.S_IFLNK: "a symbolic link",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFDIR: "a directory",
+}
+
+
 def kind_of(mode: int) -> str:
     """What a ``st_mode`` is, in words ("a FIFO", "a symbolic link", ...)."""
-    if stat.S_ISREG(mode):
-        return "a regular file"
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode):
-        return "a character device"
-    if stat.S_ISBLK(mode):
-        return "a block device"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    return f"an entry of unknown type {stat.S_IFMT(mode):o}"
+    return _KINDS.get(stat.S_IFMT(mode), f"an entry of unknown type {stat.S_IFMT(mode):o}")
 
 
 def check_regular(st: os.stat_result, path: str | os.PathLike[str], owner: int | None = None) -> None:
@@ -83,16 +81,18 @@ def open_regular(
     """
     try:
         fd = os.open(path, flags | SAFE_OPEN_FLAGS, mode, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
     except OSError as exc:
-        if exc.errno == errno.ELOOP:  # the last component is a symlink
-            raise UnsafeEntryError(path, "a symbolic link") from None
+        # ELOOP: a symlink; ENXIO: a socket; EINVAL: O_DIRECT on a FIFO... say what is there.
+        try:
+            st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            raise exc from None
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeEntryError(path, kind_of(st.st_mode)) from None
         raise
-    try:
-        check_regular(os.fstat(fd), path, owner)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return _proven_regular(fd, path, owner)
 
 
 def inspect_entry(path: str | os.PathLike[str], owner: int | None = None) -> int:
@@ -101,7 +101,11 @@ def inspect_entry(path: str | os.PathLike[str], owner: int | None = None) -> int
     A device, FIFO or socket is looked at but never opened; a symlink is never followed.
     Raises :class:`UnsafeEntryError` (nothing left open) or FileNotFoundError.
     """
-    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    return _proven_regular(os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC), path, owner)
+
+
+def _proven_regular(fd: int, path: str | os.PathLike[str], owner: int | None) -> int:
+    """``fd`` if it is a regular file (of ``owner``); else close it and raise UnsafeEntryError."""
     try:
         check_regular(os.fstat(fd), path, owner)
     except BaseException:
@@ -134,19 +138,24 @@ def try_lock_range(fd: int, start: int, length: int = 1, exclusive: bool = True)
     return True
 
 
-def lock_range(fd: int, start: int, length: int = 1, *, timeout: float, what: str = "lock") -> None:
+def _retry(attempt: Callable[[], bool], timeout: float, what: str) -> None:
+    """Call ``attempt`` until it succeeds, sleeping between tries, for at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    delay = 0.0005
+    while not attempt():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"could not take {what} within {timeout}s: another process holds it")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.02)
+
+
+def lock_range(fd: int, start: int, length: int = 1, *, timeout: float, what: str = "the lock") -> None:
     """Take an exclusive OFD lock, retrying for at most ``timeout`` seconds (never a blocking wait).
 
     Raises TimeoutError naming ``what``. Holders of kvtier's locks keep them for
     microseconds; only a stuck or hostile process of the same user makes this time out.
     """
-    deadline = time.monotonic() + timeout
-    delay = 0.0005
-    while not try_lock_range(fd, start, length):
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"could not take the {what} within {timeout}s: another process holds it")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.02)
+    _retry(lambda: try_lock_range(fd, start, length), timeout, what)
 
 
 def unlock_range(fd: int, start: int, length: int = 1) -> None:
@@ -171,13 +180,7 @@ def try_flock(fd: int, exclusive: bool) -> bool:
 
 def flock_within(fd: int, exclusive: bool, timeout: float, what: str) -> None:
     """``flock``, retrying for at most ``timeout`` seconds; TimeoutError naming ``what``."""
-    deadline = time.monotonic() + timeout
-    delay = 0.0005
-    while not try_flock(fd, exclusive):
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"could not lock {what} within {timeout}s: another process holds it")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.02)
+    _retry(lambda: try_flock(fd, exclusive), timeout, f"a lock on {what}")
 
 
 __all__ = [

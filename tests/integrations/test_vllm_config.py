@@ -1,4 +1,4 @@
-"""The vLLM integration's pure parts: version pin, extra_config mapping, row layout and copy plans.
+"""The vLLM integration's pure parts: version pin, extra_config mapping and row layout.
 
 No vLLM needed: these run in every venv.
 """
@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import kvtier
-from kvtier.errors import ConfigError, KvtierError
+from kvtier.errors import ConfigError
 from kvtier.integrations.vllm import SPEC_MODULE_PATH, SPEC_NAME, kv_transfer_config
 from kvtier.integrations.vllm.config import (
     EngineLayout,
@@ -21,7 +20,6 @@ from kvtier.integrations.vllm.config import (
     region_name_for,
     resolve_settings,
 )
-from kvtier.integrations.vllm.copier import block_copy_pairs, plan_group_layout
 from kvtier.region import region_path
 
 LAYOUT = EngineLayout(
@@ -146,61 +144,3 @@ def test_kv_transfer_config_selects_the_spec_and_validates_early() -> None:
         kv_transfer_config(cpu_gigs=4)
 
 
-def test_group_plan_packs_references_and_rejects_overflow() -> None:
-    plans = plan_group_layout([[(0, 100), (1, 50)], [(2, 30)]], blocks_per_chunk=2, rank_bytes=300)
-    assert [(r.tensor_idx, r.row_offset) for r in plans[0]] == [(0, 0), (1, 200)]
-    assert [(r.tensor_idx, r.row_offset) for r in plans[1]] == [(2, 0)]
-    with pytest.raises(KvtierError, match="needs 302 bytes"):
-        plan_group_layout([[(0, 100), (1, 51)]], blocks_per_chunk=2, rank_bytes=300)
-
-
-def _devices(num_blocks: int = 8) -> list[np.ndarray]:
-    rng = np.random.default_rng(0)
-    return [rng.integers(0, 255, size=(num_blocks, 16), dtype=np.uint8) for _ in range(2)]
-
-
-def test_store_then_load_round_trips_a_partial_first_chunk() -> None:
-    """Blocks 3..6 of a request with 2 blocks per chunk: the first chunk is entered half way."""
-    bpc = 2
-    plans = plan_group_layout([[(0, 16), (1, 12)]], bpc, rank_bytes=64)
-    devices = _devices()
-    rows = np.zeros((4, 64), dtype=np.uint8)
-    block_ids = np.array([5, 1, 7, 2])
-    slots = np.array([3, 0, 2])  # chunks 1, 2, 3 of the request (blocks 2-3, 4-5, 6-7)
-    pairs = block_copy_pairs(plans, devices, rows, block_ids, [4], [3], slots, bpc, to_device=False)
-    for dst, src in pairs:
-        np.copyto(dst, src)
-    # Block 3 is the second sub-block of chunk 1 (row 3): tensor 0 at 16, tensor 1 at 32 + 12.
-    assert (rows[3, 16:32] == devices[0][5]).all()
-    assert (rows[3, 44:56] == devices[1][5, :12]).all()
-    assert (rows[0, 0:16] == devices[0][1]).all() and (rows[0, 16:32] == devices[0][7]).all()
-    assert (rows[2, 0:16] == devices[0][2]).all()
-
-    restored = [np.zeros_like(d) for d in devices]
-    back = block_copy_pairs(plans, restored, rows, block_ids, [4], [3], slots, bpc, to_device=True)
-    for dst, src in back:
-        np.copyto(dst, src)
-    for b in block_ids:
-        assert (restored[0][b] == devices[0][b]).all()
-        assert (restored[1][b, :12] == devices[1][b, :12]).all()
-
-
-def test_groups_take_their_own_rows_in_order() -> None:
-    plans = plan_group_layout([[(0, 16)], [(1, 16)]], 1, rank_bytes=16)
-    devices = _devices()
-    rows = np.zeros((4, 16), dtype=np.uint8)
-    pairs = block_copy_pairs(plans, devices, rows, np.array([1, 2, 3]), [2, 1], [0, 4], np.array([0, 1, 2]), 1, False)
-    for dst, src in pairs:
-        np.copyto(dst, src)
-    assert (rows[0] == devices[0][1]).all() and (rows[1] == devices[0][2]).all()
-    assert (rows[2] == devices[1][3]).all()
-
-
-def test_inconsistent_specs_are_rejected() -> None:
-    plans = plan_group_layout([[(0, 16)]], 2, rank_bytes=32)
-    devices = _devices()
-    rows = np.zeros((4, 32), dtype=np.uint8)
-    with pytest.raises(KvtierError, match="rows"):
-        block_copy_pairs(plans, devices, rows, np.array([1, 2, 3]), [3], [0], np.array([0]), 2, False)
-    with pytest.raises(KvtierError, match="mismatch"):
-        block_copy_pairs(plans, devices, rows, np.array([1, 2]), [2], [0], np.array([0, 1]), 2, False)

@@ -9,9 +9,7 @@ clear reason when no ``redis-server`` binary is installed
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -19,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from server_process import ServerProcess, start_on_a_free_port
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
@@ -40,7 +39,7 @@ def _ping(port: int) -> bool:
         return False
 
 
-class RedisServer:
+class RedisServer(ServerProcess):
     """One redis-server process on 127.0.0.1; ``kill()`` sends SIGKILL, ``start()`` restarts it."""
 
     def __init__(self, workdir: Path, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
@@ -87,39 +86,9 @@ class RedisServer:
             time.sleep(0.02)
         raise RuntimeError(f"redis-server on port {self.port} did not answer PING within {timeout}s")
 
-    def kill(self) -> None:
-        """SIGKILL the server and wait for it to die."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def pause(self) -> None:
-        """SIGSTOP: the server keeps its sockets but answers nothing (a hung server)."""
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGCONT)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-        self.kill()
-        self.proc = None
-
 
 def _start_server(workdir: Path, extra_args: tuple[str, ...] = ()) -> RedisServer:
-    last: Exception | None = None
-    for _ in range(5):  # a free port can be taken between probing and binding
-        server = RedisServer(workdir, extra_args=extra_args)
-        try:
-            server.start()
-            return server
-        except RuntimeError as exc:
-            last = exc
-            server.stop()
-    raise RuntimeError(f"could not start redis-server: {last}")
+    return start_on_a_free_port(lambda: RedisServer(workdir, extra_args=extra_args), "redis-server")
 
 
 @pytest.fixture
@@ -153,76 +122,35 @@ def redis_server_factory(tmp_path: Path) -> Iterator[object]:
             server.stop()
 
 
+def make_test_certificates(certs: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1 signed by it: ``(ca.crt, server.crt, server.key)``.
+
+    Skips the test when no ``openssl`` binary is installed.
+    """
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl not found on PATH; it is needed to make test certificates")
+    certs.mkdir(parents=True, exist_ok=True)
+    ca_key, ca_crt = certs / "ca.key", certs / "ca.crt"
+    key, csr, crt, ext = certs / "server.key", certs / "server.csr", certs / "server.crt", certs / "ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    for args in (
+        ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca_crt),
+         "-days", "2", "-subj", "/CN=kvtier-test-ca"],
+        ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr), "-subj", "/CN=127.0.0.1"],
+        ["x509", "-req", "-in", str(csr), "-CA", str(ca_crt), "-CAkey", str(ca_key), "-CAcreateserial",
+         "-out", str(crt), "-days", "2", "-extfile", str(ext)],
+    ):  # fmt: skip
+        subprocess.run([openssl, *args], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+    return ca_crt, crt, key
+
+
 @pytest.fixture
 def redis_tls_server(tmp_path: Path) -> Iterator[tuple[RedisServer, str]]:
     """A redis-server with a TLS port too (self-signed CA); yields ``(server, rediss_url)``."""
     if REDIS_SERVER is None:
         pytest.skip(_SKIP_REASON)
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("openssl not found on PATH; it is needed to make test certificates")
-    certs = tmp_path / "certs"
-    certs.mkdir()
-    ca_key, ca_crt = certs / "ca.key", certs / "ca.crt"
-    key, csr, crt, ext = certs / "server.key", certs / "server.csr", certs / "server.crt", certs / "ext.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1\n")
-    quiet = {"check": True, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "timeout": 60}
-    subprocess.run(
-        [
-            openssl,
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(ca_key),
-            "-out",
-            str(ca_crt),
-            "-days",
-            "2",
-            "-subj",
-            "/CN=kvtier-test-ca",
-        ],
-        **quiet,  # type: ignore[arg-type]
-    )
-    subprocess.run(
-        [
-            openssl,
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(csr),
-            "-subj",
-            "/CN=127.0.0.1",
-        ],
-        **quiet,  # type: ignore[arg-type]
-    )
-    subprocess.run(
-        [
-            openssl,
-            "x509",
-            "-req",
-            "-in",
-            str(csr),
-            "-CA",
-            str(ca_crt),
-            "-CAkey",
-            str(ca_key),
-            "-CAcreateserial",
-            "-out",
-            str(crt),
-            "-days",
-            "2",
-            "-extfile",
-            str(ext),
-        ],
-        **quiet,  # type: ignore[arg-type]
-    )
+    ca_crt, crt, key = make_test_certificates(tmp_path / "certs")
     tls_port = _free_port()
     server = _start_server(
         tmp_path / "redis-tls",
@@ -319,3 +247,51 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
         yield cluster
     finally:
         cluster.stop()
+
+
+# --- S3: moto in a separate process, and the fault-injecting stub (s3_servers.py) ---------------
+
+from s3_servers import MotoServer, S3Stub, moto_available, start_moto  # noqa: E402
+
+_MOTO_SKIP = "moto is not installed; install the test extra: pip install -e '.[test]' (moto[s3], flask, flask-cors)"
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    """One moto S3 server process per session on a free loopback port (tests use fresh buckets)."""
+    if not moto_available():
+        pytest.skip(_MOTO_SKIP)
+    server = start_moto(tmp_path_factory.mktemp("moto"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(moto_server: MotoServer) -> tuple[MotoServer, str]:
+    """``(server, bucket)``: a fresh, empty bucket on the session's moto server (restarted if a test killed it)."""
+    if moto_server.proc is None or moto_server.proc.poll() is not None:
+        moto_server.start()
+    return moto_server, moto_server.create_bucket()
+
+
+@pytest.fixture
+def own_moto(tmp_path: Path) -> Iterator[MotoServer]:
+    """A moto server of this test alone (to kill, pause and restart)."""
+    if not moto_available():
+        pytest.skip(_MOTO_SKIP)
+    server = start_moto(tmp_path / "moto")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_stub() -> Iterator[S3Stub]:
+    stub = S3Stub()
+    try:
+        yield stub
+    finally:
+        stub.close()

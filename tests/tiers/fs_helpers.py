@@ -79,16 +79,16 @@ def wait_job(tier: FilesystemTier, job_id: int, timeout: float = 30.0) -> JobRes
     raise AssertionError(f"job {job_id} not reported within {timeout}s")
 
 
-def store(tier: FilesystemTier, keys: Sequence[bytes], slots: Sequence[int]) -> JobResult:
+def store(tier: FilesystemTier, keys: Sequence[bytes], slots: Sequence[int], timeout: float = 30.0) -> JobResult:
     job = TransferJob(next(_job_ids), list(keys), np.asarray(slots, dtype=np.int64), is_promotion=False)
     tier.submit_store(job)
-    return wait_job(tier, job.job_id)
+    return wait_job(tier, job.job_id, timeout)
 
 
-def load(tier: FilesystemTier, keys: Sequence[bytes], slots: Sequence[int]) -> JobResult:
+def load(tier: FilesystemTier, keys: Sequence[bytes], slots: Sequence[int], timeout: float = 30.0) -> JobResult:
     job = TransferJob(next(_job_ids), list(keys), np.asarray(slots, dtype=np.int64), is_promotion=True)
     tier.submit_load(job)
-    return wait_job(tier, job.job_id)
+    return wait_job(tier, job.job_id, timeout)
 
 
 def value_files(root: Path) -> list[Path]:

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvtier.errors import CorruptValueError
-from kvtier.tiers.format import HEADER_SIZE, decode_header, encode_header, verify_payload
+from kvtier.tiers.format import (
+    HEADER_SIZE,
+    decode_header,
+    encode_header,
+    payload_checksum,
+    payload_hasher,
+    verify_digest,
+    verify_payload,
+)
 
 NS = bytes(range(16))
 KEY = b"k" * 32
@@ -61,6 +70,20 @@ def test_checksum_is_xxh3_64_for_small_and_large_payloads() -> None:
         data = bytes(range(256)) * (size // 256) + bytes(size % 256)
         assert payload_checksum(data) == xxhash.xxh3_64_intdigest(data), size
         assert payload_checksum(memoryview(data)) == payload_checksum(bytearray(data))
+
+
+def test_incremental_digest_matches_and_is_verified() -> None:
+    payload = np.random.default_rng(5).integers(0, 256, 300_000, dtype=np.uint8).tobytes()
+    header = decode_header(encode_header(NS, KEY, payload), namespace=NS, key=KEY)
+    hasher = payload_hasher()
+    for start in range(0, len(payload), 70_000):  # uneven chunks, as a network body arrives
+        hasher.update(payload[start : start + 70_000])
+    assert hasher.intdigest() == payload_checksum(payload)
+    verify_digest(header, len(payload), hasher.intdigest())
+    with pytest.raises(CorruptValueError, match="checksum"):
+        verify_digest(header, len(payload), hasher.intdigest() ^ 1)
+    with pytest.raises(CorruptValueError, match="truncated"):
+        verify_digest(header, len(payload) - 1, hasher.intdigest())
 
 
 @pytest.mark.parametrize("length", [1, 8, 32, 33, 36, 64])

@@ -605,18 +605,28 @@ def test_unaligned_rows_fall_back_to_buffered_io(tmp_path: Path) -> None:
 # --- threads, drain, shutdown ---------------------------------------------------------------------
 
 
-def test_loads_are_served_before_queued_stores() -> None:
-    from kvtier.tiers.fs import _Task, _WorkQueue
-
-    queue = _WorkQueue()
-    queue.put([_Task(None, b"s1"), _Task(None, b"s2")], load=False)
-    queue.put([_Task(None, b"l1")], load=True)
-    first = queue.get(takes_stores=True)
-    assert first is not None and first[0].key == b"l1" and first[1]
-    second = queue.get(takes_stores=True)
-    assert second is not None and second[0].key == b"s1"
-    assert [t.key for t, _ in queue.close()] == [b"s2"]
-    assert queue.get(takes_stores=True) is None
+def test_loads_are_served_before_queued_stores(tmp_path: Path, rows: np.ndarray) -> None:
+    """The only write thread works through a long store; a load submitted after it still
+    finishes first (a read thread takes it, and the write thread would take it before the
+    next queued store)."""
+    tier = make_tier(tmp_path, rows, BB, read_threads=1, write_threads=1, fsync=True)
+    try:
+        (hot,) = [key_of(10_000)]
+        fill(rows, [0], [hot], BB)
+        assert store(tier, [hot], [0]).success
+        keys = [key_of(i) for i in range(24)]
+        fill(rows, range(24), keys, BB)
+        tier.submit_store(TransferJob(7001, keys, np.arange(24), is_promotion=False))
+        tier.submit_load(TransferJob(7002, [hot], np.asarray([30]), is_promotion=True))
+        order: list[int] = []
+        deadline = time.monotonic() + 30
+        while len(order) < 2:
+            assert time.monotonic() < deadline
+            order.extend(r.job_id for r in tier.poll_finished())
+            time.sleep(0.0005)
+        assert order == [7002, 7001]
+    finally:
+        tier.shutdown()
 
 
 def test_drain_waits_for_every_job(tmp_path: Path, rows: np.ndarray) -> None:
@@ -627,10 +637,11 @@ def test_drain_waits_for_every_job(tmp_path: Path, rows: np.ndarray) -> None:
             fill(rows, range(8), keys, BB)
             tier.submit_store(TransferJob(100 + j, keys, np.arange(8), is_promotion=False))
             tier.drain(timeout=30)  # rows are rewritten next round: the job must be done
-        assert not tier.has_pending_work()
+        assert tier.has_pending_work(), "results not yet polled are pending work (the engine keeps stepping)"
         results = tier.poll_finished()
         assert sorted(r.job_id for r in results) == [100, 101, 102, 103]
         assert all(r.success for r in results)
+        assert not tier.has_pending_work()
     finally:
         tier.shutdown()
 

@@ -104,35 +104,19 @@ def test_round_trip_through_manager_is_byte_exact(tmp_path: Path, direct_io: boo
         mgr.shutdown()
 
 
-def test_warm_restart_through_a_new_manager(tmp_path: Path) -> None:
-    rng = np.random.default_rng(4)
-    keys = prefix_keys(rng.integers(0, 50_000, 16 * 4), 16, namespace=NS)
-    device = rng.integers(0, 256, (len(keys), BLOCK_BYTES), dtype=np.uint8)
-
-    first = _manager(tmp_path)
-    try:
-        plan = first.prepare_store(keys)
-        assert plan is not None
-        for i, slot in enumerate(plan.slots):
-            first.rows[slot, :BLOCK_BYTES] = device[i]
-        first.complete_store(keys)
-        _settle(first)
-    finally:
-        first.shutdown()
-
-    second = _manager(tmp_path)
-    try:
-        back = _promote_and_load(second, keys, RequestContext("again"))
-        assert np.array_equal(back, device)
-    finally:
-        second.shutdown()
-
-
-def test_keys_longer_than_32_bytes_are_stored_and_found_after_a_restart(tmp_path: Path) -> None:
+@pytest.mark.parametrize("key_kind", ["prefix", "long"])
+def test_warm_restart_through_a_new_manager(tmp_path: Path, key_kind: str) -> None:
+    """A new manager over the same root finds the blocks; keys longer than 32 bytes (vLLM's
+    36-byte offload keys, up to MAX_KEY_BYTES) are stored and named as they are."""
     from kvtier.tiers.format import MAX_KEY_BYTES
 
-    keys = [bytes([i]) * n for i, n in enumerate((36, 33, MAX_KEY_BYTES), start=1)]
-    device = np.random.default_rng(9).integers(0, 256, (len(keys), BLOCK_BYTES), dtype=np.uint8)
+    rng = np.random.default_rng(4)
+    if key_kind == "prefix":
+        keys = prefix_keys(rng.integers(0, 50_000, 16 * 4), 16, namespace=NS)
+    else:
+        keys = [bytes([i]) * n for i, n in enumerate((36, 33, MAX_KEY_BYTES), start=1)]
+    device = rng.integers(0, 256, (len(keys), BLOCK_BYTES), dtype=np.uint8)
+
     first = _manager(tmp_path)
     try:
         plan = first.prepare_store(keys)
@@ -145,8 +129,10 @@ def test_keys_longer_than_32_bytes_are_stored_and_found_after_a_restart(tmp_path
     finally:
         first.shutdown()
     assert {p.name for p in tmp_path.rglob("*.kv")} == {k.hex() + ".kv" for k in keys}
+
     second = _manager(tmp_path)
     try:
-        assert np.array_equal(_promote_and_load(second, keys, RequestContext("again")), device)
+        back = _promote_and_load(second, keys, RequestContext("again"))
+        assert np.array_equal(back, device)
     finally:
         second.shutdown()

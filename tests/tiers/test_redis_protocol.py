@@ -13,7 +13,7 @@ from kvtier.tiers.redis_protocol import (
     Piece,
     RespProtocolError,
     RespReader,
-    pack_bulk_value,
+    SetEncoder,
     pack_command,
     send_pieces,
 )
@@ -46,12 +46,16 @@ def test_pack_command_and_bulk_value_are_valid_resp() -> None:
     pack_command(out, b"GET", b"k1")
     assert b"".join(bytes(p) for p in out) == b"*2\r\n$3\r\nGET\r\n$2\r\nk1\r\n"
     payload = memoryview(bytes(range(256)) * 100)  # large: must be passed through, not copied
-    out = []
-    pack_bulk_value(out, (b"SET", b"key"), (b"HEAD", payload), (b"PX", b"1000"))
-    assert any(p is payload for p in out)
-    wire = b"".join(bytes(p) for p in out)
     value = b"HEAD" + bytes(payload)
-    assert wire == (b"*5\r\n$3\r\nSET\r\n$3\r\nkey\r\n$%d\r\n%s\r\n$2\r\nPX\r\n$4\r\n1000\r\n" % (len(value), value))
+    for px, tail in ((b"1000", b"$2\r\nPX\r\n$4\r\n1000\r\n"), (None, b"")):
+        out = []
+        SetEncoder(len(value), px).pack(out, b"key", b"HEAD", payload)
+        assert any(p is payload for p in out)
+        wire = b"".join(bytes(p) for p in out)
+        argc = 5 if px else 3
+        assert wire == b"*%d\r\n$3\r\nSET\r\n$3\r\nkey\r\n$%d\r\n%s\r\n%s" % (argc, len(value), value, tail)
+    with pytest.raises(ValueError, match="this encoder packs"):
+        SetEncoder(len(value) + 1).pack([], b"key", b"HEAD", payload)
 
 
 def test_reader_parses_scalar_replies_across_partial_reads(pair: tuple[socket.socket, socket.socket]) -> None:
@@ -119,3 +123,31 @@ def test_send_pieces_sends_everything(pair: tuple[socket.socket, socket.socket])
     send_pieces(a, pieces)
     thread.join(5)
     assert bytes(received) == b"ab" + bytes(big) + b"c"
+
+
+def test_send_pieces_gathers_more_pieces_than_one_sendmsg_takes(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    pieces: list[Piece] = [bytes([i % 251]) * (i % 5) for i in range(3000)]  # > IOV_MAX, some empty
+    pieces.insert(1500, memoryview(b"x" * 300_000))
+    expected = b"".join(bytes(p) for p in pieces)
+    received = bytearray()
+
+    def drain() -> None:
+        while len(received) < len(expected):
+            received.extend(b.recv(1 << 16))
+
+    thread = threading.Thread(target=drain)
+    thread.start()
+    send_pieces(a, pieces)
+    thread.join(5)
+    assert bytes(received) == expected
+
+
+def test_send_pieces_gives_up_after_the_socket_timeout_when_the_peer_stops_reading(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    a, _ = pair
+    a.settimeout(0.2)
+    big = memoryview(bytes(16 << 20))  # far more than the socket buffers hold
+    with pytest.raises(TimeoutError):
+        send_pieces(a, [b"head", big])

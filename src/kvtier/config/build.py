@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from pydantic_core import to_jsonable_python
+
 from kvtier.config.schema import KvtierConfig
 from kvtier.keys import Namespace
 from kvtier.units import format_size, row_stride_for
@@ -57,7 +59,8 @@ def _tier_capacity(spec: Mapping[str, Any], block_bytes: int) -> dict[str, Any]:
     from kvtier.tiers.format import HEADER_SIZE
 
     out: dict[str, Any] = {"type": spec.get("type")}
-    out["options"] = {k: v for k, v in spec.items() if k != "type"}
+    # JSON-able, with secrets (pydantic SecretStr) shown as '**********'
+    out["options"] = to_jsonable_python({k: v for k, v in spec.items() if k != "type"})
     max_bytes = spec.get("max_bytes")
     if isinstance(max_bytes, int):
         per_block = row_stride_for(block_bytes + HEADER_SIZE)

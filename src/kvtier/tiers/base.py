@@ -2,11 +2,16 @@
 
 A secondary tier (disk, Redis, S3, ...) holds blocks behind the CPU primary
 tier. The :class:`~kvtier.manager.TieringManager` owns every tier and calls it
-**only from the scheduler thread**; none of these calls may block on I/O.
-Bytes move on the tier's own threads, between its medium and rows of the shared
-CPU region (``TierContext.rows``), and completion is reported by polling.
+**only from the scheduler thread** (one thread: no two calls of a tier ever
+overlap); none of these calls may block on I/O. Bytes move on the tier's own
+threads, between its medium and rows of the shared CPU region
+(``TierContext.rows``), and completion is reported by polling. The two
+exceptions are :meth:`SecondaryTier.drain` and :meth:`SecondaryTier.shutdown`,
+which the manager calls from whichever thread resets or stops the engine, and
+which may block (bounded by their timeouts).
 
-Framework guarantees (preconditions a tier may rely on):
+Every method below states who calls it, from which thread, what it may block
+on and what the framework guarantees before the call. In short:
 
 * ``submit_store(job)``: the rows ``job.slots`` hold the blocks ``job.keys``
   and stay pinned (unchanged) until this tier reports the job in
@@ -22,11 +27,17 @@ Tier obligations:
 * ``lookup`` answers from memory at once: HIT, MISS, or RETRY while an
   asynchronous existence check is under way. While the tier is unhealthy it
   answers MISS.
-* ``drain()`` blocks (the one blocking call) until every submitted job has
-  finished or failed; it never aborts a copy halfway.
+* ``drain()`` blocks (the one blocking call besides ``shutdown``) until every
+  submitted job has finished or failed; it never aborts a copy halfway.
 * ``shutdown()`` stops accepting work, finishes or fails queued jobs, joins its
   threads with a timeout and drops every view of the CPU rows. It raises if it
   cannot prove its threads stopped touching the rows.
+
+Writing a tier: subclass :class:`kvtier.tiers.jobs.ThreadedTier` (job
+tracking, queues, threads, drain, shutdown and the health breaker are done
+there) and copy :mod:`kvtier.tiers.memory`; declare the options as a pydantic
+model in ``options_model``; run the conformance suite
+(:mod:`kvtier.tiers.conformance`) against it.
 """
 
 from __future__ import annotations
@@ -187,6 +198,12 @@ class SecondaryTier(abc.ABC):
     the constructor runs, so configuration errors surface when the config is
     loaded. Without a model, options are checked against the constructor's
     keyword parameters.
+
+    Construction: the manager builds tiers in order from the thread that calls
+    :meth:`~kvtier.manager.TieringManager.create`. The constructor may block on
+    its medium (bounded by its timeouts) and may start threads; if it raises,
+    it must have stopped them. The manager guarantees ``context.rows`` stays
+    mapped until this tier's ``shutdown()`` returned without raising.
     """
 
     tier_type: ClassVar[str] = "abstract"
@@ -208,61 +225,133 @@ class SecondaryTier(abc.ABC):
 
     @abc.abstractmethod
     def lookup(self, key: BlockKey, request: RequestContext | None) -> LookupResult:
-        """HIT, MISS or RETRY for one key, answered from memory."""
+        """HIT, MISS or RETRY for one key, answered from memory.
+
+        Caller: the manager, on the scheduler thread, when the CPU tier missed
+        ``key`` (every earlier tier of the cascade answered MISS or RETRY). Must
+        not block: no I/O, locks held for microseconds only. HIT promises the
+        key can probably be loaded (a later load may still fail it: the medium
+        is shared); RETRY means "ask again next step" (an existence check is
+        under way) and must turn into HIT or MISS within a bounded number of
+        steps; MISS is final for this step. While shut down or out of service:
+        MISS. On HIT the manager reserves a CPU row and submits a load at step
+        end.
+        """
 
     @abc.abstractmethod
     def submit_store(self, job: TransferJob) -> None:
-        """Enqueue a CPU -> tier copy of ``job.slots``; keys already held are skipped."""
+        """Enqueue a CPU -> tier copy of ``job.slots``; keys already held are skipped.
+
+        Caller: the manager, on the scheduler thread, after a device -> CPU store
+        completed (a cascade). Must not block: enqueue only. Guarantees: the rows
+        ``job.slots`` hold ``job.keys`` and stay pinned (unchanged) until this
+        job is reported by :meth:`poll_finished`; ``job.job_id`` is unique among
+        jobs in flight. The tier may shed the job (report it failed) instead of
+        queueing it. Raises :class:`~kvtier.errors.TierError` only after
+        :meth:`shutdown`.
+        """
 
     @abc.abstractmethod
     def submit_load(self, job: TransferJob) -> None:
-        """Enqueue a tier -> CPU copy into the reserved ``job.slots``."""
+        """Enqueue a tier -> CPU copy into the reserved ``job.slots``.
+
+        Caller: the manager, on the scheduler thread, at step end, batching the
+        keys this tier answered HIT for one request. Must not block. Guarantees:
+        the rows ``job.slots`` are reserved for this job (nobody else reads or
+        writes them) until it is reported; only bytes verified against the value
+        header may be reported as loaded (per-key partial success allowed).
+        """
 
     @abc.abstractmethod
     def poll_finished(self) -> list[JobResult]:
-        """Results of jobs finished since the last call, each reported once."""
+        """Results of jobs finished since the last call, each reported once.
+
+        Caller: the manager, on the scheduler thread, at most once per step and
+        before any eviction decision. Must not block. After a job is reported
+        the tier holds no reference to its rows.
+        """
 
     def touch(self, keys: Sequence[BlockKey], request: RequestContext | None) -> None:  # noqa: B027
-        """Recency hint for ``keys``. Default: ignored."""
+        """Recency hint for ``keys`` (they were used). Default: ignored.
+
+        Caller: the manager, on the scheduler thread, for every block a request
+        used (in any tier). Must not block; I/O (e.g. refreshing a TTL) is queued.
+        """
 
     def on_new_request(self, request: RequestContext) -> OffloadPolicy:
-        """The policy this tier wants for ``request``. Default: BLOCK_LEVEL."""
+        """The policy this tier wants for ``request``. Default: BLOCK_LEVEL.
+
+        Caller: the manager, on the scheduler thread, once per request before any
+        store of it. Must not block.
+        """
         return OffloadPolicy.BLOCK_LEVEL
 
     def on_request_finished(self, request: RequestContext) -> None:  # noqa: B027
-        """No more submits will come for ``request`` (jobs may still be in flight)."""
+        """No more submits will come for ``request`` (jobs may still be in flight).
+
+        Caller: the manager, on the scheduler thread, once every device store of
+        the request completed. Must not block.
+        """
 
     def on_schedule_end(self) -> None:  # noqa: B027
-        """Called once per engine step, after the manager submitted this step's jobs."""
+        """Called once per engine step, after the manager submitted this step's jobs.
+
+        Caller: the manager, on the scheduler thread. Must not block: the place
+        to hand this step's batched existence checks to I/O threads.
+        """
 
     def has_pending_work(self) -> bool:
-        """True while jobs are queued or running (the engine keeps stepping)."""
+        """True while jobs are queued, running or unreported (the engine keeps stepping).
+
+        Caller: the manager, on the scheduler thread, every step. Must not block.
+        """
         return False
 
     def take_events(self) -> list[BlockEvent]:
-        """Stored/removed events since the last call."""
+        """Stored/removed events since the last call.
+
+        Caller: the manager, on the scheduler thread (for KV-aware routing). Must
+        not block.
+        """
         return []
 
     def health(self) -> TierHealth:
+        """The circuit-breaker state. Caller: manager and metrics, scheduler thread; must not block."""
         return TierHealth(HealthState.CLOSED)
 
     @abc.abstractmethod
     def usage(self) -> TierUsage:
-        """Bytes used and capacity; must not block on remote I/O."""
+        """Bytes used and capacity (None: unbounded or unknown).
+
+        Caller: the manager's ``stats()`` on the scheduler thread. Must not block
+        on remote I/O: answer from what the I/O threads last learned.
+        """
 
     def describe(self) -> dict[str, Any]:
-        """A JSON-able summary of the tier's configuration."""
+        """A JSON-able summary of the tier's configuration (secrets redacted). Must not block."""
         return {"type": self.tier_type, "medium": self.medium}
 
     # --- blocking calls ----------------------------------------------------------
 
     @abc.abstractmethod
     def drain(self, timeout: float | None = None) -> None:
-        """Block until every submitted job finished or failed.
+        """Block until every submitted job finished or failed; never abort a copy halfway.
 
-        Raises :class:`~kvtier.errors.TierDrainTimeout` after ``timeout`` seconds.
+        Caller: the manager's ``reset_cache`` (any thread, while the scheduler is
+        not stepping). May block on the medium for up to ``timeout`` seconds,
+        then raises :class:`~kvtier.errors.TierDrainTimeout`. The results stay
+        available to :meth:`poll_finished`.
         """
 
     @abc.abstractmethod
     def shutdown(self) -> None:
-        """Stop, join threads, release every view of the CPU rows. Raise on failure."""
+        """Stop, join threads, release every view of the CPU rows. Raise on failure.
+
+        Caller: the manager's ``shutdown`` (any thread, while the scheduler is not
+        stepping), also after a failed construction of a later tier. May block
+        for the tier's own bounded timeouts. Must stop accepting work, finish or
+        fail queued jobs, join its threads, and drop ``context.rows`` and every
+        view of it; if it cannot prove its threads stopped it raises (the manager
+        then keeps the region mapped and calls it again later). Idempotent once
+        it succeeded.
+        """

@@ -146,6 +146,21 @@ def decode_header(
     return ValueHeader(ns, padded_key[:key_len], plen, checksum)
 
 
+def payload_hasher() -> xxhash.xxh3_64:
+    """An incremental payload checksum: ``update()`` it chunk by chunk as a payload arrives
+    (large updates release the GIL), then check it with :func:`verify_digest`."""
+    return xxhash.xxh3_64()
+
+
+def verify_digest(header: ValueHeader, payload_len: int, digest: int) -> None:
+    """Raise :class:`CorruptValueError` unless a payload of ``payload_len`` bytes hashing to
+    ``digest`` (from :func:`payload_hasher`) is the one ``header`` describes."""
+    if payload_len != header.payload_len:
+        raise CorruptValueError(f"payload truncated: {payload_len} of {header.payload_len} bytes")
+    if digest != header.checksum:
+        raise CorruptValueError("payload checksum mismatch")
+
+
 def verify_payload(header: ValueHeader, payload: bytes | bytearray | memoryview) -> None:
     """Raise :class:`CorruptValueError` unless ``payload`` matches the header's length and checksum."""
     n = len(memoryview(payload).cast("B"))

@@ -27,50 +27,53 @@ How it works (layout and file format: :mod:`kvtier.tiers.fs_layout`):
   answer RETRY), and temp files of dead processes are swept.
 * ``failure_threshold`` consecutive I/O errors open a circuit breaker: lookups
   answer MISS and stores are dropped. Every ``probe_interval`` seconds a probe
-  (write, read back, delete a small file) tries to close it again.
+  (open a shard; write, read back, delete a small file) tries to close it again.
+
+Job tracking, the queues, the threads, ``drain``, ``shutdown`` and the breaker's
+wiring are the tier platform's (:class:`~kvtier.tiers.jobs.ThreadedTier`); this
+module holds the index, the file I/O and the warm-restart scan.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import os
 import shutil
 import threading
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvtier.errors import ConfigError, CorruptValueError, TierDrainTimeout, TierError
+from kvtier.errors import ConfigError, CorruptValueError, TierError, UnsafeEntryError
 from kvtier.keys import BlockKey
-from kvtier.tiers.base import (
-    ExtraMetric,
-    HealthState,
-    JobResult,
-    SecondaryTier,
-    TierContext,
-    TierHealth,
-    TierUsage,
-    TransferJob,
+from kvtier.tiers.base import ExtraMetric, TierContext, TierUsage
+from kvtier.tiers.fs_files import (
+    FileModes,
+    create_file,
+    discard_corrupt,
+    open_for_read,
+    remove_value,
+    take_for_recycling,
 )
 from kvtier.tiers.fs_index import FileIndex, Reservation
 from kvtier.tiers.fs_layout import (
+    O_DIRECT,
     PAGE,
     SHARDS,
+    SUFFIX,
     InstanceDir,
     NamespaceReport,
     RootReport,
     aligned_buffer,
     ensure_manifest,
     entry_bytes,
-    fsync_dir,
     is_no_space,
     make_dirs,
     manifest_dict,
@@ -79,13 +82,15 @@ from kvtier.tiers.fs_layout import (
     round_up,
     scan_shard,
     sweep_temp_dirs,
-    value_path,
+    value_name,
     verify_root,
     write_value,
 )
 from kvtier.tiers.health import CircuitBreaker
-from kvtier.types import BlockEvent, LookupResult, RequestContext
+from kvtier.tiers.jobs import ALL_LANES, Lane, ThreadedTier, Work
+from kvtier.types import LookupResult, RequestContext
 from kvtier.units import parse_size
+from kvtier.untrusted import open_regular
 
 __all__ = ["FilesystemTier", "FilesystemTierOptions", "NamespaceReport", "RootReport", "verify_root"]
 
@@ -123,6 +128,11 @@ class FilesystemTierOptions(BaseModel):
     shutdown_timeout: float = Field(
         default=30.0, gt=0, description="Seconds shutdown() lets queued jobs finish, then per thread join."
     )
+    share_group: str | int | None = Field(
+        default=None,
+        description="Share the cache with this Unix group (directories 2770, files 0640, the group's files "
+        "are served). Default: private to this user (0700 / 0600).",
+    )
 
     @field_validator("root", mode="before")
     @classmethod
@@ -135,70 +145,16 @@ class FilesystemTierOptions(BaseModel):
         return None if value is None else parse_size(value)
 
 
-@dataclass
-class _Job:
-    """Book-keeping of one submitted job while its blocks are in flight."""
+class _Corrupt(Exception):
+    """A value failed verification (``removed``: its file was ours and is deleted)."""
 
-    job: TransferJob
-    started: float
-    remaining: int
-    ok: set[BlockKey] = field(default_factory=set)
-    bytes_moved: int = 0
-    errors: list[str] = field(default_factory=list)
+    def __init__(self, reason: str, removed: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.removed = removed
 
 
-@dataclass
-class _Task:
-    """One block of a job (or the health probe when ``job`` is None)."""
-
-    job: _Job | None
-    key: BlockKey = b""
-    slot: int = 0
-    pinned: bool = False
-
-
-class _WorkQueue:
-    """Loads before stores: read threads take only loads; write threads take a load
-    when one is queued, else a store."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._loads: deque[_Task] = deque()
-        self._stores: deque[_Task] = deque()
-        self._closed = False
-
-    def put(self, tasks: Sequence[_Task], load: bool) -> None:
-        with self._cond:
-            (self._loads if load else self._stores).extend(tasks)
-            self._cond.notify_all()
-
-    def get(self, takes_stores: bool) -> tuple[_Task, bool] | None:
-        """Next ``(task, is_load)``; None once closed (queued tasks are left for ``cancel_all``)."""
-        with self._cond:
-            while True:
-                if self._closed:
-                    return None
-                if self._loads:
-                    return self._loads.popleft(), True
-                if takes_stores and self._stores:
-                    return self._stores.popleft(), False
-                self._cond.wait()
-
-    def queued_stores(self) -> int:
-        return len(self._stores)
-
-    def close(self) -> list[tuple[_Task, bool]]:
-        """Stop handing out work; returns the tasks still queued."""
-        with self._cond:
-            self._closed = True
-            left = [(t, True) for t in self._loads] + [(t, False) for t in self._stores]
-            self._loads.clear()
-            self._stores.clear()
-            self._cond.notify_all()
-            return left
-
-
-class FilesystemTier(SecondaryTier):
+class FilesystemTier(ThreadedTier):
     """A secondary tier on a local file system (NVMe, SSD, any POSIX directory).
 
     Options (the config schema's names):
@@ -223,6 +179,14 @@ class FilesystemTier(SecondaryTier):
       dropped (each queued store pins a CPU row), so a slow disk sheds writes first.
     * ``shutdown_timeout``: seconds ``shutdown()`` lets queued jobs finish before
       failing the rest, and then waits for each thread to exit.
+    * ``share_group``: a Unix group (name or gid) to share the cache with: directories
+      2770 (setgid), files 0640, and files of that group are served. Default: private
+      (directories 0700, files 0600, only this user's files are served).
+
+    The root is untrusted content (see :mod:`kvtier.tiers.fs_files`): no link is
+    followed, only regular files of this user (or group) are opened, nothing else is
+    indexed, served, recycled or deleted, and engines sharing a root never read a file
+    the other is recycling. Every option is validated before anything is created.
     """
 
     tier_type = "fs"
@@ -236,6 +200,7 @@ class FilesystemTier(SecondaryTier):
         "scan_entries": ExtraMetric("gauge", "Values indexed by the warm-restart scan."),
         "scan_seconds": ExtraMetric("gauge", "Duration of the warm-restart scan."),
         "temp_files_swept": ExtraMetric("gauge", "Temporary files of dead writers removed at start."),
+        "unsafe_entries": ExtraMetric("counter", "Entries of the root that are not regular files of ours (untouched)."),
     }
 
     def __init__(
@@ -253,13 +218,13 @@ class FilesystemTier(SecondaryTier):
         probe_interval: float = 2.0,
         max_queued_stores: int = 256,
         shutdown_timeout: float = 30.0,
+        share_group: str | int | None = None,
     ) -> None:
         """Check the options, prepare the namespace directory, size the budget, start the threads.
 
         Long because it is the tier's start-up sequence, in order: each step is a few
         lines that need the previous one (directory before manifest, probe before budget).
         """
-        super().__init__(context)
         if read_threads < 1 or write_threads < 1:
             raise ConfigError(
                 f"fs tier needs read_threads >= 1 and write_threads >= 1, got {read_threads} and {write_threads}"
@@ -278,6 +243,21 @@ class FilesystemTier(SecondaryTier):
                 f"fs tier needs rows as a 2-D uint8 array with rows of >= {block_bytes} bytes, "
                 f"got shape {rows.shape} dtype {rows.dtype}"
             )
+        if max_bytes is not None and int(max_bytes) < entry_bytes(block_bytes):
+            raise ConfigError(
+                f"fs tier max_bytes={int(max_bytes)} is smaller than one block file ({entry_bytes(block_bytes)} "
+                "bytes): raise max_bytes"
+            )
+        if failure_threshold < 1:
+            raise ConfigError(f"fs tier failure_threshold must be >= 1, got {failure_threshold}")
+        super().__init__(
+            context,
+            breaker=CircuitBreaker(failure_threshold=failure_threshold, open_seconds=probe_interval),
+            max_queued_stores=max_queued_stores,
+            shutdown_timeout=shutdown_timeout,
+            shutdown_grace=shutdown_timeout,
+        )
+        self.modes = FileModes.for_group(share_group)
         self.root = Path(root)
         self.ns_dir = self.root / context.namespace.hexdigest
         self.block_bytes = block_bytes
@@ -285,39 +265,31 @@ class FilesystemTier(SecondaryTier):
         self.fsync = bool(fsync)
         self.read_threads = int(read_threads)
         self.write_threads = int(write_threads)
-        self.max_queued_stores = int(max_queued_stores)
-        self.shutdown_timeout = float(shutdown_timeout)
         self._digest = context.namespace.digest
-        self._rows: np.ndarray | None = rows
 
+        # Every option is valid: now the side effects, each undone if a later one fails.
+        self._dirs = make_dirs(self.ns_dir, self.modes)
         try:
-            make_dirs(self.ns_dir)
-        except OSError as exc:
-            raise ConfigError(f"fs tier root {self.root} is not usable ({exc}): pick a writable 'root'") from exc
-        ensure_manifest(self.ns_dir, manifest_dict(self._digest, context.namespace.canonical(), block_bytes))
-        self.swept_temp_dirs, self.swept_temp_files = sweep_temp_dirs(self.ns_dir)
-        self._instance = InstanceDir(self.ns_dir)
-
-        self.direct_io, self.direct_io_reason = self._choose_direct_io(direct_io)
-        # Bytes moved per block: O_DIRECT needs whole pages (the row's padding rides along).
-        self._io_bytes = round_up(block_bytes) if self.direct_io else block_bytes
-
-        existing = self._count_existing_files()
-        self.max_bytes = self._resolve_max_bytes(max_bytes, existing)
+            ensure_manifest(self._dirs, manifest_dict(self._digest, context.namespace.canonical(), block_bytes))
+            self.swept_temp_dirs, self.swept_temp_files = sweep_temp_dirs(self.ns_dir)
+            self._instance = InstanceDir(self._dirs)
+        except BaseException:
+            self._dirs.close()
+            raise
+        try:
+            self.direct_io, self.direct_io_reason = self._choose_direct_io(direct_io)
+            # Bytes moved per block: O_DIRECT needs whole pages (the row's padding rides along).
+            self._io_bytes = round_up(block_bytes) if self.direct_io else block_bytes
+            self.max_bytes = self._resolve_max_bytes(max_bytes, self._count_existing_files())
+        except BaseException:
+            self._instance.close(remove=True)
+            self._dirs.close()
+            raise
+        self._direct_flag = O_DIRECT if self.direct_io else 0
         self._index = FileIndex(self.max_bytes, self.entry_bytes)
-        self._breaker = CircuitBreaker(failure_threshold=failure_threshold, open_seconds=probe_interval)
         self._free_recheck_interval = probe_interval
         self._last_enospc = 0.0
-
-        self._lock = threading.Lock()  # jobs, results, events, stats written by I/O threads
-        self._idle = threading.Condition(self._lock)
-        self._outstanding = 0
-        self._finished: list[JobResult] = []
-        self._events: list[BlockEvent] = []
-        self._probe_queued = False
-        self._accepting = True
-        self._shut = False
-        self._queue = _WorkQueue()
+        self._probe_seq = itertools.count(1)
         self._stop_scan = threading.Event()
         self._scan_done = threading.Event()
         self._scanned = bytearray(256)
@@ -326,23 +298,20 @@ class FilesystemTier(SecondaryTier):
                 "io_errors": 0,
                 "enospc": 0,
                 "vanished": 0,
-                "stores_skipped": 0,
                 "scan_entries": 0,
                 "scan_seconds": 0.0,
+                "unsafe_entries": 0,
                 "temp_files_swept": float(self.swept_temp_files),
             }
         )
 
-        self._threads: list[threading.Thread] = []
         try:
-            for i in range(self.read_threads):
-                self._start_thread(f"kvtier-fs-read-{i}", self._io_loop, False)
-            for i in range(self.write_threads):
-                self._start_thread(f"kvtier-fs-write-{i}", self._io_loop, True)
+            self._start_workers(self.read_threads, frozenset({Lane.LOAD}), "read")
+            self._start_workers(self.write_threads, ALL_LANES, "write")
             if scan_in_background:
-                self._start_thread("kvtier-fs-scan", self._scan, None)
+                self._start_thread("scan", self._scan)
             else:
-                self._scan(None)
+                self._scan()
         except BaseException:
             with contextlib.suppress(Exception):
                 self.shutdown()
@@ -358,11 +327,6 @@ class FilesystemTier(SecondaryTier):
         )
 
     # --- construction helpers -------------------------------------------------------------
-
-    def _start_thread(self, name: str, target: Any, arg: Any) -> None:
-        thread = threading.Thread(target=target, args=(arg,), name=name, daemon=True)
-        thread.start()
-        self._threads.append(thread)
 
     def _choose_direct_io(self, mode: bool | str) -> tuple[bool, str]:
         if mode is False:
@@ -386,7 +350,7 @@ class FilesystemTier(SecondaryTier):
         return False, reason
 
     def _count_existing_files(self) -> int:
-        return sum(len(os.listdir(self.ns_dir / shard)) for shard in SHARDS)
+        return sum(1 for shard in SHARDS for e in self._dirs.entries(shard) if e.name.endswith(SUFFIX))
 
     def _resolve_max_bytes(self, max_bytes: int | float | None, existing_files: int) -> int:
         if max_bytes is None:
@@ -403,91 +367,27 @@ class FilesystemTier(SecondaryTier):
 
     # --- scheduler-thread calls (never block on I/O) -----------------------------------------
 
-    def lookup(self, key: BlockKey, request: RequestContext | None) -> LookupResult:
-        """HIT if the index holds ``key``; RETRY while its shard is not scanned yet; else MISS.
-        MISS while the tier is out of service."""
-        if not self._breaker.serving:
-            self._maybe_probe()
-            self.stats.lookups_miss += 1
-            return LookupResult.MISS
+    def _lookup(self, key: BlockKey, request: RequestContext | None) -> LookupResult:
+        """HIT if the index holds ``key``; RETRY while its shard is not scanned yet; else MISS."""
         scanned = self._scanned[key[0]]  # read before the index: the scan adds keys, then flags
         if self._index.hit(key):
-            self.stats.lookups_hit += 1
             return LookupResult.HIT
-        if not scanned:
-            self.stats.lookups_retry += 1
-            return LookupResult.RETRY
-        self.stats.lookups_miss += 1
-        return LookupResult.MISS
+        return LookupResult.MISS if scanned else LookupResult.RETRY
 
     def touch(self, keys: Sequence[BlockKey], request: RequestContext | None) -> None:
         self._index.touch(keys)
 
-    def submit_store(self, job: TransferJob) -> None:
-        """Queue the writes of ``job``; keys already on disk are skipped (reported as success).
-        When out of service or when ``max_queued_stores`` blocks already wait, the new blocks
-        are dropped (reported as failed, counted in ``stats.stores_dropped``)."""
-        self._check_accepting()
-        state = self._register(job)
-        tasks: list[_Task] = []
-        dropped = skipped = 0
-        shed = (not self._breaker.serving) or self._queue.queued_stores() >= self.max_queued_stores
-        for key, slot in zip(job.keys, job.slots, strict=True):
-            if key in self._index:
-                state.ok.add(key)
-                skipped += 1
-            elif shed:
-                dropped += 1
-            else:
-                tasks.append(_Task(state, key, int(slot)))
-        self.stats.stores_submitted += len(job.keys)
-        with self._lock:
-            self.stats.stores_dropped += dropped
-            self.stats.extra["stores_skipped"] += skipped
-            if dropped:
-                state.errors.append(f"{dropped} block(s) dropped: tier out of service or write queue full")
-        if not self._breaker.serving:
-            self._maybe_probe()
-        self._dispatch(state, tasks, load=False)
+    def _holds(self, key: BlockKey) -> bool:
+        """Stores skip keys already on disk."""
+        return key in self._index
 
-    def submit_load(self, job: TransferJob) -> None:
-        """Queue the reads of ``job`` into its reserved rows. Keys no longer on disk fail at once;
-        the others are pinned against eviction until read."""
-        self._check_accepting()
-        state = self._register(job)
-        tasks: list[_Task] = []
-        missing = 0
-        for key, slot in zip(job.keys, job.slots, strict=True):
-            if self._index.pin(key):
-                tasks.append(_Task(state, key, int(slot), pinned=True))
-            else:
-                missing += 1
-        self.stats.loads_submitted += len(job.keys)
-        if missing:
-            with self._lock:
-                self.stats.loads_failed += missing
-                state.errors.append(f"{missing} block(s) no longer on disk")
-        self._dispatch(state, tasks, load=True)
+    def _admit_load(self, key: BlockKey) -> bool:
+        """Pin ``key`` against eviction until its load ran; False if it is no longer on disk."""
+        return self._index.pin(key)
 
-    def poll_finished(self) -> list[JobResult]:
-        with self._lock:
-            done, self._finished = self._finished, []
-        return done
-
-    def on_schedule_end(self) -> None:
-        if not self._breaker.serving:
-            self._maybe_probe()
-
-    def has_pending_work(self) -> bool:
-        return self._outstanding > 0
-
-    def take_events(self) -> list[BlockEvent]:
-        with self._lock:
-            events, self._events = self._events, []
-        return events
-
-    def health(self) -> TierHealth:
-        return self._breaker.health()
+    def _abandon(self, work: Work) -> None:
+        if work.lane is Lane.LOAD:
+            self._index.unpin(work.keys[0])
 
     def usage(self) -> TierUsage:
         return TierUsage(self._index.used_bytes, self._index.capacity, len(self._index))
@@ -520,95 +420,23 @@ class FilesystemTier(SecondaryTier):
             "health": self._breaker.state.value,
         }
 
-    # --- job plumbing ------------------------------------------------------------------------
-
-    def _check_accepting(self) -> None:
-        if not self._accepting:
-            raise TierError(f"fs tier {self.label} is shut down; it accepts no more jobs")
-
-    def _register(self, job: TransferJob) -> _Job:
-        if len(job.keys) != len(job.slots):
-            raise TierError(f"job {job.job_id} has {len(job.keys)} keys but {len(job.slots)} slots")
-        state = _Job(job, time.perf_counter(), remaining=1)  # the 1 is dropped in _dispatch
-        with self._lock:
-            self._outstanding += 1
-        return state
-
-    def _dispatch(self, state: _Job, tasks: list[_Task], load: bool) -> None:
-        with self._lock:
-            state.remaining += len(tasks)
-        if tasks:
-            self._queue.put(tasks, load)
-        self._block_done(state, None, 0, None)
-
-    def _block_done(self, state: _Job, key: BlockKey | None, nbytes: int, error: str | None) -> None:
-        """Record one block's outcome (``key`` None: the dispatch placeholder); report the job
-        when its last block is done."""
-        with self._lock:
-            if key is not None:
-                if error is None:
-                    state.ok.add(key)
-                    state.bytes_moved += nbytes
-                elif len(state.errors) < 8:
-                    state.errors.append(error)
-            state.remaining -= 1
-            if state.remaining:
-                return
-            job = state.job
-            seconds = time.perf_counter() - state.started
-            all_ok = len(state.ok) == len(set(job.keys))
-            self._finished.append(
-                JobResult(
-                    job_id=job.job_id,
-                    success=all_ok,
-                    successful_keys=None if all_ok else frozenset(state.ok),
-                    bytes_moved=state.bytes_moved,
-                    seconds=seconds,
-                    error=None if all_ok else "; ".join(state.errors) or "failed",
-                )
-            )
-            if job.is_promotion:
-                self.stats.seconds_reading += seconds
-            else:
-                self.stats.seconds_writing += seconds
-            self._outstanding -= 1
-            if self._outstanding == 0:
-                self._idle.notify_all()
-
-    def _maybe_probe(self) -> None:
-        if not self._breaker.probe_due():
-            return
-        with self._lock:
-            if self._probe_queued or not self._accepting:
-                return
-            self._probe_queued = True
-        self._queue.put([_Task(None)], load=False)
-
     # --- I/O threads ----------------------------------------------------------------------
 
-    def _io_loop(self, takes_stores: bool) -> None:
-        header_buf = aligned_buffer(PAGE)
-        header = memoryview(header_buf)
-        try:
-            while True:
-                item = self._queue.get(takes_stores)
-                if item is None:
-                    return
-                task, is_load = item
-                try:
-                    if task.job is None:
-                        self._run_probe(header)
-                    elif is_load:
-                        self._load_block(task, header)
-                    else:
-                        self._store_block(task, header)
-                except BaseException as exc:  # never lose a job: report, then keep serving
-                    logger.exception("fs tier %s: unexpected error in I/O thread", self.label)
-                    if task.job is not None:
-                        self._block_done(task.job, task.key, 0, f"internal error: {exc!r}")
-        finally:
-            header.release()
-            header_buf.close()
+    def _open_worker(self) -> Any:
+        """A page-aligned header buffer per thread (O_DIRECT reads and writes the header page)."""
+        buffer = aligned_buffer(PAGE)
+        return buffer, memoryview(buffer)
+
+    def _close_worker(self, local: Any) -> None:
+        buffer, header = local
+        header.release()
+        buffer.close()
+
+    def _run(self, work: Work, local: Any) -> None:
+        if work.lane is Lane.LOAD:
+            self._load_block(work, local[1])
+        else:
+            self._store_block(work, local[1])
 
     def _row_view(self, slot: int) -> memoryview:
         rows = self._rows
@@ -616,103 +444,112 @@ class FilesystemTier(SecondaryTier):
             raise TierError("CPU rows were released")
         return rows[slot, : self._io_bytes].data
 
-    def _load_block(self, task: _Task, header: memoryview) -> None:
-        assert task.job is not None
-        key = task.key
-        path = value_path(self.ns_dir, key)
+    def _load_block(self, work: Work, header: memoryview) -> None:
+        key, slot = work.keys[0], work.slots[0]
+        shard, name = f"{key[0]:02x}", value_name(key)
         error: str | None = None
-        nbytes = 0
         t0 = time.perf_counter()
         try:
-            row = self._row_view(task.slot)
+            shard_fd = self._dirs.subdir(shard)
             try:
-                nbytes = read_value(
-                    path,
-                    header,
-                    row,
-                    namespace=self._digest,
-                    key=key,
-                    block_bytes=self.block_bytes,
-                    direct=self.direct_io,
-                )
+                self._read_into_row(slot, shard_fd, name, key, header)
             finally:
-                row.release()
+                os.close(shard_fd)
             self._breaker.record_success(time.perf_counter() - t0)
-        except CorruptValueError as exc:
-            error = f"corrupt value {key.hex()[:16]}: {exc}"
-            logger.warning("fs tier %s: %s; deleting it", self.label, error)
-            with self._lock:
-                self.stats.corrupt_values += 1
-            self._delete(key)
+        except _Corrupt as exc:
+            error = f"corrupt value {key.hex()[:16]}: {exc.reason}"
+            logger.warning("fs tier %s: %s; %s", self.label, error, "deleted" if exc.removed else "left in place")
+            self._count(corrupt_values=1)
+            self._forget(key)
+        except UnsafeEntryError as exc:
+            error = f"value {key.hex()[:16]} is not served: {exc}"
+            logger.warning("fs tier %s: %s (never opened for I/O, never deleted)", self.label, error)
+            self._count(unsafe_entries=1)
+            self._forget(key)
         except FileNotFoundError:
             error = f"value {key.hex()[:16]} vanished from disk"
-            with self._lock:
-                self.stats.extra["vanished"] += 1
-            self._delete(key)
+            self._count(vanished=1)
+            self._forget(key)
         except OSError as exc:
-            error = f"read of {path} failed: {exc.strerror or exc}"
+            error = f"read of {shard}/{name} failed: {exc.strerror or exc}"
             self._io_error(error)
         finally:
-            if task.pinned:
-                self._index.unpin(key)
-        with self._lock:
-            if error is None:
-                self.stats.bytes_read += nbytes
-            else:
-                self.stats.loads_failed += 1
-        self._block_done(task.job, key, nbytes, error)
+            self._index.unpin(key)
+        if error is None:
+            self._complete(work, ok=[key], nbytes=self.block_bytes)
+        else:
+            self._complete(work, error=error)
 
-    def _store_block(self, task: _Task, header: memoryview) -> None:
-        assert task.job is not None
-        key = task.key
+    def _read_into_row(self, slot: int, shard_fd: int, name: str, key: BlockKey, header: memoryview) -> None:
+        """Read value ``name`` into CPU row ``slot`` and verify it; raises _Corrupt (after removing
+        the file if it is ours and still the one that failed), UnsafeEntryError, FileNotFoundError."""
+        fd, st = open_for_read(shard_fd, name, self._direct_flag, self.modes)
+        try:
+            row = self._row_view(slot)
+            try:
+                read_value(
+                    fd, st.st_size, header, row, namespace=self._digest, key=key,
+                    block_bytes=self.block_bytes, direct=self.direct_io, name=f"{key[0]:02x}/{name}",
+                )  # fmt: skip
+            finally:
+                row.release()
+        except CorruptValueError as exc:
+            removed = discard_corrupt(
+                shard_fd, name, st, self._instance.fd, self._instance.temp_name(key), self.modes
+            )
+            raise _Corrupt(str(exc), removed) from None
+        finally:
+            os.close(fd)
+
+    def _store_block(self, work: Work, header: memoryview) -> None:
+        key, slot = work.keys[0], work.slots[0]
         if not self._breaker.serving:
-            with self._lock:
-                self.stats.stores_dropped += 1
-            self._block_done(task.job, key, 0, "dropped: tier out of service")
+            self._complete(work, error="dropped: tier out of service", dropped=True)
             return
         self._maybe_regrow_capacity()
         plan = self._index.reserve(key)
         if plan.outcome is not Reservation.GRANTED:
             if plan.outcome is Reservation.FULL:
-                with self._lock:
-                    self.stats.stores_dropped += 1
-                self._block_done(task.job, key, 0, "no room: every evictable file is being read")
+                self._complete(work, error="no room: every evictable file is being read", dropped=True)
             else:  # present or being written by another job: nothing to do
-                with self._lock:
-                    self.stats.extra["stores_skipped"] += 1
-                self._block_done(task.job, key, 0, None)
+                self._count(stores_skipped=1)
+                self._complete(work, ok=[key])
             return
         error: str | None = None
-        tmp = self._instance.temp_path(key)
-        reuse = False
+        tmp = self._instance.temp_name(key)
+        tmp_dir = self._instance.fd
+        fd: int | None = None
         if plan.victims:
-            reuse = self._unlink_victims(plan.victims, recycle_to=tmp)
+            fd = self._unlink_victims(plan.victims, recycle_to=tmp)
+        recycled = fd is not None
         try:
-            row = self._row_view(task.slot)
+            if fd is None:
+                fd = create_file(tmp_dir, tmp, self._direct_flag, self.modes)
+            row = self._row_view(slot)
             try:
                 write_value(
-                    tmp,
-                    header,
-                    row,
-                    namespace=self._digest,
-                    key=key,
-                    block_bytes=self.block_bytes,
-                    direct=self.direct_io,
-                    fsync=self.fsync,
-                    reuse=reuse,
-                )
+                    fd, header, row, namespace=self._digest, key=key, block_bytes=self.block_bytes,
+                    fsync=self.fsync, reuse=recycled,
+                )  # fmt: skip
             finally:
                 row.release()
-            final = value_path(self.ns_dir, key)
-            os.rename(tmp, final)
-            if self.fsync:
-                fsync_dir(final.parent)
+            os.close(fd)  # drops a recycled file's exclusive lock before it is visible again
+            fd = None
+            shard_fd = self._dirs.subdir(f"{key[0]:02x}")
+            try:
+                os.rename(tmp, value_name(key), src_dir_fd=tmp_dir, dst_dir_fd=shard_fd)
+                if self.fsync:
+                    os.fsync(shard_fd)
+            finally:
+                os.close(shard_fd)
             self._index.commit(key)
             self._breaker.record_success()
         except BaseException as exc:
+            if fd is not None:
+                os.close(fd)
             self._index.abort(key)
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=tmp_dir)
             if not isinstance(exc, OSError):
                 raise
             if is_no_space(exc):
@@ -720,55 +557,53 @@ class FilesystemTier(SecondaryTier):
                 self._last_enospc = time.monotonic()
                 error = f"no space left under {self.root}; capacity lowered to {capacity} bytes"
                 logger.warning("fs tier %s: %s", self.label, error)
-                with self._lock:
-                    self.stats.extra["enospc"] += 1
+                self._count(enospc=1)
             else:
                 error = f"write of {key.hex()[:16]} failed: {exc.strerror or exc}"
                 self._io_error(error)
-        with self._lock:
-            if error is None:
-                self.stats.bytes_written += self.block_bytes
-                self._events.append(BlockEvent((key,), self.label, self.medium, removed=False))
-            else:
-                self.stats.stores_failed += 1
-        self._block_done(task.job, key, self.block_bytes if error is None else 0, error)
+        if error is None:
+            self._emit([key], removed=False)
+            self._complete(work, ok=[key], nbytes=self.block_bytes)
+        else:
+            self._complete(work, error=error)
 
-    def _unlink_victims(self, victims: list[BlockKey], recycle_to: Path | None = None) -> bool:
-        """Delete evicted values. With ``recycle_to``, the first victim's file is renamed there
-        instead, for the caller to overwrite: rewriting allocated blocks is about twice as fast as
-        filling a fresh file (no block allocation). Returns True if a file was recycled."""
-        recycled = False
+    def _unlink_victims(self, victims: list[BlockKey], recycle_to: str | None = None) -> int | None:
+        """Delete evicted values. With ``recycle_to``, the first victim that may be recycled (a
+        regular file of ours that no reader holds, in any process) is moved there instead and
+        returned open and exclusively locked, for the caller to overwrite: rewriting allocated
+        blocks is about twice as fast as filling a fresh file. Entries that are not regular
+        files we may remove are left alone (they were never ours)."""
+        recycled: int | None = None
         for victim in victims:
-            path = value_path(self.ns_dir, victim)
+            shard, name = f"{victim[0]:02x}", value_name(victim)
             try:
-                if recycle_to is not None and not recycled:
-                    os.rename(path, recycle_to)
-                    recycled = True
-                else:
-                    os.unlink(path)
+                shard_fd = self._dirs.subdir(shard)
+                try:
+                    if recycle_to is not None and recycled is None:
+                        recycled = take_for_recycling(
+                            shard_fd, name, self._instance.fd, recycle_to, self._direct_flag, self.modes
+                        )
+                        if recycled is not None:
+                            continue
+                    remove_value(shard_fd, name, self.modes)
+                finally:
+                    os.close(shard_fd)
             except FileNotFoundError:
                 pass
             except OSError as exc:
                 self._io_error(f"evicting {victim.hex()[:16]} failed: {exc.strerror or exc}")
         self._index.finish_delete(victims)
-        with self._lock:
-            self.stats.evictions += len(victims)
-            self._events.append(BlockEvent(tuple(victims), self.label, self.medium, removed=True))
+        self._count(evictions=len(victims))
+        self._emit(victims, removed=True)
         return recycled
 
-    def _delete(self, key: BlockKey) -> None:
-        """Remove a corrupt or vanished value from the index and the disk."""
+    def _forget(self, key: BlockKey) -> None:
+        """Drop a value that is corrupt, vanished or unsafe from the index (its file, if any, was
+        dealt with by the caller: a file is only ever removed when proven ours)."""
         if not self._index.begin_delete(key):
             return
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(value_path(self.ns_dir, key))
-        except OSError as exc:
-            logger.warning("fs tier %s: could not delete %s: %s", self.label, key.hex()[:16], exc)
-        finally:
-            self._index.finish_delete([key])
-        with self._lock:
-            self._events.append(BlockEvent((key,), self.label, self.medium, removed=True))
+        self._index.finish_delete([key])
+        self._emit([key], removed=True)
 
     def _maybe_regrow_capacity(self) -> None:
         """After ENOSPC, let the budget grow back once the disk has room again (checked at
@@ -791,37 +626,32 @@ class FilesystemTier(SecondaryTier):
 
     def _io_error(self, detail: str) -> None:
         logger.warning("fs tier %s: %s", self.label, detail)
-        with self._lock:
-            self.stats.extra["io_errors"] += 1
-        before = self._breaker.state
-        self._breaker.record_failure(detail)
-        if before is not HealthState.OPEN and self._breaker.state is HealthState.OPEN:
-            logger.error("fs tier %s taken out of service after repeated I/O errors: %s", self.label, detail)
+        self._count(io_errors=1)
+        self._note_failure(detail)
 
-    def _run_probe(self, header: memoryview) -> None:
-        """Write, read back and delete a one-page file; closes or re-opens the breaker."""
-        path = self._instance.path / "health-probe"
+    def _probe(self) -> None:
+        """Open a shard, then write, read back and delete a one-page file; raises if any step fails."""
+        os.close(self._dirs.subdir(SHARDS[0]))
+        name = f"health-probe.{next(self._probe_seq)}"
+        dir_fd = self._instance.fd
+        payload = os.urandom(PAGE)
+        fd = create_file(dir_fd, name, 0, self.modes)
         try:
-            self._instance.ensure()
-            payload = os.urandom(PAGE)
-            with open(path, "wb") as f:
-                f.write(payload)
-            with open(path, "rb") as f:
-                back = f.read()
-            os.unlink(path)
-            if back != payload:
-                raise OSError(errno.EIO, "probe read back different bytes")
-            self._breaker.record_success()
-            logger.info("fs tier %s back in service", self.label)
-        except OSError as exc:
-            self._breaker.record_failure(f"health probe failed: {exc}")
+            os.write(fd, payload)
         finally:
-            with self._lock:
-                self._probe_queued = False
+            os.close(fd)
+        fd = open_regular(name, os.O_RDONLY, dir_fd=dir_fd)
+        try:
+            back = os.read(fd, PAGE + 1)
+        finally:
+            os.close(fd)
+        os.unlink(name, dir_fd=dir_fd)
+        if back != payload:
+            raise OSError(errno.EIO, "probe read back different bytes")
 
     # --- warm restart scan -------------------------------------------------------------------
 
-    def _scan(self, _: object) -> None:
+    def _scan(self) -> None:
         """Index every value file on disk, shard by shard (oldest files become LRU)."""
         t0 = time.perf_counter()
         found: list[tuple[float, bytes]] = []
@@ -829,7 +659,9 @@ class FilesystemTier(SecondaryTier):
             for i, shard in enumerate(SHARDS):
                 if self._stop_scan.is_set():
                     return
-                entries = scan_shard(self.ns_dir, shard)
+                entries, unsafe = scan_shard(self._dirs, shard)
+                if unsafe:
+                    self._count(unsafe_entries=unsafe)
                 self._index.add_scanned(key for _, key in entries)
                 self._scanned[i] = 1
                 found.extend(entries)
@@ -844,63 +676,16 @@ class FilesystemTier(SecondaryTier):
         finally:
             for i in range(256):
                 self._scanned[i] = 1
-            with self._lock:
+            with self._stats_lock:
                 self.stats.extra["scan_entries"] = float(len(found))
                 self.stats.extra["scan_seconds"] = time.perf_counter() - t0
             self._scan_done.set()
 
-    # --- blocking calls ------------------------------------------------------------------------
+    # --- shutdown (the platform's hooks) --------------------------------------------------------
 
-    def drain(self, timeout: float | None = None) -> None:
-        """Block until every submitted job is reported (finished or failed); never aborts I/O."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._idle:
-            while self._outstanding:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TierDrainTimeout(
-                        f"fs tier {self.label}: {self._outstanding} job(s) still in flight after {timeout}s"
-                    )
-                self._idle.wait(left)
-
-    def shutdown(self) -> None:
-        """Stop accepting jobs, let queued ones finish for up to ``shutdown_timeout`` seconds,
-        fail the rest, join every thread (``shutdown_timeout`` each) and drop the CPU rows.
-
-        Raises :class:`TierError` if a thread did not exit; the rows are then kept (the
-        thread may still touch them) and calling ``shutdown()`` again retries. Idempotent.
-        """
-        if self._shut:
-            return
-        self._accepting = False
-        try:
-            self.drain(self.shutdown_timeout)
-        except TierDrainTimeout:
-            logger.warning("fs tier %s: jobs still queued at shutdown are reported as failed", self.label)
-        for task, is_load in self._queue.close():
-            if task.job is None:
-                continue
-            if task.pinned:
-                self._index.unpin(task.key)
-            with self._lock:
-                if is_load:
-                    self.stats.loads_failed += 1
-                else:
-                    self.stats.stores_failed += 1
-            self._block_done(task.job, task.key, 0, "tier shut down before the block was moved")
+    def _stop(self) -> None:
         self._stop_scan.set()
-        deadline = time.monotonic() + self.shutdown_timeout
-        for thread in self._threads:
-            if thread is not threading.current_thread():
-                thread.join(max(0.0, deadline - time.monotonic()))
-        alive = [t.name for t in self._threads if t.is_alive()]
-        if alive:
-            raise TierError(
-                f"fs tier {self.label}: threads {alive} did not stop within {self.shutdown_timeout}s; "
-                "the CPU rows are still referenced. Call shutdown() again to retry"
-            )
-        self._threads.clear()
-        self._rows = None
-        self.context.release_rows()
+
+    def _close(self) -> None:
         self._instance.close(remove=True)
-        self._shut = True
+        self._dirs.close()

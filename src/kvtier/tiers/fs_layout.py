@@ -38,13 +38,14 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.errors import ConfigError, CorruptValueError
+from kvtier.errors import ConfigError, CorruptValueError, UnsafeEntryError
 from kvtier.tiers.format import (
     FORMAT_VERSION,
     HEADER_SIZE,
@@ -54,6 +55,8 @@ from kvtier.tiers.format import (
     payload_checksum,
     verify_payload,
 )
+from kvtier.tiers.fs_files import DIR_FLAGS, FileModes, NamespaceDir, classify_entry, create_file
+from kvtier.untrusted import kind_of, open_regular, try_flock
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +77,7 @@ SHARDS = tuple(f"{i:02x}" for i in range(256))
 _NAME_RE = re.compile(rf"^([0-9a-f]{{2,{2 * MAX_KEY_BYTES}}})\.kv$")
 _READABLE_FORMATS = (1, FORMAT_VERSION)
 _STALE_UNLOCKED_DIR_SECONDS = 60.0
+_MAX_MANIFEST_BYTES = 1 << 20
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _ZERO_TAIL = bytes(PAYLOAD_OFFSET - HEADER_SIZE)
@@ -124,28 +128,37 @@ def manifest_dict(namespace_digest: bytes, namespace_canonical: str, block_bytes
     }
 
 
-def read_manifest(ns_dir: Path) -> dict[str, Any]:
-    """Parse ``ns_dir/manifest.json``; raises OSError or ValueError when unreadable."""
-    with open(ns_dir / MANIFEST, encoding="utf-8") as f:
-        data = json.load(f)
+def read_manifest(ns_dir: Path | int) -> dict[str, Any]:
+    """Parse the manifest of a namespace directory (a path, or its open descriptor).
+
+    Opened without following a link or blocking on a FIFO; raises OSError,
+    :class:`UnsafeEntryError` or ValueError when it is unreadable.
+    """
+    if isinstance(ns_dir, int):
+        fd = open_regular(MANIFEST, os.O_RDONLY, dir_fd=ns_dir)
+    else:
+        fd = open_regular(ns_dir / MANIFEST, os.O_RDONLY)
+    with os.fdopen(fd, encoding="utf-8") as f:
+        data = json.loads(f.read(_MAX_MANIFEST_BYTES))
     if not isinstance(data, dict):
         raise ValueError("manifest is not a JSON object")
     return data
 
 
-def ensure_manifest(ns_dir: Path, expected: dict[str, Any]) -> None:
+def ensure_manifest(dirs: NamespaceDir, expected: dict[str, Any]) -> None:
     """Create the manifest, or check that the existing one describes the same data.
 
     Raises :class:`ConfigError` when the directory holds another namespace or
     block size (never read from or written to), naming the directory and the fix.
     """
+    ns_dir = dirs.path
     path = ns_dir / MANIFEST
     try:
-        found = read_manifest(ns_dir)
+        found = read_manifest(dirs.fd)
     except FileNotFoundError:
-        atomic_write_text(path, json.dumps(expected, indent=2, sort_keys=True) + "\n")
+        atomic_write_text(dirs, MANIFEST, json.dumps(expected, indent=2, sort_keys=True) + "\n")
         return
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, UnsafeEntryError) as exc:
         raise ConfigError(
             f"fs tier manifest {path} is unreadable ({exc}); the directory cannot be trusted: "
             f"remove {ns_dir} or point 'root' elsewhere"
@@ -156,9 +169,9 @@ def ensure_manifest(ns_dir: Path, expected: dict[str, Any]) -> None:
         # (keys over 32 bytes), so say so: a format-1-only release then refuses the directory
         # instead of taking format-2 values for corrupt ones.
         upgraded = dict(found, value_format_version=expected["value_format_version"])
-        atomic_write_text(path, json.dumps(upgraded, indent=2, sort_keys=True) + "\n")
+        atomic_write_text(dirs, MANIFEST, json.dumps(upgraded, indent=2, sort_keys=True) + "\n")
         found = upgraded
-    for field in (
+    for entry in (
         "kvtier_fs_layout",
         "value_format_version",
         "namespace_digest",
@@ -166,75 +179,81 @@ def ensure_manifest(ns_dir: Path, expected: dict[str, Any]) -> None:
         "block_bytes",
         "payload_offset",
     ):
-        if found.get(field) != expected[field]:
+        if found.get(entry) != expected[entry]:
             raise ConfigError(
-                f"fs tier directory {ns_dir} holds {field}={found.get(field)!r}, this engine needs "
-                f"{expected[field]!r}; it will not be read or written. Use another 'root' or remove "
+                f"fs tier directory {ns_dir} holds {entry}={found.get(entry)!r}, this engine needs "
+                f"{expected[entry]!r}; it will not be read or written. Use another 'root' or remove "
                 "the directory"
             )
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file, fsync and rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+def atomic_write_text(dirs: NamespaceDir, name: str, text: str) -> None:
+    """Write ``text`` as ``name`` in the namespace directory: new temp file, fsync, rename."""
+    tmp = f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        fd = create_file(dirs.fd, tmp, 0, dirs.modes)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.rename(tmp, path)
+        os.rename(tmp, name, src_dir_fd=dirs.fd, dst_dir_fd=dirs.fd)
     finally:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-    fsync_dir(path.parent)
+            os.unlink(tmp, dir_fd=dirs.fd)
+    os.fsync(dirs.fd)
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def make_dirs(ns_dir: Path) -> None:
-    """Create the namespace directory, its 256 shards and ``tmp`` (idempotent)."""
-    ns_dir.mkdir(parents=True, exist_ok=True)
-    for shard in SHARDS:
-        (ns_dir / shard).mkdir(exist_ok=True)
-    (ns_dir / TMP_DIR).mkdir(exist_ok=True)
+def make_dirs(ns_dir: Path, modes: FileModes) -> NamespaceDir:
+    """Create (or adopt) the namespace directory, its 256 shards and ``tmp``, following no
+    link; see :class:`~kvtier.tiers.fs_files.NamespaceDir`."""
+    return NamespaceDir(ns_dir, (*SHARDS, TMP_DIR), modes)
 
 
 # --- instance temp directories -----------------------------------------------------------------
 
 
 class InstanceDir:
-    """This process's temp directory, held alive by an flock on its ``lock`` file."""
+    """This process's temp directory under ``tmp``, held alive by an flock on its ``lock`` file.
 
-    def __init__(self, ns_dir: Path) -> None:
-        self.path = ns_dir / TMP_DIR / f"{os.getpid()}-{secrets.token_hex(6)}"
-        self.path.mkdir(parents=True)
-        # Read-only: an open writable file would keep the file system from being remounted ro.
-        flags = os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC
-        self._lock_fd: int | None = os.open(self.path / LOCK_FILE, flags, 0o644)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    Opened without following links and used through its descriptor (``fd``).
+    """
+
+    def __init__(self, dirs: NamespaceDir) -> None:
+        name = f"{os.getpid()}-{secrets.token_hex(6)}"
+        self.path = dirs.path / TMP_DIR / name
+        tmp_fd = dirs.subdir(TMP_DIR)
+        try:
+            os.mkdir(name, dirs.modes.dir_mode, dir_fd=tmp_fd)
+            self.fd = os.open(name, DIR_FLAGS, dir_fd=tmp_fd)
+        finally:
+            os.close(tmp_fd)
+        try:
+            if dirs.modes.group is not None:
+                os.fchmod(self.fd, dirs.modes.dir_mode)
+            # Read-only: an open writable file would keep the file system from being remounted ro.
+            flags = os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            self._lock_fd: int | None = os.open(LOCK_FILE, flags, dirs.modes.file_mode, dir_fd=self.fd)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
+            self._lock_fd = None
+            self.close(remove=True)
+            raise
         self._seq = itertools.count(1)
 
-    def temp_path(self, key: bytes) -> Path:
+    def temp_name(self, key: bytes) -> str:
         """A fresh temp file name for ``key``, unique within this instance (thread-safe)."""
-        return self.path / f"{key.hex()}.{next(self._seq)}.tmp"
-
-    def ensure(self) -> None:
-        """Recreate the directory if someone removed it (used by the health probe)."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        return f"{key.hex()}.{next(self._seq)}.tmp"
 
     def close(self, remove: bool = True) -> None:
         """Release the lock and (by default) remove the directory and its leftovers."""
         if remove:
-            shutil.rmtree(self.path, ignore_errors=True)
+            shutil.rmtree(self.path, ignore_errors=True)  # fd-based: never follows a link
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 @dataclass
@@ -242,6 +261,7 @@ class TempDirState:
     path: Path
     live: bool
     files: int
+    ours: bool = True
 
 
 def temp_dirs(ns_dir: Path) -> Iterator[TempDirState]:
@@ -256,38 +276,38 @@ def temp_dirs(ns_dir: Path) -> Iterator[TempDirState]:
             continue
         path = Path(entry.path)
         try:
+            ours = entry.stat(follow_symlinks=False).st_uid == os.geteuid()
             files = sum(1 for e in os.scandir(path) if e.name != LOCK_FILE)
         except FileNotFoundError:
             continue
-        yield TempDirState(path, _held_by_live_process(path), files)
+        yield TempDirState(path, _held_by_live_process(path), files, ours)
 
 
 def _held_by_live_process(path: Path) -> bool:
     try:
-        fd = os.open(path / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_regular(path / LOCK_FILE, os.O_RDONLY)
     except FileNotFoundError:
         # A creator dies between mkdir and creating its lock only in a tiny window; an
         # unlocked directory older than a minute is certainly abandoned.
         try:
-            return time.time() - path.stat().st_mtime < _STALE_UNLOCKED_DIR_SECONDS
+            return time.time() - path.lstat().st_mtime < _STALE_UNLOCKED_DIR_SECONDS
         except FileNotFoundError:
             return False
+    except (OSError, UnsafeEntryError):
+        return True  # a lock that is not a regular file: not proven dead, leave the directory alone
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
+        return not try_flock(fd, exclusive=True)
     finally:
         os.close(fd)  # also drops the lock if we took it
-    return False
 
 
 def sweep_temp_dirs(ns_dir: Path) -> tuple[int, int]:
     """Remove the temp directories of dead instances; returns (directories, files) removed."""
     dirs = files = 0
     for state in temp_dirs(ns_dir):
-        if state.live:
+        if state.live or not state.ours:
             continue
-        shutil.rmtree(state.path, ignore_errors=True)
+        shutil.rmtree(state.path, ignore_errors=True)  # fd-based: never follows a link
         dirs += 1
         files += state.files
     if dirs:
@@ -333,54 +353,47 @@ def probe_direct_io(directory: Path) -> str | None:
 
 
 def write_value(
-    path: Path,
+    fd: int,
     header_page: memoryview,
     payload: memoryview,
     *,
     namespace: bytes,
     key: bytes,
     block_bytes: int,
-    direct: bool,
     fsync: bool,
     reuse: bool = False,
 ) -> int:
-    """Write one value file at ``path`` (a temp path; the caller renames it into place).
+    """Write one value file through ``fd`` (a temp file; the caller renames it into place).
 
     ``header_page`` is a page-sized (page-aligned for O_DIRECT) scratch buffer; it is
     overwritten with the header and zero padding. ``payload`` is the CPU row: its first
-    ``block_bytes`` are the block; with ``direct`` it must be page aligned and a whole
+    ``block_bytes`` are the block; with O_DIRECT it must be page aligned and a whole
     number of pages long (the padding is written too). One ``pwritev`` moves header
     and payload with no intermediate copy. Returns the file size. Raises OSError; a
     failed write leaves a partial temp file for the caller to unlink. With ``reuse``,
-    ``path`` is an existing file (an evicted value renamed there) that is overwritten in
-    place and trimmed to size.
+    the file is an evicted value being recycled: it is trimmed to size. The caller
+    opens and closes ``fd`` (see :mod:`kvtier.tiers.fs_files`).
     """
     checksum = payload_checksum(payload[:block_bytes])
     header_page[:HEADER_SIZE] = ValueHeader(namespace, key, block_bytes, checksum).pack()
     header_page[HEADER_SIZE:PAYLOAD_OFFSET] = _ZERO_TAIL
-    flags = os.O_WRONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0)
-    if not reuse:
-        flags |= os.O_CREAT | os.O_EXCL
-    fd = os.open(path, flags, 0o644)
-    try:
-        total = PAYLOAD_OFFSET + len(payload)
-        done = os.pwritev(fd, [header_page, payload], 0)
-        while done < total:  # short writes: rare, but legal
-            if done < PAYLOAD_OFFSET:
-                done += os.pwritev(fd, [header_page[done:], payload], done)
-            else:
-                done += os.pwrite(fd, payload[done - PAYLOAD_OFFSET :], done)
-        if reuse:
-            os.ftruncate(fd, total)  # the recycled file may have been longer
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+    total = PAYLOAD_OFFSET + len(payload)
+    done = os.pwritev(fd, [header_page, payload], 0)
+    while done < total:  # short writes: rare, but legal
+        if done < PAYLOAD_OFFSET:
+            done += os.pwritev(fd, [header_page[done:], payload], done)
+        else:
+            done += os.pwrite(fd, payload[done - PAYLOAD_OFFSET :], done)
+    if reuse:
+        os.ftruncate(fd, total)  # the recycled file may have been longer
+    if fsync:
+        os.fsync(fd)
     return total
 
 
 def read_value(
-    path: Path,
+    fd: int,
+    size: int,
     header_page: memoryview,
     payload: memoryview,
     *,
@@ -388,39 +401,35 @@ def read_value(
     key: bytes,
     block_bytes: int,
     direct: bool,
+    name: str = "",
 ) -> int:
-    """Read and verify one value file straight into ``payload`` (the CPU row).
+    """Read and verify one value file (open as ``fd``, ``size`` bytes) straight into ``payload``.
 
-    ``payload`` must hold at least ``block_bytes``; with ``direct`` it is page aligned and
-    page-rounded. Raises :class:`CorruptValueError` on any header, key, namespace,
-    length or checksum mismatch (``payload`` then holds unverified bytes that must not be
-    used), FileNotFoundError when the file is gone, OSError on I/O failure. Returns the
-    payload bytes read.
+    ``payload`` (the CPU row) must hold at least ``block_bytes``; with ``direct`` it is page
+    aligned and page-rounded. Raises :class:`CorruptValueError` on any header, key,
+    namespace, length or checksum mismatch (``payload`` then holds unverified bytes that
+    must not be used), OSError on I/O failure. Returns the payload bytes read. ``name``
+    is for messages.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0))
-    try:
-        size = os.fstat(fd).st_size
-        if size not in (PAYLOAD_OFFSET + block_bytes, entry_bytes(block_bytes)):
-            raise CorruptValueError(
-                f"value file {path} has {size} bytes, expected {PAYLOAD_OFFSET + block_bytes} "
-                f"or {entry_bytes(block_bytes)}"
-            )
-        want = PAYLOAD_OFFSET + len(payload)
-        done = os.preadv(fd, [header_page, payload], 0)
-        while 0 < done < want and not (direct and done % PAGE):
-            if done < PAYLOAD_OFFSET:
-                n = os.preadv(fd, [header_page[done:], payload], done)
-            else:
-                n = os.preadv(fd, [payload[done - PAYLOAD_OFFSET :]], done)
-            if n == 0:
-                break
-            done += n
-    finally:
-        os.close(fd)
+    if size not in (PAYLOAD_OFFSET + block_bytes, entry_bytes(block_bytes)):
+        raise CorruptValueError(
+            f"value file {name} has {size} bytes, expected {PAYLOAD_OFFSET + block_bytes} "
+            f"or {entry_bytes(block_bytes)}"
+        )
+    want = PAYLOAD_OFFSET + len(payload)
+    done = os.preadv(fd, [header_page, payload], 0)
+    while 0 < done < want and not (direct and done % PAGE):
+        if done < PAYLOAD_OFFSET:
+            n = os.preadv(fd, [header_page[done:], payload], done)
+        else:
+            n = os.preadv(fd, [payload[done - PAYLOAD_OFFSET :]], done)
+        if n == 0:
+            break
+        done += n
     header = decode_header(header_page[:HEADER_SIZE], namespace=namespace, key=key, payload_len=block_bytes)
     got = max(0, done - PAYLOAD_OFFSET)
     if got < block_bytes:
-        raise CorruptValueError(f"value file {path} truncated: payload has {got} of {block_bytes} bytes")
+        raise CorruptValueError(f"value file {name} truncated: payload has {got} of {block_bytes} bytes")
     verify_payload(header, payload[:block_bytes])
     return block_bytes
 
@@ -432,23 +441,25 @@ def is_no_space(exc: BaseException) -> bool:
 # --- scanning and offline verification ----------------------------------------------------------
 
 
-def scan_shard(ns_dir: Path, shard: str) -> list[tuple[float, bytes]]:
-    """``(mtime, key)`` of every value file in one shard (a missing shard is empty)."""
+def scan_shard(dirs: NamespaceDir, shard: str) -> tuple[list[tuple[float, bytes]], int]:
+    """``(mtime, key)`` of every value file in one shard, and how many entries named like
+    values were skipped as unsafe (not a regular file, or not ours). Follows no link."""
     out: list[tuple[float, bytes]] = []
-    try:
-        entries = list(os.scandir(ns_dir / shard))
-    except FileNotFoundError:
-        return out
-    for entry in entries:
+    unsafe = 0
+    for entry in dirs.entries(shard):
         key = parse_value_name(shard, entry.name)
         if key is None:
             continue
         try:
-            mtime = entry.stat(follow_symlinks=False).st_mtime
+            st, reason = classify_entry(entry, dirs.modes)
         except FileNotFoundError:
             continue
-        out.append((mtime, key))
-    return out
+        if st is None:
+            unsafe += 1
+            logger.warning("fs tier %s: skipping %s/%s: it is %s", dirs.path, shard, entry.name, reason)
+            continue
+        out.append((st.st_mtime, key))
+    return out, unsafe
 
 
 @dataclass
@@ -473,6 +484,8 @@ class NamespaceReport:
     foreign_files: list[str]
     temp_files_live: int
     temp_files_stale: int
+    unsafe_entries: list[CorruptEntry] = field(default_factory=list)
+    """Entries named like values that are not regular files of this user: never opened."""
 
     @property
     def ok(self) -> bool:
@@ -493,6 +506,7 @@ class NamespaceReport:
             "removed_corrupt": self.removed_corrupt,
             "foreign_files": self.foreign_files,
             "temp_files_live": self.temp_files_live,
+            "unsafe_entries": [{"path": c.path, "reason": c.reason} for c in self.unsafe_entries],
             "temp_files_stale": self.temp_files_stale,
             "ok": self.ok,
         }
@@ -565,6 +579,83 @@ def verify_root(
     return RootReport(str(base), reports)
 
 
+@dataclass
+class _Verification:
+    """What :func:`_verify_namespace` found so far, shard by shard."""
+
+    digest: bytes
+    block_bytes: int | None
+    check_payloads: bool
+    remove_corrupt: bool
+    entries: int = 0
+    total: int = 0
+    verified: int = 0
+    removed: int = 0
+    corrupt: list[CorruptEntry] = field(default_factory=list)
+    unsafe: list[CorruptEntry] = field(default_factory=list)
+    foreign: list[str] = field(default_factory=list)
+    buf: bytearray | None = None
+    header: memoryview = field(default_factory=lambda: memoryview(bytearray(PAGE)))
+
+
+def _verify_shard(ns_dir: Path, shard: str, v: _Verification) -> None:
+    """Count (and with payload checks, read and verify) the values of one shard, following no link."""
+    try:
+        shard_fd = os.open(ns_dir / shard, DIR_FLAGS)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        v.unsafe.append(CorruptEntry(str(ns_dir / shard), f"not a directory ({exc.strerror or exc})"))
+        return
+    try:
+        for entry in sorted(os.scandir(shard_fd), key=lambda e: e.name):
+            path = ns_dir / shard / entry.name
+            key = parse_value_name(shard, entry.name)
+            if key is None:
+                v.foreign.append(str(path))
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                v.unsafe.append(CorruptEntry(str(path), kind_of(st.st_mode)))
+                continue
+            v.entries += 1
+            v.total += st.st_size
+            if v.check_payloads and v.block_bytes is not None:
+                _verify_value(shard_fd, entry.name, path, key, st, v)
+    finally:
+        os.close(shard_fd)
+
+
+def _verify_value(shard_fd: int, name: str, path: Path, key: bytes, st: os.stat_result, v: _Verification) -> None:
+    assert v.block_bytes is not None
+    if v.buf is None:
+        v.buf = bytearray(v.block_bytes)
+    try:
+        fd = open_regular(name, os.O_RDONLY, dir_fd=shard_fd)
+        try:
+            read_value(fd, os.fstat(fd).st_size, v.header, memoryview(v.buf), namespace=v.digest, key=key,
+                       block_bytes=v.block_bytes, direct=False, name=str(path))  # fmt: skip
+        finally:
+            os.close(fd)
+        v.verified += 1
+    except CorruptValueError as exc:
+        v.corrupt.append(CorruptEntry(str(path), str(exc)))
+        if v.remove_corrupt and st.st_uid == os.geteuid():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=shard_fd)
+            v.removed += 1
+    except UnsafeEntryError as exc:
+        v.entries -= 1
+        v.unsafe.append(CorruptEntry(str(path), exc.reason))
+    except FileNotFoundError:
+        v.entries -= 1
+    except OSError as exc:
+        v.corrupt.append(CorruptEntry(str(path), f"unreadable: {exc}"))
+
+
 def _verify_namespace(ns_dir: Path, check_payloads: bool, remove_corrupt: bool) -> NamespaceReport:
     manifest: dict[str, Any] | None = None
     manifest_error: str | None = None
@@ -574,51 +665,16 @@ def _verify_namespace(ns_dir: Path, check_payloads: bool, remove_corrupt: bool) 
             manifest_error = (
                 f"manifest names namespace {manifest.get('namespace_digest')!r}, directory is {ns_dir.name}"
             )
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, UnsafeEntryError) as exc:
         manifest_error = f"unreadable manifest: {exc}"
     block_bytes = manifest.get("block_bytes") if manifest else None
     usable = manifest_error is None and isinstance(block_bytes, int) and block_bytes > 0
     digest = bytes.fromhex(ns_dir.name) if re.fullmatch(r"[0-9a-f]{32}", ns_dir.name) else b""
-
-    entries = total = verified = removed = 0
-    corrupt: list[CorruptEntry] = []
-    foreign: list[str] = []
-    buf: bytearray | None = None
-    header = memoryview(bytearray(PAGE))
+    v = _Verification(digest, block_bytes if usable else None, check_payloads, remove_corrupt)
     for shard in SHARDS:
-        try:
-            names = sorted(os.listdir(ns_dir / shard))
-        except FileNotFoundError:
-            continue
-        for name in names:
-            path = ns_dir / shard / name
-            key = parse_value_name(shard, name)
-            if key is None:
-                foreign.append(str(path))
-                continue
-            entries += 1
-            with contextlib.suppress(FileNotFoundError):
-                total += path.stat().st_size
-            if not (check_payloads and usable):
-                continue
-            assert isinstance(block_bytes, int)
-            if buf is None:
-                buf = bytearray(block_bytes)
-            try:
-                read_value(
-                    path, header, memoryview(buf), namespace=digest, key=key, block_bytes=block_bytes, direct=False
-                )
-                verified += 1
-            except CorruptValueError as exc:
-                corrupt.append(CorruptEntry(str(path), str(exc)))
-                if remove_corrupt:
-                    with contextlib.suppress(FileNotFoundError):
-                        path.unlink()
-                    removed += 1
-            except FileNotFoundError:
-                entries -= 1
-            except OSError as exc:
-                corrupt.append(CorruptEntry(str(path), f"unreadable: {exc}"))
+        _verify_shard(ns_dir, shard, v)
+    entries, total, verified, removed = v.entries, v.total, v.verified, v.removed
+    corrupt, unsafe, foreign = v.corrupt, v.unsafe, v.foreign
     live = stale = 0
     for state in temp_dirs(ns_dir):
         if state.live:
@@ -639,6 +695,7 @@ def _verify_namespace(ns_dir: Path, check_payloads: bool, remove_corrupt: bool) 
         corrupt=corrupt,
         removed_corrupt=removed,
         foreign_files=foreign,
+        unsafe_entries=unsafe,
         temp_files_live=live,
         temp_files_stale=stale,
     )

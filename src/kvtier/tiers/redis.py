@@ -37,42 +37,31 @@ dropped (``stats.stores_dropped``) and loads fail at once; after
 
 from __future__ import annotations
 
-import dataclasses
-import heapq
-import itertools
 import logging
-import threading
+import ssl
 import time
-import traceback
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvtier.errors import ConfigError, CorruptValueError, TierDrainTimeout, TierError
+from kvtier.errors import ConfigError, CorruptValueError
 from kvtier.keys import BlockKey
-from kvtier.tiers.base import (
-    JobResult,
-    SecondaryTier,
-    TierContext,
-    TierHealth,
-    TierUsage,
-    TransferJob,
-)
+from kvtier.tiers.base import JobResult, TierContext, TierUsage, TransferJob
 from kvtier.tiers.format import HEADER_SIZE, decode_header, encode_header, verify_payload
 from kvtier.tiers.health import CircuitBreaker
+from kvtier.tiers.jobs import ALL_LANES, JobState, Lane, ThreadedTier, Work
+from kvtier.tiers.jobs import forget_frames as _forget_frames
+from kvtier.tiers.jobs import format_exception as _format
 from kvtier.tiers.redis_backend import ClusterBackend, RedisBackend, StandaloneBackend
 from kvtier.tiers.redis_protocol import (
     ErrorReply,
     Piece,
     RespReader,
-    pack_bulk_value,
+    SetEncoder,
     pack_command,
     send_pieces,
 )
@@ -81,15 +70,12 @@ from kvtier.types import BlockEvent, LookupResult, RequestContext
 logger = logging.getLogger(__name__)
 
 _SCHEMES = ("redis", "rediss", "unix")
-# Bytes of values per pipelined round trip; bounds memory held by one batch.
+# Payload bytes of GET replies per pipelined round trip: bounds what the server buffers for
+# this client while the replies are read (16 blocks of 2 MiB). Stores need no bound: each SET
+# is applied as it arrives and its reply is 5 bytes, so a store job is one pipeline.
 _BATCH_BYTES = 32 * 1024 * 1024
 _EXISTS_BATCH = 512
 _CACHE_MAX_ENTRIES = 1 << 20
-
-# Work priorities: existence checks before loads before stores, so writes to a
-# slow server queue up (and are shed) before reads suffer.
-_P_EXISTS, _P_LOAD, _P_STORE, _P_TOUCH, _P_STOP = 0, 1, 2, 3, 9
-
 
 class RedisTierOptions(BaseModel):
     """Redis / Valkey tier (``type: redis``), standalone or cluster: the keyword options of :class:`RedisTier`."""
@@ -125,16 +111,6 @@ class RedisTierOptions(BaseModel):
         return value
 
 
-@dataclass(order=True)
-class _Work:
-    priority: int
-    seq: int
-    kind: str = field(compare=False)
-    keys: list[BlockKey] = field(compare=False, default_factory=list)
-    job: TransferJob | None = field(compare=False, default=None)
-    submitted: float = field(compare=False, default=0.0)
-
-
 def _redact(url: str) -> str:
     parts = urlsplit(url)
     if parts.password is None:
@@ -142,31 +118,6 @@ def _redact(url: str) -> str:
     netloc = parts.netloc.rsplit("@", 1)[1]
     user = f"{parts.username}:***@" if parts.username else ":***@"
     return urlunsplit(parts._replace(netloc=user + netloc))
-
-
-def _forget_frames(exc: BaseException) -> None:
-    """Drop the tracebacks of ``exc`` and its chain, clearing the finished frames.
-
-    Those frames hold views of the CPU rows (payload and destination
-    memoryviews); redis-py's exception chains can form reference cycles that
-    would keep them alive until a garbage collection, and the shared region
-    cannot be unmapped while any view exists.
-    """
-    seen: set[int] = set()
-    pending: list[BaseException | None] = [exc]
-    while pending:
-        e = pending.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if e.__traceback__ is not None:
-            traceback.clear_frames(e.__traceback__)
-            e.__traceback__ = None
-        pending.extend((e.__cause__, e.__context__))
-
-
-def _format(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
 
 
 def _is_refused(exc: BaseException) -> bool:
@@ -180,7 +131,7 @@ def _is_refused(exc: BaseException) -> bool:
     return False
 
 
-class RedisTier(SecondaryTier):
+class RedisTier(ThreadedTier):
     """Blocks in Redis or Valkey (standalone or Cluster), shared by every engine of a namespace.
 
     See the module docstring for the options, the threads and the health rules.
@@ -212,7 +163,6 @@ class RedisTier(SecondaryTier):
         Long because every option is checked here, one or two lines each, before any
         thread starts; the options model repeats the checks for configuration files.
         """
-        super().__init__(context)
         scheme = urlsplit(url).scheme
         if scheme not in _SCHEMES:
             raise ConfigError(
@@ -243,6 +193,13 @@ class RedisTier(SecondaryTier):
             raise ConfigError(f"redis max_queued_stores must be >= 0, got {max_queued_stores}")
         if context.block_bytes <= 0:
             raise ConfigError(f"block_bytes must be > 0, got {context.block_bytes}")
+        # A running batch is bounded by a connect plus a few socket timeouts.
+        super().__init__(
+            context,
+            breaker=CircuitBreaker(failure_threshold=failure_threshold, open_seconds=open_seconds),
+            max_queued_stores=max_queued_stores,
+            shutdown_timeout=connect_timeout + 4 * socket_timeout + 2.0,
+        )
 
         self.url = url
         self.cluster = cluster
@@ -252,20 +209,17 @@ class RedisTier(SecondaryTier):
         self.socket_timeout = socket_timeout
         self.connect_timeout = connect_timeout
         self.lookup_cache_seconds = lookup_cache_seconds
-        self.max_queued_stores = max_queued_stores
         self.usage_refresh_seconds = usage_refresh_seconds
 
-        self._rows: np.ndarray | None = context.rows
-        self._block_bytes = context.block_bytes
         self._value_bytes = HEADER_SIZE + context.block_bytes
         self._ns_digest = context.namespace.digest
         self._key_prefix = f"{prefix}:{context.namespace.hexdigest}:".encode()
         self._px = b"%d" % max(1, round(ttl_seconds * 1000)) if ttl_seconds is not None else None
-        self._chunk = max(1, _BATCH_BYTES // self._value_bytes)
+        self._set_encoder = SetEncoder(self._value_bytes, self._px)
+        self._chunk = max(1, _BATCH_BYTES // self._block_bytes)
         # A check that has not answered in this long is treated as a MISS.
         self._check_deadline = socket_timeout + connect_timeout + 0.5
 
-        self._breaker = CircuitBreaker(failure_threshold=failure_threshold, open_seconds=open_seconds)
         try:
             self._backend: RedisBackend = (
                 ClusterBackend(url, socket_timeout, connect_timeout)
@@ -275,36 +229,16 @@ class RedisTier(SecondaryTier):
         except ValueError as exc:
             raise ConfigError(f"redis url {_redact(url)!r} is invalid: {exc}") from exc
 
-        # Shared state, guarded by _lock (held for dictionary operations only).
-        self._lock = threading.Lock()
-        self._work_ready = threading.Condition(self._lock)
-        self._idle = threading.Condition(self._lock)
-        self._heap: list[_Work] = []
-        self._seq = itertools.count()
-        self._queued_stores = 0
-        self._inflight_jobs = 0
+        # Existence answers, guarded by _lock (held for dictionary operations only).
         self._known: dict[BlockKey, tuple[bool, float, bool]] = {}
-        self._checking: dict[BlockKey, float] = {}
-        self._results: deque[JobResult] = deque()
-        self._events: deque[BlockEvent] = deque()
         self._usage = TierUsage(0, None)
         self._usage_at = float("-inf")
         self._need_refresh = False
-        self._stats_lock = threading.Lock()
-        self._house_lock = threading.Lock()
 
         # Scheduler-thread only.
         self._pending_checks: dict[BlockKey, None] = {}
-        self._closed = False
-        self._stopping = False
-        self._shut_down = False
 
-        self._threads = [
-            threading.Thread(target=self._worker, name=f"kvtier-redis-{context.index}-{i}", daemon=True)
-            for i in range(io_threads)
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._start_workers(io_threads, ALL_LANES, "io")
 
     # --- helpers -------------------------------------------------------------------
 
@@ -327,29 +261,13 @@ class RedisTier(SecondaryTier):
                 break
             del known[first]
 
-    def _push(self, work: _Work) -> None:
-        # Caller holds _lock.
-        heapq.heappush(self._heap, work)
-        self._work_ready.notify()
-
-    def _finish(self, result: JobResult) -> None:
-        with self._lock:
-            self._results.append(result)
-            self._inflight_jobs -= 1
-            if self._inflight_jobs == 0:
-                self._idle.notify_all()
-
     # --- scheduler-thread calls ----------------------------------------------------
 
-    def lookup(self, key: BlockKey, request: RequestContext | None) -> LookupResult:
+    def _lookup(self, key: BlockKey, request: RequestContext | None) -> LookupResult:
         """HIT/MISS from the answer cache, else RETRY while a batched EXISTS is under way.
 
         Unknown keys are collected and sent to an I/O thread at :meth:`on_schedule_end`.
-        Answers MISS at once while the tier is out of service.
         """
-        if self._closed or not self._breaker.serving:
-            self.stats.lookups_miss += 1
-            return LookupResult.MISS
         now = time.monotonic()
         with self._lock:
             entry = self._known.get(key)
@@ -358,17 +276,11 @@ class RedisTier(SecondaryTier):
                 # The first lookup after a check uses its answer even if the cache time has passed.
                 self._known[key] = entry = (entry[0], max(entry[1], now + 1e-9), False)
         if entry is not None and entry[1] > now:
-            if entry[0]:
-                self.stats.lookups_hit += 1
-                return LookupResult.HIT
-            self.stats.lookups_miss += 1
-            return LookupResult.MISS
+            return LookupResult.HIT if entry[0] else LookupResult.MISS
         if since is not None and now - since > self._check_deadline:
-            self.stats.lookups_miss += 1
             return LookupResult.MISS
         if since is None:
             self._pending_checks[key] = None
-        self.stats.lookups_retry += 1
         return LookupResult.RETRY
 
     def on_schedule_end(self) -> None:
@@ -383,67 +295,28 @@ class RedisTier(SecondaryTier):
         with self._lock:
             for key in keys:
                 self._checking[key] = now
-            for i in range(0, len(keys), _EXISTS_BATCH):
-                self._push(_Work(_P_EXISTS, next(self._seq), "exists", keys[i : i + _EXISTS_BATCH]))
+        for i in range(0, len(keys), _EXISTS_BATCH):
+            self._queue_internal(Work(Lane.EXISTS, keys=keys[i : i + _EXISTS_BATCH]))
 
-    def submit_store(self, job: TransferJob) -> None:
-        """Queue a SET of every key not known to be held; dropped (and counted) while out of service."""
-        self._check_open()
-        with self._stats_lock:
-            self.stats.stores_submitted += len(job.keys)
-        now = time.monotonic()
+    def _holds(self, key: BlockKey) -> bool:
+        """Stores skip keys known to be held (a fresh positive answer)."""
         with self._lock:
-            self._inflight_jobs += 1
-            shed = not self._breaker.serving or self._queued_stores >= self.max_queued_stores
-            if not shed:
-                keys = []
-                for key in job.keys:
-                    entry = self._known.get(key)
-                    if not (entry is not None and entry[0] and entry[1] > now):
-                        keys.append(key)
-                self._queued_stores += 1
-                self._push(_Work(_P_STORE, next(self._seq), "store", keys, job, now))
-                return
-        reason = "out of service" if not self._breaker.serving else "too many stores queued"
-        self._drop_store(job, reason)
+            entry = self._known.get(key)
+        return entry is not None and entry[0] and entry[1] > time.monotonic()
 
-    def submit_load(self, job: TransferJob) -> None:
-        """Queue a pipelined GET of ``job.keys`` into ``job.slots``; fails at once while out of service."""
-        self._check_open()
-        with self._stats_lock:
-            self.stats.loads_submitted += len(job.keys)
-        with self._lock:
-            self._inflight_jobs += 1
-            if self._breaker.serving:
-                self._push(_Work(_P_LOAD, next(self._seq), "load", list(job.keys), job, time.monotonic()))
-                return
-        self._fail_load(job, "redis tier is out of service", 0.0)
+    def _plan_store(self, state: JobState, blocks: list[tuple[BlockKey, int]]) -> list[Work]:
+        """One pipelined SET batch per job (``max_queued_stores`` counts jobs)."""
+        return [Work(Lane.STORE, state, [k for k, _ in blocks], [s for _, s in blocks])]
 
-    def poll_finished(self) -> list[JobResult]:
-        with self._lock:
-            results = list(self._results)
-            self._results.clear()
-        return results
+    def _plan_load(self, state: JobState, blocks: list[tuple[BlockKey, int]]) -> list[Work]:
+        """One pipelined GET batch per job."""
+        return [Work(Lane.LOAD, state, [k for k, _ in blocks], [s for _, s in blocks])]
 
     def touch(self, keys: Sequence[BlockKey], request: RequestContext | None) -> None:
         """With a TTL, refresh the expiry of ``keys`` (best effort, on an I/O thread)."""
         if self._px is None or self._closed or not keys or not self._breaker.serving:
             return
-        with self._lock:
-            self._push(_Work(_P_TOUCH, next(self._seq), "touch", list(keys)))
-
-    def has_pending_work(self) -> bool:
-        with self._lock:
-            return self._inflight_jobs > 0 or bool(self._results) or bool(self._checking)
-
-    def take_events(self) -> list[BlockEvent]:
-        with self._lock:
-            events = list(self._events)
-            self._events.clear()
-        return events
-
-    def health(self) -> TierHealth:
-        return self._breaker.health()
+        self._queue_internal(Work(Lane.BACKGROUND, keys=list(keys)))
 
     def usage(self) -> TierUsage:
         """Server memory from ``INFO memory`` (summed over cluster primaries), read by an I/O thread.
@@ -472,141 +345,43 @@ class RedisTier(SecondaryTier):
             "health": self._breaker.state.value,
         }
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TierError(f"redis tier {self.label} is shut down; no more jobs can be submitted")
+    # --- I/O threads (the platform's hooks) ----------------------------------------
 
-    # --- blocking calls --------------------------------------------------------------
-
-    def drain(self, timeout: float | None = None) -> None:
-        """Block until every submitted job finished or failed (each job is bounded by timeouts)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while self._inflight_jobs > 0:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TierDrainTimeout(
-                        f"redis tier {self.label}: {self._inflight_jobs} job(s) still running after "
-                        f"{timeout}s; raise the drain timeout or check the server at {_redact(self.url)}"
-                    )
-                self._idle.wait(left)
-
-    def shutdown(self) -> None:
-        """Fail queued jobs, let running ones finish (bounded by socket timeouts), join the threads.
-
-        Raises :class:`TierError` if an I/O thread does not stop; the CPU rows
-        are released only once every thread is proven stopped.
-        """
-        if self._shut_down:
-            return
-        self._closed = True
-        with self._lock:
-            queued = [w for w in self._heap if w.job is not None]
-            self._heap = [w for w in self._heap if w.job is None and w.kind == "stop"]
-            self._checking.clear()
-            self._queued_stores = 0
-            if not self._stopping:
-                for _ in self._threads:
-                    self._push(_Work(_P_STOP, next(self._seq), "stop"))
-                self._stopping = True
-            self._work_ready.notify_all()
-        for work in queued:
-            assert work.job is not None
-            if work.kind == "store":
-                self._drop_store(work.job, "tier shut down")
-            else:
-                self._fail_load(work.job, "tier shut down", 0.0)
-        # A running batch is bounded by a connect plus a few socket timeouts.
-        join_timeout = self.connect_timeout + 4 * self.socket_timeout + 2.0
-        deadline = time.monotonic() + join_timeout
-        alive = []
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                alive.append(thread.name)
-        if alive:
-            raise TierError(
-                f"redis tier {self.label}: I/O thread(s) {alive} did not stop within {join_timeout:.1f}s; "
-                "the CPU rows may still be in use, so they were not released"
-            )
-        try:
-            self._backend.close()
-        except Exception as exc:  # closing sockets must not keep the rows pinned
-            logger.warning("redis tier %s: closing connections failed: %s", self.label, exc)
-        self._rows = None
-        self._shut_down = True
-        self.context = dataclasses.replace(self.context, rows=np.empty((0, self.context.row_stride), dtype=np.uint8))
-
-    # --- I/O threads -----------------------------------------------------------------
-
-    def _worker(self) -> None:
-        while True:
-            with self._lock:
-                if not self._heap:
-                    self._work_ready.wait(0.1)
-                work = heapq.heappop(self._heap) if self._heap else None
-                if work is not None and work.kind == "store":
-                    self._queued_stores = max(0, self._queued_stores - 1)
-            if work is not None and work.kind == "stop":
-                return
-            self._housekeeping()
-            if work is None:
-                continue
-            try:
-                self._run(work)
-            except Exception as exc:  # a bug must fail the job, not kill the thread
-                logger.error("redis tier %s: unexpected error in %s work:\n%s", self.label, work.kind, _format(exc))
-                _forget_frames(exc)
-                if work.job is not None:
-                    if work.kind == "store":
-                        self._fail_store(work.job, "internal error (see log)", 0.0)
-                    else:
-                        self._fail_load(work.job, "internal error (see log)", 0.0)
-
-    def _run(self, work: _Work) -> None:
-        if work.kind == "exists":
+    def _run(self, work: Work, local: Any) -> None:
+        if work.lane is Lane.EXISTS:
             self._do_exists(work.keys)
-        elif work.kind == "load":
+        elif work.lane is Lane.LOAD:
             assert work.job is not None
-            self._do_load(work.job)
-        elif work.kind == "store":
+            self._do_load(work.job.job)
+        elif work.lane is Lane.STORE:
             assert work.job is not None
-            self._do_store(work.job, work.keys)
-        elif work.kind == "touch":
+            self._do_store(work.job.job, work.keys)
+        else:
             self._do_touch(work.keys)
 
+    def _close(self) -> None:
+        self._backend.close()
+
+    def _probe(self) -> None:
+        """PING; on success the cached answers are dropped (the server may have lost data)."""
+        self._backend.ping()
+        with self._lock:
+            self._known.clear()
+
     def _housekeeping(self) -> None:
-        if not self._house_lock.acquire(blocking=False):
+        if not self._breaker.serving:
             return
-        try:
-            if self._stopping:
-                return
-            if self._breaker.probe_due():
-                try:
-                    self._backend.ping()
-                except Exception as exc:
-                    self._breaker.record_failure(f"probe failed: {exc}")
-                    logger.debug("redis tier %s: probe failed: %s", self.label, exc)
-                else:
-                    with self._lock:
-                        self._known.clear()
-                    self._breaker.record_success()
-                    logger.info("redis tier %s: server answers again; back in service", self.label)
-            if not self._breaker.serving:
-                return
-            if self._need_refresh:
-                self._need_refresh = False
-                self._guarded(self._backend.refresh)
-            now = time.monotonic()
-            if now - self._usage_at >= self.usage_refresh_seconds:
-                self._usage_at = now
-                memory = self._guarded(self._backend.info_memory)
-                if memory is not None:
-                    self._usage = TierUsage(memory[0], memory[1])
-            with self._lock:
-                self._prune_known(now)
-        finally:
-            self._house_lock.release()
+        if self._need_refresh:
+            self._need_refresh = False
+            self._guarded(self._backend.refresh)
+        now = time.monotonic()
+        if now - self._usage_at >= self.usage_refresh_seconds:
+            self._usage_at = now
+            memory = self._guarded(self._backend.info_memory)
+            if memory is not None:
+                self._usage = TierUsage(memory[0], memory[1])
+        with self._lock:
+            self._prune_known(now)
 
     def _guarded(self, call: Callable[[], Any]) -> Any:
         try:
@@ -641,21 +416,28 @@ class RedisTier(SecondaryTier):
     ) -> None:
         """Send one command per key (grouped by server), then read the replies in order.
 
-        A command carrying a payload is sent as soon as it is packed, so the
-        server processes value ``i`` while the next header and checksum are computed.
+        A command carrying a payload is sent as soon as it is packed (one
+        ``sendmsg`` for its head, value header, payload and tail), so the server
+        processes value ``i`` while the next header and checksum are computed.
         """
         for pool, indexes in self._backend.groups(rkeys):
             conn = pool.get_connection()
             clean = False
             try:
                 sock = conn._sock
+                # A TLS socket cannot gather pieces in one call: there the small tail waits to be
+                # joined with the next command's head instead of costing a TLS record of its own.
+                keep_tail = isinstance(sock, ssl.SSLSocket)
                 pieces: list[Piece] = []
                 for i in indexes:
                     send(pieces, i)
                     if len(pieces) >= 256 or any(isinstance(p, memoryview) for p in pieces[-3:]):
-                        # Keep the small tail to join it with the next command's head.
-                        send_pieces(sock, pieces[:-1])
-                        del pieces[:-1]
+                        if keep_tail:
+                            send_pieces(sock, pieces[:-1])
+                            del pieces[:-1]
+                        else:
+                            send_pieces(sock, pieces)
+                            pieces.clear()
                 send_pieces(sock, pieces)
                 reader = RespReader(sock)
                 for i in indexes:
@@ -714,18 +496,17 @@ class RedisTier(SecondaryTier):
         stored: list[BlockKey] = []
         errors: list[str] = []
         started = time.perf_counter()
-        for base in range(0, len(keys), self._chunk):
-            chunk = keys[base : base + self._chunk]
-            rkeys = [self.redis_key(k) for k in chunk]
-            ok: list[bool] = [False] * len(chunk)
+        if keys:
+            rkeys = [self.redis_key(k) for k in keys]
+            ok: list[bool] = [False] * len(keys)
 
-            def send(out: list[Piece], i: int, chunk: list[BlockKey] = chunk, rkeys: list[bytes] = rkeys) -> None:
-                payload = rows[slot_of[chunk[i]], : self._block_bytes].data
-                header = encode_header(self._ns_digest, chunk[i], payload)
-                trailing = (b"PX", self._px) if self._px is not None else ()
-                pack_bulk_value(out, (b"SET", rkeys[i]), (header, payload), trailing)
+            encoder, block_bytes, ns_digest = self._set_encoder, self._block_bytes, self._ns_digest
 
-            def receive(reader: RespReader, i: int, ok: list[bool] = ok) -> None:
+            def send(out: list[Piece], i: int) -> None:
+                payload = rows[slot_of[keys[i]], :block_bytes].data
+                encoder.pack(out, rkeys[i], encode_header(ns_digest, keys[i], payload), payload)
+
+            def receive(reader: RespReader, i: int) -> None:
                 reply = reader.read_reply()
                 if isinstance(reply, ErrorReply):
                     self._note_reply_error(reply)
@@ -737,9 +518,9 @@ class RedisTier(SecondaryTier):
                 self._pipeline(rkeys, send, receive)
             except Exception as exc:
                 errors.append(self._record_error(exc))
-                break
-            self._breaker.record_success()
-            stored.extend(k for k, good in zip(chunk, ok, strict=True) if good)
+            else:
+                self._breaker.record_success()
+                stored.extend(k for k, good in zip(keys, ok, strict=True) if good)
         seconds = time.perf_counter() - started
         now = time.monotonic()
         with self._lock:
@@ -884,16 +665,9 @@ class RedisTier(SecondaryTier):
         )
 
     def _drop_store(self, job: TransferJob, reason: str) -> None:
-        with self._stats_lock:
-            self.stats.stores_dropped += len(job.keys)
+        self._count(stores_dropped=len(job.keys))
         self._finish(JobResult(job.job_id, False, error=f"store dropped: {reason}"))
 
-    def _fail_store(self, job: TransferJob, reason: str, seconds: float) -> None:
-        with self._stats_lock:
-            self.stats.stores_failed += len(job.keys)
-        self._finish(JobResult(job.job_id, False, seconds=seconds, error=reason))
-
     def _fail_load(self, job: TransferJob, reason: str, seconds: float) -> None:
-        with self._stats_lock:
-            self.stats.loads_failed += len(job.keys)
+        self._count(loads_failed=len(job.keys))
         self._finish(JobResult(job.job_id, False, seconds=seconds, error=reason))

@@ -12,7 +12,7 @@ manager (:func:`create_tier`) and the generated reference
 A class without an ``options_model`` has its options checked against its
 constructor's keyword parameters instead.
 
-Built-ins are imported lazily so optional dependencies (redis-py, ...) are
+Built-ins are imported lazily so optional dependencies (redis-py, obstore) are
 needed only by the tiers that use them. The registry is process-wide;
 :func:`register_tier` is meant for start-up, before tiers are built.
 """
@@ -33,6 +33,8 @@ from kvtier.validation import did_you_mean, explain
 _BUILTIN: dict[str, str] = {
     "fs": "kvtier.tiers.fs:FilesystemTier",
     "redis": "kvtier.tiers.redis:RedisTier",
+    "s3": "kvtier.tiers.s3:S3Tier",
+    "memory": "kvtier.tiers.memory:MemoryTier",
 }
 _registered: dict[str, str] = {}
 

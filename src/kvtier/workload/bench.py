@@ -666,6 +666,8 @@ def _where(spec: dict[str, Any]) -> str:
     """Where a tier keeps its data, for the console: a directory, or a URL without its credentials."""
     if spec.get("root"):
         return str(spec["root"])
+    if spec.get("bucket"):
+        return f"s3://{spec['bucket']}/{spec.get('prefix', 'kvtier')}"
     url = spec.get("url")
     if not isinstance(url, str):
         return ""
@@ -687,6 +689,7 @@ def describe_options(options: BenchOptions) -> str:
         tiers.append("fs " + (options.fs_root or "(temp dir)"))
     if options.redis_url:
         tiers.append("redis " + _where({"url": options.redis_url}))
+    tiers += [f"{t['type']} {_where(t)}".strip() for t in options.extra_tiers]
     return f"model {model}, device pool {options.device_blocks} blocks, tiers: " + ", ".join(tiers)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.keys import BlockKey
+from kvtier.transfer import aligned_host_array
 
 
 class BlockContent:
@@ -50,7 +51,9 @@ class DevicePool:
     """
 
     def __init__(self, num_blocks: int, block_bytes: int) -> None:
-        self.data = np.zeros((num_blocks, block_bytes), dtype=np.uint8)
+        # Page aligned and resident like a real engine's pool: numpy's own 16-byte offset made
+        # loads (CPU -> device) 1.8x slower than stores, and lazily mapped pages fault on first copy.
+        self.data = aligned_host_array((num_blocks, block_bytes))
         self.free = list(range(num_blocks - 1, -1, -1))
         self.cache: OrderedDict[BlockKey, int] = OrderedDict()
         self.pins = [0] * num_blocks

@@ -3,11 +3,13 @@
 Used by :class:`kvtier.integrations.vllm.worker.KvtierOffloadingWorker` in each
 vLLM worker process; every method is called from the worker's main thread.
 
-Byte movement goes through kvtier's own :class:`~kvtier.transfer.TransferEngine`
-(the same engine ``kvtier bench`` uses): on CPU tensors a FIFO of plain torch
-copies on one owned thread; on CUDA tensors copies on a dedicated stream after
-the compute stream, completion tracked with events, with the region page-locked
-(``cudaHostRegister``) so the copies are truly asynchronous.
+Each job is planned once (:class:`ChunkCopyPlanner`: vectorized over blocks and
+references) and handed to kvtier's own :class:`~kvtier.transfer.TransferEngine`
+(the same engine ``kvtier bench`` uses): CPU tensors are copied by the host
+backend on one owned thread; CUDA tensors on a dedicated stream after the
+compute stream, by the device backend the worker passes in (vLLM's batched swap
+op, :mod:`kvtier.integrations.vllm.swap`), completion tracked with events, with
+the region page-locked (``cudaHostRegister``) so the copies are truly asynchronous.
 
 Row layout (see :mod:`kvtier.integrations.vllm.config`): this rank's part of a
 row starts at ``rank * rank_bytes``; the KV-cache references of the chunk's
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +30,7 @@ import numpy as np
 
 from kvtier.errors import KvtierError
 from kvtier.region import SharedRegion
-from kvtier.transfer import CopyPair, TransferEngine
+from kvtier.transfer import BlockMapping, BlockPieces, CopyBackend, CopyBatch, CopyPlan, TransferEngine
 
 logger = logging.getLogger(__name__)
 
@@ -64,58 +67,94 @@ def plan_group_layout(
     return plans
 
 
-def block_copy_pairs(
-    plans: Sequence[Sequence[RefSlice]],
-    device_tensors: Sequence[Any],
-    rank_rows: Any,
-    device_block_ids: np.ndarray,
-    group_sizes: Sequence[int],
-    block_indices: Sequence[int],
-    slots: np.ndarray,
-    blocks_per_chunk: int,
-    to_device: bool,
-) -> list[CopyPair]:
-    """The ``(dst, src)`` copies of one job, one per (device block, reference).
+class ChunkCopyPlanner:
+    """Turns vLLM transfer specs into copy plans between device blocks and this rank's part of the rows.
 
-    ``device_block_ids`` are grouped by KV-cache group (``group_sizes``); each
-    group's blocks are logically contiguous starting at block index
-    ``block_indices[g]``, so the first chunk of a group may be entered part way.
-    ``slots`` lists the rows of every group's chunks, group after group.
+    ``plans[g]`` places group ``g``'s references in a row (:func:`plan_group_layout`);
+    ``device_tensors[i]`` is a ``(num_blocks, page_bytes)`` tensor (or array);
     ``rank_rows`` is this rank's ``(num_rows, rank_bytes)`` view of the region.
+    The per-group block layouts are built once here; :meth:`plan` is called per
+    job on the worker's main thread and costs a few vectorized numpy calls.
     """
-    pairs: list[CopyPair] = []
-    block_pos = 0
-    slot_pos = 0
-    for g, size in enumerate(group_sizes):
-        if size == 0:
-            continue
-        skip = int(block_indices[g]) % blocks_per_chunk
-        num_chunks = -(-(skip + size) // blocks_per_chunk)
-        if slot_pos + num_chunks > len(slots):
-            raise KvtierError(
-                f"transfer spec mismatch: group {g} needs {num_chunks} chunk rows after "
-                f"{slot_pos}, but only {len(slots)} rows were given"
+
+    def __init__(
+        self,
+        plans: Sequence[Sequence[RefSlice]],
+        device_tensors: Sequence[Any],
+        rank_rows: Any,
+        blocks_per_chunk: int,
+    ) -> None:
+        self.blocks_per_chunk = blocks_per_chunk
+        self._to_host: list[BlockMapping | None] = []
+        self._to_device: list[BlockMapping | None] = []
+        for plan in plans:
+            if not plan:
+                self._to_host.append(None)
+                self._to_device.append(None)
+                continue
+            device = BlockPieces.from_block_views(
+                [device_tensors[ref.tensor_idx] for ref in plan], [ref.page_bytes for ref in plan]
             )
-        group_slots = slots[slot_pos : slot_pos + num_chunks]
-        plan = plans[g]
-        for i in range(size):
-            pos = skip + i
-            row = rank_rows[int(group_slots[pos // blocks_per_chunk])]
-            sub = pos % blocks_per_chunk
-            block_id = int(device_block_ids[block_pos + i])
-            for ref in plan:
-                start = ref.row_offset + sub * ref.page_bytes
-                host = row[start : start + ref.page_bytes]
-                dev = device_tensors[ref.tensor_idx][block_id, : ref.page_bytes]
-                pairs.append((dev, host) if to_device else (host, dev))
-        block_pos += size
-        slot_pos += num_chunks
-    if block_pos != len(device_block_ids) or slot_pos != len(slots):
-        raise KvtierError(
-            f"transfer spec mismatch: {len(device_block_ids)} device blocks and {len(slots)} rows "
-            f"given, {block_pos} blocks and {slot_pos} rows described by group sizes {list(group_sizes)}"
-        )
-    return pairs
+            host = BlockPieces.from_rows(
+                rank_rows,
+                [ref.row_offset for ref in plan],
+                [ref.page_bytes for ref in plan],
+                blocks_per_row=blocks_per_chunk,
+            )
+            self._to_host.append(BlockMapping(device, host))
+            self._to_device.append(BlockMapping(host, device))
+
+    def plan(
+        self,
+        device_block_ids: np.ndarray,
+        group_sizes: Sequence[int],
+        block_indices: Sequence[int],
+        slots: np.ndarray,
+        to_device: bool,
+    ) -> CopyPlan:
+        """The copies of one job, every (device block, reference) piece of it.
+
+        ``device_block_ids`` are grouped by KV-cache group (``group_sizes``); each
+        group's blocks are logically contiguous starting at block index
+        ``block_indices[g]``, so the first chunk of a group may be entered part way.
+        ``slots`` lists the rows of every group's chunks, group after group.
+        Raises :class:`KvtierError` on a spec that does not add up or an id out of range.
+        """
+        bpc = self.blocks_per_chunk
+        block_ids = np.asarray(device_block_ids, dtype=np.int64).reshape(-1)
+        rows = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if len(group_sizes) > len(self._to_host):
+            raise KvtierError(f"transfer spec has {len(group_sizes)} groups, the KV cache {len(self._to_host)}")
+        batches: list[CopyBatch] = []
+        block_pos = 0
+        slot_pos = 0
+        for g, size in enumerate(group_sizes):
+            if size == 0:
+                continue
+            skip = int(block_indices[g]) % bpc
+            num_chunks = -(-(skip + size) // bpc)
+            if slot_pos + num_chunks > len(rows) or block_pos + size > len(block_ids):
+                raise KvtierError(
+                    f"transfer spec mismatch: group {g} needs {num_chunks} chunk rows after {slot_pos} and "
+                    f"{size} blocks after {block_pos}, but {len(rows)} rows and {len(block_ids)} blocks were given"
+                )
+            mapping = self._to_device[g] if to_device else self._to_host[g]
+            if mapping is None:
+                raise KvtierError(f"transfer spec moves {size} blocks of KV-cache group {g}, which has no tensors")
+            pos = skip + np.arange(size, dtype=np.int64)
+            host_ids = rows[slot_pos + pos // bpc] * bpc + pos % bpc
+            dev_ids = block_ids[block_pos : block_pos + size]
+            batch = mapping.batch(host_ids, dev_ids) if to_device else mapping.batch(dev_ids, host_ids)
+            if batch is not None:
+                batches.append(batch)
+            block_pos += size
+            slot_pos += num_chunks
+        if block_pos != len(block_ids) or slot_pos != len(rows):
+            raise KvtierError(
+                f"transfer spec mismatch: {len(block_ids)} device blocks and {len(rows)} rows "
+                f"given, {block_pos} blocks and {slot_pos} rows described by group sizes {list(group_sizes)}"
+            )
+        return CopyPlan.of(batches)
 
 
 class RegionCopier:
@@ -140,6 +179,7 @@ class RegionCopier:
         blocks_per_chunk: int,
         device_tensors: Sequence[Any],
         group_refs: Sequence[Sequence[tuple[int, int]]],
+        device_backend: CopyBackend | None = None,
     ) -> None:
         import torch
 
@@ -160,9 +200,20 @@ class RegionCopier:
             prefault=True,
             pin=on_cuda and torch.cuda.is_available(),
         )
-        rows = torch.from_numpy(self.region.rows).view(torch.int8)  # same dtype as vLLM's views
-        self._host: Any = rows[:, rank * rank_bytes : (rank + 1) * rank_bytes]
-        self.engine = TransferEngine(name=f"kvtier-vllm-copy-{rank}")
+        try:
+            self.planner: ChunkCopyPlanner | None = ChunkCopyPlanner(
+                self.plans, self.device_tensors, self.region.rows[:, rank * rank_bytes : (rank + 1) * rank_bytes],
+                blocks_per_chunk,
+            )
+        except BaseException as exc:
+            # The failed frames hold views of the rows; the mapping cannot close while they live.
+            traceback.clear_frames(exc.__traceback__)
+            try:
+                self.region.close()
+            except Exception as close_exc:
+                logger.warning("kvtier worker: region %s not released after a failed setup: %s", region_name, close_exc)
+            raise
+        self.engine = TransferEngine(name=f"kvtier-vllm-copy-{rank}", device_backend=device_backend)
         self._closed = False
 
     def submit(
@@ -175,19 +226,11 @@ class RegionCopier:
         to_device: bool,
     ) -> int:
         """Queue one job; returns its byte count. Raises :class:`KvtierError` on a bad spec."""
-        pairs = block_copy_pairs(
-            self.plans,
-            self.device_tensors,
-            self._host,
-            device_block_ids,
-            group_sizes,
-            block_indices,
-            slots,
-            self.blocks_per_chunk,
-            to_device,
-        )
-        self.engine.submit(job_id, pairs)
-        return len(pairs)
+        if self.planner is None:
+            raise KvtierError("the kvtier worker copier is closed")
+        plan = self.planner.plan(device_block_ids, group_sizes, block_indices, slots, to_device)
+        self.engine.submit(job_id, plan)
+        return plan.nbytes
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish queued copies, stop the copy thread, drop views, release the mapping. Idempotent."""
@@ -196,7 +239,7 @@ class RegionCopier:
         start = time.monotonic()
         self.engine.shutdown(timeout)
         self.engine.poll()
-        self._host = None
+        self.planner = None
         self.device_tensors = []
         self.region.close()
         self._closed = True

@@ -4,8 +4,9 @@ Runs in each vLLM worker process. vLLM's connector calls ``submit_store`` /
 ``submit_load`` at the start of a step (before the forward pass),
 ``get_finished`` once per step, ``wait`` when it must fence blocks
 (preemption, block reuse, cache reset) and ``shutdown`` at engine exit, all from
-the worker's main thread. ``submit_*`` only enqueue; copies run on the copy
-engine (see :mod:`kvtier.integrations.vllm.copier`).
+the worker's main thread. ``submit_*`` only plan and enqueue; copies run on the
+copy engine (see :mod:`kvtier.integrations.vllm.copier`), on CUDA through vLLM's
+batched swap op when this vLLM build has it (:mod:`kvtier.integrations.vllm.swap`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from vllm.v1.kv_offload.base import (
 
 from kvtier.integrations.vllm.config import VllmKvtierSettings
 from kvtier.integrations.vllm.copier import RegionCopier
+from kvtier.integrations.vllm.swap import vllm_swap_backend
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,9 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
 
     def __init__(self, kv_caches: CanonicalKVCaches, settings: VllmKvtierSettings, rank: int) -> None:
         layout = settings.layout
+        tensors = [t.tensor for t in kv_caches.tensors]
+        on_device = any(t.is_cuda for t in tensors)
+        backend = vllm_swap_backend() if on_device else None
         self.copier = RegionCopier(
             region_name=settings.region_name,
             shm_dir=settings.config.shm_dir,
@@ -49,15 +54,18 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
             rank=rank,
             rank_bytes=layout.rank_bytes,
             blocks_per_chunk=layout.blocks_per_chunk,
-            device_tensors=[t.tensor for t in kv_caches.tensors],
+            device_tensors=tensors,
             group_refs=[
                 [(ref.tensor_idx, ref.page_size_bytes) for ref in refs]
                 for refs in kv_caches.group_data_refs
             ],
+            device_backend=backend,
         )
+        engine = self.copier.engine
         logger.info(
-            "kvtier worker rank %d attached to region %s (%d rows of %d bytes)",
+            "kvtier worker rank %d attached to region %s (%d rows of %d bytes, copies: %s backend)",
             rank, settings.region_name, settings.num_rows, layout.row_bytes,
+            (engine.device_backend if on_device else engine.host_backend).name,
         )
 
     def _submit(

@@ -1,0 +1,562 @@
+"""The S3 tier: KV blocks in an S3-compatible object store, shared by a fleet of engines.
+
+Configured as ``{"type": "s3", "bucket": "kv", "endpoint": "https://minio:9000", ...}``;
+the options, their defaults and the bucket layout are in :mod:`kvtier.tiers.s3_store`
+(:class:`~kvtier.tiers.s3_store.S3TierOptions`). Client: obstore.
+
+* **Stores**: one plain PUT per block, straight from the pinned CPU row (the
+  128-byte header and a view of the row as one body: no join, no multipart),
+  up to ``max_in_flight`` at once. Stores queue behind loads and are shed
+  (``stats.stores_dropped``) beyond ``max_queued_stores`` or while out of
+  service; a quarter of the threads never take stores, so reads do not wait
+  behind a slow upload. An upload failure fails the job; it never raises into
+  the engine.
+* **Loads**: concurrent GETs streamed into the reserved row (header split from
+  the payload), then header and xxh3 checksum verified before the key counts
+  as loaded. A 404 is a MISS for that key (and drops the key from the index);
+  a wrong length, header or checksum is a MISS too, is counted in
+  ``stats.corrupt_values``, and the object is deleted.
+* **Existence**: answered from an in-memory index of what this process stored,
+  loaded or checked: present keys answer HIT for ``hit_seconds``, absent keys
+  MISS for ``miss_seconds`` (other engines write too). Unknown keys answer
+  RETRY and go out at step end as one batch of concurrent HEADs with a
+  deadline (``check_timeout``), stopping a request's chain of keys at its
+  first 404; a check that fails or misses its deadline counts as absent.
+  ``warm_start`` fills the index by listing the namespace in the background.
+* **Manifest**: ``<prefix>/<namespace>/manifest.json`` is created or checked
+  before the tier serves (a manifest of another layout or block size keeps it
+  out of service, with the reason in ``health().detail``); until then lookups
+  answer RETRY for about ``check_timeout`` seconds, then MISS.
+* **Failures**: the data client retries with backoff and jitter within
+  ``job_timeout - request_timeout``; refused connections open the breaker at
+  once, timeouts, 5xx and SlowDown storms after ``failure_threshold`` in a
+  row. While open, lookups answer MISS, stores are dropped, loads fail at once;
+  a probe (the manifest check) brings the tier back, with a fresh index.
+* **Usage**: the bytes this process uploaded (the bucket's total is not known;
+  capacity is unbounded). Expire old objects with a bucket lifecycle rule.
+
+Threads: scheduler-side calls touch only memory (a lock held for microseconds
+and a queue); every request runs on the tier's worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
+
+import numpy as np
+
+from kvtier.errors import ConfigError, CorruptValueError, TierError
+from kvtier.keys import BlockKey
+from kvtier.tiers.base import ExtraMetric, TierContext, TierUsage
+from kvtier.tiers.format import HEADER_SIZE, decode_header, encode_header, payload_hasher, verify_digest
+from kvtier.tiers.health import CircuitBreaker
+from kvtier.tiers.jobs import ALL_LANES, READ_LANES, Lane, ThreadedTier, Work, forget_frames
+from kvtier.tiers.options import validate_options
+from kvtier.tiers.s3_store import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    S3TierOptions,
+    classify_error,
+    key_of_path,
+    manifest_dict,
+    manifest_mismatch,
+    namespace_prefix,
+    object_path,
+    open_store,
+    parse_manifest,
+    short_error,
+)
+from kvtier.types import LookupResult, RequestContext
+
+if TYPE_CHECKING:
+    from obstore.store import S3Store
+
+logger = logging.getLogger(__name__)
+
+_STREAM_CHUNK = 1024 * 1024
+_FIRST_WINDOW = 8
+_PRUNE_PER_TICK = 10_000
+
+
+class S3Tier(ThreadedTier):
+    """Blocks in an S3-compatible bucket; see the module docstring and :class:`S3TierOptions`."""
+
+    tier_type = "s3"
+    medium = "remote"
+    options_model = S3TierOptions
+    extra_metrics: ClassVar[Mapping[str, ExtraMetric]] = {
+        "objects_written": ExtraMetric("counter", "Objects PUT into the bucket."),
+        "checks": ExtraMetric("counter", "Existence checks (HEAD) of unknown keys."),
+        "checks_failed": ExtraMetric("counter", "Existence checks that failed (counted against the breaker)."),
+        "missing": ExtraMetric("counter", "Objects gone from the bucket when read."),
+        "warm_start_blocks": ExtraMetric("counter", "Blocks indexed from the manifest at start."),
+    }
+
+    def __init__(self, context: TierContext, **options: Any) -> None:
+        self.options = opts = validate_options(S3TierOptions, self.tier_type, options)
+        super().__init__(
+            context,
+            breaker=CircuitBreaker(failure_threshold=opts.failure_threshold, open_seconds=opts.open_seconds),
+            max_queued_stores=opts.max_queued_stores,
+            # A worker may be inside one request with its retries: bounded by the job deadline.
+            shutdown_timeout=opts.job_timeout + opts.request_timeout + 2.0,
+            job_timeout=opts.job_timeout,
+        )
+        self._store: S3Store = open_store(opts)
+        self._quick: S3Store = open_store(opts, quick=True)
+        self._value_bytes = HEADER_SIZE + context.block_bytes
+        self._digest = context.namespace.digest
+        self._ns_prefix = namespace_prefix(opts.prefix, context.namespace.hexdigest)
+        self._manifest_path = f"{self._ns_prefix}/{MANIFEST}"
+        self._manifest = manifest_dict(self._digest, context.namespace.canonical(), context.block_bytes)
+        self._ready = threading.Event()
+        self._born = time.monotonic()
+        self._manifest_lock = threading.Lock()
+        self._manifest_error: str | None = None
+        self._warmed = False
+
+        # The existence index, guarded by _lock: expiry times, each dict in expiry order.
+        self._present: dict[BlockKey, float] = {}
+        self._absent: dict[BlockKey, float] = {}
+        # Scheduler thread only: this step's unknown keys, per request chain, in lookup order.
+        self._chains: dict[object, list[BlockKey]] = {}
+        self._pending: set[BlockKey] = set()
+        self.stats.extra.update({"objects_written": 0, "checks": 0, "checks_failed": 0, "missing": 0})
+
+        readers = opts.max_in_flight // 4 if opts.max_in_flight > 1 else 0
+        if readers:
+            self._start_workers(readers, READ_LANES, "read")
+        self._start_workers(opts.max_in_flight - readers, ALL_LANES, "io")
+        where = opts.endpoint or f"AWS {opts.region or '(region from AWS_REGION)'}"
+        logger.info(
+            "s3 tier %s: %s/%s via %s, %d requests in flight",
+            self.label, opts.url(), context.namespace.hexdigest, where, opts.max_in_flight,
+        )  # fmt: skip
+
+    def object_path(self, key: BlockKey) -> str:
+        """The object of a block: ``<prefix>/<namespace hex>/<2 hex>/<key hex>``."""
+        return object_path(self._ns_prefix, key)
+
+    # --- the existence index (any thread; callers hold no lock) --------------------------------
+
+    def _remember(self, key: BlockKey, present: bool, now: float) -> None:
+        with self._lock:
+            self._remember_locked(key, present, now)
+
+    def _remember_locked(self, key: BlockKey, present: bool, now: float) -> None:
+        # Also ends a check of the key under way: what a PUT or GET just learned is newer.
+        self._checking.pop(key, None)
+        self._present.pop(key, None)
+        self._absent.pop(key, None)
+        if present:
+            self._present[key] = now + self.options.hit_seconds
+        else:
+            self._absent[key] = now + self.options.miss_seconds
+
+    def _answer(self, key: BlockKey, now: float) -> bool | None:
+        """Caller holds _lock: True/False while an answer is fresh, else None."""
+        until = self._present.get(key)
+        if until is not None and until > now:
+            return True
+        until = self._absent.get(key)
+        if until is not None and until > now:
+            return False
+        return None
+
+    # --- scheduler thread ----------------------------------------------------------------------------
+
+    def _lookup(self, key: BlockKey, request: RequestContext | None) -> LookupResult:
+        """HIT/MISS from the index; RETRY for unknown keys (checked at step end) and before the manifest check."""
+        now = time.monotonic()
+        if not self._ready.is_set():
+            # Before the manifest check: wait a little for it, then recompute rather than wait.
+            return LookupResult.RETRY if now - self._born < self.options.check_timeout + 1.0 else LookupResult.MISS
+        with self._lock:
+            answer = self._answer(key, now)
+            since = self._checking.get(key)
+        if answer is not None:
+            return LookupResult.HIT if answer else LookupResult.MISS
+        if since is not None:
+            return LookupResult.MISS if now - since > self.options.check_timeout + 1.0 else LookupResult.RETRY
+        if key not in self._pending:
+            self._pending.add(key)
+            chain = request.req_id if request is not None else object()
+            self._chains.setdefault(chain, []).append(key)
+        return LookupResult.RETRY
+
+    def on_schedule_end(self) -> None:
+        """Send this step's unknown keys to an I/O thread as one batch of concurrent HEADs."""
+        if not self._chains:
+            return
+        chains = list(self._chains.values())
+        self._chains = {}
+        self._pending = set()
+        if self._closed or not self._breaker.serving:
+            return
+        keys = [k for chain in chains for k in chain]
+        now = time.monotonic()
+        with self._lock:
+            for key in keys:
+                self._checking[key] = now
+        if not self._queue_internal(Work(Lane.EXISTS, keys=keys, payload=chains)):
+            self._forget_checks(keys)
+
+    def _holds(self, key: BlockKey) -> bool:
+        with self._lock:
+            return self._answer(key, time.monotonic()) is True
+
+    def usage(self) -> TierUsage:
+        """The bytes this process uploaded (the bucket's total is unknown; capacity unbounded)."""
+        return TierUsage(self.stats.bytes_written, None, int(self.stats.extra["objects_written"]))
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "type": self.tier_type,
+            "medium": self.medium,
+            **self.options.model_dump(mode="json"),
+            "namespace_prefix": self._ns_prefix,
+            "path_style": self.options.uses_path_style,
+            "ready": self._ready.is_set(),
+            "health": self._breaker.state.value,
+        }
+
+    # --- worker threads ---------------------------------------------------------------------------
+
+    def _run(self, work: Work, local: Any) -> None:
+        if work.lane is Lane.EXISTS:
+            self._check(work, local)
+        elif work.lane is Lane.LOAD:
+            self._load(work)
+        elif work.lane is Lane.STORE:
+            self._put(work)
+        else:
+            self._warm_start()
+
+    def _open_worker(self) -> Any:
+        return {}
+
+    def _close_worker(self, local: Any) -> None:
+        loop = local.get("loop")
+        if loop is not None:
+            loop.close()
+
+    def _forget_checks(self, keys: list[BlockKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self._checking.pop(key, None)
+
+    def _io_failure(self, exc: BaseException) -> str:
+        """Feed a request failure to the breaker (refused connections open it at once); returns its text."""
+        kind = classify_error(exc)
+        detail = short_error(exc)
+        self._note_failure(detail, trip=kind == "refused")
+        forget_frames(exc)
+        return detail
+
+    def _put(self, work: Work) -> None:
+        import obstore as obs
+        from obstore.exceptions import AlreadyExistsError
+
+        key = work.keys[0]
+        if not self._ensure_ready():
+            self._complete(work, error=f"not in service: {self._breaker.health().detail}", dropped=True)
+            return
+        row = self._row(work.slots[0])
+        try:
+            header = encode_header(self._digest, key, row)
+            obs.put(
+                self._store,
+                self.object_path(key),
+                [header, row],
+                use_multipart=False,
+                mode="create" if self.options.create_only else "overwrite",
+            )
+        except AlreadyExistsError:
+            pass  # create_only: another engine stored this block
+        except Exception as exc:
+            self._complete(work, error=f"upload of {key.hex()[:16]} failed: {self._io_failure(exc)}")
+            return
+        finally:
+            row.release()
+        self._breaker.record_success()
+        self._remember(key, True, time.monotonic())
+        self._count(objects_written=1)
+        self._emit([key], removed=False)
+        self._complete(work, ok=[key], nbytes=self._value_bytes)
+
+    def _load(self, work: Work) -> None:
+        key = work.keys[0]
+        path = self.object_path(key)
+        header = bytearray(HEADER_SIZE)
+        rows = self._rows
+        if rows is None:
+            raise TierError(f"s3 tier {self.label}: CPU rows were released")
+        row = rows[work.slots[0], : self._block_bytes]
+        try:
+            self._get_into(path, key, header, row)
+        except FileNotFoundError:
+            self._breaker.record_success()
+            self._remember(key, False, time.monotonic())
+            self._count(missing=1)
+            self._complete(work, error="object missing (deleted, expired or never stored)")
+            return
+        except CorruptValueError as exc:
+            self._breaker.record_success()
+            logger.warning("s3 tier %s: object %s is corrupt (%s); deleting it", self.label, path, exc)
+            self._count(corrupt_values=1)
+            self._remember(key, False, time.monotonic())
+            self._delete(path)
+            self._emit([key], removed=True)
+            self._complete(work, error=f"corrupt object {key.hex()[:16]}: {exc}")
+            return
+        except Exception as exc:
+            self._complete(work, error=f"download of {key.hex()[:16]} failed: {self._io_failure(exc)}")
+            return
+        finally:
+            del row
+        self._breaker.record_success()
+        self._remember(key, True, time.monotonic())
+        self._complete(work, ok=[key], nbytes=self._value_bytes)
+
+    def _get_into(self, path: str, key: BlockKey, header: bytearray, row: np.ndarray) -> None:
+        """GET ``path``: the first 128 bytes into ``header``, the rest into ``row``; then verify both.
+
+        Each payload chunk is copied into the row and hashed there as it
+        arrives (numpy and xxhash release the GIL), so the checksum of the
+        bytes that reached the row is ready when the body ends. Raises
+        FileNotFoundError (404), CorruptValueError (wrong size, header or
+        checksum) or the client's error.
+        """
+        import obstore as obs
+
+        result = obs.get(self._store, path)
+        size = int(result.meta["size"])
+        if size != self._value_bytes:
+            raise CorruptValueError(f"object has {size} bytes, expected {self._value_bytes}")
+        hasher = payload_hasher()
+        filled = 0
+        for chunk in result.stream(min_chunk_size=_STREAM_CHUNK):
+            data = np.frombuffer(chunk, dtype=np.uint8)
+            n = len(data)
+            if filled + n > self._value_bytes:
+                raise CorruptValueError(f"object body is longer than its {self._value_bytes} bytes")
+            take = max(0, min(n, HEADER_SIZE - filled))
+            if take:
+                header[filled : filled + take] = data[:take].tobytes()
+            start = filled + take - HEADER_SIZE
+            dst = row[start : start + n - take]
+            np.copyto(dst, data[take:])
+            hasher.update(dst.data)
+            filled += n
+        if filled != self._value_bytes:
+            raise CorruptValueError(f"object body truncated: {filled} of {self._value_bytes} bytes")
+        parsed = decode_header(header, namespace=self._digest, key=key, payload_len=self._block_bytes)
+        verify_digest(parsed, filled - HEADER_SIZE, hasher.intdigest())
+
+    def _delete(self, path: str) -> None:
+        import obstore as obs
+
+        try:
+            obs.delete(self._quick, path)
+        except Exception as exc:
+            logger.info("s3 tier %s: could not delete %s: %s", self.label, path, short_error(exc))
+            forget_frames(exc)
+
+    # --- existence checks -------------------------------------------------------------------------
+
+    def _check(self, work: Work, local: dict[str, Any]) -> None:
+        """Run one step's HEADs concurrently on this thread's event loop, within ``check_timeout``."""
+        loop = local.get("loop")
+        if loop is None:
+            loop = local["loop"] = asyncio.new_event_loop()
+        chains: list[list[BlockKey]] = work.payload
+        answers, errors = loop.run_until_complete(self._head_chains(chains))
+        now = time.monotonic()
+        with self._lock:
+            for key, present in answers.items():
+                if key in self._checking:  # else a PUT or GET answered meanwhile, and is newer
+                    self._remember_locked(key, present, now)
+            for key in work.keys:
+                self._checking.pop(key, None)
+        self._count(checks=len(answers), checks_failed=sum(1 for e in errors if e is not None))
+        failures = [e for e in errors if e is not None]
+        if failures:
+            self._io_failure(failures[0])
+        elif answers:
+            self._breaker.record_success()
+
+    async def _head_chains(
+        self, chains: list[list[BlockKey]]
+    ) -> tuple[dict[BlockKey, bool], list[BaseException | None]]:
+        """HEAD the keys of every chain, all chains at once, within ``check_timeout``.
+
+        A chain (one request's unknown keys, in prefix order) goes out in
+        windows of 8, 16, 32... concurrent HEADs and stops at its first absent
+        key: the engine stops there too, so later keys stay unknown. Returns
+        the answers (a failed or late check counts as absent) and the errors met.
+        """
+        import obstore as obs
+
+        limit = asyncio.Semaphore(self.options.max_in_flight)
+        answers: dict[BlockKey, bool] = {}
+        asked: set[BlockKey] = set()
+        errors: list[BaseException | None] = []
+
+        async def head(key: BlockKey) -> bool:
+            async with limit:
+                asked.add(key)
+                try:
+                    meta = await obs.head_async(self._quick, self.object_path(key))
+                except FileNotFoundError:
+                    return False
+            return int(meta["size"]) == self._value_bytes
+
+        async def walk(chain: list[BlockKey]) -> None:
+            start, width = 0, _FIRST_WINDOW
+            while start < len(chain):
+                window = chain[start : start + width]
+                replies = await asyncio.gather(*(head(k) for k in window), return_exceptions=True)
+                for key, reply in zip(window, replies, strict=True):
+                    if isinstance(reply, BaseException):
+                        errors.append(reply)
+                        answers[key] = False
+                        return
+                    answers[key] = reply
+                    if not reply:
+                        return
+                start, width = start + width, width * 2
+
+        try:
+            await asyncio.wait_for(asyncio.gather(*(walk(c) for c in chains)), self.options.check_timeout)
+        except asyncio.TimeoutError:
+            late = asked - answers.keys()
+            errors.append(
+                TimeoutError(f"{len(late)} existence check(s) missed the {self.options.check_timeout}s deadline")
+            )
+            for key in late:
+                answers[key] = False
+        return answers, errors
+
+    # --- manifest, probe, warm start, upkeep ----------------------------------------------------------
+
+    def _ensure_manifest(self) -> None:
+        """Create the namespace's manifest, or check the one there; raises on a mismatch or an error."""
+        import obstore as obs
+        from obstore.exceptions import AlreadyExistsError
+
+        expected = json.dumps(self._manifest, indent=2, sort_keys=True).encode()
+        for _ in range(2):
+            try:
+                result = obs.get(self._store, self._manifest_path)
+            except FileNotFoundError:
+                try:
+                    obs.put(self._store, self._manifest_path, expected, mode="create", use_multipart=False)
+                except AlreadyExistsError:
+                    continue  # another engine created it just now: read theirs
+                self._manifest_ready()
+                return
+            if int(result.meta["size"]) > MAX_MANIFEST_BYTES:
+                self._manifest_rejected(f"{result.meta['size']} bytes, more than a manifest holds")
+            try:
+                found = parse_manifest(bytes(result.bytes()))
+            except ValueError as exc:
+                self._manifest_rejected(f"unreadable ({exc})")
+            problem = manifest_mismatch(found, self._manifest)
+            if problem is not None:
+                self._manifest_rejected(f"holds {problem}")
+            self._manifest_ready()
+            return
+        raise ConfigError(f"manifest {self._manifest_path} appeared and vanished; retrying later")
+
+    def _manifest_ready(self) -> None:
+        self._manifest_error = None
+        if not self._ready.is_set():
+            self._ready.set()
+            if self.options.warm_start and not self._warmed:
+                self._warmed = True
+                self._queue_internal(Work(Lane.BACKGROUND))
+
+    def _manifest_rejected(self, why: str) -> NoReturn:
+        message = (
+            f"s3 manifest s3://{self.options.bucket}/{self._manifest_path} {why}; this namespace's objects "
+            "will not be read or written. Use another 'prefix' or remove that namespace's objects"
+        )
+        if self._manifest_error != message:
+            logger.error("s3 tier %s: %s", self.label, message)
+        self._manifest_error = message
+        raise ConfigError(message)
+
+    def _probe(self) -> None:
+        """The manifest check (it also proves the bucket is there and writable); a fresh index after."""
+        with self._manifest_lock:
+            self._ensure_manifest()
+        with self._lock:
+            self._present.clear()
+            self._absent.clear()
+
+    def _ensure_ready(self, wait: bool = True) -> bool:
+        """Check the manifest once before the first request (I/O thread); True once it passed.
+
+        A failure takes the tier out of service at once (probes retry).
+        ``wait=False`` returns at once if another thread is checking.
+        """
+        if self._ready.is_set():
+            return True
+        if not self._manifest_lock.acquire(blocking=wait):
+            return False
+        try:
+            if not self._ready.is_set() and self._breaker.serving:
+                try:
+                    self._ensure_manifest()
+                except ConfigError as exc:  # a foreign manifest: out of service until it changes
+                    self._note_failure(str(exc), trip=True)
+                except Exception as exc:  # the store failed: retried at the next tick or probe
+                    self._io_failure(exc)
+        finally:
+            self._manifest_lock.release()
+        return self._ready.is_set()
+
+    def _housekeeping(self) -> None:
+        self._ensure_ready(wait=False)
+        now = time.monotonic()
+        with self._lock:
+            for index in (self._present, self._absent):
+                for _ in range(_PRUNE_PER_TICK):
+                    first = next(iter(index), None)
+                    if first is None or index[first] > now:
+                        break
+                    del index[first]
+            while len(self._present) > self.options.max_index_entries:
+                del self._present[next(iter(self._present))]
+
+    def _warm_start(self) -> None:
+        """List the namespace and remember every well-sized block object as present."""
+        import obstore as obs
+
+        found = 0
+        try:
+            for batch in obs.list(self._store, prefix=self._ns_prefix + "/", chunk_size=1000):
+                if self._stopping.is_set():
+                    return
+                now = time.monotonic()
+                with self._lock:
+                    for meta in batch:
+                        key = key_of_path(self._ns_prefix, meta["path"])
+                        if key is None or int(meta["size"]) != self._value_bytes:
+                            continue
+                        if key not in self._present:
+                            self._present[key] = now + self.options.hit_seconds
+                            found += 1
+        except Exception as exc:
+            logger.warning("s3 tier %s: warm-start listing stopped: %s", self.label, self._io_failure(exc))
+        logger.info("s3 tier %s: warm start found %d block(s)", self.label, found)
+        self._count(warm_start_blocks=found)
+
+
+__all__ = ["S3Tier", "S3TierOptions"]

@@ -1,0 +1,32 @@
+"""Worker-side copies between a device KV pool and rows of the shared CPU region.
+
+A copy job is planned once (:mod:`kvtier.transfer.plan`, built from block
+layouts in :mod:`kvtier.transfer.layout`) and executed by the best available
+backend (:mod:`kvtier.transfer.backends`) on a
+:class:`~kvtier.transfer.engine.TransferEngine`.
+"""
+
+from kvtier.transfer.backends import CopyBackend, HostCopyBackend, TorchCopyBackend
+from kvtier.transfer.engine import CopyPair, TransferEngine, TransferResult, Work, as_plan, copy_blocks
+from kvtier.transfer.layout import BlockMapping, BlockPieces
+from kvtier.transfer.plan import ByteSpace, CopyBatch, CopyPlan, StridedRuns, aligned_host_array, byte_space
+
+__all__ = [
+    "BlockMapping",
+    "BlockPieces",
+    "ByteSpace",
+    "CopyBackend",
+    "CopyBatch",
+    "CopyPair",
+    "CopyPlan",
+    "HostCopyBackend",
+    "StridedRuns",
+    "TorchCopyBackend",
+    "TransferEngine",
+    "TransferResult",
+    "Work",
+    "aligned_host_array",
+    "as_plan",
+    "byte_space",
+    "copy_blocks",
+]

@@ -1,0 +1,477 @@
+"""The S3 tier's own behaviour (the shared contract runs in test_conformance.py).
+
+Real servers: moto in its own process (layout, manifest, two engine processes
+sharing a bucket, a server killed and restarted empty) and a stdlib stub for
+what moto cannot do (503 SlowDown, hangs, truncated bodies, wrong lengths and
+headers, request counting).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from s3_servers import FAST_FAILURE, MotoServer, S3Stub, raw_client, s3_options
+
+from kvtier.config import describe_config, load_config
+from kvtier.errors import ConfigError
+from kvtier.keys import KVGeometry, Namespace, chain_ids
+from kvtier.tiers.base import HealthState, JobResult, TierContext
+from kvtier.tiers.conformance import SCHEDULER_CALL_LIMIT, make_namespace, new_job, resolve, run_job, wait_results
+from kvtier.tiers.format import HEADER_SIZE
+from kvtier.tiers.registry import create_tier
+from kvtier.tiers.s3 import S3Tier
+from kvtier.tiers.s3_store import S3TierOptions, key_of_path, manifest_dict
+from kvtier.types import LookupResult, RequestContext
+
+pytestmark = pytest.mark.s3
+
+BLOCK = 64 * 1024
+VALUE = HEADER_SIZE + BLOCK
+FAST = FAST_FAILURE
+
+
+@pytest.fixture
+def make() -> Iterator[Callable[..., tuple[S3Tier, np.ndarray]]]:
+    made: list[S3Tier] = []
+
+    def build(endpoint: str, bucket: str, ns: Namespace | None = None, seed: int = 0, **options: Any) -> Any:
+        rows = np.random.default_rng(seed).integers(0, 256, (32, BLOCK), dtype=np.uint8)
+        ctx = TierContext(rows, BLOCK, ns or make_namespace(BLOCK))
+        opts = {k: v for k, v in s3_options(endpoint, bucket, max_in_flight=4, **options).items() if k != "type"}
+        tier = S3Tier(ctx, **opts)
+        made.append(tier)
+        return tier, rows
+
+    yield build
+    for tier in made:
+        tier.shutdown()
+
+
+def wait_ready(tier: S3Tier, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not tier.describe()["ready"]:
+        assert time.monotonic() < deadline, f"tier never ready: {tier.health()}"
+        tier.lookup(b"\0" * 32, None)
+        time.sleep(0.01)
+
+
+# --- moto: layout, manifest, processes, restarts ------------------------------------------------
+
+
+def test_layout_manifest_and_value_format(s3_bucket: tuple[MotoServer, str], make: Any) -> None:
+    import obstore as obs
+
+    server, bucket = s3_bucket
+    ns = make_namespace(BLOCK)
+    tier, rows = make(server.endpoint, bucket, ns, prefix="team/kv")
+    keys = chain_ids(range(2), ns)
+    assert run_job(tier, keys, [0, 1], False, 20).success
+    raw = raw_client(server.endpoint, bucket)
+    listed = {m["path"]: m["size"] for batch in obs.list(raw, prefix="team/kv") for m in batch}
+    ns_prefix = f"team/kv/{ns.hexdigest}"
+    expected = {f"{ns_prefix}/{k.hex()[:2]}/{k.hex()}": VALUE for k in keys}
+    assert {p: s for p, s in listed.items() if not p.endswith("manifest.json")} == expected
+    for key in keys:
+        assert key_of_path(ns_prefix, tier.object_path(key)) == key
+    manifest = json.loads(bytes(obs.get(raw, f"{ns_prefix}/manifest.json").bytes()))
+    assert manifest["block_bytes"] == BLOCK and manifest["namespace_digest"] == ns.hexdigest
+    assert manifest["namespace"]["model_id"] == ns.model_id and manifest["header_bytes"] == HEADER_SIZE
+    body = bytes(obs.get(raw, tier.object_path(keys[1])).bytes())
+    assert body[:8] == b"KVTIER\x00\x01" and body[HEADER_SIZE:] == rows[1].tobytes()
+    assert tier.usage().used_bytes == 2 * VALUE and tier.usage().capacity_bytes is None
+
+
+def test_a_manifest_of_another_block_size_keeps_the_tier_out_of_service(
+    s3_bucket: tuple[MotoServer, str], make: Any
+) -> None:
+    import obstore as obs
+
+    server, bucket = s3_bucket
+    ns = make_namespace(BLOCK)
+    raw = raw_client(server.endpoint, bucket)
+    foreign = {**manifest_dict(ns.digest, ns.canonical(), BLOCK), "block_bytes": 4096}
+    obs.put(raw, f"kvtier/{ns.hexdigest}/manifest.json", json.dumps(foreign).encode())
+    tier, _ = make(server.endpoint, bucket, ns)
+    keys = chain_ids(range(1), ns)
+    job = new_job(keys, [0], False)
+    tier.submit_store(job)
+    result = wait_results(tier, {job.job_id}, 10)[job.job_id]
+    assert not result.success
+    health = tier.health()
+    assert health.state is not HealthState.CLOSED and "block_bytes=4096" in health.detail
+    assert tier.lookup(keys[0], None) is LookupResult.MISS
+    assert [m["path"] for batch in obs.list(raw, prefix="kvtier") for m in batch] == [
+        f"kvtier/{ns.hexdigest}/manifest.json"
+    ], "nothing may be written next to a foreign manifest"
+
+
+@pytest.mark.slow
+def test_two_engine_processes_share_a_bucket_and_namespaces_never_mix(
+    s3_bucket: tuple[MotoServer, str], private_shm: Path
+) -> None:
+    server, bucket = s3_bucket
+    child = Path(__file__).with_name("s3_child.py")
+
+    def run(mode: str, model: str) -> dict[str, Any]:
+        out = subprocess.run(
+            [sys.executable, str(child), mode, server.endpoint, bucket, model, "6", str(private_shm)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+    assert run("store", "model-shared")["cascaded"] == 6
+    loaded = run("load", "model-shared")
+    assert loaded["answers"] == ["hit"] * 6 and loaded["byte_exact"] is True
+    other = run("load", "model-other")
+    assert other["answers"][0] == "miss" and "byte_exact" not in other
+
+
+@pytest.mark.slow
+def test_server_killed_and_restarted_empty_mid_run(own_moto: MotoServer, make: Any) -> None:
+    bucket = own_moto.create_bucket()
+    ns = make_namespace(BLOCK)
+    tier, rows = make(own_moto.endpoint, bucket, ns, **FAST)
+    keys = chain_ids(range(16), ns)
+    assert run_job(tier, keys[:8], list(range(8)), False, 20).success
+    worst = 0.0
+    results: dict[int, JobResult] = {}
+    submitted: set[int] = set()
+
+    def step(i: int) -> None:
+        nonlocal worst
+        t0 = time.perf_counter()
+        tier.lookup(keys[8 + i % 8], None)
+        store = new_job([keys[8 + i % 8]], [8 + i % 8], False)
+        load = new_job(keys[:2], [20, 21], True)
+        tier.submit_store(store)
+        tier.submit_load(load)
+        submitted.update((store.job_id, load.job_id))
+        tier.on_schedule_end()
+        results.update({r.job_id: r for r in tier.poll_finished()})
+        worst = max(worst, time.perf_counter() - t0)
+
+    for i in range(5):
+        step(i)
+    own_moto.kill()
+    killed = time.monotonic()
+    while time.monotonic() - killed < 2.0:
+        step(0)
+        time.sleep(0.02)
+    assert tier.health().state is not HealthState.CLOSED
+    own_moto.start()  # same port, empty: the operator's bucket comes back, its objects do not
+    own_moto.create_bucket(bucket)
+    deadline = time.monotonic() + 15
+    while tier.health().state is not HealthState.CLOSED:
+        assert time.monotonic() < deadline, f"tier did not recover: {tier.health()}"
+        step(1)
+        time.sleep(0.02)
+    assert worst < SCHEDULER_CALL_LIMIT, f"a scheduler-side step took {worst * 1000:.1f} ms"
+    results.update(wait_results(tier, submitted - set(results), 20))
+    assert all(r.success or r.error for r in results.values())
+    # the old objects are gone: loads MISS (and the index forgets them); stores resume
+    lost = run_job(tier, keys[:2], [22, 23], True, 20)
+    assert not lost.success and lost.succeeded(keys) == []
+    assert resolve(tier, keys[0], 10) is LookupResult.MISS
+    assert run_job(tier, keys[:2], [0, 1], False, 20).success
+    back = run_job(tier, keys[:2], [24, 25], True, 20)
+    assert back.success, back.error
+    assert np.array_equal(rows[24:26], rows[0:2])
+
+
+def test_a_server_down_from_the_start_never_blocks_and_stores_fail_cleanly(make: Any) -> None:
+    from s3_servers import free_port
+
+    tier, _ = make(f"http://127.0.0.1:{free_port()}", "kv-cache", **FAST)
+    keys = chain_ids(range(2), tier.context.namespace)
+    t0 = time.perf_counter()
+    job = new_job(keys, [0, 1], False)
+    tier.submit_store(job)
+    assert time.perf_counter() - t0 < SCHEDULER_CALL_LIMIT
+    result = wait_results(tier, {job.job_id}, 10)[job.job_id]
+    assert not result.success and result.error
+    assert resolve(tier, keys[0], 5) is LookupResult.MISS
+    deadline = time.monotonic() + 5
+    while tier.health().state is HealthState.CLOSED:
+        assert time.monotonic() < deadline, "a refused connection must take the tier out of service"
+        time.sleep(0.01)
+    assert "connection refused" in tier.health().detail
+    t0 = time.perf_counter()
+    tier.shutdown()
+    assert time.perf_counter() - t0 < 5
+
+
+# --- the stub: batching, races, faults -------------------------------------------------------------
+
+
+def test_existence_checks_go_out_once_per_step_and_stop_at_the_first_404(s3_stub: S3Stub, make: Any) -> None:
+    ns = make_namespace(BLOCK)
+    writer, _ = make(s3_stub.endpoint, s3_stub.bucket, ns)
+    keys = chain_ids(range(20), ns)
+    assert run_job(writer, keys[:3], [0, 1, 2], False, 10).success
+    reader, _ = make(s3_stub.endpoint, s3_stub.bucket, ns)
+    wait_ready(reader)
+    heads_before = s3_stub.count("HEAD")
+    req = RequestContext("chain")
+    assert [reader.lookup(k, req) for k in keys] == [LookupResult.RETRY] * 20
+    assert s3_stub.count("HEAD") == heads_before, "lookups must not do I/O"
+    reader.on_schedule_end()
+    deadline = time.monotonic() + 5
+    while reader.has_pending_work():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    answers = [reader.lookup(k, req) for k in keys[:4]]
+    assert answers == [LookupResult.HIT] * 3 + [LookupResult.MISS]
+    heads = s3_stub.count("HEAD") - heads_before
+    assert heads == 8, f"one window of 8 HEADs, then the chain stops at its first 404 (got {heads})"
+
+
+def test_a_check_answered_after_a_store_does_not_override_it(s3_stub: S3Stub, make: Any) -> None:
+    """Regression: a HEAD sent before a PUT finished answered 404 after it, and the key read MISS."""
+    tier, _ = make(s3_stub.endpoint, s3_stub.bucket)
+    wait_ready(tier)
+    (key,) = chain_ids(range(1), tier.context.namespace)
+    s3_stub.delays["HEAD"] = 0.3
+    assert tier.lookup(key, None) is LookupResult.RETRY
+    tier.on_schedule_end()  # the HEAD is now in flight, and will say 404
+    time.sleep(0.05)
+    assert run_job(tier, [key], [0], False, 10).success
+    deadline = time.monotonic() + 5
+    while tier.has_pending_work():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert tier.lookup(key, None) is LookupResult.HIT
+
+
+def test_slowdown_is_retried_with_backoff_and_succeeds(s3_stub: S3Stub, make: Any) -> None:
+    tier, rows = make(s3_stub.endpoint, s3_stub.bucket)
+    wait_ready(tier)
+    keys = chain_ids(range(2), tier.context.namespace)
+    s3_stub.slowdowns = 2
+    assert run_job(tier, keys, [0, 1], False, 10).success
+    s3_stub.slowdowns = 2
+    result = run_job(tier, keys, [4, 5], True, 10)
+    assert result.success, result.error
+    assert np.array_equal(rows[4:6], rows[0:2])
+    assert tier.health().state is HealthState.CLOSED and tier.stats.stores_failed == 0
+    assert s3_stub.count("PUT") >= 4 and s3_stub.count("GET") >= 4, "the 503s were retried"
+
+
+def test_a_hanging_server_fails_jobs_by_their_deadline_without_blocking_the_scheduler(
+    s3_stub: S3Stub, make: Any
+) -> None:
+    tier, rows = make(s3_stub.endpoint, s3_stub.bucket, **FAST)
+    keys = chain_ids(range(6), tier.context.namespace)
+    assert run_job(tier, keys[:2], [0, 1], False, 10).success
+    s3_stub.hang()
+    worst = 0.0
+    load = new_job(keys[:2], [10, 11], True)
+    t0 = time.perf_counter()
+    store = new_job(keys[2:4], [2, 3], False)
+    tier.submit_load(load)
+    tier.submit_store(store)
+    worst = time.perf_counter() - t0
+    hung_at = time.monotonic()
+    got: dict[int, JobResult] = {}
+    miss_at = None
+    while time.monotonic() - hung_at < 6 and (load.job_id not in got or miss_at is None):
+        t0 = time.perf_counter()
+        answer = tier.lookup(keys[5], None)
+        tier.on_schedule_end()
+        got.update({r.job_id: r for r in tier.poll_finished()})
+        tier.has_pending_work()
+        tier.health()
+        worst = max(worst, time.perf_counter() - t0)
+        if answer is LookupResult.MISS and miss_at is None:
+            miss_at = time.monotonic() - hung_at
+        time.sleep(0.01)
+    assert worst < SCHEDULER_CALL_LIMIT, f"a scheduler call took {worst * 1000:.1f} ms"
+    assert miss_at is not None and miss_at < 3.0, f"lookups answered MISS only after {miss_at}s"
+    result = got[load.job_id]
+    assert not result.success and "timed out" in (result.error or "")
+    assert tier.health().state is not HealthState.CLOSED
+    s3_stub.release()
+    got.update(wait_results(tier, {store.job_id} - set(got), 10))
+    assert not got[store.job_id].success
+    deadline = time.monotonic() + 10
+    while tier.health().state is not HealthState.CLOSED:
+        assert time.monotonic() < deadline, f"no recovery: {tier.health()}"
+        time.sleep(0.02)
+    back = run_job(tier, keys[:2], [12, 13], True, 10)
+    assert back.success, back.error
+    assert np.array_equal(rows[12:14], rows[0:2])
+
+
+@pytest.mark.parametrize(("fault", "corrupt"), [("truncate", False), ("wrong_length", True), ("wrong_header", True)])
+def test_bad_bodies_fail_only_their_key(s3_stub: S3Stub, make: Any, fault: str, corrupt: bool) -> None:
+    tier, rows = make(s3_stub.endpoint, s3_stub.bucket, max_retries=0)
+    keys = chain_ids(range(2), tier.context.namespace)
+    assert run_job(tier, keys, [0, 1], False, 10).success
+    tier.take_events()
+    rows[4:6] = 0
+    s3_stub.fault(tier.object_path(keys[0]), fault)
+    result = run_job(tier, keys, [4, 5], True, 10)
+    assert result.succeeded(keys) == [keys[1]]
+    assert np.array_equal(rows[5], rows[1])
+    stored = s3_stub.object_key(tier.object_path(keys[0])) in s3_stub.objects
+    if corrupt:
+        assert tier.stats.corrupt_values == 1 and not stored, "a corrupt object is counted and deleted"
+        assert any(e.removed and e.keys == (keys[0],) for e in tier.take_events())
+        assert resolve(tier, keys[0], 5) is LookupResult.MISS
+    else:
+        assert tier.stats.corrupt_values == 0 and stored, "a transport error is no proof of corruption"
+        again = run_job(tier, [keys[0]], [6], True, 10)
+        assert again.success and np.array_equal(rows[6], rows[0])
+
+
+def test_create_only_never_overwrites(s3_stub: S3Stub, make: Any) -> None:
+    tier, _ = make(s3_stub.endpoint, s3_stub.bucket, create_only=True)
+    (key,) = chain_ids(range(1), tier.context.namespace)
+    wait_ready(tier)
+    s3_stub.objects[s3_stub.object_key(tier.object_path(key))] = b"someone else's"
+    assert run_job(tier, [key], [0], False, 10).success
+    assert s3_stub.objects[s3_stub.object_key(tier.object_path(key))] == b"someone else's"
+
+
+def test_warm_start_answers_hit_without_existence_checks(s3_bucket: tuple[MotoServer, str], make: Any) -> None:
+    import obstore as obs
+
+    server, bucket = s3_bucket
+    ns = make_namespace(BLOCK)
+    writer, _ = make(server.endpoint, bucket, ns)
+    keys = chain_ids(range(3), ns)
+    assert run_job(writer, keys, [0, 1, 2], False, 20).success
+    raw = raw_client(server.endpoint, bucket)
+    obs.put(raw, f"kvtier/{ns.hexdigest}/zz/not-a-block", b"x")
+    obs.put(raw, writer.object_path(chain_ids([99], ns)[0]), b"short")  # a block object of the wrong size
+    reader, _ = make(server.endpoint, bucket, ns, warm_start=True)
+    deadline = time.monotonic() + 10
+    while reader.stats.extra.get("warm_start_blocks") is None:
+        assert time.monotonic() < deadline, "warm start did not finish"
+        time.sleep(0.01)
+    assert reader.stats.extra["warm_start_blocks"] == 3
+    assert [reader.lookup(k, None) for k in keys] == [LookupResult.HIT] * 3
+    assert reader.stats.extra["checks"] == 0
+
+
+def test_https_endpoint_behind_a_private_ca(tmp_path: Path, make: Any) -> None:
+    from conftest import make_test_certificates
+
+    ca, cert, key = make_test_certificates(tmp_path / "certs")
+    stub = S3Stub(tls=(cert, key))
+    try:
+        trusted, rows = make(stub.endpoint, stub.bucket, ca_file=str(ca))
+        keys = chain_ids(range(2), trusted.context.namespace)
+        assert run_job(trusted, keys, [0, 1], False, 10).success
+        assert run_job(trusted, keys, [4, 5], True, 10).success
+        assert np.array_equal(rows[4:6], rows[0:2])
+        stranger, _ = make(stub.endpoint, stub.bucket, **FAST)
+        result = run_job(stranger, keys, [0, 1], False, 10)
+        assert not result.success, "a server whose CA is not trusted must not be written to"
+    finally:
+        stub.close()
+
+
+def test_credentials_from_the_standard_chain_or_explicit(
+    s3_stub: S3Stub, make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDFROMTHEENV")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "env-secret")
+    options = {k: v for k, v in s3_options(s3_stub.endpoint, s3_stub.bucket).items() if k != "type"}
+    del options["access_key_id"], options["secret_access_key"]
+    rows = np.zeros((2, BLOCK), dtype=np.uint8)
+    tier = S3Tier(TierContext(rows, BLOCK, make_namespace(BLOCK)), **options)
+    try:
+        assert run_job(tier, chain_ids(range(1), tier.context.namespace), [0], False, 10).success
+    finally:
+        tier.shutdown()
+    assert s3_stub.access_keys == {"AKIDFROMTHEENV"}
+    explicit, _ = make(s3_stub.endpoint, s3_stub.bucket, access_key_id="AKIDEXPLICIT")
+    assert run_job(explicit, chain_ids(range(1), explicit.context.namespace), [0], False, 10).success
+    assert "AKIDEXPLICIT" in s3_stub.access_keys
+
+
+# --- options ------------------------------------------------------------------------------------------
+
+
+def _ctx() -> TierContext:
+    return TierContext(np.zeros((2, BLOCK), dtype=np.uint8), BLOCK, make_namespace(BLOCK))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"endpoint": "http://127.0.0.1:9000"}, "allow_http"),
+        ({"request_timeout": 5, "job_timeout": 5}, "job_timeout"),
+        ({"bucket": "No_Such"}, "bucket"),
+        ({"prefix": "a/../b"}, "prefix"),
+        ({"endpoint": "https://host:9000/bucket"}, "must not have a path"),
+        ({"endpoint": "ftp://host"}, "endpoint"),
+        ({"access_key_id": "x"}, "both access_key_id"),
+        ({"ca_file": "/nonexistent/ca.pem"}, "ca_file"),
+        ({"max_in_flight": 0}, "max_in_flight"),
+        ({"endpoint": "https://127.0.0.1:9000", "path_style": False}, "virtual-hosted"),
+        ({"bukket": "x"}, "'bukket': is not a setting"),
+    ],
+)
+def test_bad_options_name_the_problem(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        S3Tier(_ctx(), **{"bucket": "kv-cache", **options})
+
+
+def test_addressing_follows_the_endpoint() -> None:
+    def style(**o: Any) -> bool:
+        return S3TierOptions(bucket="kv-cache", allow_http=True, **o).uses_path_style
+
+    assert style(endpoint="http://127.0.0.1:9000") is True
+    assert style(endpoint="http://localhost:9000") is True
+    assert style(endpoint="https://minio.internal") is True
+    assert style() is False  # AWS: virtual-hosted
+    assert style(endpoint="https://s3.eu-west-1.amazonaws.com") is False
+    assert style(endpoint="https://minio.internal", path_style=False) is False
+
+
+def test_config_file_validates_and_redacts_secrets(tmp_path: Path) -> None:
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(
+        "model: tiny\ntiers:\n  - type: s3\n    bucket: kv-cache\n    endpoint: https://minio.internal:9000\n"
+        "    access_key_id: AKIDEXAMPLE\n    secret_access_key: hunter2-secret\n"
+    )
+    config = load_config(path, env={})
+    shown = json.dumps(describe_config(config))
+    assert "hunter2-secret" not in shown and "AKIDEXAMPLE" not in shown
+    path.write_text("model: tiny\ntiers:\n  - type: s3\n    bucket: kv-cache\n    max_in_flite: 3\n")
+    with pytest.raises(ConfigError, match="max_in_flite"):
+        load_config(path, env={})
+
+
+def test_registry_builds_it_and_describe_hides_credentials(s3_stub: S3Stub) -> None:
+    tier = create_tier(s3_options(s3_stub.endpoint, s3_stub.bucket, secret_access_key="hunter2"), _ctx())
+    try:
+        assert isinstance(tier, S3Tier)
+        info = tier.describe()
+        assert "hunter2" not in json.dumps(info) and info["path_style"] is True
+        assert info["namespace_prefix"].startswith("kvtier/")
+    finally:
+        tier.shutdown()
+
+
+def test_store_runs_before_the_first_housekeeping(s3_stub: S3Stub) -> None:
+    """Regression: stores submitted right after construction were dropped until the manifest was checked."""
+    rows = np.random.default_rng(1).integers(0, 256, (4, BLOCK), dtype=np.uint8)
+    ns = Namespace("first-store", KVGeometry.from_block_bytes(BLOCK))
+    options = {k: v for k, v in s3_options(s3_stub.endpoint, "stub").items() if k != "type"}
+    tier = S3Tier(TierContext(rows, BLOCK, ns), **options)
+    try:
+        keys = chain_ids(range(2), ns)
+        assert run_job(tier, keys, [0, 1], False, 10).success
+    finally:
+        tier.shutdown()

@@ -1,0 +1,113 @@
+"""``kvtier inspect`` for an S3 prefix (kvtier.tiers.s3_inspect) against moto, and S3 URLs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from s3_servers import MotoServer, raw_client, s3_options
+
+from kvtier.errors import ConfigError
+from kvtier.keys import KVGeometry, Namespace, chain_ids
+from kvtier.tiers.base import TierContext
+from kvtier.tiers.conformance import run_job
+from kvtier.tiers.format import HEADER_SIZE
+from kvtier.tiers.s3 import S3Tier
+from kvtier.tiers.s3_inspect import inspect_prefix, options_from_url
+from kvtier.tiers.s3_store import S3TierOptions
+
+pytestmark = pytest.mark.s3
+
+BLOCK = 32 * 1024
+REPO = Path(__file__).resolve().parents[2]
+_SCRIPT = Path(sys.executable).parent / "kvtier"
+KVTIER = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "kvtier.cli"]
+
+
+def test_urls_become_options() -> None:
+    assert options_from_url("s3://kv-cache/team/a") == {"bucket": "kv-cache", "prefix": "team/a"}
+    assert options_from_url("s3://kv-cache") == {"bucket": "kv-cache"}
+    assert options_from_url("http://key:se%2Fcret@127.0.0.1:9000/kv/p") == {
+        "endpoint": "http://127.0.0.1:9000", "allow_http": True, "bucket": "kv", "prefix": "p",
+        "access_key_id": "key", "secret_access_key": "se/cret",
+    }  # fmt: skip
+    assert options_from_url("https://minio:9000/kv", region="eu-1")["region"] == "eu-1"
+    for bad in ("s3:///x", "http://127.0.0.1:9000", "ftp://host/bucket"):
+        with pytest.raises(ConfigError, match="s3 url"):
+            options_from_url(bad)
+
+
+def _fill(server: MotoServer, bucket: str, model: str, n: int) -> tuple[S3Tier, list[bytes]]:
+    ns = Namespace(model, KVGeometry.from_block_bytes(BLOCK))
+    rows = np.random.default_rng(0).integers(0, 256, (n, BLOCK), dtype=np.uint8)
+    opts = {k: v for k, v in s3_options(server.endpoint, bucket, max_in_flight=4).items() if k != "type"}
+    tier = S3Tier(TierContext(rows, BLOCK, ns), **opts)
+    keys = chain_ids(range(n), ns)
+    assert run_job(tier, keys, list(range(n)), False, 30).success
+    return tier, keys
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "AWS_"))}
+    return subprocess.run([*KVTIER, *args], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+
+
+def test_inspect_counts_verifies_and_removes_corrupt_objects(s3_bucket: tuple[MotoServer, str]) -> None:
+    import obstore as obs
+
+    server, bucket = s3_bucket
+    tier_a, keys_a = _fill(server, bucket, "model-a", 4)
+    tier_b, _ = _fill(server, bucket, "model-b", 2)
+    options = S3TierOptions(**{k: v for k, v in s3_options(server.endpoint, bucket).items() if k != "type"})
+    raw = raw_client(server.endpoint, bucket)
+    victim = tier_a.object_path(keys_a[0])
+    body = bytearray(obs.get(raw, victim).bytes())
+    body[HEADER_SIZE + 5] ^= 0xFF
+    obs.put(raw, victim, bytes(body))
+    obs.put(raw, f"kvtier/{tier_a.context.namespace.hexdigest}/stray.txt", b"x")
+    tier_a.shutdown()
+    tier_b.shutdown()
+
+    report = inspect_prefix(options)
+    assert report.ok and report.entries == 6 and report.bytes == 6 * (HEADER_SIZE + BLOCK)
+    by_model = {ns.manifest["namespace"]["model_id"]: ns for ns in report.namespaces if ns.manifest}
+    assert set(by_model) == {"model-a", "model-b"} and by_model["model-a"].foreign_files
+
+    sampled = inspect_prefix(options, sample=1, seed=1)
+    assert sum(ns.verified for ns in sampled.namespaces) == 2
+
+    url = f"http://testing:testing@127.0.0.1:{server.port}/{bucket}"
+    out = _run("inspect", url, "--verify")
+    assert out.returncode == 1, out.stderr
+    assert "s3 tier s3://" in out.stdout and "corrupt:      1" in out.stdout and victim in out.stdout
+    out = _run("inspect", url, "--verify", "--remove-corrupt", "--json")
+    data = json.loads(out.stdout)
+    assert out.returncode == 1 and data["corrupt"] == 1
+    assert inspect_prefix(options, verify=True).ok and inspect_prefix(options).entries == 5
+    out = _run("inspect", url, "--namespace", tier_b.context.namespace.hexdigest[:6])
+    assert out.returncode == 0 and "blocks:       2" in out.stdout and "1 namespace(s)" in out.stdout
+
+
+def test_inspect_of_an_unreachable_endpoint_is_a_clear_error(tmp_path: Path) -> None:
+    out = _run("inspect", "http://k:s@127.0.0.1:9/nobucket", "--json")
+    assert out.returncode == 2 and "cannot list s3://nobucket/kvtier" in out.stderr
+
+
+def test_bench_with_an_s3_tier(s3_bucket: tuple[MotoServer, str], private_shm: Path) -> None:
+    server, bucket = s3_bucket
+    out = _run(
+        "bench", "--sessions", "6", "--max-turns", "3", "--model", "tiny", "--cpu-bytes", "2MiB",
+        "--device-blocks", "100", "--prefill-tokens-per-s", "0", "--no-progress", "--no-fs",
+        "--shm-dir", str(private_shm), "--s3", f"http://testing:testing@127.0.0.1:{server.port}/{bucket}/bench",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert "s3 " in out.stdout and "cpu -> s3 (cascade)" in out.stdout
+    report = inspect_prefix(
+        S3TierOptions(**{k: v for k, v in s3_options(server.endpoint, bucket, prefix="bench").items() if k != "type"})
+    )
+    assert report.entries > 0
