@@ -73,7 +73,7 @@ from kvtier.keys import BlockKey, Namespace
 from kvtier.policies import resolve_policy
 from kvtier.primary import PrepareStoreResult, PrimaryTier
 from kvtier.region import SharedRegion
-from kvtier.request_control import TierDescriptor, parse_control, tier_locality
+from kvtier.request_control import CONTROL_KEYS, TierDescriptor, parse_control, tier_locality
 from kvtier.telemetry import (
     LookupCounts,
     ManagerCounters,
@@ -835,8 +835,7 @@ class TieringManager:
         control = request.control
         if control is None:
             params = request.params
-            if not params or not any(key in params for key in ("kvtier_load_tiers", "kvtier_store",
-                                                                "kvtier_cascade_tiers")):
+            if not params or not any(key in params for key in CONTROL_KEYS):
                 control = DEFAULT_CONTROL
             else:
                 control, errors = parse_control(params, self._descriptors)
