@@ -1024,6 +1024,8 @@ class TieringManager:
         if failures:
             raise TierShutdownError(failures) from failures[-1].error
         self._jobs.clear()
+        for telemetry in self._telemetry:  # every tier stopped: no job of theirs is in flight
+            telemetry.stores_in_flight = telemetry.loads_in_flight = 0
         self._pending_promotions.clear()
         self.primary.shutdown()
         self._shutdown_complete = True
