@@ -324,6 +324,7 @@ def test_sources_name_where_each_value_came_from(tmp_path: Path) -> None:
         "shm_dir": "environment variable KVTIER_SHM_DIR",
         "region_name": "my defaults",
         "tiers": "default",
+        "backpressure": "default",
         "shutdown_timeout": "default",
     }
     assert config.kv_geometry().tokens_per_block == 32 and config.kv_geometry().dtype == "float16"

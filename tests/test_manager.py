@@ -324,7 +324,7 @@ def test_events_report_primary_and_evictions(make: Any) -> None:
     stored = [e for e in events if not e.removed]
     removed = [e for e in events if e.removed]
     assert sum(len(e.keys) for e in stored) == 3
-    assert [len(e.keys) for e in removed] == [1] and removed[0].tier == "primary" and removed[0].medium == "cpu"
+    assert [len(e.keys) for e in removed] == [1] and removed[0].tier == "0:primary" and removed[0].medium == "cpu"
     assert mgr.take_events() == []
 
 

@@ -593,9 +593,9 @@ class ManagerMachine(RuleBasedStateMachine):
         for k in self.present:
             state = self.mgr.primary.lookup(k)
             assert state is HIT or k in self.stores, f"{name(k)} is {state} after settling"
-        json.dumps(self.mgr.stats())
+        json.dumps(self.mgr.stats().as_dict())
         for event in self.mgr.take_events():
-            assert event.tier in ("primary", "1:stateful-double", "2:stateful-double")
+            assert event.tier in ("0:primary", "1:stateful-double", "2:stateful-double")
 
     @precondition(lambda self: self.present or self.tiers_busy())
     @rule(stuck=st.booleans())

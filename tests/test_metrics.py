@@ -71,6 +71,16 @@ def test_metrics_follow_a_real_manager(tmp_path: Path, private_shm: Path) -> Non
     assert got[("kvtier_health_state", (("state", "closed"), ("tier", "1:fs")))] == 1
     assert got[("kvtier_health_state", (("state", "open"), ("tier", "1:fs")))] == 0
     assert got[("kvtier_jobs_in_flight", ())] == 0
+    assert got[("kvtier_jobs_total", (("direction", "write"), ("tier", "1:fs")))] == 1
+    assert got[("kvtier_transfer_seconds_total", (("direction", "write"), ("tier", "1:fs")))] > 0
+    assert got[("kvtier_active_jobs", (("direction", "write"), ("tier", "1:fs")))] == 0
+    assert got[("kvtier_tier_lookup_seconds_count", (("tier", "0:primary"),))] >= 1
+    assert ("kvtier_tier_lookup_seconds_bucket", (("le", "+Inf"), ("tier", "1:fs"))) in got
+    assert got[("kvtier_backpressure_active", (("tier", "1:fs"),))] == 0
+    assert got[("kvtier_cascades_total", (("result", "skipped"),))] == 0
+    # the fs tier's declared extras: counters as counters, gauges as gauges
+    assert got[("kvtier_tier_extra_counter_total", (("name", "stores_skipped"), ("tier", "1:fs")))] == 0
+    assert got[("kvtier_tier_extra_gauge", (("name", "scan_entries"), ("tier", "1:fs")))] == 0
 
 
 def test_health_and_failures_from_a_snapshot() -> None:

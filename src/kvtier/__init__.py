@@ -3,6 +3,7 @@
 The public API, re-exported; see the README for a quickstart.
 """
 
+from kvtier.backpressure import BackpressureSettings
 from kvtier.errors import (
     ConfigError,
     CorruptValueError,
@@ -22,16 +23,28 @@ from kvtier.keys import BlockKey, KVGeometry, Namespace, chain_ids, chain_key, p
 from kvtier.manager import TieringManager
 from kvtier.primary import PrepareStoreResult, PrimaryTier
 from kvtier.region import SharedRegion
-from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
+from kvtier.telemetry import ManagerSnapshot, TierSnapshot
+from kvtier.tiers.base import ExtraMetric, JobResult, SecondaryTier, TierContext, TransferJob
 from kvtier.tiers.registry import register_tier
-from kvtier.types import BlockEvent, LookupResult, OffloadPolicy, RequestContext
+from kvtier.types import (
+    PRIMARY_LABEL,
+    BlockEvent,
+    LookupResult,
+    OffloadPolicy,
+    RequestContext,
+    RequestControl,
+    tier_label,
+)
 from kvtier.version import __version__
 
 __all__ = [
+    "PRIMARY_LABEL",
+    "BackpressureSettings",
     "BlockEvent",
     "BlockKey",
     "ConfigError",
     "CorruptValueError",
+    "ExtraMetric",
     "InsufficientSpaceError",
     "InvalidKeyError",
     "JobResult",
@@ -39,6 +52,7 @@ __all__ = [
     "KvtierError",
     "LookupResult",
     "ManagerClosedError",
+    "ManagerSnapshot",
     "Namespace",
     "OffloadPolicy",
     "PrepareStoreResult",
@@ -46,6 +60,7 @@ __all__ = [
     "RegionBusyError",
     "RegionError",
     "RequestContext",
+    "RequestControl",
     "SecondaryTier",
     "SharedRegion",
     "TierContext",
@@ -53,6 +68,7 @@ __all__ = [
     "TierFailure",
     "TierShutdownError",
     "TierShutdownTimeout",
+    "TierSnapshot",
     "TieringManager",
     "TransferJob",
     "UnsafeEntryError",
@@ -62,4 +78,5 @@ __all__ = [
     "prefix_keys",
     "register_tier",
     "root_key",
+    "tier_label",
 ]

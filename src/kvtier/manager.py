@@ -21,6 +21,16 @@ Contract per engine step (DESIGN.md section 5):
   job. A failed store cascades nothing.
 * A tier's ``on_request_finished`` runs only once the request finished and no
   device store of it is still outstanding (no more cascades can be issued).
+* Backpressure (:mod:`kvtier.backpressure`): a tier whose cascade jobs got slow
+  (moving average of their latency above a high mark) gets no new cascades
+  until the average falls below a low mark; loads and promotions never wait.
+* Per-request control (:mod:`kvtier.request_control`): a request's params may
+  restrict the tiers it loads from, whether its blocks are stored, and the
+  tiers they cascade to.
+* :meth:`TieringManager.stats` returns a typed snapshot
+  (:class:`~kvtier.telemetry.ManagerSnapshot`) of every tier: the tier's own
+  counters plus what the manager observed (lookup latencies, job bytes and
+  seconds, failures by kind, jobs in flight, backpressure).
 
 The boundary: every method taking keys accepts ``bytes`` keys of 1 to
 :data:`~kvtier.tiers.format.MAX_KEY_BYTES` bytes and raises
@@ -42,11 +52,13 @@ import time
 import traceback
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
+from time import perf_counter
 from typing import Any, NoReturn
 
 import numpy as np
 
+from kvtier.backpressure import BackpressureSettings, StoreLatencyMonitor
 from kvtier.errors import (
     ConfigError,
     InvalidKeyError,
@@ -61,16 +73,38 @@ from kvtier.keys import BlockKey, Namespace
 from kvtier.policies import DEFAULT_POLICY, resolve_policy
 from kvtier.primary import PrepareStoreResult, PrimaryTier
 from kvtier.region import SharedRegion
+from kvtier.request_control import CONTROL_KEYS, TierDescriptor, parse_control, tier_locality
+from kvtier.telemetry import (
+    LookupCounts,
+    ManagerCounters,
+    ManagerSnapshot,
+    TierSnapshot,
+    TierTelemetry,
+    TransferTotals,
+)
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
 from kvtier.tiers.format import MAX_KEY_BYTES
 from kvtier.tiers.registry import create_tier, validate_tier_options
-from kvtier.types import BlockEvent, LookupResult, OffloadPolicy, RequestContext
+from kvtier.types import (
+    DEFAULT_CONTROL,
+    PRIMARY_LABEL,
+    BlockEvent,
+    LookupResult,
+    OffloadPolicy,
+    RequestContext,
+    RequestControl,
+    tier_label,
+)
 from kvtier.units import rows_that_fit
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SHUTDOWN_TIMEOUT = 120.0
 """Seconds :meth:`TieringManager.shutdown` gives all secondary tiers together."""
+
+LOOKUP_TIMING_EVERY = 8
+"""One lookup in this many is timed for the per-tier latency histograms (timing every one would
+add a fifth to the cost of a CPU hit); RETRY answers and the answers after them are always timed."""
 
 
 def _key_error(key: object) -> InvalidKeyError:
@@ -108,21 +142,8 @@ def _checked_keys(keys: Iterable[BlockKey]) -> list[BlockKey]:
     return out
 
 
-@dataclass
-class ManagerStats:
-    lookups: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in LookupResult})
-    promotions_started: int = 0
-    promotion_jobs: int = 0
-    promotions_succeeded: int = 0
-    promotions_failed: int = 0
-    promotion_alloc_failures: int = 0
-    cascade_jobs: int = 0
-    cascades_succeeded: int = 0
-    cascades_failed: int = 0
-    submit_errors: int = 0
-    unknown_job_results: int = 0
-    store_rejections: int = 0
-    tier_call_errors: int = 0
+ManagerStats = ManagerCounters
+"""The manager's counters (the name of earlier releases for :class:`~kvtier.telemetry.ManagerCounters`)."""
 
 
 class _ShutdownRun:
@@ -156,6 +177,7 @@ class _Job:
     is_promotion: bool
     keys: list[BlockKey]
     req_id: str | None
+    submitted: float = 0.0  # perf_counter() at submit
 
 
 @dataclass
@@ -191,8 +213,12 @@ class TieringManager:
         *,
         drain_timeout: float | None = 120.0,
         shutdown_timeout: float | None = DEFAULT_SHUTDOWN_TIMEOUT,
+        backpressure: BackpressureSettings | None = None,
+        lookup_timing_every: int = LOOKUP_TIMING_EVERY,
     ) -> None:
         _check_shutdown_timeout(shutdown_timeout)
+        if isinstance(lookup_timing_every, bool) or not isinstance(lookup_timing_every, int) or lookup_timing_every < 1:
+            raise ConfigError(f"lookup_timing_every must be an integer >= 1, got {lookup_timing_every!r}")
         self.primary = primary
         self.tiers: list[SecondaryTier] = list(tiers)
         self.drain_timeout = drain_timeout
@@ -212,8 +238,25 @@ class TieringManager:
         self._closing = False  # shutdown() was called: only shutdown(), is_shut_down and stats() remain
         self._shutdown_complete = False
         self._shutdown_runs: dict[int, _ShutdownRun] = {}
-        self._stats = ManagerStats()
+        self._stats = ManagerCounters()
         self._logged_call_errors: set[tuple[int, str]] = set()
+        # Index 0 is the CPU tier, index n secondary tier n (as in labels).
+        self._telemetry = [TierTelemetry() for _ in range(len(self.tiers) + 1)]
+        self._cpu_lookup_times = self._telemetry[0].lookup_seconds.pending  # appended to on the hot path
+        self._retrying = [t.retry_since for t in self._telemetry[1:]]  # per tier: keys that answered RETRY
+        self.lookup_timing_every = lookup_timing_every
+        self._untimed_lookups = 1
+        self.backpressure = backpressure if backpressure is not None else BackpressureSettings()
+        self._pressure: list[StoreLatencyMonitor | None] = [
+            StoreLatencyMonitor(self.backpressure, self.tier_label(pos + 1)) if self.backpressure.enabled else None
+            for pos in range(len(self.tiers))
+        ]
+        self._descriptors = [TierDescriptor(0, PRIMARY_LABEL, "primary", "local")] + [
+            TierDescriptor(pos + 1, self.tier_label(pos + 1), tier.tier_type,
+                           tier_locality(tier.medium, getattr(tier, "locality", None)))
+            for pos, tier in enumerate(self.tiers)
+        ]  # fmt: skip
+        self._logged_control_errors: set[str] = set()
 
     # --- construction ----------------------------------------------------------------
 
@@ -235,6 +278,7 @@ class TieringManager:
         sweep_stale: bool = True,
         drain_timeout: float | None = 120.0,
         shutdown_timeout: float | None = DEFAULT_SHUTDOWN_TIMEOUT,
+        backpressure: BackpressureSettings | None = None,
     ) -> TieringManager:
         """Build the region, the CPU tier and each secondary tier (``{"type": ..., **options}``).
 
@@ -242,7 +286,9 @@ class TieringManager:
         rounding); by default the namespace's geometry gives it. An engine whose
         rows are opaque bytes passes it directly. If any step fails, the tiers
         already built are shut down in reverse order, the region is released, and
-        the original error is raised.
+        the original error is raised. ``backpressure`` (default: on, with the
+        defaults of :class:`~kvtier.backpressure.BackpressureSettings`) decides
+        when cascades to a slow tier are skipped.
         """
         if block_bytes is None:
             if namespace.geometry is None:
@@ -276,7 +322,10 @@ class TieringManager:
                 context = TierContext(rows=region.rows, block_bytes=block_bytes, namespace=namespace, index=index)
                 built.append(create_tier(spec, context))
                 context = None
-            return cls(primary, built, drain_timeout=drain_timeout, shutdown_timeout=shutdown_timeout)
+            return cls(
+                primary, built, drain_timeout=drain_timeout, shutdown_timeout=shutdown_timeout,
+                backpressure=backpressure,
+            )
         except BaseException as exc:
             # The failed constructors' frames (kept alive by the exception's traceback, which
             # the caller may keep) still reference the CPU rows: drop their locals, or the
@@ -330,7 +379,7 @@ class TieringManager:
 
     def tier_label(self, index: int) -> str:
         """``"0:primary"`` or ``"<n>:<type>"`` for secondary tier n (1-based)."""
-        return "0:primary" if index == 0 else f"{index}:{self.tiers[index - 1].tier_type}"
+        return tier_label(index, "primary" if index == 0 else self.tiers[index - 1].tier_type)
 
     def _tier_call_failed(self, pos: int, call: str) -> None:
         """A tier raised from a scheduler-side call: count it, log it once per (tier, call).
@@ -339,6 +388,7 @@ class TieringManager:
         call is treated as answered with its safe default (MISS, no results, ...).
         """
         self._stats.tier_call_errors += 1
+        self._telemetry[pos + 1].fail("call_error")
         if (pos, call) not in self._logged_call_errors:
             self._logged_call_errors.add((pos, call))
             tier = self.tiers[pos]
@@ -385,7 +435,10 @@ class TieringManager:
             logger.error("secondary tier #%d reported unknown job %d; ignored", pos + 1, result.job_id)
             return
         del self._jobs[result.job_id]
+        telemetry = self._telemetry[pos + 1]
+        seconds = result.seconds if result.seconds > 0 else perf_counter() - job.submitted
         if job.is_promotion:
+            telemetry.loads_in_flight -= 1
             ok = result.succeeded(job.keys)
             ok_set = set(ok)
             failed = [k for k in job.keys if k not in ok_set]
@@ -393,21 +446,32 @@ class TieringManager:
             self.primary.complete_write(failed, False)
             self._stats.promotions_succeeded += len(ok)
             self._stats.promotions_failed += len(failed)
+            telemetry.read.add(len(ok), result.bytes_moved, seconds)
             if failed:
+                telemetry.fail("promotion_job_failed")
                 logger.debug("promotion job %d from tier #%d: %d of %d keys failed (%s)",
                              result.job_id, pos + 1, len(failed), len(job.keys), result.error)
         else:
+            telemetry.stores_in_flight -= 1
             self.primary.unpin(job.keys)
             if result.success:
                 self._stats.cascades_succeeded += len(job.keys)
+                telemetry.written.add(len(job.keys), result.bytes_moved, seconds)
             else:
                 self._stats.cascades_failed += len(job.keys)
+                telemetry.written.add(len(result.succeeded(job.keys)), result.bytes_moved, seconds)
+                telemetry.fail("cascade_job_failed")
+            monitor = self._pressure[pos]
+            # A sample only from jobs that reached the medium: stores skipped because the tier
+            # held the keys, or shed at once, say nothing about its latency.
+            if monitor is not None and (result.bytes_moved > 0 or (not result.success and result.seconds > 0)):
+                monitor.observe(seconds)
 
     def _new_job(self, pos: int, keys: list[BlockKey], slots: np.ndarray, promotion: bool,
                  request: RequestContext | None) -> TransferJob:
         job_id = self._next_job_id
         self._next_job_id += 1
-        self._jobs[job_id] = _Job(pos, promotion, keys, request.req_id if request else None)
+        self._jobs[job_id] = _Job(pos, promotion, keys, request.req_id if request else None, perf_counter())
         return TransferJob(job_id, keys, slots, promotion, request)
 
     # --- lookups and loads ---------------------------------------------------------------
@@ -417,24 +481,58 @@ class TieringManager:
         if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES or self._closing:
             self._open_keys("lookup", (key,))  # raises, unless a valid key of a bytes subclass
         self._poll_once()
-        result = self.primary.lookup(key)
-        if result is LookupResult.HIT:
-            self._step_hits.add(key)
-        elif result is LookupResult.MISS and self.tiers:
-            result = self._lookup_secondary(key, request)
+        allowed = None if request is None else (request.control or self.request_control(request)).load_from
+        if allowed is not None and 0 not in allowed:
+            result = LookupResult.MISS  # the request may not load anything: every load goes through the CPU tier
+        else:
+            countdown = self._untimed_lookups - 1
+            if countdown:  # not this one: one lookup in `lookup_timing_every` is timed
+                self._untimed_lookups = countdown
+                now = 0.0
+                result = self.primary.lookup(key)
+            else:
+                self._untimed_lookups = self.lookup_timing_every
+                start = perf_counter()
+                result = self.primary.lookup(key)
+                now = perf_counter()
+                self._cpu_lookup_times.append(now - start)
+            if result is LookupResult.HIT:
+                self._step_hits.add(key)
+            elif result is LookupResult.MISS and self.tiers:
+                result = self._lookup_secondary(key, request, allowed, now)
         self._stats.lookups[result.value] += 1
         return result
 
-    def _lookup_secondary(self, key: BlockKey, request: RequestContext | None) -> LookupResult:
+    def _lookup_secondary(
+        self, key: BlockKey, request: RequestContext | None, allowed: frozenset[int] | None, now: float
+    ) -> LookupResult:
+        """Ask the tiers ``allowed`` (indices; None: all) in order. ``now`` is when the first is
+        asked if this lookup is timed, else 0. A tier's RETRY, and its answer after one, are
+        always timed (``lookup_async_seconds``)."""
         retry = False
+        retrying = self._retrying
         for pos, tier in enumerate(self.tiers):
-            if pos in self._tiers_down:
+            if pos in self._tiers_down or (allowed is not None and pos + 1 not in allowed):
                 continue
             try:
                 answer = tier.lookup(key, request)
             except Exception:
                 self._tier_call_failed(pos, "lookup")
                 continue
+            if now:
+                done = perf_counter()
+                self._telemetry[pos + 1].lookup_seconds.pending.append(done - now)
+                now = done
+            if answer is LookupResult.MISS:
+                if retrying[pos]:
+                    self._telemetry[pos + 1].answered(key, now or perf_counter())
+                continue
+            if answer is LookupResult.RETRY:
+                self._telemetry[pos + 1].retried(key, now or perf_counter())
+                retry = True
+                continue
+            if retrying[pos]:
+                self._telemetry[pos + 1].answered(key, now or perf_counter())
             if answer is LookupResult.HIT:
                 reserved = self.primary.prepare_write([key], self._step_hits)
                 if reserved is None or not reserved.keys_to_store:
@@ -451,8 +549,6 @@ class TieringManager:
                     state.unsubmitted_promotions += 1
                 self._stats.promotions_started += 1
                 return LookupResult.HIT_PENDING
-            if answer is LookupResult.RETRY:
-                retry = True
         return LookupResult.RETRY if retry else LookupResult.MISS
 
     def prepare_load(self, keys: Sequence[BlockKey], request: RequestContext | None = None) -> np.ndarray:
@@ -463,6 +559,7 @@ class TieringManager:
         rows = self.primary.prepare_load(keys, after=state.chain_tail if state is not None else None)
         if state is not None and keys:
             state.chain_tail = keys[-1]
+        self._telemetry[0].read.add(len(keys), len(keys) * self.primary.block_bytes, 0.0)
         return rows
 
     def complete_load(self, keys: Iterable[BlockKey], request: RequestContext | None = None) -> None:
@@ -495,6 +592,9 @@ class TieringManager:
         """Reserve CPU rows for a device -> CPU store; None if no room can be made."""
         keys = self._open_keys("prepare_store", keys)
         self._poll_once()
+        if request is not None and not (request.control or self.request_control(request)).store:
+            self._stats.stores_declined += len(keys)
+            return PrepareStoreResult([], np.empty(0, dtype=np.int64), [])
         state = self._state(request)
         result = self.primary.prepare_store(keys, self._step_hits, after=state.chain_tail if state else None)
         if result is None:
@@ -542,17 +642,28 @@ class TieringManager:
             self._maybe_finalize(state)
 
     def _cascade(self, keys: list[BlockKey], positions: Iterable[int], request: RequestContext | None) -> None:
+        """Submit one store job of ``keys`` to each tier at ``positions`` the request allows and
+        that is not under backpressure."""
+        wanted = None if request is None else (request.control or self.request_control(request)).cascade_to
         for pos in positions:
-            if pos in self._tiers_down:
+            if pos in self._tiers_down or (wanted is not None and pos + 1 not in wanted):
+                continue
+            telemetry = self._telemetry[pos + 1]
+            monitor = self._pressure[pos]
+            if monitor is not None and not monitor.admit(len(keys), telemetry.stores_in_flight):
+                self._stats.cascades_skipped += len(keys)
                 continue
             slots = self.primary.pin(keys)
             job = self._new_job(pos, list(keys), slots, False, request)
             self._stats.cascade_jobs += 1
+            telemetry.stores_in_flight += 1
             try:
                 self.tiers[pos].submit_store(job)
             except Exception:
                 logger.exception("secondary tier #%d failed to accept store job %d", pos + 1, job.job_id)
                 self._stats.submit_errors += 1
+                telemetry.stores_in_flight -= 1
+                telemetry.fail("submit_error")
                 del self._jobs[job.job_id]
                 self.primary.unpin(keys)
 
@@ -562,6 +673,7 @@ class TieringManager:
         """REQUEST_LEVEL if any tier asks for it, else BLOCK_LEVEL."""
         if self._closing:
             self._refuse("on_new_request")
+        self.request_control(request)
         state = self._state(request)
         assert state is not None
         state.request_level_tiers = []
@@ -615,11 +727,15 @@ class TieringManager:
         for (pos, _), promo in pending.items():
             job = self._new_job(pos, promo.keys, np.asarray(promo.slots, dtype=np.int64), True, promo.request)
             self._stats.promotion_jobs += 1
+            telemetry = self._telemetry[pos + 1]
+            telemetry.loads_in_flight += 1
             try:
                 self.tiers[pos].submit_load(job)
             except Exception:
                 logger.exception("secondary tier #%d failed to accept load job %d", pos + 1, job.job_id)
                 self._stats.submit_errors += 1
+                telemetry.loads_in_flight -= 1
+                telemetry.fail("submit_error")
                 del self._jobs[job.job_id]
                 self.primary.complete_write(promo.keys, False)
         for state in list(self._requests.values()):
@@ -634,6 +750,9 @@ class TieringManager:
                     tier.on_schedule_end()
                 except Exception:
                     self._tier_call_failed(pos, "on_schedule_end")
+        for telemetry in self._telemetry:
+            if len(telemetry.lookup_seconds.pending) >= telemetry.lookup_seconds.FOLD_AT:
+                telemetry.lookup_seconds.fold()
         self._step_hits.clear()
         self._polled_this_step = False
 
@@ -670,6 +789,11 @@ class TieringManager:
                     self._tier_call_failed(pos, "take_events")
         return events
 
+    @property
+    def is_idle(self) -> bool:
+        """No request is known, no tier job is in flight and no promotion awaits submission."""
+        return not (self._jobs or self._requests or self._pending_promotions)
+
     def jobs_in_flight(self) -> int:
         if self._closing:
             self._refuse("jobs_in_flight")
@@ -702,52 +826,164 @@ class TieringManager:
             state.unsubmitted_promotions = 0
             self._maybe_finalize(state)
         self.primary.reset()
+        for telemetry in self._telemetry:
+            telemetry.retry_since.clear()
         self._device_stores.clear()
         self._step_hits.clear()
         self._polled_this_step = False
 
+    # --- per-request control --------------------------------------------------------------
+
+    def request_control(self, request: RequestContext) -> RequestControl:
+        """What ``request`` allows (:mod:`kvtier.request_control`), parsed from its params once
+        and kept in ``request.control``. Malformed keys are logged (once per distinct problem)
+        and fall back to their defaults: a request is never refused for them."""
+        control = request.control
+        if control is None:
+            params = request.params
+            if not params or not any(key in params for key in CONTROL_KEYS):
+                control = DEFAULT_CONTROL
+            else:
+                control, errors = parse_control(params, self._descriptors)
+                for error in errors:
+                    if error not in self._logged_control_errors and len(self._logged_control_errors) < 1024:
+                        self._logged_control_errors.add(error)
+                        logger.warning("request %s: %s; that setting is ignored", request.req_id, error)
+            request.control = control
+        return control
+
+    def tier_descriptors(self) -> list[TierDescriptor]:
+        """Index, label, type and locality of every tier, the CPU tier first (what request
+        selectors match)."""
+        return list(self._descriptors)
+
     # --- stats ---------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
-        """A JSON-able snapshot: manager counters, the CPU tier, and each secondary tier."""
-        primary = self.primary
-        tiers: dict[str, Any] = {}
-        for pos, tier in enumerate(self.tiers):
-            tiers[self.tier_label(pos + 1)] = self._tier_stats(pos, tier)
-        return {
-            "manager": {**asdict(self._stats), "jobs_in_flight": len(self._jobs),
-                        "active_requests": len(self._requests)},
-            "primary": {
-                **asdict(primary.stats),
-                "blocks": len(primary),
-                "capacity_blocks": primary.num_blocks,
-                "block_bytes": primary.block_bytes,
-                "used_bytes": len(primary) * primary.region.row_stride,
-                "capacity_bytes": primary.num_blocks * primary.region.row_stride,
-            },
-            "tiers": tiers,
-        }
+    @property
+    def telemetry(self) -> list[TierTelemetry]:
+        """The manager's per-tier accumulators (index 0: CPU tier). Scheduler thread only; read
+        :meth:`stats` instead unless you need raw samples (see ``LatencyHistogram.keep_samples``)."""
+        return self._telemetry
 
-    def _tier_stats(self, pos: int, tier: SecondaryTier) -> dict[str, Any]:
-        """One tier's entry of :meth:`stats`; a part the tier fails to give is left out (the
-        failure is counted and logged once), so ``stats()`` never raises."""
-        entry: dict[str, Any] = {"class": type(tier).__qualname__}
+    def stats(self) -> ManagerSnapshot:
+        """A typed snapshot of the manager and every tier (:class:`~kvtier.telemetry.ManagerSnapshot`).
+
+        Never raises because a tier misbehaves: a tier whose ``stats``,
+        ``usage()`` or ``health()`` raises gets safe defaults (unknown usage,
+        health ``unknown``), and the failure is counted (``call_error``) and logged
+        once. May be called after shutdown. Cost: a few microseconds per tier plus
+        each tier's ``usage()``/``health()``.
+        """
+        tiers = [self._cpu_snapshot()]
+        tiers += [self._tier_snapshot(pos, tier) for pos, tier in enumerate(self.tiers)]
+        counters = replace(
+            self._stats, lookups=dict(self._stats.lookups), jobs_in_flight=len(self._jobs),
+            active_requests=len(self._requests),
+        )  # fmt: skip
+        return ManagerSnapshot(
+            taken_at=time.monotonic(),
+            block_bytes=self.primary.block_bytes,
+            row_stride=self.primary.region.row_stride,
+            cpu_blocks=self.primary.num_blocks,
+            manager=counters,
+            tiers=tuple(tiers),
+        )
+
+    def _cpu_snapshot(self) -> TierSnapshot:
+        primary = self.primary
+        ps = primary.stats
+        telemetry = self._telemetry[0]
+        stride = primary.region.row_stride
+        return TierSnapshot(
+            index=0,
+            label=PRIMARY_LABEL,
+            tier_type="primary",
+            medium=primary.medium,
+            locality="local",
+            implementation=type(primary).__qualname__,
+            lookups=LookupCounts(hit=ps.hits, hit_pending=ps.hits_pending, miss=ps.misses),
+            lookup_seconds=telemetry.lookup_seconds.snapshot(),
+            lookup_async_seconds=telemetry.lookup_async_seconds.snapshot(),
+            written=TransferTotals(blocks=ps.blocks_stored, bytes=ps.blocks_stored * primary.block_bytes),
+            read=TransferTotals(**asdict(telemetry.read)),
+            failures={
+                "store_failed": ps.store_failures,
+                "store_rejected": ps.store_rejections,
+                "promotion_alloc_failed": self._stats.promotion_alloc_failures,
+            },
+            stores_in_flight=0,
+            loads_in_flight=0,
+            used_bytes=len(primary) * stride,
+            capacity_bytes=primary.num_blocks * stride,
+            entries=len(primary),
+            evictions=ps.evictions,
+            health="closed" if not self._shutdown_complete else "down",
+            counters=asdict(ps),
+        )
+
+    def _tier_snapshot(self, pos: int, tier: SecondaryTier) -> TierSnapshot:
+        """One secondary tier's snapshot; whatever the tier fails to give gets a safe default
+        (the failure is counted and logged once), so ``stats()`` never raises."""
+        counters: dict[str, Any] = {}
+        extra: dict[str, float] = {}
+        kinds: dict[str, str] = {}
         try:
-            entry.update(asdict(tier.stats))
+            own = tier.stats
+            counters = {f.name: getattr(own, f.name) for f in fields(own) if f.name != "extra"}
+            extra = {str(k): float(v) for k, v in own.extra.items()}
+            declared = getattr(tier, "extra_metrics", {})
+            kinds = {name: getattr(declared.get(name), "kind", "gauge") for name in extra}
         except Exception:
             self._tier_call_failed(pos, "stats")
-        if pos in self._tiers_down:
-            return entry
-        try:
-            usage = tier.usage()
-            entry.update(used_bytes=usage.used_bytes, capacity_bytes=usage.capacity_bytes, entries=usage.entries)
-        except Exception:
-            self._tier_call_failed(pos, "usage")
-        try:
-            entry["health"] = tier.health().state.value
-        except Exception:
-            self._tier_call_failed(pos, "health")
-        return entry
+        used = capacity = entries = None
+        health = "down"
+        if pos not in self._tiers_down:
+            try:
+                usage = tier.usage()
+                used, capacity, entries = usage.used_bytes, usage.capacity_bytes, usage.entries
+            except Exception:
+                self._tier_call_failed(pos, "usage")
+            try:
+                health = tier.health().state.value
+            except Exception:
+                health = "unknown"
+                self._tier_call_failed(pos, "health")
+        telemetry = self._telemetry[pos + 1]
+        failures = dict(telemetry.failures)
+        for kind, name in (("store_failed", "stores_failed"), ("load_failed", "loads_failed"),
+                           ("store_dropped", "stores_dropped"), ("corrupt_value", "corrupt_values")):
+            failures[kind] = int(counters.get(name, 0))
+        monitor = self._pressure[pos]
+        descriptor = self._descriptors[pos + 1]
+        return TierSnapshot(
+            index=pos + 1,
+            label=descriptor.label,
+            tier_type=descriptor.tier_type,
+            medium=str(getattr(tier, "medium", "storage")),
+            locality=descriptor.locality,
+            implementation=type(tier).__qualname__,
+            lookups=LookupCounts(
+                hit=int(counters.get("lookups_hit", 0)),
+                retry=int(counters.get("lookups_retry", 0)),
+                miss=int(counters.get("lookups_miss", 0)),
+            ),
+            lookup_seconds=telemetry.lookup_seconds.snapshot(),
+            lookup_async_seconds=telemetry.lookup_async_seconds.snapshot(),
+            written=TransferTotals(**asdict(telemetry.written)),
+            read=TransferTotals(**asdict(telemetry.read)),
+            failures=failures,
+            stores_in_flight=telemetry.stores_in_flight,
+            loads_in_flight=telemetry.loads_in_flight,
+            used_bytes=used,
+            capacity_bytes=capacity,
+            entries=entries,
+            evictions=int(counters.get("evictions", 0)),
+            health=health,
+            backpressure=None if monitor is None else monitor.snapshot(),
+            counters=counters,
+            extra=extra,
+            extra_kinds=kinds,
+        )
 
     # --- shutdown --------------------------------------------------------------------------
 
@@ -794,6 +1030,8 @@ class TieringManager:
         if failures:
             raise TierShutdownError(failures) from failures[-1].error
         self._jobs.clear()
+        for telemetry in self._telemetry:  # every tier stopped: no job of theirs is in flight
+            telemetry.stores_in_flight = telemetry.loads_in_flight = 0
         self._pending_promotions.clear()
         self.primary.shutdown()
         self._shutdown_complete = True

@@ -2,28 +2,38 @@
 
 Threading: the manager may only be called from the scheduler thread, while a
 Prometheus scrape runs on the HTTP server's thread. So the scheduler thread
-calls :meth:`KvtierMetrics.update` (cheap: one ``manager.stats()`` snapshot,
-every step or every few steps) and scrapes read the latest snapshot under a
-lock. Histograms (:meth:`observe_lookup`, :meth:`observe_step`) may be fed from
-any thread.
+calls :meth:`KvtierMetrics.update` (one ``manager.stats()`` snapshot, every
+step or every few steps) and scrapes read the latest snapshot under a lock.
+The caller-fed histograms (:meth:`observe_lookup`, :meth:`observe_step`) may be
+fed from any thread.
 
 Every metric lives in the :class:`CollectorRegistry` given to (or created by)
 the constructor; nothing is registered globally, so several managers (or
 tests) in one process never collide.
 
 Metric names (all prefixed ``kvtier_``; ``tier`` is ``0:primary`` for the CPU
-tier or ``<n>:<type>`` for secondary tier n):
+tier or ``<n>:<type>`` for secondary tier n, as in events and logs):
 
 * ``lookups_total{tier,result}``: hit / hit_pending / miss / retry
-* ``bytes_total{tier,direction}`` and ``transfer_seconds_total{tier,direction}``:
-  direction ``write`` (into the tier) or ``read`` (out of it)
-* ``jobs_in_flight`` (manager), ``promotions_total{result}``, ``cascades_total{result}``
-* ``failures_total{tier,kind}``: store_failed, load_failed, store_dropped, corrupt_value,
-  submit_error, promotion_failed, cascade_failed, store_rejected
-* ``evictions_total{tier}``
-* ``capacity_used_bytes{tier}``, ``capacity_bytes{tier}``, ``entries{tier}``
-* ``health_state{tier,state}``: 1 for the tier's current state (closed/open/half_open)
-* ``lookup_seconds`` and ``scheduler_step_seconds`` histograms
+* ``tier_lookup_seconds{tier}``: histogram of one tier's lookup call, as the
+  manager timed it on the scheduler thread; ``tier_lookup_async_seconds{tier}``:
+  from a tier's first RETRY for a key until it answered HIT or MISS
+* ``bytes_total{tier,direction}``, ``transfer_seconds_total{tier,direction}``,
+  ``jobs_total{tier,direction}``: completed jobs, direction ``write`` (into the
+  tier) or ``read`` (out of it); ``tier="device"`` for device copies a caller reports
+* ``active_jobs{tier,direction}``: jobs submitted and not yet reported;
+  ``jobs_in_flight``: all of them
+* ``failures_total{tier,kind}``: see :class:`~kvtier.telemetry.TierSnapshot` for the kinds
+* ``evictions_total{tier}``, ``capacity_used_bytes{tier}``, ``capacity_bytes{tier}``, ``entries{tier}``
+* ``health_state{tier,state}``: 1 for the tier's current state (closed/open/half_open/down/unknown)
+* ``promotions_total{result}``, ``cascades_total{result}`` (blocks; ``result="skipped"``:
+  not cascaded because of backpressure)
+* ``backpressure_active{tier}``, ``store_latency_avg_seconds{tier}``,
+  ``backpressure_skipped_jobs_total{tier}``, ``backpressure_skipped_blocks_total{tier}``
+* ``tier_extra_counter_total{tier,name}`` and ``tier_extra_gauge{tier,name}``:
+  the metrics a tier declares itself (``SecondaryTier.extra_metrics``)
+* ``lookup_seconds`` and ``scheduler_step_seconds``: histograms the caller feeds
+  (a whole ``lookup`` per block, kvtier's time per engine step)
 """
 
 from __future__ import annotations
@@ -34,11 +44,13 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
 from kvtier.errors import KvtierError
+from kvtier.telemetry import ManagerSnapshot
+from kvtier.types import PRIMARY_LABEL
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -47,21 +59,20 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PRIMARY_LABEL = "0:primary"
-_HEALTH_STATES = ("closed", "open", "half_open")
+HEALTH_STATES = ("closed", "open", "half_open")
 _LOOKUP_BUCKETS = (1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 1e-3, 1e-2)
 _STEP_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1)
 
 
 class _SnapshotCollector(Collector):
-    """Builds metric families from the latest ``TieringManager.stats()`` snapshot."""
+    """Builds metric families from the latest :class:`ManagerSnapshot`."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._snapshot: dict[str, Any] | None = None
+        self._snapshot: ManagerSnapshot | None = None
         self._transfer: dict[str, tuple[int, float]] = {}
 
-    def set(self, snapshot: dict[str, Any], transfer: Mapping[str, tuple[int, float]] | None) -> None:
+    def set(self, snapshot: ManagerSnapshot, transfer: Mapping[str, tuple[int, float]] | None) -> None:
         with self._lock:
             self._snapshot = snapshot
             if transfer is not None:
@@ -74,12 +85,28 @@ class _SnapshotCollector(Collector):
         return _families(snap, transfer) if snap is not None else []
 
 
-def _families(snap: Mapping[str, Any], transfer: Mapping[str, tuple[int, float]]) -> list[Metric]:
+def _histogram_family(name: str, doc: str, snap: ManagerSnapshot, attr: str) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=["tier"])
+    for tier in snap.tiers:
+        hist = getattr(tier, attr)
+        family.add_metric([tier.label], hist.cumulative(), hist.sum)
+    return family
+
+
+def _families(snap: ManagerSnapshot, transfer: Mapping[str, tuple[int, float]]) -> list[Metric]:
+    """Every family of one snapshot. Long because it is one flat table of metrics."""
     lookups = CounterMetricFamily("kvtier_lookups", "Block lookups by tier and result.", labels=["tier", "result"])
-    nbytes = CounterMetricFamily("kvtier_bytes", "Bytes moved by tier and direction.", labels=["tier", "direction"])
+    nbytes = CounterMetricFamily(
+        "kvtier_bytes", "Bytes moved by completed jobs, by tier and direction.", labels=["tier", "direction"]
+    )
     seconds = CounterMetricFamily(
         "kvtier_transfer_seconds",
-        "Seconds spent in transfer jobs by tier and direction (jobs may overlap).",
+        "Seconds spent in completed jobs by tier and direction (jobs may overlap).",
+        labels=["tier", "direction"],
+    )
+    jobs = CounterMetricFamily("kvtier_jobs", "Completed jobs by tier and direction.", labels=["tier", "direction"])
+    active = GaugeMetricFamily(
+        "kvtier_active_jobs", "Jobs submitted and not yet reported, by tier and direction.",
         labels=["tier", "direction"],
     )
     failures = CounterMetricFamily("kvtier_failures", "Failures by tier and kind.", labels=["tier", "kind"])
@@ -90,61 +117,88 @@ def _families(snap: Mapping[str, Any], transfer: Mapping[str, tuple[int, float]]
     health = GaugeMetricFamily(
         "kvtier_health_state", "1 for the tier's current circuit-breaker state.", labels=["tier", "state"]
     )
+    pressure = GaugeMetricFamily(
+        "kvtier_backpressure_active", "1 while cascades to the tier are skipped for its store latency.",
+        labels=["tier"],
+    )
+    latency = GaugeMetricFamily(
+        "kvtier_store_latency_avg_seconds", "Moving average of the tier's store job latency.", labels=["tier"]
+    )
+    skipped_jobs = CounterMetricFamily(
+        "kvtier_backpressure_skipped_jobs", "Cascade jobs skipped under backpressure.", labels=["tier"]
+    )
+    skipped_blocks = CounterMetricFamily(
+        "kvtier_backpressure_skipped_blocks", "Blocks not cascaded under backpressure.", labels=["tier"]
+    )
+    extra_counters = CounterMetricFamily(
+        "kvtier_tier_extra_counter", "Counters a tier declares itself.", labels=["tier", "name"]
+    )
+    extra_gauges = GaugeMetricFamily(
+        "kvtier_tier_extra_gauge", "Gauges a tier declares itself.", labels=["tier", "name"]
+    )
     in_flight = GaugeMetricFamily("kvtier_jobs_in_flight", "Secondary-tier jobs submitted and not yet reported.")
     promotions = CounterMetricFamily("kvtier_promotions", "Blocks promoted to the CPU tier.", labels=["result"])
     cascades = CounterMetricFamily("kvtier_cascades", "Blocks cascaded to secondary tiers.", labels=["result"])
 
-    manager = snap.get("manager", {})
-    primary = snap.get("primary", {})
-    lookups.add_metric([PRIMARY_LABEL, "hit"], primary.get("hits", 0))
-    lookups.add_metric([PRIMARY_LABEL, "hit_pending"], primary.get("hits_pending", 0))
-    lookups.add_metric([PRIMARY_LABEL, "miss"], primary.get("misses", 0))
-    block_bytes = int(primary.get("block_bytes", 0))
-    nbytes.add_metric([PRIMARY_LABEL, "write"], int(primary.get("blocks_stored", 0)) * block_bytes)
-    failures.add_metric([PRIMARY_LABEL, "store_failed"], primary.get("store_failures", 0))
-    failures.add_metric([PRIMARY_LABEL, "store_rejected"], primary.get("store_rejections", 0))
-    evictions.add_metric([PRIMARY_LABEL], primary.get("evictions", 0))
-    used.add_metric([PRIMARY_LABEL], primary.get("used_bytes", 0))
-    total.add_metric([PRIMARY_LABEL], primary.get("capacity_bytes", 0))
-    entries.add_metric([PRIMARY_LABEL], primary.get("blocks", 0))
-    for state in _HEALTH_STATES:
-        health.add_metric([PRIMARY_LABEL, state], 1.0 if state == "closed" else 0.0)
+    for tier in snap.tiers:
+        label = tier.label
+        lookups.add_metric([label, "hit"], tier.lookups.hit)
+        if tier.is_primary:
+            lookups.add_metric([label, "hit_pending"], tier.lookups.hit_pending)
+        else:
+            lookups.add_metric([label, "retry"], tier.lookups.retry)
+        lookups.add_metric([label, "miss"], tier.lookups.miss)
+        for direction, totals in (("write", tier.written), ("read", tier.read)):
+            nbytes.add_metric([label, direction], totals.bytes)
+            seconds.add_metric([label, direction], totals.seconds)
+            jobs.add_metric([label, direction], totals.jobs)
+        active.add_metric([label, "write"], tier.stores_in_flight)
+        active.add_metric([label, "read"], tier.loads_in_flight)
+        for kind, count in sorted(tier.failures.items()):
+            failures.add_metric([label, kind], count)
+        evictions.add_metric([label], tier.evictions)
+        if tier.used_bytes is not None:
+            used.add_metric([label], tier.used_bytes)
+        if tier.capacity_bytes is not None:
+            total.add_metric([label], tier.capacity_bytes)
+        if tier.entries is not None:
+            entries.add_metric([label], tier.entries)
+        states = HEALTH_STATES if tier.health in HEALTH_STATES else (*HEALTH_STATES, tier.health)
+        for state in states:
+            health.add_metric([label, state], 1.0 if state == tier.health else 0.0)
+        bp = tier.backpressure
+        if bp is not None:
+            pressure.add_metric([label], 1.0 if bp.active else 0.0)
+            if bp.store_latency_avg is not None:
+                latency.add_metric([label], bp.store_latency_avg)
+            skipped_jobs.add_metric([label], bp.skipped_jobs)
+            skipped_blocks.add_metric([label], bp.skipped_blocks)
+        for name, value in sorted(tier.extra.items()):
+            family = extra_counters if tier.extra_kinds.get(name) == "counter" else extra_gauges
+            family.add_metric([label, name], value)
     for direction, (moved, secs) in transfer.items():
         nbytes.add_metric(["device", direction], moved)
         seconds.add_metric(["device", direction], secs)
 
-    for label, tier in snap.get("tiers", {}).items():
-        lookups.add_metric([label, "hit"], tier.get("lookups_hit", 0))
-        lookups.add_metric([label, "miss"], tier.get("lookups_miss", 0))
-        lookups.add_metric([label, "retry"], tier.get("lookups_retry", 0))
-        nbytes.add_metric([label, "write"], tier.get("bytes_written", 0))
-        nbytes.add_metric([label, "read"], tier.get("bytes_read", 0))
-        seconds.add_metric([label, "write"], tier.get("seconds_writing", 0.0))
-        seconds.add_metric([label, "read"], tier.get("seconds_reading", 0.0))
-        failures.add_metric([label, "store_failed"], tier.get("stores_failed", 0))
-        failures.add_metric([label, "load_failed"], tier.get("loads_failed", 0))
-        failures.add_metric([label, "store_dropped"], tier.get("stores_dropped", 0))
-        failures.add_metric([label, "corrupt_value"], tier.get("corrupt_values", 0))
-        evictions.add_metric([label], tier.get("evictions", 0))
-        if "used_bytes" in tier:
-            used.add_metric([label], tier.get("used_bytes") or 0)
-            if tier.get("capacity_bytes") is not None:
-                total.add_metric([label], tier["capacity_bytes"])
-            if tier.get("entries") is not None:
-                entries.add_metric([label], tier["entries"])
-        state_now = tier.get("health", "down")
-        for state in _HEALTH_STATES:
-            health.add_metric([label, state], 1.0 if state == state_now else 0.0)
-
-    in_flight.add_metric([], manager.get("jobs_in_flight", 0))
-    promotions.add_metric(["started"], manager.get("promotions_started", 0))
-    promotions.add_metric(["succeeded"], manager.get("promotions_succeeded", 0))
-    promotions.add_metric(["failed"], manager.get("promotions_failed", 0))
-    cascades.add_metric(["succeeded"], manager.get("cascades_succeeded", 0))
-    cascades.add_metric(["failed"], manager.get("cascades_failed", 0))
-    failures.add_metric(["manager", "submit_error"], manager.get("submit_errors", 0))
-    failures.add_metric(["manager", "promotion_alloc_failed"], manager.get("promotion_alloc_failures", 0))
-    return [lookups, nbytes, seconds, failures, evictions, used, total, entries, health, in_flight,
+    m = snap.manager
+    in_flight.add_metric([], m.jobs_in_flight)
+    promotions.add_metric(["started"], m.promotions_started)
+    promotions.add_metric(["succeeded"], m.promotions_succeeded)
+    promotions.add_metric(["failed"], m.promotions_failed)
+    cascades.add_metric(["succeeded"], m.cascades_succeeded)
+    cascades.add_metric(["failed"], m.cascades_failed)
+    cascades.add_metric(["skipped"], m.cascades_skipped)
+    sync = _histogram_family(
+        "kvtier_tier_lookup_seconds", "Scheduler-side time of one tier's lookup call.", snap, "lookup_seconds"
+    )
+    deferred = _histogram_family(
+        "kvtier_tier_lookup_async_seconds",
+        "From a tier's first RETRY for a key until it answered HIT or MISS.",
+        snap,
+        "lookup_async_seconds",
+    )
+    return [lookups, sync, deferred, nbytes, seconds, jobs, active, failures, evictions, used, total, entries,
+            health, pressure, latency, skipped_jobs, skipped_blocks, extra_counters, extra_gauges, in_flight,
             promotions, cascades]  # fmt: skip
 
 
@@ -177,16 +231,21 @@ class KvtierMetrics:
 
     def update(
         self,
-        manager: TieringManager | Mapping[str, Any],
+        manager: TieringManager | ManagerSnapshot | Mapping[str, Any],
         transfer: Mapping[str, tuple[int, float]] | None = None,
     ) -> None:
-        """Take a snapshot of ``manager.stats()`` (or a stats mapping) for the next scrape.
+        """Take ``manager.stats()`` (or a snapshot, or its mapping form) for the next scrape.
 
         ``transfer`` optionally adds device <-> CPU copy totals as
         ``{"device_to_cpu": (bytes, seconds), "cpu_to_device": (...)}``.
-        Call from the scheduler thread.
+        Call from the scheduler thread (a manager's ``stats()`` is read there).
         """
-        snapshot = dict(manager) if isinstance(manager, Mapping) else manager.stats()
+        if isinstance(manager, ManagerSnapshot):
+            snapshot = manager
+        elif isinstance(manager, Mapping):
+            snapshot = ManagerSnapshot.from_dict(manager)
+        else:
+            snapshot = manager.stats()
         self._collector.set(snapshot, transfer)
 
     def observe_lookup(self, seconds: float) -> None:
@@ -239,4 +298,4 @@ class KvtierMetrics:
         self.close()
 
 
-__all__ = ["PRIMARY_LABEL", "KvtierMetrics"]
+__all__ = ["HEALTH_STATES", "PRIMARY_LABEL", "KvtierMetrics"]

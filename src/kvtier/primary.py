@@ -26,7 +26,7 @@ from kvtier.errors import KvtierError
 from kvtier.keys import BlockKey
 from kvtier.policies import DEFAULT_POLICY, EvictionPolicy, create_policy
 from kvtier.region import SharedRegion
-from kvtier.types import BlockEvent, LookupResult
+from kvtier.types import PRIMARY_LABEL, BlockEvent, LookupResult
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class _Union:
 class PrimaryTier:
     """CPU tier over a :class:`SharedRegion`; one block per row."""
 
-    tier_label = "primary"
+    tier_label = PRIMARY_LABEL
     medium = "cpu"
 
     def __init__(

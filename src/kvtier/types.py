@@ -8,6 +8,14 @@ from typing import Any
 
 from kvtier.keys import BlockKey
 
+PRIMARY_LABEL = "0:primary"
+"""The label of the CPU tier in events, stats, metrics and logs; secondary tier n is ``"<n>:<type>"``."""
+
+
+def tier_label(index: int, tier_type: str) -> str:
+    """The one label scheme used everywhere: ``"0:primary"`` or ``"<n>:<type>"`` for secondary tier n."""
+    return PRIMARY_LABEL if index == 0 else f"{index}:{tier_type}"
+
 
 class LookupResult(enum.Enum):
     """The answer of a lookup for one block key.
@@ -39,20 +47,50 @@ class OffloadPolicy(enum.Enum):
     REQUEST_LEVEL = "request_level"
 
 
+@dataclass(frozen=True)
+class RequestControl:
+    """What one request allows kvtier to do, parsed from its ``params`` (see
+    :mod:`kvtier.request_control` for the keys).
+
+    ``load_from``: tier indices (0 = the CPU tier) its blocks may be loaded from;
+    None: every tier. ``store``: whether its blocks are stored at all.
+    ``cascade_to``: secondary tier indices (1-based) its stored blocks cascade to;
+    None: every tier.
+    """
+
+    load_from: frozenset[int] | None = None
+    store: bool = True
+    cascade_to: frozenset[int] | None = None
+
+    @property
+    def is_default(self) -> bool:
+        return self.load_from is None and self.store and self.cascade_to is None
+
+
+DEFAULT_CONTROL = RequestControl()
+
+
 @dataclass
 class RequestContext:
-    """Identifies one engine request in every manager and tier call."""
+    """Identifies one engine request in every manager and tier call.
+
+    ``params`` are the request's own settings (vLLM's ``kv_transfer_params``);
+    ``control`` is what the manager parsed from them on first use (an engine
+    integration may set it directly). Keep one context object per request so the
+    parse happens once.
+    """
 
     req_id: str
     params: dict[str, Any] = field(default_factory=dict)
+    control: RequestControl | None = None
 
 
 @dataclass(frozen=True)
 class BlockEvent:
     """Blocks that were stored in, or removed from, one tier.
 
-    ``tier`` is ``"primary"`` for the CPU tier or the secondary tier's label
-    (``"<index>:<type>"``); ``medium`` is ``"cpu"``, ``"disk"``, ``"remote"``...
+    ``tier`` is the tier's label: ``"0:primary"`` for the CPU tier, ``"<index>:<type>"``
+    for a secondary tier (:func:`tier_label`); ``medium`` is ``"cpu"``, ``"disk"``, ``"remote"``...
     """
 
     keys: tuple[BlockKey, ...]

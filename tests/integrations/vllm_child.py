@@ -28,7 +28,7 @@ def main() -> None:
             pass  # multi-process engine: the connector lives in the EngineCore process
         else:
             settle(llm)
-            stats = offloading_manager(llm).kvtier_stats()
+            stats = offloading_manager(llm).kvtier_stats().as_dict()
         print(json.dumps({"outputs": outputs, "stats": stats}), flush=True)
         if args.get("hold"):
             print("READY", flush=True)

@@ -49,6 +49,7 @@ def build_manager(
         "shm_dir": config.shm_dir,
         "expected_mappers": expected_mappers,
         "shutdown_timeout": config.shutdown_timeout,
+        "backpressure": config.backpressure.settings(),
     }
     kwargs.update(overrides)
     return TieringManager.create(**kwargs)

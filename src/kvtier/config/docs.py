@@ -15,7 +15,7 @@ from pydantic.fields import FieldInfo
 
 from kvtier.config.load import cli_flag, env_var
 from kvtier.config.presets import MODEL_PRESETS
-from kvtier.config.schema import GeometryConfig, KvtierConfig
+from kvtier.config.schema import BackpressureConfig, GeometryConfig, KvtierConfig
 from kvtier.errors import ConfigError
 
 _INTRO = """\
@@ -27,8 +27,9 @@ _INTRO = """\
 kvtier reads one configuration from, in increasing precedence: a file (YAML, TOML
 or JSON, fields at the top level or under a `kvtier` section), environment
 variables `KVTIER_<FIELD>`, and CLI flags `--<field-with-dashes>`. Nested values
-(`geometry`, `tiers`) are JSON in environment variables and flags. `geometry` is
-merged key by key across sources; `tiers` is replaced as a whole; `cpu_bytes` and
+(`geometry`, `backpressure`, `tiers`) are JSON in environment variables and flags.
+`geometry` and `backpressure` are merged key by key across sources; `tiers` is
+replaced as a whole; `cpu_bytes` and
 `num_cpu_blocks` are one setting (the highest-precedence source wins).
 `kvtier config show` prints the resolved values and where each one came from.
 
@@ -72,7 +73,9 @@ def _default_text(info: FieldInfo) -> str:
         return "required"
     if info.default_factory is not None:
         value = info.default_factory()  # type: ignore[call-arg]
-        return "`[]`" if value == [] else "(from preset)"
+        if value == []:
+            return "`[]`"
+        return "(see below)" if isinstance(value, BackpressureConfig) else "(from preset)"
     return f"`{info.default!r}`" if info.default is not None else "-"
 
 
@@ -91,6 +94,8 @@ def _top_level_table() -> list[str]:
     lines += ["", "## `geometry`", "", "| field | type | meaning |", "|---|---|---|"]
     for name, info in GeometryConfig.model_fields.items():
         lines.append(f"| `{name}` | {_type_text(info.annotation)} | {_cell(info.description)} |")
+    intro = " ".join((BackpressureConfig.__doc__ or "").split())
+    lines += ["", "## `backpressure`", "", _cell(intro), "", *options_table(BackpressureConfig)]
     return lines
 
 

@@ -8,8 +8,9 @@ The same field names are used everywhere:
   ``tiers`` and ``geometry`` are JSON);
 * CLI flags ``--<field-with-dashes>`` (nested values as JSON).
 
-Precedence is file < environment < CLI, field by field. ``geometry`` is merged
-key by key across sources; ``tiers`` is replaced as a whole. ``cpu_bytes`` and
+Precedence is file < environment < CLI, field by field. ``geometry`` and
+``backpressure`` are merged key by key across sources; ``tiers`` is replaced as
+a whole. ``cpu_bytes`` and
 ``num_cpu_blocks`` are one setting: the highest-precedence source that names
 either one wins.
 
@@ -39,7 +40,9 @@ logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "KVTIER_"
 _FIELDS = tuple(KvtierConfig.model_fields)
-_JSON_FIELDS = {"tiers", "geometry"}
+_JSON_FIELDS = {"tiers", "geometry", "backpressure"}
+_MERGED_FIELDS = ("geometry", "backpressure")
+"""Nested fields merged key by key across sources (the others are replaced as a whole)."""
 _CPU_SIZE_FIELDS = ("cpu_bytes", "num_cpu_blocks")
 
 
@@ -113,7 +116,11 @@ def _decode_text(field: str, raw: Any, *, source: str) -> Any:
         try:
             return json.loads(raw)
         except json.JSONDecodeError as exc:
-            example = '[{"type": "fs", "root": "/mnt/nvme/kv"}]' if field == "tiers" else '{"tokens_per_block": 16}'
+            example = {
+                "tiers": '[{"type": "fs", "root": "/mnt/nvme/kv"}]',
+                "geometry": '{"tokens_per_block": 16}',
+                "backpressure": '{"high_seconds": 2.0, "low_seconds": 1.0}',
+            }[field]
             raise ConfigError(
                 f"{field} from {source} is not valid JSON ({exc.msg}): write it as JSON, e.g. {example}"
             ) from None
@@ -146,8 +153,8 @@ def _merge(layers: list[_Layer]) -> tuple[dict[str, Any], dict[str, str]]:
         for field, value in data.items():
             if value is None:
                 continue
-            if field == "geometry" and isinstance(value, Mapping) and isinstance(merged.get("geometry"), dict):
-                merged["geometry"] = {**merged["geometry"], **value}
+            if field in _MERGED_FIELDS and isinstance(value, Mapping) and isinstance(merged.get(field), dict):
+                merged[field] = {**merged[field], **value}
             else:
                 merged[field] = dict(value) if isinstance(value, Mapping) else value
             sources[field] = field_source(field)

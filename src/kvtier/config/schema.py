@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvtier.backpressure import BackpressureSettings
 from kvtier.config.presets import MODEL_PRESETS, find_preset
 from kvtier.errors import ConfigError
 from kvtier.keys import KVGeometry, Namespace, dtype_bytes
@@ -57,6 +58,41 @@ class GeometryConfig(BaseModel):
         if value is not None:
             dtype_bytes(value)
         return value
+
+
+class BackpressureConfig(BaseModel):
+    """Latency-aware backpressure on cascades (see ``kvtier.backpressure``): per secondary tier,
+    a moving average of its store-job latency; above ``high_seconds`` new cascades to the tier are
+    skipped, below ``low_seconds`` they resume. Loads and promotions are never shed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(default=True, description="Watch store latency and skip cascades to slow tiers.")
+    high_seconds: float = Field(
+        default=1.0, gt=0, description="Average store-job latency (submit to completion) above which cascades stop."
+    )
+    low_seconds: float = Field(
+        default=0.5, ge=0, description="Average store-job latency below which cascades resume (< high_seconds)."
+    )
+    warmup_jobs: int = Field(
+        default=3, ge=1, description="Store jobs whose mean seeds the average; no pressure is signalled before."
+    )
+    smoothing: float = Field(
+        default=0.3, gt=0, le=1, description="Weight of the newest job in the moving average, in (0, 1]."
+    )
+
+    @model_validator(mode="after")
+    def _marks_ordered(self) -> BackpressureConfig:
+        if self.low_seconds >= self.high_seconds:
+            raise ValueError(
+                f"low_seconds ({self.low_seconds}) must be below high_seconds ({self.high_seconds}): "
+                "cascades stop above the high mark and resume below the low one"
+            )
+        return self
+
+    def settings(self) -> BackpressureSettings:
+        """The manager's form of these settings."""
+        return BackpressureSettings(**self.model_dump())
 
 
 def _validate_tier(index: int, spec: Any) -> dict[str, Any]:
@@ -117,6 +153,13 @@ class KvtierConfig(BaseModel):
         description=(
             "Secondary tiers in cascade order, each {type: <tier type>|package.module:Class, **options}; "
             "options are validated by the tier (see the tier sections below)."
+        ),
+    )
+    backpressure: BackpressureConfig = Field(
+        default_factory=lambda: BackpressureConfig(),
+        description=(
+            "Skip cascades to a secondary tier whose store jobs got slow: {enabled, high_seconds, "
+            "low_seconds, warmup_jobs, smoothing} (see the backpressure section below)."
         ),
     )
     shutdown_timeout: float | None = Field(

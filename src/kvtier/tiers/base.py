@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -148,6 +148,24 @@ class TierUsage:
     entries: int | None = None
 
 
+@dataclass(frozen=True)
+class ExtraMetric:
+    """A metric a tier keeps beyond the standard ones, in ``stats.extra[name]``.
+
+    ``kind`` is ``"counter"`` (only grows) or ``"gauge"``. Declared in the tier
+    class's ``extra_metrics``; such values reach Prometheus (kvtier's exporter and
+    vLLM's ``/metrics``) labelled with the tier and the name. Undeclared extras are
+    exported as gauges.
+    """
+
+    kind: str
+    documentation: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("counter", "gauge"):
+            raise ValueError(f"ExtraMetric kind must be 'counter' or 'gauge', got {self.kind!r}")
+
+
 @dataclass
 class TierStats:
     """Counters every tier keeps; read by metrics and ``kvtier bench``."""
@@ -191,6 +209,8 @@ class SecondaryTier(abc.ABC):
     tier_type: ClassVar[str] = "abstract"
     medium: ClassVar[str] = "storage"
     options_model: ClassVar[type[BaseModel] | None] = None
+    extra_metrics: ClassVar[Mapping[str, ExtraMetric]] = {}
+    """The names this tier keeps in ``stats.extra``, declared for metrics (see :class:`ExtraMetric`)."""
 
     def __init__(self, context: TierContext) -> None:
         self.context = context

@@ -44,16 +44,16 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvtier.errors import ConfigError, CorruptValueError, TierError, UnsafeEntryError
 from kvtier.keys import BlockKey
-from kvtier.tiers.base import TierContext, TierUsage
+from kvtier.tiers.base import ExtraMetric, TierContext, TierUsage
 from kvtier.tiers.fs_files import (
     FileModes,
     create_file,
@@ -192,6 +192,16 @@ class FilesystemTier(ThreadedTier):
     tier_type = "fs"
     medium = "disk"
     options_model = FilesystemTierOptions
+    extra_metrics: ClassVar[Mapping[str, ExtraMetric]] = {
+        "io_errors": ExtraMetric("counter", "I/O errors (each also counts against the health breaker)."),
+        "enospc": ExtraMetric("counter", "Writes that found the file system full (capacity lowered)."),
+        "vanished": ExtraMetric("counter", "Values gone from disk when read (removed by someone else)."),
+        "stores_skipped": ExtraMetric("counter", "Blocks of store jobs already on disk (nothing written)."),
+        "scan_entries": ExtraMetric("gauge", "Values indexed by the warm-restart scan."),
+        "scan_seconds": ExtraMetric("gauge", "Duration of the warm-restart scan."),
+        "temp_files_swept": ExtraMetric("gauge", "Temporary files of dead writers removed at start."),
+        "unsafe_entries": ExtraMetric("counter", "Entries of the root that are not regular files of ours (untouched)."),
+    }
 
     def __init__(
         self,

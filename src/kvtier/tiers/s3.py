@@ -46,13 +46,14 @@ import json
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import numpy as np
 
 from kvtier.errors import ConfigError, CorruptValueError, TierError
 from kvtier.keys import BlockKey
-from kvtier.tiers.base import TierContext, TierUsage
+from kvtier.tiers.base import ExtraMetric, TierContext, TierUsage
 from kvtier.tiers.format import HEADER_SIZE, decode_header, encode_header, payload_hasher, verify_digest
 from kvtier.tiers.health import CircuitBreaker
 from kvtier.tiers.jobs import ALL_LANES, READ_LANES, Lane, ThreadedTier, Work, forget_frames
@@ -89,6 +90,13 @@ class S3Tier(ThreadedTier):
     tier_type = "s3"
     medium = "remote"
     options_model = S3TierOptions
+    extra_metrics: ClassVar[Mapping[str, ExtraMetric]] = {
+        "objects_written": ExtraMetric("counter", "Objects PUT into the bucket."),
+        "checks": ExtraMetric("counter", "Existence checks (HEAD) of unknown keys."),
+        "checks_failed": ExtraMetric("counter", "Existence checks that failed (counted against the breaker)."),
+        "missing": ExtraMetric("counter", "Objects gone from the bucket when read."),
+        "warm_start_blocks": ExtraMetric("counter", "Blocks indexed from the manifest at start."),
+    }
 
     def __init__(self, context: TierContext, **options: Any) -> None:
         self.options = opts = validate_options(S3TierOptions, self.tier_type, options)

@@ -490,22 +490,24 @@ class _Run:
         """Fold the manager's and tiers' counters into the result."""
         result = self.result
         stats = self.manager.stats()
-        result.manager_stats = stats
-        result.promotion_failures = int(stats["manager"]["promotions_failed"])
-        for pos, tier in enumerate(stats["tiers"].values()):
+        result.manager_stats = stats.as_dict()
+        result.promotion_failures = stats.manager.promotions_failed
+        for pos, tier in enumerate(stats.secondary):
             short = self.tier_labels[pos + 1]
-            result.bytes[f"cpu_to_{short}"] = int(tier["bytes_written"])
-            result.bytes[f"{short}_to_cpu"] = int(tier["bytes_read"])
+            result.bytes[f"cpu_to_{short}"] = tier.written.bytes
+            result.bytes[f"{short}_to_cpu"] = tier.read.bytes
             # Cascade jobs queue behind each other on several threads, so their summed
             # seconds would understate the rate: use the wall time with the tier busy.
             # Promotions are served first (read priority): their summed job time is fair.
             result.seconds[f"cpu_to_{short}"] = self.tier_busy[pos]
-            result.seconds[f"{short}_to_cpu"] = float(tier["seconds_reading"])
-            result.job_seconds[f"cpu_to_{short}"] = float(tier["seconds_writing"])
-            result.job_seconds[f"{short}_to_cpu"] = float(tier["seconds_reading"])
-            result.tier_failures += int(tier["stores_failed"]) + int(tier["loads_failed"])
-            result.tier_failures += int(tier["corrupt_values"])
-            result.stores_shed += int(tier["stores_dropped"])
+            result.seconds[f"{short}_to_cpu"] = tier.read.seconds
+            result.job_seconds[f"cpu_to_{short}"] = tier.written.seconds
+            result.job_seconds[f"{short}_to_cpu"] = tier.read.seconds
+            failures = tier.failures
+            result.tier_failures += failures["store_failed"] + failures["load_failed"] + failures["corrupt_value"]
+            result.stores_shed += failures["store_dropped"]
+            if tier.backpressure is not None and tier.backpressure.skipped_blocks:
+                result.stores_skipped[short] = tier.backpressure.skipped_blocks
         if self.progress is not None:
             self.progress(len(self.requests), len(self.requests))
         return result

@@ -100,6 +100,8 @@ class BenchResult:
     promotion_failures: int = 0
     tier_failures: int = 0
     stores_shed: int = 0
+    stores_skipped: dict[str, int] = field(default_factory=dict)
+    """Per secondary tier (by short label): blocks not cascaded to it under backpressure."""
     bytes: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     job_seconds: dict[str, float] = field(default_factory=dict)
@@ -196,6 +198,7 @@ class BenchResult:
             "errors": self._errors_dict(),
             "store_rejections": self.store_rejections,
             "tier_stores_shed": self.stores_shed,
+            "tier_stores_skipped_backpressure": dict(self.stores_skipped),
             "tier_health": {label: watch.to_dict() for label, watch in self.tier_health.items()},
             "wall_s": self.wall_s,
             "setup_s": self.setup_s,

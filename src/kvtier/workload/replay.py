@@ -150,7 +150,7 @@ def replay_manager(
     hits_total = sum(tier_hits.values())
     extra: dict[str, float] = {
         "store_rejections": rejected,
-        "evictions": stats["primary"]["evictions"],
+        "evictions": stats.cpu.evictions,
         "lookup_us_mean": 1e6 * lookup_seconds / lookups if lookups else 0.0,
     }
     return HitRateResult(f"kvtier-{policy}", capacity, refs, hits_total, time.perf_counter() - start, tier_hits, extra)

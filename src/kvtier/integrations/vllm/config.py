@@ -53,7 +53,9 @@ VLLM_OWNED_KEYS = frozenset(
 )
 """``kv_connector_extra_config`` keys read by vLLM's OffloadingConnector itself."""
 
-KVTIER_KEYS = frozenset({"cpu_bytes", "num_cpu_blocks", "policy", "tiers", "shm_dir", "region_name", "model_revision"})
+KVTIER_KEYS = frozenset(
+    {"cpu_bytes", "num_cpu_blocks", "policy", "tiers", "shm_dir", "region_name", "model_revision", "backpressure"}
+)
 """kvtier settings accepted in ``kv_connector_extra_config`` (same names as kvtier's schema)."""
 
 _ALIASES = {"cpu_bytes_to_use": "cpu_bytes", "eviction_policy": "policy"}

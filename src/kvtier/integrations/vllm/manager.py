@@ -19,18 +19,27 @@ Translation, and why it is thin:
 * **Events.** kvtier's ``BlockEvent`` becomes ``OffloadingEvent`` with medium
   CPU for the CPU tier and STORAGE for secondary tiers (``ownership`` names the
   tier, e.g. ``"1:fs"``).
+* **Stats.** ``get_stats`` hands vLLM kvtier's per-tier figures
+  (:mod:`kvtier.integrations.vllm.stats`), so they appear in the API server's
+  ``/metrics`` and vLLM's stat log.
+* **Per-request control.** kvtier's own keys in ``kv_transfer_params``
+  (:mod:`kvtier.request_control`) and vLLM's ``kv_load_tiers`` filter (matched
+  against each secondary tier's medium, STORAGE, and locality) both restrict the
+  tiers a request loads from; the CPU tier is never filtered by vLLM's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
-from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
+    Locality,
     Medium,
     OffloadingEvent,
     OffloadingManager,
@@ -39,16 +48,19 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
     ScheduleEndContext,
+    TierFilter,
 )
 from vllm.v1.kv_offload.base import LookupResult as VllmLookup
 from vllm.v1.kv_offload.base import OffloadPolicy as VllmPolicy
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtier.integrations.vllm.stats import VllmStatsReporter
 from kvtier.keys import BlockKey
 from kvtier.manager import TieringManager
 from kvtier.metrics import KvtierMetrics
-from kvtier.types import LookupResult, OffloadPolicy, RequestContext
+from kvtier.telemetry import ManagerSnapshot
+from kvtier.types import PRIMARY_LABEL, LookupResult, OffloadPolicy, RequestContext, RequestControl
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +76,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
 
     ``promotion_memory`` bounds how many promoted keys remember their source
     tier until vLLM asks ``get_load_source`` (at least twice the CPU rows).
+    ``metrics`` (kvtier's own Prometheus port) refreshes every
+    ``metrics_interval`` seconds; vLLM's own metrics get kvtier's figures every
+    ``stats_interval`` seconds and when the manager goes idle.
     """
 
     def __init__(
@@ -73,8 +88,10 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         promotion_memory: int = 65536,
         metrics: KvtierMetrics | None = None,
         metrics_interval: float = 1.0,
+        stats_interval: float = 1.0,
     ) -> None:
         self.manager = manager
+        self.stats_reporter = VllmStatsReporter(manager, interval=stats_interval)
         self.metrics = metrics
         self._metrics_interval = metrics_interval
         self._metrics_due = 0.0
@@ -93,9 +110,22 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         if ctx is None:
             params = dict(req.kv_transfer_params) if req.kv_transfer_params else {}
             ctx = RequestContext(req.req_id, params)
+            vllm_filter = getattr(req, "load_tier_filter", TierFilter.ALL)
+            if vllm_filter is not TierFilter.ALL:
+                ctx.control = self._apply_vllm_filter(self.manager.request_control(ctx), vllm_filter)
             if keep:
                 self._contexts[req.req_id] = ctx
         return ctx
+
+    def _apply_vllm_filter(self, control: RequestControl, vllm_filter: TierFilter) -> RequestControl:
+        """Narrow ``control.load_from`` to the secondary tiers vLLM's ``kv_load_tiers`` allows."""
+        allowed = {0} | {
+            t.index
+            for t in self.manager.tier_descriptors()[1:]
+            if vllm_filter.allows(Medium.STORAGE, Locality.REMOTE if t.locality == "remote" else Locality.LOCAL)
+        }
+        load_from = frozenset(allowed if control.load_from is None else control.load_from & allowed)
+        return dataclasses.replace(control, load_from=load_from)
 
     def _outermost_source(self) -> CacheHitSource:
         media = {t.medium for t in self.manager.tiers}
@@ -174,7 +204,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             keys = list(event.keys)
             if not keys:
                 continue
-            primary = event.tier in ("primary", "0:primary")
+            primary = event.tier == PRIMARY_LABEL
             out.append(
                 OffloadingEvent(
                     keys=keys,
@@ -189,8 +219,15 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self.manager.reset_cache()
         self._promoted.clear()
 
-    def kvtier_stats(self) -> dict[str, Any]:
-        """kvtier's own counters (CPU tier, each secondary tier, manager); JSON-able."""
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """kvtier's figures since the last report, for vLLM's metrics (see
+        :class:`~kvtier.integrations.vllm.stats.VllmStatsReporter`); None when not due."""
+        if self._shut_down:
+            return None
+        return self.stats_reporter.report()
+
+    def kvtier_stats(self) -> ManagerSnapshot:
+        """kvtier's typed snapshot (CPU tier, each secondary tier, manager); ``.as_dict()`` is JSON-able."""
         return self.manager.stats()
 
     def shutdown(self) -> None:

