@@ -8,10 +8,11 @@ backend (:mod:`kvtier.transfer.backends`) on a
 
 from kvtier.transfer.backends import CopyBackend, HostCopyBackend, TorchCopyBackend
 from kvtier.transfer.engine import CopyPair, TransferEngine, TransferResult, Work, as_plan, copy_blocks
-from kvtier.transfer.layout import BlockMapping, BlockPieces
+from kvtier.transfer.layout import BlockCopyPlan, BlockMapping, BlockPieces, MappedBlocks, join_adjacent
 from kvtier.transfer.plan import ByteSpace, CopyBatch, CopyPlan, StridedRuns, aligned_host_array, byte_space
 
 __all__ = [
+    "BlockCopyPlan",
     "BlockMapping",
     "BlockPieces",
     "ByteSpace",
@@ -20,6 +21,7 @@ __all__ = [
     "CopyPair",
     "CopyPlan",
     "HostCopyBackend",
+    "MappedBlocks",
     "StridedRuns",
     "TorchCopyBackend",
     "TransferEngine",
@@ -29,4 +31,5 @@ __all__ = [
     "as_plan",
     "byte_space",
     "copy_blocks",
+    "join_adjacent",
 ]

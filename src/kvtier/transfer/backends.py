@@ -1,12 +1,13 @@
 """Copy backends: what executes a :class:`~kvtier.transfer.plan.CopyPlan`.
 
 * :class:`HostCopyBackend` -- both sides in host memory (CPU engines, vLLM's
-  CPU build, ``kvtier bench``). Copies each strided run of the plan with one
-  call: small pieces by ``memoryview`` slice assignment (no GIL hand-off per
-  piece), large ones with ``np.copyto`` (which releases the GIL while it
-  copies). torch's own CPU copy is avoided on purpose: it fans
-  out over torch's intra-op threads and, measured here, slows to a crawl next
-  to a busy Python thread.
+  CPU build, ``kvtier bench``): :mod:`kvtier.transfer.host` copies many small
+  pieces with a few numpy gather/scatter calls and large ones with one call
+  each (``np.copyto`` releases the GIL for the largest); plans of a
+  :class:`~kvtier.transfer.layout.BlockMapping` are copied straight from their
+  block ids. torch's own CPU copy is avoided on purpose: it fans out over
+  torch's intra-op threads and, measured here, slows to a crawl next to a busy
+  Python thread.
 * :class:`TorchCopyBackend` -- a device is involved and nothing better is
   available: one ``Tensor.copy_`` per merged entry, issued on the current CUDA
   stream.
@@ -25,10 +26,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvtier.transfer.plan import CopyBatch, CopyPlan
-
-_HOLD_GIL_BYTES = 256 * 1024
-"""Pieces below this are copied while holding the GIL: a hand-off per piece costs more than the copy."""
+from kvtier.transfer.host import copy_host_batch
+from kvtier.transfer.layout import BlockCopyPlan
+from kvtier.transfer.plan import CopyPlan
 
 
 class CopyBackend(Protocol):
@@ -44,105 +44,15 @@ class CopyBackend(Protocol):
         """
 
 
-_RUN_SEARCH_ENTRIES = 32
-"""Batches of at least this many entries look for strided runs (vectorized); smaller ones join
-back-to-back entries on the fly while copying."""
-
-
-def _strided(flat: np.ndarray, offset: int, count: int, size: int, step: int) -> np.ndarray:
-    """A ``(count, size)`` view of ``flat`` starting at ``offset``, rows ``step`` bytes apart (bounds-checked)."""
-    end = offset + (count - 1) * step + size
-    view: np.ndarray = np.ndarray((count, size), dtype=np.uint8, buffer=flat[offset:end], strides=(step, 1))
-    return view
-
-
-class _HostSpaces:
-    """The arrays of a batch's allocations and memoryviews of them, released by :meth:`release`."""
-
-    def __init__(self, batch: CopyBatch) -> None:
-        self.srcs: list[np.ndarray] = [space.view for space in batch.src_spaces]
-        self.dsts: list[np.ndarray] = [space.view for space in batch.dst_spaces]
-        self.smvs = [a.data for a in self.srcs]
-        self.dmvs = [a.data for a in self.dsts]
-
-    def copy(self, si: int, di: int, so: int, do: int, n: int) -> None:
-        """``n`` contiguous bytes: under the GIL when small, else with ``np.copyto`` (which releases it)."""
-        if n < _HOLD_GIL_BYTES:
-            self.dmvs[di][do : do + n] = self.smvs[si][so : so + n]
-        else:
-            np.copyto(self.dsts[di][do : do + n], self.srcs[si][so : so + n], casting="no")
-
-    def release(self) -> None:
-        for view in (*self.smvs, *self.dmvs):
-            view.release()
-
-
-def _copy_entries(batch: CopyBatch, spaces: _HostSpaces) -> None:
-    """One call per entry, joining entries that continue each other on both sides."""
-    pending: list[int] = []  # si, di, so, do, n of the copy being extended
-    for entry in zip(
-        batch.src_index.tolist(),
-        batch.dst_index.tolist(),
-        batch.src_offsets.tolist(),
-        batch.dst_offsets.tolist(),
-        batch.sizes.tolist(),
-        strict=True,
-    ):
-        if (
-            pending
-            and entry[0] == pending[0]
-            and entry[1] == pending[1]
-            and entry[2] == pending[2] + pending[4]
-            and entry[3] == pending[3] + pending[4]
-        ):
-            pending[4] += entry[4]
-            continue
-        if pending:
-            spaces.copy(*pending)
-        pending = list(entry)
-    if pending:
-        spaces.copy(*pending)
-
-
-def _copy_runs(batch: CopyBatch, spaces: _HostSpaces) -> None:
-    """One call per strided run (see :meth:`CopyBatch.runs`)."""
-    runs = batch.runs()
-    for si, di, so, do, size, count, ss, ds in zip(
-        runs.src_index.tolist(),
-        runs.dst_index.tolist(),
-        runs.src_offsets.tolist(),
-        runs.dst_offsets.tolist(),
-        runs.sizes.tolist(),
-        runs.counts.tolist(),
-        runs.src_steps.tolist(),
-        runs.dst_steps.tolist(),
-        strict=True,
-    ):
-        if count == 1 or (ss == size and ds == size):
-            spaces.copy(si, di, so, do, size * count)
-        else:
-            src, dst = spaces.srcs[si], spaces.dsts[di]
-            np.copyto(_strided(dst, do, count, size, ds), _strided(src, so, count, size, ss), casting="no")
-
-
-def copy_host_batch(batch: CopyBatch) -> None:
-    """Copy every entry of a host-to-host batch on the calling thread (see the module docstring)."""
-    spaces = _HostSpaces(batch)
-    try:
-        if batch.sizes.size < _RUN_SEARCH_ENTRIES:
-            _copy_entries(batch, spaces)
-        else:
-            _copy_runs(batch, spaces)
-    finally:
-        spaces.release()
-
-
 class HostCopyBackend:
-    """Host-to-host plans, copied on the calling thread (see the module docstring)."""
+    """Host-to-host plans, copied on the calling thread (see :mod:`kvtier.transfer.host`)."""
 
     name = "host"
 
     def run(self, plan: CopyPlan) -> None:
+        if isinstance(plan, BlockCopyPlan):
+            plan.copy_on_host()
+            return
         for batch in plan.batches:
             copy_host_batch(batch)
 

@@ -15,12 +15,13 @@ thread); nothing here blocks.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from kvtier.errors import KvtierError
+from kvtier.transfer.host import HostBlockCopier
 from kvtier.transfer.plan import ByteSpace, CopyBatch, CopyPlan, byte_space
 
 _INT64 = np.int64
@@ -177,11 +178,12 @@ class BlockPieces:
         ids = np.asarray(block_ids)
         if ids.ndim != 1:
             ids = ids.reshape(-1)
+        if ids.dtype != _INT64:
+            if ids.size and ids.dtype.kind not in "iu":
+                raise KvtierError(f"{what} block ids must be integers, got dtype {ids.dtype}")
+            ids = ids.astype(_INT64)
         if not ids.size:
-            return ids.astype(_INT64)
-        if ids.dtype.kind not in "iu":
-            raise KvtierError(f"{what} block ids must be integers, got dtype {ids.dtype}")
-        ids = ids.astype(_INT64, copy=False)
+            return ids
         if ids.size <= 32:  # a Python min/max beats two numpy reductions on short arrays
             values = ids.tolist()
             lo, hi = min(values), max(values)
@@ -193,6 +195,57 @@ class BlockPieces:
         return ids
 
 
+def join_adjacent(src: BlockPieces, dst: BlockPieces) -> tuple[BlockPieces, BlockPieces]:
+    """Both layouts with every run of pieces that follow each other on both sides joined into one piece.
+
+    Pieces ``i`` and ``i + 1`` join when, on each side, they lie in one space,
+    piece ``i + 1`` starts where piece ``i`` ends, and both advance alike from
+    block to block (equal strides, and equal sub strides where a row holds
+    several blocks), so they stay adjacent in every block: a block-major cache
+    and its rows become one piece per block. The layouts must pair (see
+    :class:`BlockMapping`).
+    """
+    keep = [0]
+    for i in range(1, src.num_pieces):
+        if not (_continues(src, i) and _continues(dst, i)):
+            keep.append(i)
+    if len(keep) == src.num_pieces:
+        return src, dst
+    starts = np.asarray(keep, _INT64)
+    sizes = np.add.reduceat(src.sizes, starts)
+
+    def joined(side: BlockPieces) -> BlockPieces:
+        return replace(
+            side,
+            space_of=side.space_of[starts],
+            offsets=side.offsets[starts],
+            strides=side.strides[starts],
+            sub_strides=side.sub_strides[starts],
+            sizes=sizes,
+        )
+
+    return joined(src), joined(dst)
+
+
+def _continues(side: BlockPieces, i: int) -> bool:
+    """True if piece ``i`` of ``side`` starts where piece ``i - 1`` ends, in every block."""
+    j = i - 1
+    return bool(
+        side.space_of[i] == side.space_of[j]
+        and side.offsets[i] == side.offsets[j] + side.sizes[j]
+        and side.strides[i] == side.strides[j]
+        and (side.blocks_per_row == 1 or side.sub_strides[i] == side.sub_strides[j])
+    )
+
+
+class MappedBlocks(NamedTuple):
+    """Checked block ids of one job through one :class:`BlockMapping`: ``src_ids[j]`` goes to ``dst_ids[j]``."""
+
+    mapping: BlockMapping
+    src_ids: np.ndarray
+    dst_ids: np.ndarray
+
+
 class BlockMapping:
     """Whole-block copies from one :class:`BlockPieces` layout to another; plan per job with :meth:`plan`.
 
@@ -200,7 +253,8 @@ class BlockMapping:
     (sizes must match). A job becomes one batch, whatever the number of
     allocations, its entries ordered block by block, so the pieces of one
     block can join into one copy (or one strided run) where both sides keep
-    them adjacent (or evenly spaced).
+    them adjacent (or evenly spaced). ``device`` is ``"cpu"`` when both sides
+    are host memory, else the device involved.
     """
 
     def __init__(self, src: BlockPieces, dst: BlockPieces) -> None:
@@ -213,12 +267,14 @@ class BlockMapping:
         self.src = src
         self.dst = dst
         self.block_bytes = int(src.sizes.sum())
+        self.device = next((s.device for s in (*src.spaces, *dst.spaces) if not s.on_host), "cpu")
         # Per-entry space indexes and sizes repeat block after block: kept for the largest job so far,
         # and sliced per job (batches never write to their arrays).
         self._columns: tuple[np.ndarray, ...] = (np.zeros(0, _INT64),) * 3
+        self._host: HostBlockCopier | None = None
 
-    def batch(self, src_ids: Any, dst_ids: Any) -> CopyBatch | None:
-        """The batch copying block ``src_ids[j]`` to block ``dst_ids[j]`` for every ``j`` (None if empty).
+    def blocks(self, src_ids: Any, dst_ids: Any) -> MappedBlocks | None:
+        """The checked ids of copying block ``src_ids[j]`` to block ``dst_ids[j]`` for every ``j`` (None if empty).
 
         Raises :class:`KvtierError` if the id lists differ in length or an id is
         out of range on its side.
@@ -227,12 +283,23 @@ class BlockMapping:
         d_ids = self.dst.check_ids(dst_ids, "destination")
         if s_ids.size != d_ids.size:
             raise KvtierError(f"{s_ids.size} source blocks but {d_ids.size} destination blocks")
-        if not s_ids.size:
-            return None
+        return MappedBlocks(self, s_ids, d_ids) if s_ids.size else None
+
+    def batch(self, src_ids: Any, dst_ids: Any) -> CopyBatch | None:
+        """The batch copying block ``src_ids[j]`` to block ``dst_ids[j]`` for every ``j`` (None if empty).
+
+        Raises like :meth:`blocks`.
+        """
+        blocks = self.blocks(src_ids, dst_ids)
+        return None if blocks is None else self.batch_of(blocks)
+
+    def batch_of(self, blocks: MappedBlocks) -> CopyBatch:
+        """The batch of ids :meth:`blocks` checked: one entry per (block, piece), block by block."""
+        s_ids, d_ids = blocks.src_ids, blocks.dst_ids
         entries = s_ids.size * self.src.num_pieces
         if self._columns[0].size < entries:
-            blocks = max(entries, 2 * self._columns[0].size) // self.src.num_pieces + 1
-            self._columns = tuple(np.tile(a, blocks) for a in (self.src.space_of, self.dst.space_of, self.src.sizes))
+            rows = max(entries, 2 * self._columns[0].size) // self.src.num_pieces + 1
+            self._columns = tuple(np.tile(a, rows) for a in (self.src.space_of, self.dst.space_of, self.src.sizes))
         src_index, dst_index, sizes = (a[:entries] for a in self._columns)
         # Ids were checked against layouts whose pieces were checked against their
         # allocations, so every entry is in bounds: the batch skips CopyBatch.create's checks.
@@ -247,8 +314,51 @@ class BlockMapping:
         )
 
     def plan(self, src_ids: Any, dst_ids: Any) -> CopyPlan:
-        """One job's plan; see :meth:`batch`."""
-        batch = self.batch(src_ids, dst_ids)
-        if batch is None:
-            return CopyPlan((), 0)
-        return CopyPlan((batch,), batch.sizes.size // self.src.num_pieces * self.block_bytes)
+        """One job's plan (a :class:`BlockCopyPlan`; an empty plan for no blocks); raises like :meth:`blocks`."""
+        blocks = self.blocks(src_ids, dst_ids)
+        return CopyPlan((), 0) if blocks is None else BlockCopyPlan((blocks,))
+
+    def host_copier(self) -> HostBlockCopier:
+        """The executor of this mapping's host jobs (built on first use; raises if a side is on a device)."""
+        if self._host is None:
+            if self.device != "cpu":
+                raise KvtierError(f"a mapping involving {self.device} memory cannot be copied by the host backend")
+            self._host = HostBlockCopier(*join_adjacent(self.src, self.dst))
+        return self._host
+
+
+class BlockCopyPlan(CopyPlan):
+    """A job of whole blocks through one or more mappings (one per KV-cache group): checked ids only.
+
+    Built on the submitting thread at the cost of the id checks; the host
+    backend copies it straight from the ids (:meth:`copy_on_host`), and its
+    batches, which device backends read, are built on first use.
+    """
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: Sequence[MappedBlocks]) -> None:
+        self.parts = tuple(parts)
+        self._batches = None
+        self.nbytes = 0
+        for part in self.parts:
+            self.nbytes += part.src_ids.size * part.mapping.block_bytes
+
+    @property
+    def batches(self) -> tuple[CopyBatch, ...]:
+        if self._batches is None:
+            self._batches = tuple(p.mapping.batch_of(p) for p in self.parts)
+        return self._batches
+
+    @property
+    def num_copies(self) -> int:
+        return sum(int(p.src_ids.size) * p.mapping.src.num_pieces for p in self.parts)
+
+    @property
+    def device(self) -> str:
+        return next((p.mapping.device for p in self.parts if p.mapping.device != "cpu"), "cpu")
+
+    def copy_on_host(self) -> None:
+        """Copy every block on the calling thread (host memory on both sides; see :mod:`kvtier.transfer.host`)."""
+        for part in self.parts:
+            part.mapping.host_copier().run(part.src_ids, part.dst_ids)

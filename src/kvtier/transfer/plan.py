@@ -306,16 +306,26 @@ class CopyBatch:
         )
 
 
-@dataclass(frozen=True, eq=False)
 class CopyPlan:
     """Every copy of one job, as batches (usually one: a batch may span many allocations).
 
     ``nbytes`` is the total moved. Build with :meth:`of`, :meth:`from_pairs` or
-    a layout-aware builder (:class:`kvtier.transfer.layout.BlockMapping`).
+    a layout-aware builder (:meth:`kvtier.transfer.layout.BlockMapping.plan`,
+    whose plans build their batches only when asked: the host backend copies
+    them straight from block ids). A plan is not changed once built.
     """
 
-    batches: tuple[CopyBatch, ...]
-    nbytes: int
+    __slots__ = ("_batches", "nbytes")
+
+    def __init__(self, batches: tuple[CopyBatch, ...], nbytes: int) -> None:
+        self._batches: tuple[CopyBatch, ...] | None = tuple(batches)
+        self.nbytes = nbytes
+
+    @property
+    def batches(self) -> tuple[CopyBatch, ...]:
+        """The copies as batches of offset arrays (what device backends and ``pointer_arrays`` read)."""
+        assert self._batches is not None
+        return self._batches
 
     @classmethod
     def of(cls, batches: Sequence[CopyBatch]) -> CopyPlan:

@@ -30,7 +30,7 @@ import numpy as np
 
 from kvtier.errors import KvtierError
 from kvtier.region import SharedRegion
-from kvtier.transfer import BlockMapping, BlockPieces, CopyBackend, CopyBatch, CopyPlan, TransferEngine
+from kvtier.transfer import BlockCopyPlan, BlockMapping, BlockPieces, CopyBackend, MappedBlocks, TransferEngine
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class ChunkCopyPlanner:
         block_indices: Sequence[int],
         slots: np.ndarray,
         to_device: bool,
-    ) -> CopyPlan:
+    ) -> BlockCopyPlan:
         """The copies of one job, every (device block, reference) piece of it.
 
         ``device_block_ids`` are grouped by KV-cache group (``group_sizes``); each
@@ -125,7 +125,7 @@ class ChunkCopyPlanner:
         rows = np.asarray(slots, dtype=np.int64).reshape(-1)
         if len(group_sizes) > len(self._to_host):
             raise KvtierError(f"transfer spec has {len(group_sizes)} groups, the KV cache {len(self._to_host)}")
-        batches: list[CopyBatch] = []
+        parts: list[MappedBlocks] = []
         block_pos = 0
         slot_pos = 0
         for g, size in enumerate(group_sizes):
@@ -144,9 +144,9 @@ class ChunkCopyPlanner:
             pos = skip + np.arange(size, dtype=np.int64)
             host_ids = rows[slot_pos + pos // bpc] * bpc + pos % bpc
             dev_ids = block_ids[block_pos : block_pos + size]
-            batch = mapping.batch(host_ids, dev_ids) if to_device else mapping.batch(dev_ids, host_ids)
-            if batch is not None:
-                batches.append(batch)
+            blocks = mapping.blocks(host_ids, dev_ids) if to_device else mapping.blocks(dev_ids, host_ids)
+            if blocks is not None:
+                parts.append(blocks)
             block_pos += size
             slot_pos += num_chunks
         if block_pos != len(block_ids) or slot_pos != len(rows):
@@ -154,7 +154,7 @@ class ChunkCopyPlanner:
                 f"transfer spec mismatch: {len(block_ids)} device blocks and {len(rows)} rows "
                 f"given, {block_pos} blocks and {slot_pos} rows described by group sizes {list(group_sizes)}"
             )
-        return CopyPlan.of(batches)
+        return BlockCopyPlan(parts)
 
 
 class RegionCopier:
