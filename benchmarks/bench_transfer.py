@@ -27,7 +27,7 @@ tensors (``--layers``, default 32: a Llama-style cache of per-layer K/V pages),
 so a job is ``blocks x layers`` copies, allocated one after the other as an engine does
 (equally spaced in memory, which kvtier copies as one strided run per block);
 ``layers-scattered`` places the same tensors at irregular distances (kvtier's
-fallback: gathers, or one call per piece); ``layer-major`` is one tensor of
+fallback: one call per piece); ``layer-major`` is one tensor of
 per-layer views. The printed ratio is median memcpy time
 / kvtier time, the median over repetitions (each repetition times both back to back, so a
 burst of load from other processes hits both); target >= 0.90 (MET/MISSED) in both directions.

@@ -1,8 +1,8 @@
 """Host execution of block plans: every fast path copies exactly what one copy per (block, piece) would.
 
 Covers the paths of :class:`kvtier.transfer.host.HostBlockCopier` (strided runs
-of evenly spaced pieces, gathers of small pieces, Python-int offsets for small
-jobs, numpy offsets otherwise, joined continuations, the GIL-releasing copy of
+of evenly spaced pieces, one call per other piece with Python-int offsets for
+small jobs and numpy offsets otherwise, joined continuations, the GIL-releasing copy of
 large pieces) over the layouts engines use: block-major, layer-major, per-layer
 K/V tensors (evenly and unevenly spaced, one allocation or many), one and two
 blocks per row, stores and loads.
@@ -134,7 +134,7 @@ def _host_side(views: list[np.ndarray], bpc: int, num_rows: int) -> BlockPieces:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("bpc", [1, 2])
-@pytest.mark.parametrize("page", [PAGE, 12 * 1024])  # gathered pieces, and pieces copied one call each
+@pytest.mark.parametrize("page", [PAGE, 12 * 1024])
 @pytest.mark.parametrize("num", [1, 2, 5, 19])  # Python-int offsets up to 16 copies, numpy beyond
 def test_store_and_load_match_one_copy_per_piece(layout: str, bpc: int, page: int, num: int) -> None:
     device = BlockPieces.from_block_views(LAYOUTS[layout](page))

