@@ -409,13 +409,16 @@ class ManagerMachine(RuleBasedStateMachine):
         would have given. Promotions inside the call may evict blocks; which one went when is
         the policy's choice, so the model replays the scan knowing only which blocks are gone
         (a HIT is protected and an in-flight block never evictable, so a gone key of the scan
-        was evicted before its turn)."""
+        was evicted before its turn, and may have been promoted again at its turn)."""
         req = self.active()[pick % len(self.active())]
         chain = [KEYS[i] for i in req.chain]
         polls = self.before_poll()
+        was_ready = {k for k in self.present if self.expected_ref(k) >= 0}
         result = self.mgr.lookup_prefix(chain, req.ctx)
         self.after_call(polls)
-        gone = {k for k in self.present if self.mgr.primary.ref_count(k) is None}
+        # Gone: evicted (a ready block of the scan may also have been promoted again after that).
+        refs = {k: self.mgr.primary.ref_count(k) for k in self.present}
+        gone = {k for k, ref in refs.items() if ref is None or (k in was_ready and ref == -1)}
         ghosts = 0  # blocks evicted so far in the replay, still in self.present
         for i, (k, got) in enumerate(zip(chain, result.answers, strict=False)):
             if k in gone:

@@ -248,9 +248,6 @@ class TieringManager:
         self._step_states: list[_RequestState] = []
         self._pending_promotions: dict[tuple[int, str | None], _PendingPromotion] = {}
         self._polled_this_step = False
-        # Keys reserved by prepare_store and not yet completed: complete_store acts on these
-        # only, never on a row a promotion is writing (also in flight) or after a reset.
-        self._device_stores: set[BlockKey] = set()
         self._tiers_down: set[int] = set()
         self._closing = False  # shutdown() was called: only shutdown(), is_shut_down and stats() remain
         self._shutdown_complete = False
@@ -541,9 +538,9 @@ class TieringManager:
         misses ask the secondary tiers. :meth:`lookup_prefix` answers a request's
         run of keys in one call.
         """
-        # Fast path: in a step already polled, for a request with the default control, and not
-        # the lookup of the round that is timed, a ready CPU block is answered here and a CPU
-        # miss goes straight to the secondary tiers. Anything else takes _lookup.
+        # Fast path: in a step already polled, for a request with the default control, a ready
+        # CPU block is answered here and a CPU miss goes straight to the secondary tiers; the
+        # round's timed lookup goes to _timed_lookup. Anything else takes _lookup.
         if type(key) is bytes and self._steady and (request is None or request.control is DEFAULT_CONTROL):
             countdown = self._countdown - 1
             if countdown:
@@ -560,10 +557,13 @@ class TieringManager:
                         return self._lookup_secondary(key, request, None, 0.0)
                     self._answered_miss += 1
                     return _MISS
+            elif 0 < len(key) <= MAX_KEY_BYTES:
+                return self._timed_lookup(key, request, None)
         return self._lookup(key, request)
 
     def _lookup(self, key: BlockKey, request: RequestContext | None) -> LookupResult:
-        """:meth:`lookup` in full: checks, the step's poll, control, timing, secondary tiers."""
+        """:meth:`lookup` in full: checks, the step's poll, control, then the CPU tier and the
+        secondary tiers."""
         if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES or self._closing:
             self._open_keys("lookup", (key,))  # raises, unless a valid key of a bytes subclass
         self._poll_once()
@@ -572,32 +572,47 @@ class TieringManager:
             self._answered_miss += 1
             return _MISS  # the request may not load anything: every load goes through the CPU tier
         countdown = self._countdown - 1
-        if countdown:  # not this one: one lookup in `lookup_timing_every` is timed
-            self._countdown = countdown
-            now = 0.0
-            slot = self._slot_get(key)
-            pending = slot is not None and self._refs[slot] == IN_FLIGHT
-        else:
-            self._countdown = every = self.lookup_timing_every
-            self._counted += every
-            start = perf_counter()
-            slot = self._slot_get(key)
-            pending = slot is not None and self._refs[slot] == IN_FLIGHT
-            now = perf_counter()
-            self._cpu_lookup_times.append(now - start)
+        if not countdown:
+            return self._timed_lookup(key, request, allowed)
+        self._countdown = countdown
+        slot = self._slot_get(key)
         if slot is not None:
-            if pending:
-                self._cpu_pending += 1
-                self._answered_pending += 1
-                self.promoted_from = 0
-                return _HIT_PENDING
-            self._step_hit(key)
-            return _HIT
+            return self._cpu_answer(key, self._refs[slot] == IN_FLIGHT)
+        self._cpu_misses += 1
+        if self._secondary:
+            return self._lookup_secondary(key, request, allowed, 0.0)
+        self._answered_miss += 1
+        return _MISS
+
+    def _timed_lookup(
+        self, key: BlockKey, request: RequestContext | None, allowed: frozenset[int] | None
+    ) -> LookupResult:
+        """The lookup that ends a round of ``lookup_timing_every``: the CPU tier's answer and
+        each secondary tier's are timed (the per-tier ``lookup_seconds`` histograms)."""
+        self._countdown = every = self.lookup_timing_every
+        self._counted += every
+        start = perf_counter()
+        slot = self._slot_get(key)
+        pending = slot is not None and self._refs[slot] == IN_FLIGHT
+        now = perf_counter()
+        self._cpu_lookup_times.append(now - start)
+        if slot is not None:
+            return self._cpu_answer(key, pending)
         self._cpu_misses += 1
         if self._secondary:
             return self._lookup_secondary(key, request, allowed, now)
         self._answered_miss += 1
         return _MISS
+
+    def _cpu_answer(self, key: BlockKey, pending: bool) -> LookupResult:
+        """The answer for a block the CPU tier holds: HIT_PENDING while its write is in flight."""
+        if pending:
+            self._cpu_pending += 1
+            self._answered_pending += 1
+            self.promoted_from = 0
+            return _HIT_PENDING
+        self._step_hit(key)
+        return _HIT
 
     def lookup_prefix(self, keys: Sequence[BlockKey], request: RequestContext | None = None) -> PrefixLookup:
         """Look up a request's blocks in prefix order, in one call: the engine's prefix scan.
@@ -786,7 +801,6 @@ class TieringManager:
         if result is None:
             self._stats.store_rejections += 1
             return None
-        self._device_stores.update(result.keys_to_store)
         if state is not None:
             if keys:
                 state.chain_tail = keys[-1]
@@ -814,43 +828,65 @@ class TieringManager:
     def complete_store(
         self, keys: Sequence[BlockKey], request: RequestContext | None = None, success: bool = True
     ) -> None:
-        """The device -> CPU copy of ``keys`` finished; on success cascade them to every tier."""
-        keys = [k for k in self._open_keys("complete_store", keys) if k in self._device_stores]
-        self._device_stores.difference_update(keys)
+        """The device -> CPU copy of ``keys`` finished; on success cascade them to every tier.
+
+        Only rows that :meth:`prepare_store` reserved and nothing completed since are
+        acted on (never a row a promotion is writing, nothing after a reset). The
+        blocks are made readable and pinned for each tier they cascade to in one pass.
+        """
+        keys = self._open_keys("complete_store", keys)
+        targets = self._cascade_targets(range(len(self.tiers)), request) if success else []
+        done, slots = self.primary.complete_device_store(keys, success, len(targets))
         # A late completion (after reset, or after the request was finalized) must not
         # bring back a state that nothing would ever finish.
         state = self._requests.get(request.req_id) if request is not None else None
         if state is not None:
-            state.pending_store_keys.difference_update(keys)
-        done = self.primary.complete_store(keys, success)
-        if success and done:
-            self._cascade(done, range(len(self.tiers)), request)
+            state.pending_store_keys.difference_update(done)
+        if targets and done:
+            admitted = self._admit(targets, len(done))
+            for _ in range(len(targets) - len(admitted)):
+                self.primary.unpin(done)  # pinned for a tier under backpressure: released at once
+            if admitted:
+                self._submit_cascades(done, slots, admitted, request)
         if state is not None:
             self._maybe_finalize(state)
 
     def _cascade(self, keys: list[BlockKey], positions: Iterable[int], request: RequestContext | None) -> None:
-        """Submit one store job of ``keys`` to each tier at ``positions`` the request allows and
-        that is not under backpressure.
+        """Submit one store job of ``keys`` (ready blocks) to each tier at ``positions`` the
+        request allows and that is not under backpressure."""
+        targets = self._admit(self._cascade_targets(positions, request), len(keys))
+        if targets:
+            self._submit_cascades(keys, self.primary.pin_slots(keys, len(targets)), targets, request)
 
-        The rows are pinned once per tier in one pass, and the jobs share one read-only
-        array of them (a tier reads ``job.slots``, never writes it)."""
+    def _cascade_targets(self, positions: Iterable[int], request: RequestContext | None) -> list[int]:
+        """The tiers at ``positions`` that are up and that the request lets its blocks go to."""
         wanted = None if request is None else (request.control or self.request_control(request)).cascade_to
-        targets: list[int] = []
-        for pos in positions:
-            if pos in self._tiers_down or (wanted is not None and pos + 1 not in wanted):
-                continue
+        down = self._tiers_down
+        return [pos for pos in positions if pos not in down and (wanted is None or pos + 1 in wanted)]
+
+    def _admit(self, targets: list[int], blocks: int) -> list[int]:
+        """The tiers of ``targets`` whose backpressure admits a cascade of ``blocks`` blocks now
+        (the others count it as skipped)."""
+        admitted = []
+        for pos in targets:
             monitor = self._pressure[pos]
-            if monitor is not None and not monitor.admit(len(keys), self._telemetry[pos + 1].stores_in_flight):
-                self._stats.cascades_skipped += len(keys)
+            if monitor is not None and not monitor.admit(blocks, self._telemetry[pos + 1].stores_in_flight):
+                self._stats.cascades_skipped += blocks
                 continue
-            targets.append(pos)
-        if not targets:
-            return
-        slots = np.array(self.primary.pin_slots(keys, len(targets)), dtype=np.int64)
-        slots.flags.writeable = False
+            admitted.append(pos)
+        return admitted
+
+    def _submit_cascades(
+        self, keys: list[BlockKey], slots: list[int], targets: list[int], request: RequestContext | None
+    ) -> None:
+        """One store job per tier of ``targets``; the rows are pinned once for each already.
+        The jobs share one read-only array of the rows (a tier reads ``job.slots``, never
+        writes it). A tier that refuses its job releases its pin."""
+        rows = np.array(slots, dtype=np.int64)
+        rows.flags.writeable = False
         self._stats.cascade_jobs += len(targets)
         for pos in targets:
-            job = self._new_job(pos, list(keys), slots, False, request)
+            job = self._new_job(pos, list(keys), rows, False, request)
             telemetry = self._telemetry[pos + 1]
             telemetry.stores_in_flight += 1
             try:
@@ -1035,7 +1071,6 @@ class TieringManager:
         self.primary.reset()
         for telemetry in self._telemetry:
             telemetry.retry_since.clear()
-        self._device_stores.clear()
         self._step_hits.clear()
         self._hit_log.clear()
         self._polled_this_step = self._steady = False

@@ -32,6 +32,11 @@ logger = logging.getLogger(__name__)
 
 IN_FLIGHT = -1
 
+DEVICE_STORE = 1
+"""The kind of a write in flight that :meth:`PrimaryTier.prepare_store` reserved (a device store)."""
+PROMOTION = 2
+"""The kind of a write in flight that ``prepare_write`` / ``reserve_one`` reserved (a promotion)."""
+
 
 @dataclass
 class PrepareStoreResult:
@@ -96,6 +101,7 @@ class PrimaryTier:
         # views handed out by hot_path() stay valid for the tier's life.
         self._slot_of: dict[BlockKey, int] = {}
         self._ref: list[int] = [0] * self.num_blocks
+        self._writer = bytearray(self.num_blocks)  # the kind of each slot's last reservation
         self._free: list[int] = []
         self._next_fresh = 0
         # Bounded: an engine that never takes events must not grow memory without limit.
@@ -156,7 +162,7 @@ class PrimaryTier:
         are in flight (ref -1) until ``complete_store``.
         """
         keys = keys if type(keys) is list else list(keys)
-        reserved = self._reserve(keys, protected)
+        reserved = self._reserve(keys, protected, DEVICE_STORE)
         if reserved is None:
             return None
         new_keys, slots, evicted = reserved
@@ -179,7 +185,7 @@ class PrimaryTier:
         No reference is reported: the promoted blocks are referenced when the
         request loads them.
         """
-        reserved = self._reserve(list(keys), protected)
+        reserved = self._reserve(list(keys), protected, PROMOTION)
         if reserved is None:
             return None
         new_keys, slots, evicted = reserved
@@ -204,11 +210,12 @@ class PrimaryTier:
             self._events.append(BlockEvent(tuple(chosen), self.tier_label, self.medium, removed=True))
         self._slot_of[key] = slot
         self._ref[slot] = IN_FLIGHT
+        self._writer[slot] = PROMOTION
         self.policy.insert(key, slot)
         return slot
 
     def _reserve(
-        self, keys: list[BlockKey], protected: Collection[BlockKey]
+        self, keys: list[BlockKey], protected: Collection[BlockKey], kind: int
     ) -> tuple[list[BlockKey], list[int], list[BlockKey]] | None:
         """Rows for the distinct keys of ``keys`` not yet present: (new keys, their slots, evicted)."""
         slot_of = self._slot_of
@@ -233,7 +240,7 @@ class PrimaryTier:
             evicted = chosen
             self.stats.evictions += len(chosen)
             self._events.append(BlockEvent(tuple(chosen), self.tier_label, self.medium, removed=True))
-        ref = self._ref
+        ref, writer = self._ref, self._writer
         slots: list[int] = []
         for key in new_keys:
             if free:
@@ -243,6 +250,7 @@ class PrimaryTier:
                 self._next_fresh = slot + 1
             slot_of[key] = slot
             ref[slot] = IN_FLIGHT
+            writer[slot] = kind
             slots.append(slot)
         if new_keys:
             self.policy.insert_many(new_keys, slots)
@@ -259,15 +267,30 @@ class PrimaryTier:
         Keys that are not in flight (unknown, or already completed, e.g. after a
         reset) are ignored. Returns the keys whose state changed.
         """
+        return self._complete(keys, success, 0, 0)[0]
+
+    def complete_device_store(
+        self, keys: Iterable[BlockKey], success: bool = True, pins: int = 0
+    ) -> tuple[list[BlockKey], list[int]]:
+        """:meth:`complete_store` of the device stores among ``keys`` only (rows reserved by
+        :meth:`prepare_store`; a promotion in flight is left alone), each completed block
+        pinned ``pins`` times at once (one pin per tier a cascade is about to read it for).
+        Returns the completed keys, in the order given, and their rows."""
+        return self._complete(keys, success, DEVICE_STORE, pins if success else 0)
+
+    def _complete(
+        self, keys: Iterable[BlockKey], success: bool, kind: int, pins: int
+    ) -> tuple[list[BlockKey], list[int]]:
+        """Complete the writes in flight of ``keys`` (of ``kind`` only, unless 0)."""
         done: list[BlockKey] = []
         slots: list[int] = []
-        slot_of, ref = self._slot_of, self._ref
+        slot_of, ref, writer = self._slot_of, self._ref, self._writer
         # Tail first, so a policy that orders by completion keeps a chain's head longest.
         for key in reversed(keys if type(keys) is list else list(keys)):
             slot = slot_of.get(key)
-            if slot is None or ref[slot] != IN_FLIGHT:
+            if slot is None or ref[slot] != IN_FLIGHT or (kind and writer[slot] != kind):
                 continue
-            ref[slot] = 0
+            ref[slot] = pins
             if not success:
                 del slot_of[key]
                 self._free.append(slot)
@@ -275,16 +298,21 @@ class PrimaryTier:
             done.append(key)
             slots.append(slot)
         if not done:
-            return done
+            return done, slots
         if success:
-            self.policy.mark_evictable_many(done, slots)
+            if pins:
+                self.policy.mark_evictable_then_pinned_many(done, slots)
+            else:
+                self.policy.mark_evictable_many(done, slots)
             done.reverse()
+            slots.reverse()
             self.stats.blocks_stored += len(done)
             self._events.append(BlockEvent(tuple(done), self.tier_label, self.medium, removed=False))
         else:
             done.reverse()
+            slots.reverse()
             self.stats.store_failures += len(done)
-        return done
+        return done, slots
 
     # Promotions complete rows exactly like device stores.
     complete_write = complete_store
@@ -422,6 +450,7 @@ class PrimaryTier:
             self._events.append(BlockEvent(tuple(self._slot_of), self.tier_label, self.medium, removed=True))
         self._slot_of.clear()
         self._ref[:] = [0] * self.num_blocks
+        self._writer[:] = bytes(self.num_blocks)
         self._free.clear()
         self._next_fresh = 0
         self.policy.clear()

@@ -1,6 +1,6 @@
-"""The batched policy calls (insert_many, mark_evictable_many, mark_pinned_many) have exactly the
-effect of the per-block calls in order, for every built-in policy; LRU's own chain report is the
-base class's (touches, tail first)."""
+"""The batched policy calls (insert_many, mark_evictable_many, mark_pinned_many,
+mark_evictable_then_pinned_many) have exactly the effect of the per-block calls in order, for every
+built-in policy; LRU's own chain report is the base class's (touches, tail first)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,10 @@ class PerBlock:
         for k, s in zip(keys, slots, strict=True):
             self.policy.mark_pinned(k, s)
 
+    def mark_evictable_then_pinned_many(self, keys: list[BlockKey], slots: list[int]) -> None:
+        self.mark_evictable_many(keys, slots)
+        self.mark_pinned_many(keys, slots)
+
     def reference_chain(self, keys: list[BlockKey], slots: list[int], parent: int, hit: bool) -> None:
         if isinstance(self.policy, LRUPolicy):
             EvictionPolicy.reference_chain(self.policy, keys, slots, parent, hit)
@@ -53,7 +57,7 @@ def _drive(name: str, seed: int) -> None:
     free = list(range(CAPACITY))
     next_key = 0
     for _ in range(300):
-        op = rng.choice(["insert", "ready", "pin", "unpin", "chain", "evict", "remove"])
+        op = rng.choice(["insert", "ready", "ready_pinned", "pin", "unpin", "chain", "evict", "remove"])
         if op == "insert" and free:
             n = rng.randint(1, min(4, len(free)))
             ks = [key(next_key + i) for i in range(n)]
@@ -63,12 +67,16 @@ def _drive(name: str, seed: int) -> None:
             state.update(dict.fromkeys(ks, "new"))
             batched.insert_many(ks, slots)
             per_block.insert_many(ks, slots)
-        elif op in ("ready", "pin", "unpin"):
-            want = {"ready": "new", "pin": "ready", "unpin": "pinned"}[op]
+        elif op in ("ready", "ready_pinned", "pin", "unpin"):
+            want = {"ready": "new", "ready_pinned": "new", "pin": "ready", "unpin": "pinned"}[op]
             pool = [k for k, s in state.items() if s == want]
             ks = rng.sample(pool, min(len(pool), rng.randint(1, 5)))
             slots = [slot_of[k] for k in ks]
-            if op == "pin":
+            if op == "ready_pinned":
+                batched.mark_evictable_then_pinned_many(ks, slots)
+                per_block.mark_evictable_then_pinned_many(ks, slots)
+                op = "pin"
+            elif op == "pin":
                 batched.mark_pinned_many(ks, slots)
                 per_block.mark_pinned_many(ks, slots)
             else:

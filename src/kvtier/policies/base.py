@@ -31,7 +31,8 @@ tail; the default treats it as touches, tail first, so the head ends most
 recent.
 
 Batched forms: the tier reports runs of blocks through :meth:`insert_many`,
-:meth:`mark_evictable_many` and :meth:`mark_pinned_many`. Each must have exactly
+:meth:`mark_evictable_many`, :meth:`mark_pinned_many` and
+:meth:`mark_evictable_then_pinned_many`. Each must have exactly
 the effect of the per-block call on every pair, in the order given; the defaults
 are those loops. A policy may specialise them to save a Python call per block
 (the built-in LRU does); a subclass of such a policy that overrides a per-block
@@ -118,6 +119,12 @@ class EvictionPolicy(abc.ABC):
         mark = self.mark_pinned
         for i in range(len(slots)):
             mark(keys[i], slots[i])
+
+    def mark_evictable_then_pinned_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
+        """The blocks' writes completed and readers pinned them at once (a store cascaded to
+        secondary tiers): :meth:`mark_evictable_many` then :meth:`mark_pinned_many`."""
+        self.mark_evictable_many(keys, slots)
+        self.mark_pinned_many(keys, slots)
 
     @abc.abstractmethod
     def evict(self, n: int, protected: Container[BlockKey] = ()) -> list[BlockKey] | None:

@@ -82,6 +82,11 @@ class LRUPolicy(SlotListPolicy):
                 unlinked += 1
         self._count -= unlinked
 
+    def mark_evictable_then_pinned_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
+        # Linked at the tail, then unlinked: a block that was not linked stays so, one that was
+        # (never the case for a block whose write just completed) leaves the list.
+        self.mark_pinned_many(keys, slots)
+
     def reference_chain(self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int, hit: bool) -> None:
         """Touches, tail first (the head ends most recent); blocks not evictable are left alone."""
         flags, prv, nxt, end = self._evictable, self._prev, self._next, self.capacity
