@@ -53,7 +53,6 @@ raises. Called from one thread (the tier's).
 from __future__ import annotations
 
 from array import array
-from collections import deque
 from collections.abc import Container, Iterator, Sequence
 from typing import ClassVar
 
@@ -61,6 +60,7 @@ import numpy as np
 
 from kvtier.keys import BlockKey
 from kvtier.policies.fingerprints import fingerprint
+from kvtier.policies.recent_keys import RecentKeys
 from kvtier.policies.return_times import (
     SAMPLE_SCALE,
     HoldingPlan,
@@ -122,9 +122,7 @@ class ReturnTimePolicy(SlotListPolicy):
         self.sampler = ReturnSampler(
             sample_size, self.horizon, self.model, lru_size=min(sample_size, max(1, round(self.sample_rate * c)))
         )
-        history = max(256, c // 16)
-        self._history: set[int] = set()
-        self._history_order: deque[int] = deque(maxlen=history)
+        self._history = RecentKeys(max(256, c // 4))
         self.hold: list[int] = [0] * CLASSES
         self.plan: HoldingPlan | None = None
         self.learning = False
@@ -359,18 +357,20 @@ class ReturnTimePolicy(SlotListPolicy):
             slot = par[slot]
 
     def _remember_end(self, keys: Sequence[BlockKey], parent: int) -> None:
-        """Record the request's last two blocks, so its return is known even once they are evicted."""
-        history, order = self._history, self._history_order
-        ends = list(keys[-2:])
-        if len(ends) == 1 and parent >= 0:
-            ends.append(self._key_of[parent])  # the request's last full block may be the parent
-        for key in ends:
-            fp = hash(key)
-            if fp not in history:
-                if len(order) == order.maxlen:
-                    history.discard(order[0])
-                order.append(fp)
-                history.add(fp)
+        """Record the request's last full block, so its return is known even once it is evicted.
+
+        That is the block before the last one (the last is usually partial, and a
+        partial block is never referenced again); for a request of one block, the
+        block it extends. One entry per request, so the table covers as many
+        requests as it has entries.
+        """
+        if len(keys) >= 2:
+            key = keys[-2]
+        elif parent >= 0:
+            key = self._key_of[parent]
+        else:
+            key = keys[-1]
+        self._history.add(fingerprint(key))
 
     def _reclassify(
         self, pending: tuple[int, int, list[BlockKey], list[int], list[int], list[int], int], base: int, floor: int
@@ -398,20 +398,20 @@ class ReturnTimePolicy(SlotListPolicy):
         return floor, self._parent[slots[0]]
 
     def _new_blocks(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> int:
-        """Blocks after the deepest one held before this call or seen recently as a request's end.
+        """Blocks after the deepest one held and referenced before, or recorded as a request's end.
 
-        ``slots`` empty: all the blocks are new here (only the history counts).
+        ``slots`` empty: all the blocks are new here (only the recorded ends count).
         Looks 17 blocks back at most: more than 15 new blocks is the last class anyway.
         """
-        touches, history = self._touches, self._history
         n = len(keys)
         low = max(0, n - 17)
-        if not slots and history.isdisjoint(map(hash, keys[low:])):
-            return n  # the common case, checked in C
-        for i in range(n - 1, low - 1, -1):
-            if hash(keys[i]) in history or (slots and touches[slots[i]]):
-                return n - 1 - i
-        return n
+        found = self._history.deepest(keys, low)
+        if slots:
+            touches = self._touches
+            for i in range(n - 1, max(found, low - 1), -1):
+                if touches[slots[i]]:
+                    return n - 1 - i
+        return n if found < 0 else n - 1 - found
 
     def _observe(self, fp: int, cls: int, hit: bool) -> None:
         """A sampled reference: a return time for the model, a paired hit for the guard."""
