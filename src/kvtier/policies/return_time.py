@@ -15,9 +15,17 @@ can never reach.
 
 **Holding times.** A reference gives its block a class from cheap features of
 the request: whether the block is new here, referenced once before, or more
-often; how many of the request's blocks are genuinely new (not held, and not
-the end of a recently seen request: ``<= 1, 3, 7, 15`` or more); and whether it
-is the request's last block. A block's expiry becomes ``max(expiry, now +
+often; how many of the request's blocks are genuinely new (after the deepest
+one that is held and was referenced before, or is the recorded end of one of
+the last ``capacity / 4`` requests: ``<= 1, 3, 7, 15`` or more); and whether
+it is the request's last block. The table of request ends
+(:class:`~kvtier.policies.recent_keys.RecentKeys`) is large enough to cover
+the return times that matter, so a conversation that comes back is recognised
+whether or not the cache kept its blocks: the classes, and so the statistics
+learned per class, do not change when the holds do (with the end of the last
+few hundred requests only, the classes followed the cache's own choices, and
+the conversation trace's hit rate at 5 % capacity was 1.075x LRU's instead of
+1.11x). A block's expiry becomes ``max(expiry, now +
 hold[class])`` on the clock of block references. The holds come from
 :mod:`kvtier.policies.return_times`: a sample of keys is followed whether
 cached or not, their return times per class give survival curves, and the
@@ -44,7 +52,8 @@ blocks are in reference order, a chain's tail before its head. With every hold
 Per slot: the lists' two pointers and the key (24 bytes), ``_evictable``,
 ``_touches`` (1 byte each), ``_parent``, ``_children`` (4 bytes each),
 ``_expiry`` (8 bytes); plus the sample tables, about ``capacity / 4``
-fingerprints, all allocated once. Every operation is O(1) per block, except
+fingerprints, and the request ends, ``capacity / 4`` fingerprints of 16-24
+bytes, all allocated once. Every operation is O(1) per block, except
 that eviction skips blocks that are not leaves (which it moves behind, so they
 are not scanned again) and a reference walks up the ancestors whose expiry it
 raises. Called from one thread (the tier's).
