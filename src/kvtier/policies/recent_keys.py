@@ -23,7 +23,7 @@ from array import array
 from collections.abc import Sequence
 
 from kvtier.keys import BlockKey
-from kvtier.policies.fingerprints import _MASK
+from kvtier.policies.fingerprints import _MASK, unindex
 
 
 class RecentKeys:
@@ -59,7 +59,7 @@ class RecentKeys:
             return
         ring, pos = self._ring, self._pos
         if self._len == self.capacity:
-            self._unindex(pos)
+            unindex(self._index, self._ring, self._mask, pos)
         else:
             self._len += 1
         ring[pos] = fp
@@ -104,22 +104,3 @@ class RecentKeys:
             i = (i + 1) & mask
             cell = index[i]
         return -1
-
-    def _unindex(self, pos: int) -> None:
-        """Take ring position ``pos`` out of the index (backward-shift deletion)."""
-        index, ring, mask = self._index, self._ring, self._mask
-        i = ring[pos] & mask
-        while index[i] != pos + 1:
-            i = (i + 1) & mask
-        j = i
-        while True:
-            j = (j + 1) & mask
-            cell = index[j]
-            if not cell:
-                break
-            home = ring[cell - 1] & mask
-            # The cell may move into the hole i unless its home lies cyclically in (i, j].
-            if (j > i and (home <= i or home > j)) or (j < i and home <= i and home > j):
-                index[i] = cell
-                i = j
-        index[i] = 0
