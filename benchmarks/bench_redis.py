@@ -30,9 +30,9 @@ from contextlib import contextmanager
 import numpy as np
 import redis
 
-from common import interleaved_best
+from common import check_succeeded, interleaved_best, submit_in_jobs
 from kvtier.keys import KVGeometry, Namespace, chain_ids
-from kvtier.tiers.base import JobResult, TierContext, TransferJob
+from kvtier.tiers.base import JobResult, TierContext
 from kvtier.tiers.format import HEADER_SIZE
 from kvtier.tiers.redis import RedisTier
 
@@ -140,20 +140,10 @@ def bench_size(
     try:
 
         def tier_store() -> None:
-            jobs = 0
-            for i in range(0, n, job_blocks):
-                k = keys[i : i + job_blocks]
-                tier.submit_store(TransferJob(next(job_ids), k, np.arange(i, i + len(k)), False))
-                jobs += 1
-            assert all(r.success for r in wait_all(tier, jobs))
+            check_succeeded(wait_all(tier, submit_in_jobs(tier, keys, job_blocks, job_ids, load=False, first_row=0)))
 
         def tier_load() -> None:
-            jobs = 0
-            for i in range(0, n, job_blocks):
-                k = keys[i : i + job_blocks]
-                tier.submit_load(TransferJob(next(job_ids), k, np.arange(n + i, n + i + len(k)), True))
-                jobs += 1
-            assert all(r.success for r in wait_all(tier, jobs))
+            check_succeeded(wait_all(tier, submit_in_jobs(tier, keys, job_blocks, job_ids, load=True, first_row=n)))
 
         # Stores overwrite the previous round's values, alike for both clients.
         runs = {"raw_store": raw_store, "tier_store": tier_store, "raw_load": raw_load, "tier_load": tier_load}

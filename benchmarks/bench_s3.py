@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from common import interleaved_best, wait_all
+from common import check_succeeded, interleaved_best, submit_in_jobs, wait_all
 from kvtier.keys import KVGeometry, Namespace, chain_ids
-from kvtier.tiers.base import TierContext, TransferJob
+from kvtier.tiers.base import TierContext
 from kvtier.tiers.format import HEADER_SIZE, encode_header
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3_store import S3TierOptions, open_store
@@ -102,22 +102,10 @@ def bench_size(
             # The tier skips keys it knows it holds: forget them, so every round uploads everything.
             with tier._lock:
                 tier._present.clear()
-            jobs = 0
-            for i in range(0, n, job_blocks):
-                k = keys[i : i + job_blocks]
-                tier.submit_store(TransferJob(next(job_ids), k, np.arange(i, i + len(k)), False))
-                jobs += 1
-            results = wait_all(tier, jobs)
-            assert all(r.success for r in results), [r.error for r in results if not r.success][:3]
+            check_succeeded(wait_all(tier, submit_in_jobs(tier, keys, job_blocks, job_ids, load=False, first_row=0)))
 
         def tier_load() -> None:
-            jobs = 0
-            for i in range(0, n, job_blocks):
-                k = keys[i : i + job_blocks]
-                tier.submit_load(TransferJob(next(job_ids), k, np.arange(n + i, n + i + len(k)), True))
-                jobs += 1
-            results = wait_all(tier, jobs)
-            assert all(r.success for r in results), [r.error for r in results if not r.success][:3]
+            check_succeeded(wait_all(tier, submit_in_jobs(tier, keys, job_blocks, job_ids, load=True, first_row=n)))
 
         runs = {"raw_store": raw_store, "tier_store": tier_store, "raw_load": raw_load, "tier_load": tier_load}
         result = interleaved_best(nbytes, rounds, runs)

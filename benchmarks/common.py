@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 
-from kvtier.tiers.base import JobResult, SecondaryTier
+import numpy as np
+
+from kvtier.keys import BlockKey
+from kvtier.tiers.base import JobResult, SecondaryTier, TransferJob
 
 
 def interleaved_best(nbytes: int, rounds: int, runs: dict[str, Callable[[], None]]) -> dict[str, float]:
@@ -32,3 +35,29 @@ def wait_all(tier: SecondaryTier, n: int, timeout: float = 600.0) -> list[JobRes
         if len(out) < n:
             time.sleep(0.0002)
     return out
+
+
+def submit_in_jobs(
+    tier: SecondaryTier,
+    keys: Sequence[BlockKey],
+    job_blocks: int,
+    job_ids: Iterator[int],
+    *,
+    load: bool,
+    first_row: int,
+) -> int:
+    """Submit ``keys[i]`` <-> CPU row ``first_row + i`` as jobs of ``job_blocks`` keys; returns how many jobs."""
+    submit = tier.submit_load if load else tier.submit_store
+    jobs = 0
+    for i in range(0, len(keys), job_blocks):
+        chunk = keys[i : i + job_blocks]
+        submit(TransferJob(next(job_ids), chunk, np.arange(first_row + i, first_row + i + len(chunk)), load))
+        jobs += 1
+    return jobs
+
+
+def check_succeeded(results: Sequence[JobResult]) -> None:
+    """Raise naming the first errors if any job failed (a benchmark of failed jobs measures nothing)."""
+    failed = [r.error for r in results if not r.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(results)} tier jobs failed: {failed[:3]}")

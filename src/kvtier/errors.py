@@ -7,7 +7,31 @@ name the offending value and, where there is one, the fix.
 from __future__ import annotations
 
 import os
+import traceback
 from dataclasses import dataclass
+
+
+def clear_exception_frames(exc: BaseException, *, drop_traceback: bool = False) -> None:
+    """Clear the locals of the finished frames in ``exc``'s traceback and in those of its chain.
+
+    Frames that touched the shared CPU region hold views of its rows; an exception
+    kept by a caller (or in a reference cycle) would keep them alive, and the region
+    cannot be unmapped while any view exists. ``drop_traceback`` also detaches the
+    tracebacks (for exceptions that are only logged); leave it False for one that is
+    re-raised, so its traceback still says where it happened.
+    """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if current.__traceback__ is not None:
+            traceback.clear_frames(current.__traceback__)
+            if drop_traceback:
+                current.__traceback__ = None
+        pending.extend((current.__cause__, current.__context__))
 
 
 class KvtierError(Exception):

@@ -63,7 +63,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.errors import TierDrainTimeout, TierError
+from kvtier.errors import TierDrainTimeout, TierError, clear_exception_frames
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import (
     HealthState,
@@ -217,17 +217,7 @@ def forget_frames(exc: BaseException) -> None:
     reference cycle would keep them alive until a garbage collection, and the
     shared region cannot be unmapped while any view exists.
     """
-    seen: set[int] = set()
-    pending: list[BaseException | None] = [exc]
-    while pending:
-        e = pending.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if e.__traceback__ is not None:
-            traceback.clear_frames(e.__traceback__)
-            e.__traceback__ = None
-        pending.extend((e.__cause__, e.__context__))
+    clear_exception_frames(exc, drop_traceback=True)
 
 
 def describe_error(exc: BaseException, limit: int = 300) -> str:

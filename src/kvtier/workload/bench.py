@@ -32,14 +32,13 @@ from __future__ import annotations
 
 import logging
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 from kvtier.config import KvtierConfig, build_manager, load_config
-from kvtier.errors import ConfigError, KvtierError
+from kvtier.errors import ConfigError, KvtierError, clear_exception_frames
 from kvtier.keys import BlockKey, prefix_keys
 from kvtier.manager import TieringManager
 from kvtier.metrics import KvtierMetrics
@@ -513,20 +512,6 @@ class _Run:
         return result
 
 
-def _clear_frames(exc: BaseException) -> None:
-    """Clear the finished frames of ``exc``'s traceback and of the exceptions chained to it."""
-    seen: set[int] = set()
-    pending: list[BaseException | None] = [exc]
-    while pending:
-        e = pending.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if e.__traceback__ is not None:
-            traceback.clear_frames(e.__traceback__)
-        pending.extend((e.__cause__, e.__context__))
-
-
 def _new_result(config: KvtierConfig, manager: TieringManager, opts: BenchOptions, labels: list[str]) -> BenchResult:
     geometry = config.kv_geometry()
     result = BenchResult(
@@ -601,7 +586,7 @@ class Bench:
                 except BaseException as exc:
                     # The frames of the failed step hold views of the CPU rows (copy pairs);
                     # the region cannot be released while they live, so drop them first.
-                    _clear_frames(exc)
+                    clear_exception_frames(exc)
                     raise
                 finally:
                     run.close()
