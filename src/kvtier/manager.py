@@ -49,7 +49,6 @@ import logging
 import os
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -68,6 +67,7 @@ from kvtier.errors import (
     TierFailure,
     TierShutdownError,
     TierShutdownTimeout,
+    clear_exception_frames,
 )
 from kvtier.keys import BlockKey, Namespace
 from kvtier.policies import DEFAULT_POLICY, resolve_policy
@@ -128,19 +128,6 @@ def _check_shutdown_timeout(timeout: float | None) -> None:
 
 def _by_seq(state: _RequestState) -> int:
     return state.seq
-
-
-def _clear_traceback_frames(exc: BaseException) -> None:
-    """Drop the locals of the finished frames in ``exc``'s traceback (and its causes')."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        current = todo.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        traceback.clear_frames(current.__traceback__)
-        todo += [current.__cause__, current.__context__]
 
 
 def _checked_keys(keys: Iterable[BlockKey]) -> list[BlockKey]:
@@ -380,7 +367,7 @@ class TieringManager:
             # the caller may keep) still reference the CPU rows: drop their locals, or the
             # mapping (and its memory) would outlive this call.
             context = None
-            _clear_traceback_frames(exc)
+            clear_exception_frames(exc)
             cls._cleanup_failed_construction(region, primary, built)
             raise
 
