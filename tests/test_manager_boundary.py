@@ -63,6 +63,7 @@ def test_a_bad_key_is_refused_at_every_entry_and_never_reaches_a_tier(mgr: Tieri
     calls_before, touched_before = list(tier_doubles.CALLS), list(tier.touched)
     entries: list[Callable[[], object]] = [
         lambda: mgr.lookup(bad),
+        lambda: mgr.lookup_prefix([good, bad]),
         lambda: mgr.prepare_load([good, bad]),
         lambda: mgr.complete_load([bad]),
         lambda: mgr.touch([good, bad]),
@@ -89,6 +90,7 @@ def test_every_call_after_shutdown_raises_but_stats_and_shutdown_do_not(namespac
     assert mgr.is_shut_down
     calls: dict[str, Callable[[], object]] = {
         "lookup": lambda: mgr.lookup(key),
+        "lookup_prefix": lambda: mgr.lookup_prefix([key]),
         "prepare_load": lambda: mgr.prepare_load([key]),
         "complete_load": lambda: mgr.complete_load([key]),
         "touch": lambda: mgr.touch([key]),

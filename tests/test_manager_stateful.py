@@ -319,14 +319,16 @@ class ManagerMachine(RuleBasedStateMachine):
             d.submitted.clear()
         return out
 
-    def expected_lookup(self, k: BlockKey) -> tuple[LookupResult, int | None]:
+    def expected_lookup(self, k: BlockKey, ghosts: int = 0) -> tuple[LookupResult, int | None]:
+        """The answer to a lookup of ``k``, and the tier a promotion would start from. ``ghosts``:
+        blocks of ``present`` already evicted (evictable ones other than ``k``)."""
         if k in self.present:
             return (HIT_PENDING if self.expected_ref(k) == -1 else HIT), None
         retry = False
         for pos, double in enumerate(self.doubles):
             answer = double.answer(k)
             if answer is HIT:
-                room = len(self.present) < NUM_CPU_BLOCKS or self.evictable({k}) > 0
+                room = len(self.present) - ghosts < NUM_CPU_BLOCKS or self.evictable({k}) - ghosts > 0
                 return (HIT_PENDING, pos) if room else (MISS, None)
             retry = retry or answer is RETRY
         return (RETRY if retry else MISS), None
@@ -399,6 +401,54 @@ class ManagerMachine(RuleBasedStateMachine):
                 counting = False
         if hit_prefix:
             self.do_prepare_load(req, hit_prefix)
+
+    @precondition(lambda self: self.active())
+    @rule(pick=st.integers(0, 100), load=st.booleans())
+    def scan_prefix_and_load(self, pick: int, load: bool) -> None:
+        """The same scan in one call (lookup_prefix): every answer must be the one lookup per key
+        would have given. Promotions inside the call may evict blocks; which one went when is
+        the policy's choice, so the model replays the scan knowing only which blocks are gone
+        (a HIT is protected and an in-flight block never evictable, so a gone key of the scan
+        was evicted before its turn, and may have been promoted again at its turn)."""
+        req = self.active()[pick % len(self.active())]
+        chain = [KEYS[i] for i in req.chain]
+        polls = self.before_poll()
+        was_ready = {k for k in self.present if self.expected_ref(k) >= 0}
+        result = self.mgr.lookup_prefix(chain, req.ctx)
+        self.after_call(polls)
+        # Gone: evicted (a ready block of the scan may also have been promoted again after that).
+        refs = {k: self.mgr.primary.ref_count(k) for k in self.present}
+        gone = {k for k, ref in refs.items() if ref is None or (k in was_ready and ref == -1)}
+        ghosts = 0  # blocks evicted so far in the replay, still in self.present
+        for i, (k, got) in enumerate(zip(chain, result.answers, strict=False)):
+            if k in gone:
+                assert ghosts > 0, f"{name(k)} vanished before any eviction could take it"
+                self.present.discard(k)
+                gone.discard(k)
+                ghosts -= 1
+            expected, tier = self.expected_lookup(k, ghosts)
+            assert got is expected, f"lookup_prefix answer {i} ({name(k)}) = {got}, model expected {expected}"
+            if got is HIT:
+                self.step_hits.add(k)
+            if tier is not None:
+                if len(self.present) - ghosts >= NUM_CPU_BLOCKS:
+                    ghosts += 1
+                slot = self.mgr.primary.slot_of(k)
+                assert slot is not None and self.mgr.primary.ref_count(k) == -1
+                self.promotions[k] = Promotion(tier, req.ctx.req_id, slot)
+                self.present.add(k)
+        misses = [i for i, a in enumerate(result.answers) if a is MISS]
+        assert len(result.answers) == (misses[0] + 1 if misses else len(chain)), "the scan stops at the first MISS"
+        assert ghosts == len(gone), f"{len(gone)} blocks vanished, {ghosts} evictions replayed"
+        for k in gone:
+            assert self.expected_ref(k) == 0 and k not in self.step_hits
+            self.present.discard(k)
+        ready = next((i for i, a in enumerate(result.answers) if a is not HIT), len(result.answers))
+        assert result.ready == ready
+        assert result.found == sum(a in (HIT, HIT_PENDING) for a in result.answers)
+        assert result.deferred == any(a in (HIT_PENDING, RETRY) for a in result.answers)
+        if load and ready:
+            self.do_prepare_load(req, chain[:ready])
 
     def do_prepare_load(self, req: Req, keys: list[BlockKey]) -> None:
         polls = self.before_poll()

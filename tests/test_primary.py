@@ -179,3 +179,22 @@ def test_a_load_is_a_use_for_arc(private_shm: Path) -> None:
         assert result is not None and result.evicted_keys == [k(2)]
     finally:
         tier.shutdown()
+
+
+def test_a_device_store_completes_pinned_for_its_cascades_and_never_a_promotion(tier: PrimaryTier) -> None:
+    assert tier.prepare_store([k(1), k(2)]) is not None
+    assert tier.prepare_write([k(3)]) is not None  # a promotion in flight
+    done, slots = tier.complete_device_store([k(1), k(3), k(2), k(9)], pins=2)
+    assert done == [k(1), k(2)] and slots == [tier.slot_of(k(1)), tier.slot_of(k(2))]
+    assert [tier.ref_count(x) for x in (k(1), k(2), k(3))] == [2, 2, -1]
+    assert tier.policy.evictable_count() == 0, "pinned at once: not evictable in between"
+    assert tier.complete_device_store([k(1)], pins=2) == ([], []), "completed once only"
+    tier.unpin([k(1), k(2)])
+    assert tier.policy.evictable_count() == 0
+    tier.unpin([k(1), k(2)])
+    assert tier.policy.evictable_count() == 2 and tier.lookup(k(1)) is LookupResult.HIT
+    assert tier.prepare_store([k(4)]) is not None
+    row = tier.slot_of(k(4))
+    assert tier.complete_device_store([k(4)], success=False, pins=2) == ([k(4)], [row])
+    assert tier.ref_count(k(4)) is None, "a failed store is removed, never pinned"
+    assert tier.complete_write([k(3)]) == [k(3)], "the promotion completes through its own path"

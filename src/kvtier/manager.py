@@ -49,7 +49,6 @@ import logging
 import os
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -68,6 +67,7 @@ from kvtier.errors import (
     TierFailure,
     TierShutdownError,
     TierShutdownTimeout,
+    clear_exception_frames,
 )
 from kvtier.keys import BlockKey, Namespace
 from kvtier.policies import DEFAULT_POLICY, resolve_policy
@@ -91,6 +91,7 @@ from kvtier.types import (
     BlockEvent,
     LookupResult,
     OffloadPolicy,
+    PrefixLookup,
     RequestContext,
     RequestControl,
     tier_label,
@@ -98,6 +99,11 @@ from kvtier.types import (
 from kvtier.units import rows_that_fit
 
 logger = logging.getLogger(__name__)
+
+# The answers as module constants: the hot paths compare against them without an attribute load.
+_HIT, _HIT_PENDING, _RETRY, _MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY, LookupResult.MISS
+IN_FLIGHT = -1
+"""The CPU tier's ref count of a block whose write is in flight (see :mod:`kvtier.primary`)."""
 
 DEFAULT_SHUTDOWN_TIMEOUT = 120.0
 """Seconds :meth:`TieringManager.shutdown` gives all secondary tiers together."""
@@ -120,17 +126,8 @@ def _check_shutdown_timeout(timeout: float | None) -> None:
         raise ConfigError(f"shutdown_timeout must be >= 0 seconds or None, got {timeout!r}")
 
 
-def _clear_traceback_frames(exc: BaseException) -> None:
-    """Drop the locals of the finished frames in ``exc``'s traceback (and its causes')."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        current = todo.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        traceback.clear_frames(current.__traceback__)
-        todo += [current.__cause__, current.__context__]
+def _by_seq(state: _RequestState) -> int:
+    return state.seq
 
 
 def _checked_keys(keys: Iterable[BlockKey]) -> list[BlockKey]:
@@ -171,24 +168,31 @@ class _ShutdownRun:
         return self._done.wait(timeout)
 
 
-@dataclass
 class _Job:
-    tier_index: int
-    is_promotion: bool
-    keys: list[BlockKey]
-    req_id: str | None
-    submitted: float = 0.0  # perf_counter() at submit
+    """A tier job in flight (a plain slotted class: one is made per job on the scheduler thread)."""
+
+    __slots__ = ("is_promotion", "keys", "req_id", "submitted", "tier_index")
+
+    def __init__(self, tier_index: int, is_promotion: bool, keys: list[BlockKey], req_id: str | None,
+                 submitted: float) -> None:
+        self.tier_index = tier_index
+        self.is_promotion = is_promotion
+        self.keys = keys
+        self.req_id = req_id
+        self.submitted = submitted  # perf_counter() at submit
 
 
-@dataclass
+@dataclass(eq=False)
 class _RequestState:
     request: RequestContext
+    seq: int  # creation order: step-end work visits requests in this order
     request_level_tiers: list[int] = field(default_factory=list)
     pending_store_keys: set[BlockKey] = field(default_factory=set)
     parked_cascades: list[BlockKey] = field(default_factory=list)
     unsubmitted_promotions: int = 0
     finished: bool = False
     chain_tail: BlockKey | None = None  # the last block loaded or stored: the parent of the next
+    in_step: bool = False  # listed in the manager's _step_states (promotions or parked cascades)
 
 
 @dataclass
@@ -226,14 +230,11 @@ class TieringManager:
         self._jobs: dict[int, _Job] = {}
         self._next_job_id = 1
         self._requests: dict[str, _RequestState] = {}
+        self._next_request_seq = 0
+        # Requests with promotions of this step or parked cascades: the only ones step end visits.
+        self._step_states: list[_RequestState] = []
         self._pending_promotions: dict[tuple[int, str | None], _PendingPromotion] = {}
         self._polled_this_step = False
-        # Keys answered HIT this step: the engine may still prepare_load them in this
-        # step, so no eviction (for a store or a promotion) may take them before it ends.
-        self._step_hits: set[BlockKey] = set()
-        # Keys reserved by prepare_store and not yet completed: complete_store acts on these
-        # only, never on a row a promotion is writing (also in flight) or after a reset.
-        self._device_stores: set[BlockKey] = set()
         self._tiers_down: set[int] = set()
         self._closing = False  # shutdown() was called: only shutdown(), is_shut_down and stats() remain
         self._shutdown_complete = False
@@ -243,9 +244,13 @@ class TieringManager:
         # Index 0 is the CPU tier, index n secondary tier n (as in labels).
         self._telemetry = [TierTelemetry() for _ in range(len(self.tiers) + 1)]
         self._cpu_lookup_times = self._telemetry[0].lookup_seconds.pending  # appended to on the hot path
-        self._retrying = [t.retry_since for t in self._telemetry[1:]]  # per tier: keys that answered RETRY
+        # Per live secondary tier, in order: (position, tier, its telemetry, keys that answered RETRY).
+        self._secondary: list[tuple[int, SecondaryTier, TierTelemetry, dict[BlockKey, float]]] = [
+            (pos, tier, self._telemetry[pos + 1], self._telemetry[pos + 1].retry_since)
+            for pos, tier in enumerate(self.tiers)
+        ]
         self.lookup_timing_every = lookup_timing_every
-        self._untimed_lookups = 1
+        self._init_lookup_state(primary)
         self.backpressure = backpressure if backpressure is not None else BackpressureSettings()
         self._pressure: list[StoreLatencyMonitor | None] = [
             StoreLatencyMonitor(self.backpressure, self.tier_label(pos + 1)) if self.backpressure.enabled else None
@@ -257,6 +262,37 @@ class TieringManager:
             for pos, tier in enumerate(self.tiers)
         ]  # fmt: skip
         self._logged_control_errors: set[str] = set()
+        self.promoted_from = 0
+        """After a lookup answered HIT_PENDING: the index of the secondary tier it started a
+        promotion from, or 0 if the block was already being written into the CPU tier (a device
+        store or an earlier promotion). Meaningless after other answers. Lets an engine adapter
+        tell where a hit came from without a second lookup."""
+
+    def _init_lookup_state(self, primary: PrimaryTier) -> None:
+        """The state of the lookup paths (part of ``__init__``)."""
+        # Keys answered HIT this step: the engine may still prepare_load them in this
+        # step, so no eviction (for a store or a promotion) may take them before it ends.
+        # A HIT only appends its key to a log (never rebound: the lookup fast path holds its
+        # ``append``); the set is brought up to date from the log before an eviction may run.
+        self._step_hits: set[BlockKey] = set()
+        self._hit_log: list[BlockKey] = []
+        self._step_hit = self._hit_log.append
+        # The lookup fast path (see lookup): True once this step was polled, while the manager
+        # is open; it then answers a CPU hit from the CPU tier's index without a call.
+        self._steady = False
+        self._slot_get, self._refs = primary.hot_path()
+        # Lookup counting without a counter per HIT: every lookup that reaches the CPU tier
+        # counts ``_countdown`` down; the one that takes it to 0 is timed and adds
+        # ``lookup_timing_every`` to ``_counted`` as it starts the next round. So the CPU tier
+        # was asked ``_counted - _countdown`` times, and the HITs are that minus the other
+        # answers, which the slower paths count one by one.
+        self._countdown = 1
+        self._counted = 1
+        self._cpu_pending = 0  # CPU tier answers: write in flight
+        self._cpu_misses = 0  # CPU tier answers: absent
+        self._answered_pending = 0  # the manager's answers other than HIT
+        self._answered_retry = 0
+        self._answered_miss = 0
 
     # --- construction ----------------------------------------------------------------
 
@@ -331,7 +367,7 @@ class TieringManager:
             # the caller may keep) still reference the CPU rows: drop their locals, or the
             # mapping (and its memory) would outlive this call.
             context = None
-            _clear_traceback_frames(exc)
+            clear_exception_frames(exc)
             cls._cleanup_failed_construction(region, primary, built)
             raise
 
@@ -414,6 +450,7 @@ class TieringManager:
     def _poll_once(self) -> None:
         if not self._polled_this_step:
             self._polled_this_step = True
+            self._steady = not self._closing
             self._poll_all()
 
     def _poll_all(self) -> None:
@@ -439,11 +476,16 @@ class TieringManager:
         seconds = result.seconds if result.seconds > 0 else perf_counter() - job.submitted
         if job.is_promotion:
             telemetry.loads_in_flight -= 1
-            ok = result.succeeded(job.keys)
-            ok_set = set(ok)
-            failed = [k for k in job.keys if k not in ok_set]
-            self.primary.complete_write(ok, True)
-            self.primary.complete_write(failed, False)
+            if result.successful_keys is None:  # all or nothing
+                ok, failed = (job.keys, []) if result.success else ([], job.keys)
+            else:
+                ok = result.succeeded(job.keys)
+                ok_set = set(ok)
+                failed = [k for k in job.keys if k not in ok_set]
+            if ok:
+                self.primary.complete_write(ok, True)
+            if failed:
+                self.primary.complete_write(failed, False)
             self._stats.promotions_succeeded += len(ok)
             self._stats.promotions_failed += len(failed)
             telemetry.read.add(len(ok), result.bytes_moved, seconds)
@@ -470,49 +512,165 @@ class TieringManager:
     def _new_job(self, pos: int, keys: list[BlockKey], slots: np.ndarray, promotion: bool,
                  request: RequestContext | None) -> TransferJob:
         job_id = self._next_job_id
-        self._next_job_id += 1
-        self._jobs[job_id] = _Job(pos, promotion, keys, request.req_id if request else None, perf_counter())
+        self._next_job_id = job_id + 1
+        self._jobs[job_id] = _Job(pos, promotion, keys, None if request is None else request.req_id, perf_counter())
         return TransferJob(job_id, keys, slots, promotion, request)
 
     # --- lookups and loads ---------------------------------------------------------------
 
     def lookup(self, key: BlockKey, request: RequestContext | None = None) -> LookupResult:
-        """Where is ``key``? Starts a promotion on a secondary hit (see the module docstring)."""
+        """Where is ``key``? Starts a promotion on a secondary hit (see the module docstring).
+
+        A CPU hit is answered from the CPU tier's index, without a call per tier;
+        misses ask the secondary tiers. :meth:`lookup_prefix` answers a request's
+        run of keys in one call.
+        """
+        # Fast path: in a step already polled, for a request with the default control, a ready
+        # CPU block is answered here and a CPU miss goes straight to the secondary tiers; the
+        # round's timed lookup goes to _timed_lookup. Anything else takes _lookup.
+        if type(key) is bytes and self._steady and (request is None or request.control is DEFAULT_CONTROL):
+            countdown = self._countdown - 1
+            if countdown:
+                slot = self._slot_get(key)
+                if slot is not None:  # the key equals a stored one, so its length was checked
+                    if self._refs[slot] != IN_FLIGHT:
+                        self._countdown = countdown
+                        self._step_hit(key)
+                        return _HIT
+                elif 0 < len(key) <= MAX_KEY_BYTES:
+                    self._countdown = countdown
+                    self._cpu_misses += 1
+                    if self._secondary:
+                        return self._lookup_secondary(key, request, None, 0.0)
+                    self._answered_miss += 1
+                    return _MISS
+            elif 0 < len(key) <= MAX_KEY_BYTES:
+                return self._timed_lookup(key, request, None)
+        return self._lookup(key, request)
+
+    def _lookup(self, key: BlockKey, request: RequestContext | None) -> LookupResult:
+        """:meth:`lookup` in full: checks, the step's poll, control, then the CPU tier and the
+        secondary tiers."""
         if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES or self._closing:
             self._open_keys("lookup", (key,))  # raises, unless a valid key of a bytes subclass
         self._poll_once()
         allowed = None if request is None else (request.control or self.request_control(request)).load_from
         if allowed is not None and 0 not in allowed:
-            result = LookupResult.MISS  # the request may not load anything: every load goes through the CPU tier
-        else:
-            countdown = self._untimed_lookups - 1
-            if countdown:  # not this one: one lookup in `lookup_timing_every` is timed
-                self._untimed_lookups = countdown
-                now = 0.0
-                result = self.primary.lookup(key)
-            else:
-                self._untimed_lookups = self.lookup_timing_every
-                start = perf_counter()
-                result = self.primary.lookup(key)
-                now = perf_counter()
-                self._cpu_lookup_times.append(now - start)
-            if result is LookupResult.HIT:
-                self._step_hits.add(key)
-            elif result is LookupResult.MISS and self.tiers:
-                result = self._lookup_secondary(key, request, allowed, now)
-        self._stats.lookups[result.value] += 1
-        return result
+            self._answered_miss += 1
+            return _MISS  # the request may not load anything: every load goes through the CPU tier
+        countdown = self._countdown - 1
+        if not countdown:
+            return self._timed_lookup(key, request, allowed)
+        self._countdown = countdown
+        slot = self._slot_get(key)
+        if slot is not None:
+            return self._cpu_answer(key, self._refs[slot] == IN_FLIGHT)
+        self._cpu_misses += 1
+        if self._secondary:
+            return self._lookup_secondary(key, request, allowed, 0.0)
+        self._answered_miss += 1
+        return _MISS
+
+    def _timed_lookup(
+        self, key: BlockKey, request: RequestContext | None, allowed: frozenset[int] | None
+    ) -> LookupResult:
+        """The lookup that ends a round of ``lookup_timing_every``: the CPU tier's answer and
+        each secondary tier's are timed (the per-tier ``lookup_seconds`` histograms)."""
+        self._countdown = every = self.lookup_timing_every
+        self._counted += every
+        start = perf_counter()
+        slot = self._slot_get(key)
+        pending = slot is not None and self._refs[slot] == IN_FLIGHT
+        now = perf_counter()
+        self._cpu_lookup_times.append(now - start)
+        if slot is not None:
+            return self._cpu_answer(key, pending)
+        self._cpu_misses += 1
+        if self._secondary:
+            return self._lookup_secondary(key, request, allowed, now)
+        self._answered_miss += 1
+        return _MISS
+
+    def _cpu_answer(self, key: BlockKey, pending: bool) -> LookupResult:
+        """The answer for a block the CPU tier holds: HIT_PENDING while its write is in flight."""
+        if pending:
+            self._cpu_pending += 1
+            self._answered_pending += 1
+            self.promoted_from = 0
+            return _HIT_PENDING
+        self._step_hit(key)
+        return _HIT
+
+    def lookup_prefix(self, keys: Sequence[BlockKey], request: RequestContext | None = None) -> PrefixLookup:
+        """Look up a request's blocks in prefix order, in one call: the engine's prefix scan.
+
+        Same answers and the same effects (promotions started, counters, the
+        step's HITs protected from eviction) as calling :meth:`lookup` on each
+        key in order, stopping after the first MISS, as vLLM's connector does
+        with ``lookup``; a run of CPU hits costs about a dictionary probe per
+        key. Returns a :class:`~kvtier.types.PrefixLookup`: the answers, how
+        many leading keys are ready to load now (``ready``), and whether to ask
+        again next step (``deferred``: a key before the first MISS answered
+        HIT_PENDING or RETRY). A bad key raises like :meth:`lookup`, after the
+        keys before it were looked up. Scheduler thread only; never blocks.
+        """
+        if self._closing:
+            self._refuse("lookup_prefix")
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = list(keys)
+        answers: list[LookupResult] = []
+        n = len(keys)
+        i = 0
+        ready = -1  # the index of the first answer other than HIT, once known
+        while i < n:
+            i = self._lookup_run(keys, i, request, answers)
+            if i < n:
+                answer = self._lookup(keys[i], request)
+                answers.append(answer)
+                i += 1
+                if answer is not _HIT:
+                    if ready < 0:
+                        ready = i - 1
+                    if answer is _MISS:
+                        break
+        hits, pending = answers.count(_HIT), answers.count(_HIT_PENDING)
+        return PrefixLookup(
+            answers, len(answers) if ready < 0 else ready, hits + pending, bool(pending) or _RETRY in answers
+        )
+
+    def _lookup_run(
+        self, keys: Sequence[BlockKey], i: int, request: RequestContext | None, answers: list[LookupResult]
+    ) -> int:
+        """Answer the CPU hits of :meth:`lookup_prefix` from ``keys[i]`` on with the fast path's
+        checks; returns the index of the first key :meth:`_lookup` must answer."""
+        if not self._steady or not (request is None or request.control is DEFAULT_CONTROL):
+            return i
+        slot_get, refs, step_hit = self._slot_get, self._refs, self._step_hit
+        stop = min(len(keys), i + self._countdown - 1)  # the round's timed lookup takes the full path
+        start = i
+        while i < stop:
+            key = keys[i]
+            if type(key) is not bytes:
+                break
+            slot = slot_get(key)
+            if slot is None or refs[slot] == IN_FLIGHT:
+                break
+            step_hit(key)
+            i += 1
+        if i > start:
+            self._countdown -= i - start
+            answers += [_HIT] * (i - start)
+        return i
 
     def _lookup_secondary(
         self, key: BlockKey, request: RequestContext | None, allowed: frozenset[int] | None, now: float
     ) -> LookupResult:
-        """Ask the tiers ``allowed`` (indices; None: all) in order. ``now`` is when the first is
-        asked if this lookup is timed, else 0. A tier's RETRY, and its answer after one, are
-        always timed (``lookup_async_seconds``)."""
+        """Ask the tiers ``allowed`` (indices; None: all) in order, after a CPU miss, and count
+        the answer. ``now`` is when the first is asked if this lookup is timed, else 0. A
+        tier's RETRY, and its answer after one, are always timed (``lookup_async_seconds``)."""
         retry = False
-        retrying = self._retrying
-        for pos, tier in enumerate(self.tiers):
-            if pos in self._tiers_down or (allowed is not None and pos + 1 not in allowed):
+        for pos, tier, telemetry, retrying in self._secondary:
+            if allowed is not None and pos + 1 not in allowed:
                 continue
             try:
                 answer = tier.lookup(key, request)
@@ -521,35 +679,64 @@ class TieringManager:
                 continue
             if now:
                 done = perf_counter()
-                self._telemetry[pos + 1].lookup_seconds.pending.append(done - now)
+                telemetry.lookup_seconds.pending.append(done - now)
                 now = done
-            if answer is LookupResult.MISS:
-                if retrying[pos]:
-                    self._telemetry[pos + 1].answered(key, now or perf_counter())
+            if answer is _MISS:
+                if retrying:
+                    telemetry.answered(key, now or perf_counter())
                 continue
-            if answer is LookupResult.RETRY:
-                self._telemetry[pos + 1].retried(key, now or perf_counter())
+            if answer is _RETRY:
+                telemetry.retried(key, now or perf_counter())
                 retry = True
                 continue
-            if retrying[pos]:
-                self._telemetry[pos + 1].answered(key, now or perf_counter())
-            if answer is LookupResult.HIT:
-                reserved = self.primary.prepare_write([key], self._step_hits)
-                if reserved is None or not reserved.keys_to_store:
-                    self._stats.promotion_alloc_failures += 1
-                    return LookupResult.MISS
-                req_id = request.req_id if request else None
-                pending = self._pending_promotions.get((pos, req_id))
-                if pending is None:
-                    pending = self._pending_promotions[(pos, req_id)] = _PendingPromotion(request)
-                pending.keys.append(key)
-                pending.slots.append(int(reserved.slots[0]))
-                state = self._state(request)
-                if state is not None:
-                    state.unsubmitted_promotions += 1
-                self._stats.promotions_started += 1
-                return LookupResult.HIT_PENDING
-        return LookupResult.RETRY if retry else LookupResult.MISS
+            if retrying:
+                telemetry.answered(key, now or perf_counter())
+            if answer is _HIT:
+                if self._start_promotion(pos, key, request):
+                    self._answered_pending += 1
+                    return _HIT_PENDING
+                self._answered_miss += 1  # no CPU row for it: MISS, whatever other tiers said
+                return _MISS
+        if retry:
+            self._answered_retry += 1
+            return _RETRY
+        self._answered_miss += 1
+        return _MISS
+
+    def _start_promotion(self, pos: int, key: BlockKey, request: RequestContext | None) -> bool:
+        """Reserve a CPU row for ``key``, found in tier ``pos``, and queue its load for step end;
+        False if no row can be freed."""
+        slot = self.primary.reserve_one(key, self._protected())
+        if slot is None:
+            self._stats.promotion_alloc_failures += 1
+            return False
+        req_id = request.req_id if request else None
+        pending = self._pending_promotions.get((pos, req_id))
+        if pending is None:
+            pending = self._pending_promotions[(pos, req_id)] = _PendingPromotion(request)
+        pending.keys.append(key)
+        pending.slots.append(slot)
+        state = self._state(request)
+        if state is not None:
+            state.unsubmitted_promotions += 1
+            self._in_step(state)
+        self._stats.promotions_started += 1
+        self.promoted_from = pos + 1
+        return True
+
+    def _protected(self) -> set[BlockKey]:
+        """The keys no eviction may take now: those answered HIT this step."""
+        log = self._hit_log
+        if log:
+            self._step_hits.update(log)
+            log.clear()
+        return self._step_hits
+
+    def _in_step(self, state: _RequestState) -> None:
+        """List ``state`` for this step's end (promotions to submit, cascades parked)."""
+        if not state.in_step:
+            state.in_step = True
+            self._step_states.append(state)
 
     def prepare_load(self, keys: Sequence[BlockKey], request: RequestContext | None = None) -> np.ndarray:
         """Pin HIT blocks for a device load; returns their CPU rows. Raises if one is not HIT."""
@@ -583,7 +770,8 @@ class TieringManager:
             return None
         state = self._requests.get(request.req_id)
         if state is None:
-            state = self._requests[request.req_id] = _RequestState(request)
+            state = self._requests[request.req_id] = _RequestState(request, self._next_request_seq)
+            self._next_request_seq += 1
         return state
 
     def prepare_store(
@@ -596,11 +784,10 @@ class TieringManager:
             self._stats.stores_declined += len(keys)
             return PrepareStoreResult([], np.empty(0, dtype=np.int64), [])
         state = self._state(request)
-        result = self.primary.prepare_store(keys, self._step_hits, after=state.chain_tail if state else None)
+        result = self.primary.prepare_store(keys, self._protected(), after=state.chain_tail if state else None)
         if result is None:
             self._stats.store_rejections += 1
             return None
-        self._device_stores.update(result.keys_to_store)
         if state is not None:
             if keys:
                 state.chain_tail = keys[-1]
@@ -619,6 +806,7 @@ class TieringManager:
                 continue
             if ref < 0:
                 state.parked_cascades.append(key)
+                self._in_step(state)
             else:
                 ready.append(key)
         if ready:
@@ -627,35 +815,66 @@ class TieringManager:
     def complete_store(
         self, keys: Sequence[BlockKey], request: RequestContext | None = None, success: bool = True
     ) -> None:
-        """The device -> CPU copy of ``keys`` finished; on success cascade them to every tier."""
-        keys = [k for k in self._open_keys("complete_store", keys) if k in self._device_stores]
-        self._device_stores.difference_update(keys)
+        """The device -> CPU copy of ``keys`` finished; on success cascade them to every tier.
+
+        Only rows that :meth:`prepare_store` reserved and nothing completed since are
+        acted on (never a row a promotion is writing, nothing after a reset). The
+        blocks are made readable and pinned for each tier they cascade to in one pass.
+        """
+        keys = self._open_keys("complete_store", keys)
+        targets = self._cascade_targets(range(len(self.tiers)), request) if success else []
+        done, slots = self.primary.complete_device_store(keys, success, len(targets))
         # A late completion (after reset, or after the request was finalized) must not
         # bring back a state that nothing would ever finish.
         state = self._requests.get(request.req_id) if request is not None else None
         if state is not None:
-            state.pending_store_keys.difference_update(keys)
-        done = self.primary.complete_store(keys, success)
-        if success and done:
-            self._cascade(done, range(len(self.tiers)), request)
+            state.pending_store_keys.difference_update(done)
+        if targets and done:
+            admitted = self._admit(targets, len(done))
+            for _ in range(len(targets) - len(admitted)):
+                self.primary.unpin(done)  # pinned for a tier under backpressure: released at once
+            if admitted:
+                self._submit_cascades(done, slots, admitted, request)
         if state is not None:
             self._maybe_finalize(state)
 
     def _cascade(self, keys: list[BlockKey], positions: Iterable[int], request: RequestContext | None) -> None:
-        """Submit one store job of ``keys`` to each tier at ``positions`` the request allows and
-        that is not under backpressure."""
+        """Submit one store job of ``keys`` (ready blocks) to each tier at ``positions`` the
+        request allows and that is not under backpressure."""
+        targets = self._admit(self._cascade_targets(positions, request), len(keys))
+        if targets:
+            self._submit_cascades(keys, self.primary.pin_slots(keys, len(targets)), targets, request)
+
+    def _cascade_targets(self, positions: Iterable[int], request: RequestContext | None) -> list[int]:
+        """The tiers at ``positions`` that are up and that the request lets its blocks go to."""
         wanted = None if request is None else (request.control or self.request_control(request)).cascade_to
-        for pos in positions:
-            if pos in self._tiers_down or (wanted is not None and pos + 1 not in wanted):
-                continue
-            telemetry = self._telemetry[pos + 1]
+        down = self._tiers_down
+        return [pos for pos in positions if pos not in down and (wanted is None or pos + 1 in wanted)]
+
+    def _admit(self, targets: list[int], blocks: int) -> list[int]:
+        """The tiers of ``targets`` whose backpressure admits a cascade of ``blocks`` blocks now
+        (the others count it as skipped)."""
+        admitted = []
+        for pos in targets:
             monitor = self._pressure[pos]
-            if monitor is not None and not monitor.admit(len(keys), telemetry.stores_in_flight):
-                self._stats.cascades_skipped += len(keys)
+            if monitor is not None and not monitor.admit(blocks, self._telemetry[pos + 1].stores_in_flight):
+                self._stats.cascades_skipped += blocks
                 continue
-            slots = self.primary.pin(keys)
-            job = self._new_job(pos, list(keys), slots, False, request)
-            self._stats.cascade_jobs += 1
+            admitted.append(pos)
+        return admitted
+
+    def _submit_cascades(
+        self, keys: list[BlockKey], slots: list[int], targets: list[int], request: RequestContext | None
+    ) -> None:
+        """One store job per tier of ``targets``; the rows are pinned once for each already.
+        The jobs share one read-only array of the rows (a tier reads ``job.slots``, never
+        writes it). A tier that refuses its job releases its pin."""
+        rows = np.array(slots, dtype=np.int64)
+        rows.flags.writeable = False
+        self._stats.cascade_jobs += len(targets)
+        for pos in targets:
+            job = self._new_job(pos, list(keys), rows, False, request)
+            telemetry = self._telemetry[pos + 1]
             telemetry.stores_in_flight += 1
             try:
                 self.tiers[pos].submit_store(job)
@@ -738,23 +957,32 @@ class TieringManager:
                 telemetry.fail("submit_error")
                 del self._jobs[job.job_id]
                 self.primary.complete_write(promo.keys, False)
-        for state in list(self._requests.values()):
-            state.unsubmitted_promotions = 0  # every promotion of this step was just submitted
-            if state.parked_cascades:
-                parked, state.parked_cascades = state.parked_cascades, []
-                self._cascade_request_level(state, parked)
-            self._maybe_finalize(state)
-        for pos, tier in enumerate(self.tiers):
-            if pos not in self._tiers_down:
-                try:
-                    tier.on_schedule_end()
-                except Exception:
-                    self._tier_call_failed(pos, "on_schedule_end")
+        if self._step_states:
+            self._end_step_of_requests()
+        for pos, tier, _, _ in self._secondary:
+            try:
+                tier.on_schedule_end()
+            except Exception:
+                self._tier_call_failed(pos, "on_schedule_end")
         for telemetry in self._telemetry:
             if len(telemetry.lookup_seconds.pending) >= telemetry.lookup_seconds.FOLD_AT:
                 telemetry.lookup_seconds.fold()
         self._step_hits.clear()
-        self._polled_this_step = False
+        self._hit_log.clear()
+        self._polled_this_step = self._steady = False
+
+    def _end_step_of_requests(self) -> None:
+        """The step's end for the requests with promotions (just submitted) or parked cascades,
+        in the order the requests came: flush what can go, finalize what is done."""
+        states, self._step_states = self._step_states, []
+        states.sort(key=_by_seq)
+        for state in states:
+            state.in_step = False
+            state.unsubmitted_promotions = 0  # every promotion of this step was just submitted
+            if state.parked_cascades:
+                parked, state.parked_cascades = state.parked_cascades, []
+                self._cascade_request_level(state, parked)  # lists the state again if still parked
+            self._maybe_finalize(state)
 
     def has_pending_work(self) -> bool:
         """True while a tier job is in flight, a promotion awaits submission, or a cascade is parked."""
@@ -763,7 +991,7 @@ class TieringManager:
         return bool(
             self._jobs
             or self._pending_promotions
-            or any(s.parked_cascades for s in self._requests.values())
+            or any(s.parked_cascades for s in self._step_states)
             or any(self._tier_has_pending_work(pos) for pos in range(len(self.tiers)))
         )
 
@@ -820,17 +1048,19 @@ class TieringManager:
                 f"{len(self._jobs)} tier job(s) still unreported after drain; the CPU tier was not reset"
             )
         self._pending_promotions.clear()
+        self._step_states.clear()
         for state in list(self._requests.values()):
             state.pending_store_keys.clear()
             state.parked_cascades.clear()
             state.unsubmitted_promotions = 0
+            state.in_step = False
             self._maybe_finalize(state)
         self.primary.reset()
         for telemetry in self._telemetry:
             telemetry.retry_since.clear()
-        self._device_stores.clear()
         self._step_hits.clear()
-        self._polled_this_step = False
+        self._hit_log.clear()
+        self._polled_this_step = self._steady = False
 
     # --- per-request control --------------------------------------------------------------
 
@@ -877,7 +1107,7 @@ class TieringManager:
         tiers = [self._cpu_snapshot()]
         tiers += [self._tier_snapshot(pos, tier) for pos, tier in enumerate(self.tiers)]
         counters = replace(
-            self._stats, lookups=dict(self._stats.lookups), jobs_in_flight=len(self._jobs),
+            self._stats, lookups=self._lookup_counts(), jobs_in_flight=len(self._jobs),
             active_requests=len(self._requests),
         )  # fmt: skip
         return ManagerSnapshot(
@@ -889,9 +1119,25 @@ class TieringManager:
             tiers=tuple(tiers),
         )
 
+    def _cpu_hits(self) -> int:
+        """HITs the manager answered (each one a CPU hit): see the counting note in ``__init__``."""
+        return self._counted - self._countdown - self._cpu_pending - self._cpu_misses
+
+    def _lookup_counts(self) -> dict[str, int]:
+        return {
+            _HIT.value: self._cpu_hits(),
+            _HIT_PENDING.value: self._answered_pending,
+            _RETRY.value: self._answered_retry,
+            _MISS.value: self._answered_miss,
+        }
+
     def _cpu_snapshot(self) -> TierSnapshot:
         primary = self.primary
-        ps = primary.stats
+        own = primary.stats  # its own lookup() calls; the manager's lookups are added
+        ps = replace(
+            own, hits=own.hits + self._cpu_hits(), hits_pending=own.hits_pending + self._cpu_pending,
+            misses=own.misses + self._cpu_misses,
+        )  # fmt: skip
         telemetry = self._telemetry[0]
         stride = primary.region.row_stride
         return TierSnapshot(
@@ -1010,6 +1256,7 @@ class TieringManager:
         if self._shutdown_complete:
             return
         self._closing = True
+        self._steady = False
         limit = self.shutdown_timeout if timeout is None else timeout
         deadline = None if limit is None else time.monotonic() + max(0.0, limit)
         pending = [pos for pos in range(len(self.tiers)) if pos not in self._tiers_down]
@@ -1020,6 +1267,7 @@ class TieringManager:
             error = self._shutdown_tier(pos, tier, share)
             if error is None:
                 self._tiers_down.add(pos)
+                self._secondary = [entry for entry in self._secondary if entry[0] != pos]
                 tier.context.release_rows()
                 continue
             logger.error(

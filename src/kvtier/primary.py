@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +32,11 @@ logger = logging.getLogger(__name__)
 
 IN_FLIGHT = -1
 
+DEVICE_STORE = 1
+"""The kind of a write in flight that :meth:`PrimaryTier.prepare_store` reserved (a device store)."""
+PROMOTION = 2
+"""The kind of a write in flight that ``prepare_write`` / ``reserve_one`` reserved (a promotion)."""
+
 
 @dataclass
 class PrepareStoreResult:
@@ -44,6 +49,10 @@ class PrepareStoreResult:
 
 @dataclass
 class PrimaryStats:
+    """The CPU tier's counters. ``hits``, ``hits_pending`` and ``misses`` count calls of
+    :meth:`PrimaryTier.lookup`; the :class:`~kvtier.manager.TieringManager` answers its own
+    lookups from the index directly and adds its counts in its snapshot of this tier."""
+
     hits: int = 0
     hits_pending: int = 0
     misses: int = 0
@@ -88,8 +97,11 @@ class PrimaryTier:
         self.num_blocks = region.num_rows
         self.policy = policy if isinstance(policy, EvictionPolicy) else create_policy(policy, self.num_blocks)
         self.rows: np.ndarray | None = region.rows
+        # The index and the ref counts are never rebound (reset clears them in place), so the
+        # views handed out by hot_path() stay valid for the tier's life.
         self._slot_of: dict[BlockKey, int] = {}
         self._ref: list[int] = [0] * self.num_blocks
+        self._writer = bytearray(self.num_blocks)  # the kind of each slot's last reservation
         self._free: list[int] = []
         self._next_fresh = 0
         # Bounded: an engine that never takes events must not grow memory without limit.
@@ -117,6 +129,12 @@ class PrimaryTier:
     def slot_of(self, key: BlockKey) -> int | None:
         return self._slot_of.get(key)
 
+    def hot_path(self) -> tuple[Callable[[BlockKey], int | None], list[int]]:
+        """``(slot_of, refs)``: the index's ``get`` (key -> slot, or None) and the ref counts by
+        slot, for a caller that answers lookups without a call per key (the manager's fast
+        path). Read only; both stay valid for the tier's life. Scheduler thread only."""
+        return self._slot_of.get, self._ref
+
     def lookup(self, key: BlockKey) -> LookupResult:
         """HIT if ready, HIT_PENDING if a write is in flight, else MISS."""
         slot = self._slot_of.get(key)
@@ -143,14 +161,21 @@ class PrimaryTier:
         None, changing nothing, if not enough blocks can be evicted. New blocks
         are in flight (ref -1) until ``complete_store``.
         """
-        keys = list(keys)
-        result = self._reserve(keys, protected)
-        if result is not None and keys:
-            chain = list(dict.fromkeys(keys))
+        keys = keys if type(keys) is list else list(keys)
+        reserved = self._reserve(keys, protected, DEVICE_STORE)
+        if reserved is None:
+            return None
+        new_keys, slots, evicted = reserved
+        if keys:
             slot_of = self._slot_of
+            if len(new_keys) == len(keys):  # all new (hence distinct): the chain is what was reserved
+                chain, chain_slots = new_keys, slots
+            else:
+                chain = list(dict.fromkeys(keys))
+                chain_slots = [slot_of[k] for k in chain]
             parent = -1 if after is None else slot_of.get(after, -1)
-            self.policy.reference_chain(chain, [slot_of[k] for k in chain], parent, False)
-        return result
+            self.policy.reference_chain(chain, chain_slots, parent, False)
+        return PrepareStoreResult(new_keys, np.array(slots, dtype=np.int64), evicted)
 
     def prepare_write(
         self, keys: Iterable[BlockKey], protected: Collection[BlockKey] = ()
@@ -160,37 +185,76 @@ class PrimaryTier:
         No reference is reported: the promoted blocks are referenced when the
         request loads them.
         """
-        return self._reserve(list(keys), protected)
+        reserved = self._reserve(list(keys), protected, PROMOTION)
+        if reserved is None:
+            return None
+        new_keys, slots, evicted = reserved
+        return PrepareStoreResult(new_keys, np.array(slots, dtype=np.int64), evicted)
 
-    def _reserve(self, keys: list[BlockKey], protected: Collection[BlockKey]) -> PrepareStoreResult | None:
-        new_keys: list[BlockKey] = []
-        seen: set[BlockKey] = set()
-        for key in keys:
-            if key not in self._slot_of and key not in seen:
-                seen.add(key)
-                new_keys.append(key)
+    def reserve_one(self, key: BlockKey, protected: Collection[BlockKey] = ()) -> int | None:
+        """``prepare_write([key], protected)`` for one key known to be absent: its row, or None
+        (changing nothing) if no row can be freed. The manager's per-lookup promotion path."""
+        free = self._free
+        if free:
+            slot = free.pop()
+        elif self._next_fresh < self.num_blocks:
+            slot = self._take_fresh()
+        else:
+            # The key is absent, so it cannot be evicted for itself: ``protected`` is the whole guard.
+            chosen = self.policy.evict(1, protected)
+            if chosen is None:
+                self.stats.store_rejections += 1
+                return None
+            slot = self._slot_of.pop(chosen[0])
+            self.stats.evictions += 1
+            self._events.append(BlockEvent(tuple(chosen), self.tier_label, self.medium, removed=True))
+        self._slot_of[key] = slot
+        self._ref[slot] = IN_FLIGHT
+        self._writer[slot] = PROMOTION
+        self.policy.insert(key, slot)
+        return slot
+
+    def _reserve(
+        self, keys: list[BlockKey], protected: Collection[BlockKey], kind: int
+    ) -> tuple[list[BlockKey], list[int], list[BlockKey]] | None:
+        """Rows for the distinct keys of ``keys`` not yet present: (new keys, their slots, evicted)."""
+        slot_of = self._slot_of
+        new_keys = [k for k in keys if k not in slot_of]
+        all_new = len(new_keys) == len(keys)
+        if len(new_keys) > 1 and len(set(new_keys)) < len(new_keys):
+            new_keys = list(dict.fromkeys(new_keys))
+        free = self._free
         evicted: list[BlockKey] = []
-        shortfall = len(new_keys) - self.free_slots
+        shortfall = len(new_keys) - len(free) - (self.num_blocks - self._next_fresh)
         if shortfall > 0:
-            # Every input key is protected, also those already present: evicting a block
-            # the caller is about to rely on would defeat the store.
-            chosen = self.policy.evict(shortfall, _Union(set(keys), protected))
+            # Every input key is protected, also those already present: evicting a block the
+            # caller is about to rely on would defeat the store. When every key is new (none is
+            # in the tier) ``protected`` alone is the same guard, without a union per candidate.
+            guard = protected if all_new else _Union(set(keys), protected)
+            chosen = self.policy.evict(shortfall, guard)
             if chosen is None:
                 self.stats.store_rejections += 1
                 return None
             for key in chosen:
-                self._free.append(self._slot_of.pop(key))
+                free.append(slot_of.pop(key))
             evicted = chosen
             self.stats.evictions += len(chosen)
             self._events.append(BlockEvent(tuple(chosen), self.tier_label, self.medium, removed=True))
-        slots = np.empty(len(new_keys), dtype=np.int64)
-        for i, key in enumerate(new_keys):
-            slot = self._free.pop() if self._free else self._take_fresh()
-            self._slot_of[key] = slot
-            self._ref[slot] = IN_FLIGHT
-            self.policy.insert(key, slot)
-            slots[i] = slot
-        return PrepareStoreResult(new_keys, slots, evicted)
+        ref, writer = self._ref, self._writer
+        slots: list[int] = []
+        for key in new_keys:
+            if free:
+                slot = free.pop()
+            else:
+                slot = self._next_fresh
+                self._next_fresh = slot + 1
+            slot_of[key] = slot
+            ref[slot] = IN_FLIGHT
+            writer[slot] = kind
+            slots.append(slot)
+        if new_keys:
+            self.policy.insert_many(new_keys, slots)
+        return new_keys, slots, evicted
 
     def _take_fresh(self) -> int:
         slot = self._next_fresh
@@ -203,29 +267,52 @@ class PrimaryTier:
         Keys that are not in flight (unknown, or already completed, e.g. after a
         reset) are ignored. Returns the keys whose state changed.
         """
+        return self._complete(keys, success, 0, 0)[0]
+
+    def complete_device_store(
+        self, keys: Iterable[BlockKey], success: bool = True, pins: int = 0
+    ) -> tuple[list[BlockKey], list[int]]:
+        """:meth:`complete_store` of the device stores among ``keys`` only (rows reserved by
+        :meth:`prepare_store`; a promotion in flight is left alone), each completed block
+        pinned ``pins`` times at once (one pin per tier a cascade is about to read it for).
+        Returns the completed keys, in the order given, and their rows."""
+        return self._complete(keys, success, DEVICE_STORE, pins if success else 0)
+
+    def _complete(
+        self, keys: Iterable[BlockKey], success: bool, kind: int, pins: int
+    ) -> tuple[list[BlockKey], list[int]]:
+        """Complete the writes in flight of ``keys`` (of ``kind`` only, unless 0)."""
         done: list[BlockKey] = []
+        slots: list[int] = []
+        slot_of, ref, writer = self._slot_of, self._ref, self._writer
         # Tail first, so a policy that orders by completion keeps a chain's head longest.
-        for key in reversed(list(keys)):
-            slot = self._slot_of.get(key)
-            if slot is None or self._ref[slot] != IN_FLIGHT:
+        for key in reversed(keys if type(keys) is list else list(keys)):
+            slot = slot_of.get(key)
+            if slot is None or ref[slot] != IN_FLIGHT or (kind and writer[slot] != kind):
                 continue
-            if success:
-                self._ref[slot] = 0
-                self.policy.mark_evictable(key, slot)
-            else:
-                del self._slot_of[key]
-                self._ref[slot] = 0
+            ref[slot] = pins
+            if not success:
+                del slot_of[key]
                 self._free.append(slot)
                 self.policy.remove(key, slot)
             done.append(key)
-        done.reverse()
-        if done:
-            if success:
-                self.stats.blocks_stored += len(done)
-                self._events.append(BlockEvent(tuple(done), self.tier_label, self.medium, removed=False))
+            slots.append(slot)
+        if not done:
+            return done, slots
+        if success:
+            if pins:
+                self.policy.mark_evictable_then_pinned_many(done, slots)
             else:
-                self.stats.store_failures += len(done)
-        return done
+                self.policy.mark_evictable_many(done, slots)
+            done.reverse()
+            slots.reverse()
+            self.stats.blocks_stored += len(done)
+            self._events.append(BlockEvent(tuple(done), self.tier_label, self.medium, removed=False))
+        else:
+            done.reverse()
+            slots.reverse()
+            self.stats.store_failures += len(done)
+        return done, slots
 
     # Promotions complete rows exactly like device stores.
     complete_write = complete_store
@@ -234,28 +321,64 @@ class PrimaryTier:
 
     def pin(self, keys: Sequence[BlockKey]) -> np.ndarray:
         """Pin ready blocks for reading; returns their rows. Raises if one is not ready."""
-        slots = np.empty(len(keys), dtype=np.int64)
+        return np.array(self.pin_slots(keys), dtype=np.int64)
+
+    def pin_slots(self, keys: Sequence[BlockKey], times: int = 1) -> list[int]:
+        """:meth:`pin` each block ``times`` times (one pin per reader, e.g. per tier a cascade
+        goes to); returns the rows as a list. Raises, pinning nothing, if one is not ready."""
+        slot_of, ref = self._slot_of, self._ref
+        slots: list[int] = []
+        first_keys: list[BlockKey] = []
+        first_slots: list[int] = []
         for i, key in enumerate(keys):
-            slot = self._slot_of.get(key)
-            if slot is None or self._ref[slot] == IN_FLIGHT:
-                for undo in keys[:i]:
-                    self._unpin_one(undo)
+            slot = slot_of.get(key)
+            if slot is None or ref[slot] == IN_FLIGHT:
+                self._undo_pins(keys[:i], first_keys, first_slots, times)
                 state = "absent" if slot is None else "still being written"
                 raise KvtierError(f"cannot pin block {key.hex()[:16]}: it is {state}; only HIT blocks can be read")
-            ref = self._ref[slot]
-            if ref == 0:
-                self.policy.mark_pinned(key, slot)
-            self._ref[slot] = ref + 1
-            slots[i] = slot
+            count = ref[slot]
+            if count == 0:
+                first_keys.append(key)
+                first_slots.append(slot)
+            ref[slot] = count + times
+            slots.append(slot)
+        if first_keys:
+            self.policy.mark_pinned_many(first_keys, first_slots)
         return slots
+
+    def _undo_pins(
+        self, pinned: Sequence[BlockKey], first_keys: list[BlockKey], first_slots: list[int], times: int
+    ) -> None:
+        """Release the pins :meth:`pin_slots` took before it found a block it cannot pin (the
+        policy sees the same calls as a pin and an unpin of each)."""
+        if first_keys:
+            self.policy.mark_pinned_many(first_keys, first_slots)
+        for _ in range(times):
+            for key in pinned:
+                self._unpin_one(key)
 
     def unpin(self, keys: Iterable[BlockKey]) -> None:
         """Release pins taken by :meth:`pin`; keys no longer present are ignored.
 
         Released tail first, so a policy that orders by release keeps a chain's head longest.
         """
-        for key in reversed(list(keys)):
-            self._unpin_one(key)
+        slot_of, ref = self._slot_of, self._ref
+        freed_keys: list[BlockKey] = []
+        freed_slots: list[int] = []
+        for key in reversed(keys if type(keys) is list else list(keys)):
+            slot = slot_of.get(key)
+            if slot is None:
+                continue
+            count = ref[slot]
+            if count <= 0:
+                logger.error("unpin of block %s with ref count %d ignored", key.hex()[:16], count)
+                continue
+            ref[slot] = count - 1
+            if count == 1:
+                freed_keys.append(key)
+                freed_slots.append(slot)
+        if freed_keys:
+            self.policy.mark_evictable_many(freed_keys, freed_slots)
 
     def _unpin_one(self, key: BlockKey) -> None:
         slot = self._slot_of.get(key)
@@ -275,11 +398,11 @@ class PrimaryTier:
         ``keys`` are in prefix order; ``after`` is the block before the first of
         them, if the caller knows it. Raises like :meth:`pin`.
         """
-        slots = self.pin(keys)
-        if len(keys):
+        slots = self.pin_slots(keys)
+        if slots:
             parent = -1 if after is None else self._slot_of.get(after, -1)
-            self.policy.reference_chain(list(keys), slots.tolist(), parent, True)
-        return slots
+            self.policy.reference_chain(keys if type(keys) is list else list(keys), slots, parent, True)
+        return np.array(slots, dtype=np.int64)
 
     complete_load = unpin
     prepare_read = pin
@@ -326,7 +449,8 @@ class PrimaryTier:
         if self._slot_of:
             self._events.append(BlockEvent(tuple(self._slot_of), self.tier_label, self.medium, removed=True))
         self._slot_of.clear()
-        self._ref = [0] * self.num_blocks
+        self._ref[:] = [0] * self.num_blocks
+        self._writer[:] = bytes(self.num_blocks)
         self._free.clear()
         self._next_fresh = 0
         self.policy.clear()

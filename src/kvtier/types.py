@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvtier.keys import BlockKey
 
@@ -33,6 +33,28 @@ class LookupResult(enum.Enum):
     HIT_PENDING = "hit_pending"
     RETRY = "retry"
     MISS = "miss"
+
+
+class PrefixLookup(NamedTuple):
+    """The answer of :meth:`~kvtier.manager.TieringManager.lookup_prefix` for a request's keys
+    in prefix order.
+
+    * ``answers``: one :class:`LookupResult` per key asked, in order. The scan
+      stops after the first MISS, so fewer answers than keys means the last one
+      is MISS.
+    * ``ready``: how many leading keys answered HIT: ``keys[:ready]`` can be
+      loaded now (``prepare_load``).
+    * ``found``: how many keys answered HIT or HIT_PENDING (what vLLM's prefix
+      scan counts as hits).
+    * ``deferred``: some key answered HIT_PENDING or RETRY: ask again next step
+      (vLLM then defers the request; with ``deferred`` False, ``ready == found``
+      and every key before the first MISS is ready).
+    """
+
+    answers: list[LookupResult]
+    ready: int
+    found: int
+    deferred: bool
 
 
 class OffloadPolicy(enum.Enum):

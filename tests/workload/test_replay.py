@@ -62,8 +62,8 @@ def test_the_default_policy_beats_lru_on_the_real_trace(private_shm: Path) -> No
     ratios = {cap: by_policy[DEFAULT_POLICY].extra["ratio_to_lru"] for cap, by_policy in runs.items()}
     assert all(r >= 1.0 for r in ratios.values()), ratios
     assert ratios[1827] >= 1.5, ratios
-    assert ratios[914] >= 1.3 and ratios[3656] >= 1.3, ratios
-    assert ratios[9139] >= 1.05, ratios
+    assert ratios[914] >= 1.4 and ratios[3656] >= 1.6, ratios
+    assert ratios[9139] >= 1.1, ratios
 
 
 @pytest.mark.slow

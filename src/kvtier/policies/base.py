@@ -18,7 +18,8 @@ Call order per block: ``insert(key, slot)`` (new block, not yet evictable) ->
 eviction. ``touch`` is a recency hint and may come for pinned blocks and for
 blocks still being written. ``touch`` and ``remove`` naming a slot that holds
 no block must be ignored. All calls come from the owning tier's thread (the
-scheduler thread for the CPU tier).
+scheduler thread for the CPU tier). The key and slot sequences passed belong to
+the caller: a policy reads them during the call and keeps none of them.
 
 Prefix structure: keys are chained prefix hashes, so a block can only be hit
 while every block before it in its request is held too. The tier reports each
@@ -28,6 +29,14 @@ precedes the first one when it knows it. A policy may use this to evict leaves
 before their parents and to protect a chain's head at least as long as its
 tail; the default treats it as touches, tail first, so the head ends most
 recent.
+
+Batched forms: the tier reports runs of blocks through :meth:`insert_many`,
+:meth:`mark_evictable_many`, :meth:`mark_pinned_many` and
+:meth:`mark_evictable_then_pinned_many`. Each must have exactly
+the effect of the per-block call on every pair, in the order given; the defaults
+are those loops. A policy may specialise them to save a Python call per block
+(the built-in LRU does); a subclass of such a policy that overrides a per-block
+method must override its batched form too.
 
 Any tier that evicts can drive a policy: it needs a key -> slot map over a
 fixed number of slots (the CPU tier's rows; a disk tier with fixed-size value
@@ -92,6 +101,30 @@ class EvictionPolicy(abc.ABC):
     @abc.abstractmethod
     def mark_pinned(self, key: BlockKey, slot: int) -> None:
         """The block's ref count left 0 (a reader pinned it)."""
+
+    def insert_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
+        """:meth:`insert` of ``keys[i]`` in ``slots[i]``, in order."""
+        insert = self.insert
+        for i in range(len(slots)):
+            insert(keys[i], slots[i])
+
+    def mark_evictable_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
+        """:meth:`mark_evictable` of each pair, in order."""
+        mark = self.mark_evictable
+        for i in range(len(slots)):
+            mark(keys[i], slots[i])
+
+    def mark_pinned_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
+        """:meth:`mark_pinned` of each pair, in order."""
+        mark = self.mark_pinned
+        for i in range(len(slots)):
+            mark(keys[i], slots[i])
+
+    def mark_evictable_then_pinned_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
+        """The blocks' writes completed and readers pinned them at once (a store cascaded to
+        secondary tiers): :meth:`mark_evictable_many` then :meth:`mark_pinned_many`."""
+        self.mark_evictable_many(keys, slots)
+        self.mark_pinned_many(keys, slots)
 
     @abc.abstractmethod
     def evict(self, n: int, protected: Container[BlockKey] = ()) -> list[BlockKey] | None:

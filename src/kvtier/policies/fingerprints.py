@@ -187,20 +187,29 @@ class FingerprintLists:
         self._counts[self._list_of[entry]] -= 1
 
     def _unindex(self, entry: int) -> None:
-        index, fps, mask = self._index, self._fp, self._mask
-        i = fps[entry] & mask
-        while index[i] != entry + 1:
-            i = (i + 1) & mask
-        # Backward-shift deletion: pull later cells of the probe run into the hole.
-        j = i
-        while True:
-            j = (j + 1) & mask
-            cell = index[j]
-            if not cell:
-                break
-            home = fps[cell - 1] & mask
-            # The cell may move to the hole i unless its home lies cyclically in (i, j].
-            if (j > i and (home <= i or home > j)) or (j < i and home <= i and home > j):
-                index[i] = cell
-                i = j
-        index[i] = 0
+        unindex(self._index, self._fp, self._mask, entry)
+
+
+def unindex(index: array[int], fps: array[int], mask: int, entry: int) -> None:
+    """Take ``entry`` out of a linear-probing ``index`` of ``entry + 1`` cells (backward-shift deletion).
+
+    ``fps[entry]`` is the entry's fingerprint, whose low bits (``& mask``) are
+    its home cell; the entry must be in the index. Shared by the fingerprint
+    tables of this package.
+    """
+    i = fps[entry] & mask
+    while index[i] != entry + 1:
+        i = (i + 1) & mask
+    # Backward-shift deletion: pull later cells of the probe run into the hole.
+    j = i
+    while True:
+        j = (j + 1) & mask
+        cell = index[j]
+        if not cell:
+            break
+        home = fps[cell - 1] & mask
+        # The cell may move to the hole i unless its home lies cyclically in (i, j].
+        if (j > i and (home <= i or home > j)) or (j < i and home <= i and home > j):
+            index[i] = cell
+            i = j
+    index[i] = 0

@@ -16,7 +16,7 @@ Memory and list layout: see :mod:`kvtier.policies.slot_lists`.
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from typing import ClassVar
 
 from kvtier.keys import BlockKey
@@ -47,6 +47,60 @@ class LRUPolicy(SlotListPolicy):
 
     def mark_evictable(self, key: BlockKey, slot: int) -> None:
         self._link_evictable(slot, self.capacity)
+
+    # Batched forms and the chain report, inlined: the CPU tier calls them for every block it
+    # stores, pins and releases, and a Python call per block would cost more than the work.
+
+    def insert_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
+        key_of = self._key_of
+        for i in range(len(slots)):
+            key_of[slots[i]] = keys[i]
+
+    def mark_evictable_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
+        flags, prv, nxt, end = self._evictable, self._prev, self._next, self.capacity
+        linked = 0
+        for slot in slots:
+            if not flags[slot]:
+                flags[slot] = 1
+                tail = prv[end]
+                nxt[tail] = slot
+                prv[slot] = tail
+                nxt[slot] = end
+                prv[end] = slot
+                linked += 1
+        self._count += linked
+
+    def mark_pinned_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
+        flags, prv, nxt = self._evictable, self._prev, self._next
+        unlinked = 0
+        for slot in slots:
+            if flags[slot]:
+                before, after = prv[slot], nxt[slot]
+                nxt[before] = after
+                prv[after] = before
+                flags[slot] = 0
+                unlinked += 1
+        self._count -= unlinked
+
+    def mark_evictable_then_pinned_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
+        # Linked at the tail, then unlinked: a block that was not linked stays so, one that was
+        # (never the case for a block whose write just completed) leaves the list.
+        self.mark_pinned_many(keys, slots)
+
+    def reference_chain(self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int, hit: bool) -> None:
+        """Touches, tail first (the head ends most recent); blocks not evictable are left alone."""
+        flags, prv, nxt, end = self._evictable, self._prev, self._next, self.capacity
+        for i in range(len(slots) - 1, -1, -1):
+            slot = slots[i]
+            if flags[slot] and nxt[slot] != end:
+                before, after = prv[slot], nxt[slot]
+                nxt[before] = after
+                prv[after] = before
+                tail = prv[end]
+                nxt[tail] = slot
+                prv[slot] = tail
+                nxt[slot] = end
+                prv[end] = slot
 
     def evict(self, n: int, protected: Container[BlockKey] = ()) -> list[BlockKey] | None:
         if n <= 0:

@@ -15,9 +15,17 @@ can never reach.
 
 **Holding times.** A reference gives its block a class from cheap features of
 the request: whether the block is new here, referenced once before, or more
-often; how many of the request's blocks are genuinely new (not held, and not
-the end of a recently seen request: ``<= 1, 3, 7, 15`` or more); and whether it
-is the request's last block. A block's expiry becomes ``max(expiry, now +
+often; how many of the request's blocks are genuinely new (after the deepest
+one that is held and was referenced before, or is the recorded end of one of
+the last ``capacity / 4`` requests: ``<= 1, 3, 7, 15`` or more); and whether
+it is the request's last block. The table of request ends
+(:class:`~kvtier.policies.recent_keys.RecentKeys`) is large enough to cover
+the return times that matter, so a conversation that comes back is recognised
+whether or not the cache kept its blocks: the classes, and so the statistics
+learned per class, do not change when the holds do (with the end of the last
+few hundred requests only, the classes followed the cache's own choices, and
+the conversation trace's hit rate at 5 % capacity was 1.075x LRU's instead of
+1.11x). A block's expiry becomes ``max(expiry, now +
 hold[class])`` on the clock of block references. The holds come from
 :mod:`kvtier.policies.return_times`: a sample of keys is followed whether
 cached or not, their return times per class give survival curves, and the
@@ -44,7 +52,8 @@ blocks are in reference order, a chain's tail before its head. With every hold
 Per slot: the lists' two pointers and the key (24 bytes), ``_evictable``,
 ``_touches`` (1 byte each), ``_parent``, ``_children`` (4 bytes each),
 ``_expiry`` (8 bytes); plus the sample tables, about ``capacity / 4``
-fingerprints, all allocated once. Every operation is O(1) per block, except
+fingerprints, and the request ends, ``capacity / 4`` fingerprints of 16-24
+bytes, all allocated once. Every operation is O(1) per block, except
 that eviction skips blocks that are not leaves (which it moves behind, so they
 are not scanned again) and a reference walks up the ancestors whose expiry it
 raises. Called from one thread (the tier's).
@@ -53,7 +62,6 @@ raises. Called from one thread (the tier's).
 from __future__ import annotations
 
 from array import array
-from collections import deque
 from collections.abc import Container, Iterator, Sequence
 from typing import ClassVar
 
@@ -61,6 +69,7 @@ import numpy as np
 
 from kvtier.keys import BlockKey
 from kvtier.policies.fingerprints import fingerprint
+from kvtier.policies.recent_keys import RecentKeys
 from kvtier.policies.return_times import (
     SAMPLE_SCALE,
     HoldingPlan,
@@ -122,9 +131,7 @@ class ReturnTimePolicy(SlotListPolicy):
         self.sampler = ReturnSampler(
             sample_size, self.horizon, self.model, lru_size=min(sample_size, max(1, round(self.sample_rate * c)))
         )
-        history = max(256, c // 16)
-        self._history: set[int] = set()
-        self._history_order: deque[int] = deque(maxlen=history)
+        self._history = RecentKeys(max(256, c // 4))
         self.hold: list[int] = [0] * CLASSES
         self.plan: HoldingPlan | None = None
         self.learning = False
@@ -359,18 +366,20 @@ class ReturnTimePolicy(SlotListPolicy):
             slot = par[slot]
 
     def _remember_end(self, keys: Sequence[BlockKey], parent: int) -> None:
-        """Record the request's last two blocks, so its return is known even once they are evicted."""
-        history, order = self._history, self._history_order
-        ends = list(keys[-2:])
-        if len(ends) == 1 and parent >= 0:
-            ends.append(self._key_of[parent])  # the request's last full block may be the parent
-        for key in ends:
-            fp = hash(key)
-            if fp not in history:
-                if len(order) == order.maxlen:
-                    history.discard(order[0])
-                order.append(fp)
-                history.add(fp)
+        """Record the request's last full block, so its return is known even once it is evicted.
+
+        That is the block before the last one (the last is usually partial, and a
+        partial block is never referenced again); for a request of one block, the
+        block it extends. One entry per request, so the table covers as many
+        requests as it has entries.
+        """
+        if len(keys) >= 2:
+            key = keys[-2]
+        elif parent >= 0:
+            key = self._key_of[parent]
+        else:
+            key = keys[-1]
+        self._history.add(fingerprint(key))
 
     def _reclassify(
         self, pending: tuple[int, int, list[BlockKey], list[int], list[int], list[int], int], base: int, floor: int
@@ -398,20 +407,20 @@ class ReturnTimePolicy(SlotListPolicy):
         return floor, self._parent[slots[0]]
 
     def _new_blocks(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> int:
-        """Blocks after the deepest one held before this call or seen recently as a request's end.
+        """Blocks after the deepest one held and referenced before, or recorded as a request's end.
 
-        ``slots`` empty: all the blocks are new here (only the history counts).
+        ``slots`` empty: all the blocks are new here (only the recorded ends count).
         Looks 17 blocks back at most: more than 15 new blocks is the last class anyway.
         """
-        touches, history = self._touches, self._history
         n = len(keys)
         low = max(0, n - 17)
-        if not slots and history.isdisjoint(map(hash, keys[low:])):
-            return n  # the common case, checked in C
-        for i in range(n - 1, low - 1, -1):
-            if hash(keys[i]) in history or (slots and touches[slots[i]]):
-                return n - 1 - i
-        return n
+        found = self._history.deepest(keys, low)
+        if slots:
+            touches = self._touches
+            for i in range(n - 1, max(found, low - 1), -1):
+                if touches[slots[i]]:
+                    return n - 1 - i
+        return n if found < 0 else n - 1 - found
 
     def _observe(self, fp: int, cls: int, hit: bool) -> None:
         """A sampled reference: a return time for the model, a paired hit for the guard."""

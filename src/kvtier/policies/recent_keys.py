@@ -1,0 +1,106 @@
+"""The fingerprints of the last N keys a policy recorded, in arrays allocated once.
+
+:class:`~kvtier.policies.return_time.ReturnTimePolicy` records the end of every
+request it sees, so that a conversation coming back is recognised even once
+its blocks were evicted: which blocks of a request are genuinely new must not
+depend on what the cache happened to keep, or the statistics learned from it
+change whenever the holds do. The table must therefore cover many requests (a
+quarter of the capacity) at a few bytes each: a Python set of ints costs about
+80 bytes an entry and grows under churn, so this is a ring of ``capacity``
+63-bit fingerprints (first in, first out) with an open-addressing index of
+``2 ** k >= 2 * capacity`` cells (linear probing, backward-shift deletion):
+16 to 24 bytes an entry in all, whatever the churn.
+
+Fingerprints are those of :func:`~kvtier.policies.fingerprints.fingerprint` (the
+key's cached hash): equal keys give equal fingerprints within one process. Two
+keys share one with probability about 2**-63 a pair; a collision only makes a
+new key look recorded. Not thread-safe: one owner thread.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+from kvtier.keys import BlockKey
+from kvtier.policies.fingerprints import _MASK, unindex
+
+
+class RecentKeys:
+    """The last ``capacity`` distinct fingerprints added, with O(1) membership.
+
+    Invariants: the index holds exactly the ring's live entries (``len(self)``
+    of them, in ring positions ``0 .. len - 1`` before the ring first wraps),
+    each fingerprint at most once.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"recent-key table capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self._ring = array("q", bytes(8 * capacity))
+        size = 4
+        while size < 2 * capacity:
+            size <<= 1
+        self._index = array("i", bytes(4 * size))  # ring position + 1; 0: empty cell
+        self._mask = size - 1
+        self._pos = 0  # the ring position the next entry takes
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __contains__(self, fp: object) -> bool:
+        return isinstance(fp, int) and self._find(fp) >= 0
+
+    def add(self, fp: int) -> None:
+        """Record ``fp`` (non-zero) unless present; the oldest entry goes when the table is full."""
+        if self._find(fp) >= 0:
+            return
+        ring, pos = self._ring, self._pos
+        if self._len == self.capacity:
+            unindex(self._index, self._ring, self._mask, pos)
+        else:
+            self._len += 1
+        ring[pos] = fp
+        index, mask = self._index, self._mask
+        i = fp & mask
+        while index[i]:
+            i = (i + 1) & mask
+        index[i] = pos + 1
+        self._pos = pos + 1 if pos + 1 < self.capacity else 0
+
+    def deepest(self, keys: Sequence[BlockKey], low: int) -> int:
+        """The largest ``i`` in ``low .. len(keys) - 1`` whose key is recorded, or -1.
+
+        Scans from the end, one probe run per key (the index is at most half
+        full, so a run is short).
+        """
+        index, ring, mask = self._index, self._ring, self._mask
+        for pos in range(len(keys) - 1, low - 1, -1):
+            fp = hash(keys[pos]) & _MASK or 1  # fingerprint(), inlined: one call less per key
+            i = fp & mask
+            cell = index[i]
+            while cell:
+                if ring[cell - 1] == fp:
+                    return pos
+                i = (i + 1) & mask
+                cell = index[i]
+        return -1
+
+    def clear(self) -> None:
+        self.__init__(self.capacity)  # type: ignore[misc]
+
+    # --- internals -------------------------------------------------------------------
+
+    def _find(self, fp: int) -> int:
+        """The ring position of ``fp``, or -1."""
+        index, ring, mask = self._index, self._ring, self._mask
+        i = fp & mask
+        cell = index[i]
+        while cell:
+            if ring[cell - 1] == fp:
+                return cell - 1
+            i = (i + 1) & mask
+            cell = index[i]
+        return -1
