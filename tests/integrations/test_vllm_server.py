@@ -102,10 +102,15 @@ def test_a_server_serves_hits_from_cpu_and_fs_tiers(
         server.wait_ready()
         RESULTS["startup_s"] = time.monotonic() - started
         server.complete(random_prompt_ids(40, seed=1), max_tokens=2)  # warm-up
-        cold = [server.complete(p) for p in prompts]
+        # One prompt at a time, each cascaded before the next: a prompt's blocks stay pinned in
+        # the 48-block CPU tier while the fs tier writes them, so the next prompt's stores
+        # would be refused (store_rejected) and never reach the disk that test_b restarts from.
+        cold = []
+        for i, prompt in enumerate(prompts):
+            cold.append(server.complete(prompt))
+            before = _settle(server, min_cascaded=(i + 1) * (PROMPT_TOKENS // BLOCK))
         assert all(c.cached_tokens == 0 for c in cold), [c.cached_tokens for c in cold]
         assert len({c.token_ids for c in cold}) == 3 and all(len(c.token_ids) == 12 for c in cold)
-        before = _settle(server, min_cascaded=3 * (PROMPT_TOKENS // BLOCK))
         assert metric(before, "vllm:kvtier_capacity_bytes", tier="0:primary") > 0
         assert metric(before, "vllm:kvtier_entries", tier="0:primary") <= CPU_BLOCKS
 
