@@ -165,10 +165,15 @@ def test_b_restart_serves_from_fs_and_engine_kill_leaves_nothing(
         first = server.complete(prompts[1])  # the first request of this server: from disk
 
         def fs_hits_reported() -> Any:
+            # vLLM publishes connector stats with a step's outputs: the lookups and the promotions
+            # they started may reach /metrics in different scrapes, so wait for both.
             samples = server.metrics()
-            return samples if metric(samples, "vllm:kvtier_lookups_total", tier="1:fs", result="hit") else None
+            hits = metric(samples, "vllm:kvtier_lookups_total", tier="1:fs", result="hit")
+            promoted = metric(samples, "vllm:kvtier_promotions_total", result="succeeded")
+            blocks = PROMPT_TOKENS // BLOCK
+            return samples if hits >= blocks and promoted >= blocks else None
 
-        samples = wait_for(fs_hits_reported, 30, "fs hits in /metrics")
+        samples = wait_for(fs_hits_reported, 30, "fs hits and promotions in /metrics")
         pids = server.descendants()
         engine = server.engine_core()
         assert list(shm_dir.iterdir()) == [], "the region is unlinked once every process mapped it"
