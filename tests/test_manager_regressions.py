@@ -131,3 +131,26 @@ def test_finished_hook_waits_for_the_requests_promotions(make: Any, namespace: N
     mgr.on_schedule_end()
     assert "load:r1" in tier.calls
     assert tier.calls.index("load:r1") < tier.calls.index("finished:r1"), tier.calls
+
+
+def test_a_cascade_is_released_by_the_managers_record_of_its_rows(make: Any, namespace: Namespace) -> None:
+    """A cascade's pins are released by the rows the manager recorded for its keys: a tier that
+    rewrites its job's key list in place (it owns that list) cannot pair a key with another's row."""
+    mgr = make(4, tiers=1)
+    keys = chain_ids([1, 2, 3], namespace)
+    req = RequestContext("r1")
+    mgr.on_new_request(req)
+    result = mgr.prepare_store(keys, req)
+    assert result is not None
+    mgr.complete_store(result.keys_to_store, req)
+    (job,) = mgr.tiers[0].queued
+    assert isinstance(job.keys, list)
+    job.keys.reverse()
+    assert [mgr.primary.ref_count(k) for k in keys] == [1, 1, 1]
+    mgr.on_schedule_end()
+    mgr.on_schedule_end()  # the next step polls: the tier reports the job
+    assert [mgr.primary.ref_count(k) for k in keys] == [0, 0, 0]
+    assert mgr.primary.policy.evictable_count() == 3
+    evicting = mgr.prepare_store(chain_ids([7, 8, 9, 10], namespace))
+    assert evicting is not None and sorted(evicting.evicted_keys) == sorted(keys)
+    mgr.complete_store(evicting.keys_to_store)

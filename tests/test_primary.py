@@ -198,3 +198,31 @@ def test_a_device_store_completes_pinned_for_its_cascades_and_never_a_promotion(
     assert tier.complete_device_store([k(4)], success=False, pins=2) == ([k(4)], [row])
     assert tier.ref_count(k(4)) is None, "a failed store is removed, never pinned"
     assert tier.complete_write([k(3)]) == [k(3)], "the promotion completes through its own path"
+
+
+def test_unpin_slots_has_the_effect_of_unpin(private_shm: Path) -> None:
+    """Releasing a cascade's pins by the rows it holds (no index lookup) equals unpin by key: the
+    same ref counts, the same ignored extra release, the same eviction order after."""
+    regions = [SharedRegion(f"primary-unpin-{i}", 5, 4096, shm_dir=private_shm) for i in range(2)]
+    tiers = [PrimaryTier(region, 4096, "lru") for region in regions]
+    by_key, by_slot = tiers
+    try:
+        for tier in tiers:
+            fill(tier, 1, 2, 3, 4, 5)
+        keys = [k(4), k(1), k(3)]
+        by_key.pin_slots(keys, 2)
+        slots = by_slot.pin_slots(keys, 2)
+        for _ in range(3):  # the third release of each block is logged and ignored
+            by_key.unpin(keys)
+            by_slot.unpin_slots(keys, slots)
+            assert [by_key.ref_count(x) for x in keys] == [by_slot.ref_count(x) for x in keys]
+        assert [by_slot.ref_count(x) for x in keys] == [0, 0, 0]
+        evicted = []
+        for tier in tiers:
+            result = tier.prepare_store([k(i) for i in range(10, 15)])
+            assert result is not None
+            evicted.append(result.evicted_keys)
+        assert evicted[0] == evicted[1] and evicted[1][-3:] == [k(3), k(1), k(4)], "released tail first"
+    finally:
+        for tier in tiers:
+            tier.shutdown()

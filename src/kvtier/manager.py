@@ -171,13 +171,14 @@ class _ShutdownRun:
 class _Job:
     """A tier job in flight (a plain slotted class: one is made per job on the scheduler thread)."""
 
-    __slots__ = ("is_promotion", "keys", "req_id", "submitted", "tier_index")
+    __slots__ = ("is_promotion", "keys", "req_id", "slots", "submitted", "tier_index")
 
-    def __init__(self, tier_index: int, is_promotion: bool, keys: list[BlockKey], req_id: str | None,
-                 submitted: float) -> None:
+    def __init__(self, tier_index: int, is_promotion: bool, keys: list[BlockKey], slots: list[int],
+                 req_id: str | None, submitted: float) -> None:
         self.tier_index = tier_index
         self.is_promotion = is_promotion
         self.keys = keys
+        self.slots = slots  # the rows of ``keys`` (a cascade's stay pinned until the job is reported)
         self.req_id = req_id
         self.submitted = submitted  # perf_counter() at submit
 
@@ -495,7 +496,7 @@ class TieringManager:
                              result.job_id, pos + 1, len(failed), len(job.keys), result.error)
         else:
             telemetry.stores_in_flight -= 1
-            self.primary.unpin(job.keys)
+            self.primary.unpin_slots(job.keys, job.slots)
             if result.success:
                 self._stats.cascades_succeeded += len(job.keys)
                 telemetry.written.add(len(job.keys), result.bytes_moved, seconds)
@@ -509,12 +510,15 @@ class TieringManager:
             if monitor is not None and (result.bytes_moved > 0 or (not result.success and result.seconds > 0)):
                 monitor.observe(seconds)
 
-    def _new_job(self, pos: int, keys: list[BlockKey], slots: np.ndarray, promotion: bool,
-                 request: RequestContext | None) -> TransferJob:
+    def _new_job(self, pos: int, keys: list[BlockKey], slots: list[int], rows: np.ndarray, promotion: bool,
+                 request: RequestContext | None, tier_keys: list[BlockKey] | None = None) -> TransferJob:
+        """Register a job of tier ``pos`` moving ``keys`` (rows ``slots``, also as the array
+        ``rows`` the tier gets) and make it; the tier gets ``tier_keys`` (default ``keys``)."""
         job_id = self._next_job_id
         self._next_job_id = job_id + 1
-        self._jobs[job_id] = _Job(pos, promotion, keys, None if request is None else request.req_id, perf_counter())
-        return TransferJob(job_id, keys, slots, promotion, request)
+        req_id = None if request is None else request.req_id
+        self._jobs[job_id] = _Job(pos, promotion, keys, slots, req_id, perf_counter())
+        return TransferJob(job_id, keys if tier_keys is None else tier_keys, rows, promotion, request)
 
     # --- lookups and loads ---------------------------------------------------------------
 
@@ -873,7 +877,8 @@ class TieringManager:
         rows.flags.writeable = False
         self._stats.cascade_jobs += len(targets)
         for pos in targets:
-            job = self._new_job(pos, list(keys), rows, False, request)
+            # The tier gets its own copy of the keys: the job's record pairs the manager's with the rows.
+            job = self._new_job(pos, keys, slots, rows, False, request, list(keys))
             telemetry = self._telemetry[pos + 1]
             telemetry.stores_in_flight += 1
             try:
@@ -944,7 +949,8 @@ class TieringManager:
         self._poll_once()
         pending, self._pending_promotions = self._pending_promotions, {}
         for (pos, _), promo in pending.items():
-            job = self._new_job(pos, promo.keys, np.asarray(promo.slots, dtype=np.int64), True, promo.request)
+            rows = np.asarray(promo.slots, dtype=np.int64)
+            job = self._new_job(pos, promo.keys, promo.slots, rows, True, promo.request)
             self._stats.promotion_jobs += 1
             telemetry = self._telemetry[pos + 1]
             telemetry.loads_in_flight += 1

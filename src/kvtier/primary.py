@@ -380,6 +380,27 @@ class PrimaryTier:
         if freed_keys:
             self.policy.mark_evictable_many(freed_keys, freed_slots)
 
+    def unpin_slots(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
+        """:meth:`unpin` of ``keys``, whose rows ``slots`` the caller got when it pinned them
+        (:meth:`pin_slots`, :meth:`complete_device_store`) and still holds pinned: a pinned row
+        is never evicted, removed or reused, so it still holds its key and no index lookup is
+        needed. Released tail first, like :meth:`unpin`."""
+        ref = self._ref
+        freed_keys: list[BlockKey] = []
+        freed_slots: list[int] = []
+        for i in range(len(slots) - 1, -1, -1):
+            slot = slots[i]
+            count = ref[slot]
+            if count <= 0:
+                logger.error("unpin of block %s with ref count %d ignored", keys[i].hex()[:16], count)
+                continue
+            ref[slot] = count - 1
+            if count == 1:
+                freed_keys.append(keys[i])
+                freed_slots.append(slot)
+        if freed_keys:
+            self.policy.mark_evictable_many(freed_keys, freed_slots)
+
     def _unpin_one(self, key: BlockKey) -> None:
         slot = self._slot_of.get(key)
         if slot is None:
