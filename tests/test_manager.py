@@ -185,6 +185,42 @@ def test_promotion_batches_per_tier_and_request(make: Any) -> None:
     assert all(j.is_promotion for j in t1.queued + t2.queued)
 
 
+def test_interleaved_promotions_batch_per_tier_and_request_step_after_step(make: Any) -> None:
+    """The manager remembers the last promotion's batch: interleaving requests and tiers, a new
+    step and a reset must still give one job per (tier, request) with exactly that step's keys."""
+    mgr = make(16, {"auto_complete": False}, {"auto_complete": False})
+    t1, t2 = tiers(mgr)
+    r1, r2 = RequestContext("r1"), RequestContext("r2")
+    mgr.on_new_request(r1)
+    mgr.on_new_request(r2)
+    ks = keys(10, seed=4)
+    for i, k in enumerate(ks):
+        (t2 if i == 4 else t1).data[k] = bytes([i]) * mgr.block_bytes
+    for i, req in zip([0, 1, 2, 3, 4, 5], [r1, r1, r2, r1, r1, r1], strict=True):
+        assert mgr.lookup(ks[i], req) is HIT_PENDING
+    mgr.on_schedule_end()
+    jobs = {(tier.name, job.request.req_id if job.request else None): list(job.keys)
+            for tier in (t1, t2) for job in tier.queued}
+    assert jobs == {("t1", "r1"): [ks[0], ks[1], ks[3], ks[5]], ("t1", "r2"): [ks[2]], ("t2", "r1"): [ks[4]]}
+    t1.complete_all()
+    t2.complete_all()
+    assert mgr.lookup(ks[6], r1) is HIT_PENDING  # the next step: a new batch
+    mgr.on_schedule_end()
+    assert [list(job.keys) for job in t1.queued] == [[ks[6]]]
+    t1.complete_all()
+    assert mgr.lookup(ks[7], r1) is HIT_PENDING
+    mgr.reset_cache()  # drops the unsubmitted promotion of ks[7]
+    assert mgr.lookup(ks[8], r1) is HIT_PENDING
+    mgr.on_schedule_end()
+    assert [list(job.keys) for job in t1.queued] == [[ks[8]]]
+    t1.complete_all()
+    mgr.on_schedule_end()
+    assert mgr.lookup(ks[8], r1) is HIT and mgr.primary.in_flight_count() == 0
+    mgr.on_request_finished(r1)
+    mgr.on_request_finished(r2)
+    assert t1.finished_requests == ["r1", "r2"] and mgr.is_idle
+
+
 def test_promotion_without_room_is_a_miss(make: Any) -> None:
     mgr = make(2, {})
     req = RequestContext("r1")

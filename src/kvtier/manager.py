@@ -235,6 +235,10 @@ class TieringManager:
         # Requests with promotions of this step or parked cascades: the only ones step end visits.
         self._step_states: list[_RequestState] = []
         self._pending_promotions: dict[tuple[int, str | None], _PendingPromotion] = {}
+        # The last promotion's (tier, request object, its pending entry, its state): the next
+        # one of the same request from the same tier (a prefix scan's run) skips both lookups.
+        # Valid until the step's promotions are submitted or dropped (set to None then).
+        self._last_promotion: tuple[int, RequestContext | None, _PendingPromotion, _RequestState | None] | None = None
         self._polled_this_step = False
         self._tiers_down: set[int] = set()
         self._closing = False  # shutdown() was called: only shutdown(), is_shut_down and stats() remain
@@ -710,20 +714,27 @@ class TieringManager:
     def _start_promotion(self, pos: int, key: BlockKey, request: RequestContext | None) -> bool:
         """Reserve a CPU row for ``key``, found in tier ``pos``, and queue its load for step end;
         False if no row can be freed."""
-        slot = self.primary.reserve_one(key, self._protected())
+        slot = self.primary.reserve_one(key, self._protected() if self._hit_log else self._step_hits)
         if slot is None:
             self._stats.promotion_alloc_failures += 1
             return False
-        req_id = request.req_id if request else None
-        pending = self._pending_promotions.get((pos, req_id))
-        if pending is None:
-            pending = self._pending_promotions[(pos, req_id)] = _PendingPromotion(request)
+        last = self._last_promotion
+        if last is not None and last[0] == pos and last[1] is request:
+            pending, state = last[2], last[3]
+        else:
+            req_id = request.req_id if request else None
+            found = self._pending_promotions.get((pos, req_id))
+            if found is None:
+                found = self._pending_promotions[(pos, req_id)] = _PendingPromotion(request)
+            pending = found
+            state = self._state(request)
+            if state is not None:
+                self._in_step(state)
+            self._last_promotion = (pos, request, pending, state)
         pending.keys.append(key)
         pending.slots.append(slot)
-        state = self._state(request)
         if state is not None:
             state.unsubmitted_promotions += 1
-            self._in_step(state)
         self._stats.promotions_started += 1
         self.promoted_from = pos + 1
         return True
@@ -948,6 +959,7 @@ class TieringManager:
             self._refuse("on_schedule_end")
         self._poll_once()
         pending, self._pending_promotions = self._pending_promotions, {}
+        self._last_promotion = None
         for (pos, _), promo in pending.items():
             rows = np.asarray(promo.slots, dtype=np.int64)
             job = self._new_job(pos, promo.keys, promo.slots, rows, True, promo.request)
@@ -1054,6 +1066,7 @@ class TieringManager:
                 f"{len(self._jobs)} tier job(s) still unreported after drain; the CPU tier was not reset"
             )
         self._pending_promotions.clear()
+        self._last_promotion = None
         self._step_states.clear()
         for state in list(self._requests.values()):
             state.pending_store_keys.clear()
@@ -1287,6 +1300,7 @@ class TieringManager:
         for telemetry in self._telemetry:  # every tier stopped: no job of theirs is in flight
             telemetry.stores_in_flight = telemetry.loads_in_flight = 0
         self._pending_promotions.clear()
+        self._last_promotion = None
         self.primary.shutdown()
         self._shutdown_complete = True
 
