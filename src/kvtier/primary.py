@@ -201,13 +201,13 @@ class PrimaryTier:
             slot = self._take_fresh()
         else:
             # The key is absent, so it cannot be evicted for itself: ``protected`` is the whole guard.
-            chosen = self.policy.evict(1, protected)
+            chosen = self.policy.evict_one(protected)
             if chosen is None:
                 self.stats.store_rejections += 1
                 return None
-            slot = self._slot_of.pop(chosen[0])
+            slot = self._slot_of.pop(chosen)
             self.stats.evictions += 1
-            self._events.append(BlockEvent(tuple(chosen), self.tier_label, self.medium, removed=True))
+            self._events.append(BlockEvent((chosen,), self.tier_label, self.medium, removed=True))
         self._slot_of[key] = slot
         self._ref[slot] = IN_FLIGHT
         self._writer[slot] = PROMOTION

@@ -1,10 +1,12 @@
 """The batched policy calls (insert_many, mark_evictable_many, mark_pinned_many,
-mark_evictable_then_pinned_many) have exactly the effect of the per-block calls in order, for every
-built-in policy; LRU's own chain report is the base class's (touches, tail first)."""
+mark_evictable_then_pinned_many) have exactly the effect of the per-block calls in order, and
+evict_one that of evict(1), for every built-in policy; LRU's own chain report is the base
+class's (touches, tail first)."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Container
 
 import pytest
 
@@ -92,7 +94,11 @@ def _drive(name: str, seed: int) -> None:
         elif op == "evict":
             n = rng.randint(1, 3)
             protected = set(rng.sample(sorted(slot_of), min(len(slot_of), rng.randint(0, 3))))
-            chosen = batched.evict(n, protected)
+            if n == 1 and rng.random() < 0.5:  # the single form
+                one = batched.evict_one(protected)
+                chosen = None if one is None else [one]
+            else:
+                chosen = batched.evict(n, protected)
             assert single.evict(n, protected) == chosen
             for k in chosen or ():
                 free.append(slot_of.pop(k))
@@ -132,3 +138,20 @@ def test_the_defaults_loop_over_the_per_block_calls() -> None:
     for method in (EvictionPolicy.insert_many, EvictionPolicy.mark_evictable_many, EvictionPolicy.mark_pinned_many):
         method(policy, ks, [3, 1])
     assert calls == [(c, k, s) for c in ("insert", "evictable", "pinned") for k, s in zip(ks, [3, 1], strict=True)]
+
+
+def test_lru_evict_one_defers_to_a_subclass_that_chooses_differently() -> None:
+    class NewestFirst(LRUPolicy):
+        def evict(self, n: int, protected: Container[BlockKey] = ()) -> list[BlockKey] | None:
+            keys = [k for k in reversed(self._key_of) if k and k not in protected][:n]
+            for k in keys:
+                self.remove(k, self._key_of.index(k))
+            return keys if len(keys) == n else None
+
+    for policy in (LRUPolicy(4), NewestFirst(4)):
+        ks = [key(1), key(2), key(3)]
+        policy.insert_many(ks, [0, 1, 2])
+        policy.mark_evictable_many(ks, [0, 1, 2])
+        expected = key(1) if type(policy) is LRUPolicy else key(3)
+        assert policy.evict_one({key(9)}) == expected and policy.evictable_count() == 2
+        assert policy.evict_one(set(ks)) is None and policy.evictable_count() == 2

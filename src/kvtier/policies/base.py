@@ -36,7 +36,8 @@ Batched forms: the tier reports runs of blocks through :meth:`insert_many`,
 the effect of the per-block call on every pair, in the order given; the defaults
 are those loops. A policy may specialise them to save a Python call per block
 (the built-in LRU does); a subclass of such a policy that overrides a per-block
-method must override its batched form too.
+method must override its batched form too. :meth:`evict_one` is ``evict(1)`` in a
+form a policy may specialise the same way (LRU's defers to a subclass's ``evict``).
 
 Any tier that evicts can drive a policy: it needs a key -> slot map over a
 fixed number of slots (the CPU tier's rows; a disk tier with fixed-size value
@@ -133,6 +134,13 @@ class EvictionPolicy(abc.ABC):
         Returns their keys (the tier frees their slots). Atomic: returns None and
         changes nothing if fewer than ``n`` qualify.
         """
+
+    def evict_one(self, protected: Container[BlockKey] = ()) -> BlockKey | None:
+        """:meth:`evict` of one block: its key, or None (changing nothing) if none qualifies.
+        The CPU tier calls it for each promotion's row; a policy may specialise it (the
+        built-in LRU does), and must keep it equal to ``evict(1, protected)``."""
+        chosen = self.evict(1, protected)
+        return chosen[0] if chosen else None
 
     @abc.abstractmethod
     def clear(self) -> None:

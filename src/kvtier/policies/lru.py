@@ -134,5 +134,24 @@ class LRUPolicy(SlotListPolicy):
         self._count -= n
         return keys
 
+    def evict_one(self, protected: Container[BlockKey] = ()) -> BlockKey | None:
+        if type(self).evict is not LRUPolicy.evict:  # a subclass chooses differently: ask it
+            return super().evict_one(protected)
+        end = self.capacity
+        nxt, key_of = self._next, self._key_of
+        slot = nxt[end]
+        while slot != end:
+            key = key_of[slot]
+            if key not in protected:
+                before, after = self._prev[slot], nxt[slot]
+                nxt[before] = after
+                self._prev[after] = before
+                self._evictable[slot] = 0
+                key_of[slot] = NO_KEY
+                self._count -= 1
+                return key
+            slot = nxt[slot]
+        return None
+
     def clear(self) -> None:
         self._reset()
