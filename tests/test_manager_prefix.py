@@ -201,4 +201,7 @@ def test_a_prefix_lookup_is_the_per_key_scan(make: Any, seed: int) -> None:
         one, two = batched.stats(), per_key.stats()
         assert one.manager.lookups == two.manager.lookups
         assert one.cpu.lookups == two.cpu.lookups
+        assert [t.lookup_seconds.count for t in one.tiers] == [t.lookup_seconds.count for t in two.tiers], (
+            "the same lookups timed"
+        )
         assert one.manager.promotions_started == two.manager.promotions_started

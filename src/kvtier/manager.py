@@ -641,32 +641,44 @@ class TieringManager:
                         ready = i - 1
                     if answer is _MISS:
                         break
+        if ready < 0:  # every key answered HIT
+            return PrefixLookup(answers, n, n, False)
         hits, pending = answers.count(_HIT), answers.count(_HIT_PENDING)
-        return PrefixLookup(
-            answers, len(answers) if ready < 0 else ready, hits + pending, bool(pending) or _RETRY in answers
-        )
+        return PrefixLookup(answers, ready, hits + pending, bool(pending) or _RETRY in answers)
 
     def _lookup_run(
         self, keys: Sequence[BlockKey], i: int, request: RequestContext | None, answers: list[LookupResult]
     ) -> int:
         """Answer the CPU hits of :meth:`lookup_prefix` from ``keys[i]`` on with the fast path's
-        checks; returns the index of the first key :meth:`_lookup` must answer."""
+        checks, the round's timed lookup included when it is a hit; returns the index of the
+        first key :meth:`_lookup` must answer."""
         if not self._steady or not (request is None or request.control is DEFAULT_CONTROL):
             return i
         slot_get, refs, step_hit = self._slot_get, self._refs, self._step_hit
-        stop = min(len(keys), i + self._countdown - 1)  # the round's timed lookup takes the full path
+        n = len(keys)
         start = i
-        while i < stop:
+        countdown = self._countdown
+        while i < n:
             key = keys[i]
             if type(key) is not bytes:
                 break
-            slot = slot_get(key)
-            if slot is None or refs[slot] == IN_FLIGHT:
-                break
+            if countdown > 1:
+                slot = slot_get(key)
+                if slot is None or refs[slot] == IN_FLIGHT:
+                    break
+                countdown -= 1
+            else:  # the round's timed lookup (as in _timed_lookup), answered here while it is a hit
+                began = perf_counter()
+                slot = slot_get(key)
+                if slot is None or refs[slot] == IN_FLIGHT:
+                    break
+                self._cpu_lookup_times.append(perf_counter() - began)
+                countdown = self.lookup_timing_every
+                self._counted += countdown
             step_hit(key)
             i += 1
+        self._countdown = countdown
         if i > start:
-            self._countdown -= i - start
             answers += [_HIT] * (i - start)
         return i
 
