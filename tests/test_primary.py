@@ -226,3 +226,25 @@ def test_unpin_slots_has_the_effect_of_unpin(private_shm: Path) -> None:
     finally:
         for tier in tiers:
             tier.shutdown()
+
+
+def test_a_tier_that_records_no_events_behaves_the_same_without_them(private_shm: Path) -> None:
+    """record_events=False: stores, evictions, promotions and a reset leave no event (an engine
+    that never takes them must not pay for them) and change nothing else."""
+    regions = [SharedRegion(f"primary-events-{i}", 2, 4096, shm_dir=private_shm) for i in range(2)]
+    quiet, recording = PrimaryTier(regions[0], 4096, "lru", record_events=False), PrimaryTier(regions[1], 4096, "lru")
+    try:
+        for tier in (quiet, recording):
+            fill(tier, 1, 2)
+            result = tier.prepare_store([k(3)])  # evicts 2 (completed first, so least recent)
+            assert result is not None and result.evicted_keys == [k(2)]
+            tier.complete_store(result.keys_to_store)
+            assert tier.reserve_one(k(4)) is not None  # evicts 1
+            tier.complete_write([k(4)])
+            tier.reset()
+        assert quiet.take_events() == []
+        assert len(recording.take_events()) == 6
+        assert quiet.stats == recording.stats
+    finally:
+        quiet.shutdown()
+        recording.shutdown()

@@ -320,6 +320,7 @@ class TieringManager:
         drain_timeout: float | None = 120.0,
         shutdown_timeout: float | None = DEFAULT_SHUTDOWN_TIMEOUT,
         backpressure: BackpressureSettings | None = None,
+        events: bool = True,
     ) -> TieringManager:
         """Build the region, the CPU tier and each secondary tier (``{"type": ..., **options}``).
 
@@ -329,7 +330,10 @@ class TieringManager:
         already built are shut down in reverse order, the region is released, and
         the original error is raised. ``backpressure`` (default: on, with the
         defaults of :class:`~kvtier.backpressure.BackpressureSettings`) decides
-        when cascades to a slow tier are skipped.
+        when cascades to a slow tier are skipped. ``events``: the CPU tier records
+        its stored/removed events for :meth:`take_events`; an engine that never
+        takes them passes False (vLLM without KV cache events: vLLM's own manager
+        records none then either), sparing an allocation per eviction.
         """
         if block_bytes is None:
             if namespace.geometry is None:
@@ -358,7 +362,7 @@ class TieringManager:
         primary: PrimaryTier | None = None
         context: TierContext | None = None
         try:
-            primary = PrimaryTier(region, block_bytes, policy)
+            primary = PrimaryTier(region, block_bytes, policy, record_events=events)
             for index, spec in enumerate(tiers, start=1):
                 context = TierContext(rows=region.rows, block_bytes=block_bytes, namespace=namespace, index=index)
                 built.append(create_tier(spec, context))
@@ -1035,7 +1039,8 @@ class TieringManager:
             return True  # keep the engine stepping so completions are still polled
 
     def take_events(self) -> list[BlockEvent]:
-        """Stored/removed events of the CPU tier and every secondary tier since the last call."""
+        """Stored/removed events of the CPU tier (unless built with ``events=False``) and every
+        secondary tier since the last call."""
         if self._closing:
             self._refuse("take_events")
         events = self.primary.take_events()

@@ -87,7 +87,11 @@ class PrimaryTier:
         policy: str | EvictionPolicy = DEFAULT_POLICY,
         *,
         max_pending_events: int = 4096,
+        record_events: bool = True,
     ) -> None:
+        """``record_events``: keep stored/removed events for :meth:`take_events`. An engine
+        that never takes them passes False and the tier records none (each kept event costs an
+        allocation per eviction, and once ``max_pending_events`` are kept, freeing the oldest)."""
         if block_bytes > region.row_stride:
             raise KvtierError(
                 f"block_bytes {block_bytes} exceeds the region's row stride {region.row_stride}"
@@ -106,6 +110,7 @@ class PrimaryTier:
         self._next_fresh = 0
         # Bounded: an engine that never takes events must not grow memory without limit.
         self._events: deque[BlockEvent] = deque(maxlen=max_pending_events)
+        self.record_events = record_events
         self.stats = PrimaryStats()
         self._shut_down = False
 
@@ -207,7 +212,8 @@ class PrimaryTier:
                 return None
             slot = self._slot_of.pop(chosen)
             self.stats.evictions += 1
-            self._events.append(BlockEvent((chosen,), self.tier_label, self.medium, removed=True))
+            if self.record_events:
+                self._events.append(BlockEvent((chosen,), self.tier_label, self.medium, removed=True))
         self._slot_of[key] = slot
         self._ref[slot] = IN_FLIGHT
         self._writer[slot] = PROMOTION
@@ -239,7 +245,8 @@ class PrimaryTier:
                 free.append(slot_of.pop(key))
             evicted = chosen
             self.stats.evictions += len(chosen)
-            self._events.append(BlockEvent(tuple(chosen), self.tier_label, self.medium, removed=True))
+            if self.record_events:
+                self._events.append(BlockEvent(tuple(chosen), self.tier_label, self.medium, removed=True))
         ref, writer = self._ref, self._writer
         slots: list[int] = []
         for key in new_keys:
@@ -307,7 +314,8 @@ class PrimaryTier:
             done.reverse()
             slots.reverse()
             self.stats.blocks_stored += len(done)
-            self._events.append(BlockEvent(tuple(done), self.tier_label, self.medium, removed=False))
+            if self.record_events:
+                self._events.append(BlockEvent(tuple(done), self.tier_label, self.medium, removed=False))
         else:
             done.reverse()
             slots.reverse()
@@ -454,7 +462,8 @@ class PrimaryTier:
     # --- events, reset, shutdown -----------------------------------------------------
 
     def take_events(self) -> list[BlockEvent]:
-        """Events since the last call (at most ``max_pending_events``; older ones are dropped)."""
+        """Events since the last call (at most ``max_pending_events``; older ones are dropped;
+        none if the tier records no events)."""
         events = list(self._events)
         self._events.clear()
         return events
@@ -467,7 +476,7 @@ class PrimaryTier:
 
     def reset(self) -> None:
         """Forget every block. The caller guarantees no copy touches the rows any more."""
-        if self._slot_of:
+        if self._slot_of and self.record_events:
             self._events.append(BlockEvent(tuple(self._slot_of), self.tier_label, self.medium, removed=True))
         self._slot_of.clear()
         self._ref[:] = [0] * self.num_blocks

@@ -5,6 +5,7 @@ Fast; needs vLLM (and torch) installed, skipped otherwise.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,3 +164,51 @@ def test_vllm_keys_are_kvtier_keys_as_they_are(adapter: KvtierOffloadingManager)
     stored = {k for e in events if not e.removed for k in e.keys}
     assert removed == set(keys) and stored == set(keys) | set(later)
     assert not hasattr(adapter, "_reverse")
+
+
+@pytest.mark.parametrize("kv_events", [False, True])
+def test_the_cpu_tier_records_events_only_when_vllm_publishes_them(
+    shm: Path, monkeypatch: pytest.MonkeyPatch, kv_events: bool
+) -> None:
+    """vLLM drains take_events() only with KV cache events on ("connector-specific event capture
+    must stay inert" otherwise): the spec builds a CPU tier that records none then, and one that
+    records stores and evictions when they are on."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    from kvtier.integrations.vllm.spec import KvtierOffloadingSpec
+
+    for name in [n for n in os.environ if n.startswith("KVTIER_")]:
+        monkeypatch.delenv(name)
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(16, ("model.layers.0.self_attn.attn",), 0),),
+        worker_kv_bytes_per_block=4096,
+        enable_kv_cache_events=kv_events,
+        extra_config={"num_cpu_blocks": 2, "shm_dir": str(shm)},
+        engine_id=f"kvtier-events-{kv_events}",
+        model=OffloadingModelConfig("/models/tiny", "float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
+    )
+    manager = KvtierOffloadingSpec(config).get_manager()
+    try:
+        req = ReqContext("r1")
+        manager.on_new_request(req)
+        for start in (0, 2):  # the second store evicts the first two blocks
+            keys = _keys(2, start)
+            out = manager.prepare_store(keys, req)
+            assert out is not None
+            manager.complete_store(keys, req)
+            manager.on_schedule_end(None)  # type: ignore[arg-type]
+        events = list(manager.take_events())
+        if kv_events:
+            assert [(len(e.keys), e.removed) for e in events] == [(2, False), (2, True), (2, False)]
+        else:
+            assert events == []
+    finally:
+        manager.shutdown()

@@ -111,6 +111,8 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
                 block_bytes=s.layout.row_bytes,
                 region_name=s.region_name,
                 num_cpu_blocks=s.num_rows,
+                # vLLM drains take_events() only when it publishes KV cache events.
+                events=self.kv_events_config.enable_kv_cache_events,
             )
             metrics = None
             if s.metrics_port is not None:
