@@ -493,6 +493,42 @@ def test_a_tier_raising_from_scheduler_calls_never_crashes_the_scheduler(
         mgr.shutdown()
 
 
+class _StepCounting(ScriptedTier):
+    """A tier with its own step-end work (counts the calls); the second raises from it."""
+
+    tier_type = "step-counting"
+
+    def __init__(self, context: Any, **options: Any) -> None:
+        super().__init__(context, **options)
+        self.step_ends = 0
+
+    def on_schedule_end(self) -> None:
+        self.step_ends += 1
+        if self.name == "raising":
+            raise RuntimeError("step end exploded")
+
+
+register_tier("step-counting", f"{__name__}:_StepCounting")
+
+
+def test_every_tier_with_step_end_work_is_called_once_per_step(namespace: Namespace) -> None:
+    """The manager skips the base class's on_schedule_end (it does nothing) but calls every tier
+    that has step-end work, every step, a raising one included (counted)."""
+    specs = [{"type": "scripted", "name": "plain"}, {"type": "step-counting", "name": "counting"},
+             {"type": "step-counting", "name": "raising"}]  # fmt: skip
+    mgr = TieringManager.create(namespace=namespace, num_cpu_blocks=4, tiers=specs)
+    plain, counting, raising = mgr.tiers
+    assert isinstance(counting, _StepCounting) and isinstance(raising, _StepCounting)
+    try:
+        for _ in range(3):
+            mgr.on_schedule_end()
+        assert (counting.step_ends, raising.step_ends) == (3, 3)
+        assert mgr.stats().manager.tier_call_errors == 3
+        assert isinstance(plain, ScriptedTier)
+    finally:
+        mgr.shutdown()
+
+
 def test_complete_store_never_completes_a_promotion_in_flight(make: Any) -> None:
     # regression: an anonymous complete_store (no request) of a key whose row a promotion is
     # still writing marked that row readable before its bytes arrived

@@ -254,6 +254,7 @@ class TieringManager:
             (pos, tier, self._telemetry[pos + 1], self._telemetry[pos + 1].retry_since)
             for pos, tier in enumerate(self.tiers)
         ]
+        self._step_end_tiers = self._tiers_with_step_end()
         self.lookup_timing_every = lookup_timing_every
         self._init_lookup_state(primary)
         self.backpressure = backpressure if backpressure is not None else BackpressureSettings()
@@ -463,9 +464,7 @@ class TieringManager:
             self._poll_all()
 
     def _poll_all(self) -> None:
-        for pos, tier in enumerate(self.tiers):
-            if pos in self._tiers_down:
-                continue
+        for pos, tier, _, _ in self._secondary:
             try:
                 results = tier.poll_finished()
             except Exception:
@@ -974,6 +973,33 @@ class TieringManager:
         if self._closing:
             self._refuse("on_schedule_end")
         self._poll_once()
+        if self._pending_promotions:
+            self._submit_promotions()
+        if self._step_states:
+            self._end_step_of_requests()
+        for pos, tier in self._step_end_tiers:
+            try:
+                tier.on_schedule_end()
+            except Exception:
+                self._tier_call_failed(pos, "on_schedule_end")
+        for telemetry in self._telemetry:
+            if len(telemetry.lookup_seconds.pending) >= telemetry.lookup_seconds.FOLD_AT:
+                telemetry.lookup_seconds.fold()
+        self._step_hits.clear()
+        self._hit_log.clear()
+        self._polled_this_step = self._steady = False
+
+    def _tiers_with_step_end(self) -> list[tuple[int, SecondaryTier]]:
+        """The live secondary tiers that do something in ``on_schedule_end`` (the base class's
+        does nothing: a call per tier and step saved)."""
+        base = SecondaryTier.on_schedule_end
+        return [
+            (pos, tier) for pos, tier, _, _ in self._secondary
+            if getattr(getattr(tier, "on_schedule_end", None), "__func__", None) is not base
+        ]  # fmt: skip
+
+    def _submit_promotions(self) -> None:
+        """Step end: one load job per (tier, request) of this step's promotions."""
         pending, self._pending_promotions = self._pending_promotions, {}
         self._last_promotion = None
         for (pos, _), promo in pending.items():
@@ -991,19 +1017,6 @@ class TieringManager:
                 telemetry.fail("submit_error")
                 del self._jobs[job.job_id]
                 self.primary.complete_write(promo.keys, False)
-        if self._step_states:
-            self._end_step_of_requests()
-        for pos, tier, _, _ in self._secondary:
-            try:
-                tier.on_schedule_end()
-            except Exception:
-                self._tier_call_failed(pos, "on_schedule_end")
-        for telemetry in self._telemetry:
-            if len(telemetry.lookup_seconds.pending) >= telemetry.lookup_seconds.FOLD_AT:
-                telemetry.lookup_seconds.fold()
-        self._step_hits.clear()
-        self._hit_log.clear()
-        self._polled_this_step = self._steady = False
 
     def _end_step_of_requests(self) -> None:
         """The step's end for the requests with promotions (just submitted) or parked cascades,
@@ -1304,6 +1317,7 @@ class TieringManager:
             if error is None:
                 self._tiers_down.add(pos)
                 self._secondary = [entry for entry in self._secondary if entry[0] != pos]
+                self._step_end_tiers = self._tiers_with_step_end()
                 tier.context.release_rows()
                 continue
             logger.error(
