@@ -21,6 +21,7 @@ is compared; the machine is shared and noisy, so read the ratios, not absolute f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import itertools
 import mmap
@@ -106,6 +107,9 @@ class _Bench:
             max_bytes=max_bytes,
             direct_io=direct,
             scan_in_background=False,
+            # Every block of a measurement is submitted at once: none may be shed (the default
+            # queue bound is for an engine, which would rather skip a store than wait).
+            max_queued_stores=max(self.n, 1),
             **opts,
         )
         assert tier.direct_io is direct
@@ -196,7 +200,9 @@ def main() -> None:
                 bench.run(label, direct, threads)
     finally:
         del rows, bench
-        mm.close()
+        # After an error its traceback may still hold a view of the rows: the mapping then goes with the process.
+        with contextlib.suppress(BufferError):
+            mm.close()
         shutil.rmtree(base, ignore_errors=True)
 
 
