@@ -71,21 +71,12 @@ class LRUPolicy(SlotListPolicy):
         self._count += linked
 
     def mark_pinned_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
-        flags, prv, nxt = self._evictable, self._prev, self._next
-        unlinked = 0
-        for slot in slots:
-            if flags[slot]:
-                before, after = prv[slot], nxt[slot]
-                nxt[before] = after
-                prv[after] = before
-                flags[slot] = 0
-                unlinked += 1
-        self._count -= unlinked
+        self._unlink_many(slots)
 
     def mark_evictable_then_pinned_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
         # Linked at the tail, then unlinked: a block that was not linked stays so, one that was
         # (never the case for a block whose write just completed) leaves the list.
-        self.mark_pinned_many(keys, slots)
+        self._unlink_many(slots)
 
     def reference_chain(self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int, hit: bool) -> None:
         """Touches, tail first (the head ends most recent); blocks not evictable are left alone."""

@@ -206,6 +206,41 @@ class ReturnTimePolicy(SlotListPolicy):
         prv[end] = slot
         self._count += 1
 
+    # Batched forms, inlined: the CPU tier calls them for every block it stores, pins and
+    # releases, and a Python call per block would cost more than the work.
+
+    def insert_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
+        key_of = self._key_of
+        for i in range(len(slots)):
+            key_of[slots[i]] = keys[i]
+        self._fresh.extend(slots)
+
+    def mark_evictable_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
+        flags, expiry, prv, nxt = self._evictable, self._expiry, self._prev, self._next
+        width, cur, cap = self._width, self._cur, self.capacity
+        linked = 0
+        for slot in slots:
+            if flags[slot]:
+                continue
+            flags[slot] = 1
+            bucket = expiry[slot] // width
+            end = cap if bucket < cur else cap + 1 + bucket % RING
+            tail = prv[end]
+            nxt[tail] = slot
+            prv[slot] = tail
+            nxt[slot] = end
+            prv[end] = slot
+            linked += 1
+        self._count += linked
+
+    def mark_pinned_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
+        self._unlink_many(slots)
+
+    def mark_evictable_then_pinned_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
+        # mark_evictable only links a block into its expiry's list, so linking then unlinking
+        # leaves a block that was not linked as it was, and unlinks one that was.
+        self._unlink_many(slots)
+
     def _list_for(self, expiry: int) -> int:
         bucket = expiry // self._width
         return self.capacity if bucket < self._cur else self.capacity + 1 + bucket % RING
