@@ -191,20 +191,8 @@ class ReturnTimePolicy(SlotListPolicy):
             self.reference_chain((key,), (slot,), -1, True)
 
     def mark_evictable(self, key: BlockKey, slot: int) -> None:
-        # _link_evictable to the list of the block's expiry, inlined: it runs for every block.
-        flags = self._evictable
-        if flags[slot]:
-            return
-        flags[slot] = 1
-        bucket = self._expiry[slot] // self._width
-        end = self.capacity if bucket < self._cur else self.capacity + 1 + bucket % RING
-        prv = self._prev
-        tail = prv[end]
-        self._next[tail] = slot
-        prv[slot] = tail
-        self._next[slot] = end
-        prv[end] = slot
-        self._count += 1
+        # One block (a single unpin); the CPU tier's stores and releases take mark_evictable_many.
+        self._link_evictable(slot, self._list_for(self._expiry[slot]))
 
     # Batched forms, inlined: the CPU tier calls them for every block it stores, pins and
     # releases, and a Python call per block would cost more than the work.
@@ -223,7 +211,7 @@ class ReturnTimePolicy(SlotListPolicy):
             if flags[slot]:
                 continue
             flags[slot] = 1
-            bucket = expiry[slot] // width
+            bucket = expiry[slot] // width  # _list_for and _append, inlined
             end = cap if bucket < cur else cap + 1 + bucket % RING
             tail = prv[end]
             nxt[tail] = slot
