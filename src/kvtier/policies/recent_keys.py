@@ -8,8 +8,13 @@ change whenever the holds do. The table must therefore cover many requests (a
 quarter of the capacity) at a few bytes each: a Python set of ints costs about
 80 bytes an entry and grows under churn, so this is a ring of ``capacity``
 63-bit fingerprints (first in, first out) with an open-addressing index of
-``2 ** k >= 2 * capacity`` cells (linear probing, backward-shift deletion):
-16 to 24 bytes an entry in all, whatever the churn.
+``2 ** k >= 2 * capacity`` cells (linear probing, backward-shift deletion), and
+in front of it a filter of ``2 ** m >= 8 * capacity`` one-byte counters, one
+per value of a fingerprint's low bits: 24 to 40 bytes an entry in all, whatever
+the churn. Nearly every probe is a miss (a request's blocks are looked up from
+its end, and most were never recorded); the filter answers most misses with
+one byte read, where the index would walk a probe run (half full, most runs
+are not empty) through the ring's fingerprints.
 
 Fingerprints are those of :func:`~kvtier.policies.fingerprints.fingerprint` (the
 key's cached hash): equal keys give equal fingerprints within one process. Two
@@ -44,6 +49,10 @@ class RecentKeys:
             size <<= 1
         self._index = array("i", bytes(4 * size))  # ring position + 1; 0: empty cell
         self._mask = size - 1
+        # Entries per value of the low bits (saturating at 255: a saturated count stays, so
+        # the filter never hides an entry). Four times the index's cells: most are 0.
+        self._filter = bytearray(4 * size)
+        self._filter_mask = 4 * size - 1
         self._pos = 0  # the ring position the next entry takes
         self._len = 0
 
@@ -55,14 +64,21 @@ class RecentKeys:
 
     def add(self, fp: int) -> None:
         """Record ``fp`` (non-zero) unless present; the oldest entry goes when the table is full."""
-        if self._find(fp) >= 0:
+        filt, fmask = self._filter, self._filter_mask
+        if filt[fp & fmask] and self._find(fp) >= 0:
             return
         ring, pos = self._ring, self._pos
         if self._len == self.capacity:
             unindex(self._index, self._ring, self._mask, pos)
+            j = ring[pos] & fmask
+            if filt[j] < 255:
+                filt[j] -= 1
         else:
             self._len += 1
         ring[pos] = fp
+        j = fp & fmask
+        if filt[j] < 255:
+            filt[j] += 1
         index, mask = self._index, self._mask
         i = fp & mask
         while index[i]:
@@ -73,12 +89,20 @@ class RecentKeys:
     def deepest(self, keys: Sequence[BlockKey], low: int) -> int:
         """The largest ``i`` in ``low .. len(keys) - 1`` whose key is recorded, or -1.
 
-        Scans from the end, one probe run per key (the index is at most half
-        full, so a run is short).
+        Scans from the end. Called per stored chain on the scheduler thread, so
+        a miss costs as little as it can: one read of the filter, at the key's
+        low hash bits (those of its fingerprint too, but for a hash whose 63 low
+        bits are 0, whose fingerprint is 1); only a key the filter cannot rule
+        out walks the index.
         """
         index, ring, mask = self._index, self._ring, self._mask
+        filt, fmask = self._filter, self._filter_mask
         for pos in range(len(keys) - 1, low - 1, -1):
-            fp = hash(keys[pos]) & _MASK or 1  # fingerprint(), inlined: one call less per key
+            h = hash(keys[pos])
+            j = h & fmask
+            if not filt[j] and (j or not filt[1]):  # j 0: fingerprint 1 if the hash is 0 (see fingerprint())
+                continue
+            fp = h & _MASK or 1
             i = fp & mask
             cell = index[i]
             while cell:

@@ -52,7 +52,7 @@ blocks are in reference order, a chain's tail before its head. With every hold
 Per slot: the lists' two pointers and the key (24 bytes), ``_evictable``,
 ``_touches`` (1 byte each), ``_parent``, ``_children`` (4 bytes each),
 ``_expiry`` (8 bytes); plus the sample tables, about ``capacity / 4``
-fingerprints, and the request ends, ``capacity / 4`` fingerprints of 16-24
+fingerprints, and the request ends, ``capacity / 4`` fingerprints of 24-40
 bytes, all allocated once. Every operation is O(1) per block, except
 that eviction skips blocks that are not leaves (which it moves behind, so they
 are not scanned again) and a reference walks up the ancestors whose expiry it
@@ -62,13 +62,13 @@ raises. Called from one thread (the tier's).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Container, Sequence
 from typing import ClassVar
 
 import numpy as np
 
 from kvtier.keys import BlockKey
-from kvtier.policies.fingerprints import fingerprint
+from kvtier.policies.fingerprints import _MASK, fingerprint
 from kvtier.policies.recent_keys import RecentKeys
 from kvtier.policies.return_times import (
     SAMPLE_SCALE,
@@ -207,12 +207,16 @@ class ReturnTimePolicy(SlotListPolicy):
         flags, expiry, prv, nxt = self._evictable, self._expiry, self._prev, self._next
         width, cur, cap = self._width, self._cur, self.capacity
         linked = 0
+        last = end = -1
         for slot in slots:
             if flags[slot]:
                 continue
             flags[slot] = 1
-            bucket = expiry[slot] // width  # _list_for and _append, inlined
-            end = cap if bucket < cur else cap + 1 + bucket % RING
+            e = expiry[slot]
+            if e != last:  # a stored chain has two expiries at most (see _hold_new_chain)
+                last = e
+                bucket = e // width  # _list_for and _append, inlined
+                end = cap if bucket < cur else cap + 1 + bucket % RING
             tail = prv[end]
             nxt[tail] = slot
             prv[slot] = tail
@@ -253,13 +257,9 @@ class ReturnTimePolicy(SlotListPolicy):
         if hit:
             base = 0
         elif slots == fresh:
-            # The fast path: a store of new blocks only (no touches to read, nothing to move).
-            base = _NEW_BUCKET[min(self._new_blocks(keys, ()), 16)] * 6
-            self._remember_end(keys, parent)
             fresh.clear()
             self._pending = None
-            self._raise_ancestors(parent, self._hold_new_chain(keys, slots, parent, base, now, self._extension()))
-            self._end_reference(n)
+            self._store_new_chain(keys, slots, parent, now)
             return
         else:
             base = _NEW_BUCKET[min(self._new_blocks(keys, slots), 16)] * 6
@@ -341,17 +341,27 @@ class ReturnTimePolicy(SlotListPolicy):
         if self._now >= self._next_solve:
             self._solve()
 
-    def _hold_new_chain(
-        self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int, base: int, now: int, extended: int
-    ) -> int:
-        """The fast path of :meth:`reference_chain` for a store of blocks all new: returns the head's expiry.
+    def _store_new_chain(self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int, now: int) -> None:
+        """The fast path of :meth:`reference_chain`, the one every store of new blocks takes.
 
-        New blocks have no parent, no touches and expiry 0, are not evictable
-        yet, and take two classes (the last block's and the others').
+        The same steps as the general path, inlined (a call costs about as much
+        as a block's work): classify by the recorded request ends only (no
+        block here was referenced before), record the request's end, hold the
+        blocks, raise the ancestors, end the reference. New blocks have no
+        parent, no touches and expiry 0, are not evictable yet, and take two
+        classes (the last block's and the others').
         """
+        n = len(slots)
+        history = self._history
+        found = history.deepest(keys, n - 17 if n > 17 else 0)  # _new_blocks(keys, ())
+        new = n if found < 0 else n - 1 - found
+        base = _NEW_BUCKET[new if new < 16 else 16] * 6
+        # _remember_end: the request's last full block, or the block the one new block extends.
+        end_key = keys[-2] if n >= 2 else keys[0] if parent < 0 else self._key_of[parent]
+        history.add(hash(end_key) & _MASK or 1)
+        extended = self._extension()
         par, children, touches, expiry = self._parent, self._children, self._touches, self._expiry
         hold, partial, refs = self.hold, self._partial, self._class_refs
-        n = len(slots)
         last = base + 3
         tail_expiry = now + (extended if last == partial else hold[last])
         head_expiry = max(now + (extended if base == partial else hold[base]), tail_expiry)
@@ -374,7 +384,13 @@ class ReturnTimePolicy(SlotListPolicy):
         below = self._sample_below
         for i in [i for i, key in enumerate(keys) if key[-1] < below]:
             self._observe(fingerprint(keys[i]), last if i == n - 1 else base, False)
-        return head_expiry
+        if parent >= 0:
+            self._raise_ancestors(parent, head_expiry)
+        if self._call_sampled:  # _end_reference
+            self._judge_chain()
+        self._now = now + n
+        if self._now >= self._next_solve:
+            self._solve()
 
     def _raise_ancestors(self, slot: int, expiry_at_least: int) -> None:
         """Raise ``slot`` and its ancestors to ``expiry_at_least`` until one is there already."""
@@ -484,7 +500,10 @@ class ReturnTimePolicy(SlotListPolicy):
         passed: list[int] = []
         budget = _PASS_LIMIT + 4 * n
         need = n
-        for end in self._scan_order():
+        cap, c1, cur = self.capacity, self.capacity + 1, self._cur
+        # The expired list, then the wheel's lists in time order (no generator: one per store).
+        for k in range(-1, RING):
+            end = cap if k < 0 else c1 + (cur + k) % RING
             slot = nxt[end]
             while slot != end:
                 if children[slot] and budget:
@@ -506,14 +525,14 @@ class ReturnTimePolicy(SlotListPolicy):
                 slot = nxt[slot]
             if not need:
                 break
-        if len(chosen) < n:
+        if need:
             self._take_passed(n, chosen, passed, protected)
-        if len(chosen) < n:
-            for slot in chosen:  # undo: too few qualify
-                parent = par[slot]
-                if parent >= 0:
-                    children[parent] += 1
-            return None
+            if len(chosen) < n:
+                for slot in chosen:  # undo: too few qualify
+                    parent = par[slot]
+                    if parent >= 0:
+                        children[parent] += 1
+                return None
         return self._forget(chosen)
 
     def _take_passed(self, n: int, chosen: list[int], passed: list[int], protected: Container[BlockKey]) -> list[int]:
@@ -536,27 +555,34 @@ class ReturnTimePolicy(SlotListPolicy):
         return passed
 
     def _forget(self, chosen: list[int]) -> list[BlockKey]:
+        """Unlink and reset the ``chosen`` slots; their keys, in order.
+
+        Chosen blocks are mostly runs of one list (its oldest blocks, in list
+        order): each run is unlinked at once, joining the block before its
+        first to the block after its last.
+        """
         prv, nxt, flags, key_of, par = self._prev, self._next, self._evictable, self._key_of, self._parent
         touches, expiry = self._touches, self._expiry
         keys: list[BlockKey] = []
+        first = last = chosen[0]
         for slot in chosen:
-            before, after = prv[slot], nxt[slot]
-            nxt[before] = after
-            prv[after] = before
+            if slot != last and nxt[last] != slot:  # a run ends: unlink it
+                before, after = prv[first], nxt[last]
+                nxt[before] = after
+                prv[after] = before
+                first = slot
+            last = slot
             flags[slot] = 0
             keys.append(key_of[slot])
             key_of[slot] = NO_KEY
             par[slot] = -1
             touches[slot] = 0
             expiry[slot] = 0
+        before, after = prv[first], nxt[last]
+        nxt[before] = after
+        prv[after] = before
         self._count -= len(chosen)
         return keys
-
-    def _scan_order(self) -> Iterator[int]:
-        yield self.capacity
-        c1 = self.capacity + 1
-        for bucket in range(self._cur, self._cur + RING):
-            yield c1 + bucket % RING
 
     def _advance(self, cur: int) -> None:
         """Splice the wheel lists whose interval the clock passed onto the expired list."""
