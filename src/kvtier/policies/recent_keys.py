@@ -49,8 +49,8 @@ class RecentKeys:
             size <<= 1
         self._index = array("i", bytes(4 * size))  # ring position + 1; 0: empty cell
         self._mask = size - 1
-        # Entries per value of the low bits (saturating at 255: a saturated count stays, so
-        # the filter never hides an entry). Four times the index's cells: most are 0.
+        # Entries per value of the fingerprints' low bits (see _count). Four times the
+        # index's cells: most are 0.
         self._filter = bytearray(4 * size)
         self._filter_mask = 4 * size - 1
         self._pos = 0  # the ring position the next entry takes
@@ -70,15 +70,11 @@ class RecentKeys:
         ring, pos = self._ring, self._pos
         if self._len == self.capacity:
             unindex(self._index, self._ring, self._mask, pos)
-            j = ring[pos] & fmask
-            if filt[j] < 255:
-                filt[j] -= 1
+            self._count(ring[pos], -1)
         else:
             self._len += 1
         ring[pos] = fp
-        j = fp & fmask
-        if filt[j] < 255:
-            filt[j] += 1
+        self._count(fp, 1)
         index, mask = self._index, self._mask
         i = fp & mask
         while index[i]:
@@ -90,19 +86,16 @@ class RecentKeys:
         """The largest ``i`` in ``low .. len(keys) - 1`` whose key is recorded, or -1.
 
         Scans from the end. Called per stored chain on the scheduler thread, so
-        a miss costs as little as it can: one read of the filter, at the key's
-        low hash bits (those of its fingerprint too, but for a hash whose 63 low
-        bits are 0, whose fingerprint is 1); only a key the filter cannot rule
-        out walks the index.
+        a miss costs as little as it can: one read of the filter at the key's
+        low hash bits (those of its fingerprint; see :meth:`_count`); only a key
+        the filter cannot rule out walks the index.
         """
         index, ring, mask = self._index, self._ring, self._mask
         filt, fmask = self._filter, self._filter_mask
         for pos in range(len(keys) - 1, low - 1, -1):
-            h = hash(keys[pos])
-            j = h & fmask
-            if not filt[j] and (j or not filt[1]):  # j 0: fingerprint 1 if the hash is 0 (see fingerprint())
+            if not filt[hash(keys[pos]) & fmask]:
                 continue
-            fp = h & _MASK or 1
+            fp = hash(keys[pos]) & _MASK or 1
             i = fp & mask
             cell = index[i]
             while cell:
@@ -116,6 +109,19 @@ class RecentKeys:
         self.__init__(self.capacity)  # type: ignore[misc]
 
     # --- internals -------------------------------------------------------------------
+
+    def _count(self, fp: int, step: int) -> None:
+        """Count ``fp`` in (step 1) or out of (step -1) the filter.
+
+        A count stays once it reaches 255, so the filter never hides an entry.
+        Fingerprint 1 is also the fingerprint of the keys whose hash has 63 low
+        bits 0 (see :func:`~kvtier.policies.fingerprints.fingerprint`): their low
+        hash bits are 0, so it counts in cell 0 as well as in its own.
+        """
+        filt = self._filter
+        for j in (fp & self._filter_mask, 0) if fp == 1 else (fp & self._filter_mask,):
+            if filt[j] < 255:
+                filt[j] += step
 
     def _find(self, fp: int) -> int:
         """The ring position of ``fp``, or -1."""

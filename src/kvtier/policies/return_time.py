@@ -367,22 +367,27 @@ class ReturnTimePolicy(SlotListPolicy):
         head_expiry = max(now + (extended if base == partial else hold[base]), tail_expiry)
         refs[last] += 1
         refs[base] += n - 1
-        it = iter(slots)
-        up = next(it)
+        below = self._sample_below
+        sampled: list[int] = []
+        up = slots[0]
         if parent >= 0 and parent != up:
             par[up] = parent
             children[parent] += 1
         touches[up] = 1
         expiry[up] = head_expiry
-        for s in it:  # one loop, no branch: this is the hot path of every store
+        if keys[0][-1] < below:
+            sampled.append(0)
+        for i in range(1, n):  # the hot path of every store
+            s = slots[i]
             par[s] = up
             children[up] += 1
             touches[s] = 1
             expiry[s] = head_expiry
             up = s
+            if keys[i][-1] < below:
+                sampled.append(i)
         expiry[up] = tail_expiry
-        below = self._sample_below
-        for i in [i for i, key in enumerate(keys) if key[-1] < below]:
+        for i in sampled:
             self._observe(fingerprint(keys[i]), last if i == n - 1 else base, False)
         if parent >= 0:
             self._raise_ancestors(parent, head_expiry)
