@@ -70,11 +70,20 @@ class RecentKeys:
         ring, pos = self._ring, self._pos
         if self._len == self.capacity:
             unindex(self._index, self._ring, self._mask, pos)
-            self._count(ring[pos], -1)
+            old = ring[pos]
+            j = old & fmask
+            if old == 1:
+                self._count(old, -1)
+            elif filt[j] < 255:  # _count, inlined: once per stored chain
+                filt[j] -= 1
         else:
             self._len += 1
         ring[pos] = fp
-        self._count(fp, 1)
+        j = fp & fmask
+        if fp == 1:
+            self._count(fp, 1)
+        elif filt[j] < 255:
+            filt[j] += 1
         index, mask = self._index, self._mask
         i = fp & mask
         while index[i]:
