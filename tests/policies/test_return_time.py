@@ -26,7 +26,7 @@ from policy_helpers import ScanSpy, Slotted, key
 from kvtier.keys import BlockKey
 from kvtier.policies import LRUPolicy, ReturnTimePolicy
 from kvtier.policies.base import EvictionPolicy
-from kvtier.policies.return_time import CLASSES, RING
+from kvtier.policies.return_time import CLASSES, NEW_BUCKETS, RING
 from kvtier.policies.slot_lists import NO_KEY
 
 
@@ -335,7 +335,7 @@ def test_learned_holds_keep_returning_conversations_through_scans() -> None:
     assert learned >= 1.2 * lru, f"learned {learned:.3f} vs LRU {lru:.3f}"
     # The scans' blocks (many new blocks, never back) are hardly held; conversation blocks are:
     # a turn's new block (one new block, the last) and the blocks it hits (referenced before).
-    scan, turn_end, prefix = 4 * 6, 0 * 6 + 3, 0 * 6 + 1
+    scan, turn_end, prefix = (NEW_BUCKETS - 1) * 6, 0 * 6 + 3, 0 * 6 + 1
     assert policy.hold[scan] * 4 < min(policy.hold[turn_end], policy.hold[prefix])
 
 
