@@ -204,6 +204,13 @@ def test_replay_honours_the_environment_and_checks_its_output(tmp_path: Path, pr
     assert out.returncode == 0 and "(policy lru)" in out.stdout
     line = one_line_error(run("replay", str(trace), "--json", str(tmp_path / "missing" / "r.json"), env=env))
     assert "--json" in line and "does not exist" in line
+    out = run("replay", str(trace), "--store-chunk", "0", env=env)  # argparse: usage, then the error
+    assert out.returncode == 2 and "argument --store-chunk: must be at least 1, got 0" in out.stderr
+    out = run("replay", str(trace), "--capacity", "10", "--store-chunk", "1", "--json", str(tmp_path / "r.json"),
+              env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "stores of at most 1 blocks" in out.stdout
+    assert json.loads((tmp_path / "r.json").read_text())["store_chunk"] == 1
 
 
 # --------------------------------------------------------------------------- outputs checked before the run

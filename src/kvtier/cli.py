@@ -419,6 +419,11 @@ def _add_replay(sub: Any) -> None:
         f"(default: KVTIER_POLICY, else {DEFAULT_POLICY}); lru always runs as the baseline of the ratios",
     )  # fmt: skip
     p.add_argument("--limit", type=_int_at_least(1), default=None, help="replay only the first N requests")
+    p.add_argument(
+        "--store-chunk", metavar="N", type=_int_at_least(1), default=None,
+        help="store each request's missed blocks N at a time, as an engine that prefills in chunks or "
+        "stores decoded blocks one by one does (default: one store per request)",
+    )  # fmt: skip
     p.add_argument("--no-belady", action="store_true", help="skip the Belady reference")
     p.add_argument(
         "--fs-root", default=None,
@@ -475,6 +480,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     err = _stderr_console()
     runs = compare_policies(
         keys, capacities, args.policy, namespace=namespace, tiers=tiers, shm_dir=args.shm_dir,
+        store_chunk=args.store_chunk,
         announce=lambda p, c: err.print(f"replaying {summary['requests']} requests with {c} CPU blocks ({p})..."),
     )  # fmt: skip
     belady: dict[int, HitRateResult | None] = {
@@ -487,6 +493,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         highlight=False,
     )
     out.print(f"unbounded cache prefix-hit rate: {100 * unbounded.hit_rate:.1f}%")
+    if args.store_chunk is not None:
+        out.print(f"stores of at most {args.store_chunk} blocks (--store-chunk)", highlight=False)
     rows = replay_rows(runs, args.policy, belady, unbounded)
     named = f"policy {args.policy[0]}" if len(args.policy) == 1 else f"policies {', '.join(args.policy)}"
     out.print(replay_table(rows, f"prefix-hit rate vs CPU capacity ({named})"))
@@ -505,7 +513,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if args.json:
         what = {"synthetic": args.synthetic, "seed": args.seed} if args.synthetic else {"trace": args.trace}
         write_json(args.json, {**what, "summary": summary, "policy": args.policy[0], "policies": args.policy,
-                               "rows": rows})  # fmt: skip
+                               "store_chunk": args.store_chunk, "rows": rows})  # fmt: skip
         err.print(f"wrote {args.json}")
     return 0
 

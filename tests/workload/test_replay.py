@@ -78,3 +78,32 @@ def test_the_default_policy_is_never_worse_than_lru_on_generated_workloads(kind:
     for cap, by_policy in runs.items():
         ratio = by_policy[DEFAULT_POLICY].extra["ratio_to_lru"]
         assert ratio >= 0.99, f"{kind} at {cap} blocks: {ratio:.3f}x LRU"
+
+
+def test_store_chunk_stores_each_request_in_chunks(private_shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.manager import TieringManager
+
+    trace = random_chat_trace(5, n_requests=60)
+    ns = replay_namespace()
+    keys = trace_keys(trace, ns)
+    sizes: list[int] = []
+    store = TieringManager.prepare_store
+
+    def counting_store(self: TieringManager, chunk: list[bytes], request: object = None) -> object:
+        sizes.append(len(chunk))
+        return store(self, chunk, request)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(TieringManager, "prepare_store", counting_store)
+    whole = replay_manager(keys, 100_000, namespace=ns, shm_dir=str(private_shm))
+    stores_whole = len(sizes)
+    sizes.clear()
+    chunked = replay_manager(keys, 100_000, namespace=ns, shm_dir=str(private_shm), store_chunk=3)
+    assert max(sizes) == 3 and len(sizes) > stores_whole, "every missed block stored, 3 at most per store"
+    assert sum(sizes) == whole.refs - whole.hits
+    # A cache that holds everything hits the same whatever the store sizes.
+    assert chunked.hits == whole.hits == unbounded_hit_rate(trace).hits
+
+
+def test_store_chunk_must_be_positive(private_shm: Path) -> None:
+    with pytest.raises(ValueError, match="store_chunk must be at least 1, got 0"):
+        replay_manager([], 10, shm_dir=str(private_shm), store_chunk=0)

@@ -8,7 +8,9 @@ scheduler does:
 1. ``lookup`` its keys in order until the first non-HIT (a prefix hit; with
    secondary tiers, HIT_PENDING promotions are waited for, step by step);
 2. ``prepare_load`` / ``complete_load`` the hit prefix (recency);
-3. ``prepare_store`` / ``complete_store`` the rest (evicting as needed);
+3. ``prepare_store`` / ``complete_store`` the rest (evicting as needed): in one
+   store, or ``store_chunk`` blocks at a time, as an engine that prefills in
+   chunks (or stores decoded blocks one by one) does;
 4. ``on_request_finished``, ``on_schedule_end``.
 
 With secondary tiers configured, their cascades and promotions are real (they
@@ -73,14 +75,19 @@ def replay_manager(
     shm_dir: str = "/dev/shm",
     pending_timeout: float = 30.0,
     progress: Callable[[int], None] | None = None,
+    store_chunk: int | None = None,
 ) -> HitRateResult:
     """Replay requests (lists of block keys) through a real manager with ``capacity`` CPU blocks.
 
     Returns prefix hits split by tier (``"cpu"`` and each secondary tier's label).
+    ``store_chunk``: store each request's missed blocks this many at a time (one
+    ``prepare_store`` / ``complete_store`` per chunk); None: all in one store.
     ``progress`` is called with the number of requests done, every 256 requests.
     Raises :class:`KvtierError` if a promotion stays pending beyond ``pending_timeout``.
     Long because set-up, the replay loop and the per-tier accounting share the manager's lifetime.
     """
+    if store_chunk is not None and store_chunk < 1:
+        raise ValueError(f"store_chunk must be at least 1, got {store_chunk}")
     ns = namespace or replay_namespace()
     start = time.perf_counter()
     manager = TieringManager.create(
@@ -129,8 +136,9 @@ def replay_manager(
                     manager.prepare_load(prefix, req)
                 manager.complete_load(prefix, req)
             rest = request_keys[hits:]
-            if rest:
-                result = manager.prepare_store(rest, req)
+            chunk = store_chunk or max(1, len(rest))
+            for first in range(0, len(rest), chunk):
+                result = manager.prepare_store(rest[first : first + chunk], req)
                 if result is None:
                     rejected += 1
                 elif result.keys_to_store:
@@ -165,6 +173,7 @@ def compare_policies(
     tiers: Callable[[str, int], Sequence[dict[str, Any]]] | None = None,
     shm_dir: str = "/dev/shm",
     announce: Callable[[str, int], None] | None = None,
+    store_chunk: int | None = None,
 ) -> dict[int, dict[str, HitRateResult]]:
     """Replay ``keys`` through a manager per (capacity, policy); ``"lru"`` always runs, as the baseline.
 
@@ -172,7 +181,7 @@ def compare_policies(
     same capacity (1.0 where both are 0). ``tiers(policy, capacity)`` gives
     each run its own secondary tiers (a persistent tier must not be shared
     between runs, or a later run starts warm). ``announce(policy, capacity)``
-    is called before each run.
+    is called before each run; ``store_chunk`` as in :func:`replay_manager`.
     """
     names = list(dict.fromkeys([*policies, "lru"]))
     out: dict[int, dict[str, HitRateResult]] = {}
@@ -183,7 +192,7 @@ def compare_policies(
                 announce(name, capacity)
             runs[name] = replay_manager(
                 keys, capacity, policy=name, namespace=namespace, shm_dir=shm_dir,
-                tiers=tiers(name, capacity) if tiers is not None else (),
+                tiers=tiers(name, capacity) if tiers is not None else (), store_chunk=store_chunk,
             )  # fmt: skip
         lru = runs["lru"].hit_rate
         for result in runs.values():
