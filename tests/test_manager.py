@@ -597,5 +597,12 @@ def test_a_request_chains_its_store_after_its_load(namespace: Namespace, private
             (ks[5:], slot(ks[4]), False),
             ([keys(1, seed=9)[0]], -1, False),
         ]
+        # Only the store after the same request's store continues it (not the one after its load).
+        assert policy.continued == [3]
+        mgr.prepare_load(ks[:2], other)  # a load in between: the next store starts after the load
+        mgr.complete_load(ks[:2], other)
+        store(mgr, keys(2, seed=8), other)
+        store(mgr, keys(2, seed=7), other)
+        assert policy.continued == [3, 7]
     finally:
         mgr.shutdown()

@@ -21,11 +21,17 @@ from kvtier.types import LookupResult, OffloadPolicy, RequestContext
 
 
 class RecordingLRU(LRUPolicy):
-    """LRU that records each ``reference_chain`` call as (keys, slots, parent, hit)."""
+    """LRU that records each ``reference_chain`` call as (keys, slots, parent, hit), and which
+    stores came as ``continue_chain`` (their index in ``chains``)."""
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self.chains: list[tuple[list[BlockKey], list[int], int, bool]] = []
+        self.continued: list[int] = []
+
+    def continue_chain(self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int) -> None:
+        self.continued.append(len(self.chains))
+        super().continue_chain(keys, slots, parent)  # the base: a store's reference_chain
 
     def reference_chain(self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int, hit: bool) -> None:
         self.chains.append((list(keys), list(slots), parent, hit))

@@ -193,6 +193,7 @@ class _RequestState:
     unsubmitted_promotions: int = 0
     finished: bool = False
     chain_tail: BlockKey | None = None  # the last block loaded or stored: the parent of the next
+    stored_tail: bool = False  # chain_tail was stored by this request (a next store continues it)
     in_step: bool = False  # listed in the manager's _step_states (promotions or parked cascades)
 
 
@@ -776,6 +777,7 @@ class TieringManager:
         rows = self.primary.prepare_load(keys, after=state.chain_tail if state is not None else None)
         if state is not None and keys:
             state.chain_tail = keys[-1]
+            state.stored_tail = False
         self._telemetry[0].read.add(len(keys), len(keys) * self.primary.block_bytes, 0.0)
         return rows
 
@@ -814,13 +816,17 @@ class TieringManager:
             self._stats.stores_declined += len(keys)
             return PrepareStoreResult([], np.empty(0, dtype=np.int64), [])
         state = self._state(request)
-        result = self.primary.prepare_store(keys, self._protected(), after=state.chain_tail if state else None)
+        result = self.primary.prepare_store(
+            keys, self._protected(), after=state.chain_tail if state else None,
+            continues=state is not None and state.stored_tail,
+        )  # fmt: skip
         if result is None:
             self._stats.store_rejections += 1
             return None
         if state is not None:
             if keys:
                 state.chain_tail = keys[-1]
+                state.stored_tail = True
             state.pending_store_keys.update(result.keys_to_store)
             if state.request_level_tiers:
                 new = set(result.keys_to_store)

@@ -155,13 +155,16 @@ class PrimaryTier:
     # --- writes into the tier (device stores and promotions) -------------------------
 
     def prepare_store(
-        self, keys: Iterable[BlockKey], protected: Collection[BlockKey] = (), after: BlockKey | None = None
+        self, keys: Iterable[BlockKey], protected: Collection[BlockKey] = (), after: BlockKey | None = None,
+        continues: bool = False,
     ) -> PrepareStoreResult | None:
         """Reserve rows for the keys not yet present, evicting as needed, for a device store.
 
         ``keys`` are a request's blocks in prefix order and ``after`` the block
         before the first of them, if the caller knows it: the policy learns the
-        chain (see :meth:`EvictionPolicy.reference_chain`). Never evicts the keys
+        chain (see :meth:`EvictionPolicy.reference_chain`); ``continues``: the
+        same request stored ``after`` as the tail of its previous store (a
+        prefill in chunks, decoded blocks), see :meth:`EvictionPolicy.continue_chain`. Never evicts the keys
         being stored, keys in ``protected``, pinned or in-flight blocks. Returns
         None, changing nothing, if not enough blocks can be evicted. New blocks
         are in flight (ref -1) until ``complete_store``.
@@ -179,7 +182,10 @@ class PrimaryTier:
                 chain = list(dict.fromkeys(keys))
                 chain_slots = [slot_of[k] for k in chain]
             parent = -1 if after is None else slot_of.get(after, -1)
-            self.policy.reference_chain(chain, chain_slots, parent, False)
+            if continues and parent >= 0:
+                self.policy.continue_chain(chain, chain_slots, parent)
+            else:
+                self.policy.reference_chain(chain, chain_slots, parent, False)
         return PrepareStoreResult(new_keys, np.array(slots, dtype=np.int64), evicted)
 
     def prepare_write(

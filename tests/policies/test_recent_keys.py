@@ -102,6 +102,42 @@ def test_matches_a_fifo_set_under_churn(capacity: int, fps: list[int]) -> None:
     assert sorted(cells) == sorted(set(cells)) and len(cells) == len(order), "the index holds each entry once"
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    capacity=st.integers(1, 9),
+    ops=st.lists(st.tuples(st.booleans(), st.integers(1, 40), st.integers(1, 40)), max_size=200),
+)
+def test_replace_keeps_the_place_of_the_entry_it_replaces(capacity: int, ops: list[tuple[bool, int, int]]) -> None:
+    table = RecentKeys(capacity)
+    order: deque[int] = deque()
+
+    def model_add(fp: int) -> None:
+        if fp not in order:
+            if len(order) == capacity:
+                order.popleft()
+            order.append(fp)
+
+    for is_replace, a, b in ops:
+        if is_replace:
+            table.replace(a, b)
+            if a != b and b not in order:
+                if a in order:
+                    order[order.index(a)] = b
+                else:
+                    model_add(b)
+        else:
+            table.add(a)
+            model_add(a)
+        assert len(table) == len(order)
+        assert {f for f in range(1, 41) if f in table} == set(order)
+        # deepest() reads the filter first: it must agree with membership through the index.
+        keys = [_HashedKey(f) for f in range(1, 41)]
+        recorded = [i for i, k in enumerate(keys) if fingerprint(k) in table]
+        assert table.deepest(keys, 0) == (recorded[-1] if recorded else -1)
+    cells = [c for c in table._index if c]
+    assert sorted(cells) == sorted(set(cells)) and len(cells) == len(order), "the index holds each entry once"
+
+
 def test_clear_forgets_everything() -> None:
     table = RecentKeys(4)
     for fp in (1, 2, 3):

@@ -39,6 +39,15 @@ def store(tier: Slotted[ReturnTimePolicy], ids: list[int], parent: int | None = 
         tier.mark_evictable(key(i))
 
 
+def store_more(tier: Slotted[ReturnTimePolicy], ids: list[int], parent: int) -> None:
+    """The same request stores the next new blocks ``ids`` after its last store, which ended in ``parent``."""
+    for i in ids:
+        tier.insert(key(i))
+    tier.policy.continue_chain([key(i) for i in ids], [tier.slot_of[key(i)] for i in ids], tier.slot_of[key(parent)])
+    for i in reversed(ids):
+        tier.mark_evictable(key(i))
+
+
 def load(tier: Slotted[ReturnTimePolicy], ids: list[int], parent: int | None = None) -> None:
     """A request is served the ready blocks ``ids`` (a hit prefix)."""
     tier.reference_chain([key(i) for i in ids], None if parent is None else key(parent), hit=True)
@@ -211,6 +220,41 @@ def test_holds_keep_the_head_at_least_as_long_as_the_tail_and_raise_ancestors() 
     assert all(policy._expiry[tier.slot_of[key(i)]] >= new for i in (1, 2, 3))
     check_invariants(tier)
     assert evict_all(tier) == [4, 5, 3, 2, 1]
+
+
+def test_a_request_stored_in_pieces_is_classified_as_one_request() -> None:
+    whole, pieces = Slotted(ReturnTimePolicy(64)), Slotted(ReturnTimePolicy(64))
+    for tier in (whole, pieces):
+        tier.policy.hold = [policy_hold for policy_hold in range(10, 10 + CLASSES)]  # every class its own hold
+    store(whole, list(range(1, 11)))
+    store(pieces, [1])
+    store_more(pieces, [2, 3], parent=1)
+    store_more(pieces, [4, 5, 6, 7, 8, 9, 10], parent=3)
+    # One request of 10 new blocks: nine in the last bucket, the tenth its last block, both ways.
+    assert pieces.policy._class_refs == whole.policy._class_refs
+    assert sum(pieces.policy._class_refs) == 10
+    last_bucket = (NEW_BUCKETS - 1) * 6
+    assert whole.policy._class_refs[last_bucket] == 9 and whole.policy._class_refs[last_bucket + 3] == 1
+    # One recorded end for the request (its last full block, key 9), however many stores.
+    assert len(pieces.policy._history) == len(whole.policy._history) == 1
+    assert pieces.policy._history.deepest([key(i) for i in range(1, 11)], 0) == 8
+    for tier in (whole, pieces):
+        expiry = [tier.policy._expiry[tier.slot_of[key(i)]] for i in range(1, 11)]
+        assert expiry == sorted(expiry, reverse=True), "the head never expires before the tail"
+        check_invariants(tier)
+    assert evict_all(pieces) == list(range(10, 0, -1))
+
+
+def test_a_continuation_of_an_unknown_request_is_a_store_of_its_own() -> None:
+    alone, continued = Slotted(ReturnTimePolicy(64)), Slotted(ReturnTimePolicy(64))
+    for tier in (alone, continued):
+        store(tier, [1, 2])
+    continued.policy._open.clear()  # its record is gone (the oldest go first once there are many)
+    store(alone, [3], parent=2)
+    store_more(continued, [3], parent=2)
+    assert continued.policy._class_refs == alone.policy._class_refs
+    assert len(continued.policy._history) == len(alone.policy._history) == 2, "an end of its own"
+    check_invariants(continued)
 
 
 def test_the_clock_splices_expired_lists_in_expiry_order() -> None:
@@ -452,8 +496,8 @@ class StructureMachine(RuleBasedStateMachine):
     ids = st.integers(0, 11)
 
     @rule(chain=st.lists(ids, min_size=1, max_size=4, unique=True), parent=st.none() | ids,
-          hit=st.booleans(), learned=st.booleans())
-    def reference(self, chain: list[int], parent: int | None, hit: bool, learned: bool) -> None:
+          hit=st.booleans(), learned=st.booleans(), continued=st.booleans())
+    def reference(self, chain: list[int], parent: int | None, hit: bool, learned: bool, continued: bool) -> None:
         tier = self.tier
         keys = [key(i) for i in chain]
         new = [k for k in keys if k not in tier.slot_of]
@@ -466,7 +510,11 @@ class StructureMachine(RuleBasedStateMachine):
             tier.insert(k)
             self.writing.add(k)
         tier.policy.hold = [tier.policy.max_hold * c // CLASSES if learned else 0 for c in range(CLASSES)]
-        tier.reference_chain(keys, up, hit=hit and not new)
+        if continued and up is not None and not hit:
+            # The same request's next store (the policy checks that it does continue one).
+            tier.policy.continue_chain(keys, [tier.slot_of[k] for k in keys], tier.slot_of[up])
+        else:
+            tier.reference_chain(keys, up, hit=hit and not new)
 
     @rule(i=ids)
     def complete(self, i: int) -> None:

@@ -95,6 +95,18 @@ class EvictionPolicy(abc.ABC):
         for i in range(len(slots) - 1, -1, -1):
             self.touch(keys[i], slots[i])
 
+    def continue_chain(self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int) -> None:
+        """A store that continues the same request's previous store, whose tail is in slot ``parent``.
+
+        Engines store a request in pieces (a prefill in chunks, then each
+        decoded block), so one request may reach the policy as several stored
+        chains; this call says that the chain extends the request's last one,
+        for a policy that classifies whole requests. Same arguments and timing
+        as a store's :meth:`reference_chain` (``hit`` False, ``parent`` >= 0),
+        which the default calls.
+        """
+        self.reference_chain(keys, slots, parent, False)
+
     @abc.abstractmethod
     def mark_evictable(self, key: BlockKey, slot: int) -> None:
         """The block's ref count became 0."""

@@ -67,29 +67,31 @@ class RecentKeys:
         filt, fmask = self._filter, self._filter_mask
         if filt[fp & fmask] and self._find(fp) >= 0:
             return
-        ring, pos = self._ring, self._pos
+        pos = self._pos
         if self._len == self.capacity:
-            unindex(self._index, self._ring, self._mask, pos)
-            old = ring[pos]
-            j = old & fmask
-            if old == 1:
-                self._count(old, -1)
-            elif filt[j] < 255:  # _count, inlined: once per stored chain
-                filt[j] -= 1
+            self._unplace(pos)
         else:
             self._len += 1
-        ring[pos] = fp
-        j = fp & fmask
-        if fp == 1:
-            self._count(fp, 1)
-        elif filt[j] < 255:
-            filt[j] += 1
-        index, mask = self._index, self._mask
-        i = fp & mask
-        while index[i]:
-            i = (i + 1) & mask
-        index[i] = pos + 1
+        self._place(pos, fp)
         self._pos = pos + 1 if pos + 1 < self.capacity else 0
+
+    def replace(self, old: int, new: int) -> None:
+        """Record ``new`` in the place of ``old``: same age, so the table's order does not change.
+
+        Keeps one entry for something recorded again and again (a request's end,
+        which moves as the request is stored piece by piece). ``old`` no longer
+        recorded: :meth:`add` of ``new``. ``new`` already recorded: nothing
+        changes (``old`` ages out in its turn).
+        """
+        filt, fmask = self._filter, self._filter_mask
+        if old == new or (filt[new & fmask] and self._find(new) >= 0):
+            return
+        pos = self._find(old) if filt[old & fmask] else -1
+        if pos < 0:
+            self.add(new)
+            return
+        self._unplace(pos)
+        self._place(pos, new)
 
     def deepest(self, keys: Sequence[BlockKey], low: int) -> int:
         """The largest ``i`` in ``low .. len(keys) - 1`` whose key is recorded, or -1.
@@ -118,6 +120,31 @@ class RecentKeys:
         self.__init__(self.capacity)  # type: ignore[misc]
 
     # --- internals -------------------------------------------------------------------
+
+    def _place(self, pos: int, fp: int) -> None:
+        """Put ``fp`` at ring position ``pos`` (free, or just unplaced): ring, filter, index."""
+        filt, fmask = self._filter, self._filter_mask
+        self._ring[pos] = fp
+        j = fp & fmask
+        if fp == 1:
+            self._count(fp, 1)
+        elif filt[j] < 255:  # _count, inlined: once per stored chain
+            filt[j] += 1
+        index, mask = self._index, self._mask
+        i = fp & mask
+        while index[i]:
+            i = (i + 1) & mask
+        index[i] = pos + 1
+
+    def _unplace(self, pos: int) -> None:
+        """Take the entry at ring position ``pos`` out of the index and the filter."""
+        unindex(self._index, self._ring, self._mask, pos)
+        old = self._ring[pos]
+        j = old & self._filter_mask
+        if old == 1:
+            self._count(old, -1)
+        elif self._filter[j] < 255:
+            self._filter[j] -= 1
 
     def _count(self, fp: int, step: int) -> None:
         """Count ``fp`` in (step 1) or out of (step -1) the filter.

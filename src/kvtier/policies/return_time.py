@@ -112,8 +112,20 @@ _SAMPLE_SIZE = 16384
 
 _PASS_LIMIT = 64
 """Non-leaves an eviction may pass over (plus 4 per block it evicts) before taking them in order."""
+
+_OPEN_REQUESTS = 4096
+"""Requests whose last store :meth:`ReturnTimePolicy.continue_chain` can extend, at most (the oldest
+go first): more than an engine runs at once; and one per 32 blocks of capacity (a record costs
+about 250 bytes), at least 16."""
 _HALF_LIFE = 2.0
 """Statistics lose half their weight in this many horizons."""
+
+
+_RequestRecord = tuple[BlockKey, int, int, int, int, int, bool, int]
+"""A request stored in pieces, between them (see :meth:`ReturnTimePolicy.continue_chain`): the key
+its last store ended with, its new blocks so far, class base, blocks stored, recorded end, clock
+of its last store, whether it drew the partial class's extended hold, and its guard difference
+so far."""
 
 
 class ReturnTimePolicy(SlotListPolicy):
@@ -156,6 +168,9 @@ class ReturnTimePolicy(SlotListPolicy):
         self._call_sampled = False
         self._pending: tuple[int, int, list[BlockKey], list[int], list[int], list[int], int] | None = None
         self._fresh: list[int] = []  # slots inserted since the last chain, in order
+        # Requests stored in pieces, by the slot their last store ended in (see continue_chain).
+        self._open: dict[int, _RequestRecord] = {}
+        self._open_limit = max(16, min(_OPEN_REQUESTS, c // 32))
         self._reset_blocks()
 
     def _reset_blocks(self) -> None:
@@ -169,6 +184,7 @@ class ReturnTimePolicy(SlotListPolicy):
         self._touches = bytearray(c)
         self._cur = self._now // self._width
         self._fresh = []
+        self._open = {}
 
     # --- the tier's calls -------------------------------------------------------------
 
@@ -329,14 +345,22 @@ class ReturnTimePolicy(SlotListPolicy):
     def _extension(self) -> int:
         """The hold of the partial class for this chain.
 
-        Decided per chain: the tail's hold reaches the head anyway, so deciding per
-        block would extend nearly every long chain.
+        Decided per chain (per request, for a request stored in pieces: see
+        :meth:`continue_chain`): the tail's hold reaches the head anyway, so
+        deciding per block would extend nearly every long chain.
         """
+        return self._extension_hold(self._draw_extension())
+
+    def _draw_extension(self) -> bool:
+        """Whether this chain takes the partial class's extended hold (a share ``_fraction`` do)."""
         self._dither += self._fraction
         if self._dither >= 1.0:
             self._dither -= 1.0
-            return self._extended
-        return self.hold[self._partial] if self._partial >= 0 else 0
+            return True
+        return False
+
+    def _extension_hold(self, drawn: bool) -> int:
+        return self._extended if drawn else self.hold[self._partial] if self._partial >= 0 else 0
 
     def _end_reference(self, n: int) -> None:
         if self._call_sampled:
@@ -348,12 +372,9 @@ class ReturnTimePolicy(SlotListPolicy):
     def _store_new_chain(self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int, now: int) -> None:
         """The fast path of :meth:`reference_chain`, the one every store of new blocks takes.
 
-        The same steps as the general path, inlined (a call costs about as much
-        as a block's work): classify by the recorded request ends only (no
-        block here was referenced before), record the request's end, hold the
-        blocks, raise the ancestors, end the reference. New blocks have no
-        parent, no touches and expiry 0, are not evictable yet, and take two
-        classes (the last block's and the others').
+        Classifies by the recorded request ends only (no block here was
+        referenced before), records the request's end, opens the request (see
+        :meth:`continue_chain`) and holds the blocks (:meth:`_hold_new`).
         """
         n = len(slots)
         history = self._history
@@ -362,8 +383,99 @@ class ReturnTimePolicy(SlotListPolicy):
         base = _NEW_BUCKET[new if new < 8 else 8] * 6
         # _remember_end: the request's last full block, or the block the one new block extends.
         end_key = keys[-2] if n >= 2 else keys[0] if parent < 0 else self._key_of[parent]
-        history.add(hash(end_key) & _MASK or 1)
-        extended = self._extension()
+        end = hash(end_key) & _MASK or 1
+        history.add(end)
+        drawn = self._draw_extension()
+        diff = self._hold_new(keys, slots, parent, base, now, self._extension_hold(drawn), 0)
+        opened = self._open  # _open_request, inlined: once per store
+        opened[slots[-1]] = (keys[-1], new, base, n, end, now, drawn, diff)
+        if len(opened) > self._open_limit:
+            del opened[next(iter(opened))]
+
+    def continue_chain(self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int) -> None:
+        """A store that continues the request whose last store ended in ``parent``: one request, one class.
+
+        The request's new blocks are counted over all its stores, its recorded
+        end moves to this store (in place: one entry per request however many
+        stores), and its earlier blocks are re-classified: the previous tail is
+        no longer the request's last block, and all of them move to the
+        request's bucket of new blocks if it grew out of theirs (at most three
+        times a request: the buckets end at 8). A re-classified block's expiry
+        is only ever raised. Anything but a store of new blocks continuing an
+        open request (see :data:`_OPEN_REQUESTS`) is a store of its own.
+        Cost: :meth:`reference_chain`'s, plus one step per re-classified block.
+        """
+        n = len(slots)
+        record = self._open.pop(parent, None)
+        if not n or record is None or slots != self._fresh or self._key_of[parent] != record[0]:
+            self.reference_chain(keys, slots, parent, False)
+            return
+        _, new, old_base, stored, old_end, then, drawn, diff = record
+        now = self._now
+        if now // self._width != self._cur:
+            self._advance(now // self._width)
+        self._fresh.clear()
+        self._pending = None
+        history = self._history
+        found = history.deepest(keys, n - 9 if n > 9 else 0)
+        new = n - 1 - found if found >= 0 else new + n
+        base = _NEW_BUCKET[new if new < 8 else 8] * 6
+        end = hash(keys[-2] if n >= 2 else self._key_of[parent]) & _MASK or 1
+        history.replace(old_end, end)
+        self._reclass_stored(parent, stored if base != old_base else 1, old_base, base, then)
+        diff = self._hold_new(keys, slots, parent, base, now, self._extension_hold(drawn), diff)
+        self._open_request(keys[-1], slots[-1], new, base, stored + n, end, now, drawn, diff)
+
+    def _open_request(
+        self, tail_key: BlockKey, tail: int, new: int, base: int, stored: int, end: int, now: int, drawn: bool,
+        diff: int,
+    ) -> None:
+        """Note the request whose last store ended in slot ``tail``, for :meth:`continue_chain`."""
+        opened = self._open
+        opened[tail] = (tail_key, new, base, stored, end, now, drawn, diff)
+        if len(opened) > self._open_limit:
+            del opened[next(iter(opened))]  # the request stored longest ago: finished, most likely
+
+    def _reclass_stored(self, tail: int, count: int, old_base: int, base: int, then: int) -> None:
+        """Re-classify the ``count`` blocks a request stored up to slot ``tail`` (tail first).
+
+        They were new when stored: class ``old_base`` (``+ 3`` for the tail,
+        then the request's last block), now ``base``. Their holds count from
+        ``then`` (the request's last store); expiries are only raised, each at
+        least to its descendant's, and the request's ancestors after them.
+        """
+        par, key_of, expiry, flags = self._parent, self._key_of, self._expiry, self._evictable
+        refs, hold, below = self._class_refs, self.hold, self._sample_below
+        floor = 0
+        slot = tail
+        for k in range(count):
+            key = key_of[slot] if slot >= 0 else NO_KEY
+            if key is NO_KEY:  # the chain was cut (a block evicted and its children orphaned)
+                return
+            old_cls = old_base + 3 if k == 0 else old_base
+            if refs[old_cls]:  # the counts are since the last solve
+                refs[old_cls] -= 1
+                refs[base] += 1
+            e = max(then + hold[base], floor)
+            if e != expiry[slot]:
+                expiry[slot] = e
+                if flags[slot]:
+                    self._move_to_tail(slot, self._list_for(e))
+            floor = e
+            if key[-1] < below:
+                self.sampler.reclass(fingerprint(key), base)
+            slot = par[slot]
+        self._raise_ancestors(slot, floor)
+
+    def _hold_new(
+        self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int, base: int, now: int, extended: int,
+        diff: int,
+    ) -> int:
+        """Hold a store of new blocks of class ``base`` (``base + 3`` for the last), raise the
+        ancestors, end the reference; returns the request's guard difference so far (``diff``:
+        its earlier pieces'). New blocks have no parent, no touches and expiry 0, are not
+        evictable yet; inlined, as a call costs about as much as a block's work."""
+        n = len(slots)
         par, children, touches, expiry = self._parent, self._children, self._touches, self._expiry
         hold, partial, refs = self.hold, self._partial, self._class_refs
         last = base + 3
@@ -396,10 +508,11 @@ class ReturnTimePolicy(SlotListPolicy):
         if parent >= 0:
             self._raise_ancestors(parent, head_expiry)
         if self._call_sampled:  # _end_reference
-            self._judge_chain()
+            diff = self._judge_chain(diff)
         self._now = now + n
         if self._now >= self._next_solve:
             self._solve()
+        return diff
 
     def _raise_ancestors(self, slot: int, expiry_at_least: int) -> None:
         """Raise ``slot`` and its ancestors to ``expiry_at_least`` until one is there already."""
@@ -479,14 +592,22 @@ class ReturnTimePolicy(SlotListPolicy):
         self._call_diff += hit - sampler.lru_hit
         self._call_sampled = True
 
-    def _judge_chain(self) -> None:
-        # The guard pairs realised and sampled-LRU hits per chain: a chain's blocks hit or
-        # miss together, so its variance is taken over chains, not over blocks.
+    def _judge_chain(self, before: int = 0) -> int:
+        """Add this chain's paired hit difference to the guard's sums; returns the request's so far.
+
+        The guard pairs realised and sampled-LRU hits per chain: a chain's blocks
+        hit or miss together, so its variance is taken over chains, not over
+        blocks. A request stored in pieces is one chain: ``before`` is the
+        difference of its earlier pieces, and its square is replaced by the
+        square of the total.
+        """
         diff = self._call_diff
+        total = before + diff
         self._guard[0] += diff
-        self._guard[1] += diff * diff
+        self._guard[1] += total * total - before * before
         self._call_diff = 0
         self._call_sampled = False
+        return total
 
     def evict(self, n: int, protected: Container[BlockKey] = ()) -> list[BlockKey] | None:
         """Take ``n`` unprotected evictable blocks, earliest expiry first, leaves before parents.
