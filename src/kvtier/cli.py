@@ -489,12 +489,11 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     out = Console(width=max(120, Console().width))
     out.print(
         f"{source}: {summary['requests']} requests, {summary['block_refs']} block references, "
-        f"{summary['distinct_blocks']} distinct blocks, {summary['duration_s']:.0f} s",
+        f"{summary['distinct_blocks']} distinct blocks, {summary['duration_s']:.0f} s"
+        + (f"; stores of at most {args.store_chunk} blocks (--store-chunk)" if args.store_chunk else ""),
         highlight=False,
     )
     out.print(f"unbounded cache prefix-hit rate: {100 * unbounded.hit_rate:.1f}%")
-    if args.store_chunk is not None:
-        out.print(f"stores of at most {args.store_chunk} blocks (--store-chunk)", highlight=False)
     rows = replay_rows(runs, args.policy, belady, unbounded)
     named = f"policy {args.policy[0]}" if len(args.policy) == 1 else f"policies {', '.join(args.policy)}"
     out.print(replay_table(rows, f"prefix-hit rate vs CPU capacity ({named})"))

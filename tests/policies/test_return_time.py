@@ -250,6 +250,7 @@ def test_a_continuation_of_an_unknown_request_is_a_store_of_its_own() -> None:
     for tier in (alone, continued):
         store(tier, [1, 2])
     continued.policy._open.clear()  # its record is gone (the oldest go first once there are many)
+    continued.policy._open_old.clear()
     store(alone, [3], parent=2)
     store_more(continued, [3], parent=2)
     assert continued.policy._class_refs == alone.policy._class_refs

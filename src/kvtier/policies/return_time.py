@@ -114,9 +114,10 @@ _PASS_LIMIT = 64
 """Non-leaves an eviction may pass over (plus 4 per block it evicts) before taking them in order."""
 
 _OPEN_REQUESTS = 4096
-"""Requests whose last store :meth:`ReturnTimePolicy.continue_chain` can extend, at most (the oldest
-go first): more than an engine runs at once; and one per 32 blocks of capacity (a record costs
-about 250 bytes), at least 16."""
+"""Requests whose last store :meth:`ReturnTimePolicy.continue_chain` can extend, at most: more than
+an engine runs at once; and one per 32 blocks of capacity (a record costs about 250 bytes), at
+least 16. Kept in two generations of half as many: the older goes whole when the newer is full,
+so a request's record lives for at least half the limit of stores after its last one."""
 _HALF_LIFE = 2.0
 """Statistics lose half their weight in this many horizons."""
 
@@ -169,8 +170,12 @@ class ReturnTimePolicy(SlotListPolicy):
         self._pending: tuple[int, int, list[BlockKey], list[int], list[int], list[int], int] | None = None
         self._fresh: list[int] = []  # slots inserted since the last chain, in order
         # Requests stored in pieces, by the slot their last store ended in (see continue_chain).
+        # Two generations of half the limit each: the older goes whole when the newer is full.
+        # (Taking the oldest entry of one dict that keeps deleting its first entries scans the
+        # deleted ones each time: 2.4 us a store at 3,000 entries; an OrderedDict costs 0.2 us.)
         self._open: dict[int, _RequestRecord] = {}
-        self._open_limit = max(16, min(_OPEN_REQUESTS, c // 32))
+        self._open_old: dict[int, _RequestRecord] = {}
+        self._open_limit = max(8, min(_OPEN_REQUESTS, c // 32) // 2)  # per generation
         self._reset_blocks()
 
     def _reset_blocks(self) -> None:
@@ -185,6 +190,7 @@ class ReturnTimePolicy(SlotListPolicy):
         self._cur = self._now // self._width
         self._fresh = []
         self._open = {}
+        self._open_old = {}
 
     # --- the tier's calls -------------------------------------------------------------
 
@@ -277,9 +283,26 @@ class ReturnTimePolicy(SlotListPolicy):
         if hit:
             base = 0
         elif slots == fresh:
+            # The fast path, every store of new blocks: classified by the recorded request ends
+            # only (none of its blocks was referenced before); inlined, like _hold_new.
             fresh.clear()
             self._pending = None
-            self._store_new_chain(keys, slots, parent, now)
+            history = self._history
+            found = history.deepest(keys, n - 9 if n > 9 else 0)  # _new_blocks(keys, ())
+            new = n if found < 0 else n - 1 - found
+            base = _NEW_BUCKET[new if new < 8 else 8] * 6
+            # _remember_end: the request's last full block, or the block the one new block extends.
+            end = hash(keys[-2] if n >= 2 else keys[0] if parent < 0 else self._key_of[parent]) & _MASK or 1
+            history.add(end)
+            self._dither += self._fraction  # _draw_extension
+            drawn = self._dither >= 1.0
+            if drawn:
+                self._dither -= 1.0
+            diff = self._hold_new(keys, slots, parent, base, now, drawn, 0)
+            opened = self._open  # _open_request: the request may go on (see continue_chain)
+            opened[slots[-1]] = (keys[-1], new, base, n, end, now, drawn, diff)
+            if len(opened) >= self._open_limit:
+                self._open_old, self._open = opened, {}
             return
         else:
             base = _NEW_BUCKET[min(self._new_blocks(keys, slots), 8)] * 6
@@ -369,29 +392,6 @@ class ReturnTimePolicy(SlotListPolicy):
         if self._now >= self._next_solve:
             self._solve()
 
-    def _store_new_chain(self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int, now: int) -> None:
-        """The fast path of :meth:`reference_chain`, the one every store of new blocks takes.
-
-        Classifies by the recorded request ends only (no block here was
-        referenced before), records the request's end, opens the request (see
-        :meth:`continue_chain`) and holds the blocks (:meth:`_hold_new`).
-        """
-        n = len(slots)
-        history = self._history
-        found = history.deepest(keys, n - 9 if n > 9 else 0)  # _new_blocks(keys, ())
-        new = n if found < 0 else n - 1 - found
-        base = _NEW_BUCKET[new if new < 8 else 8] * 6
-        # _remember_end: the request's last full block, or the block the one new block extends.
-        end_key = keys[-2] if n >= 2 else keys[0] if parent < 0 else self._key_of[parent]
-        end = hash(end_key) & _MASK or 1
-        history.add(end)
-        drawn = self._draw_extension()
-        diff = self._hold_new(keys, slots, parent, base, now, self._extension_hold(drawn), 0)
-        opened = self._open  # _open_request, inlined: once per store
-        opened[slots[-1]] = (keys[-1], new, base, n, end, now, drawn, diff)
-        if len(opened) > self._open_limit:
-            del opened[next(iter(opened))]
-
     def continue_chain(self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int) -> None:
         """A store that continues the request whose last store ended in ``parent``: one request, one class.
 
@@ -406,7 +406,7 @@ class ReturnTimePolicy(SlotListPolicy):
         Cost: :meth:`reference_chain`'s, plus one step per re-classified block.
         """
         n = len(slots)
-        record = self._open.pop(parent, None)
+        record = self._open.pop(parent, None) or self._open_old.pop(parent, None)
         if not n or record is None or slots != self._fresh or self._key_of[parent] != record[0]:
             self.reference_chain(keys, slots, parent, False)
             return
@@ -423,7 +423,7 @@ class ReturnTimePolicy(SlotListPolicy):
         end = hash(keys[-2] if n >= 2 else self._key_of[parent]) & _MASK or 1
         history.replace(old_end, end)
         self._reclass_stored(parent, stored if base != old_base else 1, old_base, base, then)
-        diff = self._hold_new(keys, slots, parent, base, now, self._extension_hold(drawn), diff)
+        diff = self._hold_new(keys, slots, parent, base, now, drawn, diff)
         self._open_request(keys[-1], slots[-1], new, base, stored + n, end, now, drawn, diff)
 
     def _open_request(
@@ -433,8 +433,8 @@ class ReturnTimePolicy(SlotListPolicy):
         """Note the request whose last store ended in slot ``tail``, for :meth:`continue_chain`."""
         opened = self._open
         opened[tail] = (tail_key, new, base, stored, end, now, drawn, diff)
-        if len(opened) > self._open_limit:
-            del opened[next(iter(opened))]  # the request stored longest ago: finished, most likely
+        if len(opened) >= self._open_limit:  # the older generation goes: finished requests, most likely
+            self._open_old, self._open = opened, {}
 
     def _reclass_stored(self, tail: int, count: int, old_base: int, base: int, then: int) -> None:
         """Re-classify the ``count`` blocks a request stored up to slot ``tail`` (tail first).
@@ -468,16 +468,18 @@ class ReturnTimePolicy(SlotListPolicy):
         self._raise_ancestors(slot, floor)
 
     def _hold_new(
-        self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int, base: int, now: int, extended: int,
+        self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int, base: int, now: int, drawn: bool,
         diff: int,
     ) -> int:
-        """Hold a store of new blocks of class ``base`` (``base + 3`` for the last), raise the
-        ancestors, end the reference; returns the request's guard difference so far (``diff``:
-        its earlier pieces'). New blocks have no parent, no touches and expiry 0, are not
-        evictable yet; inlined, as a call costs about as much as a block's work."""
+        """Hold a store of new blocks of class ``base`` (``base + 3`` for the last; ``drawn``: the
+        partial class's extended hold, see :meth:`_draw_extension`), raise the ancestors, end the
+        reference; returns the request's guard difference so far (``diff``: its earlier pieces').
+        New blocks have no parent, no touches and expiry 0, are not evictable yet; inlined, as a
+        call costs about as much as a block's work."""
         n = len(slots)
         par, children, touches, expiry = self._parent, self._children, self._touches, self._expiry
         hold, partial, refs = self.hold, self._partial, self._class_refs
+        extended = self._extended if drawn else hold[partial] if partial >= 0 else 0  # _extension_hold
         last = base + 3
         tail_expiry = now + (extended if last == partial else hold[last])
         head_expiry = max(now + (extended if base == partial else hold[base]), tail_expiry)
