@@ -230,25 +230,32 @@ class ReturnTimePolicy(SlotListPolicy):
         self._fresh.extend(slots)
 
     def mark_evictable_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
+        # Blocks of one expiry bucket go to the same list: each run of them is linked to the
+        # next, and spliced onto its list's tail once (a stored chain has two expiries at most).
         flags, expiry, prv, nxt = self._evictable, self._expiry, self._prev, self._next
         width, cur, cap = self._width, self._cur, self.capacity
         linked = 0
-        last = end = -1
+        last = end = tail = -1
         for slot in slots:
             if flags[slot]:
                 continue
             flags[slot] = 1
             e = expiry[slot]
-            if e != last:  # a stored chain has two expiries at most (see _hold_new_chain)
+            if e != last:
+                if end >= 0:  # close the run: its list ends at its last block
+                    nxt[tail] = end
+                    prv[end] = tail
                 last = e
-                bucket = e // width  # _list_for and _append, inlined
+                bucket = e // width  # _list_for, inlined
                 end = cap if bucket < cur else cap + 1 + bucket % RING
-            tail = prv[end]
+                tail = prv[end]
             nxt[tail] = slot
             prv[slot] = tail
-            nxt[slot] = end
-            prv[end] = slot
+            tail = slot
             linked += 1
+        if end >= 0:
+            nxt[tail] = end
+            prv[end] = tail
         self._count += linked
 
     def mark_pinned_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
