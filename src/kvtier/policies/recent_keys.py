@@ -64,8 +64,7 @@ class RecentKeys:
 
     def add(self, fp: int) -> None:
         """Record ``fp`` (non-zero) unless present; the oldest entry goes when the table is full."""
-        filt, fmask = self._filter, self._filter_mask
-        if filt[fp & fmask] and self._find(fp) >= 0:
+        if self._find(fp) >= 0:
             return
         pos = self._pos
         if self._len == self.capacity:
@@ -83,10 +82,9 @@ class RecentKeys:
         recorded: :meth:`add` of ``new``. ``new`` already recorded: nothing
         changes (``old`` ages out in its turn).
         """
-        filt, fmask = self._filter, self._filter_mask
-        if old == new or (filt[new & fmask] and self._find(new) >= 0):
+        if old == new or self._find(new) >= 0:
             return
-        pos = self._find(old) if filt[old & fmask] else -1
+        pos = self._find(old)
         if pos < 0:
             self.add(new)
             return
@@ -123,13 +121,8 @@ class RecentKeys:
 
     def _place(self, pos: int, fp: int) -> None:
         """Put ``fp`` at ring position ``pos`` (free, or just unplaced): ring, filter, index."""
-        filt, fmask = self._filter, self._filter_mask
         self._ring[pos] = fp
-        j = fp & fmask
-        if fp == 1:
-            self._count(fp, 1)
-        elif filt[j] < 255:  # _count, inlined: once per stored chain
-            filt[j] += 1
+        self._count(fp, 1)
         index, mask = self._index, self._mask
         i = fp & mask
         while index[i]:
@@ -139,12 +132,7 @@ class RecentKeys:
     def _unplace(self, pos: int) -> None:
         """Take the entry at ring position ``pos`` out of the index and the filter."""
         unindex(self._index, self._ring, self._mask, pos)
-        old = self._ring[pos]
-        j = old & self._filter_mask
-        if old == 1:
-            self._count(old, -1)
-        elif self._filter[j] < 255:
-            self._filter[j] -= 1
+        self._count(self._ring[pos], -1)
 
     def _count(self, fp: int, step: int) -> None:
         """Count ``fp`` in (step 1) or out of (step -1) the filter.
@@ -155,12 +143,16 @@ class RecentKeys:
         hash bits are 0, so it counts in cell 0 as well as in its own.
         """
         filt = self._filter
-        for j in (fp & self._filter_mask, 0) if fp == 1 else (fp & self._filter_mask,):
-            if filt[j] < 255:
-                filt[j] += step
+        j = fp & self._filter_mask
+        if filt[j] < 255:
+            filt[j] += step
+        if fp == 1 and filt[0] < 255:
+            filt[0] += step
 
     def _find(self, fp: int) -> int:
-        """The ring position of ``fp``, or -1."""
+        """The ring position of ``fp``, or -1 (at once if the filter rules it out)."""
+        if not self._filter[fp & self._filter_mask]:
+            return -1
         index, ring, mask = self._index, self._ring, self._mask
         i = fp & mask
         cell = index[i]

@@ -72,7 +72,7 @@ from typing import ClassVar
 import numpy as np
 
 from kvtier.keys import BlockKey
-from kvtier.policies.fingerprints import _MASK, fingerprint
+from kvtier.policies.fingerprints import fingerprint
 from kvtier.policies.recent_keys import RecentKeys
 from kvtier.policies.return_times import (
     SAMPLE_SCALE,
@@ -295,30 +295,14 @@ class ReturnTimePolicy(SlotListPolicy):
         if hit:
             base = 0
         elif slots == fresh:
-            # The fast path, every store of new blocks: classified by the recorded request ends
-            # only (none of its blocks was referenced before); inlined, like _hold_new.
+            # The fast path: every store of new blocks.
             fresh.clear()
             self._pending = None
-            history = self._history
-            found = history.deepest(keys, n - 9 if n > 9 else 0)  # _new_blocks(keys, ())
-            new = n if found < 0 else n - 1 - found
-            base = _NEW_BUCKET[new if new < 8 else 8] * 6
-            # _remember_end: the request's last full block, or the block the one new block extends.
-            end = hash(keys[-2] if n >= 2 else keys[0] if parent < 0 else self._key_of[parent]) & _MASK or 1
-            history.add(end)
-            self._dither += self._fraction  # _draw_extension
-            drawn = self._dither >= 1.0
-            if drawn:
-                self._dither -= 1.0
-            diff = self._hold_new(keys, slots, parent, base, now, drawn, 0)
-            opened = self._open  # _open_request: the request may go on (see continue_chain)
-            opened[slots[-1]] = (keys[-1], new, base, n, end, now, drawn, diff)
-            if len(opened) >= self._open_limit:
-                self._open_old, self._open = opened, {}
+            self._store_new(keys, slots, parent, now, None)
             return
         else:
             base = _NEW_BUCKET[min(self._new_blocks(keys, slots), 8)] * 6
-            self._remember_end(keys, parent)
+            self._history.add(self._request_end(keys, parent))
         fresh.clear()
         self._raise_ancestors(*self._hold_chain(keys, slots, parent, hit, base, now))
         self._end_reference(n)
@@ -413,7 +397,9 @@ class ReturnTimePolicy(SlotListPolicy):
         no longer the request's last block, and all of them move to the
         request's bucket of new blocks if it grew out of theirs (at most three
         times a request: the buckets end at 8). A re-classified block's expiry
-        is only ever raised. Anything but a store of new blocks continuing an
+        counts from the request's last store with its new class (lower, if
+        that class holds less), and never falls below its descendants' in the
+        request. Anything but a store of new blocks continuing an
         open request (see :data:`_OPEN_REQUESTS`) is a store of its own.
         Cost: :meth:`reference_chain`'s, plus one step per re-classified block.
         """
@@ -422,39 +408,20 @@ class ReturnTimePolicy(SlotListPolicy):
         if not n or record is None or slots != self._fresh or self._key_of[parent] != record[0]:
             self.reference_chain(keys, slots, parent, False)
             return
-        _, new, old_base, stored, old_end, then, drawn, diff = record
         now = self._now
         if now // self._width != self._cur:
             self._advance(now // self._width)
         self._fresh.clear()
         self._pending = None
-        history = self._history
-        found = history.deepest(keys, n - 9 if n > 9 else 0)
-        new = n - 1 - found if found >= 0 else new + n
-        base = _NEW_BUCKET[new if new < 8 else 8] * 6
-        end = hash(keys[-2] if n >= 2 else self._key_of[parent]) & _MASK or 1
-        history.replace(old_end, end)
-        self._reclass_stored(parent, stored if base != old_base else 1, old_base, base, then)
-        diff = self._hold_new(keys, slots, parent, base, now, drawn, diff)
-        self._open_request(keys[-1], slots[-1], new, base, stored + n, end, now, drawn, diff)
-
-    def _open_request(
-        self, tail_key: BlockKey, tail: int, new: int, base: int, stored: int, end: int, now: int, drawn: bool,
-        diff: int,
-    ) -> None:
-        """Note the request whose last store ended in slot ``tail``, for :meth:`continue_chain`."""
-        opened = self._open
-        opened[tail] = (tail_key, new, base, stored, end, now, drawn, diff)
-        if len(opened) >= self._open_limit:  # the older generation goes: finished requests, most likely
-            self._open_old, self._open = opened, {}
+        self._store_new(keys, slots, parent, now, record)
 
     def _reclass_stored(self, tail: int, count: int, old_base: int, base: int, then: int) -> None:
         """Re-classify the ``count`` blocks a request stored up to slot ``tail`` (tail first).
 
         They were new when stored: class ``old_base`` (``+ 3`` for the tail,
         then the request's last block), now ``base``. Their holds count from
-        ``then`` (the request's last store); expiries are only raised, each at
-        least to its descendant's, and the request's ancestors after them.
+        ``then`` (the request's last store), each at least its descendant's;
+        the request's ancestors are raised to them.
         """
         par, key_of, expiry, flags = self._parent, self._key_of, self._expiry, self._evictable
         refs, hold, below = self._class_refs, self.hold, self._sample_below
@@ -479,19 +446,40 @@ class ReturnTimePolicy(SlotListPolicy):
             slot = par[slot]
         self._raise_ancestors(slot, floor)
 
-    def _hold_new(
-        self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int, base: int, now: int, drawn: bool,
-        diff: int,
-    ) -> int:
-        """Hold a store of new blocks of class ``base`` (``base + 3`` for the last; ``drawn``: the
-        partial class's extended hold, see :meth:`_draw_extension`), raise the ancestors, end the
-        reference; returns the request's guard difference so far (``diff``: its earlier pieces').
-        New blocks have no parent, no touches and expiry 0, are not evictable yet; inlined, as a
-        call costs about as much as a block's work."""
+    def _store_new(
+        self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int, now: int, record: _RequestRecord | None
+    ) -> None:
+        """A store of new blocks: of a new request (``record`` None) or continuing one (its record).
+
+        Classifies by the recorded request ends only (none of the blocks was
+        referenced before) and the request's new blocks so far, records the
+        request's end (in place of its earlier one, see :meth:`continue_chain`),
+        holds the blocks (class ``base``, ``base + 3`` for the last), raises the
+        ancestors, ends the reference and notes the request, which may go on.
+        New blocks have no parent, no touches and expiry 0, and are not
+        evictable yet. The path of every store: inlined, as a call costs about
+        as much as a block's work.
+        Long because the classification and the hold loop share the chain's state.
+        """
         n = len(slots)
+        history = self._history
+        found = history.deepest(keys, n - 9 if n > 9 else 0)  # _new_blocks(keys, ())
+        end = self._request_end(keys, parent)
+        if record is None:
+            new = n if found < 0 else n - 1 - found
+            base = _NEW_BUCKET[new if new < 8 else 8] * 6
+            history.add(end)
+            drawn, diff, stored = self._draw_extension(), 0, n
+        else:
+            _, new, old_base, stored, old_end, then, drawn, diff = record
+            new = n - 1 - found if found >= 0 else new + n
+            base = _NEW_BUCKET[new if new < 8 else 8] * 6
+            history.replace(old_end, end)
+            self._reclass_stored(parent, stored if base != old_base else 1, old_base, base, then)
+            stored += n
         par, children, touches, expiry = self._parent, self._children, self._touches, self._expiry
         hold, partial, refs = self.hold, self._partial, self._class_refs
-        extended = self._extended if drawn else hold[partial] if partial >= 0 else 0  # _extension_hold
+        extended = self._extension_hold(drawn)
         last = base + 3
         tail_expiry = now + (extended if last == partial else hold[last])
         head_expiry = max(now + (extended if base == partial else hold[base]), tail_expiry)
@@ -526,7 +514,10 @@ class ReturnTimePolicy(SlotListPolicy):
         self._now = now + n
         if self._now >= self._next_solve:
             self._solve()
-        return diff
+        opened = self._open  # the request may go on (see continue_chain)
+        opened[slots[-1]] = (keys[-1], new, base, stored, end, now, drawn, diff)
+        if len(opened) >= self._open_limit:  # the older generation goes: finished requests, most likely
+            self._open_old, self._open = opened, {}
 
     def _raise_ancestors(self, slot: int, expiry_at_least: int) -> None:
         """Raise ``slot`` and its ancestors to ``expiry_at_least`` until one is there already."""
@@ -540,21 +531,16 @@ class ReturnTimePolicy(SlotListPolicy):
                 self._move_to_tail(slot, end)
             slot = par[slot]
 
-    def _remember_end(self, keys: Sequence[BlockKey], parent: int) -> None:
-        """Record the request's last full block, so its return is known even once it is evicted.
+    def _request_end(self, keys: Sequence[BlockKey], parent: int) -> int:
+        """The fingerprint to record as the request's end, so its return is known even once
+        its blocks are evicted: its last full block.
 
         That is the block before the last one (the last is usually partial, and a
         partial block is never referenced again); for a request of one block, the
         block it extends. One entry per request, so the table covers as many
         requests as it has entries.
         """
-        if len(keys) >= 2:
-            key = keys[-2]
-        elif parent >= 0:
-            key = self._key_of[parent]
-        else:
-            key = keys[-1]
-        self._history.add(fingerprint(key))
+        return fingerprint(keys[-2] if len(keys) >= 2 else self._key_of[parent] if parent >= 0 else keys[-1])
 
     def _reclassify(
         self, pending: tuple[int, int, list[BlockKey], list[int], list[int], list[int], int], base: int, floor: int
