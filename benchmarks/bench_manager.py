@@ -9,6 +9,9 @@ nothing, and the rows of the shared region are never touched):
 * prepare_store + complete_store of ``--batch`` new blocks into a full CPU tier
   (every block evicts one), without and with cascades to 2 secondary tiers, one
   engine step per batch;
+* decode: the same, one block per store: requests store ``--batch`` blocks, then
+  ``--batch`` more one at a time, each store continuing the request's last (an
+  engine's decode phase), 64 requests per step; the one-block stores are timed;
 * a promotion round trip: lookup -> HIT_PENDING -> on_schedule_end -> the tier
   completes -> next step's lookup -> HIT, in batches of ``--batch`` blocks;
 * metadata bytes per block of the CPU tier (index, ref counts, policy, and the
@@ -192,6 +195,47 @@ def time_stores(mgr: TieringManager, fresh: list[BlockKey], batch: int) -> float
     return ns
 
 
+DECODE_REQUESTS = 64
+"""Requests decoding at once in :func:`time_decode_stores` (each stores a block per step)."""
+
+
+def time_decode_stores(mgr: TieringManager, fresh: list[BlockKey], batch: int) -> float:
+    """ns per decoded block: requests store ``batch`` prefill blocks at once, then ``batch`` more one
+    block per store, each continuing the request's last store (an engine's decode phase);
+    :data:`DECODE_REQUESTS` requests per step, every block evicting one. Only the one-block
+    stores and their steps are timed."""
+    per = 2 * batch
+    requests = [RequestContext(f"decode-{i}") for i in range(len(fresh) // per)]
+    spent = evicted = decoded = 0
+    gc.collect()
+    for g in range(0, len(requests), DECODE_REQUESTS):
+        group = list(enumerate(requests[g : g + DECODE_REQUESTS], start=g))
+        for i, req in group:
+            mgr.on_new_request(req)
+            result = mgr.prepare_store(fresh[i * per : i * per + batch], req)
+            if result is None:
+                raise SystemExit("prepare_store refused although every block was evictable")
+            mgr.complete_store(result.keys_to_store, req)
+        mgr.on_schedule_end()
+        t0 = _now_ns()
+        for j in range(batch, per):
+            for i, req in group:
+                result = mgr.prepare_store([fresh[i * per + j]], req)
+                if result is None:
+                    raise SystemExit("prepare_store refused although every block was evictable")
+                evicted += len(result.evicted_keys)
+                mgr.complete_store(result.keys_to_store, req)
+            mgr.on_schedule_end()
+        spent += _now_ns() - t0
+        decoded += batch * len(group)
+        for _, req in group:
+            mgr.on_request_finished(req)
+    if evicted != decoded:
+        raise SystemExit(f"expected {decoded} evictions, got {evicted}")
+    mgr.take_events()
+    return spent / decoded
+
+
 def time_promotions(mgr: TieringManager, held: list[BlockKey], batch: int, req: RequestContext) -> float:
     """lookup -> HIT_PENDING -> step end -> tier completes -> lookup -> HIT, per block."""
     lookup, step_end = mgr.lookup, mgr.on_schedule_end
@@ -310,8 +354,8 @@ def measure(policies: list[str], args: argparse.Namespace, keys: dict[str, Any])
     """
     n, batch, ops = args.blocks, args.batch, min(args.ops, args.blocks)
     req = RequestContext("bench")
-    out: dict[str, dict[str, float]] = {p: dict.fromkeys(("dict", "hit", "miss", "store0", "store2", "promotion"),
-                                                         float("inf")) for p in policies}  # fmt: skip
+    operations = ("dict", "hit", "miss", "store0", "store2", "decode0", "decode2", "promotion")
+    out: dict[str, dict[str, float]] = {p: dict.fromkeys(operations, float("inf")) for p in policies}
 
     def managers(tiers: int) -> dict[str, TieringManager]:
         built = {p: new_manager(n, p, tiers=tiers, shm_dir=args.shm_dir) for p in policies}
@@ -339,6 +383,7 @@ def measure(policies: list[str], args: argparse.Namespace, keys: dict[str, Any])
             for r in range(args.repeat):
                 for p, mgr in built.items():
                     keep(p, f"store{tiers}", time_stores(mgr, make_keys(f"store-{tiers}-{r}", ops), batch))
+                    keep(p, f"decode{tiers}", time_decode_stores(mgr, make_keys(f"decode-{tiers}-{r}", ops), batch))
         finally:
             for mgr in built.values():
                 mgr.shutdown()
@@ -363,6 +408,8 @@ ROWS = [
     ("miss", "lookup MISS, 2 secondary tiers"),
     ("store0", "prepare+complete_store, evicting, no secondary tiers (per block)"),
     ("store2", "prepare+complete_store, evicting, cascade to 2 tiers (per block)"),
+    ("decode0", "decode: one-block stores continuing requests, evicting (per block)"),
+    ("decode2", "decode, cascade to 2 tiers (per block)"),
     ("promotion", "promotion round trip, evicting (per block)"),
 ]
 
@@ -412,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     verdicts.append((met, f"lookup HIT within {HIT_TARGET_RATIO:.0f}x dict.get: {'MET' if met else 'MISSED'} "
                           f"({ratio:.1f}x)"))
     if len(compared) > 1:
-        for key, what in (("hit", "lookup HIT"), ("store0", "store with eviction"), ("store2", "store with cascades")):
+        for key, what in (("hit", "lookup HIT"), ("store0", "store with eviction"), ("store2", "store with cascades"),
+                          ("decode0", "decode stores"), ("decode2", "decode stores with cascades")):
             ratio = mine[key] / lru[key]
             met = ratio <= LRU_TARGET_RATIO
             verdicts.append((met, f"{what} ({args.policy}) within {LRU_TARGET_RATIO}x of lru's: "

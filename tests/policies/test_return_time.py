@@ -35,8 +35,13 @@ def store(tier: Slotted[ReturnTimePolicy], ids: list[int], parent: int | None = 
     for i in ids:
         tier.insert(key(i))
     tier.reference_chain([key(i) for i in ids], None if parent is None else key(parent), hit=False)
-    for i in reversed(ids):
-        tier.mark_evictable(key(i))
+    ready(tier, ids)
+
+
+def ready(tier: Slotted[ReturnTimePolicy], ids: list[int]) -> None:
+    """The blocks ``ids`` become evictable as the CPU tier completes a store: in one call, tail first."""
+    tail_first = [key(i) for i in reversed(ids)]
+    tier.policy.mark_evictable_many(tail_first, [tier.slot_of[k] for k in tail_first])
 
 
 def store_more(tier: Slotted[ReturnTimePolicy], ids: list[int], parent: int) -> None:
@@ -44,8 +49,7 @@ def store_more(tier: Slotted[ReturnTimePolicy], ids: list[int], parent: int) -> 
     for i in ids:
         tier.insert(key(i))
     tier.policy.continue_chain([key(i) for i in ids], [tier.slot_of[key(i)] for i in ids], tier.slot_of[key(parent)])
-    for i in reversed(ids):
-        tier.mark_evictable(key(i))
+    ready(tier, ids)
 
 
 def load(tier: Slotted[ReturnTimePolicy], ids: list[int], parent: int | None = None) -> None:
@@ -201,9 +205,47 @@ def test_a_long_chain_stored_piece_by_piece_is_evicted_from_its_tail_with_bounde
         prev = ids[-1]
     spy = ScanSpy()
     chosen = tier.evict(16, spy)
-    assert chosen is not None and len(spy.asked) == 16
+    assert chosen == [key(i) for i in range(3999, 3983, -1)], "the last piece goes, tail first"
+    assert len(spy.asked) == 16
     assert len(tier.policy._next) == 4096 + 1 + RING
     check_invariants(tier)
+
+
+def test_a_request_stored_a_block_at_a_time_stays_tail_first() -> None:
+    # Regression: each piece was linked at its list's tail, behind its parent, so the list
+    # held the request head first; every eviction passed _PASS_LIMIT ancestors (about 2x a
+    # decode store's cost) and then took the oldest of them, cutting the prefix at its head.
+    tier = Slotted(ReturnTimePolicy(1024))
+    store(tier, [0, 1, 2, 3])  # the prefill
+    for i in range(4, 300):  # then one decoded block per store
+        store_more(tier, [i], i - 1)
+    assert linked(tier.policy)[0] + [s for lst in linked(tier.policy)[1:] for s in lst] == [
+        tier.slot_of[key(i)] for i in range(299, -1, -1)
+    ]
+    check_invariants(tier)
+    for expected in range(299, 289, -1):
+        spy = ScanSpy()
+        assert tier.evict(1, spy) == [key(expected)]
+        assert spy.asked == [key(expected)], "nothing passed over"
+    check_invariants(tier)
+
+
+def test_a_release_given_head_first_links_the_chain_tail_first() -> None:
+    # The CPU tier completes a store tail first but releases a cascaded store's pins in the
+    # cascade's (prefix) order; either way eviction must meet the leaf first.
+    tier = Slotted(ReturnTimePolicy(64))
+    ids = list(range(8))
+    for i in ids:
+        tier.insert(key(i))
+    tier.reference_chain([key(i) for i in ids], hit=False)
+    slots = [tier.slot_of[key(i)] for i in ids]
+    tier.policy.mark_evictable_then_pinned_many([key(i) for i in reversed(ids)], slots[::-1])
+    assert tier.evictable_count() == 0
+    tier.policy.mark_evictable_many([key(i) for i in ids], slots)  # head first
+    assert [s for lst in linked(tier.policy) for s in lst] == slots[::-1]
+    check_invariants(tier)
+    spy = ScanSpy()
+    assert tier.evict(1, spy) == [key(7)] and spy.asked == [key(7)]
 
 
 def test_holds_keep_the_head_at_least_as_long_as_the_tail_and_raise_ancestors() -> None:

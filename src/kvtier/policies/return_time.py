@@ -218,7 +218,45 @@ class ReturnTimePolicy(SlotListPolicy):
 
     def mark_evictable(self, key: BlockKey, slot: int) -> None:
         # One block (a single unpin); the CPU tier's stores and releases take mark_evictable_many.
-        self._link_evictable(slot, self._list_for(self._expiry[slot]))
+        if not self._evictable[slot]:
+            end = self._list_for(self._expiry[slot])
+            self._append(slot, end)
+            self._evictable[slot] = 1
+            self._count += 1
+            self._to_parent(slot, end)
+
+    def _to_parent(self, slot: int, end: int) -> None:
+        """Move ``slot``, just linked at the tail of list ``end``, with the run of its descendants
+        linked right before it, to just before its parent, when the parent is in the same list.
+
+        A chain stays tail first in its list whatever order its blocks become
+        evictable in, and however many pieces it was stored in (a prefill in
+        chunks, a decode block at a time; the CPU tier completes a store tail
+        first and releases a cascaded one head first): eviction meets the
+        leaves before their ancestors. Appended instead, each piece sat behind
+        the pieces before it, and every eviction passed up to ``_PASS_LIMIT``
+        ancestors, then took the oldest of them (measured: a decode store cost
+        1.5x more, and a request's prefix was cut at its head).
+        """
+        parent = self._parent[slot]
+        if parent < 0 or parent == slot or not self._evictable[parent] or self._list_for(self._expiry[parent]) != end:
+            return
+        prv, nxt, par, cap = self._prev, self._next, self._parent, self.capacity
+        first = slot
+        before = prv[slot]
+        while before < cap and par[before] == first:  # the block before is a child of the run's first
+            if before == parent:  # a cycle through stale parent links: stay at the tail
+                return
+            first = before
+            before = prv[before]
+        after = nxt[slot]
+        nxt[before] = after
+        prv[after] = before
+        before = prv[parent]
+        nxt[before] = first
+        prv[first] = before
+        nxt[slot] = parent
+        prv[parent] = slot
 
     # Batched forms, inlined: the CPU tier calls them for every block it stores, pins and
     # releases, and a Python call per block would cost more than the work.
@@ -230,32 +268,30 @@ class ReturnTimePolicy(SlotListPolicy):
         self._fresh.extend(slots)
 
     def mark_evictable_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
-        # Blocks of one expiry bucket go to the same list: each run of them is linked to the
-        # next, and spliced onto its list's tail once (a stored chain has two expiries at most).
-        flags, expiry, prv, nxt = self._evictable, self._expiry, self._prev, self._next
+        # mark_evictable of each block in order, inlined: a store completes tail first, so a
+        # parent is linked after its child and only the head's parent is asked about.
+        flags, expiry, prv, nxt, par = self._evictable, self._expiry, self._prev, self._next, self._parent
         width, cur, cap = self._width, self._cur, self.capacity
         linked = 0
-        last = end = tail = -1
+        last = end = -1
         for slot in slots:
             if flags[slot]:
                 continue
             flags[slot] = 1
             e = expiry[slot]
             if e != last:
-                if end >= 0:  # close the run: its list ends at its last block
-                    nxt[tail] = end
-                    prv[end] = tail
                 last = e
                 bucket = e // width  # _list_for, inlined
                 end = cap if bucket < cur else cap + 1 + bucket % RING
-                tail = prv[end]
+            tail = prv[end]  # _append, inlined
             nxt[tail] = slot
             prv[slot] = tail
-            tail = slot
+            nxt[slot] = end
+            prv[end] = slot
             linked += 1
-        if end >= 0:
-            nxt[tail] = end
-            prv[end] = tail
+            parent = par[slot]
+            if parent >= 0 and flags[parent]:
+                self._to_parent(slot, end)
         self._count += linked
 
     def mark_pinned_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
