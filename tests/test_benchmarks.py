@@ -43,7 +43,9 @@ CASES = {
     "bench_manager": (
         ["--blocks", "4000", "--meta-blocks", "4000", "--ops", "512", "--repeat", "1"],
         [r"^lookup HIT\s+\d+\s+" + RATIO, r"metadata \(lru\) at most 256 B/block, full and steady: (MET|MISSED)",
-         r"store with eviction \(return-time\) within 1.5x of lru's: (MET|MISSED)"],
+         r"store with eviction \(return-time\) within 1.5x of lru's: (MET|MISSED)",
+         r"^decode: one-block stores continuing requests, evicting \(per block\)\s+\d+\s+" + RATIO,
+         r"decode stores \(return-time\) within 1.5x of lru's: (MET|MISSED)"],
     ),
     "bench_s3": (
         ["--total-mib", "4", "--rounds", "1", "--sizes-mib", "2"],

@@ -50,17 +50,22 @@ lists, each holding the blocks whose expiry falls in one interval of
 list of expired blocks in expiry order (sentinel ``capacity``), into which a
 wheel list is spliced in O(1) when the clock passes its interval. Eviction
 scans the expired list and then the wheel in time order; inside a list,
-blocks are in reference order, a chain's tail before its head. With every hold
-0 this is LRU order.
+blocks are in reference order, a chain's tail before its head: a block that
+becomes evictable goes right before its parent when that is in the same list
+(see :meth:`ReturnTimePolicy._to_parent`), so a request stored in pieces or
+released head first is ordered like one stored at once. With every hold 0 this
+is LRU order.
 
 Per slot: the lists' two pointers and the key (24 bytes), ``_evictable``,
-``_touches`` (1 byte each), ``_parent``, ``_children`` (4 bytes each),
-``_expiry`` (8 bytes); plus the sample tables, about ``capacity / 4``
-fingerprints, and the request ends, ``capacity / 4`` fingerprints of 24-40
-bytes, all allocated once. Every operation is O(1) per block, except
-that eviction skips blocks that are not leaves (which it moves behind, so they
-are not scanned again) and a reference walks up the ancestors whose expiry it
-raises. Called from one thread (the tier's).
+``_touches`` (1 byte each), ``_parent``, ``_children`` (8 bytes each: list
+items pointing at shared int objects), ``_expiry`` (8 bytes); plus the sample
+tables, about ``capacity / 4`` fingerprints, and the request ends, ``capacity /
+4`` fingerprints of 24-40 bytes, all allocated once. Every operation is O(1)
+per block, except that eviction passes over blocks that are not leaves (at most
+``_PASS_LIMIT + 4n`` a call; chains being linked tail first, it rarely meets
+one), a reference walks up the ancestors whose expiry it raises, and a block
+linked before its parent takes along the descendants linked right before it.
+Called from one thread (the tier's).
 """
 
 from __future__ import annotations
