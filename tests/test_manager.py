@@ -604,5 +604,21 @@ def test_a_request_chains_its_store_after_its_load(namespace: Namespace, private
         store(mgr, keys(2, seed=8), other)
         store(mgr, keys(2, seed=7), other)
         assert policy.continued == [3, 7]
+        # A finished request that stored blocks names the tail of its last store; one that
+        # only loaded, or whose tail has left the tier, names nothing.
+        assert policy.ended == []
+        mgr.on_request_finished(second)
+        assert policy.ended == [slot(ks[5])]
+        assert slot(ks[2]) is None, "the 8-block tier evicted the first request's tail"
+        mgr.on_request_finished(first)
+        assert policy.ended == [slot(ks[5])]
+        mgr.on_request_finished(other)
+        assert policy.ended == [slot(ks[5]), slot(keys(2, seed=7)[1])]
+        loader = RequestContext("d")
+        mgr.on_new_request(loader)
+        mgr.prepare_load(ks[:1], loader)
+        mgr.complete_load(ks[:1], loader)
+        mgr.on_request_finished(loader)
+        assert len(policy.ended) == 2
     finally:
         mgr.shutdown()

@@ -22,12 +22,16 @@ from kvtier.types import LookupResult, OffloadPolicy, RequestContext
 
 class RecordingLRU(LRUPolicy):
     """LRU that records each ``reference_chain`` call as (keys, slots, parent, hit), and which
-    stores came as ``continue_chain`` (their index in ``chains``)."""
+    stores came as ``continue_chain`` (their index in ``chains``), and the slots ``end_request`` named."""
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self.chains: list[tuple[list[BlockKey], list[int], int, bool]] = []
         self.continued: list[int] = []
+        self.ended: list[int] = []
+
+    def end_request(self, tail_slot: int) -> None:
+        self.ended.append(tail_slot)
 
     def continue_chain(self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int) -> None:
         self.continued.append(len(self.chains))

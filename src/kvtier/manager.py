@@ -954,6 +954,8 @@ class TieringManager:
             self._notify_finished(request)
             return
         state.finished = True
+        if state.stored_tail and state.chain_tail is not None:
+            self.primary.end_request(state.chain_tail)
         self._maybe_finalize(state)
 
     def _maybe_finalize(self, state: _RequestState) -> None:

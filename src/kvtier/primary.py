@@ -188,6 +188,13 @@ class PrimaryTier:
                 self.policy.reference_chain(chain, chain_slots, parent, False)
         return PrepareStoreResult(new_keys, np.array(slots, dtype=np.int64), evicted)
 
+    def end_request(self, tail: BlockKey) -> None:
+        """The request whose last store ended with ``tail`` finished (see
+        :meth:`EvictionPolicy.end_request`); nothing if ``tail`` has left the tier."""
+        slot = self._slot_of.get(tail)
+        if slot is not None:
+            self.policy.end_request(slot)
+
     def prepare_write(
         self, keys: Iterable[BlockKey], protected: Collection[BlockKey] = ()
     ) -> PrepareStoreResult | None:

@@ -277,14 +277,49 @@ def test_a_request_stored_in_pieces_is_classified_as_one_request() -> None:
     assert sum(pieces.policy._class_refs) == 10
     last_bucket = (NEW_BUCKETS - 1) * 6
     assert whole.policy._class_refs[last_bucket] == 9 and whole.policy._class_refs[last_bucket + 3] == 1
-    # One recorded end for the request (its last full block, key 9), however many stores.
+    # One recorded end for the request, however many stores: its first store's (key 1) while
+    # it goes on, its last full block (key 9) once it ends.
     assert len(pieces.policy._history) == len(whole.policy._history) == 1
+    assert whole.policy._history.deepest([key(i) for i in range(1, 11)], 0) == 8
+    assert pieces.policy._history.deepest([key(i) for i in range(1, 11)], 0) == 0
+    pieces.policy.end_request(pieces.slot_of[key(10)])
+    assert len(pieces.policy._history) == 1
     assert pieces.policy._history.deepest([key(i) for i in range(1, 11)], 0) == 8
+    assert not pieces.policy._open and not pieces.policy._open_old, "the finished request's record went"
     for tier in (whole, pieces):
         expiry = [tier.policy._expiry[tier.slot_of[key(i)]] for i in range(1, 11)]
         assert expiry == sorted(expiry, reverse=True), "the head never expires before the tail"
         check_invariants(tier)
     assert evict_all(pieces) == list(range(10, 0, -1))
+
+
+def test_an_unfinished_request_publishes_its_end_when_its_record_goes() -> None:
+    # The engine may never say a request ended: the end still reaches the table, when the
+    # record is dropped (a generation of records full), taken by a store that is not the
+    # request's continuation, or by clear().
+    tier = Slotted(ReturnTimePolicy(1024))
+    policy = tier.policy
+    store(tier, [1, 2])
+    store_more(tier, [3, 4], parent=2)
+    assert policy._history.deepest([key(3)], 0) == -1, "the end moves when the request ends"
+    policy.clear()
+    assert policy._history.deepest([key(3)], 0) == 0, "clear() published it"
+
+    tier = Slotted(ReturnTimePolicy(1024))
+    policy = tier.policy
+    store(tier, [1, 2])
+    store_more(tier, [3, 4], parent=2)
+    ids = iter(range(100, 10_000))
+    while tier.slot_of[key(4)] in {**policy._open, **policy._open_old}:  # other requests, until the record goes
+        store(tier, [next(ids)])
+    assert policy._history.deepest([key(3)], 0) == 0
+
+    tier = Slotted(ReturnTimePolicy(1024))
+    policy = tier.policy
+    store(tier, [1, 2])
+    store_more(tier, [3, 4], parent=2)
+    policy.continue_chain([key(3)], [tier.slot_of[key(3)]], tier.slot_of[key(4)])  # not new blocks
+    assert policy._history.deepest([key(3)], 0) == 0, "a store that does not continue it took the record"
 
 
 def test_a_continuation_of_an_unknown_request_is_a_store_of_its_own() -> None:
@@ -558,6 +593,14 @@ class StructureMachine(RuleBasedStateMachine):
             tier.policy.continue_chain(keys, [tier.slot_of[k] for k in keys], tier.slot_of[up])
         else:
             tier.reference_chain(keys, up, hit=hit and not new)
+
+    @rule(i=ids)
+    def end(self, i: int) -> None:
+        k = key(i)
+        if k in self.tier.slot_of:  # the end of the request whose last store ended in k, if any
+            slot = self.tier.slot_of[k]
+            self.tier.policy.end_request(slot)
+            assert slot not in self.tier.policy._open and slot not in self.tier.policy._open_old
 
     @rule(i=ids)
     def complete(self, i: int) -> None:

@@ -107,6 +107,16 @@ class EvictionPolicy(abc.ABC):
         """
         self.reference_chain(keys, slots, parent, False)
 
+    def end_request(self, tail_slot: int) -> None:
+        """The request whose last store ended in slot ``tail_slot`` finished: no store continues it.
+
+        Called when the engine finishes a request that stored blocks (the tier's
+        thread, after the request's stores; the slot still holds that block), so
+        a policy that keeps state per open request (see :meth:`continue_chain`)
+        can let it go. The default does nothing.
+        """
+        return
+
     @abc.abstractmethod
     def mark_evictable(self, key: BlockKey, slot: int) -> None:
         """The block's ref count became 0."""

@@ -127,11 +127,12 @@ _HALF_LIFE = 2.0
 """Statistics lose half their weight in this many horizons."""
 
 
-_RequestRecord = tuple[BlockKey, int, int, int, int, int, bool, int]
+_RequestRecord = tuple[BlockKey, int, int, int, int, int, int, bool, int]
 """A request stored in pieces, between them (see :meth:`ReturnTimePolicy.continue_chain`): the key
-its last store ended with, its new blocks so far, class base, blocks stored, recorded end, clock
-of its last store, whether it drew the partial class's extended hold, and its guard difference
-so far."""
+its last store ended with, its new blocks so far, class base, blocks stored, its end now, the end
+in the table of request ends (its first store's until the request ends: see
+:meth:`ReturnTimePolicy.end_request`), clock of its last store, whether it drew the partial
+class's extended hold, and its guard difference so far."""
 
 
 class ReturnTimePolicy(SlotListPolicy):
@@ -358,6 +359,7 @@ class ReturnTimePolicy(SlotListPolicy):
         width, c1, below = self._width, self.capacity + 1, self._sample_below
         extended = self._extension()
         n = len(slots)
+        moved = moved_to = -1  # the last block moved (the head-most) and its list
         olds: list[int] = []
         classes: list[int] = []
         last_class = 0 if hit else 3
@@ -388,10 +390,14 @@ class ReturnTimePolicy(SlotListPolicy):
                 e = deeper
             expiry[s] = deeper = e
             if flags[s]:
-                self._move_to_tail(s, c1 + (e // width) % RING)  # e >= now: never a past bucket
+                moved = s
+                moved_to = c1 + (e // width) % RING  # e >= now: never a past bucket
+                self._move_to_tail(s, moved_to)
             key = keys[i]
             if key[-1] < below:
                 self._observe(fingerprint(key), cls, hit)
+        if moved >= 0:  # the chain moved tail first: keep it before its parent
+            self._to_parent(moved, moved_to)
         up = parent if parent >= 0 else par[slots[0]]
         pending = self._pending
         if hit:
@@ -432,9 +438,10 @@ class ReturnTimePolicy(SlotListPolicy):
     def continue_chain(self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int) -> None:
         """A store that continues the request whose last store ended in ``parent``: one request, one class.
 
-        The request's new blocks are counted over all its stores, its recorded
-        end moves to this store (in place: one entry per request however many
-        stores), and its earlier blocks are re-classified: the previous tail is
+        The request's new blocks are counted over all its stores, its end
+        moves to this store (the table of request ends gets it, in place of
+        the first store's, when the request ends: one entry per request
+        however many stores), and its earlier blocks are re-classified: the previous tail is
         no longer the request's last block, and all of them move to the
         request's bucket of new blocks if it grew out of theirs (at most three
         times a request: the buckets end at 8). A re-classified block's expiry
@@ -447,6 +454,8 @@ class ReturnTimePolicy(SlotListPolicy):
         n = len(slots)
         record = self._open.pop(parent, None) or self._open_old.pop(parent, None)
         if not n or record is None or slots != self._fresh or self._key_of[parent] != record[0]:
+            if record is not None:
+                self._publish_end(record)
             self.reference_chain(keys, slots, parent, False)
             return
         now = self._now
@@ -468,10 +477,11 @@ class ReturnTimePolicy(SlotListPolicy):
         refs, hold, below = self._class_refs, self.hold, self._sample_below
         floor = 0
         slot = tail
+        moved = moved_to = -1
         for k in range(count):
             key = key_of[slot] if slot >= 0 else NO_KEY
             if key is NO_KEY:  # the chain was cut (a block evicted and its children orphaned)
-                return
+                break
             old_cls = old_base + 3 if k == 0 else old_base
             if refs[old_cls]:  # the counts are since the last solve
                 refs[old_cls] -= 1
@@ -480,12 +490,16 @@ class ReturnTimePolicy(SlotListPolicy):
             if e != expiry[slot]:
                 expiry[slot] = e
                 if flags[slot]:
-                    self._move_to_tail(slot, self._list_for(e))
+                    moved, moved_to = slot, self._list_for(e)
+                    self._move_to_tail(slot, moved_to)
             floor = e
             if key[-1] < below:
                 self.sampler.reclass(fingerprint(key), base)
             slot = par[slot]
-        self._raise_ancestors(slot, floor)
+        else:
+            self._raise_ancestors(slot, floor)
+        if moved >= 0:
+            self._to_parent(moved, moved_to)
 
     def _store_new(
         self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int, now: int, record: _RequestRecord | None
@@ -510,12 +524,11 @@ class ReturnTimePolicy(SlotListPolicy):
             new = n if found < 0 else n - 1 - found
             base = _NEW_BUCKET[new if new < 8 else 8] * 6
             history.add(end)
-            drawn, diff, stored = self._draw_extension(), 0, n
+            drawn, diff, stored, published = self._draw_extension(), 0, n, end
         else:
-            _, new, old_base, stored, old_end, then, drawn, diff = record
+            _, new, old_base, stored, _, published, then, drawn, diff = record
             new = n - 1 - found if found >= 0 else new + n
             base = _NEW_BUCKET[new if new < 8 else 8] * 6
-            history.replace(old_end, end)
             self._reclass_stored(parent, stored if base != old_base else 1, old_base, base, then)
             stored += n
         par, children, touches, expiry = self._parent, self._children, self._touches, self._expiry
@@ -556,9 +569,29 @@ class ReturnTimePolicy(SlotListPolicy):
         if self._now >= self._next_solve:
             self._solve()
         opened = self._open  # the request may go on (see continue_chain)
-        opened[slots[-1]] = (keys[-1], new, base, stored, end, now, drawn, diff)
+        opened[slots[-1]] = (keys[-1], new, base, stored, end, published, now, drawn, diff)
         if len(opened) >= self._open_limit:  # the older generation goes: finished requests, most likely
+            for gone in self._open_old.values():
+                self._publish_end(gone)
             self._open_old, self._open = opened, {}
+
+    def end_request(self, tail_slot: int) -> None:
+        """The request whose last store ended in ``tail_slot`` finished: its record goes, and its
+        end takes the place of its first store's in the table of request ends.
+
+        Until then a store that continues it only notes its end in the record: a
+        request's end is what a later one (the conversation's next turn) meets,
+        and moving it in the table at every decoded block cost a tenth of a
+        decode store. A record dropped unfinished (see :data:`_OPEN_REQUESTS`)
+        publishes its end the same way.
+        """
+        record = self._open.pop(tail_slot, None) or self._open_old.pop(tail_slot, None)
+        if record is not None:
+            self._publish_end(record)
+
+    def _publish_end(self, record: _RequestRecord) -> None:
+        if record[4] != record[5]:
+            self._history.replace(record[5], record[4])
 
     def _raise_ancestors(self, slot: int, expiry_at_least: int) -> None:
         """Raise ``slot`` and its ancestors to ``expiry_at_least`` until one is there already."""
@@ -566,11 +599,15 @@ class ReturnTimePolicy(SlotListPolicy):
         width = self._width
         bucket = expiry_at_least // width
         end = self.capacity + 1 + bucket % RING
+        moved = -1
         while slot >= 0 and expiry[slot] // width < bucket:
             expiry[slot] = expiry_at_least
             if flags[slot]:
+                moved = slot
                 self._move_to_tail(slot, end)
             slot = par[slot]
+        if moved >= 0:  # moved child first: keep them before the first ancestor not raised
+            self._to_parent(moved, end)
 
     def _request_end(self, keys: Sequence[BlockKey], parent: int) -> int:
         """The fingerprint to record as the request's end, so its return is known even once
@@ -591,10 +628,13 @@ class ReturnTimePolicy(SlotListPolicy):
         key_of, expiry, flags, refs, hold = self._key_of, self._expiry, self._evictable, self._class_refs, self.hold
         below = self._sample_below
         n = len(slots)
+        moved = moved_to = -1
         for j in range(n):  # olds / classes are tail first
             i = n - 1 - j
             s = slots[i]
             if key_of[s] != keys[i]:
+                if moved >= 0:
+                    self._to_parent(moved, moved_to)
                 return floor, -1
             old_cls = classes[j]
             cls = base + old_cls % 3
@@ -603,9 +643,12 @@ class ReturnTimePolicy(SlotListPolicy):
             e = max(olds[j], then + hold[cls], floor)
             expiry[s] = floor = e
             if flags[s]:
-                self._move_to_tail(s, self._list_for(e))
+                moved, moved_to = s, self._list_for(e)
+                self._move_to_tail(s, moved_to)
             if keys[i][-1] < below:
                 self.sampler.reclass(fingerprint(keys[i]), cls)
+        if moved >= 0:
+            self._to_parent(moved, moved_to)
         return floor, self._parent[slots[0]]
 
     def _new_blocks(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> int:
@@ -842,4 +885,7 @@ class ReturnTimePolicy(SlotListPolicy):
 
     def clear(self) -> None:
         """Forget every block; what was learned about the workload stays."""
+        for records in (self._open_old, self._open):
+            for record in records.values():
+                self._publish_end(record)
         self._reset_blocks()
