@@ -211,19 +211,24 @@ def test_a_long_chain_stored_piece_by_piece_is_evicted_from_its_tail_with_bounde
     check_invariants(tier)
 
 
-def test_a_request_stored_a_block_at_a_time_stays_tail_first() -> None:
+@pytest.mark.parametrize("learned", [False, True])
+def test_a_request_stored_a_block_at_a_time_stays_tail_first(learned: bool) -> None:
     # Regression: each piece was linked at its list's tail, behind its parent, so the list
     # held the request head first; every eviction passed _PASS_LIMIT ancestors (about 2x a
     # decode store's cost) and then took the oldest of them, cutting the prefix at its head.
+    # With learned holds each store also re-classifies the previous tail, which moved it
+    # behind its descendants in the same way.
     tier = Slotted(ReturnTimePolicy(1024))
+    if learned:
+        tier.policy.hold = list(range(10, 10 + CLASSES))  # every class its own hold
     store(tier, [0, 1, 2, 3])  # the prefill
-    for i in range(4, 300):  # then one decoded block per store
+    for i in range(4, 12):  # then one decoded block per store
         store_more(tier, [i], i - 1)
     assert linked(tier.policy)[0] + [s for lst in linked(tier.policy)[1:] for s in lst] == [
-        tier.slot_of[key(i)] for i in range(299, -1, -1)
+        tier.slot_of[key(i)] for i in range(11, -1, -1)
     ]
     check_invariants(tier)
-    for expected in range(299, 289, -1):
+    for expected in range(11, 5, -1):
         spy = ScanSpy()
         assert tier.evict(1, spy) == [key(expected)]
         assert spy.asked == [key(expected)], "nothing passed over"
