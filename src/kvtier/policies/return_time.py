@@ -274,30 +274,51 @@ class ReturnTimePolicy(SlotListPolicy):
         self._fresh.extend(slots)
 
     def mark_evictable_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
-        # mark_evictable of each block in order, inlined: a store completes tail first, so a
-        # parent is linked after its child and only the head's parent is asked about.
+        # mark_evictable of each block in order, inlined. Blocks of one expiry bucket are linked
+        # among themselves as they come and spliced onto their list's tail once: the list then
+        # is what a tail append per block makes. A store completes tail first, so a parent comes
+        # after its child and only the head's parent is linked already: there the run goes to
+        # the list and the head before its parent (_to_parent), as a single call would do.
         flags, expiry, prv, nxt, par = self._evictable, self._expiry, self._prev, self._next, self._parent
         width, cur, cap = self._width, self._cur, self.capacity
         linked = 0
-        last = end = -1
+        last = end = first = tail = -1
         for slot in slots:
             if flags[slot]:
                 continue
             flags[slot] = 1
             e = expiry[slot]
             if e != last:
+                if first >= 0:  # close the run: onto its list's tail
+                    before = prv[end]
+                    nxt[before] = first
+                    prv[first] = before
+                    nxt[tail] = end
+                    prv[end] = tail
                 last = e
                 bucket = e // width  # _list_for, inlined
                 end = cap if bucket < cur else cap + 1 + bucket % RING
-            tail = prv[end]  # _append, inlined
-            nxt[tail] = slot
-            prv[slot] = tail
-            nxt[slot] = end
-            prv[end] = slot
+                first = slot
+            else:
+                nxt[tail] = slot
+                prv[slot] = tail
+            tail = slot
             linked += 1
             parent = par[slot]
-            if parent >= 0 and flags[parent]:
+            if parent >= 0 and flags[parent]:  # linked already, or in this run: close the run first
+                before = prv[end]
+                nxt[before] = first
+                prv[first] = before
+                nxt[slot] = end
+                prv[end] = slot
                 self._to_parent(slot, end)
+                first = last = -1
+        if first >= 0:
+            before = prv[end]
+            nxt[before] = first
+            prv[first] = before
+            nxt[tail] = end
+            prv[end] = tail
         self._count += linked
 
     def mark_pinned_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
