@@ -226,9 +226,7 @@ class ReturnTimePolicy(SlotListPolicy):
         # One block (a single unpin); the CPU tier's stores and releases take mark_evictable_many.
         if not self._evictable[slot]:
             end = self._list_for(self._expiry[slot])
-            self._append(slot, end)
-            self._evictable[slot] = 1
-            self._count += 1
+            self._link_evictable(slot, end)
             self._to_parent(slot, end)
 
     def _to_parent(self, slot: int, end: int) -> None:
@@ -247,7 +245,7 @@ class ReturnTimePolicy(SlotListPolicy):
         parent = self._parent[slot]
         if parent < 0 or parent == slot or not self._evictable[parent] or self._list_for(self._expiry[parent]) != end:
             return
-        prv, nxt, par, cap = self._prev, self._next, self._parent, self.capacity
+        prv, par, cap = self._prev, self._parent, self.capacity
         first = slot
         before = prv[slot]
         while before < cap and par[before] == first:  # the block before is a child of the run's first
@@ -255,6 +253,8 @@ class ReturnTimePolicy(SlotListPolicy):
                 return
             first = before
             before = prv[before]
+        # The run leaves the tail and goes before the parent (_link_run, inlined: once a store).
+        nxt = self._next
         after = nxt[slot]
         nxt[before] = after
         prv[after] = before
@@ -275,10 +275,11 @@ class ReturnTimePolicy(SlotListPolicy):
 
     def mark_evictable_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
         # mark_evictable of each block in order, inlined. Blocks of one expiry bucket are linked
-        # among themselves as they come and spliced onto their list's tail once: the list then
-        # is what a tail append per block makes. A store completes tail first, so a parent comes
-        # after its child and only the head's parent is linked already: there the run goes to
-        # the list and the head before its parent (_to_parent), as a single call would do.
+        # among themselves as they come and spliced onto their list's tail once (_link_run):
+        # the list then is what a tail append per block makes. A store completes tail first, so
+        # a parent comes after its child and only the head's parent is linked already: there the
+        # run goes to the list and the head before its parent (_to_parent), as a single call
+        # would do.
         flags, expiry, prv, nxt, par = self._evictable, self._expiry, self._prev, self._next, self._parent
         width, cur, cap = self._width, self._cur, self.capacity
         linked = 0
@@ -290,11 +291,7 @@ class ReturnTimePolicy(SlotListPolicy):
             e = expiry[slot]
             if e != last:
                 if first >= 0:  # close the run: onto its list's tail
-                    before = prv[end]
-                    nxt[before] = first
-                    prv[first] = before
-                    nxt[tail] = end
-                    prv[end] = tail
+                    self._link_run(first, tail, end)
                 last = e
                 bucket = e // width  # _list_for, inlined
                 end = cap if bucket < cur else cap + 1 + bucket % RING
@@ -306,19 +303,11 @@ class ReturnTimePolicy(SlotListPolicy):
             linked += 1
             parent = par[slot]
             if parent >= 0 and flags[parent]:  # linked already, or in this run: close the run first
-                before = prv[end]
-                nxt[before] = first
-                prv[first] = before
-                nxt[slot] = end
-                prv[end] = slot
+                self._link_run(first, slot, end)
                 self._to_parent(slot, end)
                 first = last = -1
         if first >= 0:
-            before = prv[end]
-            nxt[before] = first
-            prv[first] = before
-            nxt[tail] = end
-            prv[end] = tail
+            self._link_run(first, tail, end)
         self._count += linked
 
     def mark_pinned_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
@@ -828,12 +817,7 @@ class ReturnTimePolicy(SlotListPolicy):
             first = nxt[end]
             if first == end:
                 continue
-            last = prv[end]
-            tail = prv[expired]
-            nxt[tail] = first
-            prv[first] = tail
-            nxt[last] = expired
-            prv[expired] = last
+            self._link_run(first, prv[end], expired)
             nxt[end] = prv[end] = end
         self._cur = cur
 

@@ -52,6 +52,16 @@ class SlotListPolicy(EvictionPolicy):
         self._next[slot] = end
         prv[end] = slot
 
+    def _link_run(self, first: int, last: int, after: int) -> None:
+        """Link the run ``first .. last`` (linked among itself, not in a list) right before
+        ``after``: a linked slot, or a sentinel (the run becomes its list's most recent)."""
+        prv, nxt = self._prev, self._next
+        before = prv[after]
+        nxt[before] = first
+        prv[first] = before
+        nxt[last] = after
+        prv[after] = last
+
     def _move_to_tail(self, slot: int, end: int) -> None:
         """Move a linked ``slot`` to the most recent end of the list with sentinel ``end``."""
         prv, nxt = self._prev, self._next
