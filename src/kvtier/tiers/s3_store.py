@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import re
 from datetime import timedelta
 from pathlib import Path
@@ -35,8 +36,10 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
+from kvtier.tiers.endpoints import parse_endpoint, redact_url
+from kvtier.tiers.failures import describe_error, is_native_crash
 from kvtier.tiers.format import FORMAT_VERSION, HEADER_SIZE, MAX_KEY_BYTES
-from kvtier.tiers.options import TierOptions
+from kvtier.tiers.options import QueueLength, Seconds, TierOptions
 
 if TYPE_CHECKING:
     from obstore.store import S3Store
@@ -49,6 +52,35 @@ _PREFIX_RE = re.compile(r"^[A-Za-z0-9!_.*'()\-]+(/[A-Za-z0-9!_.*'()\-]+)*$")
 _OBJECT_RE = re.compile(rf"^[0-9a-f]{{2}}/([0-9a-f]{{2,{2 * MAX_KEY_BYTES}}})$")
 
 
+ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+"""Environment variables that name an S3 endpoint when the ``endpoint`` option is unset, first wins."""
+
+_REGION_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_-]{0,62})$")
+
+
+def check_s3_endpoint(value: str, what: str) -> str:
+    """``value`` without a trailing slash if it is ``http(s)://host[:port]``; else ValueError
+    naming ``what`` (the option or environment variable) and the fix. Credentials in it are
+    refused (and never shown): they go in ``access_key_id``/``secret_access_key``."""
+    ep = parse_endpoint(value, what, ("http", "https"))
+    where = f"{what} {redact_url(value)!r}"
+    if ep.username is not None or ep.password is not None:
+        raise ValueError(
+            f"{where} carries credentials: give them as access_key_id/secret_access_key "
+            "(or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY), not in the URL"
+        )
+    if ep.path not in ("", "/") or ep.query or "?" in value:
+        raise ValueError(f"{where} must not have a path or query (http(s)://host[:port]): give the bucket as 'bucket'")
+    return value.rstrip("/")
+
+
+def check_region(value: str, what: str) -> str:
+    """``value`` if it can be a region (letters, digits, '-', '_'; it may become part of a host name)."""
+    if not _REGION_RE.match(value):
+        raise ValueError(f"{what} {value[:80]!r} is not a region name: use e.g. us-east-1")
+    return value
+
+
 class S3TierOptions(TierOptions):
     """S3-compatible object store tier (``type: s3``): AWS S3, MinIO, Ceph RGW, R2, GCS's S3 API."""
 
@@ -56,7 +88,9 @@ class S3TierOptions(TierOptions):
     prefix: str = Field(default="kvtier", description="Key prefix inside the bucket: <prefix>/<namespace>/...")
     endpoint: str | None = Field(
         default=None,
-        description="http(s)://host:port of an S3-compatible server; None = AWS S3 in 'region'.",
+        description="http(s)://host[:port] of an S3-compatible server. None: AWS_ENDPOINT_URL_S3 or "
+        "AWS_ENDPOINT_URL from the environment (honoured as the AWS CLI does: http allowed, path-style), "
+        "else AWS S3 in 'region'.",
     )
     region: str | None = Field(
         default=None,
@@ -79,28 +113,30 @@ class S3TierOptions(TierOptions):
     max_in_flight: int = Field(
         default=32, ge=1, le=512, description="Concurrent requests (I/O threads); a quarter serve only reads."
     )
-    max_queued_stores: int = Field(
-        default=256, ge=1, description="Blocks waiting to be uploaded beyond which stores are shed."
+    max_queued_stores: QueueLength = Field(
+        default=256, description="Blocks waiting to be uploaded beyond which stores are shed."
     )
-    request_timeout: float = Field(default=10.0, gt=0, description="Seconds per HTTP request (connect to body end).")
-    connect_timeout: float = Field(default=2.0, gt=0, description="Seconds to establish a connection.")
-    job_timeout: float = Field(
+    request_timeout: Seconds = Field(default=10.0, gt=0, description="Seconds per HTTP request (connect to body end).")
+    connect_timeout: Seconds = Field(default=2.0, gt=0, description="Seconds to establish a connection.")
+    job_timeout: Seconds = Field(
         default=30.0,
         gt=0,
         description="Deadline of a job after submission; retries (with backoff) stop in time to meet it.",
     )
-    max_retries: int = Field(default=4, ge=0, description="Retries of a failed request (5xx, connection errors).")
-    check_timeout: float = Field(
+    max_retries: int = Field(
+        default=4, ge=0, le=100, description="Retries of a failed request (5xx, connection errors)."
+    )
+    check_timeout: Seconds = Field(
         default=1.0, gt=0, description="Deadline of one step's batched existence checks (HEADs); then MISS."
     )
-    hit_seconds: float = Field(default=3600.0, gt=0, description="How long a known-present key answers HIT.")
-    miss_seconds: float = Field(
+    hit_seconds: Seconds = Field(default=3600.0, gt=0, description="How long a known-present key answers HIT.")
+    miss_seconds: Seconds = Field(
         default=2.0, ge=0.5, description="How long a known-absent key answers MISS (other engines write too)."
     )
     failure_threshold: int = Field(
-        default=3, ge=1, description="Consecutive failures that take the tier out of service."
+        default=3, ge=1, le=1_000_000, description="Consecutive failures that take the tier out of service."
     )
-    open_seconds: float = Field(default=2.0, gt=0, description="Seconds out of service before a probe.")
+    open_seconds: Seconds = Field(default=2.0, gt=0, description="Seconds out of service before a probe.")
     checksum: Literal["sha256", "crc64nvme"] | None = Field(
         default=None, description="Also let S3 check each upload with this checksum (kvtier checks every read anyway)."
     )
@@ -111,7 +147,7 @@ class S3TierOptions(TierOptions):
         default=False, description="List the namespace in the background at start so known blocks answer HIT at once."
     )
     max_index_entries: int = Field(
-        default=4_000_000, ge=1024, description="Known-present keys remembered (about 200 bytes each)."
+        default=4_000_000, ge=1024, le=1 << 32, description="Known-present keys remembered (about 200 bytes each)."
     )
 
     @field_validator("bucket")
@@ -132,17 +168,18 @@ class S3TierOptions(TierOptions):
     @field_validator("endpoint")
     @classmethod
     def _endpoint(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        parts = urlsplit(value)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"endpoint {value!r} must look like https://host[:port] or http://host[:port]")
-        if parts.path not in ("", "/") or parts.query:
-            raise ValueError(f"endpoint {value!r} must not have a path: give the bucket as 'bucket'")
-        return value.rstrip("/")
+        return None if value is None else check_s3_endpoint(value, "endpoint")
+
+    @field_validator("region")
+    @classmethod
+    def _region(cls, value: str | None) -> str | None:
+        return None if value is None else check_region(value, "region")
 
     @model_validator(mode="after")
     def _consistent(self) -> S3TierOptions:
+        self.endpoint_setting()  # a bad endpoint or region in the environment is refused now, by name
+        if self.region is None and os.environ.get("AWS_REGION"):
+            check_region(os.environ["AWS_REGION"], "environment variable AWS_REGION")
         if self.endpoint and self.endpoint.startswith("http://") and not self.allow_http:
             raise ValueError(f"endpoint {self.endpoint} is plain http: set allow_http: true or use https://")
         if self.job_timeout <= self.request_timeout:
@@ -158,14 +195,33 @@ class S3TierOptions(TierOptions):
             raise ValueError("hit_seconds must be >= miss_seconds")
         return self
 
+    def endpoint_setting(self) -> tuple[str | None, str]:
+        """The endpoint in use and where it comes from: the ``endpoint`` option, else
+        ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL`` or ``AWS_ENDPOINT`` from the environment
+        (checked like the option; ValueError naming the variable), else ``(None, "AWS")``."""
+        if self.endpoint is not None:
+            return self.endpoint, "endpoint"
+        for name in ENDPOINT_VARIABLES:
+            value = os.environ.get(name)
+            if value:
+                return check_s3_endpoint(value, f"environment variable {name}"), name
+        return None, "AWS"
+
     @property
     def uses_path_style(self) -> bool:
         if self.path_style is not None:
             return self.path_style
-        if self.endpoint is None:
+        endpoint, _ = self.endpoint_setting()
+        if endpoint is None:
             return False
-        host = urlsplit(self.endpoint).hostname or ""
+        host = urlsplit(endpoint).hostname or ""
         return not host.endswith(".amazonaws.com")
+
+    @property
+    def uses_http(self) -> bool:
+        """Plain http allowed: ``allow_http``, or an http endpoint from the environment (as the AWS CLI)."""
+        endpoint, source = self.endpoint_setting()
+        return self.allow_http or (source != "endpoint" and endpoint is not None and endpoint.startswith("http://"))
 
     def url(self) -> str:
         """``s3://bucket/prefix`` (for logs and describe)."""
@@ -200,7 +256,7 @@ def open_store(options: S3TierOptions, *, quick: bool = False) -> S3Store:
     client: dict[str, Any] = {
         "timeout": timedelta(seconds=timeout),
         "connect_timeout": timedelta(seconds=min(options.connect_timeout, timeout)),
-        "allow_http": options.allow_http,
+        "allow_http": options.uses_http,
         "pool_idle_timeout": timedelta(seconds=60),
     }
     if options.ca_file is not None:
@@ -216,8 +272,11 @@ def open_store(options: S3TierOptions, *, quick: bool = False) -> S3Store:
     }
     if options.region is not None:
         config["region"] = options.region
-    if options.endpoint is not None:
-        endpoint = options.endpoint
+    try:
+        endpoint, _ = options.endpoint_setting()
+    except ValueError as exc:  # the environment changed since the options were validated
+        raise ConfigError(f"s3 tier: {exc}") from None
+    if endpoint is not None:
         if not options.uses_path_style:
             parts = urlsplit(endpoint)
             host = parts.hostname or ""
@@ -228,14 +287,18 @@ def open_store(options: S3TierOptions, *, quick: bool = False) -> S3Store:
                 )
             if not host.startswith(options.bucket + "."):
                 endpoint = parts._replace(netloc=f"{options.bucket}.{parts.netloc}").geturl()
-        config["endpoint"] = endpoint
+        # Both names: obstore would let AWS_ENDPOINT_URL_S3 from the environment override 'endpoint'.
+        config["endpoint"] = config["aws_endpoint_url_s3"] = endpoint
     if options.checksum is not None and not quick:
         config["checksum_algorithm"] = options.checksum
     for name in ("access_key_id", "secret_access_key", "session_token"):
         secret = getattr(options, name)
         if secret is not None:
             config[name] = secret.get_secret_value()
-    return S3Store(options.bucket, config=config, client_options=client, retry_config=retry)  # type: ignore[arg-type]
+    try:
+        return S3Store(options.bucket, config=config, client_options=client, retry_config=retry)  # type: ignore[arg-type]
+    except Exception as exc:  # e.g. a bad AWS_* variable the client reads itself
+        raise ConfigError(f"s3 tier: the S3 client refused its settings: {describe_error(exc)}") from None
 
 
 def namespace_prefix(prefix: str, namespace_hex: str) -> str:
@@ -287,46 +350,90 @@ def manifest_mismatch(found: dict[str, Any], expected: dict[str, Any]) -> str | 
     return None
 
 
-ErrorKind = Literal["refused", "timeout", "throttled", "server", "denied", "missing", "other"]
+ErrorKind = Literal[
+    "crash", "no_bucket", "credentials", "refused", "unreachable", "timeout", "throttled", "server", "denied",
+    "missing", "other",
+]  # fmt: skip
+
+TRIPPING: frozenset[ErrorKind] = frozenset({"crash", "no_bucket", "credentials", "refused", "unreachable"})
+"""Failures that take the tier out of service at once: retrying soon cannot help."""
+
+_PERFORMING = re.compile(r"Error performing (\w+) (\S+)")
+_STATUS = re.compile(r"status code: (\d{3})")
+_S3_CODE = re.compile(r"<Code>(\w{1,64})</Code>")
+_UNREACHABLE = {"refused": "connection refused", "unreachable": "host not found or no route", "timeout": "timed out"}
+_IMDS = ("169.254.169.254", "/latest/api/token", "/latest/meta-data", "fd00:ec2::254")
 
 
 def classify_error(exc: BaseException) -> ErrorKind:
-    """What an obstore error means for the breaker: refused connections open it at once."""
+    """What an obstore error means, from its type and text (first line and debug dump)."""
+    if is_native_crash(exc):
+        return "crash"
+    text = str(exc)
+    if "NoSuchBucket" in text:
+        return "no_bucket"
+    if any(marker in text for marker in _IMDS) or "credential" in text.lower():
+        return "credentials"
     if isinstance(exc, FileNotFoundError):
         return "missing"
-    text = str(exc)
     if "ConnectionRefused" in text or "Connection refused" in text:
         return "refused"
     if "TimedOut" in text or "kind: Timeout" in text or "timed out" in text.lower():
         return "timeout"
-    if "SlowDown" in text or "503" in text:
+    if "dns error" in text or "kind: Connect" in text:
+        return "unreachable"
+    status = _STATUS.search(text)
+    if "SlowDown" in text or (status is not None and status.group(1) == "503"):
         return "throttled"
-    if re.search(r"status code: 5\d\d", text):
+    if status is not None and status.group(1).startswith("5"):
         return "server"
-    if type(exc).__name__ in ("PermissionDeniedError", "UnauthenticatedError") or re.search(
-        r"status code: 40[13]", text
+    if type(exc).__name__ in ("PermissionDeniedError", "UnauthenticatedError") or (
+        status is not None and status.group(1) in ("401", "403")
     ):
         return "denied"
     return "other"
 
 
 def short_error(exc: BaseException) -> str:
-    """The first line of an obstore error (a debug dump follows it) plus what it means."""
-    from kvtier.tiers.jobs import describe_error
-
+    """One line saying what went wrong and what to do, from an obstore error: never its XML
+    body, debug dump or a native crash's text."""
     kind = classify_error(exc)
-    meaning = {
-        "refused": " (connection refused)",
-        "timeout": " (timed out)",
-        "throttled": " (503 SlowDown: throttled)",
-        "denied": " (access denied: check credentials and the IAM policy)",
-    }.get(kind, "")
-    return describe_error(exc) + meaning
+    text = str(exc)
+    call = _PERFORMING.search(text)
+    target = urlsplit(call.group(2)) if call else None
+    server = f"{target.scheme}://{target.netloc}" if target is not None and target.netloc else "the S3 endpoint"
+    status = _STATUS.search(text)
+    code = _S3_CODE.search(text)
+    reply = " ".join(p for p in (status.group(1) if status else "", code.group(1) if code else "") if p)
+    if kind == "crash":
+        return describe_error(exc)
+    if kind == "no_bucket":
+        return f"the bucket does not exist ({server} answered 404 NoSuchBucket): create it or fix 'bucket'"
+    if kind == "credentials":
+        why = f"answered {reply}" if reply else "is unreachable"
+        return (
+            f"no S3 credentials: none given, and the instance metadata service ({server}) {why}: set "
+            "access_key_id/secret_access_key or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+        )
+    if kind in _UNREACHABLE:
+        return f"{server} is unreachable ({_UNREACHABLE[kind]}): check 'endpoint' (or AWS_ENDPOINT_URL) and the network"
+    if kind == "throttled":
+        return f"{server} is throttling requests (503 SlowDown)"
+    if kind == "denied":
+        return f"access denied ({reply or 'forbidden'}): check the credentials and the bucket policy"
+    first = describe_error(exc).split(" - ", 1)[0]
+    for marker in ("<?xml", "<Error"):
+        first = first.split(marker, 1)[0]
+    return first.rstrip(" :") + (f" ({reply})" if reply else "")
 
 
 __all__ = [
+    "ENDPOINT_VARIABLES",
     "MANIFEST",
+    "TRIPPING",
     "S3TierOptions",
+    "check_region",
+    "check_s3_endpoint",
     "classify_error",
     "key_of_path",
     "manifest_dict",
