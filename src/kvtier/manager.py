@@ -73,7 +73,13 @@ from kvtier.keys import BlockKey, Namespace
 from kvtier.policies import DEFAULT_POLICY, resolve_policy
 from kvtier.primary import PrepareStoreResult, PrimaryTier
 from kvtier.region import SharedRegion
-from kvtier.request_control import CONTROL_KEYS, TierDescriptor, parse_control, tier_locality
+from kvtier.request_control import (
+    CONTROL_KEYS,
+    ControlProblemLog,
+    TierDescriptor,
+    parse_control_problems,
+    tier_locality,
+)
 from kvtier.telemetry import (
     LookupCounts,
     ManagerCounters,
@@ -268,7 +274,7 @@ class TieringManager:
                            tier_locality(tier.medium, getattr(tier, "locality", None)))
             for pos, tier in enumerate(self.tiers)
         ]  # fmt: skip
-        self._logged_control_errors: set[str] = set()
+        self._control_problems = ControlProblemLog(logger)
         self.promoted_from = 0
         """After a lookup answered HIT_PENDING: the index of the secondary tier it started a
         promotion from, or 0 if the block was already being written into the CPU tier (a device
@@ -1123,19 +1129,17 @@ class TieringManager:
 
     def request_control(self, request: RequestContext) -> RequestControl:
         """What ``request`` allows (:mod:`kvtier.request_control`), parsed from its params once
-        and kept in ``request.control``. Malformed keys are logged (once per distinct problem)
-        and fall back to their defaults: a request is never refused for them."""
+        and kept in ``request.control``. Malformed keys fall back to their defaults (a request
+        is never refused for them), are counted per kind and logged at the 1st, 10th, 100th...
+        occurrence; nothing of the value is kept (:class:`~kvtier.request_control.ControlProblemLog`)."""
         control = request.control
         if control is None:
             params = request.params
             if not params or not any(key in params for key in CONTROL_KEYS):
                 control = DEFAULT_CONTROL
             else:
-                control, errors = parse_control(params, self._descriptors)
-                for error in errors:
-                    if error not in self._logged_control_errors and len(self._logged_control_errors) < 1024:
-                        self._logged_control_errors.add(error)
-                        logger.warning("request %s: %s; that setting is ignored", request.req_id, error)
+                control, problems = parse_control_problems(params, self._descriptors)
+                self._control_problems.record(request.req_id, problems)
             request.control = control
         return control
 
