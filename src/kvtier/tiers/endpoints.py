@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
-_LABEL = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
+_LABEL = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?\Z")
 _UNSAFE_CHAR = re.compile(r"[^\x21-\x7e]")
 _SECRET_QUERY = re.compile(r"pass|secret|token|key|credential|auth", re.IGNORECASE)
 _SHOWN_CHARS = 200
@@ -59,8 +59,10 @@ def check_host(host: str | None, where: str) -> str:
     if ":" in host:
         try:
             ipaddress.IPv6Address(host)
+            if "%" in host:
+                raise ValueError("zone")
         except ValueError:
-            raise ValueError(f"{where}: host {host!r} is not an IPv6 address") from None
+            raise ValueError(f"{where}: host {host!r} is not an IPv6 address (without a %zone)") from None
         return host
     if re.fullmatch(r"[0-9.]+", host):
         try:

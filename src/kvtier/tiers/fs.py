@@ -52,9 +52,9 @@ import numpy as np
 from pydantic import Field, field_validator
 
 from kvtier.errors import ConfigError, CorruptValueError, TierError, UnsafeEntryError
+from kvtier.failures import log_failure
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import ExtraMetric, TierContext, TierUsage
-from kvtier.tiers.failures import log_failure
 from kvtier.tiers.fs_files import (
     FileModes,
     create_file,

@@ -63,6 +63,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.errors import TierDrainTimeout, TierError
+from kvtier.failures import describe_error, ends_thread, forget_frames, is_native_crash, log_failure
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import (
     HealthState,
@@ -72,7 +73,6 @@ from kvtier.tiers.base import (
     TierHealth,
     TransferJob,
 )
-from kvtier.tiers.failures import describe_error, ends_thread, forget_frames, is_native_crash, log_failure
 from kvtier.tiers.health import CircuitBreaker
 from kvtier.types import BlockEvent, LookupResult, RequestContext
 

@@ -41,9 +41,9 @@ from typing import Any
 from pydantic import Field
 
 from kvtier.errors import CorruptValueError
+from kvtier.failures import log_failure
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import TierContext, TierUsage
-from kvtier.tiers.failures import log_failure
 from kvtier.tiers.format import HEADER_SIZE, decode_header, encode_header, verify_payload
 from kvtier.tiers.health import CircuitBreaker
 from kvtier.tiers.jobs import ALL_LANES, Lane, ThreadedTier, Work

@@ -37,10 +37,10 @@ from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvtier.errors import ConfigError, CorruptValueError
+from kvtier.failures import describe_error, forget_frames, log_failure
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import JobResult, TierContext, TierUsage, TransferJob
 from kvtier.tiers.endpoints import parse_endpoint, redact_url
-from kvtier.tiers.failures import describe_error, forget_frames, log_failure
 from kvtier.tiers.format import HEADER_SIZE, decode_header, encode_header, verify_payload
 from kvtier.tiers.health import CircuitBreaker
 from kvtier.tiers.jobs import ALL_LANES, JobState, Lane, ThreadedTier, Work

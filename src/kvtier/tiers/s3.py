@@ -52,9 +52,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 import numpy as np
 
 from kvtier.errors import ConfigError, CorruptValueError, TierError
+from kvtier.failures import forget_frames, log_failure
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import ExtraMetric, TierContext, TierUsage
-from kvtier.tiers.failures import forget_frames, log_failure
 from kvtier.tiers.format import HEADER_SIZE, decode_header, encode_header, payload_hasher, verify_digest
 from kvtier.tiers.health import CircuitBreaker
 from kvtier.tiers.jobs import ALL_LANES, READ_LANES, Lane, ThreadedTier, Work

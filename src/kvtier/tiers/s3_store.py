@@ -35,9 +35,9 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 from kvtier.errors import ConfigError
+from kvtier.failures import describe_error, is_native_crash
 from kvtier.keys import BlockKey
 from kvtier.tiers.endpoints import parse_endpoint, redact_url
-from kvtier.tiers.failures import describe_error, is_native_crash
 from kvtier.tiers.format import FORMAT_VERSION, HEADER_SIZE, MAX_KEY_BYTES
 from kvtier.tiers.options import QueueLength, Seconds, TierOptions
 
@@ -47,15 +47,15 @@ if TYPE_CHECKING:
 LAYOUT_VERSION = 1
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 64 * 1024
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
-_PREFIX_RE = re.compile(r"^[A-Za-z0-9!_.*'()\-]+(/[A-Za-z0-9!_.*'()\-]+)*$")
-_OBJECT_RE = re.compile(rf"^[0-9a-f]{{2}}/([0-9a-f]{{2,{2 * MAX_KEY_BYTES}}})$")
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]\Z")
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9!_.*'()\-]+(/[A-Za-z0-9!_.*'()\-]+)*\Z")
+_OBJECT_RE = re.compile(rf"^[0-9a-f]{{2}}/([0-9a-f]{{2,{2 * MAX_KEY_BYTES}}})\Z")
 
 
 ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
 """Environment variables that name an S3 endpoint when the ``endpoint`` option is unset, first wins."""
 
-_REGION_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_-]{0,62})$")
+_REGION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
 
 
 def check_s3_endpoint(value: str, what: str) -> str:
@@ -74,9 +74,20 @@ def check_s3_endpoint(value: str, what: str) -> str:
     return value.rstrip("/")
 
 
+def environment_endpoint() -> tuple[str | None, str]:
+    """The endpoint the environment names (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL`` or
+    ``AWS_ENDPOINT``, first set wins) and that variable, checked like the option (ValueError
+    naming the variable); ``(None, "AWS")`` when none is set."""
+    for name in ENDPOINT_VARIABLES:
+        value = os.environ.get(name)
+        if value:
+            return check_s3_endpoint(value, f"environment variable {name}"), name
+    return None, "AWS"
+
+
 def check_region(value: str, what: str) -> str:
     """``value`` if it can be a region (letters, digits, '-', '_'; it may become part of a host name)."""
-    if not _REGION_RE.match(value):
+    if not _REGION_RE.fullmatch(value):
         raise ValueError(f"{what} {value[:80]!r} is not a region name: use e.g. us-east-1")
     return value
 
@@ -88,12 +99,14 @@ class S3TierOptions(TierOptions):
     prefix: str = Field(default="kvtier", description="Key prefix inside the bucket: <prefix>/<namespace>/...")
     endpoint: str | None = Field(
         default=None,
+        validate_default=True,
         description="http(s)://host[:port] of an S3-compatible server. None: AWS_ENDPOINT_URL_S3 or "
         "AWS_ENDPOINT_URL from the environment (honoured as the AWS CLI does: http allowed, path-style), "
         "else AWS S3 in 'region'.",
     )
     region: str | None = Field(
         default=None,
+        validate_default=True,
         description="Region (signing scope; the AWS endpoint when no endpoint). None = AWS_REGION, else us-east-1.",
     )
     path_style: bool | None = Field(
@@ -165,21 +178,26 @@ class S3TierOptions(TierOptions):
             raise ValueError(f"prefix {value!r} must be non-empty path segments of letters, digits and !_.*'()-")
         return value
 
-    @field_validator("endpoint")
+    # validate_default: when unset, the environment variable that stands in for it is checked.
+    @field_validator("endpoint", mode="after")
     @classmethod
     def _endpoint(cls, value: str | None) -> str | None:
-        return None if value is None else check_s3_endpoint(value, "endpoint")
+        if value is not None:
+            return check_s3_endpoint(value, "endpoint")
+        environment_endpoint()
+        return None
 
-    @field_validator("region")
+    @field_validator("region", mode="after")
     @classmethod
     def _region(cls, value: str | None) -> str | None:
-        return None if value is None else check_region(value, "region")
+        if value is not None:
+            return check_region(value, "region")
+        if os.environ.get("AWS_REGION"):
+            check_region(os.environ["AWS_REGION"], "environment variable AWS_REGION")
+        return None
 
     @model_validator(mode="after")
     def _consistent(self) -> S3TierOptions:
-        self.endpoint_setting()  # a bad endpoint or region in the environment is refused now, by name
-        if self.region is None and os.environ.get("AWS_REGION"):
-            check_region(os.environ["AWS_REGION"], "environment variable AWS_REGION")
         if self.endpoint and self.endpoint.startswith("http://") and not self.allow_http:
             raise ValueError(f"endpoint {self.endpoint} is plain http: set allow_http: true or use https://")
         if self.job_timeout <= self.request_timeout:
@@ -201,11 +219,7 @@ class S3TierOptions(TierOptions):
         (checked like the option; ValueError naming the variable), else ``(None, "AWS")``."""
         if self.endpoint is not None:
             return self.endpoint, "endpoint"
-        for name in ENDPOINT_VARIABLES:
-            value = os.environ.get(name)
-            if value:
-                return check_s3_endpoint(value, f"environment variable {name}"), name
-        return None, "AWS"
+        return environment_endpoint()
 
     @property
     def uses_path_style(self) -> bool:

@@ -1,11 +1,13 @@
-"""Failures on tier threads: described in one line, logged as text, and let go of.
+"""Failures on I/O threads: described in one line, logged as text, and let go of.
 
-An exception raised while a tier thread moved bytes has frames whose locals are
+An exception raised while a thread moved bytes (a tier's I/O thread, a transfer
+worker) has frames whose locals are
 views of CPU rows. Kept alive (by a log handler that keeps records, such as
 ``logging.handlers.MemoryHandler``, pytest's capture or a log shipper; by a
 reference cycle; by a result), it keeps those views alive, and the shared region
-cannot be unmapped: ``shutdown()`` raises ``RegionBusyError``. So every tier and
-the job platform report a failure through :func:`log_failure`: the record holds
+cannot be unmapped: ``shutdown()`` raises ``RegionBusyError``. So every tier, the
+tier job platform and the transfer engine report a failure through
+:func:`log_failure`: the record holds
 strings only (no exception object, no ``exc_info``), and the exception's frames
 are cleared and its traceback dropped right after.
 
