@@ -651,6 +651,24 @@ def verify_root(
     return RootReport(str(base), reports, unsafe)
 
 
+def _unsafe_in_tmp(ns_fd: int, ns_dir: Path) -> list[CorruptEntry]:
+    """``tmp`` itself, or the entries in it, that are not directories (links included): never entered."""
+    kind = _kind_at(ns_fd, TMP_DIR)
+    if kind is not None and kind != stat.S_IFDIR:
+        return [CorruptEntry(str(ns_dir / TMP_DIR), kind_of(kind) + ", not a directory: not followed")]
+    tmp_fd = _open_subdir(ns_fd, TMP_DIR)
+    if tmp_fd is None:
+        return []
+    try:
+        return [
+            CorruptEntry(str(ns_dir / TMP_DIR / e.name), kind_of(kind) + ", not a directory: not followed")
+            for e in sorted(os.scandir(tmp_fd), key=lambda e: e.name)
+            if (kind := _kind_at(tmp_fd, e.name)) is not None and kind != stat.S_IFDIR
+        ]
+    finally:
+        os.close(tmp_fd)
+
+
 def _kind_at(dir_fd: int, name: str) -> int | None:
     """The file type (``S_IFMT``) of ``name`` under ``dir_fd``, not following; None if missing."""
     try:
@@ -755,6 +773,7 @@ def _verify_namespace(ns_fd: int, ns_dir: Path, check_payloads: bool, remove_cor
     v = _Verification(digest, block_bytes if usable else None, check_payloads, remove_corrupt)
     for shard in SHARDS:
         _verify_shard(ns_fd, ns_dir, shard, v)
+    v.unsafe += _unsafe_in_tmp(ns_fd, ns_dir)
     live = stale = 0
     for state in temp_dirs(ns_fd, ns_dir):
         if state.live:
