@@ -119,6 +119,12 @@ def test_bad_s3_endpoints_are_refused_at_validation(endpoint: str) -> None:
     _refused(_s3(endpoint=endpoint), "endpoint")
 
 
+def test_an_upper_case_http_endpoint_still_needs_allow_http() -> None:
+    _refused({"type": "s3", "bucket": "kv-endpoints", "endpoint": "HTTP://127.0.0.1:9000"}, "allow_http")
+    shown = validate_tier_options(_s3(endpoint="HTTPS://Minio.Internal:9000/"))
+    assert shown["endpoint"] == "https://Minio.Internal:9000"
+
+
 @pytest.mark.parametrize("variable", ["AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"])
 @pytest.mark.parametrize("endpoint", BAD_S3_ENDPOINTS[:12] + BAD_S3_ENDPOINTS[19:])
 def test_bad_endpoints_in_the_environment_are_refused_by_name(

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 
 from kvtier.errors import ConfigError
 from kvtier.failures import describe_error, is_native_crash
@@ -71,7 +71,7 @@ def check_s3_endpoint(value: str, what: str) -> str:
         )
     if ep.path not in ("", "/") or ep.query or "?" in value:
         raise ValueError(f"{where} must not have a path or query (http(s)://host[:port]): give the bucket as 'bucket'")
-    return value.rstrip("/")
+    return f"{ep.scheme}://{value.split('://', 1)[1].rstrip('/')}"  # the scheme in lower case
 
 
 def environment_endpoint() -> tuple[str | None, str]:
@@ -114,7 +114,9 @@ class S3TierOptions(TierOptions):
         description="Path-style addressing (host/bucket/key). None = auto: path-style for any "
         "endpoint except *.amazonaws.com (MinIO, Ceph, IP and localhost endpoints need it).",
     )
-    allow_http: bool = Field(default=False, description="Allow a plain http:// endpoint (no TLS).")
+    allow_http: bool = Field(
+        default=False, validate_default=True, description="Allow a plain http:// endpoint (no TLS)."
+    )
     ca_file: str | None = Field(
         default=None, description="PEM file of extra CA certificates to trust (a private CA); system roots stay."
     )
@@ -134,6 +136,7 @@ class S3TierOptions(TierOptions):
     job_timeout: Seconds = Field(
         default=30.0,
         gt=0,
+        validate_default=True,
         description="Deadline of a job after submission; retries (with backoff) stop in time to meet it.",
     )
     max_retries: int = Field(
@@ -144,7 +147,10 @@ class S3TierOptions(TierOptions):
     )
     hit_seconds: Seconds = Field(default=3600.0, gt=0, description="How long a known-present key answers HIT.")
     miss_seconds: Seconds = Field(
-        default=2.0, ge=0.5, description="How long a known-absent key answers MISS (other engines write too)."
+        default=2.0,
+        ge=0.5,
+        validate_default=True,
+        description="How long a known-absent key answers MISS (other engines write too).",
     )
     failure_threshold: int = Field(
         default=3, ge=1, le=1_000_000, description="Consecutive failures that take the tier out of service."
@@ -196,21 +202,40 @@ class S3TierOptions(TierOptions):
             check_region(os.environ["AWS_REGION"], "environment variable AWS_REGION")
         return None
 
-    @model_validator(mode="after")
-    def _consistent(self) -> S3TierOptions:
-        if self.endpoint and self.endpoint.startswith("http://") and not self.allow_http:
-            raise ValueError(f"endpoint {self.endpoint} is plain http: set allow_http: true or use https://")
-        if self.job_timeout <= self.request_timeout:
+    # Checks against an earlier field sit on the later one (validate_default), so the error names it.
+    @field_validator("allow_http", mode="after")
+    @classmethod
+    def _http(cls, allow: bool, info: ValidationInfo) -> bool:
+        endpoint = info.data.get("endpoint")
+        if isinstance(endpoint, str) and endpoint.startswith("http://") and not allow:
+            raise ValueError(f"endpoint {endpoint} is plain http: set allow_http: true or use https://")
+        return allow
+
+    @field_validator("job_timeout", mode="after")
+    @classmethod
+    def _job_timeout(cls, job_timeout: float, info: ValidationInfo) -> float:
+        request_timeout = info.data.get("request_timeout")
+        if request_timeout is not None and job_timeout <= request_timeout:
             raise ValueError(
-                f"job_timeout ({self.job_timeout}s) must exceed request_timeout ({self.request_timeout}s): "
+                f"job_timeout ({job_timeout}s) must exceed request_timeout ({request_timeout}s): "
                 "retries must fit inside a job's deadline"
             )
+        return job_timeout
+
+    @field_validator("miss_seconds", mode="after")
+    @classmethod
+    def _miss_seconds(cls, miss_seconds: float, info: ValidationInfo) -> float:
+        hit_seconds = info.data.get("hit_seconds")
+        if hit_seconds is not None and hit_seconds < miss_seconds:
+            raise ValueError(f"hit_seconds ({hit_seconds}) must be >= miss_seconds ({miss_seconds})")
+        return miss_seconds
+
+    @model_validator(mode="after")
+    def _consistent(self) -> S3TierOptions:
         if (self.access_key_id is None) != (self.secret_access_key is None):
             raise ValueError("give both access_key_id and secret_access_key, or neither (standard chain)")
         if self.ca_file is not None and not Path(self.ca_file).is_file():
             raise ValueError(f"ca_file {self.ca_file!r} is not a readable file")
-        if self.hit_seconds < self.miss_seconds:
-            raise ValueError("hit_seconds must be >= miss_seconds")
         return self
 
     def endpoint_setting(self) -> tuple[str | None, str]:
