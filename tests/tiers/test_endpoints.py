@@ -78,7 +78,9 @@ def _context() -> TierContext:
 
 @pytest.fixture(autouse=True)
 def _no_aws_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT", "AWS_REGION"):
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT", "AWS_REGION", "AWS_DEFAULT_REGION",
+                 "AWS_METADATA_ENDPOINT", "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_STS_ENDPOINT",
+                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
 
 
@@ -119,6 +121,36 @@ def test_bad_s3_endpoints_are_refused_at_validation(endpoint: str) -> None:
     _refused(_s3(endpoint=endpoint), "endpoint")
 
 
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("AWS_METADATA_ENDPOINT", "http://bad host:80"), ("AWS_METADATA_ENDPOINT", "http://169.254.169.254:99999"),
+     ("AWS_CONTAINER_CREDENTIALS_FULL_URI", "http://[::1/v2/creds"), ("AWS_STS_ENDPOINT", "ftp://sts.internal"),
+     ("AWS_STS_ENDPOINT", "https://sts\u00e9.internal"), ("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "v2 creds")],
+)  # fmt: skip
+def test_bad_credential_chain_urls_are_refused_when_the_chain_is_used(
+    variable: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(variable, value)
+    message = _refused(_s3(endpoint="http://127.0.0.1:9000"), "access_key_id")
+    assert variable in message, message
+    given = _s3(endpoint="http://127.0.0.1:9000", access_key_id="k", secret_access_key="s")
+    assert validate_tier_options(given)  # explicit keys: the chain, and its URLs, are not used
+
+
+@pytest.mark.parametrize("kind", ["garbage", "fifo", "directory", "missing", "empty"])
+def test_a_ca_file_without_a_certificate_is_refused_without_blocking(kind: str, tmp_path: Path) -> None:
+    path = tmp_path / "ca.pem"
+    if kind == "garbage":
+        path.write_bytes(b"not a certificate\n" * 100)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "empty":
+        path.write_bytes(b"")
+    _refused(_s3(endpoint="https://127.0.0.1:9000", ca_file=str(path)), "ca_file")
+
+
 def test_an_upper_case_http_endpoint_still_needs_allow_http() -> None:
     _refused({"type": "s3", "bucket": "kv-endpoints", "endpoint": "HTTP://127.0.0.1:9000"}, "allow_http")
     shown = validate_tier_options(_s3(endpoint="HTTPS://Minio.Internal:9000/"))
@@ -149,8 +181,10 @@ def test_bad_regions_are_refused_from_the_option_and_the_environment(
     region: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _refused(_s3(region=region), "region")
-    monkeypatch.setenv("AWS_REGION", region)
-    assert "environment variable AWS_REGION" in _refused(_s3(), "region")
+    for variable in ("AWS_REGION", "AWS_DEFAULT_REGION"):
+        with monkeypatch.context() as env:
+            env.setenv(variable, region)
+            assert f"environment variable {variable}" in _refused(_s3(), "region")
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ import ipaddress
 import json
 import os
 import re
+import stat
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -52,6 +53,9 @@ _PREFIX_RE = re.compile(r"^[A-Za-z0-9!_.*'()\-]+(/[A-Za-z0-9!_.*'()\-]+)*\Z")
 _OBJECT_RE = re.compile(rf"^[0-9a-f]{{2}}/([0-9a-f]{{2,{2 * MAX_KEY_BYTES}}})\Z")
 
 
+CREDENTIAL_URL_VARIABLES = ("AWS_METADATA_ENDPOINT", "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_STS_ENDPOINT")
+"""Environment variables naming where the standard credential chain fetches credentials."""
+
 ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
 """Environment variables that name an S3 endpoint when the ``endpoint`` option is unset, first wins."""
 
@@ -72,6 +76,22 @@ def check_s3_endpoint(value: str, what: str) -> str:
     if ep.path not in ("", "/") or ep.query or "?" in value:
         raise ValueError(f"{where} must not have a path or query (http(s)://host[:port]): give the bucket as 'bucket'")
     return f"{ep.scheme}://{value.split('://', 1)[1].rstrip('/')}"  # the scheme in lower case
+
+
+def check_ca_file(path: str) -> None:
+    """ValueError unless ``path`` is a regular file (links followed: the operator named it;
+    never waiting on a FIFO) with a PEM certificate in its first MiB."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ValueError(f"ca_file {path!r} is not a readable file ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"ca_file {path!r} is not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        head = f.read(1 << 20)
+    if b"-----BEGIN CERTIFICATE-----" not in head:
+        raise ValueError(f"ca_file {path!r} holds no PEM certificate (-----BEGIN CERTIFICATE-----)")
 
 
 def environment_endpoint() -> tuple[str | None, str]:
@@ -121,7 +141,9 @@ class S3TierOptions(TierOptions):
         default=None, description="PEM file of extra CA certificates to trust (a private CA); system roots stay."
     )
     access_key_id: SecretStr | None = Field(
-        default=None, description="Access key; None = the standard credential chain (env, web identity, IMDS)."
+        default=None,
+        validate_default=True,
+        description="Access key; None = the standard credential chain (env, web identity, IMDS).",
     )
     secret_access_key: SecretStr | None = Field(default=None, description="Secret key (with access_key_id).")
     session_token: SecretStr | None = Field(default=None, description="Session token of temporary credentials.")
@@ -193,14 +215,39 @@ class S3TierOptions(TierOptions):
         environment_endpoint()
         return None
 
+    @field_validator("ca_file", mode="after")
+    @classmethod
+    def _ca_file(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_ca_file(value)
+        return value
+
     @field_validator("region", mode="after")
     @classmethod
     def _region(cls, value: str | None) -> str | None:
         if value is not None:
             return check_region(value, "region")
-        if os.environ.get("AWS_REGION"):
-            check_region(os.environ["AWS_REGION"], "environment variable AWS_REGION")
+        for name in ("AWS_REGION", "AWS_DEFAULT_REGION"):
+            if os.environ.get(name):
+                check_region(os.environ[name], f"environment variable {name}")
         return None
+
+    @field_validator("access_key_id", mode="after")
+    @classmethod
+    def _credential_chain(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:  # the standard chain: the client fetches credentials from these URLs
+            for name in CREDENTIAL_URL_VARIABLES:
+                url = os.environ.get(name)
+                if url:
+                    what = f"environment variable {name} (credentials are fetched there)"
+                    parse_endpoint(url, what, ("http", "https"))
+            relative = os.environ.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")
+            if relative and (not relative.startswith("/") or re.search(r"[^\x21-\x7e]", relative)):
+                raise ValueError(
+                    f"environment variable AWS_CONTAINER_CREDENTIALS_RELATIVE_URI {redact_url(relative)!r} must be "
+                    "a path such as /v2/credentials/..."
+                )
+        return value
 
     # Checks against an earlier field sit on the later one (validate_default), so the error names it.
     @field_validator("allow_http", mode="after")
@@ -234,8 +281,6 @@ class S3TierOptions(TierOptions):
     def _consistent(self) -> S3TierOptions:
         if (self.access_key_id is None) != (self.secret_access_key is None):
             raise ValueError("give both access_key_id and secret_access_key, or neither (standard chain)")
-        if self.ca_file is not None and not Path(self.ca_file).is_file():
-            raise ValueError(f"ca_file {self.ca_file!r} is not a readable file")
         return self
 
     def endpoint_setting(self) -> tuple[str | None, str]:
