@@ -481,19 +481,23 @@ def test_directory_never_exceeds_budget_under_store_stream(tmp_path: Path, rows:
 
 
 def test_index_never_evicts_pinned_entries() -> None:
-    index = FileIndex(capacity=2 * 100, entry_bytes=100)
+    """How many files must go is the shared budget's call (test_fs_share.py); which ones is the
+    index's: least recently used first, never one a load is reading."""
+    index = FileIndex()
     for key in (b"a", b"b"):
-        assert index.reserve(key).outcome is Reservation.GRANTED
+        assert index.reserve(key) is Reservation.GRANTED
         index.commit(key)
     assert index.pin(b"a") and index.pin(b"b")
-    assert index.reserve(b"c").outcome is Reservation.FULL
+    assert index.reserve(b"c") is Reservation.GRANTED
+    assert index.take_victims(1) == []  # everything is pinned: nothing to evict
     index.unpin(b"a")
-    plan = index.reserve(b"c")
-    assert plan.outcome is Reservation.GRANTED and plan.victims == [b"a"]
-    assert index.reserve(b"a").outcome is Reservation.BUSY  # deletion not finished yet
-    index.finish_delete(plan.victims)
+    victims = index.take_victims(2)
+    assert victims == [b"a"]
+    assert index.reserve(b"a") is Reservation.BUSY  # deletion not finished yet
+    index.finish_delete(victims)
     index.commit(b"c")
-    assert index.keys() == [b"b", b"c"] and index.used_bytes == 200
+    assert index.keys() == [b"b", b"c"] and len(index) == 2
+    assert index.reserve(b"b") is Reservation.PRESENT
 
 
 def test_small_budget_refused(tmp_path: Path, rows: np.ndarray) -> None:

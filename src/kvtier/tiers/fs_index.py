@@ -1,19 +1,22 @@
-"""In-memory index of the filesystem tier: which keys are on disk, their recency, capacity.
+"""In-memory index of the filesystem tier: which keys are on disk as this engine knows them, their recency.
+
+The index is a cache of the namespace directory, not its truth: other engines
+sharing the root add and remove files behind its back (see
+:mod:`kvtier.tiers.fs_share`), so a key it holds may be gone (a load then finds it
+vanished: a miss) and a key it lacks may be on disk (a lookup checks the root).
+How many files the namespace may hold is not decided here but by the shared
+budget (:mod:`kvtier.tiers.fs_budget`); the index only picks the victims.
 
 Invariants (all under one lock, held only for in-memory work, never across I/O):
 
-* ``used + reserved <= capacity`` whenever a reservation is granted, where every
-  value file is charged :func:`~kvtier.tiers.fs_layout.entry_bytes` (its largest
-  possible size). So the directory never holds more than ``capacity`` bytes of
-  values, plus whatever the warm-restart scan finds beyond it until it evicts.
 * A key is in at most one of: present (``_entries``), being stored or being
   deleted (``_busy``). A store of a busy key is skipped, so an eviction's unlink
-  can never delete a newer file of the same key.
+  can never delete a newer file of the same key written by this engine.
 * A pinned key (a load is reading its file) is never chosen for eviction.
 
 Called from the scheduler thread (``hit``, ``touch``, ``pin``) and from the I/O
 and scan threads (everything else); every method is thread-safe and O(1) except
-eviction, which skips pinned entries (there are only as many as loads in flight).
+victim choice, which skips pinned entries (there are only as many as loads in flight).
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
 from enum import Enum
 
 
@@ -29,28 +31,14 @@ class Reservation(Enum):
     GRANTED = "granted"
     PRESENT = "present"
     BUSY = "busy"
-    FULL = "full"
-
-
-@dataclass
-class StorePlan:
-    """The outcome of :meth:`FileIndex.reserve`: if GRANTED, ``victims`` must be unlinked
-    and then released with :meth:`FileIndex.finish_delete`."""
-
-    outcome: Reservation
-    victims: list[bytes]
 
 
 class FileIndex:
-    def __init__(self, capacity: int, entry_bytes: int) -> None:
-        self.entry_bytes = entry_bytes
-        self.max_capacity = capacity
-        self._capacity = capacity
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: OrderedDict[bytes, None] = OrderedDict()  # oldest first
         self._pins: dict[bytes, int] = {}
         self._busy: set[bytes] = set()
-        self._reserved = 0
 
     # --- scheduler-thread reads ---------------------------------------------------------------
 
@@ -90,71 +78,23 @@ class FileIndex:
             else:
                 self._pins.pop(key, None)
 
-    # --- capacity ----------------------------------------------------------------------------
-
-    @property
-    def used_bytes(self) -> int:
-        return len(self._entries) * self.entry_bytes
-
-    @property
-    def reserved_bytes(self) -> int:
-        return self._reserved
-
-    @property
-    def capacity(self) -> int:
-        """Effective capacity: ``max_capacity``, or less after the disk ran out of space."""
-        return self._capacity
-
-    def set_capacity(self, capacity: int) -> None:
-        """Change the effective capacity, clamped to ``[one entry, max_capacity]``."""
-        with self._lock:
-            self._capacity = max(self.entry_bytes, min(self.max_capacity, capacity))
-
-    def lower_capacity_to_used(self) -> int:
-        """After ENOSPC: what is stored now (plus other writes in flight) is all that fits."""
-        with self._lock:
-            self._capacity = max(self.entry_bytes, min(self._capacity, self.used_bytes + self._reserved))
-            return self._capacity
-
     # --- stores ------------------------------------------------------------------------------
 
-    def reserve(self, key: bytes) -> StorePlan:
-        """Claim room for one new value file of ``key``, choosing LRU victims if needed.
-
-        GRANTED: ``key`` is now busy and charged; the caller writes it and then calls
-        :meth:`commit` or :meth:`abort`, and must delete every victim (already removed
-        from the index and marked busy). PRESENT/BUSY: nothing to do. FULL: every
-        candidate victim is pinned; nothing changed.
-        """
+    def reserve(self, key: bytes) -> Reservation:
+        """GRANTED: ``key`` is now busy; the caller stores it and then calls :meth:`commit` or
+        :meth:`abort`. PRESENT (on disk) or BUSY (being stored or deleted): nothing to do."""
         with self._lock:
             if key in self._entries:
-                return StorePlan(Reservation.PRESENT, [])
+                return Reservation.PRESENT
             if key in self._busy:
-                return StorePlan(Reservation.BUSY, [])
-            need = self.used_bytes + self._reserved + self.entry_bytes - self._capacity
-            victims: list[bytes] = []
-            if need > 0:
-                for candidate in self._entries:
-                    if candidate in self._pins:
-                        continue
-                    victims.append(candidate)
-                    need -= self.entry_bytes
-                    if need <= 0:
-                        break
-                if need > 0:
-                    return StorePlan(Reservation.FULL, [])
-                for victim in victims:
-                    del self._entries[victim]
-                    self._busy.add(victim)
+                return Reservation.BUSY
             self._busy.add(key)
-            self._reserved += self.entry_bytes
-            return StorePlan(Reservation.GRANTED, victims)
+            return Reservation.GRANTED
 
     def commit(self, key: bytes) -> None:
         """The value file of a granted reservation is in place: ``key`` is present, newest."""
         with self._lock:
             self._busy.discard(key)
-            self._reserved -= self.entry_bytes
             self._entries[key] = None
             self._entries.move_to_end(key)
 
@@ -162,7 +102,25 @@ class FileIndex:
         """A granted store failed; its file is gone."""
         with self._lock:
             self._busy.discard(key)
-            self._reserved -= self.entry_bytes
+
+    def take_victims(self, count: int) -> list[bytes]:
+        """Up to ``count`` least recently used keys no load is reading, removed from the index
+        and busy until :meth:`finish_delete` (the caller deletes their files). Fewer (or none)
+        when the rest is pinned."""
+        with self._lock:
+            victims: list[bytes] = []
+            if count <= 0:
+                return victims
+            for candidate in self._entries:
+                if candidate in self._pins:
+                    continue
+                victims.append(candidate)
+                if len(victims) >= count:
+                    break
+            for victim in victims:
+                del self._entries[victim]
+                self._busy.add(victim)
+            return victims
 
     # --- deletions ----------------------------------------------------------------------------
 
@@ -181,25 +139,16 @@ class FileIndex:
             for key in keys:
                 self._busy.discard(key)
 
-    def evict_over_capacity(self) -> list[bytes]:
-        """Pick LRU victims until ``used + reserved <= capacity`` (after a warm-restart scan
-        found more than fits). Victims are removed and busy; the caller deletes them."""
-        with self._lock:
-            victims: list[bytes] = []
-            excess = self.used_bytes + self._reserved - self._capacity
-            for candidate in self._entries:
-                if excess <= 0:
-                    break
-                if candidate in self._pins:
-                    continue
-                victims.append(candidate)
-                excess -= self.entry_bytes
-            for victim in victims:
-                del self._entries[victim]
-                self._busy.add(victim)
-            return victims
+    # --- files found on disk ------------------------------------------------------------------
 
-    # --- warm restart -------------------------------------------------------------------------
+    def adopt(self, key: bytes) -> bool:
+        """A file of ``key`` was found on disk (another engine wrote it): present, most recently
+        used (it is about to be loaded). False if the key is present or busy already."""
+        with self._lock:
+            if key in self._entries or key in self._busy:
+                return False
+            self._entries[key] = None
+            return True
 
     def add_scanned(self, keys: Iterable[bytes]) -> int:
         """Add keys found on disk as the least recently used (stores made meanwhile stay newer).
