@@ -237,7 +237,7 @@ def test_lookup_racing_the_scan_answers_retry_not_miss(tmp_path: Path, rows: np.
 
         def hit_then_scan(k: bytes) -> bool:
             found = real_hit(k)
-            tier._index.add_scanned([k])
+            tier._index.add_found([(0.0, k)])
             tier._scanned[k[0]] = 1
             return found
 

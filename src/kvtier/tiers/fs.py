@@ -112,9 +112,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_FREE_FRACTION = 0.5
 """Without ``max_bytes``: the tier may use this share of (free space + its own files)."""
 
-_SCAVENGE_SHARDS = 16
-"""Shards listed per try when a store needs victims this engine's index cannot give (the
-namespace is full of files other engines wrote): their oldest unknown files become candidates."""
+_SCAVENGE_BATCH = 64
+"""Files of other engines a search for eviction candidates collects before it stops listing shards."""
+
+_SCAVENGE_IDLE_SECONDS = 1.0
+"""After a pass over every shard found no file this engine did not know, stores that need
+victims do not list the shards again for this long (they are dropped as finding no room)."""
 
 _LEDGER_SECONDS = 1.0
 """How often housekeeping adopts dead instances' ledgers and rereads the shared file count."""
@@ -347,6 +350,7 @@ class FilesystemTier(ThreadedTier):
         self._hard_links = True
         self._next_ledger_check = 0.0
         self._scavenge_next = 0
+        self._scavenge_idle_until = 0.0
         self._free_recheck_interval = probe_interval
         self._last_enospc = 0.0
         self._probe_seq = itertools.count(1)
@@ -592,6 +596,8 @@ class FilesystemTier(ThreadedTier):
                 )  # fmt: skip
             finally:
                 row.release()
+            with contextlib.suppress(OSError):  # the use, for other engines' eviction order and restarts
+                os.utime(fd)
         except CorruptValueError as exc:
             removed = discard_corrupt(
                 shard_fd, name, st, self._instance.fd, self._instance.temp_name(key), self.modes
@@ -734,6 +740,8 @@ class FilesystemTier(ThreadedTier):
         recycled: int | None = None
         try:
             while need > 0:
+                if self._share_live and not self._index.found_files:
+                    self._scavenge()  # learn what other engines wrote before choosing the oldest
                 victims = self._index.take_victims(need)
                 if not victims:
                     if self._scavenge():
@@ -755,19 +763,26 @@ class FilesystemTier(ThreadedTier):
         return recycled
 
     def _scavenge(self) -> bool:
-        """Index the files of the next few shards that this engine does not know (other engines
-        wrote them) as its least recently used, oldest first: eviction candidates when the
-        shared budget is full of them. False if none were found."""
+        """Index files on disk this engine does not know (other engines wrote them) as found
+        files, ranked by mtime: eviction candidates. Lists shards round robin until it has
+        ``_SCAVENGE_BATCH`` of them or made one full pass; False if it found none (then it
+        rests for ``_SCAVENGE_IDLE_SECONDS``)."""
+        now = time.monotonic()
+        if now < self._scavenge_idle_until:
+            return False
         found: list[tuple[float, bytes]] = []
-        for _ in range(_SCAVENGE_SHARDS):
+        for _ in SHARDS:
             shard = SHARDS[self._scavenge_next]
             self._scavenge_next = (self._scavenge_next + 1) % len(SHARDS)
             entries, _ = scan_shard(self._dirs, shard, quiet=True)
             found.extend(e for e in entries if e[1] not in self._index)
-            if found:
+            if len(found) >= _SCAVENGE_BATCH:
                 break
-        found.sort(reverse=True)
-        return self._index.add_scanned(key for _, key in found) > 0
+        found.sort()
+        if self._index.add_found(found):
+            return True
+        self._scavenge_idle_until = now + _SCAVENGE_IDLE_SECONDS
+        return False
 
     def _unlink_victims(
         self, victims: list[BlockKey], recycle_to: str | None = None, planned: bool = False
@@ -917,7 +932,7 @@ class FilesystemTier(ThreadedTier):
     # --- warm restart scan -------------------------------------------------------------------
 
     def _scan(self) -> None:
-        """Index every value file on disk, shard by shard (oldest files become LRU); then fix the
+        """Index every value file on disk, shard by shard (ranked for eviction by mtime); then fix the
         shared file count where the scan proves it wrong and evict what is over the budget."""
         t0 = time.perf_counter()
         found: list[tuple[float, bytes]] = []
@@ -929,11 +944,12 @@ class FilesystemTier(ThreadedTier):
                 entries, unsafe = scan_shard(self._dirs, shard)
                 if unsafe:
                     self._count(unsafe_entries=unsafe)
-                self._index.add_scanned(key for _, key in entries)
+                entries.sort()
+                self._index.add_found(entries)
                 self._scanned[i] = 1
                 found.extend(entries)
-            found.sort(reverse=True)
-            self._index.order_oldest_first([key for _, key in found])
+            found.sort()
+            self._index.order_found([key for _, key in found])
             change = self._budget.reconcile(len(found), mark)
             if change:
                 logger.info("fs tier %s: shared file count corrected by %+d after the scan", self.label, change)

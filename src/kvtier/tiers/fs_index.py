@@ -13,6 +13,13 @@ Invariants (all under one lock, held only for in-memory work, never across I/O):
   deleted (``_busy``). A store of a busy key is skipped, so an eviction's unlink
   can never delete a newer file of the same key written by this engine.
 * A pinned key (a load is reading its file) is never chosen for eviction.
+* Eviction order is by time across two lists: keys this engine used (stored,
+  hit, touched, adopted for a load), each with its last use, least recent first;
+  and files found on disk and not used here yet (start-up scan, files of other
+  engines found while looking for victims), each with its mtime, oldest first.
+  The older head goes first, so an engine sharing a root evicts the oldest of
+  what it knows, its own files or not (loads refresh a file's mtime, so other
+  engines see the use). Times are wall-clock seconds (file mtimes are too).
 
 Called from the scheduler thread (``hit``, ``touch``, ``pin``) and from the I/O
 and scan threads (everything else); every method is thread-safe and O(1) except
@@ -21,9 +28,11 @@ victim choice, which skips pinned entries (there are only as many as loads in fl
 
 from __future__ import annotations
 
+import heapq
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from enum import Enum
 
 
@@ -36,36 +45,50 @@ class Reservation(Enum):
 class FileIndex:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: OrderedDict[bytes, None] = OrderedDict()  # oldest first
+        self._used: OrderedDict[bytes, float] = OrderedDict()  # last use, least recent first
+        self._found: OrderedDict[bytes, float] = OrderedDict()  # mtime, oldest first (roughly)
         self._pins: dict[bytes, int] = {}
         self._busy: set[bytes] = set()
 
     # --- scheduler-thread reads ---------------------------------------------------------------
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._used) + len(self._found)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._entries
+        return key in self._used or key in self._found
+
+    @property
+    def found_files(self) -> int:
+        """Files found on disk and not used by this engine yet (eviction candidates by mtime)."""
+        return len(self._found)
+
+    def _use_locked(self, key: bytes, now: float) -> bool:
+        if key in self._used:
+            self._used.move_to_end(key)
+            self._used[key] = now
+            return True
+        if self._found.pop(key, None) is not None:
+            self._used[key] = now
+            return True
+        return False
 
     def hit(self, key: bytes) -> bool:
         """True if ``key`` is on disk; a hit also makes it most recently used."""
+        now = time.time()
         with self._lock:
-            if key in self._entries:
-                self._entries.move_to_end(key)
-                return True
-            return False
+            return self._use_locked(key, now)
 
     def touch(self, keys: Iterable[bytes]) -> None:
+        now = time.time()
         with self._lock:
             for key in keys:
-                if key in self._entries:
-                    self._entries.move_to_end(key)
+                self._use_locked(key, now)
 
     def pin(self, key: bytes) -> bool:
         """Protect ``key`` from eviction while a load reads it; False if it is not present."""
         with self._lock:
-            if key not in self._entries:
+            if key not in self._used and key not in self._found:
                 return False
             self._pins[key] = self._pins.get(key, 0) + 1
             return True
@@ -84,7 +107,7 @@ class FileIndex:
         """GRANTED: ``key`` is now busy; the caller stores it and then calls :meth:`commit` or
         :meth:`abort`. PRESENT (on disk) or BUSY (being stored or deleted): nothing to do."""
         with self._lock:
-            if key in self._entries:
+            if key in self._used or key in self._found:
                 return Reservation.PRESENT
             if key in self._busy:
                 return Reservation.BUSY
@@ -93,10 +116,12 @@ class FileIndex:
 
     def commit(self, key: bytes) -> None:
         """The value file of a granted reservation is in place: ``key`` is present, newest."""
+        now = time.time()
         with self._lock:
             self._busy.discard(key)
-            self._entries[key] = None
-            self._entries.move_to_end(key)
+            self._found.pop(key, None)
+            self._used[key] = now
+            self._used.move_to_end(key)
 
     def abort(self, key: bytes) -> None:
         """A granted store failed; its file is gone."""
@@ -104,23 +129,20 @@ class FileIndex:
             self._busy.discard(key)
 
     def take_victims(self, count: int) -> list[bytes]:
-        """Up to ``count`` least recently used keys no load is reading, removed from the index
-        and busy until :meth:`finish_delete` (the caller deletes their files). Fewer (or none)
-        when the rest is pinned."""
+        """Up to ``count`` of the oldest keys no load is reading (see the module docstring),
+        removed from the index and busy until :meth:`finish_delete` (the caller deletes their
+        files). Fewer (or none) when the rest is pinned."""
         with self._lock:
-            victims: list[bytes] = []
-            if count <= 0:
-                return victims
-            for candidate in self._entries:
-                if candidate in self._pins:
-                    continue
-                victims.append(candidate)
-                if len(victims) >= count:
-                    break
+            victims = list(_oldest(self._unpinned(self._used), self._unpinned(self._found), count))
             for victim in victims:
-                del self._entries[victim]
+                if self._used.pop(victim, None) is None:
+                    del self._found[victim]
                 self._busy.add(victim)
             return victims
+
+    def _unpinned(self, entries: OrderedDict[bytes, float]) -> Iterator[tuple[float, bytes]]:
+        pins = self._pins
+        return ((when, key) for key, when in entries.items() if key not in pins)
 
     # --- deletions ----------------------------------------------------------------------------
 
@@ -128,9 +150,8 @@ class FileIndex:
         """Remove ``key`` (corrupt or vanished) and mark it busy until :meth:`finish_delete`.
         False if it was not present (someone else removed it)."""
         with self._lock:
-            if key not in self._entries:
+            if self._used.pop(key, None) is None and self._found.pop(key, None) is None:
                 return False
-            del self._entries[key]
             self._busy.add(key)
             return True
 
@@ -142,37 +163,57 @@ class FileIndex:
     # --- files found on disk ------------------------------------------------------------------
 
     def adopt(self, key: bytes) -> bool:
-        """A file of ``key`` was found on disk (another engine wrote it): present, most recently
-        used (it is about to be loaded). False if the key is present or busy already."""
+        """A file of ``key`` was found on disk by a lookup's check (another engine wrote it):
+        present and most recently used (it is about to be loaded). False if the key is
+        present or busy already."""
+        now = time.time()
         with self._lock:
-            if key in self._entries or key in self._busy:
+            if key in self._used or key in self._found or key in self._busy:
                 return False
-            self._entries[key] = None
+            self._used[key] = now
             return True
 
-    def add_scanned(self, keys: Iterable[bytes]) -> int:
-        """Add keys found on disk as the least recently used (stores made meanwhile stay newer).
-        Keys already present or busy are skipped. Returns how many were added."""
+    def add_found(self, files: Iterable[tuple[float, bytes]]) -> int:
+        """Add files found on disk (``(mtime, key)``, oldest first) that this engine has not used;
+        keys present or busy are skipped. Returns how many were added."""
         added = 0
         with self._lock:
-            for key in keys:
-                if key in self._entries or key in self._busy:
+            for mtime, key in files:
+                if key in self._used or key in self._found or key in self._busy:
                     continue
-                self._entries[key] = None
-                self._entries.move_to_end(key, last=False)
+                self._found[key] = mtime
                 added += 1
         return added
 
-    def order_oldest_first(self, keys_newest_first: list[bytes], chunk: int = 4096) -> None:
-        """Move scanned keys to the LRU end in the given order (newest first, so the oldest
-        ends up first), taking the lock in chunks so lookups never wait long."""
-        for start in range(0, len(keys_newest_first), chunk):
+    def order_found(self, keys_oldest_first: list[bytes], chunk: int = 4096) -> None:
+        """Put found files in this order (the start-up scan's, by mtime), taking the lock in
+        chunks so lookups never wait long."""
+        for start in range(0, len(keys_oldest_first), chunk):
             with self._lock:
-                for key in keys_newest_first[start : start + chunk]:
-                    if key in self._entries:
-                        self._entries.move_to_end(key, last=False)
+                for key in keys_oldest_first[start : start + chunk]:
+                    if key in self._found:
+                        self._found.move_to_end(key)
 
     def keys(self) -> list[bytes]:
-        """Snapshot of present keys, least recently used first."""
+        """Snapshot of present keys in eviction order (the oldest first)."""
         with self._lock:
-            return list(self._entries)
+            return [key for _, key in heapq.merge(
+                ((w, k) for k, w in self._used.items()), ((w, k) for k, w in self._found.items()))]  # fmt: skip
+
+
+def _oldest(
+    used: Iterator[tuple[float, bytes]], found: Iterator[tuple[float, bytes]], count: int
+) -> Iterator[bytes]:
+    """The first ``count`` keys of two time-ordered streams merged, the older first (ties: used)."""
+    if count <= 0:
+        return
+    u, f = next(used, None), next(found, None)
+    while count > 0 and (u is not None or f is not None):
+        if f is None or (u is not None and u[0] <= f[0]):
+            assert u is not None
+            yield u[1]
+            u = next(used, None)
+        else:
+            yield f[1]
+            f = next(found, None)
+        count -= 1

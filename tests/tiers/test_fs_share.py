@@ -1,0 +1,566 @@
+"""Live sharing of an fs root between engines (issue 23, item 1): an engine finds the blocks other
+live engines write into the same root and namespace, byte exact; planted entries stay ignored;
+the root's size bound is shared by every engine (per-instance ledgers), proven with several
+real processes, one of them killed with SIGKILL while writing."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import xxhash
+from fs_helpers import AlignedRows, block_bytes_for, fill, key_of, load, make_tier, store, value_files
+from fs_share_child import BB as CHILD_BB
+from fs_share_child import NS as CHILD_NS
+from fs_share_child import prompt_keys
+
+from kvtier.errors import ConfigError
+from kvtier.tiers.base import HealthState
+from kvtier.tiers.format import HEADER_SIZE
+from kvtier.tiers.fs import FilesystemTier, verify_root
+from kvtier.tiers.fs_budget import RECORD_BYTES, pack_record, parse_record
+from kvtier.tiers.fs_layout import LEDGER_DIR, PAYLOAD_OFFSET, entry_bytes, value_path
+from kvtier.tiers.fs_share import PATIENCE
+from kvtier.types import LookupResult, RequestContext
+
+BB = 16 * 1024
+ENTRY = entry_bytes(BB)
+IS_ROOT = os.geteuid() == 0
+CHILD = Path(__file__).with_name("fs_share_child.py")
+
+
+@pytest.fixture
+def rows() -> Iterator[np.ndarray]:
+    yield AlignedRows(32, BB).rows
+
+
+def _ask(tier: FilesystemTier, keys: list[bytes], request: RequestContext | None = None) -> list[LookupResult]:
+    """Look ``keys`` up as an engine does, step by step, until no answer is RETRY."""
+    deadline = time.monotonic() + 10
+    while True:
+        answers = [tier.lookup(k, request) for k in keys]
+        if LookupResult.RETRY not in answers:
+            return answers
+        assert time.monotonic() < deadline, answers
+        tier.on_schedule_end()
+        while tier.has_pending_work() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+
+def _ledgers(ns_dir: Path) -> dict[str, int | None]:
+    return {p.name: parse_record(p.read_bytes()) for p in (ns_dir / LEDGER_DIR).iterdir() if p.is_file()}
+
+
+def _ledger_sum(ns_dir: Path) -> int:
+    return sum(n or 0 for n in _ledgers(ns_dir).values())
+
+
+# --- one engine finds another's blocks ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sharing", ["auto", True])
+def test_an_engine_running_before_another_writes_hits_its_blocks(
+    tmp_path: Path, rows: np.ndarray, sharing: str | bool
+) -> None:
+    """The issue's measurement: B starts, then A writes 16 blocks; B used to find 0 of 16 (its
+    index was built at start and never learned of a live peer's files)."""
+    other = AlignedRows(32, BB).rows
+    b = make_tier(tmp_path, rows, BB, sharing=sharing)
+    a = make_tier(tmp_path, other, BB, sharing=sharing)
+    try:
+        keys = [key_of(i, b"a-wrote") for i in range(16)]
+        fill(other, range(16), keys, BB)
+        assert store(a, keys, range(16)).success
+        deadline = time.monotonic() + 5
+        while not b.describe()["sharing_active"]:  # auto: b notices a at its next housekeeping
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        request = RequestContext("r")
+        assert b.lookup(keys[0], request) is LookupResult.RETRY  # never answered from disk on this thread
+        assert _ask(b, keys, request) == [LookupResult.HIT] * 16
+        rows[:16] = 0
+        assert load(b, keys, range(16)).success
+        for i, key in enumerate(keys):
+            assert np.array_equal(rows[i, :BB], block_bytes_for(key, BB))
+        assert b.stats.extra["checks_found"] == 16 and b.stats.corrupt_values == 0
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_sharing_off_keeps_the_index_built_at_start(tmp_path: Path, rows: np.ndarray) -> None:
+    other = AlignedRows(4, BB).rows
+    b = make_tier(tmp_path, rows, BB, sharing=False)
+    a = make_tier(tmp_path, other, BB)
+    try:
+        key = key_of(1)
+        fill(other, [0], [key], BB)
+        assert store(a, [key], [0]).success
+        time.sleep(0.3)
+        assert b.lookup(key, None) is LookupResult.MISS
+        assert not b.describe()["sharing_active"] and b.stats.extra["checks"] == 0
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_a_lone_engine_with_auto_answers_miss_at_once_until_a_peer_appears(tmp_path: Path, rows: np.ndarray) -> None:
+    tier = make_tier(tmp_path, rows, BB)
+    try:
+        unknown = key_of(5, b"nobody")
+        assert tier.lookup(unknown, None) is LookupResult.MISS  # no RETRY, no check: nobody else is here
+        assert tier.stats.extra["checks"] == 0
+        peer = make_tier(tmp_path, AlignedRows(2, BB).rows, BB)
+        try:
+            deadline = time.monotonic() + 5
+            while not tier.describe()["sharing_active"]:
+                assert time.monotonic() < deadline, "the peer was never noticed"
+                time.sleep(0.01)
+        finally:
+            peer.shutdown()
+        assert tier.lookup(unknown, None) is LookupResult.RETRY  # sticky: the peer's files stay
+    finally:
+        tier.shutdown()
+
+
+def test_keys_nobody_has_miss_from_a_negative_cache_then_are_checked_again(tmp_path: Path, rows: np.ndarray) -> None:
+    other = AlignedRows(4, BB).rows
+    b = make_tier(tmp_path, rows, BB, sharing=True, miss_seconds=0.3)
+    a = make_tier(tmp_path, other, BB, sharing=True)
+    try:
+        key = key_of(9, b"later")
+        assert _ask(b, [key]) == [LookupResult.MISS]
+        assert b.stats.extra["checks"] == 1
+        for _ in range(100):  # within miss_seconds: answered from memory, nothing checked
+            assert b.lookup(key, None) is LookupResult.MISS
+        assert b.stats.extra["checks"] == 1 and not b.has_pending_work()
+        fill(other, [0], [key], BB)
+        assert store(a, [key], [0]).success
+        assert b.lookup(key, None) is LookupResult.MISS  # the short negative cache: still absent for b
+        time.sleep(0.35)
+        assert _ask(b, [key]) == [LookupResult.HIT]
+        assert b.stats.extra["checks"] == 2
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_a_chain_is_checked_in_prefix_order_up_to_its_first_absent_key(tmp_path: Path, rows: np.ndarray) -> None:
+    other = AlignedRows(8, BB).rows
+    b = make_tier(tmp_path, rows, BB, sharing=True)
+    a = make_tier(tmp_path, other, BB, sharing=True)
+    try:
+        keys = [key_of(i, b"chain") for i in range(6)]
+        present = keys[:2] + keys[3:]  # keys[2] is nobody's
+        fill(other, range(5), present, BB)
+        assert store(a, present, range(5)).success
+        request = RequestContext("chain")
+        assert [b.lookup(k, request) for k in keys] == [LookupResult.RETRY] * 6
+        b.on_schedule_end()
+        while b.has_pending_work():
+            time.sleep(0.001)
+        assert b.stats.extra["checks"] == 3  # keys[0], keys[1], keys[2]: the chain stopped there
+        assert [b.lookup(k, request) for k in keys[:3]] == [LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_a_check_that_does_not_come_back_answers_miss_after_patience(tmp_path: Path, rows: np.ndarray) -> None:
+    tier = make_tier(tmp_path, rows, BB, sharing=True, read_threads=1, write_threads=1)
+    try:
+        gate = threading.Event()
+        real = tier._probe_key
+
+        def stuck(key: bytes) -> bool:  # a hung network file system, simulated on the check only
+            gate.wait(10)
+            return real(key)
+
+        tier._probe_key = stuck  # type: ignore[method-assign]
+        key = key_of(1, b"hung")
+        assert tier.lookup(key, None) is LookupResult.RETRY
+        tier.on_schedule_end()
+        time.sleep(0.05)
+        assert tier.lookup(key, None) is LookupResult.RETRY
+        time.sleep(PATIENCE + 0.1)
+        assert tier.lookup(key, None) is LookupResult.MISS  # the engine recomputes, it never waits
+        gate.set()
+    finally:
+        tier.shutdown()
+
+
+# --- another engine's evictions and recycling ----------------------------------------------------
+
+
+def test_a_block_another_engine_evicted_is_a_miss_not_an_error(tmp_path: Path, rows: np.ndarray) -> None:
+    other = AlignedRows(8, BB).rows
+    b = make_tier(tmp_path, rows, BB, sharing=True)
+    a = make_tier(tmp_path, other, BB, sharing=True, max_bytes=2 * ENTRY)
+    try:
+        keys = [key_of(i, b"evicted") for i in range(4)]
+        fill(other, range(4), keys, BB)
+        assert store(a, keys[:2], [0, 1]).success
+        assert _ask(b, keys[:2]) == [LookupResult.HIT] * 2  # b adopted both
+        assert store(a, keys[2:], [2, 3]).success  # a evicts (and recycles) both files
+        result = load(b, keys[:2], [0, 1])
+        assert not result.success and result.successful_keys == frozenset()
+        assert "vanished" in (result.error or "")
+        assert b.stats.corrupt_values == 0 and b.stats.extra["vanished"] == 2
+        assert b.health().state is HealthState.CLOSED and b.stats.extra["io_errors"] == 0
+        assert [b.lookup(k, None) for k in keys[:2]] == [LookupResult.MISS] * 2  # remembered absent
+        # what a now holds, b finds and loads byte exact (a recycled file under a new name)
+        assert _ask(b, keys[2:]) == [LookupResult.HIT] * 2
+        assert load(b, keys[2:], [4, 5]).success
+        for i, key in enumerate(keys[2:]):
+            assert np.array_equal(rows[4 + i, :BB], block_bytes_for(key, BB))
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+# --- planted entries -------------------------------------------------------------------------------
+
+
+def _value(key: bytes, namespace: bytes, payload: np.ndarray, *, header_key: bytes | None = None) -> bytes:
+    """A well-formed value file for ``key`` (or one whose header names ``header_key``)."""
+    from kvtier.tiers.format import ValueHeader, payload_checksum
+
+    data = payload.tobytes()
+    header = ValueHeader(namespace, header_key or key, len(data), payload_checksum(memoryview(data))).pack()
+    return header + bytes(PAYLOAD_OFFSET - HEADER_SIZE) + data
+
+
+def test_planted_entries_found_by_a_check_are_never_served(tmp_path: Path, rows: np.ndarray) -> None:
+    """Entries named like values of keys nobody stored: a symlink to a file with valid bytes, a
+    FIFO, a directory, a garbage file, a value of another key, a value of another namespace, a
+    file of a wrong size. None is followed, blocks a check, or reaches a CPU row as a success;
+    the regular ones fail verification once and are never adopted again."""
+    tier = make_tier(tmp_path, rows, BB, sharing=True, direct_io=False)
+    ns_dir = tier.ns_dir
+    digest = bytes.fromhex(ns_dir.name)
+    keys = {name: key_of(i, b"planted") for i, name in enumerate(
+        ["symlink", "fifo", "directory", "garbage", "other_key", "other_namespace", "wrong_size"])}  # fmt: skip
+    payload = block_bytes_for(keys["symlink"], BB)
+    outside = tmp_path / "outside.kv"
+    outside.write_bytes(_value(keys["symlink"], digest, payload))
+    value_path(ns_dir, keys["symlink"]).symlink_to(outside)
+    os.mkfifo(value_path(ns_dir, keys["fifo"]))
+    value_path(ns_dir, keys["directory"]).mkdir()
+    value_path(ns_dir, keys["garbage"]).write_bytes(os.urandom(PAYLOAD_OFFSET + BB))
+    value_path(ns_dir, keys["other_key"]).write_bytes(
+        _value(keys["other_key"], digest, payload, header_key=key_of(99, b"someone else"))
+    )
+    value_path(ns_dir, keys["other_namespace"]).write_bytes(_value(keys["other_namespace"], bytes(16), payload))
+    value_path(ns_dir, keys["wrong_size"]).write_bytes(b"x" * 100)
+    try:
+        answers = dict(zip(keys, _ask(tier, list(keys.values())), strict=True))
+        for name in ("symlink", "fifo", "directory", "wrong_size"):
+            assert answers[name] is LookupResult.MISS, (name, answers)
+        assert tier.stats.extra["unsafe_entries"] >= 3
+        regular = [keys[n] for n in ("garbage", "other_key", "other_namespace")]
+        assert all(answers[n] is LookupResult.HIT for n in ("garbage", "other_key", "other_namespace")), answers
+        rows[:3] = 0
+        result = load(tier, regular, range(3))
+        assert not result.success and result.successful_keys == frozenset()
+        assert tier.stats.corrupt_values == 3
+        # they were ours (this user's): removed, as before; never served, never adopted again
+        assert not any(value_path(ns_dir, k).exists() for k in regular)
+        assert _ask(tier, regular) == [LookupResult.MISS] * 3
+        assert outside.exists() and value_path(ns_dir, keys["symlink"]).is_symlink()
+        assert value_path(ns_dir, keys["fifo"]).exists() and value_path(ns_dir, keys["directory"]).is_dir()
+    finally:
+        tier.shutdown()
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="making a file of another user needs root")
+def test_another_users_planted_value_is_never_adopted_and_a_group_file_that_fails_is_not_retried(
+    tmp_path: Path, rows: np.ndarray
+) -> None:
+    tier = make_tier(tmp_path, rows, BB, sharing=True)
+    try:
+        key = key_of(1, b"foreign")
+        path = value_path(tier.ns_dir, key)
+        path.write_bytes(_value(key, bytes.fromhex(tier.ns_dir.name), block_bytes_for(key, BB)))
+        os.chown(path, 65534, 65534)
+        assert _ask(tier, [key]) == [LookupResult.MISS]
+        assert tier.stats.extra["unsafe_entries"] >= 1 and path.exists()
+    finally:
+        tier.shutdown()
+
+
+def test_a_store_never_replaces_an_entry_at_its_name(tmp_path: Path, rows: np.ndarray) -> None:
+    """Values are linked into place: a symlink planted at a key's name is left alone (the store
+    of that key fails), and a value another engine linked first is kept (nothing written)."""
+    tier = make_tier(tmp_path, rows, BB, sharing=True)
+    other = AlignedRows(4, BB).rows
+    peer = make_tier(tmp_path, other, BB, sharing=True)
+    try:
+        planted, shared = key_of(1, b"taken"), key_of(2, b"taken")
+        target = tmp_path / "target"
+        target.write_bytes(b"keep")
+        value_path(tier.ns_dir, planted).symlink_to(target)
+        fill(rows, [0, 1], [planted, shared], BB)
+        result = store(tier, [planted], [0])
+        assert not result.success and "not a value of ours" in (result.error or "")
+        assert value_path(tier.ns_dir, planted).is_symlink() and target.read_bytes() == b"keep"
+        fill(other, [0], [shared], BB)
+        assert store(peer, [shared], [0]).success
+        inode = value_path(tier.ns_dir, shared).stat().st_ino
+        assert store(tier, [shared], [1]).success  # found on disk: skipped
+        assert value_path(tier.ns_dir, shared).stat().st_ino == inode
+        assert tier.stats.extra["stores_skipped"] == 1 and tier.lookup(shared, None) is LookupResult.HIT
+    finally:
+        peer.shutdown()
+        tier.shutdown()
+
+
+# --- the shared size bound --------------------------------------------------------------------------
+
+
+def test_engines_sharing_a_root_share_its_bound_and_evict_each_others_files(tmp_path: Path) -> None:
+    """Three engines, one max_bytes: the namespace never holds more, whoever wrote what; an engine
+    that knows none of the files on disk (it started before they were written) still makes
+    room by evicting them; the ledgers sum to the files on disk once everyone is done."""
+    budget = 6
+    all_rows = [AlignedRows(16, BB).rows for _ in range(3)]
+    tiers = [make_tier(tmp_path, r, BB, max_bytes=budget * ENTRY, sharing=True) for r in all_rows]
+    ns_dir = tiers[0].ns_dir
+    try:
+        for t, tier in enumerate(tiers):  # the last one started before any file was written
+            keys = [key_of(i, f"engine-{t}".encode()) for i in range(8)]
+            fill(all_rows[t], range(8), keys, BB)
+            for i in range(0, 8, 2):
+                assert store(tier, keys[i : i + 2], [i, i + 1]).success
+                assert len(value_files(tmp_path)) <= budget
+        assert len(value_files(tmp_path)) == budget
+        assert all(t.stats.evictions > 0 for t in tiers[1:])  # they evicted files they did not write
+        newest = [key_of(i, b"engine-2") for i in range(6, 8)]
+        assert _ask(tiers[0], newest) == [LookupResult.HIT] * 2
+        assert _ledger_sum(ns_dir) == budget
+        assert tiers[0].usage().used_bytes == budget * ENTRY  # the namespace's bytes, not one engine's
+    finally:
+        for tier in tiers:
+            tier.shutdown()
+    assert _ledger_sum(ns_dir) == budget
+
+
+def test_a_dead_instances_ledger_is_adopted_and_a_lone_start_corrects_drift(tmp_path: Path, rows: np.ndarray) -> None:
+    tier = make_tier(tmp_path, rows, BB)
+    keys = [key_of(i, b"ledger") for i in range(5)]
+    fill(rows, range(5), keys, BB)
+    assert store(tier, keys, range(5)).success
+    tier.shutdown()
+    ns_dir = tier.ns_dir
+    assert list(_ledgers(ns_dir).values()) == [5]
+    # a crash between claim and link leaves the count too high (here: by 3)
+    (name,) = _ledgers(ns_dir)
+    (ns_dir / LEDGER_DIR / name).write_bytes(pack_record(8, 99))
+    again = make_tier(tmp_path, rows, BB)
+    try:
+        assert again.describe()["ledgers_adopted"] == 1
+        assert again.usage().used_bytes == 5 * ENTRY  # alone at start: reset to what the scan counted
+        assert _ledger_sum(ns_dir) == 5 and len(_ledgers(ns_dir)) == 1
+    finally:
+        again.shutdown()
+
+
+def test_files_without_a_ledger_are_counted_at_start(tmp_path: Path, rows: np.ndarray) -> None:
+    """A root written by an older release (no ledgers) is bounded too: the scan's count is added."""
+    tier = make_tier(tmp_path, rows, BB)
+    keys = [key_of(i, b"legacy") for i in range(6)]
+    fill(rows, range(6), keys, BB)
+    assert store(tier, keys, range(6)).success
+    tier.shutdown()
+    for ledger in (tier.ns_dir / LEDGER_DIR).iterdir():
+        ledger.unlink()
+    live = make_tier(tmp_path, AlignedRows(2, BB).rows, BB)  # not alone: only ever adds
+    again = make_tier(tmp_path, rows, BB, max_bytes=4 * ENTRY)
+    try:
+        assert len(value_files(tmp_path)) == 4
+        assert _ledger_sum(tier.ns_dir) >= 4
+    finally:
+        again.shutdown()
+        live.shutdown()
+
+
+def test_planted_ledger_entries_are_ignored(tmp_path: Path, rows: np.ndarray) -> None:
+    tier = make_tier(tmp_path, rows, BB)
+    tier.shutdown()
+    ledgers = tier.ns_dir / LEDGER_DIR
+    for p in ledgers.iterdir():
+        p.unlink()
+    secret = tmp_path / "secret"
+    secret.write_bytes(pack_record(10**6, 1))
+    (ledgers / "1-aaaaaaaaaaaa").symlink_to(secret)
+    os.mkfifo(ledgers / "2-bbbbbbbbbbbb")
+    (ledgers / "3-cccccccccccc").write_bytes(b"garbage" * 5)
+    bad = bytearray(pack_record(10**6, 1))
+    bad[10] ^= 1
+    (ledgers / "4-dddddddddddd").write_bytes(bytes(bad))
+    (ledgers / "not-a-ledger").write_bytes(pack_record(10**6, 1))
+    done = threading.Event()
+    made: list[FilesystemTier] = []
+
+    def build() -> None:
+        made.append(make_tier(tmp_path, rows, BB, max_bytes=3 * ENTRY))
+        done.set()
+
+    threading.Thread(target=build, daemon=True).start()
+    assert done.wait(20), "a planted FIFO blocked the start"
+    (again,) = made
+    try:
+        keys = [key_of(i, b"after-plant") for i in range(3)]
+        fill(rows, range(3), keys, BB)
+        assert store(again, keys, range(3)).success
+        assert all(again.lookup(k, None) is LookupResult.HIT for k in keys)  # none counted as full
+        assert again.usage().used_bytes == 3 * ENTRY
+    finally:
+        again.shutdown()
+    assert secret.read_bytes() == pack_record(10**6, 1)
+    assert (ledgers / "1-aaaaaaaaaaaa").is_symlink() and (ledgers / "2-bbbbbbbbbbbb").exists()
+
+
+def test_ledger_records_round_trip_and_reject_damage() -> None:
+    record = pack_record(-7, 3)
+    assert len(record) == RECORD_BYTES and parse_record(record) == -7
+    assert parse_record(b"") == 0
+    assert parse_record(record[:-1]) is None
+    assert parse_record(b"X" + record[1:]) is None
+    head = struct.pack("<8sqQ", b"KVLEDGR1", 5, 1)
+    assert parse_record(head + xxhash.xxh64_intdigest(head).to_bytes(8, "little")) == 5
+
+
+@pytest.mark.parametrize("options", [{"sharing": "yes"}, {"sharing": None}, {"miss_seconds": 0}])
+def test_bad_sharing_options_are_config_errors(tmp_path: Path, rows: np.ndarray, options: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match=r"sharing|miss_seconds"):
+        make_tier(tmp_path, rows, BB, **options)
+
+
+# --- real processes -----------------------------------------------------------------------------------
+
+
+class EngineProcess:
+    """A fs_share_child.py engine: one command per line in, one JSON line out."""
+
+    def __init__(self, root: Path, max_bytes: int, **options: Any) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(CHILD), str(root), str(max_bytes), json.dumps(options)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert self.read() == {"ready": True}
+
+    def read(self, timeout: float = 120.0) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        assert ready, f"engine {self.proc.pid} did not answer within {timeout}s"
+        line = self.proc.stdout.readline()
+        if not line:
+            stderr = self.proc.stderr.read() if self.proc.stderr else ""
+            raise AssertionError(f"engine exited: {stderr[-3000:]}")
+        return dict(json.loads(line)) if line.startswith("{") else {"line": line.strip()}
+
+    def ask(self, command: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        self.close_pipes()
+
+    def quit(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.close_pipes()
+
+    def close_pipes(self) -> None:
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("shm_leak_check")
+def test_engines_in_separate_processes_share_a_root_through_the_public_api(tmp_path: Path) -> None:
+    """Acceptance: B and C run before A writes; they HIT A's 16 blocks byte exact through
+    TieringManager (RETRY, then HIT_PENDING, then HIT). Planted entries named like blocks of a
+    prompt nobody stored are never served. D, writing in a loop, is killed with SIGKILL; nobody
+    gets a wrong byte, B and C keep working, and D restarted under the same names works."""
+    root = tmp_path / "root"
+    budget = 400 * entry_bytes(CHILD_BB)
+    ns_dir = root / CHILD_NS.hexdigest
+    engines: list[EngineProcess] = []
+    try:
+        b, c = EngineProcess(root, budget), EngineProcess(root, budget)
+        engines += [b, c]
+        a = EngineProcess(root, budget)
+        engines.append(a)
+        assert a.ask("store shared 16") == {"stored": 16}
+        time.sleep(0.3)  # auto: b and c notice a peer at their next housekeeping (0.1 s)
+        for engine in (b, c):
+            got = engine.ask("fetch shared 16")
+            assert got["hits"] == 16 and got["wrong"] == 0 and got["steps"] >= 2, got
+        # planted entries under the first block's name of prompts nobody stored
+        secret = tmp_path / "secret"
+        secret.write_bytes(bytes(PAYLOAD_OFFSET + CHILD_BB))
+        value_path(ns_dir, prompt_keys("hostile-link", 1)[0]).symlink_to(secret)
+        os.mkfifo(value_path(ns_dir, prompt_keys("hostile-fifo", 1)[0]))
+        value_path(ns_dir, prompt_keys("hostile-garbage", 1)[0]).write_bytes(os.urandom(PAYLOAD_OFFSET + CHILD_BB))
+        for engine in (b, c):
+            for kind in ("link", "fifo", "garbage"):
+                got = engine.ask(f"fetch hostile-{kind} 4")
+                assert got["hits"] == 0 and got["wrong"] == 0, (kind, got)
+        # D writes in a loop and is killed mid-write
+        d = EngineProcess(root, budget)
+        engines.append(d)
+        assert d.proc.stdin is not None
+        d.proc.stdin.write("write 30 7\n")
+        d.proc.stdin.flush()
+        assert d.read() == {"line": "writing"}
+        time.sleep(random.uniform(0.5, 1.5))
+        d.kill()
+        engines.remove(d)
+        for engine in (a, b, c):
+            for tag in ("shared", *(f"pool-{i}" for i in range(40))):
+                got = engine.ask(f"fetch {tag} 8")
+                assert got["wrong"] == 0, (tag, got)
+            assert engine.ask("store after-kill 8")["stored"] in (0, 8)
+            assert engine.ask("fetch shared 16")["wrong"] == 0
+        d = EngineProcess(root, budget)  # restarted: same root, same namespace, same prompts
+        engines.append(d)
+        got = d.ask("fetch shared 16")
+        assert got["hits"] == 16 and got["wrong"] == 0, got
+        assert d.ask("store restarted 8")["stored"] == 8
+        assert b.ask("fetch restarted 8")["hits"] == 8
+        stats = [e.ask("stats")["stats"] for e in engines]
+        corrupt = [s["corrupt_values"] for s in stats]
+        # the planted garbage file: one of b, c loaded it (and removed it, it was this user's); nothing else
+        assert corrupt[0] + corrupt[1] == 1 and corrupt[2:] == [0, 0], stats
+    finally:
+        for engine in engines:
+            engine.quit()
+    report = verify_root(root)
+    assert report.corrupt == 0
+    assert len(value_files(ns_dir)) * entry_bytes(CHILD_BB) <= budget
