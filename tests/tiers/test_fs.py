@@ -23,6 +23,7 @@ from fs_helpers import (
     key_of,
     load,
     make_tier,
+    mount_tmpfs,
     store,
     temp_files,
     value_files,
@@ -46,15 +47,9 @@ def rows() -> np.ndarray:
 
 
 def _mount_tmpfs(where: Path, size: str) -> None:
-    where.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True
-    )
-    if proc.returncode:
-        pytest.skip(
-            f"cannot mount a tmpfs here ({proc.stderr.strip() or proc.returncode}); "
-            "the test needs root or CAP_SYS_ADMIN"
-        )
+    why = mount_tmpfs(where, size)
+    if why is not None:
+        pytest.skip(f"cannot mount a tmpfs here ({why}); the test needs root or CAP_SYS_ADMIN")
 
 
 @pytest.fixture

@@ -564,3 +564,137 @@ def test_engines_in_separate_processes_share_a_root_through_the_public_api(tmp_p
     report = verify_root(root)
     assert report.corrupt == 0
     assert len(value_files(ns_dir)) * entry_bytes(CHILD_BB) <= budget
+
+
+BOUND_CHILD = Path(__file__).with_name("fs_bound_child.py")
+BOUND_FILES = 24  # the shared budget of the bound tests, in files of 16 KiB blocks
+READS_PER_ENGINE = 2  # fs_bound_child.py's read threads
+
+
+def _start_bound_engine(root: Path, seed: int, seconds: float) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, str(BOUND_CHILD), str(root), str(seed), str(seconds), str(BOUND_FILES)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.strip() == "ready", f"engine failed to start: {line!r} {proc.stderr.read() if proc.stderr else ''}"
+    return proc
+
+
+def _go(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+
+
+def _counters(proc: subprocess.Popen[str], timeout: float) -> dict[str, int]:
+    stdout, stderr = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, stderr[-3000:]
+    return dict(json.loads(stdout.strip().splitlines()[-1]))
+
+
+class _Usage:
+    """The bytes in use on a tmpfs of its own (statvfs: an atomic view; a directory walk races
+    with links and evictions), sampled in a thread; ``peak`` is the most seen above ``baseline``."""
+
+    def __init__(self, mount: Path) -> None:
+        self.mount = mount
+        self.baseline = self.used()
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def used(self) -> int:
+        st = os.statvfs(self.mount)
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.used() - self.baseline)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join(10)
+        return self.peak
+
+
+@pytest.fixture
+def tmpfs_root(tmp_path: Path) -> Iterator[Path | None]:
+    """A 32 MiB tmpfs for the bound tests' byte sampling; None where mounting needs root."""
+    from fs_helpers import mount_tmpfs
+
+    mount = tmp_path / "mnt"
+    if mount_tmpfs(mount, "32m") is not None:
+        yield None
+        return
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.slow
+def test_three_processes_keep_the_shared_bound_and_read_only_exact_bytes(
+    tmp_path: Path, tmpfs_root: Path | None
+) -> None:
+    """Three engines, one pool of keys, one budget of 24 files: each store claims its file in the
+    shared ledgers before linking it, so the namespace's value files never exceed the budget
+    (bytes in use are sampled on a tmpfs of its own: the only excess allowed is files that a
+    read still holds open after another engine evicted them, at most one per read thread); every
+    block loaded is byte exact; the engines find and load each other's blocks; and once they
+    are done the ledgers add up to exactly the files on disk."""
+    root = tmpfs_root or tmp_path / "root"
+    engines = [_start_bound_engine(root, seed, seconds=4.0) for seed in range(3)]
+    usage = _Usage(tmpfs_root) if tmpfs_root is not None else None
+    for proc in engines:
+        _go(proc)
+    counters = [_counters(proc, timeout=120) for proc in engines]
+    peak = usage.stop() if usage is not None else None
+    ns_dir = next(p for p in root.iterdir() if p.is_dir() and len(p.name) == 32)
+    files = len(value_files(ns_dir))
+    print(f"counters {counters}; peak {peak} bytes; {files} files at the end")
+    for c in counters:
+        assert c["wrong_bytes"] == 0 and c["corrupt"] == 0 and c["io_errors"] == 0, counters
+        assert c["loads_ok"] > 0 and c["evictions"] > 0 and c["checks_found"] > 0, counters
+    assert files <= BOUND_FILES
+    assert _ledger_sum(ns_dir) == files, "the ledgers count exactly the files on disk"
+    if peak is not None:
+        assert peak <= (BOUND_FILES + 3 * READS_PER_ENGINE) * ENTRY, f"peak {peak} bytes"
+
+
+@pytest.mark.slow
+def test_an_engine_killed_while_writing_costs_no_wrong_bytes_and_its_share_is_adopted(tmp_path: Path) -> None:
+    """Three engines on one root; one is killed with SIGKILL in the middle of its work and
+    restarted under the same names (same root, namespace and keys). The survivors keep working
+    with no wrong byte and no corrupt value; the restarted engine works; a survivor adopts the
+    dead engine's ledger; the bound holds, and the ledgers never count fewer files than there are."""
+    root = tmp_path / "root"
+    engines = [_start_bound_engine(root, seed, seconds=5.0) for seed in range(3)]
+    for proc in engines:
+        _go(proc)
+    time.sleep(random.uniform(0.8, 2.0))
+    victim = engines.pop()
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.communicate(timeout=10)
+    assert victim.returncode == -signal.SIGKILL
+    restarted = _start_bound_engine(root, 2, seconds=2.0)
+    _go(restarted)
+    counters = [_counters(proc, timeout=120) for proc in [*engines, restarted]]
+    print(f"counters after the kill: {counters}")
+    for c in counters:
+        assert c["wrong_bytes"] == 0 and c["corrupt"] == 0 and c["io_errors"] == 0, counters
+        assert c["loads_ok"] > 0, counters
+    ns_dir = next(p for p in root.iterdir() if p.is_dir() and len(p.name) == 32)
+    files = len(value_files(ns_dir))
+    assert files <= BOUND_FILES
+    assert _ledger_sum(ns_dir) >= files, "a crash may only make the count too high (the bound stricter)"
+    assert verify_root(root).corrupt == 0
+    # the next engine alone corrects the drift the kill may have left
+    alone = make_tier(root, AlignedRows(2, BB).rows, BB, max_bytes=BOUND_FILES * ENTRY)
+    try:
+        assert alone.usage().used_bytes == files * ENTRY
+    finally:
+        alone.shutdown()
+    assert _ledger_sum(ns_dir) == files
