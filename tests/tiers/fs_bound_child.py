@@ -5,8 +5,8 @@ pool as fast as it can, so they evict (and recycle) each other's files all the t
 Usage: ``python fs_bound_child.py ROOT SEED SECONDS BUDGET_FILES``. Prints ``ready`` once its tier
 is up, waits for a line on stdin, runs, and prints one JSON line of counters. Every block loaded
 is checked against the content its key must have (``wrong_bytes``). Keys are looked up as an
-engine does (RETRY, then the answer of the check on disk), so blocks another engine wrote are
-found (``checks_found``) and loaded too.
+engine does, so blocks another engine wrote are
+learned from their journals (``journal_added``) and loaded too.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main() -> None:
     root, seed, seconds, budget = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
     rows = AlignedRows(16, BB).rows
     tier = make_tier(root, rows, BB, max_bytes=budget * entry_bytes(BB), read_threads=2, write_threads=2,
-                     direct_io=False, sharing=True)  # fmt: skip
+                     direct_io=False)  # fmt: skip
     rng = random.Random(seed)
     keys = [key_of(i, b"bound") for i in range(POOL)]
     print("ready", flush=True)
@@ -71,7 +71,7 @@ def main() -> None:
         tier.shutdown()
     counters.update(
         corrupt=tier.stats.corrupt_values, vanished=int(tier.stats.extra["vanished"]),
-        evictions=tier.stats.evictions, checks_found=int(tier.stats.extra["checks_found"]),
+        evictions=tier.stats.evictions, journal_added=int(tier.stats.extra["journal_added"]),
         io_errors=int(tier.stats.extra["io_errors"]),
     )  # fmt: skip
     print(json.dumps(counters), flush=True)

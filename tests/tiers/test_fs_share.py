@@ -28,11 +28,22 @@ from fs_share_child import NS as CHILD_NS
 from fs_share_child import prompt_keys
 
 from kvtier.errors import ConfigError
+from kvtier.tiers import fs_journal
 from kvtier.tiers.base import HealthState
 from kvtier.tiers.format import HEADER_SIZE
 from kvtier.tiers.fs import FilesystemTier, verify_root
-from kvtier.tiers.fs_budget import RECORD_BYTES, pack_record, parse_record
-from kvtier.tiers.fs_layout import LEDGER_DIR, PAYLOAD_OFFSET, entry_bytes, value_path
+from kvtier.tiers.fs_budget import RECORD_BYTES as LEDGER_RECORD_BYTES
+from kvtier.tiers.fs_budget import pack_record, parse_record
+from kvtier.tiers.fs_journal import (
+    ADDED,
+    RECORD_BYTES,
+    REMOVED,
+    JournalReader,
+    JournalWriter,
+    pack_entry,
+    parse_entries,
+)
+from kvtier.tiers.fs_layout import JOURNAL_DIR, LEDGER_DIR, PAYLOAD_OFFSET, entry_bytes, value_path
 from kvtier.tiers.fs_share import PATIENCE
 from kvtier.types import LookupResult, RequestContext
 
@@ -71,31 +82,70 @@ def _ledger_sum(ns_dir: Path) -> int:
 # --- one engine finds another's blocks ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sharing", ["auto", True])
+def _until_hit(tier: FilesystemTier, key: bytes, timeout: float = 5.0) -> float:
+    """Seconds until ``tier`` answers HIT for ``key`` from memory (never RETRY: no miss_checks)."""
+    t0 = time.monotonic()
+    while (answer := tier.lookup(key, None)) is not LookupResult.HIT:
+        assert answer is LookupResult.MISS, answer
+        assert time.monotonic() - t0 < timeout, "never learned of the other engine's block"
+        time.sleep(0.005)
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("miss_checks", [False, True])
 def test_an_engine_running_before_another_writes_hits_its_blocks(
-    tmp_path: Path, rows: np.ndarray, sharing: str | bool
+    tmp_path: Path, rows: np.ndarray, miss_checks: bool
 ) -> None:
     """The issue's measurement: B starts, then A writes 16 blocks; B used to find 0 of 16 (its
-    index was built at start and never learned of a live peer's files)."""
+    index was built at start and never learned of a live peer's files). From A's journal B
+    learns them within a few housekeeping ticks and answers HIT from memory; with miss_checks
+    its first lookup answers RETRY and a check on disk finds them."""
     other = AlignedRows(32, BB).rows
-    b = make_tier(tmp_path, rows, BB, sharing=sharing)
-    a = make_tier(tmp_path, other, BB, sharing=sharing)
+    b = make_tier(tmp_path, rows, BB, miss_checks=miss_checks)
+    a = make_tier(tmp_path, other, BB)
     try:
         keys = [key_of(i, b"a-wrote") for i in range(16)]
         fill(other, range(16), keys, BB)
         assert store(a, keys, range(16)).success
-        deadline = time.monotonic() + 5
-        while not b.describe()["sharing_active"]:  # auto: b notices a at its next housekeeping
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        request = RequestContext("r")
-        assert b.lookup(keys[0], request) is LookupResult.RETRY  # never answered from disk on this thread
-        assert _ask(b, keys, request) == [LookupResult.HIT] * 16
+        if miss_checks:
+            deadline = time.monotonic() + 5
+            while not b.describe()["miss_checks_active"]:  # b notices a at its next housekeeping
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            request = RequestContext("r")
+            answers = _ask(b, keys, request)
+        else:
+            assert _until_hit(b, keys[-1]) < 2.0
+            answers = [b.lookup(k, None) for k in keys]
+        assert answers == [LookupResult.HIT] * 16
         rows[:16] = 0
         assert load(b, keys, range(16)).success
         for i, key in enumerate(keys):
             assert np.array_equal(rows[i, :BB], block_bytes_for(key, BB))
-        assert b.stats.extra["checks_found"] == 16 and b.stats.corrupt_values == 0
+        learned = b.stats.extra["checks_found"] + b.stats.extra["journal_added"]
+        assert learned >= 16 and b.stats.corrupt_values == 0
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_evictions_of_another_engine_reach_the_index_through_its_journal(tmp_path: Path, rows: np.ndarray) -> None:
+    other = AlignedRows(8, BB).rows
+    b = make_tier(tmp_path, rows, BB)
+    a = make_tier(tmp_path, other, BB, max_bytes=2 * ENTRY)
+    try:
+        keys = [key_of(i, b"journal-evicted") for i in range(4)]
+        fill(other, range(4), keys, BB)
+        assert store(a, keys[:2], [0, 1]).success
+        _until_hit(b, keys[1])
+        assert store(a, keys[2:], [2, 3]).success  # evicts keys[:2]
+        deadline = time.monotonic() + 5
+        while any(b.lookup(k, None) is LookupResult.HIT for k in keys[:2]):
+            assert time.monotonic() < deadline, "the evictions never reached b"
+            time.sleep(0.005)
+        assert b.stats.extra["journal_removed"] == 2
+        _until_hit(b, keys[3])
+        assert load(b, keys[2:], [0, 1]).success
     finally:
         a.shutdown()
         b.shutdown()
@@ -111,24 +161,23 @@ def test_sharing_off_keeps_the_index_built_at_start(tmp_path: Path, rows: np.nda
         assert store(a, [key], [0]).success
         time.sleep(0.3)
         assert b.lookup(key, None) is LookupResult.MISS
-        assert not b.describe()["sharing_active"] and b.stats.extra["checks"] == 0
+        assert b.stats.extra["journal_added"] == 0 and b.stats.extra["checks"] == 0
     finally:
         a.shutdown()
         b.shutdown()
 
 
-def test_a_lone_engine_with_auto_answers_miss_at_once_until_a_peer_appears(tmp_path: Path, rows: np.ndarray) -> None:
-    tier = make_tier(tmp_path, rows, BB)
+def test_a_lone_engine_with_miss_checks_answers_miss_at_once_until_a_peer_appears(
+    tmp_path: Path, rows: np.ndarray
+) -> None:
+    tier = make_tier(tmp_path, rows, BB, miss_checks=True)
     try:
         unknown = key_of(5, b"nobody")
         assert tier.lookup(unknown, None) is LookupResult.MISS  # no RETRY, no check: nobody else is here
         assert tier.stats.extra["checks"] == 0
         peer = make_tier(tmp_path, AlignedRows(2, BB).rows, BB)
         try:
-            deadline = time.monotonic() + 5
-            while not tier.describe()["sharing_active"]:
-                assert time.monotonic() < deadline, "the peer was never noticed"
-                time.sleep(0.01)
+            _wait_checks_active(tier)
         finally:
             peer.shutdown()
         assert tier.lookup(unknown, None) is LookupResult.RETRY  # sticky: the peer's files stay
@@ -136,11 +185,29 @@ def test_a_lone_engine_with_auto_answers_miss_at_once_until_a_peer_appears(tmp_p
         tier.shutdown()
 
 
+def _deaf(tier: FilesystemTier) -> FilesystemTier:
+    """Stop ``tier`` following other engines' journals: what it learns comes from its checks on
+    disk alone (as when the writer is an older release that keeps no journal)."""
+    follow = tier._follow
+    tier._follow = None
+    if follow is not None:
+        follow.close()
+    return tier
+
+
+def _wait_checks_active(tier: FilesystemTier) -> None:
+    deadline = time.monotonic() + 5
+    while not tier.describe()["miss_checks_active"]:
+        assert time.monotonic() < deadline, "the peer was never noticed"
+        time.sleep(0.01)
+
+
 def test_keys_nobody_has_miss_from_a_negative_cache_then_are_checked_again(tmp_path: Path, rows: np.ndarray) -> None:
     other = AlignedRows(4, BB).rows
-    b = make_tier(tmp_path, rows, BB, sharing=True, miss_seconds=0.3)
-    a = make_tier(tmp_path, other, BB, sharing=True)
+    b = _deaf(make_tier(tmp_path, rows, BB, miss_checks=True, miss_seconds=0.3))
+    a = make_tier(tmp_path, other, BB)
     try:
+        _wait_checks_active(b)
         key = key_of(9, b"later")
         assert _ask(b, [key]) == [LookupResult.MISS]
         assert b.stats.extra["checks"] == 1
@@ -160,9 +227,10 @@ def test_keys_nobody_has_miss_from_a_negative_cache_then_are_checked_again(tmp_p
 
 def test_a_chain_is_checked_in_prefix_order_up_to_its_first_absent_key(tmp_path: Path, rows: np.ndarray) -> None:
     other = AlignedRows(8, BB).rows
-    b = make_tier(tmp_path, rows, BB, sharing=True)
-    a = make_tier(tmp_path, other, BB, sharing=True)
+    b = make_tier(tmp_path, rows, BB, miss_checks=True, sharing=True)
+    a = make_tier(tmp_path, other, BB)
     try:
+        _wait_checks_active(_deaf(b))
         keys = [key_of(i, b"chain") for i in range(6)]
         present = keys[:2] + keys[3:]  # keys[2] is nobody's
         fill(other, range(5), present, BB)
@@ -180,8 +248,10 @@ def test_a_chain_is_checked_in_prefix_order_up_to_its_first_absent_key(tmp_path:
 
 
 def test_a_check_that_does_not_come_back_answers_miss_after_patience(tmp_path: Path, rows: np.ndarray) -> None:
-    tier = make_tier(tmp_path, rows, BB, sharing=True, read_threads=1, write_threads=1)
+    tier = make_tier(tmp_path, rows, BB, miss_checks=True, read_threads=1, write_threads=1)
+    peer = make_tier(tmp_path, AlignedRows(2, BB).rows, BB)
     try:
+        _wait_checks_active(tier)
         gate = threading.Event()
         real = tier._probe_key
 
@@ -199,6 +269,7 @@ def test_a_check_that_does_not_come_back_answers_miss_after_patience(tmp_path: P
         assert tier.lookup(key, None) is LookupResult.MISS  # the engine recomputes, it never waits
         gate.set()
     finally:
+        peer.shutdown()
         tier.shutdown()
 
 
@@ -206,29 +277,33 @@ def test_a_check_that_does_not_come_back_answers_miss_after_patience(tmp_path: P
 
 
 def test_a_block_another_engine_evicted_is_a_miss_not_an_error(tmp_path: Path, rows: np.ndarray) -> None:
+    """b believes the files are there (its start-up scan saw them; it follows no journal here,
+    as a slow one would be) when a evicts and recycles them: b's loads are misses."""
     other = AlignedRows(8, BB).rows
-    b = make_tier(tmp_path, rows, BB, sharing=True)
-    a = make_tier(tmp_path, other, BB, sharing=True, max_bytes=2 * ENTRY)
+    a = make_tier(tmp_path, other, BB, max_bytes=2 * ENTRY)
     try:
         keys = [key_of(i, b"evicted") for i in range(4)]
         fill(other, range(4), keys, BB)
         assert store(a, keys[:2], [0, 1]).success
-        assert _ask(b, keys[:2]) == [LookupResult.HIT] * 2  # b adopted both
+        b = make_tier(tmp_path, rows, BB, sharing=False, miss_checks=False)
+        assert [b.lookup(k, None) for k in keys[:2]] == [LookupResult.HIT] * 2
         assert store(a, keys[2:], [2, 3]).success  # a evicts (and recycles) both files
         result = load(b, keys[:2], [0, 1])
         assert not result.success and result.successful_keys == frozenset()
         assert "vanished" in (result.error or "")
         assert b.stats.corrupt_values == 0 and b.stats.extra["vanished"] == 2
         assert b.health().state is HealthState.CLOSED and b.stats.extra["io_errors"] == 0
-        assert [b.lookup(k, None) for k in keys[:2]] == [LookupResult.MISS] * 2  # remembered absent
-        # what a now holds, b finds and loads byte exact (a recycled file under a new name)
-        assert _ask(b, keys[2:]) == [LookupResult.HIT] * 2
+        assert [b.lookup(k, None) for k in keys[:2]] == [LookupResult.MISS] * 2
+        b.shutdown()
+        # a new engine finds what a now holds and loads it byte exact (recycled files, new names)
+        b = make_tier(tmp_path, rows, BB)
+        assert [b.lookup(k, None) for k in keys[2:]] == [LookupResult.HIT] * 2
         assert load(b, keys[2:], [4, 5]).success
         for i, key in enumerate(keys[2:]):
             assert np.array_equal(rows[4 + i, :BB], block_bytes_for(key, BB))
+        b.shutdown()
     finally:
         a.shutdown()
-        b.shutdown()
 
 
 # --- planted entries -------------------------------------------------------------------------------
@@ -248,7 +323,9 @@ def test_planted_entries_found_by_a_check_are_never_served(tmp_path: Path, rows:
     FIFO, a directory, a garbage file, a value of another key, a value of another namespace, a
     file of a wrong size. None is followed, blocks a check, or reaches a CPU row as a success;
     the regular ones fail verification once and are never adopted again."""
-    tier = make_tier(tmp_path, rows, BB, sharing=True, direct_io=False)
+    tier = make_tier(tmp_path, rows, BB, miss_checks=True, direct_io=False)
+    peer = make_tier(tmp_path, AlignedRows(2, BB).rows, BB)
+    _wait_checks_active(tier)
     ns_dir = tier.ns_dir
     digest = bytes.fromhex(ns_dir.name)
     keys = {name: key_of(i, b"planted") for i, name in enumerate(
@@ -282,6 +359,7 @@ def test_planted_entries_found_by_a_check_are_never_served(tmp_path: Path, rows:
         assert outside.exists() and value_path(ns_dir, keys["symlink"]).is_symlink()
         assert value_path(ns_dir, keys["fifo"]).exists() and value_path(ns_dir, keys["directory"]).is_dir()
     finally:
+        peer.shutdown()
         tier.shutdown()
 
 
@@ -289,8 +367,10 @@ def test_planted_entries_found_by_a_check_are_never_served(tmp_path: Path, rows:
 def test_another_users_planted_value_is_never_adopted_and_a_group_file_that_fails_is_not_retried(
     tmp_path: Path, rows: np.ndarray
 ) -> None:
-    tier = make_tier(tmp_path, rows, BB, sharing=True)
+    tier = make_tier(tmp_path, rows, BB, miss_checks=True)
+    peer = make_tier(tmp_path, AlignedRows(2, BB).rows, BB)
     try:
+        _wait_checks_active(tier)
         key = key_of(1, b"foreign")
         path = value_path(tier.ns_dir, key)
         path.write_bytes(_value(key, bytes.fromhex(tier.ns_dir.name), block_bytes_for(key, BB)))
@@ -298,6 +378,7 @@ def test_another_users_planted_value_is_never_adopted_and_a_group_file_that_fail
         assert _ask(tier, [key]) == [LookupResult.MISS]
         assert tier.stats.extra["unsafe_entries"] >= 1 and path.exists()
     finally:
+        peer.shutdown()
         tier.shutdown()
 
 
@@ -327,6 +408,102 @@ def test_a_store_never_replaces_an_entry_at_its_name(tmp_path: Path, rows: np.nd
         tier.shutdown()
 
 
+# --- journals ----------------------------------------------------------------------------------------
+
+
+def test_planted_journal_entries_and_records_are_ignored_or_cost_only_a_miss(tmp_path: Path, rows: np.ndarray) -> None:
+    """journal/ is untrusted too: a symlink, a FIFO and a foreign-named file are never opened (a
+    FIFO never blocks the reader); garbled records are skipped; a well-formed record of a key
+    with no file makes a lookup HIT whose load is a plain miss, never an error or wrong bytes."""
+    tier = make_tier(tmp_path, rows, BB)
+    journal = tier.ns_dir / JOURNAL_DIR
+    ghost, real = key_of(1, b"ghost"), key_of(2, b"real")
+    secret = tmp_path / "secret"
+    secret.write_bytes(pack_entry(ADDED, key_of(3, b"via-link"), time.time()) * 3)
+    (journal / "7-aaaaaaaaaaaa.1").symlink_to(secret)
+    os.mkfifo(journal / "7-bbbbbbbbbbbb.1")
+    (journal / "not-a-journal").write_bytes(pack_entry(ADDED, key_of(4, b"misnamed"), time.time()))
+    garbled = bytearray(pack_entry(ADDED, key_of(5, b"garbled"), time.time()))
+    garbled[20] ^= 0xFF
+    (journal / "7-cccccccccccc.1").write_bytes(
+        bytes(garbled) + os.urandom(80) + pack_entry(ADDED, ghost, time.time()) + b"torn record"
+    )
+    other = AlignedRows(2, BB).rows
+    peer = make_tier(tmp_path, other, BB)
+    try:
+        fill(other, [0], [real], BB)
+        assert store(peer, [real], [0]).success
+        _until_hit(tier, real)
+        _until_hit(tier, ghost)
+        for planted in (key_of(3, b"via-link"), key_of(4, b"misnamed"), key_of(5, b"garbled")):
+            assert tier.lookup(planted, None) is LookupResult.MISS
+        assert tier._follow is not None and tier._follow.bad_records == 2
+        assert tier._follow.unsafe_entries == 2  # the symlink and the FIFO
+        rows[:2] = 0
+        result = load(tier, [ghost, real], [0, 1])
+        assert result.successful_keys == frozenset([real]) and "vanished" in (result.error or "")
+        assert np.array_equal(rows[1, :BB], block_bytes_for(real, BB))
+        assert tier.stats.corrupt_values == 0 and tier.health().state is HealthState.CLOSED
+        assert secret.exists() and (journal / "7-bbbbbbbbbbbb.1").exists()
+    finally:
+        peer.shutdown()
+        tier.shutdown()
+
+
+def test_a_reader_follows_a_journal_across_segments_and_skips_what_was_deleted(
+    tmp_path: Path, rows: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fs_journal, "SEGMENT_BYTES", 4 * RECORD_BYTES)
+    tier = make_tier(tmp_path, rows, BB)
+    writer = JournalWriter(tier._dirs, "9-dddddddddddd")
+    reader = JournalReader(tier._dirs, "8-eeeeeeeeeeee")
+    try:
+        keys = [key_of(i, b"segments") for i in range(30)]
+        for key in keys[:6]:
+            writer.append(ADDED, [key])
+        assert [k for _, _, k in reader.read()] == keys[:6]  # across the first rotation
+        for key in keys[6:]:
+            writer.append(ADDED, [key])  # 6 more rotations: the segments the reader was at are gone
+        got = [k for _, _, k in reader.read()]
+        assert got == keys[-len(got):] and 4 <= len(got) < 24  # skipped ahead, in order
+        assert len(list((tier.ns_dir / JOURNAL_DIR).glob("9-dddddddddddd.*"))) <= 3
+        writer.append(REMOVED, keys[:1])
+        assert reader.read() == [(REMOVED, pytest.approx(time.time(), abs=5), keys[0])]
+    finally:
+        writer.close()
+        reader.close()
+        tier.shutdown()
+
+
+def test_journals_of_dead_instances_are_deleted_once_stale(
+    tmp_path: Path, rows: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = make_tier(tmp_path, rows, BB)
+    fill(rows, [0], [key_of(1)], BB)
+    assert store(first, [key_of(1)], [0]).success
+    first.shutdown()
+    journal = first.ns_dir / JOURNAL_DIR
+    assert len(list(journal.iterdir())) == 1
+    monkeypatch.setattr(fs_journal, "STALE_SECONDS", 0.0)
+    second = make_tier(tmp_path, rows, BB)
+    try:
+        deadline = time.monotonic() + 5
+        while len(list(journal.iterdir())) > 1:  # only the live one's own journal stays
+            assert time.monotonic() < deadline, list(journal.iterdir())
+            time.sleep(0.05)
+        assert second.lookup(key_of(1), None) is LookupResult.HIT
+    finally:
+        second.shutdown()
+
+
+def test_journal_records_round_trip() -> None:
+    record = pack_entry(REMOVED, b"k" * 36, 123.5)
+    assert len(record) == RECORD_BYTES
+    assert parse_entries(record * 2) == ([(REMOVED, 123.5, b"k" * 36)] * 2, 0)
+    assert parse_entries(record[:-1] + b"x") == ([], 1)
+    assert parse_entries(b"") == ([], 0)
+
+
 # --- the shared size bound --------------------------------------------------------------------------
 
 
@@ -336,7 +513,7 @@ def test_engines_sharing_a_root_share_its_bound_and_evict_each_others_files(tmp_
     room by evicting them; the ledgers sum to the files on disk once everyone is done."""
     budget = 6
     all_rows = [AlignedRows(16, BB).rows for _ in range(3)]
-    tiers = [make_tier(tmp_path, r, BB, max_bytes=budget * ENTRY, sharing=True) for r in all_rows]
+    tiers = [make_tier(tmp_path, r, BB, max_bytes=budget * ENTRY) for r in all_rows]
     ns_dir = tiers[0].ns_dir
     try:
         for t, tier in enumerate(tiers):  # the last one started before any file was written
@@ -348,7 +525,8 @@ def test_engines_sharing_a_root_share_its_bound_and_evict_each_others_files(tmp_
         assert len(value_files(tmp_path)) == budget
         assert all(t.stats.evictions > 0 for t in tiers[1:])  # they evicted files they did not write
         newest = [key_of(i, b"engine-2") for i in range(6, 8)]
-        assert _ask(tiers[0], newest) == [LookupResult.HIT] * 2
+        for key in newest:
+            _until_hit(tiers[0], key)  # from engine 2's journal
         assert _ledger_sum(ns_dir) == budget
         assert tiers[0].usage().used_bytes == budget * ENTRY  # the namespace's bytes, not one engine's
     finally:
@@ -435,7 +613,7 @@ def test_planted_ledger_entries_are_ignored(tmp_path: Path, rows: np.ndarray) ->
 
 def test_ledger_records_round_trip_and_reject_damage() -> None:
     record = pack_record(-7, 3)
-    assert len(record) == RECORD_BYTES and parse_record(record) == -7
+    assert len(record) == LEDGER_RECORD_BYTES and parse_record(record) == -7
     assert parse_record(b"") == 0
     assert parse_record(record[:-1]) is None
     assert parse_record(b"X" + record[1:]) is None
@@ -443,9 +621,11 @@ def test_ledger_records_round_trip_and_reject_damage() -> None:
     assert parse_record(head + xxhash.xxh64_intdigest(head).to_bytes(8, "little")) == 5
 
 
-@pytest.mark.parametrize("options", [{"sharing": "yes"}, {"sharing": None}, {"miss_seconds": 0}])
+@pytest.mark.parametrize(
+    "options", [{"sharing": "yes"}, {"sharing": None}, {"miss_checks": "auto"}, {"miss_seconds": 0}]
+)
 def test_bad_sharing_options_are_config_errors(tmp_path: Path, rows: np.ndarray, options: dict[str, Any]) -> None:
-    with pytest.raises(ConfigError, match=r"sharing|miss_seconds"):
+    with pytest.raises(ConfigError, match=r"sharing|miss_checks|miss_seconds"):
         make_tier(tmp_path, rows, BB, **options)
 
 
@@ -503,25 +683,28 @@ class EngineProcess:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("shm_leak_check")
-def test_engines_in_separate_processes_share_a_root_through_the_public_api(tmp_path: Path) -> None:
+@pytest.mark.parametrize("options", [{}, {"miss_checks": True}], ids=["journals", "miss_checks"])
+def test_engines_in_separate_processes_share_a_root_through_the_public_api(
+    tmp_path: Path, options: dict[str, Any]
+) -> None:
     """Acceptance: B and C run before A writes; they HIT A's 16 blocks byte exact through
-    TieringManager (RETRY, then HIT_PENDING, then HIT). Planted entries named like blocks of a
-    prompt nobody stored are never served. D, writing in a loop, is killed with SIGKILL; nobody
-    gets a wrong byte, B and C keep working, and D restarted under the same names works."""
+    TieringManager (HIT_PENDING, then HIT; with miss_checks RETRY first). Planted entries named
+    like blocks of prompts nobody stored are never served. D, writing in a loop, is killed with
+    SIGKILL; nobody gets a wrong byte, all keep working, and D restarted under the same names works."""
     root = tmp_path / "root"
     budget = 400 * entry_bytes(CHILD_BB)
     ns_dir = root / CHILD_NS.hexdigest
     engines: list[EngineProcess] = []
     try:
-        b, c = EngineProcess(root, budget), EngineProcess(root, budget)
+        b, c = EngineProcess(root, budget, **options), EngineProcess(root, budget, **options)
         engines += [b, c]
-        a = EngineProcess(root, budget)
+        a = EngineProcess(root, budget, **options)
         engines.append(a)
         assert a.ask("store shared 16") == {"stored": 16}
-        time.sleep(0.3)  # auto: b and c notice a peer at their next housekeeping (0.1 s)
+        time.sleep(0.5)  # journals are read (and peers noticed) at each housekeeping tick (0.1 s)
         for engine in (b, c):
             got = engine.ask("fetch shared 16")
-            assert got["hits"] == 16 and got["wrong"] == 0 and got["steps"] >= 2, got
+            assert got["hits"] == 16 and got["wrong"] == 0, got
         # planted entries under the first block's name of prompts nobody stored
         secret = tmp_path / "secret"
         secret.write_bytes(bytes(PAYLOAD_OFFSET + CHILD_BB))
@@ -533,7 +716,7 @@ def test_engines_in_separate_processes_share_a_root_through_the_public_api(tmp_p
                 got = engine.ask(f"fetch hostile-{kind} 4")
                 assert got["hits"] == 0 and got["wrong"] == 0, (kind, got)
         # D writes in a loop and is killed mid-write
-        d = EngineProcess(root, budget)
+        d = EngineProcess(root, budget, **options)
         engines.append(d)
         assert d.proc.stdin is not None
         d.proc.stdin.write("write 30 7\n")
@@ -548,21 +731,28 @@ def test_engines_in_separate_processes_share_a_root_through_the_public_api(tmp_p
                 assert got["wrong"] == 0, (tag, got)
             assert engine.ask("store after-kill 8")["stored"] in (0, 8)
             assert engine.ask("fetch shared 16")["wrong"] == 0
-        d = EngineProcess(root, budget)  # restarted: same root, same namespace, same prompts
+        d = EngineProcess(root, budget, **options)  # restarted: same root, same namespace, same prompts
         engines.append(d)
         got = d.ask("fetch shared 16")
         assert got["hits"] == 16 and got["wrong"] == 0, got
         assert d.ask("store restarted 8")["stored"] == 8
-        assert b.ask("fetch restarted 8")["hits"] == 8
+        deadline = time.monotonic() + 5
+        while (got := b.ask("fetch restarted 8"))["hits"] < 8:  # d's journal reaches b within ~0.2 s
+            assert got["wrong"] == 0 and time.monotonic() < deadline, got
+            time.sleep(0.05)
         stats = [e.ask("stats")["stats"] for e in engines]
         corrupt = [s["corrupt_values"] for s in stats]
-        # the planted garbage file: one of b, c loaded it (and removed it, it was this user's); nothing else
-        assert corrupt[0] + corrupt[1] == 1 and corrupt[2:] == [0, 0], stats
+        # the planted garbage file: no journal announces it; a check on disk finds it, then one of b, c
+        # loads it, fails its verification and removes it (it was this user's); nothing else is corrupt
+        planted = 1 if options.get("miss_checks") else 0
+        assert corrupt[0] + corrupt[1] == planted and corrupt[2:] == [0, 0], stats
     finally:
         for engine in engines:
             engine.quit()
     report = verify_root(root)
-    assert report.corrupt == 0
+    bad = [Path(c.path).name for ns in report.namespaces for c in ns.corrupt]
+    garbage = value_path(ns_dir, prompt_keys("hostile-garbage", 1)[0]).name
+    assert bad == ([] if options.get("miss_checks") else [garbage])  # only the planted file, never loaded
     assert len(value_files(ns_dir)) * entry_bytes(CHILD_BB) <= budget
 
 
@@ -622,16 +812,24 @@ class _Usage:
 
 @pytest.fixture
 def tmpfs_root(tmp_path: Path) -> Iterator[Path | None]:
-    """A 32 MiB tmpfs for the bound tests' byte sampling; None where mounting needs root."""
+    """A 32 MiB tmpfs for the bound tests' byte sampling, its namespace's journal directory on a
+    tmpfs of its own (journals live outside max_bytes, up to 3 MiB per engine), so statvfs of
+    the root counts value and temp files only; None where mounting needs root."""
     from fs_helpers import mount_tmpfs
 
     mount = tmp_path / "mnt"
     if mount_tmpfs(mount, "32m") is not None:
         yield None
         return
+    journals = None
     try:
+        make_tier(mount, AlignedRows(1, BB).rows, BB).shutdown()  # creates the namespace directory
+        (journals,) = mount.glob(f"*/{JOURNAL_DIR}")
+        assert mount_tmpfs(journals, "32m") is None
         yield mount
     finally:
+        if journals is not None:
+            subprocess.run(["umount", "-l", str(journals)], check=False)
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
@@ -657,7 +855,7 @@ def test_three_processes_keep_the_shared_bound_and_read_only_exact_bytes(
     print(f"counters {counters}; peak {peak} bytes; {files} files at the end")
     for c in counters:
         assert c["wrong_bytes"] == 0 and c["corrupt"] == 0 and c["io_errors"] == 0, counters
-        assert c["loads_ok"] > 0 and c["evictions"] > 0 and c["checks_found"] > 0, counters
+        assert c["loads_ok"] > 0 and c["evictions"] > 0 and c["journal_added"] > 0, counters
     assert files <= BOUND_FILES
     assert _ledger_sum(ns_dir) == files, "the ledgers count exactly the files on disk"
     if peak is not None:

@@ -28,10 +28,12 @@ How it works (layout and file format: :mod:`kvtier.tiers.fs_layout`):
   room again.
 * Lookups are answered from the in-memory index. At start it is rebuilt from the
   directory (in a background thread by default; keys of shards not yet scanned
-  answer RETRY), and temp files of dead processes are swept. With ``sharing``, a
-  key the index lacks is checked on disk by an I/O thread (the lookup answers
-  RETRY, then HIT or MISS; :mod:`kvtier.tiers.fs_share`), so blocks other live
-  engines write into the root are found.
+  answer RETRY), and temp files of dead processes are swept. With ``sharing``, the
+  index follows the change journals of the other engines using the root
+  (:mod:`kvtier.tiers.fs_journal`), so blocks they write become HITs about 0.1-0.2 s
+  later and blocks they evict MISSes; with ``miss_checks``, a key the index lacks
+  is also checked on disk by an I/O thread (the lookup answers RETRY, then HIT or
+  MISS; :mod:`kvtier.tiers.fs_share`).
 * ``failure_threshold`` consecutive I/O errors open a circuit breaker: lookups
   answer MISS and stores are dropped. Every ``probe_interval`` seconds a probe
   (open a shard; write, read back, delete a small file) tries to close it again.
@@ -74,6 +76,7 @@ from kvtier.tiers.fs_files import (
     take_for_recycling,
 )
 from kvtier.tiers.fs_index import FileIndex, Reservation
+from kvtier.tiers.fs_journal import ADDED, REMOVED, Entry, JournalReader, JournalWriter
 from kvtier.tiers.fs_layout import (
     O_DIRECT,
     PAGE,
@@ -156,17 +159,23 @@ class FilesystemTierOptions(BaseModel):
         description="Share the cache with this Unix group (directories 2770, files 0640, the group's files "
         "are served). Default: private to this user (0700 / 0600).",
     )
-    sharing: bool | Literal["auto"] = Field(
-        default="auto",
-        description="Find blocks other engines write into this root and namespace while this one runs: a "
-        "lookup the index cannot answer is checked on disk by an I/O thread (it answers RETRY meanwhile). "
-        "'auto': once another engine has used the namespace since this one started; true: always; false: "
-        "only what the start-up scan found.",
+    sharing: bool = Field(
+        default=True,
+        description="Learn the blocks other engines write into (and evict from) this root and namespace while "
+        "this one runs, from the change journal every engine keeps (about 0.1-0.2 s behind; lookups never wait). "
+        "false: only what the start-up scan found and this engine stored.",
+    )
+    miss_checks: bool = Field(
+        default=False,
+        description="With sharing, while other engines use the root, also check on disk each key the index "
+        "lacks: the lookup answers RETRY until an I/O thread's check comes back (then HIT, or MISS for "
+        "miss_seconds). Finds blocks the moment they are written, and blocks of engines that keep no journal "
+        "(older releases), at the cost of one engine step for every new prompt.",
     )
     miss_seconds: float = Field(
         default=1.0,
         gt=0,
-        description="With sharing: seconds a key checked and not found answers MISS before it is checked again.",
+        description="With miss_checks: seconds a key checked and not found answers MISS before it is checked again.",
     )
 
     @field_validator("root", mode="before")
@@ -246,9 +255,10 @@ class FilesystemTier(ThreadedTier):
         "scan_seconds": ExtraMetric("gauge", "Duration of the warm-restart scan."),
         "temp_files_swept": ExtraMetric("gauge", "Temporary files of dead writers removed at start."),
         "unsafe_entries": ExtraMetric("counter", "Entries of the root that are not regular files of ours (untouched)."),
-        "checks": ExtraMetric("counter", "Keys the index did not hold, checked on disk (live sharing)."),
+        "journal_added": ExtraMetric("counter", "Blocks other engines stored, learned from their journals."),
+        "journal_removed": ExtraMetric("counter", "Blocks other engines evicted, learned from their journals."),
+        "checks": ExtraMetric("counter", "Keys the index did not hold, checked on disk (miss_checks)."),
         "checks_found": ExtraMetric("counter", "Checked keys found on disk: blocks another engine wrote."),
-        "sharing_active": ExtraMetric("gauge", "1 while lookups check the root for other engines' blocks."),
     }
 
     def __init__(
@@ -267,7 +277,8 @@ class FilesystemTier(ThreadedTier):
         max_queued_stores: int = 256,
         shutdown_timeout: float = 30.0,
         share_group: str | int | None = None,
-        sharing: bool | str = "auto",
+        sharing: bool = True,
+        miss_checks: bool = False,
         miss_seconds: float = 1.0,
     ) -> None:
         """Check the options, prepare the namespace directory, size the budget, start the threads.
@@ -300,9 +311,10 @@ class FilesystemTier(ThreadedTier):
             )
         if failure_threshold < 1:
             raise ConfigError(f"fs tier failure_threshold must be >= 1, got {failure_threshold}")
-        if sharing not in (True, False, "auto") or not miss_seconds > 0:
+        if not isinstance(sharing, bool) or not isinstance(miss_checks, bool) or not miss_seconds > 0:
             raise ConfigError(
-                f"fs tier sharing must be true, false or 'auto' and miss_seconds > 0, got {sharing!r}, {miss_seconds!r}"
+                "fs tier sharing and miss_checks must be true or false and miss_seconds > 0, got "
+                f"{sharing!r}, {miss_checks!r}, {miss_seconds!r}"
             )
         super().__init__(
             context,
@@ -335,17 +347,26 @@ class FilesystemTier(ThreadedTier):
             # Bytes moved per block: O_DIRECT needs whole pages (the row's padding rides along).
             self._io_bytes = round_up(block_bytes) if self.direct_io else block_bytes
             self.max_bytes = self._resolve_max_bytes(max_bytes, self._count_existing_files())
-            self._peers = PeerWatch(self._dirs, self._instance.name, always=sharing is True)
+            self._peers = PeerWatch(self._dirs, self._instance.name, always=False)
             self._budget = SharedBudget(self._dirs, self._instance.name, self.max_bytes // self.entry_bytes)
         except BaseException:
             self._instance.close(remove=True)
             self._dirs.close()
             raise
+        try:  # before the scan: records appended from now on are read, what came before is scanned
+            self._journal = JournalWriter(self._dirs, self._instance.name)
+            self._follow = JournalReader(self._dirs, self._instance.name) if sharing else None
+        except BaseException:
+            self._instance.close(remove=True)
+            self._budget.close()
+            self._dirs.close()
+            raise
         self._direct_flag = O_DIRECT if self.direct_io else 0
         self._index = FileIndex()
         self.sharing = sharing
+        self.miss_checks = miss_checks and sharing
         self._checks = ExistenceChecks(miss_seconds)
-        self._share_live = sharing is True or (sharing == "auto" and self._peers.seen)
+        self._checks_live = self.miss_checks and self._peers.seen
         self._value_sizes = (PAYLOAD_OFFSET + block_bytes, self.entry_bytes)
         self._hard_links = True
         self._next_ledger_check = 0.0
@@ -366,9 +387,10 @@ class FilesystemTier(ThreadedTier):
                 "scan_seconds": 0.0,
                 "unsafe_entries": 0,
                 "temp_files_swept": float(self.swept_temp_files),
+                "journal_added": 0,
+                "journal_removed": 0,
                 "checks": 0,
                 "checks_found": 0,
-                "sharing_active": float(self._share_live),
             }
         )
 
@@ -437,18 +459,18 @@ class FilesystemTier(ThreadedTier):
 
     def _lookup(self, key: BlockKey, request: RequestContext | None) -> LookupResult:
         """HIT if the index holds ``key``; RETRY while its shard is not scanned yet; else MISS, or
-        with live sharing the answer of a check on disk (RETRY until it came back)."""
+        with ``miss_checks`` the answer of a check on disk (RETRY until it came back)."""
         scanned = self._scanned[key[0]]  # read before the index: the scan adds keys, then flags
         if self._index.hit(key):
             return LookupResult.HIT
         if not scanned:
             return LookupResult.RETRY
-        if not self._share_live:
+        if not self._checks_live:
             return LookupResult.MISS
         return self._checks.answer(key, request, time.monotonic())
 
     def on_schedule_end(self) -> None:
-        """Send this step's keys to check on disk (live sharing) to an I/O thread, as one item."""
+        """Send this step's keys to check on disk (``miss_checks``) to an I/O thread, as one item."""
         chains = self._checks.take()
         if not chains:
             return
@@ -509,7 +531,8 @@ class FilesystemTier(ThreadedTier):
             "max_queued_stores": self.max_queued_stores,
             "scan_complete": self.scan_complete,
             "sharing": self.sharing,
-            "sharing_active": self._share_live,
+            "miss_checks": self.miss_checks,
+            "miss_checks_active": self._checks_live,
             "miss_seconds": self._checks.miss_seconds,
             "hard_links": self._hard_links,
             "instance": self._instance.name,
@@ -604,6 +627,7 @@ class FilesystemTier(ThreadedTier):
             )
             if removed:
                 self._budget.release(1)
+                self._journal.append(REMOVED, [key])
             raise _Corrupt(str(exc), removed, st) from None
         finally:
             os.close(fd)
@@ -686,6 +710,7 @@ class FilesystemTier(ThreadedTier):
             fd = None
             if self._place(tmp, tmp_dir, key):
                 claimed = False
+                self._journal.append(ADDED, [key])
                 return True
         finally:
             if fd is not None:
@@ -740,7 +765,7 @@ class FilesystemTier(ThreadedTier):
         recycled: int | None = None
         try:
             while need > 0:
-                if self._share_live and not self._index.found_files:
+                if self._peers.seen and not self._index.found_files:
                     self._scavenge()  # learn what other engines wrote before choosing the oldest
                 victims = self._index.take_victims(need)
                 if not victims:
@@ -797,7 +822,7 @@ class FilesystemTier(ThreadedTier):
         are left alone (they were never ours); files already gone (another engine evicted them)
         count nothing."""
         recycled: int | None = None
-        removed = 0
+        gone: list[BlockKey] = []
         for victim in victims:
             shard, name = f"{victim[0]:02x}", value_name(victim)
             try:
@@ -808,20 +833,22 @@ class FilesystemTier(ThreadedTier):
                             shard_fd, name, self._instance.fd, recycle_to, self._direct_flag, self.modes
                         )
                         if recycled is not None:
-                            removed += 1
+                            gone.append(victim)
                             continue
-                    removed += remove_value(shard_fd, name, self.modes)
+                    if remove_value(shard_fd, name, self.modes):
+                        gone.append(victim)
                 finally:
                     os.close(shard_fd)
             except FileNotFoundError:
                 pass
             except OSError as exc:
                 self._io_error(f"evicting {victim.hex()[:16]} failed: {exc.strerror or exc}")
-        self._budget.release(removed, planned=planned)
+        self._budget.release(len(gone), planned=planned)
+        self._journal.append(REMOVED, gone)
         self._index.finish_delete(victims)
         self._count(evictions=len(victims))
         self._emit(victims, removed=True)
-        return recycled, removed
+        return recycled, len(gone)
 
     def _check_keys(self, work: Work) -> None:
         """Check one step's chains of keys the index lacked on disk (live sharing): adopt the
@@ -891,18 +918,35 @@ class FilesystemTier(ThreadedTier):
             logger.info("fs tier %s: capacity back to %d bytes", self.label, budget.capacity * self.entry_bytes)
 
     def _housekeeping(self) -> None:
-        """Notice other engines (``sharing: auto``), expire negative answers, and every
-        ``_LEDGER_SECONDS`` adopt dead instances' ledgers and reread the shared file count."""
-        if not self._share_live and self.sharing == "auto" and self._peers.check():
-            self._share_live = True
-            self._count(sharing_active=1)
-            logger.info("fs tier %s: another engine uses %s: lookups now check the root", self.label, self.ns_dir)
+        """Apply the other engines' journals, notice other engines (``miss_checks``), expire
+        negative answers, and every ``_LEDGER_SECONDS`` adopt dead instances' ledgers, reread
+        the shared file count and delete dead instances' stale journals."""
+        if self._follow is not None:
+            self._apply_journal(self._follow.read())
+        if not self._peers.seen and self._peers.check():
+            logger.info("fs tier %s: another engine uses %s", self.label, self.ns_dir)
+        if self.miss_checks and not self._checks_live and self._peers.seen:
+            self._checks_live = True
         self._checks.prune()
         now = time.monotonic()
         if now >= self._next_ledger_check:
             self._next_ledger_check = now + _LEDGER_SECONDS
             self._budget.adopt_dead()
             self._budget.refresh()
+            if self._follow is not None:
+                self._follow.remove_dead()
+
+    def _apply_journal(self, entries: list[Entry]) -> None:
+        """What other engines added (present, ranked by its write time) and removed (gone)."""
+        added = removed = 0
+        for op, when, key in entries:
+            if op == ADDED:
+                added += self._index.add_found([(when, key)])
+                self._checks.forget(key)
+            elif self._index.forget_if_older(key, when):
+                removed += 1
+        if added or removed:
+            self._count(journal_added=added, journal_removed=removed)
 
     def _io_error(self, detail: str) -> None:
         logger.warning("fs tier %s: %s", self.label, detail)
@@ -976,4 +1020,7 @@ class FilesystemTier(ThreadedTier):
     def _close(self) -> None:
         self._instance.close(remove=True)  # first: the ledger's owner is dead from now on
         self._budget.close()
+        self._journal.close()
+        if self._follow is not None:
+            self._follow.close()
         self._dirs.close()

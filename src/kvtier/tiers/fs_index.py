@@ -42,11 +42,18 @@ class Reservation(Enum):
     BUSY = "busy"
 
 
+SEEN_SECONDS = 120.0
+"""How long the index remembers when a file of a used key was last proven to exist (stored,
+adopted, announced by another engine): a removal another engine announces with an older time
+does not drop it. Removals arrive within seconds (journal lag), so older proofs never matter."""
+
+
 class FileIndex:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._used: OrderedDict[bytes, float] = OrderedDict()  # last use, least recent first
         self._found: OrderedDict[bytes, float] = OrderedDict()  # mtime, oldest first (roughly)
+        self._seen: OrderedDict[bytes, float] = OrderedDict()  # used keys: when a file was last proven
         self._pins: dict[bytes, int] = {}
         self._busy: set[bytes] = set()
 
@@ -122,6 +129,19 @@ class FileIndex:
             self._found.pop(key, None)
             self._used[key] = now
             self._used.move_to_end(key)
+            self._saw_locked(key, now)
+
+    def _saw_locked(self, key: bytes, when: float) -> None:
+        seen = self._seen
+        if seen.get(key, 0.0) < when:
+            seen[key] = when
+            seen.move_to_end(key)
+        horizon = when - SEEN_SECONDS
+        while seen:
+            first = next(iter(seen))
+            if seen[first] >= horizon:
+                break
+            del seen[first]
 
     def abort(self, key: bytes) -> None:
         """A granted store failed; its file is gone."""
@@ -137,6 +157,7 @@ class FileIndex:
             for victim in victims:
                 if self._used.pop(victim, None) is None:
                     del self._found[victim]
+                self._seen.pop(victim, None)
                 self._busy.add(victim)
             return victims
 
@@ -152,6 +173,7 @@ class FileIndex:
         with self._lock:
             if self._used.pop(key, None) is None and self._found.pop(key, None) is None:
                 return False
+            self._seen.pop(key, None)
             self._busy.add(key)
             return True
 
@@ -171,18 +193,45 @@ class FileIndex:
             if key in self._used or key in self._found or key in self._busy:
                 return False
             self._used[key] = now
+            self._saw_locked(key, now)
+            return True
+
+    def forget_if_older(self, key: bytes, when: float) -> bool:
+        """Another engine removed ``key``'s file at ``when`` (wall clock): drop the key unless a
+        load or store of it is under way here, or a file of it was proven to exist after
+        ``when`` (stored or adopted here, announced or found on disk since; a mere use proves
+        nothing). True if it was dropped."""
+        with self._lock:
+            if key in self._busy or key in self._pins:
+                return False
+            found = self._found.get(key)
+            if found is not None:
+                if found > when:
+                    return False
+                del self._found[key]
+                return True
+            if key not in self._used or self._seen.get(key, 0.0) > when:
+                return False
+            del self._used[key]
+            self._seen.pop(key, None)
             return True
 
     def add_found(self, files: Iterable[tuple[float, bytes]]) -> int:
-        """Add files found on disk (``(mtime, key)``, oldest first) that this engine has not used;
-        keys present or busy are skipped. Returns how many were added."""
+        """Add files found on disk or announced by another engine (``(mtime, key)``, oldest
+        first) that this engine has not used; keys busy are skipped, keys present only
+        remember the newer proof. Returns how many were added."""
         added = 0
         with self._lock:
             for mtime, key in files:
-                if key in self._used or key in self._found or key in self._busy:
+                if key in self._busy:
                     continue
-                self._found[key] = mtime
-                added += 1
+                if key in self._used:
+                    self._saw_locked(key, mtime)
+                elif key in self._found:
+                    self._found[key] = max(self._found[key], mtime)
+                else:
+                    self._found[key] = mtime
+                    added += 1
         return added
 
     def order_found(self, keys_oldest_first: list[bytes], chunk: int = 4096) -> None:

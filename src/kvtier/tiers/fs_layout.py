@@ -11,6 +11,8 @@ One directory per namespace under the tier's root::
             <key hex>.<n>.tmp    a store in progress (linked into its shard)
         ledger/<pid>-<token>     each instance's count of value files (the shared
                                  size bound, :mod:`kvtier.tiers.fs_budget`)
+        journal/<pid>-<token>.<n>  each instance's log of files it added and removed
+                                 (live sharing, :mod:`kvtier.tiers.fs_journal`)
 
 A value file holds the 128-byte header of :mod:`kvtier.tiers.format` at offset
 0, zero padded to :data:`PAYLOAD_OFFSET` (4096), then the payload. The payload
@@ -75,6 +77,7 @@ LAYOUT_VERSION = 1
 MANIFEST = "manifest.json"
 TMP_DIR = "tmp"
 LEDGER_DIR = "ledger"
+JOURNAL_DIR = "journal"
 LOCK_FILE = "lock"
 SUFFIX = ".kv"
 SHARDS = tuple(f"{i:02x}" for i in range(256))
@@ -208,9 +211,9 @@ def atomic_write_text(dirs: NamespaceDir, name: str, text: str) -> None:
 
 
 def make_dirs(ns_dir: Path, modes: FileModes) -> NamespaceDir:
-    """Create (or adopt) the namespace directory, its 256 shards, ``tmp`` and ``ledger``,
-    following no link; see :class:`~kvtier.tiers.fs_files.NamespaceDir`."""
-    return NamespaceDir(ns_dir, (*SHARDS, TMP_DIR, LEDGER_DIR), modes)
+    """Create (or adopt) the namespace directory, its 256 shards, ``tmp``, ``ledger`` and
+    ``journal``, following no link; see :class:`~kvtier.tiers.fs_files.NamespaceDir`."""
+    return NamespaceDir(ns_dir, (*SHARDS, TMP_DIR, LEDGER_DIR, JOURNAL_DIR), modes)
 
 
 # --- instance temp directories -----------------------------------------------------------------
@@ -701,7 +704,7 @@ def _verify_namespace(ns_dir: Path, check_payloads: bool, remove_corrupt: bool) 
         else:
             stale += state.files
     for extra in sorted(ns_dir.iterdir()):
-        if extra.name not in SHARDS and extra.name not in (MANIFEST, TMP_DIR, LEDGER_DIR):
+        if extra.name not in SHARDS and extra.name not in (MANIFEST, TMP_DIR, LEDGER_DIR, JOURNAL_DIR):
             foreign.append(str(extra))
     return NamespaceReport(
         digest=ns_dir.name,
