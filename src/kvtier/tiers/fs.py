@@ -134,7 +134,8 @@ class FilesystemTierOptions(BaseModel):
     root: str = Field(description="Directory that holds the tier's files (created if missing).")
     max_bytes: int | None = Field(
         default=None,
-        description="Byte budget of this namespace's files, e.g. '64GiB' (LRU of files beyond it). "
+        description="Byte budget of this namespace's files, e.g. '64GiB', whoever wrote them: engines sharing the "
+        "root share it (give each the same value); the oldest files go beyond it. "
         "Default: half of the free space plus what the namespace already holds.",
     )
     read_threads: int = Field(default=4, gt=0, description="I/O threads serving only loads (promotions).")
@@ -162,7 +163,7 @@ class FilesystemTierOptions(BaseModel):
     sharing: bool = Field(
         default=True,
         description="Learn the blocks other engines write into (and evict from) this root and namespace while "
-        "this one runs, from the change journal every engine keeps (about 0.1-0.2 s behind; lookups never wait). "
+        "this one runs, from the change journal every engine keeps (within about 0.1 s; lookups never wait). "
         "false: only what the start-up scan found and this engine stored.",
     )
     miss_checks: bool = Field(
@@ -215,8 +216,9 @@ class FilesystemTier(ThreadedTier):
 
     * ``root``: directory of the cache; created if missing. Several engines may
       share it; each namespace gets its own subdirectory.
-    * ``max_bytes``: byte budget of this namespace's value files. Default: half of
-      (free space on the file system + what this namespace already holds).
+    * ``max_bytes``: byte budget of this namespace's value files, shared by every engine
+      using the root (:mod:`kvtier.tiers.fs_budget`). Default: half of (free space on the
+      file system + what this namespace already holds).
     * ``read_threads`` / ``write_threads``: I/O threads for loads / stores (write
       threads also serve loads first when any are queued).
     * ``fsync``: fsync each value and its directory before reporting a store (survives
@@ -236,6 +238,10 @@ class FilesystemTier(ThreadedTier):
     * ``share_group``: a Unix group (name or gid) to share the cache with: directories
       2770 (setgid), files 0640, and files of that group are served. Default: private
       (directories 0700, files 0600, only this user's files are served).
+    * ``sharing``: follow the other engines' journals (:mod:`kvtier.tiers.fs_journal`).
+    * ``miss_checks`` / ``miss_seconds``: also check on disk each key the index lacks while
+      other engines use the root (:mod:`kvtier.tiers.fs_share`), and how long a key found
+      absent answers MISS.
 
     The root is untrusted content (see :mod:`kvtier.tiers.fs_files`): no link is
     followed, only regular files of this user (or group) are opened, nothing else is
