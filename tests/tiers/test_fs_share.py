@@ -535,13 +535,18 @@ def test_engines_sharing_a_root_share_its_bound_and_evict_each_others_files(tmp_
     assert _ledger_sum(ns_dir) == budget
 
 
-def test_a_dead_instances_ledger_is_adopted_and_a_lone_start_corrects_drift(tmp_path: Path, rows: np.ndarray) -> None:
-    tier = make_tier(tmp_path, rows, BB)
-    keys = [key_of(i, b"ledger") for i in range(5)]
-    fill(rows, range(5), keys, BB)
-    assert store(tier, keys, range(5)).success
+def _stored_by_a_gone_engine(root: Path, rows: np.ndarray, tag: bytes, n: int) -> Path:
+    """An engine stores ``n`` blocks under ``root`` and shuts down; returns the namespace directory."""
+    tier = make_tier(root, rows, BB)
+    keys = [key_of(i, tag) for i in range(n)]
+    fill(rows, range(n), keys, BB)
+    assert store(tier, keys, range(n)).success
     tier.shutdown()
-    ns_dir = tier.ns_dir
+    return tier.ns_dir
+
+
+def test_a_dead_instances_ledger_is_adopted_and_a_lone_start_corrects_drift(tmp_path: Path, rows: np.ndarray) -> None:
+    ns_dir = _stored_by_a_gone_engine(tmp_path, rows, b"ledger", 5)
     assert list(_ledgers(ns_dir).values()) == [5]
     # a crash between claim and link leaves the count too high (here: by 3)
     (name,) = _ledgers(ns_dir)
@@ -557,18 +562,14 @@ def test_a_dead_instances_ledger_is_adopted_and_a_lone_start_corrects_drift(tmp_
 
 def test_files_without_a_ledger_are_counted_at_start(tmp_path: Path, rows: np.ndarray) -> None:
     """A root written by an older release (no ledgers) is bounded too: the scan's count is added."""
-    tier = make_tier(tmp_path, rows, BB)
-    keys = [key_of(i, b"legacy") for i in range(6)]
-    fill(rows, range(6), keys, BB)
-    assert store(tier, keys, range(6)).success
-    tier.shutdown()
-    for ledger in (tier.ns_dir / LEDGER_DIR).iterdir():
+    ns_dir = _stored_by_a_gone_engine(tmp_path, rows, b"legacy", 6)
+    for ledger in (ns_dir / LEDGER_DIR).iterdir():
         ledger.unlink()
     live = make_tier(tmp_path, AlignedRows(2, BB).rows, BB)  # not alone: only ever adds
     again = make_tier(tmp_path, rows, BB, max_bytes=4 * ENTRY)
     try:
         assert len(value_files(tmp_path)) == 4
-        assert _ledger_sum(tier.ns_dir) >= 4
+        assert _ledger_sum(ns_dir) >= 4
     finally:
         again.shutdown()
         live.shutdown()

@@ -30,7 +30,7 @@ How it works (layout and file format: :mod:`kvtier.tiers.fs_layout`):
   directory (in a background thread by default; keys of shards not yet scanned
   answer RETRY), and temp files of dead processes are swept. With ``sharing``, the
   index follows the change journals of the other engines using the root
-  (:mod:`kvtier.tiers.fs_journal`), so blocks they write become HITs about 0.1-0.2 s
+  (:mod:`kvtier.tiers.fs_journal`), so blocks they write become HITs within about 0.1 s
   later and blocks they evict MISSes; with ``miss_checks``, a key the index lacks
   is also checked on disk by an I/O thread (the lookup answers RETRY, then HIT or
   MISS; :mod:`kvtier.tiers.fs_share`).

@@ -6,7 +6,7 @@ Every tier instance appends to its own journal, ``journal/<instance>.<segment>``
 sharing the root reads it from where it last stopped, on an I/O thread about every
 0.1 s, and applies the records to its index: a key another engine added becomes a
 HIT in memory, one it removed a MISS. Lookups never touch the disk and never wait,
-and they see other engines' blocks about 0.1-0.2 s after those were written. Directory
+and they see other engines' blocks within about 0.1 s of their being written. Directory
 listings and inotify play no part: a journal is a plain file read at an offset.
 
 Nothing here is trusted for correctness: a record only changes what the index
