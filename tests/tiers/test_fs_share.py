@@ -459,15 +459,21 @@ def test_a_reader_follows_a_journal_across_segments_and_skips_what_was_deleted(
     reader = JournalReader(tier._dirs, "8-eeeeeeeeeeee")
     try:
         keys = [key_of(i, b"segments") for i in range(30)]
-        for key in keys[:6]:
-            writer.append(ADDED, [key])
+
+        def write(op: int, some: list[bytes]) -> None:
+            for key in some:  # one flush per record: one append each
+                writer.append(op, [key])
+                writer.flush()
+
+        write(ADDED, keys[:6])
         assert [k for _, _, k in reader.read()] == keys[:6]  # across the first rotation
-        for key in keys[6:]:
-            writer.append(ADDED, [key])  # 6 more rotations: the segments the reader was at are gone
+        write(ADDED, keys[6:])  # 6 more rotations: the segments the reader was at are gone
         got = [k for _, _, k in reader.read()]
         assert got == keys[-len(got):] and 4 <= len(got) < 24  # skipped ahead, in order
         assert len(list((tier.ns_dir / JOURNAL_DIR).glob("9-dddddddddddd.*"))) <= 3
         writer.append(REMOVED, keys[:1])
+        assert reader.read() == []  # buffered until flushed
+        writer.flush()
         assert reader.read() == [(REMOVED, pytest.approx(time.time(), abs=5), keys[0])]
     finally:
         writer.close()

@@ -122,6 +122,10 @@ _SCAVENGE_IDLE_SECONDS = 1.0
 """After a pass over every shard found no file this engine did not know, stores that need
 victims do not list the shards again for this long (they are dropped as finding no room)."""
 
+_JOURNAL_SECONDS = 0.05
+"""At most this often housekeeping reads the other engines' journals and looks for new engines
+(it also runs after every work item under load; idle, every ``housekeeping_interval``)."""
+
 _LEDGER_SECONDS = 1.0
 """How often housekeeping adopts dead instances' ledgers and rereads the shared file count."""
 
@@ -376,6 +380,7 @@ class FilesystemTier(ThreadedTier):
         self._value_sizes = (PAYLOAD_OFFSET + block_bytes, self.entry_bytes)
         self._hard_links = True
         self._next_ledger_check = 0.0
+        self._next_journal_read = 0.0
         self._scavenge_next = 0
         self._scavenge_idle_until = 0.0
         self._free_recheck_interval = probe_interval
@@ -675,6 +680,9 @@ class FilesystemTier(ThreadedTier):
         except BaseException:
             self._index.abort(key)
             raise
+        finally:
+            if not self._queue.queued(Lane.STORE):  # idle: tell the others now; busy: housekeeping batches
+                self._journal.flush()
         self._index.commit(key)
         self._checks.forget(key)
         self._breaker.record_success()
@@ -687,14 +695,14 @@ class FilesystemTier(ThreadedTier):
 
     def _write_block(self, key: BlockKey, slot: int, header: memoryview) -> bool:
         """Write ``key``'s value from CPU row ``slot`` and link it into its shard: True. False
-        when another engine's value of ``key`` is there already (nothing is left written).
+        when another engine's value of ``key`` got there first (what was written is dropped;
+        the index usually knows such a file from the other engine's journal, and ``_holds``
+        skipped the store).
 
         Claims room in the shared budget first and evicts what that takes; every failure
         gives the claim back and removes the temp file. Raises _NoRoom (nothing evictable),
         UnsafeEntryError (the name is taken by an entry that is no value of ours), OSError.
         """
-        if self._on_disk(key):
-            return False
         tmp, tmp_dir = self._instance.temp_name(key), self._instance.fd
         fd: int | None = None
         claimed = True
@@ -927,14 +935,18 @@ class FilesystemTier(ThreadedTier):
         """Apply the other engines' journals, notice other engines (``miss_checks``), expire
         negative answers, and every ``_LEDGER_SECONDS`` adopt dead instances' ledgers, reread
         the shared file count and delete dead instances' stale journals."""
-        if self._follow is not None:
-            self._apply_journal(self._follow.read())
-        if not self._peers.seen and self._peers.check():
-            logger.info("fs tier %s: another engine uses %s", self.label, self.ns_dir)
-        if self.miss_checks and not self._checks_live and self._peers.seen:
-            self._checks_live = True
-        self._checks.prune()
         now = time.monotonic()
+        if now >= self._next_journal_read:
+            self._next_journal_read = now + _JOURNAL_SECONDS
+            self._journal.flush()  # one append for what every store since the last tick recorded
+            self._budget.flush()
+            if self._follow is not None:
+                self._apply_journal(self._follow.read())
+            if not self._peers.seen and self._peers.check():
+                logger.info("fs tier %s: another engine uses %s", self.label, self.ns_dir)
+            if self.miss_checks and not self._checks_live and self._peers.seen:
+                self._checks_live = True
+            self._checks.prune()
         if now >= self._next_ledger_check:
             self._next_ledger_check = now + _LEDGER_SECONDS
             self._budget.adopt_dead()

@@ -17,7 +17,11 @@ How the engines agree on how many files there are, with no lock and no server:
   publishes it, then reads every ledger; if the sum is over the bound it evicts
   until it is not (reading the ledgers again after its evictions), and only
   then links its file in. Threads of one engine do not evict twice for the same
-  excess: each plans only what the others have not planned already. A removal is counted after
+  excess: each plans only what the others have not planned already.
+* **Counts are published at once**, increments and decrements: a count that stays
+  too high makes the other engines evict early, and with every engine doing so
+  the namespace would settle about one file per engine below its bound. A publish
+  that fails is retried by housekeeping (:meth:`SharedBudget.flush`). A removal is counted after
   its ``unlink`` (or move out of the shard) succeeded; one that finds nothing
   counts nothing (whoever removed the file counted it). Since every claimant
   publishes before it reads, of two concurrent claimants at least one sees the
@@ -76,8 +80,10 @@ _MAGIC = b"KVLEDGR1"
 RECORD_BYTES = _HEAD.size + 8
 _NAME_RE = re.compile(r"^(\d+-[0-9a-f]{12})(?:\.adopt\.\d+)?$")
 _RELIST_RECENT_SECONDS = 2.0
-"""A ledger directory changed this recently is listed again on every read: its mtime may be
-too coarse (1 s on some file systems) to show a second change."""
+"""A ledger directory changed this recently is listed again even when it looks unchanged (every
+``_RELIST_EVERY`` seconds at most): its mtime may be too coarse (1 s on some file systems) to
+show a second change."""
+_RELIST_EVERY = 0.25
 
 
 def pack_record(files: int, sequence: int) -> bytes:
@@ -127,8 +133,10 @@ class SharedBudget:
         self._changes = 0
         self._ledgers: dict[tuple[int, int], _Ledger] = {}
         self._signature: tuple[int, ...] | None = None
+        self._listed = 0.0
         self._total = 0
         self._publish_error: str | None = None
+        self._dirty = False
         self._adopt_names = itertools.count(1)
         self._unsafe: set[tuple[int, int]] = set()
         self._unadoptable: set[str] = set()
@@ -204,6 +212,13 @@ class SharedBudget:
                 self._changes += 1
                 self._publish()
 
+    def flush(self) -> None:
+        """Publish the count again if the last publish failed (housekeeping, shutdown)."""
+        if self._dirty:
+            with self._lock:
+                if self._dirty:
+                    self._publish()
+
     def cancel(self, files: int) -> None:
         """``files`` planned evictions will not happen (nothing left to evict)."""
         if files > 0:
@@ -271,7 +286,9 @@ class SharedBudget:
         return adopted
 
     def close(self) -> None:
-        """Close every descriptor; this instance's ledger stays (a later instance adopts it)."""
+        """Publish the last count and close every descriptor; this instance's ledger stays (a
+        later instance adopts it)."""
+        self.flush()
         with self._lock:
             for ledger in self._ledgers.values():
                 os.close(ledger.fd)
@@ -288,6 +305,7 @@ class SharedBudget:
         overwriting it needs no space). Opened for each write: a descriptor open for writing
         would keep the file system from being remounted read-only."""
         self._seq += 1
+        self._dirty = False
         try:
             fd = os.open(self.instance, os.O_WRONLY | SAFE_OPEN_FLAGS, dir_fd=self._dir_fd)
             try:
@@ -301,6 +319,7 @@ class SharedBudget:
             if self._publish_error is None:
                 logger.warning("fs tier %s: cannot update its ledger: %s", self._dirs.path, exc)
             self._publish_error = str(exc)
+            self._dirty = True
             return
         self._publish_error = None
 
@@ -333,9 +352,12 @@ class SharedBudget:
         """Open the ledgers that appeared, close those that went (only when the directory changed)."""
         st = os.fstat(self._dir_fd)
         signature = (st.st_mtime_ns, st.st_ctime_ns, st.st_nlink, st.st_size)
-        if signature == self._signature and time.time() - st.st_mtime > _RELIST_RECENT_SECONDS:
-            return
+        if signature == self._signature:
+            now = time.monotonic()
+            if now - self._listed < _RELIST_EVERY or time.time() - st.st_mtime > _RELIST_RECENT_SECONDS:
+                return
         self._signature = signature
+        self._listed = time.monotonic()
         found: dict[tuple[int, int], _Ledger] = {}
         with os.scandir(self._dir_fd) as entries:
             for entry in entries:

@@ -4,9 +4,9 @@ Every tier instance appends to its own journal, ``journal/<instance>.<segment>``
 80-byte record per value file it linked into a shard (*added*) or removed from one
 (*removed*): the key and the time. Only its owner writes it. Every other engine
 sharing the root reads it from where it last stopped, on an I/O thread about every
-0.1 s, and applies the records to its index: a key another engine added becomes a
-HIT in memory, one it removed a MISS. Lookups never touch the disk and never wait,
-and they see other engines' blocks within about 0.1 s of their being written. Directory
+0.05-0.1 s, and applies the records to its index: a key another engine added becomes
+a HIT in memory, one it removed a MISS. Lookups never touch the disk and never wait,
+and they see other engines' blocks about 0.1 s after they were written. Directory
 listings and inotify play no part: a journal is a plain file read at an offset.
 
 Nothing here is trusted for correctness: a record only changes what the index
@@ -16,9 +16,11 @@ search for eviction victims, or not at all (a lost hit, never a wrong byte). So
 records lost to rotation, torn by a crash, planted or garbled (each carries an xxh32)
 cost hits, nothing else.
 
-* **Appends**: one ``write`` per batch on a descriptor opened for it (``O_APPEND``; no
-  descriptor stays open for writing, so the file system can still be remounted
-  read-only). A failed append is logged and dropped.
+* **Appends**: records are buffered and written by :meth:`JournalWriter.flush` (after a
+  store that leaves no other store queued, else by the tier's housekeeping within 50 ms),
+  one ``write`` on a descriptor opened for it
+  (``O_APPEND``; no descriptor stays open for writing, so the file system can still be
+  remounted read-only). A failed append is logged and dropped.
 * **Segments**: past :data:`SEGMENT_BYTES` a journal starts a new segment and deletes
   the one before the previous, so it holds at most three; a reader that fell further
   behind skips ahead (losing records: lost hits).
@@ -108,6 +110,7 @@ class JournalWriter:
         self._path = dirs.path
         self.instance = instance
         self._lock = threading.Lock()
+        self._pending: list[bytes] = []
         self._segment = 1
         self._size = 0
         self._error: str | None = None
@@ -119,12 +122,22 @@ class JournalWriter:
             raise
 
     def append(self, op: int, keys: Iterable[bytes], when: float | None = None) -> None:
-        """Record that ``keys`` were added to (or removed from) the shards. Never raises."""
+        """Record that ``keys`` were added to (or removed from) the shards (written by :meth:`flush`)."""
         stamp = time.time() if when is None else when
-        records = b"".join(pack_entry(op, key, stamp) for key in keys)
-        if not records:
+        records = [pack_entry(op, key, stamp) for key in keys]
+        if records:
+            with self._lock:
+                self._pending += records
+
+    def flush(self) -> None:
+        """Write the buffered records. Never raises (a failure is logged, the records dropped)."""
+        if not self._pending:
             return
         with self._lock:
+            records = b"".join(self._pending)
+            self._pending = []
+            if not records or self._dir_fd < 0:
+                return
             try:
                 if self._size + len(records) > SEGMENT_BYTES:
                     self._rotate()
@@ -151,7 +164,9 @@ class JournalWriter:
             os.unlink(_segment_name(self.instance, self._segment - 2), dir_fd=self._dir_fd)
 
     def close(self) -> None:
-        """Stop writing; the journal stays for readers (deleted once its instance is dead and stale)."""
+        """Write what is buffered and stop; the journal stays for readers (deleted once its
+        instance is dead and stale)."""
+        self.flush()
         with self._lock:
             if self._dir_fd >= 0:
                 os.close(self._dir_fd)

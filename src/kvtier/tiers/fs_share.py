@@ -55,7 +55,8 @@ PATIENCE = 1.0
 _MAX_ABSENT = 1 << 18  # negative-cache entries kept at most (the oldest go first)
 _MAX_REJECTED = 4096  # inodes that failed verification, remembered at most
 _PRUNE_PER_TICK = 10_000
-_RECENT_SECONDS = 2.0  # a directory changed this recently is listed again (coarse mtimes)
+_RECENT_SECONDS = 2.0  # a directory changed this recently is listed again (coarse mtimes)...
+_RELIST_EVERY = 0.25  # ...this often at most
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
@@ -173,6 +174,7 @@ class PeerWatch:
         self._dirs = dirs
         self._own = own
         self._signature: tuple[int, ...] | None = None
+        self._listed = 0.0
         self.seen = always
         if not always:
             self.check()
@@ -184,9 +186,12 @@ class PeerWatch:
         try:
             st = os.fstat(fd)
             signature = (st.st_mtime_ns, st.st_ctime_ns, st.st_nlink, st.st_size)
-            if signature == self._signature and time.time() - st.st_mtime > _RECENT_SECONDS:
-                return False
+            if signature == self._signature:
+                now = time.monotonic()
+                if now - self._listed < _RELIST_EVERY or time.time() - st.st_mtime > _RECENT_SECONDS:
+                    return False
             self._signature = signature
+            self._listed = time.monotonic()
             with os.scandir(fd) as entries:
                 self.seen = any(e.name != self._own and e.is_dir(follow_symlinks=False) for e in entries)
         finally:
