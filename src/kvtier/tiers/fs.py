@@ -8,9 +8,10 @@ How it works (layout and file format: :mod:`kvtier.tiers.fs_layout`):
 * Values live under ``root/<namespace digest>/``, one file per block, named by
   the block key and sharded by its first byte. A manifest records the namespace
   and block size; a directory that holds anything else is refused.
-* Stores write a temp file and rename it into place (fsync optional), so no
+* Stores write a temp file and link it into place (fsync optional), so no
   reader ever sees a partial value, even after SIGKILL or power loss (a value
-  that lost its bytes fails its checksum and is dropped on load).
+  that lost its bytes fails its checksum and is dropped on load), and nothing
+  already at the name (another engine's value, a planted entry) is replaced.
 * Bytes move with one ``pwritev``/``preadv`` per block straight between the file
   and a memoryview of the CPU row, with O_DIRECT when the file system supports
   it (probed at start) and the rows are page aligned; else through the page cache.
@@ -19,12 +20,20 @@ How it works (layout and file format: :mod:`kvtier.tiers.fs_layout`):
   deletes the file and counts ``stats.corrupt_values``.
 * ``read_threads`` threads serve only loads; ``write_threads`` threads take loads
   first and stores only when no load is queued. Job results carry per-key success.
-* A byte budget (``max_bytes``) is enforced before each write by evicting least
-  recently used files that no load is reading. ENOSPC lowers the budget to what
-  fits, fails that key, and the budget grows back once the disk has room again.
+* A byte budget (``max_bytes``) bounds the namespace as a whole, shared by every
+  engine using it (:mod:`kvtier.tiers.fs_budget`): before each write the engine
+  claims room and evicts least recently used files no load of its own is reading
+  (other engines' files included) until the namespace fits. ENOSPC lowers the
+  budget to what fits, fails that key, and the budget grows back once the disk has
+  room again.
 * Lookups are answered from the in-memory index. At start it is rebuilt from the
   directory (in a background thread by default; keys of shards not yet scanned
-  answer RETRY), and temp files of dead processes are swept.
+  answer RETRY), and temp files of dead processes are swept. With ``sharing``, the
+  index follows the change journals of the other engines using the root
+  (:mod:`kvtier.tiers.fs_journal`), so blocks they write become HITs within about 0.1 s
+  later and blocks they evict MISSes; with ``miss_checks``, a key the index lacks
+  is also checked on disk by an I/O thread (the lookup answers RETRY, then HIT or
+  MISS; :mod:`kvtier.tiers.fs_share`).
 * ``failure_threshold`` consecutive I/O errors open a circuit breaker: lookups
   answer MISS and stores are dropped. Every ``probe_interval`` seconds a probe
   (open a shard; write, read back, delete a small file) tries to close it again.
@@ -49,24 +58,30 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
-from pydantic import Field, field_validator
+from pydantic import Field, StrictBool, field_validator
 
 from kvtier.errors import ConfigError, CorruptValueError, TierError, UnsafeEntryError
 from kvtier.failures import log_failure
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import ExtraMetric, TierContext, TierUsage
+from kvtier.tiers.fs_budget import SharedBudget
 from kvtier.tiers.fs_files import (
+    NO_HARD_LINKS,
     FileModes,
     create_file,
     discard_corrupt,
+    find_value,
     open_for_read,
+    place_value,
     remove_value,
     take_for_recycling,
 )
 from kvtier.tiers.fs_index import FileIndex, Reservation
+from kvtier.tiers.fs_journal import ADDED, REMOVED, Entry, JournalReader, JournalWriter
 from kvtier.tiers.fs_layout import (
     O_DIRECT,
     PAGE,
+    PAYLOAD_OFFSET,
     SHARDS,
     SUFFIX,
     InstanceDir,
@@ -87,8 +102,9 @@ from kvtier.tiers.fs_layout import (
     verify_root,
     write_value,
 )
+from kvtier.tiers.fs_share import ExistenceChecks, PeerWatch
 from kvtier.tiers.health import CircuitBreaker
-from kvtier.tiers.jobs import ALL_LANES, Lane, ThreadedTier, Work
+from kvtier.tiers.jobs import ALL_LANES, READ_LANES, Lane, ThreadedTier, Work
 from kvtier.tiers.options import ByteSize, QueueLength, Seconds, Threads, TierOptions, tier_options
 from kvtier.types import LookupResult, RequestContext
 from kvtier.untrusted import open_regular
@@ -99,6 +115,20 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_FREE_FRACTION = 0.5
 """Without ``max_bytes``: the tier may use this share of (free space + its own files)."""
+
+_SCAVENGE_BATCH = 64
+"""Files of other engines a search for eviction candidates collects before it stops listing shards."""
+
+_SCAVENGE_IDLE_SECONDS = 1.0
+"""After a pass over every shard found no file this engine did not know, stores that need
+victims do not list the shards again for this long (they are dropped as finding no room)."""
+
+_JOURNAL_SECONDS = 0.05
+"""At most this often housekeeping reads the other engines' journals and looks for new engines
+(it also runs after every work item under load; idle, every ``housekeeping_interval``)."""
+
+_LEDGER_SECONDS = 1.0
+"""How often housekeeping adopts dead instances' ledgers and rereads the shared file count."""
 
 
 class FilesystemTierOptions(TierOptions):
@@ -112,7 +142,8 @@ class FilesystemTierOptions(TierOptions):
     max_bytes: ByteSize | None = Field(
         default=None,
         gt=0,
-        description="Byte budget of this namespace's files, e.g. '64GiB' (LRU of files beyond it). "
+        description="Byte budget of this namespace's files, e.g. '64GiB', whoever wrote them: engines sharing the "
+        "root share it (give each the same value); the oldest files go beyond it. "
         "Default: half of the free space plus what the namespace already holds.",
     )
     read_threads: Threads = Field(default=4, description="I/O threads serving only loads (promotions).")
@@ -146,6 +177,24 @@ class FilesystemTierOptions(TierOptions):
         description="Share the cache with this Unix group (directories 2770, files 0640, the group's files "
         "are served). Default: private to this user (0700 / 0600).",
     )
+    sharing: StrictBool = Field(
+        default=True,
+        description="Learn the blocks other engines write into (and evict from) this root and namespace while "
+        "this one runs, from the change journal every engine keeps (within about 0.1 s; lookups never wait). "
+        "false: only what the start-up scan found and this engine stored.",
+    )
+    miss_checks: StrictBool = Field(
+        default=False,
+        description="With sharing, while other engines use the root, also check on disk each key the index "
+        "lacks: the lookup answers RETRY until an I/O thread's check comes back (then HIT, or MISS for "
+        "miss_seconds). Finds blocks the moment they are written, and blocks of engines that keep no journal "
+        "(older releases), at the cost of one engine step for every new prompt.",
+    )
+    miss_seconds: Seconds = Field(
+        default=1.0,
+        gt=0,
+        description="With miss_checks: seconds a key checked and not found answers MISS before it is checked again.",
+    )
 
     @field_validator("root", mode="before")
     @classmethod
@@ -157,19 +206,32 @@ class FilesystemTierOptions(TierOptions):
 
 
 class _Corrupt(Exception):
-    """A value failed verification (``removed``: its file was ours and is deleted)."""
+    """A value failed verification (``removed``: its file was ours and is deleted; ``st``: its fstat)."""
 
-    def __init__(self, reason: str, removed: bool) -> None:
+    def __init__(self, reason: str, removed: bool, st: os.stat_result) -> None:
         super().__init__(reason)
         self.reason = reason
         self.removed = removed
+        self.st = st
+
+
+class _NoRoom(Exception):
+    """A store found nothing to evict: every file it could evict is being read."""
+
+
+def _is_gone(exc: OSError) -> bool:
+    """The file is gone: removed (ENOENT), or removed by another NFS client while open (ESTALE)."""
+    return isinstance(exc, FileNotFoundError) or exc.errno == errno.ESTALE
 
 
 class FilesystemTier(ThreadedTier):
     """A secondary tier on a local file system (NVMe, SSD, any POSIX directory).
 
     Options: :class:`FilesystemTierOptions` (an instance, or its fields as keyword
-    arguments: ``FilesystemTier(context, root="/nvme/kv", max_bytes="64GiB")``).
+    arguments: ``FilesystemTier(context, root="/nvme/kv", max_bytes="64GiB")``). ``max_bytes``
+    is shared by every engine using the root (:mod:`kvtier.tiers.fs_budget`); ``sharing``
+    follows the other engines' journals (:mod:`kvtier.tiers.fs_journal`); ``miss_checks``
+    also checks on disk each key the index lacks (:mod:`kvtier.tiers.fs_share`).
 
     The root is untrusted content (see :mod:`kvtier.tiers.fs_files`): no link is
     followed, only regular files of this user (or group) are opened, nothing else is
@@ -189,6 +251,10 @@ class FilesystemTier(ThreadedTier):
         "scan_seconds": ExtraMetric("gauge", "Duration of the warm-restart scan."),
         "temp_files_swept": ExtraMetric("gauge", "Temporary files of dead writers removed at start."),
         "unsafe_entries": ExtraMetric("counter", "Entries of the root that are not regular files of ours (untouched)."),
+        "journal_added": ExtraMetric("counter", "Blocks other engines stored, learned from their journals."),
+        "journal_removed": ExtraMetric("counter", "Blocks other engines evicted, learned from their journals."),
+        "checks": ExtraMetric("counter", "Keys the index did not hold, checked on disk (miss_checks)."),
+        "checks_found": ExtraMetric("counter", "Checked keys found on disk: blocks another engine wrote."),
     }
 
     @classmethod
@@ -228,7 +294,17 @@ class FilesystemTier(ThreadedTier):
         self._digest = context.namespace.digest
         self._open_directories()
         self._direct_flag = O_DIRECT if self.direct_io else 0
-        self._index = FileIndex(self.max_bytes, self.entry_bytes)
+        self._index = FileIndex()
+        self.sharing = opts.sharing
+        self.miss_checks = opts.miss_checks and opts.sharing
+        self._checks = ExistenceChecks(opts.miss_seconds)
+        self._checks_live = self.miss_checks and self._peers.seen
+        self._value_sizes = (PAYLOAD_OFFSET + block_bytes, self.entry_bytes)
+        self._hard_links = True
+        self._next_ledger_check = 0.0
+        self._next_journal_read = 0.0
+        self._scavenge_next = 0
+        self._scavenge_idle_until = 0.0
         self._free_recheck_interval = opts.probe_interval
         self._last_enospc = 0.0
         self._probe_seq = itertools.count(1)
@@ -237,7 +313,8 @@ class FilesystemTier(ThreadedTier):
         self._scanned = bytearray(256)
         self.stats.extra.update(
             {"io_errors": 0, "enospc": 0, "vanished": 0, "scan_entries": 0, "scan_seconds": 0.0,
-             "unsafe_entries": 0, "temp_files_swept": float(self.swept_temp_files)}
+             "unsafe_entries": 0, "temp_files_swept": float(self.swept_temp_files), "journal_added": 0,
+             "journal_removed": 0, "checks": 0, "checks_found": 0}
         )  # fmt: skip
         self._start()
 
@@ -260,8 +337,18 @@ class FilesystemTier(ThreadedTier):
             # Bytes moved per block: O_DIRECT needs whole pages (the row's padding rides along).
             self._io_bytes = round_up(self.block_bytes) if self.direct_io else self.block_bytes
             self.max_bytes = self._resolve_max_bytes(self.options.max_bytes, self._count_existing_files())
+            self._peers = PeerWatch(self._dirs, self._instance.name, always=False)
+            self._budget = SharedBudget(self._dirs, self._instance.name, self.max_bytes // self.entry_bytes)
         except BaseException:
             self._instance.close(remove=True)
+            self._dirs.close()
+            raise
+        try:  # before the scan: records appended from now on are read, what came before is scanned
+            self._journal = JournalWriter(self._dirs, self._instance.name)
+            self._follow = JournalReader(self._dirs, self._instance.name) if self.options.sharing else None
+        except BaseException:
+            self._instance.close(remove=True)
+            self._budget.close()
             self._dirs.close()
             raise
 
@@ -269,7 +356,8 @@ class FilesystemTier(ThreadedTier):
         """Start the I/O threads and the warm-restart scan (or run it here); shut down if that fails."""
         opts = self.options
         try:
-            self._start_workers(opts.read_threads, frozenset({Lane.LOAD}), "read")
+            self._budget.adopt_dead()
+            self._start_workers(opts.read_threads, READ_LANES, "read")
             self._start_workers(opts.write_threads, ALL_LANES, "write")
             if opts.scan_in_background:
                 self._start_thread("scan", self._scan)
@@ -326,11 +414,30 @@ class FilesystemTier(ThreadedTier):
     # --- scheduler-thread calls (never block on I/O) -----------------------------------------
 
     def _lookup(self, key: BlockKey, request: RequestContext | None) -> LookupResult:
-        """HIT if the index holds ``key``; RETRY while its shard is not scanned yet; else MISS."""
+        """HIT if the index holds ``key``; RETRY while its shard is not scanned yet; else MISS, or
+        with ``miss_checks`` the answer of a check on disk (RETRY until it came back)."""
         scanned = self._scanned[key[0]]  # read before the index: the scan adds keys, then flags
         if self._index.hit(key):
             return LookupResult.HIT
-        return LookupResult.MISS if scanned else LookupResult.RETRY
+        if not scanned:
+            return LookupResult.RETRY
+        if not self._checks_live:
+            return LookupResult.MISS
+        return self._checks.answer(key, request, time.monotonic())
+
+    def on_schedule_end(self) -> None:
+        """Send this step's keys to check on disk (``miss_checks``) to an I/O thread, as one item."""
+        chains = self._checks.take()
+        if not chains:
+            return
+        keys = [key for chain in chains for key in chain]
+        serving = not self._closed and self._breaker.serving
+        if not serving or not self._queue_internal(Work(Lane.EXISTS, keys=keys, payload=chains)):
+            self._checks.finish(keys)
+
+    def has_pending_work(self) -> bool:
+        """True while jobs are in flight or unreported, or checks on disk are under way."""
+        return super().has_pending_work() or self._checks.busy()
 
     def touch(self, keys: Sequence[BlockKey], request: RequestContext | None) -> None:
         self._index.touch(keys)
@@ -348,7 +455,11 @@ class FilesystemTier(ThreadedTier):
             self._index.unpin(work.keys[0])
 
     def usage(self) -> TierUsage:
-        return TierUsage(self._index.used_bytes, self._index.capacity, len(self._index))
+        """The namespace's bytes (every engine's files: the budget is shared) against this
+        engine's capacity; ``entries``: the files this engine's index holds."""
+        budget = self._budget
+        return TierUsage(max(0, budget.used_files) * self.entry_bytes, budget.capacity * self.entry_bytes,
+                         len(self._index))  # fmt: skip
 
     @property
     def scan_complete(self) -> bool:
@@ -371,6 +482,14 @@ class FilesystemTier(ThreadedTier):
             "direct_io": self.direct_io,
             "direct_io_reason": self.direct_io_reason,
             "scan_complete": self.scan_complete,
+            "sharing": self.sharing,
+            "miss_checks": self.miss_checks,
+            "miss_checks_active": self._checks_live,
+            "miss_seconds": self._checks.miss_seconds,
+            "hard_links": self._hard_links,
+            "instance": self._instance.name,
+            "ledger_files": self._budget.own_files,
+            "ledgers_adopted": self._budget.adopted,
             "health": self._breaker.state.value,
         }
 
@@ -389,6 +508,8 @@ class FilesystemTier(ThreadedTier):
     def _run(self, work: Work, local: Any) -> None:
         if work.lane is Lane.LOAD:
             self._load_block(work, local[1])
+        elif work.lane is Lane.EXISTS:
+            self._check_keys(work)
         else:
             self._store_block(work, local[1])
 
@@ -414,6 +535,8 @@ class FilesystemTier(ThreadedTier):
             error = f"corrupt value {key.hex()[:16]}: {exc.reason}"
             logger.warning("fs tier %s: %s; %s", self.label, error, "deleted" if exc.removed else "left in place")
             self._count(corrupt_values=1)
+            if not exc.removed:
+                self._checks.reject(key, exc.st)
             self._forget(key)
         except UnsafeEntryError as exc:
             error = f"value {key.hex()[:16]} is not served: {exc}"
@@ -421,13 +544,14 @@ class FilesystemTier(ThreadedTier):
             log_failure(logger, logging.WARNING, what, exc)
             self._count(unsafe_entries=1)
             self._forget(key)
-        except FileNotFoundError:
-            error = f"value {key.hex()[:16]} vanished from disk"
-            self._count(vanished=1)
-            self._forget(key)
         except OSError as exc:
-            error = f"read of {shard}/{name} failed: {exc.strerror or exc}"
-            self._io_error(error)
+            if _is_gone(exc):  # another engine evicted or recycled it: a miss
+                error = f"value {key.hex()[:16]} vanished from disk"
+                self._count(vanished=1)
+                self._forget(key)
+            else:
+                error = f"read of {shard}/{name} failed: {exc.strerror or exc}"
+                self._io_error(error)
         finally:
             self._index.unpin(key)
         if error is None:
@@ -448,11 +572,16 @@ class FilesystemTier(ThreadedTier):
                 )  # fmt: skip
             finally:
                 row.release()
+            with contextlib.suppress(OSError):  # the use, for other engines' eviction order and restarts
+                os.utime(fd)
         except CorruptValueError as exc:
             removed = discard_corrupt(
                 shard_fd, name, st, self._instance.fd, self._instance.temp_name(key), self.modes
             )
-            raise _Corrupt(str(exc), removed) from None
+            if removed:
+                self._budget.release(1)
+                self._journal.append(REMOVED, [key])
+            raise _Corrupt(str(exc), removed, st) from None
         finally:
             os.close(fd)
 
@@ -462,22 +591,67 @@ class FilesystemTier(ThreadedTier):
             self._complete(work, error="dropped: tier out of service", dropped=True)
             return
         self._maybe_regrow_capacity()
-        plan = self._index.reserve(key)
-        if plan.outcome is not Reservation.GRANTED:
-            if plan.outcome is Reservation.FULL:
-                self._complete(work, error="no room: every evictable file is being read", dropped=True)
-            else:  # present or being written by another job: nothing to do
-                self._count(stores_skipped=1)
-                self._complete(work, ok=[key])
+        if self._index.reserve(key) is not Reservation.GRANTED:  # present, or being written by another job
+            self._count(stores_skipped=1)
+            self._complete(work, ok=[key])
             return
-        error: str | None = None
-        tmp = self._instance.temp_name(key)
-        tmp_dir = self._instance.fd
-        fd: int | None = None
-        if plan.victims:
-            fd = self._unlink_victims(plan.victims, recycle_to=tmp)
-        recycled = fd is not None
         try:
+            written = self._write_block(key, slot, header)
+        except _NoRoom:
+            self._index.abort(key)
+            self._complete(work, error="no room: every evictable file is being read", dropped=True)
+            return
+        except UnsafeEntryError as exc:
+            self._index.abort(key)
+            self._count(unsafe_entries=1)
+            self._complete(work, error=f"store of {key.hex()[:16]} failed: {exc} (left alone)")
+            return
+        except OSError as exc:
+            self._index.abort(key)
+            if is_no_space(exc):
+                capacity = self._budget.lower_capacity_to_used() * self.entry_bytes
+                self._last_enospc = time.monotonic()
+                error = f"no space left under {self.root}; capacity lowered to {capacity} bytes"
+                logger.warning("fs tier %s: %s", self.label, error)
+                self._count(enospc=1)
+            else:
+                error = f"write of {key.hex()[:16]} failed: {exc.strerror or exc}"
+                self._io_error(error)
+            self._complete(work, error=error)
+            return
+        except BaseException:
+            self._index.abort(key)
+            raise
+        finally:
+            if not self._queue.queued(Lane.STORE):  # idle: tell the others now; busy: housekeeping batches
+                self._journal.flush()
+        self._index.commit(key)
+        self._checks.forget(key)
+        self._breaker.record_success()
+        if written:
+            self._emit([key], removed=False)
+            self._complete(work, ok=[key], nbytes=self.block_bytes)
+        else:
+            self._count(stores_skipped=1)
+            self._complete(work, ok=[key])
+
+    def _write_block(self, key: BlockKey, slot: int, header: memoryview) -> bool:
+        """Write ``key``'s value from CPU row ``slot`` and link it into its shard: True. False
+        when another engine's value of ``key`` got there first (what was written is dropped;
+        the index usually knows such a file from the other engine's journal, and ``_holds``
+        skipped the store).
+
+        Claims room in the shared budget first and evicts what that takes; every failure
+        gives the claim back and removes the temp file. Raises _NoRoom (nothing evictable),
+        UnsafeEntryError (the name is taken by an entry that is no value of ours), OSError.
+        """
+        tmp, tmp_dir = self._instance.temp_name(key), self._instance.fd
+        fd: int | None = None
+        claimed = True
+        need = self._budget.claim()
+        try:
+            fd = self._make_room(need, recycle_to=tmp)
+            recycled = fd is not None
             if fd is None:
                 fd = create_file(tmp_dir, tmp, self._direct_flag, self.modes)
             row = self._row_view(slot)
@@ -490,45 +664,121 @@ class FilesystemTier(ThreadedTier):
                 row.release()
             os.close(fd)  # drops a recycled file's exclusive lock before it is visible again
             fd = None
-            shard_fd = self._dirs.subdir(f"{key[0]:02x}")
-            try:
-                os.rename(tmp, value_name(key), src_dir_fd=tmp_dir, dst_dir_fd=shard_fd)
-                if self.fsync:
-                    os.fsync(shard_fd)
-            finally:
-                os.close(shard_fd)
-            self._index.commit(key)
-            self._breaker.record_success()
-        except BaseException as exc:
+            if self._place(tmp, tmp_dir, key):
+                claimed = False
+                self._journal.append(ADDED, [key])
+                return True
+        finally:
             if fd is not None:
                 os.close(fd)
-            self._index.abort(key)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=tmp_dir)
-            if not isinstance(exc, OSError):
-                raise
-            if is_no_space(exc):
-                capacity = self._index.lower_capacity_to_used()
-                self._last_enospc = time.monotonic()
-                error = f"no space left under {self.root}; capacity lowered to {capacity} bytes"
-                logger.warning("fs tier %s: %s", self.label, error)
-                self._count(enospc=1)
-            else:
-                error = f"write of {key.hex()[:16]} failed: {exc.strerror or exc}"
-                self._io_error(error)
-        if error is None:
-            self._emit([key], removed=False)
-            self._complete(work, ok=[key], nbytes=self.block_bytes)
-        else:
-            self._complete(work, error=error)
+            if claimed:
+                self._budget.release(1)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=tmp_dir)
+        if self._on_disk(key):
+            return False
+        raise UnsafeEntryError(value_name(key), "a name taken by an entry that is not a value of ours")
 
-    def _unlink_victims(self, victims: list[BlockKey], recycle_to: str | None = None) -> int | None:
-        """Delete evicted values. With ``recycle_to``, the first victim that may be recycled (a
-        regular file of ours that no reader holds, in any process) is moved there instead and
-        returned open and exclusively locked, for the caller to overwrite: rewriting allocated
-        blocks is about twice as fast as filling a fresh file. Entries that are not regular
-        files we may remove are left alone (they were never ours)."""
+    def _place(self, tmp: str, tmp_dir: int, key: BlockKey) -> bool:
+        """Link the written temp file to ``key``'s name; False if the name is taken."""
+        shard_fd = self._dirs.subdir(f"{key[0]:02x}")
+        try:
+            if self._hard_links:
+                try:
+                    placed = place_value(tmp_dir, tmp, shard_fd, value_name(key), hard_link=True)
+                except OSError as exc:
+                    if exc.errno not in NO_HARD_LINKS:
+                        raise
+                    self._hard_links = False
+                    logger.info("fs tier %s: no hard links under %s: values are renamed into place", self.label,
+                                self.root)  # fmt: skip
+            if not self._hard_links:
+                placed = place_value(tmp_dir, tmp, shard_fd, value_name(key), hard_link=False)
+            if placed and self.fsync:
+                os.fsync(shard_fd)
+            return placed
+        finally:
+            os.close(shard_fd)
+
+    def _on_disk(self, key: BlockKey) -> bool:
+        """Is a value of ``key`` on disk: a regular file of ours (or the group's) of a value's size,
+        not one that failed verification? One ``fstatat``, following no link. I/O threads."""
+        shard_fd = self._dirs.subdir(f"{key[0]:02x}")
+        try:
+            st = find_value(shard_fd, value_name(key), self.modes, self._value_sizes)
+        except (UnsafeEntryError, CorruptValueError):
+            return False
+        finally:
+            os.close(shard_fd)
+        return st is not None and not self._checks.rejected(key, st)
+
+    def _make_room(self, need: int, recycle_to: str | None) -> int | None:
+        """Evict the ``need`` files the shared budget asked for, and more while it asks for more:
+        this engine's least recently used files first, then files found on disk that it did not
+        know (:meth:`_scavenge`). The first victim that may be recycled is moved to ``recycle_to``
+        and returned open (see :meth:`_unlink_victims`). Raises _NoRoom when nothing more can be
+        evicted."""
         recycled: int | None = None
+        try:
+            while need > 0:
+                if self._peers.seen and not self._index.found_files:
+                    self._scavenge()  # learn what other engines wrote before choosing the oldest
+                victims = self._index.take_victims(need)
+                if not victims:
+                    if self._scavenge():
+                        continue
+                    raise _NoRoom
+                fd, removed = self._unlink_victims(victims, recycle_to if recycled is None else None, planned=True)
+                if fd is not None:
+                    recycled = fd
+                need -= removed
+                if need <= 0:
+                    need = self._budget.recheck()
+        except BaseException:
+            self._budget.cancel(need)
+            if recycled is not None and recycle_to is not None:
+                os.close(recycled)
+                with contextlib.suppress(OSError):
+                    os.unlink(recycle_to, dir_fd=self._instance.fd)
+            raise
+        return recycled
+
+    def _scavenge(self) -> bool:
+        """Index files on disk this engine does not know (other engines wrote them) as found
+        files, ranked by mtime: eviction candidates. Lists shards round robin until it has
+        ``_SCAVENGE_BATCH`` of them or made one full pass; False if it found none (then it
+        rests for ``_SCAVENGE_IDLE_SECONDS``)."""
+        now = time.monotonic()
+        if now < self._scavenge_idle_until:
+            return False
+        found: list[tuple[float, bytes]] = []
+        for _ in SHARDS:
+            shard = SHARDS[self._scavenge_next]
+            self._scavenge_next = (self._scavenge_next + 1) % len(SHARDS)
+            entries, _ = scan_shard(self._dirs, shard, quiet=True)
+            found.extend(e for e in entries if e[1] not in self._index)
+            if len(found) >= _SCAVENGE_BATCH:
+                break
+        found.sort()
+        if self._index.add_found(found):
+            return True
+        self._scavenge_idle_until = now + _SCAVENGE_IDLE_SECONDS
+        return False
+
+    def _unlink_victims(
+        self, victims: list[BlockKey], recycle_to: str | None = None, planned: bool = False
+    ) -> tuple[int | None, int]:
+        """Delete evicted values; returns the recycled file (or None) and how many files left the
+        shards (each counted off the shared budget; ``planned``: as evictions it asked for).
+
+        With ``recycle_to``, the first victim that may be recycled (a regular file of ours that
+        no reader holds, in any process) is moved there instead and returned open and
+        exclusively locked, for the caller to overwrite: rewriting allocated blocks is about
+        twice as fast as filling a fresh file. Entries that are not regular files we may remove
+        are left alone (they were never ours); files already gone (another engine evicted them)
+        count nothing."""
+        recycled: int | None = None
+        gone: list[BlockKey] = []
         for victim in victims:
             shard, name = f"{victim[0]:02x}", value_name(victim)
             try:
@@ -539,22 +789,65 @@ class FilesystemTier(ThreadedTier):
                             shard_fd, name, self._instance.fd, recycle_to, self._direct_flag, self.modes
                         )
                         if recycled is not None:
+                            gone.append(victim)
                             continue
-                    remove_value(shard_fd, name, self.modes)
+                    if remove_value(shard_fd, name, self.modes):
+                        gone.append(victim)
                 finally:
                     os.close(shard_fd)
             except FileNotFoundError:
                 pass
             except OSError as exc:
                 self._io_error(f"evicting {victim.hex()[:16]} failed: {exc.strerror or exc}")
+        self._budget.release(len(gone), planned=planned)
+        self._journal.append(REMOVED, gone)
         self._index.finish_delete(victims)
         self._count(evictions=len(victims))
         self._emit(victims, removed=True)
-        return recycled
+        return recycled, len(gone)
+
+    def _check_keys(self, work: Work) -> None:
+        """Check one step's chains of keys the index lacked on disk (live sharing): adopt the
+        values found, stop each chain at its first key not there."""
+        checked = found = 0
+        try:
+            for chain in work.payload:
+                for key in chain:
+                    present = self._probe_key(key)
+                    checked += 1
+                    if present and self._index.adopt(key):
+                        found += 1
+                    self._checks.record(key, present)
+                    if not present:
+                        break
+        finally:
+            self._checks.finish(work.keys)
+            self._count(checks=checked, checks_found=found)
+
+    def _probe_key(self, key: BlockKey) -> bool:
+        """One check on disk for :meth:`_check_keys`: is a value of ``key`` there to adopt?"""
+        try:
+            shard_fd = self._dirs.subdir(f"{key[0]:02x}")
+            try:
+                st = find_value(shard_fd, value_name(key), self.modes, self._value_sizes)
+            finally:
+                os.close(shard_fd)
+        except UnsafeEntryError:
+            self._count(unsafe_entries=1)
+            return False
+        except CorruptValueError:
+            return False
+        except OSError as exc:
+            if not _is_gone(exc):
+                self._io_error(f"check of {key.hex()[:16]} failed: {exc.strerror or exc}")
+            return False
+        return st is not None and not self._checks.rejected(key, st)
 
     def _forget(self, key: BlockKey) -> None:
-        """Drop a value that is corrupt, vanished or unsafe from the index (its file, if any, was
-        dealt with by the caller: a file is only ever removed when proven ours)."""
+        """Drop a value that is corrupt, vanished or unsafe from the index and answer MISS for it a
+        while (its file, if any, was dealt with by the caller: a file is only ever removed when
+        proven ours)."""
+        self._checks.record(key, False)
         if not self._index.begin_delete(key):
             return
         self._index.finish_delete([key])
@@ -563,7 +856,8 @@ class FilesystemTier(ThreadedTier):
     def _maybe_regrow_capacity(self) -> None:
         """After ENOSPC, let the budget grow back once the disk has room again (checked at
         most every ``probe_interval`` seconds, on a write thread)."""
-        if self._index.capacity >= self._index.max_capacity:
+        budget = self._budget
+        if budget.capacity >= budget.max_files:
             return
         now = time.monotonic()
         if now - self._last_enospc < self._free_recheck_interval:
@@ -574,10 +868,45 @@ class FilesystemTier(ThreadedTier):
         except OSError:
             return
         # Keep one file of headroom so the next ENOSPC is not immediate.
-        grown = self._index.used_bytes + self._index.reserved_bytes + free - self.entry_bytes
-        if grown > self._index.capacity:
-            self._index.set_capacity(grown)
-            logger.info("fs tier %s: capacity back to %d bytes", self.label, self._index.capacity)
+        grown = budget.used_files + (free - self.entry_bytes) // self.entry_bytes
+        if grown > budget.capacity:
+            budget.set_capacity(grown)
+            logger.info("fs tier %s: capacity back to %d bytes", self.label, budget.capacity * self.entry_bytes)
+
+    def _housekeeping(self) -> None:
+        """Apply the other engines' journals, notice other engines (``miss_checks``), expire
+        negative answers, and every ``_LEDGER_SECONDS`` adopt dead instances' ledgers, reread
+        the shared file count and delete dead instances' stale journals."""
+        now = time.monotonic()
+        if now >= self._next_journal_read:
+            self._next_journal_read = now + _JOURNAL_SECONDS
+            self._journal.flush()  # one append for what every store since the last tick recorded
+            self._budget.flush()
+            if self._follow is not None:
+                self._apply_journal(self._follow.read())
+            if not self._peers.seen and self._peers.check():
+                logger.info("fs tier %s: another engine uses %s", self.label, self.ns_dir)
+            if self.miss_checks and not self._checks_live and self._peers.seen:
+                self._checks_live = True
+            self._checks.prune()
+        if now >= self._next_ledger_check:
+            self._next_ledger_check = now + _LEDGER_SECONDS
+            self._budget.adopt_dead()
+            self._budget.refresh()
+            if self._follow is not None:
+                self._follow.remove_dead()
+
+    def _apply_journal(self, entries: list[Entry]) -> None:
+        """What other engines added (present, ranked by its write time) and removed (gone)."""
+        added = removed = 0
+        for op, when, key in entries:
+            if op == ADDED:
+                added += self._index.add_found([(when, key)])
+                self._checks.forget(key)
+            elif self._index.forget_if_older(key, when):
+                removed += 1
+        if added or removed:
+            self._count(journal_added=added, journal_removed=removed)
 
     def _io_error(self, detail: str) -> None:
         logger.warning("fs tier %s: %s", self.label, detail)
@@ -607,25 +936,32 @@ class FilesystemTier(ThreadedTier):
     # --- warm restart scan -------------------------------------------------------------------
 
     def _scan(self) -> None:
-        """Index every value file on disk, shard by shard (oldest files become LRU)."""
+        """Index every value file on disk, shard by shard (ranked for eviction by mtime); then fix the
+        shared file count where the scan proves it wrong and evict what is over the budget."""
         t0 = time.perf_counter()
         found: list[tuple[float, bytes]] = []
         try:
+            mark = self._budget.mark()
             for i, shard in enumerate(SHARDS):
                 if self._stop_scan.is_set():
                     return
                 entries, unsafe = scan_shard(self._dirs, shard)
                 if unsafe:
                     self._count(unsafe_entries=unsafe)
-                self._index.add_scanned(key for _, key in entries)
+                entries.sort()
+                self._index.add_found(entries)
                 self._scanned[i] = 1
                 found.extend(entries)
-            found.sort(reverse=True)
-            self._index.order_oldest_first([key for _, key in found])
-            victims = self._index.evict_over_capacity()
-            if victims:
-                logger.info("fs tier %s: %d files beyond max_bytes evicted after restart", self.label, len(victims))
-                self._unlink_victims(victims)
+            found.sort()
+            self._index.order_found([key for _, key in found])
+            change = self._budget.reconcile(len(found), mark)
+            if change:
+                logger.info("fs tier %s: shared file count corrected by %+d after the scan", self.label, change)
+            need = self._budget.recheck()
+            if need:
+                logger.info("fs tier %s: %d files beyond max_bytes evicted after restart", self.label, need)
+                with contextlib.suppress(_NoRoom):
+                    self._make_room(need, recycle_to=None)
         except Exception as exc:
             what = f"fs tier {self.label}: scan of {self.ns_dir} failed; unscanned keys answer MISS"
             log_failure(logger, logging.ERROR, what, exc, with_traceback=True)
@@ -643,5 +979,9 @@ class FilesystemTier(ThreadedTier):
         self._stop_scan.set()
 
     def _close(self) -> None:
-        self._instance.close(remove=True)
+        self._instance.close(remove=True)  # first: the ledger's owner is dead from now on
+        self._budget.close()
+        self._journal.close()
+        if self._follow is not None:
+            self._follow.close()
         self._dirs.close()

@@ -8,7 +8,11 @@ One directory per namespace under the tier's root::
             <key hex>.kv         one block: header page, then the payload
         tmp/<pid>-<token>/       one directory per live tier instance
             lock                 flock()ed while the instance lives
-            <key hex>.<n>.tmp    a store in progress (renamed into its shard)
+            <key hex>.<n>.tmp    a store in progress (linked into its shard)
+        ledger/<pid>-<token>     each instance's count of value files (the shared
+                                 size bound, :mod:`kvtier.tiers.fs_budget`)
+        journal/<pid>-<token>.<n>  each instance's log of files it added and removed
+                                 (live sharing, :mod:`kvtier.tiers.fs_journal`)
 
 A value file holds the 128-byte header of :mod:`kvtier.tiers.format` at offset
 0, zero padded to :data:`PAYLOAD_OFFSET` (4096), then the payload. The payload
@@ -17,7 +21,8 @@ page-aligned CPU row. A file written with O_DIRECT is padded to a whole page;
 one written through the page cache ends right after the payload. Both are valid.
 
 Stores write a temporary file in the instance's own ``tmp`` directory and
-rename it into place, so a reader never sees a partial file. A temporary
+link it into place (never replacing an entry there), so a reader never sees a
+partial file. A temporary
 directory whose ``lock`` can be taken belongs to a dead process (the kernel
 drops flocks on process death, SIGKILL included) and is swept at startup.
 
@@ -69,6 +74,8 @@ LAYOUT_VERSION = 1
 
 MANIFEST = "manifest.json"
 TMP_DIR = "tmp"
+LEDGER_DIR = "ledger"
+JOURNAL_DIR = "journal"
 LOCK_FILE = "lock"
 SUFFIX = ".kv"
 SHARDS = tuple(f"{i:02x}" for i in range(256))
@@ -202,9 +209,9 @@ def atomic_write_text(dirs: NamespaceDir, name: str, text: str) -> None:
 
 
 def make_dirs(ns_dir: Path, modes: FileModes) -> NamespaceDir:
-    """Create (or adopt) the namespace directory, its 256 shards and ``tmp``, following no
-    link; see :class:`~kvtier.tiers.fs_files.NamespaceDir`."""
-    return NamespaceDir(ns_dir, (*SHARDS, TMP_DIR), modes)
+    """Create (or adopt) the namespace directory, its 256 shards, ``tmp``, ``ledger`` and
+    ``journal``, following no link; see :class:`~kvtier.tiers.fs_files.NamespaceDir`."""
+    return NamespaceDir(ns_dir, (*SHARDS, TMP_DIR, LEDGER_DIR, JOURNAL_DIR), modes)
 
 
 # --- instance temp directories -----------------------------------------------------------------
@@ -294,6 +301,30 @@ def _open_subdir(parent_fd: int, name: str) -> int | None:
         return os.open(name, DIR_FLAGS, dir_fd=parent_fd)
     except OSError:
         return None
+
+
+def instance_alive(ns_dir: Path, name: str) -> bool:
+    """Is tier instance ``name`` (its ``tmp`` directory's name) alive? Proven by its flock.
+
+    ``tmp`` and the instance directory are opened without following: a link or a file is no
+    instance directory (kvtier never made one).
+    """
+    if not name or name.startswith(".") or "/" in name:
+        return False
+    try:
+        tmp_fd = os.open(ns_dir / TMP_DIR, DIR_FLAGS)
+    except OSError:
+        return False
+    try:
+        fd = _open_subdir(tmp_fd, name)
+    finally:
+        os.close(tmp_fd)
+    if fd is None:
+        return False
+    try:
+        return _held_by_live_process(fd, os.fstat(fd))
+    finally:
+        os.close(fd)
 
 
 def temp_dirs(ns_fd: int, ns_path: Path, remove_dead: bool = False) -> list[TempDirState]:
@@ -483,9 +514,10 @@ def is_no_space(exc: BaseException) -> bool:
 # --- scanning and offline verification ----------------------------------------------------------
 
 
-def scan_shard(dirs: NamespaceDir, shard: str) -> tuple[list[tuple[float, bytes]], int]:
+def scan_shard(dirs: NamespaceDir, shard: str, quiet: bool = False) -> tuple[list[tuple[float, bytes]], int]:
     """``(mtime, key)`` of every value file in one shard, and how many entries named like
-    values were skipped as unsafe (not a regular file, or not ours). Follows no link."""
+    values were skipped as unsafe (not a regular file, or not ours; each logged unless
+    ``quiet``). Follows no link."""
     out: list[tuple[float, bytes]] = []
     unsafe = 0
     for entry in dirs.entries(shard):
@@ -498,7 +530,8 @@ def scan_shard(dirs: NamespaceDir, shard: str) -> tuple[list[tuple[float, bytes]
             continue
         if st is None:
             unsafe += 1
-            logger.warning("fs tier %s: skipping %s/%s: it is %s", dirs.path, shard, entry.name, reason)
+            if not quiet:
+                logger.warning("fs tier %s: skipping %s/%s: it is %s", dirs.path, shard, entry.name, reason)
             continue
         out.append((st.st_mtime, key))
     return out, unsafe
@@ -781,7 +814,7 @@ def _verify_namespace(ns_fd: int, ns_dir: Path, check_payloads: bool, remove_cor
         else:
             stale += state.files
     for name in sorted(e.name for e in os.scandir(ns_fd)):
-        if name not in SHARDS and name not in (MANIFEST, TMP_DIR):
+        if name not in SHARDS and name not in (MANIFEST, TMP_DIR, LEDGER_DIR, JOURNAL_DIR):
             v.foreign.append(str(ns_dir / name))
     return NamespaceReport(
         digest=ns_dir.name,
