@@ -28,10 +28,10 @@ from kvtier.config import describe_config, load_config
 from kvtier.errors import ConfigError
 from kvtier.keys import KVGeometry, Namespace
 from kvtier.tiers.base import SecondaryTier, TierContext
-from kvtier.tiers.options import MAX_BYTES, tier_options
 from kvtier.tiers.registry import builtin_tier_names, create_tier, resolve_tier_class, validate_tier_options
 
 BLOCK = 4096
+MAX_BYTES = 1 << 60  # kvtier.tiers.options.MAX_BYTES (kept literal: this file also runs against older trees)
 # Options a generic value cannot exercise here, and why.
 NOT_GENERATED = {("redis", "cluster"): "needs a Redis Cluster to construct (test_redis.py covers it)"}
 
@@ -221,6 +221,10 @@ def test_every_option_reaches_the_tier_the_same_three_ways(
 
 @pytest.mark.parametrize("name", builtin_tier_names())
 def test_a_model_instance_with_keyword_changes(name: str, tmp_path: Path) -> None:
+    from kvtier.tiers.options import MAX_BYTES as max_bytes
+    from kvtier.tiers.options import tier_options
+
+    assert max_bytes == MAX_BYTES
     cls = resolve_tier_class(name)
     model = cls.options_model
     assert model is not None
