@@ -42,7 +42,6 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.keys import BlockKey
 from kvtier.types import LookupResult
 
 LOOKUP_SECONDS_BUCKETS: tuple[float, ...] = (
@@ -55,8 +54,6 @@ ASYNC_LOOKUP_SECONDS_BUCKETS: tuple[float, ...] = (
 )  # fmt: skip
 """Upper bounds of the asynchronous lookup histograms (first RETRY until the tier answers HIT or MISS)."""
 
-MAX_PENDING_RETRIES = 65536
-"""Keys per tier remembered between a RETRY and its answer; beyond it the oldest are forgotten."""
 
 class LatencyHistogram:
     """Counts of observations per bucket (Prometheus ``le`` semantics), their sum and count.
@@ -141,11 +138,7 @@ class TransferCounter:
 
 
 class TierTelemetry:
-    """What the manager observes about one tier. Scheduler thread only.
-
-    ``retry_since`` remembers, per key, when this tier first answered RETRY, so
-    the answer that follows is timed (``lookup_async_seconds``).
-    """
+    """What the manager observes about one tier. Scheduler thread only."""
 
     __slots__ = (
         "failures",
@@ -153,7 +146,6 @@ class TierTelemetry:
         "lookup_async_seconds",
         "lookup_seconds",
         "read",
-        "retry_since",
         "stores_in_flight",
         "written",
     )  # fmt: skip
@@ -161,7 +153,6 @@ class TierTelemetry:
     def __init__(self) -> None:
         self.lookup_seconds = LatencyHistogram(LOOKUP_SECONDS_BUCKETS)
         self.lookup_async_seconds = LatencyHistogram(ASYNC_LOOKUP_SECONDS_BUCKETS)
-        self.retry_since: dict[BlockKey, float] = {}
         self.written = TransferCounter()
         self.read = TransferCounter()
         self.failures: dict[str, int] = {}
@@ -170,20 +161,6 @@ class TierTelemetry:
 
     def fail(self, kind: str, count: int = 1) -> None:
         self.failures[kind] = self.failures.get(kind, 0) + count
-
-    def retried(self, key: BlockKey, now: float) -> None:
-        """The tier answered RETRY for ``key`` at ``now`` (the first RETRY starts the clock)."""
-        pending = self.retry_since
-        if key not in pending:
-            if len(pending) >= MAX_PENDING_RETRIES:
-                del pending[next(iter(pending))]
-            pending[key] = now
-
-    def answered(self, key: BlockKey, now: float) -> None:
-        """The tier answered HIT or MISS for ``key``; time it if it had answered RETRY before."""
-        start = self.retry_since.pop(key, None)
-        if start is not None:
-            self.lookup_async_seconds.observe(now - start)
 
 
 # --------------------------------------------------------------------------- snapshots
