@@ -13,7 +13,7 @@ that says how to build your tier and, optionally, how to damage a stored
 value and take the medium away::
 
     import pytest
-    from kvtier.tiers.conformance import TierConformance, TierHarness
+    from kvtier.testing import TierConformance, TierHarness
 
     class MyHarness(TierHarness):
         def spec(self):
@@ -264,7 +264,7 @@ class TierConformance:
             mgr.on_request_finished(req)
             wait_for(lambda: not mgr.has_pending_work(), harness.wait_seconds, "cascades finished", mgr.on_schedule_end)
             mgr.on_schedule_end()
-            assert mgr.stats()["manager"]["cascades_succeeded"] == len(keys)
+            assert mgr.stats().manager.cascades_succeeded == len(keys)
 
             mgr.reset_cache()
             mgr.rows[:] = 0  # nothing left in the CPU tier to cheat with
@@ -286,8 +286,8 @@ class TierConformance:
             mgr.on_schedule_end()
             assert np.array_equal(back, device), "promoted blocks differ from what was stored"
             stats = mgr.stats()
-            assert stats["manager"]["promotions_succeeded"] == len(keys)
-            assert next(iter(stats["tiers"].values()))["corrupt_values"] == 0
+            assert stats.manager.promotions_succeeded == len(keys)
+            assert stats.secondary[0].counters["corrupt_values"] == 0
         finally:
             mgr.shutdown()
 
