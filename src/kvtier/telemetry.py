@@ -27,15 +27,14 @@ jobs and ``read`` its completed promotion (load) jobs, with the bytes and
 seconds each job reported (seconds measured by the manager, submit to poll,
 when the tier reports none).
 
-A :class:`ManagerSnapshot` also reads as the JSON-able mapping that ``stats()``
-returned before it was typed (``snapshot["tiers"]["1:fs"]["bytes_written"]``):
-see :meth:`ManagerSnapshot.as_dict`.
+:meth:`ManagerSnapshot.as_dict` gives the JSON-able mapping that ``stats()``
+returned before it was typed (``as_dict()["tiers"]["1:fs"]["bytes_written"]``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -348,11 +347,11 @@ class ManagerCounters:
 
 
 @dataclass(frozen=True)
-class ManagerSnapshot(Mapping[str, Any]):
+class ManagerSnapshot:
     """The whole of :meth:`~kvtier.manager.TieringManager.stats` at one moment.
 
-    ``tiers[0]`` is the CPU tier, ``tiers[n]`` secondary tier n. As a mapping it
-    reads like :meth:`as_dict` (``snapshot["manager"]["promotions_failed"]``).
+    ``tiers[0]`` is the CPU tier, ``tiers[n]`` secondary tier n; :meth:`as_dict` is
+    the JSON-able form.
     """
 
     taken_at: float
@@ -427,15 +426,6 @@ class ManagerSnapshot(Mapping[str, Any]):
             manager=counters,
             tiers=tuple(tiers),
         )
-
-    def __getitem__(self, key: str) -> Any:
-        return self._dict[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._dict)
-
-    def __len__(self) -> int:
-        return len(self._dict)
 
 
 def _totals(entry: Mapping[str, Any], key: str, nbytes: str, seconds: str) -> TransferTotals:
