@@ -183,7 +183,6 @@ class TieringManager:
         return build.assemble(region, block_bytes, policy, tiers, namespace, events, lambda primary, built: cls(
             primary, built, drain_timeout=drain_timeout, shutdown_timeout=shutdown_timeout, backpressure=backpressure))
 
-
     @property
     def region(self) -> SharedRegion:
         return self.primary.region
@@ -406,7 +405,6 @@ class TieringManager:
         self.primary.touch(keys)
         self._tiers.broadcast("touch", keys, request)
 
-
     def prepare_store(
         self, keys: Sequence[BlockKey], request: RequestContext | None = None
     ) -> PrepareStoreResult | None:
@@ -483,7 +481,6 @@ class TieringManager:
                 self._jobs.submit_cascades(done, slots, admitted, request)
         if state is not None:
             self._requests.finalize_if_done(state)
-
 
     def on_new_request(self, request: RequestContext) -> OffloadPolicy:
         """REQUEST_LEVEL if any tier asks for it, else BLOCK_LEVEL."""
@@ -573,7 +570,6 @@ class TieringManager:
         self._hits.clear()
         self._steady = False
 
-
     def request_control(self, request: RequestContext) -> RequestControl:
         """What ``request`` allows (:mod:`kvtier.request_control`), parsed from its params once
         and kept in ``request.control``. Malformed keys are logged (once per distinct problem)
@@ -589,7 +585,7 @@ class TieringManager:
     def telemetry(self) -> list[TierTelemetry]:
         """The manager's per-tier accumulators (index 0: CPU tier). Scheduler thread only; read
         :meth:`stats` instead unless you need raw samples (see ``LatencyHistogram.keep_samples``)."""
-        return self._tiers.telemetry()
+        return list(self._tiers.telemetry)
 
     def stats(self) -> ManagerSnapshot:
         """A typed snapshot of the manager and every tier (:class:`~kvtier.telemetry.ManagerSnapshot`).
@@ -602,7 +598,6 @@ class TieringManager:
         """
         return snapshot.manager_snapshot(self.primary, self._tiers, self._tally, self._countdown, self._stats,
                                          len(self._jobs), len(self._requests))
-
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Shut down every secondary tier, then (only if all succeeded) the CPU tier.

@@ -95,18 +95,21 @@ class TierHandle:
                 self.index, self.tier.tier_type, type(self.tier).__qualname__, call,
             )
 
+    def call(self, name: str, *args: Any, default: Any = None) -> Any:
+        """The tier's method ``name`` called with ``args``, or ``default`` if it raised (see :meth:`failed`)."""
+        try:
+            return getattr(self.tier, name)(*args)
+        except Exception:
+            self.failed(name)
+            return default
+
     def guard(self, call: str, fn: Callable[[], _T], default: _T) -> _T:
-        """``fn()``, or ``default`` if it raised (see :meth:`failed`): the one guarded call."""
+        """``fn()`` (which reads the tier), or ``default`` if it raised, counted as ``call()`` failing."""
         try:
             return fn()
         except Exception:
             self.failed(call)
             return default
-
-    def call(self, name: str, *args: Any, default: Any = None) -> Any:
-        """The tier's method ``name`` called with ``args``, guarded."""
-        tier = self.tier
-        return self.guard(name, lambda: getattr(tier, name)(*args), default)
 
     def submit(self, job: TransferJob) -> bool:
         """Hand ``job`` to the tier; False if it refused (logged, counted as ``submit_error``)."""
@@ -167,15 +170,16 @@ class TierSet:
 
     def __init__(self, tiers: Sequence[SecondaryTier], backpressure: BackpressureSettings,
                  counters: ManagerCounters) -> None:
-        self.cpu = TierTelemetry()
-        """The manager's telemetry of the CPU tier (index 0)."""
+        self.cpu = TierTelemetry()  # the manager's telemetry of the CPU tier (index 0)
         self.handles = tuple(
-            TierHandle(index, tier, cascade_admission(backpressure, tier_label(index, tier.tier_type)), counters)
-            for index, tier in enumerate(tiers, start=1)
-        )  # fmt: skip
+            TierHandle(i, tier, cascade_admission(backpressure, tier_label(i, tier.tier_type)), counters)
+            for i, tier in enumerate(tiers, start=1)
+        )
         self.live = list(self.handles)
         """The handles of the tiers not shut down, in order (the lookup path iterates it)."""
         self._step_end = [handle for handle in self.handles if handle.has_step_end]
+        self.telemetry = (self.cpu, *(handle.telemetry for handle in self.handles))
+        """The manager's telemetry of every tier, the CPU tier first."""
         self._counters = counters
 
     def lookup(self, key: BlockKey, request: RequestContext | None, allowed: frozenset[int] | None,
@@ -251,17 +255,13 @@ class TierSet:
         """Step end: the tiers that want ``on_schedule_end`` get it; lookup times are folded."""
         if self._step_end:
             self.broadcast("on_schedule_end", among=self._step_end)
-        for telemetry in self.telemetry():
+        for telemetry in self.telemetry:
             if len(telemetry.lookup_seconds.pending) >= telemetry.lookup_seconds.FOLD_AT:
                 telemetry.lookup_seconds.fold()
 
     def forget_retries(self) -> None:
         for handle in self.handles:
             handle.retry_since.clear()
-
-    def telemetry(self) -> list[TierTelemetry]:
-        """The manager's telemetry of every tier, the CPU tier first."""
-        return [self.cpu, *(handle.telemetry for handle in self.handles)]
 
     def mark_down(self, handle: TierHandle) -> None:
         """``handle``'s tier shut down: no call reaches it any more, and its view of the rows goes."""
