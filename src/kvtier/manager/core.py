@@ -226,9 +226,9 @@ class TieringManager:
 
         This method answers the common cases itself, a hot-path copy of :meth:`_lookup`:
         in a step already polled, for a request with the default control, a ready CPU block
-        is answered here and a CPU miss goes straight to the secondary tiers. Measured
-        (cachegrind, ``bench_manager``'s HIT loop): 587 ns per HIT through this copy
-        against 742 ns through ``_lookup``. Anything else takes ``_lookup``.
+        is answered here and a CPU miss goes straight to the secondary tiers. Measured on
+        ``bench_manager``'s HIT loop: 2.7k instructions (cachegrind) and 692 ns per HIT
+        through this copy, 3.7k and 882 ns through ``_lookup``. Anything else takes ``_lookup``.
         """
         if type(key) is bytes and self._steady and (request is None or request.control is DEFAULT_CONTROL):
             countdown = self._countdown - 1
@@ -353,7 +353,9 @@ class TieringManager:
     ) -> int:
         """Answer the CPU hits of :meth:`lookup_prefix` from ``keys[i]`` on; the index of the first
         key :meth:`_lookup` must answer. A hot-path copy of the CPU answer (the round's timed
-        lookup included while it is a hit): a run of hits costs about a dictionary probe per key."""
+        lookup included while it is a hit); measured on runs of 16 hits: 2.2k instructions per
+        key (cachegrind) against 4.6k for a call of ``_lookup`` per key; 815 against 893 ns per
+        key over 100,000 blocks in random order, where memory bounds both."""
         if not self._steady or not (request is None or request.control is DEFAULT_CONTROL):
             return i
         slot_get, refs, step_hit = self._slot_get, self._refs, self._step_hit
