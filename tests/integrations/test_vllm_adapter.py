@@ -244,3 +244,27 @@ def test_load_source_names_the_promotion_and_host_for_a_block_already_being_writ
         assert adapter.get_load_source(writing[0], req) is CacheHitSource.HOST
     finally:
         adapter.shutdown()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [list(range(200_000)), "x" * 1_000_000, {f"k{i}": i for i in range(100_000)}, ["cpu", "y" * 1_000_000]],
+    ids=["200k-item list", "1 MB string", "100k-key dict", "1 MB selector"],
+)
+def test_kv_transfer_params_are_not_kept_by_the_adapter(adapter: KvtierOffloadingManager, value: object) -> None:
+    """A client's kv_transfer_params are parsed once: neither the adapter's request context
+    (alive for the whole request) nor the manager holds the value afterwards."""
+    import gc
+    import sys
+
+    before = sys.getrefcount(value)
+    params = {"kvtier_load_tiers": value, "kvtier_store": value, "kvtier_cascade_tiers": value}
+    req = ReqContext("big-params", kv_transfer_params=params)
+    adapter.on_new_request(req)
+    assert adapter.lookup(_keys(1)[0], req) is VllmLookup.MISS
+    del req, params  # vLLM drops its request; the adapter's context lives on until finished
+    gc.collect()
+    assert sys.getrefcount(value) == before, "the adapter or the manager kept the client's value"
+    assert adapter._contexts["big-params"].params == {}
+    adapter.on_request_finished(ReqContext("big-params"))
+    assert adapter._contexts == {}

@@ -574,8 +574,9 @@ class TieringManager:
 
     def request_control(self, request: RequestContext) -> RequestControl:
         """What ``request`` allows (:mod:`kvtier.request_control`), parsed from its params once
-        and kept in ``request.control``. Malformed keys are logged (once per distinct problem)
-        and fall back to their defaults: a request is never refused for them."""
+        and kept in ``request.control``. Malformed keys fall back to their defaults (a request
+        is never refused for them), are counted per kind and logged at the 1st, 10th, 100th...
+        occurrence; nothing of the value is kept (:class:`~kvtier.request_control.ControlProblemLog`)."""
         return self._requests.control(request)
 
     def tier_descriptors(self) -> list[TierDescriptor]:

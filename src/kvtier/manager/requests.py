@@ -18,14 +18,10 @@ from dataclasses import dataclass, field
 
 from kvtier.keys import BlockKey
 from kvtier.manager.tierset import TierHandle, TierSet
-from kvtier.request_control import CONTROL_KEYS, TierDescriptor, parse_control
+from kvtier.request_control import CONTROL_KEYS, ControlProblemLog, TierDescriptor, parse_control_problems
 from kvtier.types import DEFAULT_CONTROL, RequestContext, RequestControl
 
 logger = logging.getLogger(__name__)
-
-MAX_LOGGED_CONTROL_ERRORS = 1024
-"""Distinct malformed-control messages logged; later ones are only applied (their defaults)."""
-
 
 @dataclass(eq=False)
 class RequestState:
@@ -56,7 +52,7 @@ class RequestTable:
         self._states: dict[str, RequestState] = {}
         self._next_seq = 0
         self._step: list[RequestState] = []
-        self._logged_errors: set[str] = set()
+        self._control_problems = ControlProblemLog(logger)
         self._tiers = tiers
 
     def __len__(self) -> int:
@@ -117,19 +113,17 @@ class RequestTable:
 
     def control(self, request: RequestContext) -> RequestControl:
         """What ``request`` allows, parsed from its params once and kept in ``request.control``.
-        Malformed keys are logged (once per distinct problem) and fall back to their
-        defaults: a request is never refused for them."""
+        Malformed keys fall back to their defaults (a request is never refused for them), are
+        counted per kind and logged at the 1st, 10th, 100th... occurrence; nothing of the value
+        is kept (:class:`~kvtier.request_control.ControlProblemLog`)."""
         control = request.control
         if control is None:
             params = request.params
             if not params or not any(key in params for key in CONTROL_KEYS):
                 control = DEFAULT_CONTROL
             else:
-                control, errors = parse_control(params, self.descriptors)
-                for error in errors:
-                    if error not in self._logged_errors and len(self._logged_errors) < MAX_LOGGED_CONTROL_ERRORS:
-                        self._logged_errors.add(error)
-                        logger.warning("request %s: %s; that setting is ignored", request.req_id, error)
+                control, problems = parse_control_problems(params, self.descriptors)
+                self._control_problems.record(request.req_id, problems)
             request.control = control
         return control
 
