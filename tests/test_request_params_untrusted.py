@@ -143,7 +143,7 @@ def test_problems_are_counted_per_kind_and_logged_at_1_10_100(
     with caplog.at_level(logging.WARNING):
         for i in range(150):
             _control(mgr, f"r{i}", {CASCADE_TIERS_KEY: [f"nope-{i}"], STORE_KEY: i})
-    counts = mgr._control_problems.counts()
+    counts = mgr._requests._control_problems.counts()  # the request table (kvtier.manager.requests) keeps them
     assert counts == {f"{CASCADE_TIERS_KEY}:unknown_selector": 150, f"{STORE_KEY}:not_boolean": 150}
     logged = [r.getMessage() for r in caplog.records if "setting is ignored" in r.getMessage()]
     assert len(logged) == 6, logged  # 1st, 10th, 100th of each kind

@@ -30,8 +30,8 @@ from s3_servers import MotoServer, free_port
 
 from kvtier.errors import ConfigError
 from kvtier.keys import KVGeometry, Namespace, chain_ids
+from kvtier.testing import make_namespace, new_job, run_job, wait_for, wait_results
 from kvtier.tiers.base import HealthState, TierContext
-from kvtier.tiers.conformance import make_namespace, new_job, run_job, wait_for, wait_results
 from kvtier.tiers.memory import MemoryTier
 from kvtier.tiers.registry import create_tier, validate_tier_options
 

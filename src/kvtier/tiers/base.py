@@ -37,7 +37,7 @@ Writing a tier: subclass :class:`kvtier.tiers.jobs.ThreadedTier` (job
 tracking, queues, threads, drain, shutdown and the health breaker are done
 there) and copy :mod:`kvtier.tiers.memory`; declare the options as a pydantic
 model in ``options_model``; run the conformance suite
-(:mod:`kvtier.tiers.conformance`) against it.
+(:mod:`kvtier.testing`) against it.
 """
 
 from __future__ import annotations

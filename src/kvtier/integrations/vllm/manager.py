@@ -141,9 +141,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     # --- lookups and loads -----------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> VllmLookup:
-        in_cpu = key in self.manager.primary
         result = self.manager.lookup(key, self._context(req_context))
-        if not in_cpu and result is LookupResult.HIT_PENDING:
+        # promoted_from: this lookup started a promotion (0: the block was being written already)
+        if result is LookupResult.HIT_PENDING and self.manager.promoted_from:
             self._promoted[key] = self._promotion_source
             if len(self._promoted) > self._promoted_cap:
                 self._promoted.popitem(last=False)

@@ -16,7 +16,7 @@ that says how to build your tier and, optionally, how to damage a stored
 value and take the medium away::
 
     import pytest
-    from kvtier.tiers.conformance import TierConformance, TierHarness
+    from kvtier.testing import TierConformance, TierHarness
 
     class MyHarness(TierHarness):
         def spec(self):
@@ -328,7 +328,7 @@ class TierConformance:
             mgr.on_request_finished(req)
             wait_for(lambda: not mgr.has_pending_work(), harness.wait_seconds, "cascades finished", mgr.on_schedule_end)
             mgr.on_schedule_end()
-            assert mgr.stats()["manager"]["cascades_succeeded"] == len(keys)
+            assert mgr.stats().manager.cascades_succeeded == len(keys)
 
             mgr.reset_cache()
             mgr.rows[:] = 0  # nothing left in the CPU tier to cheat with
@@ -350,8 +350,8 @@ class TierConformance:
             mgr.on_schedule_end()
             assert np.array_equal(back, device), "promoted blocks differ from what was stored"
             stats = mgr.stats()
-            assert stats["manager"]["promotions_succeeded"] == len(keys)
-            assert next(iter(stats["tiers"].values()))["corrupt_values"] == 0
+            assert stats.manager.promotions_succeeded == len(keys)
+            assert stats.secondary[0].counters["corrupt_values"] == 0
         finally:
             mgr.shutdown()
 
@@ -371,7 +371,7 @@ class TierConformance:
                 mgr.reset_cache()
                 answers = _promote_through(mgr, keys, harness)
                 assert answers[1] is LookupResult.MISS and answers[0] is LookupResult.HIT, answers
-                assert next(iter(mgr.stats()["tiers"].values()))["corrupt_values"] == 1
+                assert mgr.stats().secondary[0].counters["corrupt_values"] == 1
             finally:
                 mgr.shutdown()
             assert mgr.region.closed, "the region was not released"
