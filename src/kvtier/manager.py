@@ -97,6 +97,7 @@ from kvtier.types import (
     tier_label,
 )
 from kvtier.units import rows_that_fit
+from kvtier.validation import check_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -121,9 +122,9 @@ def _key_error(key: object) -> InvalidKeyError:
     )
 
 
-def _check_shutdown_timeout(timeout: float | None) -> None:
-    if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
-        raise ConfigError(f"shutdown_timeout must be >= 0 seconds or None, got {timeout!r}")
+def _check_shutdown_timeout(timeout: float | None, name: str = "shutdown_timeout") -> None:
+    """A deadline of the Python API: finite seconds in [0, MAX_SECONDS] or None (ConfigError naming ``name``)."""
+    check_seconds(timeout, name, allow_none=True)
 
 
 def _by_seq(state: _RequestState) -> int:
@@ -223,6 +224,7 @@ class TieringManager:
         lookup_timing_every: int = LOOKUP_TIMING_EVERY,
     ) -> None:
         _check_shutdown_timeout(shutdown_timeout)
+        _check_shutdown_timeout(drain_timeout, "drain_timeout")
         if isinstance(lookup_timing_every, bool) or not isinstance(lookup_timing_every, int) or lookup_timing_every < 1:
             raise ConfigError(f"lookup_timing_every must be an integer >= 1, got {lookup_timing_every!r}")
         self.primary = primary
@@ -349,6 +351,7 @@ class TieringManager:
             num_cpu_blocks = rows_that_fit(cpu_bytes, block_bytes)
         # Everything that can be checked without side effects is checked first.
         _check_shutdown_timeout(shutdown_timeout)
+        _check_shutdown_timeout(drain_timeout, "drain_timeout")
         if isinstance(policy, str):
             resolve_policy(policy)
         for index, spec in enumerate(tiers, start=1):
@@ -499,7 +502,7 @@ class TieringManager:
             self._stats.promotions_failed += len(failed)
             telemetry.read.add(len(ok), result.bytes_moved, seconds)
             if failed:
-                telemetry.fail("promotion_job_failed")
+                telemetry.fail("promotion_job_failed", error=result.error)
                 logger.debug("promotion job %d from tier #%d: %d of %d keys failed (%s)",
                              result.job_id, pos + 1, len(failed), len(job.keys), result.error)
         else:
@@ -511,7 +514,7 @@ class TieringManager:
             else:
                 self._stats.cascades_failed += len(job.keys)
                 telemetry.written.add(len(result.succeeded(job.keys)), result.bytes_moved, seconds)
-                telemetry.fail("cascade_job_failed")
+                telemetry.fail("cascade_job_failed", error=result.error)
             monitor = self._pressure[pos]
             # A sample only from jobs that reached the medium: stores skipped because the tier
             # held the keys, or shed at once, say nothing about its latency.
@@ -1094,6 +1097,7 @@ class TieringManager:
         """
         if self._closing:
             self._refuse("reset_cache")
+        _check_shutdown_timeout(drain_timeout, "reset_cache(drain_timeout=...)")
         timeout = self.drain_timeout if drain_timeout is None else drain_timeout
         for pos, tier in enumerate(self.tiers):
             if pos not in self._tiers_down:
@@ -1312,6 +1316,7 @@ class TieringManager:
         """
         if self._shutdown_complete:
             return
+        _check_shutdown_timeout(timeout, "shutdown(timeout=...)")
         self._closing = True
         self._steady = False
         limit = self.shutdown_timeout if timeout is None else timeout

@@ -42,7 +42,7 @@ def test_reads_requests_sorted_by_timestamp(tmp_path: Path) -> None:
 )
 def test_bad_lines_name_file_and_line(tmp_path: Path, line: str, fragment: str) -> None:
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"timestamp": 0, "hash_ids": [0]}\n' + line + "\n")
+    path.write_text('{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [0]}\n' + line + "\n")
     with pytest.raises(TraceFormatError) as err:
         list(iter_trace(path))
     assert f"{path}:2" in str(err.value) and fragment in str(err.value)
