@@ -91,7 +91,7 @@ def parse_size(value: int | float | str) -> int:
                 raise _too_large(shown(value.strip()))
             if unit in _SIZE_UNITS:
                 scale = 10 ** len(fraction)
-                size = (int(whole + fraction) * _SIZE_UNITS[unit]) // scale
+                size: int = (int(whole + fraction) * _SIZE_UNITS[unit]) // scale
                 if size > MAX_SIZE:
                     raise _too_large(shown(value.strip()))
                 return size

@@ -37,7 +37,7 @@ import sys
 from collections.abc import Sequence
 
 from kvtier.errors import ConfigError
-from kvtier.units import format_size
+from kvtier.units import format_size, shown
 from kvtier.untrusted import kind_of
 
 STDOUT = "-"
@@ -70,7 +70,7 @@ def os_error_text(exc: OSError) -> str:
 
 
 def _refuse(what: str, path: str, problem: str) -> ConfigError:
-    return ConfigError(f"{what} {path!r}{'' if problem.startswith(':') else ' '}{problem}")
+    return ConfigError(f"{what} {shown(path, 120)}{'' if problem.startswith(':') else ' '}{problem}")
 
 
 # --------------------------------------------------------------------------- inputs
@@ -193,7 +193,7 @@ def check_output(path: str, flag: str, inputs: Sequence[str | os.PathLike[str] |
         raise _refuse(flag, path, f"{too_long}: shorten it")
     try:
         st: os.stat_result | None = os.stat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         st = None
     except OSError as exc:
         raise _refuse(flag, path, f"cannot be written: {os_error_text(exc)}") from None
@@ -211,9 +211,12 @@ def check_output(path: str, flag: str, inputs: Sequence[str | os.PathLike[str] |
     # Nothing there (or a dangling symlink, written through to its target): the directory must take a new file.
     target = os.path.realpath(path)
     parent = os.path.dirname(target) or "."
-    shown_parent = os.path.dirname(path) or "."
+    shown_parent = parent if os.path.islink(path) else os.path.dirname(path) or "."
     if not os.path.isdir(parent):
-        raise _refuse(flag, path, f": directory {shown_parent!r} does not exist: create it or pick another path")
+        what = " (something else is there)" if os.path.lexists(parent) else ""
+        raise _refuse(
+            flag, path, f": directory {shown_parent!r} does not exist{what}: create it or pick another path"
+        )
     if not os.access(parent, os.W_OK | os.X_OK):
         raise _refuse(flag, path, f": directory {shown_parent!r} is not writable: pick another path")
 
@@ -240,6 +243,11 @@ def write_output(path: str, data: bytes | str, flag: str) -> None:
         sys.stdout.buffer.flush()
         return
     fd, created = _open_output(path, flag)
+    _write_all(fd, payload, path, flag, created)
+
+
+def _write_all(fd: int, payload: bytes, path: str, flag: str, created: str | None) -> None:
+    """Write ``payload`` to ``fd`` (truncating a regular file first) and close it; ConfigError on failure."""
     try:
         st = os.fstat(fd)
         if stat.S_ISREG(st.st_mode):
@@ -257,11 +265,58 @@ def write_output(path: str, data: bytes | str, flag: str) -> None:
             _remove_quietly(created)
             left = "nothing was left there"
         else:
-            left = "the file there is now incomplete"
+            left = "what is there is now incomplete"
         raise _refuse(flag, path, f"could not be written ({os_error_text(exc)}); {left}") from None
     finally:
         if fd >= 0:
             os.close(fd)
+
+
+class OutputFile:
+    """An output path checked before the work and written once after it (the CLI's ``--json`` and ``--plot``).
+
+    The constructor runs :func:`check_output`. A FIFO or character device at
+    the path is opened right away (without blocking: a FIFO nobody reads is
+    refused before the work, and a reader waiting on it keeps a writer until
+    :meth:`write`, so it never sees an early end of file); a regular or new file
+    is only opened by :meth:`write`, so work that fails leaves nothing behind.
+    :meth:`close` (or leaving the ``with`` block) releases an unused descriptor.
+    One thread.
+    """
+
+    def __init__(self, path: str, flag: str, inputs: Sequence[str | os.PathLike[str] | None] = ()) -> None:
+        check_output(path, flag, inputs)
+        self.path = path
+        self.flag = flag
+        self._fd: int | None = None
+        if path == STDOUT:
+            return
+        try:
+            st = os.stat(path)
+        except OSError:
+            return
+        if stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode):
+            self._fd, _ = _open_output(path, flag)
+
+    def write(self, data: bytes | str) -> None:
+        """Write ``data`` (once); raises :class:`ConfigError` naming the flag and the path on failure."""
+        payload = data.encode("utf-8") if isinstance(data, str) else data
+        fd, self._fd = self._fd, None
+        if fd is None:
+            write_output(self.path, payload, self.flag)
+        else:
+            _write_all(fd, payload, self.path, self.flag, None)
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __enter__(self) -> OutputFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _open_output(path: str, flag: str) -> tuple[int, str | None]:
@@ -297,6 +352,7 @@ def _remove_quietly(path: str) -> None:
 __all__ = [
     "MAX_CONFIG_BYTES",
     "STDOUT",
+    "OutputFile",
     "check_output",
     "decode_utf8",
     "open_input",

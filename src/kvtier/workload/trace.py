@@ -24,7 +24,7 @@ import io
 import json
 import os
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -127,14 +127,16 @@ def _lines(raw: BinaryIO, name: str, max_bytes: int) -> Iterator[tuple[int, int,
                 )
             if offset + len(line) > max_bytes:
                 raise TraceFormatError(
-                    f"{name}:{lineno}: the trace is larger than {format_size(max_bytes)}, the most kvtier reads: "
-                    "replay a part of it (--limit N)"
+                    f"{name}:{lineno}: the trace is larger than {format_size(max_bytes)}, the most read here "
+                    "(a replay holds about 8 bytes of memory per byte of trace): replay a part of it (--limit N)"
                 )
             yield lineno, offset, line
             offset += len(line)
 
 
-def iter_trace(path: str | os.PathLike[str], *, max_bytes: int = MAX_TRACE_BYTES) -> Iterator[TraceRequest]:
+def iter_trace(
+    path: str | os.PathLike[str], *, max_bytes: int = MAX_TRACE_BYTES
+) -> Generator[TraceRequest, None, None]:
     """Yield the requests of a JSON-lines trace in file order; blank lines are skipped.
 
     The file must be a regular file (a FIFO or device is refused, never read; a
@@ -155,14 +157,16 @@ def iter_trace(path: str | os.PathLike[str], *, max_bytes: int = MAX_TRACE_BYTES
                 yield _parse_line(text, f"{name}:{lineno}")
 
 
-def read_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[TraceRequest]:
+def read_trace(
+    path: str | os.PathLike[str], limit: int | None = None, *, max_bytes: int = MAX_TRACE_BYTES
+) -> list[TraceRequest]:
     """All requests of a trace (the first ``limit`` if given), sorted by timestamp (stable).
 
-    See :func:`iter_trace` for what is read and refused; with ``limit`` the rest
-    of the file is never read.
+    See :func:`iter_trace` for what is read and refused (``max_bytes``: the most
+    text read); with ``limit`` the rest of the file is never read.
     """
     out: list[TraceRequest] = []
-    with contextlib.closing(iter_trace(path)) as requests:
+    with contextlib.closing(iter_trace(path, max_bytes=max_bytes)) as requests:
         for req in requests:
             if limit is not None and len(out) >= limit:
                 break
