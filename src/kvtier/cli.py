@@ -638,6 +638,12 @@ def _replay(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
         DEFAULT_SYNTHETIC_CAPACITIES if args.synthetic is not None else DEFAULT_CAPACITIES
     )
     distinct = int(summary["distinct_blocks"])
+    too_small = [v for v in args.capacity or () if isinstance(v, float) and round(v * distinct) < 1]
+    if too_small:
+        raise ConfigError(
+            f"--capacity {100 * too_small[0]:g}% of the {distinct} distinct blocks is less than one block: "
+            "give a larger share or a block count"
+        )
     capacities = list(dict.fromkeys(v if isinstance(v, int) else max(1, round(v * distinct)) for v in spec))
     _check_replay_capacity(capacities, args.shm_dir)
     flat = FlatTrace.from_requests(requests)

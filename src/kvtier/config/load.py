@@ -79,7 +79,7 @@ def _read_file(path: str) -> dict[str, Any]:
                 import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
             data = tomllib.loads(text)
         else:
-            data = json.loads(text, parse_constant=_no_constant)
+            data = json.loads(text)  # NaN/Infinity reach the field's validation, which names the field
     except ConfigError:
         raise
     except RecursionError:
@@ -96,10 +96,6 @@ def _read_file(path: str) -> dict[str, Any]:
     if set(data) == {"kvtier"} and isinstance(data["kvtier"], dict):
         data = data["kvtier"]
     return dict(data)
-
-
-def _no_constant(name: str) -> Any:
-    raise ConfigError(f"{name} is not a number kvtier accepts: give a finite number")
 
 
 def _parse_env(env: Mapping[str, str]) -> dict[str, Any]:
@@ -125,11 +121,9 @@ def _decode_text(field: str, raw: Any, *, source: str) -> Any:
         return raw
     if field in _JSON_FIELDS:
         try:
-            return json.loads(raw, parse_constant=_no_constant)
+            return json.loads(raw)
         except RecursionError:
             raise ConfigError(f"{field} from {source} nests values too deeply to be a kvtier setting") from None
-        except ConfigError as exc:
-            raise ConfigError(f"{field} from {source}: {exc}") from None
         except json.JSONDecodeError as exc:
             example = {
                 "tiers": '[{"type": "fs", "root": "/mnt/nvme/kv"}]',
