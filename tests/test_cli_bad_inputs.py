@@ -190,7 +190,8 @@ def _check_case(case: tuple[str, list[str], dict[str, str]], root: Path) -> str 
     shm = Path(tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm"))
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "AWS_"))}
-        env.update({"TMPDIR": str(tmp), "KVTIER_SHM_DIR": str(shm), "PYTHONPATH": str(work), "COLUMNS": "200"})
+        path = os.pathsep.join(p for p in (str(work), os.environ.get("PYTHONPATH", "")) if p)
+        env.update({"TMPDIR": str(tmp), "KVTIER_SHM_DIR": str(shm), "PYTHONPATH": path, "COLUMNS": "200"})
         before = _snapshot(work)
         try:
             out = subprocess.run([*KVTIER, *args], cwd=work, env={**env, **extra_env}, capture_output=True,

@@ -7,6 +7,7 @@ ConfigError naming the import path, the module and the error, never a traceback.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import uuid
@@ -93,7 +94,8 @@ def test_the_command_line_prints_one_line_and_exits_2(broken: dict[str, str], tm
         for flag, value in (("--policy", f"{broken[kind]}:Thing"), ("--tiers", f'[{{"type": "{broken[kind]}:X"}}]')):
             out = subprocess.run([sys.executable, "-m", "kvtier.cli", "config", "show", flag, value],
                                  capture_output=True, text=True, timeout=60, check=False,
-                                 env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})  # fmt: skip
+                                 env={"PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path),
+                                      os.environ.get("PYTHONPATH", "")) if p), "PATH": "/usr/bin:/bin"})  # fmt: skip
             assert out.returncode == 2, out.stderr
             lines = out.stderr.strip().splitlines()
             assert len(lines) == 1 and broken[kind] in lines[0] and "Traceback" not in out.stderr, out.stderr
