@@ -8,6 +8,7 @@ OverflowError, a hang, or a crash at shutdown. Sizes are exact integers.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +169,29 @@ def test_manager_timeouts_are_checked_at_every_entry(namespace: Namespace, tmp_p
     finally:
         mgr.shutdown()
     assert mgr.is_shut_down and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"cpu_bytes": math.inf}, "cpu_bytes: size inf is not a finite number"),
+        ({"cpu_bytes": math.nan}, "cpu_bytes: size nan"),
+        ({"cpu_bytes": "1e400"}, "cpu_bytes: size '1e400' is not understood"),
+        ({"cpu_bytes": 10**400}, "cpu_bytes: size"),
+        ({"cpu_bytes": HUGE}, "cpu_bytes: size"),
+        ({"num_cpu_blocks": 1.5}, "num_cpu_blocks must be a positive integer"),
+        ({"num_cpu_blocks": True}, "num_cpu_blocks must be a positive integer"),
+        ({"num_cpu_blocks": 0}, "num_cpu_blocks must be a positive integer"),
+        ({"num_cpu_blocks": "8"}, "num_cpu_blocks must be a positive integer"),
+    ],
+)
+def test_manager_sizes_are_checked_before_the_region_exists(
+    namespace: Namespace, tmp_path: Path, kwargs: dict[str, Any], fragment: str
+) -> None:
+    """Regression: cpu_bytes=inf or num_cpu_blocks=1.5 was a TypeError from deep inside."""
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        TieringManager.create(namespace=namespace, shm_dir=tmp_path, **kwargs)
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_config_deadline_reaches_the_manager_and_shutdown_completes(namespace: Namespace, tmp_path: Path) -> None:

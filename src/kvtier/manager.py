@@ -96,7 +96,7 @@ from kvtier.types import (
     RequestControl,
     tier_label,
 )
-from kvtier.units import rows_that_fit
+from kvtier.units import parse_size, rows_that_fit
 from kvtier.validation import check_seconds
 
 logger = logging.getLogger(__name__)
@@ -348,7 +348,13 @@ class TieringManager:
         if num_cpu_blocks is None:
             if cpu_bytes is None:
                 raise ConfigError("give the CPU tier a size: num_cpu_blocks or cpu_bytes")
-            num_cpu_blocks = rows_that_fit(cpu_bytes, block_bytes)
+            try:
+                size = parse_size(cpu_bytes)
+            except ConfigError as exc:
+                raise ConfigError(f"cpu_bytes: {exc}") from None
+            num_cpu_blocks = rows_that_fit(size, block_bytes)
+        elif isinstance(num_cpu_blocks, bool) or not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 1:
+            raise ConfigError(f"num_cpu_blocks must be a positive integer, got {num_cpu_blocks!r:.40}")
         # Everything that can be checked without side effects is checked first.
         _check_shutdown_timeout(shutdown_timeout)
         _check_shutdown_timeout(drain_timeout, "drain_timeout")
