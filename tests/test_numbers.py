@@ -18,12 +18,13 @@ from kvtier import Namespace, TieringManager
 from kvtier.backpressure import BackpressureSettings
 from kvtier.config import load_config, parse_size
 from kvtier.errors import ConfigError
-from kvtier.units import MAX_SIZE, format_size
-from kvtier.validation import MAX_SECONDS, check_seconds
+from kvtier.units import format_size
 from kvtier.workload.bench import BenchOptions
 from kvtier.workload.chat import ChatWorkloadSpec
 
 HUGE = "9" * 401
+MAX_SIZE = 2**63 - 1  # the documented bounds, spelled out: the tests check behaviour, not names
+MAX_SECONDS = 1_000_000.0
 NON_FINITE_TEXT = ["inf", "-inf", "nan", "NaN", "Infinity", "1e400", "-1e400"]
 
 # --------------------------------------------------------------------------- sizes: exact integers
@@ -263,8 +264,17 @@ def test_bench_options_are_bounded(kwargs: dict[str, Any], fragment: str) -> Non
 
 
 def test_check_seconds_says_the_range_and_none() -> None:
+    from kvtier.validation import check_seconds
+
     with pytest.raises(ConfigError, match=r"x=inf is not a usable duration: give a number of seconds at least 0 and "
                                           r"at most 1000000 or None \(no deadline\)"):  # fmt: skip
         check_seconds(math.inf, "x", allow_none=True)
     assert check_seconds(None, "x", allow_none=True) is None
     assert check_seconds(2, "x") == 2.0
+
+
+def test_the_documented_bounds_are_the_code_s() -> None:
+    from kvtier.units import MAX_SIZE as size_bound
+    from kvtier.validation import MAX_SECONDS as seconds_bound
+
+    assert (size_bound, seconds_bound) == (MAX_SIZE, MAX_SECONDS)

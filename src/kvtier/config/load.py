@@ -8,7 +8,10 @@ The same field names are used everywhere:
   ``tiers`` and ``geometry`` are JSON);
 * CLI flags ``--<field-with-dashes>`` (nested values as JSON).
 
-Precedence is file < environment < CLI, field by field. ``geometry`` and
+An empty ``KVTIER_<FIELD>`` counts as unset. A file must be a regular UTF-8
+file of at most 1 MiB (:mod:`kvtier.user_files`); ``shutdown_timeout: null`` in
+a file (``none``/``null`` as text) means no deadline, while ``null`` elsewhere
+means "not given". Precedence is file < environment < CLI, field by field. ``geometry`` and
 ``backpressure`` are merged key by key across sources; ``tiers`` is replaced as
 a whole. ``cpu_bytes`` and
 ``num_cpu_blocks`` are one setting: the highest-precedence source that names
