@@ -167,6 +167,9 @@ CASES: list[tuple[str, list[str], dict[str, str]]] = [
        (["config", "reference"], ("--output",)))
       for flag in flags],
     ("replay ''", ["replay", ""], {}),
+    ("bench --fs-root a file", [*BENCH, "--fs-root", "plain"], {}),
+    ("bench --fs-root a FIFO", [*BENCH, "--fs-root", "fifo"], {}),
+    ("bench --fs-root /dev/null", [*BENCH, "--fs-root", "/dev/null"], {}),
     ("bench --shm-dir a file", [*BENCH, "--shm-dir", "plain"], {}),
     ("bench --shm-dir missing", [*BENCH, "--shm-dir", "missing"], {}),
     ("replay --shm-dir a FIFO", ["replay", "--synthetic", "chat", "--shm-dir", "fifo"], {}),

@@ -6,6 +6,7 @@ configuration or environment. One test per way a new user got it wrong.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -387,10 +388,19 @@ def refused_here(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     """Run ``kvtier argv`` in this process; the one error line of its exit status 2."""
     from kvtier.cli import main
 
+    def fds() -> set[str]:
+        out = set()
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+                out.add(f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}")
+        return out
+
+    before = fds()
     try:
         code = main(list(argv))
     except SystemExit as exc:
         code = exc.code
+    assert fds() <= before, f"descriptors left open: {fds() - before}"
     captured = capsys.readouterr()
     lines = [line for line in captured.err.splitlines() if line.strip()]
     assert code == 2, (code, captured.out[-500:], captured.err)

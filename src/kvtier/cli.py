@@ -32,6 +32,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -1049,8 +1050,10 @@ def _empty_value(args: argparse.Namespace) -> str | None:
 
 
 def _say_error(command: str, text: str) -> None:
-    """The one error line of a refused command: no traceback, no [Errno N], whitespace folded."""
-    print(f"kvtier {command}: error: {' '.join(text.split())}", file=sys.stderr)
+    """The one error line of a refused command: no traceback, whitespace folded, and no ``[Errno N]``
+    (a message from deeper code that quotes an OSError keeps its words, not Python's errno prefix)."""
+    text = re.sub(r"\[Errno -?\d+\]\s*", "", " ".join(text.split()))
+    print(f"kvtier {command}: error: {text}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
