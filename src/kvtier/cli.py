@@ -185,10 +185,8 @@ def _add_bench(sub: Any) -> None:
         DEFAULT_BENCH_CPU_BYTES,
         DEFAULT_BENCH_FS_BYTES,
         DEFAULT_BENCH_MODEL,
-        MAX_BATCH_SIZE,
         MAX_DEVICE_BLOCKS,
     )
-    from kvtier.workload.chat import MAX_SEED, MAX_SESSIONS, MAX_SHARED_PROMPTS, MAX_TURNS
 
     p = sub.add_parser(
         "bench",
@@ -204,23 +202,7 @@ def _add_bench(sub: Any) -> None:
             "says which and why), 2 bad usage, configuration or environment."
         ),
     )
-    turns = _int_in(1, MAX_TURNS)
-    w = p.add_argument_group("workload")
-    w.add_argument("--sessions", type=_int_in(1, MAX_SESSIONS), metavar="N", default=48,
-                   help=f"chat sessions (default 48, at most {MAX_SESSIONS})")  # fmt: skip
-    w.add_argument("--min-turns", type=turns, metavar="N", default=2,
-                   help="turns per session, lower bound (default 2)")  # fmt: skip
-    w.add_argument("--max-turns", type=turns, metavar="N", default=6,
-                   help=f"turns per session, upper bound (default 6, at most {MAX_TURNS})")  # fmt: skip
-    w.add_argument("--shared-prompts", type=_int_in(0, MAX_SHARED_PROMPTS), metavar="N", default=4,
-                   help=f"shared system prompts (default 4, at most {MAX_SHARED_PROMPTS})")  # fmt: skip
-    w.add_argument("--seed", type=_int_in(0, MAX_SEED), metavar="N", default=0, help="workload seed (default 0)")
-    w.add_argument("--batch-size", type=_int_in(1, MAX_BATCH_SIZE), metavar="N", default=4,
-                   help="requests admitted per engine step (default 4)")  # fmt: skip
-    w.add_argument(
-        "--prefill-tokens-per-s", type=_prefill_rate, metavar="TOKENS", default=25_000.0,
-        help="simulated device prefill speed; 0 = instantaneous, else 1 to 1e12 (default 25000)",
-    )  # fmt: skip
+    _add_bench_workload(p.add_argument_group("workload"))
     s = p.add_argument_group("sizes and tiers")
     s.add_argument(
         "--config", metavar="FILE", default=None,
@@ -273,6 +255,29 @@ def _add_bench(sub: Any) -> None:
                    help="address for --metrics-port (default 127.0.0.1)")  # fmt: skip
     o.add_argument("--no-progress", action="store_true", help="no progress bar (none is shown when not on a terminal)")
     p.set_defaults(func=_cmd_bench)
+
+
+def _add_bench_workload(w: Any) -> None:
+    """The bench's workload flags (every count bounded, see kvtier.workload.chat)."""
+    from kvtier.workload.bench import MAX_BATCH_SIZE
+    from kvtier.workload.chat import MAX_SEED, MAX_SESSIONS, MAX_SHARED_PROMPTS, MAX_TURNS
+
+    turns = _int_in(1, MAX_TURNS)
+    w.add_argument("--sessions", type=_int_in(1, MAX_SESSIONS), metavar="N", default=48,
+                   help=f"chat sessions (default 48, at most {MAX_SESSIONS})")  # fmt: skip
+    w.add_argument("--min-turns", type=turns, metavar="N", default=2,
+                   help="turns per session, lower bound (default 2)")  # fmt: skip
+    w.add_argument("--max-turns", type=turns, metavar="N", default=6,
+                   help=f"turns per session, upper bound (default 6, at most {MAX_TURNS})")  # fmt: skip
+    w.add_argument("--shared-prompts", type=_int_in(0, MAX_SHARED_PROMPTS), metavar="N", default=4,
+                   help=f"shared system prompts (default 4, at most {MAX_SHARED_PROMPTS})")  # fmt: skip
+    w.add_argument("--seed", type=_int_in(0, MAX_SEED), metavar="N", default=0, help="workload seed (default 0)")
+    w.add_argument("--batch-size", type=_int_in(1, MAX_BATCH_SIZE), metavar="N", default=4,
+                   help="requests admitted per engine step (default 4)")  # fmt: skip
+    w.add_argument(
+        "--prefill-tokens-per-s", type=_prefill_rate, metavar="TOKENS", default=25_000.0,
+        help="simulated device prefill speed; 0 = instantaneous, else 1 to 1e12 (default 25000)",
+    )  # fmt: skip
 
 
 def _bench_config(args: argparse.Namespace) -> KvtierConfig:
@@ -618,11 +623,58 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         return _replay(args, outputs)
 
 
-def _replay(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
+def _replay_capacities(args: argparse.Namespace, distinct: int) -> list[int]:
+    """``--capacity`` (or the default list) in blocks; a share given that is less than one block is refused."""
+    spec = args.capacity or _capacity_list(
+        DEFAULT_SYNTHETIC_CAPACITIES if args.synthetic is not None else DEFAULT_CAPACITIES
+    )
+    too_small = [v for v in args.capacity or () if isinstance(v, float) and round(v * distinct) < 1]
+    if too_small:
+        raise ConfigError(
+            f"--capacity {100 * too_small[0]:g}% of the {distinct} distinct blocks is less than one block: "
+            "give a larger share or a block count"
+        )
+    return list(dict.fromkeys(v if isinstance(v, int) else max(1, round(v * distinct)) for v in spec))
+
+
+def _print_replay(
+    args: argparse.Namespace, source: str, summary: dict[str, float], runs: Any, belady: Any, unbounded: Any
+) -> list[dict[str, Any]]:
+    """The replay's tables and lines (on stderr with --json -); returns the JSON rows."""
     from rich.console import Console
 
+    from kvtier.workload.report import replay_rows, replay_table
+
+    # With --json -, standard output carries the JSON alone: the tables go to stderr.
+    out = Console(width=max(120, Console().width), stderr=args.json == STDOUT)
+    out.print(
+        f"{source}: {summary['requests']} requests, {summary['block_refs']} block references, "
+        f"{summary['distinct_blocks']} distinct blocks, {summary['duration_s']:.0f} s"
+        + (f"; stores of at most {args.store_chunk} blocks (--store-chunk)" if args.store_chunk else ""),
+        highlight=False,
+    )
+    out.print(f"unbounded cache prefix-hit rate: {100 * unbounded.hit_rate:.1f}%")
+    rows = replay_rows(runs, args.policy, belady, unbounded)
+    named = f"policy {args.policy[0]}" if len(args.policy) == 1 else f"policies {', '.join(args.policy)}"
+    out.print(replay_table(rows, f"prefix-hit rate vs CPU capacity ({named})"))
+    single = len(args.policy) == 1
+    for row in rows:
+        bel = row["belady"]
+        belady_text = "-" if bel is None else f"{100 * bel['hit_rate']:.2f}%"
+        for name in args.policy:
+            kv = row["policies"][name]
+            out.print(
+                f"capacity {row['capacity']}: {'kvtier' if single else name} {100 * kv['hit_rate']:.2f}%  "
+                f"belady {belady_text}  unbounded {100 * row['unbounded']['hit_rate']:.2f}%  "
+                f"({kv['ratio_to_lru']:.3f}x lru)",
+                highlight=False,
+            )
+    return rows
+
+
+def _replay(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
     from kvtier.workload.replay import compare_policies, replay_namespace, trace_keys
-    from kvtier.workload.report import json_document, replay_rows, replay_table
+    from kvtier.workload.report import json_document
     from kvtier.workload.simulate import HitRateResult, belady_hit_rate, unbounded_hit_rate
     from kvtier.workload.trace import FlatTrace, trace_summary
 
@@ -635,17 +687,7 @@ def _replay(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
     if not requests:
         raise ConfigError(f"{source} holds no requests")
     summary = trace_summary(requests)
-    spec = args.capacity or _capacity_list(
-        DEFAULT_SYNTHETIC_CAPACITIES if args.synthetic is not None else DEFAULT_CAPACITIES
-    )
-    distinct = int(summary["distinct_blocks"])
-    too_small = [v for v in args.capacity or () if isinstance(v, float) and round(v * distinct) < 1]
-    if too_small:
-        raise ConfigError(
-            f"--capacity {100 * too_small[0]:g}% of the {distinct} distinct blocks is less than one block: "
-            "give a larger share or a block count"
-        )
-    capacities = list(dict.fromkeys(v if isinstance(v, int) else max(1, round(v * distinct)) for v in spec))
+    capacities = _replay_capacities(args, int(summary["distinct_blocks"]))
     _check_replay_capacity(capacities, args.shm_dir)
     flat = FlatTrace.from_requests(requests)
     unbounded = unbounded_hit_rate(flat)
@@ -674,30 +716,7 @@ def _replay(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
     belady: dict[int, HitRateResult | None] = {
         c: None if args.no_belady else belady_hit_rate(flat, c) for c in capacities
     }
-    # With --json -, standard output carries the JSON alone: the tables go to stderr.
-    out = Console(width=max(120, Console().width), stderr=args.json == STDOUT)
-    out.print(
-        f"{source}: {summary['requests']} requests, {summary['block_refs']} block references, "
-        f"{summary['distinct_blocks']} distinct blocks, {summary['duration_s']:.0f} s"
-        + (f"; stores of at most {args.store_chunk} blocks (--store-chunk)" if args.store_chunk else ""),
-        highlight=False,
-    )
-    out.print(f"unbounded cache prefix-hit rate: {100 * unbounded.hit_rate:.1f}%")
-    rows = replay_rows(runs, args.policy, belady, unbounded)
-    named = f"policy {args.policy[0]}" if len(args.policy) == 1 else f"policies {', '.join(args.policy)}"
-    out.print(replay_table(rows, f"prefix-hit rate vs CPU capacity ({named})"))
-    single = len(args.policy) == 1
-    for row in rows:
-        bel = row["belady"]
-        belady_text = "-" if bel is None else f"{100 * bel['hit_rate']:.2f}%"
-        for name in args.policy:
-            kv = row["policies"][name]
-            out.print(
-                f"capacity {row['capacity']}: {'kvtier' if single else name} {100 * kv['hit_rate']:.2f}%  "
-                f"belady {belady_text}  unbounded {100 * row['unbounded']['hit_rate']:.2f}%  "
-                f"({kv['ratio_to_lru']:.3f}x lru)",
-                highlight=False,
-            )
+    rows = _print_replay(args, source, summary, runs, belady, unbounded)
     if args.json:
         what = (
             {"synthetic": args.synthetic, "seed": args.seed or 0} if args.synthetic else {"trace": args.trace}

@@ -127,6 +127,21 @@ def _check_shutdown_timeout(timeout: float | None, name: str = "shutdown_timeout
     check_seconds(timeout, name, allow_none=True)
 
 
+def _cpu_rows(num_cpu_blocks: int | None, cpu_bytes: int | str | None, block_bytes: int) -> int:
+    """The CPU tier's rows from ``create``'s arguments, or a ConfigError naming the bad one."""
+    if num_cpu_blocks is None:
+        if cpu_bytes is None:
+            raise ConfigError("give the CPU tier a size: num_cpu_blocks or cpu_bytes")
+        try:
+            size = parse_size(cpu_bytes)
+        except ConfigError as exc:
+            raise ConfigError(f"cpu_bytes: {exc}") from None
+        return rows_that_fit(size, block_bytes)
+    if isinstance(num_cpu_blocks, bool) or not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 1:
+        raise ConfigError(f"num_cpu_blocks must be a positive integer, got {num_cpu_blocks!r:.40}")
+    return num_cpu_blocks
+
+
 def _by_seq(state: _RequestState) -> int:
     return state.seq
 
@@ -345,16 +360,7 @@ class TieringManager:
             block_bytes = namespace.geometry.bytes_per_block
         if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
             raise ConfigError(f"block_bytes must be a positive integer, got {block_bytes!r}")
-        if num_cpu_blocks is None:
-            if cpu_bytes is None:
-                raise ConfigError("give the CPU tier a size: num_cpu_blocks or cpu_bytes")
-            try:
-                size = parse_size(cpu_bytes)
-            except ConfigError as exc:
-                raise ConfigError(f"cpu_bytes: {exc}") from None
-            num_cpu_blocks = rows_that_fit(size, block_bytes)
-        elif isinstance(num_cpu_blocks, bool) or not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 1:
-            raise ConfigError(f"num_cpu_blocks must be a positive integer, got {num_cpu_blocks!r:.40}")
+        num_cpu_blocks = _cpu_rows(num_cpu_blocks, cpu_bytes, block_bytes)
         # Everything that can be checked without side effects is checked first.
         _check_shutdown_timeout(shutdown_timeout)
         _check_shutdown_timeout(drain_timeout, "drain_timeout")
