@@ -246,3 +246,33 @@ def test_config_show_help_points_at_nothing_below() -> None:
     help_text = " ".join(done.stdout.split())
     assert "--tiers" in help_text and "below)" not in help_text, help_text
     assert help_text.count("(see 'kvtier config reference')") >= 2  # --tiers and --backpressure
+
+
+FRONT = REPO / "README.front.md"
+
+
+def _heading_anchors(page: Path) -> set[str]:
+    """Anchors of a page's headings as MkDocs and GitHub write them (lower case, punctuation dropped)."""
+    anchors = set()
+    fenced = False
+    for line in page.read_text().splitlines():
+        fenced = fenced != line.startswith("```")
+        if not fenced and line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"\s+", "-", re.sub(r"[^\w\s-]", "", title)))
+    return anchors
+
+
+@pytest.mark.skipif(not FRONT.is_file(), reason="no prepared front page (README.front.md) in this tree")
+def test_prepared_front_page_is_short_and_its_links_resolve() -> None:
+    """The README-to-be (issue 24): at most 200 lines, vLLM first, every link into the docs lands."""
+    text = FRONT.read_text()
+    assert len(text.splitlines()) <= 200
+    first_screen = "\n".join(text.splitlines()[:40])
+    assert "vllm serve" in first_screen and "KvtierOffloadingSpec" in first_screen
+    links = re.findall(r"\]\(([^)#]+\.md)(?:#([^)]+))?\)", text)
+    assert {path for path, _ in links} >= {f"docs/{p}" for p in _nav_pages(_mkdocs_config()["nav"])}
+    for path, anchor in links:
+        target = REPO / path
+        assert target.is_file(), path
+        assert not anchor or anchor in _heading_anchors(target), f"{path}#{anchor}"
