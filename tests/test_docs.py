@@ -93,6 +93,7 @@ def test_mkdocs_build_strict_passes_and_renders_the_api_reference(tmp_path: Path
     api = (site / "api" / "index.html").read_text()
     # mkdocstrings rendered the docstrings, not just the headings
     assert "lookup_prefix" in api and "Reserve CPU rows for a device" in api
+    assert not re.search(r":(class|meth|func|attr|mod|exc):<code>", api), "a Sphinx role shown raw (hooks/sphinx_roles.py)"
     assert (site / "grafana-kvtier.json").is_file(), "the Grafana dashboard is published with the site"
 
 
@@ -103,6 +104,7 @@ def test_mkdocs_strict_fails_on_an_orphan_page_and_a_broken_link(tmp_path: Path)
     shutil.copytree(DOCS, tmp_path / "docs")
     shutil.copy(MKDOCS_YML, tmp_path / "mkdocs.yml")
     shutil.copytree(REPO / "src", tmp_path / "src")  # mkdocstrings reads the package from paths: [src]
+    shutil.copytree(REPO / "hooks", tmp_path / "hooks")
     (tmp_path / "docs" / "orphan.md").write_text("# Orphan\n")
     tiers = tmp_path / "docs" / "tiers.md"
     tiers.write_text(tiers.read_text() + "\nSee [nowhere](no-such-page.md).\n")
