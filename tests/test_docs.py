@@ -93,7 +93,8 @@ def test_mkdocs_build_strict_passes_and_renders_the_api_reference(tmp_path: Path
     api = (site / "api" / "index.html").read_text()
     # mkdocstrings rendered the docstrings, not just the headings
     assert "lookup_prefix" in api and "Reserve CPU rows for a device" in api
-    assert not re.search(r":(class|meth|func|attr|mod|exc):<code>", api), "a Sphinx role shown raw (hooks/sphinx_roles.py)"
+    raw_role = re.search(r":(class|meth|func|attr|mod|exc):<code>", api)
+    assert not raw_role, "a Sphinx role shown raw (hooks/sphinx_roles.py)"
     assert (site / "grafana-kvtier.json").is_file(), "the Grafana dashboard is published with the site"
 
 
@@ -278,3 +279,14 @@ def test_prepared_front_page_is_short_and_its_links_resolve() -> None:
         target = REPO / path
         assert target.is_file(), path
         assert not anchor or anchor in _heading_anchors(target), f"{path}#{anchor}"
+
+
+def test_vllm_page_lists_every_connector_key_the_integration_accepts() -> None:
+    """'Every connector key': the table's keys are exactly what kv_connector_extra_config accepts."""
+    from kvtier.integrations.vllm import config as vllm_config
+
+    accepted = (vllm_config.VLLM_OWNED_KEYS | vllm_config.KVTIER_KEYS | vllm_config._INTEGRATION_KEYS
+                | set(vllm_config._ALIASES))  # fmt: skip
+    rows = _table_after((DOCS / "vllm.md").read_text(), "| key | meaning |")
+    documented = {name for row in rows for name in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
+    assert documented == accepted, documented ^ accepted
