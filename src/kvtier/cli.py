@@ -167,9 +167,9 @@ def _open_outputs(
 
 
 def _stderr_console() -> Any:
-    from rich.console import Console
+    from kvtier.workload.textout import text_console
 
-    return Console(stderr=True)
+    return text_console(stderr=True)
 
 
 def _say(console: Any, text: str) -> None:
@@ -377,12 +377,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
-    from rich.console import Console
-
     from kvtier.metrics import KvtierMetrics
     from kvtier.workload.bench import describe_options
     from kvtier.workload.budget import check_memory
     from kvtier.workload.report import json_document, plot_image, print_bench
+    from kvtier.workload.textout import text_console
 
     config = _bench_config(args)
     _check_shm_dir(config)
@@ -411,7 +410,7 @@ def _bench(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
         if metrics is not None:
             metrics.close()
     # With --json - or --plot -, standard output carries that document alone: the tables go to stderr.
-    print_bench(result, err if STDOUT in (args.json, args.plot) else Console())
+    print_bench(result, err if STDOUT in (args.json, args.plot) else text_console())
     if "--json" in outputs:
         outputs["--json"].write(json_document(result.to_dict()))
         if args.json != STDOUT:
@@ -451,38 +450,27 @@ TRACE_MEMORY_FACTOR = 8
 """Memory a replay holds per byte of trace text, rounded up (requests, keys, flat ids)."""
 
 
-def _capacity_list(text: str) -> list[int | float]:
-    """Block counts (``9139``, ``4k``) or shares of the trace's distinct blocks (``5%``, as a float)."""
-    values: list[int | float] = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        if part.endswith("%"):
-            try:
-                share = float(part[:-1]) / 100
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"--capacity {shown(part)}: not a percentage like 5%") from None
-            if not 0 < share <= 1:
-                raise argparse.ArgumentTypeError(f"--capacity {shown(part)}: a share must lie in (0%, 100%]")
-            values.append(share)
-            continue
-        try:
-            blocks = int(part) if part.isdigit() and len(part) <= _MAX_DIGITS else int(parse_size(part))
-        except ConfigError:
-            raise argparse.ArgumentTypeError(
-                f"--capacity {shown(part)}: not a block count (e.g. 9139 or 4k) or a share like 5%"
-            ) from None
-        if blocks > MAX_REPLAY_CAPACITY:
-            raise argparse.ArgumentTypeError(
-                f"--capacity {shown(part)}: at most {MAX_REPLAY_CAPACITY} blocks; give fewer, or a share like 5%"
-            )
-        values.append(blocks)
-    if not values or any(v <= 0 for v in values):
+def _capacity_list(text: str) -> list[Any]:
+    """``--capacity``: block counts, shares of the distinct blocks (``5%``) or sizes (``4GiB``); see
+    :mod:`kvtier.workload.capacity`. Refused at parse time (exit 2) naming the value as typed."""
+    from kvtier.workload.capacity import parse_capacities
+
+    try:
+        return parse_capacities(text, MAX_REPLAY_CAPACITY)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _model_preset(text: str) -> str:
+    """``replay --model``: a preset name (another model's trace-block size goes in --block-bytes)."""
+    from kvtier.config import MODEL_PRESETS
+
+    if text not in MODEL_PRESETS:
         raise argparse.ArgumentTypeError(
-            f"--capacity {shown(text)}: give positive block counts or shares of the distinct blocks, "
-            "e.g. 1000,9139,50000 or 1%,5%"
+            f"{shown(text)} is not a model preset ({', '.join(MODEL_PRESETS)}): give one, or give the KV size "
+            "of one trace block of your model with --block-bytes SIZE"
         )
-    return values
+    return text
 
 
 def _policy_list(text: str) -> list[str]:
@@ -525,9 +513,24 @@ def _add_replay(sub: Any) -> None:
                    help="seed of the generated workload (default 0; --synthetic only)")  # fmt: skip
     p.add_argument(
         "--capacity", type=_capacity_list, default=None,
-        help="CPU tier sizes, comma separated: blocks, or shares of the distinct blocks like 5%% "
+        help="CPU tier sizes, comma separated: a plain integer is a number of blocks (trace blocks, "
+        "hash_ids), 5%% a share of the trace's distinct blocks, a number with a unit (4GiB, 512MB, 4G) a "
+        "size in bytes, converted to whole blocks of the model's KV (--model or --block-bytes) "
         f"(default {DEFAULT_CAPACITIES} for a trace, "
         f"{DEFAULT_SYNTHETIC_CAPACITIES.replace('%', '%%')} for --synthetic)",
+    )  # fmt: skip
+    p.add_argument(
+        "--model", metavar="PRESET", type=_model_preset, default=None,
+        help="model whose KV the CPU tier holds (default: KVTIER_MODEL): sizes in --capacity convert with "
+        "its bytes per token x --block-tokens, and capacities are shown as sizes too",
+    )  # fmt: skip
+    p.add_argument(
+        "--block-tokens", metavar="N", type=_int_in(1, MAX_LAYOUT_COUNT), default=None,
+        help="tokens per trace block (hash_id) for sizes (default 512, as in the Mooncake traces)",
+    )  # fmt: skip
+    p.add_argument(
+        "--block-bytes", metavar="SIZE", type=_positive_size, default=None,
+        help="KV bytes of one trace block, for a model that is not a preset (instead of --model)",
     )  # fmt: skip
     p.add_argument(
         "--policy", type=_policy_list, default=None,
@@ -550,6 +553,13 @@ def _add_replay(sub: Any) -> None:
     p.add_argument("--shm-dir", default=None, help="directory of the CPU region (default: KVTIER_SHM_DIR, /dev/shm)")
     p.add_argument("--json", metavar="FILE", default=None,
                    help="write the sweep as JSON ('-': stdout, the tables then go to stderr)")  # fmt: skip
+    p.add_argument(
+        "--plot", metavar="FILE.png", default=None,
+        help="draw hit rate against capacity per policy, with LRU, Belady and unbounded as references, and "
+        "hits per tier with --fs-root (needs the plot extra: pip install 'kvtier[plot]'; '-': PNG to stdout)",
+    )  # fmt: skip
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (none is shown when standard error is not a terminal)")  # fmt: skip
     p.set_defaults(func=_cmd_replay)
 
 
@@ -619,44 +629,65 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         if (args.trace is None) == (args.synthetic is None):
             raise ConfigError("give a trace file or --synthetic KIND (one of them)")
-        outputs = _open_outputs(stack, {"--json": args.json}, inputs=[args.trace])
+        outputs = _open_outputs(stack, {"--json": args.json, "--plot": args.plot}, inputs=[args.trace])
         return _replay(args, outputs)
 
 
-def _replay_capacities(args: argparse.Namespace, distinct: int) -> list[int]:
-    """``--capacity`` (or the default list) in blocks; a share given that is less than one block is refused."""
-    spec = args.capacity or _capacity_list(
-        DEFAULT_SYNTHETIC_CAPACITIES if args.synthetic is not None else DEFAULT_CAPACITIES
-    )
-    too_small = [v for v in args.capacity or () if isinstance(v, float) and round(v * distinct) < 1]
-    if too_small:
-        raise ConfigError(
-            f"--capacity {100 * too_small[0]:g}% of the {distinct} distinct blocks is less than one block: "
-            "give a larger share or a block count"
-        )
-    return list(dict.fromkeys(v if isinstance(v, int) else max(1, round(v * distinct)) for v in spec))
+def _replay_capacities(args: argparse.Namespace, distinct: int, block: tuple[int, str] | None) -> list[int]:
+    """``--capacity`` (or the default list) in blocks, in the order given; see :func:`capacity_blocks`."""
+    from kvtier.workload.capacity import capacity_blocks
+
+    block_bytes, note = block if block is not None else (None, "")
+    if args.capacity:
+        return capacity_blocks(args.capacity, distinct, block_bytes, MAX_REPLAY_CAPACITY, note)
+    default = _capacity_list(DEFAULT_SYNTHETIC_CAPACITIES if args.synthetic is not None else DEFAULT_CAPACITIES)
+    return list(dict.fromkeys(c.blocks or max(1, round((c.share or 0) * distinct)) for c in default))
+
+
+def _replay_block_bytes(args: argparse.Namespace, settings: KvtierConfig) -> tuple[int, str] | None:
+    """KV bytes of one trace block and what they come from, or None when no model was named."""
+    from kvtier.workload.trace import TRACE_BLOCK_TOKENS
+
+    tokens = args.block_tokens if args.block_tokens is not None else TRACE_BLOCK_TOKENS
+    if args.block_bytes is not None:
+        if args.model is not None or args.block_tokens is not None:
+            given = "--model" if args.model is not None else "--block-tokens"
+            raise ConfigError(f"--block-bytes gives a trace block's size itself: drop {given}")
+        return args.block_bytes, " (--block-bytes)"
+    if settings.sources["model"] == "default":
+        if args.block_tokens is not None:
+            raise ConfigError("--block-tokens sizes a trace block with a model's KV: give --model PRESET too")
+        return None
+    per_token = settings.kv_geometry().bytes_per_token
+    source = "" if args.model is not None else f", from {settings.sources['model']}"
+    return per_token * tokens, f" ({settings.model}{source}, {tokens} tokens a block)"
 
 
 def _print_replay(
-    args: argparse.Namespace, source: str, summary: dict[str, float], runs: Any, belady: Any, unbounded: Any
+    args: argparse.Namespace, source: str, summary: dict[str, float], runs: Any, belady: Any, unbounded: Any,
+    block: tuple[int, str] | None,
 ) -> list[dict[str, Any]]:
-    """The replay's tables and lines (on stderr with --json -); returns the JSON rows."""
-    from rich.console import Console
-
+    """The replay's tables and lines (on stderr with --json - or --plot -); returns the JSON rows."""
     from kvtier.workload.report import replay_rows, replay_table
+    from kvtier.workload.textout import text_console
 
-    # With --json -, standard output carries the JSON alone: the tables go to stderr.
-    out = Console(width=max(120, Console().width), stderr=args.json == STDOUT)
+    # With --json - or --plot -, standard output carries that document alone: the tables go to stderr.
+    out = text_console(stderr=STDOUT in (args.json, args.plot), min_width=120)
     out.print(
         f"{source}: {summary['requests']} requests, {summary['block_refs']} block references, "
         f"{summary['distinct_blocks']} distinct blocks, {summary['duration_s']:.0f} s"
         + (f"; stores of at most {args.store_chunk} blocks (--store-chunk)" if args.store_chunk else ""),
         highlight=False,
     )
+    if block is not None:
+        out.print(f"block size: {format_size(block[0])} of KV per trace block{block[1]}", highlight=False)
     out.print(f"unbounded cache prefix-hit rate: {100 * unbounded.hit_rate:.1f}%")
     rows = replay_rows(runs, args.policy, belady, unbounded)
+    if block is not None:
+        for row in rows:
+            row["capacity_bytes"] = row["capacity"] * block[0]
     named = f"policy {args.policy[0]}" if len(args.policy) == 1 else f"policies {', '.join(args.policy)}"
-    out.print(replay_table(rows, f"prefix-hit rate vs CPU capacity ({named})"))
+    out.print(replay_table(rows, f"prefix-hit rate vs CPU capacity ({named})", None if block is None else block[0]))
     single = len(args.policy) == 1
     for row in rows:
         bel = row["belady"]
@@ -672,60 +703,101 @@ def _print_replay(
     return rows
 
 
-def _replay(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
-    from kvtier.workload.replay import compare_policies, replay_namespace, trace_keys
-    from kvtier.workload.report import json_document
-    from kvtier.workload.simulate import HitRateResult, belady_hit_rate, unbounded_hit_rate
-    from kvtier.workload.trace import FlatTrace, trace_summary
+def _replay_runs(
+    args: argparse.Namespace, keys: Any, capacities: list[int], namespace: Any, err: Any
+) -> dict[int, dict[str, Any]]:
+    """Every (capacity, policy) run of the replay, with a progress bar on a terminal (see
+    :class:`~kvtier.workload.progress.RequestProgress`) and a line per run on stderr."""
+    from kvtier.workload.progress import RequestProgress
+    from kvtier.workload.replay import compare_policies
 
-    settings = load_config(cli={"policy": args.policy[0] if args.policy else None, "shm_dir": args.shm_dir})
-    args.policy, args.shm_dir = args.policy or [settings.policy], settings.shm_dir  # env < flags
-    _check_shm_dir(settings)
-    if args.capacity:
-        _check_replay_capacity([v for v in args.capacity if isinstance(v, int)] or [1], args.shm_dir)
-    requests, source = _replay_requests(args)
-    if not requests:
-        raise ConfigError(f"{source} holds no requests")
-    summary = trace_summary(requests)
-    capacities = _replay_capacities(args, int(summary["distinct_blocks"]))
-    _check_replay_capacity(capacities, args.shm_dir)
-    flat = FlatTrace.from_requests(requests)
-    unbounded = unbounded_hit_rate(flat)
-    namespace = replay_namespace()
-    keys = trace_keys(flat, namespace)
-    err = _stderr_console()
+    requests = len(keys)
+    total = requests * len(capacities) * len(dict.fromkeys([*args.policy, "lru"]))
     scratch = _replay_fs_dir(args.fs_root) if args.fs_root is not None else None
     try:
         fs_dir = None if scratch is None else str(scratch.path)
         if fs_dir is not None:
-            err.print(f"fs tiers in {fs_dir} (removed after the run)", highlight=False, markup=False)
+            _say(err, f"fs tiers in {fs_dir} (removed after the run)")
 
         def tiers(policy: str, capacity: int) -> list[dict[str, Any]]:
             if fs_dir is None:
                 return []
             return [{"type": "fs", "root": os.path.join(fs_dir, f"{policy.replace(':', '_')}-{capacity}")}]
 
-        runs = compare_policies(
-            keys, capacities, args.policy, namespace=namespace, tiers=tiers, shm_dir=args.shm_dir,
-            store_chunk=args.store_chunk,
-            announce=lambda p, c: err.print(f"replaying {summary['requests']} requests with {c} CPU blocks ({p})..."),
-        )  # fmt: skip
+        with RequestProgress(err, total, description="replay", enabled=not args.no_progress) as bar:
+            runs_started = [0]
+
+            def announce(policy: str, capacity: int) -> None:
+                runs_started[0] += 1
+                bar.update((runs_started[0] - 1) * requests, description=f"{policy} @ {capacity}")
+                bar.say(f"replaying {requests} requests with {capacity} CPU blocks ({policy})...")
+
+            def progress(done: int) -> None:
+                bar.update((runs_started[0] - 1) * requests + done)
+
+            return compare_policies(
+                keys, capacities, args.policy, namespace=namespace, tiers=tiers, shm_dir=args.shm_dir,
+                store_chunk=args.store_chunk, announce=announce, progress=progress,
+            )  # fmt: skip
     finally:
         if scratch is not None:
             scratch.cleanup()
+
+
+def _replay(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
+    from kvtier.workload.capacity import largest_known_blocks
+    from kvtier.workload.chaining import check_chaining
+    from kvtier.workload.plot import replay_plot_image
+    from kvtier.workload.replay import replay_namespace, trace_keys
+    from kvtier.workload.report import json_document
+    from kvtier.workload.simulate import HitRateResult, belady_hit_rate, unbounded_hit_rate
+    from kvtier.workload.trace import FlatTrace, trace_summary
+
+    settings = load_config(
+        cli={"policy": args.policy[0] if args.policy else None, "shm_dir": args.shm_dir, "model": args.model}
+    )
+    args.policy, args.shm_dir = args.policy or [settings.policy], settings.shm_dir  # env < flags
+    _check_shm_dir(settings)
+    block = _replay_block_bytes(args, settings)
+    if args.capacity:
+        _check_replay_capacity([largest_known_blocks(args.capacity) or 1], args.shm_dir)
+    requests, source = _replay_requests(args)
+    if not requests:
+        raise ConfigError(f"{source} holds no requests")
+    summary = trace_summary(requests)
+    capacities = _replay_capacities(args, int(summary["distinct_blocks"]), block)
+    _check_replay_capacity(capacities, args.shm_dir)
+    flat = FlatTrace.from_requests(requests)
+    err = _stderr_console()
+    chaining = check_chaining(flat)
+    warning = chaining.warning()
+    if warning is not None:
+        _say(err, f"kvtier replay: warning: {source}: {warning}")
+    unbounded = unbounded_hit_rate(flat)
+    namespace = replay_namespace()
+    runs = _replay_runs(args, trace_keys(flat, namespace), capacities, namespace, err)
     belady: dict[int, HitRateResult | None] = {
         c: None if args.no_belady else belady_hit_rate(flat, c) for c in capacities
     }
-    rows = _print_replay(args, source, summary, runs, belady, unbounded)
+    rows = _print_replay(args, source, summary, runs, belady, unbounded, block)
     if args.json:
         what = (
             {"synthetic": args.synthetic, "seed": args.seed or 0} if args.synthetic else {"trace": args.trace}
         )
-        outputs["--json"].write(json_document({**what, "summary": summary, "policy": args.policy[0],
-                                               "policies": args.policy, "store_chunk": args.store_chunk,
-                                               "rows": rows}))  # fmt: skip
+        sizes = {"block_bytes": None if block is None else block[0], "model": settings.model if block else None}
+        outputs["--json"].write(json_document({**what, "summary": summary, "chaining": chaining.to_dict(),
+                                               "policy": args.policy[0], "policies": args.policy,
+                                               "store_chunk": args.store_chunk, **sizes, "rows": rows}))  # fmt: skip
         if args.json != STDOUT:
-            err.print(f"wrote {args.json}")
+            _say(err, f"wrote {args.json}")
+    if args.plot:
+        kind = Path(args.plot).suffix.lstrip(".").lower() if args.plot != STDOUT else "png"
+        title = f"{source}: prefix-hit rate vs CPU capacity"
+        image = replay_plot_image(rows, args.policy, title=title, block_bytes=block[0] if block else None,
+                                  block_note=block[1].strip(" ()") if block else "", kind=kind)  # fmt: skip
+        outputs["--plot"].write(image)
+        if args.plot != STDOUT:
+            _say(err, f"wrote {args.plot}")
     return 0
 
 
