@@ -205,7 +205,7 @@ def _add_bench(sub: Any) -> None:
     _add_bench_workload(p.add_argument_group("workload"))
     s = p.add_argument_group("sizes and tiers")
     s.add_argument(
-        "--config", metavar="FILE", default=None,
+        "--config", metavar="FILE", action=_TierFlag, default=None,
         help="bench this kvtier config (YAML/TOML/JSON): its CPU size, policy, model, geometry and tiers; "
         "KVTIER_* environment variables and the flags below override it; --fs-root/--redis add tiers",
     )  # fmt: skip
@@ -222,7 +222,7 @@ def _add_bench(sub: Any) -> None:
                    help=f"CPU tier eviction policy (default {_DEFAULT_POLICY}, as in any configuration)")  # fmt: skip
     s.add_argument("--shm-dir", metavar="DIR", default=None, help="directory of the CPU region (default /dev/shm)")
     s.add_argument(
-        "--fs-root", metavar="DIR", default=None,
+        "--fs-root", metavar="DIR", action=_TierFlag, default=None,
         help="fs tier directory (kept); default: a lock-held temp dir, removed after (none if the config has tiers)",
     )  # fmt: skip
     s.add_argument(
@@ -231,13 +231,15 @@ def _add_bench(sub: Any) -> None:
     )  # fmt: skip
     s.add_argument("--no-fs", action="store_true",
                    help="run without the bench's fs tier (not with --fs-root/--fs-bytes)")  # fmt: skip
-    s.add_argument("--redis", metavar="URL", default=None, help="add a redis tier, e.g. redis://127.0.0.1:6379/0")
+    s.add_argument("--redis", metavar="URL", action=_TierFlag, default=None,
+                   help="add a redis tier, e.g. redis://127.0.0.1:6379/0")  # fmt: skip
     s.add_argument(
-        "--s3", metavar="URL", default=None,
+        "--s3", metavar="URL", action=_TierFlag, default=None,
         help="add an S3 tier: s3://bucket/prefix (AWS) or http(s)://[key:secret@]host:port/bucket/prefix",
     )  # fmt: skip
     s.add_argument(
-        "--memory-tier", metavar="SIZE", nargs="?", const="256MiB", default=None, type=_positive_size,
+        "--memory-tier", metavar="SIZE", nargs="?", action=_TierFlag, const="256MiB", default=None,
+        type=_positive_size,
         help="add the in-process reference memory tier (default size 256MiB)",
     )  # fmt: skip
     s.add_argument(
@@ -255,6 +257,18 @@ def _add_bench(sub: Any) -> None:
                    help="address for --metrics-port (default 127.0.0.1)")  # fmt: skip
     o.add_argument("--no-progress", action="store_true", help="no progress bar (none is shown when not on a terminal)")
     p.set_defaults(func=_cmd_bench)
+
+
+class _TierFlag(argparse._StoreAction):
+    """A flag that adds tiers (``--config``, ``--fs-root``, ``--redis``, ``--s3``, ``--memory-tier``): stores
+    its value and records where it came on the command line (``tier_order``), so tiers are built in the
+    order the user gave them. A flag given twice takes its last value and place."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:  # fmt: skip
+        super().__call__(parser, namespace, values, option_string)
+        order = [d for d in getattr(namespace, "tier_order", None) or [] if d != self.dest]
+        namespace.tier_order = [*order, self.dest]
 
 
 def _add_bench_workload(w: Any) -> None:
@@ -291,16 +305,29 @@ def _bench_config(args: argparse.Namespace) -> KvtierConfig:
     return load_config(args.config, cli=flags, defaults=BENCH_DEFAULTS, defaults_source="kvtier bench default")
 
 
-def _extra_bench_tiers(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Tiers added by --s3 and --memory-tier, behind --fs-root/--redis."""
-    tiers: list[dict[str, Any]] = []
+def _extra_bench_tiers(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Tiers added by --s3 and --memory-tier, by flag dest."""
+    tiers: dict[str, dict[str, Any]] = {}
     if args.s3:
         from kvtier.tiers.s3_inspect import options_from_url
 
-        tiers.append({"type": "s3", **options_from_url(args.s3)})
-    if args.memory_tier is not None:
-        tiers.append({"type": "memory", "max_bytes": args.memory_tier})
+        tiers["s3"] = {"type": "s3", **options_from_url(args.s3)}
+    if args.memory_tier:
+        tiers["memory_tier"] = {"type": "memory", "max_bytes": args.memory_tier}
     return tiers
+
+
+_TIER_GROUPS = {"config": "config", "fs_root": "fs", "redis": "redis"}
+"""The bench's tier groups by the dest of the flag that adds them (BenchOptions.tier_order)."""
+
+
+def _bench_tier_order(args: argparse.Namespace, extra: list[str]) -> tuple[str | int, ...]:
+    """Tier groups in the order their flags came; tiers from no flag first (KVTIER_TIERS's, the temp fs)."""
+    given = list(getattr(args, "tier_order", None) or [])
+    order: list[str | int] = [g for g in ("config", "fs") if {"config": "config", "fs": "fs_root"}[g] not in given]
+    for dest in given:
+        order.append(extra.index(dest) if dest in extra else _TIER_GROUPS[dest])
+    return tuple(order)
 
 
 def _check_bench_flags(args: argparse.Namespace, own_tiers: bool) -> None:
@@ -327,6 +354,8 @@ def _bench_options(args: argparse.Namespace, config: KvtierConfig) -> Any:
 
     own_tiers = config.sources["tiers"] != "default"
     _check_bench_flags(args, own_tiers)
+    extra = _extra_bench_tiers(args)
+    extra = {dest: extra[dest] for dest in [*(getattr(args, "tier_order", None) or []), *extra] if dest in extra}
     workload = ChatWorkloadSpec(
         sessions=args.sessions,
         min_turns=args.min_turns,
@@ -341,7 +370,8 @@ def _bench_options(args: argparse.Namespace, config: KvtierConfig) -> Any:
         fs_root=args.fs_root,
         fs_bytes=args.fs_bytes if args.fs_bytes is not None else DEFAULT_BENCH_FS_BYTES,
         redis_url=args.redis,
-        extra_tiers=_extra_bench_tiers(args),
+        extra_tiers=list(extra.values()),
+        tier_order=_bench_tier_order(args, list(extra)),
         batch_size=args.batch_size,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         base_config=config,
@@ -1111,7 +1141,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tiered KV-cache offloading: bench, trace replay, inspection and maintenance.",
     )
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help=_VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", metavar="{bench,replay,sweep,sweep-shm,inspect,config}")
     sub.required = True
     _add_bench(sub)
@@ -1119,7 +1149,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sweep(sub)
     _add_inspect(sub)
     _add_config(sub)
+    _add_verbose_everywhere(parser)
     return parser
+
+
+_VERBOSE_HELP = "more logging (-v info, -vv debug)"
+
+
+def _add_verbose_everywhere(parser: argparse.ArgumentParser, depth: int = 0) -> None:
+    """``-v/--verbose`` after any subcommand too (``kvtier replay -v``, ``kvtier config show -v``).
+
+    Each level counts into its own ``verbose_<depth>`` (argparse parses a subcommand
+    into a fresh namespace, so one shared counter would keep only the last level's);
+    :func:`_verbosity` adds them up.
+    """
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                child.add_argument("-v", "--verbose", action="count", default=0, dest=f"verbose_{depth + 1}",
+                                   help=_VERBOSE_HELP)  # fmt: skip
+                _add_verbose_everywhere(child, depth + 1)
+
+
+def _verbosity(args: argparse.Namespace) -> int:
+    """How many ``-v`` were given, before and after the subcommands."""
+    return int(args.verbose) + sum(int(v) for k, v in vars(args).items() if k.startswith("verbose_"))
 
 
 _POSITIONALS = {"trace": "the trace file", "dir": "the directory or S3 prefix"}
@@ -1155,7 +1209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if empty is not None:
         _say_error(args.command, empty)
         return 2
-    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
+    verbosity = _verbosity(args)
+    level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))
