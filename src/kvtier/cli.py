@@ -380,24 +380,19 @@ def _bench_options(args: argparse.Namespace, config: KvtierConfig) -> Any:
 
 
 def _run_bench_showing_progress(options: Any, metrics: Any, err: Any, show: bool) -> Any:
-    """Run the bench; a rich progress bar on stderr when ``show`` (a terminal), tier events as lines."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+    """Run the bench; a progress bar on stderr when ``show`` and stderr is a terminal, tier events as lines."""
     from kvtier.workload.bench import run_bench
+    from kvtier.workload.progress import RequestProgress
 
-    def notify(line: str) -> None:
-        _say(err, f"kvtier bench: {line}")
+    with RequestProgress(err, None, description="requests", enabled=show) as bar:
 
-    if not show:
-        return run_bench(options, metrics=metrics, notify=notify)
-    columns = (TextColumn("requests"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err, transient=True) as bar:
-        task = bar.add_task("bench", total=None)
+        def notify(line: str) -> None:
+            bar.say(f"kvtier bench: {line}")
 
         def progress(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
+            bar.update(done, total)
 
-        return run_bench(options, progress=progress, metrics=metrics, notify=notify)
+        return run_bench(options, progress=progress if bar.shown else None, metrics=metrics, notify=notify)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -435,7 +430,7 @@ def _bench(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
             ) from None
         _say(err, f"serving Prometheus metrics on http://{addr}:{port}/metrics")
     try:
-        result = _run_bench_showing_progress(options, metrics, err, show=not args.no_progress and err.is_terminal)
+        result = _run_bench_showing_progress(options, metrics, err, show=not args.no_progress)
     finally:
         if metrics is not None:
             metrics.close()

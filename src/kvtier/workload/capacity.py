@@ -67,7 +67,10 @@ def _parse_one(part: str, max_blocks: int) -> Capacity:
                 f"{FLAG} {shown(part)}: at most {max_blocks} blocks; give fewer, a share like 5% or a size like 4GiB"
             )
         if int(part) == 0:
-            raise ConfigError(f"{FLAG} {shown(part)}: a capacity must be at least one block")
+            raise ConfigError(
+                f"{FLAG} {shown(part)}: give positive block counts (0 blocks holds nothing), shares like 5% or "
+                "sizes like 4GiB"
+            )
         return Capacity(part, blocks=int(part))
     if _UNIT.search(part):
         try:

@@ -217,8 +217,8 @@ def replay_table(rows: Sequence[dict[str, Any]], title: str, block_bytes: int | 
     if show_tiers:
         for name in tier_names:
             table.add_column(f"  {name}", justify="right")
-    table.add_column("Belady (CPU alone)", justify="right")
-    table.add_column("unbounded", justify="right")
+    table.add_column("Belady (optimal)\nCPU tier alone", justify="right")
+    table.add_column("unbounded\nany capacity", justify="right")
     table.add_column("lookup mean", justify="right")
     for row in rows:
         for i, (policy, kv) in enumerate(row["policies"].items()):
@@ -237,7 +237,7 @@ def replay_table(rows: Sequence[dict[str, Any]], title: str, block_bytes: int | 
     table.caption = (
         "prefix-hit rate: share of block references served from cache with every earlier block a hit; "
         "x LRU: hit rate over LRU's at the same capacity; "
-        "Belady (CPU alone): the offline optimum of the CPU tier alone at that capacity, a bound on the "
+        "Belady: the offline optimum of the CPU tier alone at that capacity, a bound on the "
         "cpu tier's hits, not on hits from secondary tiers; unbounded: a cache that never evicts, a bound "
         "on every policy, tier and capacity"
     )
