@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from test_cli import KVTIER, REPO, TINY_BENCH, run
 
 SMALL = ["replay", "--synthetic", "chat", "--requests", "300", "--capacity", "20,60"]

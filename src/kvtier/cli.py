@@ -1166,6 +1166,16 @@ def _add_verbose_everywhere(parser: argparse.ArgumentParser, depth: int = 0) -> 
                 _add_verbose_everywhere(child, depth + 1)
 
 
+def _innermost_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the subcommand ``args`` ran (``kvtier config show``'s for ``config show``)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(args, action.dest, None) or "")
+            if chosen is not None:
+                return _innermost_parser(chosen, args)
+    return parser
+
+
 def _verbosity(args: argparse.Namespace) -> int:
     """How many ``-v`` were given, before and after the subcommands."""
     return int(args.verbose) + sum(int(v) for k, v in vars(args).items() if k.startswith("verbose_"))
@@ -1199,7 +1209,9 @@ def _say_error(command: str, text: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvtier`` console script; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the subcommand's own parser, which names its --help
+        _innermost_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     empty = _empty_value(args)
     if empty is not None:
         _say_error(args.command, empty)
