@@ -702,10 +702,10 @@ def _print_replay(
         f"{source}: {summary['requests']} requests, {summary['block_refs']} block references, "
         f"{summary['distinct_blocks']} distinct blocks, {summary['duration_s']:.0f} s"
         + (f"; stores of at most {args.store_chunk} blocks (--store-chunk)" if args.store_chunk else ""),
-        highlight=False,
-    )
+        highlight=False, soft_wrap=True,
+    )  # fmt: skip
     if block is not None:
-        out.print(f"block size: {format_size(block[0])} of KV per trace block{block[1]}", highlight=False)
+        _say(out, f"block size: {format_size(block[0])} of KV per trace block{block[1]}")
     out.print(f"unbounded cache prefix-hit rate: {100 * unbounded.hit_rate:.1f}%")
     rows = replay_rows(runs, args.policy, belady, unbounded)
     if block is not None:

@@ -14,6 +14,7 @@ figure registry is process-wide).
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,12 +78,12 @@ def replay_plot_image(
     ax.set_xticks(caps)
     ax.set_xticklabels([_capacity_label(c, block_bytes) for c in caps], fontsize=9)
     ax.minorticks_off()
-    ax.set_ylim(0, 100)
+    ax.set_ylim(0, _top([ordered[0]["unbounded"]["hit_rate"], *(max(line.get_ydata()) / 100 for line in ax.lines)]))
     ax.set_xlabel("CPU tier capacity, blocks" + (f" / bytes ({block_note})" if block_bytes else ""), fontsize=11)
     ax.set_ylabel("prefix-hit rate, % of block references" + (" (all tiers)" if split else ""), fontsize=11)
     ax.set_title(title, fontsize=12)
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper left", fontsize=9)
+    ax.legend(loc="best", fontsize=9)
     if split:
         _tier_panel(axes[0][1], ordered, caps, [*drawn, "lru"], tiers, block_bytes)
     fig.tight_layout()
@@ -90,6 +91,11 @@ def replay_plot_image(
     fig.savefig(image, dpi=DPI, format=kind)
     plt.close(fig)
     return image.getvalue()
+
+
+def _top(rates: Sequence[float]) -> float:
+    """The y axis' top in %: the highest curve plus room for the legend, in steps of 10, at most 100."""
+    return float(min(100, 10 * math.ceil((100 * max(rates) + 12) / 10)))
 
 
 def _tier_names(rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -112,6 +118,7 @@ def _tier_panel(
 ) -> None:
     """Stacked bars: per capacity, one bar per policy, split by the tier that served the hits."""
     width = 0.8 / len(policies)
+    highest = 0.0
     palette = ["tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"]  # not the policies'
     colors = [palette[i % len(palette)] for i in range(len(tiers))]
     for p, name in enumerate(policies):
@@ -122,11 +129,12 @@ def _tier_panel(
             ax.bar(xs, heights, width * 0.95, bottom=bottom, color=colors[t], edgecolor="white",
                    label=tier if p == 0 else None)  # fmt: skip
             bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+        highest = max(highest, *bottom)
         for x, top in zip(xs, bottom, strict=True):
             ax.text(x, top + 1, name, rotation=90, ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(caps)))
     ax.set_xticklabels([_capacity_label(c, block_bytes) for c in caps], fontsize=9)
-    ax.set_ylim(0, 100)
+    ax.set_ylim(0, min(100, _top([highest / 100]) + 10))  # + room for the policy names
     ax.set_xlabel("CPU tier capacity, blocks" + (" / bytes" if block_bytes else ""), fontsize=11)
     ax.set_ylabel("prefix hits served by each tier, % of references", fontsize=11)
     ax.set_title("hits by tier (bars: policies, left to right as labelled)", fontsize=12)
