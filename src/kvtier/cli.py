@@ -754,7 +754,7 @@ def _replay_runs(
 
             def announce(policy: str, capacity: int) -> None:
                 runs_started[0] += 1
-                bar.update((runs_started[0] - 1) * requests, description=f"{policy} @ {capacity}")
+                bar.update((runs_started[0] - 1) * requests, description=f"{policy} @ {capacity} blocks")
                 bar.say(f"replaying {requests} requests with {capacity} CPU blocks ({policy})...")
 
             def progress(done: int) -> None:

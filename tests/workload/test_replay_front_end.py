@@ -151,3 +151,15 @@ def test_the_plot_is_1200_pixels_wide_with_and_without_tiers() -> None:
     assert _png_size(replay_plot_image(tiered, ["lru"], title="t")) == (1200, 500)
     one = [_row(5, {"lru": 0.2})]
     assert replay_plot_image(one, ["lru"], title="t", kind="svg").lstrip().startswith(b"<?xml")
+
+
+def test_the_published_trace_is_prefix_chained() -> None:
+    from pathlib import Path
+
+    from kvtier.workload.trace import read_trace
+
+    trace = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "conversation_trace.jsonl"
+    if not trace.exists():
+        pytest.skip("shared Mooncake trace not present")
+    report = check_chaining(FlatTrace.from_requests(read_trace(trace)))
+    assert report.chained and report.block_refs == 288500 and report.distinct_ids == 182790
