@@ -61,7 +61,7 @@ def _parse_one(part: str, max_blocks: int) -> Capacity:
         if not 0 < share <= 1:  # also refuses nan
             raise ConfigError(f"{FLAG} {shown(part)}: a share must lie in (0%, 100%]")
         return Capacity(part, share=share)
-    if part.isascii() and part.isdigit():  # int() also reads "²" and "４"
+    if part.isascii() and part.isdigit():  # int() also reads "²" and fullwidth digits
         if len(part) > MAX_DIGITS or int(part) > max_blocks:
             raise ConfigError(
                 f"{FLAG} {shown(part)}: at most {max_blocks} blocks; give fewer, a share like 5% or a size like 4GiB"
