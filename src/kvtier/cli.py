@@ -6,7 +6,8 @@ Subcommands:
   bytes (CPU tier in /dev/shm + an fs tier in a lock-held temp dir by default).
 * ``kvtier replay TRACE.jsonl`` (or ``--synthetic KIND``): metadata-only replay of
   a Mooncake trace or a generated workload through the real manager, hit rate per
-  policy and capacity with its ratio to LRU, beside unbounded and Belady references.
+  policy and capacity (blocks, shares or sizes) with its ratio to LRU, beside
+  unbounded and Belady references; ``--plot`` draws it, ``--json -`` prints it.
 * ``kvtier sweep [--remove]``: everything dead kvtier processes left (stale
   regions, bench temp dirs); ``kvtier sweep-shm`` the regions only.
 * ``kvtier inspect DIR|S3-URL [--verify|--sample N]``: summary of an fs tier directory or an S3 prefix.
@@ -312,7 +313,7 @@ def _extra_bench_tiers(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         from kvtier.tiers.s3_inspect import options_from_url
 
         tiers["s3"] = {"type": "s3", **options_from_url(args.s3)}
-    if args.memory_tier:
+    if args.memory_tier is not None:
         tiers["memory_tier"] = {"type": "memory", "max_bytes": args.memory_tier}
     return tiers
 
@@ -324,7 +325,7 @@ _TIER_GROUPS = {"config": "config", "fs_root": "fs", "redis": "redis"}
 def _bench_tier_order(args: argparse.Namespace, extra: list[str]) -> tuple[str | int, ...]:
     """Tier groups in the order their flags came; tiers from no flag first (KVTIER_TIERS's, the temp fs)."""
     given = list(getattr(args, "tier_order", None) or [])
-    order: list[str | int] = [g for g in ("config", "fs") if {"config": "config", "fs": "fs_root"}[g] not in given]
+    order: list[str | int] = [group for group, dest in (("config", "config"), ("fs", "fs_root")) if dest not in given]
     for dest in given:
         order.append(extra.index(dest) if dest in extra else _TIER_GROUPS[dest])
     return tuple(order)
