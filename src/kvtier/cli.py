@@ -208,7 +208,8 @@ def _add_bench(sub: Any) -> None:
     s.add_argument(
         "--config", metavar="FILE", action=_TierFlag, default=None,
         help="bench this kvtier config (YAML/TOML/JSON): its CPU size, policy, model, geometry and tiers; "
-        "KVTIER_* environment variables and the flags below override it; --fs-root/--redis add tiers",
+        "KVTIER_* environment variables and the flags below override it; --fs-root/--redis/--s3/--memory-tier "
+        "add tiers, which cascade in the order the flags are given (the config's tiers at --config's place)",
     )  # fmt: skip
     s.add_argument("--model", metavar="PRESET", default=None, help=f"model preset (default {DEFAULT_BENCH_MODEL})")
     s.add_argument("--tokens-per-block", type=_int_in(1, MAX_LAYOUT_COUNT), metavar="N", default=None,
