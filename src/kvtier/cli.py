@@ -6,7 +6,8 @@ Subcommands:
   bytes (CPU tier in /dev/shm + an fs tier in a lock-held temp dir by default).
 * ``kvtier replay TRACE.jsonl`` (or ``--synthetic KIND``): metadata-only replay of
   a Mooncake trace or a generated workload through the real manager, hit rate per
-  policy and capacity with its ratio to LRU, beside unbounded and Belady references.
+  policy and capacity (blocks, shares or sizes) with its ratio to LRU, beside
+  unbounded and Belady references; ``--plot`` draws it, ``--json -`` prints it.
 * ``kvtier sweep [--remove]``: everything dead kvtier processes left (stale
   regions, bench temp dirs); ``kvtier sweep-shm`` the regions only.
 * ``kvtier inspect DIR|S3-URL [--verify|--sample N]``: summary of an fs tier directory or an S3 prefix.
@@ -167,9 +168,9 @@ def _open_outputs(
 
 
 def _stderr_console() -> Any:
-    from rich.console import Console
+    from kvtier.workload.textout import text_console
 
-    return Console(stderr=True)
+    return text_console(stderr=True)
 
 
 def _say(console: Any, text: str) -> None:
@@ -205,9 +206,10 @@ def _add_bench(sub: Any) -> None:
     _add_bench_workload(p.add_argument_group("workload"))
     s = p.add_argument_group("sizes and tiers")
     s.add_argument(
-        "--config", metavar="FILE", default=None,
+        "--config", metavar="FILE", action=_TierFlag, default=None,
         help="bench this kvtier config (YAML/TOML/JSON): its CPU size, policy, model, geometry and tiers; "
-        "KVTIER_* environment variables and the flags below override it; --fs-root/--redis add tiers",
+        "KVTIER_* environment variables and the flags below override it; --fs-root/--redis/--s3/--memory-tier "
+        "add tiers, which cascade in the order the flags are given (the config's tiers at --config's place)",
     )  # fmt: skip
     s.add_argument("--model", metavar="PRESET", default=None, help=f"model preset (default {DEFAULT_BENCH_MODEL})")
     s.add_argument("--tokens-per-block", type=_int_in(1, MAX_LAYOUT_COUNT), metavar="N", default=None,
@@ -222,7 +224,7 @@ def _add_bench(sub: Any) -> None:
                    help=f"CPU tier eviction policy (default {_DEFAULT_POLICY}, as in any configuration)")  # fmt: skip
     s.add_argument("--shm-dir", metavar="DIR", default=None, help="directory of the CPU region (default /dev/shm)")
     s.add_argument(
-        "--fs-root", metavar="DIR", default=None,
+        "--fs-root", metavar="DIR", action=_TierFlag, default=None,
         help="fs tier directory (kept); default: a lock-held temp dir, removed after (none if the config has tiers)",
     )  # fmt: skip
     s.add_argument(
@@ -231,13 +233,15 @@ def _add_bench(sub: Any) -> None:
     )  # fmt: skip
     s.add_argument("--no-fs", action="store_true",
                    help="run without the bench's fs tier (not with --fs-root/--fs-bytes)")  # fmt: skip
-    s.add_argument("--redis", metavar="URL", default=None, help="add a redis tier, e.g. redis://127.0.0.1:6379/0")
+    s.add_argument("--redis", metavar="URL", action=_TierFlag, default=None,
+                   help="add a redis tier, e.g. redis://127.0.0.1:6379/0")  # fmt: skip
     s.add_argument(
-        "--s3", metavar="URL", default=None,
+        "--s3", metavar="URL", action=_TierFlag, default=None,
         help="add an S3 tier: s3://bucket/prefix (AWS) or http(s)://[key:secret@]host:port/bucket/prefix",
     )  # fmt: skip
     s.add_argument(
-        "--memory-tier", metavar="SIZE", nargs="?", const="256MiB", default=None, type=_positive_size,
+        "--memory-tier", metavar="SIZE", nargs="?", action=_TierFlag, const="256MiB", default=None,
+        type=_positive_size,
         help="add the in-process reference memory tier (default size 256MiB)",
     )  # fmt: skip
     s.add_argument(
@@ -255,6 +259,18 @@ def _add_bench(sub: Any) -> None:
                    help="address for --metrics-port (default 127.0.0.1)")  # fmt: skip
     o.add_argument("--no-progress", action="store_true", help="no progress bar (none is shown when not on a terminal)")
     p.set_defaults(func=_cmd_bench)
+
+
+class _TierFlag(argparse._StoreAction):
+    """A flag that adds tiers (``--config``, ``--fs-root``, ``--redis``, ``--s3``, ``--memory-tier``): stores
+    its value and records where it came on the command line (``tier_order``), so tiers are built in the
+    order the user gave them. A flag given twice takes its last value and place."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:  # fmt: skip
+        super().__call__(parser, namespace, values, option_string)
+        order = [d for d in getattr(namespace, "tier_order", None) or [] if d != self.dest]
+        namespace.tier_order = [*order, self.dest]
 
 
 def _add_bench_workload(w: Any) -> None:
@@ -291,16 +307,29 @@ def _bench_config(args: argparse.Namespace) -> KvtierConfig:
     return load_config(args.config, cli=flags, defaults=BENCH_DEFAULTS, defaults_source="kvtier bench default")
 
 
-def _extra_bench_tiers(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Tiers added by --s3 and --memory-tier, behind --fs-root/--redis."""
-    tiers: list[dict[str, Any]] = []
+def _extra_bench_tiers(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Tiers added by --s3 and --memory-tier, by flag dest."""
+    tiers: dict[str, dict[str, Any]] = {}
     if args.s3:
         from kvtier.tiers.s3_inspect import options_from_url
 
-        tiers.append({"type": "s3", **options_from_url(args.s3)})
+        tiers["s3"] = {"type": "s3", **options_from_url(args.s3)}
     if args.memory_tier is not None:
-        tiers.append({"type": "memory", "max_bytes": args.memory_tier})
+        tiers["memory_tier"] = {"type": "memory", "max_bytes": args.memory_tier}
     return tiers
+
+
+_TIER_GROUPS = {"config": "config", "fs_root": "fs", "redis": "redis"}
+"""The bench's tier groups by the dest of the flag that adds them (BenchOptions.tier_order)."""
+
+
+def _bench_tier_order(args: argparse.Namespace, extra: list[str]) -> tuple[str | int, ...]:
+    """Tier groups in the order their flags came; tiers from no flag first (KVTIER_TIERS's, the temp fs)."""
+    given = list(getattr(args, "tier_order", None) or [])
+    order: list[str | int] = [group for group, dest in (("config", "config"), ("fs", "fs_root")) if dest not in given]
+    for dest in given:
+        order.append(extra.index(dest) if dest in extra else _TIER_GROUPS[dest])
+    return tuple(order)
 
 
 def _check_bench_flags(args: argparse.Namespace, own_tiers: bool) -> None:
@@ -327,6 +356,8 @@ def _bench_options(args: argparse.Namespace, config: KvtierConfig) -> Any:
 
     own_tiers = config.sources["tiers"] != "default"
     _check_bench_flags(args, own_tiers)
+    extra = _extra_bench_tiers(args)
+    extra = {dest: extra[dest] for dest in [*(getattr(args, "tier_order", None) or []), *extra] if dest in extra}
     workload = ChatWorkloadSpec(
         sessions=args.sessions,
         min_turns=args.min_turns,
@@ -341,7 +372,8 @@ def _bench_options(args: argparse.Namespace, config: KvtierConfig) -> Any:
         fs_root=args.fs_root,
         fs_bytes=args.fs_bytes if args.fs_bytes is not None else DEFAULT_BENCH_FS_BYTES,
         redis_url=args.redis,
-        extra_tiers=_extra_bench_tiers(args),
+        extra_tiers=list(extra.values()),
+        tier_order=_bench_tier_order(args, list(extra)),
         batch_size=args.batch_size,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         base_config=config,
@@ -350,24 +382,19 @@ def _bench_options(args: argparse.Namespace, config: KvtierConfig) -> Any:
 
 
 def _run_bench_showing_progress(options: Any, metrics: Any, err: Any, show: bool) -> Any:
-    """Run the bench; a rich progress bar on stderr when ``show`` (a terminal), tier events as lines."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+    """Run the bench; a progress bar on stderr when ``show`` and stderr is a terminal, tier events as lines."""
     from kvtier.workload.bench import run_bench
+    from kvtier.workload.progress import RequestProgress
 
-    def notify(line: str) -> None:
-        _say(err, f"kvtier bench: {line}")
+    with RequestProgress(err, None, description="requests", enabled=show) as bar:
 
-    if not show:
-        return run_bench(options, metrics=metrics, notify=notify)
-    columns = (TextColumn("requests"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err, transient=True) as bar:
-        task = bar.add_task("bench", total=None)
+        def notify(line: str) -> None:
+            bar.say(f"kvtier bench: {line}")
 
         def progress(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
+            bar.update(done, total)
 
-        return run_bench(options, progress=progress, metrics=metrics, notify=notify)
+        return run_bench(options, progress=progress if bar.shown else None, metrics=metrics, notify=notify)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -377,12 +404,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
-    from rich.console import Console
-
     from kvtier.metrics import KvtierMetrics
     from kvtier.workload.bench import describe_options
     from kvtier.workload.budget import check_memory
     from kvtier.workload.report import json_document, plot_image, print_bench
+    from kvtier.workload.textout import text_console
 
     config = _bench_config(args)
     _check_shm_dir(config)
@@ -406,12 +432,12 @@ def _bench(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
             ) from None
         _say(err, f"serving Prometheus metrics on http://{addr}:{port}/metrics")
     try:
-        result = _run_bench_showing_progress(options, metrics, err, show=not args.no_progress and err.is_terminal)
+        result = _run_bench_showing_progress(options, metrics, err, show=not args.no_progress)
     finally:
         if metrics is not None:
             metrics.close()
     # With --json - or --plot -, standard output carries that document alone: the tables go to stderr.
-    print_bench(result, err if STDOUT in (args.json, args.plot) else Console())
+    print_bench(result, err if STDOUT in (args.json, args.plot) else text_console())
     if "--json" in outputs:
         outputs["--json"].write(json_document(result.to_dict()))
         if args.json != STDOUT:
@@ -451,38 +477,27 @@ TRACE_MEMORY_FACTOR = 8
 """Memory a replay holds per byte of trace text, rounded up (requests, keys, flat ids)."""
 
 
-def _capacity_list(text: str) -> list[int | float]:
-    """Block counts (``9139``, ``4k``) or shares of the trace's distinct blocks (``5%``, as a float)."""
-    values: list[int | float] = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        if part.endswith("%"):
-            try:
-                share = float(part[:-1]) / 100
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"--capacity {shown(part)}: not a percentage like 5%") from None
-            if not 0 < share <= 1:
-                raise argparse.ArgumentTypeError(f"--capacity {shown(part)}: a share must lie in (0%, 100%]")
-            values.append(share)
-            continue
-        try:
-            blocks = int(part) if part.isdigit() and len(part) <= _MAX_DIGITS else int(parse_size(part))
-        except ConfigError:
-            raise argparse.ArgumentTypeError(
-                f"--capacity {shown(part)}: not a block count (e.g. 9139 or 4k) or a share like 5%"
-            ) from None
-        if blocks > MAX_REPLAY_CAPACITY:
-            raise argparse.ArgumentTypeError(
-                f"--capacity {shown(part)}: at most {MAX_REPLAY_CAPACITY} blocks; give fewer, or a share like 5%"
-            )
-        values.append(blocks)
-    if not values or any(v <= 0 for v in values):
+def _capacity_list(text: str) -> list[Any]:
+    """``--capacity``: block counts, shares of the distinct blocks (``5%``) or sizes (``4GiB``); see
+    :mod:`kvtier.workload.capacity`. Refused at parse time (exit 2) naming the value as typed."""
+    from kvtier.workload.capacity import parse_capacities
+
+    try:
+        return parse_capacities(text, MAX_REPLAY_CAPACITY)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _model_preset(text: str) -> str:
+    """``replay --model``: a preset name (another model's trace-block size goes in --block-bytes)."""
+    from kvtier.config import MODEL_PRESETS
+
+    if text not in MODEL_PRESETS:
         raise argparse.ArgumentTypeError(
-            f"--capacity {shown(text)}: give positive block counts or shares of the distinct blocks, "
-            "e.g. 1000,9139,50000 or 1%,5%"
+            f"{shown(text)} is not a model preset ({', '.join(MODEL_PRESETS)}): give one, or give the KV size "
+            "of one trace block of your model with --block-bytes SIZE"
         )
-    return values
+    return text
 
 
 def _policy_list(text: str) -> list[str]:
@@ -525,9 +540,24 @@ def _add_replay(sub: Any) -> None:
                    help="seed of the generated workload (default 0; --synthetic only)")  # fmt: skip
     p.add_argument(
         "--capacity", type=_capacity_list, default=None,
-        help="CPU tier sizes, comma separated: blocks, or shares of the distinct blocks like 5%% "
+        help="CPU tier sizes, comma separated: a plain integer is a number of blocks (trace blocks, "
+        "hash_ids), 5%% a share of the trace's distinct blocks, a number with a unit (4GiB, 512MB, 4G) a "
+        "size in bytes, converted to whole blocks of the model's KV (--model or --block-bytes) "
         f"(default {DEFAULT_CAPACITIES} for a trace, "
         f"{DEFAULT_SYNTHETIC_CAPACITIES.replace('%', '%%')} for --synthetic)",
+    )  # fmt: skip
+    p.add_argument(
+        "--model", metavar="PRESET", type=_model_preset, default=None,
+        help="model whose KV the CPU tier holds (default: KVTIER_MODEL): sizes in --capacity convert with "
+        "its bytes per token x --block-tokens, and capacities are shown as sizes too",
+    )  # fmt: skip
+    p.add_argument(
+        "--block-tokens", metavar="N", type=_int_in(1, MAX_LAYOUT_COUNT), default=None,
+        help="tokens per trace block (hash_id) for sizes (default 512, as in the Mooncake traces)",
+    )  # fmt: skip
+    p.add_argument(
+        "--block-bytes", metavar="SIZE", type=_positive_size, default=None,
+        help="KV bytes of one trace block, for a model that is not a preset (instead of --model)",
     )  # fmt: skip
     p.add_argument(
         "--policy", type=_policy_list, default=None,
@@ -550,6 +580,13 @@ def _add_replay(sub: Any) -> None:
     p.add_argument("--shm-dir", default=None, help="directory of the CPU region (default: KVTIER_SHM_DIR, /dev/shm)")
     p.add_argument("--json", metavar="FILE", default=None,
                    help="write the sweep as JSON ('-': stdout, the tables then go to stderr)")  # fmt: skip
+    p.add_argument(
+        "--plot", metavar="FILE.png", default=None,
+        help="draw hit rate against capacity per policy, with LRU, Belady and unbounded as references, and "
+        "hits per tier with --fs-root (needs the plot extra: pip install 'kvtier[plot]'; '-': PNG to stdout)",
+    )  # fmt: skip
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (none is shown when standard error is not a terminal)")  # fmt: skip
     p.set_defaults(func=_cmd_replay)
 
 
@@ -619,44 +656,65 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         if (args.trace is None) == (args.synthetic is None):
             raise ConfigError("give a trace file or --synthetic KIND (one of them)")
-        outputs = _open_outputs(stack, {"--json": args.json}, inputs=[args.trace])
+        outputs = _open_outputs(stack, {"--json": args.json, "--plot": args.plot}, inputs=[args.trace])
         return _replay(args, outputs)
 
 
-def _replay_capacities(args: argparse.Namespace, distinct: int) -> list[int]:
-    """``--capacity`` (or the default list) in blocks; a share given that is less than one block is refused."""
-    spec = args.capacity or _capacity_list(
-        DEFAULT_SYNTHETIC_CAPACITIES if args.synthetic is not None else DEFAULT_CAPACITIES
-    )
-    too_small = [v for v in args.capacity or () if isinstance(v, float) and round(v * distinct) < 1]
-    if too_small:
-        raise ConfigError(
-            f"--capacity {100 * too_small[0]:g}% of the {distinct} distinct blocks is less than one block: "
-            "give a larger share or a block count"
-        )
-    return list(dict.fromkeys(v if isinstance(v, int) else max(1, round(v * distinct)) for v in spec))
+def _replay_capacities(args: argparse.Namespace, distinct: int, block: tuple[int, str] | None) -> list[int]:
+    """``--capacity`` (or the default list) in blocks, in the order given; see :func:`capacity_blocks`."""
+    from kvtier.workload.capacity import capacity_blocks
+
+    block_bytes, note = block if block is not None else (None, "")
+    if args.capacity:
+        return capacity_blocks(args.capacity, distinct, block_bytes, MAX_REPLAY_CAPACITY, note)
+    default = _capacity_list(DEFAULT_SYNTHETIC_CAPACITIES if args.synthetic is not None else DEFAULT_CAPACITIES)
+    return list(dict.fromkeys(c.blocks or max(1, round((c.share or 0) * distinct)) for c in default))
+
+
+def _replay_block_bytes(args: argparse.Namespace, settings: KvtierConfig) -> tuple[int, str] | None:
+    """KV bytes of one trace block and what they come from, or None when no model was named."""
+    from kvtier.workload.trace import TRACE_BLOCK_TOKENS
+
+    tokens = args.block_tokens if args.block_tokens is not None else TRACE_BLOCK_TOKENS
+    if args.block_bytes is not None:
+        if args.model is not None or args.block_tokens is not None:
+            given = "--model" if args.model is not None else "--block-tokens"
+            raise ConfigError(f"--block-bytes gives a trace block's size itself: drop {given}")
+        return args.block_bytes, " (--block-bytes)"
+    if settings.sources["model"] == "default":
+        if args.block_tokens is not None:
+            raise ConfigError("--block-tokens sizes a trace block with a model's KV: give --model PRESET too")
+        return None
+    per_token = settings.kv_geometry().bytes_per_token
+    source = "" if args.model is not None else f", from {settings.sources['model']}"
+    return per_token * tokens, f" ({settings.model}{source}, {tokens} tokens a block)"
 
 
 def _print_replay(
-    args: argparse.Namespace, source: str, summary: dict[str, float], runs: Any, belady: Any, unbounded: Any
+    args: argparse.Namespace, source: str, summary: dict[str, float], runs: Any, belady: Any, unbounded: Any,
+    block: tuple[int, str] | None,
 ) -> list[dict[str, Any]]:
-    """The replay's tables and lines (on stderr with --json -); returns the JSON rows."""
-    from rich.console import Console
-
+    """The replay's tables and lines (on stderr with --json - or --plot -); returns the JSON rows."""
     from kvtier.workload.report import replay_rows, replay_table
+    from kvtier.workload.textout import text_console
 
-    # With --json -, standard output carries the JSON alone: the tables go to stderr.
-    out = Console(width=max(120, Console().width), stderr=args.json == STDOUT)
+    # With --json - or --plot -, standard output carries that document alone: the tables go to stderr.
+    out = text_console(stderr=STDOUT in (args.json, args.plot), min_width=120)
     out.print(
         f"{source}: {summary['requests']} requests, {summary['block_refs']} block references, "
         f"{summary['distinct_blocks']} distinct blocks, {summary['duration_s']:.0f} s"
         + (f"; stores of at most {args.store_chunk} blocks (--store-chunk)" if args.store_chunk else ""),
-        highlight=False,
-    )
+        highlight=False, soft_wrap=True,
+    )  # fmt: skip
+    if block is not None:
+        _say(out, f"block size: {format_size(block[0])} of KV per trace block{block[1]}")
     out.print(f"unbounded cache prefix-hit rate: {100 * unbounded.hit_rate:.1f}%")
     rows = replay_rows(runs, args.policy, belady, unbounded)
+    if block is not None:
+        for row in rows:
+            row["capacity_bytes"] = row["capacity"] * block[0]
     named = f"policy {args.policy[0]}" if len(args.policy) == 1 else f"policies {', '.join(args.policy)}"
-    out.print(replay_table(rows, f"prefix-hit rate vs CPU capacity ({named})"))
+    out.print(replay_table(rows, f"prefix-hit rate vs CPU capacity ({named})", None if block is None else block[0]))
     single = len(args.policy) == 1
     for row in rows:
         bel = row["belady"]
@@ -672,60 +730,101 @@ def _print_replay(
     return rows
 
 
-def _replay(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
-    from kvtier.workload.replay import compare_policies, replay_namespace, trace_keys
-    from kvtier.workload.report import json_document
-    from kvtier.workload.simulate import HitRateResult, belady_hit_rate, unbounded_hit_rate
-    from kvtier.workload.trace import FlatTrace, trace_summary
+def _replay_runs(
+    args: argparse.Namespace, keys: Any, capacities: list[int], namespace: Any, err: Any
+) -> dict[int, dict[str, Any]]:
+    """Every (capacity, policy) run of the replay, with a progress bar on a terminal (see
+    :class:`~kvtier.workload.progress.RequestProgress`) and a line per run on stderr."""
+    from kvtier.workload.progress import RequestProgress
+    from kvtier.workload.replay import compare_policies
 
-    settings = load_config(cli={"policy": args.policy[0] if args.policy else None, "shm_dir": args.shm_dir})
-    args.policy, args.shm_dir = args.policy or [settings.policy], settings.shm_dir  # env < flags
-    _check_shm_dir(settings)
-    if args.capacity:
-        _check_replay_capacity([v for v in args.capacity if isinstance(v, int)] or [1], args.shm_dir)
-    requests, source = _replay_requests(args)
-    if not requests:
-        raise ConfigError(f"{source} holds no requests")
-    summary = trace_summary(requests)
-    capacities = _replay_capacities(args, int(summary["distinct_blocks"]))
-    _check_replay_capacity(capacities, args.shm_dir)
-    flat = FlatTrace.from_requests(requests)
-    unbounded = unbounded_hit_rate(flat)
-    namespace = replay_namespace()
-    keys = trace_keys(flat, namespace)
-    err = _stderr_console()
+    requests = len(keys)
+    total = requests * len(capacities) * len(dict.fromkeys([*args.policy, "lru"]))
     scratch = _replay_fs_dir(args.fs_root) if args.fs_root is not None else None
     try:
         fs_dir = None if scratch is None else str(scratch.path)
         if fs_dir is not None:
-            err.print(f"fs tiers in {fs_dir} (removed after the run)", highlight=False, markup=False)
+            _say(err, f"fs tiers in {fs_dir} (removed after the run)")
 
         def tiers(policy: str, capacity: int) -> list[dict[str, Any]]:
             if fs_dir is None:
                 return []
             return [{"type": "fs", "root": os.path.join(fs_dir, f"{policy.replace(':', '_')}-{capacity}")}]
 
-        runs = compare_policies(
-            keys, capacities, args.policy, namespace=namespace, tiers=tiers, shm_dir=args.shm_dir,
-            store_chunk=args.store_chunk,
-            announce=lambda p, c: err.print(f"replaying {summary['requests']} requests with {c} CPU blocks ({p})..."),
-        )  # fmt: skip
+        with RequestProgress(err, total, description="replay", enabled=not args.no_progress) as bar:
+            runs_started = [0]
+
+            def announce(policy: str, capacity: int) -> None:
+                runs_started[0] += 1
+                bar.update((runs_started[0] - 1) * requests, description=f"{policy} @ {capacity} blocks")
+                bar.say(f"replaying {requests} requests with {capacity} CPU blocks ({policy})...")
+
+            def progress(done: int) -> None:
+                bar.update((runs_started[0] - 1) * requests + done)
+
+            return compare_policies(
+                keys, capacities, args.policy, namespace=namespace, tiers=tiers, shm_dir=args.shm_dir,
+                store_chunk=args.store_chunk, announce=announce, progress=progress,
+            )  # fmt: skip
     finally:
         if scratch is not None:
             scratch.cleanup()
+
+
+def _replay(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
+    from kvtier.workload.capacity import largest_known_blocks
+    from kvtier.workload.chaining import check_chaining
+    from kvtier.workload.plot import replay_plot_image
+    from kvtier.workload.replay import replay_namespace, trace_keys
+    from kvtier.workload.report import json_document
+    from kvtier.workload.simulate import HitRateResult, belady_hit_rate, unbounded_hit_rate
+    from kvtier.workload.trace import FlatTrace, trace_summary
+
+    settings = load_config(
+        cli={"policy": args.policy[0] if args.policy else None, "shm_dir": args.shm_dir, "model": args.model}
+    )
+    args.policy, args.shm_dir = args.policy or [settings.policy], settings.shm_dir  # env < flags
+    _check_shm_dir(settings)
+    block = _replay_block_bytes(args, settings)
+    if args.capacity:
+        _check_replay_capacity([largest_known_blocks(args.capacity) or 1], args.shm_dir)
+    requests, source = _replay_requests(args)
+    if not requests:
+        raise ConfigError(f"{source} holds no requests")
+    summary = trace_summary(requests)
+    capacities = _replay_capacities(args, int(summary["distinct_blocks"]), block)
+    _check_replay_capacity(capacities, args.shm_dir)
+    flat = FlatTrace.from_requests(requests)
+    err = _stderr_console()
+    chaining = check_chaining(flat)
+    warning = chaining.warning()
+    if warning is not None:
+        _say(err, f"kvtier replay: warning: {source}: {warning}")
+    unbounded = unbounded_hit_rate(flat)
+    namespace = replay_namespace()
+    runs = _replay_runs(args, trace_keys(flat, namespace), capacities, namespace, err)
     belady: dict[int, HitRateResult | None] = {
         c: None if args.no_belady else belady_hit_rate(flat, c) for c in capacities
     }
-    rows = _print_replay(args, source, summary, runs, belady, unbounded)
+    rows = _print_replay(args, source, summary, runs, belady, unbounded, block)
     if args.json:
         what = (
             {"synthetic": args.synthetic, "seed": args.seed or 0} if args.synthetic else {"trace": args.trace}
         )
-        outputs["--json"].write(json_document({**what, "summary": summary, "policy": args.policy[0],
-                                               "policies": args.policy, "store_chunk": args.store_chunk,
-                                               "rows": rows}))  # fmt: skip
+        sizes = {"block_bytes": None if block is None else block[0], "model": settings.model if block else None}
+        outputs["--json"].write(json_document({**what, "summary": summary, "chaining": chaining.to_dict(),
+                                               "policy": args.policy[0], "policies": args.policy,
+                                               "store_chunk": args.store_chunk, **sizes, "rows": rows}))  # fmt: skip
         if args.json != STDOUT:
-            err.print(f"wrote {args.json}")
+            _say(err, f"wrote {args.json}")
+    if args.plot:
+        kind = Path(args.plot).suffix.lstrip(".").lower() if args.plot != STDOUT else "png"
+        title = f"{source}: prefix-hit rate vs CPU capacity"
+        image = replay_plot_image(rows, args.policy, title=title, block_bytes=block[0] if block else None,
+                                  block_note=block[1].strip(" ()") if block else "", kind=kind)  # fmt: skip
+        outputs["--plot"].write(image)
+        if args.plot != STDOUT:
+            _say(err, f"wrote {args.plot}")
     return 0
 
 
@@ -1047,7 +1146,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tiered KV-cache offloading: bench, trace replay, inspection and maintenance.",
     )
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help=_VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", metavar="{bench,replay,sweep,sweep-shm,inspect,config}")
     sub.required = True
     _add_bench(sub)
@@ -1055,7 +1154,41 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sweep(sub)
     _add_inspect(sub)
     _add_config(sub)
+    _add_verbose_everywhere(parser)
     return parser
+
+
+_VERBOSE_HELP = "more logging (-v info, -vv debug)"
+
+
+def _add_verbose_everywhere(parser: argparse.ArgumentParser, depth: int = 0) -> None:
+    """``-v/--verbose`` after any subcommand too (``kvtier replay -v``, ``kvtier config show -v``).
+
+    Each level counts into its own ``verbose_<depth>`` (argparse parses a subcommand
+    into a fresh namespace, so one shared counter would keep only the last level's);
+    :func:`_verbosity` adds them up.
+    """
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                child.add_argument("-v", "--verbose", action="count", default=0, dest=f"verbose_{depth + 1}",
+                                   help=_VERBOSE_HELP)  # fmt: skip
+                _add_verbose_everywhere(child, depth + 1)
+
+
+def _innermost_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the subcommand ``args`` ran (``kvtier config show``'s for ``config show``)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(args, action.dest, None) or "")
+            if chosen is not None:
+                return _innermost_parser(chosen, args)
+    return parser
+
+
+def _verbosity(args: argparse.Namespace) -> int:
+    """How many ``-v`` were given, before and after the subcommands."""
+    return int(args.verbose) + sum(int(v) for k, v in vars(args).items() if k.startswith("verbose_"))
 
 
 _POSITIONALS = {"trace": "the trace file", "dir": "the directory or S3 prefix"}
@@ -1086,12 +1219,15 @@ def _say_error(command: str, text: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvtier`` console script; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the subcommand's own parser, which names its --help
+        _innermost_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     empty = _empty_value(args)
     if empty is not None:
         _say_error(args.command, empty)
         return 2
-    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
+    verbosity = _verbosity(args)
+    level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))

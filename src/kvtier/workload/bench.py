@@ -106,6 +106,9 @@ class BenchOptions:
     """A secondary tier that goes out of service (unreachable) ends the run with an error."""
     temp_dir: str | None = None
     """Parent of the temporary fs-tier directory (default: the system's temporary directory)."""
+    tier_order: tuple[str | int, ...] = ()
+    """The order of the secondary tiers, by group: ``"config"`` (``base_config``'s tiers), ``"fs"``,
+    ``"redis"`` and an index into ``extra_tiers``; groups not named follow in that default order."""
 
     def __post_init__(self) -> None:
         for name, high in (("device_blocks", MAX_DEVICE_BLOCKS), ("batch_size", MAX_BATCH_SIZE)):
@@ -143,18 +146,28 @@ class BenchOptions:
             MemoryNeed("memory tier", memory_tiers, "--memory-tier"),
         ]
 
-    def added_tiers(self, fs_root: str | None) -> list[dict[str, Any]]:
-        """The tiers the bench adds (fs, redis, extra) as ``{"type": ..., **options}`` specs."""
-        tiers: list[dict[str, Any]] = []
-        if self.fs and fs_root is not None:
+    def ordered_groups(self) -> list[str | int]:
+        """The tier groups in :attr:`tier_order`, then the groups it does not name in the default order."""
+        default: list[str | int] = ["config", "fs", "redis", *range(len(self.extra_tiers))]
+        named = list(dict.fromkeys(g for g in self.tier_order if g in default))
+        return named + [g for g in default if g not in named]
+
+    def _group_tiers(self, group: str | int, fs_root: str | None) -> list[dict[str, Any]]:
+        """The tier specs of one group the bench adds (``"config"``: none, the base config has them)."""
+        if isinstance(group, int):
+            return [self.extra_tiers[group]]
+        if group == "fs" and self.fs and fs_root is not None:
             spec: dict[str, Any] = {"type": "fs", "root": fs_root}
             if self.fs_bytes is not None:
                 spec["max_bytes"] = self.fs_bytes
-            tiers.append(spec)
-        if self.redis_url:
-            tiers.append({"type": "redis", "url": self.redis_url})
-        tiers.extend(self.extra_tiers)
-        return tiers
+            return [spec]
+        if group == "redis" and self.redis_url:
+            return [{"type": "redis", "url": self.redis_url}]
+        return []
+
+    def added_tiers(self, fs_root: str | None) -> list[dict[str, Any]]:
+        """The tiers the bench adds (fs, redis, extra) as ``{"type": ..., **options}`` specs, in tier order."""
+        return [spec for group in self.ordered_groups() for spec in self._group_tiers(group, fs_root)]
 
     def config(self, fs_root: str | None) -> KvtierConfig:
         """The :class:`KvtierConfig` of this run (``fs_root``: the resolved fs directory).
@@ -164,11 +177,15 @@ class BenchOptions:
         added = self.added_tiers(fs_root)
         if self.base_config is not None:
             base = self.base_config
-            checked = [
-                {"type": spec["type"], **validate_tier_options(spec, where=f"tiers[{len(base.tiers) + i}]")}
-                for i, spec in enumerate(added)
-            ]
-            return base.model_copy(update={"tiers": [*base.tiers, *checked]})
+            tiers: list[dict[str, Any]] = []
+            for group in self.ordered_groups():
+                if group == "config":
+                    tiers.extend(base.tiers)
+                    continue
+                for spec in self._group_tiers(group, fs_root):
+                    where = f"tiers[{len(tiers)}]"
+                    tiers.append({"type": spec["type"], **validate_tier_options(spec, where=where)})
+            return base.model_copy(update={"tiers": tiers})
         values = {
             "cpu_bytes": self.cpu_bytes, "policy": self.policy, "model": self.model,
             "geometry": {"tokens_per_block": self.tokens_per_block}, "shm_dir": self.shm_dir, "tiers": added,
@@ -705,17 +722,21 @@ def describe_options(options: BenchOptions) -> str:
     base = options.base_config
     if base is not None:
         cpu = format_size(base.cpu_bytes) if base.cpu_bytes is not None else f"{base.num_cpu_blocks} blocks"
-        tiers = [f"cpu {cpu}"] + [f"{t['type']} {_where(t)}".strip() for t in base.tiers]
+        tiers = [f"cpu {cpu}"]
         model, policy = base.model, base.policy
     else:
         tiers = ["cpu " + format_size(options.cpu_bytes)]
         model, policy = options.model, options.policy
     pool = format_size(options.device_blocks * options.config(None).block_bytes)
-    if options.fs:
-        tiers.append("fs " + (options.fs_root or "(temp dir)"))
-    if options.redis_url:
-        tiers.append("redis " + _where({"url": options.redis_url}))
-    tiers += [f"{t['type']} {_where(t)}".strip() for t in options.extra_tiers]
+    for group in options.ordered_groups():
+        if group == "config" and base is not None:
+            tiers += [f"{t['type']} {_where(t)}".strip() for t in base.tiers]
+        elif group == "fs" and options.fs:
+            tiers.append("fs " + (options.fs_root or "(temp dir)"))
+        elif group == "redis" and options.redis_url:
+            tiers.append("redis " + _where({"url": options.redis_url}))
+        elif isinstance(group, int):
+            tiers.append(f"{options.extra_tiers[group]['type']} {_where(options.extra_tiers[group])}".strip())
     return (
         f"model {model}, policy {policy}, device pool {options.device_blocks} blocks ({pool}), tiers: "
         + ", ".join(tiers)

@@ -174,6 +174,7 @@ def compare_policies(
     shm_dir: str = "/dev/shm",
     announce: Callable[[str, int], None] | None = None,
     store_chunk: int | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> dict[int, dict[str, HitRateResult]]:
     """Replay ``keys`` through a manager per (capacity, policy); ``"lru"`` always runs, as the baseline.
 
@@ -181,7 +182,8 @@ def compare_policies(
     same capacity (1.0 where both are 0). ``tiers(policy, capacity)`` gives
     each run its own secondary tiers (a persistent tier must not be shared
     between runs, or a later run starts warm). ``announce(policy, capacity)``
-    is called before each run; ``store_chunk`` as in :func:`replay_manager`.
+    is called before each run; ``store_chunk`` and ``progress`` (requests done in
+    the current run) as in :func:`replay_manager`.
     """
     names = list(dict.fromkeys([*policies, "lru"]))
     out: dict[int, dict[str, HitRateResult]] = {}
@@ -193,6 +195,7 @@ def compare_policies(
             runs[name] = replay_manager(
                 keys, capacity, policy=name, namespace=namespace, shm_dir=shm_dir,
                 tiers=tiers(name, capacity) if tiers is not None else (), store_chunk=store_chunk,
+                progress=progress,
             )  # fmt: skip
         lru = runs["lru"].hit_rate
         for result in runs.values():

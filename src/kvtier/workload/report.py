@@ -197,10 +197,13 @@ def plot_image(result: BenchResult, kind: str = "png", window: int = 16) -> byte
     return image.getvalue()
 
 
-def replay_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
-    """Hit rate per capacity and policy (real manager), its ratio to LRU, per-tier split, Belady, unbounded."""
-    table = Table(title=title, title_justify="left")
-    table.add_column("capacity (blocks)", justify="right")
+def replay_table(rows: Sequence[dict[str, Any]], title: str, block_bytes: int | None = None) -> Table:
+    """Hit rate per capacity and policy (real manager), its ratio to LRU, per-tier split, Belady, unbounded.
+
+    ``block_bytes``: KV bytes of one trace block, to show each capacity as a size too.
+    """
+    table = Table(title=title, title_justify="left", caption_justify="left")
+    table.add_column("capacity (blocks)" if block_bytes is None else "capacity (blocks, size)", justify="right")
     table.add_column("policy")
     table.add_column("hit rate", justify="right")
     table.add_column("x LRU", justify="right")
@@ -214,13 +217,16 @@ def replay_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
     if show_tiers:
         for name in tier_names:
             table.add_column(f"  {name}", justify="right")
-    table.add_column("Belady (optimal)", justify="right")
-    table.add_column("unbounded", justify="right")
+    table.add_column("Belady (optimal)\nCPU tier alone", justify="right")
+    table.add_column("unbounded\nany capacity", justify="right")
     table.add_column("lookup mean", justify="right")
     for row in rows:
         for i, (policy, kv) in enumerate(row["policies"].items()):
             first = i == 0
-            cells = [str(row["capacity"]) if first else "", policy, _pct(kv["hit_rate"]), f"{kv['ratio_to_lru']:.3f}"]
+            capacity = str(row["capacity"])
+            if block_bytes is not None:
+                capacity += f" ({format_size(row['capacity'] * block_bytes)})"
+            cells = [capacity if first else "", policy, _pct(kv["hit_rate"]), f"{kv['ratio_to_lru']:.3f}"]
             if show_tiers:
                 cells += [_pct(kv["tier_hit_rates"].get(n, 0.0)) for n in tier_names]
             belady = row.get("belady")
@@ -230,7 +236,10 @@ def replay_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
             table.add_row(*cells, end_section=i == len(row["policies"]) - 1)
     table.caption = (
         "prefix-hit rate: share of block references served from cache with every earlier block a hit; "
-        "x LRU: hit rate over LRU's at the same capacity"
+        "x LRU: hit rate over LRU's at the same capacity; "
+        "Belady: the offline optimum of the CPU tier alone at that capacity, a bound on the "
+        "cpu tier's hits, not on hits from secondary tiers; unbounded: a cache that never evicts, a bound "
+        "on every policy, tier and capacity"
     )
     return table
 
