@@ -28,6 +28,12 @@ from kvtier.backpressure import BackpressureSettings
 from kvtier.config.presets import MODEL_PRESETS, find_preset
 from kvtier.errors import ConfigError
 from kvtier.keys import KVGeometry, Namespace, dtype_bytes
+from kvtier.manager.waits import (
+    DEFAULT_FAILED_LOAD_SECONDS,
+    DEFAULT_WAIT_TIMEOUT,
+    FAILED_LOAD_SECONDS_RANGE,
+    WAIT_TIMEOUT_RANGE,
+)
 from kvtier.units import parse_size, row_stride_for, rows_that_fit
 
 DEFAULT_CPU_BYTES = 4 * 1024**3
@@ -168,6 +174,27 @@ class KvtierConfig(BaseModel):
         description=(
             "Seconds shutdown gives all secondary tiers together; a tier that overruns its share is "
             "abandoned and counted as failed (the CPU tier stays mapped). null: no deadline."
+        ),
+    )
+    wait_timeout: float = Field(
+        default=DEFAULT_WAIT_TIMEOUT,
+        ge=WAIT_TIMEOUT_RANGE[0],
+        le=WAIT_TIMEOUT_RANGE[1],
+        allow_inf_nan=False,
+        description=(
+            "Seconds a request may wait on one block (a tier's RETRY, a write into the CPU tier: "
+            "HIT_PENDING) before its lookup answers MISS and the engine recomputes it; a tier with a job "
+            "in flight longer gets no lookups or cascades until it reports it (0.001 to 3600)."
+        ),
+    )
+    failed_load_seconds: float = Field(
+        default=DEFAULT_FAILED_LOAD_SECONDS,
+        ge=FAILED_LOAD_SECONDS_RANGE[0],
+        le=FAILED_LOAD_SECONDS_RANGE[1],
+        allow_inf_nan=False,
+        description=(
+            "Seconds a tier is not believed about a block after its promise failed (its load failed or "
+            "was refused, or its RETRY outlived wait_timeout): its HIT and RETRY count as MISS (1 to 86400)."
         ),
     )
 
