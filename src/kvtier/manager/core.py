@@ -57,7 +57,7 @@ from kvtier.manager.ledger import Ledger
 from kvtier.manager.requests import RequestTable
 from kvtier.manager.snapshot import LookupTally
 from kvtier.manager.tierset import TierHandle, TierSet
-from kvtier.manager.waits import DEFAULT_FAILED_LOAD_SECONDS, DEFAULT_WAIT_TIMEOUT, WriteWaits
+from kvtier.manager.waits import DEFAULT_FAILED_LOAD_SECONDS, DEFAULT_WAIT_TIMEOUT, BlockWaits
 from kvtier.policies import DEFAULT_POLICY
 from kvtier.primary import IN_FLIGHT, PrepareStoreResult, PrimaryTier
 from kvtier.region import SharedRegion
@@ -142,9 +142,9 @@ class TieringManager:
         self.backpressure = backpressure if backpressure is not None else BackpressureSettings()
         self.lookup_timing_every = lookup_timing_every
         cpu = TierTelemetry()
-        self._writes = WriteWaits(self.wait_timeout, hold, cpu)
-        self._tiers = TierSet(self.tiers, self.backpressure, ManagerCounters(), self._writes, cpu)
-        self._jobs = Ledger(primary, self._tiers.counters, self._tiers, self._writes, self.wait_timeout)
+        self._waits = BlockWaits(self.wait_timeout, hold, cpu)
+        self._tiers = TierSet(self.tiers, self.backpressure, ManagerCounters(), self._waits, cpu)
+        self._jobs = Ledger(primary, self._tiers.counters, self._tiers, self._waits, self.wait_timeout)
         cpu_tier = TierDescriptor(0, PRIMARY_LABEL, "primary", "local")
         self._requests = RequestTable([cpu_tier, *(h.descriptor for h in self._tiers.handles)], self._tiers,
                                       primary, self._jobs, self.wait_timeout)
@@ -288,7 +288,7 @@ class TieringManager:
         if slot is not None:
             if self._refs[slot] == IN_FLIGHT:
                 self._tally.cpu_pending += 1
-                if not self._writes.pending(key, now or perf_counter()):  # waited past the deadline
+                if not self._waits.pending(key, now or perf_counter()):  # waited past the deadline
                     self._tally.miss += 1
                     return _MISS
                 self._tally.pending += 1
@@ -307,14 +307,17 @@ class TieringManager:
         HIT in ``found``'s tier, which reserves a CPU row for ``key`` and queues its load for step
         end (MISS if no row can be freed, whatever other tiers said)."""
         if not isinstance(found, TierHandle):
+            if not self._waits.retrying(key):  # waited on past the deadline
+                self._tally.miss += 1
+                return _MISS
             self._tally.retry += 1
             return _RETRY
-        if not self._writes.promoting(key, found.telemetry, self._tiers.waited_since):
-            self._tally.miss += 1  # the block was waited on past the deadline already
+        if not self._waits.promoting(key, found.telemetry):  # waited on past the deadline already
+            self._tally.miss += 1
             return _MISS
         slot = self.primary.reserve_one(key, self._hits.protected())
         if slot is None:
-            self._writes.ended((key,))
+            self._waits.loaded((key,), False)
             self._tiers.counters.promotion_alloc_failures += 1
             self._tally.miss += 1
             return _MISS
@@ -465,7 +468,7 @@ class TieringManager:
             wanted = None if request is None else (request.control or self.request_control(request)).cascade_to
             targets = self._tiers.targets(self._tiers.live, wanted)
         done, slots = self.primary.complete_device_store(keys, success, len(targets))
-        self._writes.ended(done)
+        self._waits.stored(done)
         # A late completion (after reset, or after the request was finalized) must not
         # bring back a state that nothing would ever finish.
         state = self._requests.find(request)
@@ -561,7 +564,7 @@ class TieringManager:
         for state in self._requests.reset():
             self._requests.finalize_if_done(state)
         self.primary.reset()
-        self._writes.clear()
+        self._waits.clear()
         self._tiers.forget_retries()
         self._hits.clear()
         self._steady = False

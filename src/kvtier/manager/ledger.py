@@ -28,7 +28,7 @@ import numpy as np
 from kvtier.errors import TierError
 from kvtier.keys import BlockKey
 from kvtier.manager.tierset import TierHandle, TierSet
-from kvtier.manager.waits import WriteWaits
+from kvtier.manager.waits import BlockWaits
 from kvtier.primary import PrimaryTier
 from kvtier.telemetry import ManagerCounters
 from kvtier.tiers.base import JobResult, TransferJob
@@ -66,12 +66,12 @@ class _Batch:
 class Ledger:
     """Tier jobs of one manager; see the module docstring. ``len()`` is the jobs in flight."""
 
-    def __init__(self, primary: PrimaryTier, counters: ManagerCounters, tiers: TierSet, writes: WriteWaits,
+    def __init__(self, primary: PrimaryTier, counters: ManagerCounters, tiers: TierSet, waits: BlockWaits,
                  wait_timeout: float) -> None:
         self._primary = primary
         self._counters = counters
         self._tiers = tiers
-        self._writes = writes
+        self._waits = waits
         self._wait_timeout = wait_timeout
         self._jobs: dict[int, _Job] = {}
         self._unchecked: deque[tuple[float, int]] = deque()  # (submitted, job id), oldest first
@@ -206,7 +206,7 @@ class Ledger:
             failed = [k for k in job.keys if k not in ok_set]
         if ok:
             self._primary.complete_write(ok, True)
-            self._writes.ended(ok)
+            self._waits.loaded(ok, True)
         if failed:
             self._primary.complete_write(failed, False)
             self._load_failed(handle, failed)
@@ -220,7 +220,7 @@ class Ledger:
     def _load_failed(self, handle: TierHandle, keys: list[BlockKey]) -> None:
         """The loads of ``keys`` from ``handle``'s tier failed (or were refused): their rows are
         free again, and the tier may not promise them for a while."""
-        self._writes.ended(keys, failed=True)
+        self._waits.loaded(keys, False)
         now = perf_counter()
         for key in keys:
             handle.waits.withhold(key, now)

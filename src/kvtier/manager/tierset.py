@@ -24,7 +24,7 @@ from kvtier.failures import log_failure
 from kvtier.keys import BlockKey
 from kvtier.manager.admission import CascadeAdmission, cascade_admission
 from kvtier.manager.blocking import BlockingCalls
-from kvtier.manager.waits import WriteWaits
+from kvtier.manager.waits import BlockWaits
 from kvtier.request_control import TierDescriptor, tier_locality
 from kvtier.telemetry import ManagerCounters, TierTelemetry
 from kvtier.tiers.base import SecondaryTier, TransferJob
@@ -47,7 +47,7 @@ class TierHandle:
                  "overdue", "retry_since", "telemetry", "tier", "waits")  # fmt: skip
 
     def __init__(self, index: int, tier: SecondaryTier, admission: CascadeAdmission | None,
-                 counters: ManagerCounters, writes: WriteWaits) -> None:
+                 counters: ManagerCounters, waits: BlockWaits) -> None:
         self.index = index
         self.tier = tier
         self.descriptor = TierDescriptor(index, tier_label(index, tier.tier_type), tier.tier_type,
@@ -55,7 +55,7 @@ class TierHandle:
         self.telemetry = TierTelemetry()
         self.admission = admission
         self.live = True
-        self.waits = writes.for_tier(self.telemetry)
+        self.waits = waits.for_tier(self.telemetry)
         self.retry_since = self.waits.retry_since  # the same dict: the lookup path tests it without a hop
         self.overdue = 0
         """Jobs of this tier in flight past the wait deadline: while any, no lookup asks it and
@@ -137,18 +137,16 @@ class TierSet:
     """Every secondary tier's handle, in order, and what the manager asks of them together."""
 
     def __init__(self, tiers: Sequence[SecondaryTier], backpressure: BackpressureSettings,
-                 counters: ManagerCounters, writes: WriteWaits, cpu: TierTelemetry) -> None:
+                 counters: ManagerCounters, waits: BlockWaits, cpu: TierTelemetry) -> None:
         self.cpu = cpu  # the manager's telemetry of the CPU tier (index 0)
         self.handles = tuple(
-            TierHandle(i, tier, cascade_admission(backpressure, tier_label(i, tier.tier_type)), counters, writes)
+            TierHandle(i, tier, cascade_admission(backpressure, tier_label(i, tier.tier_type)), counters, waits)
             for i, tier in enumerate(tiers, start=1)
         )
         self.live = list(self.handles)
         """The handles of the tiers not shut down, in order."""
         self.serving = list(self.handles)
         """The live handles with no job past the wait deadline, in order (the lookup path iterates it)."""
-        self.waited_since = 0.0
-        """After :meth:`lookup` returned a handle: when that tier's RETRY wait for the key began (0.0: none)."""
         self._step_end = [handle for handle in self.handles if handle.has_step_end]
         self.telemetry = (self.cpu, *(handle.telemetry for handle in self.handles))
         """The manager's telemetry of every tier, the CPU tier first."""
@@ -160,8 +158,8 @@ class TierSet:
         """Ask the serving tiers ``allowed`` (indices; None: all) in order, after a CPU miss: the
         handle of the first that answers HIT, else RETRY if one answered RETRY, else MISS.
 
-        A tier's HIT or RETRY for a block it may not promise now, and a RETRY past the wait
-        deadline, count as its MISS (:class:`~kvtier.manager.waits.TierWaits`). ``now`` is when
+        A tier's HIT or RETRY for a block it may not promise now counts as its MISS
+        (:class:`~kvtier.manager.waits.TierWaits`). ``now`` is when
         the first tier is asked if this lookup is timed (the per-tier ``lookup_seconds``), else
         0. A tier's RETRY, and its answer after one, are always timed (``lookup_async_seconds``).
         The hot path of a miss: its guard is written inline.
@@ -184,13 +182,15 @@ class TierSet:
                     handle.waits.answered(key, now or perf_counter())
                 continue
             waits = handle.waits
-            if answer is _RETRY:
-                if not (waits.withheld and waits.withholds(key, now or perf_counter())):
-                    retry = waits.retried(key, now or perf_counter()) or retry
+            if waits.withheld and waits.withholds(key, now or perf_counter()):
                 continue
-            since = waits.answered(key, now or perf_counter()) if handle.retry_since else 0.0
-            if answer is _HIT and not (waits.withheld and waits.withholds(key, now or perf_counter())):
-                self.waited_since = since
+            if answer is _RETRY:
+                waits.retried(key, now or perf_counter())
+                retry = True
+                continue
+            if handle.retry_since:
+                waits.answered(key, now or perf_counter())
+            if answer is _HIT:
                 return handle
         return _RETRY if retry else _MISS
 

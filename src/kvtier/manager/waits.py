@@ -1,27 +1,25 @@
-"""Every wait has an end: how long a lookup may keep a request waiting on a block, what a tier
-may not promise after it failed one, and blocking tier calls abandoned at a deadline.
+"""Every wait has an end: how long a lookup may keep a request waiting on a block, and what a
+tier may not promise after it failed one.
 
 A request waits while :meth:`~kvtier.manager.TieringManager.lookup` answers RETRY or
-HIT_PENDING for one of its blocks (it asks again next step). Each such wait has a
-clock, and ``wait_timeout`` seconds after it started the lookup answers MISS (the
-engine recomputes the block):
+HIT_PENDING for one of its blocks: it asks again next step. The manager keeps one clock
+per block (:class:`BlockWaits`), whatever the tiers involved: a wait starts at the first
+RETRY or HIT_PENDING answered for the block and goes on while lookups keep answering so
+(with less than ``wait_timeout`` between two of them); ``wait_timeout`` after it started
+the lookup answers MISS and the engine recomputes the block. Then:
 
-* **RETRY from a secondary tier** (an existence check under way): from that tier's
-  first RETRY for the block (:meth:`TierWaits.retried`). Past the deadline the tier
-  is not asked about the block for ``failed_load_seconds``.
-* **HIT_PENDING on a promotion** (a tier -> CPU load): from the tier's first RETRY for
-  the block if it answered RETRY before its HIT, else from the lookup that started the
-  promotion (:meth:`WriteWaits.promoting`). Past the deadline every lookup answers
-  MISS for the block until its load job is reported; the CPU row stays reserved for
-  the job, since the tier may still be writing it.
-* **HIT_PENDING on a device store** (device -> CPU, the engine's own copy): from the
-  first lookup that answered HIT_PENDING for it; then as for a promotion, until the
-  engine completes the store.
+* **RETRY** (a secondary tier's existence check under way): the tiers that answered
+  RETRY are not asked about the block for ``failed_load_seconds`` (every request waiting
+  on it sees MISS at its next lookup; later ones start a new wait afterwards);
+* **HIT_PENDING on a promotion** (tier -> CPU load), or on a **device store** (device ->
+  CPU, the engine's own copy): every lookup answers MISS for the block until the write
+  ends. The CPU row stays reserved for it: the tier (or the engine's worker) may still be
+  writing it.
 
-The clock is the block's, not the tier's: a promotion that fails passes its start on
-(:meth:`WriteWaits.ended`), and the next RETRY or promotion of the block from another
-tier, within ``wait_timeout``, continues it. So a request never waits on one block
-longer than ``wait_timeout`` across tiers.
+A wait goes on through a failed promotion (the block's next RETRY or promotion, from
+another tier, continues it), and ends when the block becomes readable. So no request
+waits on one block longer than ``wait_timeout`` in all, unless it stops asking for longer
+than that.
 
 **Failed promises.** A tier whose promise for a block failed (its load job failed or was
 refused, or its RETRY outlived the deadline) is not believed about that block for
@@ -32,8 +30,9 @@ trusted again (for the built-in tiers it then reflects what they re-verified: fs
 forgets corrupt, vanished and unsafe files; redis and s3 remember a missing or corrupt
 value as absent and check again with EXISTS / HEAD once that answer expires).
 
-The other waits (``reset_cache``'s drain, ``shutdown``) are bounded by their own timeouts
-(:mod:`kvtier.manager.blocking`).
+Tier jobs past ``wait_timeout`` (:mod:`kvtier.manager.ledger`), parked request-level
+cascades (:mod:`kvtier.manager.requests`) and the blocking calls of ``reset_cache`` and
+``shutdown`` (:mod:`kvtier.manager.blocking`) have their own ends.
 
 Counted per tier (``TierSnapshot.failures``): ``retry_expired``, ``load_expired``,
 ``store_expired`` (the CPU tier: device stores) and ``withheld`` (answers not believed).
@@ -92,47 +91,30 @@ def _remember(table: dict[BlockKey, float], key: BlockKey, value: float) -> None
 
 
 class TierWaits:
-    """One secondary tier's wait state, held by its ``TierHandle``: when it first answered
-    RETRY for each block, and the blocks it may not promise for now (see the module docstring)."""
+    """One secondary tier's part, held by its ``TierHandle``: when it first answered RETRY for
+    each block (to time its answer after), and the blocks it may not promise for now."""
 
-    __slots__ = ("_carried", "_hold", "_telemetry", "_timeout", "retry_since", "withheld")
+    __slots__ = ("_hold", "_telemetry", "retry_since", "withheld")
 
-    def __init__(self, timeout: float, hold: float, telemetry: TierTelemetry,
-                 carried: dict[BlockKey, float]) -> None:
-        self._timeout = timeout
+    def __init__(self, hold: float, telemetry: TierTelemetry) -> None:
         self._hold = hold
         self._telemetry = telemetry
-        self._carried = carried
         self.retry_since: dict[BlockKey, float] = {}
-        """When this tier's RETRY wait for each block began (its first RETRY, or a failed
-        promotion's start carried over)."""
+        """When this tier first answered RETRY for each block it has not answered since."""
         self.withheld: dict[BlockKey, float] = {}
         """Blocks this tier may not promise, and until when (oldest first)."""
 
-    def retried(self, key: BlockKey, now: float) -> bool:
-        """The tier answered RETRY for ``key`` at ``now``: True while the wait is within the
-        deadline; False once it outlived it (then the block is withheld, counted ``retry_expired``)."""
-        since = self.retry_since
-        start = since.get(key)
-        if start is None:
-            carried = self._carried.get(key) if self._carried else None
-            _remember(since, key, carried if carried is not None and now - carried <= self._timeout else now)
-            return True
-        if now - start <= self._timeout:
-            return True
-        del since[key]
-        self._telemetry.fail("retry_expired")
-        self.withhold(key, now)
-        return False
+    def retried(self, key: BlockKey, now: float) -> None:
+        """The tier answered RETRY for ``key`` at ``now`` (the first RETRY starts its clock)."""
+        if key not in self.retry_since:
+            _remember(self.retry_since, key, now)
 
-    def answered(self, key: BlockKey, now: float) -> float:
+    def answered(self, key: BlockKey, now: float) -> None:
         """The tier answered HIT or MISS for ``key``: the RETRY wait before it, if any, is timed
-        (``lookup_async_seconds``); returns when that wait began, or 0.0."""
+        (``lookup_async_seconds``)."""
         start = self.retry_since.pop(key, None)
-        if start is None:
-            return 0.0
-        self._telemetry.lookup_async_seconds.observe(now - start)
-        return start
+        if start is not None:
+            self._telemetry.lookup_async_seconds.observe(now - start)
 
     def withhold(self, key: BlockKey, now: float) -> None:
         """Believe no HIT or RETRY of the tier for ``key`` for ``failed_load_seconds``."""
@@ -149,93 +131,117 @@ class TierWaits:
         del self.withheld[key]
         return False
 
+    def gave_up(self, key: BlockKey, now: float) -> None:
+        """The block's wait passed the deadline while this tier answered RETRY for it."""
+        if self.retry_since.pop(key, None) is not None:
+            self._telemetry.fail("retry_expired")
+            self.withhold(key, now)
 
-class WriteWaits:
-    """The writes into the CPU tier that lookups wait on (promotions and device stores), and
-    the block clocks carried over from failed promotions; see the module docstring."""
 
-    __slots__ = ("_cpu", "_hold", "_timeout", "abandoned", "carried", "since")
+class BlockWaits:
+    """The manager's clock of every block a lookup keeps a request waiting on, and the writes
+    into the CPU tier given up; see the module docstring."""
+
+    __slots__ = ("_cpu", "_hold", "_next_prune", "_tiers", "_timeout", "abandoned", "since", "writers")
 
     def __init__(self, timeout: float, hold: float, cpu: TierTelemetry) -> None:
         self._timeout = timeout
         self._hold = hold
         self._cpu = cpu
-        self.since: dict[BlockKey, tuple[float, TierTelemetry]] = {}
-        """Writes in flight that a lookup waited on: when the wait began, and the telemetry of
-        the tier writing (the CPU tier's for a device store)."""
+        self._tiers: list[TierWaits] = []
+        self._next_prune = 0.0
+        self.since: dict[BlockKey, list[float]] = {}
+        """The waits under way: ``[started, last answered]`` per block, oldest first."""
+        self.writers: dict[BlockKey, TierTelemetry] = {}
+        """The promotions in flight, by block: the telemetry of the tier loading it."""
         self.abandoned: set[BlockKey] = set()
-        """Writes in flight past the deadline: lookups answer MISS until they end."""
-        self.carried: dict[BlockKey, float] = {}
-        """When the wait on a block whose promotion failed began (oldest first); a new wait on
-        it within ``wait_timeout`` continues from there."""
+        """Writes in flight waited on past the deadline: lookups answer MISS until they end."""
 
     def for_tier(self, telemetry: TierTelemetry) -> TierWaits:
-        """The wait state of one secondary tier, sharing these carried clocks."""
-        return TierWaits(self._timeout, self._hold, telemetry, self.carried)
+        """A secondary tier's part (kept here too: a RETRY past the deadline withholds the block
+        from every tier that answered RETRY for it)."""
+        tier = TierWaits(self._hold, telemetry)
+        self._tiers.append(tier)
+        return tier
 
-    def promoting(self, key: BlockKey, telemetry: TierTelemetry, since: float) -> bool:
-        """A promotion of ``key`` is about to start, its tier's RETRY wait having begun at
-        ``since`` (0.0: none). False if the block's wait is already past the deadline (then
-        no promotion starts and the lookup answers MISS)."""
+    def _within(self, key: BlockKey, now: float) -> bool:
+        """Count one more RETRY or HIT_PENDING answer for ``key`` at ``now``: True while its wait
+        is within the deadline. A wait whose last answer is older than the deadline is over
+        (its requests stopped asking, or got their answer): a new one starts."""
+        since = self.since
+        if now >= self._next_prune:
+            self._next_prune = now + self._timeout
+            for old in [k for k, (_, last) in since.items() if now - last > self._timeout]:
+                del since[old]
+        clock = since.get(key)
+        if clock is None or now - clock[1] > self._timeout:
+            if len(since) >= MAX_KEYS:
+                del since[next(iter(since))]
+            since[key] = [now, now]
+            return True
+        clock[1] = now
+        if now - clock[0] <= self._timeout:
+            return True
+        del since[key]
+        return False
+
+    def retrying(self, key: BlockKey) -> bool:
+        """The lookup of ``key`` is about to answer RETRY: False (MISS) once the block's wait is
+        past the deadline (then the tiers that answered RETRY withhold it: ``retry_expired``)."""
         now = perf_counter()
-        start = since or now
-        carried = self.carried.pop(key, None) if self.carried else None
-        if carried is not None and carried < start:
-            start = carried
-        if now - start > self._timeout:
+        if self._within(key, now):
+            return True
+        for tier in self._tiers:
+            tier.gave_up(key, now)
+        return False
+
+    def promoting(self, key: BlockKey, telemetry: TierTelemetry) -> bool:
+        """A promotion of ``key`` by the tier of ``telemetry`` is about to start: False (MISS, no
+        promotion) if the block's wait is already past the deadline (``load_expired``)."""
+        if not self._within(key, perf_counter()):
             telemetry.fail("load_expired")
             return False
-        self.since[key] = (start, telemetry)
+        self.writers[key] = telemetry
         return True
 
     def pending(self, key: BlockKey, now: float) -> bool:
         """A lookup found ``key`` being written into the CPU tier: True to answer HIT_PENDING,
-        False (MISS) once the wait outlived the deadline (counted once, ``load_expired`` on the
-        promoting tier or ``store_expired`` on the CPU tier)."""
+        False (MISS) once the wait is past the deadline; then every lookup answers MISS until
+        the write ends (counted once: ``load_expired`` on the promoting tier, or
+        ``store_expired`` on the CPU tier for a device store)."""
         if key in self.abandoned:
             return False
-        entry = self.since.get(key)
-        if entry is None:  # promotions are clocked when they start: this is a device store
-            self.since[key] = (now, self._cpu)
+        if self._within(key, now or perf_counter()):
             return True
-        if now - entry[0] <= self._timeout:
-            return True
-        del self.since[key]
         self.abandoned.add(key)
-        entry[1].fail("store_expired" if entry[1] is self._cpu else "load_expired")
+        telemetry = self.writers.get(key, self._cpu)
+        telemetry.fail("store_expired" if telemetry is self._cpu else "load_expired")
         return False
 
-    def ended(self, keys: Iterable[BlockKey], failed: bool = False) -> None:
-        """The writes of ``keys`` ended (completed, or ``failed``: the clock of each block a
-        lookup waited on is carried over to its next wait)."""
-        if not (self.since or self.abandoned):
-            return
-        since, abandoned = self.since, self.abandoned
-        now = perf_counter() if failed else 0.0
-        for key in keys:
-            entry = since.pop(key, None)
-            abandoned.discard(key)
-            if failed and entry is not None:
-                self._carry(key, entry[0], now)
+    def stored(self, keys: Iterable[BlockKey]) -> None:
+        """Device stores of ``keys`` completed (or failed): the waits on them are over."""
+        if self.since or self.abandoned:
+            for key in keys:
+                self.since.pop(key, None)
+                self.abandoned.discard(key)
 
-    def _carry(self, key: BlockKey, start: float, now: float) -> None:
-        carried = self.carried
-        while carried:  # oldest first: drop the clocks that can no longer shorten a wait
-            first = next(iter(carried))
-            if now - carried[first] <= self._timeout:
-                break
-            del carried[first]
-        if now - start <= self._timeout:
-            _remember(carried, key, start)
+    def loaded(self, keys: Iterable[BlockKey], ok: bool) -> None:
+        """Promotions of ``keys`` ended: loaded (``ok``: the waits are over), or failed (a wait
+        goes on if the block's next answer is a RETRY or another promotion)."""
+        for key in keys:
+            self.writers.pop(key, None)
+            self.abandoned.discard(key)
+            if ok:
+                self.since.pop(key, None)
 
     def clear(self) -> None:
-        """The CPU tier was reset: no write is in flight."""
+        """The CPU tier was reset: no write is in flight, and no one waits."""
         self.since.clear()
+        self.writers.clear()
         self.abandoned.clear()
-        self.carried.clear()
 
 
 __all__ = [
     "DEFAULT_FAILED_LOAD_SECONDS", "DEFAULT_WAIT_TIMEOUT", "FAILED_LOAD_SECONDS_RANGE", "MAX_KEYS",
-    "WAIT_TIMEOUT_RANGE", "TierWaits", "WriteWaits", "check_seconds",
+    "WAIT_TIMEOUT_RANGE", "BlockWaits", "TierWaits", "check_seconds",
 ]
