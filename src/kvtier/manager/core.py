@@ -142,7 +142,7 @@ class TieringManager:
         self.backpressure = backpressure if backpressure is not None else BackpressureSettings()
         self.lookup_timing_every = lookup_timing_every
         cpu = TierTelemetry()
-        self._waits = BlockWaits(self.wait_timeout, hold, cpu)
+        self._waits = BlockWaits(self.wait_timeout, hold, cpu, primary.num_blocks)
         self._tiers = TierSet(self.tiers, self.backpressure, ManagerCounters(), self._waits, cpu)
         self._jobs = Ledger(primary, self._tiers.counters, self._tiers, self._waits, self.wait_timeout)
         cpu_tier = TierDescriptor(0, PRIMARY_LABEL, "primary", "local")
@@ -288,7 +288,7 @@ class TieringManager:
         if slot is not None:
             if self._refs[slot] == IN_FLIGHT:
                 self._tally.cpu_pending += 1
-                if not self._waits.pending(key, now or perf_counter()):  # waited past the deadline
+                if not self._waits.pending(key, slot, now):  # waited on past the deadline
                     self._tally.miss += 1
                     return _MISS
                 self._tally.pending += 1
@@ -312,12 +312,8 @@ class TieringManager:
                 return _MISS
             self._tally.retry += 1
             return _RETRY
-        if not self._waits.promoting(key, found.telemetry):  # waited on past the deadline already
-            self._tally.miss += 1
-            return _MISS
         slot = self.primary.reserve_one(key, self._hits.protected())
         if slot is None:
-            self._waits.loaded((key,), False)
             self._tiers.counters.promotion_alloc_failures += 1
             self._tally.miss += 1
             return _MISS

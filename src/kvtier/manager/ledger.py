@@ -30,7 +30,7 @@ from kvtier.keys import BlockKey
 from kvtier.manager.tierset import TierHandle, TierSet
 from kvtier.manager.waits import BlockWaits
 from kvtier.primary import PrimaryTier
-from kvtier.telemetry import ManagerCounters
+from kvtier.telemetry import ManagerCounters, TierTelemetry
 from kvtier.tiers.base import JobResult, TransferJob
 from kvtier.types import RequestContext
 
@@ -75,6 +75,7 @@ class Ledger:
         self._wait_timeout = wait_timeout
         self._jobs: dict[int, _Job] = {}
         self._unchecked: deque[tuple[float, int]] = deque()  # (submitted, job id), oldest first
+        waits.writer = self._promoting_into
         self._next_id = 1
         self._batches: dict[tuple[TierHandle, str | None], _Batch] = {}
         # The last promotion's (handle, request object, batch): the next one of the same request
@@ -116,7 +117,8 @@ class Ledger:
         if promotion:
             telemetry.loads_in_flight -= 1
             self._primary.complete_write(keys, False)
-            self._load_failed(handle, keys)
+            self._waits.loaded(keys, slots, set(keys))
+            self._withhold(handle, keys)
         else:
             telemetry.stores_in_flight -= 1
             self._primary.unpin(keys)
@@ -149,6 +151,9 @@ class Ledger:
             first = True
         batch.keys.append(key)
         batch.slots.append(slot)
+        # The wait on the block began now, or with the tier's RETRY before (the same wait goes on).
+        clock = self._waits.since.get(key) if self._waits.since else None
+        self._waits.started[slot] = perf_counter() if clock is None else clock[0]
         return first
 
     def submit_promotions(self) -> None:
@@ -206,10 +211,10 @@ class Ledger:
             failed = [k for k in job.keys if k not in ok_set]
         if ok:
             self._primary.complete_write(ok, True)
-            self._waits.loaded(ok, True)
+        self._waits.loaded(job.keys, job.slots, set(failed) if failed else ())
         if failed:
             self._primary.complete_write(failed, False)
-            self._load_failed(handle, failed)
+            self._withhold(handle, failed)
             telemetry.fail("promotion_job_failed")
             logger.debug("promotion job %d from tier #%d: %d of %d keys failed (%s)",
                          result.job_id, handle.index, len(failed), len(job.keys), result.error)
@@ -217,13 +222,22 @@ class Ledger:
         counters.promotions_failed += len(failed)
         telemetry.read.add(len(ok), result.bytes_moved, seconds)
 
-    def _load_failed(self, handle: TierHandle, keys: list[BlockKey]) -> None:
-        """The loads of ``keys`` from ``handle``'s tier failed (or were refused): their rows are
-        free again, and the tier may not promise them for a while."""
-        self._waits.loaded(keys, False)
+    def _withhold(self, handle: TierHandle, keys: list[BlockKey]) -> None:
+        """The loads of ``keys`` from ``handle``'s tier failed (or were refused): the tier may
+        not promise them for a while."""
         now = perf_counter()
         for key in keys:
             handle.waits.withhold(key, now)
+
+    def _promoting_into(self, slot: int) -> TierTelemetry | None:
+        """The telemetry of the tier whose promotion (queued or in flight) writes row ``slot``."""
+        for job in self._jobs.values():
+            if job.is_promotion and slot in job.slots:
+                return job.handle.telemetry
+        for (handle, _), batch in self._batches.items():
+            if slot in batch.slots:
+                return handle.telemetry
+        return None
 
     def mark_overdue(self) -> None:
         """Mark the jobs in flight longer than the wait deadline overdue (each once, counted
@@ -232,8 +246,12 @@ class Ledger:
         if not unchecked:
             return
         limit = perf_counter() - self._wait_timeout
-        while unchecked and unchecked[0][0] < limit:
-            job = self._jobs.get(unchecked.popleft()[1])
+        while unchecked:
+            submitted, job_id = unchecked[0]
+            job = self._jobs.get(job_id)
+            if job is not None and submitted >= limit:
+                break
+            unchecked.popleft()  # reported already, or overdue now
             if job is not None:
                 job.overdue = True
                 job.handle.telemetry.fail("job_overdue")

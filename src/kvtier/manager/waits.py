@@ -42,7 +42,7 @@ Scheduler thread only; nothing here blocks.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from time import perf_counter
 from typing import Any
 
@@ -142,20 +142,23 @@ class BlockWaits:
     """The manager's clock of every block a lookup keeps a request waiting on, and the writes
     into the CPU tier given up; see the module docstring."""
 
-    __slots__ = ("_cpu", "_hold", "_next_prune", "_tiers", "_timeout", "abandoned", "since", "writers")
+    __slots__ = ("_cpu", "_hold", "_next_prune", "_tiers", "_timeout", "abandoned", "since", "started", "writer")
 
-    def __init__(self, timeout: float, hold: float, cpu: TierTelemetry) -> None:
+    def __init__(self, timeout: float, hold: float, cpu: TierTelemetry, rows: int) -> None:
         self._timeout = timeout
         self._hold = hold
         self._cpu = cpu
         self._tiers: list[TierWaits] = []
         self._next_prune = 0.0
         self.since: dict[BlockKey, list[float]] = {}
-        """The waits under way: ``[started, last answered]`` per block, oldest first."""
-        self.writers: dict[BlockKey, TierTelemetry] = {}
-        """The promotions in flight, by block: the telemetry of the tier loading it."""
+        """The waits under way outside a promotion: ``[started, last answered]`` per block."""
+        self.started = [0.0] * rows
+        """Per CPU row: when the wait on the promotion into it began (0.0: no promotion). The
+        promotion path stores one float: no allocation, no hashing."""
         self.abandoned: set[BlockKey] = set()
         """Writes in flight waited on past the deadline: lookups answer MISS until they end."""
+        self.writer: Callable[[int], TierTelemetry | None] = lambda slot: None
+        """The telemetry of the tier promoting into a row (the ledger's; for counting only)."""
 
     def for_tier(self, telemetry: TierTelemetry) -> TierWaits:
         """A secondary tier's part (kept here too: a RETRY past the deadline withholds the block
@@ -195,27 +198,20 @@ class BlockWaits:
             tier.gave_up(key, now)
         return False
 
-    def promoting(self, key: BlockKey, telemetry: TierTelemetry) -> bool:
-        """A promotion of ``key`` by the tier of ``telemetry`` is about to start: False (MISS, no
-        promotion) if the block's wait is already past the deadline (``load_expired``)."""
-        if not self._within(key, perf_counter()):
-            telemetry.fail("load_expired")
-            return False
-        self.writers[key] = telemetry
-        return True
-
-    def pending(self, key: BlockKey, now: float) -> bool:
-        """A lookup found ``key`` being written into the CPU tier: True to answer HIT_PENDING,
+    def pending(self, key: BlockKey, slot: int, now: float) -> bool:
+        """A lookup found ``key`` being written into CPU row ``slot``: True to answer HIT_PENDING,
         False (MISS) once the wait is past the deadline; then every lookup answers MISS until
         the write ends (counted once: ``load_expired`` on the promoting tier, or
         ``store_expired`` on the CPU tier for a device store)."""
         if key in self.abandoned:
             return False
-        if self._within(key, now or perf_counter()):
+        now = now or perf_counter()
+        start = self.started[slot]
+        if (now - start <= self._timeout) if start else self._within(key, now):
             return True
         self.abandoned.add(key)
-        telemetry = self.writers.get(key, self._cpu)
-        telemetry.fail("store_expired" if telemetry is self._cpu else "load_expired")
+        telemetry = self.writer(slot) if start else None
+        (telemetry or self._cpu).fail("load_expired" if start else "store_expired")
         return False
 
     def stored(self, keys: Iterable[BlockKey]) -> None:
@@ -225,20 +221,27 @@ class BlockWaits:
                 self.since.pop(key, None)
                 self.abandoned.discard(key)
 
-    def loaded(self, keys: Iterable[BlockKey], ok: bool) -> None:
-        """Promotions of ``keys`` ended: loaded (``ok``: the waits are over), or failed (a wait
-        goes on if the block's next answer is a RETRY or another promotion)."""
-        for key in keys:
-            self.writers.pop(key, None)
-            self.abandoned.discard(key)
-            if ok:
-                self.since.pop(key, None)
+    def loaded(self, keys: Sequence[BlockKey], slots: Sequence[int], failed: Collection[BlockKey] = ()) -> None:
+        """Promotions of ``keys`` into rows ``slots`` ended: loaded (the waits are over), or
+        ``failed`` (the wait goes on if the block's next answer is a RETRY or a promotion from
+        another tier: within the deadline it continues, it does not start again)."""
+        started, abandoned, since = self.started, self.abandoned, self.since
+        now = perf_counter() if failed else 0.0
+        for key, slot in zip(keys, slots, strict=True):
+            if abandoned:
+                abandoned.discard(key)
+            if key in failed:
+                if started[slot] and key not in since:
+                    since[key] = [started[slot], now]
+            elif since:
+                since.pop(key, None)
+            started[slot] = 0.0
 
     def clear(self) -> None:
         """The CPU tier was reset: no write is in flight, and no one waits."""
         self.since.clear()
-        self.writers.clear()
         self.abandoned.clear()
+        self.started[:] = [0.0] * len(self.started)
 
 
 __all__ = [
