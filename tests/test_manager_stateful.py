@@ -51,7 +51,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvtier import KVGeometry, LookupResult, Namespace, RequestContext, TieringManager, chain_ids
+from kvtier import BackpressureSettings, KVGeometry, LookupResult, Namespace, RequestContext, TieringManager, chain_ids
 from kvtier.errors import TierDrainTimeout, TierError
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TierUsage, TransferJob
@@ -216,6 +216,7 @@ class Promotion:
     req_id: str | None
     slot: int
     submitted: bool = False
+    wait_began: float = 0.0  # the wait on the block: from this promotion, or its RETRYs before
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -237,6 +238,8 @@ class ManagerMachine(RuleBasedStateMachine):
             drain_timeout=1.0,
             wait_timeout=WAIT,
             failed_load_seconds=HOLD,
+            # Jobs take the machine's seconds: backpressure (not modelled here) would skip cascades.
+            backpressure=BackpressureSettings(enabled=False),
         )
         self.doubles = [t for t in self.mgr.tiers if isinstance(t, MemoryTierDouble)]
         assert len(self.doubles) == 2
@@ -289,6 +292,12 @@ class ManagerMachine(RuleBasedStateMachine):
         del self.waits[k]
         return False
 
+    def wait_began(self, k: BlockKey) -> float:
+        """When the wait on ``k`` began, for a promotion starting now: it goes on from the RETRYs
+        (or failed promotions) before it, unless their last answer is older than the deadline."""
+        wait = self.waits.get(k)
+        return wait[0] if wait is not None and self.clock - wait[1] <= WAIT else self.clock
+
     def serving(self, pos: int) -> bool:
         """No job of tier ``pos`` is overdue and unreported (jobs about to be polled are reported)."""
         double = self.doubles[pos]
@@ -303,7 +312,8 @@ class ManagerMachine(RuleBasedStateMachine):
         return until is not None
 
     def answered(self, k: BlockKey, answer: LookupResult) -> None:
-        """What the answer shows of the wait on ``k``; none lasts longer than the deadline."""
+        """What the answer shows of the wait on ``k`` (it ends with a HIT or a MISS, or when the
+        block becomes readable); none lasts longer than the deadline."""
         if answer is HIT or answer is MISS:
             self.runs.pop(k, None)
             return
@@ -361,8 +371,10 @@ class ManagerMachine(RuleBasedStateMachine):
                         if k not in ok:
                             self.present.discard(k)
                             self.withheld[(promo.tier, k)] = self.clock + HOLD
+                            self.waits[k] = [promo.wait_began, self.clock]  # the wait goes on
                         else:
                             self.waits.pop(k, None)
+                            self.runs.pop(k, None)  # readable: the wait is over
         return expected
 
     def after_call(self, expected_polls: list[tuple[MemoryTierDouble, JobResult]]) -> None:
@@ -399,7 +411,9 @@ class ManagerMachine(RuleBasedStateMachine):
         if k in self.present:
             if self.expected_ref(k) != -1:
                 return HIT, None
-            if k in self.abandoned or not self.within(k):
+            promotion = self.promotions.get(k)  # else a device store: a wait like a RETRY's
+            within = self.clock - promotion.wait_began <= WAIT if promotion is not None else self.within(k)
+            if k in self.abandoned or not within:
                 self.abandoned.add(k)
                 return MISS, None
             return HIT_PENDING, None
@@ -418,8 +432,6 @@ class ManagerMachine(RuleBasedStateMachine):
                 retry = True
                 continue
             self.retrying.discard((pos, k))
-            if not self.within(k):
-                return MISS, None
             room = len(self.present) - ghosts < NUM_CPU_BLOCKS or self.evictable({k}) - ghosts > 0
             return (HIT_PENDING, pos) if room else (MISS, None)
         if not retry:
@@ -472,7 +484,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if tier is not None:
             slot = self.mgr.primary.slot_of(k)
             assert slot is not None and self.mgr.primary.ref_count(k) == -1
-            self.promotions[k] = Promotion(tier, req.ctx.req_id, slot)
+            self.promotions[k] = Promotion(tier, req.ctx.req_id, slot, wait_began=self.wait_began(k))
             self.reconcile_evictions(allowed=1)
             self.present.add(k)
         else:
@@ -536,7 +548,7 @@ class ManagerMachine(RuleBasedStateMachine):
                     ghosts += 1
                 slot = self.mgr.primary.slot_of(k)
                 assert slot is not None and self.mgr.primary.ref_count(k) == -1
-                self.promotions[k] = Promotion(tier, req.ctx.req_id, slot)
+                self.promotions[k] = Promotion(tier, req.ctx.req_id, slot, wait_began=self.wait_began(k))
                 self.present.add(k)
         misses = [i for i, a in enumerate(result.answers) if a is MISS]
         assert len(result.answers) == (misses[0] + 1 if misses else len(chain)), "the scan stops at the first MISS"
@@ -648,7 +660,9 @@ class ManagerMachine(RuleBasedStateMachine):
         self.mgr.complete_store(keys, None if batch.req is None else batch.req.ctx, success=success)
         for k in keys:
             del self.stores[k]
-            self.waits.pop(k, None)
+            if success:  # readable: the wait is over
+                self.waits.pop(k, None)
+                self.runs.pop(k, None)
             self.abandoned.discard(k)
             batch.keys.remove(k)
             if batch.req is not None:
@@ -693,10 +707,11 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert not loads
                 for k in keys:
                     assert self.mgr.primary.ref_count(k) is None, f"promotion of {name(k)} not failed"
-                    del self.promotions[k]
+                    promo = self.promotions.pop(k)
                     self.present.discard(k)
                     self.abandoned.discard(k)
                     self.withheld[(pos, k)] = self.clock + HOLD
+                    self.waits[k] = [promo.wait_began, self.clock]
                 continue
             assert len(loads) == 1, f"expected one promotion job for {(pos, req_id)}, got {submitted[pos]}"
             job = loads[0]
@@ -776,8 +791,11 @@ class ManagerMachine(RuleBasedStateMachine):
             self.doubles[1].stuck = False
             assert self.mgr.jobs_in_flight() == sum(len(d.queued) + len(d.finished) for d in self.doubles)
         self.mgr.reset_cache()
-        for double in self.doubles:
+        for pos, double in enumerate(self.doubles):
             assert not double.queued and not double.finished
+            for job, result in double.delivered:  # a promotion that failed: the tier is not believed
+                for k in set(job.keys) - set(result.succeeded(job.keys)) if job.is_promotion else ():
+                    self.withheld[(pos, k)] = self.clock + HOLD
             double.delivered.clear()
             double.polls = 0
         self.take_submitted()
@@ -788,6 +806,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.present.clear()
         self.promotions.clear()
         self.waits.clear()
+        self.runs.clear()
         self.abandoned.clear()
         self.retrying.clear()
         self.polled = False

@@ -464,7 +464,7 @@ class TieringManager:
             wanted = None if request is None else (request.control or self.request_control(request)).cascade_to
             targets = self._tiers.targets(self._tiers.live, wanted)
         done, slots = self.primary.complete_device_store(keys, success, len(targets))
-        self._waits.stored(done)
+        self._waits.stored(done, success)
         # A late completion (after reset, or after the request was finalized) must not
         # bring back a state that nothing would ever finish.
         state = self._requests.find(request)

@@ -151,9 +151,10 @@ class Ledger:
             first = True
         batch.keys.append(key)
         batch.slots.append(slot)
-        # The wait on the block began now, or with the tier's RETRY before (the same wait goes on).
+        # The wait on the block begins now, or goes on from its RETRYs (or a failed promotion) before.
+        now = perf_counter()
         clock = self._waits.since.get(key) if self._waits.since else None
-        self._waits.started[slot] = perf_counter() if clock is None else clock[0]
+        self._waits.started[slot] = clock[0] if clock is not None and now - clock[1] <= self._wait_timeout else now
         return first
 
     def submit_promotions(self) -> None:

@@ -214,11 +214,13 @@ class BlockWaits:
         (telemetry or self._cpu).fail("load_expired" if start else "store_expired")
         return False
 
-    def stored(self, keys: Iterable[BlockKey]) -> None:
-        """Device stores of ``keys`` completed (or failed): the waits on them are over."""
+    def stored(self, keys: Iterable[BlockKey], success: bool) -> None:
+        """Device stores of ``keys`` completed (``success``: the waits on them are over) or failed
+        (a wait goes on if the block's next answer is a RETRY or a promotion)."""
         if self.since or self.abandoned:
             for key in keys:
-                self.since.pop(key, None)
+                if success:
+                    self.since.pop(key, None)
                 self.abandoned.discard(key)
 
     def loaded(self, keys: Sequence[BlockKey], slots: Sequence[int], failed: Collection[BlockKey] = ()) -> None:
@@ -231,7 +233,7 @@ class BlockWaits:
             if abandoned:
                 abandoned.discard(key)
             if key in failed:
-                if started[slot] and key not in since:
+                if started[slot]:
                     since[key] = [started[slot], now]
             elif since:
                 since.pop(key, None)
