@@ -375,6 +375,10 @@ class ManagerMachine(RuleBasedStateMachine):
                         else:
                             self.waits.pop(k, None)
                             self.runs.pop(k, None)  # readable: the wait is over
+        for double in self.doubles:  # after the poll: the jobs still in flight past the deadline
+            for job in double.queued:
+                if self.clock - self.job_time[job.job_id] > WAIT:
+                    self.overdue.add(job.job_id)
         return expected
 
     def after_call(self, expected_polls: list[tuple[MemoryTierDouble, JobResult]]) -> None:
@@ -726,9 +730,6 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert job.request is not None and job.request.params.get("request_level_tier") == pos + 1
         for double in self.doubles:
             double.polls = 0
-            for job in [*double.queued, *(j for j, _ in double.finished)]:
-                if self.clock - self.job_time[job.job_id] > WAIT:
-                    self.overdue.add(job.job_id)
 
     @rule(seconds=st.sampled_from([0.3, 0.3, 0.6, 1.2, 2.5]))
     def time_passes(self, seconds: float) -> None:

@@ -464,7 +464,8 @@ class TieringManager:
             wanted = None if request is None else (request.control or self.request_control(request)).cascade_to
             targets = self._tiers.targets(self._tiers.live, wanted)
         done, slots = self.primary.complete_device_store(keys, success, len(targets))
-        self._waits.stored(done, success)
+        if self._waits.since or self._waits.abandoned:  # a lookup waited on one of these writes
+            self._waits.stored(done, success)
         # A late completion (after reset, or after the request was finalized) must not
         # bring back a state that nothing would ever finish.
         state = self._requests.find(request)
@@ -513,7 +514,6 @@ class TieringManager:
             raise ManagerClosedError.of("on_schedule_end")
         self._poll_once()
         self._jobs.submit_promotions()
-        self._jobs.mark_overdue()
         if self._requests.has_step_work:
             self._requests.end_step()
         self._tiers.end_step()

@@ -40,10 +40,11 @@ logger = logging.getLogger(__name__)
 class _Job:
     """A tier job in flight (a plain slotted class: one is made per job on the scheduler thread)."""
 
-    __slots__ = ("handle", "is_promotion", "keys", "overdue", "slots", "submitted")
+    __slots__ = ("handle", "is_promotion", "job_id", "keys", "overdue", "slots", "submitted")
 
-    def __init__(self, handle: TierHandle, is_promotion: bool, keys: list[BlockKey], slots: list[int],
+    def __init__(self, job_id: int, handle: TierHandle, is_promotion: bool, keys: list[BlockKey], slots: list[int],
                  submitted: float) -> None:
+        self.job_id = job_id
         self.handle = handle
         self.is_promotion = is_promotion
         self.keys = keys
@@ -74,7 +75,7 @@ class Ledger:
         self._waits = waits
         self._wait_timeout = wait_timeout
         self._jobs: dict[int, _Job] = {}
-        self._unchecked: deque[tuple[float, int]] = deque()  # (submitted, job id), oldest first
+        self._unchecked: deque[_Job] = deque()  # jobs not yet checked against the deadline, oldest first
         waits.writer = self._promoting_into
         self._next_id = 1
         self._batches: dict[tuple[TierHandle, str | None], _Batch] = {}
@@ -101,9 +102,8 @@ class Ledger:
         """
         job_id = self._next_id
         self._next_id = job_id + 1
-        now = perf_counter()
-        self._jobs[job_id] = _Job(handle, promotion, keys, slots, now)
-        self._unchecked.append((now, job_id))
+        job = self._jobs[job_id] = _Job(job_id, handle, promotion, keys, slots, perf_counter())
+        self._unchecked.append(job)
         telemetry = handle.telemetry
         if promotion:
             self._counters.promotion_jobs += 1
@@ -172,10 +172,13 @@ class Ledger:
         self._last = None
 
     def poll(self, handles: Iterable[TierHandle]) -> None:
-        """Collect and finish the jobs the tiers of ``handles`` report."""
+        """Collect and finish the jobs the tiers of ``handles`` report; then the jobs still in
+        flight past the wait deadline are overdue (:meth:`mark_overdue`)."""
         for handle in handles:
             for result in handle.call("poll_finished", default=()):
                 self.finish(handle, result)
+        if self._unchecked:
+            self.mark_overdue()
 
     def finish(self, handle: TierHandle, result: JobResult) -> None:
         """One job reported by ``handle``'s tier: loaded blocks become readable (failed ones
@@ -242,18 +245,18 @@ class Ledger:
 
     def mark_overdue(self) -> None:
         """Mark the jobs in flight longer than the wait deadline overdue (each once, counted
-        ``job_overdue``); their tiers then get no lookup and no cascade until they report."""
+        ``job_overdue``); their tiers then get no lookup and no cascade until they report.
+        Right after a poll: a job done but not polled yet (a long engine step) is not overdue."""
         unchecked = self._unchecked
-        if not unchecked:
-            return
         limit = perf_counter() - self._wait_timeout
+        jobs = self._jobs
         while unchecked:
-            submitted, job_id = unchecked[0]
-            job = self._jobs.get(job_id)
-            if job is not None and submitted >= limit:
+            job = unchecked[0]
+            in_flight = jobs.get(job.job_id) is job
+            if in_flight and job.submitted >= limit:
                 break
             unchecked.popleft()  # reported already, or overdue now
-            if job is not None:
+            if in_flight:
                 job.overdue = True
                 job.handle.telemetry.fail("job_overdue")
                 self._tiers.job_overdue(job.handle, True)

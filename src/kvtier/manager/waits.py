@@ -216,12 +216,12 @@ class BlockWaits:
 
     def stored(self, keys: Iterable[BlockKey], success: bool) -> None:
         """Device stores of ``keys`` completed (``success``: the waits on them are over) or failed
-        (a wait goes on if the block's next answer is a RETRY or a promotion)."""
-        if self.since or self.abandoned:
-            for key in keys:
-                if success:
-                    self.since.pop(key, None)
-                self.abandoned.discard(key)
+        (a wait goes on if the block's next answer is a RETRY or a promotion). The caller skips
+        the call while no one waits (``since`` and ``abandoned`` empty)."""
+        for key in keys:
+            if success:
+                self.since.pop(key, None)
+            self.abandoned.discard(key)
 
     def loaded(self, keys: Sequence[BlockKey], slots: Sequence[int], failed: Collection[BlockKey] = ()) -> None:
         """Promotions of ``keys`` into rows ``slots`` ended: loaded (the waits are over), or
