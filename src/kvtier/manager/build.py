@@ -121,7 +121,8 @@ def _cleanup_failed_construction(region: SharedRegion, primary: PrimaryTier | No
         except Exception as exc:
             what = (f"cleanup after failed construction: secondary tier #{tier.context.index} "
                     f"(type={tier.tier_type}, class={type(tier).__qualname__}) failed to shut down")
-            log_failure(logger, logging.ERROR, what, exc, with_traceback=True)
+            # Its traceback is kept: the error being raised (``exc.__context__``) still needs its own.
+            log_failure(logger, logging.ERROR, what, exc, with_traceback=True, keep_traceback=True)
     built.clear()
     if primary is not None:
         primary.rows = None
