@@ -312,7 +312,7 @@ def test_reset_cache_never_hangs_on_a_tier_whose_drain_does_not_return(namespace
         try:
             mgr.reset_cache(drain_timeout=0.2)
             outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+        except BaseException as exc:
             outcome.append(exc)
 
     caller = threading.Thread(target=reset, daemon=True)

@@ -133,7 +133,8 @@ class TieringManager:
         """``wait_timeout``: the longest a lookup keeps a request waiting on one block (RETRY,
         HIT_PENDING) before it answers MISS; ``failed_load_seconds``: how long a tier is not
         believed about a block after its promise for it failed (:mod:`kvtier.manager.waits`)."""
-        hold = build.check_settings(shutdown_timeout, lookup_timing_every, wait_timeout, failed_load_seconds)
+        hold = build.check_settings(shutdown_timeout, drain_timeout, lookup_timing_every, wait_timeout,
+                                    failed_load_seconds)
         self.primary = primary
         self.tiers: list[SecondaryTier] = list(tiers)
         self.drain_timeout = drain_timeout
@@ -166,7 +167,7 @@ class TieringManager:
     @classmethod
     def create(
         cls, *, namespace: Namespace, block_bytes: int | None = None, num_cpu_blocks: int | None = None,
-        cpu_bytes: int | None = None, policy: str = DEFAULT_POLICY, tiers: Sequence[dict[str, Any]] = (),
+        cpu_bytes: int | str | None = None, policy: str = DEFAULT_POLICY, tiers: Sequence[dict[str, Any]] = (),
         region_name: str | None = None, shm_dir: str | os.PathLike[str] = "/dev/shm", expected_mappers: int = 1,
         prefault: bool = True, pin: bool = False, sweep_stale: bool = True, drain_timeout: float | None = 120.0,
         shutdown_timeout: float | None = build.DEFAULT_SHUTDOWN_TIMEOUT,
@@ -184,7 +185,7 @@ class TieringManager:
         them), sparing an allocation per eviction.
         """
         block_bytes, num_cpu_blocks = build.sizes(namespace, block_bytes, num_cpu_blocks, cpu_bytes)
-        build.check_settings(shutdown_timeout, 1, wait_timeout, failed_load_seconds)
+        build.check_settings(shutdown_timeout, drain_timeout, 1, wait_timeout, failed_load_seconds)
         build.check_policy_and_tiers(policy, tiers)
         region = build.new_region(region_name, num_cpu_blocks, block_bytes, shm_dir, expected_mappers=expected_mappers,
                                   prefault=prefault, pin=pin, sweep_stale=sweep_stale)
@@ -555,6 +556,7 @@ class TieringManager:
         """
         if self._closing:
             raise ManagerClosedError.of("reset_cache")
+        build.check_shutdown_timeout(drain_timeout, "reset_cache(drain_timeout=...)")
         self._jobs.drain(self._tiers.live, self.drain_timeout if drain_timeout is None else drain_timeout)
         self._jobs.drop_promotions()
         for state in self._requests.reset():
@@ -617,6 +619,7 @@ class TieringManager:
         """
         if self.primary.is_shut_down:
             return
+        build.check_shutdown_timeout(timeout, "shutdown(timeout=...)")
         self._closing = True
         self._steady = False
         failures = self._tiers.shutdown(self.shutdown_timeout if timeout is None else timeout)

@@ -41,12 +41,9 @@ Scheduler thread only; nothing here blocks.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Collection, Iterable, Sequence
 from time import perf_counter
-from typing import Any
 
-from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
 from kvtier.telemetry import TierTelemetry
 
@@ -66,20 +63,6 @@ waited on a failed load sees MISS at its next lookup) to a day."""
 MAX_KEYS = 65536
 """Blocks per tier remembered in each of its RETRY clocks and failed promises; beyond it the
 oldest are forgotten (the memory stays bounded whatever keys a tier answers for)."""
-
-
-def check_seconds(name: str, value: Any, bounds: tuple[float, float]) -> float:
-    """``value`` as a finite number of seconds within ``bounds``; ConfigError naming ``name`` otherwise."""
-    low, high = bounds
-    fix = f"give a number of seconds from {low:g} to {high:g}"
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{name} must be a number of seconds, got {type(value).__name__} {value!r:.60}: {fix}")
-    if isinstance(value, int) and not low <= value <= high:  # also a 400-digit int, before float() overflows
-        raise ConfigError(f"{name}={str(value)[:24]} is out of range: {fix}")
-    seconds = float(value)
-    if not (math.isfinite(seconds) and low <= seconds <= high):
-        raise ConfigError(f"{name}={value!r} is out of range: {fix}")
-    return seconds
 
 
 def _remember(table: dict[BlockKey, float], key: BlockKey, value: float) -> None:
@@ -248,5 +231,5 @@ class BlockWaits:
 
 __all__ = [
     "DEFAULT_FAILED_LOAD_SECONDS", "DEFAULT_WAIT_TIMEOUT", "FAILED_LOAD_SECONDS_RANGE", "MAX_KEYS",
-    "WAIT_TIMEOUT_RANGE", "BlockWaits", "TierWaits", "check_seconds",
+    "WAIT_TIMEOUT_RANGE", "BlockWaits", "TierWaits",
 ]
