@@ -23,6 +23,7 @@ import pytest
 
 from kvtier import Namespace, RequestContext, TieringManager, prefix_keys
 from kvtier.errors import ConfigError, TierShutdownError
+from kvtier.testing.conformance import keeping_every_record
 from kvtier.tiers.registry import register_tier
 from tier_doubles import ScriptedTier
 
@@ -69,18 +70,10 @@ register_tier("unbuildable", f"{__name__}:_Unbuildable")
 
 @pytest.fixture
 def kept() -> Iterator[logging.handlers.MemoryHandler]:
-    """A handler on kvtier's loggers that keeps every record (it never flushes)."""
-    handler = logging.handlers.MemoryHandler(capacity=100_000, flushLevel=logging.CRITICAL + 1)
-    root = logging.getLogger("kvtier")
-    level = root.level
-    root.addHandler(handler)
-    root.setLevel(logging.DEBUG)
-    try:
+    """A handler that keeps every record (it never flushes); on exit no record may hold an
+    exception object (the conformance suite's check)."""
+    with keeping_every_record() as handler:
         yield handler
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(level)
-        handler.buffer.clear()
 
 
 def _manager(namespace: Namespace, shm: Path, *fail: str) -> TieringManager:

@@ -27,7 +27,7 @@ from kvtier.errors import ConfigError, TierDrainTimeout
 from kvtier.metrics import KvtierMetrics
 from kvtier.primary import IN_FLIGHT
 from kvtier.tiers.registry import register_tier
-from tier_doubles import ScriptedTier
+from tier_doubles import ScriptedTier, wait_for_answer
 
 pytestmark = pytest.mark.usefixtures("shm_leak_check")
 register_tier("scripted", "tier_doubles:ScriptedTier")
@@ -67,16 +67,7 @@ def scripted(mgr: TieringManager) -> list[ScriptedTier]:
 
 
 def wait_for(mgr: TieringManager, key: bytes, req: RequestContext, limit: float) -> tuple[LookupResult, float]:
-    """Ask for ``key`` every engine step, as an engine whose request waits, until a HIT or a MISS
-    (or ``limit`` seconds): the final answer and the seconds waited."""
-    start = time.monotonic()
-    while True:
-        answer = mgr.lookup(key, req)
-        waited = time.monotonic() - start
-        if answer is HIT or answer is MISS or waited > limit:
-            return answer, waited
-        mgr.on_schedule_end()
-        time.sleep(STEP)
+    return wait_for_answer(mgr, key, req, limit, STEP)
 
 
 def failures(mgr: TieringManager, label: str) -> dict[str, int]:

@@ -31,6 +31,7 @@ from kvtier.manager import TieringManager
 from kvtier.primary import IN_FLIGHT
 from kvtier.tiers.memory import MemoryTier
 from kvtier.types import LookupResult, RequestContext
+from tier_doubles import wait_for_answer
 
 pytestmark = pytest.mark.usefixtures("shm_leak_check")
 
@@ -83,14 +84,7 @@ def store_in_tier(mgr: TieringManager, ks: list[BlockKey], timeout: float = 20.0
 
 
 def wait_for(mgr: TieringManager, key: BlockKey, req: RequestContext, limit: float) -> tuple[LookupResult, float]:
-    """Ask for ``key`` every engine step until a HIT or a MISS (or ``limit`` seconds)."""
-    start = time.monotonic()
-    while True:
-        answer = mgr.lookup(key, req)
-        waited = time.monotonic() - start
-        if answer is HIT or answer is MISS or waited > limit:
-            return answer, waited
-        step(mgr)
+    return wait_for_answer(mgr, key, req, limit)
 
 
 def load_fails_then_miss(mgr: TieringManager, key: BlockKey, job_limit: float, withheld: bool = True) -> None:
