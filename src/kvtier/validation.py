@@ -21,7 +21,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, Field, ValidationError
 
 from kvtier.errors import ConfigError
 
@@ -29,10 +29,20 @@ MAX_SECONDS = 1_000_000.0
 """The longest duration any kvtier setting accepts (about 11.6 days). Waits are handed to
 ``threading``, which overflows far below ``1e400``; longer or non-finite values are refused."""
 
-Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
+
+def _not_a_bool(value: Any) -> Any:
+    if isinstance(value, bool):  # pydantic would take true as 1.0 second
+        raise ValueError(f"a number of seconds, not {str(value).lower()}")
+    return value
+
+
+NOT_A_BOOL = BeforeValidator(_not_a_bool)
+"""Refuses ``true``/``false`` where a number of seconds is expected (pydantic reads them as 1 and 0)."""
+
+Seconds = Annotated[float, NOT_A_BOOL, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
 """A duration setting: a finite number of seconds in [0, :data:`MAX_SECONDS`]."""
 
-PositiveSeconds = Annotated[float, Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
+PositiveSeconds = Annotated[float, NOT_A_BOOL, Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
 """A duration setting that must be above zero: seconds in (0, :data:`MAX_SECONDS`]."""
 
 

@@ -35,7 +35,7 @@ from kvtier.manager.waits import (
     WAIT_TIMEOUT_RANGE,
 )
 from kvtier.units import parse_size, row_stride_for, rows_that_fit
-from kvtier.validation import PositiveSeconds, Seconds
+from kvtier.validation import NOT_A_BOOL, PositiveSeconds, Seconds
 
 DEFAULT_CPU_BYTES = 4 * 1024**3
 
@@ -46,11 +46,13 @@ MAX_LAYOUT_COUNT = 1 << 16
 MAX_CPU_BLOCKS = 1 << 32
 """The largest ``num_cpu_blocks`` accepted."""
 
-WaitSeconds = Annotated[float, Field(ge=WAIT_TIMEOUT_RANGE[0], le=WAIT_TIMEOUT_RANGE[1], allow_inf_nan=False)]
+WaitSeconds = Annotated[
+    float, NOT_A_BOOL, Field(ge=WAIT_TIMEOUT_RANGE[0], le=WAIT_TIMEOUT_RANGE[1], allow_inf_nan=False)
+]
 """``wait_timeout``: a millisecond to an hour."""
 
 HoldSeconds = Annotated[
-    float, Field(ge=FAILED_LOAD_SECONDS_RANGE[0], le=FAILED_LOAD_SECONDS_RANGE[1], allow_inf_nan=False)
+    float, NOT_A_BOOL, Field(ge=FAILED_LOAD_SECONDS_RANGE[0], le=FAILED_LOAD_SECONDS_RANGE[1], allow_inf_nan=False)
 ]
 """``failed_load_seconds``: a second to a day."""
 
