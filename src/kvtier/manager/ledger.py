@@ -56,12 +56,13 @@ class _Job:
 class _Batch:
     """This step's promotions of one (tier, request): one load job at step end."""
 
-    __slots__ = ("keys", "request", "slots")
+    __slots__ = ("keys", "request", "slots", "started")
 
     def __init__(self, request: RequestContext | None) -> None:
         self.request = request
         self.keys: list[BlockKey] = []
         self.slots: list[int] = []
+        self.started = perf_counter()  # when its first promotion was queued: the step's clock
 
 
 class Ledger:
@@ -151,10 +152,15 @@ class Ledger:
             first = True
         batch.keys.append(key)
         batch.slots.append(slot)
-        # The wait on the block begins now, or goes on from its RETRYs (or a failed promotion) before.
-        now = perf_counter()
-        clock = self._waits.since.get(key) if self._waits.since else None
-        self._waits.started[slot] = clock[0] if clock is not None and now - clock[1] <= self._wait_timeout else now
+        # The wait on the block begins now (the batch's clock: one clock read per batch, not per
+        # block), or goes on from its RETRYs (or a failed promotion) before.
+        waits = self._waits
+        if waits.since:
+            clock = waits.since.get(key)
+            now = batch.started
+            waits.started[slot] = clock[0] if clock is not None and now - clock[1] <= self._wait_timeout else now
+        else:
+            waits.started[slot] = batch.started
         return first
 
     def submit_promotions(self) -> None:

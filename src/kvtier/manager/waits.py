@@ -211,6 +211,10 @@ class BlockWaits:
         ``failed`` (the wait goes on if the block's next answer is a RETRY or a promotion from
         another tier: within the deadline it continues, it does not start again)."""
         started, abandoned, since = self.started, self.abandoned, self.since
+        if not (failed or abandoned or since):  # the usual case: loaded, no one waited past a deadline
+            for slot in slots:
+                started[slot] = 0.0
+            return
         now = perf_counter() if failed else 0.0
         for key, slot in zip(keys, slots, strict=True):
             if abandoned:
