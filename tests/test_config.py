@@ -326,6 +326,8 @@ def test_sources_name_where_each_value_came_from(tmp_path: Path) -> None:
         "tiers": "default",
         "backpressure": "default",
         "shutdown_timeout": "default",
+        "wait_timeout": "default",
+        "failed_load_seconds": "default",
     }
     assert config.kv_geometry().tokens_per_block == 32 and config.kv_geometry().dtype == "float16"
     engine = load_config(env={}, cli={"policy": "arc"}, cli_source="extra_config")

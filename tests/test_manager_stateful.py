@@ -24,7 +24,12 @@ every step it checks:
 * polling happens at most once per step; a tier's per-request finished hook runs
   once, after the request's last store, and no cascade of that request follows;
 * ``settle`` (tiers complete everything, a few step ends): every promotion ended
-  as HIT or MISS; ``reset_cache``: nothing is left in flight.
+  as HIT or MISS; ``reset_cache``: nothing is left in flight;
+* every wait has an end: time passes (a fake clock drives the manager's), loads fail
+  or never finish, tiers answer RETRY forever, and no lookup answers RETRY or
+  HIT_PENDING for a block waited on longer than ``wait_timeout``; a tier whose load of a
+  block failed is not believed about it for ``failed_load_seconds``; a tier with a job
+  in flight past the deadline gets no lookup and no cascade until it reports it.
 
 Bugs it found have minimal guards in ``tests/test_manager_regressions.py``.
 """
@@ -38,6 +43,7 @@ from collections import Counter
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -45,7 +51,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvtier import KVGeometry, LookupResult, Namespace, RequestContext, TieringManager, chain_ids
+from kvtier import BackpressureSettings, KVGeometry, LookupResult, Namespace, RequestContext, TieringManager, chain_ids
 from kvtier.errors import TierDrainTimeout, TierError
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TierUsage, TransferJob
@@ -64,6 +70,9 @@ JUNK = np.full(BLOCK_BYTES, 0xEE, dtype=np.uint8)
 # Prefix chains the engine-like scan walks (indices into KEYS); two share a prefix.
 CHAINS = [[0, 1, 2, 3, 4, 5], [0, 1, 2, 6, 7, 8], [9, 10, 11]]
 SEEDED = [6, 7, 9, 10]  # blocks the second tier holds from "a previous run"
+WAIT = 1.0  # the manager's wait_timeout, in seconds of the machine's clock
+HOLD = 2.0  # its failed_load_seconds
+CLOCKED = ("core", "tierset", "waits", "ledger", "requests")  # the manager's rooms that read perf_counter
 
 
 def name(k: BlockKey) -> str:
@@ -207,6 +216,7 @@ class Promotion:
     req_id: str | None
     slot: int
     submitted: bool = False
+    wait_began: float = 0.0  # the wait on the block: from this promotion, or its RETRYs before
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -214,6 +224,10 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
+        self.clock = 1000.0  # seconds; only the time_passes rule moves it
+        self.patches = [mock.patch(f"kvtier.manager.{room}.perf_counter", lambda: self.clock) for room in CLOCKED]
+        for patch in self.patches:
+            patch.start()
         seed = {KEYS[i]: PATTERN[KEYS[i]].tobytes() for i in SEEDED}
         self.mgr = TieringManager.create(
             namespace=NAMESPACE,
@@ -222,6 +236,10 @@ class ManagerMachine(RuleBasedStateMachine):
             tiers=[{"type": "stateful-double"}, {"type": "stateful-double", "seed": seed}],
             sweep_stale=False,
             drain_timeout=1.0,
+            wait_timeout=WAIT,
+            failed_load_seconds=HOLD,
+            # Jobs take the machine's seconds: backpressure (not modelled here) would skip cascades.
+            backpressure=BackpressureSettings(enabled=False),
         )
         self.doubles = [t for t in self.mgr.tiers if isinstance(t, MemoryTierDouble)]
         assert len(self.doubles) == 2
@@ -235,6 +253,16 @@ class ManagerMachine(RuleBasedStateMachine):
         self.poll_due = False
         self.step_hits: set[BlockKey] = set()  # answered HIT this step: not evictable until it ends
         self.next_req = 0
+        # The model of the waits (kvtier.manager.waits): each block's wait [started, last answered],
+        # writes in flight given up, the blocks each tier (0-based) may not promise and until when,
+        # each tier's open RETRYs, when each job was submitted, and the jobs overdue.
+        self.waits: dict[BlockKey, list[float]] = {}
+        self.abandoned: set[BlockKey] = set()
+        self.withheld: dict[tuple[int, BlockKey], float] = {}
+        self.retrying: set[tuple[int, BlockKey]] = set()
+        self.job_time: dict[int, float] = {}
+        self.overdue: set[int] = set()
+        self.runs: dict[BlockKey, list[float]] = {}  # the waits as answers show them (the invariant)
 
     def teardown(self) -> None:
         region = self.mgr.region
@@ -243,8 +271,57 @@ class ManagerMachine(RuleBasedStateMachine):
         except Exception:
             gc.collect()  # a failing example's traceback may still hold a view of the rows
             self.mgr.shutdown()
+        finally:
+            for patch in self.patches:
+                patch.stop()
         assert region.closed
         assert not region.path.exists()
+
+    # --- the model of the waits -----------------------------------------------------------
+
+    def within(self, k: BlockKey) -> bool:
+        """One more RETRY/HIT_PENDING for ``k``: True while its wait is within the deadline."""
+        now = self.clock
+        wait = self.waits.get(k)
+        if wait is None or now - wait[1] > WAIT:
+            self.waits[k] = [now, now]
+            return True
+        wait[1] = now
+        if now - wait[0] <= WAIT:
+            return True
+        del self.waits[k]
+        return False
+
+    def wait_began(self, k: BlockKey) -> float:
+        """When the wait on ``k`` began, for a promotion starting now: it goes on from the RETRYs
+        (or failed promotions) before it, unless their last answer is older than the deadline."""
+        wait = self.waits.get(k)
+        return wait[0] if wait is not None and self.clock - wait[1] <= WAIT else self.clock
+
+    def serving(self, pos: int) -> bool:
+        """No job of tier ``pos`` is overdue and unreported (jobs about to be polled are reported)."""
+        double = self.doubles[pos]
+        unseen = [] if self.poll_due else [j for j, _ in double.finished]
+        return not any(job.job_id in self.overdue for job in [*double.queued, *unseen])
+
+    def withholds(self, pos: int, k: BlockKey) -> bool:
+        until = self.withheld.get((pos, k))
+        if until is not None and self.clock >= until:
+            del self.withheld[(pos, k)]
+            return False
+        return until is not None
+
+    def answered(self, k: BlockKey, answer: LookupResult) -> None:
+        """What the answer shows of the wait on ``k`` (it ends with a HIT or a MISS, or when the
+        block becomes readable); none lasts longer than the deadline."""
+        if answer is HIT or answer is MISS:
+            self.runs.pop(k, None)
+            return
+        run = self.runs.get(k)
+        if run is None or self.clock - run[1] > WAIT:
+            run = self.runs[k] = [self.clock, self.clock]
+        run[1] = self.clock
+        assert self.clock - run[0] <= WAIT, f"{name(k)} answered {answer} {self.clock - run[0]}s into its wait"
 
     # --- helpers -----------------------------------------------------------------------
 
@@ -290,8 +367,18 @@ class ManagerMachine(RuleBasedStateMachine):
                     for k in job.keys:
                         promo = self.promotions.pop(k)
                         assert promo.slot == int(job.slots[list(job.keys).index(k)])
+                        self.abandoned.discard(k)
                         if k not in ok:
                             self.present.discard(k)
+                            self.withheld[(promo.tier, k)] = self.clock + HOLD
+                            self.waits[k] = [promo.wait_began, self.clock]  # the wait goes on
+                        else:
+                            self.waits.pop(k, None)
+                            self.runs.pop(k, None)  # readable: the wait is over
+        for double in self.doubles:  # after the poll: the jobs still in flight past the deadline
+            for job in double.queued:
+                if self.clock - self.job_time[job.job_id] > WAIT:
+                    self.overdue.add(job.job_id)
         return expected
 
     def after_call(self, expected_polls: list[tuple[MemoryTierDouble, JobResult]]) -> None:
@@ -316,22 +403,50 @@ class ManagerMachine(RuleBasedStateMachine):
     def take_submitted(self) -> list[list[TransferJob]]:
         out = [list(d.submitted) for d in self.doubles]
         for d in self.doubles:
+            for job in d.submitted:
+                self.job_time[job.job_id] = self.clock
             d.submitted.clear()
         return out
 
     def expected_lookup(self, k: BlockKey, ghosts: int = 0) -> tuple[LookupResult, int | None]:
         """The answer to a lookup of ``k``, and the tier a promotion would start from. ``ghosts``:
-        blocks of ``present`` already evicted (evictable ones other than ``k``)."""
+        blocks of ``present`` already evicted (evictable ones other than ``k``). Called once per
+        lookup: it moves the model of the waits as the manager moves its own."""
         if k in self.present:
-            return (HIT_PENDING if self.expected_ref(k) == -1 else HIT), None
+            if self.expected_ref(k) != -1:
+                return HIT, None
+            promotion = self.promotions.get(k)  # else a device store: a wait like a RETRY's
+            within = self.clock - promotion.wait_began <= WAIT if promotion is not None else self.within(k)
+            if k in self.abandoned or not within:
+                self.abandoned.add(k)
+                return MISS, None
+            return HIT_PENDING, None
         retry = False
         for pos, double in enumerate(self.doubles):
+            if not self.serving(pos):
+                continue
             answer = double.answer(k)
-            if answer is HIT:
-                room = len(self.present) - ghosts < NUM_CPU_BLOCKS or self.evictable({k}) - ghosts > 0
-                return (HIT_PENDING, pos) if room else (MISS, None)
-            retry = retry or answer is RETRY
-        return (RETRY if retry else MISS), None
+            if answer is MISS:
+                self.retrying.discard((pos, k))
+                continue
+            if self.withholds(pos, k):
+                continue
+            if answer is RETRY:
+                self.retrying.add((pos, k))
+                retry = True
+                continue
+            self.retrying.discard((pos, k))
+            room = len(self.present) - ghosts < NUM_CPU_BLOCKS or self.evictable({k}) - ghosts > 0
+            return (HIT_PENDING, pos) if room else (MISS, None)
+        if not retry:
+            return MISS, None
+        if self.within(k):
+            return RETRY, None
+        for pos in range(len(self.doubles)):
+            if (pos, k) in self.retrying:
+                self.retrying.discard((pos, k))
+                self.withheld[(pos, k)] = self.clock + HOLD
+        return MISS, None
 
     def active(self) -> list[Req]:
         return [r for r in self.reqs if not r.finished]
@@ -367,12 +482,13 @@ class ManagerMachine(RuleBasedStateMachine):
         result = self.mgr.lookup(k, req.ctx)
         self.after_call(polls)
         assert result is expected, f"lookup({name(k)}) = {result}, model expected {expected}"
+        self.answered(k, result)
         if result is HIT:
             self.step_hits.add(k)
         if tier is not None:
             slot = self.mgr.primary.slot_of(k)
             assert slot is not None and self.mgr.primary.ref_count(k) == -1
-            self.promotions[k] = Promotion(tier, req.ctx.req_id, slot)
+            self.promotions[k] = Promotion(tier, req.ctx.req_id, slot, wait_began=self.wait_began(k))
             self.reconcile_evictions(allowed=1)
             self.present.add(k)
         else:
@@ -428,6 +544,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 ghosts -= 1
             expected, tier = self.expected_lookup(k, ghosts)
             assert got is expected, f"lookup_prefix answer {i} ({name(k)}) = {got}, model expected {expected}"
+            self.answered(k, got)
             if got is HIT:
                 self.step_hits.add(k)
             if tier is not None:
@@ -435,7 +552,7 @@ class ManagerMachine(RuleBasedStateMachine):
                     ghosts += 1
                 slot = self.mgr.primary.slot_of(k)
                 assert slot is not None and self.mgr.primary.ref_count(k) == -1
-                self.promotions[k] = Promotion(tier, req.ctx.req_id, slot)
+                self.promotions[k] = Promotion(tier, req.ctx.req_id, slot, wait_began=self.wait_began(k))
                 self.present.add(k)
         misses = [i for i, a in enumerate(result.answers) if a is MISS]
         assert len(result.answers) == (misses[0] + 1 if misses else len(chain)), "the scan stops at the first MISS"
@@ -547,6 +664,10 @@ class ManagerMachine(RuleBasedStateMachine):
         self.mgr.complete_store(keys, None if batch.req is None else batch.req.ctx, success=success)
         for k in keys:
             del self.stores[k]
+            if success:  # readable: the wait is over
+                self.waits.pop(k, None)
+                self.runs.pop(k, None)
+            self.abandoned.discard(k)
             batch.keys.remove(k)
             if batch.req is not None:
                 batch.req.pending.discard(k)
@@ -560,7 +681,7 @@ class ManagerMachine(RuleBasedStateMachine):
         submitted = self.take_submitted()
         for pos, (double, jobs) in enumerate(zip(self.doubles, submitted, strict=True)):
             cascades = [j for j in jobs if list(j.keys) == keys]
-            if not success or double.failing:
+            if not success or double.failing or not self.serving(pos):
                 assert not cascades, f"tier {pos + 1} got a cascade it should not"
                 continue
             assert len(cascades) == 1, f"tier {pos + 1}: expected one cascade of the stored keys, got {jobs}"
@@ -590,8 +711,11 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert not loads
                 for k in keys:
                     assert self.mgr.primary.ref_count(k) is None, f"promotion of {name(k)} not failed"
-                    del self.promotions[k]
+                    promo = self.promotions.pop(k)
                     self.present.discard(k)
+                    self.abandoned.discard(k)
+                    self.withheld[(pos, k)] = self.clock + HOLD
+                    self.waits[k] = [promo.wait_began, self.clock]
                 continue
             assert len(loads) == 1, f"expected one promotion job for {(pos, req_id)}, got {submitted[pos]}"
             job = loads[0]
@@ -606,6 +730,11 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert job.request is not None and job.request.params.get("request_level_tier") == pos + 1
         for double in self.doubles:
             double.polls = 0
+
+    @rule(seconds=st.sampled_from([0.3, 0.3, 0.6, 1.2, 2.5]))
+    def time_passes(self, seconds: float) -> None:
+        """The engine is busy elsewhere, or a tier's load takes its time."""
+        self.clock += seconds
 
     @rule(tier=st.integers(0, 1), count=st.integers(1, 3), outcome=st.sampled_from(["ok", "ok", "fail", "partial"]))
     def tier_runs_jobs(self, tier: int, count: int, outcome: str) -> None:
@@ -663,8 +792,11 @@ class ManagerMachine(RuleBasedStateMachine):
             self.doubles[1].stuck = False
             assert self.mgr.jobs_in_flight() == sum(len(d.queued) + len(d.finished) for d in self.doubles)
         self.mgr.reset_cache()
-        for double in self.doubles:
+        for pos, double in enumerate(self.doubles):
             assert not double.queued and not double.finished
+            for job, result in double.delivered:  # a promotion that failed: the tier is not believed
+                for k in set(job.keys) - set(result.succeeded(job.keys)) if job.is_promotion else ():
+                    self.withheld[(pos, k)] = self.clock + HOLD
             double.delivered.clear()
             double.polls = 0
         self.take_submitted()
@@ -674,6 +806,10 @@ class ManagerMachine(RuleBasedStateMachine):
         assert len(self.mgr.primary) == 0
         self.present.clear()
         self.promotions.clear()
+        self.waits.clear()
+        self.runs.clear()
+        self.abandoned.clear()
+        self.retrying.clear()
         self.polled = False
         self.step_hits.clear()
         for req in self.reqs:

@@ -278,3 +278,24 @@ def test_the_documented_bounds_are_the_code_s() -> None:
     from kvtier.validation import MAX_SECONDS as seconds_bound
 
     assert (size_bound, seconds_bound) == (MAX_SIZE, MAX_SECONDS)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "wait_timeout: true",
+        "failed_load_seconds: false",
+        "shutdown_timeout: true",
+        "backpressure: {high_seconds: true}",
+        "tiers: [{type: fs, root: /tmp/kvtier-never-made, shutdown_timeout: true}]",
+        "tiers: [{type: redis, url: 'redis://127.0.0.1:1', ttl_seconds: false}]",
+        "tiers: [{type: s3, bucket: b, request_timeout: true}]",
+    ],
+)
+def test_a_boolean_is_not_a_number_of_seconds(tmp_path: Path, text: str) -> None:
+    """Regression: ``true`` in a config file was taken as 1.0 s by every duration setting."""
+    path = tmp_path / "kv.yaml"
+    path.write_text(text + "\n")
+    name = re.findall(r"(\w+): (?:true|false)", text)[0]
+    with pytest.raises(ConfigError, match=rf"{name}.*a number of seconds, not (true|false)"):
+        load_config(str(path), env={})

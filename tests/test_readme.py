@@ -211,3 +211,18 @@ def test_runnable_block_runs_as_written(block: RunnableBlock, tmp_path: Path) ->
     else:
         pytest.fail(f"{block.id}: runnable blocks are console, bash or python, not {block.language!r}")
     assert not any(tmp_path.iterdir()), f"{block.id} left files behind: {sorted(p.name for p in tmp_path.iterdir())}"
+
+
+def test_the_waits_table_names_every_deadline_the_manager_counts() -> None:
+    """Every kind the manager counts when a wait reaches its deadline is in the README's table,
+    and every kind the table names is one the manager counts (the code is the truth)."""
+    text = README.read_text()
+    section = text[text.index("### Waits and deadlines") :]
+    section = section[: section.index("\n## ", 1)]
+    manager = "\n".join(p.read_text() for p in (README.parent / "src" / "kvtier" / "manager").glob("*.py"))
+    counted = set(re.findall(r'"(\w+_expired|job_overdue|withheld)"', manager))
+    assert counted == {"retry_expired", "load_expired", "store_expired", "job_overdue", "cascade_expired", "withheld"}
+    named = set(re.findall(r"`(\w+_expired|job_overdue|withheld)`", section))
+    assert named == counted
+    for setting in ("wait_timeout", "failed_load_seconds", "drain_timeout", "shutdown_timeout"):
+        assert f"`{setting}`" in section

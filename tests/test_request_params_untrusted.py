@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from kvtier import Namespace, RequestContext, TieringManager
+from kvtier.metrics import KvtierMetrics
 from kvtier.request_control import CASCADE_TIERS_KEY, CONTROL_KEYS, LOAD_TIERS_KEY, STORE_KEY
 
 
@@ -166,3 +167,21 @@ def test_values_are_described_by_type_and_a_bounded_repr(value: Any, shown: str)
     from kvtier.request_control import describe_value
 
     assert describe_value(value) == shown
+
+
+def test_problem_counts_are_in_the_snapshot_and_the_metrics(mgr: TieringManager) -> None:
+    for i in range(3):
+        _control(mgr, f"r{i}", {CASCADE_TIERS_KEY: [f"nope-{i}"], STORE_KEY: i})
+    _control(mgr, "r-list", {CASCADE_TIERS_KEY: list(range(200_000))})
+    snap = mgr.stats()
+    counts = snap.manager.request_control_problems
+    assert counts == mgr._requests._control_problems.counts() and counts[f"{STORE_KEY}:not_boolean"] == 3
+    assert snap.as_dict()["manager"]["request_control_problems"] == counts
+    metrics = KvtierMetrics()
+    metrics.update(snap)
+    text = metrics.render().decode()
+    for name, count in counts.items():
+        key, _, kind = name.partition(":")
+        assert f'kvtier_request_control_problems_total{{key="{key}",kind="{kind}"}} {float(count)}' in text
+    metrics.update(snap.as_dict())  # the mapping form carries them too
+    assert metrics.render().decode() == text

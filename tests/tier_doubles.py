@@ -3,18 +3,21 @@
 :class:`RecordingLRU` is LRU that records the chains the CPU tier reports.
 The scripted in-memory secondary tiers keep real bytes (copied out of and into the real shared rows), complete
 jobs only when the test says so (or at once with ``auto_complete``), and can be
-told to fail jobs, lookups or their own shutdown.
+told to fail jobs, lookups or their own shutdown. :func:`wait_for_answer` is an engine whose
+request waits on one block.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
 from kvtier.keys import BlockKey
+from kvtier.manager import TieringManager
 from kvtier.policies import LRUPolicy
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TierUsage, TransferJob
 from kvtier.types import LookupResult, OffloadPolicy, RequestContext
@@ -148,3 +151,18 @@ class ScriptedTier(SecondaryTier):
 
     def describe(self) -> dict[str, Any]:
         return {"type": self.tier_type, "name": self.name}
+
+
+def wait_for_answer(mgr: TieringManager, key: BlockKey, req: RequestContext, limit: float,
+                    step_seconds: float = 0.01) -> tuple[LookupResult, float]:
+    """Ask for ``key`` every engine step (``on_schedule_end``, then ``step_seconds`` of sleep), as
+    an engine whose request waits, until a HIT or a MISS or ``limit`` seconds: the last answer and
+    the seconds waited."""
+    start = time.monotonic()
+    while True:
+        answer = mgr.lookup(key, req)
+        waited = time.monotonic() - start
+        if answer is LookupResult.HIT or answer is LookupResult.MISS or waited > limit:
+            return answer, waited
+        mgr.on_schedule_end()
+        time.sleep(step_seconds)

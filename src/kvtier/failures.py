@@ -63,7 +63,8 @@ def forget_frames(exc: BaseException) -> None:
 
 
 def log_failure(
-    log: logging.Logger, level: int, message: str, exc: BaseException, *, with_traceback: bool = False
+    log: logging.Logger, level: int, message: str, exc: BaseException, *, with_traceback: bool = False,
+    keep_traceback: bool = False,
 ) -> str:
     """Log ``"<message>: <Type>: <text>"`` for ``exc`` and let go of its frames; returns the
     ``Type: text`` part (:func:`describe_error`).
@@ -71,13 +72,15 @@ def log_failure(
     The record holds one string (no exception object, no ``exc_info``), so a handler that
     keeps records keeps no view of a CPU row. ``with_traceback`` appends the formatted
     traceback as text (for unexpected errors; never for a native crash). Call it from the
-    ``except`` block, then do not use ``exc``'s traceback again.
+    ``except`` block, then do not use ``exc``'s traceback again, unless ``keep_traceback``:
+    for an exception also handed to a caller (raised, or carried by another error), whose
+    frames' locals are cleared but whose traceback still says where it happened.
     """
     detail = describe_error(exc)
     text = f"{message}: {detail}"
     if with_traceback and not is_native_crash(exc) and exc.__traceback__ is not None:
         text += "\n" + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
-    forget_frames(exc)
+    clear_exception_frames(exc, drop_traceback=not keep_traceback)
     log.log(level, "%s", text)
     return detail
 

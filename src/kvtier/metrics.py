@@ -24,10 +24,14 @@ tier or ``<n>:<type>`` for secondary tier n, as in events and logs):
 * ``active_jobs{tier,direction}``: jobs submitted and not yet reported;
   ``jobs_in_flight``: all of them
 * ``failures_total{tier,kind}``: see :class:`~kvtier.telemetry.TierSnapshot` for the kinds
+  (among them the waits that reached their deadline: ``retry_expired``, ``load_expired``,
+  ``store_expired``, ``job_overdue``, ``cascade_expired``, and ``withheld`` answers)
 * ``evictions_total{tier}``, ``capacity_used_bytes{tier}``, ``capacity_bytes{tier}``, ``entries{tier}``
 * ``health_state{tier,state}``: 1 for the tier's current state (closed/open/half_open/down/unknown)
 * ``promotions_total{result}``, ``cascades_total{result}`` (blocks; ``result="skipped"``:
   not cascaded because of backpressure)
+* ``request_control_problems_total{key,kind}``: malformed per-request settings (a request's
+  ``kv_transfer_params``), by key and kind of problem; each fell back to its default
 * ``backpressure_active{tier}``, ``store_latency_avg_seconds{tier}``,
   ``backpressure_skipped_jobs_total{tier}``, ``backpressure_skipped_blocks_total{tier}``
 * ``tier_extra_counter_total{tier,name}`` and ``tier_extra_gauge{tier,name}``:
@@ -139,6 +143,10 @@ def _families(snap: ManagerSnapshot, transfer: Mapping[str, tuple[int, float]]) 
     in_flight = GaugeMetricFamily("kvtier_jobs_in_flight", "Secondary-tier jobs submitted and not yet reported.")
     promotions = CounterMetricFamily("kvtier_promotions", "Blocks promoted to the CPU tier.", labels=["result"])
     cascades = CounterMetricFamily("kvtier_cascades", "Blocks cascaded to secondary tiers.", labels=["result"])
+    problems = CounterMetricFamily(
+        "kvtier_request_control_problems", "Malformed per-request settings, by key and kind (each fell back "
+        "to its default).", labels=["key", "kind"],
+    )
 
     for tier in snap.tiers:
         label = tier.label
@@ -188,6 +196,9 @@ def _families(snap: ManagerSnapshot, transfer: Mapping[str, tuple[int, float]]) 
     cascades.add_metric(["succeeded"], m.cascades_succeeded)
     cascades.add_metric(["failed"], m.cascades_failed)
     cascades.add_metric(["skipped"], m.cascades_skipped)
+    for name, count in sorted(m.request_control_problems.items()):
+        key, _, kind = name.partition(":")
+        problems.add_metric([key, kind], count)
     sync = _histogram_family(
         "kvtier_tier_lookup_seconds", "Scheduler-side time of one tier's lookup call.", snap, "lookup_seconds"
     )
@@ -199,7 +210,7 @@ def _families(snap: ManagerSnapshot, transfer: Mapping[str, tuple[int, float]]) 
     )
     return [lookups, sync, deferred, nbytes, seconds, jobs, active, failures, evictions, used, total, entries,
             health, pressure, latency, skipped_jobs, skipped_blocks, extra_counters, extra_gauges, in_flight,
-            promotions, cascades]  # fmt: skip
+            promotions, cascades, problems]  # fmt: skip
 
 
 class KvtierMetrics:

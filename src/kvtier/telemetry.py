@@ -349,6 +349,9 @@ class ManagerCounters:
     tier_call_errors: int = 0
     jobs_in_flight: int = 0
     active_requests: int = 0
+    request_control_problems: dict[str, int] = field(default_factory=dict)
+    """Malformed per-request settings (``kv_transfer_params``) by ``"<key>:<kind>"``, e.g.
+    ``"kvtier_load_tiers:too_long"``: counts only, nothing of what a client sent."""
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, Field, ValidationError
 
 from kvtier.errors import ConfigError
 
@@ -29,31 +29,49 @@ MAX_SECONDS = 1_000_000.0
 """The longest duration any kvtier setting accepts (about 11.6 days). Waits are handed to
 ``threading``, which overflows far below ``1e400``; longer or non-finite values are refused."""
 
-Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
+
+def _not_a_bool(value: Any) -> Any:
+    if isinstance(value, bool):  # pydantic would take true as 1.0 second
+        raise ValueError(f"a number of seconds, not {str(value).lower()}")
+    return value
+
+
+NOT_A_BOOL = BeforeValidator(_not_a_bool)
+"""Refuses ``true``/``false`` where a number of seconds is expected (pydantic reads them as 1 and 0)."""
+
+Seconds = Annotated[float, NOT_A_BOOL, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
 """A duration setting: a finite number of seconds in [0, :data:`MAX_SECONDS`]."""
 
-PositiveSeconds = Annotated[float, Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
+PositiveSeconds = Annotated[float, NOT_A_BOOL, Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
 """A duration setting that must be above zero: seconds in (0, :data:`MAX_SECONDS`]."""
 
 
-def check_seconds(value: Any, name: str, *, allow_none: bool = False, positive: bool = False) -> float | None:
+def check_seconds(
+    value: Any, name: str, *, allow_none: bool = False, positive: bool = False,
+    bounds: tuple[float, float] | None = None,
+) -> float | None:
     """``value`` as a duration in seconds, or raise :class:`ConfigError` naming ``name``, the value and the fix.
 
     Accepts an int or float that is finite and in [0, :data:`MAX_SECONDS`]
-    ((0, ...] when ``positive``); None only when ``allow_none`` (no deadline).
-    For arguments of the Python API (a manager's timeouts), where pydantic does not run.
+    ((0, ...] when ``positive``; ``[low, high]`` when ``bounds`` is given); None only
+    when ``allow_none`` (no deadline). For arguments of the Python API (a manager's
+    timeouts), where pydantic does not run.
     """
     if value is None and allow_none:
         return None
     none = " or None (no deadline)" if allow_none else ""
-    low = "above 0" if positive else "at least 0"
-    fix = f"give a number of seconds {low} and at most {MAX_SECONDS:.0f}{none}"
+    if bounds is not None:
+        low, high = bounds
+        fix = f"give a number of seconds from {low:g} to {high:g}{none}"
+    else:
+        low, high = 0.0, MAX_SECONDS
+        fix = f"give a number of seconds {'above 0' if positive else 'at least 0'} and at most {high:.0f}{none}"
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{name} must be a number of seconds, got {type(value).__name__} {value!r:.60}: {fix}")
-    if isinstance(value, int) and value > MAX_SECONDS:
-        raise ConfigError(f"{name}={str(value)[:20]}... is longer than {MAX_SECONDS:.0f} seconds: {fix}")
+    if isinstance(value, int) and value > high:  # a 400-digit int too, before float() overflows
+        raise ConfigError(f"{name}={str(value)[:20]}... is longer than {high:g} seconds: {fix}")
     seconds = float(value)
-    if not math.isfinite(seconds) or seconds < 0 or (positive and seconds == 0) or seconds > MAX_SECONDS:
+    if not math.isfinite(seconds) or seconds < low or (positive and seconds == 0) or seconds > high:
         raise ConfigError(f"{name}={value!r} is not a usable duration: {fix}")
     return seconds
 

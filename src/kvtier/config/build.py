@@ -47,6 +47,8 @@ def build_manager(
         "shm_dir": config.shm_dir,
         "expected_mappers": expected_mappers,
         "shutdown_timeout": config.shutdown_timeout,
+        "wait_timeout": config.wait_timeout,
+        "failed_load_seconds": config.failed_load_seconds,
         "backpressure": config.backpressure.settings(),
     }
     kwargs.update(overrides)

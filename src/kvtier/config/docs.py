@@ -133,7 +133,7 @@ def _top_level_table() -> list[str]:
     ]
     for name, info in KvtierConfig.model_fields.items():
         lines.append(
-            f"| `{name}` | `{env_var(name)}` | `{cli_flag(name)}` | {_type_text(info.annotation)} | "
+            f"| `{name}` | `{env_var(name)}` | `{cli_flag(name)}` | {_type_text(info.annotation, info.metadata)} | "
             f"{_default_text(info)} | {_cell(info.description)} |"
         )
     lines += ["", "## `geometry`", "", "| field | type | meaning |", "|---|---|---|"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -28,8 +28,14 @@ from kvtier.backpressure import MAX_WARMUP_JOBS, BackpressureSettings
 from kvtier.config.presets import MODEL_PRESETS, find_preset
 from kvtier.errors import ConfigError
 from kvtier.keys import KVGeometry, Namespace, dtype_bytes
+from kvtier.manager.waits import (
+    DEFAULT_FAILED_LOAD_SECONDS,
+    DEFAULT_WAIT_TIMEOUT,
+    FAILED_LOAD_SECONDS_RANGE,
+    WAIT_TIMEOUT_RANGE,
+)
 from kvtier.units import parse_size, row_stride_for, rows_that_fit
-from kvtier.validation import PositiveSeconds, Seconds
+from kvtier.validation import NOT_A_BOOL, PositiveSeconds, Seconds
 
 DEFAULT_CPU_BYTES = 4 * 1024**3
 
@@ -39,6 +45,16 @@ MAX_LAYOUT_COUNT = 1 << 16
 
 MAX_CPU_BLOCKS = 1 << 32
 """The largest ``num_cpu_blocks`` accepted."""
+
+WaitSeconds = Annotated[
+    float, NOT_A_BOOL, Field(ge=WAIT_TIMEOUT_RANGE[0], le=WAIT_TIMEOUT_RANGE[1], allow_inf_nan=False)
+]
+"""``wait_timeout``: a millisecond to an hour."""
+
+HoldSeconds = Annotated[
+    float, NOT_A_BOOL, Field(ge=FAILED_LOAD_SECONDS_RANGE[0], le=FAILED_LOAD_SECONDS_RANGE[1], allow_inf_nan=False)
+]
+"""``failed_load_seconds``: a second to a day."""
 
 
 class GeometryConfig(BaseModel):
@@ -185,6 +201,21 @@ class KvtierConfig(BaseModel):
             "Seconds shutdown gives all secondary tiers together (finite, at most 1000000); a tier that "
             "overruns its share is abandoned and counted as failed (the CPU tier stays mapped). null "
             "(in a file; 'none' as text): no deadline."
+        ),
+    )
+    wait_timeout: WaitSeconds = Field(
+        default=DEFAULT_WAIT_TIMEOUT,
+        description=(
+            "Seconds a request may wait on one block (a tier's RETRY, a write into the CPU tier: "
+            "HIT_PENDING) before its lookup answers MISS and the engine recomputes it; a tier with a job "
+            "in flight longer gets no lookups or cascades until it reports it (0.001 to 3600)."
+        ),
+    )
+    failed_load_seconds: HoldSeconds = Field(
+        default=DEFAULT_FAILED_LOAD_SECONDS,
+        description=(
+            "Seconds a tier is not believed about a block after its promise failed (its load failed or "
+            "was refused, or its RETRY outlived wait_timeout): its HIT and RETRY count as MISS (1 to 86400)."
         ),
     )
 

@@ -1,7 +1,7 @@
 """The steps of ``TieringManager.create``: sizes and options checked, the region, the tiers.
 
 Everything that can be checked without side effects is checked first
-(:func:`sizes`, :func:`check_shutdown_timeout`, :func:`check_policy_and_tiers`);
+(:func:`sizes`, :func:`check_settings`, :func:`check_policy_and_tiers`);
 then :func:`new_region` and :func:`assemble`, which, if a step fails, shuts down
 the tiers already built in reverse order, releases the region and raises the
 original error (DESIGN.md section 5). Creating the region blocks while it is
@@ -17,7 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvtier.errors import ConfigError, RegionBusyError, clear_exception_frames
+from kvtier.failures import log_failure
 from kvtier.keys import Namespace
+from kvtier.manager.waits import FAILED_LOAD_SECONDS_RANGE, WAIT_TIMEOUT_RANGE
 from kvtier.policies import resolve_policy
 from kvtier.primary import PrimaryTier
 from kvtier.region import SharedRegion
@@ -37,6 +39,19 @@ DEFAULT_SHUTDOWN_TIMEOUT = 120.0
 def check_shutdown_timeout(timeout: float | None, name: str = "shutdown_timeout") -> None:
     """A deadline of the Python API: finite seconds in [0, MAX_SECONDS] or None (ConfigError naming ``name``)."""
     check_seconds(timeout, name, allow_none=True)
+
+
+def check_settings(shutdown_timeout: float | None, drain_timeout: float | None, lookup_timing_every: int,
+                   wait_timeout: float, failed_load_seconds: float) -> float:
+    """Check the manager's settings (ConfigError naming the one that is wrong); returns
+    ``failed_load_seconds`` as a float."""
+    check_shutdown_timeout(shutdown_timeout)
+    check_shutdown_timeout(drain_timeout, "drain_timeout")
+    if isinstance(lookup_timing_every, bool) or not isinstance(lookup_timing_every, int) or lookup_timing_every < 1:
+        raise ConfigError(f"lookup_timing_every must be an integer >= 1, got {lookup_timing_every!r}")
+    check_seconds(wait_timeout, "wait_timeout", bounds=WAIT_TIMEOUT_RANGE)
+    check_seconds(failed_load_seconds, "failed_load_seconds", bounds=FAILED_LOAD_SECONDS_RANGE)
+    return float(failed_load_seconds)
 
 
 def new_region(name: str | None, num_cpu_blocks: int, block_bytes: int, shm_dir: str | os.PathLike[str], *,
@@ -117,11 +132,11 @@ def _cleanup_failed_construction(region: SharedRegion, primary: PrimaryTier | No
         try:
             tier.shutdown()
             tier.context.release_rows()
-        except Exception:
-            logger.exception(
-                "cleanup after failed construction: secondary tier #%d (type=%s, class=%s) failed to shut down",
-                tier.context.index, tier.tier_type, type(tier).__qualname__,
-            )
+        except Exception as exc:
+            what = (f"cleanup after failed construction: secondary tier #{tier.context.index} "
+                    f"(type={tier.tier_type}, class={type(tier).__qualname__}) failed to shut down")
+            # Its traceback is kept: the error being raised (``exc.__context__``) still needs its own.
+            log_failure(logger, logging.ERROR, what, exc, with_traceback=True, keep_traceback=True)
     built.clear()
     if primary is not None:
         primary.rows = None
@@ -138,5 +153,6 @@ def _cleanup_failed_construction(region: SharedRegion, primary: PrimaryTier | No
 
 
 __all__ = [
-    "DEFAULT_SHUTDOWN_TIMEOUT", "assemble", "check_policy_and_tiers", "check_shutdown_timeout", "new_region", "sizes",
+    "DEFAULT_SHUTDOWN_TIMEOUT", "assemble", "check_policy_and_tiers", "check_settings", "check_shutdown_timeout",
+    "new_region", "sizes",
 ]

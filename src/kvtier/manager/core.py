@@ -50,13 +50,14 @@ from typing import Any
 import numpy as np
 
 from kvtier.backpressure import BackpressureSettings
-from kvtier.errors import ConfigError, InvalidKeyError, ManagerClosedError, TierShutdownError
+from kvtier.errors import InvalidKeyError, ManagerClosedError, TierShutdownError
 from kvtier.keys import BlockKey, Namespace
 from kvtier.manager import build, snapshot
 from kvtier.manager.ledger import Ledger
-from kvtier.manager.requests import RequestState, RequestTable
+from kvtier.manager.requests import RequestTable
 from kvtier.manager.snapshot import LookupTally
 from kvtier.manager.tierset import TierHandle, TierSet
+from kvtier.manager.waits import DEFAULT_FAILED_LOAD_SECONDS, DEFAULT_WAIT_TIMEOUT, BlockWaits
 from kvtier.policies import DEFAULT_POLICY
 from kvtier.primary import IN_FLIGHT, PrepareStoreResult, PrimaryTier
 from kvtier.region import SharedRegion
@@ -126,22 +127,28 @@ class TieringManager:
         shutdown_timeout: float | None = build.DEFAULT_SHUTDOWN_TIMEOUT,
         backpressure: BackpressureSettings | None = None,
         lookup_timing_every: int = LOOKUP_TIMING_EVERY,
+        wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
+        failed_load_seconds: float = DEFAULT_FAILED_LOAD_SECONDS,
     ) -> None:
-        build.check_shutdown_timeout(shutdown_timeout)
-        build.check_shutdown_timeout(drain_timeout, "drain_timeout")
-        if isinstance(lookup_timing_every, bool) or not isinstance(lookup_timing_every, int) or lookup_timing_every < 1:
-            raise ConfigError(f"lookup_timing_every must be an integer >= 1, got {lookup_timing_every!r}")
+        """``wait_timeout``: the longest a lookup keeps a request waiting on one block (RETRY,
+        HIT_PENDING) before it answers MISS; ``failed_load_seconds``: how long a tier is not
+        believed about a block after its promise for it failed (:mod:`kvtier.manager.waits`)."""
+        hold = build.check_settings(shutdown_timeout, drain_timeout, lookup_timing_every, wait_timeout,
+                                    failed_load_seconds)
         self.primary = primary
         self.tiers: list[SecondaryTier] = list(tiers)
         self.drain_timeout = drain_timeout
         self.shutdown_timeout = shutdown_timeout
+        self.wait_timeout = float(wait_timeout)
         self.backpressure = backpressure if backpressure is not None else BackpressureSettings()
         self.lookup_timing_every = lookup_timing_every
-        self._stats = ManagerCounters()
-        self._tiers = TierSet(self.tiers, self.backpressure, self._stats)
-        self._jobs = Ledger(primary, self._stats)
-        cpu = TierDescriptor(0, PRIMARY_LABEL, "primary", "local")
-        self._requests = RequestTable([cpu, *(handle.descriptor for handle in self._tiers.handles)], self._tiers)
+        cpu = TierTelemetry()
+        self._waits = BlockWaits(self.wait_timeout, hold, cpu, primary.num_blocks)
+        self._tiers = TierSet(self.tiers, self.backpressure, ManagerCounters(), self._waits, cpu)
+        self._jobs = Ledger(primary, self._tiers.counters, self._tiers, self._waits, self.wait_timeout)
+        cpu_tier = TierDescriptor(0, PRIMARY_LABEL, "primary", "local")
+        self._requests = RequestTable([cpu_tier, *(h.descriptor for h in self._tiers.handles)], self._tiers,
+                                      primary, self._jobs, self.wait_timeout)
         self._closing = False  # shutdown() was called: only shutdown(), is_shut_down and stats() remain
         # The lookup fast path (see lookup): True once this step was polled, while the manager is
         # open; it then answers a CPU hit from the CPU tier's index without a call.
@@ -165,6 +172,7 @@ class TieringManager:
         prefault: bool = True, pin: bool = False, sweep_stale: bool = True, drain_timeout: float | None = 120.0,
         shutdown_timeout: float | None = build.DEFAULT_SHUTDOWN_TIMEOUT,
         backpressure: BackpressureSettings | None = None, events: bool = True,
+        wait_timeout: float = DEFAULT_WAIT_TIMEOUT, failed_load_seconds: float = DEFAULT_FAILED_LOAD_SECONDS,
     ) -> TieringManager:
         """Build the region, the CPU tier and each secondary tier (``{"type": ..., **options}``).
 
@@ -177,13 +185,13 @@ class TieringManager:
         them), sparing an allocation per eviction.
         """
         block_bytes, num_cpu_blocks = build.sizes(namespace, block_bytes, num_cpu_blocks, cpu_bytes)
-        build.check_shutdown_timeout(shutdown_timeout)
-        build.check_shutdown_timeout(drain_timeout, "drain_timeout")
+        build.check_settings(shutdown_timeout, drain_timeout, 1, wait_timeout, failed_load_seconds)
         build.check_policy_and_tiers(policy, tiers)
         region = build.new_region(region_name, num_cpu_blocks, block_bytes, shm_dir, expected_mappers=expected_mappers,
                                   prefault=prefault, pin=pin, sweep_stale=sweep_stale)
         return build.assemble(region, block_bytes, policy, tiers, namespace, events, lambda primary, built: cls(
-            primary, built, drain_timeout=drain_timeout, shutdown_timeout=shutdown_timeout, backpressure=backpressure))
+            primary, built, drain_timeout=drain_timeout, shutdown_timeout=shutdown_timeout, backpressure=backpressure,
+            wait_timeout=wait_timeout, failed_load_seconds=failed_load_seconds))
 
     @property
     def region(self) -> SharedRegion:
@@ -281,6 +289,9 @@ class TieringManager:
         if slot is not None:
             if self._refs[slot] == IN_FLIGHT:
                 self._tally.cpu_pending += 1
+                if not self._waits.pending(key, slot, now):  # waited on past the deadline
+                    self._tally.miss += 1
+                    return _MISS
                 self._tally.pending += 1
                 self.promoted_from = 0
                 return _HIT_PENDING
@@ -297,18 +308,21 @@ class TieringManager:
         HIT in ``found``'s tier, which reserves a CPU row for ``key`` and queues its load for step
         end (MISS if no row can be freed, whatever other tiers said)."""
         if not isinstance(found, TierHandle):
+            if not self._waits.retrying(key):  # waited on past the deadline
+                self._tally.miss += 1
+                return _MISS
             self._tally.retry += 1
             return _RETRY
         slot = self.primary.reserve_one(key, self._hits.protected())
         if slot is None:
-            self._stats.promotion_alloc_failures += 1
+            self._tiers.counters.promotion_alloc_failures += 1
             self._tally.miss += 1
             return _MISS
         if self._jobs.queue_promotion(found, key, slot, request):
             state = self._requests.state(request)
             if state is not None:
                 self._requests.list_for_step(state)
-        self._stats.promotions_started += 1
+        self._tiers.counters.promotions_started += 1
         self.promoted_from = found.index
         self._tally.pending += 1
         return _HIT_PENDING
@@ -416,7 +430,7 @@ class TieringManager:
         keys = self._open_keys("prepare_store", keys)
         self._poll_once()
         if request is not None and not (request.control or self.request_control(request)).store:
-            self._stats.stores_declined += len(keys)
+            self._tiers.counters.stores_declined += len(keys)
             return PrepareStoreResult([], np.empty(0, dtype=np.int64), [])
         state = self._requests.state(request)
         result = self.primary.prepare_store(
@@ -424,7 +438,7 @@ class TieringManager:
             continues=state is not None and state.stored_tail,
         )  # fmt: skip
         if result is None:
-            self._stats.store_rejections += 1
+            self._tiers.counters.store_rejections += 1
             return None
         if state is not None:
             if keys:
@@ -433,29 +447,8 @@ class TieringManager:
             state.pending_store_keys.update(result.keys_to_store)
             if state.request_level_tiers:
                 new = set(result.keys_to_store)
-                self._cascade_request_level(state, [k for k in dict.fromkeys(keys) if k not in new])
+                self._requests.cascade(state, [k for k in dict.fromkeys(keys) if k not in new])
         return result
-
-    def _cascade_request_level(self, state: RequestState, keys: list[BlockKey]) -> None:
-        """Cascade ``keys``, blocks a request-level store found in the CPU tier, to the request's
-        request-level tiers; those still being written are parked until step end."""
-        ready: list[BlockKey] = []
-        for key in keys:
-            ref = self.primary.ref_count(key)
-            if ref is None:
-                continue
-            if ref < 0:
-                state.parked_cascades.append(key)
-                self._requests.list_for_step(state)
-            else:
-                ready.append(key)
-        if not ready:
-            return
-        request = state.request
-        wanted = (request.control or self.request_control(request)).cascade_to
-        targets = self._tiers.admit(self._tiers.targets(state.request_level_tiers, wanted), ready, request)
-        if targets:
-            self._jobs.submit_cascades(ready, self.primary.pin_slots(ready, len(targets)), targets, request)
 
     def complete_store(
         self, keys: Sequence[BlockKey], request: RequestContext | None = None, success: bool = True
@@ -472,6 +465,8 @@ class TieringManager:
             wanted = None if request is None else (request.control or self.request_control(request)).cascade_to
             targets = self._tiers.targets(self._tiers.live, wanted)
         done, slots = self.primary.complete_device_store(keys, success, len(targets))
+        if self._waits.since or self._waits.abandoned:  # a lookup waited on one of these writes
+            self._waits.stored(done, success)
         # A late completion (after reset, or after the request was finalized) must not
         # bring back a state that nothing would ever finish.
         state = self._requests.find(request)
@@ -521,11 +516,7 @@ class TieringManager:
         self._poll_once()
         self._jobs.submit_promotions()
         if self._requests.has_step_work:
-            for state in self._requests.take_step():
-                if state.parked_cascades:
-                    parked, state.parked_cascades = state.parked_cascades, []
-                    self._cascade_request_level(state, parked)  # lists the state again if still parked
-                self._requests.finalize_if_done(state)
+            self._requests.end_step()
         self._tiers.end_step()
         self._hits.clear()
         self._steady = False
@@ -571,6 +562,7 @@ class TieringManager:
         for state in self._requests.reset():
             self._requests.finalize_if_done(state)
         self.primary.reset()
+        self._waits.clear()
         self._tiers.forget_retries()
         self._hits.clear()
         self._steady = False
@@ -602,8 +594,8 @@ class TieringManager:
         once. May be called after shutdown. Cost: a few microseconds per tier plus
         each tier's ``usage()``/``health()``.
         """
-        return snapshot.manager_snapshot(self.primary, self._tiers, self._tally, self._countdown, self._stats,
-                                         len(self._jobs), len(self._requests))
+        return snapshot.manager_snapshot(self.primary, self._tiers, self._tally, self._countdown, len(self._jobs),
+                                         len(self._requests), self._requests.control_problems())
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Shut down every secondary tier, then (only if all succeeded) the CPU tier.

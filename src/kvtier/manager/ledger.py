@@ -6,8 +6,11 @@ load job per (tier, request). A cascade (CPU -> tier store) is submitted at
 once, one job per tier, its rows pinned once per tier by the caller. Every job
 goes through :meth:`Ledger.submit`, whose one unwind path undoes what a refused
 job would have released on completion. :meth:`Ledger.poll` collects the tiers'
-reports; :meth:`Ledger.finish` makes loaded blocks readable (or frees their rows)
-and releases the pins of cascades.
+reports; :meth:`Ledger.finish` makes loaded blocks readable (or frees their rows, and
+the tier may not promise them for a while: :mod:`kvtier.manager.waits`) and releases the
+pins of cascades. A job not reported within the wait deadline is overdue
+(:meth:`Ledger.mark_overdue`): its tier gets no lookup and no cascade until it is; its rows
+stay reserved or pinned, since the tier may still be using them.
 
 Scheduler thread only; :meth:`Ledger.drain` blocks while the tiers drain.
 """
@@ -15,6 +18,8 @@ Scheduler thread only; :meth:`Ledger.drain` blocks while the tiers drain.
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from collections.abc import Iterable
 from time import perf_counter
 
@@ -22,9 +27,10 @@ import numpy as np
 
 from kvtier.errors import TierError
 from kvtier.keys import BlockKey
-from kvtier.manager.tierset import TierHandle
+from kvtier.manager.tierset import TierHandle, TierSet
+from kvtier.manager.waits import BlockWaits
 from kvtier.primary import PrimaryTier
-from kvtier.telemetry import ManagerCounters
+from kvtier.telemetry import ManagerCounters, TierTelemetry
 from kvtier.tiers.base import JobResult, TransferJob
 from kvtier.types import RequestContext
 
@@ -34,34 +40,44 @@ logger = logging.getLogger(__name__)
 class _Job:
     """A tier job in flight (a plain slotted class: one is made per job on the scheduler thread)."""
 
-    __slots__ = ("handle", "is_promotion", "keys", "slots", "submitted")
+    __slots__ = ("handle", "is_promotion", "job_id", "keys", "overdue", "slots", "submitted")
 
-    def __init__(self, handle: TierHandle, is_promotion: bool, keys: list[BlockKey], slots: list[int]) -> None:
+    def __init__(self, job_id: int, handle: TierHandle, is_promotion: bool, keys: list[BlockKey], slots: list[int],
+                 submitted: float) -> None:
+        self.job_id = job_id
         self.handle = handle
         self.is_promotion = is_promotion
         self.keys = keys
         self.slots = slots  # the rows of ``keys`` (a cascade's stay pinned until the job is reported)
-        self.submitted = perf_counter()
+        self.submitted = submitted
+        self.overdue = False  # not reported within the wait deadline
 
 
 class _Batch:
     """This step's promotions of one (tier, request): one load job at step end."""
 
-    __slots__ = ("keys", "request", "slots")
+    __slots__ = ("keys", "request", "slots", "started")
 
     def __init__(self, request: RequestContext | None) -> None:
         self.request = request
         self.keys: list[BlockKey] = []
         self.slots: list[int] = []
+        self.started = perf_counter()  # when its first promotion was queued: the step's clock
 
 
 class Ledger:
     """Tier jobs of one manager; see the module docstring. ``len()`` is the jobs in flight."""
 
-    def __init__(self, primary: PrimaryTier, counters: ManagerCounters) -> None:
+    def __init__(self, primary: PrimaryTier, counters: ManagerCounters, tiers: TierSet, waits: BlockWaits,
+                 wait_timeout: float) -> None:
         self._primary = primary
         self._counters = counters
+        self._tiers = tiers
+        self._waits = waits
+        self._wait_timeout = wait_timeout
         self._jobs: dict[int, _Job] = {}
+        self._unchecked: deque[_Job] = deque()  # jobs not yet checked against the deadline, oldest first
+        waits.writer = self._promoting_into
         self._next_id = 1
         self._batches: dict[tuple[TierHandle, str | None], _Batch] = {}
         # The last promotion's (handle, request object, batch): the next one of the same request
@@ -87,7 +103,8 @@ class Ledger:
         """
         job_id = self._next_id
         self._next_id = job_id + 1
-        self._jobs[job_id] = _Job(handle, promotion, keys, slots)
+        job = self._jobs[job_id] = _Job(job_id, handle, promotion, keys, slots, perf_counter())
+        self._unchecked.append(job)
         telemetry = handle.telemetry
         if promotion:
             self._counters.promotion_jobs += 1
@@ -101,6 +118,8 @@ class Ledger:
         if promotion:
             telemetry.loads_in_flight -= 1
             self._primary.complete_write(keys, False)
+            self._waits.loaded(keys, slots, set(keys))
+            self._withhold(handle, keys)
         else:
             telemetry.stores_in_flight -= 1
             self._primary.unpin(keys)
@@ -133,6 +152,15 @@ class Ledger:
             first = True
         batch.keys.append(key)
         batch.slots.append(slot)
+        # The wait on the block begins now (the batch's clock: one clock read per batch, not per
+        # block), or goes on from its RETRYs (or a failed promotion) before.
+        waits = self._waits
+        if waits.since:
+            clock = waits.since.get(key)
+            now = batch.started
+            waits.started[slot] = clock[0] if clock is not None and now - clock[1] <= self._wait_timeout else now
+        else:
+            waits.started[slot] = batch.started
         return first
 
     def submit_promotions(self) -> None:
@@ -150,10 +178,13 @@ class Ledger:
         self._last = None
 
     def poll(self, handles: Iterable[TierHandle]) -> None:
-        """Collect and finish the jobs the tiers of ``handles`` report."""
+        """Collect and finish the jobs the tiers of ``handles`` report; then the jobs still in
+        flight past the wait deadline are overdue (:meth:`mark_overdue`)."""
         for handle in handles:
             for result in handle.call("poll_finished", default=()):
                 self.finish(handle, result)
+        if self._unchecked:
+            self.mark_overdue()
 
     def finish(self, handle: TierHandle, result: JobResult) -> None:
         """One job reported by ``handle``'s tier: loaded blocks become readable (failed ones
@@ -164,6 +195,8 @@ class Ledger:
             logger.error("secondary tier #%d reported unknown job %d; ignored", handle.index, result.job_id)
             return
         del self._jobs[result.job_id]
+        if job.overdue:
+            self._tiers.job_overdue(handle, False)
         telemetry, counters = handle.telemetry, self._counters
         seconds = result.seconds if result.seconds > 0 else perf_counter() - job.submitted
         if not job.is_promotion:
@@ -188,8 +221,10 @@ class Ledger:
             failed = [k for k in job.keys if k not in ok_set]
         if ok:
             self._primary.complete_write(ok, True)
+        self._waits.loaded(job.keys, job.slots, set(failed) if failed else ())
         if failed:
             self._primary.complete_write(failed, False)
+            self._withhold(handle, failed)
             telemetry.fail("promotion_job_failed", error=result.error)
             logger.debug("promotion job %d from tier #%d: %d of %d keys failed (%s)",
                          result.job_id, handle.index, len(failed), len(job.keys), result.error)
@@ -197,12 +232,49 @@ class Ledger:
         counters.promotions_failed += len(failed)
         telemetry.read.add(len(ok), result.bytes_moved, seconds)
 
+    def _withhold(self, handle: TierHandle, keys: list[BlockKey]) -> None:
+        """The loads of ``keys`` from ``handle``'s tier failed (or were refused): the tier may
+        not promise them for a while."""
+        now = perf_counter()
+        for key in keys:
+            handle.waits.withhold(key, now)
+
+    def _promoting_into(self, slot: int) -> TierTelemetry | None:
+        """The telemetry of the tier whose promotion (queued or in flight) writes row ``slot``."""
+        for job in self._jobs.values():
+            if job.is_promotion and slot in job.slots:
+                return job.handle.telemetry
+        for (handle, _), batch in self._batches.items():
+            if slot in batch.slots:
+                return handle.telemetry
+        return None
+
+    def mark_overdue(self) -> None:
+        """Mark the jobs in flight longer than the wait deadline overdue (each once, counted
+        ``job_overdue``); their tiers then get no lookup and no cascade until they report.
+        Right after a poll: a job done but not polled yet (a long engine step) is not overdue."""
+        unchecked = self._unchecked
+        limit = perf_counter() - self._wait_timeout
+        jobs = self._jobs
+        while unchecked:
+            job = unchecked[0]
+            in_flight = jobs.get(job.job_id) is job
+            if in_flight and job.submitted >= limit:
+                break
+            unchecked.popleft()  # reported already, or overdue now
+            if in_flight:
+                job.overdue = True
+                job.handle.telemetry.fail("job_overdue")
+                self._tiers.job_overdue(job.handle, True)
+
     def drain(self, handles: list[TierHandle], timeout: float | None) -> None:
         """Wait for every tier of ``handles`` to finish its jobs (never aborting one halfway), then
-        finish what they report. Raises :class:`TierError` if a tier cannot drain within
-        ``timeout``, or if a job is still unreported after all drained."""
+        finish what they report. ``timeout`` (None: none) is shared by the tiers, each waited
+        for at most the time left. Raises :class:`TierError` if a tier cannot drain in time,
+        or if a job is still unreported after all drained."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         for handle in handles:
-            handle.tier.drain(timeout)
+            handle.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self.poll(handles)
         if self._jobs:
             raise TierError(f"{len(self._jobs)} tier job(s) still unreported after drain; the CPU tier was not reset")
@@ -210,9 +282,10 @@ class Ledger:
     def clear(self, handles: Iterable[TierHandle]) -> None:
         """Every tier stopped: no job of theirs is in flight any more."""
         self._jobs.clear()
+        self._unchecked.clear()
         self.drop_promotions()
         for handle in handles:
-            handle.telemetry.stores_in_flight = handle.telemetry.loads_in_flight = 0
+            handle.telemetry.stores_in_flight = handle.telemetry.loads_in_flight = handle.overdue = 0
 
 
 __all__ = ["Ledger"]

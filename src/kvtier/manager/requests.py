@@ -1,11 +1,16 @@
-"""The manager's requests: one :class:`RequestState` per request it knows, and what each allows.
+"""The manager's requests: one :class:`RequestState` per request it knows, what each allows,
+and the cascades of request-level tiers.
 
 A request's state lives from its first store, promotion or ``on_new_request``
 until it finished and nothing of it is outstanding (no device store awaiting
 completion, no cascade parked, no promotion waiting for step end); then the
 manager tells the tiers it finished. Per-request control
 (:mod:`kvtier.request_control`) is parsed from the request's params once and
-kept in ``request.control``.
+kept in ``request.control``. A tier that asked for a request at request level gets
+the request's blocks found in the CPU tier when the request stores them; a block
+still being written is parked until step end, and dropped (counted
+``cascade_expired`` on those tiers) once parked longer than the wait deadline, so a
+write that never ends never keeps the request, or ``has_pending_work()``, alive.
 
 Scheduler thread only.
 """
@@ -15,9 +20,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from time import perf_counter
 
 from kvtier.keys import BlockKey
+from kvtier.manager.ledger import Ledger
 from kvtier.manager.tierset import TierHandle, TierSet
+from kvtier.primary import PrimaryTier
 from kvtier.request_control import CONTROL_KEYS, ControlProblemLog, TierDescriptor, parse_control_problems
 from kvtier.types import DEFAULT_CONTROL, RequestContext, RequestControl
 
@@ -32,6 +40,7 @@ class RequestState:
     request_level_tiers: list[TierHandle] = field(default_factory=list)
     pending_store_keys: set[BlockKey] = field(default_factory=set)
     parked_cascades: list[BlockKey] = field(default_factory=list)
+    parked_since: float = 0.0  # when the oldest parked cascade was parked
     finished: bool = False
     chain_tail: BlockKey | None = None  # the last block loaded or stored: the parent of the next
     stored_tail: bool = False  # chain_tail was stored by this request (a next store continues it)
@@ -46,7 +55,8 @@ def _by_seq(state: RequestState) -> int:
 class RequestTable:
     """The states of the requests the manager knows, by ``req_id``; ``len()`` counts them."""
 
-    def __init__(self, descriptors: Sequence[TierDescriptor], tiers: TierSet) -> None:
+    def __init__(self, descriptors: Sequence[TierDescriptor], tiers: TierSet, primary: PrimaryTier, jobs: Ledger,
+                 wait_timeout: float) -> None:
         self.descriptors = tuple(descriptors)
         """Index, label, type and locality of every tier, the CPU tier first (what selectors match)."""
         self._states: dict[str, RequestState] = {}
@@ -54,6 +64,9 @@ class RequestTable:
         self._step: list[RequestState] = []
         self._control_problems = ControlProblemLog(logger)
         self._tiers = tiers
+        self._primary = primary
+        self._jobs = jobs
+        self._wait_timeout = wait_timeout
 
     def __len__(self) -> int:
         return len(self._states)
@@ -93,13 +106,47 @@ class RequestTable:
         """A cascade waits for its block's write to finish."""
         return any(state.parked_cascades for state in self._step)
 
-    def take_step(self) -> list[RequestState]:
-        """This step's listed states, in the order the requests came, no longer listed."""
+    def cascade(self, state: RequestState, keys: list[BlockKey]) -> None:
+        """Cascade ``keys``, blocks a request-level store found in the CPU tier, to the request's
+        request-level tiers; those still being written are parked until step end."""
+        ready: list[BlockKey] = []
+        for key in keys:
+            ref = self._primary.ref_count(key)
+            if ref is None:
+                continue
+            if ref < 0:
+                if not state.parked_cascades:
+                    state.parked_since = perf_counter()
+                state.parked_cascades.append(key)
+                self.list_for_step(state)
+            else:
+                ready.append(key)
+        if not ready:
+            return
+        request = state.request
+        wanted = self.control(request).cascade_to
+        targets = self._tiers.admit(self._tiers.targets(state.request_level_tiers, wanted), ready, request)
+        if targets:
+            self._jobs.submit_cascades(ready, self._primary.pin_slots(ready, len(targets)), targets, request)
+
+    def end_step(self) -> None:
+        """Step end: the listed requests, in the order they came, flush their parked cascades (those
+        parked past the wait deadline are dropped) and are finalized if done."""
         states, self._step = self._step, []
         states.sort(key=_by_seq)
         for state in states:
             state.in_step = False
-        return states
+        for state in states:
+            if state.parked_cascades:
+                parked, state.parked_cascades, since = state.parked_cascades, [], state.parked_since
+                if perf_counter() - since > self._wait_timeout:
+                    ready = [key for key in parked if (self._primary.ref_count(key) or 0) >= 0]
+                    for handle in state.request_level_tiers if len(ready) < len(parked) else ():
+                        handle.telemetry.fail("cascade_expired", len(parked) - len(ready))
+                    parked = ready
+                self.cascade(state, parked)  # lists the state again if still parked
+                state.parked_since = since
+            self.finalize_if_done(state)
 
     def reset(self) -> list[RequestState]:
         """Forget everything outstanding (the CPU tier is being reset); every state, to finalize."""
@@ -110,6 +157,10 @@ class RequestTable:
             state.parked_cascades.clear()
             state.in_step = False
         return states
+
+    def control_problems(self) -> dict[str, int]:
+        """Malformed request settings seen so far, by ``"<key>:<kind>"`` (counts only)."""
+        return self._control_problems.counts()
 
     def control(self, request: RequestContext) -> RequestControl:
         """What ``request`` allows, parsed from its params once and kept in ``request.control``.

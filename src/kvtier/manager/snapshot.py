@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 from kvtier.manager.tierset import TierHandle, TierSet
 from kvtier.primary import PrimaryTier
-from kvtier.telemetry import LookupCounts, ManagerCounters, ManagerSnapshot, TierSnapshot, TierTelemetry, TransferTotals
+from kvtier.telemetry import LookupCounts, ManagerSnapshot, TierSnapshot, TierTelemetry, TransferTotals
 from kvtier.types import PRIMARY_LABEL, LookupResult
 
 
@@ -116,6 +116,7 @@ def cpu_snapshot(primary: PrimaryTier, telemetry: TierTelemetry, answers: tuple[
         written=TransferTotals(blocks=ps.blocks_stored, bytes=ps.blocks_stored * primary.block_bytes),
         read=TransferTotals(**asdict(telemetry.read)),
         failures={
+            **telemetry.failures,
             "store_failed": ps.store_failures,
             "store_rejected": ps.store_rejections,
             "promotion_alloc_failed": alloc_failures,
@@ -169,11 +170,12 @@ def tier_snapshot(handle: TierHandle, reading: TierReading) -> TierSnapshot:
     )
 
 
-def manager_snapshot(primary: PrimaryTier, tiers: TierSet, tally: LookupTally, countdown: int,
-                     counters: ManagerCounters, jobs_in_flight: int, active_requests: int) -> ManagerSnapshot:
+def manager_snapshot(primary: PrimaryTier, tiers: TierSet, tally: LookupTally, countdown: int, jobs_in_flight: int,
+                     active_requests: int, control_problems: dict[str, int]) -> ManagerSnapshot:
     """The whole snapshot: every tier's (each read through its guards first, so the calls that
-    failed are in the copy of the manager's ``counters``), the CPU tier's sizes, and the lookup
-    answers from ``tally`` and ``countdown``."""
+    failed are in the copy of the manager's counters), the CPU tier's sizes, the lookup answers
+    from ``tally`` and ``countdown``, and the request-control problems by ``"<key>:<kind>"``."""
+    counters = tiers.counters
     secondary = [tier_snapshot(handle, TierReading.of(handle)) for handle in tiers.handles]
     cpu = cpu_snapshot(primary, tiers.cpu, tally.cpu_counts(countdown), counters.promotion_alloc_failures)
     return ManagerSnapshot(
@@ -182,7 +184,7 @@ def manager_snapshot(primary: PrimaryTier, tiers: TierSet, tally: LookupTally, c
         row_stride=primary.region.row_stride,
         cpu_blocks=primary.num_blocks,
         manager=replace(counters, lookups=tally.answers(countdown), jobs_in_flight=jobs_in_flight,
-                        active_requests=active_requests),
+                        active_requests=active_requests, request_control_problems=control_problems),
         tiers=(cpu, *secondary),
     )
 

@@ -2,26 +2,29 @@
 
 A handle holds all the manager keeps of one tier: its index (1-based, as in
 labels, logs and errors), descriptor, telemetry, cascade admission, liveness,
-RETRY state and a shutdown still running past a deadline. Every call of a tier
-is guarded here: one that raises is counted (``call_error``), logged once per
-call, and answered with its safe default, so a tier never crashes the engine's
-scheduler. Scheduler thread only, except :meth:`TierSet.shutdown` (the thread
-that calls the manager's ``shutdown()``).
+wait state (:mod:`kvtier.manager.waits`: RETRY clocks, blocks it may not promise,
+jobs past the deadline) and a blocking call still running past its deadline. Every
+call of a tier is guarded here: one that raises is counted (``call_error``), logged
+once per call, and answered with its safe default, so a tier never crashes the
+engine's scheduler. Scheduler thread only, except :meth:`TierSet.shutdown` and
+:meth:`TierHandle.drain` (the thread that shuts down or resets the manager).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from time import perf_counter
 from typing import Any, TypeVar
 
 from kvtier.backpressure import BackpressureSettings
-from kvtier.errors import TierFailure, TierShutdownTimeout
+from kvtier.errors import TierDrainTimeout, TierFailure, TierShutdownTimeout
+from kvtier.failures import log_failure
 from kvtier.keys import BlockKey
 from kvtier.manager.admission import CascadeAdmission, cascade_admission
+from kvtier.manager.blocking import BlockingCalls
+from kvtier.manager.waits import BlockWaits
 from kvtier.request_control import TierDescriptor, tier_locality
 from kvtier.telemetry import ManagerCounters, TierTelemetry
 from kvtier.tiers.base import SecondaryTier, TransferJob
@@ -32,41 +35,19 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _HIT, _RETRY, _MISS = LookupResult.HIT, LookupResult.RETRY, LookupResult.MISS
 
-MAX_PENDING_RETRIES = 65536
-"""Keys per tier remembered between a RETRY and its answer; beyond it the oldest are forgotten."""
-
-
-class _ShutdownRun:
-    """One call of a tier's ``shutdown()`` on its own daemon thread, so the manager can stop
-    waiting for it (a hung tier is abandoned, never waited on past its share of the deadline)."""
-
-    def __init__(self, tier: SecondaryTier, index: int) -> None:
-        self.error: BaseException | None = None
-        self._done = threading.Event()
-        thread = threading.Thread(target=self._run, args=(tier,), name=f"kvtier-shutdown-tier{index}", daemon=True)
-        thread.start()
-
-    def _run(self, tier: SecondaryTier) -> None:
-        try:
-            tier.shutdown()
-        except BaseException as exc:  # handed to the manager's thread, KeyboardInterrupt included
-            self.error = exc
-        finally:
-            self._done.set()
-
-    def wait(self, timeout: float | None) -> bool:
-        """True once the call returned or raised (``error`` then says which)."""
-        return self._done.wait(timeout)
+DRAIN_GRACE = 1.0
+"""Seconds past its timeout a tier's ``drain(timeout)`` is waited for before it is abandoned
+(a tier that honours its timeout raises its own ``TierDrainTimeout`` in time)."""
 
 
 class TierHandle:
     """One secondary tier and the manager's state of it (see the module docstring)."""
 
-    __slots__ = ("_counters", "_logged", "_shutdown_run", "admission", "descriptor", "has_step_end", "index", "live",
-                 "retry_since", "telemetry", "tier")  # fmt: skip
+    __slots__ = ("_calls", "_counters", "_logged", "admission", "descriptor", "has_step_end", "index", "live",
+                 "overdue", "retry_since", "telemetry", "tier", "waits")  # fmt: skip
 
     def __init__(self, index: int, tier: SecondaryTier, admission: CascadeAdmission | None,
-                 counters: ManagerCounters) -> None:
+                 counters: ManagerCounters, waits: BlockWaits) -> None:
         self.index = index
         self.tier = tier
         self.descriptor = TierDescriptor(index, tier_label(index, tier.tier_type), tier.tier_type,
@@ -74,131 +55,123 @@ class TierHandle:
         self.telemetry = TierTelemetry()
         self.admission = admission
         self.live = True
-        self.retry_since: dict[BlockKey, float] = {}
-        """When the tier first answered RETRY for a key, so the answer that follows is timed."""
+        self.waits = waits.for_tier(self.telemetry)
+        self.retry_since = self.waits.retry_since  # the same dict: the lookup path tests it without a hop
+        self.overdue = 0
+        """Jobs of this tier in flight past the wait deadline: while any, no lookup asks it and
+        no cascade goes to it (the tier is not answering; its rows stay as they are)."""
         base = SecondaryTier.on_schedule_end  # the base class's does nothing: a call per step saved
         self.has_step_end = getattr(getattr(tier, "on_schedule_end", None), "__func__", None) is not base
         self._counters = counters
         self._logged: set[str] = set()
-        self._shutdown_run: _ShutdownRun | None = None
+        self._calls = BlockingCalls(tier, f"tier{index}")
 
-    def failed(self, call: str) -> None:
-        """The tier raised from ``call()``: count it, and log it the first time (call from an
-        ``except`` block, so the log carries the traceback)."""
+    def failed(self, call: str, exc: Exception) -> None:
+        """The tier raised ``exc`` from ``call()``: count it, and log it the first time (as text,
+        with its traceback: the record keeps no frame, so no view of the CPU rows)."""
         self._counters.tier_call_errors += 1
         self.telemetry.fail("call_error")
         if call not in self._logged:
             self._logged.add(call)
-            logger.exception(
-                "secondary tier #%d (type=%s, class=%s) raised from %s(); treated as its safe default "
-                "(further errors of this call are only counted)",
-                self.index, self.tier.tier_type, type(self.tier).__qualname__, call,
-            )
+            what = (f"secondary tier #{self.index} (type={self.tier.tier_type}, class={type(self.tier).__qualname__}) "
+                    f"raised from {call}(); treated as its safe default (further errors of this call are only counted)")
+            log_failure(logger, logging.ERROR, what, exc, with_traceback=True)
 
     def call(self, name: str, *args: Any, default: Any = None) -> Any:
         """The tier's method ``name`` called with ``args``, or ``default`` if it raised (see :meth:`failed`)."""
         try:
             return getattr(self.tier, name)(*args)
-        except Exception:
-            self.failed(name)
+        except Exception as exc:
+            self.failed(name, exc)
             return default
 
     def guard(self, call: str, fn: Callable[[], _T], default: _T) -> _T:
         """``fn()`` (which reads the tier), or ``default`` if it raised, counted as ``call()`` failing."""
         try:
             return fn()
-        except Exception:
-            self.failed(call)
+        except Exception as exc:
+            self.failed(call, exc)
             return default
 
     def submit(self, job: TransferJob) -> bool:
         """Hand ``job`` to the tier; False if it refused (logged, counted as ``submit_error``)."""
         try:
             (self.tier.submit_load if job.is_promotion else self.tier.submit_store)(job)
-        except Exception:
-            logger.exception("secondary tier #%d failed to accept %s job %d", self.index,
-                             "load" if job.is_promotion else "store", job.job_id)
+        except Exception as exc:
+            kind = "load" if job.is_promotion else "store"
+            log_failure(logger, logging.ERROR, f"secondary tier #{self.index} failed to accept {kind} job "
+                        f"{job.job_id}", exc, with_traceback=True)  # fmt: skip
             self._counters.submit_errors += 1
             self.telemetry.fail("submit_error")
             return False
         return True
 
-    def retried(self, key: BlockKey, now: float) -> None:
-        """The tier answered RETRY for ``key`` at ``now`` (the first RETRY starts the clock)."""
-        pending = self.retry_since
-        if key not in pending:
-            if len(pending) >= MAX_PENDING_RETRIES:
-                del pending[next(iter(pending))]
-            pending[key] = now
-
-    def answered(self, key: BlockKey, now: float) -> None:
-        """The tier answered HIT or MISS for ``key``; time it if it had answered RETRY before."""
-        start = self.retry_since.pop(key, None)
-        if start is not None:
-            self.telemetry.lookup_async_seconds.observe(now - start)
+    def drain(self, timeout: float | None) -> None:
+        """The tier's ``drain(timeout)``, waited for at most ``timeout`` + :data:`DRAIN_GRACE`
+        seconds: raises what it raised, or :class:`TierDrainTimeout` if it did not return."""
+        still = " (still running the drain() of an earlier reset)" if self._calls.running("drain") else ""
+        done, error = self._calls.run("drain", None if timeout is None else timeout + DRAIN_GRACE, timeout)
+        if not done:
+            raise TierDrainTimeout(
+                f"secondary tier #{self.index} (type={self.tier.tier_type}) did not return from drain() within "
+                f"{timeout:.3g}s{still}; nothing was reset. Call reset_cache() again to wait for it"
+            )
+        if error is not None:
+            raise error
 
     def shutdown(self, share: float | None) -> Exception | None:
-        """Run (or keep waiting for) the tier's ``shutdown()``; its error, or None on success.
-
-        Without a deadline (``share`` None) and with no earlier call still running, the call
-        is made in this thread. KeyboardInterrupt/SystemExit raised by the tier propagate.
-        """
-        run = self._shutdown_run
-        if share is None and run is None:
-            try:
-                self.tier.shutdown()
-            except Exception as exc:
-                return exc
-            return None
-        still = " (still running the shutdown() of an earlier attempt)" if run is not None else ""
-        if run is None:
-            run = self._shutdown_run = _ShutdownRun(self.tier, self.index)
-        if not run.wait(share):
-            return TierShutdownTimeout(
-                f"secondary tier #{self.index} (type={self.tier.tier_type}) did not finish shutdown() within its "
-                f"{share:.3g}s share of the deadline{still}; abandoned while still running, so the CPU "
-                "tier stays mapped. Call shutdown() again to wait for it"
-            )
-        self._shutdown_run = None
-        if run.error is None or isinstance(run.error, Exception):
-            return run.error
-        raise run.error  # KeyboardInterrupt / SystemExit inside the tier: stop here
+        """Run (or keep waiting for) the tier's ``shutdown()`` for at most ``share`` seconds (None:
+        no deadline); its error, or None on success. KeyboardInterrupt/SystemExit propagate."""
+        still = " (still running the shutdown() of an earlier attempt)" if self._calls.running("shutdown") else ""
+        done, error = self._calls.run("shutdown", share)
+        if done:
+            return error
+        return TierShutdownTimeout(
+            f"secondary tier #{self.index} (type={self.tier.tier_type}) did not finish shutdown() within its "
+            f"{share:.3g}s share of the deadline{still}; abandoned while still running, so the CPU "
+            "tier stays mapped. Call shutdown() again to wait for it"
+        )
 
 
 class TierSet:
     """Every secondary tier's handle, in order, and what the manager asks of them together."""
 
     def __init__(self, tiers: Sequence[SecondaryTier], backpressure: BackpressureSettings,
-                 counters: ManagerCounters) -> None:
-        self.cpu = TierTelemetry()  # the manager's telemetry of the CPU tier (index 0)
+                 counters: ManagerCounters, waits: BlockWaits, cpu: TierTelemetry) -> None:
+        self.cpu = cpu  # the manager's telemetry of the CPU tier (index 0)
         self.handles = tuple(
-            TierHandle(i, tier, cascade_admission(backpressure, tier_label(i, tier.tier_type)), counters)
+            TierHandle(i, tier, cascade_admission(backpressure, tier_label(i, tier.tier_type)), counters, waits)
             for i, tier in enumerate(tiers, start=1)
         )
         self.live = list(self.handles)
-        """The handles of the tiers not shut down, in order (the lookup path iterates it)."""
+        """The handles of the tiers not shut down, in order."""
+        self.serving = list(self.handles)
+        """The live handles with no job past the wait deadline, in order (the lookup path iterates it)."""
         self._step_end = [handle for handle in self.handles if handle.has_step_end]
         self.telemetry = (self.cpu, *(handle.telemetry for handle in self.handles))
         """The manager's telemetry of every tier, the CPU tier first."""
-        self._counters = counters
+        self.counters = counters
+        """The manager's own counters (its snapshot holds a copy)."""
 
     def lookup(self, key: BlockKey, request: RequestContext | None, allowed: frozenset[int] | None,
                now: float) -> TierHandle | LookupResult:
-        """Ask the live tiers ``allowed`` (indices; None: all) in order, after a CPU miss: the
+        """Ask the serving tiers ``allowed`` (indices; None: all) in order, after a CPU miss: the
         handle of the first that answers HIT, else RETRY if one answered RETRY, else MISS.
 
-        ``now`` is when the first tier is asked if this lookup is timed (the per-tier
-        ``lookup_seconds``), else 0. A tier's RETRY, and its answer after one, are always
-        timed (``lookup_async_seconds``). The hot path of a miss: its guard is written inline.
+        A tier's HIT or RETRY for a block it may not promise now counts as its MISS
+        (:class:`~kvtier.manager.waits.TierWaits`). ``now`` is when
+        the first tier is asked if this lookup is timed (the per-tier ``lookup_seconds``), else
+        0. A tier's RETRY, and its answer after one, are always timed (``lookup_async_seconds``).
+        The hot path of a miss: its guard is written inline.
         """
         retry = False
-        for handle in self.live:
+        for handle in self.serving:
             if allowed is not None and handle.index not in allowed:
                 continue
             try:
                 answer = handle.tier.lookup(key, request)
-            except Exception:
-                handle.failed("lookup")
+            except Exception as exc:
+                handle.failed("lookup", exc)
                 continue
             if now:
                 done = perf_counter()
@@ -206,14 +179,17 @@ class TierSet:
                 now = done
             if answer is _MISS:
                 if handle.retry_since:
-                    handle.answered(key, now or perf_counter())
+                    handle.waits.answered(key, now or perf_counter())
+                continue
+            waits = handle.waits
+            if waits.withheld and waits.withholds(key, now or perf_counter()):
                 continue
             if answer is _RETRY:
-                handle.retried(key, now or perf_counter())
+                waits.retried(key, now or perf_counter())
                 retry = True
                 continue
             if handle.retry_since:
-                handle.answered(key, now or perf_counter())
+                waits.answered(key, now or perf_counter())
             if answer is _HIT:
                 return handle
         return _RETRY if retry else _MISS
@@ -232,8 +208,9 @@ class TierSet:
         return out
 
     def targets(self, among: Iterable[TierHandle], wanted: frozenset[int] | None) -> list[TierHandle]:
-        """The live handles of ``among`` whose index ``wanted`` has (None: every one)."""
-        return [handle for handle in among if handle.live and (wanted is None or handle.index in wanted)]
+        """The live handles of ``among`` with no job past the wait deadline whose index ``wanted`` has
+        (None: every one)."""
+        return [h for h in among if h.live and not h.overdue and (wanted is None or h.index in wanted)]
 
     def admit(self, among: list[TierHandle], keys: list[BlockKey], request: RequestContext | None) -> list[TierHandle]:
         """The handles of ``among`` whose admission takes a cascade of ``keys`` now (the others
@@ -242,7 +219,7 @@ class TierSet:
         for handle in among:
             admission = handle.admission
             if admission is not None and not admission.admit(keys, request, handle.telemetry.stores_in_flight):
-                self._counters.cascades_skipped += len(keys)
+                self.counters.cascades_skipped += len(keys)
                 continue
             admitted.append(handle)
         return admitted
@@ -263,10 +240,25 @@ class TierSet:
         for handle in self.handles:
             handle.retry_since.clear()
 
+    def job_overdue(self, handle: TierHandle, late: bool) -> None:
+        """One of ``handle``'s jobs passed the wait deadline (``late``), or such a job was reported:
+        while any is, the tier gets no lookup and no cascade."""
+        handle.overdue += 1 if late else -1
+        if handle.overdue == int(late):  # its state changed
+            self.serving = [h for h in self.live if not h.overdue]
+            if late:
+                logger.warning("secondary tier #%d (type=%s): a job is not reported within the wait deadline; no "
+                               "lookup or cascade goes to it until it is", handle.index, handle.tier.tier_type)
+            else:
+                logger.info("secondary tier #%d (type=%s) reported its late jobs; serving again",
+                            handle.index, handle.tier.tier_type)
+
     def mark_down(self, handle: TierHandle) -> None:
         """``handle``'s tier shut down: no call reaches it any more, and its view of the rows goes."""
         handle.live = False
         self.live.remove(handle)
+        if handle in self.serving:
+            self.serving.remove(handle)
         if handle in self._step_end:
             self._step_end.remove(handle)
         handle.tier.context.release_rows()
@@ -289,12 +281,13 @@ class TierSet:
                 self.mark_down(handle)
                 continue
             tier = handle.tier
-            logger.error(
-                "Failed to shut down secondary tier #%d (type=%s, class=%s): %s",
-                handle.index, tier.tier_type, type(tier).__qualname__, error, exc_info=error,
-            )
+            # As text, its frames cleared: a handler that keeps records must not keep the rows
+            # mapped. Its traceback stays: the error is raised again, chained to TierShutdownError.
+            what = f"Failed to shut down secondary tier #{handle.index} (type={tier.tier_type}, " \
+                   f"class={type(tier).__qualname__})"
+            log_failure(logger, logging.ERROR, what, error, with_traceback=True, keep_traceback=True)
             failures.append(TierFailure(handle.index, tier.tier_type, type(tier).__qualname__, error))
         return failures
 
 
-__all__ = ["MAX_PENDING_RETRIES", "TierHandle", "TierSet"]
+__all__ = ["DRAIN_GRACE", "TierHandle", "TierSet"]

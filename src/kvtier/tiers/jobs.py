@@ -379,6 +379,12 @@ class ThreadedTier(SecondaryTier):
         """Reserve ``key`` for a load (e.g. pin it); False if it is not held. Scheduler thread."""
         return True
 
+    def _unverify_locked(self, keys: Iterable[BlockKey]) -> None:
+        """The loads of ``keys`` failed: a tier that answers lookups from a cache of existence
+        checks drops its positive answers for them, so it checks again (and answers RETRY
+        meanwhile) before it promises them again. Called with ``_lock`` held, on the thread that
+        reports the job; the default keeps nothing to drop."""
+
     def _plan_store(self, state: JobState, blocks: list[tuple[BlockKey, int]]) -> list[Work]:
         """Work items for the ``(key, slot)`` blocks to store; default one per block."""
         return [Work(Lane.STORE, state, [key], [slot]) for key, slot in blocks]
@@ -513,6 +519,9 @@ class ThreadedTier(SecondaryTier):
             logger.error("%s tier %s: job %d reported twice; ignored", self.tier_type, self.label, result.job_id)
             return
         state.finished = True
+        if state.is_load and not result.success:
+            ok = result.successful_keys or frozenset()
+            self._unverify_locked([key for key in state.job.keys if key not in ok])
         self._results.append(result)
         if not self._active:
             self._idle.notify_all()

@@ -25,7 +25,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from kvtier.errors import ConfigError
 from kvtier.units import parse_size
-from kvtier.validation import MAX_SECONDS, explain
+from kvtier.validation import MAX_SECONDS, NOT_A_BOOL, explain
 
 MAX_LIFETIME_SECONDS = 365 * 24 * 3600.0
 """The longest lifetime of a stored value a tier option takes (one year; a wait is bounded by
@@ -53,11 +53,11 @@ def _size(value: Any) -> Any:
 ByteSize = Annotated[int, BeforeValidator(_size), Field(ge=0, le=MAX_BYTES)]
 """Bytes as an exact int or a size string (``"512MiB"``, ``"4GiB"``, ``"4GB"``), at most 1 EiB."""
 
-Seconds = Annotated[float, Field(le=MAX_SECONDS)]
+Seconds = Annotated[float, NOT_A_BOOL, Field(le=MAX_SECONDS)]
 """A finite duration in seconds, at most :data:`~kvtier.validation.MAX_SECONDS` (each option
 states its lower bound): the bound of every wait in kvtier."""
 
-LifetimeSeconds = Annotated[float, Field(le=MAX_LIFETIME_SECONDS)]
+LifetimeSeconds = Annotated[float, NOT_A_BOOL, Field(le=MAX_LIFETIME_SECONDS)]
 """How long a stored value lives (a TTL), at most one year."""
 
 Threads = Annotated[int, Field(ge=1, le=MAX_THREADS)]

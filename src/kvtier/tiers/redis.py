@@ -27,7 +27,7 @@ import logging
 import os
 import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -245,6 +245,16 @@ class RedisTier(ThreadedTier):
         # marks the reply to a lookup's check, which that lookup consumes once.
         self._known.pop(key, None)
         self._known[key] = (present, now + self._lookup_cache_seconds, answer)
+
+    def _unverify_locked(self, keys: Iterable[BlockKey]) -> None:
+        # A GET that failed (timeout, dropped connection) says nothing about the value: its
+        # cached HIT is dropped, so the next lookup checks it again with EXISTS. A missing or
+        # corrupt value stays remembered as absent.
+        known = self._known
+        for key in keys:
+            entry = known.get(key)
+            if entry is not None and entry[0]:
+                del known[key]
 
     def _prune_known(self, now: float) -> None:
         # Caller holds _lock.

@@ -46,7 +46,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import numpy as np
@@ -163,6 +163,13 @@ class S3Tier(ThreadedTier):
             self._present[key] = now + self.options.hit_seconds
         else:
             self._absent[key] = now + self.options.miss_seconds
+
+    def _unverify_locked(self, keys: Iterable[BlockKey]) -> None:
+        # A GET that failed (timeout, dropped connection, no bucket) says nothing about the
+        # object: its HIT is no longer believed; the next lookup checks it again with a HEAD.
+        # A missing or corrupt object was already remembered as absent.
+        for key in keys:
+            self._present.pop(key, None)
 
     def _answer(self, key: BlockKey, now: float) -> bool | None:
         """Caller holds _lock: True/False while an answer is fresh, else None."""

@@ -54,7 +54,8 @@ VLLM_OWNED_KEYS = frozenset(
 """``kv_connector_extra_config`` keys read by vLLM's OffloadingConnector itself."""
 
 KVTIER_KEYS = frozenset(
-    {"cpu_bytes", "num_cpu_blocks", "policy", "tiers", "shm_dir", "region_name", "model_revision", "backpressure"}
+    {"cpu_bytes", "num_cpu_blocks", "policy", "tiers", "shm_dir", "region_name", "model_revision", "backpressure",
+     "wait_timeout", "failed_load_seconds"}
 )
 """kvtier settings accepted in ``kv_connector_extra_config`` (same names as kvtier's schema)."""
 

@@ -52,6 +52,8 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "backpressure_skipped_jobs": ("Cascade jobs skipped because the tier's store latency was high.", ("tier",)),
     "backpressure_skipped_blocks": ("Blocks not cascaded because the tier's store latency was high.", ("tier",)),
     "tier_extra_counter": ("Counters a tier declares itself, by name.", ("tier", "name")),
+    "request_control_problems": ("Malformed per-request settings, by key and kind (each fell back to its "
+                                 "default).", ("key", "kind")),
 }  # fmt: skip
 _GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "capacity_used_bytes": ("Bytes held by the tier.", ("tier",)),
@@ -130,6 +132,9 @@ def _flatten(snap: ManagerSnapshot) -> tuple[dict[_Key, float], dict[_Key, float
     for result, value in (("succeeded", m.cascades_succeeded), ("failed", m.cascades_failed),
                           ("skipped", m.cascades_skipped)):
         counters[(p + "cascades", (result,))] = value
+    for name, count in m.request_control_problems.items():
+        key, _, kind = name.partition(":")
+        counters[(p + "request_control_problems", (key, kind))] = count
     return counters, gauges
 
 
