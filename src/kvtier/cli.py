@@ -11,6 +11,8 @@ Subcommands:
   regions, bench temp dirs); ``kvtier sweep-shm`` the regions only.
 * ``kvtier inspect DIR|S3-URL [--verify|--sample N]``: summary of an fs tier directory or an S3 prefix.
 * ``kvtier config show|reference|schema``: the resolved configuration and its sizes.
+* ``kvtier fleet serve --engine NAME=tcp://HOST:PORT ...``: a prefix index over engines' KV
+  events, answering routers over HTTP (:mod:`kvtier.fleet`).
 
 Settings resolve as default < ``--config FILE`` < ``KVTIER_*`` environment <
 flags for every command that reads them. Inputs are checked before any work
@@ -43,6 +45,7 @@ from kvtier.config import (
     render_config_reference,
 )
 from kvtier.errors import ConfigError, KvtierError
+from kvtier.fleet.cli import add_fleet_parser
 from kvtier.version import __version__
 
 logger = logging.getLogger("kvtier.cli")
@@ -795,13 +798,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
-    sub = parser.add_subparsers(dest="command", metavar="{bench,replay,sweep,sweep-shm,inspect,config}")
+    sub = parser.add_subparsers(dest="command", metavar="{bench,replay,sweep,sweep-shm,inspect,config,fleet}")
     sub.required = True
     _add_bench(sub)
     _add_replay(sub)
     _add_sweep(sub)
     _add_inspect(sub)
     _add_config(sub)
+    add_fleet_parser(sub)
     return parser
 
 

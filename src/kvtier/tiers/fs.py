@@ -501,6 +501,20 @@ class FilesystemTier(ThreadedTier):
         """Stores skip keys already on disk."""
         return key in self._index
 
+    lists_holdings = True
+
+    def store_location(self) -> str:
+        """``fs:<real path of the root>``: engines on one host, or hosts mounting a shared file
+        system at the same path, share the root's blocks."""
+        return f"fs:{os.path.realpath(self.root)}"
+
+    def held_keys(self) -> list[BlockKey] | None:
+        """The index's keys once the start-up scan is done (before: None)."""
+        return self._index.keys() if self._scan_done.is_set() else None
+
+    def holds(self, key: BlockKey) -> bool:
+        return key in self._index
+
     def _admit_load(self, key: BlockKey) -> bool:
         """Pin ``key`` against eviction until its load ran; False if it is no longer on disk."""
         return self._index.pin(key)

@@ -92,6 +92,15 @@ class MemoryTier(ThreadedTier):
     def _holds(self, key: BlockKey) -> bool:
         return key in self._values
 
+    lists_holdings = True
+
+    def held_keys(self) -> list[BlockKey]:
+        with self._values_lock:
+            return list(self._values)
+
+    def holds(self, key: BlockKey) -> bool:
+        return key in self._values
+
     def _admit_load(self, key: BlockKey) -> bool:
         with self._values_lock:
             if key not in self._values:

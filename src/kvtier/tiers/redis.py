@@ -326,6 +326,12 @@ class RedisTier(ThreadedTier):
         """
         return self._usage
 
+    def store_location(self) -> str:
+        """``redis:<host:port/db, no credentials or options>/<prefix>`` (give every engine the same
+        URL; in cluster mode the same node)."""
+        parts = urlsplit(self.url)
+        return f"redis:{parts.netloc.rsplit('@', 1)[-1]}{parts.path}/{self.prefix}"
+
     def describe(self) -> dict[str, Any]:
         return {
             "type": self.tier_type,

@@ -215,6 +215,10 @@ class S3Tier(ThreadedTier):
         """The bytes this process uploaded (the bucket's total is unknown; capacity unbounded)."""
         return TierUsage(self.stats.bytes_written, None, int(self.stats.extra["objects_written"]))
 
+    def store_location(self) -> str:
+        """``s3:<endpoint or aws>/<bucket>/<prefix>``."""
+        return f"s3:{self.options.endpoint or 'aws'}/{self.options.bucket}/{self.options.prefix}"
+
     def describe(self) -> dict[str, Any]:
         return {
             "type": self.tier_type,

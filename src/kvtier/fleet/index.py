@@ -1,0 +1,411 @@
+"""The fleet's prefix index: which engine holds which block in which tier, from their KV events.
+
+:class:`FleetIndex` applies the decoded event batches of N engines (one writer: the
+subscriber thread) and answers, for a prompt's block keys, the longest cached prefix
+per engine and tier (any thread). What it keeps:
+
+* Per engine: its **device cache** (vLLM's own ``BlockStored``/``BlockRemoved`` of
+  medium GPU, cleared by ``AllBlocksCleared``) and its **private tiers** (the CPU tier:
+  kvtier's events of medium CPU; a tier of scope ``engine``), both belonging to the
+  engine's current start.
+* Per **shared store** (an fs root, a Redis, an S3 prefix; named by the store id in
+  kvtier's control records): what it holds, changed by any engine's stored and removed
+  events, surviving engine restarts. An engine's tier answers from the store it uses.
+
+Trust rules (kvtier's control records, :mod:`kvtier.engine_events`):
+
+* A control record with a new ``start`` for an engine means it restarted: everything of
+  its old start (device cache, private tiers) is dropped at once, before the batch's
+  other events are applied (they are the new start's).
+* Control records count ``seq`` 0, 1, 2 ... per start: a gap (or a gap the subscriber saw
+  in vLLM's own batch sequence and could not replay) means events were lost: the
+  engine's device cache and private tiers are dropped and marked incomplete until a
+  snapshot (private tiers) or a clear (device cache) makes them whole again. An engine
+  first heard in the middle of a start is incomplete the same way.
+* Block events of kvtier's media (CPU, STORAGE) only count after a control record of
+  the same batch names the start and the tiers; others (another connector's) are
+  skipped and counted.
+* A store's removal leaves a tombstone for ``tombstone_seconds``: a snapshot's stored
+  event (``weak``: it reports what an engine's index held, which may lag another
+  engine's eviction by its journal delay) does not bring the key back within that
+  time; a real store does.
+
+Answers are in blocks of the engines' ``tokens_per_hash``; kvtier tiers hold chunks of
+``blocks_per_chunk`` blocks, keyed by the chunk's last block. ``any`` is the longest
+prefix whose every block is in at least one of the engine's tiers (what the engine
+would reuse, device cache first).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.engine_events import SCOPE_SHARED, ControlRecord, TierInfo
+from kvtier.fleet.masks import LocationMasks, MemoryMasks
+from kvtier.fleet.records import Kind, WireBatch, WireEvent
+from kvtier.types import PRIMARY_LABEL
+
+logger = logging.getLogger(__name__)
+
+DEVICE = "GPU"
+"""The name of an engine's device cache in answers (vLLM's medium ``GPU``)."""
+
+_KVTIER_MEDIA = frozenset({"CPU", "STORAGE"})
+_MARKS_KEPT = 32
+_BIT_QUARANTINE = 30.0
+
+
+@dataclass
+class EngineState:
+    """What the index knows of one configured engine (writer side)."""
+
+    name: str
+    device_bit: int
+    start: str | None = None
+    seq: int | None = None
+    tiers: dict[str, TierInfo] = field(default_factory=dict)
+    bits: dict[str, int] = field(default_factory=dict)  # tier label -> location bit
+    info: dict[str, Any] = field(default_factory=dict)
+    device_complete: bool = False
+    private_complete: bool = False
+    needs_snapshot: bool = False
+    batches: int = 0
+    events: int = 0
+    skipped: int = 0
+    unattributed: int = 0
+    gaps: int = 0
+    restarts: int = 0
+    last_event: float | None = None
+    marks: deque[str] = field(default_factory=lambda: deque(maxlen=_MARKS_KEPT))
+
+    @property
+    def status(self) -> str:
+        if self.start is None:
+            return "waiting"
+        return "synced" if self.device_complete and self.private_complete else "partial"
+
+
+class FleetIndex:
+    """The writer's index (see the module docstring). ``masks`` holds the key bitmaps
+    (default: in memory; :class:`~kvtier.fleet.masks.RedisMasks` to share them with
+    readers). Every method is thread-safe."""
+
+    def __init__(
+        self,
+        engines: Iterable[str] = (),
+        masks: LocationMasks | None = None,
+        *,
+        tombstone_seconds: float = 10.0,
+        max_tombstones: int = 1 << 20,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.masks: LocationMasks = masks if masks is not None else MemoryMasks()
+        self.tombstone_seconds = tombstone_seconds
+        self.max_tombstones = max_tombstones
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._engines: dict[str, EngineState] = {}
+        self._stores: dict[str, int] = {}
+        self._tombstones: dict[int, OrderedDict[int, float]] = {}
+        self._next_bit = 0
+        self._free_bits: deque[tuple[float, int]] = deque()
+        for name in engines:
+            self.add_engine(name)
+
+    # --- engines -------------------------------------------------------------------------
+
+    def add_engine(self, name: str) -> None:
+        with self._lock:
+            if name in self._engines:
+                raise ValueError(f"engine {name!r} is configured twice")
+            self._engines[name] = EngineState(name, self._alloc())
+            self._publish()
+
+    @property
+    def engine_names(self) -> list[str]:
+        return list(self._engines)
+
+    def engine(self, name: str) -> EngineState:
+        return self._engines[name]
+
+    def _alloc(self) -> int:
+        # A freed bit waits before reuse, so a reader's engine table (re-read every fraction of
+        # a second) never names a bit that already belongs to another location.
+        if self._free_bits and self._clock() - self._free_bits[0][0] >= _BIT_QUARANTINE:
+            return self._free_bits.popleft()[1]
+        self._next_bit += 1
+        return self._next_bit - 1
+
+    def _free(self, bit: int) -> None:
+        self._free_bits.append((self._clock(), bit))
+
+    def _store_bit(self, store: str) -> int:
+        bit = self._stores.get(store)
+        if bit is None:
+            bit = self._stores[store] = self._alloc()
+            self._tombstones[bit] = OrderedDict()
+        return bit
+
+    def _drop_private(self, eng: EngineState) -> None:
+        """Forget the engine's device cache and private tiers (their contents are unknown now)."""
+        self.masks.clear(eng.device_bit)
+        for label, info in eng.tiers.items():
+            if info.scope != SCOPE_SHARED:
+                self.masks.clear(eng.bits[label])
+        eng.device_complete = eng.private_complete = False
+
+    def _switch_start(self, eng: EngineState, record: ControlRecord) -> None:
+        if eng.start is not None:
+            eng.restarts += 1
+            logger.info("fleet: engine %s restarted (start %s -> %s)", eng.name, eng.start, record.start)
+        self._drop_private(eng)
+        for label, info in eng.tiers.items():
+            if info.scope != SCOPE_SHARED:
+                self._free(eng.bits[label])
+        eng.tiers, eng.bits = {}, {}
+        eng.start = record.start
+        eng.seq = record.seq - 1
+        # Heard from its first record on: nothing of this start was missed.
+        whole = record.op == "hello" and record.seq == 0
+        eng.device_complete = eng.private_complete = whole
+        eng.needs_snapshot = not whole
+        self._set_tiers(eng, record.tiers)
+
+    def _set_tiers(self, eng: EngineState, tiers: Sequence[TierInfo]) -> None:
+        new = {t.label: t for t in tiers}
+        if new == eng.tiers:
+            return
+        for label, info in eng.tiers.items():  # a start's tiers never change; be safe if they do
+            if new.get(label) != info and info.scope != SCOPE_SHARED:
+                self.masks.clear(eng.bits[label])
+                self._free(eng.bits.pop(label))
+            elif new.get(label) != info:
+                eng.bits.pop(label)
+        for label, info in new.items():
+            if label not in eng.bits:
+                shared = info.scope == SCOPE_SHARED and info.store is not None
+                eng.bits[label] = self._store_bit(info.store) if shared and info.store else self._alloc()
+        eng.tiers = new
+
+    def lost_events(self, name: str, why: str) -> None:
+        """The subscriber lost batches of ``name`` it could not replay (or the publisher
+        restarted): drop what they could have changed and wait for a snapshot."""
+        with self._lock:
+            eng = self._engines[name]
+            eng.gaps += 1
+            logger.warning("fleet: engine %s lost events (%s); its device cache and private tiers are dropped",
+                           name, why)  # fmt: skip
+            self._drop_private(eng)
+            eng.needs_snapshot = eng.start is not None
+            self._publish()
+
+    def publisher_restarted(self, name: str) -> None:
+        """vLLM's batch sequence started over: a new process. Its first control record
+        will name the new start; until then nothing of the old one is trusted."""
+        with self._lock:
+            eng = self._engines[name]
+            self._drop_private(eng)
+            self._publish()
+
+    def take_snapshot_wanted(self, name: str) -> bool:
+        """True once per need: the engine's private tiers are incomplete and a snapshot should be asked for."""
+        with self._lock:
+            eng = self._engines[name]
+            wanted = eng.needs_snapshot and eng.start is not None
+            eng.needs_snapshot = False
+            return wanted
+
+    # --- events -------------------------------------------------------------------------
+
+    def apply(self, name: str, batch: WireBatch) -> None:
+        """Apply one decoded batch of engine ``name``, in order (the subscriber thread)."""
+        with self._lock:
+            eng = self._engines[name]
+            eng.batches += 1
+            eng.events += len(batch.events)
+            eng.skipped += batch.skipped
+            eng.last_event = time.time()
+            first = next((e.control for e in batch.events if e.control is not None), None)
+            if first is not None and first.start != eng.start:
+                self._switch_start(eng, first)
+            context: ControlRecord | None = None
+            for event in batch.events:
+                if event.control is not None:
+                    self._control(eng, event.control)
+                    context = event.control
+                elif event.kind is Kind.CLEARED:
+                    self.masks.clear(eng.device_bit)
+                    eng.device_complete = eng.start is not None
+                elif event.medium is None or event.medium not in _KVTIER_MEDIA:
+                    self._block_event(eng.device_bit, event, None)
+                elif context is None:
+                    eng.unattributed += 1
+                else:
+                    self._tier_event(eng, event, context)
+            self._publish()
+
+    def _control(self, eng: EngineState, record: ControlRecord) -> None:
+        if record.start != eng.start:
+            self._switch_start(eng, record)
+        elif eng.seq is not None and record.seq != eng.seq + 1:
+            eng.gaps += 1
+            logger.warning("fleet: engine %s control records jumped from seq %d to %d; its device cache and "
+                           "private tiers are dropped", eng.name, eng.seq, record.seq)  # fmt: skip
+            self._drop_private(eng)
+            eng.needs_snapshot = True
+        eng.seq = record.seq
+        eng.info = dict(record.info)
+        self._set_tiers(eng, record.tiers)
+        tier = eng.tiers.get(record.tier) if record.tier is not None else None
+        if record.op == "clear" and tier is not None and tier.scope != SCOPE_SHARED:
+            self.masks.clear(eng.bits[tier.label])
+        elif record.op == "snapshot" and tier is not None and tier.scope != SCOPE_SHARED:
+            if record.part == 0:
+                self.masks.clear(eng.bits[tier.label])
+            if record.last and tier.label == PRIMARY_LABEL and record.reason != "start":
+                eng.private_complete = True
+        elif record.op == "mark" and record.marker is not None:
+            eng.marks.append(record.marker)
+
+    def _tier_event(self, eng: EngineState, event: WireEvent, context: ControlRecord) -> None:
+        label = event.ownership if event.ownership is not None else (PRIMARY_LABEL if event.medium == "CPU" else None)
+        tier = eng.tiers.get(label) if label is not None else None
+        if tier is None:
+            eng.unattributed += 1
+            return
+        bit = eng.bits[tier.label]
+        if tier.scope != SCOPE_SHARED:
+            self._block_event(bit, event, None)
+        else:
+            self._block_event(bit, event, self._tombstones[bit], weak=context.op == "snapshot")
+
+    def _block_event(
+        self, bit: int, event: WireEvent, tombstones: OrderedDict[int, float] | None, weak: bool = False
+    ) -> None:
+        keys = event.keys
+        if event.kind is Kind.REMOVED:
+            self.masks.remove(bit, keys)
+            if tombstones is not None:
+                now = self._clock()
+                for key in keys:
+                    tombstones.pop(key, None)
+                    tombstones[key] = now
+                while len(tombstones) > self.max_tombstones:
+                    tombstones.popitem(last=False)
+            return
+        if tombstones is not None and tombstones:
+            if weak:
+                horizon = self._clock() - self.tombstone_seconds
+                keys = tuple(k for k in keys if tombstones.get(k, horizon) <= horizon)
+            else:
+                for key in keys:
+                    tombstones.pop(key, None)
+        self.masks.add(bit, keys)
+
+    # --- answers ----------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        self.masks.put_meta(self.meta())
+
+    def meta(self) -> dict[str, Any]:
+        """The engine and location table (JSON-able): what a reader needs to read masks."""
+        with self._lock:
+            return {
+                "version": 1,
+                "engines": {
+                    eng.name: {
+                        "start": eng.start, "seq": eng.seq, "status": eng.status,
+                        "device_complete": eng.device_complete, "private_complete": eng.private_complete,
+                        "device_bit": eng.device_bit, "info": eng.info,
+                        "tiers": [dict(t.as_dict(), bit=eng.bits[t.label]) for t in eng.tiers.values()],
+                        "batches": eng.batches, "events": eng.events, "skipped": eng.skipped,
+                        "unattributed": eng.unattributed, "gaps": eng.gaps, "restarts": eng.restarts,
+                        "last_event": eng.last_event, "marks": list(eng.marks),
+                    }
+                    for eng in self._engines.values()
+                },
+                "stores": dict(self._stores),
+            }  # fmt: skip
+
+    def prefix(self, keys: Sequence[int], engines: Sequence[str] | None = None) -> dict[str, Any]:
+        """The longest cached prefix of ``keys`` per engine and tier (see :func:`longest_prefix`)."""
+        with self._lock:
+            return longest_prefix(self.meta(), self.masks.masks(keys), engines)
+
+    def held(self, name: str, label: str) -> set[int]:
+        """The keys the index says engine ``name`` holds in tier ``label`` (or ``"GPU"``)."""
+        with self._lock:
+            eng = self._engines[name]
+            bit = eng.device_bit if label == DEVICE else eng.bits[label]
+            return self.masks.members(bit)
+
+
+class FleetReader:
+    """Answers from an index another process writes (:class:`~kvtier.fleet.masks.RedisMasks`):
+    for routers sharing one index. The engine table is re-read at most every ``meta_ttl``
+    seconds; each answer reads the prompt's key bitmaps (one round trip)."""
+
+    def __init__(self, masks: LocationMasks, meta_ttl: float = 0.5, clock: Callable[[], float] = time.monotonic):
+        self.masks = masks
+        self.meta_ttl = meta_ttl
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._meta: dict[str, Any] = {}
+        self._read_at = -float("inf")
+
+    def meta(self) -> dict[str, Any]:
+        with self._lock:
+            now = self._clock()
+            if now - self._read_at >= self.meta_ttl:
+                self._meta = self.masks.get_meta()
+                self._read_at = now
+            return self._meta
+
+    def prefix(self, keys: Sequence[int], engines: Sequence[str] | None = None) -> dict[str, Any]:
+        return longest_prefix(self.meta(), self.masks.masks(keys), engines)
+
+
+def longest_prefix(meta: dict[str, Any], masks: Sequence[int], engines: Sequence[str] | None = None) -> dict[str, Any]:
+    """For the blocks whose location bitmasks are ``masks`` (a prompt's keys in order), per
+    engine of ``meta`` (or of ``engines``): the leading blocks held by its device cache, by
+    each of its tiers, and by any of them (``blocks``). O(len(masks)) per location."""
+    known = meta.get("engines", {})
+    names = list(known) if engines is None else [n for n in engines if n in known]
+    n = len(masks)
+    out: dict[str, Any] = {}
+    for name in names:
+        eng = known[name]
+        chunk = max(1, int(eng.get("info", {}).get("blocks_per_chunk", 1) or 1))
+        device = 1 << eng["device_bit"]
+        tiers = {t["label"]: 1 << t["bit"] for t in eng.get("tiers", ())}
+        per_tier = {DEVICE: _run(masks, device, 1)}
+        per_tier.update((label, _run(masks, flag, chunk)) for label, flag in tiers.items())
+        any_tier = 0
+        for flag in tiers.values():
+            any_tier |= flag
+        blocks = 0
+        while blocks < n:
+            if masks[blocks] & device:
+                blocks += 1
+                continue
+            end = (blocks // chunk + 1) * chunk - 1
+            if end < n and masks[end] & any_tier:
+                blocks = end + 1
+                continue
+            break
+        out[name] = {"blocks": blocks, "tiers": per_tier, "status": eng.get("status"), "start": eng.get("start")}
+    return out
+
+
+def _run(masks: Sequence[int], flag: int, chunk: int) -> int:
+    """Leading blocks held by one location: whole chunks whose last block's key has ``flag``."""
+    blocks = chunk - 1
+    while blocks < len(masks) and masks[blocks] & flag:
+        blocks += chunk
+    return blocks - chunk + 1
