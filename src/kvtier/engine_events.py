@@ -13,13 +13,20 @@ The stream is a sequence of :class:`ControlRecord` and :class:`~kvtier.types.Blo
   names the engine, its **start** (random, new at every start of the engine) and its **seq**
   (0 for the start's first record, then +1 per record, never a gap), so a consumer that joins
   at any point knows whose events follow and can tell a lost record (a gap) and a restart (a
-  new start) apart. Each record also lists the engine's tiers (:class:`TierInfo`).
+  new start) apart. Every record but ``events`` also lists the engine's tiers
+  (:class:`TierInfo`) and ``info``. A record's ``time`` is when what follows it happened
+  (wall clock): each change to a shared store comes after an ``events`` record of its own
+  with the time of the change, so a consumer can order several engines' changes to one
+  store.
 * ``hello``: the first record of a start. The engine's private tiers are empty.
 * ``events``: the block events that follow are changes this engine made.
 * ``clear``: a private tier of this engine holds nothing now (``reset_cache`` cleared the CPU
   tier; its removals are reported too, for consumers that read only block events).
 * ``snapshot``: part ``part`` of what a tier holds, its stored events follow (``last`` on the
-  final part). Part 0 of a private tier's snapshot also clears it. Sent for each tier that can
+  final part). Part 0 of a private tier's snapshot also clears it. ``complete``: the tier
+  listed everything its store holds, other engines' blocks included (an fs root followed
+  through the change journals), so a consumer may drop what it believed the store held
+  beyond that and not stored since the snapshot began. Sent for each tier that can
   list its holdings when the engine starts (``reason="start"``: persistent tiers announce what
   they already hold, once their start-up scan is done), when a consumer asks
   (:meth:`EngineEventStream.request_snapshot`, ``reason="request"``) and when the CPU tier's
@@ -153,19 +160,23 @@ class ControlRecord:
     tier: str | None = None
     part: int = 0
     last: bool = False
+    complete: bool = False
     reason: str | None = None
     marker: str | None = None
 
     def encode(self) -> str:
         """The record as a string: :data:`CONTROL_PREFIX` and compact JSON."""
         body: dict[str, Any] = {
-            "op": self.op, "engine": self.engine, "start": self.start, "seq": self.seq,
-            "time": round(self.time, 6), "tiers": [t.as_dict() for t in self.tiers], "info": dict(self.info),
+            "op": self.op, "engine": self.engine, "start": self.start, "seq": self.seq, "time": round(self.time, 6),
         }  # fmt: skip
+        if self.tiers:
+            body["tiers"] = [t.as_dict() for t in self.tiers]
+        if self.info:
+            body["info"] = dict(self.info)
         if self.tier is not None:
             body["tier"] = self.tier
         if self.op == "snapshot":
-            body.update(part=self.part, last=self.last, reason=self.reason)
+            body.update(part=self.part, last=self.last, complete=self.complete, reason=self.reason)
         if self.marker is not None:
             body["marker"] = self.marker
         return CONTROL_PREFIX + json.dumps(body, separators=(",", ":"), sort_keys=True)
@@ -207,11 +218,13 @@ class ControlRecord:
             _check_name(f"{op} tier", tier)
             if tier not in {t.label for t in tiers}:
                 raise ValueError(f"{op} names tier {tier!r}, which the record does not list")
-        part, last = body.get("part", 0), body.get("last", False)
+        part, last, complete = body.get("part", 0), body.get("last", False), body.get("complete", False)
         reason, marker = body.get("reason"), body.get("marker")
         if op == "snapshot":
-            if isinstance(part, bool) or not isinstance(part, int) or part < 0 or not isinstance(last, bool):
-                raise ValueError(f"snapshot part must be an integer >= 0 and last a boolean, got {part!r}, {last!r}")
+            if isinstance(part, bool) or not isinstance(part, int) or part < 0:
+                raise ValueError(f"snapshot part must be an integer >= 0, got {part!r:.40}")
+            if not isinstance(last, bool) or not isinstance(complete, bool):
+                raise ValueError(f"snapshot last and complete must be booleans, got {last!r:.40}, {complete!r:.40}")
             if reason not in SNAPSHOT_REASONS:
                 raise ValueError(f"snapshot reason {reason!r:.40} is not one of {sorted(SNAPSHOT_REASONS)}")
         if op == "mark":
@@ -219,7 +232,8 @@ class ControlRecord:
         return cls(
             op=op, engine=_check_name("engine", body.get("engine")), start=_check_name("start", body.get("start")),
             seq=seq, time=float(stamp), tiers=tiers, info=info, tier=tier if op in ("clear", "snapshot") else None,
-            part=part if op == "snapshot" else 0, last=bool(last) if op == "snapshot" else False,
+            part=part if op == "snapshot" else 0, last=op == "snapshot" and last,
+            complete=op == "snapshot" and complete,
             reason=reason if op == "snapshot" else None, marker=marker if op == "mark" else None,
         )  # fmt: skip
 
@@ -235,6 +249,7 @@ class _Snapshot:
     keys: list[BlockKey]
     holds: Callable[[BlockKey], bool]
     reason: str
+    complete: bool
     pos: int = 0
     part: int = 0
 
@@ -275,6 +290,7 @@ class EngineEventStream:
         self.start = start or os.urandom(8).hex()
         self.info = dict(info or {})
         self.tiers = describe_tiers(manager)
+        self._shared = frozenset(t.label for t in self.tiers if t.scope == SCOPE_SHARED)
         self.part_keys = part_keys
         self.snapshot_interval = snapshot_interval
         self._seq = 0
@@ -307,7 +323,14 @@ class EngineEventStream:
             if isinstance(item, _Op):
                 out.append(self._record(item.op, tier=item.tier, marker=item.marker))
                 stamped = True
-            elif item.keys:
+            elif not item.keys:
+                continue
+            elif item.tier in self._shared:
+                # A shared store's change carries its own time: other engines change the store too.
+                out.append(self._record("events", at=item.time or time.time()))
+                out.append(item)
+                stamped = True
+            else:
                 if not stamped:
                     out.append(self._record("events"))
                     stamped = True
@@ -358,8 +381,15 @@ class EngineEventStream:
 
     # --- internals --------------------------------------------------------------------------
 
-    def _record(self, op: str, **fields: Any) -> ControlRecord:
-        record = ControlRecord(op, self.engine, self.start, self._seq, time.time(), self.tiers, self.info, **fields)
+    def _record(self, op: str, at: float | None = None, **fields: Any) -> ControlRecord:
+        """The next control record; ``events`` records leave out the tiers and the info (every
+        other record carries them)."""
+        tiers: tuple[TierInfo, ...] = ()
+        info: dict[str, Any] = {}
+        if op != "events":
+            tiers, info = self.tiers, self.info
+        record = ControlRecord(op, self.engine, self.start, self._seq, time.time() if at is None else at, tiers, info,
+                               **fields)  # fmt: skip
         self._seq += 1
         return record
 
@@ -368,7 +398,7 @@ class EngineEventStream:
 
     def _snapshot_cpu(self, reason: str) -> None:
         primary = self.manager.primary
-        self._snapshots.append(_Snapshot(self.tiers[0], primary.ready_keys(), self._cpu_holds, reason))
+        self._snapshots.append(_Snapshot(self.tiers[0], primary.ready_keys(), self._cpu_holds, reason, True))
 
     def _cpu_holds(self, key: BlockKey) -> bool:
         ref = self.manager.primary.ref_count(key)
@@ -382,7 +412,7 @@ class EngineEventStream:
             return True  # never ask again
         if keys is None:
             return False
-        self._snapshots.append(_Snapshot(info, keys, tier.holds, reason))
+        self._snapshots.append(_Snapshot(info, keys, tier.holds, reason, bool(tier.holdings_complete())))
         return True
 
     def _poll_announcements(self) -> None:
@@ -397,7 +427,8 @@ class EngineEventStream:
             job.pos += len(chunk)
             budget -= len(chunk)
             last = job.pos >= len(job.keys)
-            out.append(self._record("snapshot", tier=job.tier.label, part=job.part, last=last, reason=job.reason))
+            out.append(self._record("snapshot", tier=job.tier.label, part=job.part, last=last, reason=job.reason,
+                                    complete=job.complete))  # fmt: skip
             job.part += 1
             held = tuple(key for key in chunk if job.holds(key))
             if held:

@@ -82,9 +82,9 @@ def add_fleet_parser(sub: Any) -> None:
     s.add_argument("--read-only", action="store_true",
                    help="with --redis: answer from the index another 'kvtier fleet serve' writes "
                    "(no --engine)")  # fmt: skip
-    s.add_argument("--tombstone-seconds", type=_positive(float), default=10.0,
-                   help="how long a removal from a shared store outranks engines' snapshots of it "
-                   "(default 10)")  # fmt: skip
+    s.add_argument("--lag-seconds", type=_positive(float), default=5.0,
+                   help="how far an engine's view of a shared store may lag other engines' changes (an fs "
+                   "root's journal delay; on NFS its attribute cache); default 5")  # fmt: skip
     s.add_argument("--max-body", type=_positive(int), default=1 << 20, help="largest request body in bytes")
     s.add_argument("--max-blocks", type=_positive(int), default=16384, help="longest prompt in blocks")
     s.add_argument("--request-timeout", type=_positive(float), default=5.0,
@@ -143,7 +143,7 @@ def _cmd_fleet_serve(args: argparse.Namespace) -> int:
             message = f"kvtier fleet serve needs pyzmq and msgspec ({exc}): pip install 'kvtier[fleet]'"
             raise ConfigError(message) from None
         endpoints = _endpoints(args)
-        answers = FleetIndex(masks=masks, tombstone_seconds=args.tombstone_seconds)
+        answers = FleetIndex(masks=masks, lag_seconds=args.lag_seconds)
         subscriber = FleetSubscriber(answers, endpoints)
     server = FleetServer(
         (args.host, args.port), answers, hashing=(args.hash, args.hash_seed), tokens_per_hash=args.tokens_per_hash,

@@ -25,10 +25,15 @@ Trust rules (kvtier's control records, :mod:`kvtier.engine_events`):
 * Block events of kvtier's media (CPU, STORAGE) only count after a control record of
   the same batch names the start and the tiers; others (another connector's) are
   skipped and counted.
-* A store's removal leaves a tombstone for ``tombstone_seconds``: a snapshot's stored
-  event (``weak``: it reports what an engine's index held, which may lag another
-  engine's eviction by its journal delay) does not bring the key back within that
-  time; a real store does.
+* Engines' streams reach the index in any order relative to each other, so changes to a
+  shared store carry the time they happened (kvtier's control records; engines' clocks,
+  capped at the index's own): a change older than the last one applied to the same key is
+  ignored (the latest change wins; exact on one host, as good as clock sync across hosts).
+  A snapshot's stored events report what an engine's index held, which may lag other
+  engines' changes (an fs root's journal delay): they count as ``lag_seconds`` older than
+  the snapshot. A snapshot that lists a store completely (an fs root with sharing) also
+  drops the keys the index believed the store held beyond it, unless changed since
+  ``lag_seconds`` before the snapshot.
 
 Answers are in blocks of the engines' ``tokens_per_hash``; kvtier tiers hold chunks of
 ``blocks_per_chunk`` blocks, keyed by the chunk's last block. ``any`` is the longest
@@ -101,18 +106,25 @@ class FleetIndex:
         engines: Iterable[str] = (),
         masks: LocationMasks | None = None,
         *,
-        tombstone_seconds: float = 10.0,
-        max_tombstones: int = 1 << 20,
+        lag_seconds: float = 5.0,
+        max_times: int = 1 << 20,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.masks: LocationMasks = masks if masks is not None else MemoryMasks()
-        self.tombstone_seconds = tombstone_seconds
-        self.max_tombstones = max_tombstones
+        self.lag_seconds = lag_seconds
+        self.max_times = max_times
         self._clock = clock
+        self._wall = wall_clock
         self._lock = threading.RLock()
         self._engines: dict[str, EngineState] = {}
         self._stores: dict[str, int] = {}
-        self._tombstones: dict[int, OrderedDict[int, float]] = {}
+        # store bit -> key -> when its last applied change happened (engines' clocks), for recent keys
+        self._times: dict[int, OrderedDict[int, float]] = {}
+        self._newest: dict[int, float] = {}
+        # (engine, tier label) -> (when a complete snapshot of a shared store was taken, the keys it listed)
+        self._sweeps: dict[tuple[str, str], tuple[float, set[int]]] = {}
+        self._sweeps_due: list[tuple[str, str]] = []
         self._next_bit = 0
         self._free_bits: deque[tuple[float, int]] = deque()
         for name in engines:
@@ -149,11 +161,15 @@ class FleetIndex:
         bit = self._stores.get(store)
         if bit is None:
             bit = self._stores[store] = self._alloc()
-            self._tombstones[bit] = OrderedDict()
+            self._times[bit] = OrderedDict()
+            self._newest[bit] = -float("inf")
         return bit
 
     def _drop_private(self, eng: EngineState) -> None:
-        """Forget the engine's device cache and private tiers (their contents are unknown now)."""
+        """Forget the engine's device cache and private tiers (their contents are unknown now),
+        and any snapshot of a shared store it was sending (it may have lost parts)."""
+        for sweep in [k for k in self._sweeps if k[0] == eng.name]:
+            del self._sweeps[sweep]
         self.masks.clear(eng.device_bit)
         for label, info in eng.tiers.items():
             if info.scope != SCOPE_SHARED:
@@ -237,17 +253,19 @@ class FleetIndex:
             context: ControlRecord | None = None
             for event in batch.events:
                 if event.control is not None:
+                    self._finish_sweeps()
                     self._control(eng, event.control)
                     context = event.control
                 elif event.kind is Kind.CLEARED:
                     self.masks.clear(eng.device_bit)
                     eng.device_complete = eng.start is not None
                 elif event.medium is None or event.medium not in _KVTIER_MEDIA:
-                    self._block_event(eng.device_bit, event, None)
+                    self._block_event(eng.device_bit, event)
                 elif context is None:
                     eng.unattributed += 1
                 else:
                     self._tier_event(eng, event, context)
+            self._finish_sweeps()
             self._publish()
 
     def _control(self, eng: EngineState, record: ControlRecord) -> None:
@@ -260,8 +278,9 @@ class FleetIndex:
             self._drop_private(eng)
             eng.needs_snapshot = True
         eng.seq = record.seq
-        eng.info = dict(record.info)
-        self._set_tiers(eng, record.tiers)
+        if record.tiers:  # "events" records leave them out
+            eng.info = dict(record.info)
+            self._set_tiers(eng, record.tiers)
         tier = eng.tiers.get(record.tier) if record.tier is not None else None
         if record.op == "clear" and tier is not None and tier.scope != SCOPE_SHARED:
             self.masks.clear(eng.bits[tier.label])
@@ -270,6 +289,14 @@ class FleetIndex:
                 self.masks.clear(eng.bits[tier.label])
             if record.last and tier.label == PRIMARY_LABEL and record.reason != "start":
                 eng.private_complete = True
+        elif record.op == "snapshot" and tier is not None:
+            sweep = (eng.name, tier.label)
+            if record.part == 0:
+                self._sweeps.pop(sweep, None)
+                if record.complete:
+                    self._sweeps[sweep] = (self._event_time(record), set())
+            if record.last and sweep in self._sweeps:
+                self._sweeps_due.append(sweep)  # after the stored events that follow this record
         elif record.op == "mark" and record.marker is not None:
             eng.marks.append(record.marker)
 
@@ -281,32 +308,68 @@ class FleetIndex:
             return
         bit = eng.bits[tier.label]
         if tier.scope != SCOPE_SHARED:
-            self._block_event(bit, event, None)
-        else:
-            self._block_event(bit, event, self._tombstones[bit], weak=context.op == "snapshot")
-
-    def _block_event(
-        self, bit: int, event: WireEvent, tombstones: OrderedDict[int, float] | None, weak: bool = False
-    ) -> None:
-        keys = event.keys
-        if event.kind is Kind.REMOVED:
-            self.masks.remove(bit, keys)
-            if tombstones is not None:
-                now = self._clock()
-                for key in keys:
-                    tombstones.pop(key, None)
-                    tombstones[key] = now
-                while len(tombstones) > self.max_tombstones:
-                    tombstones.popitem(last=False)
+            self._block_event(bit, event)
             return
-        if tombstones is not None and tombstones:
-            if weak:
-                horizon = self._clock() - self.tombstone_seconds
-                keys = tuple(k for k in keys if tombstones.get(k, horizon) <= horizon)
+        snapshot = context.op == "snapshot" and context.tier == tier.label
+        if snapshot and event.kind is Kind.STORED and (eng.name, tier.label) in self._sweeps:
+            self._sweeps[(eng.name, tier.label)][1].update(event.keys)
+        # What a snapshot lists may lag the store by an engine's view of other engines' changes.
+        when = self._event_time(context) - (self.lag_seconds if snapshot else 0.0)
+        self._store_event(bit, event.keys, event.kind is Kind.REMOVED, when)
+
+    def _block_event(self, bit: int, event: WireEvent) -> None:
+        if event.kind is Kind.REMOVED:
+            self.masks.remove(bit, event.keys)
+        else:
+            self.masks.add(bit, event.keys)
+
+    def _event_time(self, record: ControlRecord) -> float:
+        """When what follows ``record`` happened: its time, but never later than now here (an
+        engine whose clock runs ahead must not outrank every other engine)."""
+        return min(record.time, self._wall())
+
+    def _store_event(self, bit: int, keys: Sequence[int], removed: bool, when: float) -> None:
+        """Apply a change to a shared store's keys unless a later change of the same key was
+        applied already (engines' streams interleave in any order; the latest change wins)."""
+        times = self._times[bit]
+        apply = []
+        for key in keys:
+            last = times.get(key)
+            if last is not None and last > when:
+                continue
+            apply.append(key)
+            if last is not None:
+                del times[key]
+            times[key] = when
+        if apply:
+            if removed:
+                self.masks.remove(bit, apply)
             else:
-                for key in keys:
-                    tombstones.pop(key, None)
-        self.masks.add(bit, keys)
+                self.masks.add(bit, apply)
+        # Only recent changes can race; keep those (and at most max_times).
+        newest = self._newest[bit] = max(self._newest[bit], when)
+        horizon = newest - 4 * self.lag_seconds
+        while times and (len(times) > self.max_times or next(iter(times.values())) < horizon):
+            times.popitem(last=False)
+
+    def _finish_sweeps(self) -> None:
+        """Complete snapshots of shared stores: drop what the store was believed to hold beyond
+        what the snapshot listed, unless changed since shortly before the snapshot was taken."""
+        while self._sweeps_due:
+            name, label = self._sweeps_due.pop()
+            taken_keys = self._sweeps.pop((name, label), None)
+            eng = self._engines[name]
+            if taken_keys is None or label not in eng.bits:
+                continue
+            taken, listed = taken_keys
+            bit = eng.bits[label]
+            stale = list(self.masks.members(bit) - listed)
+            if stale:
+                before = len(self.masks.members(bit))
+                self._store_event(bit, stale, True, taken - self.lag_seconds)
+                dropped = before - len(self.masks.members(bit))
+                if dropped:
+                    logger.info("fleet: engine %s's snapshot of %s dropped %d stale key(s)", name, label, dropped)
 
     # --- answers ----------------------------------------------------------------------
 

@@ -336,6 +336,13 @@ class SecondaryTier(abc.ABC):
         not block on I/O (a copy of an in-memory index)."""
         return None
 
+    def holdings_complete(self) -> bool:
+        """True when :meth:`held_keys` lists everything in the store, other engines' blocks
+        included (a consumer may then drop what it believes the store holds beyond them);
+        False when it lists only part (e.g. what this engine found at start and wrote). Must
+        not block."""
+        return False
+
     def holds(self, key: BlockKey) -> bool:
         """Whether :meth:`held_keys` would list ``key`` now. Caller: the event stream, on the
         scheduler thread, re-checking a snapshot's keys as it sends them. Must not block."""

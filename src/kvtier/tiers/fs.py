@@ -512,6 +512,10 @@ class FilesystemTier(ThreadedTier):
         """The index's keys once the start-up scan is done (before: None)."""
         return self._index.keys() if self._scan_done.is_set() else None
 
+    def holdings_complete(self) -> bool:
+        """With ``sharing`` the index follows every engine's journal: it lists the whole namespace."""
+        return self.sharing
+
     def holds(self, key: BlockKey) -> bool:
         return key in self._index
 
@@ -596,6 +600,7 @@ class FilesystemTier(ThreadedTier):
         key, slot = work.keys[0], work.slots[0]
         shard, name = f"{key[0]:02x}", value_name(key)
         error: str | None = None
+        started = time.time()  # a value found gone or corrupt was so no later than this
         t0 = time.perf_counter()
         try:
             shard_fd = self._dirs.subdir(shard)
@@ -610,17 +615,17 @@ class FilesystemTier(ThreadedTier):
             self._count(corrupt_values=1)
             if not exc.removed:
                 self._checks.reject(key, exc.st)
-            self._forget(key)
+            self._forget(key, started)
         except UnsafeEntryError as exc:
             error = f"value {key.hex()[:16]} is not served: {exc}"
             logger.warning("fs tier %s: %s (never opened for I/O, never deleted)", self.label, error)
             self._count(unsafe_entries=1)
-            self._forget(key)
+            self._forget(key, started)
         except OSError as exc:
             if _is_gone(exc):  # another engine evicted or recycled it: a miss
                 error = f"value {key.hex()[:16]} vanished from disk"
                 self._count(vanished=1)
-                self._forget(key)
+                self._forget(key, started)
             else:
                 error = f"read of {shard}/{name} failed: {exc.strerror or exc}"
                 self._io_error(error)
@@ -851,8 +856,10 @@ class FilesystemTier(ThreadedTier):
         count nothing."""
         recycled: int | None = None
         gone: list[BlockKey] = []
+        removed_at: list[float] = []  # each victim's removal, timed before it started
         for victim in victims:
             shard, name = f"{victim[0]:02x}", value_name(victim)
+            removed_at.append(time.time())
             try:
                 shard_fd = self._dirs.subdir(shard)
                 try:
@@ -875,7 +882,8 @@ class FilesystemTier(ThreadedTier):
         self._journal.append(REMOVED, gone)
         self._index.finish_delete(victims)
         self._count(evictions=len(victims))
-        self._emit(victims, removed=True)
+        for victim, when in zip(victims, removed_at, strict=True):
+            self._emit([victim], removed=True, when=when)
         return recycled, len(gone)
 
     def _check_keys(self, work: Work) -> None:
@@ -915,15 +923,15 @@ class FilesystemTier(ThreadedTier):
             return False
         return st is not None and not self._checks.rejected(key, st)
 
-    def _forget(self, key: BlockKey) -> None:
+    def _forget(self, key: BlockKey, when: float) -> None:
         """Drop a value that is corrupt, vanished or unsafe from the index and answer MISS for it a
         while (its file, if any, was dealt with by the caller: a file is only ever removed when
-        proven ours)."""
+        proven ours); ``when``: a time before it was found so."""
         self._checks.record(key, False)
         if not self._index.begin_delete(key):
             return
         self._index.finish_delete([key])
-        self._emit([key], removed=True)
+        self._emit([key], removed=True, when=when)
 
     def _maybe_regrow_capacity(self) -> None:
         """After ENOSPC, let the budget grow back once the disk has room again (checked at

@@ -98,6 +98,9 @@ class MemoryTier(ThreadedTier):
         with self._values_lock:
             return list(self._values)
 
+    def holdings_complete(self) -> bool:
+        return True
+
     def holds(self, key: BlockKey) -> bool:
         return key in self._values
 

@@ -533,7 +533,7 @@ class RedisTier(ThreadedTier):
             for key in stored:
                 self._remember(key, True, now)
             if stored:
-                self._events.append(BlockEvent(tuple(stored), self.label, self.medium, removed=False))
+                self._events.append(BlockEvent(tuple(stored), self.label, self.medium, False, time.time()))
         done = stored + skipped
         failed = len(job.keys) - len(done)
         with self._stats_lock:
@@ -613,6 +613,7 @@ class RedisTier(ThreadedTier):
                 break
             self._breaker.record_success()
         seconds = time.perf_counter() - started
+        deleting = time.time()
         if corrupt:
             self._delete(corrupt)
         now = time.monotonic()
@@ -622,7 +623,7 @@ class RedisTier(ThreadedTier):
             for key in missing + corrupt:
                 self._remember(key, False, now)
             if corrupt:
-                self._events.append(BlockEvent(tuple(corrupt), self.label, self.medium, removed=True))
+                self._events.append(BlockEvent(tuple(corrupt), self.label, self.medium, True, deleting))
         if missing:
             errors.append(f"{len(missing)} key(s) missing (expired or evicted)")
         if corrupt:

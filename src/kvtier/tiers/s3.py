@@ -315,8 +315,9 @@ class S3Tier(ThreadedTier):
             logger.warning("s3 tier %s: object %s is corrupt (%s); deleting it", self.label, path, exc)
             self._count(corrupt_values=1)
             self._remember(key, False, time.monotonic())
+            deleting = time.time()
             self._delete(path)
-            self._emit([key], removed=True)
+            self._emit([key], removed=True, when=deleting)
             self._complete(work, error=f"corrupt object {key.hex()[:16]}: {exc}")
             return
         except Exception as exc:
