@@ -33,7 +33,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +77,8 @@ class Fleet:
     store_keys: Callable[[], set[int]]
     make_server: Callable[[str], Server]
     tier: str
-    notes: dict[str, Any] = field(default_factory=dict)
+    negative_seconds: float = 0.0
+    """How long the engines' tier trusts a "not there" answer (the fleet answers what the store holds)."""
 
     def engines(self) -> dict[str, Server]:
         return {"a": self.a, "b": self.b}
@@ -98,6 +99,7 @@ class Fleet:
             server.complete([3, 4, 5], max_tokens=1, kv_transfer_params={"kvtier_events": "mark",
                                                                           "kvtier_events_marker": marker})  # fmt: skip
             wait_for(lambda n=name, m=marker: m in self.index.engine(n).marks, 60, f"marker from engine {name}", 0.05)
+        time.sleep(self.negative_seconds)
 
 
 def _offload_key(name: str) -> int | None:
@@ -155,7 +157,7 @@ def _backend(kind: str, work: Path) -> tuple[dict[str, Any], Callable[[], set[in
     def objects() -> set[int]:
         return _keys_of([m["path"] for batch in obstore.list(store, prefix="kvtier/") for m in batch])
 
-    return s3_options(moto.endpoint, bucket, miss_seconds=0.05), objects, moto.stop
+    return s3_options(moto.endpoint, bucket, miss_seconds=0.5), objects, moto.stop
 
 
 @pytest.fixture(scope="module", params=["fs", "redis", "s3"])
@@ -196,7 +198,8 @@ def fleet(
         a.wait_ready()
         b.wait_ready()
         FIGURES.setdefault(kind, {})["startup_s"] = time.monotonic() - started
-        yield Fleet(kind, a, b, index, http, store_keys, make_server, f"1:{kind}")
+        negative = float(tier.get("miss_seconds", tier.get("lookup_cache_seconds", 0.0)))
+        yield Fleet(kind, a, b, index, http, store_keys, make_server, f"1:{kind}", negative)
     finally:
         http.shutdown()
         http.server_close()
