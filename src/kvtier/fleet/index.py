@@ -405,8 +405,8 @@ class FleetIndex:
         """The keys the index says engine ``name`` holds in tier ``label`` (or ``"GPU"``)."""
         with self._lock:
             eng = self._engines[name]
-            bit = eng.device_bit if label == DEVICE else eng.bits[label]
-            return self.masks.members(bit)
+            bit = eng.device_bit if label == DEVICE else eng.bits.get(label)
+            return set() if bit is None else self.masks.members(bit)
 
 
 class FleetReader:

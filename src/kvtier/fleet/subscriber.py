@@ -90,6 +90,7 @@ class FleetSubscriber:
         *,
         replay_timeout: float = 2.0,
         max_message_bytes: int = 256 << 20,
+        rcvhwm: int = 100_000,
         snapshot_retry: float = 10.0,
         http_timeout: float = 30.0,
         poll_ms: int = 100,
@@ -104,6 +105,7 @@ class FleetSubscriber:
                 index.add_engine(endpoint.name)
         self.replay_timeout = replay_timeout
         self.max_message_bytes = max_message_bytes
+        self.rcvhwm = rcvhwm
         self.snapshot_retry = snapshot_retry
         self.http_timeout = http_timeout
         self.poll_ms = poll_ms
@@ -117,7 +119,7 @@ class FleetSubscriber:
         for endpoint in self.endpoints:
             sub = self._ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-            sub.setsockopt(zmq.RCVHWM, 100_000)
+            sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, endpoint.topic.encode())
             sub.connect(endpoint.events)
