@@ -45,9 +45,12 @@ engine's stored or removed events change it, and it outlives engine starts.
 
 **Who emits what.** An engine reports only the changes it makes to storage: blocks it stored,
 blocks it evicted (from a shared fs root, other engines' files included) and values it found
-corrupt or gone and dropped. What it learns about other engines' changes (an fs root's change
+corrupt and deleted. What it learns about other engines' changes (an fs root's change
 journals, a lookup that finds another engine's block) it does not report: the engine that made
-the change did, and a second, later copy could arrive after a newer change and undo it.
+the change did, and a second, later copy could arrive after a newer change and undo it. The
+one exception: a value found missing when loading it (expired or evicted by Redis itself,
+deleted by an S3 lifecycle rule, gone from an fs root) is reported removed, timed before the
+read, since nobody else may ever report it; a newer store of the key still wins.
 
 Threads: every method is called from the engine's scheduler thread.
 """

@@ -25,8 +25,9 @@ microseconds, a queue put); the network is used only by the tier's I/O threads.
 Values are ``header + payload`` (:mod:`kvtier.tiers.format`). A load reads the
 header into a small buffer and the payload straight into the reserved CPU row,
 then verifies header and checksum; a missing key (expired, or evicted by Redis
-``maxmemory``) is a MISS for that key, a malformed value is a MISS too, is
-deleted, and is counted in ``stats.corrupt_values``.
+``maxmemory``) is a MISS for that key and is reported removed in the tier's events
+(nobody else can report it), a malformed value is a MISS too, is deleted, and is
+counted in ``stats.corrupt_values``.
 
 Health: a :class:`~kvtier.tiers.health.CircuitBreaker`. A refused connection
 opens it at once; other failures (timeouts, resets) open it after
@@ -561,6 +562,7 @@ class RedisTier(ThreadedTier):
         errors: list[str] = []
         header = bytearray(HEADER_SIZE)
         head_view = memoryview(header)
+        asked = time.time()  # a key found missing was gone by then
         started = time.perf_counter()
         for base in range(0, len(keys), self._chunk):
             chunk = keys[base : base + self._chunk]
@@ -624,6 +626,8 @@ class RedisTier(ThreadedTier):
                 self._remember(key, False, now)
             if corrupt:
                 self._events.append(BlockEvent(tuple(corrupt), self.label, self.medium, True, deleting))
+            if missing:  # expired or evicted by Redis itself: nobody else can report it
+                self._events.append(BlockEvent(tuple(missing), self.label, self.medium, True, asked))
         if missing:
             errors.append(f"{len(missing)} key(s) missing (expired or evicted)")
         if corrupt:

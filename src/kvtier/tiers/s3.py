@@ -13,7 +13,8 @@ the options, their defaults and the bucket layout are in :mod:`kvtier.tiers.s3_s
   the engine.
 * **Loads**: concurrent GETs streamed into the reserved row (header split from
   the payload), then header and xxh3 checksum verified before the key counts
-  as loaded. A 404 is a MISS for that key (and drops the key from the index);
+  as loaded. A 404 is a MISS for that key (it drops the key from the index and is
+  reported removed in the tier's events: a lifecycle rule deleted it);
   a wrong length, header or checksum is a MISS too, is counted in
   ``stats.corrupt_values``, and the object is deleted.
 * **Existence**: answered from an in-memory index of what this process stored,
@@ -302,12 +303,14 @@ class S3Tier(ThreadedTier):
         if rows is None:
             raise TierError(f"s3 tier {self.label}: CPU rows were released")
         row = rows[work.slots[0], : self._block_bytes]
+        asked = time.time()  # a key found missing was gone by then
         try:
             self._get_into(path, key, header, row)
         except FileNotFoundError:
             self._breaker.record_success()
             self._remember(key, False, time.monotonic())
             self._count(missing=1)
+            self._emit([key], removed=True, when=asked)  # deleted by a lifecycle rule or by hand
             self._complete(work, error="object missing (deleted, expired or never stored)")
             return
         except CorruptValueError as exc:
