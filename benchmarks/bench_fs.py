@@ -158,7 +158,7 @@ class _Bench:
         # Stores into a full tier (each evicts the LRU file and overwrites it) vs raw overwrites.
         tier = self.tier(direct, threads, capacity_blocks=n)
         try:
-            shown = threads if threads != "default" else f"{tier.read_threads}r/{tier.write_threads}w"
+            shown = threads if threads != "default" else f"{tier.options.read_threads}r/{tier.options.write_threads}w"
             _run_jobs(tier, _keys("warm", n), 0, False, batch)
             raw_over = tier_steady = float("inf")
             keys: list[bytes] = []

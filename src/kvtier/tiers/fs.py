@@ -1,7 +1,7 @@
 """The filesystem secondary tier: a bounded, crash-safe, warm-restartable disk cache.
 
-Configured as ``{"type": "fs", "root": "/nvme/kvtier", "max_bytes": 200e9, ...}``;
-the keyword arguments of :class:`FilesystemTier` are the schema's option names.
+Configured as ``{"type": "fs", "root": "/nvme/kvtier", "max_bytes": "200GB", ...}``;
+the options are declared once, in :class:`FilesystemTierOptions`.
 
 How it works (layout and file format: :mod:`kvtier.tiers.fs_layout`):
 
@@ -55,12 +55,13 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, StrictBool, field_validator
 
 from kvtier.errors import ConfigError, CorruptValueError, TierError, UnsafeEntryError
+from kvtier.failures import log_failure
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import ExtraMetric, TierContext, TierUsage
 from kvtier.tiers.fs_budget import SharedBudget
@@ -104,8 +105,8 @@ from kvtier.tiers.fs_layout import (
 from kvtier.tiers.fs_share import ExistenceChecks, PeerWatch
 from kvtier.tiers.health import CircuitBreaker
 from kvtier.tiers.jobs import ALL_LANES, READ_LANES, Lane, ThreadedTier, Work
+from kvtier.tiers.options import ByteSize, QueueLength, Seconds, Threads, TierOptions, tier_options
 from kvtier.types import LookupResult, RequestContext
-from kvtier.units import parse_size
 from kvtier.untrusted import open_regular
 
 __all__ = ["FilesystemTier", "FilesystemTierOptions", "NamespaceReport", "RootReport", "verify_root"]
@@ -130,54 +131,66 @@ _LEDGER_SECONDS = 1.0
 """How often housekeeping adopts dead instances' ledgers and rereads the shared file count."""
 
 
-class FilesystemTierOptions(BaseModel):
-    """Local disk / NVMe tier (``type: fs``): the keyword options of :class:`FilesystemTier`."""
+class FilesystemTierOptions(TierOptions):
+    """Local disk / NVMe tier (``type: fs``): the options of :class:`FilesystemTier`."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    root: str = Field(description="Directory that holds the tier's files (created if missing).")
-    max_bytes: int | None = Field(
+    root: str = Field(
+        min_length=1,
+        description="Directory that holds the tier's files (created if missing). Several engines may share it; "
+        "each namespace gets its own subdirectory.",
+    )
+    max_bytes: ByteSize | None = Field(
         default=None,
+        gt=0,
         description="Byte budget of this namespace's files, e.g. '64GiB', whoever wrote them: engines sharing the "
         "root share it (give each the same value); the oldest files go beyond it. "
         "Default: half of the free space plus what the namespace already holds.",
     )
-    read_threads: int = Field(default=4, gt=0, description="I/O threads serving only loads (promotions).")
-    write_threads: int = Field(default=2, gt=0, description="I/O threads serving stores, loads first.")
-    fsync: bool = Field(default=False, description="fsync each value and its directory before a store reports.")
+    read_threads: Threads = Field(default=4, description="I/O threads serving only loads (promotions).")
+    write_threads: Threads = Field(default=2, description="I/O threads serving stores, loads first.")
+    fsync: bool = Field(
+        default=False,
+        description="fsync each value and its directory before a store reports (survives power loss, costs "
+        "write throughput; crash safety against process death does not need it).",
+    )
     direct_io: bool | Literal["auto"] = Field(
-        default="auto", description="O_DIRECT: 'auto' (where the file system allows it), true (required), false."
+        default="auto",
+        description="O_DIRECT: 'auto' (where the file system allows it and the CPU rows are page aligned), "
+        "true (required: refused where impossible), false.",
     )
     scan_in_background: bool = Field(
         default=True, description="Rebuild the index from disk in a thread (unscanned keys answer RETRY)."
     )
-    failure_threshold: int = Field(default=5, ge=1, description="Consecutive I/O errors that open the breaker.")
-    probe_interval: float = Field(default=2.0, gt=0, description="Seconds between health probes while open.")
-    max_queued_stores: int = Field(
-        default=256, ge=1, description="Blocks waiting to be written beyond which new stores are shed."
+    failure_threshold: int = Field(
+        default=5, ge=1, le=1_000_000, description="Consecutive I/O errors that open the breaker."
     )
-    shutdown_timeout: float = Field(
+    probe_interval: Seconds = Field(default=2.0, gt=0, description="Seconds between health probes while open.")
+    max_queued_stores: QueueLength = Field(
+        default=256,
+        description="Blocks waiting to be written beyond which new stores are shed (each pins a CPU row).",
+    )
+    shutdown_timeout: Seconds = Field(
         default=30.0, gt=0, description="Seconds shutdown() lets queued jobs finish, then per thread join."
     )
-    share_group: str | int | None = Field(
+    share_group: str | Annotated[int, Field(ge=0, le=2**32 - 2)] | None = Field(
         default=None,
         description="Share the cache with this Unix group (directories 2770, files 0640, the group's files "
         "are served). Default: private to this user (0700 / 0600).",
     )
-    sharing: bool = Field(
+    sharing: StrictBool = Field(
         default=True,
         description="Learn the blocks other engines write into (and evict from) this root and namespace while "
         "this one runs, from the change journal every engine keeps (within about 0.1 s; lookups never wait). "
         "false: only what the start-up scan found and this engine stored.",
     )
-    miss_checks: bool = Field(
+    miss_checks: StrictBool = Field(
         default=False,
         description="With sharing, while other engines use the root, also check on disk each key the index "
         "lacks: the lookup answers RETRY until an I/O thread's check comes back (then HIT, or MISS for "
         "miss_seconds). Finds blocks the moment they are written, and blocks of engines that keep no journal "
         "(older releases), at the cost of one engine step for every new prompt.",
     )
-    miss_seconds: float = Field(
+    miss_seconds: Seconds = Field(
         default=1.0,
         gt=0,
         description="With miss_checks: seconds a key checked and not found answers MISS before it is checked again.",
@@ -188,10 +201,8 @@ class FilesystemTierOptions(BaseModel):
     def _path(cls, value: Any) -> Any:
         return os.fspath(value) if isinstance(value, os.PathLike) else value
 
-    @field_validator("max_bytes", mode="before")
-    @classmethod
-    def _size(cls, value: Any) -> Any:
-        return None if value is None else parse_size(value)
+    def capacity(self) -> int | None:
+        return self.max_bytes
 
 
 class _Corrupt(Exception):
@@ -216,36 +227,11 @@ def _is_gone(exc: OSError) -> bool:
 class FilesystemTier(ThreadedTier):
     """A secondary tier on a local file system (NVMe, SSD, any POSIX directory).
 
-    Options (the config schema's names):
-
-    * ``root``: directory of the cache; created if missing. Several engines may
-      share it; each namespace gets its own subdirectory.
-    * ``max_bytes``: byte budget of this namespace's value files, shared by every engine
-      using the root (:mod:`kvtier.tiers.fs_budget`). Default: half of (free space on the
-      file system + what this namespace already holds).
-    * ``read_threads`` / ``write_threads``: I/O threads for loads / stores (write
-      threads also serve loads first when any are queued).
-    * ``fsync``: fsync each value and its directory before reporting a store (survives
-      power loss, costs write throughput). Crash safety against process death does
-      not need it.
-    * ``direct_io``: ``"auto"`` (O_DIRECT if the file system supports it and the CPU
-      rows are page aligned), ``True`` (require it; ConfigError otherwise), ``False``.
-    * ``scan_in_background``: rebuild the index from disk in a background thread
-      (lookups of keys in shards not yet scanned answer RETRY) instead of in the
-      constructor.
-    * ``failure_threshold``: consecutive I/O errors that take the tier out of service.
-    * ``probe_interval``: seconds between health probes while out of service.
-    * ``max_queued_stores``: blocks waiting to be written beyond which new stores are
-      dropped (each queued store pins a CPU row), so a slow disk sheds writes first.
-    * ``shutdown_timeout``: seconds ``shutdown()`` lets queued jobs finish before
-      failing the rest, and then waits for each thread to exit.
-    * ``share_group``: a Unix group (name or gid) to share the cache with: directories
-      2770 (setgid), files 0640, and files of that group are served. Default: private
-      (directories 0700, files 0600, only this user's files are served).
-    * ``sharing``: follow the other engines' journals (:mod:`kvtier.tiers.fs_journal`).
-    * ``miss_checks`` / ``miss_seconds``: also check on disk each key the index lacks while
-      other engines use the root (:mod:`kvtier.tiers.fs_share`), and how long a key found
-      absent answers MISS.
+    Options: :class:`FilesystemTierOptions` (an instance, or its fields as keyword
+    arguments: ``FilesystemTier(context, root="/nvme/kv", max_bytes="64GiB")``). ``max_bytes``
+    is shared by every engine using the root (:mod:`kvtier.tiers.fs_budget`); ``sharing``
+    follows the other engines' journals (:mod:`kvtier.tiers.fs_journal`); ``miss_checks``
+    also checks on disk each key the index lacks (:mod:`kvtier.tiers.fs_share`).
 
     The root is untrusted content (see :mod:`kvtier.tiers.fs_files`): no link is
     followed, only regular files of this user (or group) are opened, nothing else is
@@ -271,92 +257,86 @@ class FilesystemTier(ThreadedTier):
         "checks_found": ExtraMetric("counter", "Checked keys found on disk: blocks another engine wrote."),
     }
 
-    def __init__(
-        self,
-        context: TierContext,
-        *,
-        root: str | os.PathLike[str],
-        max_bytes: int | float | None = None,
-        read_threads: int = 4,
-        write_threads: int = 2,
-        fsync: bool = False,
-        direct_io: bool | str = "auto",
-        scan_in_background: bool = True,
-        failure_threshold: int = 5,
-        probe_interval: float = 2.0,
-        max_queued_stores: int = 256,
-        shutdown_timeout: float = 30.0,
-        share_group: str | int | None = None,
-        sharing: bool = True,
-        miss_checks: bool = False,
-        miss_seconds: float = 1.0,
-    ) -> None:
-        """Check the options, prepare the namespace directory, size the budget, start the threads.
+    @classmethod
+    def bytes_per_block(cls, block_bytes: int) -> int:
+        """One value file: the header page plus the payload rounded up to whole pages."""
+        return entry_bytes(block_bytes)
 
-        Long because it is the tier's start-up sequence, in order: each step is a few
-        lines that need the previous one (directory before manifest, probe before budget).
-        """
-        if read_threads < 1 or write_threads < 1:
-            raise ConfigError(
-                f"fs tier needs read_threads >= 1 and write_threads >= 1, got {read_threads} and {write_threads}"
-            )
-        if direct_io not in (True, False, "auto"):
-            raise ConfigError(f"fs tier direct_io must be true, false or 'auto', got {direct_io!r}")
-        if probe_interval <= 0 or shutdown_timeout <= 0 or max_queued_stores < 1:
-            raise ConfigError(
-                "fs tier probe_interval and shutdown_timeout must be > 0 and max_queued_stores >= 1, got "
-                f"{probe_interval}, {shutdown_timeout}, {max_queued_stores}"
-            )
-        rows = context.rows
-        block_bytes = context.block_bytes
+    def __init__(
+        self, context: TierContext, options: FilesystemTierOptions | None = None, /, **fields: Any
+    ) -> None:
+        """Check the options, prepare the namespace directory, size the budget, start the threads."""
+        self.options = opts = tier_options(FilesystemTierOptions, self.tier_type, options, fields)
+        rows, block_bytes = context.rows, context.block_bytes
         if rows.ndim != 2 or rows.dtype != np.uint8 or block_bytes > rows.shape[1]:
             raise ConfigError(
                 f"fs tier needs rows as a 2-D uint8 array with rows of >= {block_bytes} bytes, "
                 f"got shape {rows.shape} dtype {rows.dtype}"
             )
-        if max_bytes is not None and int(max_bytes) < entry_bytes(block_bytes):
+        self.entry_bytes = entry_bytes(block_bytes)
+        if opts.max_bytes is not None and opts.max_bytes < self.entry_bytes:
             raise ConfigError(
-                f"fs tier max_bytes={int(max_bytes)} is smaller than one block file ({entry_bytes(block_bytes)} "
+                f"fs tier max_bytes={opts.max_bytes} is smaller than one block file ({self.entry_bytes} "
                 "bytes): raise max_bytes"
-            )
-        if failure_threshold < 1:
-            raise ConfigError(f"fs tier failure_threshold must be >= 1, got {failure_threshold}")
-        if not isinstance(sharing, bool) or not isinstance(miss_checks, bool) or not miss_seconds > 0:
-            raise ConfigError(
-                "fs tier sharing and miss_checks must be true or false and miss_seconds > 0, got "
-                f"{sharing!r}, {miss_checks!r}, {miss_seconds!r}"
             )
         super().__init__(
             context,
-            breaker=CircuitBreaker(failure_threshold=failure_threshold, open_seconds=probe_interval),
-            max_queued_stores=max_queued_stores,
-            shutdown_timeout=shutdown_timeout,
-            shutdown_grace=shutdown_timeout,
+            breaker=CircuitBreaker(failure_threshold=opts.failure_threshold, open_seconds=opts.probe_interval),
+            max_queued_stores=opts.max_queued_stores,
+            shutdown_timeout=opts.shutdown_timeout,
+            shutdown_grace=opts.shutdown_timeout,
         )
-        self.modes = FileModes.for_group(share_group)
-        self.root = Path(root)
+        self.modes = FileModes.for_group(opts.share_group)
+        self.root = Path(opts.root)
         self.ns_dir = self.root / context.namespace.hexdigest
         self.block_bytes = block_bytes
-        self.entry_bytes = entry_bytes(block_bytes)
-        self.fsync = bool(fsync)
-        self.read_threads = int(read_threads)
-        self.write_threads = int(write_threads)
+        self.fsync = opts.fsync
         self._digest = context.namespace.digest
+        self._open_directories()
+        self._direct_flag = O_DIRECT if self.direct_io else 0
+        self._index = FileIndex()
+        self.sharing = opts.sharing
+        self.miss_checks = opts.miss_checks and opts.sharing
+        self._checks = ExistenceChecks(opts.miss_seconds)
+        self._checks_live = self.miss_checks and self._peers.seen
+        self._value_sizes = (PAYLOAD_OFFSET + block_bytes, self.entry_bytes)
+        self._hard_links = True
+        self._next_ledger_check = 0.0
+        self._next_journal_read = 0.0
+        self._scavenge_next = 0
+        self._scavenge_idle_until = 0.0
+        self._free_recheck_interval = opts.probe_interval
+        self._last_enospc = 0.0
+        self._probe_seq = itertools.count(1)
+        self._stop_scan = threading.Event()
+        self._scan_done = threading.Event()
+        self._scanned = bytearray(256)
+        self.stats.extra.update(
+            {"io_errors": 0, "enospc": 0, "vanished": 0, "scan_entries": 0, "scan_seconds": 0.0,
+             "unsafe_entries": 0, "temp_files_swept": float(self.swept_temp_files), "journal_added": 0,
+             "journal_removed": 0, "checks": 0, "checks_found": 0}
+        )  # fmt: skip
+        self._start()
 
-        # Every option is valid: now the side effects, each undone if a later one fails.
+    # --- construction helpers -------------------------------------------------------------
+
+    def _open_directories(self) -> None:
+        """Adopt the namespace directory (manifest, sweep of dead writers, this instance's temp
+        directory), then choose O_DIRECT and the byte budget; each step undone if a later one fails."""
         self._dirs = make_dirs(self.ns_dir, self.modes)
         try:
-            ensure_manifest(self._dirs, manifest_dict(self._digest, context.namespace.canonical(), block_bytes))
-            self.swept_temp_dirs, self.swept_temp_files = sweep_temp_dirs(self.ns_dir)
+            manifest = manifest_dict(self._digest, self.context.namespace.canonical(), self.block_bytes)
+            ensure_manifest(self._dirs, manifest)
+            self.swept_temp_dirs, self.swept_temp_files = sweep_temp_dirs(self._dirs)
             self._instance = InstanceDir(self._dirs)
         except BaseException:
             self._dirs.close()
             raise
         try:
-            self.direct_io, self.direct_io_reason = self._choose_direct_io(direct_io)
+            self.direct_io, self.direct_io_reason = self._choose_direct_io(self.options.direct_io)
             # Bytes moved per block: O_DIRECT needs whole pages (the row's padding rides along).
-            self._io_bytes = round_up(block_bytes) if self.direct_io else block_bytes
-            self.max_bytes = self._resolve_max_bytes(max_bytes, self._count_existing_files())
+            self._io_bytes = round_up(self.block_bytes) if self.direct_io else self.block_bytes
+            self.max_bytes = self._resolve_max_bytes(self.options.max_bytes, self._count_existing_files())
             self._peers = PeerWatch(self._dirs, self._instance.name, always=False)
             self._budget = SharedBudget(self._dirs, self._instance.name, self.max_bytes // self.entry_bytes)
         except BaseException:
@@ -365,51 +345,21 @@ class FilesystemTier(ThreadedTier):
             raise
         try:  # before the scan: records appended from now on are read, what came before is scanned
             self._journal = JournalWriter(self._dirs, self._instance.name)
-            self._follow = JournalReader(self._dirs, self._instance.name) if sharing else None
+            self._follow = JournalReader(self._dirs, self._instance.name) if self.options.sharing else None
         except BaseException:
             self._instance.close(remove=True)
             self._budget.close()
             self._dirs.close()
             raise
-        self._direct_flag = O_DIRECT if self.direct_io else 0
-        self._index = FileIndex()
-        self.sharing = sharing
-        self.miss_checks = miss_checks and sharing
-        self._checks = ExistenceChecks(miss_seconds)
-        self._checks_live = self.miss_checks and self._peers.seen
-        self._value_sizes = (PAYLOAD_OFFSET + block_bytes, self.entry_bytes)
-        self._hard_links = True
-        self._next_ledger_check = 0.0
-        self._next_journal_read = 0.0
-        self._scavenge_next = 0
-        self._scavenge_idle_until = 0.0
-        self._free_recheck_interval = probe_interval
-        self._last_enospc = 0.0
-        self._probe_seq = itertools.count(1)
-        self._stop_scan = threading.Event()
-        self._scan_done = threading.Event()
-        self._scanned = bytearray(256)
-        self.stats.extra.update(
-            {
-                "io_errors": 0,
-                "enospc": 0,
-                "vanished": 0,
-                "scan_entries": 0,
-                "scan_seconds": 0.0,
-                "unsafe_entries": 0,
-                "temp_files_swept": float(self.swept_temp_files),
-                "journal_added": 0,
-                "journal_removed": 0,
-                "checks": 0,
-                "checks_found": 0,
-            }
-        )
 
+    def _start(self) -> None:
+        """Start the I/O threads and the warm-restart scan (or run it here); shut down if that fails."""
+        opts = self.options
         try:
             self._budget.adopt_dead()
-            self._start_workers(self.read_threads, READ_LANES, "read")
-            self._start_workers(self.write_threads, ALL_LANES, "write")
-            if scan_in_background:
+            self._start_workers(opts.read_threads, READ_LANES, "read")
+            self._start_workers(opts.write_threads, ALL_LANES, "write")
+            if opts.scan_in_background:
                 self._start_thread("scan", self._scan)
             else:
                 self._scan()
@@ -419,17 +369,12 @@ class FilesystemTier(ThreadedTier):
             raise
         logger.info(
             "fs tier %s: %s, capacity %.2f GiB, %s, %d read / %d write threads",
-            self.label,
-            self.ns_dir,
-            self.max_bytes / 2**30,
+            self.label, self.ns_dir, self.max_bytes / 2**30,
             "O_DIRECT" if self.direct_io else f"buffered I/O ({self.direct_io_reason})",
-            self.read_threads,
-            self.write_threads,
-        )
+            opts.read_threads, opts.write_threads,
+        )  # fmt: skip
 
-    # --- construction helpers -------------------------------------------------------------
-
-    def _choose_direct_io(self, mode: bool | str) -> tuple[bool, str]:
+    def _choose_direct_io(self, mode: bool | Literal["auto"]) -> tuple[bool, str]:
         if mode is False:
             return False, "direct_io=false"
         assert self._rows is not None
@@ -453,12 +398,12 @@ class FilesystemTier(ThreadedTier):
     def _count_existing_files(self) -> int:
         return sum(1 for shard in SHARDS for e in self._dirs.entries(shard) if e.name.endswith(SUFFIX))
 
-    def _resolve_max_bytes(self, max_bytes: int | float | None, existing_files: int) -> int:
+    def _resolve_max_bytes(self, max_bytes: int | None, existing_files: int) -> int:
         if max_bytes is None:
             usage = shutil.disk_usage(self.ns_dir)
             budget = int((usage.free + existing_files * self.entry_bytes) * DEFAULT_FREE_FRACTION)
         else:
-            budget = int(max_bytes)
+            budget = max_bytes
         if budget < self.entry_bytes:
             raise ConfigError(
                 f"fs tier max_bytes={budget} is smaller than one block file ({self.entry_bytes} bytes): "
@@ -544,7 +489,7 @@ class FilesystemTier(ThreadedTier):
         return {
             "type": self.tier_type,
             "medium": self.medium,
-            "root": str(self.root),
+            **self.options.model_dump(mode="json"),
             "namespace_dir": str(self.ns_dir),
             "max_bytes": self.max_bytes,
             "capacity_bytes": usage.capacity_bytes,
@@ -554,10 +499,6 @@ class FilesystemTier(ThreadedTier):
             "file_bytes": self.entry_bytes,
             "direct_io": self.direct_io,
             "direct_io_reason": self.direct_io_reason,
-            "fsync": self.fsync,
-            "read_threads": self.read_threads,
-            "write_threads": self.write_threads,
-            "max_queued_stores": self.max_queued_stores,
             "scan_complete": self.scan_complete,
             "sharing": self.sharing,
             "miss_checks": self.miss_checks,
@@ -618,7 +559,8 @@ class FilesystemTier(ThreadedTier):
             self._forget(key, started)
         except UnsafeEntryError as exc:
             error = f"value {key.hex()[:16]} is not served: {exc}"
-            logger.warning("fs tier %s: %s (never opened for I/O, never deleted)", self.label, error)
+            what = f"fs tier {self.label}: value {key.hex()[:16]} is not served (never opened for I/O, never deleted)"
+            log_failure(logger, logging.WARNING, what, exc)
             self._count(unsafe_entries=1)
             self._forget(key, started)
         except OSError as exc:
@@ -1042,8 +984,9 @@ class FilesystemTier(ThreadedTier):
                 logger.info("fs tier %s: %d files beyond max_bytes evicted after restart", self.label, need)
                 with contextlib.suppress(_NoRoom):
                     self._make_room(need, recycle_to=None)
-        except Exception:
-            logger.exception("fs tier %s: scan of %s failed; unscanned keys answer MISS", self.label, self.ns_dir)
+        except Exception as exc:
+            what = f"fs tier {self.label}: scan of {self.ns_dir} failed; unscanned keys answer MISS"
+            log_failure(logger, logging.ERROR, what, exc, with_traceback=True)
         finally:
             for i in range(256):
                 self._scanned[i] = 1

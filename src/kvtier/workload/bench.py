@@ -174,7 +174,7 @@ class _Run:
         geometry = config.kv_geometry()
         self.tokens_per_block = geometry.tokens_per_block
         self.block_bytes = geometry.bytes_per_block
-        self.tier_labels = ["cpu"] + [manager.tier_label(i + 1).split(":", 1)[1] for i in range(len(manager.tiers))]
+        self.tier_labels = ["cpu"] + [tier.tier_type for tier in manager.tier_descriptors()[1:]]
         self.watches = [TierWatch(label) for label in self.tier_labels[1:]]
         self.result = _new_result(config, manager, self.opts, self.tier_labels)
         self.result.tier_health = dict(zip(self.tier_labels[1:], self.watches, strict=True))
@@ -313,12 +313,11 @@ class _Run:
         hits = 0
         pending = False
         origin = self.promoted_from.setdefault(req.req_id, {})
-        tiers = self.manager.tiers
-        lookup = self.manager.lookup
+        manager = self.manager
+        lookup = manager.lookup
         perf = time.perf_counter_ns
         lookup_ns = self.result.lookup_ns
         for key in keys:
-            before = [t.stats.lookups_hit for t in tiers] if tiers else None
             t = perf()
             answer = lookup(key, req)
             dt = perf() - t
@@ -332,11 +331,8 @@ class _Run:
                 hits += 0 if pending else 1
                 continue
             pending = True
-            if before is not None and key not in origin:
-                for pos, tier in enumerate(tiers):
-                    if tier.stats.lookups_hit > before[pos]:
-                        origin[key] = self.tier_labels[pos + 1]
-                        break
+            if manager.promoted_from and key not in origin:  # this lookup started a promotion from that tier
+                origin[key] = self.tier_labels[manager.promoted_from]
         return hits, pending
 
     def submit_copy(self, run: _Running, pairs: list[tuple[Any, Any]], is_load: bool) -> int:
@@ -492,7 +488,7 @@ class _Run:
         result.manager_stats = stats.as_dict()
         result.promotion_failures = stats.manager.promotions_failed
         for pos, tier in enumerate(stats.secondary):
-            short = self.tier_labels[pos + 1]
+            short = self.tier_labels[tier.index]
             result.bytes[f"cpu_to_{short}"] = tier.written.bytes
             result.bytes[f"{short}_to_cpu"] = tier.read.bytes
             # Cascade jobs queue behind each other on several threads, so their summed
