@@ -13,9 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtier.engine_events import ControlRecord, TierInfo
-from kvtier.fleet import FleetIndex, FleetReader, MemoryMasks, RedisMasks
+from kvtier.fleet import FleetIndex, FleetReader, MemoryMasks, RedisMasks, longest_prefix
+from kvtier.fleet.index import prefix_answer
 from kvtier.fleet.records import Kind, WireBatch, WireEvent
 
 CPU = TierInfo("0:primary", "cpu", "cpu", "engine")
@@ -186,3 +189,48 @@ def test_a_memory_index_counts_what_it_dropped() -> None:
     assert len(masks) == 0
     with pytest.raises(ValueError):
         index.add_engine("a")
+
+
+def _reference(masks: list[int], device: int, tiers: dict[str, int], chunk: int) -> dict[str, Any]:
+    """The answer spelled out the slow way: each prefix walked on its own."""
+
+    def run(flag: int, step: int) -> int:
+        blocks = step - 1
+        while blocks < len(masks) and masks[blocks] & flag:
+            blocks += step
+        return blocks - step + 1
+
+    any_tier = 0
+    for flag in tiers.values():
+        any_tier |= flag
+    blocks = 0
+    while blocks < len(masks):
+        if masks[blocks] & device:
+            blocks += 1
+            continue
+        end = (blocks // chunk + 1) * chunk - 1
+        if end < len(masks) and masks[end] & any_tier:
+            blocks = end + 1
+            continue
+        break
+    return {"blocks": blocks, "tiers": {"GPU": run(device, 1), **{label: run(f, chunk) for label, f in tiers.items()}}}
+
+
+@given(
+    masks=st.lists(st.integers(0, 15), max_size=40),
+    chunk=st.integers(1, 4),
+    window=st.integers(1, 8),
+)
+def test_the_one_pass_answer_equals_each_prefix_walked_alone(masks: list[int], chunk: int, window: int) -> None:
+    meta = {"engines": {"e": {"device_bit": 0, "info": {"blocks_per_chunk": chunk}, "status": "synced",
+                              "start": "s", "tiers": [{"label": "0:primary", "bit": 1}, {"label": "1:fs", "bit": 2},
+                                                      {"label": "2:redis", "bit": 3}]}}}  # fmt: skip
+    masks_store = MemoryMasks()
+    keys = list(range(len(masks)))
+    for bit in range(4):
+        masks_store.add(bit, [k for k, m in zip(keys, masks, strict=True) if m >> bit & 1])
+    want = _reference(masks, 1, {"0:primary": 2, "1:fs": 4, "2:redis": 8}, chunk)
+    got = longest_prefix(meta, masks)["e"]
+    lazy = prefix_answer(meta, masks_store, keys, first_window=window)["e"]
+    assert {"blocks": got["blocks"], "tiers": got["tiers"]} == want
+    assert lazy == got

@@ -397,9 +397,10 @@ class FleetIndex:
             }  # fmt: skip
 
     def prefix(self, keys: Sequence[int], engines: Sequence[str] | None = None) -> dict[str, Any]:
-        """The longest cached prefix of ``keys`` per engine and tier (see :func:`longest_prefix`)."""
+        """The longest cached prefix of ``keys`` per engine and tier (see :func:`longest_prefix`);
+        reads the keys' bitmaps only as far as some engine's prefix still reaches."""
         with self._lock:
-            return longest_prefix(self.meta(), self.masks.masks(keys), engines)
+            return prefix_answer(self.meta(), self.masks, keys, engines, first_window=64)
 
     def held(self, name: str, label: str) -> set[int]:
         """The keys the index says engine ``name`` holds in tier ``label`` (or ``"GPU"``)."""
@@ -412,11 +413,19 @@ class FleetIndex:
 class FleetReader:
     """Answers from an index another process writes (:class:`~kvtier.fleet.masks.RedisMasks`):
     for routers sharing one index. The engine table is re-read at most every ``meta_ttl``
-    seconds; each answer reads the prompt's key bitmaps (one round trip)."""
+    seconds; an answer reads the prompt's key bitmaps ``first_window`` at a time (one round
+    trip each, doubling), until no engine's prefix reaches further."""
 
-    def __init__(self, masks: LocationMasks, meta_ttl: float = 0.5, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        masks: LocationMasks,
+        meta_ttl: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+        first_window: int = 512,
+    ) -> None:
         self.masks = masks
         self.meta_ttl = meta_ttl
+        self.first_window = first_window
         self._clock = clock
         self._lock = threading.Lock()
         self._meta: dict[str, Any] = {}
@@ -431,44 +440,130 @@ class FleetReader:
             return self._meta
 
     def prefix(self, keys: Sequence[int], engines: Sequence[str] | None = None) -> dict[str, Any]:
-        return longest_prefix(self.meta(), self.masks.masks(keys), engines)
+        return prefix_answer(self.meta(), self.masks, keys, engines, first_window=self.first_window)
+
+
+def prefix_answer(
+    meta: dict[str, Any],
+    masks: LocationMasks,
+    keys: Sequence[int],
+    engines: Sequence[str] | None = None,
+    first_window: int = 64,
+) -> dict[str, Any]:
+    """:func:`longest_prefix` of ``keys``, reading their bitmaps only as far as some engine's
+    prefix reaches (in windows of ``first_window`` keys, doubling): the cost follows the longest
+    cached prefix, not the prompt."""
+    return _walk(meta, lambda start, count: masks.masks(keys[start : start + count]), len(keys), engines,
+                 first_window)  # fmt: skip
 
 
 def longest_prefix(meta: dict[str, Any], masks: Sequence[int], engines: Sequence[str] | None = None) -> dict[str, Any]:
     """For the blocks whose location bitmasks are ``masks`` (a prompt's keys in order), per
     engine of ``meta`` (or of ``engines``): the leading blocks held by its device cache, by
-    each of its tiers, and by any of them (``blocks``). O(len(masks)) per location."""
+    each of its tiers (whole chunks of ``blocks_per_chunk``, keyed by their last block), and by
+    any of them (``blocks``: each block in the device cache, or its chunk in a tier). One pass
+    that stops where the last of these prefixes ends."""
+    return _walk(meta, lambda start, count: masks[start : start + count], len(masks), engines, len(masks))
+
+
+def _chunk(engine: dict[str, Any]) -> int:
+    value = engine.get("info", {}).get("blocks_per_chunk", 1)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
+
+
+class _Walk:
+    """One engine's prefixes as the blocks go by (see :func:`_walk`)."""
+
+    __slots__ = ("any_alive", "any_blocks", "any_flag", "chunk", "device", "device_alive", "device_blocks",
+                 "labels", "lead", "tier_alive", "tier_blocks", "tier_flags", "tiers_alive")  # fmt: skip
+
+    def __init__(self, engine: dict[str, Any]) -> None:
+        self.chunk = _chunk(engine)
+        self.device = 1 << engine["device_bit"]
+        tiers = list(engine.get("tiers", ()))
+        self.labels = [t["label"] for t in tiers]
+        self.tier_flags = [1 << t["bit"] for t in tiers]
+        self.any_flag = 0
+        for flag in self.tier_flags:
+            self.any_flag |= flag
+        self.tier_blocks = [0] * len(tiers)
+        self.tier_alive = [True] * len(tiers)
+        self.tiers_alive = len(tiers)
+        self.device_blocks = 0
+        self.device_alive = True
+        self.any_blocks = 0
+        self.any_alive = True
+        self.lead = 0  # leading blocks of the current chunk in the device cache
+
+    def see(self, i: int, mask: int) -> bool:
+        """Block ``i`` has ``mask``; False once every prefix of this engine has ended."""
+        in_device = mask & self.device
+        if self.device_alive:
+            if in_device:
+                self.device_blocks = i + 1
+            else:
+                self.device_alive = False
+        chunk = self.chunk
+        offset = i % chunk
+        if self.any_alive and in_device and self.lead == offset:
+            self.lead = offset + 1
+        if offset == chunk - 1:
+            if self.tiers_alive:
+                for t, flag in enumerate(self.tier_flags):
+                    if self.tier_alive[t]:
+                        if mask & flag:
+                            self.tier_blocks[t] = i + 1
+                        else:
+                            self.tier_alive[t] = False
+                            self.tiers_alive -= 1
+            if self.any_alive:
+                if mask & self.any_flag or self.lead == chunk:
+                    self.any_blocks = i + 1
+                else:
+                    self.any_blocks = i + 1 - chunk + self.lead
+                    self.any_alive = False
+                self.lead = 0
+        return self.device_alive or self.any_alive or self.tiers_alive > 0
+
+    def end(self, n: int) -> None:
+        """The prompt ended at ``n`` blocks: a last, partial chunk counts by its device blocks."""
+        if self.any_alive and n % self.chunk:
+            self.any_blocks = n - n % self.chunk + self.lead
+
+
+def _walk(
+    meta: dict[str, Any],
+    fetch: Callable[[int, int], Sequence[int]],
+    n: int,
+    engines: Sequence[str] | None,
+    window: int,
+) -> dict[str, Any]:
     known = meta.get("engines", {})
-    names = list(known) if engines is None else [n for n in engines if n in known]
-    n = len(masks)
+    names = list(known) if engines is None else [e for e in engines if e in known]
+    walks = {name: _Walk(known[name]) for name in names}
+    live = list(walks.values())
+    read: list[int] = []
+    window = max(1, window)
+    i = 0
+    while live and i < n:
+        if i == len(read):
+            read.extend(fetch(i, window))
+            window *= 2
+        mask = read[i]
+        ended = False
+        for w in live:
+            if not w.see(i, mask):
+                ended = True
+        if ended:
+            live = [w for w in live if w.device_alive or w.any_alive or w.tiers_alive]
+        i += 1
+    for w in live:
+        w.end(n)
     out: dict[str, Any] = {}
-    for name in names:
-        eng = known[name]
-        chunk = max(1, int(eng.get("info", {}).get("blocks_per_chunk", 1) or 1))
-        device = 1 << eng["device_bit"]
-        tiers = {t["label"]: 1 << t["bit"] for t in eng.get("tiers", ())}
-        per_tier = {DEVICE: _run(masks, device, 1)}
-        per_tier.update((label, _run(masks, flag, chunk)) for label, flag in tiers.items())
-        any_tier = 0
-        for flag in tiers.values():
-            any_tier |= flag
-        blocks = 0
-        while blocks < n:
-            if masks[blocks] & device:
-                blocks += 1
-                continue
-            end = (blocks // chunk + 1) * chunk - 1
-            if end < n and masks[end] & any_tier:
-                blocks = end + 1
-                continue
-            break
-        out[name] = {"blocks": blocks, "tiers": per_tier, "status": eng.get("status"), "start": eng.get("start")}
+    for name, w in walks.items():
+        tiers = {DEVICE: w.device_blocks}
+        tiers.update(zip(w.labels, w.tier_blocks, strict=True))
+        engine = known[name]
+        out[name] = {"blocks": w.any_blocks, "tiers": tiers, "status": engine.get("status"),
+                     "start": engine.get("start")}  # fmt: skip
     return out
-
-
-def _run(masks: Sequence[int], flag: int, chunk: int) -> int:
-    """Leading blocks held by one location: whole chunks whose last block's key has ``flag``."""
-    blocks = chunk - 1
-    while blocks < len(masks) and masks[blocks] & flag:
-        blocks += chunk
-    return blocks - chunk + 1

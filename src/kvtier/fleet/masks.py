@@ -134,25 +134,27 @@ class RedisMasks:
         return f"{self.prefix}:l:{bit}"
 
     def add(self, bit: int, keys: Iterable[int]) -> None:
-        keys = list(keys)
-        if not keys:
-            return
-        pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.setbit(self._key(key), bit, 1)
-        pipe.sadd(self._set(bit), *(f"{k:x}" for k in keys))
-        pipe.execute()
+        self._set_bit(bit, list(keys), 1)
 
     def remove(self, bit: int, keys: Iterable[int]) -> None:
         keys = list(keys)
+        self._set_bit(bit, keys, 0)
+        if keys:
+            self._drop_empty(keys)
+
+    def _set_bit(self, bit: int, keys: list[int], value: int) -> None:
+        """Set (1) or clear (0) ``bit`` of every key's bitmap and update the location's key set: one pipeline."""
         if not keys:
             return
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
-            pipe.setbit(self._key(key), bit, 0)
-        pipe.srem(self._set(bit), *(f"{k:x}" for k in keys))
+            pipe.setbit(self._key(key), bit, value)
+        members = [f"{k:x}" for k in keys]
+        if value:
+            pipe.sadd(self._set(bit), *members)
+        else:
+            pipe.srem(self._set(bit), *members)
         pipe.execute()
-        self._drop_empty(keys)
 
     def _drop_empty(self, keys: list[int]) -> None:
         """Delete key bitmaps that hold no bit any more (BITCOUNT 0), so Redis does not keep them."""
@@ -170,10 +172,7 @@ class RedisMasks:
             if not batch:
                 break
             keys = [int(k, 16) for k in batch]
-            pipe = self.client.pipeline(transaction=False)
-            for key in keys:
-                pipe.setbit(self._key(key), bit, 0)
-            pipe.execute()
+            self._set_bit(bit, keys, 0)  # (the keys already left the set)
             self._drop_empty(keys)
 
     def masks(self, keys: Sequence[int]) -> list[int]:
