@@ -42,6 +42,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
@@ -201,8 +202,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         ctx = self._context(req_context)
-        if self.events is not None and ctx.params.get(EVENTS_PARAM) is not None:
-            self._event_request(ctx)
+        params = req_context.kv_transfer_params
+        if self.events is not None and isinstance(params, Mapping) and params.get(EVENTS_PARAM) is not None:
+            self._event_request(ctx.req_id, params)
         policy = self.manager.on_new_request(ctx)
         return RequestOffloadingContext(policy=_POLICY[policy])
 
@@ -222,23 +224,24 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     def has_pending_work(self) -> bool:
         return self.manager.has_pending_work() or (self.events is not None and self.events.has_pending_output())
 
-    def _event_request(self, ctx: RequestContext) -> None:
-        """A request asked the event stream for a snapshot or a marker (see the module docstring)."""
+    def _event_request(self, req_id: str, params: Mapping[str, Any]) -> None:
+        """A request asked the event stream for a snapshot or a marker (see the module docstring);
+        ``params`` come from the API client: only these two keys are read, and shown bounded."""
         assert self.events is not None
-        what = ctx.params.get(EVENTS_PARAM)
+        what = params.get(EVENTS_PARAM)
         if what == "snapshot":
             if not self.events.request_snapshot():
-                logger.info("kvtier events: snapshot asked by %s ignored (one is under way or was sent "
-                            "within %.0f s)", ctx.req_id, self.events.snapshot_interval)  # fmt: skip
+                logger.info("kvtier events: snapshot asked by %.80s ignored (one is under way or was sent "
+                            "within %.0f s)", req_id, self.events.snapshot_interval)  # fmt: skip
         elif what == "mark":
-            marker = ctx.params.get(MARKER_PARAM, ctx.req_id)
+            marker = params.get(MARKER_PARAM, req_id)
             try:
                 self.events.mark(marker)
-            except ValueError as exc:  # client input: shown bounded
-                logger.warning("kvtier events: request %.80s: %s: %s", ctx.req_id, MARKER_PARAM, exc)
+            except ValueError as exc:
+                logger.warning("kvtier events: request %.80s: %s: %s", req_id, MARKER_PARAM, exc)
         else:
             logger.warning("kvtier events: request %.80s: %s=%.80r is not 'snapshot' or 'mark'; ignored",
-                           ctx.req_id, EVENTS_PARAM, what)  # fmt: skip
+                           req_id, EVENTS_PARAM, what)  # fmt: skip
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         out: list[OffloadingEvent] = []
