@@ -208,7 +208,14 @@ def test_the_cpu_tier_records_events_only_when_vllm_publishes_them(
             manager.on_schedule_end(None)  # type: ignore[arg-type]
         events = list(manager.take_events())
         if kv_events:
-            assert [(len(e.keys), e.removed) for e in events] == [(2, False), (2, True), (2, False)]
+            # with events on, the stream's control records (kvtier.engine_events) travel with them
+            from kvtier.engine_events import ControlRecord
+            from kvtier.integrations.vllm.manager import CONTROL_KEY
+
+            records = [ControlRecord.decode(e.ownership) for e in events if e.keys == [CONTROL_KEY]]
+            assert [r.op for r in records if r is not None] == ["hello"]
+            blocks = [e for e in events if e.keys != [CONTROL_KEY]]
+            assert [(len(e.keys), e.removed) for e in blocks] == [(2, False), (2, True), (2, False)]
         else:
             assert events == []
     finally:
