@@ -36,9 +36,9 @@ Trust rules (kvtier's control records, :mod:`kvtier.engine_events`):
   ``lag_seconds`` before the snapshot.
 
 Answers are in blocks of the engines' ``tokens_per_hash``; kvtier tiers hold chunks of
-``blocks_per_chunk`` blocks, keyed by the chunk's last block. ``any`` is the longest
-prefix whose every block is in at least one of the engine's tiers (what the engine
-would reuse, device cache first).
+``blocks_per_chunk`` blocks, keyed by the chunk's last block. An answer's ``blocks`` is
+the longest prefix whose every block is in at least one of the engine's tiers (what the
+engine would reuse, device cache first); ``tiers`` has the prefix of each tier alone.
 """
 
 from __future__ import annotations
