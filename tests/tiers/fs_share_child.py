@@ -118,7 +118,7 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         tier = self.mgr.tiers[0]
-        stats = self.mgr.stats()["tiers"]["1:fs"]
+        stats = self.mgr.stats().as_dict()["tiers"]["1:fs"]
         return {"stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))}, "describe": tier.describe()}
 
 
