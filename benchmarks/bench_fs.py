@@ -275,6 +275,11 @@ def run_miss_costs(args: argparse.Namespace) -> bool:
             tier = {"type": "fs", "root": str(base), "max_bytes": 64 << 20, "miss_seconds": 3600.0, **options}
             managers[mode] = TieringManager.create(namespace=ns, num_cpu_blocks=64, tiers=[tier], events=False)
         deadline = time.monotonic() + 10
+        for mgr in managers.values():  # a shard not scanned yet answers RETRY, in every mode
+            while not mgr.tiers[0].describe()["scan_complete"]:
+                if time.monotonic() > deadline:
+                    raise SystemExit("an engine's start-up scan did not finish within 10 s")
+                time.sleep(0.01)
         while not managers["checks"].tiers[0].describe()["miss_checks_active"]:  # it sees the other two
             if time.monotonic() > deadline:
                 raise SystemExit("the miss_checks engine never noticed the others")

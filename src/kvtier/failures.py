@@ -44,10 +44,17 @@ def describe_error(exc: BaseException, limit: int = 300) -> str:
     for a native library's internal error, a fixed sentence instead of its text."""
     if is_native_crash(exc):
         return "internal error of the storage client library (a crash inside it; details withheld)"
-    first = str(exc).strip().split("\n", 1)[0].strip()
+    first = _os_error_words(exc) if isinstance(exc, OSError) else str(exc).strip().split("\n", 1)[0].strip()
     if len(first) > limit:
         first = first[: limit - 3] + "..."
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _os_error_words(exc: OSError) -> str:
+    """An OSError as its words and the path it names, without the ``[Errno N]`` prefix of ``str()``."""
+    if not exc.strerror:
+        return str(exc).strip().split("\n", 1)[0].strip()
+    return f"{exc.strerror}: {exc.filename}" if exc.filename is not None else exc.strerror
 
 
 def forget_frames(exc: BaseException) -> None:

@@ -141,6 +141,7 @@ class TierTelemetry:
 
     __slots__ = (
         "failures",
+        "last_error",
         "loads_in_flight",
         "lookup_async_seconds",
         "lookup_seconds",
@@ -155,11 +156,15 @@ class TierTelemetry:
         self.written = TransferCounter()
         self.read = TransferCounter()
         self.failures: dict[str, int] = {}
+        self.last_error: str | None = None
+        """The tier's own words for its latest failed job (at most 300 characters), for reports."""
         self.stores_in_flight = 0
         self.loads_in_flight = 0
 
-    def fail(self, kind: str, count: int = 1) -> None:
+    def fail(self, kind: str, count: int = 1, error: str | None = None) -> None:
         self.failures[kind] = self.failures.get(kind, 0) + count
+        if error:
+            self.last_error = error[:300]
 
 
 # --------------------------------------------------------------------------- snapshots

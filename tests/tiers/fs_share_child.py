@@ -118,8 +118,8 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         tier = self.mgr.tiers[0]
-        stats = self.mgr.stats().as_dict()["tiers"]["1:fs"]
-        return {"stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))}, "describe": tier.describe()}
+        counters = self.mgr.stats().tier("1:fs").counters
+        return {"stats": {k: v for k, v in counters.items() if isinstance(v, (int, float))}, "describe": tier.describe()}
 
 
 def main() -> None:

@@ -68,7 +68,8 @@ def add_fleet_parser(sub: Any) -> None:
     s.add_argument("--api", action="append", type=_named, default=[], metavar="NAME=URL",
                    help="the engine's OpenAI API base URL (http://host:port): used to ask for a snapshot when "
                    "events were lost")  # fmt: skip
-    s.add_argument("--topic", default="", help="the topic the engines publish on (vLLM's kv-events topic)")
+    s.add_argument("--topic", default=None,
+                   help="the topic the engines publish on (vLLM's kv-events topic; default: none, as vLLM's)")  # fmt: skip
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; no authentication)")
     s.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 = any free)")
     s.add_argument("--hash", choices=ALGORITHMS, default="sha256",
@@ -106,7 +107,7 @@ def _endpoints(args: argparse.Namespace) -> list[Any]:
                 raise ConfigError(f"--{flag} {name}={value}: no --engine named {name!r} (engines: {names})")
             extras[name][flag] = value
     try:
-        return [EngineEndpoint(name, events, topic=args.topic, **extras[name]) for name, events in args.engine]
+        return [EngineEndpoint(name, events, topic=args.topic or "", **extras[name]) for name, events in args.engine]
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -23,7 +23,8 @@ from kvtier.primary import PrimaryTier
 from kvtier.region import SharedRegion
 from kvtier.tiers.base import SecondaryTier, TierContext
 from kvtier.tiers.registry import create_tier, validate_tier_options
-from kvtier.units import rows_that_fit
+from kvtier.units import parse_size, rows_that_fit
+from kvtier.validation import check_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +34,9 @@ DEFAULT_SHUTDOWN_TIMEOUT = 120.0
 """Seconds ``TieringManager.shutdown`` gives all secondary tiers together."""
 
 
-def check_shutdown_timeout(timeout: float | None) -> None:
-    if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
-        raise ConfigError(f"shutdown_timeout must be >= 0 seconds or None, got {timeout!r}")
+def check_shutdown_timeout(timeout: float | None, name: str = "shutdown_timeout") -> None:
+    """A deadline of the Python API: finite seconds in [0, MAX_SECONDS] or None (ConfigError naming ``name``)."""
+    check_seconds(timeout, name, allow_none=True)
 
 
 def new_region(name: str | None, num_cpu_blocks: int, block_bytes: int, shm_dir: str | os.PathLike[str], *,
@@ -68,7 +69,7 @@ def assemble(region: SharedRegion, block_bytes: int, policy: str, specs: Sequenc
 
 
 def sizes(namespace: Namespace, block_bytes: int | None, num_cpu_blocks: int | None,
-           cpu_bytes: int | None) -> tuple[int, int]:
+          cpu_bytes: int | str | None) -> tuple[int, int]:
     """``(block_bytes, num_cpu_blocks)`` from what was given; ConfigError if they cannot be had."""
     if block_bytes is None:
         if namespace.geometry is None:
@@ -76,11 +77,22 @@ def sizes(namespace: Namespace, block_bytes: int | None, num_cpu_blocks: int | N
         block_bytes = namespace.geometry.bytes_per_block
     if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
         raise ConfigError(f"block_bytes must be a positive integer, got {block_bytes!r}")
+    return block_bytes, _cpu_rows(num_cpu_blocks, cpu_bytes, block_bytes)
+
+
+def _cpu_rows(num_cpu_blocks: int | None, cpu_bytes: int | str | None, block_bytes: int) -> int:
+    """The CPU tier's rows from ``create``'s arguments, or a ConfigError naming the bad one."""
     if num_cpu_blocks is None:
         if cpu_bytes is None:
             raise ConfigError("give the CPU tier a size: num_cpu_blocks or cpu_bytes")
-        num_cpu_blocks = rows_that_fit(cpu_bytes, block_bytes)
-    return block_bytes, num_cpu_blocks
+        try:
+            size = parse_size(cpu_bytes)
+        except ConfigError as exc:
+            raise ConfigError(f"cpu_bytes: {exc}") from None
+        return rows_that_fit(size, block_bytes)
+    if isinstance(num_cpu_blocks, bool) or not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 1:
+        raise ConfigError(f"num_cpu_blocks must be a positive integer, got {num_cpu_blocks!r:.40}")
+    return num_cpu_blocks
 
 
 def check_policy_and_tiers(policy: str, tiers: Sequence[dict[str, Any]]) -> None:

@@ -128,6 +128,7 @@ class TieringManager:
         lookup_timing_every: int = LOOKUP_TIMING_EVERY,
     ) -> None:
         build.check_shutdown_timeout(shutdown_timeout)
+        build.check_shutdown_timeout(drain_timeout, "drain_timeout")
         if isinstance(lookup_timing_every, bool) or not isinstance(lookup_timing_every, int) or lookup_timing_every < 1:
             raise ConfigError(f"lookup_timing_every must be an integer >= 1, got {lookup_timing_every!r}")
         self.primary = primary
@@ -159,7 +160,7 @@ class TieringManager:
     @classmethod
     def create(
         cls, *, namespace: Namespace, block_bytes: int | None = None, num_cpu_blocks: int | None = None,
-        cpu_bytes: int | None = None, policy: str = DEFAULT_POLICY, tiers: Sequence[dict[str, Any]] = (),
+        cpu_bytes: int | str | None = None, policy: str = DEFAULT_POLICY, tiers: Sequence[dict[str, Any]] = (),
         region_name: str | None = None, shm_dir: str | os.PathLike[str] = "/dev/shm", expected_mappers: int = 1,
         prefault: bool = True, pin: bool = False, sweep_stale: bool = True, drain_timeout: float | None = 120.0,
         shutdown_timeout: float | None = build.DEFAULT_SHUTDOWN_TIMEOUT,
@@ -177,6 +178,7 @@ class TieringManager:
         """
         block_bytes, num_cpu_blocks = build.sizes(namespace, block_bytes, num_cpu_blocks, cpu_bytes)
         build.check_shutdown_timeout(shutdown_timeout)
+        build.check_shutdown_timeout(drain_timeout, "drain_timeout")
         build.check_policy_and_tiers(policy, tiers)
         region = build.new_region(region_name, num_cpu_blocks, block_bytes, shm_dir, expected_mappers=expected_mappers,
                                   prefault=prefault, pin=pin, sweep_stale=sweep_stale)
@@ -563,6 +565,7 @@ class TieringManager:
         """
         if self._closing:
             raise ManagerClosedError.of("reset_cache")
+        build.check_shutdown_timeout(drain_timeout, "reset_cache(drain_timeout=...)")
         self._jobs.drain(self._tiers.live, self.drain_timeout if drain_timeout is None else drain_timeout)
         self._jobs.drop_promotions()
         for state in self._requests.reset():
@@ -624,6 +627,7 @@ class TieringManager:
         """
         if self.primary.is_shut_down:
             return
+        build.check_shutdown_timeout(timeout, "shutdown(timeout=...)")
         self._closing = True
         self._steady = False
         failures = self._tiers.shutdown(self.shutdown_timeout if timeout is None else timeout)

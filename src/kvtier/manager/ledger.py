@@ -175,7 +175,7 @@ class Ledger:
             else:
                 counters.cascades_failed += len(job.keys)
                 telemetry.written.add(len(result.succeeded(job.keys)), result.bytes_moved, seconds)
-                telemetry.fail("cascade_job_failed")
+                telemetry.fail("cascade_job_failed", error=result.error)
             if handle.admission is not None:
                 handle.admission.finished(result, seconds)
             return
@@ -190,7 +190,7 @@ class Ledger:
             self._primary.complete_write(ok, True)
         if failed:
             self._primary.complete_write(failed, False)
-            telemetry.fail("promotion_job_failed")
+            telemetry.fail("promotion_job_failed", error=result.error)
             logger.debug("promotion job %d from tier #%d: %d of %d keys failed (%s)",
                          result.job_id, handle.index, len(failed), len(job.keys), result.error)
         counters.promotions_succeeded += len(ok)

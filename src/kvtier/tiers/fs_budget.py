@@ -69,6 +69,7 @@ from dataclasses import dataclass
 import xxhash
 
 from kvtier.errors import UnsafeEntryError
+from kvtier.failures import describe_error
 from kvtier.tiers.fs_files import NamespaceDir, create_file
 from kvtier.tiers.fs_layout import LEDGER_DIR, instance_alive
 from kvtier.untrusted import SAFE_OPEN_FLAGS, open_regular
@@ -317,7 +318,7 @@ class SharedBudget:
                 os.close(fd)
         except OSError as exc:
             if self._publish_error is None:
-                logger.warning("fs tier %s: cannot update its ledger: %s", self._dirs.path, exc)
+                logger.warning("fs tier %s: cannot update its ledger: %s", self._dirs.path, describe_error(exc))
             self._publish_error = str(exc)
             self._dirty = True
             return

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import xxhash
 
 from kvtier.errors import UnsafeEntryError
+from kvtier.failures import describe_error
 from kvtier.tiers.format import MAX_KEY_BYTES
 from kvtier.tiers.fs_files import NamespaceDir, create_file
 from kvtier.tiers.fs_layout import JOURNAL_DIR, instance_alive
@@ -153,7 +154,7 @@ class JournalWriter:
                 self._error = None
             except OSError as exc:
                 if self._error is None:
-                    logger.warning("fs tier %s: cannot append to its journal: %s", self._path, exc)
+                    logger.warning("fs tier %s: cannot append to its journal: %s", self._path, describe_error(exc))
                 self._error = str(exc)
 
     def _rotate(self) -> None:

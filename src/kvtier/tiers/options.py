@@ -25,10 +25,11 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from kvtier.errors import ConfigError
 from kvtier.units import parse_size
-from kvtier.validation import explain
+from kvtier.validation import MAX_SECONDS, explain
 
-MAX_SECONDS = 365 * 24 * 3600.0
-"""The longest duration any tier option takes (one year)."""
+MAX_LIFETIME_SECONDS = 365 * 24 * 3600.0
+"""The longest lifetime of a stored value a tier option takes (one year; a wait is bounded by
+:data:`~kvtier.validation.MAX_SECONDS`)."""
 
 MAX_BYTES = 1 << 60
 """The largest byte size any tier option takes (1 EiB)."""
@@ -53,7 +54,11 @@ ByteSize = Annotated[int, BeforeValidator(_size), Field(ge=0, le=MAX_BYTES)]
 """Bytes as an exact int or a size string (``"512MiB"``, ``"4GiB"``, ``"4GB"``), at most 1 EiB."""
 
 Seconds = Annotated[float, Field(le=MAX_SECONDS)]
-"""A finite duration in seconds, at most one year (each option states its lower bound)."""
+"""A finite duration in seconds, at most :data:`~kvtier.validation.MAX_SECONDS` (each option
+states its lower bound): the bound of every wait in kvtier."""
+
+LifetimeSeconds = Annotated[float, Field(le=MAX_LIFETIME_SECONDS)]
+"""How long a stored value lives (a TTL), at most one year."""
 
 Threads = Annotated[int, Field(ge=1, le=MAX_THREADS)]
 """A number of I/O threads: 1 to 256."""
@@ -106,10 +111,12 @@ def tier_options(
 
 __all__ = [
     "MAX_BYTES",
+    "MAX_LIFETIME_SECONDS",
     "MAX_QUEUED",
     "MAX_SECONDS",
     "MAX_THREADS",
     "ByteSize",
+    "LifetimeSeconds",
     "QueueLength",
     "Seconds",
     "Threads",

@@ -45,7 +45,7 @@ from kvtier.tiers.endpoints import parse_endpoint, redact_url
 from kvtier.tiers.format import HEADER_SIZE, decode_header, encode_header, verify_payload
 from kvtier.tiers.health import CircuitBreaker
 from kvtier.tiers.jobs import ALL_LANES, JobState, Lane, ThreadedTier, Work
-from kvtier.tiers.options import QueueLength, Seconds, Threads, TierOptions, tier_options
+from kvtier.tiers.options import LifetimeSeconds, QueueLength, Seconds, Threads, TierOptions, tier_options
 from kvtier.tiers.redis_backend import ClusterBackend, RedisBackend, StandaloneBackend
 from kvtier.tiers.redis_protocol import (
     ErrorReply,
@@ -143,7 +143,7 @@ class RedisTierOptions(TierOptions):
         pattern=r"^[\x21-\x7e]+$",
         description="Key prefix in front of the namespace digest (printable, no spaces).",
     )
-    ttl_seconds: Seconds | None = Field(
+    ttl_seconds: LifetimeSeconds | None = Field(
         default=None, gt=0, description="Expire values this many seconds after store/touch; none by default."
     )
     io_threads: Threads = Field(default=2, description="I/O threads, each with its own connection.")
