@@ -60,6 +60,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -84,6 +85,7 @@ OPS = frozenset({"hello", "events", "clear", "snapshot", "mark"})
 SNAPSHOT_REASONS = frozenset({"start", "request", "overflow"})
 
 _MAX_NAME = 256
+_MAX_COUNT = (1 << 63) - 1  # a seq or a part number: an int64, as every consumer can hold it
 _MAX_TIERS = 64
 _MAX_INFO_ITEMS = 64
 
@@ -135,6 +137,13 @@ def describe_tiers(manager: TieringManager) -> tuple[TierInfo, ...]:
             store = store_id(location, tier.context.namespace.hexdigest)
             tiers.append(TierInfo(tier.label, tier.tier_type, tier.medium, SCOPE_SHARED, store))
     return tuple(tiers)
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond any float
+        return False
 
 
 def _check_name(what: str, value: Any) -> str:
@@ -203,10 +212,11 @@ class ControlRecord:
             raise ValueError(f"control record op {op!r:.40} is not one of {sorted(OPS)}")
         seq = body.get("seq")
         stamp = body.get("time", 0.0)
-        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
-            raise ValueError(f"control record seq must be an integer >= 0, got {seq!r:.40}")
-        if isinstance(stamp, bool) or not isinstance(stamp, int | float):
-            raise ValueError(f"control record time must be a number, got {stamp!r:.40}")
+        if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= _MAX_COUNT:
+            raise ValueError(f"control record seq must be an integer in [0, 2**63), got {seq!r:.40}")
+        if isinstance(stamp, bool) or not isinstance(stamp, int | float) or not _finite(stamp):
+            # (NaN would win every comparison of change times that decides a shared store's keys)
+            raise ValueError(f"control record time must be a finite number, got {stamp!r:.40}")
         tiers_raw = body.get("tiers", [])
         if not isinstance(tiers_raw, list) or len(tiers_raw) > _MAX_TIERS:
             raise ValueError(f"control record tiers must be a list of at most {_MAX_TIERS} tiers")
@@ -224,8 +234,8 @@ class ControlRecord:
         part, last, complete = body.get("part", 0), body.get("last", False), body.get("complete", False)
         reason, marker = body.get("reason"), body.get("marker")
         if op == "snapshot":
-            if isinstance(part, bool) or not isinstance(part, int) or part < 0:
-                raise ValueError(f"snapshot part must be an integer >= 0, got {part!r:.40}")
+            if isinstance(part, bool) or not isinstance(part, int) or not 0 <= part <= _MAX_COUNT:
+                raise ValueError(f"snapshot part must be an integer in [0, 2**63), got {part!r:.40}")
             if not isinstance(last, bool) or not isinstance(complete, bool):
                 raise ValueError(f"snapshot last and complete must be booleans, got {last!r:.40}, {complete!r:.40}")
             if reason not in SNAPSHOT_REASONS:

@@ -119,7 +119,8 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         tier = self.mgr.tiers[0]
         counters = self.mgr.stats().tier("1:fs").counters
-        return {"stats": {k: v for k, v in counters.items() if isinstance(v, (int, float))}, "describe": tier.describe()}
+        numbers = {k: v for k, v in counters.items() if isinstance(v, (int, float))}
+        return {"stats": numbers, "describe": tier.describe()}
 
 
 def main() -> None:

@@ -69,7 +69,7 @@ def add_fleet_parser(sub: Any) -> None:
                    help="the engine's OpenAI API base URL (http://host:port): used to ask for a snapshot when "
                    "events were lost")  # fmt: skip
     s.add_argument("--topic", default=None,
-                   help="the topic the engines publish on (vLLM's kv-events topic; default: none, as vLLM's)")  # fmt: skip
+                   help="the topic the engines publish on (vLLM's kv-events topic; default none)")  # fmt: skip
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; no authentication)")
     s.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 = any free)")
     s.add_argument("--hash", choices=ALGORITHMS, default="sha256",
@@ -114,7 +114,7 @@ def _endpoints(args: argparse.Namespace) -> list[Any]:
 
 def _cmd_fleet_serve(args: argparse.Namespace) -> int:
     from kvtier.fleet.http import FleetServer
-    from kvtier.fleet.index import FleetIndex, FleetReader
+    from kvtier.fleet.index import FleetReader
     from kvtier.fleet.masks import MemoryMasks, RedisMasks
 
     BlockHasher(args.hash, args.hash_seed, args.tokens_per_hash or 16)  # bad hashing settings fail now
@@ -131,7 +131,8 @@ def _cmd_fleet_serve(args: argparse.Namespace) -> int:
             raise ConfigError("--redis needs the redis package: pip install 'kvtier[redis]'") from None
         client = redis.Redis.from_url(args.redis, socket_timeout=5.0, socket_connect_timeout=5.0)
         try:
-            masks = RedisMasks(client, args.redis_prefix)
+            # A writer restarted after a kill -9 waits out its former claim (writer_ttl).
+            masks = RedisMasks(client, args.redis_prefix, claim_wait=0.0 if args.read_only else 16.0)
         except ValueError as exc:
             raise ConfigError(f"--redis-prefix: {exc}") from None
     subscriber = None
@@ -144,7 +145,7 @@ def _cmd_fleet_serve(args: argparse.Namespace) -> int:
             message = f"kvtier fleet serve needs pyzmq and msgspec ({exc}): pip install 'kvtier[fleet]'"
             raise ConfigError(message) from None
         endpoints = _endpoints(args)
-        answers = FleetIndex(masks=masks, lag_seconds=args.lag_seconds)
+        answers = _writer_index(masks, args)
         subscriber = FleetSubscriber(answers, endpoints)
     server = FleetServer(
         (args.host, args.port), answers, hashing=(args.hash, args.hash_seed), tokens_per_hash=args.tokens_per_hash,
@@ -168,5 +169,21 @@ def _cmd_fleet_serve(args: argparse.Namespace) -> int:
         server.server_close()
         if subscriber is not None:
             subscriber.stop()
+            answers.close()
     print("kvtier fleet: stopped", file=sys.stderr)
     return 0
+
+
+def _writer_index(masks: Any, args: argparse.Namespace) -> Any:
+    """The writer's index; with --redis it claims the prefix first (a Redis that does not
+    answer, or another writer on the prefix, is a one-line error)."""
+    from kvtier.fleet.index import FleetIndex
+
+    if args.redis is None:
+        return FleetIndex(masks=masks, lag_seconds=args.lag_seconds)
+    import redis
+
+    try:
+        return FleetIndex(masks=masks, lag_seconds=args.lag_seconds)
+    except redis.RedisError as exc:
+        raise ConfigError(f"--redis: {exc}") from None  # (the URL may hold a password)

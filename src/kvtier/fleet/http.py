@@ -18,17 +18,22 @@ Endpoints:
 It is a network service and its input is untrusted: a request body must declare its
 length and stay under ``max_body`` bytes, a prompt under ``max_blocks`` blocks; every
 field is type- and range-checked (errors are 4xx with a JSON ``error`` naming the
-field); a connection that sends or reads nothing for ``request_timeout`` seconds is
-closed; at most ``max_concurrent`` requests are answered at once (more get 503 at once)
-and at most four times that many connections are open (more are closed at once). Bind
-it to a private address: it has no authentication.
+field); a request (its line, headers and body) must arrive within ``request_timeout``
+seconds of its first byte, or of the previous answer on a kept-alive connection, else
+the connection is closed (a client that sends a byte now and then holds no thread); at
+most ``max_concurrent`` requests are answered at once (more get 503 at once) and at most
+four times that many connections are open (more are closed at once). Bind it to a
+private address: it has no authentication.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import socket
 import threading
+import time
 from collections.abc import Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -41,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 _MAX_TOKEN = (1 << 31) - 1
 _MAX_HASH = (1 << 64) - 1
+_MAX_HASHERS = 8  # block sizes whose hashers are kept (the engines' info names the size)
 
 
 class PrefixAnswers(Protocol):
@@ -116,6 +122,8 @@ class FleetServer(ThreadingHTTPServer):
     def _hasher(self, tokens_per_hash: int) -> BlockHasher:
         hasher = self._hashers.get(tokens_per_hash)
         if hasher is None:
+            if len(self._hashers) >= _MAX_HASHERS:
+                self._hashers.clear()
             hasher = self._hashers[tokens_per_hash] = BlockHasher(*self.hashing, tokens_per_hash=tokens_per_hash)
         return hasher
 
@@ -197,20 +205,48 @@ class FleetServer(ThreadingHTTPServer):
         return keys
 
 
+class _DeadlineReader(io.RawIOBase):
+    """A socket's bytes, each read bounded by what is left of one deadline for the whole request."""
+
+    def __init__(self, sock: socket.socket, timeout: float) -> None:
+        super().__init__()
+        self.sock = sock
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not arrive within request_timeout")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(buffer)
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: FleetServer
     protocol_version = "HTTP/1.1"
     server_version = "kvtier-fleet"
 
     def setup(self) -> None:
-        self.connection = self.request
-        self.connection.settimeout(self.server.request_timeout)  # slow or idle clients are dropped
         super().setup()
+        self.connection.settimeout(self.server.request_timeout)
+        self._reader = _DeadlineReader(self.connection, self.server.request_timeout)
+        self.rfile = io.BufferedReader(self._reader)
+
+    def handle_one_request(self) -> None:
+        # One deadline per request, from when the previous answer went out: a client that
+        # sends a byte now and then (slowloris) is dropped like a silent one.
+        self._reader.deadline = time.monotonic() + self.server.request_timeout
+        super().handle_one_request()
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s " + format, self.address_string(), *args)
 
     def _send(self, status: HTTPStatus, body: dict[str, Any]) -> None:
+        self.connection.settimeout(self.server.request_timeout)  # (reads left it at what remained)
         data = json.dumps(body, separators=(",", ":")).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -263,12 +299,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _prefix(self) -> dict[str, Any]:
         length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            raise BadRequest(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required")
-        if int(length) > self.server.max_body:
+        if length is None or not (length.isascii() and length.isdigit()):  # ("²".isdigit() is True)
+            raise BadRequest(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header of decimal digits is required")
+        if len(length) > 18 or int(length) > self.server.max_body:
             raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                             f"body of {length} bytes; at most {self.server.max_body}")  # fmt: skip
-        raw = self.rfile.read(int(length))
+                             f"body of {length:.40} bytes; at most {self.server.max_body}")  # fmt: skip
+        try:
+            raw = self.rfile.read(int(length))
+        except TimeoutError:
+            raise BadRequest(HTTPStatus.REQUEST_TIMEOUT, "the body did not arrive within request_timeout") from None
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as exc:

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.engine_events import SCOPE_SHARED, ControlRecord, TierInfo
-from kvtier.fleet.masks import LocationMasks, MemoryMasks
+from kvtier.fleet.masks import MAX_LOCATIONS, LocationMasks, MemoryMasks
 from kvtier.fleet.records import Kind, WireBatch, WireEvent
 from kvtier.types import PRIMARY_LABEL
 
@@ -63,7 +63,11 @@ DEVICE = "GPU"
 
 _KVTIER_MEDIA = frozenset({"CPU", "STORAGE"})
 _MARKS_KEPT = 32
-_BIT_QUARANTINE = 30.0
+_KEEP_WRITER_EVERY = 2.0  # seconds between refreshes of a shared index's writer claim
+
+
+class LocationsFull(ValueError):
+    """A control record names more tiers or stores than the index has location bits for."""
 
 
 @dataclass
@@ -76,6 +80,8 @@ class EngineState:
     seq: int | None = None
     tiers: dict[str, TierInfo] = field(default_factory=dict)
     bits: dict[str, int] = field(default_factory=dict)  # tier label -> location bit
+    spare: list[int] = field(default_factory=list)  # bits of its former private tiers, reused by its next ones
+    dirty: bool = False  # dropping its device cache and private tiers failed (a store error): retried
     info: dict[str, Any] = field(default_factory=dict)
     device_complete: bool = False
     private_complete: bool = False
@@ -108,12 +114,14 @@ class FleetIndex:
         *,
         lag_seconds: float = 5.0,
         max_times: int = 1 << 20,
+        max_locations: int = MAX_LOCATIONS,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.masks: LocationMasks = masks if masks is not None else MemoryMasks()
         self.lag_seconds = lag_seconds
         self.max_times = max_times
+        self.max_locations = min(max_locations, MAX_LOCATIONS)
         self._clock = clock
         self._wall = wall_clock
         self._lock = threading.RLock()
@@ -126,7 +134,8 @@ class FleetIndex:
         self._sweeps: dict[tuple[str, str], tuple[float, set[int]]] = {}
         self._sweeps_due: list[tuple[str, str]] = []
         self._next_bit = 0
-        self._free_bits: deque[tuple[float, int]] = deque()
+        self._kept_writer = clock()
+        self.masks.open_writer()
         for name in engines:
             self.add_engine(name)
 
@@ -146,16 +155,43 @@ class FleetIndex:
     def engine(self, name: str) -> EngineState:
         return self._engines[name]
 
+    def tick(self) -> None:
+        """Called every fraction of a second by the writer's thread (the subscriber): keeps a
+        shared index's writer claim (raises :class:`~kvtier.fleet.masks.WriterConflict` if lost)."""
+        now = self._clock()
+        if now - self._kept_writer >= _KEEP_WRITER_EVERY:
+            self._kept_writer = now
+            self.masks.keep_writer()
+
+    def close(self) -> None:
+        """Release a shared index's writer claim (the writer is done)."""
+        self.masks.close_writer()
+
     def _alloc(self) -> int:
-        # A freed bit waits before reuse, so a reader's engine table (re-read every fraction of
-        # a second) never names a bit that already belongs to another location.
-        if self._free_bits and self._clock() - self._free_bits[0][0] >= _BIT_QUARANTINE:
-            return self._free_bits.popleft()[1]
+        # Bits are never handed to another location: an engine's private tiers reuse its own
+        # former ones (EngineState.spare), so what a reader's older engine table says a bit is
+        # stays true, and an engine restarting in a loop does not use up bits.
+        if self._next_bit >= self.max_locations:
+            raise LocationsFull(f"all {self.max_locations} location bits are in use")
         self._next_bit += 1
         return self._next_bit - 1
 
-    def _free(self, bit: int) -> None:
-        self._free_bits.append((self._clock(), bit))
+    def _check_room(self, eng: EngineState, tiers: Sequence[TierInfo], switching: bool) -> None:
+        """Raise :class:`LocationsFull` before anything changes if ``tiers`` need more new bits than are left."""
+        private = [t for t in tiers if t.scope != SCOPE_SHARED or t.store is None]
+        spare = len(eng.spare) + sum(
+            1 for label, info in eng.tiers.items() if info.scope != SCOPE_SHARED and (switching or label not in
+                                                                                       {t.label for t in tiers})
+        )  # fmt: skip
+        kept = 0 if switching else sum(1 for t in private if t.label in eng.bits)
+        stores = {t.store for t in tiers if t.scope == SCOPE_SHARED and t.store is not None} - set(self._stores)
+        needed = max(0, len(private) - kept - spare) + len(stores)
+        if self._next_bit + needed > self.max_locations:
+            raise LocationsFull(f"engine {eng.name} names {len(private)} private tier(s) and {len(stores)} new "
+                                f"store(s); {self.max_locations - self._next_bit} location bit(s) left")  # fmt: skip
+
+    def _private_bit(self, eng: EngineState) -> int:
+        return eng.spare.pop() if eng.spare else self._alloc()
 
     def _store_bit(self, store: str) -> int:
         bit = self._stores.get(store)
@@ -167,23 +203,27 @@ class FleetIndex:
 
     def _drop_private(self, eng: EngineState) -> None:
         """Forget the engine's device cache and private tiers (their contents are unknown now),
-        and any snapshot of a shared store it was sending (it may have lost parts)."""
+        and any snapshot of a shared store it was sending (it may have lost parts). The engine
+        is incomplete from the first line on; if the store fails midway, the next batch retries."""
+        eng.device_complete = eng.private_complete = False
+        eng.dirty = True
         for sweep in [k for k in self._sweeps if k[0] == eng.name]:
             del self._sweeps[sweep]
         self.masks.clear(eng.device_bit)
         for label, info in eng.tiers.items():
             if info.scope != SCOPE_SHARED:
                 self.masks.clear(eng.bits[label])
-        eng.device_complete = eng.private_complete = False
+        eng.dirty = False
 
     def _switch_start(self, eng: EngineState, record: ControlRecord) -> None:
+        self._check_room(eng, record.tiers, switching=True)
         if eng.start is not None:
             eng.restarts += 1
             logger.info("fleet: engine %s restarted (start %s -> %s)", eng.name, eng.start, record.start)
         self._drop_private(eng)
         for label, info in eng.tiers.items():
             if info.scope != SCOPE_SHARED:
-                self._free(eng.bits[label])
+                eng.spare.append(eng.bits[label])
         eng.tiers, eng.bits = {}, {}
         eng.start = record.start
         eng.seq = record.seq - 1
@@ -197,16 +237,17 @@ class FleetIndex:
         new = {t.label: t for t in tiers}
         if new == eng.tiers:
             return
+        self._check_room(eng, tiers, switching=False)
         for label, info in eng.tiers.items():  # a start's tiers never change; be safe if they do
             if new.get(label) != info and info.scope != SCOPE_SHARED:
                 self.masks.clear(eng.bits[label])
-                self._free(eng.bits.pop(label))
+                eng.spare.append(eng.bits.pop(label))
             elif new.get(label) != info:
                 eng.bits.pop(label)
         for label, info in new.items():
             if label not in eng.bits:
                 shared = info.scope == SCOPE_SHARED and info.store is not None
-                eng.bits[label] = self._store_bit(info.store) if shared and info.store else self._alloc()
+                eng.bits[label] = self._store_bit(info.store) if shared and info.store else self._private_bit(eng)
         eng.tiers = new
 
     def lost_events(self, name: str, why: str) -> None:
@@ -217,8 +258,8 @@ class FleetIndex:
             eng.gaps += 1
             logger.warning("fleet: engine %s lost events (%s); its device cache and private tiers are dropped",
                            name, why)  # fmt: skip
-            self._drop_private(eng)
             eng.needs_snapshot = eng.start is not None
+            self._drop_private(eng)
             self._publish()
 
     def publisher_restarted(self, name: str) -> None:
@@ -247,26 +288,37 @@ class FleetIndex:
             eng.events += len(batch.events)
             eng.skipped += batch.skipped
             eng.last_event = time.time()
-            first = next((e.control for e in batch.events if e.control is not None), None)
-            if first is not None and first.start != eng.start:
-                self._switch_start(eng, first)
-            context: ControlRecord | None = None
-            for event in batch.events:
-                if event.control is not None:
-                    self._finish_sweeps()
-                    self._control(eng, event.control)
-                    context = event.control
-                elif event.kind is Kind.CLEARED:
-                    self.masks.clear(eng.device_bit)
-                    eng.device_complete = eng.start is not None
-                elif event.medium is None or event.medium not in _KVTIER_MEDIA:
-                    self._block_event(eng.device_bit, event)
-                elif context is None:
-                    eng.unattributed += 1
-                else:
-                    self._tier_event(eng, event, context)
+            if eng.dirty:
+                self._drop_private(eng)
+            try:
+                self._apply_events(eng, batch.events)
+            except LocationsFull as exc:
+                eng.skipped += 1
+                logger.warning("fleet: engine %s: %s; the rest of its batch is skipped and the engine is partial",
+                               name, exc)  # fmt: skip
+                self._drop_private(eng)
             self._finish_sweeps()
             self._publish()
+
+    def _apply_events(self, eng: EngineState, events: Sequence[WireEvent]) -> None:
+        first = next((e.control for e in events if e.control is not None), None)
+        if first is not None and first.start != eng.start:
+            self._switch_start(eng, first)
+        context: ControlRecord | None = None
+        for event in events:
+            if event.control is not None:
+                self._finish_sweeps()
+                self._control(eng, event.control)
+                context = event.control
+            elif event.kind is Kind.CLEARED:
+                self.masks.clear(eng.device_bit)
+                eng.device_complete = eng.start is not None
+            elif event.medium is None or event.medium not in _KVTIER_MEDIA:
+                self._block_event(eng.device_bit, event)
+            elif context is None:
+                eng.unattributed += 1
+            else:
+                self._tier_event(eng, event, context)
 
     def _control(self, eng: EngineState, record: ControlRecord) -> None:
         if record.start != eng.start:
@@ -435,7 +487,7 @@ class FleetReader:
         with self._lock:
             now = self._clock()
             if now - self._read_at >= self.meta_ttl:
-                self._meta = self.masks.get_meta()
+                self._meta = checked_meta(self.masks.get_meta())
                 self._read_at = now
             return self._meta
 
@@ -453,8 +505,8 @@ def prefix_answer(
     """:func:`longest_prefix` of ``keys``, reading their bitmaps only as far as some engine's
     prefix reaches (in windows of ``first_window`` keys, doubling): the cost follows the longest
     cached prefix, not the prompt."""
-    return _walk(meta, lambda start, count: masks.masks(keys[start : start + count]), len(keys), engines,
-                 first_window)  # fmt: skip
+    return _walk(meta, lambda start, count, bits: masks.masks(keys[start : start + count], bits), len(keys),
+                 engines, first_window)  # fmt: skip
 
 
 def longest_prefix(meta: dict[str, Any], masks: Sequence[int], engines: Sequence[str] | None = None) -> dict[str, Any]:
@@ -463,7 +515,35 @@ def longest_prefix(meta: dict[str, Any], masks: Sequence[int], engines: Sequence
     each of its tiers (whole chunks of ``blocks_per_chunk``, keyed by their last block), and by
     any of them (``blocks``: each block in the device cache, or its chunk in a tier). One pass
     that stops where the last of these prefixes ends."""
-    return _walk(meta, lambda start, count: masks[start : start + count], len(masks), engines, len(masks))
+    return _walk(meta, lambda start, count, bits: masks[start : start + count], len(masks), engines, len(masks))
+
+
+def checked_meta(meta: Any) -> dict[str, Any]:
+    """An engine table read from a shared store, with every engine whose entry is not what an
+    index writes left out (a reader must not trust a store others may write): bits are
+    integers below :data:`~kvtier.fleet.masks.MAX_LOCATIONS`, labels strings, info an object."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("engines"), dict):
+        return {}
+    engines = {}
+    for name, engine in meta["engines"].items():
+        if _engine_entry_ok(engine):
+            engines[name] = engine
+        else:
+            logger.warning("fleet: engine %.80r's entry in the shared engine table is malformed; left out", name)
+    return dict(meta, engines=engines)
+
+
+def _is_bit(value: Any) -> bool:
+    return type(value) is int and 0 <= value < MAX_LOCATIONS
+
+
+def _engine_entry_ok(engine: Any) -> bool:
+    if not isinstance(engine, dict) or not _is_bit(engine.get("device_bit")):
+        return False
+    if not isinstance(engine.get("info", {}), dict) or not isinstance(engine.get("tiers", []), list):
+        return False
+    return all(isinstance(t, dict) and _is_bit(t.get("bit")) and isinstance(t.get("label"), str)
+               for t in engine.get("tiers", []))  # fmt: skip
 
 
 def _chunk(engine: dict[str, Any]) -> int:
@@ -533,7 +613,7 @@ class _Walk:
 
 def _walk(
     meta: dict[str, Any],
-    fetch: Callable[[int, int], Sequence[int]],
+    fetch: Callable[[int, int, int], Sequence[int]],
     n: int,
     engines: Sequence[str] | None,
     window: int,
@@ -542,12 +622,13 @@ def _walk(
     names = list(known) if engines is None else [e for e in engines if e in known]
     walks = {name: _Walk(known[name]) for name in names}
     live = list(walks.values())
+    bits = max((w.any_flag | w.device).bit_length() for w in live) if live else 1
     read: list[int] = []
     window = max(1, window)
     i = 0
     while live and i < n:
         if i == len(read):
-            read.extend(fetch(i, window))
+            read.extend(fetch(i, window, bits))
             window *= 2
         mask = read[i]
         ended = False

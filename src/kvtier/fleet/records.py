@@ -43,5 +43,3 @@ class WireBatch:
 def block_key(raw_hash: int | bytes, group: int | None) -> int:
     """The fleet's key of a block: its event hash (lower 64 bits) and KV-cache group."""
     return ((group or 0) << 64) | event_hash(raw_hash)
-
-

@@ -18,8 +18,10 @@ ROUTER that resends buffered batches from a sequence number) and its OpenAI API 
   "snapshot"}``; at most once per ``snapshot_retry`` seconds per engine).
 
 Every socket has bounded buffers and message sizes (``max_message_bytes``); messages
-that are not KV event batches are counted and dropped. Needs ``pyzmq`` and ``msgspec``
-(``pip install 'kvtier[fleet]'``).
+that are not KV event batches are counted and dropped; a replay is bounded in time
+(``replay_timeout``) and in batches (the gap it fills). A batch the index fails to apply
+(its store, Redis, did not answer) counts as lost events of that engine; the thread
+carries on. Needs ``pyzmq`` and ``msgspec`` (``pip install 'kvtier[fleet]'``).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class _Link:
     expected: int | None = None
     dropped: int = 0
     replayed: int = 0
+    failed: int = 0
     last_snapshot_ask: float = -float("inf")
     model: str | None = None
     pending: list[tuple[int, bytes]] = field(default_factory=list)
@@ -147,7 +150,7 @@ class FleetSubscriber:
         self.stop()
 
     def stats(self) -> dict[str, dict[str, int]]:
-        return {link.endpoint.name: {"dropped": link.dropped, "replayed": link.replayed}
+        return {link.endpoint.name: {"dropped": link.dropped, "replayed": link.replayed, "failed": link.failed}
                 for link in self._links.values()}  # fmt: skip
 
     # --- the thread ------------------------------------------------------------------------
@@ -171,6 +174,11 @@ class FleetSubscriber:
                     except zmq.Again:
                         break
                     self._receive(link, frames)
+            try:
+                self.index.tick()
+            except Exception:
+                logger.exception("fleet: the index's store failed")
+                self._stop.wait(1.0)  # do not spin on a store that is down
             for link in self._links.values():
                 self._maybe_ask_snapshot(link)
 
@@ -210,7 +218,17 @@ class FleetSubscriber:
             link.dropped += 1
             logger.debug("fleet: engine %s batch %d dropped: %s", link.endpoint.name, seq, exc)
             return
-        self.index.apply(link.endpoint.name, batch)
+        name = link.endpoint.name
+        try:
+            self.index.apply(name, batch)
+        except Exception as exc:  # the index's store (Redis) failed: this batch's changes are lost
+            link.failed += 1
+            logger.warning("fleet: engine %s batch %d could not be applied: %s", name, seq, exc)
+            try:
+                self.index.lost_events(name, f"batch {seq} could not be applied ({type(exc).__name__})")
+            except Exception as again:
+                logger.warning("fleet: engine %s: dropping what the lost batch could have changed failed too (%s); "
+                               "retried with its next batch", name, again)  # fmt: skip
 
     def _replay(self, link: _Link, start: int, stop: int, from_start: bool) -> list[tuple[int, bytes]]:
         """An unbroken run of batches ending at ``stop - 1`` from the engine's replay endpoint,
@@ -239,6 +257,8 @@ class FleetSubscriber:
                     if out and seq != out[-1][0] + 1:
                         out = []  # a hole: keep only the run after it
                     out.append((seq, frames[3]))
+                    if seq == stop - 1:
+                        break  # the gap is filled: whatever else the endpoint sends is not needed
             else:
                 logger.warning("fleet: engine %s replay of batches %d..%d timed out", link.endpoint.name, start,
                                stop - 1)  # fmt: skip
@@ -280,7 +300,7 @@ class FleetSubscriber:
             with urllib.request.urlopen(req, timeout=self.http_timeout) as response:
                 response.read(1 << 20)
             logger.info("fleet: asked engine %s for a snapshot", link.endpoint.name)
-        except (OSError, ValueError, KeyError, IndexError, urllib.error.URLError) as exc:
+        except (OSError, ValueError, KeyError, IndexError, TypeError, urllib.error.URLError) as exc:
             logger.warning("fleet: could not ask engine %s for a snapshot: %s", link.endpoint.name, exc)
             with contextlib.suppress(KeyError):
                 self.index.engine(link.endpoint.name).needs_snapshot = True
