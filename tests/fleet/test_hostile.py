@@ -290,3 +290,35 @@ def test_a_client_that_dribbles_bytes_is_dropped_at_the_request_deadline(server:
 def test_odd_content_lengths_are_client_errors(server: FleetServer, length: str, status: bytes) -> None:
     head = f"POST /v1/prefix HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode("latin-1")
     assert status in _exchange(server, head + b"{}")  # before the fix: "\u00b2" (isdigit) gave 500
+
+
+def test_a_snapshot_ask_survives_an_api_that_answers_nonsense() -> None:
+    pytest.importorskip("zmq")
+    import http.server
+
+    from kvtier.fleet.subscriber import EngineEndpoint, FleetSubscriber, _Link
+
+    class Nonsense(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"[1, 2]"  # /v1/models as a list, not an object
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    api = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Nonsense)
+    threading.Thread(target=api.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        index = FleetIndex(["e"])
+        index.apply("e", _batch(_record("hello", "s", 3)))  # joined mid-start: wants a snapshot
+        assert index.take_snapshot_wanted("e")
+        endpoint = EngineEndpoint("e", "ipc:///nonexistent", api=f"http://127.0.0.1:{api.server_address[1]}")
+        subscriber = FleetSubscriber(index, [endpoint], http_timeout=5)
+        subscriber._ask_snapshot(_Link(endpoint, None))  # before the fix: TypeError, the ask thread died
+        assert index.engine("e").needs_snapshot  # asked again later
+    finally:
+        api.shutdown()
+        api.server_close()
