@@ -172,6 +172,9 @@ def test_one_writer_per_prefix_and_a_new_writer_drops_the_old_ones_index(redis_u
     first._kept_writer = -1e9  # the first writer, were it alive, learns at its next tick that it lost the prefix
     with pytest.raises(WriterConflict, match="lost its claim"):
         first.tick()
+    with pytest.raises(WriterConflict, match="no longer writes"):  # and it leaves the new writer's index alone
+        first.apply("a", _batch(_stored([5], medium="GPU")))
+    assert reader.prefix([5])["a"]["tiers"]["GPU"] == 0
     second.close()
     third = FleetIndex(["a"], RedisMasks(client, "p"))  # a closed writer's prefix is free at once
     third.close()

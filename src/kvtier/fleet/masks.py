@@ -186,6 +186,7 @@ class RedisMasks:
         self.writer_ttl = writer_ttl
         self.claim_wait = claim_wait
         self._token: str | None = None
+        self._lost = False  # the claim was lost: every write is refused (another writer owns the prefix)
         self._writer_key = f"{prefix}:writer"
 
     # --- the writer's claim ---------------------------------------------------------------
@@ -234,6 +235,7 @@ class RedisMasks:
             return
         if not self.client.eval(self._KEEP, 1, self._writer_key, self._token, self.writer_ttl):
             self._token = None
+            self._lost = True
             raise WriterConflict(f"the fleet writer lost its claim on the Redis prefix {self.prefix!r} (another "
                                  "writer took it over, or it was not refreshed in time)")  # fmt: skip
 
@@ -259,8 +261,14 @@ class RedisMasks:
         if keys:
             self._drop_empty(keys)
 
+    def _check_writer(self) -> None:
+        if self._lost:
+            raise WriterConflict(f"the fleet writer lost its claim on the Redis prefix {self.prefix!r}: it no "
+                                 "longer writes there (restart it once the other writer is gone)")  # fmt: skip
+
     def _set_bit(self, bit: int, keys: list[int], value: int) -> None:
         """Set (1) or clear (0) ``bit`` of every key's bitmap and update the location's key set: one pipeline."""
+        self._check_writer()
         if not keys:
             return
         pipe = self.client.pipeline(transaction=False)
@@ -283,6 +291,7 @@ class RedisMasks:
             self.client.delete(*empty)
 
     def clear(self, bit: int) -> None:
+        self._check_writer()
         name = self._set(bit)
         while True:
             batch = self.client.spop(name, self._CLEAR_BATCH)
@@ -309,6 +318,7 @@ class RedisMasks:
         return set(_parse_keys(self.client.smembers(self._set(bit))))
 
     def put_meta(self, meta: dict[str, Any]) -> None:
+        self._check_writer()
         self.client.set(f"{self.prefix}:meta", json.dumps(meta, separators=(",", ":")))
 
     def get_meta(self) -> dict[str, Any]:
