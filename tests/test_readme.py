@@ -1,15 +1,26 @@
-"""The README's Python quickstart runs as written, says what it did and leaves nothing behind."""
+"""The README's Python quickstart runs as written, says what it did and leaves nothing behind.
+
+Command blocks marked runnable in the README, the prepared front page (README.front.md) and the
+docs pages run too: an HTML comment ``<!-- runnable -->`` right before a fenced block marks it
+(``<!-- runnable: output -->``: what the block shows after each command is what it prints). Mark
+only cheap commands (seconds, no servers, nothing written outside a temporary directory).
+"""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
 
 
 @pytest.mark.usefixtures("shm_leak_check")
@@ -93,3 +104,110 @@ def test_readme_lists_exactly_the_calls_that_answer_after_shutdown(tmp_path: Pat
     assert documented == answered, documented ^ answered
     assert refused_doc == refused
     assert set(other) == {"rows"} and "`rows` raises `RegionError`" in sentence
+
+
+@dataclass(frozen=True)
+class RunnableBlock:
+    """A fenced block marked runnable: its page, line, language, text, and whether its output is shown."""
+
+    page: Path
+    line: int
+    language: str
+    body: str
+    check_output: bool
+
+    @property
+    def id(self) -> str:
+        return f"{self.page.relative_to(REPO)}:{self.line}"
+
+
+_MARKED = re.compile(r"^<!-- runnable(: output)? -->\n```([a-z]*)\n(.*?)^```$", re.M | re.S)
+
+
+def runnable_blocks(pages: list[Path]) -> list[RunnableBlock]:
+    """Every marked block of ``pages``; a marker not followed by a fenced block is an error."""
+    blocks = []
+    for page in pages:
+        text = page.read_text()
+        matched = {m.start() for m in _MARKED.finditer(text)}
+        for marker in re.finditer(r"^<!-- runnable", text, re.M):
+            assert marker.start() in matched, (
+                f"{page}:{text.count(chr(10), 0, marker.start()) + 1}: a runnable "
+                "marker must be followed on the next line by a fenced block"
+            )
+        for m in _MARKED.finditer(text):
+            line = text.count("\n", 0, m.start()) + 2
+            blocks.append(RunnableBlock(page, line, m.group(2), m.group(3), bool(m.group(1))))
+    return blocks
+
+
+def _pages_with_commands() -> list[Path]:
+    pages = [README, REPO / "README.front.md", *sorted((REPO / "docs").rglob("*.md"))]
+    return [p for p in pages if p.is_file()]
+
+
+RUNNABLE = runnable_blocks(_pages_with_commands())
+
+
+def test_the_docs_mark_runnable_blocks() -> None:
+    """The run below is not empty: the docs pages hold runnable blocks of both kinds."""
+    assert {b.language for b in RUNNABLE} >= {"console", "python"}
+    assert any(b.check_output for b in RUNNABLE)
+
+
+def test_runnable_markers_are_parsed_and_a_stray_marker_is_an_error(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("x\n<!-- runnable: output -->\n```console\n$ echo hi\nhi\n```\n\n```console\n$ false\n```\n")
+    (block,) = runnable_blocks([page])
+    assert (block.line, block.language, block.check_output) == (3, "console", True)
+    assert _console_steps(block.body) == [("echo hi", ["hi"])]
+    page.write_text("<!-- runnable -->\n\n```console\n$ false\n```\n")
+    with pytest.raises(AssertionError, match="must be followed"):
+        runnable_blocks([page])
+
+
+def _command_env(tmp_path: Path) -> dict[str, str]:
+    """The user's PATH with this interpreter's scripts first; no KVTIER_* setting leaks in."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["TMPDIR"] = str(tmp_path)
+    return env
+
+
+def _console_steps(body: str) -> list[tuple[str, list[str]]]:
+    """``$ command`` lines and the output lines shown after each."""
+    steps: list[tuple[str, list[str]]] = []
+    for line in body.splitlines():
+        if line.startswith("$ "):
+            steps.append((line[2:], []))
+        else:
+            assert steps, f"output before the first command: {line!r}"
+            steps[-1][1].append(line)
+    return steps
+
+
+@pytest.mark.usefixtures("shm_leak_check")
+@pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
+def test_runnable_block_runs_as_written(block: RunnableBlock, tmp_path: Path) -> None:
+    env = _command_env(tmp_path)
+    if block.language == "python":
+        done = subprocess.run([sys.executable, "-c", block.body], capture_output=True, text=True, timeout=120,
+                              cwd=tmp_path, env=env)  # fmt: skip
+        assert done.returncode == 0, f"{block.id}: {done.stderr}"
+        printed = " ".join(done.stdout.split())
+        assert not printed or printed in " ".join(block.page.read_text().split()), (
+            f"{block.id} prints {printed!r}, which its page does not quote"
+        )
+    elif block.language in ("console", "bash"):
+        steps = _console_steps(block.body) if block.language == "console" else [(block.body, [])]
+        assert steps, f"{block.id}: no command"
+        for command, shown in steps:
+            done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120,
+                                  cwd=tmp_path, env=env)  # fmt: skip
+            assert done.returncode == 0, f"{block.id}: {command}: exit {done.returncode}: {done.stderr}"
+            assert "Traceback" not in done.stderr, f"{block.id}: {command}: {done.stderr}"
+            if block.check_output:
+                assert done.stdout.rstrip("\n").splitlines() == shown, f"{block.id}: {command} printed:\n{done.stdout}"
+    else:
+        pytest.fail(f"{block.id}: runnable blocks are console, bash or python, not {block.language!r}")
+    assert not any(tmp_path.iterdir()), f"{block.id} left files behind: {sorted(p.name for p in tmp_path.iterdir())}"

@@ -951,6 +951,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- config
 
 
+def _field_help(description: str | None) -> str | None:
+    """A schema field's description as flag help: its pointers to sections "below" (true in the
+    generated reference, which has them) point at that reference instead."""
+    if description is None:
+        return None
+    return re.sub(r"\(see the [^()]* below\)", "(see 'kvtier config reference')", description).replace("%", "%%")
+
+
 def _add_config(sub: Any) -> None:
     p = sub.add_parser("config", help="show the resolved configuration, its reference or schema")
     csub = p.add_subparsers(dest="config_command", metavar="{show,reference,schema}")
@@ -964,7 +972,7 @@ def _add_config(sub: Any) -> None:
     show.add_argument("--config", metavar="FILE", default=None, help="YAML, TOML or JSON config file")
     for name, info in KvtierConfig.model_fields.items():
         show.add_argument(cli_flag(name), dest=f"field_{name}", default=None, metavar="VALUE",
-                          help=info.description)  # fmt: skip
+                          help=_field_help(info.description))  # fmt: skip
     show.add_argument("--json", action="store_true", help="print JSON")
     show.set_defaults(func=_cmd_config_show)
     ref = csub.add_parser("reference", help="print the configuration reference (Markdown)")

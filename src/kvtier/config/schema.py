@@ -146,7 +146,10 @@ class KvtierConfig(BaseModel):
     )
     policy: str = Field(
         default="return-time",
-        description=("CPU-tier eviction policy: 'lru', 'arc', or an import path 'package.module:Class'."),
+        description=(
+            "CPU-tier eviction policy: 'return-time' (the default), 'lru', 'arc', or an import path "
+            "'package.module:Class'."
+        ),
     )
     model: str = Field(
         default="llama-3.1-8b",
@@ -220,7 +223,9 @@ class KvtierConfig(BaseModel):
         if known is not None and value not in known:
             raise ValueError(f"policy {value!r} is unknown: use one of {known} or 'package.module:Class'")
         if known is None and not re.fullmatch(r"[a-z][a-z0-9_-]*", value):
-            raise ValueError(f"policy {value!r} is not a policy name: use 'lru', 'arc' or 'package.module:Class'")
+            raise ValueError(
+                f"policy {value!r} is not a policy name: use 'return-time', 'lru', 'arc' or 'package.module:Class'"
+            )
         return value
 
     @field_validator("model")
