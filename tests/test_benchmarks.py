@@ -50,6 +50,11 @@ CASES = {
          r"^decode: one-block stores continuing requests, evicting \(per block\)\s+\d+\s+" + RATIO,
          r"decode stores \(return-time\) within 1.5x of lru's: (MET|MISSED)"],
     ),
+    "bench_fleet": (
+        ["--keys", "4000", "--engines", "2", "--queries", "5", "--repeat", "1"],
+        [rf"^\s+2048\s+{RATIO}\s+\d+\s+\d+\s+{RATIO}$", r"within 1.5x of each other \(linear\): (MET|MISSED)",
+         r"hashing tokens \(sha256 chain\): \d+ ns per block"],
+    ),
     "bench_s3": (
         ["--total-mib", "4", "--rounds", "1", "--sizes-mib", "2"],
         [rf"2MiB\s+store\s+{RATIO}\s+{RATIO}\s+{RATIO}", rf"2MiB\s+load\s+{RATIO}\s+{RATIO}\s+{RATIO}"],

@@ -12,6 +12,8 @@ Subcommands:
   regions, bench temp dirs); ``kvtier sweep-shm`` the regions only.
 * ``kvtier inspect DIR|S3-URL [--verify|--sample N]``: summary of an fs tier directory or an S3 prefix.
 * ``kvtier config show|reference|schema``: the resolved configuration and its sizes.
+* ``kvtier fleet serve --engine NAME=tcp://HOST:PORT ...``: a prefix index over engines' KV
+  events, answering routers over HTTP (:mod:`kvtier.fleet`).
 
 Settings resolve as default < ``--config FILE`` < ``KVTIER_*`` environment <
 flags for every command that reads them. Inputs are checked before any work
@@ -50,6 +52,7 @@ from kvtier.config import (
 )
 from kvtier.config.schema import MAX_LAYOUT_COUNT
 from kvtier.errors import ConfigError, KvtierError
+from kvtier.fleet.cli import add_fleet_parser
 from kvtier.units import shown
 from kvtier.user_files import STDOUT, OutputFile, check_output, os_error_text, write_output
 from kvtier.version import __version__
@@ -1147,13 +1150,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help=_VERBOSE_HELP)
-    sub = parser.add_subparsers(dest="command", metavar="{bench,replay,sweep,sweep-shm,inspect,config}")
+    sub = parser.add_subparsers(dest="command", metavar="{bench,replay,sweep,sweep-shm,inspect,config,fleet}")
     sub.required = True
     _add_bench(sub)
     _add_replay(sub)
     _add_sweep(sub)
     _add_inspect(sub)
     _add_config(sub)
+    add_fleet_parser(sub)
     _add_verbose_everywhere(parser)
     return parser
 

@@ -112,6 +112,7 @@ class PrimaryTier:
         # Bounded: an engine that never takes events must not grow memory without limit.
         self._events: deque[BlockEvent] = deque(maxlen=max_pending_events)
         self.record_events = record_events
+        self.events_overflowed = 0
         self.stats = PrimaryStats()
         self._shut_down = False
 
@@ -474,11 +475,20 @@ class PrimaryTier:
     # --- events, reset, shutdown -----------------------------------------------------
 
     def take_events(self) -> list[BlockEvent]:
-        """Events since the last call (at most ``max_pending_events``; older ones are dropped;
-        none if the tier records no events)."""
+        """Events since the last call (at most ``max_pending_events``; older ones are dropped,
+        and :attr:`events_overflowed` counts the takes that may have lost some; none if the tier
+        records no events)."""
         events = list(self._events)
+        if len(events) == self._events.maxlen:
+            self.events_overflowed += 1
         self._events.clear()
         return events
+
+    def ready_keys(self) -> list[BlockKey]:
+        """The keys whose blocks are readable (stored, not being written): what the stored and
+        removed events so far add up to."""
+        ref = self._ref
+        return [key for key, slot in self._slot_of.items() if ref[slot] != IN_FLIGHT]
 
     def in_flight_count(self) -> int:
         return sum(1 for slot in self._slot_of.values() if self._ref[slot] == IN_FLIGHT)

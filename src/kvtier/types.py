@@ -119,8 +119,13 @@ class BlockEvent:
     tier: str
     medium: str
     removed: bool
+    time: float = 0.0
+    """When it happened (``time.time()``), for events of tiers other engines share (their
+    order across engines); 0.0: not recorded (the CPU tier: its events are in order)."""
 
-    def __init__(self, keys: tuple[BlockKey, ...], tier: str, medium: str, removed: bool) -> None:
+    def __init__(
+        self, keys: tuple[BlockKey, ...], tier: str, medium: str, removed: bool, time: float = 0.0
+    ) -> None:
         # The fields go straight into the instance dict: the generated frozen __init__ calls
         # object.__setattr__ per field, about three times slower, and the CPU tier makes an
         # event per promotion's eviction on the scheduler thread.
@@ -129,3 +134,4 @@ class BlockEvent:
         values["tier"] = tier
         values["medium"] = medium
         values["removed"] = removed
+        values["time"] = time

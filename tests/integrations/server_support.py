@@ -37,6 +37,8 @@ SERVER_ENV = {
     "VLLM_LOGGING_LEVEL": "INFO",
 }
 MODEL_NAME = "kvtier-tiny"
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+"""``/metrics`` samples: {(sample name, sorted labels without vLLM's own): value}."""
 
 
 def free_port() -> int:
@@ -58,19 +60,27 @@ class Completion:
 class Server:
     """One API server subprocess; a context manager that leaves no process behind."""
 
-    def __init__(self, model_dir: Path, kv_transfer_config: dict[str, Any], log_path: Path) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        kv_transfer_config: dict[str, Any],
+        log_path: Path,
+        extra_args: tuple[str, ...] = (),
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
         env.update(SERVER_ENV)
+        env.update(extra_env or {})
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_dir), "--served-model-name", MODEL_NAME,
             "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", "float32", "--block-size", "32", "--max-model-len", "2048", "--enforce-eager",
             "--seed", "0", "--enable-prompt-tokens-details",
-            "--kv-transfer-config", json.dumps(kv_transfer_config),
+            "--kv-transfer-config", json.dumps(kv_transfer_config), *extra_args,
         ]  # fmt: skip
         self._log = log_path.open("wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -176,7 +186,20 @@ class Server:
             assert time.monotonic() < deadline, "reset_prefix_cache kept failing"
             time.sleep(0.2)
 
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    def settle(self, min_cascaded: int = 0, timeout: float = 120.0) -> Samples:
+        """Send tiny requests until kvtier cascaded ``min_cascaded`` blocks in all and has no job in
+        flight; returns the last ``/metrics``."""
+
+        def idle() -> Any:
+            self.complete([3, 4, 5], max_tokens=1)
+            samples = self.metrics()
+            cascaded = metric(samples, "vllm:kvtier_cascades_total", result="succeeded")
+            busy = sum(v for (name, _), v in samples.items() if name == "vllm:kvtier_active_jobs")
+            return samples if cascaded >= min_cascaded and busy == 0 else None
+
+        return wait_for(idle, timeout, f"{min_cascaded} blocks cascaded and no kvtier job in flight")
+
+    def metrics(self) -> Samples:
         """``/metrics`` as {(sample name, sorted labels without vLLM's own): value}."""
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as response:
             text = response.read().decode()
@@ -188,7 +211,7 @@ class Server:
         return out
 
 
-def metric(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], metric_name: str, /, **labels: str) -> float:
+def metric(samples: Samples, metric_name: str, /, **labels: str) -> float:
     """One sample's value (0 when absent), labels given by name (vLLM's own left out)."""
     return samples.get((metric_name, tuple(sorted(labels.items()))), 0.0)
 

@@ -208,7 +208,14 @@ def test_the_cpu_tier_records_events_only_when_vllm_publishes_them(
             manager.on_schedule_end(None)  # type: ignore[arg-type]
         events = list(manager.take_events())
         if kv_events:
-            assert [(len(e.keys), e.removed) for e in events] == [(2, False), (2, True), (2, False)]
+            # with events on, the stream's control records (kvtier.engine_events) travel with them
+            from kvtier.engine_events import ControlRecord
+            from kvtier.integrations.vllm.manager import CONTROL_KEY
+
+            records = [ControlRecord.decode(e.ownership) for e in events if e.keys == [CONTROL_KEY]]
+            assert [r.op for r in records if r is not None] == ["hello"]
+            blocks = [e for e in events if e.keys != [CONTROL_KEY]]
+            assert [(len(e.keys), e.removed) for e in blocks] == [(2, False), (2, True), (2, False)]
         else:
             assert events == []
     finally:
@@ -268,3 +275,56 @@ def test_kv_transfer_params_are_not_kept_by_the_adapter(adapter: KvtierOffloadin
     assert adapter._contexts["big-params"].params == {}
     adapter.on_request_finished(ReqContext("big-params"))
     assert adapter._contexts == {}
+
+
+@pytest.mark.parametrize("self_describing", [False, True])
+def test_events_reach_a_fleet_index_through_vllms_own_translation(shm: Path, self_describing: bool) -> None:
+    """The adapter's OffloadingEvents, turned into KV events by vLLM's OffloadingEventsTracker and
+    msgpack-encoded as its publisher does, decode into a fleet index that knows the engine's start,
+    its CPU tier's blocks, a marker and a snapshot asked through kv_transfer_params (client input:
+    a malformed marker is only logged)."""
+    import msgspec
+    from vllm.distributed.kv_events import KVEventBatch
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import OffloadingEventsTracker
+    from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
+
+    from kvtier.engine_events import EngineEventStream
+    from kvtier.fleet import FleetIndex
+    from kvtier.fleet.wire import block_key, decode_batch
+
+    ns = Namespace("unit", KVGeometry.from_block_bytes(4096))
+    tiering = TieringManager.create(namespace=ns, num_cpu_blocks=4, shm_dir=shm)
+    stream = EngineEventStream(tiering, engine="engine-0", snapshot_interval=0.0)
+    adapter = KvtierOffloadingManager(tiering, events=stream)
+    tracker = OffloadingEventsTracker(OffloadingKVEventsConfig(True, self_describing))
+    index = FleetIndex(["e"])
+
+    def publish() -> None:
+        events = list(tracker.take_events(adapter.take_events()))
+        if events:
+            index.apply("e", decode_batch(msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=events))))
+
+    try:
+        assert adapter.has_pending_work()  # the hello wants a step
+        publish()
+        assert index.engine("e").start == stream.start and index.engine("e").status == "synced"
+        keys = _keys(3)
+        req = ReqContext("r1", kv_transfer_params={"kvtier_events": "mark", "kvtier_events_marker": "m-1"})
+        adapter.on_new_request(req)
+        out = adapter.prepare_store(keys, req)
+        assert out is not None
+        adapter.complete_store(keys, req)
+        adapter.on_request_finished(req)
+        publish()
+        fleet_keys = {block_key(k[:-4], 0) for k in keys}
+        assert index.held("e", "0:primary") == fleet_keys and list(index.engine("e").marks) == ["m-1"]
+        adapter.on_new_request(ReqContext("r2", kv_transfer_params={"kvtier_events": "mark",
+                                                                    "kvtier_events_marker": ["x"] * 1000}))  # fmt: skip
+        adapter.on_new_request(ReqContext("r3", kv_transfer_params={"kvtier_events": "snapshot"}))
+        publish()
+        assert index.held("e", "0:primary") == fleet_keys and index.engine("e").private_complete
+        adapter.reset_cache()
+        publish()
+        assert index.held("e", "0:primary") == set() and index.engine("e").seq == stream._seq - 1
+    finally:
+        adapter.shutdown()

@@ -70,19 +70,6 @@ def _config(shm_dir: Path, fs_root: Path) -> dict[str, Any]:
     )
 
 
-def _settle(server: Server, min_cascaded: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Send tiny requests until kvtier stored and cascaded the blocks and has no job in flight."""
-
-    def idle() -> Any:
-        server.complete([3, 4, 5], max_tokens=1)
-        samples = server.metrics()
-        cascaded = metric(samples, "vllm:kvtier_cascades_total", result="succeeded")
-        busy = sum(v for (name, _), v in samples.items() if name == "vllm:kvtier_active_jobs")
-        return samples if cascaded >= min_cascaded and busy == 0 else None
-
-    return wait_for(idle, 120, f"{min_cascaded} blocks cascaded to the fs tier")
-
-
 def _drop_page_cache(root: Path) -> None:
     for path in root.rglob("*"):
         if path.is_file() and not path.is_symlink():
@@ -108,7 +95,7 @@ def test_a_server_serves_hits_from_cpu_and_fs_tiers(
         cold = []
         for i, prompt in enumerate(prompts):
             cold.append(server.complete(prompt))
-            before = _settle(server, min_cascaded=(i + 1) * (PROMPT_TOKENS // BLOCK))
+            before = server.settle(min_cascaded=(i + 1) * (PROMPT_TOKENS // BLOCK))
         assert all(c.cached_tokens == 0 for c in cold), [c.cached_tokens for c in cold]
         assert len({c.token_ids for c in cold}) == 3 and all(len(c.token_ids) == 12 for c in cold)
         assert metric(before, "vllm:kvtier_capacity_bytes", tier="0:primary") > 0
@@ -118,7 +105,7 @@ def test_a_server_serves_hits_from_cpu_and_fs_tiers(
         cpu_hit = server.complete(prompts[2])  # the newest prompt: still in the CPU tier
         server.reset_prefix_cache()
         fs_hit = server.complete(prompts[0])  # evicted from the CPU tier: promoted from disk
-        after = _settle(server, min_cascaded=0)
+        after = server.settle(min_cascaded=0)
         assert server.proc.poll() is None
         server.stop(signal.SIGTERM)
         assert list(shm_dir.iterdir()) == []

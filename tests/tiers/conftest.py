@@ -17,78 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_process import ServerProcess, start_on_a_free_port
-
-REDIS_SERVER = shutil.which("redis-server")
-REDIS_CLI = shutil.which("redis-cli")
-_SKIP_REASON = "redis-server not found on PATH; install it with: apt-get install -y redis-server"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))
-    except OSError:
-        return False
-
-
-class RedisServer(ServerProcess):
-    """One redis-server process on 127.0.0.1; ``kill()`` sends SIGKILL, ``start()`` restarts it."""
-
-    def __init__(self, workdir: Path, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
-        assert REDIS_SERVER is not None
-        self.workdir = workdir
-        self.port = port or _free_port()
-        self.extra_args = extra_args
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def args(self) -> list[str]:
-        assert REDIS_SERVER is not None
-        return [
-            REDIS_SERVER,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(self.workdir),
-            "--protected-mode",
-            "no",
-            "--logfile",
-            str(self.workdir / f"redis-{self.port}.log"),
-            *self.extra_args,
-        ]
-
-    def start(self, timeout: float = 10.0) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(self.args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server on port {self.port} exited with {self.proc.returncode}")
-            if _ping(self.port):
-                return
-            time.sleep(0.02)
-        raise RuntimeError(f"redis-server on port {self.port} did not answer PING within {timeout}s")
-
-
-def _start_server(workdir: Path, extra_args: tuple[str, ...] = ()) -> RedisServer:
-    return start_on_a_free_port(lambda: RedisServer(workdir, extra_args=extra_args), "redis-server")
+from redis_servers import _SKIP_REASON, REDIS_CLI, REDIS_SERVER, RedisServer, _free_port, _start_server
 
 
 @pytest.fixture

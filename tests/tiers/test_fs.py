@@ -224,9 +224,11 @@ def test_lookup_racing_the_scan_answers_retry_not_miss(tmp_path: Path, rows: np.
     tier = make_tier(tmp_path, rows, BB)
     try:
         assert store(tier, [key], [0]).success
-        # Rewind to "shard of key not scanned yet" and let the scan land inside lookup.
-        assert tier._index.begin_delete(key)
-        tier._index.finish_delete([key])
+        # Rewind to "shard of key not scanned yet" (the key never indexed; not deleted, which the
+        # index would remember) and let the scan land inside lookup.
+        with tier._index._lock:
+            assert tier._index._used.pop(key, None) is not None
+            tier._index._seen.pop(key, None)
         tier._scanned[key[0]] = 0
         real_hit = tier._index.hit
 

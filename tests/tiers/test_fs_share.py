@@ -151,6 +151,21 @@ def test_evictions_of_another_engine_reach_the_index_through_its_journal(tmp_pat
         b.shutdown()
 
 
+def test_an_announcement_read_after_this_engine_deleted_the_file_does_not_revive_it() -> None:
+    """Regression: engine B's journal said "k added at t0"; A evicted k's file at t1 > t0 and read
+    B's record after that: A's index held k again (a HIT for a block nobody has, and a snapshot of
+    A's holdings listing it). A newer file of k (stored after the deletion) is still learned."""
+    from kvtier.tiers.fs_index import FileIndex
+
+    index = FileIndex()
+    key = key_of(1, b"revived")
+    index.add_found([(time.time() - 10, key)])
+    assert index.take_victims(1) == [key]
+    index.finish_delete([key])
+    assert index.add_found([(time.time() - 5, key)]) == 0 and key not in index
+    assert index.add_found([(time.time() + 1, key)]) == 1 and key in index
+
+
 def test_sharing_off_keeps_the_index_built_at_start(tmp_path: Path, rows: np.ndarray) -> None:
     other = AlignedRows(4, BB).rows
     b = make_tier(tmp_path, rows, BB, sharing=False)

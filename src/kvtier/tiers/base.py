@@ -346,6 +346,39 @@ class SecondaryTier(abc.ABC):
         """
         return []
 
+    # --- what the tier holds, for engine event streams (kvtier.engine_events) ----------
+
+    lists_holdings: ClassVar[bool] = False
+    """True when :meth:`held_keys` lists what the tier holds (once its start-up scan, if any, is done)."""
+
+    def store_location(self) -> str | None:
+        """Where the blocks live, spelled the same by every engine configured to share them
+        (an fs root's real path, a Redis URL without credentials and its prefix, an S3
+        endpoint, bucket and prefix); None: the blocks are private to this engine start and
+        gone with it (the default). Engines whose tiers give the same location and namespace
+        share one store in a fleet's index. Caller: the event stream, once. Must not block."""
+        return None
+
+    def held_keys(self) -> list[BlockKey] | None:
+        """A copy of the keys this tier holds as far as it knows from memory (what a start-up
+        scan found, what this engine stored, what it learned from other engines), or None when
+        it cannot list them, or not yet (a scan is under way: ask again later). Caller: the
+        event stream, on the scheduler thread, for start-up announcements and snapshots. Must
+        not block on I/O (a copy of an in-memory index)."""
+        return None
+
+    def holdings_complete(self) -> bool:
+        """True when :meth:`held_keys` lists everything in the store, other engines' blocks
+        included (a consumer may then drop what it believes the store holds beyond them);
+        False when it lists only part (e.g. what this engine found at start and wrote). Must
+        not block."""
+        return False
+
+    def holds(self, key: BlockKey) -> bool:
+        """Whether :meth:`held_keys` would list ``key`` now. Caller: the event stream, on the
+        scheduler thread, re-checking a snapshot's keys as it sends them. Must not block."""
+        return False
+
     def health(self) -> TierHealth:
         """The circuit-breaker state. Caller: manager and metrics, scheduler thread; must not block."""
         return TierHealth(HealthState.CLOSED)

@@ -446,6 +446,24 @@ class FilesystemTier(ThreadedTier):
         """Stores skip keys already on disk."""
         return key in self._index
 
+    lists_holdings = True
+
+    def store_location(self) -> str:
+        """``fs:<real path of the root>``: engines on one host, or hosts mounting a shared file
+        system at the same path, share the root's blocks."""
+        return f"fs:{os.path.realpath(self.root)}"
+
+    def held_keys(self) -> list[BlockKey] | None:
+        """The index's keys once the start-up scan is done (before: None)."""
+        return self._index.keys() if self._scan_done.is_set() else None
+
+    def holdings_complete(self) -> bool:
+        """With ``sharing`` the index follows every engine's journal: it lists the whole namespace."""
+        return self.sharing
+
+    def holds(self, key: BlockKey) -> bool:
+        return key in self._index
+
     def _admit_load(self, key: BlockKey) -> bool:
         """Pin ``key`` against eviction until its load ran; False if it is no longer on disk."""
         return self._index.pin(key)
@@ -523,6 +541,7 @@ class FilesystemTier(ThreadedTier):
         key, slot = work.keys[0], work.slots[0]
         shard, name = f"{key[0]:02x}", value_name(key)
         error: str | None = None
+        started = time.time()  # a value found gone or corrupt was so no later than this
         t0 = time.perf_counter()
         try:
             shard_fd = self._dirs.subdir(shard)
@@ -537,18 +556,18 @@ class FilesystemTier(ThreadedTier):
             self._count(corrupt_values=1)
             if not exc.removed:
                 self._checks.reject(key, exc.st)
-            self._forget(key)
+            self._forget(key, started)
         except UnsafeEntryError as exc:
             error = f"value {key.hex()[:16]} is not served: {exc}"
             what = f"fs tier {self.label}: value {key.hex()[:16]} is not served (never opened for I/O, never deleted)"
             log_failure(logger, logging.WARNING, what, exc)
             self._count(unsafe_entries=1)
-            self._forget(key)
+            self._forget(key, started)
         except OSError as exc:
             if _is_gone(exc):  # another engine evicted or recycled it: a miss
                 error = f"value {key.hex()[:16]} vanished from disk"
                 self._count(vanished=1)
-                self._forget(key)
+                self._forget(key, started)
             else:
                 error = f"read of {shard}/{name} failed: {exc.strerror or exc}"
                 self._io_error(error)
@@ -779,8 +798,10 @@ class FilesystemTier(ThreadedTier):
         count nothing."""
         recycled: int | None = None
         gone: list[BlockKey] = []
+        removed_at: list[float] = []  # each victim's removal, timed before it started
         for victim in victims:
             shard, name = f"{victim[0]:02x}", value_name(victim)
+            removed_at.append(time.time())
             try:
                 shard_fd = self._dirs.subdir(shard)
                 try:
@@ -803,7 +824,8 @@ class FilesystemTier(ThreadedTier):
         self._journal.append(REMOVED, gone)
         self._index.finish_delete(victims)
         self._count(evictions=len(victims))
-        self._emit(victims, removed=True)
+        for victim, when in zip(victims, removed_at, strict=True):
+            self._emit([victim], removed=True, when=when)
         return recycled, len(gone)
 
     def _check_keys(self, work: Work) -> None:
@@ -843,15 +865,15 @@ class FilesystemTier(ThreadedTier):
             return False
         return st is not None and not self._checks.rejected(key, st)
 
-    def _forget(self, key: BlockKey) -> None:
+    def _forget(self, key: BlockKey, when: float) -> None:
         """Drop a value that is corrupt, vanished or unsafe from the index and answer MISS for it a
         while (its file, if any, was dealt with by the caller: a file is only ever removed when
-        proven ours)."""
+        proven ours); ``when``: a time before it was found so."""
         self._checks.record(key, False)
         if not self._index.begin_delete(key):
             return
         self._index.finish_delete([key])
-        self._emit([key], removed=True)
+        self._emit([key], removed=True, when=when)
 
     def _maybe_regrow_capacity(self) -> None:
         """After ENOSPC, let the budget grow back once the disk has room again (checked at

@@ -54,6 +54,7 @@ class FileIndex:
         self._used: OrderedDict[bytes, float] = OrderedDict()  # last use, least recent first
         self._found: OrderedDict[bytes, float] = OrderedDict()  # mtime, oldest first (roughly)
         self._seen: OrderedDict[bytes, float] = OrderedDict()  # used keys: when a file was last proven
+        self._gone: OrderedDict[bytes, float] = OrderedDict()  # keys whose file this engine deleted, when
         self._pins: dict[bytes, int] = {}
         self._busy: set[bytes] = set()
 
@@ -178,9 +179,19 @@ class FileIndex:
             return True
 
     def finish_delete(self, keys: Iterable[bytes]) -> None:
+        """The files of ``keys`` are gone (deleted here, or found gone): remembered for
+        ``SEEN_SECONDS``, so another engine's older announcement of a file of one of them,
+        read from its journal after the deletion, does not bring it back."""
+        now = time.time()
         with self._lock:
+            gone = self._gone
             for key in keys:
                 self._busy.discard(key)
+                gone.pop(key, None)
+                gone[key] = now
+            horizon = now - SEEN_SECONDS
+            while gone and next(iter(gone.values())) < horizon:
+                gone.popitem(last=False)
 
     # --- files found on disk ------------------------------------------------------------------
 
@@ -218,12 +229,14 @@ class FileIndex:
 
     def add_found(self, files: Iterable[tuple[float, bytes]]) -> int:
         """Add files found on disk or announced by another engine (``(mtime, key)``, oldest
-        first) that this engine has not used; keys busy are skipped, keys present only
+        first) that this engine has not used; keys busy are skipped, and so are files this
+        engine deleted after their time (an announcement read late); keys present only
         remember the newer proof. Returns how many were added."""
         added = 0
         with self._lock:
+            gone = self._gone
             for mtime, key in files:
-                if key in self._busy:
+                if key in self._busy or gone.get(key, -1.0) >= mtime:
                     continue
                 if key in self._used:
                     self._saw_locked(key, mtime)

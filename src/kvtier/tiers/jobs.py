@@ -438,12 +438,15 @@ class ThreadedTier(SecondaryTier):
                 else:
                     stats.extra[name] = stats.extra.get(name, 0) + n
 
-    def _emit(self, keys: Iterable[BlockKey], removed: bool) -> None:
-        """Queue a stored (or removed) event for ``keys``."""
+    def _emit(self, keys: Iterable[BlockKey], removed: bool, when: float | None = None) -> None:
+        """Queue a stored (or removed) event for ``keys`` that happened at ``when`` (default:
+        now). A shared store's events from several engines are ordered by these times: time a
+        store after its value became visible, a removal before it started."""
         keys = tuple(keys)
         if keys:
+            event = BlockEvent(keys, self.label, self.medium, removed, time.time() if when is None else when)
             with self._lock:
-                self._events.append(BlockEvent(keys, self.label, self.medium, removed=removed))
+                self._events.append(event)
 
     def _note_failure(self, detail: str, trip: bool = False) -> None:
         """Feed a medium failure to the breaker (``trip``: open at once); logs going out of service."""

@@ -101,6 +101,18 @@ class MemoryTier(ThreadedTier):
     def _holds(self, key: BlockKey) -> bool:
         return key in self._values
 
+    lists_holdings = True
+
+    def held_keys(self) -> list[BlockKey]:
+        with self._values_lock:
+            return list(self._values)
+
+    def holdings_complete(self) -> bool:
+        return True
+
+    def holds(self, key: BlockKey) -> bool:
+        return key in self._values
+
     def _admit_load(self, key: BlockKey) -> bool:
         with self._values_lock:
             if key not in self._values:

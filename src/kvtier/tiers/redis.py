@@ -11,8 +11,9 @@ microseconds, a queue put); the network is used only by the tier's I/O threads.
 Values are ``header + payload`` (:mod:`kvtier.tiers.format`). A load reads the
 header into a small buffer and the payload straight into the reserved CPU row,
 then verifies header and checksum; a missing key (expired, or evicted by Redis
-``maxmemory``) is a MISS for that key, a malformed value is a MISS too, is
-deleted, and is counted in ``stats.corrupt_values``.
+``maxmemory``) is a MISS for that key and is reported removed in the tier's events
+(nobody else can report it), a malformed value is a MISS too, is deleted, and is
+counted in ``stats.corrupt_values``.
 
 Health: a :class:`~kvtier.tiers.health.CircuitBreaker`. A refused connection
 opens it at once; other failures (timeouts, resets) open it after
@@ -330,6 +331,13 @@ class RedisTier(ThreadedTier):
         """
         return self._usage
 
+    def store_location(self) -> str:
+        """``redis:<host:port/db, no credentials or options>/<prefix>`` (give every engine the same
+        URL; in cluster mode the same node)."""
+        ep = parse_endpoint(self.options.url, "redis url", _SCHEMES, needs_host=False)
+        port = "" if ep.port is None else f":{ep.port}"
+        return f"redis:{ep.scheme}://{ep.host}{port}{ep.path}/{self.options.prefix}"
+
     def describe(self) -> dict[str, Any]:
         return {
             "type": self.tier_type,
@@ -520,7 +528,7 @@ class RedisTier(ThreadedTier):
             for key in stored:
                 self._remember(key, True, now)
             if stored:
-                self._events.append(BlockEvent(tuple(stored), self.label, self.medium, removed=False))
+                self._events.append(BlockEvent(tuple(stored), self.label, self.medium, False, time.time()))
         done = stored + skipped
         failed = len(job.keys) - len(done)
         with self._stats_lock:
@@ -548,6 +556,7 @@ class RedisTier(ThreadedTier):
         errors: list[str] = []
         header = bytearray(HEADER_SIZE)
         head_view = memoryview(header)
+        asked = time.time()  # a key found missing was gone by then
         started = time.perf_counter()
         for base in range(0, len(keys), self._chunk):
             chunk = keys[base : base + self._chunk]
@@ -597,6 +606,7 @@ class RedisTier(ThreadedTier):
                 break
             self._breaker.record_success()
         seconds = time.perf_counter() - started
+        deleting = time.time()
         if corrupt:
             self._delete(corrupt)
         now = time.monotonic()
@@ -606,7 +616,9 @@ class RedisTier(ThreadedTier):
             for key in missing + corrupt:
                 self._remember(key, False, now)
             if corrupt:
-                self._events.append(BlockEvent(tuple(corrupt), self.label, self.medium, removed=True))
+                self._events.append(BlockEvent(tuple(corrupt), self.label, self.medium, True, deleting))
+            if missing:  # expired or evicted by Redis itself: nobody else can report it
+                self._events.append(BlockEvent(tuple(missing), self.label, self.medium, True, asked))
         if missing:
             errors.append(f"{len(missing)} key(s) missing (expired or evicted)")
         if corrupt:

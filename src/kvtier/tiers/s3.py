@@ -13,7 +13,8 @@ the options, their defaults and the bucket layout are in :mod:`kvtier.tiers.s3_s
   the engine.
 * **Loads**: concurrent GETs streamed into the reserved row (header split from
   the payload), then header and xxh3 checksum verified before the key counts
-  as loaded. A 404 is a MISS for that key (and drops the key from the index);
+  as loaded. A 404 is a MISS for that key (it drops the key from the index and is
+  reported removed in the tier's events: a lifecycle rule deleted it);
   a wrong length, header or checksum is a MISS too, is counted in
   ``stats.corrupt_values``, and the object is deleted.
 * **Existence**: answered from an in-memory index of what this process stored,
@@ -227,6 +228,10 @@ class S3Tier(ThreadedTier):
         """The bytes this process uploaded (the bucket's total is unknown; capacity unbounded)."""
         return TierUsage(self.stats.bytes_written, None, int(self.stats.extra["objects_written"]))
 
+    def store_location(self) -> str:
+        """``s3:<endpoint or aws>/<bucket>/<prefix>``."""
+        return f"s3:{self.options.endpoint or 'aws'}/{self.options.bucket}/{self.options.prefix}"
+
     def describe(self) -> dict[str, Any]:
         return {
             "type": self.tier_type,
@@ -314,6 +319,7 @@ class S3Tier(ThreadedTier):
         if rows is None:
             raise TierError(f"s3 tier {self.label}: CPU rows were released")
         row = rows[work.slots[0], : self._block_bytes]
+        asked = time.time()  # a key found missing was gone by then
         try:
             self._get_into(path, key, header, row)
         except FileNotFoundError as exc:
@@ -324,6 +330,7 @@ class S3Tier(ThreadedTier):
             self._breaker.record_success()
             self._remember(key, False, time.monotonic())
             self._count(missing=1)
+            self._emit([key], removed=True, when=asked)  # deleted by a lifecycle rule or by hand
             self._complete(work, error="object missing (deleted, expired or never stored)")
             return
         except CorruptValueError as exc:
@@ -331,8 +338,9 @@ class S3Tier(ThreadedTier):
             log_failure(logger, logging.WARNING, f"s3 tier {self.label}: object {path} is corrupt; deleting it", exc)
             self._count(corrupt_values=1)
             self._remember(key, False, time.monotonic())
+            deleting = time.time()
             self._delete(path)
-            self._emit([key], removed=True)
+            self._emit([key], removed=True, when=deleting)
             self._complete(work, error=f"corrupt object {key.hex()[:16]}: {exc}")
             return
         except Exception as exc:

@@ -18,7 +18,13 @@ Translation, and why it is thin:
   ids are rows of the shared region (picklable, so it crosses to workers).
 * **Events.** kvtier's ``BlockEvent`` becomes ``OffloadingEvent`` with medium
   CPU for the CPU tier and STORAGE for secondary tiers (``ownership`` names the
-  tier, e.g. ``"1:fs"``).
+  tier, e.g. ``"1:fs"``). With an :class:`~kvtier.engine_events.EngineEventStream`
+  (the spec builds one when vLLM publishes KV events) the stream's control records
+  travel in order with them, each as a ``BlockRemoved`` of :data:`CONTROL_KEY` whose
+  ``ownership`` is the encoded record (a removal of a block nobody holds: a no-op for
+  any other consumer). A request whose ``kv_transfer_params`` hold
+  ``"kvtier_events": "snapshot"`` asks the stream for a snapshot, ``"mark"`` for a
+  marker (``"kvtier_events_marker"``, default the request id).
 * **Stats.** ``get_stats`` hands vLLM kvtier's per-tier figures
   (:mod:`kvtier.integrations.vllm.stats`), so they appear in the API server's
   ``/metrics`` and vLLM's stat log.
@@ -31,10 +37,12 @@ Translation, and why it is thin:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
@@ -55,6 +63,7 @@ from vllm.v1.kv_offload.base import OffloadPolicy as VllmPolicy
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtier.engine_events import ControlRecord, EngineEventStream
 from kvtier.integrations.vllm.stats import VllmStatsReporter
 from kvtier.keys import BlockKey
 from kvtier.manager import TieringManager
@@ -63,6 +72,11 @@ from kvtier.telemetry import ManagerSnapshot
 from kvtier.types import PRIMARY_LABEL, LookupResult, OffloadPolicy, RequestContext, RequestControl
 
 logger = logging.getLogger(__name__)
+
+CONTROL_KEY = OffloadKey(hashlib.sha256(b"kvtier-events control record").digest() + b"\xff\xff\xff\xff")
+"""The key a control record rides on: a block hash no engine computes, KV-cache group 0xffffffff."""
+EVENTS_PARAM = "kvtier_events"
+MARKER_PARAM = "kvtier_events_marker"
 
 _LOOKUP = {r: VllmLookup[r.name] for r in LookupResult}
 _POLICY = {
@@ -78,7 +92,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     tier until vLLM asks ``get_load_source`` (at least twice the CPU rows).
     ``metrics`` (kvtier's own Prometheus port) refreshes every
     ``metrics_interval`` seconds; vLLM's own metrics get kvtier's figures every
-    ``stats_interval`` seconds and when the manager goes idle.
+    ``stats_interval`` seconds and when the manager goes idle. ``events``: the
+    stamped event stream over ``manager`` that :meth:`take_events` reports.
     """
 
     def __init__(
@@ -89,8 +104,10 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         metrics: KvtierMetrics | None = None,
         metrics_interval: float = 1.0,
         stats_interval: float = 1.0,
+        events: EngineEventStream | None = None,
     ) -> None:
         self.manager = manager
+        self.events = events
         self.stats_reporter = VllmStatsReporter(manager, interval=stats_interval)
         self.metrics = metrics
         self._metrics_interval = metrics_interval
@@ -184,7 +201,11 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     # --- requests and steps -----------------------------------------------------------
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        policy = self.manager.on_new_request(self._context(req_context))
+        ctx = self._context(req_context)
+        params = req_context.kv_transfer_params
+        if self.events is not None and isinstance(params, Mapping) and params.get(EVENTS_PARAM) is not None:
+            self._event_request(ctx.req_id, params)
+        policy = self.manager.on_new_request(ctx)
         return RequestOffloadingContext(policy=_POLICY[policy])
 
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -201,27 +222,55 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                 self.metrics.update(self.manager)
 
     def has_pending_work(self) -> bool:
-        return self.manager.has_pending_work()
+        return self.manager.has_pending_work() or (self.events is not None and self.events.has_pending_output())
+
+    def _event_request(self, req_id: str, params: Mapping[str, Any]) -> None:
+        """A request asked the event stream for a snapshot or a marker (see the module docstring);
+        ``params`` come from the API client: only these two keys are read, and shown bounded."""
+        assert self.events is not None
+        what = params.get(EVENTS_PARAM)
+        if what == "snapshot":
+            if not self.events.request_snapshot():
+                logger.info("kvtier events: snapshot asked by %.80s ignored (one is under way or was sent "
+                            "within %.0f s)", req_id, self.events.snapshot_interval)  # fmt: skip
+        elif what == "mark":
+            marker = params.get(MARKER_PARAM, req_id)
+            try:
+                self.events.mark(marker)
+            except ValueError as exc:
+                logger.warning("kvtier events: request %.80s: %s: %s", req_id, MARKER_PARAM, exc)
+        else:
+            logger.warning("kvtier events: request %.80s: %s=%.80r is not 'snapshot' or 'mark'; ignored",
+                           req_id, EVENTS_PARAM, what)  # fmt: skip
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         out: list[OffloadingEvent] = []
-        for event in self.manager.take_events():
-            keys = list(event.keys)
+        items = self.manager.take_events() if self.events is None else self.events.take()
+        for item in items:
+            if isinstance(item, ControlRecord):
+                out.append(
+                    OffloadingEvent(keys=[CONTROL_KEY], medium=Medium.STORAGE, removed=True, ownership=item.encode())
+                )
+                continue
+            keys = list(item.keys)
             if not keys:
                 continue
-            primary = event.tier == PRIMARY_LABEL
+            primary = item.tier == PRIMARY_LABEL
             out.append(
                 OffloadingEvent(
                     keys=keys,
                     medium=Medium.CPU if primary else Medium.STORAGE,
-                    removed=event.removed,
-                    ownership=None if primary else event.tier,
+                    removed=item.removed,
+                    ownership=None if primary else item.tier,
                 )
             )
         return out
 
     def reset_cache(self) -> None:
-        self.manager.reset_cache()
+        if self.events is None:
+            self.manager.reset_cache()
+        else:
+            self.events.reset_cache()
         self._promoted.clear()
 
     def get_stats(self) -> OffloadingConnectorStats | None:

@@ -23,6 +23,7 @@ its API server process: the metrics kvtier reports through the connector stats
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -35,6 +36,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvtier.config import build_manager
+from kvtier.engine_events import EngineEventStream
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import (
     EngineLayout,
@@ -125,7 +127,10 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
                     tiering.shutdown()
                     raise
                 logger.info("kvtier: Prometheus metrics on http://127.0.0.1:%d/metrics", port)
-            self._manager = KvtierOffloadingManager(tiering, metrics=metrics)
+            events = None
+            if self.kv_events_config.enable_kv_cache_events:
+                events = EngineEventStream(tiering, engine=s.layout.engine_id, info=self._event_info())
+            self._manager = KvtierOffloadingManager(tiering, metrics=metrics, events=events)
             logger.info(
                 "kvtier: CPU tier of %d rows x %d bytes in region %s, %d secondary tier(s), "
                 "namespace %s",
@@ -133,6 +138,26 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
                 s.namespace.hexdigest,
             )
         return self._manager
+
+    def _event_info(self) -> dict[str, Any]:
+        """What a consumer of this engine's KV events needs to compute its block keys from tokens."""
+        info: dict[str, Any] = {
+            "engine": "vllm",
+            "model": self.layout.model_name,
+            "namespace": self.settings.namespace.hexdigest,
+            "tokens_per_hash": int(self.config.cache.tokens_per_hash),
+            "blocks_per_chunk": int(self.config.cache.blocks_per_chunk),
+            "hash_seed_from_env": "PYTHONHASHSEED" in os.environ,
+        }
+        try:  # the engine's config, when vLLM built this spec inside it
+            from vllm.config import get_current_vllm_config
+
+            vllm_config = get_current_vllm_config()
+            if str(vllm_config.model_config.model) == self.layout.model_name:
+                info["hash"] = str(vllm_config.cache_config.prefix_caching_hash_algo)
+        except Exception:
+            logger.debug("kvtier: vLLM's prefix caching hash algorithm is not known here", exc_info=True)
+        return info
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         """Worker side: attach (once) to the region and return the copy worker."""

@@ -1,0 +1,315 @@
+"""``kvtier fleet serve``'s HTTP/JSON answer for routers (the standard library's HTTP server).
+
+Endpoints:
+
+* ``POST /v1/prefix`` with ``{"tokens": [..]}`` (a prompt's token ids; hashed as the
+  engines hash them, :mod:`kvtier.fleet.hashing`) or ``{"block_hashes": [..]}`` (the
+  blocks' hashes as KV events carry them: integers, or hex strings), optionally
+  ``"engines": [names]`` and, with hashes, ``"group"`` (the KV-cache group, default 0).
+  Answer: ``{"blocks": n, "tokens_per_hash": t, "engines": {name: {"blocks": b, "tokens":
+  b*t, "tiers": {"GPU": ., "0:primary": ., "1:fs": .}, "status": ., "start": .}}}``:
+  per engine the leading blocks held by any of its tiers and by each tier.
+* ``GET /v1/engines``: each engine's start, status (``synced``: the index has every
+  event of its start; ``partial``: some were lost and its device cache or private tiers
+  are incomplete until a snapshot or a clear; ``waiting``: nothing heard yet), tiers,
+  counters and the last markers it sent.
+* ``GET /health``.
+
+It is a network service and its input is untrusted: a request body must declare its
+length and stay under ``max_body`` bytes, a prompt under ``max_blocks`` blocks; every
+field is type- and range-checked (errors are 4xx with a JSON ``error`` naming the
+field); a request (its line, headers and body) must arrive within ``request_timeout``
+seconds of its first byte, or of the previous answer on a kept-alive connection, else
+the connection is closed (a client that sends a byte now and then holds no thread); at
+most ``max_concurrent`` requests are answered at once (more get 503 at once) and at most
+four times that many connections are open (more are closed at once). Bind it to a
+private address: it has no authentication.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Protocol
+
+from kvtier.fleet.hashing import BlockHasher
+from kvtier.fleet.records import MAX_GROUP, block_key
+
+logger = logging.getLogger(__name__)
+
+_MAX_TOKEN = (1 << 31) - 1
+_MAX_HASH = (1 << 64) - 1
+_MAX_HASHERS = 8  # block sizes whose hashers are kept (the engines' info names the size)
+
+
+class PrefixAnswers(Protocol):
+    """What the server asks: a :class:`~kvtier.fleet.index.FleetIndex` or a :class:`~kvtier.fleet.index.FleetReader`."""
+
+    def prefix(self, keys: Sequence[int], engines: Sequence[str] | None = None) -> dict[str, Any]: ...
+
+    def meta(self) -> dict[str, Any]: ...
+
+
+class BadRequest(Exception):
+    def __init__(self, status: HTTPStatus, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class FleetServer(ThreadingHTTPServer):
+    """The HTTP server (see the module docstring). ``hashing``: (algorithm, seed) of the
+    engines' block hashes; ``tokens_per_hash``: their block size (None: taken from the
+    engines' events, which must agree). Serve with ``serve_forever()``; stop with
+    ``shutdown()`` then ``server_close()``."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        answers: PrefixAnswers,
+        *,
+        hashing: tuple[str, str | None] = ("sha256", None),
+        tokens_per_hash: int | None = None,
+        max_body: int = 1 << 20,
+        max_blocks: int = 16384,
+        request_timeout: float = 5.0,
+        max_concurrent: int = 32,
+    ) -> None:
+        self.answers = answers
+        self.hashing = hashing
+        self.tokens_per_hash = tokens_per_hash
+        self.max_body = max_body
+        self.max_blocks = max_blocks
+        self.request_timeout = request_timeout
+        self._slots = threading.BoundedSemaphore(max_concurrent)
+        self._connections = threading.BoundedSemaphore(4 * max_concurrent)
+        self._hashers: dict[int, BlockHasher] = {}
+        if tokens_per_hash is not None:
+            self._hasher(tokens_per_hash)  # check the hashing settings now
+        super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """At most ``4 * max_concurrent`` open connections (each has a thread); more are closed at once."""
+        if not self._connections.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._connections.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._connections.release()
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host if isinstance(host, str) else host.decode()}:{port}"
+
+    def _hasher(self, tokens_per_hash: int) -> BlockHasher:
+        hasher = self._hashers.get(tokens_per_hash)
+        if hasher is None:
+            if len(self._hashers) >= _MAX_HASHERS:
+                self._hashers.clear()
+            hasher = self._hashers[tokens_per_hash] = BlockHasher(*self.hashing, tokens_per_hash=tokens_per_hash)
+        return hasher
+
+    def engines_tokens_per_hash(self) -> int:
+        if self.tokens_per_hash is not None:
+            return self.tokens_per_hash
+        sizes = {e.get("info", {}).get("tokens_per_hash") for e in self.answers.meta().get("engines", {}).values()}
+        sizes.discard(None)
+        if len(sizes) != 1:
+            raise BadRequest(
+                HTTPStatus.CONFLICT,
+                "the engines' tokens per block is not known yet or differs between them "
+                f"({sorted(sizes)}): start the server with --tokens-per-hash, or ask by block_hashes",
+            )
+        size = sizes.pop()
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise BadRequest(HTTPStatus.CONFLICT, f"an engine reported tokens_per_hash={size!r}")
+        return size
+
+    def answer_prefix(self, body: Any) -> dict[str, Any]:
+        if not isinstance(body, dict):
+            raise BadRequest(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
+        unknown = set(body) - {"tokens", "block_hashes", "engines", "group"}
+        if unknown:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"unknown field(s) {sorted(unknown)}: use tokens or "
+                             "block_hashes, and optionally engines and group")  # fmt: skip
+        engines = body.get("engines")
+        if engines is not None and (
+            not isinstance(engines, list) or len(engines) > 1024 or not all(isinstance(e, str) for e in engines)
+        ):
+            raise BadRequest(HTTPStatus.BAD_REQUEST, "engines must be a list of engine names")
+        if ("tokens" in body) == ("block_hashes" in body):
+            raise BadRequest(HTTPStatus.BAD_REQUEST, "give exactly one of tokens and block_hashes")
+        size: int | None
+        if "tokens" in body:
+            size = self.engines_tokens_per_hash()
+            keys = self._hasher(size).event_hashes(self._tokens(body["tokens"], size))
+        else:
+            keys = self._keys(body["block_hashes"], body.get("group", 0))
+            try:
+                size = self.engines_tokens_per_hash()
+            except BadRequest:
+                size = None
+        found = self.answers.prefix(keys, engines)
+        for answer in found.values():
+            answer["tokens"] = answer["blocks"] * size if size else None
+        return {"blocks": len(keys), "tokens_per_hash": size, "engines": found}
+
+    def _tokens(self, tokens: Any, size: int) -> list[int]:
+        if not isinstance(tokens, list):
+            raise BadRequest(HTTPStatus.BAD_REQUEST, "tokens must be a list of token ids")
+        if len(tokens) > self.max_blocks * size + size:
+            limit = self.max_blocks * size
+            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"tokens has {len(tokens)} ids; at most {limit}")
+        if not all(type(t) is int and 0 <= t <= _MAX_TOKEN for t in tokens):
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"tokens must be integers in [0, {_MAX_TOKEN}]")
+        return tokens
+
+    def _keys(self, hashes: Any, group: Any) -> list[int]:
+        if type(group) is not int or not 0 <= group <= MAX_GROUP:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"group must be an integer in [0, {MAX_GROUP}], got {group!r:.40}")
+        if not isinstance(hashes, list):
+            raise BadRequest(HTTPStatus.BAD_REQUEST, "block_hashes must be a list")
+        if len(hashes) > self.max_blocks:
+            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                             f"block_hashes has {len(hashes)} entries; at most {self.max_blocks}")  # fmt: skip
+        keys = []
+        for raw in hashes:
+            value = raw
+            if isinstance(raw, str) and 0 < len(raw) <= 16:
+                try:
+                    value = int(raw, 16)
+                except ValueError:
+                    value = None
+            if type(value) is not int or not 0 <= value <= _MAX_HASH:
+                message = f"block_hashes must be integers in [0, 2**64) or hex strings, got {raw!r:.40}"
+                raise BadRequest(HTTPStatus.BAD_REQUEST, message)
+            keys.append(block_key(value, group))
+        return keys
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's bytes, each read bounded by what is left of one deadline for the whole request."""
+
+    def __init__(self, sock: socket.socket, timeout: float) -> None:
+        super().__init__()
+        self.sock = sock
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not arrive within request_timeout")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(buffer)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: FleetServer
+    protocol_version = "HTTP/1.1"
+    server_version = "kvtier-fleet"
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.request_timeout)
+        self._reader = _DeadlineReader(self.connection, self.server.request_timeout)
+        self.rfile = io.BufferedReader(self._reader)
+
+    def handle_one_request(self) -> None:
+        # One deadline per request, from when the previous answer went out: a client that
+        # sends a byte now and then (slowloris) is dropped like a silent one.
+        self._reader.deadline = time.monotonic() + self.server.request_timeout
+        super().handle_one_request()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("%s " + format, self.address_string(), *args)
+
+    def _send(self, status: HTTPStatus, body: dict[str, Any]) -> None:
+        self.connection.settimeout(self.server.request_timeout)  # (reads left it at what remained)
+        data = json.dumps(body, separators=(",", ":")).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _guarded(self, handle: Any) -> None:
+        if not self.server._slots.acquire(blocking=False):
+            self.close_connection = True
+            self._send(HTTPStatus.SERVICE_UNAVAILABLE, {"error": "too many requests at once; retry"})
+            return
+        try:
+            self._send(HTTPStatus.OK, handle())
+        except BadRequest as exc:
+            self.close_connection = True
+            self._send(exc.status, {"error": str(exc)})
+        except Exception:
+            logger.exception("fleet: request %s failed", self.path)
+            self.close_connection = True
+            self._send(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": "internal error (see the server's log)"})
+        finally:
+            self.server._slots.release()
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self._guarded(lambda: {"ok": True})
+        elif self.path == "/v1/engines":
+            self._guarded(self._engines)
+        else:
+            self.close_connection = True
+            self._send(HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path[:100]!r}: use /v1/prefix, "
+                                              "/v1/engines or /health"})  # fmt: skip
+
+    def _engines(self) -> dict[str, Any]:
+        engines = self.server.answers.meta().get("engines", {})
+        out = {}
+        for name, eng in engines.items():
+            view = {k: v for k, v in eng.items() if k not in ("device_bit",)}
+            view["tiers"] = [{k: v for k, v in t.items() if k != "bit"} for t in eng.get("tiers", ())]
+            out[name] = view
+        return {"engines": out}
+
+    def do_POST(self) -> None:
+        if self.path != "/v1/prefix":
+            self.close_connection = True
+            self._send(HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path[:100]!r}: POST /v1/prefix"})
+            return
+        self._guarded(self._prefix)
+
+    def _prefix(self) -> dict[str, Any]:
+        length = self.headers.get("Content-Length")
+        if length is None or not (length.isascii() and length.isdigit()):  # ("²".isdigit() is True)
+            raise BadRequest(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header of decimal digits is required")
+        if len(length) > 18 or int(length) > self.server.max_body:
+            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                             f"body of {length:.40} bytes; at most {self.server.max_body}")  # fmt: skip
+        try:
+            raw = self.rfile.read(int(length))
+        except TimeoutError:
+            raise BadRequest(HTTPStatus.REQUEST_TIMEOUT, "the body did not arrive within request_timeout") from None
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"the body is not JSON: {exc}") from None
+        return self.server.answer_prefix(body)

@@ -1,0 +1,650 @@
+"""The fleet's prefix index: which engine holds which block in which tier, from their KV events.
+
+:class:`FleetIndex` applies the decoded event batches of N engines (one writer: the
+subscriber thread) and answers, for a prompt's block keys, the longest cached prefix
+per engine and tier (any thread). What it keeps:
+
+* Per engine: its **device cache** (vLLM's own ``BlockStored``/``BlockRemoved`` of
+  medium GPU, cleared by ``AllBlocksCleared``) and its **private tiers** (the CPU tier:
+  kvtier's events of medium CPU; a tier of scope ``engine``), both belonging to the
+  engine's current start.
+* Per **shared store** (an fs root, a Redis, an S3 prefix; named by the store id in
+  kvtier's control records): what it holds, changed by any engine's stored and removed
+  events, surviving engine restarts. An engine's tier answers from the store it uses.
+
+Trust rules (kvtier's control records, :mod:`kvtier.engine_events`):
+
+* A control record with a new ``start`` for an engine means it restarted: everything of
+  its old start (device cache, private tiers) is dropped at once, before the batch's
+  other events are applied (they are the new start's).
+* Control records count ``seq`` 0, 1, 2 ... per start: a gap (or a gap the subscriber saw
+  in vLLM's own batch sequence and could not replay) means events were lost: the
+  engine's device cache and private tiers are dropped and marked incomplete until a
+  snapshot (private tiers) or a clear (device cache) makes them whole again. An engine
+  first heard in the middle of a start is incomplete the same way.
+* Block events of kvtier's media (CPU, STORAGE) only count after a control record of
+  the same batch names the start and the tiers; others (another connector's) are
+  skipped and counted.
+* Engines' streams reach the index in any order relative to each other, so changes to a
+  shared store carry the time they happened (kvtier's control records; engines' clocks,
+  capped at the index's own): a change older than the last one applied to the same key is
+  ignored (the latest change wins; exact on one host, as good as clock sync across hosts).
+  A snapshot's stored events report what an engine's index held, which may lag other
+  engines' changes (an fs root's journal delay): they count as ``lag_seconds`` older than
+  the snapshot. A snapshot that lists a store completely (an fs root with sharing) also
+  drops the keys the index believed the store held beyond it, unless changed since
+  ``lag_seconds`` before the snapshot.
+
+Answers are in blocks of the engines' ``tokens_per_hash``; kvtier tiers hold chunks of
+``blocks_per_chunk`` blocks, keyed by the chunk's last block. An answer's ``blocks`` is
+the longest prefix whose every block is in at least one of the engine's tiers (what the
+engine would reuse, device cache first); ``tiers`` has the prefix of each tier alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.engine_events import SCOPE_SHARED, ControlRecord, TierInfo
+from kvtier.fleet.masks import MAX_LOCATIONS, LocationMasks, MemoryMasks
+from kvtier.fleet.records import Kind, WireBatch, WireEvent
+from kvtier.types import PRIMARY_LABEL
+
+logger = logging.getLogger(__name__)
+
+DEVICE = "GPU"
+"""The name of an engine's device cache in answers (vLLM's medium ``GPU``)."""
+
+_KVTIER_MEDIA = frozenset({"CPU", "STORAGE"})
+_MARKS_KEPT = 32
+_KEEP_WRITER_EVERY = 2.0  # seconds between refreshes of a shared index's writer claim
+
+
+class LocationsFull(ValueError):
+    """A control record names more tiers or stores than the index has location bits for."""
+
+
+@dataclass
+class EngineState:
+    """What the index knows of one configured engine (writer side)."""
+
+    name: str
+    device_bit: int
+    start: str | None = None
+    seq: int | None = None
+    tiers: dict[str, TierInfo] = field(default_factory=dict)
+    bits: dict[str, int] = field(default_factory=dict)  # tier label -> location bit
+    spare: list[int] = field(default_factory=list)  # bits of its former private tiers, reused by its next ones
+    dirty: bool = False  # dropping its device cache and private tiers failed (a store error): retried
+    info: dict[str, Any] = field(default_factory=dict)
+    device_complete: bool = False
+    private_complete: bool = False
+    needs_snapshot: bool = False
+    batches: int = 0
+    events: int = 0
+    skipped: int = 0
+    unattributed: int = 0
+    gaps: int = 0
+    restarts: int = 0
+    last_event: float | None = None
+    marks: deque[str] = field(default_factory=lambda: deque(maxlen=_MARKS_KEPT))
+
+    @property
+    def status(self) -> str:
+        if self.start is None:
+            return "waiting"
+        return "synced" if self.device_complete and self.private_complete else "partial"
+
+
+class FleetIndex:
+    """The writer's index (see the module docstring). ``masks`` holds the key bitmaps
+    (default: in memory; :class:`~kvtier.fleet.masks.RedisMasks` to share them with
+    readers). Every method is thread-safe."""
+
+    def __init__(
+        self,
+        engines: Iterable[str] = (),
+        masks: LocationMasks | None = None,
+        *,
+        lag_seconds: float = 5.0,
+        max_times: int = 1 << 20,
+        max_locations: int = MAX_LOCATIONS,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.masks: LocationMasks = masks if masks is not None else MemoryMasks()
+        self.lag_seconds = lag_seconds
+        self.max_times = max_times
+        self.max_locations = min(max_locations, MAX_LOCATIONS)
+        self._clock = clock
+        self._wall = wall_clock
+        self._lock = threading.RLock()
+        self._engines: dict[str, EngineState] = {}
+        self._stores: dict[str, int] = {}
+        # store bit -> key -> when its last applied change happened (engines' clocks), for recent keys
+        self._times: dict[int, OrderedDict[int, float]] = {}
+        self._newest: dict[int, float] = {}
+        # (engine, tier label) -> (when a complete snapshot of a shared store was taken, the keys it listed)
+        self._sweeps: dict[tuple[str, str], tuple[float, set[int]]] = {}
+        self._sweeps_due: list[tuple[str, str]] = []
+        self._next_bit = 0
+        self._kept_writer = clock()
+        self.masks.open_writer()
+        for name in engines:
+            self.add_engine(name)
+
+    # --- engines -------------------------------------------------------------------------
+
+    def add_engine(self, name: str) -> None:
+        with self._lock:
+            if name in self._engines:
+                raise ValueError(f"engine {name!r} is configured twice")
+            self._engines[name] = EngineState(name, self._alloc())
+            self._publish()
+
+    @property
+    def engine_names(self) -> list[str]:
+        return list(self._engines)
+
+    def engine(self, name: str) -> EngineState:
+        return self._engines[name]
+
+    def tick(self) -> None:
+        """Called every fraction of a second by the writer's thread (the subscriber): keeps a
+        shared index's writer claim (raises :class:`~kvtier.fleet.masks.WriterConflict` if lost)."""
+        now = self._clock()
+        if now - self._kept_writer >= _KEEP_WRITER_EVERY:
+            self._kept_writer = now
+            self.masks.keep_writer()
+
+    def close(self) -> None:
+        """Release a shared index's writer claim (the writer is done)."""
+        self.masks.close_writer()
+
+    def _alloc(self) -> int:
+        # Bits are never handed to another location: an engine's private tiers reuse its own
+        # former ones (EngineState.spare), so what a reader's older engine table says a bit is
+        # stays true, and an engine restarting in a loop does not use up bits.
+        if self._next_bit >= self.max_locations:
+            raise LocationsFull(f"all {self.max_locations} location bits are in use")
+        self._next_bit += 1
+        return self._next_bit - 1
+
+    def _check_room(self, eng: EngineState, tiers: Sequence[TierInfo], switching: bool) -> None:
+        """Raise :class:`LocationsFull` before anything changes if ``tiers`` need more new bits than are left."""
+        private = [t for t in tiers if t.scope != SCOPE_SHARED or t.store is None]
+        spare = len(eng.spare) + sum(
+            1 for label, info in eng.tiers.items() if info.scope != SCOPE_SHARED and (switching or label not in
+                                                                                       {t.label for t in tiers})
+        )  # fmt: skip
+        kept = 0 if switching else sum(1 for t in private if t.label in eng.bits)
+        stores = {t.store for t in tiers if t.scope == SCOPE_SHARED and t.store is not None} - set(self._stores)
+        needed = max(0, len(private) - kept - spare) + len(stores)
+        if self._next_bit + needed > self.max_locations:
+            raise LocationsFull(f"engine {eng.name} names {len(private)} private tier(s) and {len(stores)} new "
+                                f"store(s); {self.max_locations - self._next_bit} location bit(s) left")  # fmt: skip
+
+    def _private_bit(self, eng: EngineState) -> int:
+        return eng.spare.pop() if eng.spare else self._alloc()
+
+    def _store_bit(self, store: str) -> int:
+        bit = self._stores.get(store)
+        if bit is None:
+            bit = self._stores[store] = self._alloc()
+            self._times[bit] = OrderedDict()
+            self._newest[bit] = -float("inf")
+        return bit
+
+    def _drop_private(self, eng: EngineState) -> None:
+        """Forget the engine's device cache and private tiers (their contents are unknown now),
+        and any snapshot of a shared store it was sending (it may have lost parts). The engine
+        is incomplete from the first line on; if the store fails midway, the next batch retries."""
+        eng.device_complete = eng.private_complete = False
+        eng.dirty = True
+        for sweep in [k for k in self._sweeps if k[0] == eng.name]:
+            del self._sweeps[sweep]
+        self.masks.clear(eng.device_bit)
+        for label, info in eng.tiers.items():
+            if info.scope != SCOPE_SHARED:
+                self.masks.clear(eng.bits[label])
+        eng.dirty = False
+
+    def _switch_start(self, eng: EngineState, record: ControlRecord) -> None:
+        self._check_room(eng, record.tiers, switching=True)
+        if eng.start is not None:
+            eng.restarts += 1
+            logger.info("fleet: engine %s restarted (start %s -> %s)", eng.name, eng.start, record.start)
+        self._drop_private(eng)
+        for label, info in eng.tiers.items():
+            if info.scope != SCOPE_SHARED:
+                eng.spare.append(eng.bits[label])
+        eng.tiers, eng.bits = {}, {}
+        eng.start = record.start
+        eng.seq = record.seq - 1
+        # Heard from its first record on: nothing of this start was missed.
+        whole = record.op == "hello" and record.seq == 0
+        eng.device_complete = eng.private_complete = whole
+        eng.needs_snapshot = not whole
+        self._set_tiers(eng, record.tiers)
+
+    def _set_tiers(self, eng: EngineState, tiers: Sequence[TierInfo]) -> None:
+        new = {t.label: t for t in tiers}
+        if new == eng.tiers:
+            return
+        self._check_room(eng, tiers, switching=False)
+        for label, info in eng.tiers.items():  # a start's tiers never change; be safe if they do
+            if new.get(label) != info and info.scope != SCOPE_SHARED:
+                self.masks.clear(eng.bits[label])
+                eng.spare.append(eng.bits.pop(label))
+            elif new.get(label) != info:
+                eng.bits.pop(label)
+        for label, info in new.items():
+            if label not in eng.bits:
+                shared = info.scope == SCOPE_SHARED and info.store is not None
+                eng.bits[label] = self._store_bit(info.store) if shared and info.store else self._private_bit(eng)
+        eng.tiers = new
+
+    def lost_events(self, name: str, why: str) -> None:
+        """The subscriber lost batches of ``name`` it could not replay (or the publisher
+        restarted): drop what they could have changed and wait for a snapshot."""
+        with self._lock:
+            eng = self._engines[name]
+            eng.gaps += 1
+            logger.warning("fleet: engine %s lost events (%s); its device cache and private tiers are dropped",
+                           name, why)  # fmt: skip
+            eng.needs_snapshot = eng.start is not None
+            self._drop_private(eng)
+            self._publish()
+
+    def publisher_restarted(self, name: str) -> None:
+        """vLLM's batch sequence started over: a new process. Its first control record
+        will name the new start; until then nothing of the old one is trusted."""
+        with self._lock:
+            eng = self._engines[name]
+            self._drop_private(eng)
+            self._publish()
+
+    def take_snapshot_wanted(self, name: str) -> bool:
+        """True once per need: the engine's private tiers are incomplete and a snapshot should be asked for."""
+        with self._lock:
+            eng = self._engines[name]
+            wanted = eng.needs_snapshot and eng.start is not None
+            eng.needs_snapshot = False
+            return wanted
+
+    # --- events -------------------------------------------------------------------------
+
+    def apply(self, name: str, batch: WireBatch) -> None:
+        """Apply one decoded batch of engine ``name``, in order (the subscriber thread)."""
+        with self._lock:
+            eng = self._engines[name]
+            eng.batches += 1
+            eng.events += len(batch.events)
+            eng.skipped += batch.skipped
+            eng.last_event = time.time()
+            if eng.dirty:
+                self._drop_private(eng)
+            try:
+                self._apply_events(eng, batch.events)
+            except LocationsFull as exc:
+                eng.skipped += 1
+                logger.warning("fleet: engine %s: %s; the rest of its batch is skipped and the engine is partial",
+                               name, exc)  # fmt: skip
+                self._drop_private(eng)
+            self._finish_sweeps()
+            self._publish()
+
+    def _apply_events(self, eng: EngineState, events: Sequence[WireEvent]) -> None:
+        first = next((e.control for e in events if e.control is not None), None)
+        if first is not None and first.start != eng.start:
+            self._switch_start(eng, first)
+        context: ControlRecord | None = None
+        for event in events:
+            if event.control is not None:
+                self._finish_sweeps()
+                self._control(eng, event.control)
+                context = event.control
+            elif event.kind is Kind.CLEARED:
+                self.masks.clear(eng.device_bit)
+                eng.device_complete = eng.start is not None
+            elif event.medium is None or event.medium not in _KVTIER_MEDIA:
+                self._block_event(eng.device_bit, event)
+            elif context is None:
+                eng.unattributed += 1
+            else:
+                self._tier_event(eng, event, context)
+
+    def _control(self, eng: EngineState, record: ControlRecord) -> None:
+        if record.start != eng.start:
+            self._switch_start(eng, record)
+        elif eng.seq is not None and record.seq != eng.seq + 1:
+            eng.gaps += 1
+            logger.warning("fleet: engine %s control records jumped from seq %d to %d; its device cache and "
+                           "private tiers are dropped", eng.name, eng.seq, record.seq)  # fmt: skip
+            self._drop_private(eng)
+            eng.needs_snapshot = True
+        eng.seq = record.seq
+        if record.tiers:  # "events" records leave them out
+            eng.info = dict(record.info)
+            self._set_tiers(eng, record.tiers)
+        tier = eng.tiers.get(record.tier) if record.tier is not None else None
+        if record.op == "clear" and tier is not None and tier.scope != SCOPE_SHARED:
+            self.masks.clear(eng.bits[tier.label])
+        elif record.op == "snapshot" and tier is not None and tier.scope != SCOPE_SHARED:
+            if record.part == 0:
+                self.masks.clear(eng.bits[tier.label])
+            if record.last and tier.label == PRIMARY_LABEL and record.reason != "start":
+                eng.private_complete = True
+        elif record.op == "snapshot" and tier is not None:
+            sweep = (eng.name, tier.label)
+            if record.part == 0:
+                self._sweeps.pop(sweep, None)
+                if record.complete:
+                    self._sweeps[sweep] = (self._event_time(record), set())
+            if record.last and sweep in self._sweeps:
+                self._sweeps_due.append(sweep)  # after the stored events that follow this record
+        elif record.op == "mark" and record.marker is not None:
+            eng.marks.append(record.marker)
+
+    def _tier_event(self, eng: EngineState, event: WireEvent, context: ControlRecord) -> None:
+        label = event.ownership if event.ownership is not None else (PRIMARY_LABEL if event.medium == "CPU" else None)
+        tier = eng.tiers.get(label) if label is not None else None
+        if tier is None:
+            eng.unattributed += 1
+            return
+        bit = eng.bits[tier.label]
+        if tier.scope != SCOPE_SHARED:
+            self._block_event(bit, event)
+            return
+        snapshot = context.op == "snapshot" and context.tier == tier.label
+        if snapshot and event.kind is Kind.STORED and (eng.name, tier.label) in self._sweeps:
+            self._sweeps[(eng.name, tier.label)][1].update(event.keys)
+        # What a snapshot lists may lag the store by an engine's view of other engines' changes.
+        when = self._event_time(context) - (self.lag_seconds if snapshot else 0.0)
+        self._store_event(bit, event.keys, event.kind is Kind.REMOVED, when)
+
+    def _block_event(self, bit: int, event: WireEvent) -> None:
+        if event.kind is Kind.REMOVED:
+            self.masks.remove(bit, event.keys)
+        else:
+            self.masks.add(bit, event.keys)
+
+    def _event_time(self, record: ControlRecord) -> float:
+        """When what follows ``record`` happened: its time, but never later than now here (an
+        engine whose clock runs ahead must not outrank every other engine)."""
+        return min(record.time, self._wall())
+
+    def _store_event(self, bit: int, keys: Sequence[int], removed: bool, when: float) -> None:
+        """Apply a change to a shared store's keys unless a later change of the same key was
+        applied already (engines' streams interleave in any order; the latest change wins)."""
+        times = self._times[bit]
+        apply = []
+        for key in keys:
+            last = times.get(key)
+            if last is not None and last > when:
+                continue
+            apply.append(key)
+            if last is not None:
+                del times[key]
+            times[key] = when
+        if apply:
+            if removed:
+                self.masks.remove(bit, apply)
+            else:
+                self.masks.add(bit, apply)
+        # Only recent changes can race; keep those (and at most max_times).
+        newest = self._newest[bit] = max(self._newest[bit], when)
+        horizon = newest - 4 * self.lag_seconds
+        while times and (len(times) > self.max_times or next(iter(times.values())) < horizon):
+            times.popitem(last=False)
+
+    def _finish_sweeps(self) -> None:
+        """Complete snapshots of shared stores: drop what the store was believed to hold beyond
+        what the snapshot listed, unless changed since shortly before the snapshot was taken."""
+        while self._sweeps_due:
+            name, label = self._sweeps_due.pop()
+            taken_keys = self._sweeps.pop((name, label), None)
+            eng = self._engines[name]
+            if taken_keys is None or label not in eng.bits:
+                continue
+            taken, listed = taken_keys
+            bit = eng.bits[label]
+            stale = list(self.masks.members(bit) - listed)
+            if stale:
+                before = len(self.masks.members(bit))
+                self._store_event(bit, stale, True, taken - self.lag_seconds)
+                dropped = before - len(self.masks.members(bit))
+                if dropped:
+                    logger.info("fleet: engine %s's snapshot of %s dropped %d stale key(s)", name, label, dropped)
+
+    # --- answers ----------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        self.masks.put_meta(self.meta())
+
+    def meta(self) -> dict[str, Any]:
+        """The engine and location table (JSON-able): what a reader needs to read masks."""
+        with self._lock:
+            return {
+                "version": 1,
+                "engines": {
+                    eng.name: {
+                        "start": eng.start, "seq": eng.seq, "status": eng.status,
+                        "device_complete": eng.device_complete, "private_complete": eng.private_complete,
+                        "device_bit": eng.device_bit, "info": eng.info,
+                        "tiers": [dict(t.as_dict(), bit=eng.bits[t.label]) for t in eng.tiers.values()],
+                        "batches": eng.batches, "events": eng.events, "skipped": eng.skipped,
+                        "unattributed": eng.unattributed, "gaps": eng.gaps, "restarts": eng.restarts,
+                        "last_event": eng.last_event, "marks": list(eng.marks),
+                    }
+                    for eng in self._engines.values()
+                },
+                "stores": dict(self._stores),
+            }  # fmt: skip
+
+    def prefix(self, keys: Sequence[int], engines: Sequence[str] | None = None) -> dict[str, Any]:
+        """The longest cached prefix of ``keys`` per engine and tier (see :func:`longest_prefix`);
+        reads the keys' bitmaps only as far as some engine's prefix still reaches."""
+        with self._lock:
+            return prefix_answer(self.meta(), self.masks, keys, engines, first_window=64)
+
+    def held(self, name: str, label: str) -> set[int]:
+        """The keys the index says engine ``name`` holds in tier ``label`` (or ``"GPU"``)."""
+        with self._lock:
+            eng = self._engines[name]
+            bit = eng.device_bit if label == DEVICE else eng.bits.get(label)
+            return set() if bit is None else self.masks.members(bit)
+
+
+class FleetReader:
+    """Answers from an index another process writes (:class:`~kvtier.fleet.masks.RedisMasks`):
+    for routers sharing one index. The engine table is re-read at most every ``meta_ttl``
+    seconds; an answer reads the prompt's key bitmaps ``first_window`` at a time (one round
+    trip each, doubling), until no engine's prefix reaches further."""
+
+    def __init__(
+        self,
+        masks: LocationMasks,
+        meta_ttl: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+        first_window: int = 512,
+    ) -> None:
+        self.masks = masks
+        self.meta_ttl = meta_ttl
+        self.first_window = first_window
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._meta: dict[str, Any] = {}
+        self._read_at = -float("inf")
+
+    def meta(self) -> dict[str, Any]:
+        with self._lock:
+            now = self._clock()
+            if now - self._read_at >= self.meta_ttl:
+                self._meta = checked_meta(self.masks.get_meta())
+                self._read_at = now
+            return self._meta
+
+    def prefix(self, keys: Sequence[int], engines: Sequence[str] | None = None) -> dict[str, Any]:
+        return prefix_answer(self.meta(), self.masks, keys, engines, first_window=self.first_window)
+
+
+def prefix_answer(
+    meta: dict[str, Any],
+    masks: LocationMasks,
+    keys: Sequence[int],
+    engines: Sequence[str] | None = None,
+    first_window: int = 64,
+) -> dict[str, Any]:
+    """:func:`longest_prefix` of ``keys``, reading their bitmaps only as far as some engine's
+    prefix reaches (in windows of ``first_window`` keys, doubling): the cost follows the longest
+    cached prefix, not the prompt."""
+    return _walk(meta, lambda start, count, bits: masks.masks(keys[start : start + count], bits), len(keys),
+                 engines, first_window)  # fmt: skip
+
+
+def longest_prefix(meta: dict[str, Any], masks: Sequence[int], engines: Sequence[str] | None = None) -> dict[str, Any]:
+    """For the blocks whose location bitmasks are ``masks`` (a prompt's keys in order), per
+    engine of ``meta`` (or of ``engines``): the leading blocks held by its device cache, by
+    each of its tiers (whole chunks of ``blocks_per_chunk``, keyed by their last block), and by
+    any of them (``blocks``: each block in the device cache, or its chunk in a tier). One pass
+    that stops where the last of these prefixes ends."""
+    return _walk(meta, lambda start, count, bits: masks[start : start + count], len(masks), engines, len(masks))
+
+
+def checked_meta(meta: Any) -> dict[str, Any]:
+    """An engine table read from a shared store, with every engine whose entry is not what an
+    index writes left out (a reader must not trust a store others may write): bits are
+    integers below :data:`~kvtier.fleet.masks.MAX_LOCATIONS`, labels strings, info an object."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("engines"), dict):
+        return {}
+    engines = {}
+    for name, engine in meta["engines"].items():
+        if _engine_entry_ok(engine):
+            engines[name] = engine
+        else:
+            logger.warning("fleet: engine %.80r's entry in the shared engine table is malformed; left out", name)
+    return dict(meta, engines=engines)
+
+
+def _is_bit(value: Any) -> bool:
+    return type(value) is int and 0 <= value < MAX_LOCATIONS
+
+
+def _engine_entry_ok(engine: Any) -> bool:
+    if not isinstance(engine, dict) or not _is_bit(engine.get("device_bit")):
+        return False
+    if not isinstance(engine.get("info", {}), dict) or not isinstance(engine.get("tiers", []), list):
+        return False
+    return all(isinstance(t, dict) and _is_bit(t.get("bit")) and isinstance(t.get("label"), str)
+               for t in engine.get("tiers", []))  # fmt: skip
+
+
+def _chunk(engine: dict[str, Any]) -> int:
+    value = engine.get("info", {}).get("blocks_per_chunk", 1)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
+
+
+class _Walk:
+    """One engine's prefixes as the blocks go by (see :func:`_walk`)."""
+
+    __slots__ = ("any_alive", "any_blocks", "any_flag", "chunk", "device", "device_alive", "device_blocks",
+                 "labels", "lead", "tier_alive", "tier_blocks", "tier_flags", "tiers_alive")  # fmt: skip
+
+    def __init__(self, engine: dict[str, Any]) -> None:
+        self.chunk = _chunk(engine)
+        self.device = 1 << engine["device_bit"]
+        tiers = list(engine.get("tiers", ()))
+        self.labels = [t["label"] for t in tiers]
+        self.tier_flags = [1 << t["bit"] for t in tiers]
+        self.any_flag = 0
+        for flag in self.tier_flags:
+            self.any_flag |= flag
+        self.tier_blocks = [0] * len(tiers)
+        self.tier_alive = [True] * len(tiers)
+        self.tiers_alive = len(tiers)
+        self.device_blocks = 0
+        self.device_alive = True
+        self.any_blocks = 0
+        self.any_alive = True
+        self.lead = 0  # leading blocks of the current chunk in the device cache
+
+    def see(self, i: int, mask: int) -> bool:
+        """Block ``i`` has ``mask``; False once every prefix of this engine has ended."""
+        in_device = mask & self.device
+        if self.device_alive:
+            if in_device:
+                self.device_blocks = i + 1
+            else:
+                self.device_alive = False
+        chunk = self.chunk
+        offset = i % chunk
+        if self.any_alive and in_device and self.lead == offset:
+            self.lead = offset + 1
+        if offset == chunk - 1:
+            if self.tiers_alive:
+                for t, flag in enumerate(self.tier_flags):
+                    if self.tier_alive[t]:
+                        if mask & flag:
+                            self.tier_blocks[t] = i + 1
+                        else:
+                            self.tier_alive[t] = False
+                            self.tiers_alive -= 1
+            if self.any_alive:
+                if mask & self.any_flag or self.lead == chunk:
+                    self.any_blocks = i + 1
+                else:
+                    self.any_blocks = i + 1 - chunk + self.lead
+                    self.any_alive = False
+                self.lead = 0
+        return self.device_alive or self.any_alive or self.tiers_alive > 0
+
+    def end(self, n: int) -> None:
+        """The prompt ended at ``n`` blocks: a last, partial chunk counts by its device blocks."""
+        if self.any_alive and n % self.chunk:
+            self.any_blocks = n - n % self.chunk + self.lead
+
+
+def _walk(
+    meta: dict[str, Any],
+    fetch: Callable[[int, int, int], Sequence[int]],
+    n: int,
+    engines: Sequence[str] | None,
+    window: int,
+) -> dict[str, Any]:
+    known = meta.get("engines", {})
+    names = list(known) if engines is None else [e for e in engines if e in known]
+    walks = {name: _Walk(known[name]) for name in names}
+    live = list(walks.values())
+    bits = max((w.any_flag | w.device).bit_length() for w in live) if live else 1
+    read: list[int] = []
+    window = max(1, window)
+    i = 0
+    while live and i < n:
+        if i == len(read):
+            read.extend(fetch(i, window, bits))
+            window *= 2
+        mask = read[i]
+        ended = False
+        for w in live:
+            if not w.see(i, mask):
+                ended = True
+        if ended:
+            live = [w for w in live if w.device_alive or w.any_alive or w.tiers_alive]
+        i += 1
+    for w in live:
+        w.end(n)
+    out: dict[str, Any] = {}
+    for name, w in walks.items():
+        tiers = {DEVICE: w.device_blocks}
+        tiers.update(zip(w.labels, w.tier_blocks, strict=True))
+        engine = known[name]
+        out[name] = {"blocks": w.any_blocks, "tiers": tiers, "status": engine.get("status"),
+                     "start": engine.get("start")}  # fmt: skip
+    return out

@@ -1,0 +1,368 @@
+"""Where the fleet index keeps, for every block key, the set of locations that hold it.
+
+A location is a small integer (a bit): an engine's device cache, one of its private
+tiers, or a shared store. A key's value is the bitmask of its locations, so the
+longest cached prefix of a prompt is one read per block. Two stores with one
+interface:
+
+* :class:`MemoryMasks`: in this process (one ``kvtier fleet serve`` answering routers);
+* :class:`RedisMasks`: in Redis, for several routers sharing one index: one writer (the
+  process that subscribes to the engines) and any number of readers. Layout under a
+  prefix ``P``: ``P:k:<key hex>`` a bitmap of the key's locations (``SETBIT``/``GETRANGE``);
+  ``P:l:<bit>`` the set of keys of a location (so a location is cleared without a scan);
+  ``P:meta`` the index's engine and location table (JSON, written by the writer);
+  ``P:writer`` the writer's claim (a random token with a time to live, refreshed while it
+  writes): a second writer on the same prefix is refused, and a writer that takes the
+  prefix over first deletes the index a previous writer left there (its location bits need
+  not match the new writer's). Every command has the client's socket timeout.
+
+  The prefix should be private to the index (Redis ACLs: ``~P:*`` read-write for the
+  writer, read-only for routers). Still, nothing read back is trusted: a reader reads at
+  most the bytes of the locations its engine table names, a set member that is not a key
+  is skipped, a table that is not JSON or is too large reads as empty, and a writer deletes
+  only keys of an index's shapes, and only where an index's table is.
+
+Callers: the writer from its subscriber thread, readers from request threads; both
+implementations are safe for that (the memory one under its own lock).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Protocol
+
+from kvtier.errors import KvtierError
+
+logger = logging.getLogger(__name__)
+
+MAX_LOCATIONS = 1 << 16
+"""The most location bits an index allocates (a key's bitmap is at most 8 KiB)."""
+
+MAX_META_BYTES = 16 << 20
+"""A larger engine table read from Redis is refused (reads as empty)."""
+
+_MAX_KEY_HEX = 24  # a key is at most 96 bits (a 32-bit group above a 64-bit hash)
+
+
+class WriterConflict(KvtierError):
+    """Another writer holds the Redis prefix (or took it over from this one)."""
+
+
+class LocationMasks(Protocol):
+    """The key -> location bitmask store (see the module docstring)."""
+
+    def add(self, bit: int, keys: Iterable[int]) -> None: ...
+
+    def remove(self, bit: int, keys: Iterable[int]) -> None: ...
+
+    def clear(self, bit: int) -> None:
+        """Remove ``bit`` from every key that has it."""
+
+    def masks(self, keys: Sequence[int], bits: int = MAX_LOCATIONS) -> list[int]:
+        """The bitmask of each key (0: nowhere); only locations below ``bits`` need be read."""
+
+    def count(self, bit: int) -> int:
+        """How many keys have ``bit``."""
+
+    def members(self, bit: int) -> set[int]:
+        """The keys that have ``bit`` (tests, snapshots of small locations)."""
+
+    def put_meta(self, meta: dict[str, Any]) -> None: ...
+
+    def get_meta(self) -> dict[str, Any]: ...
+
+    def open_writer(self) -> None:
+        """Called once by the writer before its first write (claims a shared store)."""
+
+    def keep_writer(self) -> None:
+        """Called by the writer every few seconds while it runs (keeps its claim)."""
+
+    def close_writer(self) -> None:
+        """Called by the writer when it stops (releases its claim)."""
+
+
+class MemoryMasks:
+    """:class:`LocationMasks` in this process's memory."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._masks: dict[int, int] = {}
+        self._members: dict[int, set[int]] = {}
+        self._meta: dict[str, Any] = {}
+
+    def add(self, bit: int, keys: Iterable[int]) -> None:
+        flag = 1 << bit
+        with self._lock:
+            masks = self._masks
+            members = self._members.setdefault(bit, set())
+            for key in keys:
+                masks[key] = masks.get(key, 0) | flag
+                members.add(key)
+
+    def remove(self, bit: int, keys: Iterable[int]) -> None:
+        with self._lock:
+            members = self._members.get(bit)
+            if members:
+                self._drop(bit, [k for k in keys if k in members], members)
+
+    def clear(self, bit: int) -> None:
+        with self._lock:
+            members = self._members.pop(bit, None)
+            if members:
+                self._drop(bit, list(members), set())
+
+    def _drop(self, bit: int, keys: list[int], members: set[int]) -> None:
+        keep = ~(1 << bit)
+        masks = self._masks
+        for key in keys:
+            members.discard(key)
+            mask = masks.get(key, 0) & keep
+            if mask:
+                masks[key] = mask
+            else:
+                masks.pop(key, None)
+
+    def masks(self, keys: Sequence[int], bits: int = MAX_LOCATIONS) -> list[int]:
+        get = self._masks.get
+        with self._lock:
+            return [get(key, 0) for key in keys]
+
+    def count(self, bit: int) -> int:
+        with self._lock:
+            return len(self._members.get(bit, ()))
+
+    def members(self, bit: int) -> set[int]:
+        with self._lock:
+            return set(self._members.get(bit, ()))
+
+    def put_meta(self, meta: dict[str, Any]) -> None:
+        with self._lock:
+            self._meta = meta
+
+    def get_meta(self) -> dict[str, Any]:
+        with self._lock:
+            return self._meta
+
+    def open_writer(self) -> None:
+        pass
+
+    def keep_writer(self) -> None:
+        pass
+
+    def close_writer(self) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return len(self._masks)
+
+
+class RedisMasks:
+    """:class:`LocationMasks` in Redis (see the module docstring); ``client`` is a redis-py
+    client (its socket timeout bounds every call). Writes go out as one pipeline per call.
+    ``writer_ttl``: seconds the writer's claim lives unrefreshed (a writer killed -9 holds
+    the prefix that long); ``claim_wait``: how long :meth:`open_writer` waits for another
+    writer's claim to end before refusing."""
+
+    _CLEAR_BATCH = 1000
+    # The claim is refreshed or released only while it is still this writer's (atomic).
+    _KEEP = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('expire', KEYS[1], ARGV[2]) end return 0"
+    _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+
+    def __init__(
+        self, client: Any, prefix: str = "kvtier-fleet", *, writer_ttl: int = 15, claim_wait: float = 0.0
+    ) -> None:
+        if not prefix or len(prefix) > 200 or any(c.isspace() or c in "*?[]\\" for c in prefix):
+            raise ValueError(f"Redis prefix must be 1-200 characters without whitespace or *?[]\\, got {prefix!r:.80}")
+        if isinstance(writer_ttl, bool) or not isinstance(writer_ttl, int) or writer_ttl < 1:
+            raise ValueError(f"writer_ttl must be an integer >= 1 (seconds), got {writer_ttl!r}")
+        self.client = client
+        self.prefix = prefix
+        self.writer_ttl = writer_ttl
+        self.claim_wait = claim_wait
+        self._token: str | None = None
+        self._lost = False  # the claim was lost: every write is refused (another writer owns the prefix)
+        self._writer_key = f"{prefix}:writer"
+
+    # --- the writer's claim ---------------------------------------------------------------
+
+    def open_writer(self) -> None:
+        """Claim the prefix for this writer (waiting up to ``claim_wait`` seconds for another
+        writer's claim to end), then delete the index a previous writer left under it; raises
+        :class:`WriterConflict` if another writer holds it."""
+        token = os.urandom(12).hex()
+        deadline = time.monotonic() + self.claim_wait
+        while not self.client.set(self._writer_key, token, nx=True, ex=self.writer_ttl):
+            if time.monotonic() >= deadline:
+                left = self.client.ttl(self._writer_key)
+                raise WriterConflict(
+                    f"another kvtier fleet writer holds the Redis prefix {self.prefix!r} (its claim ends within "
+                    f"{left} s if it is gone): stop it, wait, or give this index another --redis-prefix"
+                )
+            time.sleep(0.5)
+        self._token = token
+        if not _is_fleet_table(self.get_meta()):
+            return  # no index here: whatever else is under the prefix is not ours to delete
+        stale = 0
+        for batch in self._index_keys():
+            stale += len(batch)
+            self.client.delete(*batch)
+        if stale:
+            logger.info("fleet: deleted %d key(s) a previous writer left under Redis prefix %r", stale, self.prefix)
+
+    def _index_keys(self) -> Iterator[list[bytes]]:
+        """The names of an index's keys under the prefix (key bitmaps, location sets, the table), in batches."""
+        ours = re.compile(re.escape(self.prefix).encode() + rb":(k:[0-9a-f]{1,24}|l:[0-9]{1,6}|meta)")
+        batch: list[bytes] = []
+        for name in self.client.scan_iter(match=f"{self.prefix}:*", count=self._CLEAR_BATCH):
+            raw = name if isinstance(name, bytes) else str(name).encode()
+            if ours.fullmatch(raw):
+                batch.append(raw)
+            if len(batch) >= self._CLEAR_BATCH:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    def keep_writer(self) -> None:
+        """Refresh the claim; raises :class:`WriterConflict` if it is no longer this writer's."""
+        if self._token is None:
+            return
+        if not self.client.eval(self._KEEP, 1, self._writer_key, self._token, self.writer_ttl):
+            self._token = None
+            self._lost = True
+            raise WriterConflict(f"the fleet writer lost its claim on the Redis prefix {self.prefix!r} (another "
+                                 "writer took it over, or it was not refreshed in time)")  # fmt: skip
+
+    def close_writer(self) -> None:
+        if self._token is not None:
+            self.client.eval(self._RELEASE, 1, self._writer_key, self._token)
+            self._token = None
+
+    # --- keys ---------------------------------------------------------------------------
+
+    def _key(self, key: int) -> str:
+        return f"{self.prefix}:k:{key:x}"
+
+    def _set(self, bit: int) -> str:
+        return f"{self.prefix}:l:{bit}"
+
+    def add(self, bit: int, keys: Iterable[int]) -> None:
+        self._set_bit(bit, list(keys), 1)
+
+    def remove(self, bit: int, keys: Iterable[int]) -> None:
+        keys = list(keys)
+        self._set_bit(bit, keys, 0)
+        if keys:
+            self._drop_empty(keys)
+
+    def _check_writer(self) -> None:
+        if self._lost:
+            raise WriterConflict(f"the fleet writer lost its claim on the Redis prefix {self.prefix!r}: it no "
+                                 "longer writes there (restart it once the other writer is gone)")  # fmt: skip
+
+    def _set_bit(self, bit: int, keys: list[int], value: int) -> None:
+        """Set (1) or clear (0) ``bit`` of every key's bitmap and update the location's key set: one pipeline."""
+        self._check_writer()
+        if not keys:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.setbit(self._key(key), bit, value)
+        members = [f"{k:x}" for k in keys]
+        if value:
+            pipe.sadd(self._set(bit), *members)
+        else:
+            pipe.srem(self._set(bit), *members)
+        pipe.execute()
+
+    def _drop_empty(self, keys: list[int]) -> None:
+        """Delete key bitmaps that hold no bit any more (BITCOUNT 0), so Redis does not keep them."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.bitcount(self._key(key))
+        empty = [self._key(k) for k, n in zip(keys, pipe.execute(), strict=True) if not n]
+        if empty:
+            self.client.delete(*empty)
+
+    def clear(self, bit: int) -> None:
+        self._check_writer()
+        name = self._set(bit)
+        while True:
+            batch = self.client.spop(name, self._CLEAR_BATCH)
+            if not batch:
+                break
+            keys = _parse_keys(batch)
+            self._set_bit(bit, keys, 0)  # (the keys already left the set)
+            if keys:
+                self._drop_empty(keys)
+
+    def masks(self, keys: Sequence[int], bits: int = MAX_LOCATIONS) -> list[int]:
+        if not keys:
+            return []
+        last_byte = (max(1, min(bits, MAX_LOCATIONS)) - 1) // 8
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.getrange(self._key(key), 0, last_byte)  # only the bytes of locations that matter
+        return [_bitmap_mask(value) for value in pipe.execute()]
+
+    def count(self, bit: int) -> int:
+        return int(self.client.scard(self._set(bit)))
+
+    def members(self, bit: int) -> set[int]:
+        return set(_parse_keys(self.client.smembers(self._set(bit))))
+
+    def put_meta(self, meta: dict[str, Any]) -> None:
+        self._check_writer()
+        self.client.set(f"{self.prefix}:meta", json.dumps(meta, separators=(",", ":")))
+
+    def get_meta(self) -> dict[str, Any]:
+        """The engine table, or {} where there is none or it is not a JSON object of at most
+        :data:`MAX_META_BYTES` (a reader checks each entry: :func:`kvtier.fleet.index.checked_meta`)."""
+        raw = self.client.getrange(f"{self.prefix}:meta", 0, MAX_META_BYTES)
+        if not raw:
+            return {}
+        if len(raw) > MAX_META_BYTES:
+            logger.warning("fleet: the engine table under Redis prefix %r is over %d bytes; ignored", self.prefix,
+                           MAX_META_BYTES)  # fmt: skip
+            return {}
+        try:
+            meta = json.loads(raw)
+        except (ValueError, RecursionError):
+            logger.warning("fleet: the engine table under Redis prefix %r is not JSON; ignored", self.prefix)
+            return {}
+        return meta if isinstance(meta, dict) else {}
+
+
+_KEY_HEX = re.compile(rb"[0-9a-f]{1,%d}" % _MAX_KEY_HEX)
+
+
+def _is_fleet_table(meta: dict[str, Any]) -> bool:
+    return meta.get("version") == 1 and isinstance(meta.get("engines"), dict)
+
+
+def _parse_keys(members: Iterable[bytes | str]) -> list[int]:
+    """The keys of a location's set; a member that is not a key's hex (not written by the
+    index) is skipped."""
+    keys = []
+    for member in members:
+        raw = member if isinstance(member, bytes) else member.encode()
+        if _KEY_HEX.fullmatch(raw):
+            keys.append(int(raw, 16))
+    return keys
+
+
+# Each byte with its bits in reverse order: a Redis bitmap's offset 0 is its first byte's high bit.
+_REVERSED = bytes(int(f"{b:08b}"[::-1], 2) for b in range(256))
+
+
+def _bitmap_mask(value: bytes | None) -> int:
+    """A Redis bitmap (bit 0 is the first byte's high bit) as an integer with bit i = offset i."""
+    if not value:
+        return 0
+    return int.from_bytes(value.translate(_REVERSED), "little")

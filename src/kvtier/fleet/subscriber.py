@@ -1,0 +1,306 @@
+"""Subscribing to N engines' KV event streams (vLLM's ZMQ publisher) and feeding a :class:`FleetIndex`.
+
+Each engine is an :class:`EngineEndpoint`: vLLM's ``--kv-events-config`` ``endpoint``
+(its PUB socket, here a SUB connects to it), optionally its ``replay_endpoint`` (a
+ROUTER that resends buffered batches from a sequence number) and its OpenAI API URL
+(to ask for a snapshot). One thread (:class:`FleetSubscriber`) polls every socket:
+
+* vLLM numbers its batches 0, 1, 2 ... per publisher start. A jump forward is a gap:
+  the missing batches are asked from the replay endpoint (bounded by
+  ``replay_timeout``) and applied in order; what cannot be replayed is reported to the
+  index as lost (it then drops what the lost batches could have changed). A number
+  going back means a new publisher (the engine restarted): the index drops the old
+  start's device cache and private tiers, and the new start's batches are replayed
+  from 0 where possible.
+* When the index wants a snapshot of an engine (it joined mid-start, or lost events),
+  and the engine's API URL is known, a helper thread sends the engine a one-token
+  completion whose ``kv_transfer_params`` ask kvtier for one (``{"kvtier_events":
+  "snapshot"}``; at most once per ``snapshot_retry`` seconds per engine).
+
+Every socket has bounded buffers and message sizes (``max_message_bytes``); messages
+that are not KV event batches are counted and dropped; a replay is bounded in time
+(``replay_timeout``) and in batches (the gap it fills). A batch the index fails to apply
+(its store, Redis, did not answer) counts as lost events of that engine; the thread
+carries on. Needs ``pyzmq`` and ``msgspec`` (``pip install 'kvtier[fleet]'``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from kvtier.fleet.index import FleetIndex
+from kvtier.fleet.wire import WireError, decode_batch
+
+logger = logging.getLogger(__name__)
+
+END_SEQ = -1
+_SEQ_BYTES = 8
+
+
+@dataclass(frozen=True)
+class EngineEndpoint:
+    """One engine: a name (used in answers), its events endpoint (``tcp://host:port``),
+    optionally its replay endpoint, its OpenAI API base URL and the topic it publishes on."""
+
+    name: str
+    events: str
+    replay: str | None = None
+    api: str | None = None
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name or len(self.name) > 128 or any(c.isspace() for c in self.name):
+            raise ValueError(f"engine name must be 1-128 characters without spaces, got {self.name!r}")
+        for what, url, schemes in (("events", self.events, ("tcp://", "ipc://", "inproc://")),
+                                   ("replay", self.replay, ("tcp://", "ipc://", "inproc://")),
+                                   ("api", self.api, ("http://", "https://"))):  # fmt: skip
+            if url is not None and not url.startswith(schemes):
+                raise ValueError(f"engine {self.name}: {what} endpoint {url!r} must start with one of {schemes}")
+
+
+@dataclass
+class _Link:
+    endpoint: EngineEndpoint
+    sub: Any
+    expected: int | None = None
+    dropped: int = 0
+    replayed: int = 0
+    failed: int = 0
+    last_snapshot_ask: float = -float("inf")
+    model: str | None = None
+    pending: list[tuple[int, bytes]] = field(default_factory=list)
+
+
+class FleetSubscriber:
+    """The subscriber thread (see the module docstring). ``start()`` connects and starts it;
+    ``stop()`` stops it and closes every socket (joins within ``join_timeout``)."""
+
+    def __init__(
+        self,
+        index: FleetIndex,
+        endpoints: Sequence[EngineEndpoint],
+        *,
+        replay_timeout: float = 2.0,
+        max_message_bytes: int = 256 << 20,
+        rcvhwm: int = 100_000,
+        snapshot_retry: float = 10.0,
+        http_timeout: float = 30.0,
+        poll_ms: int = 100,
+    ) -> None:
+        names = [e.name for e in endpoints]
+        if len(set(names)) != len(names):
+            raise ValueError(f"engine names must be unique, got {names}")
+        self.index = index
+        self.endpoints = list(endpoints)
+        for endpoint in self.endpoints:
+            if endpoint.name not in index.engine_names:
+                index.add_engine(endpoint.name)
+        self.replay_timeout = replay_timeout
+        self.max_message_bytes = max_message_bytes
+        self.rcvhwm = rcvhwm
+        self.snapshot_retry = snapshot_retry
+        self.http_timeout = http_timeout
+        self.poll_ms = poll_ms
+        self._ctx = zmq.Context()
+        self._links: dict[Any, _Link] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._asks: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for endpoint in self.endpoints:
+            sub = self._ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+            sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, endpoint.topic.encode())
+            sub.connect(endpoint.events)
+            self._links[sub] = _Link(endpoint, sub)
+        self._thread = threading.Thread(target=self._run, name="kvtier-fleet-subscriber", daemon=True)
+        self._thread.start()
+
+    def stop(self, join_timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(join_timeout)
+            if self._thread.is_alive():
+                logger.warning("fleet: the subscriber thread did not stop within %.1f s", join_timeout)
+        for thread in self._asks:
+            thread.join(max(0.1, join_timeout / 4))
+        for link in self._links.values():
+            link.sub.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> FleetSubscriber:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        return {link.endpoint.name: {"dropped": link.dropped, "replayed": link.replayed, "failed": link.failed}
+                for link in self._links.values()}  # fmt: skip
+
+    # --- the thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for sub in self._links:
+            poller.register(sub, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                ready = dict(poller.poll(self.poll_ms))
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                raise
+            for sub in ready:
+                link = self._links[sub]
+                for _ in range(1000):  # drain, but let other engines in
+                    try:
+                        frames = sub.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._receive(link, frames)
+            try:
+                self.index.tick()
+            except Exception:
+                logger.exception("fleet: the index's store failed")
+                self._stop.wait(1.0)  # do not spin on a store that is down
+            for link in self._links.values():
+                self._maybe_ask_snapshot(link)
+
+    def _receive(self, link: _Link, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES:
+            link.dropped += 1
+            return
+        seq = int.from_bytes(frames[1], "big", signed=True)
+        if seq < 0:
+            link.dropped += 1
+            return
+        name = link.endpoint.name
+        if link.expected is not None and seq < link.expected:
+            logger.info("fleet: engine %s publisher started over (batch %d after %d)", name, seq, link.expected - 1)
+            self.index.publisher_restarted(name)
+            link.expected = None
+        if link.expected is None:
+            # First batch heard from this publisher: fetch what it still buffers before it. If
+            # that does not reach back to its start, the index learns so from the control
+            # records' seq and asks for a snapshot.
+            for batch_seq, payload in self._replay(link, 0, seq, from_start=False):
+                self._apply(link, batch_seq, payload)
+        elif seq > link.expected:
+            replayed = self._replay(link, link.expected, seq, from_start=True)
+            missing = seq - link.expected - len(replayed)
+            for batch_seq, payload in replayed:
+                self._apply(link, batch_seq, payload)
+            if missing:
+                self.index.lost_events(name, f"{missing} batch(es) before {seq} could not be replayed")
+        self._apply(link, seq, frames[2])
+
+    def _apply(self, link: _Link, seq: int, payload: bytes) -> None:
+        link.expected = seq + 1
+        try:
+            batch = decode_batch(payload)
+        except WireError as exc:
+            link.dropped += 1
+            logger.debug("fleet: engine %s batch %d dropped: %s", link.endpoint.name, seq, exc)
+            return
+        name = link.endpoint.name
+        try:
+            self.index.apply(name, batch)
+        except Exception as exc:  # the index's store (Redis) failed: this batch's changes are lost
+            link.failed += 1
+            logger.warning("fleet: engine %s batch %d could not be applied: %s", name, seq, exc)
+            try:
+                self.index.lost_events(name, f"batch {seq} could not be applied ({type(exc).__name__})")
+            except Exception as again:
+                logger.warning("fleet: engine %s: dropping what the lost batch could have changed failed too (%s); "
+                               "retried with its next batch", name, again)  # fmt: skip
+
+    def _replay(self, link: _Link, start: int, stop: int, from_start: bool) -> list[tuple[int, bytes]]:
+        """An unbroken run of batches ending at ``stop - 1`` from the engine's replay endpoint,
+        beginning at ``start`` (``from_start``) or wherever its buffer begins; else none."""
+        if link.endpoint.replay is None or stop <= start:
+            return []
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        out: list[tuple[int, bytes]] = []
+        try:
+            sock.connect(link.endpoint.replay)
+            sock.send_multipart([b"", start.to_bytes(_SEQ_BYTES, "big")])
+            deadline = time.monotonic() + self.replay_timeout
+            while (left := deadline - time.monotonic()) > 0:
+                if not sock.poll(int(left * 1000) + 1):
+                    break
+                frames = sock.recv_multipart()
+                if len(frames) != 4 or len(frames[2]) != _SEQ_BYTES:
+                    link.dropped += 1
+                    continue
+                seq = int.from_bytes(frames[2], "big", signed=True)
+                if seq == END_SEQ:
+                    break
+                if start <= seq < stop:
+                    if out and seq != out[-1][0] + 1:
+                        out = []  # a hole: keep only the run after it
+                    out.append((seq, frames[3]))
+                    if seq == stop - 1:
+                        break  # the gap is filled: whatever else the endpoint sends is not needed
+            else:
+                logger.warning("fleet: engine %s replay of batches %d..%d timed out", link.endpoint.name, start,
+                               stop - 1)  # fmt: skip
+        except zmq.ZMQError as exc:
+            logger.warning("fleet: engine %s replay failed: %s", link.endpoint.name, exc)
+        finally:
+            sock.close(linger=0)
+        if out and (out[-1][0] != stop - 1 or (from_start and out[0][0] != start)):
+            out = []
+        link.replayed += len(out)
+        return out
+
+    # --- snapshots --------------------------------------------------------------------------
+
+    def _maybe_ask_snapshot(self, link: _Link) -> None:
+        name = link.endpoint.name
+        if link.endpoint.api is None or time.monotonic() - link.last_snapshot_ask < self.snapshot_retry:
+            return
+        if not self.index.take_snapshot_wanted(name):
+            return
+        link.last_snapshot_ask = time.monotonic()
+        self._asks = [t for t in self._asks if t.is_alive()]
+        thread = threading.Thread(target=self._ask_snapshot, args=(link,), name=f"kvtier-fleet-ask-{name}", daemon=True)
+        self._asks.append(thread)
+        thread.start()
+
+    def _ask_snapshot(self, link: _Link) -> None:
+        api = link.endpoint.api
+        assert api is not None
+        try:
+            if link.model is None:
+                with urllib.request.urlopen(api.rstrip("/") + "/v1/models", timeout=self.http_timeout) as response:
+                    models = json.loads(response.read(1 << 20))
+                link.model = str(models["data"][0]["id"])
+            body = {"model": link.model, "prompt": "kvtier", "max_tokens": 1,
+                    "kv_transfer_params": {"kvtier_events": "snapshot"}}  # fmt: skip
+            req = urllib.request.Request(api.rstrip("/") + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+            with urllib.request.urlopen(req, timeout=self.http_timeout) as response:
+                response.read(1 << 20)
+            logger.info("fleet: asked engine %s for a snapshot", link.endpoint.name)
+        except (OSError, ValueError, KeyError, IndexError, TypeError, urllib.error.URLError) as exc:
+            logger.warning("fleet: could not ask engine %s for a snapshot: %s", link.endpoint.name, exc)
+            with contextlib.suppress(KeyError):
+                self.index.engine(link.endpoint.name).needs_snapshot = True

@@ -1,0 +1,238 @@
+"""``kvtier fleet serve``'s HTTP answer: prompts by tokens (hashed like vLLM) and by block hashes,
+every bad input refused with a 4xx naming the field, bounded sizes and concurrency; and the
+command itself: it serves, stops on SIGTERM, refuses bad usage, and a read-only server answers
+from the index another process keeps in Redis."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.engine_events import ControlRecord, TierInfo
+from kvtier.fleet import BlockHasher, FleetIndex, RedisMasks
+from kvtier.fleet.http import FleetServer
+from kvtier.fleet.records import Kind, WireBatch, WireEvent
+
+TOKENS = 4
+TIERS = (TierInfo("0:primary", "cpu", "cpu", "engine"),)
+
+
+def _fill(index: FleetIndex, keys: Sequence[int]) -> None:
+    hello = ControlRecord("hello", "e", "s1", 0, time.time(), TIERS, {"tokens_per_hash": TOKENS})
+    index.apply("a", WireBatch(time.time(), [WireEvent(Kind.CONTROL, control=hello),
+                                             WireEvent(Kind.STORED, tuple(keys), "CPU")], 0))  # fmt: skip
+
+
+def _request(url: str, method: str, path: str, body: bytes | None = None,
+             headers: dict[str, str] | None = None) -> tuple[int, Any]:  # fmt: skip
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read() or b"null")
+    finally:
+        conn.close()
+
+
+def _post(url: str, body: Any) -> tuple[int, Any]:
+    data = json.dumps(body).encode()
+    return _request(url, "POST", "/v1/prefix", data, {"Content-Type": "application/json"})
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[FleetServer, FleetIndex]]:
+    index = FleetIndex(["a", "b"])
+    server = FleetServer(("127.0.0.1", 0), index, max_body=4096, max_blocks=64, request_timeout=1.0)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield server, index
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_answers_by_tokens_and_by_block_hashes(served: tuple[FleetServer, FleetIndex]) -> None:
+    server, index = served
+    tokens = list(range(100, 100 + 6 * TOKENS + 2))
+    keys = BlockHasher("sha256", None, TOKENS).event_hashes(tokens)
+    assert len(keys) == 6
+    status, body = _post(server.url, {"tokens": tokens})
+    assert status == 409 and "--tokens-per-hash" in body["error"]  # no engine said its block size yet
+    _fill(index, keys[:4])
+    status, body = _post(server.url, {"tokens": tokens})
+    assert status == 200, body
+    assert body["blocks"] == 6 and body["tokens_per_hash"] == TOKENS
+    assert body["engines"]["a"] == {"blocks": 4, "tokens": 16, "tiers": {"GPU": 0, "0:primary": 4},
+                                    "status": "synced", "start": "s1"}  # fmt: skip
+    assert body["engines"]["b"]["blocks"] == 0 and body["engines"]["b"]["status"] == "waiting"
+    status, by_hash = _post(server.url, {"block_hashes": [keys[0], f"{keys[1]:x}", keys[2]], "engines": ["a"]})
+    assert status == 200 and list(by_hash["engines"]) == ["a"] and by_hash["engines"]["a"]["blocks"] == 3
+    status, engines = _request(server.url, "GET", "/v1/engines")
+    assert status == 200 and engines["engines"]["a"]["start"] == "s1"
+    assert "device_bit" not in engines["engines"]["a"] and "bit" not in engines["engines"]["a"]["tiers"][0]
+    assert _request(server.url, "GET", "/health") == (200, {"ok": True})
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "names"),
+    [
+        ([1, 2], 400, "JSON object"),
+        ({"tokens": [1, 2], "block_hashes": [1]}, 400, "exactly one"),
+        ({}, 400, "exactly one"),
+        ({"tokens": "1 2 3"}, 400, "tokens"),
+        ({"tokens": [1, -2]}, 400, "tokens"),
+        ({"tokens": [1, 2.5]}, 400, "tokens"),
+        ({"tokens": [True]}, 400, "tokens"),
+        ({"tokens": list(range(TOKENS * 70))}, 413, "tokens"),
+        ({"block_hashes": [1 << 64]}, 400, "block_hashes"),
+        ({"block_hashes": ["zz"]}, 400, "block_hashes"),
+        ({"block_hashes": [None]}, 400, "block_hashes"),
+        ({"block_hashes": [1], "group": -1}, 400, "group"),
+        ({"block_hashes": [1], "group": "0"}, 400, "group"),
+        ({"block_hashes": list(range(65))}, 413, "block_hashes"),
+        ({"block_hashes": [1], "engines": "a"}, 400, "engines"),
+        ({"block_hashes": [1], "prompt": "hi"}, 400, "unknown field"),
+    ],
+)
+def test_bad_requests_are_refused_by_name(
+    served: tuple[FleetServer, FleetIndex], body: Any, status: int, names: str
+) -> None:
+    server, index = served
+    _fill(index, [])
+    got, answer = _post(server.url, body)
+    assert got == status and names in answer["error"], answer
+
+
+def test_transport_level_abuse(served: tuple[FleetServer, FleetIndex]) -> None:
+    server, _ = served
+    assert _request(server.url, "POST", "/v1/prefix", b"{nope", {"Content-Length": "5"})[0] == 400
+    assert _request(server.url, "POST", "/v1/prefix", b"x" * 5000, {"Content-Length": "5000"})[0] == 413
+    assert _request(server.url, "GET", "/v1/prefix")[0] == 404
+    assert _request(server.url, "POST", "/elsewhere", b"{}", {"Content-Length": "2"})[0] == 404
+    host, port = server.server_address[:2]
+    # A client that announces a body and never sends it is dropped after request_timeout.
+    with socket.create_connection((str(host), port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/prefix HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        started = time.monotonic()
+        sock.recv(100)
+        assert time.monotonic() - started < 4
+    # No Content-Length at all.
+    with socket.create_connection((str(host), port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/prefix HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b" 411 " in sock.recv(200)
+
+
+class _Slow:
+    """Answers that wait for a signal: to hold a request in flight."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def prefix(self, keys: Sequence[int], engines: Sequence[str] | None = None) -> dict[str, Any]:
+        self.entered.set()
+        self.release.wait(10)
+        return {}
+
+    def meta(self) -> dict[str, Any]:
+        return {}
+
+
+def test_at_most_max_concurrent_requests_are_answered_at_once() -> None:
+    slow = _Slow()
+    server = FleetServer(("127.0.0.1", 0), slow, tokens_per_hash=4, max_concurrent=1)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        first: list[tuple[int, Any]] = []
+        held = threading.Thread(target=lambda: first.append(_post(server.url, {"block_hashes": [1]})))
+        held.start()
+        assert slow.entered.wait(10)
+        assert _post(server.url, {"block_hashes": [2]})[0] == 503
+        slow.release.set()
+        held.join(10)
+        assert first[0][0] == 200
+    finally:
+        slow.release.set()
+        server.shutdown()
+        server.server_close()
+
+
+def _serve(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "fleet", "serve", "--port", "0", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("kvtier fleet: serving on http://"), (line, proc.stderr.read() if proc.stderr else "")
+    return proc, line.rsplit(" ", 1)[1].strip()
+
+
+def test_the_command_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
+    pytest.importorskip("zmq")
+    proc, url = _serve("--engine", f"a=ipc://{tmp_path}/events", "--replay", f"a=ipc://{tmp_path}/replay")
+    try:
+        assert _request(url, "GET", "/health") == (200, {"ok": True})
+        status, body = _post(url, {"block_hashes": [1, 2]})
+        assert status == 200 and body["engines"]["a"]["status"] == "waiting"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        ((), "--engine"),
+        (("--engine", "a=tcp://127.0.0.1:1", "--replay", "b=tcp://127.0.0.1:2"), "no --engine named 'b'"),
+        (("--engine", "a=tcp://127.0.0.1:1", "--engine", "a=tcp://127.0.0.1:2"), "unique"),
+        (("--engine", "a=http://x"), "events endpoint"),
+        (("--engine", "a=tcp://127.0.0.1:1", "--api", "a=ftp://x"), "api endpoint"),
+        (("--read-only",), "--redis"),
+        (("--engine", "a=tcp://127.0.0.1:1", "--hash", "xxhash"), "PYTHONHASHSEED"),
+    ],
+)
+def test_bad_usage_is_refused_by_name(args: tuple[str, ...], names: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "kvtier.cli", "fleet", "serve", "--port", "0", *args],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and names in done.stderr, done.stderr
+
+
+def test_routers_share_an_index_in_redis(tmp_path: Path) -> None:
+    from redis_servers import REDIS_SERVER, start_redis
+
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server not found on PATH")
+    import redis
+
+    server = start_redis(tmp_path / "redis")
+    try:
+        writer = FleetIndex(["a"], RedisMasks(redis.Redis.from_url(server.url), "fleet-t"))
+        tokens = list(range(500, 500 + 5 * TOKENS))
+        keys = BlockHasher("sha256", None, TOKENS).event_hashes(tokens)
+        _fill(writer, keys[:3])
+        proc, url = _serve("--redis", server.url, "--redis-prefix", "fleet-t", "--read-only")
+        try:
+            status, body = _post(url, {"tokens": tokens})
+            assert status == 200 and body["engines"]["a"]["blocks"] == 3
+            assert body["engines"]["a"] == writer.prefix(keys)["a"] | {"tokens": 3 * TOKENS}
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(20) == 0
+    finally:
+        server.stop()
