@@ -119,7 +119,7 @@ def test_mkdocs_strict_fails_on_an_orphan_page_and_a_broken_link(tmp_path: Path)
 
 def _exported_metrics() -> dict[str, set[str]]:
     """Family name -> the label values of direction/result/state seen, from a real exporter."""
-    from kvtier import KVGeometry, Namespace, TieringManager
+    from kvtier import KVGeometry, Namespace, RequestContext, TieringManager
     from kvtier.metrics import KvtierMetrics
 
     ns = Namespace("docs-metrics", KVGeometry(num_layers=2, num_kv_heads=2, head_dim=64, tokens_per_block=16))
@@ -136,6 +136,7 @@ def _exported_metrics() -> dict[str, set[str]]:
             while mgr.jobs_in_flight() and time.monotonic() < deadline:
                 time.sleep(0.01)
                 mgr.on_schedule_end()
+            mgr.request_control(RequestContext("docs-bad-params", params={"kvtier_load_tiers": "nonsense"}))
             metrics = KvtierMetrics()
             metrics.update(mgr, transfer={"device_to_cpu": (1, 0.1), "cpu_to_device": (2, 0.2)})
             text = metrics.render().decode()
