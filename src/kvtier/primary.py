@@ -261,22 +261,20 @@ class PrimaryTier:
             self.stats.evictions += len(chosen)
             if self.record_events:
                 self._events.append(BlockEvent(tuple(chosen), self.tier_label, self.medium, removed=True))
-        if not new_keys:
-            return new_keys, [], evicted
-        # The rows a key at a time would take (free rows from the end of the list, then fresh
-        # ones), taken by slices; the index is updated in one C-level call.
-        reused = min(len(free), len(new_keys))
-        slots = free[len(free) - reused :][::-1]
-        del free[len(free) - reused :]
-        if reused < len(new_keys):
-            slots += range(self._next_fresh, self._next_fresh + len(new_keys) - reused)
-            self._next_fresh += len(new_keys) - reused
-        slot_of.update(zip(new_keys, slots, strict=True))
         ref, writer = self._ref, self._writer
-        for slot in slots:
+        slots: list[int] = []
+        for key in new_keys:
+            if free:
+                slot = free.pop()
+            else:
+                slot = self._next_fresh
+                self._next_fresh = slot + 1
+            slot_of[key] = slot
             ref[slot] = IN_FLIGHT
             writer[slot] = kind
-        self.policy.insert_many(new_keys, slots)
+            slots.append(slot)
+        if new_keys:
+            self.policy.insert_many(new_keys, slots)
         return new_keys, slots, evicted
 
     def _take_fresh(self) -> int:
