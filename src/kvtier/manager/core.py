@@ -52,7 +52,7 @@ import numpy as np
 from kvtier.backpressure import BackpressureSettings
 from kvtier.errors import InvalidKeyError, ManagerClosedError, TierShutdownError
 from kvtier.keys import BlockKey, Namespace
-from kvtier.manager import build, snapshot
+from kvtier.manager import build, scan, snapshot
 from kvtier.manager.ledger import Ledger
 from kvtier.manager.requests import RequestTable
 from kvtier.manager.snapshot import LookupTally
@@ -367,40 +367,25 @@ class TieringManager:
     def _lookup_run(
         self, keys: Sequence[BlockKey], i: int, request: RequestContext | None, answers: list[LookupResult]
     ) -> int:
-        """Answer the CPU hits of :meth:`lookup_prefix` from ``keys[i]`` on; the index of the first
-        key :meth:`_lookup` must answer. A hot-path copy of the CPU answer (the round's timed
-        lookup included while it is a hit); measured on runs of 16 hits: 2.2k instructions per
-        key (cachegrind) against 4.6k for a call of ``_lookup`` per key; 815 against 893 ns per
-        key over 100,000 blocks in random order, where memory bounds both."""
+        """Answer the CPU hits of :meth:`lookup_prefix` from ``keys[i]`` on, in C-level passes
+        (:mod:`kvtier.manager.scan`; a timed lookup among them gets the run's time per key); the
+        index of the first key :meth:`_lookup` must answer."""
         if not self._steady or not (request is None or request.control is DEFAULT_CONTROL):
             return i
-        slot_get, refs, step_hit = self._slot_get, self._refs, self._step_hit
-        n = len(keys)
-        start = i
         countdown = self._countdown
-        while i < n:
-            key = keys[i]
-            if type(key) is not bytes:
-                break
-            if countdown > 1:
-                slot = slot_get(key)
-                if slot is None or refs[slot] == IN_FLIGHT:
-                    break
-                countdown -= 1
+        began = perf_counter() if countdown <= len(keys) - i else 0.0  # a lookup of the run may be timed
+        found = scan.ready_run(self._slot_get, self._refs, IN_FLIGHT, keys, i)
+        if found:
+            self._hits.log.extend(keys[i : i + found])
+            answers += [_HIT] * found
+            if found < countdown:
+                self._countdown = countdown - found
             else:
-                began = perf_counter()
-                slot = slot_get(key)
-                if slot is None or refs[slot] == IN_FLIGHT:
-                    break
-                self._tiers.cpu.lookup_seconds.pending.append(perf_counter() - began)
-                countdown = self.lookup_timing_every
-                self._tally.counted += countdown
-            step_hit(key)
-            i += 1
-        self._countdown = countdown
-        if i > start:
-            answers += [_HIT] * (i - start)
-        return i
+                every = self.lookup_timing_every
+                timed, self._countdown = scan.sample_run(perf_counter() - began, found, countdown, every,
+                                                         self._tiers.cpu.lookup_seconds.pending)
+                self._tally.counted += every * timed
+        return i + found
 
     def prepare_load(self, keys: Sequence[BlockKey], request: RequestContext | None = None) -> np.ndarray:
         """Pin HIT blocks for a device load; returns their CPU rows. Raises if one is not HIT."""
