@@ -171,7 +171,7 @@ def test_b_restart_serves_from_fs_and_engine_kill_leaves_nothing(
         device = server.complete(prompts[1])
         server.reset_prefix_cache()
         warm_fs = server.complete(prompts[0])
-        after = _settle(server, min_cascaded=0)
+        after = server.settle(min_cascaded=0)
         pids = server.descendants()
         engine = server.engine_core()
         assert list(shm_dir.iterdir()) == [], "the region is unlinked once every process mapped it"
