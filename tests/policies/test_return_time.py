@@ -220,7 +220,7 @@ def test_a_request_stored_a_block_at_a_time_stays_tail_first(learned: bool) -> N
     # behind its descendants in the same way.
     tier = Slotted(ReturnTimePolicy(1024))
     if learned:
-        tier.policy.hold = list(range(10, 10 + CLASSES))  # every class its own hold
+        tier.policy.classes.hold = list(range(10, 10 + CLASSES))  # every class its own hold
     store(tier, [0, 1, 2, 3])  # the prefill
     for i in range(4, 12):  # then one decoded block per store
         store_more(tier, [i], i - 1)
@@ -256,12 +256,12 @@ def test_a_release_given_head_first_links_the_chain_tail_first() -> None:
 def test_holds_keep_the_head_at_least_as_long_as_the_tail_and_raise_ancestors() -> None:
     tier = Slotted(ReturnTimePolicy(64))
     policy = tier.policy
-    policy.hold = [policy.max_hold // 2 + c for c in range(CLASSES)]  # as if learned: every class held
+    policy.classes.hold = [policy.max_hold // 2 + c for c in range(CLASSES)]  # as if learned: every class held
     store(tier, [1, 2, 3])
     expiry = [policy._expiry[tier.slot_of[key(i)]] for i in (1, 2, 3)]
     assert expiry[0] >= expiry[1] >= expiry[2] > policy._now - 3
     store(tier, [4])  # unrelated, pushes the clock on
-    policy.hold = [policy.max_hold] * CLASSES
+    policy.classes.hold = [policy.max_hold] * CLASSES
     store(tier, [5], parent=3)  # a long hold for the extension raises the whole chain
     new = policy._expiry[tier.slot_of[key(5)]]
     assert all(policy._expiry[tier.slot_of[key(i)]] >= new for i in (1, 2, 3))
@@ -272,24 +272,24 @@ def test_holds_keep_the_head_at_least_as_long_as_the_tail_and_raise_ancestors() 
 def test_a_request_stored_in_pieces_is_classified_as_one_request() -> None:
     whole, pieces = Slotted(ReturnTimePolicy(64)), Slotted(ReturnTimePolicy(64))
     for tier in (whole, pieces):
-        tier.policy.hold = [policy_hold for policy_hold in range(10, 10 + CLASSES)]  # every class its own hold
+        tier.policy.classes.hold = [policy_hold for policy_hold in range(10, 10 + CLASSES)]  # every class its own hold
     store(whole, list(range(1, 11)))
     store(pieces, [1])
     store_more(pieces, [2, 3], parent=1)
     store_more(pieces, [4, 5, 6, 7, 8, 9, 10], parent=3)
     # One request of 10 new blocks: nine in the last bucket, the tenth its last block, both ways.
-    assert pieces.policy._class_refs == whole.policy._class_refs
-    assert sum(pieces.policy._class_refs) == 10
+    assert pieces.policy.classes.refs == whole.policy.classes.refs
+    assert sum(pieces.policy.classes.refs) == 10
     last_bucket = (NEW_BUCKETS - 1) * 6
-    assert whole.policy._class_refs[last_bucket] == 9 and whole.policy._class_refs[last_bucket + 3] == 1
+    assert whole.policy.classes.refs[last_bucket] == 9 and whole.policy.classes.refs[last_bucket + 3] == 1
     # One recorded end for the request, however many stores: its first store's (key 1) while
     # it goes on, its last full block (key 9) once it ends.
-    assert len(pieces.policy._history) == len(whole.policy._history) == 1
-    assert whole.policy._history.deepest([key(i) for i in range(1, 11)], 0) == 8
-    assert pieces.policy._history.deepest([key(i) for i in range(1, 11)], 0) == 0
+    assert len(pieces.policy.classes.history) == len(whole.policy.classes.history) == 1
+    assert whole.policy.classes.history.deepest([key(i) for i in range(1, 11)], 0) == 8
+    assert pieces.policy.classes.history.deepest([key(i) for i in range(1, 11)], 0) == 0
     pieces.policy.end_request(pieces.slot_of[key(10)])
-    assert len(pieces.policy._history) == 1
-    assert pieces.policy._history.deepest([key(i) for i in range(1, 11)], 0) == 8
+    assert len(pieces.policy.classes.history) == 1
+    assert pieces.policy.classes.history.deepest([key(i) for i in range(1, 11)], 0) == 8
     assert not pieces.policy._open and not pieces.policy._open_old, "the finished request's record went"
     for tier in (whole, pieces):
         expiry = [tier.policy._expiry[tier.slot_of[key(i)]] for i in range(1, 11)]
@@ -306,9 +306,9 @@ def test_an_unfinished_request_publishes_its_end_when_its_record_goes() -> None:
     policy = tier.policy
     store(tier, [1, 2])
     store_more(tier, [3, 4], parent=2)
-    assert policy._history.deepest([key(3)], 0) == -1, "the end moves when the request ends"
+    assert policy.classes.history.deepest([key(3)], 0) == -1, "the end moves when the request ends"
     policy.clear()
-    assert policy._history.deepest([key(3)], 0) == 0, "clear() published it"
+    assert policy.classes.history.deepest([key(3)], 0) == 0, "clear() published it"
 
     tier = Slotted(ReturnTimePolicy(1024))
     policy = tier.policy
@@ -317,14 +317,14 @@ def test_an_unfinished_request_publishes_its_end_when_its_record_goes() -> None:
     ids = iter(range(100, 10_000))
     while tier.slot_of[key(4)] in {**policy._open, **policy._open_old}:  # other requests, until the record goes
         store(tier, [next(ids)])
-    assert policy._history.deepest([key(3)], 0) == 0
+    assert policy.classes.history.deepest([key(3)], 0) == 0
 
     tier = Slotted(ReturnTimePolicy(1024))
     policy = tier.policy
     store(tier, [1, 2])
     store_more(tier, [3, 4], parent=2)
     policy.continue_chain([key(3)], [tier.slot_of[key(3)]], tier.slot_of[key(4)])  # not new blocks
-    assert policy._history.deepest([key(3)], 0) == 0, "a store that does not continue it took the record"
+    assert policy.classes.history.deepest([key(3)], 0) == 0, "a store that does not continue it took the record"
 
 
 def test_a_continuation_of_an_unknown_request_is_a_store_of_its_own() -> None:
@@ -335,16 +335,16 @@ def test_a_continuation_of_an_unknown_request_is_a_store_of_its_own() -> None:
     continued.policy._open_old.clear()
     store(alone, [3], parent=2)
     store_more(continued, [3], parent=2)
-    assert continued.policy._class_refs == alone.policy._class_refs
-    assert len(continued.policy._history) == len(alone.policy._history) == 2, "an end of its own"
+    assert continued.policy.classes.refs == alone.policy.classes.refs
+    assert len(continued.policy.classes.history) == len(alone.policy.classes.history) == 2, "an end of its own"
     check_invariants(continued)
 
 
 def test_the_clock_splices_expired_lists_in_expiry_order() -> None:
     tier = Slotted(ReturnTimePolicy(64))
     policy = tier.policy
-    policy.hold = [0] * CLASSES
-    policy.hold[3] = 3 * policy._width  # the last block of a store with one new block
+    policy.classes.hold = [0] * CLASSES
+    policy.classes.hold[3] = 3 * policy._width  # the last block of a store with one new block
     store(tier, [1])  # held 3 buckets
     store(tier, [2, 3])  # two new blocks: other classes, not held
     for i in range(10, 10 + 2 * policy._width, 4):  # a few buckets of traffic
@@ -376,10 +376,10 @@ def test_remove_unlinks_a_block_from_its_parent() -> None:
 def test_clear_forgets_blocks_but_keeps_what_was_learned() -> None:
     tier = Slotted(ReturnTimePolicy(64))
     run_workload(tier.policy, returning_conversations(seed=1, requests=1500))
-    learned = list(tier.policy.hold)
+    learned = list(tier.policy.classes.hold)
     tier.policy.clear()
     assert tier.policy.evictable_count() == 0 and tier.policy.evict(1) is None
-    assert tier.policy.hold == learned
+    assert tier.policy.classes.hold == learned
     assert all(p == -1 for p in tier.policy._parent) and not any(tier.policy._children)
 
 
@@ -463,7 +463,7 @@ def test_learned_holds_keep_returning_conversations_through_scans() -> None:
     # The scans' blocks (many new blocks, never back) are hardly held; conversation blocks are:
     # a turn's new block (one new block, the last) and the blocks it hits (referenced before).
     scan, turn_end, prefix = (NEW_BUCKETS - 1) * 6, 0 * 6 + 3, 0 * 6 + 1
-    assert policy.hold[scan] * 4 < min(policy.hold[turn_end], policy.hold[prefix])
+    assert policy.classes.hold[scan] * 4 < min(policy.classes.hold[turn_end], policy.classes.hold[prefix])
 
 
 def test_the_guard_returns_to_lru_order_at_once_when_learning_loses() -> None:
@@ -474,12 +474,12 @@ def test_the_guard_returns_to_lru_order_at_once_when_learning_loses() -> None:
     store(tier, [7_000_001])
     assert policy._evictable[tier.slot_of[key(7_000_001)]]
     now = policy._now
-    policy._trial = [-50.0, 100.0, 3]  # the sample says the learned holds lose
-    policy._guard = [-20, 40]
+    policy.guard._trial = [-50.0, 100.0, 3]  # the sample says the learned holds lose
+    policy.guard._period = [-20, 40]
     policy._next_solve = now
     store(tier, [7_000_002])  # the next reference solves and judges
     assert not policy.learning and policy.fallbacks == 1
-    assert policy.hold == [0] * CLASSES
+    assert policy.classes.hold == [0] * CLASSES
     assert max(policy._expiry) <= policy._now, "every hold ended at once"
     assert all(not lst for lst in linked(policy)[2:]), "the wheel is empty: all of it is in LRU order"
 
@@ -559,7 +559,7 @@ def test_large_tiers_preallocate_at_most_64_bytes_per_block() -> None:
     finally:
         tracemalloc.stop()
     assert policy.sampler.size == blocks // 8
-    assert policy._history.capacity == blocks // 4
+    assert policy.classes.history.capacity == blocks // 4
     assert allocated / blocks <= 64, f"{allocated / blocks:.1f} B per block"
 
 
@@ -592,7 +592,7 @@ class StructureMachine(RuleBasedStateMachine):
         for k in new:
             tier.insert(k)
             self.writing.add(k)
-        tier.policy.hold = [tier.policy.max_hold * c // CLASSES if learned else 0 for c in range(CLASSES)]
+        tier.policy.classes.hold = [tier.policy.max_hold * c // CLASSES if learned else 0 for c in range(CLASSES)]
         if continued and up is not None and not hit:
             # The same request's next store (the policy checks that it does continue one).
             tier.policy.continue_chain(keys, [tier.slot_of[k] for k in keys], tier.slot_of[up])
