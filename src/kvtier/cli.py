@@ -420,9 +420,10 @@ def _add_replay(sub: Any) -> None:
     )  # fmt: skip
     p.add_argument("--limit", type=_int_at_least(1), default=None, help="replay only the first N requests")
     p.add_argument(
-        "--store-chunk", metavar="N", type=_int_at_least(1), default=None,
+        "--store-chunk", metavar="N|mixed", type=_store_chunk, default=None,
         help="store each request's missed blocks N at a time, as an engine that prefills in chunks or "
-        "stores decoded blocks one by one does (default: one store per request)",
+        "stores decoded blocks one by one does, or 'mixed': a prefill in 16-block chunks, then one block "
+        "per store for the blocks its output fills (default: one store per request)",
     )  # fmt: skip
     p.add_argument("--no-belady", action="store_true", help="skip the Belady reference")
     p.add_argument(
@@ -435,10 +436,21 @@ def _add_replay(sub: Any) -> None:
     p.set_defaults(func=_cmd_replay)
 
 
+def _store_chunk(text: str) -> int | str:
+    """An argparse type: ``mixed``, or a number of blocks >= 1."""
+    return "mixed" if text == "mixed" else _int_at_least(1)(text)
+
+
 def _cmd_replay(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from kvtier.workload.replay import compare_policies, replay_namespace, trace_keys
+    from kvtier.workload.replay import (
+        compare_policies,
+        decode_blocks,
+        describe_store_chunk,
+        replay_namespace,
+        trace_keys,
+    )
     from kvtier.workload.report import replay_rows, replay_table, write_json
     from kvtier.workload.simulate import HitRateResult, belady_hit_rate, unbounded_hit_rate
     from kvtier.workload.synthetic import generate
@@ -481,6 +493,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     runs = compare_policies(
         keys, capacities, args.policy, namespace=namespace, tiers=tiers, shm_dir=args.shm_dir,
         store_chunk=args.store_chunk,
+        decode_blocks=decode_blocks(requests),
         announce=lambda p, c: err.print(f"replaying {summary['requests']} requests with {c} CPU blocks ({p})..."),
     )  # fmt: skip
     belady: dict[int, HitRateResult | None] = {
@@ -490,7 +503,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     out.print(
         f"{source}: {summary['requests']} requests, {summary['block_refs']} block references, "
         f"{summary['distinct_blocks']} distinct blocks, {summary['duration_s']:.0f} s"
-        + (f"; stores of at most {args.store_chunk} blocks (--store-chunk)" if args.store_chunk else ""),
+        + describe_store_chunk(args.store_chunk),
         highlight=False,
     )
     out.print(f"unbounded cache prefix-hit rate: {100 * unbounded.hit_rate:.1f}%")
@@ -506,7 +519,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             out.print(
                 f"capacity {row['capacity']}: {'kvtier' if single else name} {100 * kv['hit_rate']:.2f}%  "
                 f"belady {belady_text}  unbounded {100 * row['unbounded']['hit_rate']:.2f}%  "
-                f"({kv['ratio_to_lru']:.3f}x lru)",
+                f"({kv['ratio_to_lru']:.3f}x lru, {kv['self_evictions']} self-evicted)",
                 highlight=False,
             )
     if args.json:

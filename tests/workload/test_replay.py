@@ -5,13 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from workload_helpers import random_chat_trace
+from workload_helpers import flat, random_chat_trace
 
 from kvtier.policies import DEFAULT_POLICY
-from kvtier.workload.replay import compare_policies, replay_manager, replay_namespace, trace_keys
+from kvtier.workload.replay import (
+    MIXED,
+    compare_policies,
+    decode_blocks,
+    replay_manager,
+    replay_namespace,
+    store_pieces,
+    trace_keys,
+)
 from kvtier.workload.simulate import lru_hit_rate, unbounded_hit_rate
 from kvtier.workload.synthetic import KINDS, generate
-from kvtier.workload.trace import FlatTrace, read_trace
+from kvtier.workload.trace import FlatTrace, TraceRequest, read_trace
 
 REAL_TRACE = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "conversation_trace.jsonl"
 
@@ -120,6 +128,41 @@ def test_store_chunk_stores_each_request_in_chunks(private_shm: Path, monkeypatc
     assert chunked.hits == whole.hits == unbounded_hit_rate(trace).hits
 
 
-def test_store_chunk_must_be_positive(private_shm: Path) -> None:
-    with pytest.raises(ValueError, match="store_chunk must be at least 1, got 0"):
-        replay_manager([], 10, shm_dir=str(private_shm), store_chunk=0)
+def test_store_chunk_must_be_positive_or_mixed(private_shm: Path) -> None:
+    for bad in (0, -2, "whole", 1.5, True):
+        with pytest.raises(ValueError, match="store_chunk must be a positive number of blocks or 'mixed'"):
+            replay_manager([], 10, shm_dir=str(private_shm), store_chunk=bad)  # type: ignore[arg-type]
+
+
+def test_store_pieces_are_what_an_engine_stores() -> None:
+    assert store_pieces(10, None) == [10] and store_pieces(0, None) == []
+    assert store_pieces(10, 4) == [4, 4, 2] and store_pieces(3, 1) == [1, 1, 1]
+    # mixed: a prefill in 16-block chunks, then the blocks the output fills one by one
+    assert store_pieces(40, MIXED, decode=3) == [16, 16, 5, 1, 1, 1]
+    assert store_pieces(5, MIXED) == [4, 1]
+    assert store_pieces(2, MIXED, decode=9) == [1, 1], "no more decode stores than blocks"
+    for missed in range(60):
+        for chunk in (None, 1, 4, 16, MIXED):
+            assert sum(store_pieces(missed, chunk, decode=missed % 5)) == missed
+
+
+def test_the_mixed_mode_decodes_as_many_blocks_as_each_output_fills(private_shm: Path) -> None:
+    requests = [TraceRequest(i, 40 * 512, out, tuple(range(100 * i, 100 * i + 40))) for i, out in
+                enumerate((1, 512, 513, 2000))]  # fmt: skip
+    assert decode_blocks(requests) == [1, 1, 2, 4]
+    trace = FlatTrace.from_requests(requests)
+    ns = replay_namespace()
+    result = replay_manager(trace_keys(trace, ns), 1000, namespace=ns, shm_dir=str(private_shm),
+                            store_chunk=MIXED, decode_blocks=decode_blocks(requests))  # fmt: skip
+    assert result.hits == 0 and result.extra["self_evictions"] == 0
+
+
+def test_blocks_evicted_by_a_later_store_of_their_own_request_are_counted(private_shm: Path) -> None:
+    # One request of 10 new blocks into 4 rows, a block per store: LRU evicts the request's own
+    # earlier blocks for each of the last 6 (nothing else is there to evict).
+    ns = replay_namespace()
+    keys = trace_keys(flat(list(range(10))), ns)
+    one = replay_manager(keys, 4, policy="lru", namespace=ns, shm_dir=str(private_shm), store_chunk=1)
+    assert one.extra["self_evictions"] == 6
+    whole = replay_manager(keys, 12, policy="lru", namespace=ns, shm_dir=str(private_shm), store_chunk=1)
+    assert whole.extra["self_evictions"] == 0 and whole.extra["evictions"] == 0

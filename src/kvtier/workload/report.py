@@ -183,12 +183,14 @@ def plot_bench(result: BenchResult, path: str | os.PathLike[str], window: int = 
 
 
 def replay_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
-    """Hit rate per capacity and policy (real manager), its ratio to LRU, per-tier split, Belady, unbounded."""
+    """Hit rate per capacity and policy (real manager), its ratio to LRU, self-evictions, per-tier
+    split, Belady, unbounded."""
     table = Table(title=title, title_justify="left")
     table.add_column("capacity (blocks)", justify="right")
     table.add_column("policy")
     table.add_column("hit rate", justify="right")
     table.add_column("x LRU", justify="right")
+    table.add_column("self-evicted", justify="right")
     tier_names: list[str] = []
     for row in rows:
         for result in row["policies"].values():
@@ -205,7 +207,10 @@ def replay_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
     for row in rows:
         for i, (policy, kv) in enumerate(row["policies"].items()):
             first = i == 0
-            cells = [str(row["capacity"]) if first else "", policy, _pct(kv["hit_rate"]), f"{kv['ratio_to_lru']:.3f}"]
+            cells = [
+                str(row["capacity"]) if first else "", policy, _pct(kv["hit_rate"]), f"{kv['ratio_to_lru']:.3f}",
+                str(int(kv.get("self_evictions", 0))),
+            ]  # fmt: skip
             if show_tiers:
                 cells += [_pct(kv["tier_hit_rates"].get(n, 0.0)) for n in tier_names]
             belady = row.get("belady")
@@ -215,7 +220,8 @@ def replay_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
             table.add_row(*cells, end_section=i == len(row["policies"]) - 1)
     table.caption = (
         "prefix-hit rate: share of block references served from cache with every earlier block a hit; "
-        "x LRU: hit rate over LRU's at the same capacity"
+        "x LRU: hit rate over LRU's at the same capacity; self-evicted: blocks evicted by a later store "
+        "of their own request"
     )
     return table
 
