@@ -73,7 +73,7 @@ blocks but its last, looked up on the store path (two calls cost more than the b
 
 @dataclass(slots=True)
 class OpenRequest:
-    """A request that may store more pieces (see ``ReturnTimePolicy.continue_chain``).
+    """A request whose blocks are held open until it is complete (see ``ReturnTimePolicy.continue_chain``).
 
     One per request, updated in place by each store that continues it (a
     decode stores a block at a time: a record built per store cost more than
@@ -84,8 +84,6 @@ class OpenRequest:
     """The key its last store ended with."""
     new: int
     """Its genuinely new blocks so far."""
-    base: int
-    """The class of its blocks but the last: ``class_id(new_bucket(new), False, 0)``."""
     stored: int
     """Blocks it stored."""
     end: int
@@ -94,10 +92,18 @@ class OpenRequest:
     """The end in the table of request ends: its first store's until the request ends."""
     then: int
     """Clock of its last store."""
+    deadline: int
+    """Expiry of its blocks while it is open: its first store's clock plus the longest hold."""
     drawn: bool
     """Whether it drew the partial class's extended hold."""
     diff: int
     """Its guard difference so far."""
+    sampled: list[int] | None = None
+    """Fingerprints of its sampled blocks, in the order stored (None: none yet)."""
+    prefix: int = 3
+    """The guard's prefix state (``guard.PREFIX_HITS`` until a sampled block misses)."""
+    loaded: list[int] | None = None
+    """Fingerprints of the sampled blocks of the prefix it loaded, head first (None: none)."""
 
 
 class HoldClassifier:
@@ -115,16 +121,32 @@ class HoldClassifier:
         self.fraction = 0.0
         self._dither = 0.0
         self.refs = [0] * CLASSES
+        self.learned: list[int] = [0] * CLASSES
+        """The plan's holds, in use or not (what the guard's miniature of the learned holds uses)."""
+        self._learned_partial = -1
+        self._learned_extended = 0
 
-    def use(self, plan: HoldingPlan | None, max_hold: int) -> None:
-        """Hold by ``plan`` (each hold at most ``max_hold``), or every class 0 (LRU order) if None."""
+    def use(self, plan: HoldingPlan | None, max_hold: int, in_use: bool = True) -> None:
+        """Learn ``plan``'s holds (each at most ``max_hold``; None: every class 0, LRU order), and hold
+        by them if ``in_use`` (else every class 0)."""
         if plan is None:
-            self.hold = [0] * CLASSES
-            self.partial, self.extended, self.fraction = -1, 0, 0.0
+            self.learned, self._learned_partial, self._learned_extended = [0] * CLASSES, -1, 0
         else:
-            self.hold = [min(h, max_hold) for h in plan.hold]
-            self.partial, self.fraction = plan.partial, plan.fraction
-            self.extended = min(plan.extended, max_hold)
+            self.learned = [min(h, max_hold) for h in plan.hold]
+            self._learned_partial, self._learned_extended = plan.partial, min(plan.extended, max_hold)
+        self.fraction = plan.fraction if plan is not None else 0.0  # drawn in use or not: the miniature's too
+        if plan is None or not in_use:
+            self.hold = [0] * CLASSES
+            self.partial, self.extended = -1, 0
+        else:
+            self.hold = list(self.learned)
+            self.partial, self.extended = plan.partial, self._learned_extended
+
+    def learned_hold_of(self, cls: int, drawn: bool) -> int:
+        """The plan's hold of class ``cls`` for a request that drew ``drawn``, in use or not."""
+        if cls == self._learned_partial and drawn:
+            return self._learned_extended
+        return self.learned[cls]
 
     def take_refs(self) -> list[int]:
         """The references per class since the last call; the counts start again."""
@@ -146,6 +168,10 @@ class HoldClassifier:
     def extension_hold(self, drawn: bool) -> int:
         """The hold of the partial class for a request that drew ``drawn``."""
         return self.extended if drawn else self.hold[self.partial] if self.partial >= 0 else 0
+
+    def hold_of(self, cls: int, drawn: bool) -> int:
+        """The hold of class ``cls`` for a request that drew ``drawn``."""
+        return self.extension_hold(drawn) if cls == self.partial else self.hold[cls]
 
     def new_blocks(self, keys: Sequence[BlockKey], slots: Sequence[int], touches: bytearray) -> int:
         """Blocks after the deepest one held and referenced before, or recorded as a request's end.

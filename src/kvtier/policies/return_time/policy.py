@@ -46,7 +46,7 @@ from kvtier.policies.return_time.classes import (
     new_bucket,
     touches_of,
 )
-from kvtier.policies.return_time.guard import LruGuard
+from kvtier.policies.return_time.guard import PREFIX_HITS, GuardState, MeasuredGuard, MiniWheel
 from kvtier.policies.return_time.model import (
     SAMPLE_SCALE,
     HoldingPlan,
@@ -54,8 +54,7 @@ from kvtier.policies.return_time.model import (
     ReturnTimeModel,
     sample_threshold,
 )
-from kvtier.policies.return_time.wheel import RING, ExpiryWheel
-from kvtier.policies.slot_lists import NO_KEY
+from kvtier.policies.return_time.wheel import OPEN, RING, ExpiryWheel
 
 GAIN_NEEDED = 1.05
 """Learned holds are used only if they predict this many times the hits of uniform holds."""
@@ -91,6 +90,12 @@ class LoadedChain(NamedTuple):
     """Each block's class at the load, tail first."""
     then: int
     """The clock of the load."""
+    prefix: int
+    """The guard's prefix state after it (see :data:`~kvtier.policies.return_time.guard.PREFIX_HITS`)."""
+    diff: int
+    """The guard's difference of the request so far."""
+    sampled: list[int] | None
+    """Fingerprints of its sampled blocks, head first (None: none)."""
 
 
 class ReturnTimePolicy(ExpiryWheel):
@@ -108,11 +113,10 @@ class ReturnTimePolicy(ExpiryWheel):
         self.sample_rate = self._sample_below / SAMPLE_SCALE
         self.solve_every = max(2048, c // 2)
         self.model = ReturnTimeModel(CLASSES, self.horizon)
-        self.sampler = ReturnSampler(
-            sample_size, self.horizon, self.model, lru_size=min(sample_size, max(1, round(self.sample_rate * c)))
-        )
+        mini = min(sample_size, max(1, round(self.sample_rate * c)))  # the sampled share of the capacity
+        self.sampler = ReturnSampler(sample_size, self.horizon, self.model, lru_size=mini)
         self.classes = HoldClassifier(max(256, c // 4))
-        self.guard = LruGuard()
+        self.guard = MeasuredGuard(MiniWheel(mini, self._width, RING, OPEN))
         self.plan: HoldingPlan | None = None
         self.learning = False
         self._last_solve = 0
@@ -133,6 +137,28 @@ class ReturnTimePolicy(ExpiryWheel):
     def fallbacks(self) -> int:
         """Times the guard stopped the learned holds."""
         return self.guard.fallbacks
+
+    @property
+    def state(self) -> GuardState:
+        """``learning``, ``ahead`` or ``fallen_back``: see :meth:`MeasuredGuard.state`."""
+        return self.guard.state(self.learning)
+
+    def stats(self) -> dict[str, float | str]:
+        """The guard's state, its sampled prefix-hit rates of LRU and of the learned holds, and
+        its counts (see :meth:`EvictionPolicy.stats`)."""
+        guard = self.guard
+        refs = guard.refs
+        return {
+            "state": self.state,
+            "holds_in_use": float(self.learning),
+            "sampled_refs": float(refs),
+            "sampled_hit_rate_lru": guard.lru_hits / refs if refs else 0.0,
+            "sampled_hit_rate_learned": guard.learned_hits / refs if refs else 0.0,
+            "lead": guard.lead,
+            "lead_sigma": guard.spread,
+            "fallbacks": float(guard.fallbacks),
+            "open_requests": float(len(self._open) + len(self._open_old)),
+        }
 
     # --- references -------------------------------------------------------------------
 
@@ -160,8 +186,10 @@ class ReturnTimePolicy(ExpiryWheel):
         elif slots == fresh:
             # The fast path: every store of new blocks.
             fresh.clear()
-            self._loaded = None
-            self._store_new(keys, slots, parent, now, None)
+            loaded, self._loaded = self._loaded, None
+            if loaded is not None and (loaded.tail != parent or loaded.ends_at != now):
+                loaded = None  # not this request's load
+            self._store_new(keys, slots, parent, now, None, loaded)
             return
         else:
             classes = self.classes
@@ -180,11 +208,14 @@ class ReturnTimePolicy(ExpiryWheel):
         hold, refs, partial = classes.hold, classes.refs, classes.partial
         flags = self._evictable
         width, c1, below = self._width, self.capacity + 1, self._sample_below
-        extended = classes.extension_hold(classes.draw_extension())
+        drawn = classes.draw_extension()
+        extended = classes.extension_hold(drawn)
         n = len(slots)
         moved = moved_to = -1  # the last block moved (the head-most) and its list
         olds: list[int] = []
         chain_classes: list[int] = []
+        sampled: list[int] = []  # tail first: positions, then their classes
+        sampled_classes: list[int] = []
         last_class = 0 if hit else LAST
         deeper = 0
         for i in range(n - 1, -1, -1):
@@ -202,38 +233,54 @@ class ReturnTimePolicy(ExpiryWheel):
             if t < 2:
                 touches[s] = t + 1
             refs[cls] += 1
-            e = now + (extended if cls == partial else hold[cls])
             old = expiry[s]
             if hit:
                 olds.append(old)
                 chain_classes.append(cls)
-            if old > e:
-                e = old
-            if deeper > e:
-                e = deeper
-            expiry[s] = deeper = e
-            if flags[s]:
-                moved = s
-                moved_to = c1 + (e // width) % RING  # e >= now: never a past bucket
-                self._move_to_tail(s, moved_to)
-            key = keys[i]
-            if key[-1] < below:
-                self._observe(fingerprint(key), cls, hit)
+            if old < OPEN:  # an open block's request sets its expiry when complete
+                e = now + (extended if cls == partial else hold[cls])
+                if old > e:
+                    e = old
+                if deeper > e:
+                    e = deeper
+                expiry[s] = deeper = e
+                if flags[s]:
+                    moved = s
+                    moved_to = c1 + (e // width) % RING  # e >= now: never a past bucket
+                    self._move_to_tail(s, moved_to)
+            if keys[i][-1] < below:
+                sampled.append(i)
+                sampled_classes.append(cls)
         if moved >= 0:  # the chain moved tail first: keep it before its parent
             self._to_parent(moved, moved_to)
         up = parent if parent >= 0 else par[slots[0]]
         loaded = self._loaded
+        if loaded is not None and (hit or loaded.tail != parent or loaded.ends_at != now):
+            loaded = None  # a load starts a request; a store continues the load right before it, or none
+        prefix, diff = (loaded.prefix, loaded.diff) if loaded is not None else (PREFIX_HITS, 0)
+        fps = None
+        if sampled:
+            fps = [fingerprint(keys[i]) for i in reversed(sampled)]
+            sampled_classes.reverse()
+            learned = classes.learned_hold_of
+            minis = [now + learned(cls, drawn) for cls in sampled_classes]
+            for j in range(len(minis) - 2, -1, -1):  # the miniature raises the head like the cache
+                if minis[j] < minis[j + 1]:
+                    minis[j] = minis[j + 1]
+            prefix = self._sample_chain(fps, sampled_classes, minis, prefix)
+        if self.guard.chain_sampled:
+            diff = self.guard.end_chain(diff)
         if hit:
-            self._loaded = LoadedChain(slots[-1], now + n, list(keys), list(slots), olds, chain_classes, now)
-        elif loaded is not None:
+            self._loaded = LoadedChain(
+                slots[-1], now + n, list(keys), list(slots), olds, chain_classes, now, prefix, diff, fps
+            )
+        elif self._loaded is not None:
             self._loaded = None
-            if base and loaded.tail == parent and loaded.ends_at == now:
+            if base and loaded is not None:
                 deeper, up = self._reclassify(loaded, base, deeper)
         return up, deeper
 
     def _end_reference(self, n: int) -> None:
-        if self.guard.chain_sampled:
-            self.guard.end_chain()
         self._now += n
         if self._now >= self._next_solve:
             self._solve()
@@ -257,6 +304,8 @@ class ReturnTimePolicy(ExpiryWheel):
             cls = base + touches_of(old_cls)
             refs[old_cls] -= 1
             refs[cls] += 1
+            if expiry[s] >= OPEN:  # its own request sets its expiry
+                continue
             e = max(olds[j], then + hold[cls], floor)
             expiry[s] = floor = e
             if flags[s]:
@@ -268,30 +317,28 @@ class ReturnTimePolicy(ExpiryWheel):
             self._to_parent(moved, moved_to)
         return floor, self._parent[slots[0]]
 
-    # --- requests stored in pieces ----------------------------------------------------
+    # --- requests, open until complete ----------------------------------------------
 
     def continue_chain(self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int) -> None:
-        """A store that continues the request whose last store ended in ``parent``: one request, one class.
+        """A store that continues the request whose last store ended in ``parent``: one request.
 
-        The request's new blocks are counted over all its stores, its end
-        moves to this store (the table of request ends gets it, in place of
-        the first store's, when the request ends: one entry per request
-        however many stores), and its earlier blocks are re-classified: the
-        previous tail is no longer the request's last block, and all of them
-        move to the request's bucket of new blocks if it grew out of theirs
-        (at most three times a request: the buckets end at 8). A
-        re-classified block's expiry counts from the request's last store
-        with its new class (lower, if that class holds less), and never falls
-        below its descendants' in the request. Anything but a store of new
-        blocks continuing an open request (see :data:`OPEN_REQUESTS`) is a
-        store of its own. Cost: :meth:`reference_chain`'s, plus one step per
-        re-classified block.
+        A request is classified when it is complete, not piece by piece: until
+        then its blocks are open (expiry ``OPEN +`` :attr:`OpenRequest.deadline`,
+        its first store's clock plus the longest hold), so they go after
+        nearly every other block, and never
+        for a later store of their own request while others qualify. Its new
+        blocks are counted over all its stores and its end moves to its last
+        store. It is settled (:meth:`_settle`) when it ends
+        (:meth:`end_request`), when its record is dropped (see
+        :data:`OPEN_REQUESTS`) or taken by a store that does not continue it
+        (anything but new blocks after its last store), or when the tier is
+        cleared. Cost: :meth:`reference_chain`'s.
         """
         n = len(slots)
         record = self._open.pop(parent, None) or self._open_old.pop(parent, None)
         if not n or record is None or slots != self._fresh or self._key_of[parent] != record.tail_key:
             if record is not None:
-                self.classes.publish(record)
+                self._settle(parent, record)
             self.reference_chain(keys, slots, parent, False)
             return
         now = self._now
@@ -299,71 +346,144 @@ class ReturnTimePolicy(ExpiryWheel):
             self._advance(now // self._width)
         self._fresh.clear()
         self._loaded = None
-        self._store_new(keys, slots, parent, now, record)
+        self._store_new(keys, slots, parent, now, record, None)
 
     def end_request(self, tail_slot: int) -> None:
-        """The request whose last store ended in ``tail_slot`` finished: its record goes, and its
-        end takes the place of its first store's in the table of request ends.
-
-        Until then a store that continues it only notes its end in the record: a
-        request's end is what a later one (the conversation's next turn) meets.
-        A record dropped unfinished (see :data:`OPEN_REQUESTS`) publishes its
-        end the same way.
-        """
+        """The request whose last store ended in ``tail_slot`` finished: it is settled (see
+        :meth:`continue_chain`) and its end takes the place of its first store's in the table
+        of request ends."""
         record = self._open.pop(tail_slot, None) or self._open_old.pop(tail_slot, None)
         if record is not None:
-            self.classes.publish(record)
+            self._settle(tail_slot, record)
 
-    def _reclass_stored(self, tail: int, count: int, old_base: int, base: int, then: int) -> None:
-        """Re-classify the ``count`` blocks a request stored up to slot ``tail`` (tail first).
+    def _settle(self, tail: int, record: OpenRequest) -> None:
+        """Classify and hold a complete request's blocks: ``tail``, its last, and the rest.
 
-        They were new when stored: class ``old_base`` (``+ LAST`` for the tail,
-        then the request's last block), now ``base``. Their holds count from
-        ``then`` (the request's last store), each at least its descendant's;
-        the request's ancestors are raised to them.
+        Its last block is the request's last (class ``base + LAST``), the others
+        are of ``base``, by its count of new blocks; each holds from the
+        request's last store, at least as long as its descendant in the
+        request, and the request's ancestors are raised to its head. The walk
+        goes up from ``tail`` over the open blocks the request stored and stops
+        where its chain was cut (a block evicted or removed): what stays open
+        beyond expires at the request's deadline. The end is published.
+        O(blocks stored), once per request: a request whose blocks are linked
+        as one run in their list (the usual case) moves as one run.
         """
-        par, key_of, expiry, flags = self._parent, self._key_of, self._expiry, self._evictable
-        refs, hold, below = self.classes.refs, self.classes.hold, self._sample_below
-        floor = 0
-        slot = tail
-        moved = moved_to = -1
-        for k in range(count):
-            key = key_of[slot] if slot >= 0 else NO_KEY
-            if key is NO_KEY:  # the chain was cut (a block evicted and its children orphaned)
-                break
-            old_cls = old_base + LAST if k == 0 else old_base
-            if refs[old_cls]:  # the counts are since the last solve
-                refs[old_cls] -= 1
-                refs[base] += 1
-            e = max(then + hold[base], floor)
-            if e != expiry[slot]:
-                expiry[slot] = e
-                if flags[slot]:
-                    moved, moved_to = slot, self._list_for(e)
-                    self._move_to_tail(slot, moved_to)
-            floor = e
-            if key[-1] < below:
-                self.sampler.reclass(fingerprint(key), base)
-            slot = par[slot]
+        classes = self.classes
+        classes.publish(record)
+        key_of = self._key_of
+        if key_of[tail] != record.tail_key:
+            return
+        par, nxt, expiry, flags = self._parent, self._next, self._expiry, self._evictable
+        base = BASE_OF_NEW[record.new if record.new < 8 else 8]
+        then, drawn = record.then, record.drawn
+        last_expiry = then + classes.hold_of(base + LAST, drawn)
+        body_expiry = max(then + classes.hold_of(base, drawn), last_expiry)
+        opened = OPEN + record.deadline  # the expiry of the request's open blocks, its own
+        expiry[tail] = last_expiry
+        head = tail
+        walked = 1
+        stored = record.stored
+        if flags[tail]:  # while the request is one run of its list, tail first: it moves as one
+            while walked < stored:
+                slot = par[head]
+                if slot < 0 or expiry[slot] != opened or nxt[head] != slot:
+                    break
+                expiry[slot] = body_expiry
+                head = slot
+                walked += 1
+            run = walked == stored
         else:
-            self._raise_ancestors(slot, floor)
+            run = False
+        while walked < stored:
+            slot = par[head]
+            if slot < 0 or expiry[slot] != opened:  # the chain was cut here
+                break
+            expiry[slot] = body_expiry
+            head = slot
+            walked += 1
+        else:
+            up = par[head]
+            if up >= 0:
+                self._raise_ancestors(up, body_expiry if walked > 1 else last_expiry)
+        classes.refs[base + LAST] += 1
+        classes.refs[base] += walked - 1
+        if record.sampled is not None or record.loaded is not None:
+            self._settle_sampled(record, base, key_of[tail][-1] < self._sample_below)
+        self._relink_settled(tail, head, run, last_expiry, body_expiry)
+
+    def _relink_settled(self, tail: int, head: int, run: int, last_expiry: int, body_expiry: int) -> None:
+        """Move a settled request's blocks, ``tail`` up to ``head``, into the lists of their new
+        expiries, tail first, and the request before its parent there. ``run``: they are one run
+        of their list, ``tail`` first (moved as one)."""
+        par, flags, nxt = self._parent, self._evictable, self._next
+        last_list, body_list = self._list_for(last_expiry), self._list_for(body_expiry)
+        if run:
+            if head != tail:
+                body = par[tail]
+                if last_list != body_list:
+                    self._move_to_tail(tail, last_list)
+                    tail = body
+                before, after = self._prev[tail], nxt[head]
+                nxt[before] = after
+                self._prev[after] = before
+                self._link_run(tail, head, body_list)
+                self._to_parent(head, body_list)
+            else:
+                self._move_to_tail(tail, last_list)
+                self._to_parent(tail, last_list)
+            return
+        slot, moved, moved_to = tail, -1, -1
+        while True:
+            if flags[slot]:
+                moved, moved_to = slot, last_list if slot == tail else body_list
+                self._move_to_tail(slot, moved_to)
+            if slot == head:
+                break
+            slot = par[slot]
         if moved >= 0:
             self._to_parent(moved, moved_to)
 
-    def _store_new(
-        self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int, now: int, record: OpenRequest | None
-    ) -> None:
-        """A store of new blocks: of a new request (``record`` None) or continuing one (its record).
+    def _settle_sampled(self, record: OpenRequest, base: int, tail_sampled: bool) -> None:
+        """A settled request's sampled blocks get its classes (the model's) and the learned holds'
+        expiries in the guard's miniature, each at least its descendant's; the sampled blocks of
+        the prefix it loaded are raised to its head's. ``tail_sampled``: the last of
+        ``record.sampled`` is the request's last block."""
+        reclass, settle, learned = self.sampler.reclass, self.guard.mini.settle, self.classes.learned_hold_of
+        then, drawn = record.then, record.drawn
+        floor = 0
+        sampled = record.sampled or []
+        last = len(sampled) - 1 if tail_sampled else -1
+        for i in range(len(sampled) - 1, -1, -1):
+            cls = base + LAST if i == last else base
+            fp = sampled[i]
+            reclass(fp, cls)
+            floor = max(then + learned(cls, drawn), floor)
+            settle(fp, floor, False)
+        head = max(floor, then + learned(base, drawn))
+        for fp in record.loaded or ():
+            settle(fp, head, True)
 
-        Classifies by the recorded request ends only (none of the blocks was
-        referenced before) and the request's new blocks so far, records the
-        request's end (in place of its earlier one, see :meth:`continue_chain`),
-        holds the blocks (class ``base``, ``base + LAST`` for the last), raises the
-        ancestors, ends the reference and notes the request, which may go on.
-        New blocks have no parent, no touches and expiry 0, and are not
-        evictable yet. The path of every store: inlined, as a call costs about
-        as much as a block's work.
-        Long because the classification and the hold loop share the chain's state.
+    def _store_new(
+        self,
+        keys: Sequence[BlockKey],
+        slots: Sequence[int],
+        parent: int,
+        now: int,
+        record: OpenRequest | None,
+        loaded: LoadedChain | None,
+    ) -> None:
+        """A store of new blocks: of a new request (``record`` None; ``loaded``: its load, right
+        before) or continuing one (its record).
+
+        Counts the request's new blocks by the recorded request ends only (none
+        of the blocks was referenced before), records its first store's end,
+        links the blocks open (expiry: the request's deadline; see
+        :meth:`continue_chain`), raises the ancestors to what the request's head
+        would hold if it ended now, ends the reference and keeps the request's
+        record, which the next store may continue. New blocks have no parent,
+        no touches and expiry 0, and are not evictable yet. The path of every
+        store: inlined, as a call costs about as much as a block's work.
         """
         n = len(slots)
         classes = self.classes
@@ -373,26 +493,16 @@ class ReturnTimePolicy(ExpiryWheel):
         end = fingerprint(keys[-2] if n >= 2 else self._key_of[parent] if parent >= 0 else keys[-1])
         if record is None:
             new = n if found < 0 else n - 1 - found
-            base = BASE_OF_NEW[new if new < 8 else 8]
             history.add(end)
-            drawn, diff = classes.draw_extension(), 0
-            record = OpenRequest(keys[-1], new, base, n, end, end, now, drawn, 0)
+            record = OpenRequest(keys[-1], new, n, end, end, now, now + self.max_hold, classes.draw_extension(), 0)
+            if loaded is not None:
+                record.prefix, record.diff, record.loaded = loaded.prefix, loaded.diff, loaded.sampled
         else:
             new = n - 1 - found if found >= 0 else record.new + n
-            base = BASE_OF_NEW[new if new < 8 else 8]
-            old_base = record.base
-            self._reclass_stored(parent, record.stored if base != old_base else 1, old_base, base, record.then)
-            drawn, diff = record.drawn, record.diff
-            record.tail_key, record.new, record.base, record.end, record.then = keys[-1], new, base, end, now
+            record.tail_key, record.new, record.end, record.then = keys[-1], new, end, now
             record.stored += n
+        opened = OPEN + record.deadline
         par, children, touches, expiry = self._parent, self._children, self._touches, self._expiry
-        hold, partial, refs = classes.hold, classes.partial, classes.refs
-        extended = classes.extension_hold(drawn)
-        last = base + LAST
-        tail_expiry = now + (extended if last == partial else hold[last])
-        head_expiry = max(now + (extended if base == partial else hold[base]), tail_expiry)
-        refs[last] += 1
-        refs[base] += n - 1
         below = self._sample_below
         sampled: list[int] = []
         up = slots[0]
@@ -400,7 +510,7 @@ class ReturnTimePolicy(ExpiryWheel):
             par[up] = parent
             children[parent] += 1
         touches[up] = 1
-        expiry[up] = head_expiry
+        expiry[up] = opened
         if keys[0][-1] < below:
             sampled.append(0)
         for i in range(1, n):  # the hot path of every store
@@ -408,36 +518,75 @@ class ReturnTimePolicy(ExpiryWheel):
             par[s] = up
             children[up] += 1
             touches[s] = 1
-            expiry[s] = head_expiry
+            expiry[s] = opened
             up = s
             if keys[i][-1] < below:
                 sampled.append(i)
-        expiry[up] = tail_expiry
-        for i in sampled:
-            self._observe(fingerprint(keys[i]), last if i == n - 1 else base, False)
-        if parent >= 0:
-            self._raise_ancestors(parent, head_expiry)
+        if sampled:
+            base = BASE_OF_NEW[new if new < 8 else 8]
+            fps = [fingerprint(keys[i]) for i in sampled]
+            if record.sampled is None:
+                record.sampled = fps
+            else:
+                record.sampled += fps
+            # The model's classes as if the request ended now (_settle corrects them); open in the miniature.
+            model_classes = [base + LAST if i == n - 1 else base for i in sampled]
+            record.prefix = self._sample_chain(fps, model_classes, [opened] * len(fps), record.prefix)
+        if parent >= 0 and expiry[parent] < OPEN:  # the loaded prefix, or what the request extends
+            base = BASE_OF_NEW[new if new < 8 else 8]
+            self._raise_ancestors(parent, now + classes.hold_of(base, record.drawn))
         if self.guard.chain_sampled:  # _end_reference
-            record.diff = self.guard.end_chain(diff)
+            record.diff = self.guard.end_chain(record.diff)
         self._now = now + n
         if self._now >= self._next_solve:
             self._solve()
-        opened = self._open  # the request may go on (see continue_chain)
-        opened[slots[-1]] = record
-        if len(opened) >= self._open_limit:  # the older generation goes: finished requests, most likely
-            for gone in self._open_old.values():
-                classes.publish(gone)
-            self._open_old, self._open = opened, {}
+        records = self._open  # the request may go on (see continue_chain)
+        records[slots[-1]] = record
+        if len(records) >= self._open_limit:  # the older generation goes: finished requests, most likely
+            for tail, gone in self._open_old.items():
+                self._settle(tail, gone)
+            self._open_old, self._open = records, {}
 
     # --- learning ---------------------------------------------------------------------
 
-    def _observe(self, fp: int, cls: int, hit: bool) -> None:
-        """A sampled reference: a return time for the model, a paired hit for the guard."""
-        sampler = self.sampler
-        prev = sampler.observe(fp, self._now, cls)
-        if prev >= 0:
-            self.model.record(prev, sampler.last_age)
-        self.guard.add(hit, sampler.lru_hit)
+    def _sample_chain(self, fps: list[int], model_classes: list[int], minis: list[int], prefix: int) -> int:
+        """A chain's sampled references (fingerprints head first, their classes, their expiries in
+        the miniature of the learned holds), given its request's prefix state; returns the new state.
+
+        Head first, the sampled LRU and the miniature say whether each is a
+        prefix hit (held, and every sampled block before it in the request
+        too); then, tail first (so the head ends the most recent), the sampler
+        takes each reference (a return time for the model; the sampled LRU's
+        recency) and the miniature holds it.
+        """
+        now = self._now
+        guard, sampler = self.guard, self.sampler
+        mini, table = guard.mini, sampler.table
+        if now // mini.width != mini.cur:
+            mini.advance(now)
+        lru_hit, learned_hit = bool(prefix & 1), bool(prefix & 2)
+        lru_hits = learned_hits = 0
+        for fp in fps:
+            if lru_hit:
+                entry = table.find(fp)
+                lru_hit = entry >= 0 and table.list_of(entry) == 0
+                lru_hits += lru_hit
+            if learned_hit:
+                learned_hit = mini.holds(fp)
+                learned_hits += learned_hit
+        guard.refs += len(fps)
+        guard.lru_hits += lru_hits
+        guard.learned_hits += learned_hits
+        guard.chain_diff += learned_hits - lru_hits
+        guard.chain_sampled = True
+        record, observe = self.model.record, sampler.observe
+        for i in range(len(fps) - 1, -1, -1):
+            fp = fps[i]
+            previous = observe(fp, now, model_classes[i])
+            if previous >= 0:
+                record(previous, sampler.last_age)
+            mini.reference(fp, minis[i])
+        return lru_hit | learned_hit << 1
 
     def _solve(self) -> None:
         """Refresh the holding times from the statistics (every ``solve_every`` references).
@@ -453,19 +602,18 @@ class ReturnTimePolicy(ExpiryWheel):
         decay = 0.5 ** (elapsed / (HALF_LIFE * self.horizon))
         plan = self.model.solve(self.capacity, self.classes.take_refs(), elapsed, decay, self.sampler.in_progress(now))
         self.plan = plan
-        if self.guard.judge(now, self.learning, self.solve_every):
+        fell_back = self.guard.judge()
+        if fell_back and self.learning:
             self._release_holds(now)
         useful = bool(plan.learned_hits >= GAIN_NEEDED * plan.lru_hits and plan.learned_hits > 0)
-        was_learning = self.learning
-        self.learning = useful and now >= self.guard.lru_until
-        if self.learning and not was_learning:
-            self.guard.start_trial()
-        self.classes.use(plan if self.learning else None, self.max_hold)
+        self.learning = useful and not self.guard.fallen_back
+        self.classes.use(plan, self.max_hold, self.learning)
 
     # --- reset ------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Forget every block; what was learned about the workload stays."""
+        """Forget every block; what was learned about the workload stays (the ends of open
+        requests are published)."""
         for records in (self._open_old, self._open):
             for record in records.values():
                 self.classes.publish(record)

@@ -21,6 +21,11 @@ in reference order, a chain's tail before its head: a block that becomes
 evictable goes right before its parent when that is in the same list (see
 :meth:`ExpiryWheel._to_parent`).
 
+**Open blocks.** A block whose expiry is provisional (its owner sets it when
+the request that stored it is complete) has an expiry of ``OPEN + e``: it is
+ordered as expiring at ``e`` (:meth:`ExpiryWheel._list_for`), no raise of
+ancestors passes it, and :meth:`ExpiryWheel._release_holds` leaves it alone.
+
 **Prefix links.** Each block knows its parent (``_parent[slot]``, -1 if
 unknown) and how many held blocks name it as parent (``_children[slot]``).
 Eviction passes over a block with children while leaves qualify, so the cache
@@ -52,6 +57,9 @@ RING = 128
 
 PASS_LIMIT = 64
 """Non-leaves an eviction may pass over (plus 4 per block it evicts) before taking them in order."""
+
+OPEN = 1 << 60
+"""Added to the expiry of an open block (see the module docstring): above every clock value."""
 
 
 class ExpiryWheel(SlotListPolicy):
@@ -181,7 +189,7 @@ class ExpiryWheel(SlotListPolicy):
                 if first >= 0:  # close the run: onto its list's tail
                     self._link_run(first, tail, end)
                 last = e
-                bucket = e // width  # _list_for, inlined
+                bucket = (e - OPEN if e >= OPEN else e) // width  # _list_for, inlined
                 end = cap if bucket < cur else cap + 1 + bucket % RING
                 first = slot
             else:
@@ -209,6 +217,9 @@ class ExpiryWheel(SlotListPolicy):
     # --- ordering ---------------------------------------------------------------------
 
     def _list_for(self, expiry: int) -> int:
+        """The list (sentinel) of a block of this expiry: its wheel list, or the expired list."""
+        if expiry >= OPEN:
+            expiry -= OPEN
         bucket = expiry // self._width
         return self.capacity if bucket < self._cur else self.capacity + 1 + bucket % RING
 
@@ -274,15 +285,26 @@ class ExpiryWheel(SlotListPolicy):
         self._cur = cur
 
     def _release_holds(self, now: int) -> None:
-        """End every hold now: the whole wheel joins the expired list, in expiry order.
+        """End every hold now but the open blocks': the wheel joins the expired list, in expiry order.
 
-        O(capacity) in numpy, so LRU order takes over at once instead of after
-        the longest hold.
+        O(capacity) in numpy (and a walk of the evictable blocks when open ones
+        are among them, to put those back), so LRU order takes over at once
+        instead of after the longest hold.
         """
         self._advance(self._cur + RING)
         self._cur = now // self._width
         expiry = np.frombuffer(self._expiry, dtype=np.int64)
-        np.minimum(expiry, now, out=expiry)
+        held_open = expiry >= OPEN
+        np.minimum(expiry, now, out=expiry, where=~held_open)
+        if not held_open.any():
+            return
+        nxt, expiries, cap = self._next, self._expiry, self.capacity
+        slot = nxt[cap]
+        while slot != cap:  # an open block keeps its expiry, so it goes back to that bucket
+            after = nxt[slot]
+            if expiries[slot] >= OPEN:
+                self._move_to_tail(slot, self._list_for(expiries[slot]))
+            slot = after
 
     # --- eviction ---------------------------------------------------------------------
 
