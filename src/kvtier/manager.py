@@ -78,6 +78,7 @@ from kvtier.telemetry import (
     LookupCounts,
     ManagerCounters,
     ManagerSnapshot,
+    PolicySnapshot,
     TierSnapshot,
     TierTelemetry,
     TransferTotals,
@@ -823,7 +824,10 @@ class TieringManager:
         if result is None:
             self._stats.store_rejections += 1
             return None
-        if state is not None:
+        if state is None:
+            if keys:  # no request to continue it: the store is a whole request
+                self.primary.end_request(keys[-1])
+        else:
             if keys:
                 state.chain_tail = keys[-1]
                 state.stored_tail = True
@@ -1222,6 +1226,7 @@ class TieringManager:
             evictions=ps.evictions,
             health="closed" if not self._shutdown_complete else "down",
             counters=asdict(ps),
+            policy=PolicySnapshot.of(primary.policy),
         )
 
     def _tier_snapshot(self, pos: int, tier: SecondaryTier) -> TierSnapshot:

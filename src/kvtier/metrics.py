@@ -34,6 +34,12 @@ tier or ``<n>:<type>`` for secondary tier n, as in events and logs):
   the metrics a tier declares itself (``SecondaryTier.extra_metrics``)
 * ``lookup_seconds`` and ``scheduler_step_seconds``: histograms the caller feeds
   (a whole ``lookup`` per block, kvtier's time per engine step)
+* the CPU tier's eviction policy (what its ``stats()`` reports):
+  ``policy_state{tier,policy,state}`` 1 for its current state (``return-time``:
+  ``learning``, ``ahead`` or ``fallen_back``), ``policy_sampled_hit_ratio{tier,policy,cache}``
+  (``cache="lru"`` / ``"learned"``: the prefix-hit ratios of the guard's two miniature
+  caches), ``policy_fallbacks_total{tier,policy}``, and ``policy_value{tier,policy,name}``
+  for every other number it reports
 """
 
 from __future__ import annotations
@@ -180,6 +186,7 @@ def _families(snap: ManagerSnapshot, transfer: Mapping[str, tuple[int, float]]) 
         nbytes.add_metric(["device", direction], moved)
         seconds.add_metric(["device", direction], secs)
 
+    policy_families = _policy_families(snap)
     m = snap.manager
     in_flight.add_metric([], m.jobs_in_flight)
     promotions.add_metric(["started"], m.promotions_started)
@@ -199,7 +206,48 @@ def _families(snap: ManagerSnapshot, transfer: Mapping[str, tuple[int, float]]) 
     )
     return [lookups, sync, deferred, nbytes, seconds, jobs, active, failures, evictions, used, total, entries,
             health, pressure, latency, skipped_jobs, skipped_blocks, extra_counters, extra_gauges, in_flight,
-            promotions, cascades]  # fmt: skip
+            promotions, cascades, *policy_families]  # fmt: skip
+
+
+POLICY_STATES = ("learning", "ahead", "fallen_back")
+"""The states ``return-time`` reports; another policy's own state is exported beside them."""
+
+
+def _policy_families(snap: ManagerSnapshot) -> list[Metric]:
+    """The eviction policies' families: state, the guard's sampled hit ratios, fallbacks, other numbers."""
+    state = GaugeMetricFamily(
+        "kvtier_policy_state", "1 for the eviction policy's current state.", labels=["tier", "policy", "state"]
+    )
+    ratio = GaugeMetricFamily(
+        "kvtier_policy_sampled_hit_ratio",
+        "Prefix-hit ratio of the policy guard's miniature caches on the sampled keys (cache: lru, learned).",
+        labels=["tier", "policy", "cache"],
+    )
+    fallbacks = CounterMetricFamily(
+        "kvtier_policy_fallbacks", "Times the policy's guard left its learned holds for LRU order.",
+        labels=["tier", "policy"],
+    )  # fmt: skip
+    other = GaugeMetricFamily(
+        "kvtier_policy_value", "Other numbers the eviction policy reports.", labels=["tier", "policy", "name"]
+    )
+    named = {"sampled_hit_rate_lru": "lru", "sampled_hit_rate_learned": "learned"}
+    for tier in snap.tiers:
+        policy = tier.policy
+        if policy is None:
+            continue
+        labels = [tier.label, policy.name]
+        if policy.state is not None:
+            states = POLICY_STATES if policy.state in POLICY_STATES else (*POLICY_STATES, policy.state)
+            for name in states:
+                state.add_metric([*labels, name], 1.0 if name == policy.state else 0.0)
+        for name, value in sorted(policy.values.items()):
+            if name in named:
+                ratio.add_metric([*labels, named[name]], value)
+            elif name == "fallbacks":
+                fallbacks.add_metric(labels, value)
+            else:
+                other.add_metric([*labels, name], value)
+    return [state, ratio, fallbacks, other]
 
 
 class KvtierMetrics:

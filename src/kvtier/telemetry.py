@@ -35,6 +35,7 @@ see :meth:`ManagerSnapshot.as_dict`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -44,6 +45,8 @@ import numpy as np
 
 from kvtier.keys import BlockKey
 from kvtier.types import LookupResult
+
+logger = logging.getLogger(__name__)
 
 LOOKUP_SECONDS_BUCKETS: tuple[float, ...] = (
     1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 5e-4, 1e-3, 1e-2, 0.1,
@@ -257,6 +260,36 @@ class BackpressureSnapshot:
 
 
 @dataclass(frozen=True)
+class PolicySnapshot:
+    """What a tier's eviction policy reports about itself (:meth:`EvictionPolicy.stats`).
+
+    ``state``: its word for its state, if any (``return-time``: ``learning``,
+    ``ahead`` or ``fallen_back``); ``values``: its numbers (``return-time``:
+    ``sampled_hit_rate_lru`` and ``sampled_hit_rate_learned``, the prefix-hit
+    rates of its guard's two miniature caches, ``fallbacks``, ...).
+    """
+
+    name: str
+    state: str | None = None
+    values: Mapping[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, policy: Any) -> PolicySnapshot | None:
+        """The snapshot of ``policy`` (an :class:`~kvtier.policies.base.EvictionPolicy`), or None
+        if its ``stats()`` raised (logged) or returned something that is not a mapping."""
+        try:
+            reported = policy.stats()
+            state = reported.get("state")
+            values = {
+                str(k): float(v) for k, v in reported.items() if k != "state" and isinstance(v, int | float)
+            }
+        except Exception:
+            logger.warning("eviction policy %r: stats() failed; its snapshot is left out", policy, exc_info=True)
+            return None
+        return cls(str(getattr(policy, "name", type(policy).__name__)), None if state is None else str(state), values)
+
+
+@dataclass(frozen=True)
 class TierSnapshot:
     """One tier at one moment. ``used_bytes``/``capacity_bytes``/``entries`` are None when the
     tier cannot say (or its ``usage()`` failed); ``health`` is ``closed``/``open``/``half_open``,
@@ -298,6 +331,7 @@ class TierSnapshot:
     counters: Mapping[str, float] = field(default_factory=dict)
     extra: Mapping[str, float] = field(default_factory=dict)
     extra_kinds: Mapping[str, str] = field(default_factory=dict)
+    policy: PolicySnapshot | None = None
 
     @property
     def is_primary(self) -> bool:
@@ -334,6 +368,8 @@ class TierSnapshot:
             backpressure=None if self.backpressure is None else dataclasses.asdict(self.backpressure),
             extra_kinds=dict(self.extra_kinds),
         )
+        if self.policy is not None:
+            out["policy"] = {"name": self.policy.name, "state": self.policy.state, **self.policy.values}
         return out
 
 
@@ -510,7 +546,16 @@ def _cpu_from_dict(primary: Mapping[str, Any], block_bytes: int, counters: Manag
         evictions=int(primary.get("evictions", 0)),
         health=str(primary.get("health", "closed")),
         counters={k: v for k, v in primary.items() if isinstance(v, int | float) and not isinstance(v, bool)},
+        policy=_policy_from_dict(primary.get("policy")),
     )
+
+
+def _policy_from_dict(entry: Any) -> PolicySnapshot | None:
+    if not isinstance(entry, Mapping):
+        return None
+    values = {str(k): float(v) for k, v in entry.items() if k not in ("name", "state") and isinstance(v, int | float)}
+    state = entry.get("state")
+    return PolicySnapshot(str(entry.get("name", "")), None if state is None else str(state), values)
 
 
 def _tier_from_dict(index: int, label: str, entry: Mapping[str, Any]) -> TierSnapshot:

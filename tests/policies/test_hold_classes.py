@@ -72,6 +72,8 @@ def test_publishing_moves_a_request_end_in_place() -> None:
     classes = HoldClassifier(64)
     first, last = fingerprint(key(1)), fingerprint(key(5))
     classes.history.add(first)
-    record = OpenRequest(key(6), new=5, stored=5, end=last, published=first, then=0, deadline=0, drawn=False, diff=0)
+    record = OpenRequest(
+        key(6), new=5, stored=5, end=last, published=first, then=0, deadline=0, held=0, drawn=False, diff=0
+    )
     classes.publish(record)
     assert last in classes.history and first not in classes.history and len(classes.history) == 1

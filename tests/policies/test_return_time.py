@@ -27,7 +27,7 @@ from kvtier.keys import BlockKey
 from kvtier.policies import LRUPolicy, ReturnTimePolicy
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.return_time import CLASSES, NEW_BUCKETS, RING, class_id
-from kvtier.policies.return_time.wheel import OPEN
+from kvtier.policies.return_time.wheel import CLOCK, MARK, OPEN
 from kvtier.policies.slot_lists import NO_KEY
 
 
@@ -97,7 +97,7 @@ def check_invariants(tier: Slotted[ReturnTimePolicy]) -> None:
     for r, lst in enumerate(lists[1:]):
         bucket = policy._cur + r
         assert all(
-            (policy._expiry[s] - OPEN if policy._expiry[s] >= OPEN else policy._expiry[s]) // width == bucket
+            (policy._expiry[s] & CLOCK) // width == bucket
             for s in lst
         ), f"wheel list {r} holds another bucket"
     key_of = {s: k for k, s in tier.slot_of.items()}
@@ -108,7 +108,7 @@ def check_invariants(tier: Slotted[ReturnTimePolicy]) -> None:
         up = policy._parent[s]
         if up >= 0:
             counts[up] += 1
-    assert list(policy._children) == counts, "_children counts the held blocks naming each slot as parent"
+    assert [c % MARK for c in policy._children] == counts, "_children counts the held blocks naming each slot"
     assert all(policy._parent[s] == -1 for s in range(c) if s not in resident), "a free slot has no parent"
 
 

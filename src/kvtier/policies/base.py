@@ -52,7 +52,7 @@ Out-of-tree policies subclass :class:`EvictionPolicy` (constructor
 from __future__ import annotations
 
 import abc
-from collections.abc import Container, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import ClassVar
 
 from kvtier.keys import BlockKey
@@ -171,3 +171,9 @@ class EvictionPolicy(abc.ABC):
     @abc.abstractmethod
     def evictable_count(self) -> int:
         """How many blocks could be evicted right now."""
+
+    def stats(self) -> Mapping[str, float | str]:
+        """What the policy reports about itself (the manager's snapshot and metrics carry it):
+        numbers, and under ``"state"`` a word for its state. Called from the tier's thread; cheap.
+        The default reports nothing."""
+        return {}

@@ -217,7 +217,9 @@ def replay_manager(
     finally:
         manager.shutdown()
     hits_total = sum(tier_hits.values())
+    policy_values = stats.cpu.policy.values if stats.cpu.policy is not None else {}
     extra: dict[str, float] = {
+        **{f"policy_{name}": value for name, value in policy_values.items()},
         "store_rejections": rejected,
         "self_evictions": self_evicted,
         "evictions": stats.cpu.evictions,

@@ -87,13 +87,17 @@ class OpenRequest:
     stored: int
     """Blocks it stored."""
     end: int
-    """Fingerprint of its end now (see :meth:`HoldClassifier.request_end`)."""
+    """Fingerprint of its end (see :meth:`HoldClassifier.request_end`): its first store's, its
+    last store's once it is complete."""
     published: int
     """The end in the table of request ends: its first store's until the request ends."""
     then: int
     """Clock of its last store."""
     deadline: int
     """Expiry of its blocks while it is open: its first store's clock plus the longest hold."""
+    held: int
+    """The expiry its first store gave its blocks but the last (as if it ended then); -1 once they
+    are open (``OPEN + deadline``: it stored more, or an eviction reached it)."""
     drawn: bool
     """Whether it drew the partial class's extended hold."""
     diff: int
@@ -134,7 +138,7 @@ class HoldClassifier:
         else:
             self.learned = [min(h, max_hold) for h in plan.hold]
             self._learned_partial, self._learned_extended = plan.partial, min(plan.extended, max_hold)
-        self.fraction = plan.fraction if plan is not None else 0.0  # drawn in use or not: the miniature's too
+        self.fraction = plan.fraction if plan is not None and in_use else 0.0
         if plan is None or not in_use:
             self.hold = [0] * CLASSES
             self.partial, self.extended = -1, 0

@@ -64,11 +64,12 @@ class MiniWheel:
     or above it is ``open_at + e``, ordered as ``e`` (a request still open).
     """
 
-    def __init__(self, size: int, width: int, ring: int, open_at: int) -> None:
+    def __init__(self, size: int, width: int, ring: int, open_at: int, clock: int) -> None:
         self.size = size
         self.width = width
         self.ring = ring
         self.open_at = open_at
+        self.clock = clock
         self.table = FingerprintLists(size, lists=ring + 1)
         self.expiry = array("q", bytes(8 * size))
         self.cur = 0
@@ -80,9 +81,7 @@ class MiniWheel:
         return self.table.find(fp) >= 0
 
     def _list(self, expiry: int) -> int:
-        if expiry >= self.open_at:
-            expiry -= self.open_at
-        bucket = expiry // self.width
+        bucket = (expiry & self.clock) // self.width
         return 0 if bucket < self.cur else 1 + bucket % self.ring
 
     def advance(self, now: int) -> None:

@@ -54,7 +54,8 @@ from kvtier.policies.return_time.model import (
     ReturnTimeModel,
     sample_threshold,
 )
-from kvtier.policies.return_time.wheel import OPEN, RING, ExpiryWheel
+from kvtier.policies.return_time.wheel import CLOCK, MARK, OPEN, RING, ExpiryWheel
+from kvtier.policies.slot_lists import NO_KEY
 
 GAIN_NEEDED = 1.05
 """Learned holds are used only if they predict this many times the hits of uniform holds."""
@@ -73,6 +74,13 @@ so a request's record lives for at least half the limit of stores after its last
 
 HALF_LIFE = 2.0
 """Statistics lose half their weight in this many horizons."""
+
+SPARE_RECORDS = 64
+"""Records of settled requests kept for the next requests, at most."""
+
+GUARD_KEYS = 512
+"""The guard's miniature of the learned holds has at least this many entries (if the model's
+sample allows): its share of the keys is ``max(512 / capacity, 1 / 256)``, at most the model's."""
 
 
 class LoadedChain(NamedTuple):
@@ -113,10 +121,14 @@ class ReturnTimePolicy(ExpiryWheel):
         self.sample_rate = self._sample_below / SAMPLE_SCALE
         self.solve_every = max(2048, c // 2)
         self.model = ReturnTimeModel(CLASSES, self.horizon)
-        mini = min(sample_size, max(1, round(self.sample_rate * c)))  # the sampled share of the capacity
-        self.sampler = ReturnSampler(sample_size, self.horizon, self.model, lru_size=mini)
+        lru = min(sample_size, max(1, round(self.sample_rate * c)))  # the sampled share of the capacity
+        self.sampler = ReturnSampler(sample_size, self.horizon, self.model, lru_size=lru)
         self.classes = HoldClassifier(max(256, c // 4))
-        self.guard = MeasuredGuard(MiniWheel(mini, self._width, RING, OPEN))
+        # The guard's keys: the model's sample, or a part of it large enough for its miniatures
+        # (GUARD_KEYS at least) on large tiers, where the whole sample would cost more than it tells.
+        self._guard_below = min(self._sample_below, sample_threshold(GUARD_KEYS / c))
+        mini = min(sample_size, max(1, round(self._guard_below / SAMPLE_SCALE * c)))
+        self.guard = MeasuredGuard(MiniWheel(mini, self._width, RING, OPEN, CLOCK))
         self.plan: HoldingPlan | None = None
         self.learning = False
         self._last_solve = 0
@@ -132,6 +144,7 @@ class ReturnTimePolicy(ExpiryWheel):
         # deleted ones each time: 2.4 us a store at 3,000 entries; an OrderedDict costs 0.2 us.)
         self._open: dict[int, OpenRequest] = {}
         self._open_old: dict[int, OpenRequest] = {}
+        self._spare: list[OpenRequest] = []  # records of settled requests, for the next ones
 
     @property
     def fallbacks(self) -> int:
@@ -267,7 +280,9 @@ class ReturnTimePolicy(ExpiryWheel):
             for j in range(len(minis) - 2, -1, -1):  # the miniature raises the head like the cache
                 if minis[j] < minis[j + 1]:
                     minis[j] = minis[j + 1]
-            prefix = self._sample_chain(fps, sampled_classes, minis, prefix)
+            guard_below = self._guard_below
+            guarded = None if guard_below == below else [keys[i][-1] < guard_below for i in reversed(sampled)]
+            prefix = self._sample_chain(fps, sampled_classes, minis, prefix, guarded)
         if self.guard.chain_sampled:
             diff = self.guard.end_chain(diff)
         if hit:
@@ -322,17 +337,21 @@ class ReturnTimePolicy(ExpiryWheel):
     def continue_chain(self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int) -> None:
         """A store that continues the request whose last store ended in ``parent``: one request.
 
-        A request is classified when it is complete, not piece by piece: until
-        then its blocks are open (expiry ``OPEN +`` :attr:`OpenRequest.deadline`,
-        its first store's clock plus the longest hold), so they go after
-        nearly every other block, and never
-        for a later store of their own request while others qualify. Its new
-        blocks are counted over all its stores and its end moves to its last
-        store. It is settled (:meth:`_settle`) when it ends
+        A request is classified when it is complete, not piece by piece. Its
+        first store holds its blocks as if it ended there (what it gets if it
+        does), its last block marked (see
+        :data:`~kvtier.policies.return_time.wheel.MARK`); once it stores more (here), or an eviction reaches its last
+        block first (see :meth:`evict`), all its blocks are open until it is
+        complete: expiry ``OPEN |`` :attr:`OpenRequest.deadline` (its first
+        store's clock plus the longest hold), after nearly every other block,
+        so never evicted for a later store of their own request while others
+        qualify. Its new blocks are counted over all its stores and its end
+        moves to its last store. It is settled (:meth:`_settle`) when it ends
         (:meth:`end_request`), when its record is dropped (see
         :data:`OPEN_REQUESTS`) or taken by a store that does not continue it
         (anything but new blocks after its last store), or when the tier is
-        cleared. Cost: :meth:`reference_chain`'s.
+        cleared. Cost: :meth:`reference_chain`'s, and once a request, a step
+        per block it stored before.
         """
         n = len(slots)
         record = self._open.pop(parent, None) or self._open_old.pop(parent, None)
@@ -346,6 +365,8 @@ class ReturnTimePolicy(ExpiryWheel):
             self._advance(now // self._width)
         self._fresh.clear()
         self._loaded = None
+        if record.held >= 0:
+            self._open_request(parent, record)
         self._store_new(keys, slots, parent, now, record, None)
 
     def end_request(self, tail_slot: int) -> None:
@@ -356,98 +377,158 @@ class ReturnTimePolicy(ExpiryWheel):
         if record is not None:
             self._settle(tail_slot, record)
 
+    def _release_holds(self, now: int) -> None:
+        """:meth:`ExpiryWheel._release_holds`, and the requests that stored once note their blocks'
+        expiry released (so :meth:`_rehold` still finds them)."""
+        super()._release_holds(now)
+        for records in (self._open_old, self._open):
+            for record in records.values():
+                if record.held > now:
+                    record.held = now
+
+    def _reached_open(self, slot: int) -> int:
+        """An eviction reached ``slot``, marked open: if it is the last block of a request that
+        stored once (held as if it had ended), that request's blocks become open and the eviction
+        goes on from what followed them (returned); else -1 (an open request's block, reached
+        after all the others: it may go)."""
+        record = self._open.get(slot) or self._open_old.get(slot)
+        if record is None or record.held < 0 or self._key_of[slot] != record.tail_key:
+            return super()._reached_open(slot)  # a mark left behind: cleared
+        before = self._prev[slot]  # not the request's: it is linked tail first, this its last block
+        self._open_request(slot, record)
+        return self._next[before]
+
+    def _open_request(self, tail: int, record: OpenRequest) -> None:
+        """The request whose last store ended in ``tail`` stores more, or an eviction reached its
+        last block: its blocks, held as if it had ended at its first store, become open."""
+        opened = OPEN + record.deadline
+        if self._key_of[tail] == record.tail_key:
+            if self._children[tail] >= MARK:
+                self._children[tail] -= MARK
+            self._rehold(tail, record.stored, self._expiry[tail], record.held, opened, opened, False)
+            sampled = record.sampled
+            if sampled is not None:
+                settle = self.guard.mini.settle
+                for fp in sampled:
+                    settle(fp, opened, False)
+        record.held = -1
+
     def _settle(self, tail: int, record: OpenRequest) -> None:
-        """Classify and hold a complete request's blocks: ``tail``, its last, and the rest.
+        """:meth:`_settle_request`, then the record is kept for the next request (a record built
+        per request cost a tenth of a 16-block store)."""
+        self._settle_request(tail, record)
+        if len(self._spare) < SPARE_RECORDS:
+            self._spare.append(record)
+
+    def _settle_request(self, tail: int, record: OpenRequest) -> None:
+        """Classify and hold a complete request's blocks: ``tail``, its last, and the rest; publish
+        its end.
 
         Its last block is the request's last (class ``base + LAST``), the others
         are of ``base``, by its count of new blocks; each holds from the
         request's last store, at least as long as its descendant in the
-        request, and the request's ancestors are raised to its head. The walk
-        goes up from ``tail`` over the open blocks the request stored and stops
-        where its chain was cut (a block evicted or removed): what stays open
-        beyond expires at the request's deadline. The end is published.
-        O(blocks stored), once per request: a request whose blocks are linked
-        as one run in their list (the usual case) moves as one run.
+        request, and the request's ancestors are raised to its head. A request
+        that stored once is held so already (its last block is unmarked); an
+        open one moves (:meth:`_rehold`). O(1), or O(blocks stored) for an open
+        request.
         """
         classes = self.classes
-        classes.publish(record)
         key_of = self._key_of
-        if key_of[tail] != record.tail_key:
+        here = key_of[tail] == record.tail_key
+        if here and record.held < 0:  # its end: its last full block, the one before its last
+            record.end = self._end_of(tail, record)
+        classes.publish(record)
+        if not here:
             return
-        par, nxt, expiry, flags = self._parent, self._next, self._expiry, self._evictable
         base = BASE_OF_NEW[record.new if record.new < 8 else 8]
+        if record.held >= 0:  # stored once, held as it is now complete
+            classes.refs[base + LAST] += 1
+            classes.refs[base] += record.stored - 1
+            if self._children[tail] >= MARK:
+                self._children[tail] -= MARK
+            return
         then, drawn = record.then, record.drawn
         last_expiry = then + classes.hold_of(base + LAST, drawn)
         body_expiry = max(then + classes.hold_of(base, drawn), last_expiry)
-        opened = OPEN + record.deadline  # the expiry of the request's open blocks, its own
+        opened = OPEN + record.deadline
+        walked = self._rehold(tail, record.stored, opened, opened, last_expiry, body_expiry, True)
+        classes.refs[base + LAST] += 1
+        classes.refs[base] += walked - 1
+        if record.sampled is not None or record.loaded is not None:
+            self._settle_sampled(record, base, key_of[tail][-1] < self._sample_below)
+
+    def _end_of(self, tail: int, record: OpenRequest) -> int:
+        """The fingerprint to record as the end of the request whose last block is in ``tail``:
+        the block before it (see :meth:`HoldClassifier.request_end`)."""
+        up = self._parent[tail]
+        key = self._key_of[up] if up >= 0 else NO_KEY
+        return fingerprint(key if key is not NO_KEY else record.tail_key)
+
+    def _rehold(
+        self, tail: int, stored: int, was_last: int, was: int, last_expiry: int, body_expiry: int, settle: bool
+    ) -> int:
+        """Give a request's blocks new expiries: ``tail`` (expiry ``was_last``) ``last_expiry``, the
+        blocks it stored before (expiry ``was``) ``body_expiry``; returns how many it walked.
+
+        Walks up from ``tail`` over at most ``stored`` blocks and stops where the
+        chain was cut (a block evicted, or held otherwise since: another
+        request raised it); moves them into their new lists, as one run when
+        they are one (the usual case), tail first, the request before its
+        parent; ``settle``: raises the request's ancestors to its head when it
+        walked all.
+        """
+        par, nxt, expiry, flags = self._parent, self._next, self._expiry, self._evictable
+        if expiry[tail] != was_last:
+            return 0
         expiry[tail] = last_expiry
         head = tail
         walked = 1
-        stored = record.stored
-        if flags[tail]:  # while the request is one run of its list, tail first: it moves as one
-            while walked < stored:
-                slot = par[head]
-                if slot < 0 or expiry[slot] != opened or nxt[head] != slot:
-                    break
-                expiry[slot] = body_expiry
-                head = slot
-                walked += 1
-            run = walked == stored
-        else:
-            run = False
+        run = flags[tail]  # while the request is one run of its list, tail first: it moves as one
         while walked < stored:
             slot = par[head]
-            if slot < 0 or expiry[slot] != opened:  # the chain was cut here
+            if slot < 0 or expiry[slot] != was:  # the chain was cut here
                 break
+            if run and nxt[head] != slot:
+                run = 0
             expiry[slot] = body_expiry
             head = slot
             walked += 1
         else:
             up = par[head]
-            if up >= 0:
+            if settle and up >= 0:
                 self._raise_ancestors(up, body_expiry if walked > 1 else last_expiry)
-        classes.refs[base + LAST] += 1
-        classes.refs[base] += walked - 1
-        if record.sampled is not None or record.loaded is not None:
-            self._settle_sampled(record, base, key_of[tail][-1] < self._sample_below)
-        self._relink_settled(tail, head, run, last_expiry, body_expiry)
-
-    def _relink_settled(self, tail: int, head: int, run: int, last_expiry: int, body_expiry: int) -> None:
-        """Move a settled request's blocks, ``tail`` up to ``head``, into the lists of their new
-        expiries, tail first, and the request before its parent there. ``run``: they are one run
-        of their list, ``tail`` first (moved as one)."""
-        par, flags, nxt = self._parent, self._evictable, self._next
         last_list, body_list = self._list_for(last_expiry), self._list_for(body_expiry)
-        if run:
-            if head != tail:
-                body = par[tail]
-                if last_list != body_list:
-                    self._move_to_tail(tail, last_list)
-                    tail = body
-                before, after = self._prev[tail], nxt[head]
-                nxt[before] = after
-                self._prev[after] = before
-                self._link_run(tail, head, body_list)
-                self._to_parent(head, body_list)
-            else:
+        if not run:
+            slot, moved, moved_to = tail, -1, -1
+            while True:
+                if flags[slot]:
+                    moved, moved_to = slot, last_list if slot == tail else body_list
+                    self._move_to_tail(slot, moved_to)
+                if slot == head:
+                    break
+                slot = par[slot]
+            if moved >= 0:
+                self._to_parent(moved, moved_to)
+        elif head == tail:
+            self._move_to_tail(tail, last_list)
+            self._to_parent(tail, last_list)
+        else:
+            first = tail
+            if last_list != body_list:
+                first = par[tail]
                 self._move_to_tail(tail, last_list)
-                self._to_parent(tail, last_list)
-            return
-        slot, moved, moved_to = tail, -1, -1
-        while True:
-            if flags[slot]:
-                moved, moved_to = slot, last_list if slot == tail else body_list
-                self._move_to_tail(slot, moved_to)
-            if slot == head:
-                break
-            slot = par[slot]
-        if moved >= 0:
-            self._to_parent(moved, moved_to)
+            prv = self._prev
+            before, after = prv[first], nxt[head]
+            nxt[before] = after
+            prv[after] = before
+            self._link_run(first, head, body_list)
+            self._to_parent(head, body_list)
+        return walked
 
     def _settle_sampled(self, record: OpenRequest, base: int, tail_sampled: bool) -> None:
-        """A settled request's sampled blocks get its classes (the model's) and the learned holds'
-        expiries in the guard's miniature, each at least its descendant's; the sampled blocks of
-        the prefix it loaded are raised to its head's. ``tail_sampled``: the last of
+        """An open request's sampled blocks, settled, get its classes (the model's) and the learned
+        holds' expiries in the guard's miniature, each at least its descendant's; the sampled
+        blocks of the prefix it loaded are raised to its head's. ``tail_sampled``: the last of
         ``record.sampled`` is the request's last block."""
         reclass, settle, learned = self.sampler.reclass, self.guard.mini.settle, self.classes.learned_hold_of
         then, drawn = record.then, record.drawn
@@ -474,34 +555,56 @@ class ReturnTimePolicy(ExpiryWheel):
         loaded: LoadedChain | None,
     ) -> None:
         """A store of new blocks: of a new request (``record`` None; ``loaded``: its load, right
-        before) or continuing one (its record).
+        before) or continuing an open one (its record).
 
         Counts the request's new blocks by the recorded request ends only (none
         of the blocks was referenced before), records its first store's end,
-        links the blocks open (expiry: the request's deadline; see
-        :meth:`continue_chain`), raises the ancestors to what the request's head
-        would hold if it ended now, ends the reference and keeps the request's
-        record, which the next store may continue. New blocks have no parent,
-        no touches and expiry 0, and are not evictable yet. The path of every
-        store: inlined, as a call costs about as much as a block's work.
+        holds the blocks (see :meth:`continue_chain`: a first store as if the
+        request ended now, its last block marked open; a later one open),
+        raises the ancestors to what the request's head would hold if it ended
+        now, feeds the sampled blocks to the model and the guard, ends the
+        reference and keeps the request's record, which the next store may
+        continue. New blocks have no parent, no touches and expiry 0, and are
+        not evictable yet. The path of every store: inlined, as a call costs
+        about as much as a block's work.
+        Long because the classification and the hold loop share the chain's state.
         """
         n = len(slots)
         classes = self.classes
         history = classes.history
         found = history.deepest(keys, n - NEW_BUCKET_SPAN if n > NEW_BUCKET_SPAN else 0)  # new_blocks(keys, ())
-        # HoldClassifier.request_end, inlined (a call per store)
-        end = fingerprint(keys[-2] if n >= 2 else self._key_of[parent] if parent >= 0 else keys[-1])
         if record is None:
+            # HoldClassifier.request_end, inlined (a call per store); a later one: see _settle
+            end = fingerprint(keys[-2] if n >= 2 else self._key_of[parent] if parent >= 0 else keys[-1])
             new = n if found < 0 else n - 1 - found
             history.add(end)
-            record = OpenRequest(keys[-1], new, n, end, end, now, now + self.max_hold, classes.draw_extension(), 0)
+            base = BASE_OF_NEW[new if new < 8 else 8]
+            drawn = classes.draw_extension()
+            hold, partial = classes.hold, classes.partial
+            extended = classes.extension_hold(drawn)
+            last_expiry = now + (extended if base + LAST == partial else hold[base + LAST])
+            held = max(now + (extended if base == partial else hold[base]), last_expiry)
+            spare = self._spare
+            if spare:
+                record = spare.pop()
+                record.tail_key, record.new, record.stored, record.end, record.published = keys[-1], new, n, end, end
+                record.then, record.deadline, record.held, record.drawn = now, now + self.max_hold, held, drawn
+                record.diff, record.sampled, record.prefix, record.loaded = 0, None, PREFIX_HITS, None
+            else:
+                record = OpenRequest(keys[-1], new, n, end, end, now, now + self.max_hold, held, drawn, 0)
             if loaded is not None:
                 record.prefix, record.diff, record.loaded = loaded.prefix, loaded.diff, loaded.sampled
+                if loaded.sampled is not None:  # the miniature raises the prefix to the head too
+                    learned = classes.learned_hold_of
+                    head = now + max(learned(base, drawn), learned(base + LAST, drawn))
+                    for fp in loaded.sampled:
+                        self.guard.mini.settle(fp, head, True)
         else:
             new = n - 1 - found if found >= 0 else record.new + n
-            record.tail_key, record.new, record.end, record.then = keys[-1], new, end, now
+            record.tail_key, record.new, record.then = keys[-1], new, now
             record.stored += n
-        opened = OPEN + record.deadline
+            base = BASE_OF_NEW[new if new < 8 else 8]
+            held = last_expiry = OPEN + record.deadline
         par, children, touches, expiry = self._parent, self._children, self._touches, self._expiry
         below = self._sample_below
         sampled: list[int] = []
@@ -510,7 +613,7 @@ class ReturnTimePolicy(ExpiryWheel):
             par[up] = parent
             children[parent] += 1
         touches[up] = 1
-        expiry[up] = opened
+        expiry[up] = held
         if keys[0][-1] < below:
             sampled.append(0)
         for i in range(1, n):  # the hot path of every store
@@ -518,23 +621,17 @@ class ReturnTimePolicy(ExpiryWheel):
             par[s] = up
             children[up] += 1
             touches[s] = 1
-            expiry[s] = opened
+            expiry[s] = held
             up = s
             if keys[i][-1] < below:
                 sampled.append(i)
+        expiry[up] = last_expiry
+        if held < OPEN:  # a first store: an eviction that reaches its last block opens the request
+            children[up] += MARK
         if sampled:
-            base = BASE_OF_NEW[new if new < 8 else 8]
-            fps = [fingerprint(keys[i]) for i in sampled]
-            if record.sampled is None:
-                record.sampled = fps
-            else:
-                record.sampled += fps
-            # The model's classes as if the request ended now (_settle corrects them); open in the miniature.
-            model_classes = [base + LAST if i == n - 1 else base for i in sampled]
-            record.prefix = self._sample_chain(fps, model_classes, [opened] * len(fps), record.prefix)
+            self._sample_stored(keys, sampled, record, base, held)
         if parent >= 0 and expiry[parent] < OPEN:  # the loaded prefix, or what the request extends
-            base = BASE_OF_NEW[new if new < 8 else 8]
-            self._raise_ancestors(parent, now + classes.hold_of(base, record.drawn))
+            self._raise_ancestors(parent, held if held < OPEN else now + classes.hold_of(base, record.drawn))
         if self.guard.chain_sampled:  # _end_reference
             record.diff = self.guard.end_chain(record.diff)
         self._now = now + n
@@ -547,46 +644,89 @@ class ReturnTimePolicy(ExpiryWheel):
                 self._settle(tail, gone)
             self._open_old, self._open = records, {}
 
+    def _sample_stored(self, keys: Sequence[BlockKey], sampled: list[int], record: OpenRequest, base: int,
+                       held: int) -> None:
+        """The sampled blocks (positions ``sampled`` of ``keys``) of a store of new blocks: to the
+        model with the classes they have if the request ends now (an open request's are corrected
+        when it settles), and to the guard, held in its miniature as the cache holds them (``held``:
+        an open request's expiry, or the body's of a first store)."""
+        n = len(keys)
+        fps = [fingerprint(keys[i]) for i in sampled]
+        if record.sampled is None:
+            record.sampled = fps
+        else:
+            record.sampled += fps
+        model_classes = [base + LAST if i == n - 1 else base for i in sampled]
+        guard_below = self._guard_below
+        guarded = None if guard_below == self._sample_below else [keys[i][-1] < guard_below for i in sampled]
+        if guarded is not None and not any(guarded):  # none of the guard's: only the model's sample
+            self._observe_all(fps, model_classes)
+            return
+        if held >= OPEN:
+            minis = [held] * len(fps)
+        else:
+            learned, then, drawn = self.classes.learned_hold_of, record.then, record.drawn
+            tail = then + learned(base + LAST, drawn)
+            body = max(then + learned(base, drawn), tail)
+            minis = [tail if i == n - 1 else body for i in sampled]
+        record.prefix = self._sample_chain(fps, model_classes, minis, record.prefix, guarded)
+
     # --- learning ---------------------------------------------------------------------
 
-    def _sample_chain(self, fps: list[int], model_classes: list[int], minis: list[int], prefix: int) -> int:
+    def _sample_chain(
+        self, fps: list[int], model_classes: list[int], minis: list[int], prefix: int, guarded: list[bool] | None
+    ) -> int:
         """A chain's sampled references (fingerprints head first, their classes, their expiries in
-        the miniature of the learned holds), given its request's prefix state; returns the new state.
+        the miniature of the learned holds), given its request's prefix state; returns the new
+        state. ``guarded[i]``: ``fps[i]`` is one of the guard's keys (None: all are).
 
-        Head first, the sampled LRU and the miniature say whether each is a
-        prefix hit (held, and every sampled block before it in the request
-        too); then, tail first (so the head ends the most recent), the sampler
-        takes each reference (a return time for the model; the sampled LRU's
-        recency) and the miniature holds it.
+        Head first, the sampled LRU and the miniature say whether each of the
+        guard's keys is a prefix hit (held, and every one before it in the
+        request too); then, tail first (so the head ends the most recent), the
+        sampler takes each reference (a return time for the model; the sampled
+        LRU's recency) and the miniature holds the guard's.
         """
         now = self._now
         guard, sampler = self.guard, self.sampler
         mini, table = guard.mini, sampler.table
-        if now // mini.width != mini.cur:
-            mini.advance(now)
-        lru_hit, learned_hit = bool(prefix & 1), bool(prefix & 2)
-        lru_hits = learned_hits = 0
-        for fp in fps:
-            if lru_hit:
-                entry = table.find(fp)
-                lru_hit = entry >= 0 and table.list_of(entry) == 0
-                lru_hits += lru_hit
-            if learned_hit:
-                learned_hit = mini.holds(fp)
-                learned_hits += learned_hit
-        guard.refs += len(fps)
-        guard.lru_hits += lru_hits
-        guard.learned_hits += learned_hits
-        guard.chain_diff += learned_hits - lru_hits
-        guard.chain_sampled = True
+        if guarded is None:
+            watched, holds = fps, minis
+        else:
+            watched = [fp for fp, g in zip(fps, guarded, strict=True) if g]
+            holds = [e for e, g in zip(minis, guarded, strict=True) if g]
+        if watched:
+            if now // mini.width != mini.cur:
+                mini.advance(now)
+            lru_hit, learned_hit = bool(prefix & 1), bool(prefix & 2)
+            lru_hits = learned_hits = 0
+            for fp in watched:
+                if lru_hit:
+                    entry = table.find(fp)
+                    lru_hit = entry >= 0 and table.list_of(entry) == 0
+                    lru_hits += lru_hit
+                if learned_hit:
+                    learned_hit = mini.holds(fp)
+                    learned_hits += learned_hit
+            guard.refs += len(watched)
+            guard.lru_hits += lru_hits
+            guard.learned_hits += learned_hits
+            guard.chain_diff += learned_hits - lru_hits
+            guard.chain_sampled = True
+            prefix = lru_hit | learned_hit << 1
+        self._observe_all(fps, model_classes)
+        for i in range(len(watched) - 1, -1, -1):
+            mini.reference(watched[i], holds[i])
+        return prefix
+
+    def _observe_all(self, fps: list[int], model_classes: list[int]) -> None:
+        """The sampler takes each of a chain's sampled references (fingerprints head first, their
+        classes), tail first: a return time for the model, the sampled LRU's recency."""
+        sampler, now = self.sampler, self._now
         record, observe = self.model.record, sampler.observe
         for i in range(len(fps) - 1, -1, -1):
-            fp = fps[i]
-            previous = observe(fp, now, model_classes[i])
+            previous = observe(fps[i], now, model_classes[i])
             if previous >= 0:
                 record(previous, sampler.last_age)
-            mini.reference(fp, minis[i])
-        return lru_hit | learned_hit << 1
 
     def _solve(self) -> None:
         """Refresh the holding times from the statistics (every ``solve_every`` references).
@@ -615,6 +755,8 @@ class ReturnTimePolicy(ExpiryWheel):
         """Forget every block; what was learned about the workload stays (the ends of open
         requests are published)."""
         for records in (self._open_old, self._open):
-            for record in records.values():
+            for tail, record in records.items():
+                if record.held < 0 and self._key_of[tail] == record.tail_key:
+                    record.end = self._end_of(tail, record)
                 self.classes.publish(record)
         self._reset_blocks()

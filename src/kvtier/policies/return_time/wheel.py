@@ -21,10 +21,14 @@ in reference order, a chain's tail before its head: a block that becomes
 evictable goes right before its parent when that is in the same list (see
 :meth:`ExpiryWheel._to_parent`).
 
-**Open blocks.** A block whose expiry is provisional (its owner sets it when
-the request that stored it is complete) has an expiry of ``OPEN + e``: it is
-ordered as expiring at ``e`` (:meth:`ExpiryWheel._list_for`), no raise of
-ancestors passes it, and :meth:`ExpiryWheel._release_holds` leaves it alone.
+**Open and marked blocks.** An expiry with bit :data:`OPEN` is provisional:
+its owner sets it when the request that stored the block is complete, no
+raise of the block's ancestors passes it, and
+:meth:`ExpiryWheel._release_holds` leaves it alone; it is ordered by its
+``CLOCK`` bits. A child count of :data:`MARK` or more marks a block (the count
+is ``MARK`` more than its children): an eviction that reaches it asks its
+owner first (:meth:`ExpiryWheel._reached_open`), and until then it is passed
+over like a block with children. Leaves cost the scan nothing more.
 
 **Prefix links.** Each block knows its parent (``_parent[slot]``, -1 if
 unknown) and how many held blocks name it as parent (``_children[slot]``).
@@ -59,7 +63,13 @@ PASS_LIMIT = 64
 """Non-leaves an eviction may pass over (plus 4 per block it evicts) before taking them in order."""
 
 OPEN = 1 << 60
-"""Added to the expiry of an open block (see the module docstring): above every clock value."""
+"""Expiry bit: the expiry is provisional, its owner sets it later (see the module docstring)."""
+
+CLOCK = OPEN - 1
+"""Mask of an expiry's clock value."""
+
+MARK = 1 << 40
+"""Added to a block's child count to mark it (see the module docstring)."""
 
 
 class ExpiryWheel(SlotListPolicy):
@@ -103,6 +113,8 @@ class ExpiryWheel(SlotListPolicy):
         if self._key_of[slot] is NO_KEY:
             return
         self._unlink_evictable(slot)
+        if self._children[slot] >= MARK:
+            self._children[slot] -= MARK
         parent = self._parent[slot]
         if parent >= 0:
             self._children[parent] -= 1
@@ -170,6 +182,9 @@ class ExpiryWheel(SlotListPolicy):
         self._fresh.extend(slots)
 
     def mark_evictable_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
+        if len(slots) == 1:  # a decode store's block
+            self._mark_one(slots[0])
+            return
         # mark_evictable of each block in order, inlined. Blocks of one expiry bucket are linked
         # among themselves as they come and spliced onto their list's tail once (_link_run):
         # the list then is what a tail append per block makes. A store completes tail first, so
@@ -178,10 +193,11 @@ class ExpiryWheel(SlotListPolicy):
         # would do.
         flags, expiry, prv, nxt, par = self._evictable, self._expiry, self._prev, self._next, self._parent
         width, cur, cap = self._width, self._cur, self.capacity
-        linked = 0
+        skipped = 0
         last = end = first = tail = -1
         for slot in slots:
             if flags[slot]:
+                skipped += 1
                 continue
             flags[slot] = 1
             e = expiry[slot]
@@ -189,22 +205,55 @@ class ExpiryWheel(SlotListPolicy):
                 if first >= 0:  # close the run: onto its list's tail
                     self._link_run(first, tail, end)
                 last = e
-                bucket = (e - OPEN if e >= OPEN else e) // width  # _list_for, inlined
+                bucket = (e & CLOCK) // width  # _list_for, inlined
                 end = cap if bucket < cur else cap + 1 + bucket % RING
                 first = slot
             else:
                 nxt[tail] = slot
                 prv[slot] = tail
             tail = slot
-            linked += 1
-            parent = par[slot]
-            if parent >= 0 and flags[parent]:  # linked already, or in this run: close the run first
+            # The parent linked already, or in this run: close the run first. (No parent, -1, reads
+            # the last slot's flag: at worst a run closed early, which _to_parent leaves in place.)
+            if flags[par[slot]]:
                 self._link_run(first, slot, end)
                 self._to_parent(slot, end)
                 first = last = -1
         if first >= 0:
             self._link_run(first, tail, end)
-        self._count += linked
+        self._count += len(slots) - skipped
+
+    def _mark_one(self, slot: int) -> None:
+        """:meth:`mark_evictable` of one block, inlined for a block with no descendant linked at the
+        tail of its list (a decode store's): right before its parent when that is in the same
+        list, else at the list's tail."""
+        flags = self._evictable
+        if flags[slot]:
+            return
+        cap, width, cur = self.capacity, self._width, self._cur
+        expiry, prv, nxt = self._expiry, self._prev, self._next
+        bucket = (expiry[slot] & CLOCK) // width
+        end = cap if bucket < cur else cap + 1 + bucket % RING
+        parent = self._parent[slot]
+        tail = prv[end]
+        if tail < cap and self._parent[tail] == slot:  # a descendant is linked there: the general way
+            self._link_evictable(slot, end)
+            self._to_parent(slot, end)
+            return
+        flags[slot] = 1
+        self._count += 1
+        if parent >= 0 and parent != slot and flags[parent]:
+            up = (expiry[parent] & CLOCK) // width
+            if (cap if up < cur else cap + 1 + up % RING) == end:
+                before = prv[parent]
+                nxt[before] = slot
+                prv[slot] = before
+                nxt[slot] = parent
+                prv[parent] = slot
+                return
+        nxt[tail] = slot
+        prv[slot] = tail
+        nxt[slot] = end
+        prv[end] = slot
 
     def mark_pinned_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
         self._unlink_many(slots)
@@ -218,9 +267,7 @@ class ExpiryWheel(SlotListPolicy):
 
     def _list_for(self, expiry: int) -> int:
         """The list (sentinel) of a block of this expiry: its wheel list, or the expired list."""
-        if expiry >= OPEN:
-            expiry -= OPEN
-        bucket = expiry // self._width
+        bucket = (expiry & CLOCK) // self._width
         return self.capacity if bucket < self._cur else self.capacity + 1 + bucket % RING
 
     def _to_parent(self, slot: int, end: int) -> None:
@@ -324,6 +371,9 @@ class ExpiryWheel(SlotListPolicy):
             return []
         if n > self._count:
             return None
+        taken = self._evict_run(n, protected)
+        if taken is not None:
+            return taken
         nxt, key_of, children, par = self._next, self._key_of, self._children, self._parent
         chosen: list[int] = []
         passed: list[int] = []
@@ -336,6 +386,9 @@ class ExpiryWheel(SlotListPolicy):
             slot = nxt[end]
             while slot != end:
                 if children[slot] and budget:
+                    if children[slot] >= MARK and (resume := self._reached_open(slot)) >= 0:
+                        slot = resume  # it moved out of the way: go on where it was
+                        continue
                     passed.append(slot)
                     budget -= 1
                     if not budget:  # older non-leaves go before newer blocks from now on
@@ -364,6 +417,71 @@ class ExpiryWheel(SlotListPolicy):
                 return None
         return self._forget(chosen)
 
+    def _evict_run(self, n: int, protected: Container[BlockKey]) -> list[BlockKey] | None:
+        """:meth:`evict` of the first ``n`` blocks in eviction order when they are one run of one
+        list, each a leaf once the ones before it are taken (a request's blocks, tail first) and
+        none protected: the usual case, in two plain passes; None, changing nothing, otherwise."""
+        nxt, children, key_of, par = self._next, self._children, self._key_of, self._parent
+        cap, c1, cur = self.capacity, self.capacity + 1, self._cur
+        end = cap
+        first = nxt[cap]
+        k = 0
+        while first == end:  # the first list that holds a block: expired, then the wheel in time order
+            if k == RING:
+                return None
+            end = c1 + (cur + k) % RING
+            first = nxt[end]
+            k += 1
+        keys: list[BlockKey] = []
+        take = keys.append
+        slot = first
+        for _ in range(n):
+            if slot == end or children[slot]:
+                break
+            key = key_of[slot]
+            if key in protected:
+                break
+            take(key)
+            parent = par[slot]
+            if parent >= 0:
+                children[parent] -= 1
+            slot = nxt[slot]
+        else:
+            return self._take_run(first, slot, end, keys)
+        slot = first
+        for _ in range(len(keys)):  # undo
+            parent = par[slot]
+            if parent >= 0:
+                children[parent] += 1
+            slot = nxt[slot]
+        return None
+
+    def _take_run(self, first: int, after: int, end: int, keys: list[BlockKey]) -> list[BlockKey]:
+        """Unlink and reset the run ``first`` up to the block before ``after`` in the list with
+        sentinel ``end`` (its blocks' keys: ``keys``, their parents' counts already lowered)."""
+        key_of, par, nxt = self._key_of, self._parent, self._next
+        flags, touches, expiry = self._evictable, self._touches, self._expiry
+        s = first
+        while s != after:
+            key_of[s] = NO_KEY
+            flags[s] = 0
+            par[s] = -1
+            touches[s] = 0
+            expiry[s] = 0
+            s = nxt[s]
+        nxt[end] = after
+        self._prev[after] = end
+        self._count -= len(keys)
+        return keys
+
+    def _reached_open(self, slot: int) -> int:
+        """An eviction reached the marked block in ``slot``: -1, it is passed over like a block with
+        children (its mark may be cleared: then it is one no longer); or its owner moved it (and
+        whatever else) out of the way, and the eviction goes on from the slot returned (what
+        followed it in its list). The wheel clears the mark."""
+        self._children[slot] -= MARK
+        return -1
+
     def _take_passed(self, n: int, chosen: list[int], passed: list[int], protected: Container[BlockKey]) -> list[int]:
         """Top ``chosen`` up from ``passed``: leaves by now first, then any (orphaning children).
 
@@ -377,6 +495,8 @@ class ExpiryWheel(SlotListPolicy):
                     left.append(slot)
                     continue
                 chosen.append(slot)
+                if children[slot] >= MARK:
+                    children[slot] -= MARK
                 parent = par[slot]
                 if parent >= 0:
                     children[parent] -= 1
