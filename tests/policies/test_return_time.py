@@ -655,13 +655,16 @@ class StructureMachine(RuleBasedStateMachine):
             self.tier.policy.end_request(slot)
             assert slot not in self.tier.policy._open and slot not in self.tier.policy._open_old
 
-    @rule(i=ids)
-    def complete(self, i: int) -> None:
+    @rule(i=ids, batched=st.booleans())
+    def complete(self, i: int, batched: bool) -> None:
         k = key(i)
         if k in self.writing:
             self.writing.discard(k)
             self.ready.add(k)
-            self.tier.mark_evictable(k)
+            if batched:  # the CPU tier's form (a decode store's single block takes its own path)
+                self.tier.policy.mark_evictable_many([k], [self.tier.slot_of[k]])
+            else:
+                self.tier.mark_evictable(k)
 
     @rule(i=ids)
     def fail(self, i: int) -> None:

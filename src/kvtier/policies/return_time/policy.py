@@ -202,7 +202,7 @@ class ReturnTimePolicy(ExpiryWheel):
             loaded, self._loaded = self._loaded, None
             if loaded is not None and (loaded.tail != parent or loaded.ends_at != now):
                 loaded = None  # not this request's load
-            self._store_new(keys, slots, parent, now, None, loaded)
+            self._store_new(keys, slots, parent, now, loaded)
             return
         else:
             classes = self.classes
@@ -367,7 +367,46 @@ class ReturnTimePolicy(ExpiryWheel):
         self._loaded = None
         if record.held >= 0:
             self._open_request(parent, record)
-        self._store_new(keys, slots, parent, now, record, None)
+        # The store, open (_store_new's continuing path, inlined: every decode store takes it).
+        found = self.classes.history.deepest(keys, n - NEW_BUCKET_SPAN if n > NEW_BUCKET_SPAN else 0)
+        new = n - 1 - found if found >= 0 else record.new + n
+        record.tail_key, record.new, record.then = keys[-1], new, now
+        record.stored += n
+        opened = OPEN + record.deadline
+        par, children, touches, expiry = self._parent, self._children, self._touches, self._expiry
+        below = self._sample_below
+        sampled: list[int] | None = None
+        up = parent
+        for i in range(n):
+            slot = slots[i]
+            par[slot] = up
+            children[up] += 1
+            touches[slot] = 1
+            expiry[slot] = opened
+            up = slot
+            if keys[i][-1] < below:
+                if sampled is None:
+                    sampled = []
+                sampled.append(i)
+        if sampled is not None:
+            self._sample_stored(keys, sampled, record, BASE_OF_NEW[new if new < 8 else 8], opened)
+        if self.guard.chain_sampled:
+            record.diff = self.guard.end_chain(record.diff)
+        self._now = now + n
+        if self._now >= self._next_solve:
+            self._solve()
+        self._keep(up, record)
+
+    def _keep(self, tail: int, record: OpenRequest) -> None:
+        """Keep ``record``, whose last store ended in ``tail``: the request may go on (see
+        :meth:`continue_chain`). The older generation of records goes when the newer is full
+        (finished requests, most likely): they are settled."""
+        records = self._open
+        records[tail] = record
+        if len(records) >= self._open_limit:
+            for gone_tail, gone in self._open_old.items():
+                self._settle(gone_tail, gone)
+            self._open_old, self._open = records, {}
 
     def end_request(self, tail_slot: int) -> None:
         """The request whose last store ended in ``tail_slot`` finished: it is settled (see
@@ -384,7 +423,7 @@ class ReturnTimePolicy(ExpiryWheel):
         for records in (self._open_old, self._open):
             for record in records.values():
                 if record.held > now:
-                    record.held = now
+                    record.held = max(now, 1)
 
     def _reached_open(self, slot: int) -> int:
         """An eviction reached ``slot``, marked open: if it is the last block of a request that
@@ -394,7 +433,20 @@ class ReturnTimePolicy(ExpiryWheel):
         record = self._open.get(slot) or self._open_old.get(slot)
         if record is None or record.held < 0 or self._key_of[slot] != record.tail_key:
             return super()._reached_open(slot)  # a mark left behind: cleared
-        before = self._prev[slot]  # not the request's: it is linked tail first, this its last block
+        # The eviction goes on after the nearest block before this one that stays: the blocks that
+        # move are the ones _rehold walks (usually this one's ancestors, after it in its list).
+        moving = {slot}
+        par, expiry = self._parent, self._expiry
+        up = slot
+        for _ in range(record.stored - 1):
+            up = par[up]
+            if up < 0 or expiry[up] != record.held:
+                break
+            moving.add(up)
+        prv, cap = self._prev, self.capacity
+        before = prv[slot]
+        while before < cap and before in moving:
+            before = prv[before]
         self._open_request(slot, record)
         return self._next[before]
 
@@ -405,13 +457,28 @@ class ReturnTimePolicy(ExpiryWheel):
         if self._key_of[tail] == record.tail_key:
             if self._children[tail] >= MARK:
                 self._children[tail] -= MARK
-            self._rehold(tail, record.stored, self._expiry[tail], record.held, opened, opened, False)
-            sampled = record.sampled
-            if sampled is not None:
-                settle = self.guard.mini.settle
-                for fp in sampled:
-                    settle(fp, opened, False)
+            walked = self._rehold(tail, record.stored, self._expiry[tail], record.held, opened, opened, False)
+            record.sampled = self._open_sampled(tail, walked, opened)
         record.held = -1
+
+    def _open_sampled(self, tail: int, count: int, opened: int) -> list[int] | None:
+        """The sampled blocks among the ``count`` a request stored up to ``tail``, which just became
+        open: their fingerprints, head first (None: none), the guard's open in its miniature too.
+        (A request that stores once keeps no list of them: most never become open.)"""
+        key_of, par = self._key_of, self._parent
+        below, guard_below, settle = self._sample_below, self._guard_below, self.guard.mini.settle
+        fps: list[int] = []
+        slot = tail
+        for _ in range(count):
+            key = key_of[slot]
+            if key[-1] < below:
+                fp = fingerprint(key)
+                fps.append(fp)
+                if key[-1] < guard_below:
+                    settle(fp, opened, False)
+            slot = par[slot]
+        fps.reverse()
+        return fps or None
 
     def _settle(self, tail: int, record: OpenRequest) -> None:
         """:meth:`_settle_request`, then the record is kept for the next request (a record built
@@ -546,65 +613,35 @@ class ReturnTimePolicy(ExpiryWheel):
             settle(fp, head, True)
 
     def _store_new(
-        self,
-        keys: Sequence[BlockKey],
-        slots: Sequence[int],
-        parent: int,
-        now: int,
-        record: OpenRequest | None,
-        loaded: LoadedChain | None,
+        self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int, now: int, loaded: LoadedChain | None
     ) -> None:
-        """A store of new blocks: of a new request (``record`` None; ``loaded``: its load, right
-        before) or continuing an open one (its record).
+        """The first store of a request, all of it new blocks (``loaded``: its load, right before).
 
         Counts the request's new blocks by the recorded request ends only (none
-        of the blocks was referenced before), records its first store's end,
-        holds the blocks (see :meth:`continue_chain`: a first store as if the
-        request ended now, its last block marked open; a later one open),
-        raises the ancestors to what the request's head would hold if it ended
-        now, feeds the sampled blocks to the model and the guard, ends the
-        reference and keeps the request's record, which the next store may
-        continue. New blocks have no parent, no touches and expiry 0, and are
-        not evictable yet. The path of every store: inlined, as a call costs
-        about as much as a block's work.
-        Long because the classification and the hold loop share the chain's state.
+        of the blocks was referenced before), records its end, holds the blocks
+        as if the request ended now (see :meth:`continue_chain`), its last block
+        marked, raises the ancestors to its head, feeds the sampled blocks to the
+        model and the guard, ends the reference and keeps the request's record,
+        which the next store may continue. New blocks have no parent, no
+        touches and expiry 0, and are not evictable yet. The path of every
+        store: inlined, as a call costs about as much as a block's work.
         """
         n = len(slots)
         classes = self.classes
         history = classes.history
         found = history.deepest(keys, n - NEW_BUCKET_SPAN if n > NEW_BUCKET_SPAN else 0)  # new_blocks(keys, ())
-        if record is None:
-            # HoldClassifier.request_end, inlined (a call per store); a later one: see _settle
-            end = fingerprint(keys[-2] if n >= 2 else self._key_of[parent] if parent >= 0 else keys[-1])
-            new = n if found < 0 else n - 1 - found
-            history.add(end)
-            base = BASE_OF_NEW[new if new < 8 else 8]
-            drawn = classes.draw_extension()
-            hold, partial = classes.hold, classes.partial
-            extended = classes.extension_hold(drawn)
-            last_expiry = now + (extended if base + LAST == partial else hold[base + LAST])
-            held = max(now + (extended if base == partial else hold[base]), last_expiry)
-            spare = self._spare
-            if spare:
-                record = spare.pop()
-                record.tail_key, record.new, record.stored, record.end, record.published = keys[-1], new, n, end, end
-                record.then, record.deadline, record.held, record.drawn = now, now + self.max_hold, held, drawn
-                record.diff, record.sampled, record.prefix, record.loaded = 0, None, PREFIX_HITS, None
-            else:
-                record = OpenRequest(keys[-1], new, n, end, end, now, now + self.max_hold, held, drawn, 0)
-            if loaded is not None:
-                record.prefix, record.diff, record.loaded = loaded.prefix, loaded.diff, loaded.sampled
-                if loaded.sampled is not None:  # the miniature raises the prefix to the head too
-                    learned = classes.learned_hold_of
-                    head = now + max(learned(base, drawn), learned(base + LAST, drawn))
-                    for fp in loaded.sampled:
-                        self.guard.mini.settle(fp, head, True)
-        else:
-            new = n - 1 - found if found >= 0 else record.new + n
-            record.tail_key, record.new, record.then = keys[-1], new, now
-            record.stored += n
-            base = BASE_OF_NEW[new if new < 8 else 8]
-            held = last_expiry = OPEN + record.deadline
+        # HoldClassifier.request_end, inlined (a call per store)
+        end = fingerprint(keys[-2] if n >= 2 else self._key_of[parent] if parent >= 0 else keys[-1])
+        new = n if found < 0 else n - 1 - found
+        history.add(end)
+        base = BASE_OF_NEW[new if new < 8 else 8]
+        drawn = classes.draw_extension()
+        hold, partial = classes.hold, classes.partial
+        extended = classes.extension_hold(drawn)
+        last_expiry = now + (extended if base + LAST == partial else hold[base + LAST])
+        # At least 1: a free slot's expiry is 0, so a walk over the request's blocks (_rehold) stops there.
+        held = max(now + (extended if base == partial else hold[base]), last_expiry, 1)
+        record = self._new_record(keys[-1], new, n, end, now, held, drawn, loaded, base)
         par, children, touches, expiry = self._parent, self._children, self._touches, self._expiry
         below = self._sample_below
         sampled: list[int] = []
@@ -626,23 +663,41 @@ class ReturnTimePolicy(ExpiryWheel):
             if keys[i][-1] < below:
                 sampled.append(i)
         expiry[up] = last_expiry
-        if held < OPEN:  # a first store: an eviction that reaches its last block opens the request
-            children[up] += MARK
+        children[up] += MARK  # an eviction that reaches its last block first opens the request
         if sampled:
             self._sample_stored(keys, sampled, record, base, held)
         if parent >= 0 and expiry[parent] < OPEN:  # the loaded prefix, or what the request extends
-            self._raise_ancestors(parent, held if held < OPEN else now + classes.hold_of(base, record.drawn))
+            self._raise_ancestors(parent, held)
         if self.guard.chain_sampled:  # _end_reference
             record.diff = self.guard.end_chain(record.diff)
         self._now = now + n
         if self._now >= self._next_solve:
             self._solve()
-        records = self._open  # the request may go on (see continue_chain)
-        records[slots[-1]] = record
-        if len(records) >= self._open_limit:  # the older generation goes: finished requests, most likely
-            for tail, gone in self._open_old.items():
-                self._settle(tail, gone)
-            self._open_old, self._open = records, {}
+        self._keep(up, record)
+
+    def _new_record(
+        self, tail_key: BlockKey, new: int, n: int, end: int, now: int, held: int, drawn: bool,
+        loaded: LoadedChain | None, base: int,
+    ) -> OpenRequest:
+        """The record of a request that just stored ``n`` blocks (a settled request's, reused, when
+        there is one); it inherits the guard's state of its load, whose sampled blocks the guard's
+        miniature raises to the request's head."""
+        spare = self._spare
+        if spare:
+            record = spare.pop()
+            record.tail_key, record.new, record.stored, record.end, record.published = tail_key, new, n, end, end
+            record.then, record.deadline, record.held, record.drawn = now, now + self.max_hold, held, drawn
+            record.diff, record.sampled, record.prefix, record.loaded = 0, None, PREFIX_HITS, None
+        else:
+            record = OpenRequest(tail_key, new, n, end, end, now, now + self.max_hold, held, drawn, 0)
+        if loaded is not None:
+            record.prefix, record.diff, record.loaded = loaded.prefix, loaded.diff, loaded.sampled
+            if loaded.sampled is not None:
+                learned = self.classes.learned_hold_of
+                head = now + max(learned(base, drawn), learned(base + LAST, drawn))
+                for fp in loaded.sampled:
+                    self.guard.mini.settle(fp, head, True)
+        return record
 
     def _sample_stored(self, keys: Sequence[BlockKey], sampled: list[int], record: OpenRequest, base: int,
                        held: int) -> None:
@@ -652,10 +707,11 @@ class ReturnTimePolicy(ExpiryWheel):
         an open request's expiry, or the body's of a first store)."""
         n = len(keys)
         fps = [fingerprint(keys[i]) for i in sampled]
-        if record.sampled is None:
-            record.sampled = fps
-        else:
-            record.sampled += fps
+        if held >= OPEN:  # an open request's: for its settling (a first store's are found if it opens)
+            if record.sampled is None:
+                record.sampled = fps
+            else:
+                record.sampled += fps
         model_classes = [base + LAST if i == n - 1 else base for i in sampled]
         guard_below = self._guard_below
         guarded = None if guard_below == self._sample_below else [keys[i][-1] < guard_below for i in sampled]

@@ -183,7 +183,25 @@ class ExpiryWheel(SlotListPolicy):
 
     def mark_evictable_many(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
         if len(slots) == 1:  # a decode store's block
-            self._mark_one(slots[0])
+            slot = slots[0]
+            parent = self._parent[slot]
+            flags, expiry = self._evictable, self._expiry
+            if (
+                parent >= 0 and not flags[slot] and not self._children[slot] and flags[parent]
+                and expiry[parent] == expiry[slot]
+            ):  # fmt: skip
+                # Its parent is linked in its list (the same expiry), and it has no descendant to
+                # take along: it goes right before its parent (mark_evictable, inlined).
+                prv, nxt = self._prev, self._next
+                flags[slot] = 1
+                self._count += 1
+                before = prv[parent]
+                nxt[before] = slot
+                prv[slot] = before
+                nxt[slot] = parent
+                prv[parent] = slot
+            else:
+                self._mark_one(slot)
             return
         # mark_evictable of each block in order, inlined. Blocks of one expiry bucket are linked
         # among themselves as they come and spliced onto their list's tail once (_link_run):
@@ -342,7 +360,7 @@ class ExpiryWheel(SlotListPolicy):
         self._cur = now // self._width
         expiry = np.frombuffer(self._expiry, dtype=np.int64)
         held_open = expiry >= OPEN
-        np.minimum(expiry, now, out=expiry, where=~held_open)
+        np.minimum(expiry, max(now, 1), out=expiry, where=~held_open)  # a held block stays above 0
         if not held_open.any():
             return
         nxt, expiries, cap = self._next, self._expiry, self.capacity
@@ -371,6 +389,30 @@ class ExpiryWheel(SlotListPolicy):
             return []
         if n > self._count:
             return None
+        if n == 1:  # a decode store's eviction: the first block in eviction order, if a leaf (inlined)
+            nxt, cap = self._next, self.capacity
+            end = cap
+            slot = nxt[cap]
+            if slot == cap:
+                end = cap + 1 + self._cur % RING
+                slot = nxt[end]
+            if slot != end and not self._children[slot]:
+                key = self._key_of[slot]
+                if key not in protected:
+                    after = nxt[slot]
+                    before = self._prev[slot]
+                    nxt[before] = after
+                    self._prev[after] = before
+                    parent = self._parent[slot]
+                    if parent >= 0:
+                        self._children[parent] -= 1
+                        self._parent[slot] = -1
+                    self._evictable[slot] = 0
+                    self._key_of[slot] = NO_KEY
+                    self._touches[slot] = 0
+                    self._expiry[slot] = 0
+                    self._count -= 1
+                    return [key]
         taken = self._evict_run(n, protected)
         if taken is not None:
             return taken
@@ -433,7 +475,6 @@ class ExpiryWheel(SlotListPolicy):
             first = nxt[end]
             k += 1
         keys: list[BlockKey] = []
-        take = keys.append
         slot = first
         for _ in range(n):
             if slot == end or children[slot]:
@@ -441,7 +482,7 @@ class ExpiryWheel(SlotListPolicy):
             key = key_of[slot]
             if key in protected:
                 break
-            take(key)
+            keys.append(key)
             parent = par[slot]
             if parent >= 0:
                 children[parent] -= 1
