@@ -215,7 +215,11 @@ class ReturnTimePolicy(ExpiryWheel):
     def _hold_chain(
         self, keys: Sequence[BlockKey], slots: Sequence[int], parent: int, hit: bool, base: int, now: int
     ) -> tuple[int, int]:
-        """The general path of :meth:`reference_chain`: returns (ancestor to raise first, expiry to raise to)."""
+        """The general path of :meth:`reference_chain`: returns (ancestor to raise first, expiry to raise to).
+
+        Long because linking, classifying and holding each block share the loop's state, and the
+        sampled blocks go to the model and the guard after it.
+        """
         par, children, touches, expiry = self._parent, self._children, self._touches, self._expiry
         classes = self.classes
         hold, refs, partial = classes.hold, classes.refs, classes.partial

@@ -382,7 +382,8 @@ class ExpiryWheel(SlotListPolicy):
         behind, are too few, or once the scan has passed ``64 + 4n`` such
         blocks (a long chain stored piece by piece), so one eviction never
         scans more than that beyond the blocks it takes. Atomic: None and no
-        change if fewer than ``n`` qualify.
+        change if fewer than ``n`` qualify. Long because the eviction of one
+        block (a decode store's) is inlined: a call costs as much as its work.
         """
         self._fresh.clear()  # the tier evicts before it inserts
         if n <= 0:
