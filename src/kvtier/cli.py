@@ -444,13 +444,7 @@ def _store_chunk(text: str) -> int | str:
 def _cmd_replay(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from kvtier.workload.replay import (
-        compare_policies,
-        decode_blocks,
-        describe_store_chunk,
-        replay_namespace,
-        trace_keys,
-    )
+    from kvtier.workload.replay import compare_policies, decode_blocks, replay_namespace, store_mode, trace_keys
     from kvtier.workload.report import replay_rows, replay_table, write_json
     from kvtier.workload.simulate import HitRateResult, belady_hit_rate, unbounded_hit_rate
     from kvtier.workload.synthetic import generate
@@ -492,8 +486,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     err = _stderr_console()
     runs = compare_policies(
         keys, capacities, args.policy, namespace=namespace, tiers=tiers, shm_dir=args.shm_dir,
-        store_chunk=args.store_chunk,
-        decode_blocks=decode_blocks(requests),
+        store_chunk=args.store_chunk, decode_blocks=decode_blocks(requests),
         announce=lambda p, c: err.print(f"replaying {summary['requests']} requests with {c} CPU blocks ({p})..."),
     )  # fmt: skip
     belady: dict[int, HitRateResult | None] = {
@@ -503,7 +496,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     out.print(
         f"{source}: {summary['requests']} requests, {summary['block_refs']} block references, "
         f"{summary['distinct_blocks']} distinct blocks, {summary['duration_s']:.0f} s"
-        + describe_store_chunk(args.store_chunk),
+        + store_mode(args.store_chunk),
         highlight=False,
     )
     out.print(f"unbounded cache prefix-hit rate: {100 * unbounded.hit_rate:.1f}%")

@@ -67,7 +67,7 @@ def decode_blocks(requests: Sequence[TraceRequest]) -> list[int]:
     return [max(1, -(-r.output_length // TRACE_BLOCK_TOKENS)) for r in requests]
 
 
-def describe_store_chunk(store_chunk: StoreChunk) -> str:
+def store_mode(store_chunk: StoreChunk) -> str:
     """How requests are stored, as the replay's header says it ("" for one store per request)."""
     if store_chunk is None:
         return ""
