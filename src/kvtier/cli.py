@@ -438,7 +438,12 @@ def _add_replay(sub: Any) -> None:
 
 def _store_chunk(text: str) -> int | str:
     """An argparse type: ``mixed``, or a number of blocks >= 1."""
-    return "mixed" if text == "mixed" else _int_at_least(1)(text)
+    if text == "mixed":
+        return text
+    try:
+        return _int_at_least(1)(text)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}: give a number of blocks per store or 'mixed'") from None
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:

@@ -190,3 +190,21 @@ def test_blocks_evicted_by_a_later_store_of_their_own_request_are_counted(privat
     assert one.extra["self_evictions"] == 6
     whole = replay_manager(keys, 12, policy="lru", namespace=ns, shm_dir=str(private_shm), store_chunk=1)
     assert whole.extra["self_evictions"] == 0 and whole.extra["evictions"] == 0
+
+
+def test_the_cli_takes_a_storing_mode_and_names_the_fix_for_a_bad_one(
+    capsys: pytest.CaptureFixture[str], private_shm: Path
+) -> None:
+    from kvtier.cli import main
+
+    for bad in ("foo", "0", "-1"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["replay", "--synthetic", "chat", "--store-chunk", bad])
+        assert exit_info.value.code == 2
+        assert "give a number of blocks per store or 'mixed'" in capsys.readouterr().err
+    code = main(["replay", "--synthetic", "chat", "--requests", "300", "--capacity", "40", "--store-chunk", "mixed",
+                 "--policy", "return-time", "--no-belady", "--shm-dir", str(private_shm)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "16-block prefill stores" in out
+    assert "0 self-evicted" in out
