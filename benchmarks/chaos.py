@@ -135,7 +135,7 @@ VERIFIER = _COMMON + textwrap.dedent(
         mgr.complete_load([key], req)
         served += 1
         mgr.on_schedule_end()
-    stats = mgr.stats()["tiers"]["1:fs"]
+    stats = mgr.stats().as_dict()["tiers"]["1:fs"]
     mgr.shutdown()
     print(json.dumps({"wrong": wrong, "lost": lost, "served": served, "corrupt": stats["corrupt_values"],
                       "unsafe": stats["extra"]["unsafe_entries"]}), flush=True)

@@ -22,9 +22,12 @@ RATIO = r"\d+\.\d+"
 
 CASES = {
     "bench_fs": (
-        ["--block-bytes", "16384", "--blocks", "512", "--repeat", "1"],
+        ["--block-bytes", "16384", "--blocks", "512", "--repeat", "1", "--miss-keys", "2000"],
         [rf"store empty tier\s+{RATIO}\s+{RATIO}\s+{RATIO}", rf"store full tier\s+{RATIO}\s+{RATIO}\s+{RATIO}",
-         rf"load\s+{RATIO}\s+{RATIO}\s+{RATIO}"],
+         rf"load\s+{RATIO}\s+{RATIO}\s+{RATIO}",
+         rf"^lookup MISS \(per key\)\s+\d+\s+\d+\s+{RATIO}\s+\d+\s+{RATIO}$",
+         rf"^cold prompt \(per 32-block prompt\)\s+\d+\s+\d+\s+{RATIO}\s+\d+\s+{RATIO}$",
+         r"MISS costs with live sharing \(default, journals\) within 2x of sharing off: (MET|MISSED)"],
     ),
     "bench_redis": (
         ["--total-mib", "4", "--rounds", "1", "--sizes-kib", "256"],

@@ -6,6 +6,7 @@ configuration or environment. One test per way a new user got it wrong.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -369,3 +371,200 @@ def test_progress_bar_on_a_terminal(private_shm: Path) -> None:
     text = b"".join(chunks).decode(errors="replace")
     assert re.search(r"requests .*\d+/\d+", text), text[-2000:]
     assert "kvtier bench" in text
+
+
+# --------------------------------------------------------------------------- issue 20: untrusted input, per class
+
+
+@pytest.fixture
+def no_kvtier_env(monkeypatch: pytest.MonkeyPatch, private_shm: Path) -> Path:
+    for name in [n for n in os.environ if n.startswith("KVTIER_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("KVTIER_SHM_DIR", str(private_shm))
+    return private_shm
+
+
+def refused_here(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """Run ``kvtier argv`` in this process; the one error line of its exit status 2."""
+    from kvtier.cli import main
+
+    def fds() -> set[str]:
+        out = set()
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+                out.add(f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}")
+        return out
+
+    before = fds()
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    assert fds() <= before, f"descriptors left open: {fds() - before}"
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert code == 2, (code, captured.out[-500:], captured.err)
+    assert "Traceback" not in captured.err and len(lines) == 1, captured.err
+    return lines[0]
+
+
+@pytest.mark.usefixtures("no_kvtier_env")
+@pytest.mark.parametrize(
+    ("argv", "fragments"),
+    [
+        (["bench", "--no-fs", "--fs-root", "/tmp/x"], ["--no-fs", "--fs-root", "drop one"]),
+        (["bench", "--no-fs", "--fs-bytes", "2GiB"], ["--no-fs", "--fs-bytes"]),
+        (["bench", "--fs-bytes", "2GiB", "--memory-tier", "1MiB", "--config", "{cfg}"],
+         ["--fs-bytes", "configuration names its own tiers", "--fs-root"]),
+        (["bench", "--metrics-addr", "0.0.0.0"], ["--metrics-addr needs --metrics-port"]),
+        (["bench", "--fs-root", ""], ["argument --fs-root: empty value ''"]),
+        (["bench", "--redis", " "], ["argument --redis: empty value ' '"]),
+        (["bench", "--s3", ""], ["argument --s3: empty value"]),
+        (["bench", "--json", ""], ["argument --json: empty value"]),
+        (["replay", "--synthetic", "chat", "--fs-root", ""], ["argument --fs-root: empty value"]),
+        (["replay", "{trace}", "--requests", "10"], ["--requests", "--synthetic", "not a trace"]),
+        (["replay", "{trace}", "--seed", "1"], ["--seed", "--synthetic"]),
+        (["inspect", "{dir}", "--remove-corrupt"], ["--remove-corrupt", "add --verify"]),
+        (["inspect", "s3://bucket/p", "--remove-corrupt"], ["--remove-corrupt", "--verify or --sample N"]),
+        (["inspect", "{dir}", "--region", "eu-west-1"], ["--region applies to S3 prefixes"]),
+        (["inspect", "redis://127.0.0.1:6379/0"], ["inspect reads an fs tier directory or an S3 prefix", "redis://"]),
+        (["inspect", "gs://bucket/prefix"], ["gs://", "s3://bucket/prefix"]),
+        (["inspect", "HTTP+unix://x"], ["http+unix://"]),
+        (["inspect", ""], ["the directory or S3 prefix is empty"]),
+        (["config", "show", "--shm-dir", ""], ["argument --shm-dir: empty value"]),
+        (["config", "reference", "--output", ""], ["argument --output: empty value"]),
+        (["sweep", "--tmp-dir", ""], ["argument --tmp-dir: empty value"]),
+    ],
+)
+def test_no_flag_is_silently_ignored(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], fragments: list[str]
+) -> None:
+    """Regression: `--fs-root ''` printed "fs (temp dir)" and ran without an fs tier; `inspect DIR --region`,
+    `--remove-corrupt` without `--verify` and `--no-fs --fs-root` were ignored without a word."""
+    cfg = tmp_path / "kv.yaml"
+    cfg.write_text("tiers:\n  - type: memory\n    max_bytes: 1MiB\n")
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1]}\n')
+    values = {"{cfg}": str(cfg), "{trace}": str(trace), "{dir}": str(tmp_path)}
+    line = refused_here(capsys, *[values.get(a, a) for a in argv])
+    for fragment in fragments:
+        assert fragment.lower() in line.lower(), line
+
+
+@pytest.mark.usefixtures("no_kvtier_env")
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["bench", "--device-blocks", "100000000"], "argument --device-blocks: must be at most 16777216"),
+        (["bench", "--device-blocks", "9" * 401], "argument --device-blocks: a number of 401 digits"),
+        (["bench", "--sessions", "1e400"], "argument --sessions: '1e400' is not an integer"),
+        (["bench", "--seed", str(2**63)], "argument --seed: must be at most"),
+        (["bench", "--prefill-tokens-per-s", "1e-300"], "argument --prefill-tokens-per-s: must be a finite number"),
+        (["bench", "--prefill-tokens-per-s", "inf"], "argument --prefill-tokens-per-s"),
+        (["bench", "--cpu-bytes", "9" * 401], "(401 characters) is above the largest size"),
+        (["bench", "--sessions", "1000000", "--max-turns", "1000"], "lower --sessions/--max-turns"),
+        (["bench", "--device-blocks", "16000000"], "device pool 2.9 TiB (--device-blocks)"),
+        (["replay", "--synthetic", "chat", "--requests", "1e400"], "argument --requests"),
+        (["replay", "--synthetic", "chat", "--capacity", "nan%"], "a share must lie in (0%, 100%]"),
+        (["replay", "--synthetic", "chat", "--capacity", "1e-300%", "--requests", "20"], "less than one block"),
+        (["replay", "--synthetic", "chat", "--capacity", "200000000"], "CPU tier metadata"),
+        (["inspect", "s3://bucket/p", "--sample", "9" * 50], "argument --sample: a number of 50 digits"),
+        (["config", "show", "--shutdown-timeout", "inf"], "'shutdown_timeout' (from CLI flag --shutdown-timeout)"),
+    ],
+)
+def test_numbers_out_of_range_are_refused_naming_the_flag_before_any_allocation(
+    capsys: pytest.CaptureFixture[str], argv: list[str], fragment: str
+) -> None:
+    """Regression: `--device-blocks 100000000` was a traceback (MemoryError); 60000 silently took 11 GiB."""
+    line = refused_here(capsys, *argv)
+    assert fragment in line, line
+
+
+def test_outputs_are_written_in_place_and_dash_is_stdout(tmp_path: Path, private_shm: Path) -> None:
+    """Regression: --json wrote PATH.tmp-PID and renamed it over PATH (a symlink or /dev/null was replaced)."""
+    target = tmp_path / "ref.md"
+    target.write_text("old")
+    (tmp_path / "link.md").symlink_to("ref.md")
+    inode = target.stat().st_ino
+    assert run("config", "reference", "--output", str(tmp_path / "link.md")).returncode == 0
+    assert (tmp_path / "link.md").is_symlink() and target.stat().st_ino == inode
+    assert target.read_text() == (REPO / "docs" / "configuration.md").read_text()
+    null = os.stat("/dev/null")
+    out = run("config", "reference", "--output", "/dev/null")
+    assert out.returncode == 0 and os.stat("/dev/null").st_rdev == null.st_rdev
+    args = ["replay", "--synthetic", "chat", "--requests", "40", "--capacity", "20", "--shm-dir", str(private_shm)]
+    out = run(*args, "--json", "-")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["rows"][0]["capacity"] == 20, "stdout must hold the JSON alone"
+    assert "prefix-hit rate vs CPU capacity" in out.stderr
+    fifo = tmp_path / "r.fifo"
+    os.mkfifo(fifo)
+    line = one_line_error(run(*args, "--json", str(fifo)))
+    assert "is a FIFO that no process is reading" in line
+    reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE, text=True)
+    try:
+        out = run(*args, "--json", str(fifo))
+        assert out.returncode == 0, out.stderr
+        assert json.loads(reader.communicate(timeout=60)[0])["synthetic"] == "chat"
+    finally:
+        reader.kill()
+        reader.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.md", "r.fifo", "ref.md"], "a temp file was left"
+
+
+def test_bench_names_the_policy_that_runs_as_its_help_says(tmp_path: Path, private_shm: Path) -> None:
+    """Regression: `bench --help` said the default policy is lru while return-time ran, and the output
+    never named the policy."""
+    from kvtier.config import KvtierConfig
+
+    help_text = " ".join(run("bench", "--help").stdout.split())
+    m = re.search(r"--policy NAME CPU tier eviction policy \(default ([\w:.-]+)", help_text)
+    assert m, help_text
+    assert m.group(1) == KvtierConfig.model_fields["policy"].default
+    out = run("bench", *TINY, "--shm-dir", str(private_shm), "--no-fs", "--json", str(tmp_path / "b.json"))
+    assert out.returncode == 0, out.stderr
+    assert json.loads((tmp_path / "b.json").read_text())["options"]["policy"] == m.group(1)
+    assert re.search(rf"policy \(cpu tier\)\s+│\s+{m.group(1)}\s+│", out.stdout), out.stdout
+    assert f"policy {m.group(1)}, device pool 200 blocks (3.1 MiB)" in out.stderr
+    out = run("bench", *TINY, "--shm-dir", str(private_shm), "--no-fs", "--policy", "arc")
+    assert re.search(r"policy \(cpu tier\)\s+│\s+arc\s+│", out.stdout) and "policy arc," in out.stderr
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 3 MiB tmpfs (root only): a file system that fills up."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True,
+                          check=False)  # fmt: skip
+    if made.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_exit_1_says_which_tier_failed_and_why(full_disk: Path, private_shm: Path) -> None:
+    """Regression: `errors 1` and exit status 1 with no line saying what failed (a full fs tier)."""
+    out = run("bench", *TINY, "--shm-dir", str(private_shm), "--fs-root", str(full_disk / "fs"))
+    assert out.returncode == 1, out.stderr
+    said = [line for line in out.stderr.splitlines() if line.startswith("kvtier bench: ")]
+    assert any(re.fullmatch(r"kvtier bench: \d+ tier job\(s\) failed .*no wrong bytes\)", line) for line in said), said
+    assert f"kvtier bench: fs tier failed: no space left under {full_disk / 'fs'}" in out.stderr, out.stderr
+    assert "[Errno" not in out.stderr
+
+
+def test_error_lines_name_each_cause_without_errno_text() -> None:
+    from kvtier.workload.bench_result import BenchResult
+
+    result = BenchResult(options={}, geometry={}, tiers=["cpu", "fs", "s3"])
+    assert result.error_lines() == []
+    result.verify_failures, result.tier_failures, result.promotion_failures = 2, 3, 1
+    result.tier_errors = {"fs": "store failed: [Errno 13] Permission denied: '/kv/ab'", "s3": "request timed out"}
+    lines = result.error_lines()
+    assert lines[0].startswith("2 loaded block(s) had wrong bytes")
+    assert lines[1] == ("3 tier job(s) failed; 1 block(s) could not be loaded back (computed again instead; "
+                        "no wrong bytes)")  # fmt: skip
+    assert lines[2:] == ["fs tier failed: store failed: Permission denied: '/kv/ab'",
+                         "s3 tier failed: request timed out"]  # fmt: skip

@@ -232,7 +232,7 @@ def test_promotion_without_room_is_a_miss(make: Any) -> None:
     other = keys(1, seed=2)[0]
     t1.data[other] = b"q" * mgr.block_bytes
     assert mgr.lookup(other, req) is MISS
-    assert mgr.stats()["manager"]["promotion_alloc_failures"] == 1
+    assert mgr.stats().as_dict()["manager"]["promotion_alloc_failures"] == 1
     mgr.complete_load(pinned, req)
 
 
@@ -410,7 +410,7 @@ def test_stats_snapshot(make: Any) -> None:
     req = RequestContext("r")
     store(mgr, keys(2), req)
     mgr.lookup(keys(1, seed=5)[0], req)
-    stats = mgr.stats()
+    stats = mgr.stats().as_dict()
     assert stats["primary"]["blocks"] == 2 and stats["primary"]["capacity_blocks"] == 4
     assert stats["manager"]["lookups"]["miss"] == 1
     assert stats["tiers"]["1:scripted"]["entries"] == 2
@@ -487,7 +487,7 @@ def test_a_tier_raising_from_scheduler_calls_never_crashes_the_scheduler(
         logged = [r.getMessage() for r in caplog.records if "raised from" in r.getMessage()]
         assert any("lookup()" in m and "#1" in m and "type=raising" in m for m in logged)
         assert sum("lookup()" in m for m in logged) == 1, "logged once per (tier, call), then counted"
-        assert mgr.stats()["manager"]["tier_call_errors"] >= 4
+        assert mgr.stats().as_dict()["manager"]["tier_call_errors"] >= 4
         assert mgr.lookup(k, req) is HIT
     finally:
         mgr.shutdown()
@@ -568,9 +568,9 @@ def test_late_completion_does_not_resurrect_a_finished_request(make: Any) -> Non
     assert mgr.prepare_store(ks, req) is not None
     mgr.on_request_finished(req)
     mgr.reset_cache()
-    assert mgr.stats()["manager"]["active_requests"] == 0
+    assert mgr.stats().as_dict()["manager"]["active_requests"] == 0
     mgr.complete_store(ks, req)
-    assert mgr.stats()["manager"]["active_requests"] == 0
+    assert mgr.stats().as_dict()["manager"]["active_requests"] == 0
     assert mgr.lookup(ks[0], req) is MISS
 
 

@@ -78,7 +78,7 @@ def test_a_bad_key_is_refused_at_every_entry_and_never_reaches_a_tier(mgr: Tieri
     assert calls_before == tier_doubles.CALLS and tier.touched == touched_before
     assert mgr.primary.ref_count(good) == 0, "a refused prepare_load pinned nothing"
     assert len(mgr.primary) == 1, "a refused prepare_store reserved nothing"
-    assert mgr.stats()["manager"]["tier_call_errors"] == 0
+    assert mgr.stats().as_dict()["manager"]["tier_call_errors"] == 0
 
 
 def test_every_call_after_shutdown_raises_but_stats_and_shutdown_do_not(namespace: Namespace) -> None:
@@ -107,7 +107,7 @@ def test_every_call_after_shutdown_raises_but_stats_and_shutdown_do_not(namespac
     for name, call in calls.items():
         with pytest.raises(ManagerClosedError, match=rf"{name}\(\) called after shutdown"):
             call()
-    stats = mgr.stats()
+    stats = mgr.stats().as_dict()
     assert stats["primary"]["capacity_blocks"] == 8
     mgr.shutdown()  # still a no-op
 
@@ -132,7 +132,7 @@ def test_stats_never_raises_when_a_tier_usage_or_health_raises(
     try:
         with caplog.at_level(logging.ERROR, logger="kvtier.manager"):
             for _ in range(3):
-                stats = mgr.stats()
+                stats = mgr.stats().as_dict()
         entry = stats["tiers"]["1:broken-stats"]
         assert entry["class"] == "_BrokenStatsTier"
         assert "used_bytes" not in entry and "health" not in entry

@@ -127,7 +127,7 @@ def test_snapshot_is_typed_and_labels_follow_one_scheme(mgr: TieringManager) -> 
     data = json.loads(json.dumps(snap.as_dict()))
     assert data["primary"]["hits"] == 4 and data["primary"]["capacity_blocks"] == 16
     assert data["tiers"]["1:counting"]["written"]["bytes"] == 4 * mgr.block_bytes
-    assert snap["manager"]["cascades_succeeded"] == 8
+    assert data["manager"]["cascades_succeeded"] == 8
     assert ManagerSnapshot.from_dict(data).tier("1:counting").written == a.written
 
 

@@ -33,8 +33,13 @@ from dataclasses import dataclass
 
 from kvtier.errors import ConfigError
 from kvtier.telemetry import BackpressureSnapshot
+from kvtier.validation import check_seconds
 
 logger = logging.getLogger(__name__)
+
+
+MAX_WARMUP_JOBS = 10_000
+"""The most store jobs the average may wait for before it starts (their latencies are kept until then)."""
 
 
 @dataclass(frozen=True)
@@ -52,15 +57,18 @@ class BackpressureSettings:
     smoothing: float = 0.3
 
     def __post_init__(self) -> None:
-        if not self.high_seconds > 0:
-            raise ConfigError(f"backpressure high_seconds must be > 0, got {self.high_seconds!r}")
+        check_seconds(self.high_seconds, "backpressure high_seconds", positive=True)
+        check_seconds(self.low_seconds, "backpressure low_seconds")
         if not 0 <= self.low_seconds < self.high_seconds:
             raise ConfigError(
                 f"backpressure low_seconds ({self.low_seconds!r}) must be >= 0 and below high_seconds "
                 f"({self.high_seconds!r}): stores resume below the low mark, stop above the high one"
             )
-        if isinstance(self.warmup_jobs, bool) or not isinstance(self.warmup_jobs, int) or self.warmup_jobs < 1:
-            raise ConfigError(f"backpressure warmup_jobs must be an integer >= 1, got {self.warmup_jobs!r}")
+        jobs = self.warmup_jobs
+        if isinstance(jobs, bool) or not isinstance(jobs, int) or not 1 <= jobs <= MAX_WARMUP_JOBS:
+            raise ConfigError(
+                f"backpressure warmup_jobs must be an integer in [1, {MAX_WARMUP_JOBS}], got {str(jobs)[:40]}"
+            )
         if not 0 < self.smoothing <= 1:
             raise ConfigError(f"backpressure smoothing must be in (0, 1], got {self.smoothing!r}")
 

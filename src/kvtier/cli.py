@@ -14,7 +14,11 @@ Subcommands:
 
 Settings resolve as default < ``--config FILE`` < ``KVTIER_*`` environment <
 flags for every command that reads them. Inputs are checked before any work
-(numbers at parse time, output paths and optional dependencies before a run).
+(numbers at parse time, against their bounds; output paths, flag combinations,
+memory and optional dependencies before a run); no flag is silently ignored:
+an empty value, or a flag that does not apply to what else was given, is refused.
+Files are read and written by :mod:`kvtier.user_files` (regular files only,
+size caps, UTF-8 positions; outputs written in place, ``-`` for stdout).
 
 Exit status, for every command: 0 success; 1 the command ran and found a problem
 (wrong bytes loaded, a failed copy or tier job, corrupt entries); 2 bad usage,
@@ -24,14 +28,15 @@ configuration or environment (the message names the input and the fix).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
-import math
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from kvtier.config import (
     KvtierConfig,
@@ -42,12 +47,22 @@ from kvtier.config import (
     parse_size,
     render_config_reference,
 )
+from kvtier.config.schema import MAX_LAYOUT_COUNT
 from kvtier.errors import ConfigError, KvtierError
+from kvtier.units import shown
+from kvtier.user_files import STDOUT, OutputFile, check_output, os_error_text, write_output
 from kvtier.version import __version__
 
 logger = logging.getLogger("kvtier.cli")
 
+_DEFAULT_POLICY = str(KvtierConfig.model_fields["policy"].default)
+
 DEFAULT_CAPACITIES = "1000,5000,9139,20000,50000"
+
+
+MAX_COUNT = 1 << 31
+"""The largest count any flag takes where no tighter bound is stated."""
+_MAX_DIGITS = 30
 
 
 def _size(text: str) -> int:
@@ -64,67 +79,91 @@ def _positive_size(text: str) -> int:
     return size
 
 
-def _int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``low``, refused at parse time (exit 2) otherwise."""
+def _int_in(low: int, high: int = MAX_COUNT) -> Callable[[str], int]:
+    """An argparse type: an integer in [``low``, ``high``], refused at parse time (exit 2) otherwise."""
 
     def parse(text: str) -> int:
+        digits = text.strip().lstrip("+-")
+        if len(digits) > _MAX_DIGITS and digits.isdigit():
+            raise argparse.ArgumentTypeError(f"a number of {len(digits)} digits: must be at most {high}")
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+            raise argparse.ArgumentTypeError(f"{shown(text)} is not an integer") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {value}")
         return value
 
     return parse
 
 
-def _float_at_least(low: float) -> Callable[[str], float]:
-    """An argparse type: a finite number >= ``low``."""
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low`` (and at most :data:`MAX_COUNT`)."""
+    return _int_in(low)
 
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not math.isfinite(value) or value < low:
-            raise argparse.ArgumentTypeError(f"must be a finite number of at least {low:g}, got {text}")
-        return value
 
-    return parse
+def _prefill_rate(text: str) -> float:
+    """``--prefill-tokens-per-s``: 0 (instantaneous) or a finite rate in [MIN_PREFILL_RATE, MAX_PREFILL_RATE]."""
+    from kvtier.workload.bench import MAX_PREFILL_RATE, MIN_PREFILL_RATE
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a number") from None
+    if not (value == 0 or MIN_PREFILL_RATE <= value <= MAX_PREFILL_RATE):
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number: 0 (instantaneous) or {MIN_PREFILL_RATE:g} to {MAX_PREFILL_RATE:g} "
+            f"tokens/s, got {shown(text)}"
+        )
+    return value
 
 
 def _port(text: str) -> int:
-    value = _int_at_least(0)(text)
+    value = _int_in(0)(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535] (0 = any free port), got {value}")
     return value
 
 
-def check_output_file(path: str, flag: str) -> None:
-    """Refuse, before any work, an output path whose directory is missing or unwritable (exit 2)."""
-    target = Path(path)
-    if target.is_dir():
-        raise ConfigError(f"{flag} {path!r} is a directory: give a file name")
-    parent = target.parent
-    if not parent.is_dir():
-        raise ConfigError(f"{flag} {path!r}: directory {str(parent)!r} does not exist: create it or pick another path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"{flag} {path!r}: directory {str(parent)!r} is not writable: pick another path")
+def check_output_file(path: str, flag: str, inputs: Sequence[str | None] = ()) -> None:
+    """Refuse, before any work, an output path that cannot be written (exit 2); see :func:`check_output`."""
+    check_output(path, flag, inputs)
 
 
-def check_plot_file(path: str) -> None:
+def check_plot_file(path: str, inputs: Sequence[str | None] = ()) -> None:
     """Refuse ``--plot`` before the run when matplotlib is missing or the file type is not one it writes."""
-    check_output_file(path, "--plot")
+    check_output(path, "--plot", inputs)
     try:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         raise ConfigError("--plot needs matplotlib, which is not installed: pip install 'kvtier[plot]'") from None
+    if path == STDOUT:
+        return  # PNG
     kinds = sorted(FigureCanvasBase.get_supported_filetypes())
     suffix = Path(path).suffix.lower().lstrip(".")
     if suffix not in kinds:
         what = repr(suffix) if suffix else "a file without a suffix"
         raise ConfigError(f"--plot {path!r}: matplotlib cannot write {what}: use a suffix from {kinds}")
+
+
+def _open_outputs(
+    stack: contextlib.ExitStack, outputs: dict[str, str | None], inputs: Sequence[str | None]
+) -> dict[str, OutputFile]:
+    """Check every output flag given (``{"--json": path, ...}``) before the work; at most one may be
+    ``-`` (stdout). Returns an :class:`OutputFile` per flag given, closed with ``stack``."""
+    to_stdout = [flag for flag, path in outputs.items() if path == STDOUT]
+    if len(to_stdout) > 1:
+        raise ConfigError(f"{' and '.join(to_stdout)} both write to standard output ('-'): give one of them a file")
+    opened: dict[str, OutputFile] = {}
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        if flag == "--plot":
+            check_plot_file(path, inputs)
+        opened[flag] = stack.enter_context(OutputFile(path, flag, inputs))
+    return opened
 
 
 def _stderr_console() -> Any:
@@ -142,7 +181,12 @@ def _say(console: Any, text: str) -> None:
 
 
 def _add_bench(sub: Any) -> None:
-    from kvtier.workload.bench import DEFAULT_BENCH_CPU_BYTES, DEFAULT_BENCH_FS_BYTES, DEFAULT_BENCH_MODEL
+    from kvtier.workload.bench import (
+        DEFAULT_BENCH_CPU_BYTES,
+        DEFAULT_BENCH_FS_BYTES,
+        DEFAULT_BENCH_MODEL,
+        MAX_DEVICE_BLOCKS,
+    )
 
     p = sub.add_parser(
         "bench",
@@ -152,26 +196,13 @@ def _add_bench(sub: Any) -> None:
             "the CPU tier in /dev/shm and an fs tier (temp dir unless --fs-root), moving and verifying "
             "real bytes. Prints hit rates per tier, bandwidth, scheduler-side latency and prefill saved. "
             "Settings resolve as bench defaults < --config file < KVTIER_* environment < flags. "
-            "Exit status: 0 success, 1 a loaded block had wrong bytes or a copy/tier job failed, "
-            "2 bad usage, configuration or environment."
+            "Counts are bounded and the run's memory (device pool, CPU tier, workload) is checked against "
+            "the memory available before anything is allocated. "
+            "Exit status: 0 success, 1 a loaded block had wrong bytes or a copy/tier job failed (a line "
+            "says which and why), 2 bad usage, configuration or environment."
         ),
     )
-    positive, non_negative = _int_at_least(1), _int_at_least(0)
-    w = p.add_argument_group("workload")
-    w.add_argument("--sessions", type=positive, metavar="N", default=48, help="chat sessions (default 48)")
-    w.add_argument("--min-turns", type=positive, metavar="N", default=2,
-                   help="turns per session, lower bound (default 2)")  # fmt: skip
-    w.add_argument("--max-turns", type=positive, metavar="N", default=6,
-                   help="turns per session, upper bound (default 6)")  # fmt: skip
-    w.add_argument("--shared-prompts", type=non_negative, metavar="N", default=4,
-                   help="shared system prompts (default 4)")  # fmt: skip
-    w.add_argument("--seed", type=non_negative, metavar="N", default=0, help="workload seed (default 0)")
-    w.add_argument("--batch-size", type=positive, metavar="N", default=4,
-                   help="requests admitted per engine step (default 4)")  # fmt: skip
-    w.add_argument(
-        "--prefill-tokens-per-s", type=_float_at_least(0.0), metavar="TOKENS", default=25_000.0,
-        help="simulated device prefill speed; 0 = instantaneous (default 25000)",
-    )  # fmt: skip
+    _add_bench_workload(p.add_argument_group("workload"))
     s = p.add_argument_group("sizes and tiers")
     s.add_argument(
         "--config", metavar="FILE", default=None,
@@ -179,25 +210,27 @@ def _add_bench(sub: Any) -> None:
         "KVTIER_* environment variables and the flags below override it; --fs-root/--redis add tiers",
     )  # fmt: skip
     s.add_argument("--model", metavar="PRESET", default=None, help=f"model preset (default {DEFAULT_BENCH_MODEL})")
-    s.add_argument("--tokens-per-block", type=positive, metavar="N", default=None,
+    s.add_argument("--tokens-per-block", type=_int_in(1, MAX_LAYOUT_COUNT), metavar="N", default=None,
                    help="tokens per KV block (default 16)")  # fmt: skip
     s.add_argument(
         "--cpu-bytes", type=_positive_size, metavar="SIZE", default=None,
         help=f"CPU tier size (default {format_size(DEFAULT_BENCH_CPU_BYTES)})",
     )  # fmt: skip
-    s.add_argument("--device-blocks", type=positive, metavar="N", default=512,
-                   help="simulated device pool, blocks (default 512)")  # fmt: skip
-    s.add_argument("--policy", metavar="NAME", default=None, help="CPU tier eviction policy (default lru)")
+    s.add_argument("--device-blocks", type=_int_in(1, MAX_DEVICE_BLOCKS), metavar="N", default=512,
+                   help="simulated device pool, blocks (default 512; must fit in the memory available)")  # fmt: skip
+    s.add_argument("--policy", metavar="NAME", default=None,
+                   help=f"CPU tier eviction policy (default {_DEFAULT_POLICY}, as in any configuration)")  # fmt: skip
     s.add_argument("--shm-dir", metavar="DIR", default=None, help="directory of the CPU region (default /dev/shm)")
     s.add_argument(
         "--fs-root", metavar="DIR", default=None,
         help="fs tier directory (kept); default: a lock-held temp dir, removed after (none if the config has tiers)",
     )  # fmt: skip
     s.add_argument(
-        "--fs-bytes", type=_positive_size, metavar="SIZE", default=DEFAULT_BENCH_FS_BYTES,
+        "--fs-bytes", type=_positive_size, metavar="SIZE", default=None,
         help=f"fs tier capacity (default {format_size(DEFAULT_BENCH_FS_BYTES)})",
     )  # fmt: skip
-    s.add_argument("--no-fs", action="store_true", help="run without the bench's fs tier")
+    s.add_argument("--no-fs", action="store_true",
+                   help="run without the bench's fs tier (not with --fs-root/--fs-bytes)")  # fmt: skip
     s.add_argument("--redis", metavar="URL", default=None, help="add a redis tier, e.g. redis://127.0.0.1:6379/0")
     s.add_argument(
         "--s3", metavar="URL", default=None,
@@ -212,14 +245,39 @@ def _add_bench(sub: Any) -> None:
         help="a configured tier that is unreachable (circuit breaker open) is an error (exit 2)",
     )  # fmt: skip
     o = p.add_argument_group("output")
-    o.add_argument("--json", metavar="FILE", default=None, help="write the full result as JSON")
-    o.add_argument("--plot", metavar="FILE.png", default=None, help="plot hit rate over time and bytes per tier")
+    o.add_argument("--json", metavar="FILE", default=None,
+                   help="write the full result as JSON ('-': stdout, the tables then go to stderr)")  # fmt: skip
+    o.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="plot hit rate over time and bytes per tier ('-': PNG to stdout)")  # fmt: skip
     o.add_argument("--metrics-port", type=_port, metavar="PORT", default=None,
                    help="serve Prometheus metrics while running")  # fmt: skip
-    o.add_argument("--metrics-addr", metavar="ADDR", default="127.0.0.1",
+    o.add_argument("--metrics-addr", metavar="ADDR", default=None,
                    help="address for --metrics-port (default 127.0.0.1)")  # fmt: skip
     o.add_argument("--no-progress", action="store_true", help="no progress bar (none is shown when not on a terminal)")
     p.set_defaults(func=_cmd_bench)
+
+
+def _add_bench_workload(w: Any) -> None:
+    """The bench's workload flags (every count bounded, see kvtier.workload.chat)."""
+    from kvtier.workload.bench import MAX_BATCH_SIZE
+    from kvtier.workload.chat import MAX_SEED, MAX_SESSIONS, MAX_SHARED_PROMPTS, MAX_TURNS
+
+    turns = _int_in(1, MAX_TURNS)
+    w.add_argument("--sessions", type=_int_in(1, MAX_SESSIONS), metavar="N", default=48,
+                   help=f"chat sessions (default 48, at most {MAX_SESSIONS})")  # fmt: skip
+    w.add_argument("--min-turns", type=turns, metavar="N", default=2,
+                   help="turns per session, lower bound (default 2)")  # fmt: skip
+    w.add_argument("--max-turns", type=turns, metavar="N", default=6,
+                   help=f"turns per session, upper bound (default 6, at most {MAX_TURNS})")  # fmt: skip
+    w.add_argument("--shared-prompts", type=_int_in(0, MAX_SHARED_PROMPTS), metavar="N", default=4,
+                   help=f"shared system prompts (default 4, at most {MAX_SHARED_PROMPTS})")  # fmt: skip
+    w.add_argument("--seed", type=_int_in(0, MAX_SEED), metavar="N", default=0, help="workload seed (default 0)")
+    w.add_argument("--batch-size", type=_int_in(1, MAX_BATCH_SIZE), metavar="N", default=4,
+                   help="requests admitted per engine step (default 4)")  # fmt: skip
+    w.add_argument(
+        "--prefill-tokens-per-s", type=_prefill_rate, metavar="TOKENS", default=25_000.0,
+        help="simulated device prefill speed; 0 = instantaneous, else 1 to 1e12 (default 25000)",
+    )  # fmt: skip
 
 
 def _bench_config(args: argparse.Namespace) -> KvtierConfig:
@@ -245,12 +303,30 @@ def _extra_bench_tiers(args: argparse.Namespace) -> list[dict[str, Any]]:
     return tiers
 
 
-def _bench_options(args: argparse.Namespace, config: KvtierConfig) -> Any:
-    from kvtier.workload.bench import BenchOptions
-    from kvtier.workload.chat import ChatWorkloadSpec
-
+def _check_bench_flags(args: argparse.Namespace, own_tiers: bool) -> None:
+    """Refuse flags that the rest of the command line would make the bench ignore (exit 2)."""
     if args.min_turns > args.max_turns:
         raise ConfigError(f"--min-turns {args.min_turns} is above --max-turns {args.max_turns}: lower or raise one")
+    if args.no_fs:
+        fs_flags = (("--fs-root", args.fs_root), ("--fs-bytes", args.fs_bytes))
+        given = [flag for flag, value in fs_flags if value is not None]
+        if given:
+            raise ConfigError(f"--no-fs runs without the fs tier that {' and '.join(given)} set up: drop one of them")
+    elif args.fs_bytes is not None and args.fs_root is None and own_tiers:
+        raise ConfigError(
+            "--fs-bytes sizes the bench's fs tier, which is not added because the configuration names its own "
+            "tiers: add --fs-root DIR to add it, or drop --fs-bytes"
+        )
+    if args.metrics_addr is not None and args.metrics_port is None:
+        raise ConfigError("--metrics-addr needs --metrics-port PORT (no metrics are served without it)")
+
+
+def _bench_options(args: argparse.Namespace, config: KvtierConfig) -> Any:
+    from kvtier.workload.bench import DEFAULT_BENCH_FS_BYTES, BenchOptions
+    from kvtier.workload.chat import ChatWorkloadSpec
+
+    own_tiers = config.sources["tiers"] != "default"
+    _check_bench_flags(args, own_tiers)
     workload = ChatWorkloadSpec(
         sessions=args.sessions,
         min_turns=args.min_turns,
@@ -258,13 +334,12 @@ def _bench_options(args: argparse.Namespace, config: KvtierConfig) -> Any:
         shared_system_prompts=args.shared_prompts,
         seed=args.seed,
     )
-    own_tiers = config.sources["tiers"] != "default"
     return BenchOptions(
         workload=workload,
         device_blocks=args.device_blocks,
         fs=not args.no_fs and (args.fs_root is not None or not own_tiers),
         fs_root=args.fs_root,
-        fs_bytes=args.fs_bytes,
+        fs_bytes=args.fs_bytes if args.fs_bytes is not None else DEFAULT_BENCH_FS_BYTES,
         redis_url=args.redis,
         extra_tiers=_extra_bench_tiers(args),
         batch_size=args.batch_size,
@@ -296,19 +371,24 @@ def _run_bench_showing_progress(options: Any, metrics: Any, err: Any, show: bool
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    with contextlib.ExitStack() as stack:
+        outputs = _open_outputs(stack, {"--json": args.json, "--plot": args.plot}, inputs=[args.config])
+        return _bench(args, outputs)
+
+
+def _bench(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
     from rich.console import Console
 
     from kvtier.metrics import KvtierMetrics
     from kvtier.workload.bench import describe_options
-    from kvtier.workload.report import plot_bench, print_bench, write_json
+    from kvtier.workload.budget import check_memory
+    from kvtier.workload.report import json_document, plot_image, print_bench
 
-    if args.json:
-        check_output_file(args.json, "--json")
-    if args.plot:
-        check_plot_file(args.plot)
     config = _bench_config(args)
+    _check_shm_dir(config)
     options = _bench_options(args, config)
     options.config(options.fs_root)  # the tiers the bench adds (--redis ...) are checked before anything runs
+    check_memory(options.memory_needs(options.config(None)))
     err = _stderr_console()
     _say(err, f"kvtier bench: {describe_options(options)}")
     chosen = [f"{name} ({source})" for name, source in config.sources.items() if "default" not in source]
@@ -316,32 +396,59 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         _say(err, "kvtier bench: settings from " + ", ".join(chosen))
     metrics: KvtierMetrics | None = None
     if args.metrics_port is not None:
+        addr = args.metrics_addr or "127.0.0.1"
         metrics = KvtierMetrics()
         try:
-            port = metrics.serve(args.metrics_port, args.metrics_addr)
+            port = metrics.serve(args.metrics_port, addr)
         except OSError as exc:
             raise ConfigError(
-                f"--metrics-port {args.metrics_port}: cannot listen on {args.metrics_addr}: {exc.strerror or exc}"
+                f"--metrics-port {args.metrics_port}: cannot listen on {addr}: {os_error_text(exc)}"
             ) from None
-        _say(err, f"serving Prometheus metrics on http://{args.metrics_addr}:{port}/metrics")
+        _say(err, f"serving Prometheus metrics on http://{addr}:{port}/metrics")
     try:
         result = _run_bench_showing_progress(options, metrics, err, show=not args.no_progress and err.is_terminal)
     finally:
         if metrics is not None:
             metrics.close()
-    print_bench(result, Console())
-    if args.json:
-        write_json(args.json, result.to_dict())
-        _say(err, f"wrote {args.json}")
-    if args.plot:
-        plot_bench(result, args.plot)
-        _say(err, f"wrote {args.plot}")
+    # With --json - or --plot -, standard output carries that document alone: the tables go to stderr.
+    print_bench(result, err if STDOUT in (args.json, args.plot) else Console())
+    if "--json" in outputs:
+        outputs["--json"].write(json_document(result.to_dict()))
+        if args.json != STDOUT:
+            _say(err, f"wrote {args.json}")
+    if "--plot" in outputs:
+        outputs["--plot"].write(plot_image(result, Path(args.plot).suffix.lstrip(".").lower() or "png"))
+        if args.plot != STDOUT:
+            _say(err, f"wrote {args.plot}")
+    for line in result.error_lines():
+        _say(err, f"kvtier bench: {line}")
     return 1 if result.errors else 0
+
+
+def _check_shm_dir(config: KvtierConfig) -> None:
+    """The CPU region's directory must be a directory (named with where the setting came from)."""
+    if not Path(config.shm_dir).is_dir():
+        raise ConfigError(
+            f"shm_dir {config.shm_dir!r} (from {config.sources['shm_dir']}) is not a directory: give a tmpfs "
+            "directory such as /dev/shm"
+        )
 
 
 # --------------------------------------------------------------------------- replay
 
 DEFAULT_SYNTHETIC_CAPACITIES = "0.5%,1%,2%,5%,10%,20%"
+
+
+MAX_REPLAY_CAPACITY = 1 << 28
+"""The largest CPU capacity a replay takes, in blocks (its manager holds about 300 bytes a block)."""
+REPLAY_BYTES_PER_BLOCK = 512
+"""Memory a replay's manager and policy hold per CPU block, rounded up (README: ~256 B at 1M blocks)."""
+MAX_SYNTHETIC_REQUESTS = 10_000_000
+"""The most requests of a generated workload (about 1 KB and 100 us each to generate)."""
+SYNTHETIC_BYTES_PER_REQUEST = 4096
+"""Memory one generated request costs a replay, rounded up: the request, its keys, its flat ids."""
+TRACE_MEMORY_FACTOR = 8
+"""Memory a replay holds per byte of trace text, rounded up (requests, keys, flat ids)."""
 
 
 def _capacity_list(text: str) -> list[int | float]:
@@ -354,18 +461,25 @@ def _capacity_list(text: str) -> list[int | float]:
             try:
                 share = float(part[:-1]) / 100
             except ValueError:
-                raise argparse.ArgumentTypeError(f"--capacity {part!r}: not a percentage like 5%") from None
+                raise argparse.ArgumentTypeError(f"--capacity {shown(part)}: not a percentage like 5%") from None
             if not 0 < share <= 1:
-                raise argparse.ArgumentTypeError(f"--capacity {part!r}: a share must lie in (0%, 100%]")
+                raise argparse.ArgumentTypeError(f"--capacity {shown(part)}: a share must lie in (0%, 100%]")
             values.append(share)
             continue
         try:
-            values.append(int(parse_size(part)))
-        except ConfigError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
+            blocks = int(part) if part.isdigit() and len(part) <= _MAX_DIGITS else int(parse_size(part))
+        except ConfigError:
+            raise argparse.ArgumentTypeError(
+                f"--capacity {shown(part)}: not a block count (e.g. 9139 or 4k) or a share like 5%"
+            ) from None
+        if blocks > MAX_REPLAY_CAPACITY:
+            raise argparse.ArgumentTypeError(
+                f"--capacity {shown(part)}: at most {MAX_REPLAY_CAPACITY} blocks; give fewer, or a share like 5%"
+            )
+        values.append(blocks)
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(
-            f"--capacity {text!r}: give positive block counts or shares of the distinct blocks, "
+            f"--capacity {shown(text)}: give positive block counts or shares of the distinct blocks, "
             "e.g. 1000,9139,50000 or 1%,5%"
         )
     return values
@@ -399,14 +513,16 @@ def _add_replay(sub: Any) -> None:
             "beside two references: Belady's offline optimum and an unbounded cache."
         ),
     )
-    p.add_argument("trace", nargs="?", default=None, help="trace file (JSON lines); or use --synthetic")
+    p.add_argument("trace", nargs="?", default=None,
+                   help="trace file (JSON lines, or gzip-compressed JSON lines); or use --synthetic")  # fmt: skip
     p.add_argument(
         "--synthetic", metavar="KIND", choices=KINDS, default=None,
         help=f"replay a generated workload instead of a trace: {', '.join(KINDS)}",
     )  # fmt: skip
-    p.add_argument("--requests", type=_int_at_least(1), default=DEFAULT_REQUESTS,
-                   help=f"requests of the generated workload (default {DEFAULT_REQUESTS})")  # fmt: skip
-    p.add_argument("--seed", type=_int_at_least(0), default=0, help="seed of the generated workload (default 0)")
+    p.add_argument("--requests", type=_int_in(1, MAX_SYNTHETIC_REQUESTS), default=None,
+                   help=f"requests of a generated workload (default {DEFAULT_REQUESTS}; --synthetic only)")  # fmt: skip
+    p.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=None,
+                   help="seed of the generated workload (default 0; --synthetic only)")  # fmt: skip
     p.add_argument(
         "--capacity", type=_capacity_list, default=None,
         help="CPU tier sizes, comma separated: blocks, or shares of the distinct blocks like 5%% "
@@ -427,12 +543,14 @@ def _add_replay(sub: Any) -> None:
     )  # fmt: skip
     p.add_argument("--no-belady", action="store_true", help="skip the Belady reference")
     p.add_argument(
-        "--fs-root", default=None,
-        help="also cascade to an fs tier under this directory (one subdirectory per run; real bytes of "
-        "small blocks); per-tier hit rates",
+        "--fs-root", metavar="DIR", default=None,
+        help="also cascade to an fs tier on this directory's disk: each replay makes a fresh, lock-held "
+        "subdirectory (kvtier-replay-*) and removes it after, so no run starts warm (real bytes of small "
+        "blocks); per-tier hit rates",
     )  # fmt: skip
     p.add_argument("--shm-dir", default=None, help="directory of the CPU region (default: KVTIER_SHM_DIR, /dev/shm)")
-    p.add_argument("--json", metavar="FILE", default=None, help="write the sweep as JSON")
+    p.add_argument("--json", metavar="FILE", default=None,
+                   help="write the sweep as JSON ('-': stdout, the tables then go to stderr)")  # fmt: skip
     p.set_defaults(func=_cmd_replay)
 
 
@@ -446,58 +564,101 @@ def _store_chunk(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{exc}: give a number of blocks per store or 'mixed'") from None
 
 
-def _cmd_replay(args: argparse.Namespace) -> int:
-    from rich.console import Console
+REPLAY_DIR_PREFIX = "kvtier-replay-"
+"""Name prefix of a replay's lock-held fs-tier directory under ``--fs-root`` (swept like the bench's)."""
 
-    from kvtier.workload.replay import compare_policies, decode_blocks, replay_namespace, store_mode, trace_keys
-    from kvtier.workload.report import replay_rows, replay_table, write_json
-    from kvtier.workload.simulate import HitRateResult, belady_hit_rate, unbounded_hit_rate
-    from kvtier.workload.synthetic import generate
-    from kvtier.workload.trace import FlatTrace, read_trace, trace_summary
 
-    if (args.trace is None) == (args.synthetic is None):
-        raise ConfigError("give a trace file or --synthetic KIND (one of them)")
-    settings = load_config(cli={"policy": args.policy[0] if args.policy else None, "shm_dir": args.shm_dir})
-    args.policy, args.shm_dir = args.policy or [settings.policy], settings.shm_dir  # env < flags
-    if args.json:
-        check_output_file(args.json, "--json")
+def _replay_requests(args: argparse.Namespace) -> tuple[list[Any], str]:
+    """The requests to replay and where they came from; memory is checked before they are made."""
+    from kvtier.workload.budget import MemoryNeed, available_memory, check_memory
+    from kvtier.workload.synthetic import DEFAULT_REQUESTS, generate
+    from kvtier.workload.trace import MAX_TRACE_BYTES, read_trace
+
     if args.synthetic is not None:
-        requests = generate(args.synthetic, args.requests, args.seed)
-        source = f"synthetic {args.synthetic} (seed {args.seed})"
+        count = args.requests if args.requests is not None else DEFAULT_REQUESTS
+        seed = args.seed if args.seed is not None else 0
+        made = min(count, args.limit) if args.limit is not None else count
+        check_memory([MemoryNeed("generated requests", made * SYNTHETIC_BYTES_PER_REQUEST, "--requests/--limit")])
+        requests = generate(args.synthetic, count, seed)
         if args.limit is not None:
             requests = requests[: args.limit]
-    else:
-        requests = read_trace(args.trace, limit=args.limit)
-        source = f"trace {args.trace}"
-    if not requests:
-        raise ConfigError(f"{source} holds no requests")
-    summary = trace_summary(requests)
+        return requests, f"synthetic {args.synthetic} (seed {seed})"
+    shaping = (("--requests", args.requests), ("--seed", args.seed))
+    given = [flag for flag, value in shaping if value is not None]
+    if given:
+        raise ConfigError(f"{' and '.join(given)} shape a generated workload (--synthetic KIND), not a trace: drop it")
+    available = available_memory()
+    cap = MAX_TRACE_BYTES if available is None else min(MAX_TRACE_BYTES, available // TRACE_MEMORY_FACTOR)
+    return read_trace(args.trace, limit=args.limit, max_bytes=cap), f"trace {args.trace}"
+
+
+def _check_replay_capacity(capacities: Sequence[int], shm_dir: str) -> None:
+    """The largest capacity's manager must fit in memory and its region in ``shm_dir`` (before any run)."""
+    from kvtier.units import PAGE_SIZE
+    from kvtier.workload.budget import MemoryNeed, check_memory
+
+    largest = max(capacities)
+    check_memory([MemoryNeed("CPU tier metadata", largest * REPLAY_BYTES_PER_BLOCK, "--capacity")])
+    try:
+        free = os.statvfs(shm_dir)
+    except OSError as exc:
+        raise ConfigError(f"shm_dir {shm_dir!r}: {os_error_text(exc)}") from None
+    room = free.f_bavail * free.f_frsize
+    if largest * PAGE_SIZE > room:
+        raise ConfigError(
+            f"--capacity {largest} needs {format_size(largest * PAGE_SIZE)} in {shm_dir} (one page a block) and "
+            f"{format_size(room)} is free: lower --capacity or use --shm-dir on a larger tmpfs"
+        )
+
+
+def _replay_fs_dir(fs_root: str) -> Any:
+    """A fresh lock-held directory under ``fs_root`` for this replay's fs tiers (stale ones swept first)."""
+    from kvtier.tempdir import LockedTempDir, sweep_stale_temp_dirs
+
+    if os.path.lexists(fs_root) and not os.path.isdir(fs_root):
+        raise ConfigError(f"--fs-root {fs_root!r} is not a directory: give a directory (made if missing)")
+    try:
+        os.makedirs(fs_root, exist_ok=True)
+        for stale in sweep_stale_temp_dirs(REPLAY_DIR_PREFIX, fs_root, remove=True):
+            logger.info("removed %s left by a replay that died", stale.path)
+        return LockedTempDir(REPLAY_DIR_PREFIX, fs_root)
+    except OSError as exc:
+        raise ConfigError(f"--fs-root {fs_root!r}: {os_error_text(exc)}") from None
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    with contextlib.ExitStack() as stack:
+        if (args.trace is None) == (args.synthetic is None):
+            raise ConfigError("give a trace file or --synthetic KIND (one of them)")
+        outputs = _open_outputs(stack, {"--json": args.json}, inputs=[args.trace])
+        return _replay(args, outputs)
+
+
+def _replay_capacities(args: argparse.Namespace, distinct: int) -> list[int]:
+    """``--capacity`` (or the default list) in blocks; a share given that is less than one block is refused."""
     spec = args.capacity or _capacity_list(
         DEFAULT_SYNTHETIC_CAPACITIES if args.synthetic is not None else DEFAULT_CAPACITIES
     )
-    distinct = int(summary["distinct_blocks"])
-    capacities = list(dict.fromkeys(v if isinstance(v, int) else max(1, round(v * distinct)) for v in spec))
-    flat = FlatTrace.from_requests(requests)
-    unbounded = unbounded_hit_rate(flat)
-    namespace = replay_namespace()
-    keys = trace_keys(flat, namespace)
-    fs_root = args.fs_root
+    too_small = [v for v in args.capacity or () if isinstance(v, float) and round(v * distinct) < 1]
+    if too_small:
+        raise ConfigError(
+            f"--capacity {100 * too_small[0]:g}% of the {distinct} distinct blocks is less than one block: "
+            "give a larger share or a block count"
+        )
+    return list(dict.fromkeys(v if isinstance(v, int) else max(1, round(v * distinct)) for v in spec))
 
-    def tiers(policy: str, capacity: int) -> list[dict[str, Any]]:
-        if fs_root is None:
-            return []
-        return [{"type": "fs", "root": os.path.join(fs_root, f"{policy.replace(':', '_')}-{capacity}")}]
 
-    err = _stderr_console()
-    runs = compare_policies(
-        keys, capacities, args.policy, namespace=namespace, tiers=tiers, shm_dir=args.shm_dir,
-        store_chunk=args.store_chunk, decode_blocks=decode_blocks(requests),
-        announce=lambda p, c: err.print(f"replaying {summary['requests']} requests with {c} CPU blocks ({p})..."),
-    )  # fmt: skip
-    belady: dict[int, HitRateResult | None] = {
-        c: None if args.no_belady else belady_hit_rate(flat, c) for c in capacities
-    }
-    out = Console(width=max(120, Console().width))
+def _print_replay(
+    args: argparse.Namespace, source: str, summary: dict[str, float], runs: Any, belady: Any, unbounded: Any
+) -> list[dict[str, Any]]:
+    """The replay's tables and lines (on stderr with --json -); returns the JSON rows."""
+    from rich.console import Console
+
+    from kvtier.workload.replay import store_mode
+    from kvtier.workload.report import replay_rows, replay_table
+
+    # With --json -, standard output carries the JSON alone: the tables go to stderr.
+    out = Console(width=max(120, Console().width), stderr=args.json == STDOUT)
     out.print(
         f"{source}: {summary['requests']} requests, {summary['block_refs']} block references, "
         f"{summary['distinct_blocks']} distinct blocks, {summary['duration_s']:.0f} s"
@@ -520,11 +681,63 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                 f"({kv['ratio_to_lru']:.3f}x lru, {kv['self_evictions']} self-evicted)",
                 highlight=False,
             )
+    return rows
+
+
+def _replay(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
+    from kvtier.workload.replay import compare_policies, decode_blocks, replay_namespace, trace_keys
+    from kvtier.workload.report import json_document
+    from kvtier.workload.simulate import HitRateResult, belady_hit_rate, unbounded_hit_rate
+    from kvtier.workload.trace import FlatTrace, trace_summary
+
+    settings = load_config(cli={"policy": args.policy[0] if args.policy else None, "shm_dir": args.shm_dir})
+    args.policy, args.shm_dir = args.policy or [settings.policy], settings.shm_dir  # env < flags
+    _check_shm_dir(settings)
+    if args.capacity:
+        _check_replay_capacity([v for v in args.capacity if isinstance(v, int)] or [1], args.shm_dir)
+    requests, source = _replay_requests(args)
+    if not requests:
+        raise ConfigError(f"{source} holds no requests")
+    summary = trace_summary(requests)
+    capacities = _replay_capacities(args, int(summary["distinct_blocks"]))
+    _check_replay_capacity(capacities, args.shm_dir)
+    flat = FlatTrace.from_requests(requests)
+    unbounded = unbounded_hit_rate(flat)
+    namespace = replay_namespace()
+    keys = trace_keys(flat, namespace)
+    err = _stderr_console()
+    scratch = _replay_fs_dir(args.fs_root) if args.fs_root is not None else None
+    try:
+        fs_dir = None if scratch is None else str(scratch.path)
+        if fs_dir is not None:
+            err.print(f"fs tiers in {fs_dir} (removed after the run)", highlight=False, markup=False)
+
+        def tiers(policy: str, capacity: int) -> list[dict[str, Any]]:
+            if fs_dir is None:
+                return []
+            return [{"type": "fs", "root": os.path.join(fs_dir, f"{policy.replace(':', '_')}-{capacity}")}]
+
+        runs = compare_policies(
+            keys, capacities, args.policy, namespace=namespace, tiers=tiers, shm_dir=args.shm_dir,
+            store_chunk=args.store_chunk, decode_blocks=decode_blocks(requests),
+            announce=lambda p, c: err.print(f"replaying {summary['requests']} requests with {c} CPU blocks ({p})..."),
+        )  # fmt: skip
+    finally:
+        if scratch is not None:
+            scratch.cleanup()
+    belady: dict[int, HitRateResult | None] = {
+        c: None if args.no_belady else belady_hit_rate(flat, c) for c in capacities
+    }
+    rows = _print_replay(args, source, summary, runs, belady, unbounded)
     if args.json:
-        what = {"synthetic": args.synthetic, "seed": args.seed} if args.synthetic else {"trace": args.trace}
-        write_json(args.json, {**what, "summary": summary, "policy": args.policy[0], "policies": args.policy,
-                               "store_chunk": args.store_chunk, "rows": rows})  # fmt: skip
-        err.print(f"wrote {args.json}")
+        what = (
+            {"synthetic": args.synthetic, "seed": args.seed or 0} if args.synthetic else {"trace": args.trace}
+        )
+        outputs["--json"].write(json_document({**what, "summary": summary, "policy": args.policy[0],
+                                               "policies": args.policy, "store_chunk": args.store_chunk,
+                                               "rows": rows}))  # fmt: skip
+        if args.json != STDOUT:
+            err.print(f"wrote {args.json}")
     return 0
 
 
@@ -568,7 +781,9 @@ def _add_sweep(sub: Any) -> None:
     )
     p.add_argument("--remove", action="store_true", help="delete what was found")
     p.add_argument("--shm-dir", default=None, help="regions directory (default: the config's shm_dir, /dev/shm)")
-    p.add_argument("--tmp-dir", default=None, help="where bench temp dirs live (default: the system temp dir)")
+    p.add_argument("--tmp-dir", default=None,
+                   help="where bench temp dirs live (default: the system temp dir); a replay's --fs-root DIR for "
+                   "its kvtier-replay-* dirs")  # fmt: skip
     _add_config_flag(p)
     p.set_defaults(func=_cmd_sweep)
 
@@ -611,7 +826,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     if not Path(tmp_dir).is_dir():
         raise ConfigError(f"--tmp-dir {tmp_dir!r} is not a directory")
     _sweep_regions(shm_dir, args.remove)
-    found = sweep_stale_temp_dirs(TEMP_DIR_PREFIX, tmp_dir, remove=args.remove)
+    found = [
+        *sweep_stale_temp_dirs(TEMP_DIR_PREFIX, tmp_dir, remove=args.remove),
+        *sweep_stale_temp_dirs(REPLAY_DIR_PREFIX, tmp_dir, remove=args.remove),
+    ]
     if not found:
         print(f"no stale kvtier bench directories in {tmp_dir}")
         return 0
@@ -639,9 +857,11 @@ def _add_inspect(sub: Any) -> None:
     p.add_argument(
         "--sample", type=_int_at_least(1), default=None, metavar="N", help="S3: read and check N random blocks"
     )
-    p.add_argument("--remove-corrupt", action="store_true", help="with --verify/--sample: delete corrupt values")
+    p.add_argument("--remove-corrupt", action="store_true",
+                   help="delete corrupt values (needs --verify, or --sample for S3)")  # fmt: skip
     p.add_argument("--namespace", default=None, help="only this namespace digest (hex prefix)")
-    p.add_argument("--region", default=None, help="S3: the bucket's region (default AWS_REGION or us-east-1)")
+    p.add_argument("--region", default=None,
+                   help="S3 only: the bucket's region (default AWS_REGION or us-east-1)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=_cmd_inspect)
 
@@ -661,12 +881,34 @@ def _inspect_s3(args: argparse.Namespace) -> Any:
     )
 
 
+INSPECT_SCHEMES = ("s3://", "http://", "https://")
+"""URL forms ``kvtier inspect`` reads (an S3 prefix); anything else is an fs tier directory."""
+
+
+def _check_inspect_flags(args: argparse.Namespace) -> bool:
+    """Refuse what inspect cannot do or would ignore; True when ``args.dir`` is an S3 prefix."""
+    target = str(args.dir)
+    is_s3 = target.lower().startswith(INSPECT_SCHEMES)
+    scheme, sep, _ = target.partition("://")
+    if sep and not is_s3:
+        raise ConfigError(
+            f"inspect reads an fs tier directory or an S3 prefix (s3://bucket/prefix, "
+            f"http(s)://host:port/bucket/prefix), not a {scheme}:// URL: a {scheme} tier cannot be inspected offline"
+        )
+    if args.sample is not None and not is_s3:
+        raise ConfigError("--sample applies to S3 prefixes; for an fs root use --verify")
+    if args.region is not None and not is_s3:
+        raise ConfigError("--region applies to S3 prefixes, not to an fs tier directory: drop it")
+    if args.remove_corrupt and not (args.verify or args.sample):
+        needs = "--verify or --sample N" if is_s3 else "--verify"
+        raise ConfigError(f"--remove-corrupt removes what {needs} finds corrupt: add {needs}")
+    return is_s3
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from kvtier.tiers.fs import verify_root
 
-    is_s3 = args.dir.startswith(("s3://", "http://", "https://"))
-    if args.sample is not None and not is_s3:
-        raise ConfigError("--sample applies to S3 prefixes; for an fs root use --verify")
+    is_s3 = _check_inspect_flags(args)
     if is_s3:
         report = _inspect_s3(args)
     else:
@@ -735,7 +977,8 @@ def _add_config(sub: Any) -> None:
     show.add_argument("--json", action="store_true", help="print JSON")
     show.set_defaults(func=_cmd_config_show)
     ref = csub.add_parser("reference", help="print the configuration reference (Markdown)")
-    ref.add_argument("--output", metavar="FILE", default=None, help="write to FILE instead of stdout")
+    ref.add_argument("--output", metavar="FILE", default=None,
+                     help="write to FILE (in place) instead of stdout ('-': stdout)")  # fmt: skip
     ref.set_defaults(func=_cmd_config_reference)
     schema = csub.add_parser("schema", help="print the JSON schema of the configuration")
     schema.set_defaults(func=_cmd_config_schema)
@@ -781,13 +1024,9 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_config_reference(args: argparse.Namespace) -> int:
-    text = render_config_reference()
     if args.output:
         check_output_file(args.output, "--output")
-        with open(args.output, "w", encoding="utf-8") as handle:
-            handle.write(text)
-    else:
-        sys.stdout.write(text)
+    write_output(args.output or STDOUT, render_config_reference(), "--output")
     return 0
 
 
@@ -799,8 +1038,15 @@ def _cmd_config_schema(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- main
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``kvtier bench: error: argument --x: ...`` and where the help is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvtier",
         description="Tiered KV-cache offloading: bench, trace replay, inspection and maintenance.",
     )
@@ -816,16 +1062,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_POSITIONALS = {"trace": "the trace file", "dir": "the directory or S3 prefix"}
+
+
+def _empty_value(args: argparse.Namespace) -> str | None:
+    """The error for a flag given an empty or blank value (``--fs-root ''``), or None.
+
+    An empty value is never what a user meant: taken as given it would silently
+    fall back to a default or mean the current directory.
+    """
+    for dest, value in vars(args).items():
+        if isinstance(value, str) and not value.strip():
+            if dest in _POSITIONALS:
+                return f"{_POSITIONALS[dest]} is empty: give one"
+            flag = cli_flag(dest.removeprefix("field_"))
+            return f"argument {flag}: empty value {value!r}: give a value or leave the flag out"
+    return None
+
+
+def _say_error(command: str, text: str) -> None:
+    """The one error line of a refused command: no traceback, whitespace folded, and no ``[Errno N]``
+    (a message from deeper code that quotes an OSError keeps its words, not Python's errno prefix)."""
+    text = re.sub(r"\[Errno -?\d+\]\s*", "", " ".join(text.split()))
+    print(f"kvtier {command}: error: {text}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvtier`` console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    empty = _empty_value(args)
+    if empty is not None:
+        _say_error(args.command, empty)
+        return 2
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))
     except KvtierError as exc:
-        print(f"kvtier {args.command}: error: {exc}", file=sys.stderr)
+        _say_error(args.command, str(exc))
         return 2
     except KeyboardInterrupt:
         print(f"kvtier {args.command}: interrupted", file=sys.stderr)
@@ -837,8 +1112,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.close(devnull)
         return 141
     except OSError as exc:
-        # The environment refused something (a permission, a full disk, a port in use).
-        print(f"kvtier {args.command}: error: {exc}", file=sys.stderr)
+        # The environment refused something no check above named (a permission, a full disk, a port in use).
+        where = f"{exc.filename}: " if exc.filename else ""
+        _say_error(args.command, f"{where}{os_error_text(exc)}")
+        return 2
+    except MemoryError:
+        _say_error(args.command, "out of memory: lower the sizes and counts given (see --help)")
+        return 2
+    except Exception as exc:  # a bad input that no check caught: one line, never a traceback (-v logs it)
+        logger.info("unexpected error", exc_info=True)
+        _say_error(
+            args.command,
+            f"{type(exc).__name__}: {str(exc)[:300]} (an input no check caught; run with -v for where, and please "
+            "report it)",
+        )
         return 2
 
 

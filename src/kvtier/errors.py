@@ -45,9 +45,24 @@ class ConfigError(KvtierError, ValueError):
 class InvalidKeyError(KvtierError, ValueError):
     """A block key given to the manager is not ``bytes`` of 1 to ``MAX_KEY_BYTES`` bytes."""
 
+    @classmethod
+    def of(cls, key: object, max_bytes: int) -> InvalidKeyError:
+        """The error for ``key``, which is not ``bytes`` of 1 to ``max_bytes`` bytes."""
+        if not isinstance(key, bytes):
+            return cls(f"block keys must be bytes, got {type(key).__name__} {key!r:.80}")
+        return cls(f"block key of {len(key)} bytes ({key[:16].hex()}...): keys must be 1 to {max_bytes} bytes")
+
 
 class ManagerClosedError(KvtierError, RuntimeError):
     """A :class:`~kvtier.manager.TieringManager` method was called after ``shutdown()``."""
+
+    @classmethod
+    def of(cls, call: str) -> ManagerClosedError:
+        """The error for a call of the manager's method ``call`` after ``shutdown()``."""
+        return cls(
+            f"TieringManager.{call}() called after shutdown(): only shutdown(), is_shut_down and stats() may be "
+            "called now"
+        )
 
 
 class RegionError(KvtierError):

@@ -31,6 +31,7 @@ from kvtier.types import PRIMARY_LABEL, BlockEvent, LookupResult
 logger = logging.getLogger(__name__)
 
 IN_FLIGHT = -1
+"""The ref count of a block whose write is in flight (a device store or a promotion)."""
 
 DEVICE_STORE = 1
 """The kind of a write in flight that :meth:`PrimaryTier.prepare_store` reserved (a device store)."""
@@ -447,8 +448,6 @@ class PrimaryTier:
         return np.array(slots, dtype=np.int64)
 
     complete_load = unpin
-    prepare_read = pin
-    complete_read = unpin
 
     def touch(self, keys: Iterable[BlockKey]) -> None:
         """A use of ``keys`` (in prefix order) elsewhere, e.g. a device-cache hit.
@@ -497,6 +496,11 @@ class PrimaryTier:
         self._free.clear()
         self._next_fresh = 0
         self.policy.clear()
+
+    @property
+    def is_shut_down(self) -> bool:
+        """:meth:`shutdown` completed: the region is released."""
+        return self._shut_down
 
     def shutdown(self) -> None:
         """Drop this tier's view and release the region (strict cleanup order). Idempotent."""

@@ -21,12 +21,20 @@ tier keeps its data: the CPU tier and disk tiers are local, Redis and S3
 remote), or ``"all"``. Excluding the CPU tier from ``kvtier_load_tiers`` means
 nothing is loaded for the request (every block is the gateway's).
 
-Pure functions; the manager parses a request's params once, on first use, from
-its scheduler thread.
+The params are client input (an HTTP client writes ``kv_transfer_params``): a
+malformed value costs nothing after the call that parses it. Messages show a value by
+its type, size and a bounded repr (:func:`describe_value`), never the value itself,
+and :class:`ControlProblemLog` keeps counts per key and kind of problem (a fixed,
+small set), never the messages or the values.
+
+Pure functions and one counter; the manager parses a request's params once, on
+first use, from its scheduler thread.
 """
 
 from __future__ import annotations
 
+import logging
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +49,29 @@ CONTROL_KEYS = (LOAD_TIERS_KEY, STORE_KEY, CASCADE_TIERS_KEY)
 
 _CPU_NAMES = frozenset({"cpu", "primary", PRIMARY_LABEL})
 _LOCALITIES = frozenset({"local", "remote"})
+_SHOWN_CHARS = 80
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxdict, _SHORT.maxset = 2, 4, 4, 3, 4
+_SHORT.maxstring, _SHORT.maxlong, _SHORT.maxother = 40, 40, 40
+
+
+def describe_value(value: Any) -> str:
+    """A client's value for a message, bounded whatever it is: a short scalar as its repr,
+    anything longer by type and size with the start of its repr (``a list of 200000 items:
+    [1, 2, 3, 4, ...]``). Never raises, never more than about 130 characters."""
+    if value is None or isinstance(value, bool | float):
+        return repr(value)
+    if isinstance(value, int):
+        return repr(value) if value.bit_length() <= 64 else f"an integer of {value.bit_length()} bits"
+    if isinstance(value, str):
+        return repr(value) if len(value) <= _SHOWN_CHARS // 2 else f"a string of {len(value)} characters"
+    if isinstance(value, bytes | bytearray):
+        return f"{len(value)} bytes"
+    if not isinstance(value, list | tuple | dict | set | frozenset):
+        return f"a {type(value).__name__} object"  # not JSON: its repr is not called at all
+    shown = _SHORT.repr(value)
+    shown = shown if len(shown) <= _SHOWN_CHARS else shown[: _SHOWN_CHARS - 4] + " ..."
+    return f"a {type(value).__name__} of {len(value)} items: {shown}"
 
 
 class RequestControlError(ConfigError):
@@ -74,7 +105,7 @@ def select_tiers(key: str, raw: Any, tiers: Sequence[TierDescriptor]) -> frozens
     items = [raw] if isinstance(raw, str) else raw
     if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
         raise RequestControlError(
-            f"{key} must be a list of tier selectors (strings), got {raw!r}: e.g. [\"cpu\", \"fs\"]"
+            f"{key} must be a list of tier selectors (strings), got {describe_value(raw)}: e.g. [\"cpu\", \"fs\"]"
         )
     chosen: set[int] = set()
     for item in items:
@@ -89,18 +120,32 @@ def select_tiers(key: str, raw: Any, tiers: Sequence[TierDescriptor]) -> frozens
             matched = {t.index for t in tiers if name in (t.label.lower(), t.tier_type.lower())}
             if not matched:
                 known = sorted({"cpu", "all", "local", "remote"} | {n for t in tiers for n in (t.label, t.tier_type)})
-                raise RequestControlError(f"{key} names {item!r}, which is no tier of this engine: use one of {known}")
+                raise RequestControlError(
+                    f"{key} names {describe_value(item)}, which is no tier of this engine: use one of {known}"
+                )
         chosen |= matched
     return frozenset(chosen)
 
 
-def parse_control(params: Mapping[str, Any], tiers: Sequence[TierDescriptor]) -> tuple[RequestControl, list[str]]:
-    """The :class:`RequestControl` that ``params`` ask for, and one message per malformed key.
+@dataclass(frozen=True)
+class ControlProblem:
+    """One malformed setting of a request: the key, the kind of problem (``"not_selectors"``,
+    ``"unknown_selector"``, ``"not_boolean"``) and a bounded message."""
 
-    A malformed key falls back to its default (the others still apply); the
-    caller logs the messages. ``tiers`` describes every tier, the CPU tier first.
+    key: str
+    kind: str
+    message: str
+
+
+def parse_control_problems(
+    params: Mapping[str, Any], tiers: Sequence[TierDescriptor]
+) -> tuple[RequestControl, list[ControlProblem]]:
+    """The :class:`RequestControl` that ``params`` ask for, and one problem per malformed key.
+
+    A malformed key falls back to its default (the others still apply). ``tiers``
+    describes every tier, the CPU tier first. Keeps no reference to ``params``.
     """
-    errors: list[str] = []
+    problems: list[ControlProblem] = []
     load_from: frozenset[int] | None = None
     cascade_to: frozenset[int] | None = None
     store = True
@@ -109,24 +154,66 @@ def parse_control(params: Mapping[str, Any], tiers: Sequence[TierDescriptor]) ->
         try:
             load_from = select_tiers(LOAD_TIERS_KEY, raw, tiers)
         except RequestControlError as exc:
-            errors.append(str(exc))
+            problems.append(_problem(LOAD_TIERS_KEY, exc))
     raw = params.get(STORE_KEY)
     if raw is not None:
         if isinstance(raw, bool):
             store = raw
         else:
-            errors.append(f"{STORE_KEY} must be true or false, got {raw!r}")
+            message = f"{STORE_KEY} must be true or false, got {describe_value(raw)}"
+            problems.append(ControlProblem(STORE_KEY, "not_boolean", message))
     raw = params.get(CASCADE_TIERS_KEY)
     if raw is not None:
         try:
             cascade_to = select_tiers(CASCADE_TIERS_KEY, raw, tiers) - {0}
         except RequestControlError as exc:
-            errors.append(str(exc))
+            problems.append(_problem(CASCADE_TIERS_KEY, exc))
     if load_from is not None and load_from >= {t.index for t in tiers}:
         load_from = None
     if cascade_to is not None and cascade_to >= {t.index for t in tiers if t.index}:
         cascade_to = None
-    return RequestControl(load_from=load_from, store=store, cascade_to=cascade_to), errors
+    return RequestControl(load_from=load_from, store=store, cascade_to=cascade_to), problems
+
+
+def _problem(key: str, exc: RequestControlError) -> ControlProblem:
+    message = str(exc)
+    exc.__traceback__ = None  # its frames hold the client's value
+    return ControlProblem(key, "unknown_selector" if " names " in message else "not_selectors", message)
+
+
+def parse_control(params: Mapping[str, Any], tiers: Sequence[TierDescriptor]) -> tuple[RequestControl, list[str]]:
+    """:func:`parse_control_problems` with the problems as messages."""
+    control, problems = parse_control_problems(params, tiers)
+    return control, [p.message for p in problems]
+
+
+class ControlProblemLog:
+    """Counts malformed request settings per key and kind of problem, and logs a few.
+
+    The first problem of each kind is logged, then the 10th, 100th, 1000th... (with the
+    count so far): the log and the memory stay bounded however many requests a client
+    sends, and only counts are kept (a fixed, small set of them). Scheduler thread only.
+    """
+
+    def __init__(self, log: logging.Logger) -> None:
+        self._log = log
+        self._counts: dict[tuple[str, str], int] = {}
+
+    def record(self, req_id: str, problems: Sequence[ControlProblem]) -> None:
+        for problem in problems:
+            kind = (problem.key, problem.kind)
+            n = self._counts.get(kind, 0) + 1
+            self._counts[kind] = n
+            if str(n).rstrip("0") == "1":  # 1, 10, 100, ...
+                self._log.warning(
+                    "request %s: %s; that setting is ignored (%d such problem(s) so far)",
+                    req_id if len(req_id) <= 64 and req_id.isprintable() else ascii(req_id[:61])[1:-1] + "...",
+                    problem.message, n,
+                )  # fmt: skip
+
+    def counts(self) -> dict[str, int]:
+        """``{"<key>:<kind>": count}`` of every problem seen so far."""
+        return {f"{key}:{kind}": n for (key, kind), n in self._counts.items()}
 
 
 __all__ = [
@@ -134,9 +221,13 @@ __all__ = [
     "CONTROL_KEYS",
     "LOAD_TIERS_KEY",
     "STORE_KEY",
+    "ControlProblem",
+    "ControlProblemLog",
     "RequestControlError",
     "TierDescriptor",
+    "describe_value",
     "parse_control",
+    "parse_control_problems",
     "select_tiers",
     "tier_locality",
 ]

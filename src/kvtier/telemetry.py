@@ -27,23 +27,21 @@ jobs and ``read`` its completed promotion (load) jobs, with the bytes and
 seconds each job reported (seconds measured by the manager, submit to poll,
 when the tier reports none).
 
-A :class:`ManagerSnapshot` also reads as the JSON-able mapping that ``stats()``
-returned before it was typed (``snapshot["tiers"]["1:fs"]["bytes_written"]``):
-see :meth:`ManagerSnapshot.as_dict`.
+:meth:`ManagerSnapshot.as_dict` gives the JSON-able mapping that ``stats()``
+returned before it was typed (``as_dict()["tiers"]["1:fs"]["bytes_written"]``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 
-from kvtier.keys import BlockKey
 from kvtier.types import LookupResult
 
 logger = logging.getLogger(__name__)
@@ -58,8 +56,6 @@ ASYNC_LOOKUP_SECONDS_BUCKETS: tuple[float, ...] = (
 )  # fmt: skip
 """Upper bounds of the asynchronous lookup histograms (first RETRY until the tier answers HIT or MISS)."""
 
-MAX_PENDING_RETRIES = 65536
-"""Keys per tier remembered between a RETRY and its answer; beyond it the oldest are forgotten."""
 
 class LatencyHistogram:
     """Counts of observations per bucket (Prometheus ``le`` semantics), their sum and count.
@@ -144,19 +140,15 @@ class TransferCounter:
 
 
 class TierTelemetry:
-    """What the manager observes about one tier. Scheduler thread only.
-
-    ``retry_since`` remembers, per key, when this tier first answered RETRY, so
-    the answer that follows is timed (``lookup_async_seconds``).
-    """
+    """What the manager observes about one tier. Scheduler thread only."""
 
     __slots__ = (
         "failures",
+        "last_error",
         "loads_in_flight",
         "lookup_async_seconds",
         "lookup_seconds",
         "read",
-        "retry_since",
         "stores_in_flight",
         "written",
     )  # fmt: skip
@@ -164,29 +156,18 @@ class TierTelemetry:
     def __init__(self) -> None:
         self.lookup_seconds = LatencyHistogram(LOOKUP_SECONDS_BUCKETS)
         self.lookup_async_seconds = LatencyHistogram(ASYNC_LOOKUP_SECONDS_BUCKETS)
-        self.retry_since: dict[BlockKey, float] = {}
         self.written = TransferCounter()
         self.read = TransferCounter()
         self.failures: dict[str, int] = {}
+        self.last_error: str | None = None
+        """The tier's own words for its latest failed job (at most 300 characters), for reports."""
         self.stores_in_flight = 0
         self.loads_in_flight = 0
 
-    def fail(self, kind: str, count: int = 1) -> None:
+    def fail(self, kind: str, count: int = 1, error: str | None = None) -> None:
         self.failures[kind] = self.failures.get(kind, 0) + count
-
-    def retried(self, key: BlockKey, now: float) -> None:
-        """The tier answered RETRY for ``key`` at ``now`` (the first RETRY starts the clock)."""
-        pending = self.retry_since
-        if key not in pending:
-            if len(pending) >= MAX_PENDING_RETRIES:
-                del pending[next(iter(pending))]
-            pending[key] = now
-
-    def answered(self, key: BlockKey, now: float) -> None:
-        """The tier answered HIT or MISS for ``key``; time it if it had answered RETRY before."""
-        start = self.retry_since.pop(key, None)
-        if start is not None:
-            self.lookup_async_seconds.observe(now - start)
+        if error:
+            self.last_error = error[:300]
 
 
 # --------------------------------------------------------------------------- snapshots
@@ -407,11 +388,11 @@ class ManagerCounters:
 
 
 @dataclass(frozen=True)
-class ManagerSnapshot(Mapping[str, Any]):
+class ManagerSnapshot:
     """The whole of :meth:`~kvtier.manager.TieringManager.stats` at one moment.
 
-    ``tiers[0]`` is the CPU tier, ``tiers[n]`` secondary tier n. As a mapping it
-    reads like :meth:`as_dict` (``snapshot["manager"]["promotions_failed"]``).
+    ``tiers[0]`` is the CPU tier, ``tiers[n]`` secondary tier n; :meth:`as_dict` is
+    the JSON-able form.
     """
 
     taken_at: float
@@ -486,15 +467,6 @@ class ManagerSnapshot(Mapping[str, Any]):
             manager=counters,
             tiers=tuple(tiers),
         )
-
-    def __getitem__(self, key: str) -> Any:
-        return self._dict[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._dict)
-
-    def __len__(self) -> int:
-        return len(self._dict)
 
 
 def _totals(entry: Mapping[str, Any], key: str, nbytes: str, seconds: str) -> TransferTotals:

@@ -6,6 +6,7 @@ manager and the command line. Pure functions; any thread.
 
 from __future__ import annotations
 
+import math
 import mmap
 import re
 
@@ -14,7 +15,7 @@ from kvtier.errors import ConfigError
 PAGE_SIZE = mmap.PAGESIZE
 """The machine's page size: every CPU-tier row starts on a page boundary."""
 
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*([0-9]+)(?:\.([0-9]+))?\s*([a-zA-Z]*)\s*$")
 _SIZE_UNITS: dict[str, int] = {
     "": 1,
     "b": 1,
@@ -30,48 +31,85 @@ _SIZE_UNITS: dict[str, int] = {
     "t": 1024**4,
     "tib": 1024**4,
     "tb": 1000**4,
+    "p": 1024**5,
+    "pib": 1024**5,
+    "pb": 1000**5,
 }
+
+MAX_SIZE = 2**63 - 1
+"""The largest size kvtier accepts (8 EiB, the largest file offset): anything above is refused."""
+
+_MAX_SIZE_DIGITS = 40
+"""Digits read from a size string at most; a longer number is refused before it is converted."""
+
+_FORMS = (
+    "use bytes (e.g. 4294967296) or a number with a unit such as '512MiB', '4GiB', '4G' (binary) or '4GB' (decimal)"
+)
+
+
+def shown(text: str, limit: int = 40) -> str:
+    """``repr(text)``, shortened to about ``limit`` characters with its length said, for messages."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[: limit // 2]!r}... ({len(text)} characters)"
+
+
+def _too_large(shown_value: str) -> ConfigError:
+    return ConfigError(f"size {shown_value} is above the largest size kvtier accepts, 8 EiB ({MAX_SIZE} bytes)")
 
 
 def parse_size(value: int | float | str) -> int:
-    """Bytes from an int or a size string.
+    """Bytes from an int or a size string, exactly.
 
     ``"4GiB"``, ``"4G"`` and ``"4 gib"`` are 4 * 2**30; ``"4GB"`` is 4 * 10**9;
-    ``"512MiB"``, ``"1.5GiB"`` and ``"4096"`` work too. Raises :class:`ConfigError`
-    (naming the value and the accepted forms) for anything else or a negative size.
+    ``"512MiB"``, ``"1.5GiB"`` and ``"4096"`` work too. The arithmetic is on
+    integers (no float rounding, however large the number); a fraction of a byte
+    (``"1.3GiB"`` is 1395864371.2 bytes) is dropped. Raises :class:`ConfigError`
+    (naming the value and the accepted forms) for anything else, a negative or
+    non-finite size, or one above :data:`MAX_SIZE`; a number of more than 40
+    digits is refused before it is converted.
     """
     if isinstance(value, bool):
         raise ConfigError(f"size {value!r} is a boolean: give bytes as an integer or a string like '4GiB'")
     if isinstance(value, int):
         if value < 0:
-            raise ConfigError(f"size {value} is negative: give a positive number of bytes")
+            raise ConfigError(f"size {shown(str(value))} is negative: give a positive number of bytes")
+        if value > MAX_SIZE:
+            raise _too_large(shown(str(value)))
         return value
     if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ConfigError(f"size {value} is not a finite number: give bytes, e.g. 4294967296 or '4GiB'")
         if value < 0 or not value.is_integer():
             raise ConfigError(f"size {value} must be a whole, non-negative number of bytes")
-        return int(value)
+        return parse_size(int(value))
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
         if m:
-            unit = m.group(2).lower()
+            whole, fraction, unit = m.group(1), m.group(2) or "", m.group(3).lower()
+            if len(whole) + len(fraction) > _MAX_SIZE_DIGITS:
+                raise _too_large(shown(value.strip()))
             if unit in _SIZE_UNITS:
-                return int(float(m.group(1)) * _SIZE_UNITS[unit])
-        raise ConfigError(
-            f"size {value!r} is not understood: use bytes (e.g. 4294967296) or a number "
-            "with a unit "
-            "such as '512MiB', '4GiB', '4G' (binary) or '4GB' (decimal)"
-        )
-    raise ConfigError(f"size {value!r} has type {type(value).__name__}: use an int or a string like '4GiB'")
+                scale = 10 ** len(fraction)
+                size: int = (int(whole + fraction) * _SIZE_UNITS[unit]) // scale
+                if size > MAX_SIZE:
+                    raise _too_large(shown(value.strip()))
+                return size
+        raise ConfigError(f"size {shown(value)} is not understood: {_FORMS}")
+    raise ConfigError(f"size {shown(repr(value))} has type {type(value).__name__}: use an int or a string like '4GiB'")
 
 
 def format_size(num_bytes: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``; binary units, at most one decimal."""
+    """``1536`` -> ``"1.5 KiB"``; binary units up to EiB, at most one decimal; any int (no overflow)."""
+    if isinstance(num_bytes, int) and abs(num_bytes) >= 1024**7:
+        sign = "" if num_bytes > 0 else "-"
+        return f"{sign}about 2^{abs(num_bytes).bit_length() - 1} B"
     n = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
         if abs(n) < 1024:
             return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} TiB"
+    return f"{n:.1f} EiB"
 
 
 def round_up(n: int, to: int = PAGE_SIZE) -> int:
@@ -99,4 +137,6 @@ def rows_that_fit(cpu_bytes: int, block_bytes: int) -> int:
     return rows
 
 
-__all__ = ["PAGE_SIZE", "format_size", "parse_size", "round_up", "row_stride_for", "rows_that_fit"]
+__all__ = [
+    "MAX_SIZE", "PAGE_SIZE", "format_size", "parse_size", "round_up", "row_stride_for", "rows_that_fit", "shown",
+]  # fmt: skip

@@ -1,17 +1,75 @@
-"""Pydantic validation errors as one readable line: the field, its source, the bad value, the fix.
+"""Pydantic validation errors as one readable line, and the shared rules for numbers.
 
-Used by the configuration loader and the tier registry, so a bad top-level
-setting and a bad tier option read alike. Pure; any thread.
+:func:`explain` turns a validation error into one line naming the field, its
+source, the bad value (shortened) and the fix; the configuration loader and the
+tier registry use it, so a bad top-level setting and a bad tier option read alike.
+
+Numbers (durations, counts) follow one rule everywhere they enter kvtier (file,
+environment, flag, Python API, a tier's options): finite, within a stated range,
+or refused with a :class:`~kvtier.errors.ConfigError` naming the setting.
+:data:`Seconds` and :data:`PositiveSeconds` are the pydantic forms,
+:func:`check_seconds` the one for plain arguments. Pure; any thread.
 """
 
 from __future__ import annotations
 
 import difflib
+import math
+import reprlib
 import types
 import typing
 from collections.abc import Mapping, Sequence
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
+
+from kvtier.errors import ConfigError
+
+MAX_SECONDS = 1_000_000.0
+"""The longest duration any kvtier setting accepts (about 11.6 days). Waits are handed to
+``threading``, which overflows far below ``1e400``; longer or non-finite values are refused."""
+
+Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
+"""A duration setting: a finite number of seconds in [0, :data:`MAX_SECONDS`]."""
+
+PositiveSeconds = Annotated[float, Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
+"""A duration setting that must be above zero: seconds in (0, :data:`MAX_SECONDS`]."""
+
+
+def check_seconds(value: Any, name: str, *, allow_none: bool = False, positive: bool = False) -> float | None:
+    """``value`` as a duration in seconds, or raise :class:`ConfigError` naming ``name``, the value and the fix.
+
+    Accepts an int or float that is finite and in [0, :data:`MAX_SECONDS`]
+    ((0, ...] when ``positive``); None only when ``allow_none`` (no deadline).
+    For arguments of the Python API (a manager's timeouts), where pydantic does not run.
+    """
+    if value is None and allow_none:
+        return None
+    none = " or None (no deadline)" if allow_none else ""
+    low = "above 0" if positive else "at least 0"
+    fix = f"give a number of seconds {low} and at most {MAX_SECONDS:.0f}{none}"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{name} must be a number of seconds, got {type(value).__name__} {value!r:.60}: {fix}")
+    if isinstance(value, int) and value > MAX_SECONDS:
+        raise ConfigError(f"{name}={str(value)[:20]}... is longer than {MAX_SECONDS:.0f} seconds: {fix}")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0 or (positive and seconds == 0) or seconds > MAX_SECONDS:
+        raise ConfigError(f"{name}={value!r} is not a usable duration: {fix}")
+    return seconds
+
+
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = 60
+_SHORT_REPR.maxlist = _SHORT_REPR.maxtuple = _SHORT_REPR.maxdict = _SHORT_REPR.maxset = 4
+_SHORT_REPR.maxlevel = 3
+_SHORT_REPR.maxlong = 40
+
+
+def _shown_input(value: Any) -> str:
+    """The value a setting got, for a message: a repr of at most about 60 characters, however large
+    or deeply nested the value (a YAML alias bomb included: only what is shown is ever visited)."""
+    text = _SHORT_REPR.repr(value)
+    return text if len(text) <= 80 else text[:60] + "..."
 
 
 def did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> str:
@@ -81,7 +139,7 @@ def explain(
             if known:
                 msg += f": known names are {known}"
         elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
-            msg = f"{msg} (got {err['input']!r})"
+            msg = f"{msg} (got {_shown_input(err['input'])})"
         problems.setdefault(loc, []).append(msg)
     lines = []
     for loc, messages in problems.items():

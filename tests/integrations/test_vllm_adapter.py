@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,7 +116,7 @@ def test_completions_after_request_finished_retain_no_request_state(
     adapter.on_request_finished(req)
     adapter.complete_store(keys, req)  # arrives after the request finished
     assert adapter._contexts == {}
-    assert adapter.kvtier_stats()["manager"]["active_requests"] == 0
+    assert adapter.kvtier_stats().as_dict()["manager"]["active_requests"] == 0
 
 
 def test_copier_round_trips_negative_int8_bytes_through_the_region(shm: Path) -> None:
@@ -212,3 +213,58 @@ def test_the_cpu_tier_records_events_only_when_vllm_publishes_them(
             assert events == []
     finally:
         manager.shutdown()
+
+
+def test_load_source_names_the_promotion_and_host_for_a_block_already_being_written(shm: Path) -> None:
+    """The adapter learns from the manager's ``promoted_from`` which HIT_PENDING answers started a
+    promotion (instead of probing the CPU tier before each lookup)."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    ns = Namespace("unit", KVGeometry.from_block_bytes(4096))
+    mgr = TieringManager.create(namespace=ns, num_cpu_blocks=4, shm_dir=shm, tiers=[{"type": "memory"}])
+    adapter = KvtierOffloadingManager(mgr)
+    try:
+        req = ReqContext("r1")
+        old, new = _keys(4), _keys(4, start=10)
+        for keys in (old, new):  # the second batch evicts the first from the CPU tier
+            out = adapter.prepare_store(keys, req)
+            assert out is not None and out.keys_to_store == keys
+            adapter.complete_store(keys, req)
+            deadline = time.monotonic() + 10
+            while adapter.has_pending_work() and time.monotonic() < deadline:  # the cascades land
+                adapter.on_schedule_end(None)  # type: ignore[arg-type]
+                time.sleep(0.005)
+        assert old[0] not in mgr.primary
+        assert adapter.lookup(old[0], req) is VllmLookup.HIT_PENDING  # found in the memory tier
+        assert adapter.get_load_source(old[0], req) is not CacheHitSource.HOST
+        adapter.on_schedule_end(None)  # type: ignore[arg-type]
+        writing = _keys(1, start=20)
+        assert adapter.prepare_store(writing, req) is not None
+        assert adapter.lookup(writing[0], req) is VllmLookup.HIT_PENDING  # a device store in flight
+        assert adapter.get_load_source(writing[0], req) is CacheHitSource.HOST
+    finally:
+        adapter.shutdown()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [list(range(200_000)), "x" * 1_000_000, {f"k{i}": i for i in range(100_000)}, ["cpu", "y" * 1_000_000]],
+    ids=["200k-item list", "1 MB string", "100k-key dict", "1 MB selector"],
+)
+def test_kv_transfer_params_are_not_kept_by_the_adapter(adapter: KvtierOffloadingManager, value: object) -> None:
+    """A client's kv_transfer_params are parsed once: neither the adapter's request context
+    (alive for the whole request) nor the manager holds the value afterwards."""
+    import gc
+    import sys
+
+    before = sys.getrefcount(value)
+    params = {"kvtier_load_tiers": value, "kvtier_store": value, "kvtier_cascade_tiers": value}
+    req = ReqContext("big-params", kv_transfer_params=params)
+    adapter.on_new_request(req)
+    assert adapter.lookup(_keys(1)[0], req) is VllmLookup.MISS
+    del req, params  # vLLM drops its request; the adapter's context lives on until finished
+    gc.collect()
+    assert sys.getrefcount(value) == before, "the adapter or the manager kept the client's value"
+    assert adapter._contexts["big-params"].params == {}
+    adapter.on_request_finished(ReqContext("big-params"))
+    assert adapter._contexts == {}

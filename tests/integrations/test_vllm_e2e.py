@@ -81,10 +81,10 @@ def test_a_reload_from_cpu_tier_after_prefix_cache_reset(
         first = generate(llm, prompts)
         settle(llm)
         mgr = offloading_manager(llm)
-        stored = mgr.kvtier_stats()["primary"]["blocks_stored"]
+        stored = mgr.kvtier_stats().as_dict()["primary"]["blocks_stored"]
         assert llm.reset_prefix_cache()
         second = generate(llm, prompts)
-        stats = mgr.kvtier_stats()
+        stats = mgr.kvtier_stats().as_dict()
         assert mgr.metrics is not None and mgr.metrics.port is not None
         with urllib.request.urlopen(f"http://127.0.0.1:{mgr.metrics.port}/metrics", timeout=5) as response:
             exposition = response.read().decode()
@@ -121,11 +121,11 @@ def test_b_promotion_from_fs_after_cpu_tier_reset(
         first = generate(llm, prompts)
         settle(llm)
         mgr = offloading_manager(llm)
-        cascaded = mgr.kvtier_stats()["manager"]["cascades_succeeded"]
+        cascaded = mgr.kvtier_stats().as_dict()["manager"]["cascades_succeeded"]
         assert llm.reset_prefix_cache(reset_connector=True)
-        assert mgr.kvtier_stats()["primary"]["blocks"] == 0
+        assert mgr.kvtier_stats().as_dict()["primary"]["blocks"] == 0
         second = generate(llm, prompts)
-        stats = mgr.kvtier_stats()
+        stats = mgr.kvtier_stats().as_dict()
 
     n_blocks = sum(expected_cached(p) // 32 for p in prompts)
     assert _tokens(first) == baseline
@@ -183,7 +183,7 @@ def test_d_cpu_tier_smaller_than_working_set_evicts_and_stays_correct(
         for prompt in many:  # one at a time, so each finds room by evicting the older ones
             generate(llm, [prompt])
             settle(llm)
-        stats = offloading_manager(llm).kvtier_stats()
+        stats = offloading_manager(llm).kvtier_stats().as_dict()
         assert llm.reset_prefix_cache()
         again = generate(llm, many)
         last_alone = generate(llm, [many[-1]])

@@ -11,6 +11,7 @@ import hashlib
 import itertools
 import mmap
 import os
+import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -108,3 +109,13 @@ def dir_bytes(root: Path) -> int:
                 with contextlib.suppress(FileNotFoundError):
                     total += os.stat(os.path.join(dirpath, name)).st_size
     return total
+
+
+def mount_tmpfs(where: Path, size: str) -> str | None:
+    """Mount a tmpfs of ``size`` at ``where``; None on success, else why not (needs root or
+    CAP_SYS_ADMIN). Unmount with ``umount -l``."""
+    where.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True
+    )
+    return None if proc.returncode == 0 else (proc.stderr.strip() or f"mount exited {proc.returncode}")

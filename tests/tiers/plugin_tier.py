@@ -8,7 +8,7 @@ from pydantic import Field
 
 from kvtier.tiers.base import TierContext
 from kvtier.tiers.memory import MemoryTier, MemoryTierOptions
-from kvtier.tiers.options import validate_options
+from kvtier.tiers.options import tier_options
 
 
 class PluginTierOptions(MemoryTierOptions):
@@ -21,10 +21,9 @@ class PluginTier(MemoryTier):
     tier_type = "plugin-mem"
     options_model = PluginTierOptions
 
-    def __init__(self, context: TierContext, **options: Any) -> None:
-        self.plugin_options = validate_options(PluginTierOptions, self.tier_type, options)
-        base = self.plugin_options.model_dump(exclude={"label_suffix"})
-        super().__init__(context, **base)
+    def __init__(self, context: TierContext, options: PluginTierOptions | None = None, /, **fields: Any) -> None:
+        self.plugin_options = tier_options(PluginTierOptions, self.tier_type, options, fields)
+        super().__init__(context, self.plugin_options)  # its model extends the memory tier's
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "label_suffix": self.plugin_options.label_suffix}

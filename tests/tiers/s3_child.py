@@ -50,7 +50,7 @@ def main() -> int:
                 assert time.monotonic() < deadline, "cascades did not finish"
                 mgr.on_schedule_end()
                 time.sleep(0.005)
-            out["cascaded"] = mgr.stats()["manager"]["cascades_succeeded"]
+            out["cascaded"] = mgr.stats().as_dict()["manager"]["cascades_succeeded"]
         else:
             req = RequestContext("child-load")
             while True:

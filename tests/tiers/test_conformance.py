@@ -1,4 +1,4 @@
-"""The tier conformance suite (kvtier.tiers.conformance) over every built-in tier.
+"""The tier conformance suite (kvtier.testing) over every built-in tier.
 
 Each ``Test*`` class gives the suite a harness: how to build the tier on a
 real medium, damage a stored value, and take the medium away.
@@ -15,8 +15,8 @@ import pytest
 from s3_servers import FAST_FAILURE, MotoServer, raw_client, s3_options
 
 from kvtier.keys import BlockKey
+from kvtier.testing import TierConformance, TierHarness
 from kvtier.tiers.base import SecondaryTier
-from kvtier.tiers.conformance import TierConformance, TierHarness
 from kvtier.tiers.format import HEADER_SIZE
 from kvtier.tiers.memory import MemoryTier
 

@@ -23,6 +23,7 @@ from fs_helpers import (
     key_of,
     load,
     make_tier,
+    mount_tmpfs,
     store,
     temp_files,
     value_files,
@@ -46,15 +47,9 @@ def rows() -> np.ndarray:
 
 
 def _mount_tmpfs(where: Path, size: str) -> None:
-    where.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True
-    )
-    if proc.returncode:
-        pytest.skip(
-            f"cannot mount a tmpfs here ({proc.stderr.strip() or proc.returncode}); "
-            "the test needs root or CAP_SYS_ADMIN"
-        )
+    why = mount_tmpfs(where, size)
+    if why is not None:
+        pytest.skip(f"cannot mount a tmpfs here ({why}); the test needs root or CAP_SYS_ADMIN")
 
 
 @pytest.fixture
@@ -237,7 +232,7 @@ def test_lookup_racing_the_scan_answers_retry_not_miss(tmp_path: Path, rows: np.
 
         def hit_then_scan(k: bytes) -> bool:
             found = real_hit(k)
-            tier._index.add_scanned([k])
+            tier._index.add_found([(0.0, k)])
             tier._scanned[k[0]] = 1
             return found
 
@@ -481,19 +476,23 @@ def test_directory_never_exceeds_budget_under_store_stream(tmp_path: Path, rows:
 
 
 def test_index_never_evicts_pinned_entries() -> None:
-    index = FileIndex(capacity=2 * 100, entry_bytes=100)
+    """How many files must go is the shared budget's call (test_fs_share.py); which ones is the
+    index's: least recently used first, never one a load is reading."""
+    index = FileIndex()
     for key in (b"a", b"b"):
-        assert index.reserve(key).outcome is Reservation.GRANTED
+        assert index.reserve(key) is Reservation.GRANTED
         index.commit(key)
     assert index.pin(b"a") and index.pin(b"b")
-    assert index.reserve(b"c").outcome is Reservation.FULL
+    assert index.reserve(b"c") is Reservation.GRANTED
+    assert index.take_victims(1) == []  # everything is pinned: nothing to evict
     index.unpin(b"a")
-    plan = index.reserve(b"c")
-    assert plan.outcome is Reservation.GRANTED and plan.victims == [b"a"]
-    assert index.reserve(b"a").outcome is Reservation.BUSY  # deletion not finished yet
-    index.finish_delete(plan.victims)
+    victims = index.take_victims(2)
+    assert victims == [b"a"]
+    assert index.reserve(b"a") is Reservation.BUSY  # deletion not finished yet
+    index.finish_delete(victims)
     index.commit(b"c")
-    assert index.keys() == [b"b", b"c"] and index.used_bytes == 200
+    assert index.keys() == [b"b", b"c"] and len(index) == 2
+    assert index.reserve(b"b") is Reservation.PRESENT
 
 
 def test_small_budget_refused(tmp_path: Path, rows: np.ndarray) -> None:

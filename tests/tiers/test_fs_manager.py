@@ -98,7 +98,7 @@ def test_round_trip_through_manager_is_byte_exact(tmp_path: Path, direct_io: boo
         back = _promote_and_load(mgr, keys, req2)
         assert np.array_equal(back, device)
         mgr.on_request_finished(req2)
-        stats = mgr.stats()["tiers"]["1:fs"]
+        stats = mgr.stats().as_dict()["tiers"]["1:fs"]
         assert stats["bytes_read"] == len(keys) * BLOCK_BYTES and stats["corrupt_values"] == 0
     finally:
         mgr.shutdown()

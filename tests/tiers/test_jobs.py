@@ -18,8 +18,8 @@ import pytest
 
 from kvtier.errors import TierDrainTimeout, TierError
 from kvtier.keys import BlockKey, KVGeometry, Namespace, chain_ids
+from kvtier.testing import new_job, wait_results
 from kvtier.tiers.base import HealthState, TierContext, TierUsage
-from kvtier.tiers.conformance import new_job, wait_results
 from kvtier.tiers.health import CircuitBreaker
 from kvtier.tiers.jobs import ALL_LANES, READ_LANES, Lane, ThreadedTier, Work, WorkQueue
 from kvtier.types import LookupResult, RequestContext

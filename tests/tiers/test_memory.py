@@ -14,8 +14,8 @@ import pytest
 from kvtier.config import build_manager, load_config, render_config_reference
 from kvtier.errors import ConfigError
 from kvtier.keys import KVGeometry, Namespace, chain_ids
+from kvtier.testing import new_job, resolve, run_job, wait_results
 from kvtier.tiers.base import TierContext
-from kvtier.tiers.conformance import new_job, resolve, run_job, wait_results
 from kvtier.tiers.format import HEADER_SIZE
 from kvtier.tiers.memory import MemoryTier
 from kvtier.tiers.registry import _registered, create_tier, register_tier

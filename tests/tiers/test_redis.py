@@ -371,7 +371,7 @@ def test_shutdown_stops_threads_and_releases_rows(redis_server: Any, make_tier: 
     tier = make_tier(redis_server.url, rows)
     before = threading.active_count()
     tier.shutdown()
-    assert threading.active_count() == before - tier.io_threads
+    assert threading.active_count() == before - tier.options.io_threads
     assert tier.context.rows.size == 0
     with pytest.raises(TierError, match="shut down"):
         tier.submit_store(job(keys_for(namespace(), 1), [0], False))

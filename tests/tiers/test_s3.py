@@ -23,8 +23,8 @@ from s3_servers import FAST_FAILURE, MotoServer, S3Stub, raw_client, s3_options
 from kvtier.config import describe_config, load_config
 from kvtier.errors import ConfigError
 from kvtier.keys import KVGeometry, Namespace, chain_ids
+from kvtier.testing import SCHEDULER_CALL_LIMIT, make_namespace, new_job, resolve, run_job, wait_results
 from kvtier.tiers.base import HealthState, JobResult, TierContext
-from kvtier.tiers.conformance import SCHEDULER_CALL_LIMIT, make_namespace, new_job, resolve, run_job, wait_results
 from kvtier.tiers.format import HEADER_SIZE
 from kvtier.tiers.registry import create_tier
 from kvtier.tiers.s3 import S3Tier

@@ -14,8 +14,8 @@ from s3_servers import MotoServer, raw_client, s3_options
 
 from kvtier.errors import ConfigError
 from kvtier.keys import KVGeometry, Namespace, chain_ids
+from kvtier.testing import run_job
 from kvtier.tiers.base import TierContext
-from kvtier.tiers.conformance import run_job
 from kvtier.tiers.format import HEADER_SIZE
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3_inspect import inspect_prefix, options_from_url

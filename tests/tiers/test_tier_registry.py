@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import subprocess
@@ -10,14 +9,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
-from pydantic import BaseModel
 
 from kvtier.config import build_manager, load_config, render_config_reference
 from kvtier.errors import ConfigError
-from kvtier.keys import KVGeometry, Namespace
-from kvtier.tiers.base import TierContext
 from kvtier.tiers.registry import (
     builtin_tier_names,
     register_tier,
@@ -175,31 +170,6 @@ def test_bad_specs_are_refused_with_where_and_why(spec: object, fragment: str) -
 def test_options_are_converted_by_the_model() -> None:
     options = validate_tier_options({"type": "fs", "root": Path("/x"), "max_bytes": "2GiB"})
     assert options == {"root": "/x", "max_bytes": 2 * 2**30}
-
-
-@pytest.mark.parametrize("name", builtin_tier_names())
-def test_builtin_options_models_match_their_constructors(name: str) -> None:
-    """Every option a built-in tier documents is a constructor keyword with the same default."""
-    cls = resolve_tier_class(name)
-    model = cls.options_model
-    assert model is not None and issubclass(model, BaseModel)
-    assert model.model_config.get("extra") == "forbid"
-    params = inspect.signature(cls.__init__).parameters
-    if [p.kind for p in params.values()][-1] is inspect.Parameter.VAR_KEYWORD and len(params) == 3:
-        # ``__init__(self, context, **options)`` validating through the model: no second copy to drift
-        assert all(info.description for info in model.model_fields.values()), f"{name}: undocumented option"
-        ns = Namespace("registry-test", KVGeometry.from_block_bytes(4096))
-        with pytest.raises(ConfigError, match="not_an_option"):
-            cls(TierContext(np.zeros((1, 4096), dtype=np.uint8), 4096, ns), not_an_option=1)
-        return
-    for field, info in model.model_fields.items():
-        assert field in params, f"{name}: option {field!r} is not a constructor keyword"
-        assert info.description, f"{name}: option {field!r} has no description (it is its documentation)"
-        if not info.is_required():
-            assert info.default == params[field].default, f"{name}: {field} default differs from the constructor"
-    documented = set(model.model_fields)
-    keywords = {p for p in params if p not in ("self", "context")}
-    assert keywords == documented, f"{name}: undocumented constructor options {sorted(keywords - documented)}"
 
 
 def test_reference_documents_every_builtin_tier_option() -> None:

@@ -9,11 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from pydantic_core import to_jsonable_python
-
 from kvtier.config.schema import KvtierConfig
 from kvtier.keys import Namespace
-from kvtier.units import format_size, row_stride_for
+from kvtier.units import format_size
 
 if TYPE_CHECKING:
     from kvtier.manager import TieringManager
@@ -56,25 +54,23 @@ def build_manager(
 
 
 def _tier_capacity(spec: Mapping[str, Any], block_bytes: int) -> dict[str, Any]:
-    from kvtier.tiers.format import HEADER_SIZE
+    """What a tier spec gives: its options (secrets hidden) and, where its options set a byte
+    capacity, how many blocks fit (the tier class says what a stored block costs)."""
+    from kvtier.tiers.registry import resolve_tier_class, shown_tier_options
 
-    out: dict[str, Any] = {"type": spec.get("type")}
-    # JSON-able, with secrets (pydantic SecretStr) shown as '**********'
-    out["options"] = to_jsonable_python({k: v for k, v in spec.items() if k != "type"})
-    max_bytes = spec.get("max_bytes")
-    if isinstance(max_bytes, int):
-        per_block = row_stride_for(block_bytes + HEADER_SIZE)
-        if spec.get("type") == "fs":
-            from kvtier.tiers.fs_layout import entry_bytes
-
-            per_block = entry_bytes(block_bytes)
-        out["capacity_bytes"] = max_bytes
-        out["capacity"] = format_size(max_bytes)
-        out["blocks"] = max_bytes // per_block
-        out["bytes_per_stored_block"] = per_block
-    else:
+    cls = resolve_tier_class(spec["type"])
+    shown = shown_tier_options(spec)
+    out: dict[str, Any] = {"type": spec["type"], "options": {k: v for k, v in shown.items() if k != "type"}}
+    capacity = cls.capacity_bytes({k: v for k, v in spec.items() if k != "type"})
+    if capacity is None:
         out["capacity_bytes"] = None
         out["blocks"] = None
+        return out
+    per_block = cls.bytes_per_block(block_bytes)
+    out["capacity_bytes"] = capacity
+    out["capacity"] = format_size(capacity)
+    out["blocks"] = capacity // per_block
+    out["bytes_per_stored_block"] = per_block
     return out
 
 
@@ -84,8 +80,10 @@ def describe_config(config: KvtierConfig) -> dict[str, Any]:
     ns = config.namespace()
     blocks = config.resolved_num_cpu_blocks()
     stride = config.row_stride
+    from kvtier.tiers.registry import shown_tier_options
+
     return {
-        "config": config.model_dump(mode="json"),
+        "config": {**config.model_dump(mode="json"), "tiers": [shown_tier_options(t) for t in config.tiers]},
         "sources": config.sources,
         "model_id": config.model_id,
         "namespace": ns.hexdigest,

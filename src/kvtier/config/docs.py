@@ -8,6 +8,8 @@ file in step.
 from __future__ import annotations
 
 import re
+import types
+import typing
 from typing import Any
 
 from pydantic import BaseModel
@@ -56,10 +58,53 @@ tiers:
 """
 
 
-def _type_text(annotation: Any) -> str:
-    text = str(annotation).replace("typing.", "")
+def _number(value: float) -> str:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and value >= 2**30 and value & (value - 1) == 0:
+        return f"2^{value.bit_length() - 1}"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _bounds_text(metadata: list[Any]) -> str:
+    """`` (>= 1, <= 256)`` from annotated_types constraints, the tightest of each side (empty if none)."""
+    low: tuple[float, str] | None = None
+    high: tuple[float, str] | None = None
+    for meta in metadata:
+        for kind, sign in (("gt", ">"), ("ge", ">=")):
+            value = getattr(meta, kind, None)
+            if value is not None and (low is None or value > low[0] or (value == low[0] and sign == ">")):
+                low = (value, sign)
+        for kind, sign in (("lt", "<"), ("le", "<=")):
+            value = getattr(meta, kind, None)
+            if value is not None and (high is None or value < high[0]):
+                high = (value, sign)
+    parts = [f"{bound[1]} {_number(bound[0])}" for bound in (low, high) if bound is not None]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _constraints(annotation: Any) -> tuple[Any, list[Any]]:
+    """``annotation`` without ``Annotated``, and the constraints it carried."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        base, *extra = typing.get_args(annotation)
+        return base, [m for e in extra for m in (e.metadata if isinstance(e, FieldInfo) else [e])]
+    return annotation, []
+
+
+def _type_text(annotation: Any, metadata: list[Any] | None = None) -> str:
+    """A type for people: ``int (>= 1, <= 256)``, ``size (> 0, <= 2^60) | None``; ``metadata``
+    (the field's own constraints) applies to the member that is not None."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = typing.get_args(annotation)
+        own = metadata if sum(m is not type(None) for m in members) == 1 else None
+        return " \\| ".join("None" if m is type(None) else _type_text(m, own) for m in members)
+    base, carried = _constraints(annotation)
+    carried += metadata or []
+    if any(getattr(getattr(m, "func", None), "__name__", "") == "_size" for m in carried):
+        return "size" + _bounds_text(carried)
+    text = str(base).replace("typing.", "")
     text = re.sub(r"<class '([^']+)'>", r"\1", text)
-    return _cell(re.sub(r"\bkvtier(\.\w+)*\.(\w+)", r"\2", text))
+    return _cell(re.sub(r"\bkvtier(\.\w+)*\.(\w+)", r"\2", text)) + _bounds_text(carried)
 
 
 def _cell(text: object) -> str:
@@ -119,7 +164,8 @@ def options_table(model: type[BaseModel]) -> list[str]:
     lines = ["| option | type | default | meaning |", "|---|---|---|---|"]
     for name, info in model.model_fields.items():
         lines.append(
-            f"| `{name}` | {_type_text(info.annotation)} | {_default_text(info)} | {_cell(info.description)} |"
+            f"| `{name}` | {_type_text(info.annotation, info.metadata)} | {_default_text(info)} | "
+            f"{_cell(info.description)} |"
         )
     return lines
 

@@ -8,7 +8,10 @@ The same field names are used everywhere:
   ``tiers`` and ``geometry`` are JSON);
 * CLI flags ``--<field-with-dashes>`` (nested values as JSON).
 
-Precedence is file < environment < CLI, field by field. ``geometry`` and
+An empty ``KVTIER_<FIELD>`` counts as unset. A file must be a regular UTF-8
+file of at most 1 MiB (:mod:`kvtier.user_files`); ``shutdown_timeout: null`` in
+a file (``none``/``null`` as text) means no deadline, while ``null`` elsewhere
+means "not given". Precedence is file < environment < CLI, field by field. ``geometry`` and
 ``backpressure`` are merged key by key across sources; ``tiers`` is replaced as
 a whole. ``cpu_bytes`` and
 ``num_cpu_blocks`` are one setting: the highest-precedence source that names
@@ -34,6 +37,7 @@ from pydantic import ValidationError
 
 from kvtier.config.schema import KvtierConfig
 from kvtier.errors import ConfigError
+from kvtier.user_files import read_text
 from kvtier.validation import did_you_mean, explain
 
 logger = logging.getLogger(__name__)
@@ -44,6 +48,8 @@ _JSON_FIELDS = {"tiers", "geometry", "backpressure"}
 _MERGED_FIELDS = ("geometry", "backpressure")
 """Nested fields merged key by key across sources (the others are replaced as a whole)."""
 _CPU_SIZE_FIELDS = ("cpu_bytes", "num_cpu_blocks")
+_NULL_MEANS_NONE = ("shutdown_timeout",)
+"""Fields whose ``null`` in a file is a value (no deadline), not "not given"; as text: ``none``/``null``."""
 
 
 def env_var(field: str) -> str:
@@ -57,12 +63,13 @@ def cli_flag(field: str) -> str:
 
 
 def _read_file(path: str) -> dict[str, Any]:
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"config file {path!r} cannot be read: {exc.strerror or exc}") from None
-    suffix = p.suffix.lower()
+    """The fields of a config file: a regular UTF-8 file of at most 1 MiB (:func:`kvtier.user_files.read_text`)."""
+    text = read_text(path, "config file")
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".yaml", ".yml", ".toml", ".json"):
+        raise ConfigError(
+            f"config file {path!r} has an unknown extension {suffix!r}: use .yaml, .yml, .toml or .json"
+        )
     try:
         if suffix in (".yaml", ".yml"):
             import yaml
@@ -74,16 +81,17 @@ def _read_file(path: str) -> dict[str, Any]:
             else:  # pragma: no cover - exercised on 3.10 only
                 import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
             data = tomllib.loads(text)
-        elif suffix == ".json":
-            data = json.loads(text)
         else:
-            raise ConfigError(
-                f"config file {path!r} has an unknown extension {suffix!r}: use .yaml, .yml, .toml or .json"
-            )
+            data = json.loads(text)  # NaN/Infinity reach the field's validation, which names the field
     except ConfigError:
         raise
+    except RecursionError:
+        raise ConfigError(f"config file {path!r} nests values too deeply to be a kvtier configuration") from None
     except Exception as exc:
-        raise ConfigError(f"config file {path!r} is not valid {suffix.lstrip('.').upper()}: {exc}") from None
+        detail = " ".join(str(exc).split())
+        raise ConfigError(
+            f"config file {path!r} is not valid {suffix.lstrip('.').upper()}: {detail[:300]}"
+        ) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -104,6 +112,8 @@ def _parse_env(env: Mapping[str, str]) -> dict[str, Any]:
             if close:
                 logger.warning("ignoring %s: not a kvtier setting (did you mean %s?)", name, env_var(close[0]))
             continue
+        if not raw.strip():
+            continue  # an empty KVTIER_<FIELD> is the same as an unset one
         out[field] = _decode_text(field, raw, source=f"environment variable {name}")
     return out
 
@@ -115,6 +125,8 @@ def _decode_text(field: str, raw: Any, *, source: str) -> Any:
     if field in _JSON_FIELDS:
         try:
             return json.loads(raw)
+        except RecursionError:
+            raise ConfigError(f"{field} from {source} nests values too deeply to be a kvtier setting") from None
         except json.JSONDecodeError as exc:
             example = {
                 "tiers": '[{"type": "fs", "root": "/mnt/nvme/kv"}]',
@@ -151,7 +163,7 @@ def _merge(layers: list[_Layer]) -> tuple[dict[str, Any], dict[str, str]]:
                 merged.pop(f, None)
                 sources.pop(f, None)
         for field, value in data.items():
-            if value is None:
+            if value is None and not (field in _NULL_MEANS_NONE and source.startswith("file ")):
                 continue
             if field in _MERGED_FIELDS and isinstance(value, Mapping) and isinstance(merged.get(field), dict):
                 merged[field] = {**merged[field], **value}

@@ -24,25 +24,38 @@ from pydantic import (
     model_validator,
 )
 
-from kvtier.backpressure import BackpressureSettings
+from kvtier.backpressure import MAX_WARMUP_JOBS, BackpressureSettings
 from kvtier.config.presets import MODEL_PRESETS, find_preset
 from kvtier.errors import ConfigError
 from kvtier.keys import KVGeometry, Namespace, dtype_bytes
 from kvtier.units import parse_size, row_stride_for, rows_that_fit
+from kvtier.validation import PositiveSeconds, Seconds
 
 DEFAULT_CPU_BYTES = 4 * 1024**3
+
+
+MAX_LAYOUT_COUNT = 1 << 16
+"""The largest ``num_layers``, ``num_kv_heads``, ``head_dim`` and ``tokens_per_block`` accepted (65536)."""
+
+MAX_CPU_BLOCKS = 1 << 32
+"""The largest ``num_cpu_blocks`` accepted."""
 
 
 class GeometryConfig(BaseModel):
     """KV block layout; any field left out is taken from the ``model`` preset."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    num_layers: int | None = Field(default=None, gt=0, description="Attention layers held by this rank.")
-    num_kv_heads: int | None = Field(default=None, gt=0, description="KV heads per layer held by this rank.")
-    head_dim: int | None = Field(default=None, gt=0, description="Elements per head (per token).")
+    num_layers: int | None = Field(
+        default=None, gt=0, le=MAX_LAYOUT_COUNT, description="Attention layers held by this rank."
+    )
+    num_kv_heads: int | None = Field(
+        default=None, gt=0, le=MAX_LAYOUT_COUNT, description="KV heads per layer held by this rank."
+    )
+    head_dim: int | None = Field(default=None, gt=0, le=MAX_LAYOUT_COUNT, description="Elements per head (per token).")
     tokens_per_block: int | None = Field(
-        default=None, gt=0, description="Tokens per KV block (the engine's block size). Default 16."
+        default=None, gt=0, le=MAX_LAYOUT_COUNT,
+        description="Tokens per KV block (the engine's block size). Default 16.",
     )
     dtype: str | None = Field(
         default=None, description="KV element type, e.g. bfloat16, float16, fp8. Default bfloat16."
@@ -65,17 +78,18 @@ class BackpressureConfig(BaseModel):
     a moving average of its store-job latency; above ``high_seconds`` new cascades to the tier are
     skipped, below ``low_seconds`` they resume. Loads and promotions are never shed."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = Field(default=True, description="Watch store latency and skip cascades to slow tiers.")
-    high_seconds: float = Field(
-        default=1.0, gt=0, description="Average store-job latency (submit to completion) above which cascades stop."
+    high_seconds: PositiveSeconds = Field(
+        default=1.0, description="Average store-job latency (submit to completion) above which cascades stop."
     )
-    low_seconds: float = Field(
-        default=0.5, ge=0, description="Average store-job latency below which cascades resume (< high_seconds)."
+    low_seconds: Seconds = Field(
+        default=0.5, description="Average store-job latency below which cascades resume (< high_seconds)."
     )
     warmup_jobs: int = Field(
-        default=3, ge=1, description="Store jobs whose mean seeds the average; no pressure is signalled before."
+        default=3, ge=1, le=MAX_WARMUP_JOBS,
+        description="Store jobs whose mean seeds the average (1 to 10000); no pressure is signalled before.",
     )
     smoothing: float = Field(
         default=0.3, gt=0, le=1, description="Weight of the newest job in the moving average, in (0, 1]."
@@ -117,7 +131,7 @@ def _known_policies() -> list[str] | None:
 class KvtierConfig(BaseModel):
     """The whole kvtier configuration. See ``docs/configuration.md`` for every field."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
 
     cpu_bytes: int | None = Field(
@@ -128,7 +142,7 @@ class KvtierConfig(BaseModel):
         ),
     )
     num_cpu_blocks: int | None = Field(
-        default=None, gt=0, description="Size of the CPU tier in blocks (instead of cpu_bytes)."
+        default=None, gt=0, le=MAX_CPU_BLOCKS, description="Size of the CPU tier in blocks (instead of cpu_bytes)."
     )
     policy: str = Field(
         default="return-time",
@@ -143,7 +157,7 @@ class KvtierConfig(BaseModel):
         default_factory=lambda: GeometryConfig(),
         description="KV block layout; fields not given come from the model preset.",
     )
-    shm_dir: str = Field(default="/dev/shm", description="Directory of the shared CPU region (a tmpfs).")
+    shm_dir: str = Field(default="/dev/shm", min_length=1, description="Directory of the shared CPU region (a tmpfs).")
     region_name: str | None = Field(
         default=None,
         description="Name of the shared region file; default: derived from the process.",
@@ -162,12 +176,12 @@ class KvtierConfig(BaseModel):
             "low_seconds, warmup_jobs, smoothing} (see the backpressure section below)."
         ),
     )
-    shutdown_timeout: float | None = Field(
+    shutdown_timeout: Seconds | None = Field(
         default=120.0,
-        ge=0,
         description=(
-            "Seconds shutdown gives all secondary tiers together; a tier that overruns its share is "
-            "abandoned and counted as failed (the CPU tier stays mapped). null: no deadline."
+            "Seconds shutdown gives all secondary tiers together (finite, at most 1000000); a tier that "
+            "overruns its share is abandoned and counted as failed (the CPU tier stays mapped). null "
+            "(in a file; 'none' as text): no deadline."
         ),
     )
 
@@ -181,6 +195,13 @@ class KvtierConfig(BaseModel):
             raise ValueError("cpu_bytes must be positive: give e.g. '4GiB'")
         return size
 
+    @field_validator("shutdown_timeout", mode="before")
+    @classmethod
+    def _no_deadline(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() in ("none", "null"):
+            return None
+        return value
+
     @field_validator("policy")
     @classmethod
     def _policy(cls, value: str) -> str:
@@ -188,6 +209,12 @@ class KvtierConfig(BaseModel):
             module, _, name = value.partition(":")
             if not module or not name.isidentifier():
                 raise ValueError(f"policy {value!r} must look like 'package.module:ClassName'")
+            from kvtier.policies import resolve_policy
+
+            try:
+                resolve_policy(value)  # import it now: a module that fails to import is a config error
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
             return value
         known = _known_policies()
         if known is not None and value not in known:

@@ -37,7 +37,7 @@ Writing a tier: subclass :class:`kvtier.tiers.jobs.ThreadedTier` (job
 tracking, queues, threads, drain, shutdown and the health breaker are done
 there) and copy :mod:`kvtier.tiers.memory`; declare the options as a pydantic
 model in ``options_model``; run the conformance suite
-(:mod:`kvtier.tiers.conformance`) against it.
+(:mod:`kvtier.testing`) against it.
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ import numpy as np
 from pydantic import BaseModel
 
 from kvtier.keys import BlockKey, KVGeometry, Namespace
+from kvtier.tiers.format import HEADER_SIZE
+from kvtier.tiers.options import TierOptions, validate_options
 from kvtier.types import BlockEvent, LookupResult, OffloadPolicy, RequestContext
 
 
@@ -191,13 +193,17 @@ class SecondaryTier(abc.ABC):
     """Base class of every secondary tier. See the module docstring for the contract.
 
     Subclasses set ``tier_type`` (the registry name) and ``medium``, and take
-    their options as keyword arguments after ``context``. A subclass declares
-    those options as a pydantic model in ``options_model`` (``extra="forbid"``;
-    each field's ``description`` is its line in ``docs/configuration.md``): the
-    registry validates every ``{"type": ..., **options}`` spec through it before
-    the constructor runs, so configuration errors surface when the config is
-    loaded. Without a model, options are checked against the constructor's
-    keyword parameters.
+    their options as keyword arguments after ``context`` (the registry builds a
+    tier as ``cls(context, **options)``). A subclass declares those options once,
+    as a pydantic model in ``options_model`` (``extra="forbid"``; each field's
+    type, default, bounds and ``description``, which is its line in
+    ``docs/configuration.md``): the registry validates every ``{"type": ...,
+    **options}`` spec through it before any tier is built, so configuration
+    errors surface when the config is loaded, and the constructor validates what
+    it gets through the same model (:func:`kvtier.tiers.options.tier_options`
+    also accepts a ready instance of the model). Without a model, options are
+    checked against the constructor's keyword parameters. Sizing before a tier
+    exists asks the class: :meth:`bytes_per_block` and :meth:`capacity_bytes`.
 
     Construction: the manager builds tiers in order from the thread that calls
     :meth:`~kvtier.manager.TieringManager.create`. The constructor may block on
@@ -215,6 +221,31 @@ class SecondaryTier(abc.ABC):
     def __init__(self, context: TierContext) -> None:
         self.context = context
         self.stats = TierStats()
+
+    # --- sizing before the tier exists (``kvtier config show``); any thread --------------
+
+    @classmethod
+    def bytes_per_block(cls, block_bytes: int) -> int:
+        """Bytes a block of ``block_bytes`` takes in this tier's medium (value header, padding).
+
+        Default: the value header (:data:`~kvtier.tiers.format.HEADER_SIZE`) plus the block.
+        """
+        return HEADER_SIZE + block_bytes
+
+    @classmethod
+    def capacity_bytes(cls, options: Mapping[str, Any]) -> int | None:
+        """The byte capacity ``options`` give this tier; None when the medium sets it (a server's
+        memory, a bucket, the free disk space found at start) or the tier cannot say.
+
+        Default: what the ``options_model`` instance says (:meth:`TierOptions.capacity
+        <kvtier.tiers.options.TierOptions.capacity>`). Raises :class:`~kvtier.errors.ConfigError`
+        for invalid options.
+        """
+        model = cls.options_model
+        if model is None:
+            return None
+        validated = validate_options(model, cls.tier_type, options)
+        return validated.capacity() if isinstance(validated, TierOptions) else None
 
     @property
     def label(self) -> str:

@@ -1,16 +1,17 @@
 """The filesystem secondary tier: a bounded, crash-safe, warm-restartable disk cache.
 
-Configured as ``{"type": "fs", "root": "/nvme/kvtier", "max_bytes": 200e9, ...}``;
-the keyword arguments of :class:`FilesystemTier` are the schema's option names.
+Configured as ``{"type": "fs", "root": "/nvme/kvtier", "max_bytes": "200GB", ...}``;
+the options are declared once, in :class:`FilesystemTierOptions`.
 
 How it works (layout and file format: :mod:`kvtier.tiers.fs_layout`):
 
 * Values live under ``root/<namespace digest>/``, one file per block, named by
   the block key and sharded by its first byte. A manifest records the namespace
   and block size; a directory that holds anything else is refused.
-* Stores write a temp file and rename it into place (fsync optional), so no
+* Stores write a temp file and link it into place (fsync optional), so no
   reader ever sees a partial value, even after SIGKILL or power loss (a value
-  that lost its bytes fails its checksum and is dropped on load).
+  that lost its bytes fails its checksum and is dropped on load), and nothing
+  already at the name (another engine's value, a planted entry) is replaced.
 * Bytes move with one ``pwritev``/``preadv`` per block straight between the file
   and a memoryview of the CPU row, with O_DIRECT when the file system supports
   it (probed at start) and the rows are page aligned; else through the page cache.
@@ -19,12 +20,20 @@ How it works (layout and file format: :mod:`kvtier.tiers.fs_layout`):
   deletes the file and counts ``stats.corrupt_values``.
 * ``read_threads`` threads serve only loads; ``write_threads`` threads take loads
   first and stores only when no load is queued. Job results carry per-key success.
-* A byte budget (``max_bytes``) is enforced before each write by evicting least
-  recently used files that no load is reading. ENOSPC lowers the budget to what
-  fits, fails that key, and the budget grows back once the disk has room again.
+* A byte budget (``max_bytes``) bounds the namespace as a whole, shared by every
+  engine using it (:mod:`kvtier.tiers.fs_budget`): before each write the engine
+  claims room and evicts least recently used files no load of its own is reading
+  (other engines' files included) until the namespace fits. ENOSPC lowers the
+  budget to what fits, fails that key, and the budget grows back once the disk has
+  room again.
 * Lookups are answered from the in-memory index. At start it is rebuilt from the
   directory (in a background thread by default; keys of shards not yet scanned
-  answer RETRY), and temp files of dead processes are swept.
+  answer RETRY), and temp files of dead processes are swept. With ``sharing``, the
+  index follows the change journals of the other engines using the root
+  (:mod:`kvtier.tiers.fs_journal`), so blocks they write become HITs within about 0.1 s
+  later and blocks they evict MISSes; with ``miss_checks``, a key the index lacks
+  is also checked on disk by an I/O thread (the lookup answers RETRY, then HIT or
+  MISS; :mod:`kvtier.tiers.fs_share`).
 * ``failure_threshold`` consecutive I/O errors open a circuit breaker: lookups
   answer MISS and stores are dropped. Every ``probe_interval`` seconds a probe
   (open a shard; write, read back, delete a small file) tries to close it again.
@@ -46,26 +55,33 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, StrictBool, field_validator
 
 from kvtier.errors import ConfigError, CorruptValueError, TierError, UnsafeEntryError
+from kvtier.failures import log_failure
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import ExtraMetric, TierContext, TierUsage
+from kvtier.tiers.fs_budget import SharedBudget
 from kvtier.tiers.fs_files import (
+    NO_HARD_LINKS,
     FileModes,
     create_file,
     discard_corrupt,
+    find_value,
     open_for_read,
+    place_value,
     remove_value,
     take_for_recycling,
 )
 from kvtier.tiers.fs_index import FileIndex, Reservation
+from kvtier.tiers.fs_journal import ADDED, REMOVED, Entry, JournalReader, JournalWriter
 from kvtier.tiers.fs_layout import (
     O_DIRECT,
     PAGE,
+    PAYLOAD_OFFSET,
     SHARDS,
     SUFFIX,
     InstanceDir,
@@ -86,10 +102,11 @@ from kvtier.tiers.fs_layout import (
     verify_root,
     write_value,
 )
+from kvtier.tiers.fs_share import ExistenceChecks, PeerWatch
 from kvtier.tiers.health import CircuitBreaker
-from kvtier.tiers.jobs import ALL_LANES, Lane, ThreadedTier, Work
+from kvtier.tiers.jobs import ALL_LANES, READ_LANES, Lane, ThreadedTier, Work
+from kvtier.tiers.options import ByteSize, QueueLength, Seconds, Threads, TierOptions, tier_options
 from kvtier.types import LookupResult, RequestContext
-from kvtier.units import parse_size
 from kvtier.untrusted import open_regular
 
 __all__ = ["FilesystemTier", "FilesystemTierOptions", "NamespaceReport", "RootReport", "verify_root"]
@@ -99,39 +116,84 @@ logger = logging.getLogger(__name__)
 DEFAULT_FREE_FRACTION = 0.5
 """Without ``max_bytes``: the tier may use this share of (free space + its own files)."""
 
+_SCAVENGE_BATCH = 64
+"""Files of other engines a search for eviction candidates collects before it stops listing shards."""
 
-class FilesystemTierOptions(BaseModel):
-    """Local disk / NVMe tier (``type: fs``): the keyword options of :class:`FilesystemTier`."""
+_SCAVENGE_IDLE_SECONDS = 1.0
+"""After a pass over every shard found no file this engine did not know, stores that need
+victims do not list the shards again for this long (they are dropped as finding no room)."""
 
-    model_config = ConfigDict(extra="forbid")
+_JOURNAL_SECONDS = 0.05
+"""At most this often housekeeping reads the other engines' journals and looks for new engines
+(it also runs after every work item under load; idle, every ``housekeeping_interval``)."""
 
-    root: str = Field(description="Directory that holds the tier's files (created if missing).")
-    max_bytes: int | None = Field(
+_LEDGER_SECONDS = 1.0
+"""How often housekeeping adopts dead instances' ledgers and rereads the shared file count."""
+
+
+class FilesystemTierOptions(TierOptions):
+    """Local disk / NVMe tier (``type: fs``): the options of :class:`FilesystemTier`."""
+
+    root: str = Field(
+        min_length=1,
+        description="Directory that holds the tier's files (created if missing). Several engines may share it; "
+        "each namespace gets its own subdirectory.",
+    )
+    max_bytes: ByteSize | None = Field(
         default=None,
-        description="Byte budget of this namespace's files, e.g. '64GiB' (LRU of files beyond it). "
+        gt=0,
+        description="Byte budget of this namespace's files, e.g. '64GiB', whoever wrote them: engines sharing the "
+        "root share it (give each the same value); the oldest files go beyond it. "
         "Default: half of the free space plus what the namespace already holds.",
     )
-    read_threads: int = Field(default=4, gt=0, description="I/O threads serving only loads (promotions).")
-    write_threads: int = Field(default=2, gt=0, description="I/O threads serving stores, loads first.")
-    fsync: bool = Field(default=False, description="fsync each value and its directory before a store reports.")
+    read_threads: Threads = Field(default=4, description="I/O threads serving only loads (promotions).")
+    write_threads: Threads = Field(default=2, description="I/O threads serving stores, loads first.")
+    fsync: bool = Field(
+        default=False,
+        description="fsync each value and its directory before a store reports (survives power loss, costs "
+        "write throughput; crash safety against process death does not need it).",
+    )
     direct_io: bool | Literal["auto"] = Field(
-        default="auto", description="O_DIRECT: 'auto' (where the file system allows it), true (required), false."
+        default="auto",
+        description="O_DIRECT: 'auto' (where the file system allows it and the CPU rows are page aligned), "
+        "true (required: refused where impossible), false.",
     )
     scan_in_background: bool = Field(
         default=True, description="Rebuild the index from disk in a thread (unscanned keys answer RETRY)."
     )
-    failure_threshold: int = Field(default=5, ge=1, description="Consecutive I/O errors that open the breaker.")
-    probe_interval: float = Field(default=2.0, gt=0, description="Seconds between health probes while open.")
-    max_queued_stores: int = Field(
-        default=256, ge=1, description="Blocks waiting to be written beyond which new stores are shed."
+    failure_threshold: int = Field(
+        default=5, ge=1, le=1_000_000, description="Consecutive I/O errors that open the breaker."
     )
-    shutdown_timeout: float = Field(
+    probe_interval: Seconds = Field(default=2.0, gt=0, description="Seconds between health probes while open.")
+    max_queued_stores: QueueLength = Field(
+        default=256,
+        description="Blocks waiting to be written beyond which new stores are shed (each pins a CPU row).",
+    )
+    shutdown_timeout: Seconds = Field(
         default=30.0, gt=0, description="Seconds shutdown() lets queued jobs finish, then per thread join."
     )
-    share_group: str | int | None = Field(
+    share_group: str | Annotated[int, Field(ge=0, le=2**32 - 2)] | None = Field(
         default=None,
         description="Share the cache with this Unix group (directories 2770, files 0640, the group's files "
         "are served). Default: private to this user (0700 / 0600).",
+    )
+    sharing: StrictBool = Field(
+        default=True,
+        description="Learn the blocks other engines write into (and evict from) this root and namespace while "
+        "this one runs, from the change journal every engine keeps (within about 0.1 s; lookups never wait). "
+        "false: only what the start-up scan found and this engine stored.",
+    )
+    miss_checks: StrictBool = Field(
+        default=False,
+        description="With sharing, while other engines use the root, also check on disk each key the index "
+        "lacks: the lookup answers RETRY until an I/O thread's check comes back (then HIT, or MISS for "
+        "miss_seconds). Finds blocks the moment they are written, and blocks of engines that keep no journal "
+        "(older releases), at the cost of one engine step for every new prompt.",
+    )
+    miss_seconds: Seconds = Field(
+        default=1.0,
+        gt=0,
+        description="With miss_checks: seconds a key checked and not found answers MISS before it is checked again.",
     )
 
     @field_validator("root", mode="before")
@@ -139,49 +201,37 @@ class FilesystemTierOptions(BaseModel):
     def _path(cls, value: Any) -> Any:
         return os.fspath(value) if isinstance(value, os.PathLike) else value
 
-    @field_validator("max_bytes", mode="before")
-    @classmethod
-    def _size(cls, value: Any) -> Any:
-        return None if value is None else parse_size(value)
+    def capacity(self) -> int | None:
+        return self.max_bytes
 
 
 class _Corrupt(Exception):
-    """A value failed verification (``removed``: its file was ours and is deleted)."""
+    """A value failed verification (``removed``: its file was ours and is deleted; ``st``: its fstat)."""
 
-    def __init__(self, reason: str, removed: bool) -> None:
+    def __init__(self, reason: str, removed: bool, st: os.stat_result) -> None:
         super().__init__(reason)
         self.reason = reason
         self.removed = removed
+        self.st = st
+
+
+class _NoRoom(Exception):
+    """A store found nothing to evict: every file it could evict is being read."""
+
+
+def _is_gone(exc: OSError) -> bool:
+    """The file is gone: removed (ENOENT), or removed by another NFS client while open (ESTALE)."""
+    return isinstance(exc, FileNotFoundError) or exc.errno == errno.ESTALE
 
 
 class FilesystemTier(ThreadedTier):
     """A secondary tier on a local file system (NVMe, SSD, any POSIX directory).
 
-    Options (the config schema's names):
-
-    * ``root``: directory of the cache; created if missing. Several engines may
-      share it; each namespace gets its own subdirectory.
-    * ``max_bytes``: byte budget of this namespace's value files. Default: half of
-      (free space on the file system + what this namespace already holds).
-    * ``read_threads`` / ``write_threads``: I/O threads for loads / stores (write
-      threads also serve loads first when any are queued).
-    * ``fsync``: fsync each value and its directory before reporting a store (survives
-      power loss, costs write throughput). Crash safety against process death does
-      not need it.
-    * ``direct_io``: ``"auto"`` (O_DIRECT if the file system supports it and the CPU
-      rows are page aligned), ``True`` (require it; ConfigError otherwise), ``False``.
-    * ``scan_in_background``: rebuild the index from disk in a background thread
-      (lookups of keys in shards not yet scanned answer RETRY) instead of in the
-      constructor.
-    * ``failure_threshold``: consecutive I/O errors that take the tier out of service.
-    * ``probe_interval``: seconds between health probes while out of service.
-    * ``max_queued_stores``: blocks waiting to be written beyond which new stores are
-      dropped (each queued store pins a CPU row), so a slow disk sheds writes first.
-    * ``shutdown_timeout``: seconds ``shutdown()`` lets queued jobs finish before
-      failing the rest, and then waits for each thread to exit.
-    * ``share_group``: a Unix group (name or gid) to share the cache with: directories
-      2770 (setgid), files 0640, and files of that group are served. Default: private
-      (directories 0700, files 0600, only this user's files are served).
+    Options: :class:`FilesystemTierOptions` (an instance, or its fields as keyword
+    arguments: ``FilesystemTier(context, root="/nvme/kv", max_bytes="64GiB")``). ``max_bytes``
+    is shared by every engine using the root (:mod:`kvtier.tiers.fs_budget`); ``sharing``
+    follows the other engines' journals (:mod:`kvtier.tiers.fs_journal`); ``miss_checks``
+    also checks on disk each key the index lacks (:mod:`kvtier.tiers.fs_share`).
 
     The root is untrusted content (see :mod:`kvtier.tiers.fs_files`): no link is
     followed, only regular files of this user (or group) are opened, nothing else is
@@ -201,114 +251,115 @@ class FilesystemTier(ThreadedTier):
         "scan_seconds": ExtraMetric("gauge", "Duration of the warm-restart scan."),
         "temp_files_swept": ExtraMetric("gauge", "Temporary files of dead writers removed at start."),
         "unsafe_entries": ExtraMetric("counter", "Entries of the root that are not regular files of ours (untouched)."),
+        "journal_added": ExtraMetric("counter", "Blocks other engines stored, learned from their journals."),
+        "journal_removed": ExtraMetric("counter", "Blocks other engines evicted, learned from their journals."),
+        "checks": ExtraMetric("counter", "Keys the index did not hold, checked on disk (miss_checks)."),
+        "checks_found": ExtraMetric("counter", "Checked keys found on disk: blocks another engine wrote."),
     }
 
-    def __init__(
-        self,
-        context: TierContext,
-        *,
-        root: str | os.PathLike[str],
-        max_bytes: int | float | None = None,
-        read_threads: int = 4,
-        write_threads: int = 2,
-        fsync: bool = False,
-        direct_io: bool | str = "auto",
-        scan_in_background: bool = True,
-        failure_threshold: int = 5,
-        probe_interval: float = 2.0,
-        max_queued_stores: int = 256,
-        shutdown_timeout: float = 30.0,
-        share_group: str | int | None = None,
-    ) -> None:
-        """Check the options, prepare the namespace directory, size the budget, start the threads.
+    @classmethod
+    def bytes_per_block(cls, block_bytes: int) -> int:
+        """One value file: the header page plus the payload rounded up to whole pages."""
+        return entry_bytes(block_bytes)
 
-        Long because it is the tier's start-up sequence, in order: each step is a few
-        lines that need the previous one (directory before manifest, probe before budget).
-        """
-        if read_threads < 1 or write_threads < 1:
-            raise ConfigError(
-                f"fs tier needs read_threads >= 1 and write_threads >= 1, got {read_threads} and {write_threads}"
-            )
-        if direct_io not in (True, False, "auto"):
-            raise ConfigError(f"fs tier direct_io must be true, false or 'auto', got {direct_io!r}")
-        if probe_interval <= 0 or shutdown_timeout <= 0 or max_queued_stores < 1:
-            raise ConfigError(
-                "fs tier probe_interval and shutdown_timeout must be > 0 and max_queued_stores >= 1, got "
-                f"{probe_interval}, {shutdown_timeout}, {max_queued_stores}"
-            )
-        rows = context.rows
-        block_bytes = context.block_bytes
+    def __init__(
+        self, context: TierContext, options: FilesystemTierOptions | None = None, /, **fields: Any
+    ) -> None:
+        """Check the options, prepare the namespace directory, size the budget, start the threads."""
+        self.options = opts = tier_options(FilesystemTierOptions, self.tier_type, options, fields)
+        rows, block_bytes = context.rows, context.block_bytes
         if rows.ndim != 2 or rows.dtype != np.uint8 or block_bytes > rows.shape[1]:
             raise ConfigError(
                 f"fs tier needs rows as a 2-D uint8 array with rows of >= {block_bytes} bytes, "
                 f"got shape {rows.shape} dtype {rows.dtype}"
             )
-        if max_bytes is not None and int(max_bytes) < entry_bytes(block_bytes):
+        self.entry_bytes = entry_bytes(block_bytes)
+        if opts.max_bytes is not None and opts.max_bytes < self.entry_bytes:
             raise ConfigError(
-                f"fs tier max_bytes={int(max_bytes)} is smaller than one block file ({entry_bytes(block_bytes)} "
+                f"fs tier max_bytes={opts.max_bytes} is smaller than one block file ({self.entry_bytes} "
                 "bytes): raise max_bytes"
             )
-        if failure_threshold < 1:
-            raise ConfigError(f"fs tier failure_threshold must be >= 1, got {failure_threshold}")
         super().__init__(
             context,
-            breaker=CircuitBreaker(failure_threshold=failure_threshold, open_seconds=probe_interval),
-            max_queued_stores=max_queued_stores,
-            shutdown_timeout=shutdown_timeout,
-            shutdown_grace=shutdown_timeout,
+            breaker=CircuitBreaker(failure_threshold=opts.failure_threshold, open_seconds=opts.probe_interval),
+            max_queued_stores=opts.max_queued_stores,
+            shutdown_timeout=opts.shutdown_timeout,
+            shutdown_grace=opts.shutdown_timeout,
         )
-        self.modes = FileModes.for_group(share_group)
-        self.root = Path(root)
+        self.modes = FileModes.for_group(opts.share_group)
+        self.root = Path(opts.root)
         self.ns_dir = self.root / context.namespace.hexdigest
         self.block_bytes = block_bytes
-        self.entry_bytes = entry_bytes(block_bytes)
-        self.fsync = bool(fsync)
-        self.read_threads = int(read_threads)
-        self.write_threads = int(write_threads)
+        self.fsync = opts.fsync
         self._digest = context.namespace.digest
-
-        # Every option is valid: now the side effects, each undone if a later one fails.
-        self._dirs = make_dirs(self.ns_dir, self.modes)
-        try:
-            ensure_manifest(self._dirs, manifest_dict(self._digest, context.namespace.canonical(), block_bytes))
-            self.swept_temp_dirs, self.swept_temp_files = sweep_temp_dirs(self.ns_dir)
-            self._instance = InstanceDir(self._dirs)
-        except BaseException:
-            self._dirs.close()
-            raise
-        try:
-            self.direct_io, self.direct_io_reason = self._choose_direct_io(direct_io)
-            # Bytes moved per block: O_DIRECT needs whole pages (the row's padding rides along).
-            self._io_bytes = round_up(block_bytes) if self.direct_io else block_bytes
-            self.max_bytes = self._resolve_max_bytes(max_bytes, self._count_existing_files())
-        except BaseException:
-            self._instance.close(remove=True)
-            self._dirs.close()
-            raise
+        self._open_directories()
         self._direct_flag = O_DIRECT if self.direct_io else 0
-        self._index = FileIndex(self.max_bytes, self.entry_bytes)
-        self._free_recheck_interval = probe_interval
+        self._index = FileIndex()
+        self.sharing = opts.sharing
+        self.miss_checks = opts.miss_checks and opts.sharing
+        self._checks = ExistenceChecks(opts.miss_seconds)
+        self._checks_live = self.miss_checks and self._peers.seen
+        self._value_sizes = (PAYLOAD_OFFSET + block_bytes, self.entry_bytes)
+        self._hard_links = True
+        self._next_ledger_check = 0.0
+        self._next_journal_read = 0.0
+        self._scavenge_next = 0
+        self._scavenge_idle_until = 0.0
+        self._free_recheck_interval = opts.probe_interval
         self._last_enospc = 0.0
         self._probe_seq = itertools.count(1)
         self._stop_scan = threading.Event()
         self._scan_done = threading.Event()
         self._scanned = bytearray(256)
         self.stats.extra.update(
-            {
-                "io_errors": 0,
-                "enospc": 0,
-                "vanished": 0,
-                "scan_entries": 0,
-                "scan_seconds": 0.0,
-                "unsafe_entries": 0,
-                "temp_files_swept": float(self.swept_temp_files),
-            }
-        )
+            {"io_errors": 0, "enospc": 0, "vanished": 0, "scan_entries": 0, "scan_seconds": 0.0,
+             "unsafe_entries": 0, "temp_files_swept": float(self.swept_temp_files), "journal_added": 0,
+             "journal_removed": 0, "checks": 0, "checks_found": 0}
+        )  # fmt: skip
+        self._start()
 
+    # --- construction helpers -------------------------------------------------------------
+
+    def _open_directories(self) -> None:
+        """Adopt the namespace directory (manifest, sweep of dead writers, this instance's temp
+        directory), then choose O_DIRECT and the byte budget; each step undone if a later one fails."""
+        self._dirs = make_dirs(self.ns_dir, self.modes)
         try:
-            self._start_workers(self.read_threads, frozenset({Lane.LOAD}), "read")
-            self._start_workers(self.write_threads, ALL_LANES, "write")
-            if scan_in_background:
+            manifest = manifest_dict(self._digest, self.context.namespace.canonical(), self.block_bytes)
+            ensure_manifest(self._dirs, manifest)
+            self.swept_temp_dirs, self.swept_temp_files = sweep_temp_dirs(self._dirs)
+            self._instance = InstanceDir(self._dirs)
+        except BaseException:
+            self._dirs.close()
+            raise
+        try:
+            self.direct_io, self.direct_io_reason = self._choose_direct_io(self.options.direct_io)
+            # Bytes moved per block: O_DIRECT needs whole pages (the row's padding rides along).
+            self._io_bytes = round_up(self.block_bytes) if self.direct_io else self.block_bytes
+            self.max_bytes = self._resolve_max_bytes(self.options.max_bytes, self._count_existing_files())
+            self._peers = PeerWatch(self._dirs, self._instance.name, always=False)
+            self._budget = SharedBudget(self._dirs, self._instance.name, self.max_bytes // self.entry_bytes)
+        except BaseException:
+            self._instance.close(remove=True)
+            self._dirs.close()
+            raise
+        try:  # before the scan: records appended from now on are read, what came before is scanned
+            self._journal = JournalWriter(self._dirs, self._instance.name)
+            self._follow = JournalReader(self._dirs, self._instance.name) if self.options.sharing else None
+        except BaseException:
+            self._instance.close(remove=True)
+            self._budget.close()
+            self._dirs.close()
+            raise
+
+    def _start(self) -> None:
+        """Start the I/O threads and the warm-restart scan (or run it here); shut down if that fails."""
+        opts = self.options
+        try:
+            self._budget.adopt_dead()
+            self._start_workers(opts.read_threads, READ_LANES, "read")
+            self._start_workers(opts.write_threads, ALL_LANES, "write")
+            if opts.scan_in_background:
                 self._start_thread("scan", self._scan)
             else:
                 self._scan()
@@ -318,17 +369,12 @@ class FilesystemTier(ThreadedTier):
             raise
         logger.info(
             "fs tier %s: %s, capacity %.2f GiB, %s, %d read / %d write threads",
-            self.label,
-            self.ns_dir,
-            self.max_bytes / 2**30,
+            self.label, self.ns_dir, self.max_bytes / 2**30,
             "O_DIRECT" if self.direct_io else f"buffered I/O ({self.direct_io_reason})",
-            self.read_threads,
-            self.write_threads,
-        )
+            opts.read_threads, opts.write_threads,
+        )  # fmt: skip
 
-    # --- construction helpers -------------------------------------------------------------
-
-    def _choose_direct_io(self, mode: bool | str) -> tuple[bool, str]:
+    def _choose_direct_io(self, mode: bool | Literal["auto"]) -> tuple[bool, str]:
         if mode is False:
             return False, "direct_io=false"
         assert self._rows is not None
@@ -352,12 +398,12 @@ class FilesystemTier(ThreadedTier):
     def _count_existing_files(self) -> int:
         return sum(1 for shard in SHARDS for e in self._dirs.entries(shard) if e.name.endswith(SUFFIX))
 
-    def _resolve_max_bytes(self, max_bytes: int | float | None, existing_files: int) -> int:
+    def _resolve_max_bytes(self, max_bytes: int | None, existing_files: int) -> int:
         if max_bytes is None:
             usage = shutil.disk_usage(self.ns_dir)
             budget = int((usage.free + existing_files * self.entry_bytes) * DEFAULT_FREE_FRACTION)
         else:
-            budget = int(max_bytes)
+            budget = max_bytes
         if budget < self.entry_bytes:
             raise ConfigError(
                 f"fs tier max_bytes={budget} is smaller than one block file ({self.entry_bytes} bytes): "
@@ -368,11 +414,30 @@ class FilesystemTier(ThreadedTier):
     # --- scheduler-thread calls (never block on I/O) -----------------------------------------
 
     def _lookup(self, key: BlockKey, request: RequestContext | None) -> LookupResult:
-        """HIT if the index holds ``key``; RETRY while its shard is not scanned yet; else MISS."""
+        """HIT if the index holds ``key``; RETRY while its shard is not scanned yet; else MISS, or
+        with ``miss_checks`` the answer of a check on disk (RETRY until it came back)."""
         scanned = self._scanned[key[0]]  # read before the index: the scan adds keys, then flags
         if self._index.hit(key):
             return LookupResult.HIT
-        return LookupResult.MISS if scanned else LookupResult.RETRY
+        if not scanned:
+            return LookupResult.RETRY
+        if not self._checks_live:
+            return LookupResult.MISS
+        return self._checks.answer(key, request, time.monotonic())
+
+    def on_schedule_end(self) -> None:
+        """Send this step's keys to check on disk (``miss_checks``) to an I/O thread, as one item."""
+        chains = self._checks.take()
+        if not chains:
+            return
+        keys = [key for chain in chains for key in chain]
+        serving = not self._closed and self._breaker.serving
+        if not serving or not self._queue_internal(Work(Lane.EXISTS, keys=keys, payload=chains)):
+            self._checks.finish(keys)
+
+    def has_pending_work(self) -> bool:
+        """True while jobs are in flight or unreported, or checks on disk are under way."""
+        return super().has_pending_work() or self._checks.busy()
 
     def touch(self, keys: Sequence[BlockKey], request: RequestContext | None) -> None:
         self._index.touch(keys)
@@ -390,7 +455,11 @@ class FilesystemTier(ThreadedTier):
             self._index.unpin(work.keys[0])
 
     def usage(self) -> TierUsage:
-        return TierUsage(self._index.used_bytes, self._index.capacity, len(self._index))
+        """The namespace's bytes (every engine's files: the budget is shared) against this
+        engine's capacity; ``entries``: the files this engine's index holds."""
+        budget = self._budget
+        return TierUsage(max(0, budget.used_files) * self.entry_bytes, budget.capacity * self.entry_bytes,
+                         len(self._index))  # fmt: skip
 
     @property
     def scan_complete(self) -> bool:
@@ -402,7 +471,7 @@ class FilesystemTier(ThreadedTier):
         return {
             "type": self.tier_type,
             "medium": self.medium,
-            "root": str(self.root),
+            **self.options.model_dump(mode="json"),
             "namespace_dir": str(self.ns_dir),
             "max_bytes": self.max_bytes,
             "capacity_bytes": usage.capacity_bytes,
@@ -412,11 +481,15 @@ class FilesystemTier(ThreadedTier):
             "file_bytes": self.entry_bytes,
             "direct_io": self.direct_io,
             "direct_io_reason": self.direct_io_reason,
-            "fsync": self.fsync,
-            "read_threads": self.read_threads,
-            "write_threads": self.write_threads,
-            "max_queued_stores": self.max_queued_stores,
             "scan_complete": self.scan_complete,
+            "sharing": self.sharing,
+            "miss_checks": self.miss_checks,
+            "miss_checks_active": self._checks_live,
+            "miss_seconds": self._checks.miss_seconds,
+            "hard_links": self._hard_links,
+            "instance": self._instance.name,
+            "ledger_files": self._budget.own_files,
+            "ledgers_adopted": self._budget.adopted,
             "health": self._breaker.state.value,
         }
 
@@ -435,6 +508,8 @@ class FilesystemTier(ThreadedTier):
     def _run(self, work: Work, local: Any) -> None:
         if work.lane is Lane.LOAD:
             self._load_block(work, local[1])
+        elif work.lane is Lane.EXISTS:
+            self._check_keys(work)
         else:
             self._store_block(work, local[1])
 
@@ -460,19 +535,23 @@ class FilesystemTier(ThreadedTier):
             error = f"corrupt value {key.hex()[:16]}: {exc.reason}"
             logger.warning("fs tier %s: %s; %s", self.label, error, "deleted" if exc.removed else "left in place")
             self._count(corrupt_values=1)
+            if not exc.removed:
+                self._checks.reject(key, exc.st)
             self._forget(key)
         except UnsafeEntryError as exc:
             error = f"value {key.hex()[:16]} is not served: {exc}"
-            logger.warning("fs tier %s: %s (never opened for I/O, never deleted)", self.label, error)
+            what = f"fs tier {self.label}: value {key.hex()[:16]} is not served (never opened for I/O, never deleted)"
+            log_failure(logger, logging.WARNING, what, exc)
             self._count(unsafe_entries=1)
             self._forget(key)
-        except FileNotFoundError:
-            error = f"value {key.hex()[:16]} vanished from disk"
-            self._count(vanished=1)
-            self._forget(key)
         except OSError as exc:
-            error = f"read of {shard}/{name} failed: {exc.strerror or exc}"
-            self._io_error(error)
+            if _is_gone(exc):  # another engine evicted or recycled it: a miss
+                error = f"value {key.hex()[:16]} vanished from disk"
+                self._count(vanished=1)
+                self._forget(key)
+            else:
+                error = f"read of {shard}/{name} failed: {exc.strerror or exc}"
+                self._io_error(error)
         finally:
             self._index.unpin(key)
         if error is None:
@@ -493,11 +572,16 @@ class FilesystemTier(ThreadedTier):
                 )  # fmt: skip
             finally:
                 row.release()
+            with contextlib.suppress(OSError):  # the use, for other engines' eviction order and restarts
+                os.utime(fd)
         except CorruptValueError as exc:
             removed = discard_corrupt(
                 shard_fd, name, st, self._instance.fd, self._instance.temp_name(key), self.modes
             )
-            raise _Corrupt(str(exc), removed) from None
+            if removed:
+                self._budget.release(1)
+                self._journal.append(REMOVED, [key])
+            raise _Corrupt(str(exc), removed, st) from None
         finally:
             os.close(fd)
 
@@ -507,22 +591,67 @@ class FilesystemTier(ThreadedTier):
             self._complete(work, error="dropped: tier out of service", dropped=True)
             return
         self._maybe_regrow_capacity()
-        plan = self._index.reserve(key)
-        if plan.outcome is not Reservation.GRANTED:
-            if plan.outcome is Reservation.FULL:
-                self._complete(work, error="no room: every evictable file is being read", dropped=True)
-            else:  # present or being written by another job: nothing to do
-                self._count(stores_skipped=1)
-                self._complete(work, ok=[key])
+        if self._index.reserve(key) is not Reservation.GRANTED:  # present, or being written by another job
+            self._count(stores_skipped=1)
+            self._complete(work, ok=[key])
             return
-        error: str | None = None
-        tmp = self._instance.temp_name(key)
-        tmp_dir = self._instance.fd
-        fd: int | None = None
-        if plan.victims:
-            fd = self._unlink_victims(plan.victims, recycle_to=tmp)
-        recycled = fd is not None
         try:
+            written = self._write_block(key, slot, header)
+        except _NoRoom:
+            self._index.abort(key)
+            self._complete(work, error="no room: every evictable file is being read", dropped=True)
+            return
+        except UnsafeEntryError as exc:
+            self._index.abort(key)
+            self._count(unsafe_entries=1)
+            self._complete(work, error=f"store of {key.hex()[:16]} failed: {exc} (left alone)")
+            return
+        except OSError as exc:
+            self._index.abort(key)
+            if is_no_space(exc):
+                capacity = self._budget.lower_capacity_to_used() * self.entry_bytes
+                self._last_enospc = time.monotonic()
+                error = f"no space left under {self.root}; capacity lowered to {capacity} bytes"
+                logger.warning("fs tier %s: %s", self.label, error)
+                self._count(enospc=1)
+            else:
+                error = f"write of {key.hex()[:16]} failed: {exc.strerror or exc}"
+                self._io_error(error)
+            self._complete(work, error=error)
+            return
+        except BaseException:
+            self._index.abort(key)
+            raise
+        finally:
+            if not self._queue.queued(Lane.STORE):  # idle: tell the others now; busy: housekeeping batches
+                self._journal.flush()
+        self._index.commit(key)
+        self._checks.forget(key)
+        self._breaker.record_success()
+        if written:
+            self._emit([key], removed=False)
+            self._complete(work, ok=[key], nbytes=self.block_bytes)
+        else:
+            self._count(stores_skipped=1)
+            self._complete(work, ok=[key])
+
+    def _write_block(self, key: BlockKey, slot: int, header: memoryview) -> bool:
+        """Write ``key``'s value from CPU row ``slot`` and link it into its shard: True. False
+        when another engine's value of ``key`` got there first (what was written is dropped;
+        the index usually knows such a file from the other engine's journal, and ``_holds``
+        skipped the store).
+
+        Claims room in the shared budget first and evicts what that takes; every failure
+        gives the claim back and removes the temp file. Raises _NoRoom (nothing evictable),
+        UnsafeEntryError (the name is taken by an entry that is no value of ours), OSError.
+        """
+        tmp, tmp_dir = self._instance.temp_name(key), self._instance.fd
+        fd: int | None = None
+        claimed = True
+        need = self._budget.claim()
+        try:
+            fd = self._make_room(need, recycle_to=tmp)
+            recycled = fd is not None
             if fd is None:
                 fd = create_file(tmp_dir, tmp, self._direct_flag, self.modes)
             row = self._row_view(slot)
@@ -535,45 +664,121 @@ class FilesystemTier(ThreadedTier):
                 row.release()
             os.close(fd)  # drops a recycled file's exclusive lock before it is visible again
             fd = None
-            shard_fd = self._dirs.subdir(f"{key[0]:02x}")
-            try:
-                os.rename(tmp, value_name(key), src_dir_fd=tmp_dir, dst_dir_fd=shard_fd)
-                if self.fsync:
-                    os.fsync(shard_fd)
-            finally:
-                os.close(shard_fd)
-            self._index.commit(key)
-            self._breaker.record_success()
-        except BaseException as exc:
+            if self._place(tmp, tmp_dir, key):
+                claimed = False
+                self._journal.append(ADDED, [key])
+                return True
+        finally:
             if fd is not None:
                 os.close(fd)
-            self._index.abort(key)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=tmp_dir)
-            if not isinstance(exc, OSError):
-                raise
-            if is_no_space(exc):
-                capacity = self._index.lower_capacity_to_used()
-                self._last_enospc = time.monotonic()
-                error = f"no space left under {self.root}; capacity lowered to {capacity} bytes"
-                logger.warning("fs tier %s: %s", self.label, error)
-                self._count(enospc=1)
-            else:
-                error = f"write of {key.hex()[:16]} failed: {exc.strerror or exc}"
-                self._io_error(error)
-        if error is None:
-            self._emit([key], removed=False)
-            self._complete(work, ok=[key], nbytes=self.block_bytes)
-        else:
-            self._complete(work, error=error)
+            if claimed:
+                self._budget.release(1)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=tmp_dir)
+        if self._on_disk(key):
+            return False
+        raise UnsafeEntryError(value_name(key), "a name taken by an entry that is not a value of ours")
 
-    def _unlink_victims(self, victims: list[BlockKey], recycle_to: str | None = None) -> int | None:
-        """Delete evicted values. With ``recycle_to``, the first victim that may be recycled (a
-        regular file of ours that no reader holds, in any process) is moved there instead and
-        returned open and exclusively locked, for the caller to overwrite: rewriting allocated
-        blocks is about twice as fast as filling a fresh file. Entries that are not regular
-        files we may remove are left alone (they were never ours)."""
+    def _place(self, tmp: str, tmp_dir: int, key: BlockKey) -> bool:
+        """Link the written temp file to ``key``'s name; False if the name is taken."""
+        shard_fd = self._dirs.subdir(f"{key[0]:02x}")
+        try:
+            if self._hard_links:
+                try:
+                    placed = place_value(tmp_dir, tmp, shard_fd, value_name(key), hard_link=True)
+                except OSError as exc:
+                    if exc.errno not in NO_HARD_LINKS:
+                        raise
+                    self._hard_links = False
+                    logger.info("fs tier %s: no hard links under %s: values are renamed into place", self.label,
+                                self.root)  # fmt: skip
+            if not self._hard_links:
+                placed = place_value(tmp_dir, tmp, shard_fd, value_name(key), hard_link=False)
+            if placed and self.fsync:
+                os.fsync(shard_fd)
+            return placed
+        finally:
+            os.close(shard_fd)
+
+    def _on_disk(self, key: BlockKey) -> bool:
+        """Is a value of ``key`` on disk: a regular file of ours (or the group's) of a value's size,
+        not one that failed verification? One ``fstatat``, following no link. I/O threads."""
+        shard_fd = self._dirs.subdir(f"{key[0]:02x}")
+        try:
+            st = find_value(shard_fd, value_name(key), self.modes, self._value_sizes)
+        except (UnsafeEntryError, CorruptValueError):
+            return False
+        finally:
+            os.close(shard_fd)
+        return st is not None and not self._checks.rejected(key, st)
+
+    def _make_room(self, need: int, recycle_to: str | None) -> int | None:
+        """Evict the ``need`` files the shared budget asked for, and more while it asks for more:
+        this engine's least recently used files first, then files found on disk that it did not
+        know (:meth:`_scavenge`). The first victim that may be recycled is moved to ``recycle_to``
+        and returned open (see :meth:`_unlink_victims`). Raises _NoRoom when nothing more can be
+        evicted."""
         recycled: int | None = None
+        try:
+            while need > 0:
+                if self._peers.seen and not self._index.found_files:
+                    self._scavenge()  # learn what other engines wrote before choosing the oldest
+                victims = self._index.take_victims(need)
+                if not victims:
+                    if self._scavenge():
+                        continue
+                    raise _NoRoom
+                fd, removed = self._unlink_victims(victims, recycle_to if recycled is None else None, planned=True)
+                if fd is not None:
+                    recycled = fd
+                need -= removed
+                if need <= 0:
+                    need = self._budget.recheck()
+        except BaseException:
+            self._budget.cancel(need)
+            if recycled is not None and recycle_to is not None:
+                os.close(recycled)
+                with contextlib.suppress(OSError):
+                    os.unlink(recycle_to, dir_fd=self._instance.fd)
+            raise
+        return recycled
+
+    def _scavenge(self) -> bool:
+        """Index files on disk this engine does not know (other engines wrote them) as found
+        files, ranked by mtime: eviction candidates. Lists shards round robin until it has
+        ``_SCAVENGE_BATCH`` of them or made one full pass; False if it found none (then it
+        rests for ``_SCAVENGE_IDLE_SECONDS``)."""
+        now = time.monotonic()
+        if now < self._scavenge_idle_until:
+            return False
+        found: list[tuple[float, bytes]] = []
+        for _ in SHARDS:
+            shard = SHARDS[self._scavenge_next]
+            self._scavenge_next = (self._scavenge_next + 1) % len(SHARDS)
+            entries, _ = scan_shard(self._dirs, shard, quiet=True)
+            found.extend(e for e in entries if e[1] not in self._index)
+            if len(found) >= _SCAVENGE_BATCH:
+                break
+        found.sort()
+        if self._index.add_found(found):
+            return True
+        self._scavenge_idle_until = now + _SCAVENGE_IDLE_SECONDS
+        return False
+
+    def _unlink_victims(
+        self, victims: list[BlockKey], recycle_to: str | None = None, planned: bool = False
+    ) -> tuple[int | None, int]:
+        """Delete evicted values; returns the recycled file (or None) and how many files left the
+        shards (each counted off the shared budget; ``planned``: as evictions it asked for).
+
+        With ``recycle_to``, the first victim that may be recycled (a regular file of ours that
+        no reader holds, in any process) is moved there instead and returned open and
+        exclusively locked, for the caller to overwrite: rewriting allocated blocks is about
+        twice as fast as filling a fresh file. Entries that are not regular files we may remove
+        are left alone (they were never ours); files already gone (another engine evicted them)
+        count nothing."""
+        recycled: int | None = None
+        gone: list[BlockKey] = []
         for victim in victims:
             shard, name = f"{victim[0]:02x}", value_name(victim)
             try:
@@ -584,22 +789,65 @@ class FilesystemTier(ThreadedTier):
                             shard_fd, name, self._instance.fd, recycle_to, self._direct_flag, self.modes
                         )
                         if recycled is not None:
+                            gone.append(victim)
                             continue
-                    remove_value(shard_fd, name, self.modes)
+                    if remove_value(shard_fd, name, self.modes):
+                        gone.append(victim)
                 finally:
                     os.close(shard_fd)
             except FileNotFoundError:
                 pass
             except OSError as exc:
                 self._io_error(f"evicting {victim.hex()[:16]} failed: {exc.strerror or exc}")
+        self._budget.release(len(gone), planned=planned)
+        self._journal.append(REMOVED, gone)
         self._index.finish_delete(victims)
         self._count(evictions=len(victims))
         self._emit(victims, removed=True)
-        return recycled
+        return recycled, len(gone)
+
+    def _check_keys(self, work: Work) -> None:
+        """Check one step's chains of keys the index lacked on disk (live sharing): adopt the
+        values found, stop each chain at its first key not there."""
+        checked = found = 0
+        try:
+            for chain in work.payload:
+                for key in chain:
+                    present = self._probe_key(key)
+                    checked += 1
+                    if present and self._index.adopt(key):
+                        found += 1
+                    self._checks.record(key, present)
+                    if not present:
+                        break
+        finally:
+            self._checks.finish(work.keys)
+            self._count(checks=checked, checks_found=found)
+
+    def _probe_key(self, key: BlockKey) -> bool:
+        """One check on disk for :meth:`_check_keys`: is a value of ``key`` there to adopt?"""
+        try:
+            shard_fd = self._dirs.subdir(f"{key[0]:02x}")
+            try:
+                st = find_value(shard_fd, value_name(key), self.modes, self._value_sizes)
+            finally:
+                os.close(shard_fd)
+        except UnsafeEntryError:
+            self._count(unsafe_entries=1)
+            return False
+        except CorruptValueError:
+            return False
+        except OSError as exc:
+            if not _is_gone(exc):
+                self._io_error(f"check of {key.hex()[:16]} failed: {exc.strerror or exc}")
+            return False
+        return st is not None and not self._checks.rejected(key, st)
 
     def _forget(self, key: BlockKey) -> None:
-        """Drop a value that is corrupt, vanished or unsafe from the index (its file, if any, was
-        dealt with by the caller: a file is only ever removed when proven ours)."""
+        """Drop a value that is corrupt, vanished or unsafe from the index and answer MISS for it a
+        while (its file, if any, was dealt with by the caller: a file is only ever removed when
+        proven ours)."""
+        self._checks.record(key, False)
         if not self._index.begin_delete(key):
             return
         self._index.finish_delete([key])
@@ -608,7 +856,8 @@ class FilesystemTier(ThreadedTier):
     def _maybe_regrow_capacity(self) -> None:
         """After ENOSPC, let the budget grow back once the disk has room again (checked at
         most every ``probe_interval`` seconds, on a write thread)."""
-        if self._index.capacity >= self._index.max_capacity:
+        budget = self._budget
+        if budget.capacity >= budget.max_files:
             return
         now = time.monotonic()
         if now - self._last_enospc < self._free_recheck_interval:
@@ -619,10 +868,45 @@ class FilesystemTier(ThreadedTier):
         except OSError:
             return
         # Keep one file of headroom so the next ENOSPC is not immediate.
-        grown = self._index.used_bytes + self._index.reserved_bytes + free - self.entry_bytes
-        if grown > self._index.capacity:
-            self._index.set_capacity(grown)
-            logger.info("fs tier %s: capacity back to %d bytes", self.label, self._index.capacity)
+        grown = budget.used_files + (free - self.entry_bytes) // self.entry_bytes
+        if grown > budget.capacity:
+            budget.set_capacity(grown)
+            logger.info("fs tier %s: capacity back to %d bytes", self.label, budget.capacity * self.entry_bytes)
+
+    def _housekeeping(self) -> None:
+        """Apply the other engines' journals, notice other engines (``miss_checks``), expire
+        negative answers, and every ``_LEDGER_SECONDS`` adopt dead instances' ledgers, reread
+        the shared file count and delete dead instances' stale journals."""
+        now = time.monotonic()
+        if now >= self._next_journal_read:
+            self._next_journal_read = now + _JOURNAL_SECONDS
+            self._journal.flush()  # one append for what every store since the last tick recorded
+            self._budget.flush()
+            if self._follow is not None:
+                self._apply_journal(self._follow.read())
+            if not self._peers.seen and self._peers.check():
+                logger.info("fs tier %s: another engine uses %s", self.label, self.ns_dir)
+            if self.miss_checks and not self._checks_live and self._peers.seen:
+                self._checks_live = True
+            self._checks.prune()
+        if now >= self._next_ledger_check:
+            self._next_ledger_check = now + _LEDGER_SECONDS
+            self._budget.adopt_dead()
+            self._budget.refresh()
+            if self._follow is not None:
+                self._follow.remove_dead()
+
+    def _apply_journal(self, entries: list[Entry]) -> None:
+        """What other engines added (present, ranked by its write time) and removed (gone)."""
+        added = removed = 0
+        for op, when, key in entries:
+            if op == ADDED:
+                added += self._index.add_found([(when, key)])
+                self._checks.forget(key)
+            elif self._index.forget_if_older(key, when):
+                removed += 1
+        if added or removed:
+            self._count(journal_added=added, journal_removed=removed)
 
     def _io_error(self, detail: str) -> None:
         logger.warning("fs tier %s: %s", self.label, detail)
@@ -652,27 +936,35 @@ class FilesystemTier(ThreadedTier):
     # --- warm restart scan -------------------------------------------------------------------
 
     def _scan(self) -> None:
-        """Index every value file on disk, shard by shard (oldest files become LRU)."""
+        """Index every value file on disk, shard by shard (ranked for eviction by mtime); then fix the
+        shared file count where the scan proves it wrong and evict what is over the budget."""
         t0 = time.perf_counter()
         found: list[tuple[float, bytes]] = []
         try:
+            mark = self._budget.mark()
             for i, shard in enumerate(SHARDS):
                 if self._stop_scan.is_set():
                     return
                 entries, unsafe = scan_shard(self._dirs, shard)
                 if unsafe:
                     self._count(unsafe_entries=unsafe)
-                self._index.add_scanned(key for _, key in entries)
+                entries.sort()
+                self._index.add_found(entries)
                 self._scanned[i] = 1
                 found.extend(entries)
-            found.sort(reverse=True)
-            self._index.order_oldest_first([key for _, key in found])
-            victims = self._index.evict_over_capacity()
-            if victims:
-                logger.info("fs tier %s: %d files beyond max_bytes evicted after restart", self.label, len(victims))
-                self._unlink_victims(victims)
-        except Exception:
-            logger.exception("fs tier %s: scan of %s failed; unscanned keys answer MISS", self.label, self.ns_dir)
+            found.sort()
+            self._index.order_found([key for _, key in found])
+            change = self._budget.reconcile(len(found), mark)
+            if change:
+                logger.info("fs tier %s: shared file count corrected by %+d after the scan", self.label, change)
+            need = self._budget.recheck()
+            if need:
+                logger.info("fs tier %s: %d files beyond max_bytes evicted after restart", self.label, need)
+                with contextlib.suppress(_NoRoom):
+                    self._make_room(need, recycle_to=None)
+        except Exception as exc:
+            what = f"fs tier {self.label}: scan of {self.ns_dir} failed; unscanned keys answer MISS"
+            log_failure(logger, logging.ERROR, what, exc, with_traceback=True)
         finally:
             for i in range(256):
                 self._scanned[i] = 1
@@ -687,5 +979,9 @@ class FilesystemTier(ThreadedTier):
         self._stop_scan.set()
 
     def _close(self) -> None:
-        self._instance.close(remove=True)
+        self._instance.close(remove=True)  # first: the ledger's owner is dead from now on
+        self._budget.close()
+        self._journal.close()
+        if self._follow is not None:
+            self._follow.close()
         self._dirs.close()

@@ -21,6 +21,10 @@ recycling right now. The rules (DESIGN.md "Untrusted storage"):
   recycles an evicted file only while holding its exclusive ``flock``, after
   moving it out of its shard. Readers that lose a race see the value as
   vanished (a miss), not as corrupt. This holds between engines sharing a root.
+* **Nothing is replaced.** A finished value is hard-linked to its name, which
+  fails if anything is there (another engine's value of the same key, or an
+  entry planted there); only where the file system has no hard links is it
+  renamed, after checking the name is free.
 * **Nothing valid is deleted because of a race.** A value that failed
   verification is first moved out of its shard, then deleted only if it is
   still the inode that failed (else it is put back).
@@ -41,10 +45,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.errors import ConfigError, UnsafeEntryError
+from kvtier.errors import ConfigError, CorruptValueError, UnsafeEntryError
 from kvtier.untrusted import kind_of, open_regular, try_flock
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+NO_HARD_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
+"""``link`` errors that mean the file system has no hard links (some FUSE and SMB mounts)."""
 
 
 class ValueVanished(FileNotFoundError):
@@ -195,6 +201,55 @@ def open_for_read(dir_fd: int, name: str, flags: int, modes: FileModes) -> tuple
     return fd, st
 
 
+def find_value(dir_fd: int, name: str, modes: FileModes, sizes: tuple[int, ...]) -> os.stat_result | None:
+    """The ``lstat`` of value ``name`` if a regular, trusted file of one of ``sizes`` bytes is
+    there; None if nothing is. Follows no link and opens nothing (a FIFO cannot block it).
+
+    Raises :class:`UnsafeEntryError` (not a regular file, another user's) and
+    :class:`CorruptValueError` (a size no value has).
+    """
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeEntryError(name, kind_of(st.st_mode))
+    if not modes.trusted(st):
+        raise UnsafeEntryError(name, modes.why_untrusted(st))
+    if st.st_size not in sizes:
+        raise CorruptValueError(f"{name} has {st.st_size} bytes, no value has that size")
+    return st
+
+
+def place_value(tmp_fd: int, tmp_name: str, dir_fd: int, name: str, *, hard_link: bool) -> bool:
+    """Give the finished temp file ``tmp_name`` its value name, never replacing what is there.
+
+    True if it now stands at ``name``; False if the name was taken (by another engine's
+    value of the same key, or by anything planted there). The temp name is gone either
+    way. ``hard_link`` False (the file system has none): rename, after checking the name
+    is free (a writer racing in that instant may be replaced: both wrote the same key).
+    Raises OSError; with ``hard_link``, one whose errno is in :data:`NO_HARD_LINKS` says
+    the file system has no hard links (the temp file is left for a retry).
+    """
+    if hard_link:
+        try:
+            os.link(tmp_name, name, src_dir_fd=tmp_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+        except FileExistsError:
+            # NFS: a retransmitted LINK whose first try succeeded answers EEXIST; then ours has 2 links.
+            placed = os.stat(tmp_name, dir_fd=tmp_fd, follow_symlinks=False).st_nlink > 1
+        else:
+            placed = True
+        os.unlink(tmp_name, dir_fd=tmp_fd)
+        return placed
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        os.rename(tmp_name, name, src_dir_fd=tmp_fd, dst_dir_fd=dir_fd)
+        return True
+    os.unlink(tmp_name, dir_fd=tmp_fd)
+    return False
+
+
 def create_file(dir_fd: int, name: str, flags: int, modes: FileModes) -> int:
     """Create a new file ``name`` (never an existing entry, never through a link)."""
     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | flags,
@@ -285,13 +340,16 @@ def classify_entry(entry: os.DirEntry[str], modes: FileModes) -> tuple[os.stat_r
 
 __all__ = [
     "DIR_FLAGS",
+    "NO_HARD_LINKS",
     "FileModes",
     "NamespaceDir",
     "ValueVanished",
     "classify_entry",
     "create_file",
     "discard_corrupt",
+    "find_value",
     "open_for_read",
+    "place_value",
     "remove_value",
     "take_for_recycling",
 ]

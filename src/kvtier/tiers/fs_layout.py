@@ -8,7 +8,11 @@ One directory per namespace under the tier's root::
             <key hex>.kv         one block: header page, then the payload
         tmp/<pid>-<token>/       one directory per live tier instance
             lock                 flock()ed while the instance lives
-            <key hex>.<n>.tmp    a store in progress (renamed into its shard)
+            <key hex>.<n>.tmp    a store in progress (linked into its shard)
+        ledger/<pid>-<token>     each instance's count of value files (the shared
+                                 size bound, :mod:`kvtier.tiers.fs_budget`)
+        journal/<pid>-<token>.<n>  each instance's log of files it added and removed
+                                 (live sharing, :mod:`kvtier.tiers.fs_journal`)
 
 A value file holds the 128-byte header of :mod:`kvtier.tiers.format` at offset
 0, zero padded to :data:`PAYLOAD_OFFSET` (4096), then the payload. The payload
@@ -17,7 +21,8 @@ page-aligned CPU row. A file written with O_DIRECT is padded to a whole page;
 one written through the page cache ends right after the payload. Both are valid.
 
 Stores write a temporary file in the instance's own ``tmp`` directory and
-rename it into place, so a reader never sees a partial file. A temporary
+link it into place (never replacing an entry there), so a reader never sees a
+partial file. A temporary
 directory whose ``lock`` can be taken belongs to a dead process (the kernel
 drops flocks on process death, SIGKILL included) and is swept at startup.
 
@@ -37,10 +42,8 @@ import mmap
 import os
 import re
 import secrets
-import shutil
 import stat
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +58,7 @@ from kvtier.tiers.format import (
     payload_checksum,
     verify_payload,
 )
-from kvtier.tiers.fs_files import DIR_FLAGS, FileModes, NamespaceDir, classify_entry, create_file
+from kvtier.tiers.fs_files import DIR_FLAGS, FileModes, NamespaceDir, classify_entry, create_file, discard_corrupt
 from kvtier.untrusted import kind_of, open_regular, try_flock
 
 logger = logging.getLogger(__name__)
@@ -71,10 +74,12 @@ LAYOUT_VERSION = 1
 
 MANIFEST = "manifest.json"
 TMP_DIR = "tmp"
+LEDGER_DIR = "ledger"
+JOURNAL_DIR = "journal"
 LOCK_FILE = "lock"
 SUFFIX = ".kv"
 SHARDS = tuple(f"{i:02x}" for i in range(256))
-_NAME_RE = re.compile(rf"^([0-9a-f]{{2,{2 * MAX_KEY_BYTES}}})\.kv$")
+_NAME_RE = re.compile(rf"^([0-9a-f]{{2,{2 * MAX_KEY_BYTES}}})\.kv\Z")
 _READABLE_FORMATS = (1, FORMAT_VERSION)
 _STALE_UNLOCKED_DIR_SECONDS = 60.0
 _MAX_MANIFEST_BYTES = 1 << 20
@@ -204,9 +209,9 @@ def atomic_write_text(dirs: NamespaceDir, name: str, text: str) -> None:
 
 
 def make_dirs(ns_dir: Path, modes: FileModes) -> NamespaceDir:
-    """Create (or adopt) the namespace directory, its 256 shards and ``tmp``, following no
-    link; see :class:`~kvtier.tiers.fs_files.NamespaceDir`."""
-    return NamespaceDir(ns_dir, (*SHARDS, TMP_DIR), modes)
+    """Create (or adopt) the namespace directory, its 256 shards, ``tmp``, ``ledger`` and
+    ``journal``, following no link; see :class:`~kvtier.tiers.fs_files.NamespaceDir`."""
+    return NamespaceDir(ns_dir, (*SHARDS, TMP_DIR, LEDGER_DIR, JOURNAL_DIR), modes)
 
 
 # --- instance temp directories -----------------------------------------------------------------
@@ -219,12 +224,13 @@ class InstanceDir:
     """
 
     def __init__(self, dirs: NamespaceDir) -> None:
-        name = f"{os.getpid()}-{secrets.token_hex(6)}"
-        self.path = dirs.path / TMP_DIR / name
+        self.name = f"{os.getpid()}-{secrets.token_hex(6)}"
+        self.path = dirs.path / TMP_DIR / self.name
+        self._dirs = dirs
         tmp_fd = dirs.subdir(TMP_DIR)
         try:
-            os.mkdir(name, dirs.modes.dir_mode, dir_fd=tmp_fd)
-            self.fd = os.open(name, DIR_FLAGS, dir_fd=tmp_fd)
+            os.mkdir(self.name, dirs.modes.dir_mode, dir_fd=tmp_fd)
+            self.fd = os.open(self.name, DIR_FLAGS, dir_fd=tmp_fd)
         finally:
             os.close(tmp_fd)
         try:
@@ -245,15 +251,39 @@ class InstanceDir:
         return f"{key.hex()}.{next(self._seq)}.tmp"
 
     def close(self, remove: bool = True) -> None:
-        """Release the lock and (by default) remove the directory and its leftovers."""
-        if remove:
-            shutil.rmtree(self.path, ignore_errors=True)  # fd-based: never follows a link
+        """Release the lock and (by default) remove the directory and its leftovers, through descriptors."""
+        if remove and self.fd >= 0:
+            with contextlib.suppress(OSError):
+                tmp_fd = self._dirs.subdir(TMP_DIR)
+                try:
+                    _remove_flat_dir(tmp_fd, self.name, self.fd)
+                finally:
+                    os.close(tmp_fd)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _remove_flat_dir(parent_fd: int, name: str, fd: int) -> int:
+    """Unlink every non-directory entry of the directory open as ``fd`` (``name`` under
+    ``parent_fd``), then remove it if it is empty; returns the entries unlinked.
+
+    Through descriptors only: a link is removed, never followed; a subdirectory (which no
+    instance directory has) keeps the directory in place.
+    """
+    removed = 0
+    for entry in list(os.scandir(fd)):
+        if entry.is_dir(follow_symlinks=False):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(entry.name, dir_fd=fd)
+            removed += 1
+    with contextlib.suppress(OSError):  # not empty, or gone: left as it is
+        os.rmdir(name, dir_fd=parent_fd)
+    return removed
 
 
 @dataclass
@@ -264,35 +294,81 @@ class TempDirState:
     ours: bool = True
 
 
-def temp_dirs(ns_dir: Path) -> Iterator[TempDirState]:
-    """Every instance temp directory, and whether a live process holds it."""
-    base = ns_dir / TMP_DIR
+def _open_subdir(parent_fd: int, name: str) -> int | None:
+    """``name`` under ``parent_fd`` opened as a directory without following; None if it is
+    missing or anything but a directory."""
     try:
-        entries = list(os.scandir(base))
-    except FileNotFoundError:
-        return
-    for entry in entries:
-        if not entry.is_dir(follow_symlinks=False):
-            continue
-        path = Path(entry.path)
-        try:
-            ours = entry.stat(follow_symlinks=False).st_uid == os.geteuid()
-            files = sum(1 for e in os.scandir(path) if e.name != LOCK_FILE)
-        except FileNotFoundError:
-            continue
-        yield TempDirState(path, _held_by_live_process(path), files, ours)
+        return os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    except OSError:
+        return None
 
 
-def _held_by_live_process(path: Path) -> bool:
+def instance_alive(ns_dir: Path, name: str) -> bool:
+    """Is tier instance ``name`` (its ``tmp`` directory's name) alive? Proven by its flock.
+
+    ``tmp`` and the instance directory are opened without following: a link or a file is no
+    instance directory (kvtier never made one).
+    """
+    if not name or name.startswith(".") or "/" in name:
+        return False
     try:
-        fd = open_regular(path / LOCK_FILE, os.O_RDONLY)
+        tmp_fd = os.open(ns_dir / TMP_DIR, DIR_FLAGS)
+    except OSError:
+        return False
+    try:
+        fd = _open_subdir(tmp_fd, name)
+    finally:
+        os.close(tmp_fd)
+    if fd is None:
+        return False
+    try:
+        return _held_by_live_process(fd, os.fstat(fd))
+    finally:
+        os.close(fd)
+
+
+def temp_dirs(ns_fd: int, ns_path: Path, remove_dead: bool = False) -> list[TempDirState]:
+    """Every instance temp directory of the namespace directory open as ``ns_fd``, and whether
+    a live process holds it; with ``remove_dead``, the dead ones of this user are removed.
+
+    Walks through descriptors only, following no link (``tmp`` or an entry in it that is
+    not a directory is left alone).
+    """
+    tmp_fd = _open_subdir(ns_fd, TMP_DIR)
+    if tmp_fd is None:
+        return []
+    found: list[TempDirState] = []
+    try:
+        for entry in list(os.scandir(tmp_fd)):
+            fd = _open_subdir(tmp_fd, entry.name)
+            if fd is None:
+                continue
+            try:
+                st = os.fstat(fd)
+                state = TempDirState(
+                    ns_path / TMP_DIR / entry.name,
+                    _held_by_live_process(fd, st),
+                    sum(1 for e in os.scandir(fd) if e.name != LOCK_FILE),
+                    st.st_uid == os.geteuid(),
+                )
+                if remove_dead and not state.live and state.ours:
+                    _remove_flat_dir(tmp_fd, entry.name, fd)
+            finally:
+                os.close(fd)
+            found.append(state)
+    finally:
+        os.close(tmp_fd)
+    return found
+
+
+def _held_by_live_process(dir_fd: int, st: os.stat_result) -> bool:
+    """Is the instance directory open as ``dir_fd`` (``st`` its fstat) held by a live process?"""
+    try:
+        fd = open_regular(LOCK_FILE, os.O_RDONLY, dir_fd=dir_fd)
     except FileNotFoundError:
         # A creator dies between mkdir and creating its lock only in a tiny window; an
         # unlocked directory older than a minute is certainly abandoned.
-        try:
-            return time.time() - path.lstat().st_mtime < _STALE_UNLOCKED_DIR_SECONDS
-        except FileNotFoundError:
-            return False
+        return time.time() - st.st_mtime < _STALE_UNLOCKED_DIR_SECONDS
     except (OSError, UnsafeEntryError):
         return True  # a lock that is not a regular file: not proven dead, leave the directory alone
     try:
@@ -301,18 +377,15 @@ def _held_by_live_process(path: Path) -> bool:
         os.close(fd)  # also drops the lock if we took it
 
 
-def sweep_temp_dirs(ns_dir: Path) -> tuple[int, int]:
+def sweep_temp_dirs(dirs: NamespaceDir) -> tuple[int, int]:
     """Remove the temp directories of dead instances; returns (directories, files) removed."""
-    dirs = files = 0
-    for state in temp_dirs(ns_dir):
-        if state.live or not state.ours:
-            continue
-        shutil.rmtree(state.path, ignore_errors=True)  # fd-based: never follows a link
-        dirs += 1
-        files += state.files
-    if dirs:
-        logger.info("fs tier %s: swept %d orphaned temp files in %d dead instance directories", ns_dir, files, dirs)
-    return dirs, files
+    gone = [s for s in temp_dirs(dirs.fd, dirs.path, remove_dead=True) if not s.live and s.ours]
+    files = sum(s.files for s in gone)
+    if gone:
+        logger.info(
+            "fs tier %s: swept %d orphaned temp files in %d dead instance directories", dirs.path, files, len(gone)
+        )
+    return len(gone), files
 
 
 # --- O_DIRECT probe ----------------------------------------------------------------------------
@@ -441,9 +514,10 @@ def is_no_space(exc: BaseException) -> bool:
 # --- scanning and offline verification ----------------------------------------------------------
 
 
-def scan_shard(dirs: NamespaceDir, shard: str) -> tuple[list[tuple[float, bytes]], int]:
+def scan_shard(dirs: NamespaceDir, shard: str, quiet: bool = False) -> tuple[list[tuple[float, bytes]], int]:
     """``(mtime, key)`` of every value file in one shard, and how many entries named like
-    values were skipped as unsafe (not a regular file, or not ours). Follows no link."""
+    values were skipped as unsafe (not a regular file, or not ours; each logged unless
+    ``quiet``). Follows no link."""
     out: list[tuple[float, bytes]] = []
     unsafe = 0
     for entry in dirs.entries(shard):
@@ -456,7 +530,8 @@ def scan_shard(dirs: NamespaceDir, shard: str) -> tuple[list[tuple[float, bytes]
             continue
         if st is None:
             unsafe += 1
-            logger.warning("fs tier %s: skipping %s/%s: it is %s", dirs.path, shard, entry.name, reason)
+            if not quiet:
+                logger.warning("fs tier %s: skipping %s/%s: it is %s", dirs.path, shard, entry.name, reason)
             continue
         out.append((st.st_mtime, key))
     return out, unsafe
@@ -518,6 +593,9 @@ class RootReport:
 
     root: str
     namespaces: list[NamespaceReport]
+    unsafe_entries: list[CorruptEntry] = field(default_factory=list)
+    """Entries of the root named like namespace directories that are not directories
+    (symbolic links included): never followed."""
 
     @property
     def ok(self) -> bool:
@@ -543,7 +621,11 @@ class RootReport:
             "bytes": self.bytes,
             "corrupt": self.corrupt,
             "namespaces": [ns.to_dict() for ns in self.namespaces],
+            "unsafe_entries": [{"path": c.path, "reason": c.reason} for c in self.unsafe_entries],
         }
+
+
+_NAMESPACE_RE = re.compile(r"[0-9a-f]{32}")
 
 
 def verify_root(
@@ -560,23 +642,72 @@ def verify_root(
     it). ``namespace`` limits the report to one namespace digest (hex, a prefix is
     enough). With ``check_payloads`` every value's header and xxh3 checksum are read
     and verified (reads every byte: ~1 GB/s from a cold disk); without it, only names
-    and sizes are checked. ``remove_corrupt`` deletes corrupt values (never while an
-    engine may be writing them: a live tier only ever renames complete files into
-    place, so this is safe, but it races with that tier's own index).
+    and sizes are checked. ``remove_corrupt`` deletes corrupt values of this user (never
+    while an engine may be writing them: a live tier only ever renames complete files
+    into place; a value that replaced a corrupt one meanwhile is kept).
+
+    Walks like the tier itself: ``root`` is opened as named, everything below it through
+    directory descriptors, following no link (a namespace or shard directory that is a
+    link is reported in ``unsafe_entries``, never entered), opening only regular files,
+    never blocking on one, so nothing outside the root is read or deleted.
 
     Raises :class:`ConfigError` if ``root`` is not a directory. Blocking; any thread.
     """
     base = Path(root)
-    if not base.is_dir():
-        raise ConfigError(f"fs tier root {base} is not a directory: pass the tier's 'root' option")
-    if (base / MANIFEST).is_file():
-        candidates = [base]
-    else:
-        candidates = sorted(p for p in base.iterdir() if p.is_dir() and re.fullmatch(r"[0-9a-f]{32}", p.name))
-    if namespace:
-        candidates = [p for p in candidates if p.name.startswith(namespace.lower())]
-    reports = [_verify_namespace(p, check_payloads, remove_corrupt) for p in candidates]
-    return RootReport(str(base), reports)
+    try:
+        root_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        raise ConfigError(f"fs tier root {base} is not a directory: pass the tier's 'root' option") from None
+    prefix = (namespace or "").lower()
+    reports: list[NamespaceReport] = []
+    unsafe: list[CorruptEntry] = []
+    try:
+        if _kind_at(root_fd, MANIFEST) == stat.S_IFREG:  # the root is one namespace directory
+            if base.name.startswith(prefix):
+                reports.append(_verify_namespace(root_fd, base, check_payloads, remove_corrupt))
+            return RootReport(str(base), reports)
+        for name in sorted(e.name for e in os.scandir(root_fd)):
+            if not _NAMESPACE_RE.fullmatch(name) or not name.startswith(prefix):
+                continue
+            ns_fd = _open_subdir(root_fd, name)
+            if ns_fd is None:
+                kind = _kind_at(root_fd, name)
+                if kind is not None:
+                    unsafe.append(CorruptEntry(str(base / name), kind_of(kind) + ", not a directory: not followed"))
+                continue
+            try:
+                reports.append(_verify_namespace(ns_fd, base / name, check_payloads, remove_corrupt))
+            finally:
+                os.close(ns_fd)
+    finally:
+        os.close(root_fd)
+    return RootReport(str(base), reports, unsafe)
+
+
+def _unsafe_in_tmp(ns_fd: int, ns_dir: Path) -> list[CorruptEntry]:
+    """``tmp`` itself, or the entries in it, that are not directories (links included): never entered."""
+    kind = _kind_at(ns_fd, TMP_DIR)
+    if kind is not None and kind != stat.S_IFDIR:
+        return [CorruptEntry(str(ns_dir / TMP_DIR), kind_of(kind) + ", not a directory: not followed")]
+    tmp_fd = _open_subdir(ns_fd, TMP_DIR)
+    if tmp_fd is None:
+        return []
+    try:
+        return [
+            CorruptEntry(str(ns_dir / TMP_DIR / e.name), kind_of(kind) + ", not a directory: not followed")
+            for e in sorted(os.scandir(tmp_fd), key=lambda e: e.name)
+            if (kind := _kind_at(tmp_fd, e.name)) is not None and kind != stat.S_IFDIR
+        ]
+    finally:
+        os.close(tmp_fd)
+
+
+def _kind_at(dir_fd: int, name: str) -> int | None:
+    """The file type (``S_IFMT``) of ``name`` under ``dir_fd``, not following; None if missing."""
+    try:
+        return stat.S_IFMT(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return None
 
 
 @dataclass
@@ -596,16 +727,16 @@ class _Verification:
     foreign: list[str] = field(default_factory=list)
     buf: bytearray | None = None
     header: memoryview = field(default_factory=lambda: memoryview(bytearray(PAGE)))
+    modes: FileModes = field(default_factory=lambda: FileModes.for_group(None))
 
 
-def _verify_shard(ns_dir: Path, shard: str, v: _Verification) -> None:
+def _verify_shard(ns_fd: int, ns_dir: Path, shard: str, v: _Verification) -> None:
     """Count (and with payload checks, read and verify) the values of one shard, following no link."""
-    try:
-        shard_fd = os.open(ns_dir / shard, DIR_FLAGS)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        v.unsafe.append(CorruptEntry(str(ns_dir / shard), f"not a directory ({exc.strerror or exc})"))
+    shard_fd = _open_subdir(ns_fd, shard)
+    if shard_fd is None:
+        kind = _kind_at(ns_fd, shard)
+        if kind is not None:
+            v.unsafe.append(CorruptEntry(str(ns_dir / shard), kind_of(kind) + ", not a directory: not followed"))
         return
     try:
         for entry in sorted(os.scandir(shard_fd), key=lambda e: e.name):
@@ -624,28 +755,29 @@ def _verify_shard(ns_dir: Path, shard: str, v: _Verification) -> None:
             v.entries += 1
             v.total += st.st_size
             if v.check_payloads and v.block_bytes is not None:
-                _verify_value(shard_fd, entry.name, path, key, st, v)
+                _verify_value(shard_fd, entry.name, path, key, v)
     finally:
         os.close(shard_fd)
 
 
-def _verify_value(shard_fd: int, name: str, path: Path, key: bytes, st: os.stat_result, v: _Verification) -> None:
+def _verify_value(shard_fd: int, name: str, path: Path, key: bytes, v: _Verification) -> None:
     assert v.block_bytes is not None
     if v.buf is None:
         v.buf = bytearray(v.block_bytes)
     try:
         fd = open_regular(name, os.O_RDONLY, dir_fd=shard_fd)
         try:
-            read_value(fd, os.fstat(fd).st_size, v.header, memoryview(v.buf), namespace=v.digest, key=key,
+            st = os.fstat(fd)
+            read_value(fd, st.st_size, v.header, memoryview(v.buf), namespace=v.digest, key=key,
                        block_bytes=v.block_bytes, direct=False, name=str(path))  # fmt: skip
         finally:
             os.close(fd)
         v.verified += 1
     except CorruptValueError as exc:
         v.corrupt.append(CorruptEntry(str(path), str(exc)))
-        if v.remove_corrupt and st.st_uid == os.geteuid():
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name, dir_fd=shard_fd)
+        # Moved aside under a name no reader looks for, deleted only if it is still the file that failed.
+        aside = f".{name}.inspect-{secrets.token_hex(4)}"
+        if v.remove_corrupt and discard_corrupt(shard_fd, name, st, shard_fd, aside, v.modes):
             v.removed += 1
     except UnsafeEntryError as exc:
         v.entries -= 1
@@ -656,11 +788,12 @@ def _verify_value(shard_fd: int, name: str, path: Path, key: bytes, st: os.stat_
         v.corrupt.append(CorruptEntry(str(path), f"unreadable: {exc}"))
 
 
-def _verify_namespace(ns_dir: Path, check_payloads: bool, remove_corrupt: bool) -> NamespaceReport:
+def _verify_namespace(ns_fd: int, ns_dir: Path, check_payloads: bool, remove_corrupt: bool) -> NamespaceReport:
+    """Report on the namespace directory open as ``ns_fd`` (named ``ns_dir``), through descriptors."""
     manifest: dict[str, Any] | None = None
     manifest_error: str | None = None
     try:
-        manifest = read_manifest(ns_dir)
+        manifest = read_manifest(ns_fd)
         if manifest.get("namespace_digest") != ns_dir.name:
             manifest_error = (
                 f"manifest names namespace {manifest.get('namespace_digest')!r}, directory is {ns_dir.name}"
@@ -669,33 +802,32 @@ def _verify_namespace(ns_dir: Path, check_payloads: bool, remove_corrupt: bool) 
         manifest_error = f"unreadable manifest: {exc}"
     block_bytes = manifest.get("block_bytes") if manifest else None
     usable = manifest_error is None and isinstance(block_bytes, int) and block_bytes > 0
-    digest = bytes.fromhex(ns_dir.name) if re.fullmatch(r"[0-9a-f]{32}", ns_dir.name) else b""
+    digest = bytes.fromhex(ns_dir.name) if _NAMESPACE_RE.fullmatch(ns_dir.name) else b""
     v = _Verification(digest, block_bytes if usable else None, check_payloads, remove_corrupt)
     for shard in SHARDS:
-        _verify_shard(ns_dir, shard, v)
-    entries, total, verified, removed = v.entries, v.total, v.verified, v.removed
-    corrupt, unsafe, foreign = v.corrupt, v.unsafe, v.foreign
+        _verify_shard(ns_fd, ns_dir, shard, v)
+    v.unsafe += _unsafe_in_tmp(ns_fd, ns_dir)
     live = stale = 0
-    for state in temp_dirs(ns_dir):
+    for state in temp_dirs(ns_fd, ns_dir):
         if state.live:
             live += state.files
         else:
             stale += state.files
-    for extra in sorted(ns_dir.iterdir()):
-        if extra.name not in SHARDS and extra.name not in (MANIFEST, TMP_DIR):
-            foreign.append(str(extra))
+    for name in sorted(e.name for e in os.scandir(ns_fd)):
+        if name not in SHARDS and name not in (MANIFEST, TMP_DIR, LEDGER_DIR, JOURNAL_DIR):
+            v.foreign.append(str(ns_dir / name))
     return NamespaceReport(
         digest=ns_dir.name,
         path=str(ns_dir),
         manifest=manifest,
         manifest_error=manifest_error,
-        entries=entries,
-        bytes=total,
-        verified=verified,
-        corrupt=corrupt,
-        removed_corrupt=removed,
-        foreign_files=foreign,
-        unsafe_entries=unsafe,
+        entries=v.entries,
+        bytes=v.total,
+        verified=v.verified,
+        corrupt=v.corrupt,
+        removed_corrupt=v.removed,
+        foreign_files=v.foreign,
+        unsafe_entries=v.unsafe,
         temp_files_live=live,
         temp_files_stale=stale,
     )

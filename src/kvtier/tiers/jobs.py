@@ -55,7 +55,6 @@ import enum
 import logging
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -63,7 +62,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.errors import TierDrainTimeout, TierError, clear_exception_frames
+from kvtier.errors import TierDrainTimeout, TierError
+from kvtier.failures import describe_error, ends_thread, forget_frames, is_native_crash, log_failure
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import (
     HealthState,
@@ -210,27 +210,6 @@ class WorkQueue:
             return left
 
 
-def forget_frames(exc: BaseException) -> None:
-    """Drop the tracebacks of ``exc`` and its chain, clearing the finished frames.
-
-    Frames of an I/O thread hold views of the CPU rows; an exception kept in a
-    reference cycle would keep them alive until a garbage collection, and the
-    shared region cannot be unmapped while any view exists.
-    """
-    clear_exception_frames(exc, drop_traceback=True)
-
-
-def describe_error(exc: BaseException, limit: int = 300) -> str:
-    """``Type: first line of the message`` (clients often append a multi-line debug dump)."""
-    first = str(exc).strip().split("\n", 1)[0].strip()
-    return f"{type(exc).__name__}: {first[:limit]}"
-
-
-def format_exception(exc: BaseException) -> str:
-    """The traceback of ``exc`` as text (log it as text: a LogRecord holding ``exc`` keeps row views alive)."""
-    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-
-
 class ThreadedTier(SecondaryTier):
     """A secondary tier whose bytes move on its own worker threads; see the module docstring.
 
@@ -334,15 +313,17 @@ class ThreadedTier(SecondaryTier):
             return
         try:
             self._run(work, local)
-        except BaseException as exc:  # a bug must fail the job, not kill the thread
-            logger.error(
-                "%s tier %s: unexpected error in %s work:\n%s",
-                self.tier_type, self.label, work.lane.name.lower(), format_exception(exc),
+        except BaseException as exc:  # a bug or a crash of a native client fails the job, not the thread
+            lane = work.lane.name.lower()
+            detail = log_failure(
+                logger, logging.ERROR, f"{self.tier_type} tier {self.label}: unexpected error in {lane} work", exc,
+                with_traceback=True,
             )  # fmt: skip
-            forget_frames(exc)
+            if is_native_crash(exc):  # its client may be in any state: out of service until a probe passes
+                self._note_failure(detail, trip=True)
             if state is not None and not work.done and not state.finished:
-                self._complete(work, error=f"internal error: {describe_error(exc)}")
-            if not isinstance(exc, Exception):
+                self._complete(work, error=f"internal error: {detail}")
+            if ends_thread(exc):
                 raise
 
     def _tick(self) -> None:
@@ -358,19 +339,24 @@ class ThreadedTier(SecondaryTier):
         if self._house_lock.acquire(blocking=False):
             try:
                 self._housekeeping()
-            except Exception as exc:
-                logger.warning("%s tier %s: housekeeping failed: %s", self.tier_type, self.label, exc)
-                forget_frames(exc)
+            except BaseException as exc:
+                if ends_thread(exc):
+                    raise
+                what = f"{self.tier_type} tier {self.label}: housekeeping failed"
+                detail = log_failure(logger, logging.WARNING, what, exc)
+                if is_native_crash(exc):
+                    self._note_failure(detail, trip=True)
             finally:
                 self._house_lock.release()
 
     def _run_probe(self) -> None:
         try:
             self._probe()
-        except Exception as exc:
-            self._breaker.record_failure(f"health probe failed: {describe_error(exc)}")
-            logger.debug("%s tier %s: probe failed: %s", self.tier_type, self.label, describe_error(exc))
-            forget_frames(exc)
+        except BaseException as exc:
+            if ends_thread(exc):
+                raise
+            detail = log_failure(logger, logging.DEBUG, f"{self.tier_type} tier {self.label}: probe failed", exc)
+            self._breaker.record_failure(f"health probe failed: {detail}")
         else:
             self._breaker.record_success()
             logger.info("%s tier %s back in service", self.tier_type, self.label)
@@ -706,7 +692,7 @@ class ThreadedTier(SecondaryTier):
         try:
             self._close()
         except Exception as exc:  # releasing the medium must not keep the rows pinned
-            logger.warning("%s tier %s: closing the medium failed: %s", self.tier_type, self.label, exc)
+            log_failure(logger, logging.WARNING, f"{self.tier_type} tier {self.label}: closing the medium failed", exc)
         self._rows = None
         self.context.release_rows()
         self._shut = True
@@ -722,5 +708,4 @@ __all__ = [
     "WorkQueue",
     "describe_error",
     "forget_frames",
-    "format_exception",
 ]

@@ -8,8 +8,10 @@ before writing a backend.
 What a backend on the tier platform (:mod:`kvtier.tiers.jobs`) writes itself,
 and what this one does:
 
-* **Options** as a pydantic model (:class:`MemoryTierOptions`) set as
-  ``options_model``; the constructor validates its keyword arguments through it.
+* **Options** declared once, as a pydantic model (:class:`MemoryTierOptions`) set as
+  ``options_model``; the constructor takes an instance of it or keyword arguments,
+  validated through it (:func:`~kvtier.tiers.options.tier_options`); the model
+  also says what capacity its options give (:meth:`MemoryTierOptions.capacity`).
 * **Lookup** (:meth:`MemoryTier._lookup`, scheduler thread): answered from
   memory. A remote tier that cannot know answers RETRY and queues an existence
   check in ``on_schedule_end`` (see :mod:`kvtier.tiers.redis`, :mod:`kvtier.tiers.s3`).
@@ -30,6 +32,7 @@ Capacity: values are evicted least recently used first, never while being read.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -38,13 +41,16 @@ from typing import Any
 from pydantic import Field
 
 from kvtier.errors import CorruptValueError
+from kvtier.failures import log_failure
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import TierContext, TierUsage
 from kvtier.tiers.format import HEADER_SIZE, decode_header, encode_header, verify_payload
 from kvtier.tiers.health import CircuitBreaker
 from kvtier.tiers.jobs import ALL_LANES, Lane, ThreadedTier, Work
-from kvtier.tiers.options import ByteSize, TierOptions, validate_options
+from kvtier.tiers.options import ByteSize, QueueLength, Seconds, Threads, TierOptions, tier_options
 from kvtier.types import LookupResult, RequestContext
+
+logger = logging.getLogger(__name__)
 
 
 class MemoryTierOptions(TierOptions):
@@ -53,11 +59,14 @@ class MemoryTierOptions(TierOptions):
     max_bytes: ByteSize = Field(
         default=256 * 1024**2, gt=0, description="Bytes of values (header + block) it may hold; LRU beyond."
     )
-    io_threads: int = Field(default=1, ge=1, description="Worker threads copying between CPU rows and values.")
-    max_queued_stores: int = Field(
-        default=256, ge=1, description="Blocks waiting to be stored beyond which stores are shed."
+    io_threads: Threads = Field(default=1, description="Worker threads copying between CPU rows and values.")
+    max_queued_stores: QueueLength = Field(
+        default=256, description="Blocks waiting to be stored beyond which stores are shed."
     )
-    shutdown_timeout: float = Field(default=10.0, gt=0, description="Seconds shutdown() waits for the threads.")
+    shutdown_timeout: Seconds = Field(default=10.0, gt=0, description="Seconds shutdown() waits for the threads.")
+
+    def capacity(self) -> int | None:
+        return self.max_bytes
 
 
 class MemoryTier(ThreadedTier):
@@ -67,8 +76,8 @@ class MemoryTier(ThreadedTier):
     medium = "memory"
     options_model = MemoryTierOptions
 
-    def __init__(self, context: TierContext, **options: Any) -> None:
-        self.options = validate_options(MemoryTierOptions, self.tier_type, options)
+    def __init__(self, context: TierContext, options: MemoryTierOptions | None = None, /, **fields: Any) -> None:
+        self.options = tier_options(MemoryTierOptions, self.tier_type, options, fields)
         super().__init__(
             context,
             breaker=CircuitBreaker(),
@@ -173,6 +182,8 @@ class MemoryTier(ThreadedTier):
                 header = decode_header(value, namespace=self._digest, key=key, payload_len=self._block_bytes)
                 verify_payload(header, row)
             except CorruptValueError as exc:
+                what = f"memory tier {self.label}: value {key.hex()[:16]} is corrupt; dropped"
+                log_failure(logger, logging.WARNING, what, exc)
                 self._count(corrupt_values=1)
                 self._drop(key)
                 self._complete(work, error=f"corrupt value {key.hex()[:16]}: {exc}")

@@ -1,22 +1,8 @@
 """The Redis/Valkey secondary tier: KV blocks shared by engines on many hosts.
 
-Configuration (``{"type": "redis", ...}`` maps straight to the keyword
-arguments of :class:`RedisTier`)::
-
-    url                   redis://[user:password@]host:port/db, rediss:// for TLS
-                          (redis-py query options pass through, e.g.
-                          ?ssl_ca_certs=/path/ca.pem); in cluster mode, any node
-    cluster               True for a Redis Cluster (keys spread over its slots)
-    prefix                first part of every key: <prefix>:<namespace hex>:<block key hex>
-    ttl_seconds           per-key expiry (PX) set on store and refreshed by touch; None = none
-    io_threads            I/O threads (each uses its own connection)
-    socket_timeout        seconds, for every read/write on a connection
-    connect_timeout       seconds, for every connect
-    failure_threshold     consecutive failures that take the tier out of service
-    open_seconds          how long it stays out of service before a probe (PING)
-    lookup_cache_seconds  how long an existence answer is trusted
-    max_queued_stores     store jobs allowed to wait; beyond that stores are shed
-    usage_refresh_seconds how often INFO memory is read for usage()
+Configured as ``{"type": "redis", "url": "redis://cache:6379/0", ...}``; the options
+(URL forms, key prefix, TTL, threads, timeouts, breaker) are declared once, in
+:class:`RedisTierOptions`. Keys are ``<prefix>:<namespace hex>:<block key hex>``.
 
 Threads: every public method except :meth:`drain` and :meth:`shutdown` is
 called from the scheduler thread and only touches memory (a lock held for
@@ -38,24 +24,27 @@ dropped (``stats.stores_dropped``) and loads fail at once; after
 from __future__ import annotations
 
 import logging
+import os
 import ssl
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, ValidationInfo, field_serializer, field_validator
+from redis.connection import parse_url
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvtier.errors import ConfigError, CorruptValueError
+from kvtier.failures import describe_error, forget_frames, log_failure
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import JobResult, TierContext, TierUsage, TransferJob
+from kvtier.tiers.endpoints import parse_endpoint, redact_url
 from kvtier.tiers.format import HEADER_SIZE, decode_header, encode_header, verify_payload
 from kvtier.tiers.health import CircuitBreaker
 from kvtier.tiers.jobs import ALL_LANES, JobState, Lane, ThreadedTier, Work
-from kvtier.tiers.jobs import forget_frames as _forget_frames
-from kvtier.tiers.jobs import format_exception as _format
+from kvtier.tiers.options import LifetimeSeconds, QueueLength, Seconds, Threads, TierOptions, tier_options
 from kvtier.tiers.redis_backend import ClusterBackend, RedisBackend, StandaloneBackend
 from kvtier.tiers.redis_protocol import (
     ErrorReply,
@@ -76,48 +65,116 @@ _SCHEMES = ("redis", "rediss", "unix")
 _BATCH_BYTES = 32 * 1024 * 1024
 _EXISTS_BATCH = 512
 _CACHE_MAX_ENTRIES = 1 << 20
+_MAX_DB = 2**31 - 1
 
-class RedisTierOptions(BaseModel):
-    """Redis / Valkey tier (``type: redis``), standalone or cluster: the keyword options of :class:`RedisTier`."""
+# Query options of a Redis URL that redis-py applies to each connection; TLS ones only with rediss://.
+_URL_QUERY = frozenset({"db", "username", "password", "socket_read_size", "socket_keepalive"})
+_URL_TLS_QUERY = frozenset(
+    {"ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_password", "ssl_cert_reqs",
+     "ssl_check_hostname", "ssl_min_version", "ssl_ciphers"}
+)  # fmt: skip
+_URL_FILES = {"ssl_ca_certs": os.path.isfile, "ssl_certfile": os.path.isfile, "ssl_keyfile": os.path.isfile,
+              "ssl_ca_path": os.path.isdir}  # fmt: skip
+# Query options that would silently override what the tier's own options set.
+_URL_OWNED = {
+    "socket_timeout": "socket_timeout",
+    "socket_connect_timeout": "connect_timeout",
+    "timeout": "connect_timeout",
+}
 
-    model_config = ConfigDict(extra="forbid")
+
+def check_redis_url(url: str) -> str:
+    """``url`` if the tier can use it; else ValueError naming the part that is wrong and the fix.
+
+    Scheme ``redis://``, ``rediss://`` (TLS) or ``unix://``; a valid host and port
+    (1-65535); a database number as the path; only query options redis-py applies to
+    a connection (TLS ones with ``rediss://``; TLS files must exist). The URL is shown
+    without its password.
+    """
+    ep = parse_endpoint(url, "redis url", _SCHEMES, needs_host=not url.lower().startswith("unix:"))
+    where = f"redis url {redact_url(url)!r}"
+    if ep.scheme == "unix":
+        if ep.host or not ep.path.startswith("/") or ep.path == "/":
+            raise ValueError(f"{where} must name a socket file: unix:///path/to/redis.sock")
+    elif ep.path not in ("", "/"):
+        db = ep.path[1:]
+        if not db.isdigit() or int(db) > _MAX_DB:
+            raise ValueError(f"{where}: the path is the database number, got {db!r}: use e.g. /0")
+    keys: set[str] = set()
+    try:
+        pairs = parse_qsl(ep.query, keep_blank_values=True, strict_parsing=bool(ep.query))
+    except ValueError:
+        raise ValueError(f"{where} has a malformed query: use ?name=value&name=value") from None
+    for name, value in pairs:
+        if name in keys:
+            raise ValueError(f"{where} gives {name!r} twice")
+        keys.add(name)
+        if name in _URL_OWNED:
+            raise ValueError(f"{where} sets {name!r}: use the tier option {_URL_OWNED[name]!r} instead")
+        if name in _URL_TLS_QUERY and ep.scheme != "rediss":
+            raise ValueError(f"{where} sets {name!r}, a TLS option: use rediss:// for TLS")
+        if name not in _URL_QUERY | _URL_TLS_QUERY:
+            known = sorted(_URL_QUERY | (_URL_TLS_QUERY if ep.scheme == "rediss" else frozenset()))
+            raise ValueError(f"{where} has query option {name!r}, which the tier does not take: known are {known}")
+        if name in _URL_FILES and not _URL_FILES[name](value):
+            raise ValueError(f"{where}: {name} {value!r} does not exist")
+        if name == "ssl_cert_reqs" and value.lower() not in ("none", "optional", "required"):
+            raise ValueError(f"{where}: ssl_cert_reqs must be none, optional or required, got {value!r}")
+    try:
+        parse_url(url)  # type: ignore[no-untyped-call]
+    except ValueError as exc:  # what redis-py itself refuses (a bad number in the query...)
+        raise ValueError(f"{where}: {exc}") from None
+    return url
+
+
+class RedisTierOptions(TierOptions):
+    """Redis / Valkey tier (``type: redis``), standalone or cluster: the options of :class:`RedisTier`."""
 
     url: str = Field(
-        description="redis://[user:pass@]host:port[/db], rediss:// for TLS, unix:///path; in cluster mode any node."
+        description="redis://[user:pass@]host:port[/db], rediss:// for TLS (TLS options as query: "
+        "?ssl_ca_certs=/path/ca.pem), unix:///path; in cluster mode any node. Shown without its password."
     )
     cluster: bool = Field(default=False, description="Talk to a Redis Cluster (keys spread over its slots).")
-    prefix: str = Field(default="kvtier", description="Key prefix in front of the namespace digest.")
-    ttl_seconds: float | None = Field(
+    prefix: str = Field(
+        default="kvtier",
+        min_length=1,
+        max_length=256,
+        pattern=r"^[\x21-\x7e]+$",
+        description="Key prefix in front of the namespace digest (printable, no spaces).",
+    )
+    ttl_seconds: LifetimeSeconds | None = Field(
         default=None, gt=0, description="Expire values this many seconds after store/touch; none by default."
     )
-    io_threads: int = Field(default=2, ge=1, description="I/O threads, each with its own connection.")
-    socket_timeout: float = Field(default=1.0, gt=0, description="Seconds for every read/write on a connection.")
-    connect_timeout: float = Field(default=1.0, gt=0, description="Seconds for every connect.")
+    io_threads: Threads = Field(default=2, description="I/O threads, each with its own connection.")
+    socket_timeout: Seconds = Field(default=1.0, gt=0, description="Seconds for every read/write on a connection.")
+    connect_timeout: Seconds = Field(default=1.0, gt=0, description="Seconds for every connect.")
     failure_threshold: int = Field(
-        default=3, ge=1, description="Consecutive failures that take the tier out of service."
+        default=3, ge=1, le=1_000_000, description="Consecutive failures that take the tier out of service."
     )
-    open_seconds: float = Field(default=2.0, gt=0, description="Seconds out of service before a PING probe.")
-    lookup_cache_seconds: float = Field(default=1.0, ge=0, description="How long an existence answer is trusted.")
-    max_queued_stores: int = Field(
-        default=64, ge=1, description="Store jobs allowed to wait; beyond that stores are shed."
+    open_seconds: Seconds = Field(default=2.0, gt=0, description="Seconds out of service before a PING probe.")
+    lookup_cache_seconds: Seconds = Field(default=1.0, ge=0, description="How long an existence answer is trusted.")
+    max_queued_stores: QueueLength = Field(
+        default=64, description="Store jobs allowed to wait; beyond that stores are shed."
     )
-    usage_refresh_seconds: float = Field(default=5.0, gt=0, description="How often INFO memory is read for usage().")
+    usage_refresh_seconds: Seconds = Field(
+        default=5.0, gt=0, description="How often INFO memory is read for usage()."
+    )
 
     @field_validator("url")
     @classmethod
-    def _url(cls, value: str) -> str:
-        if urlsplit(value).scheme not in _SCHEMES:
-            raise ValueError(f"url {_redact(value)!r} must start with redis://, rediss:// (TLS) or unix://")
-        return value
+    def _url(cls, url: str) -> str:
+        return check_redis_url(url)
 
+    @field_validator("cluster")
+    @classmethod
+    def _cluster_url(cls, cluster: bool, info: ValidationInfo) -> bool:
+        if cluster and str(info.data.get("url", "")).lower().startswith("unix:"):
+            raise ValueError("cluster mode needs a redis:// or rediss:// url of one node, not unix://")
+        return cluster
 
-def _redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit(parts._replace(netloc=user + netloc))
+    @field_serializer("url", when_used="json")
+    def _shown_url(self, url: str) -> str:
+        return redact_url(url)
 
 
 def _is_refused(exc: BaseException) -> bool:
@@ -141,93 +198,30 @@ class RedisTier(ThreadedTier):
     medium = "remote"
     options_model = RedisTierOptions
 
-    def __init__(
-        self,
-        context: TierContext,
-        *,
-        url: str = "redis://127.0.0.1:6379/0",
-        cluster: bool = False,
-        prefix: str = "kvtier",
-        ttl_seconds: float | None = None,
-        io_threads: int = 2,
-        socket_timeout: float = 1.0,
-        connect_timeout: float = 1.0,
-        failure_threshold: int = 3,
-        open_seconds: float = 2.0,
-        lookup_cache_seconds: float = 1.0,
-        max_queued_stores: int = 64,
-        usage_refresh_seconds: float = 5.0,
-    ) -> None:
-        """Check the options, build the backend, start the I/O threads.
-
-        Long because every option is checked here, one or two lines each, before any
-        thread starts; the options model repeats the checks for configuration files.
-        """
-        scheme = urlsplit(url).scheme
-        if scheme not in _SCHEMES:
-            raise ConfigError(
-                f"redis url {_redact(url)!r} has scheme {scheme!r}: use redis://host:port/db, "
-                "rediss:// for TLS or unix:///path/to/socket"
-            )
-        if cluster and scheme == "unix":
-            raise ConfigError("redis cluster mode needs a redis:// or rediss:// url of one node, not unix://")
-        if not prefix or any(c in prefix for c in " \r\n"):
-            raise ConfigError(f"redis prefix {prefix!r} must be non-empty without spaces or newlines")
-        if ttl_seconds is not None and ttl_seconds <= 0:
-            raise ConfigError(f"redis ttl_seconds must be > 0 or None (no expiry), got {ttl_seconds}")
-        if io_threads < 1:
-            raise ConfigError(f"redis io_threads must be >= 1, got {io_threads}")
-        for name, value in (
-            ("socket_timeout", socket_timeout),
-            ("connect_timeout", connect_timeout),
-            ("open_seconds", open_seconds),
-            ("usage_refresh_seconds", usage_refresh_seconds),
-        ):
-            if value <= 0:
-                raise ConfigError(f"redis {name} must be > 0 seconds, got {value}")
-        if lookup_cache_seconds < 0:
-            raise ConfigError(f"redis lookup_cache_seconds must be >= 0, got {lookup_cache_seconds}")
-        if failure_threshold < 1:
-            raise ConfigError(f"redis failure_threshold must be >= 1, got {failure_threshold}")
-        if max_queued_stores < 0:
-            raise ConfigError(f"redis max_queued_stores must be >= 0, got {max_queued_stores}")
-        if context.block_bytes <= 0:
-            raise ConfigError(f"block_bytes must be > 0, got {context.block_bytes}")
+    def __init__(self, context: TierContext, options: RedisTierOptions | None = None, /, **fields: Any) -> None:
+        """Check the options (:class:`RedisTierOptions`), build the backend, start the I/O threads."""
+        self.options = opts = tier_options(RedisTierOptions, self.tier_type, options, fields)
         # A running batch is bounded by a connect plus a few socket timeouts.
         super().__init__(
             context,
-            breaker=CircuitBreaker(failure_threshold=failure_threshold, open_seconds=open_seconds),
-            max_queued_stores=max_queued_stores,
-            shutdown_timeout=connect_timeout + 4 * socket_timeout + 2.0,
+            breaker=CircuitBreaker(failure_threshold=opts.failure_threshold, open_seconds=opts.open_seconds),
+            max_queued_stores=opts.max_queued_stores,
+            shutdown_timeout=opts.connect_timeout + 4 * opts.socket_timeout + 2.0,
         )
-
-        self.url = url
-        self.cluster = cluster
-        self.prefix = prefix
-        self.ttl_seconds = ttl_seconds
-        self.io_threads = io_threads
-        self.socket_timeout = socket_timeout
-        self.connect_timeout = connect_timeout
-        self.lookup_cache_seconds = lookup_cache_seconds
-        self.usage_refresh_seconds = usage_refresh_seconds
-
         self._value_bytes = HEADER_SIZE + context.block_bytes
         self._ns_digest = context.namespace.digest
-        self._key_prefix = f"{prefix}:{context.namespace.hexdigest}:".encode()
-        self._px = b"%d" % max(1, round(ttl_seconds * 1000)) if ttl_seconds is not None else None
+        self._key_prefix = f"{opts.prefix}:{context.namespace.hexdigest}:".encode()
+        self._px = b"%d" % max(1, round(opts.ttl_seconds * 1000)) if opts.ttl_seconds is not None else None
         self._set_encoder = SetEncoder(self._value_bytes, self._px)
         self._chunk = max(1, _BATCH_BYTES // self._block_bytes)
+        self._lookup_cache_seconds = opts.lookup_cache_seconds
         # A check that has not answered in this long is treated as a MISS.
-        self._check_deadline = socket_timeout + connect_timeout + 0.5
-
+        self._check_deadline = opts.socket_timeout + opts.connect_timeout + 0.5
+        backend = ClusterBackend if opts.cluster else StandaloneBackend
         try:
-            self._backend: RedisBackend = (
-                ClusterBackend(url, socket_timeout, connect_timeout)
-                if cluster
-                else StandaloneBackend(url, socket_timeout, connect_timeout)
-            )
+            self._backend: RedisBackend = backend(opts.url, opts.socket_timeout, opts.connect_timeout)
         except ValueError as exc:
-            raise ConfigError(f"redis url {_redact(url)!r} is invalid: {exc}") from exc
+            raise ConfigError(f"redis url {redact_url(opts.url)!r} is invalid: {redact_url(str(exc))}") from None
 
         # Existence answers, guarded by _lock (held for dictionary operations only).
         self._known: dict[BlockKey, tuple[bool, float, bool]] = {}
@@ -238,7 +232,7 @@ class RedisTier(ThreadedTier):
         # Scheduler-thread only.
         self._pending_checks: dict[BlockKey, None] = {}
 
-        self._start_workers(io_threads, ALL_LANES, "io")
+        self._start_workers(opts.io_threads, ALL_LANES, "io")
 
     # --- helpers -------------------------------------------------------------------
 
@@ -250,7 +244,7 @@ class RedisTier(ThreadedTier):
         # Caller holds _lock. Re-inserting keeps the dict ordered by expiry. ``answer``
         # marks the reply to a lookup's check, which that lookup consumes once.
         self._known.pop(key, None)
-        self._known[key] = (present, now + self.lookup_cache_seconds, answer)
+        self._known[key] = (present, now + self._lookup_cache_seconds, answer)
 
     def _prune_known(self, now: float) -> None:
         # Caller holds _lock.
@@ -330,18 +324,8 @@ class RedisTier(ThreadedTier):
         return {
             "type": self.tier_type,
             "medium": self.medium,
-            "url": _redact(self.url),
-            "cluster": self.cluster,
-            "prefix": self.prefix,
+            **self.options.model_dump(mode="json"),
             "key_prefix": self._key_prefix.decode(),
-            "ttl_seconds": self.ttl_seconds,
-            "io_threads": self.io_threads,
-            "socket_timeout": self.socket_timeout,
-            "connect_timeout": self.connect_timeout,
-            "failure_threshold": self._breaker.failure_threshold,
-            "open_seconds": self._breaker.open_seconds,
-            "lookup_cache_seconds": self.lookup_cache_seconds,
-            "max_queued_stores": self.max_queued_stores,
             "health": self._breaker.state.value,
         }
 
@@ -375,7 +359,7 @@ class RedisTier(ThreadedTier):
             self._need_refresh = False
             self._guarded(self._backend.refresh)
         now = time.monotonic()
-        if now - self._usage_at >= self.usage_refresh_seconds:
+        if now - self._usage_at >= self.options.usage_refresh_seconds:
             self._usage_at = now
             memory = self._guarded(self._backend.info_memory)
             if memory is not None:
@@ -392,7 +376,7 @@ class RedisTier(ThreadedTier):
 
     def _record_error(self, exc: BaseException) -> str:
         """Feed ``exc`` to the circuit breaker; called from ``except`` blocks on I/O threads."""
-        detail = f"{type(exc).__name__}: {exc}"
+        detail = describe_error(exc)
         if isinstance(exc, (TimeoutError, RedisTimeoutError)):
             self._breaker.record_failure(detail)
         elif _is_refused(exc):
@@ -401,9 +385,8 @@ class RedisTier(ThreadedTier):
             self._breaker.record_failure(detail)
         else:
             self._breaker.record_failure(detail)
-            # Formatted here: a LogRecord holding the traceback would keep row views alive.
-            logger.error("redis tier %s: unexpected error:\n%s", self.label, _format(exc))
-        _forget_frames(exc)
+            log_failure(logger, logging.ERROR, f"redis tier {self.label}: unexpected error", exc, with_traceback=True)
+        forget_frames(exc)
         if not self._breaker.serving:
             logger.warning("redis tier %s out of service: %s", self.label, detail)
         return detail
@@ -591,11 +574,8 @@ class RedisTier(ThreadedTier):
                         )
                         verify_payload(parsed, body)
                     except CorruptValueError as exc:
-                        # str(exc), never exc: a handler that keeps records (caplog, log shippers) would
-                        # keep its traceback, whose frame holds ``body``, a view of a CPU row.
-                        logger.warning(
-                            "redis tier %s: value of %s is corrupt (%s); deleting it", self.label, key.hex(), str(exc)
-                        )
+                        what = f"redis tier {self.label}: value of {key.hex()} is corrupt; deleting it"
+                        log_failure(logger, logging.WARNING, what, exc)
                         corrupt.append(key)
                     else:
                         loaded.append(key)

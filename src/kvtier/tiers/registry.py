@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import to_jsonable_python
 
 from kvtier.errors import ConfigError
 from kvtier.plugins import load_class
@@ -139,6 +140,19 @@ def validate_tier_options(spec: Any, *, where: str = "tier") -> dict[str, Any]:
     except ValidationError as exc:
         raise ConfigError(f"{what} has bad options: " + explain(exc, model, prefix="option")) from None
     return validated.model_dump(exclude_unset=True)
+
+
+def shown_tier_options(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """``spec`` (valid) as JSON-able values for display: ``{"type": ..., **options given}``,
+    through the tier's options model, so secrets stay hidden (a ``SecretStr`` as
+    ``'**********'``, a password in a URL as ``***``)."""
+    options = {k: v for k, v in spec.items() if k != "type"}
+    model = getattr(resolve_tier_class(spec["type"]), "options_model", None)
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        shown = model.model_validate(options).model_dump(mode="json", exclude_unset=True)
+    else:
+        shown = to_jsonable_python(options)
+    return {"type": spec["type"], **shown}
 
 
 def create_tier(spec: Mapping[str, Any], context: TierContext) -> SecondaryTier:

@@ -52,15 +52,17 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 import numpy as np
 
 from kvtier.errors import ConfigError, CorruptValueError, TierError
+from kvtier.failures import forget_frames, log_failure
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import ExtraMetric, TierContext, TierUsage
 from kvtier.tiers.format import HEADER_SIZE, decode_header, encode_header, payload_hasher, verify_digest
 from kvtier.tiers.health import CircuitBreaker
-from kvtier.tiers.jobs import ALL_LANES, READ_LANES, Lane, ThreadedTier, Work, forget_frames
-from kvtier.tiers.options import validate_options
+from kvtier.tiers.jobs import ALL_LANES, READ_LANES, Lane, ThreadedTier, Work
+from kvtier.tiers.options import tier_options
 from kvtier.tiers.s3_store import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
+    TRIPPING,
     S3TierOptions,
     classify_error,
     key_of_path,
@@ -98,8 +100,10 @@ class S3Tier(ThreadedTier):
         "warm_start_blocks": ExtraMetric("counter", "Blocks indexed from the manifest at start."),
     }
 
-    def __init__(self, context: TierContext, **options: Any) -> None:
-        self.options = opts = validate_options(S3TierOptions, self.tier_type, options)
+    def __init__(self, context: TierContext, options: S3TierOptions | None = None, /, **fields: Any) -> None:
+        """Check the options (:class:`S3TierOptions`), open the clients, start the I/O threads
+        (the manifest is checked on one of them)."""
+        self.options = opts = tier_options(S3TierOptions, self.tier_type, options, fields)
         super().__init__(
             context,
             breaker=CircuitBreaker(failure_threshold=opts.failure_threshold, open_seconds=opts.open_seconds),
@@ -133,7 +137,8 @@ class S3Tier(ThreadedTier):
         if readers:
             self._start_workers(readers, READ_LANES, "read")
         self._start_workers(opts.max_in_flight - readers, ALL_LANES, "io")
-        where = opts.endpoint or f"AWS {opts.region or '(region from AWS_REGION)'}"
+        endpoint, source = opts.endpoint_setting()
+        where = f"{endpoint} (from {source})" if endpoint else f"AWS {opts.region or '(region from AWS_REGION)'}"
         logger.info(
             "s3 tier %s: %s/%s via %s, %d requests in flight",
             self.label, opts.url(), context.namespace.hexdigest, where, opts.max_in_flight,
@@ -220,8 +225,11 @@ class S3Tier(ThreadedTier):
             "type": self.tier_type,
             "medium": self.medium,
             **self.options.model_dump(mode="json"),
+            "endpoint": self.options.endpoint_setting()[0],
+            "endpoint_from": self.options.endpoint_setting()[1],
             "namespace_prefix": self._ns_prefix,
             "path_style": self.options.uses_path_style,
+            "allow_http": self.options.uses_http,
             "ready": self._ready.is_set(),
             "health": self._breaker.state.value,
         }
@@ -252,10 +260,11 @@ class S3Tier(ThreadedTier):
                 self._checking.pop(key, None)
 
     def _io_failure(self, exc: BaseException) -> str:
-        """Feed a request failure to the breaker (refused connections open it at once); returns its text."""
+        """Feed a request failure to the breaker (one that retrying soon cannot help, such as a
+        refused connection or a missing bucket, opens it at once); returns its one-line text."""
         kind = classify_error(exc)
         detail = short_error(exc)
-        self._note_failure(detail, trip=kind == "refused")
+        self._note_failure(detail, trip=kind in TRIPPING)
         forget_frames(exc)
         return detail
 
@@ -300,7 +309,11 @@ class S3Tier(ThreadedTier):
         row = rows[work.slots[0], : self._block_bytes]
         try:
             self._get_into(path, key, header, row)
-        except FileNotFoundError:
+        except FileNotFoundError as exc:
+            if classify_error(exc) == "no_bucket":  # the bucket went away: a failure, not a missing block
+                self._complete(work, error=f"download of {key.hex()[:16]} failed: {self._io_failure(exc)}")
+                return
+            forget_frames(exc)
             self._breaker.record_success()
             self._remember(key, False, time.monotonic())
             self._count(missing=1)
@@ -308,7 +321,7 @@ class S3Tier(ThreadedTier):
             return
         except CorruptValueError as exc:
             self._breaker.record_success()
-            logger.warning("s3 tier %s: object %s is corrupt (%s); deleting it", self.label, path, exc)
+            log_failure(logger, logging.WARNING, f"s3 tier {self.label}: object {path} is corrupt; deleting it", exc)
             self._count(corrupt_values=1)
             self._remember(key, False, time.monotonic())
             self._delete(path)

@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from kvtier.errors import ConfigError, CorruptValueError
+from kvtier.tiers.endpoints import redact_url
 from kvtier.tiers.format import HEADER_SIZE, decode_header, verify_payload
 from kvtier.tiers.fs_layout import CorruptEntry, NamespaceReport, RootReport
 from kvtier.tiers.s3_store import (
@@ -31,7 +32,7 @@ from kvtier.tiers.s3_store import (
     short_error,
 )
 
-_NAMESPACE_RE = re.compile(r"^[0-9a-f]{32}$")
+_NAMESPACE_RE = re.compile(r"^[0-9a-f]{32}\Z")
 
 
 def options_from_url(url: str, **overrides: Any) -> dict[str, Any]:
@@ -41,16 +42,20 @@ def options_from_url(url: str, **overrides: Any) -> dict[str, Any]:
     * ``http[s]://[key:secret@]host:port/bucket[/prefix]``: an S3-compatible
       endpoint, path-style; ``http`` implies ``allow_http``.
     """
-    parts = urlsplit(url)
+    shown = redact_url(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise ConfigError(f"s3 url {shown!r} is malformed ({exc}): use s3://bucket/prefix") from None
     path = [unquote(p) for p in parts.path.split("/") if p]
     options: dict[str, Any] = {}
     if parts.scheme == "s3":
         if not parts.hostname:
-            raise ConfigError(f"s3 url {url!r} needs a bucket: s3://bucket/prefix")
+            raise ConfigError(f"s3 url {shown!r} needs a bucket: s3://bucket/prefix")
         options["bucket"] = parts.hostname
     elif parts.scheme in ("http", "https"):
         if not path:
-            raise ConfigError(f"s3 url {url!r} needs a bucket after the endpoint: http://host:port/bucket/prefix")
+            raise ConfigError(f"s3 url {shown!r} needs a bucket after the endpoint: http://host:port/bucket/prefix")
         netloc = parts.netloc.rsplit("@", 1)[-1]
         options["endpoint"] = f"{parts.scheme}://{netloc}"
         options["allow_http"] = parts.scheme == "http"
@@ -59,7 +64,7 @@ def options_from_url(url: str, **overrides: Any) -> dict[str, Any]:
             options["access_key_id"] = unquote(parts.username)
             options["secret_access_key"] = unquote(parts.password or "")
     else:
-        raise ConfigError(f"s3 url {url!r}: use s3://bucket/prefix or http(s)://host:port/bucket/prefix")
+        raise ConfigError(f"s3 url {shown!r}: use s3://bucket/prefix or http(s)://host:port/bucket/prefix")
     if path:
         options["prefix"] = "/".join(path)
     options.update(overrides)

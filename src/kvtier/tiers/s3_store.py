@@ -25,18 +25,22 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import re
+import stat
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 
 from kvtier.errors import ConfigError
+from kvtier.failures import describe_error, is_native_crash
 from kvtier.keys import BlockKey
+from kvtier.tiers.endpoints import parse_endpoint, redact_url
 from kvtier.tiers.format import FORMAT_VERSION, HEADER_SIZE, MAX_KEY_BYTES
-from kvtier.tiers.options import TierOptions
+from kvtier.tiers.options import QueueLength, Seconds, TierOptions
 
 if TYPE_CHECKING:
     from obstore.store import S3Store
@@ -44,9 +48,68 @@ if TYPE_CHECKING:
 LAYOUT_VERSION = 1
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 64 * 1024
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
-_PREFIX_RE = re.compile(r"^[A-Za-z0-9!_.*'()\-]+(/[A-Za-z0-9!_.*'()\-]+)*$")
-_OBJECT_RE = re.compile(rf"^[0-9a-f]{{2}}/([0-9a-f]{{2,{2 * MAX_KEY_BYTES}}})$")
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]\Z")
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9!_.*'()\-]+(/[A-Za-z0-9!_.*'()\-]+)*\Z")
+_OBJECT_RE = re.compile(rf"^[0-9a-f]{{2}}/([0-9a-f]{{2,{2 * MAX_KEY_BYTES}}})\Z")
+
+
+CREDENTIAL_URL_VARIABLES = ("AWS_METADATA_ENDPOINT", "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_STS_ENDPOINT")
+"""Environment variables naming where the standard credential chain fetches credentials."""
+
+ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+"""Environment variables that name an S3 endpoint when the ``endpoint`` option is unset, first wins."""
+
+_REGION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
+
+
+def check_s3_endpoint(value: str, what: str) -> str:
+    """``value`` without a trailing slash if it is ``http(s)://host[:port]``; else ValueError
+    naming ``what`` (the option or environment variable) and the fix. Credentials in it are
+    refused (and never shown): they go in ``access_key_id``/``secret_access_key``."""
+    ep = parse_endpoint(value, what, ("http", "https"))
+    where = f"{what} {redact_url(value)!r}"
+    if ep.username is not None or ep.password is not None:
+        raise ValueError(
+            f"{where} carries credentials: give them as access_key_id/secret_access_key "
+            "(or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY), not in the URL"
+        )
+    if ep.path not in ("", "/") or ep.query or "?" in value:
+        raise ValueError(f"{where} must not have a path or query (http(s)://host[:port]): give the bucket as 'bucket'")
+    return f"{ep.scheme}://{value.split('://', 1)[1].rstrip('/')}"  # the scheme in lower case
+
+
+def check_ca_file(path: str) -> None:
+    """ValueError unless ``path`` is a regular file (links followed: the operator named it;
+    never waiting on a FIFO) with a PEM certificate in its first MiB."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ValueError(f"ca_file {path!r} is not a readable file ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"ca_file {path!r} is not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        head = f.read(1 << 20)
+    if b"-----BEGIN CERTIFICATE-----" not in head:
+        raise ValueError(f"ca_file {path!r} holds no PEM certificate (-----BEGIN CERTIFICATE-----)")
+
+
+def environment_endpoint() -> tuple[str | None, str]:
+    """The endpoint the environment names (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL`` or
+    ``AWS_ENDPOINT``, first set wins) and that variable, checked like the option (ValueError
+    naming the variable); ``(None, "AWS")`` when none is set."""
+    for name in ENDPOINT_VARIABLES:
+        value = os.environ.get(name)
+        if value:
+            return check_s3_endpoint(value, f"environment variable {name}"), name
+    return None, "AWS"
+
+
+def check_region(value: str, what: str) -> str:
+    """``value`` if it can be a region (letters, digits, '-', '_'; it may become part of a host name)."""
+    if not _REGION_RE.fullmatch(value):
+        raise ValueError(f"{what} {value[:80]!r} is not a region name: use e.g. us-east-1")
+    return value
 
 
 class S3TierOptions(TierOptions):
@@ -56,10 +119,14 @@ class S3TierOptions(TierOptions):
     prefix: str = Field(default="kvtier", description="Key prefix inside the bucket: <prefix>/<namespace>/...")
     endpoint: str | None = Field(
         default=None,
-        description="http(s)://host:port of an S3-compatible server; None = AWS S3 in 'region'.",
+        validate_default=True,
+        description="http(s)://host[:port] of an S3-compatible server. None: AWS_ENDPOINT_URL_S3 or "
+        "AWS_ENDPOINT_URL from the environment (honoured as the AWS CLI does: http allowed, path-style), "
+        "else AWS S3 in 'region'.",
     )
     region: str | None = Field(
         default=None,
+        validate_default=True,
         description="Region (signing scope; the AWS endpoint when no endpoint). None = AWS_REGION, else us-east-1.",
     )
     path_style: bool | None = Field(
@@ -67,40 +134,50 @@ class S3TierOptions(TierOptions):
         description="Path-style addressing (host/bucket/key). None = auto: path-style for any "
         "endpoint except *.amazonaws.com (MinIO, Ceph, IP and localhost endpoints need it).",
     )
-    allow_http: bool = Field(default=False, description="Allow a plain http:// endpoint (no TLS).")
+    allow_http: bool = Field(
+        default=False, validate_default=True, description="Allow a plain http:// endpoint (no TLS)."
+    )
     ca_file: str | None = Field(
         default=None, description="PEM file of extra CA certificates to trust (a private CA); system roots stay."
     )
     access_key_id: SecretStr | None = Field(
-        default=None, description="Access key; None = the standard credential chain (env, web identity, IMDS)."
+        default=None,
+        validate_default=True,
+        description="Access key; None = the standard credential chain (env, web identity, IMDS).",
     )
     secret_access_key: SecretStr | None = Field(default=None, description="Secret key (with access_key_id).")
     session_token: SecretStr | None = Field(default=None, description="Session token of temporary credentials.")
     max_in_flight: int = Field(
         default=32, ge=1, le=512, description="Concurrent requests (I/O threads); a quarter serve only reads."
     )
-    max_queued_stores: int = Field(
-        default=256, ge=1, description="Blocks waiting to be uploaded beyond which stores are shed."
+    max_queued_stores: QueueLength = Field(
+        default=256, description="Blocks waiting to be uploaded beyond which stores are shed."
     )
-    request_timeout: float = Field(default=10.0, gt=0, description="Seconds per HTTP request (connect to body end).")
-    connect_timeout: float = Field(default=2.0, gt=0, description="Seconds to establish a connection.")
-    job_timeout: float = Field(
+    request_timeout: Seconds = Field(default=10.0, gt=0, description="Seconds per HTTP request (connect to body end).")
+    connect_timeout: Seconds = Field(default=2.0, gt=0, description="Seconds to establish a connection.")
+    job_timeout: Seconds = Field(
         default=30.0,
         gt=0,
+        validate_default=True,
         description="Deadline of a job after submission; retries (with backoff) stop in time to meet it.",
     )
-    max_retries: int = Field(default=4, ge=0, description="Retries of a failed request (5xx, connection errors).")
-    check_timeout: float = Field(
+    max_retries: int = Field(
+        default=4, ge=0, le=100, description="Retries of a failed request (5xx, connection errors)."
+    )
+    check_timeout: Seconds = Field(
         default=1.0, gt=0, description="Deadline of one step's batched existence checks (HEADs); then MISS."
     )
-    hit_seconds: float = Field(default=3600.0, gt=0, description="How long a known-present key answers HIT.")
-    miss_seconds: float = Field(
-        default=2.0, ge=0.5, description="How long a known-absent key answers MISS (other engines write too)."
+    hit_seconds: Seconds = Field(default=3600.0, gt=0, description="How long a known-present key answers HIT.")
+    miss_seconds: Seconds = Field(
+        default=2.0,
+        ge=0.5,
+        validate_default=True,
+        description="How long a known-absent key answers MISS (other engines write too).",
     )
     failure_threshold: int = Field(
-        default=3, ge=1, description="Consecutive failures that take the tier out of service."
+        default=3, ge=1, le=1_000_000, description="Consecutive failures that take the tier out of service."
     )
-    open_seconds: float = Field(default=2.0, gt=0, description="Seconds out of service before a probe.")
+    open_seconds: Seconds = Field(default=2.0, gt=0, description="Seconds out of service before a probe.")
     checksum: Literal["sha256", "crc64nvme"] | None = Field(
         default=None, description="Also let S3 check each upload with this checksum (kvtier checks every read anyway)."
     )
@@ -111,7 +188,7 @@ class S3TierOptions(TierOptions):
         default=False, description="List the namespace in the background at start so known blocks answer HIT at once."
     )
     max_index_entries: int = Field(
-        default=4_000_000, ge=1024, description="Known-present keys remembered (about 200 bytes each)."
+        default=4_000_000, ge=1024, le=1 << 32, description="Known-present keys remembered (about 200 bytes each)."
     )
 
     @field_validator("bucket")
@@ -129,43 +206,106 @@ class S3TierOptions(TierOptions):
             raise ValueError(f"prefix {value!r} must be non-empty path segments of letters, digits and !_.*'()-")
         return value
 
-    @field_validator("endpoint")
+    # validate_default: when unset, the environment variable that stands in for it is checked.
+    @field_validator("endpoint", mode="after")
     @classmethod
     def _endpoint(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        parts = urlsplit(value)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"endpoint {value!r} must look like https://host[:port] or http://host[:port]")
-        if parts.path not in ("", "/") or parts.query:
-            raise ValueError(f"endpoint {value!r} must not have a path: give the bucket as 'bucket'")
-        return value.rstrip("/")
+        if value is not None:
+            return check_s3_endpoint(value, "endpoint")
+        environment_endpoint()
+        return None
+
+    @field_validator("ca_file", mode="after")
+    @classmethod
+    def _ca_file(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_ca_file(value)
+        return value
+
+    @field_validator("region", mode="after")
+    @classmethod
+    def _region(cls, value: str | None) -> str | None:
+        if value is not None:
+            return check_region(value, "region")
+        for name in ("AWS_REGION", "AWS_DEFAULT_REGION"):
+            if os.environ.get(name):
+                check_region(os.environ[name], f"environment variable {name}")
+        return None
+
+    @field_validator("access_key_id", mode="after")
+    @classmethod
+    def _credential_chain(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:  # the standard chain: the client fetches credentials from these URLs
+            for name in CREDENTIAL_URL_VARIABLES:
+                url = os.environ.get(name)
+                if url:
+                    what = f"environment variable {name} (credentials are fetched there)"
+                    parse_endpoint(url, what, ("http", "https"))
+            relative = os.environ.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")
+            if relative and (not relative.startswith("/") or re.search(r"[^\x21-\x7e]", relative)):
+                raise ValueError(
+                    f"environment variable AWS_CONTAINER_CREDENTIALS_RELATIVE_URI {redact_url(relative)!r} must be "
+                    "a path such as /v2/credentials/..."
+                )
+        return value
+
+    # Checks against an earlier field sit on the later one (validate_default), so the error names it.
+    @field_validator("allow_http", mode="after")
+    @classmethod
+    def _http(cls, allow: bool, info: ValidationInfo) -> bool:
+        endpoint = info.data.get("endpoint")
+        if isinstance(endpoint, str) and endpoint.startswith("http://") and not allow:
+            raise ValueError(f"endpoint {endpoint} is plain http: set allow_http: true or use https://")
+        return allow
+
+    @field_validator("job_timeout", mode="after")
+    @classmethod
+    def _job_timeout(cls, job_timeout: float, info: ValidationInfo) -> float:
+        request_timeout = info.data.get("request_timeout")
+        if request_timeout is not None and job_timeout <= request_timeout:
+            raise ValueError(
+                f"job_timeout ({job_timeout}s) must exceed request_timeout ({request_timeout}s): "
+                "retries must fit inside a job's deadline"
+            )
+        return job_timeout
+
+    @field_validator("miss_seconds", mode="after")
+    @classmethod
+    def _miss_seconds(cls, miss_seconds: float, info: ValidationInfo) -> float:
+        hit_seconds = info.data.get("hit_seconds")
+        if hit_seconds is not None and hit_seconds < miss_seconds:
+            raise ValueError(f"hit_seconds ({hit_seconds}) must be >= miss_seconds ({miss_seconds})")
+        return miss_seconds
 
     @model_validator(mode="after")
     def _consistent(self) -> S3TierOptions:
-        if self.endpoint and self.endpoint.startswith("http://") and not self.allow_http:
-            raise ValueError(f"endpoint {self.endpoint} is plain http: set allow_http: true or use https://")
-        if self.job_timeout <= self.request_timeout:
-            raise ValueError(
-                f"job_timeout ({self.job_timeout}s) must exceed request_timeout ({self.request_timeout}s): "
-                "retries must fit inside a job's deadline"
-            )
         if (self.access_key_id is None) != (self.secret_access_key is None):
             raise ValueError("give both access_key_id and secret_access_key, or neither (standard chain)")
-        if self.ca_file is not None and not Path(self.ca_file).is_file():
-            raise ValueError(f"ca_file {self.ca_file!r} is not a readable file")
-        if self.hit_seconds < self.miss_seconds:
-            raise ValueError("hit_seconds must be >= miss_seconds")
         return self
+
+    def endpoint_setting(self) -> tuple[str | None, str]:
+        """The endpoint in use and where it comes from: the ``endpoint`` option, else
+        ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL`` or ``AWS_ENDPOINT`` from the environment
+        (checked like the option; ValueError naming the variable), else ``(None, "AWS")``."""
+        if self.endpoint is not None:
+            return self.endpoint, "endpoint"
+        return environment_endpoint()
 
     @property
     def uses_path_style(self) -> bool:
         if self.path_style is not None:
             return self.path_style
-        if self.endpoint is None:
+        endpoint, _ = self.endpoint_setting()
+        if endpoint is None:
             return False
-        host = urlsplit(self.endpoint).hostname or ""
+        host = urlsplit(endpoint).hostname or ""
         return not host.endswith(".amazonaws.com")
+
+    @property
+    def uses_http(self) -> bool:
+        """Plain http allowed: ``allow_http``, or an http endpoint from the environment (as the AWS CLI)."""
+        endpoint, source = self.endpoint_setting()
+        return self.allow_http or (source != "endpoint" and endpoint is not None and endpoint.startswith("http://"))
 
     def url(self) -> str:
         """``s3://bucket/prefix`` (for logs and describe)."""
@@ -200,7 +340,7 @@ def open_store(options: S3TierOptions, *, quick: bool = False) -> S3Store:
     client: dict[str, Any] = {
         "timeout": timedelta(seconds=timeout),
         "connect_timeout": timedelta(seconds=min(options.connect_timeout, timeout)),
-        "allow_http": options.allow_http,
+        "allow_http": options.uses_http,
         "pool_idle_timeout": timedelta(seconds=60),
     }
     if options.ca_file is not None:
@@ -216,8 +356,11 @@ def open_store(options: S3TierOptions, *, quick: bool = False) -> S3Store:
     }
     if options.region is not None:
         config["region"] = options.region
-    if options.endpoint is not None:
-        endpoint = options.endpoint
+    try:
+        endpoint, _ = options.endpoint_setting()
+    except ValueError as exc:  # the environment changed since the options were validated
+        raise ConfigError(f"s3 tier: {exc}") from None
+    if endpoint is not None:
         if not options.uses_path_style:
             parts = urlsplit(endpoint)
             host = parts.hostname or ""
@@ -228,14 +371,18 @@ def open_store(options: S3TierOptions, *, quick: bool = False) -> S3Store:
                 )
             if not host.startswith(options.bucket + "."):
                 endpoint = parts._replace(netloc=f"{options.bucket}.{parts.netloc}").geturl()
-        config["endpoint"] = endpoint
+        # Both names: obstore would let AWS_ENDPOINT_URL_S3 from the environment override 'endpoint'.
+        config["endpoint"] = config["aws_endpoint_url_s3"] = endpoint
     if options.checksum is not None and not quick:
         config["checksum_algorithm"] = options.checksum
     for name in ("access_key_id", "secret_access_key", "session_token"):
         secret = getattr(options, name)
         if secret is not None:
             config[name] = secret.get_secret_value()
-    return S3Store(options.bucket, config=config, client_options=client, retry_config=retry)  # type: ignore[arg-type]
+    try:
+        return S3Store(options.bucket, config=config, client_options=client, retry_config=retry)  # type: ignore[arg-type]
+    except Exception as exc:  # e.g. a bad AWS_* variable the client reads itself
+        raise ConfigError(f"s3 tier: the S3 client refused its settings: {describe_error(exc)}") from None
 
 
 def namespace_prefix(prefix: str, namespace_hex: str) -> str:
@@ -287,46 +434,90 @@ def manifest_mismatch(found: dict[str, Any], expected: dict[str, Any]) -> str | 
     return None
 
 
-ErrorKind = Literal["refused", "timeout", "throttled", "server", "denied", "missing", "other"]
+ErrorKind = Literal[
+    "crash", "no_bucket", "credentials", "refused", "unreachable", "timeout", "throttled", "server", "denied",
+    "missing", "other",
+]  # fmt: skip
+
+TRIPPING: frozenset[ErrorKind] = frozenset({"crash", "no_bucket", "credentials", "refused", "unreachable"})
+"""Failures that take the tier out of service at once: retrying soon cannot help."""
+
+_PERFORMING = re.compile(r"Error performing (\w+) (\S+)")
+_STATUS = re.compile(r"status code: (\d{3})")
+_S3_CODE = re.compile(r"<Code>(\w{1,64})</Code>")
+_UNREACHABLE = {"refused": "connection refused", "unreachable": "host not found or no route", "timeout": "timed out"}
+_IMDS = ("169.254.169.254", "/latest/api/token", "/latest/meta-data", "fd00:ec2::254")
 
 
 def classify_error(exc: BaseException) -> ErrorKind:
-    """What an obstore error means for the breaker: refused connections open it at once."""
+    """What an obstore error means, from its type and text (first line and debug dump)."""
+    if is_native_crash(exc):
+        return "crash"
+    text = str(exc)
+    if "NoSuchBucket" in text:
+        return "no_bucket"
+    if any(marker in text for marker in _IMDS) or "credential" in text.lower():
+        return "credentials"
     if isinstance(exc, FileNotFoundError):
         return "missing"
-    text = str(exc)
     if "ConnectionRefused" in text or "Connection refused" in text:
         return "refused"
     if "TimedOut" in text or "kind: Timeout" in text or "timed out" in text.lower():
         return "timeout"
-    if "SlowDown" in text or "503" in text:
+    if "dns error" in text or "kind: Connect" in text:
+        return "unreachable"
+    status = _STATUS.search(text)
+    if "SlowDown" in text or (status is not None and status.group(1) == "503"):
         return "throttled"
-    if re.search(r"status code: 5\d\d", text):
+    if status is not None and status.group(1).startswith("5"):
         return "server"
-    if type(exc).__name__ in ("PermissionDeniedError", "UnauthenticatedError") or re.search(
-        r"status code: 40[13]", text
+    if type(exc).__name__ in ("PermissionDeniedError", "UnauthenticatedError") or (
+        status is not None and status.group(1) in ("401", "403")
     ):
         return "denied"
     return "other"
 
 
 def short_error(exc: BaseException) -> str:
-    """The first line of an obstore error (a debug dump follows it) plus what it means."""
-    from kvtier.tiers.jobs import describe_error
-
+    """One line saying what went wrong and what to do, from an obstore error: never its XML
+    body, debug dump or a native crash's text."""
     kind = classify_error(exc)
-    meaning = {
-        "refused": " (connection refused)",
-        "timeout": " (timed out)",
-        "throttled": " (503 SlowDown: throttled)",
-        "denied": " (access denied: check credentials and the IAM policy)",
-    }.get(kind, "")
-    return describe_error(exc) + meaning
+    text = str(exc)
+    call = _PERFORMING.search(text)
+    target = urlsplit(call.group(2)) if call else None
+    server = f"{target.scheme}://{target.netloc}" if target is not None and target.netloc else "the S3 endpoint"
+    status = _STATUS.search(text)
+    code = _S3_CODE.search(text)
+    reply = " ".join(p for p in (status.group(1) if status else "", code.group(1) if code else "") if p)
+    if kind == "crash":
+        return describe_error(exc)
+    if kind == "no_bucket":
+        return f"the bucket does not exist ({server} answered 404 NoSuchBucket): create it or fix 'bucket'"
+    if kind == "credentials":
+        why = f"answered {reply}" if reply else "is unreachable"
+        return (
+            f"no S3 credentials: none given, and the instance metadata service ({server}) {why}: set "
+            "access_key_id/secret_access_key or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+        )
+    if kind in _UNREACHABLE:
+        return f"{server} is unreachable ({_UNREACHABLE[kind]}): check 'endpoint' (or AWS_ENDPOINT_URL) and the network"
+    if kind == "throttled":
+        return f"{server} is throttling requests (503 SlowDown)"
+    if kind == "denied":
+        return f"access denied ({reply or 'forbidden'}): check the credentials and the bucket policy"
+    first = describe_error(exc).split(" - ", 1)[0]
+    for marker in ("<?xml", "<Error"):
+        first = first.split(marker, 1)[0]
+    return first.rstrip(" :") + (f" ({reply})" if reply else "")
 
 
 __all__ = [
+    "ENDPOINT_VARIABLES",
     "MANIFEST",
+    "TRIPPING",
     "S3TierOptions",
+    "check_region",
+    "check_s3_endpoint",
     "classify_error",
     "key_of_path",
     "manifest_dict",

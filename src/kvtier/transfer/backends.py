@@ -22,12 +22,15 @@ submitting thread inside the engine's CUDA stream (``run`` only issues).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Protocol
 
 import numpy as np
 
-from kvtier.transfer.host import copy_host_batch
-from kvtier.transfer.layout import BlockCopyPlan
+from kvtier.errors import KvtierError
+from kvtier.transfer.host import HostBlockCopier, copy_host_batch
+from kvtier.transfer.layout import BlockCopyPlan, BlockMapping
+from kvtier.transfer.pieces import join_adjacent
 from kvtier.transfer.plan import CopyPlan
 
 
@@ -45,16 +48,36 @@ class CopyBackend(Protocol):
 
 
 class HostCopyBackend:
-    """Host-to-host plans, copied on the calling thread (see :mod:`kvtier.transfer.host`)."""
+    """Host-to-host plans, copied on the calling thread (see :mod:`kvtier.transfer.host`).
+
+    A :class:`~kvtier.transfer.layout.BlockCopyPlan` is copied straight from its block
+    ids by a :class:`~kvtier.transfer.host.HostBlockCopier` per mapping, built on the
+    mapping's first job and kept while the mapping lives. One thread at a time (the
+    transfer engine's copy thread).
+    """
 
     name = "host"
 
+    def __init__(self) -> None:
+        self._copiers: weakref.WeakKeyDictionary[BlockMapping, HostBlockCopier] = weakref.WeakKeyDictionary()
+
     def run(self, plan: CopyPlan) -> None:
         if isinstance(plan, BlockCopyPlan):
-            plan.copy_on_host()
+            for part in plan.parts:
+                self.copier(part.mapping).run(part.src_ids, part.dst_ids)
             return
         for batch in plan.batches:
             copy_host_batch(batch)
+
+    def copier(self, mapping: BlockMapping) -> HostBlockCopier:
+        """The executor of ``mapping``'s jobs (built on first use); raises :class:`KvtierError` if a
+        side of the mapping is device memory."""
+        copier = self._copiers.get(mapping)
+        if copier is None:
+            if mapping.device != "cpu":
+                raise KvtierError(f"a mapping involving {mapping.device} memory cannot be copied by the host backend")
+            copier = self._copiers[mapping] = HostBlockCopier(*join_adjacent(mapping.src, mapping.dst))
+        return copier
 
 
 def _torch_flat(view: Any) -> Any:

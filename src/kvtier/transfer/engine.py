@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import KvtierError
+from kvtier.failures import log_failure
 from kvtier.transfer.backends import CopyBackend, HostCopyBackend, TorchCopyBackend
 from kvtier.transfer.plan import CopyPlan
 
@@ -131,8 +132,8 @@ class TransferEngine:
                 job.event = self._issue_device(plan)
             job.plan = plan
         except Exception as exc:
-            logger.exception("transfer job %d could not be issued", job_id)
-            job.error = repr(exc)
+            job.error = log_failure(logger, logging.ERROR, f"transfer job {job_id} could not be issued", exc,
+                                    with_traceback=True)  # fmt: skip
         with self._done_lock:
             self._pending.add(job_id)
         self._queue.put(job)
@@ -177,8 +178,8 @@ class TransferEngine:
                 self.host_backend.run(plan)
                 seconds = time.perf_counter() - start
         except Exception as exc:
-            logger.exception("transfer job %d failed", job.job_id)
-            return TransferResult(job.job_id, False, 0, time.perf_counter() - start, repr(exc))
+            error = log_failure(logger, logging.ERROR, f"transfer job {job.job_id} failed", exc, with_traceback=True)
+            return TransferResult(job.job_id, False, 0, time.perf_counter() - start, error)
         return TransferResult(job.job_id, True, plan.nbytes, seconds)
 
     def poll(self) -> list[TransferResult]:

@@ -37,14 +37,12 @@ import ctypes
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
+from kvtier.transfer.pieces import BlockPieces
 from kvtier.transfer.plan import ByteSpace, CopyBatch
-
-if TYPE_CHECKING:
-    from kvtier.transfer.layout import BlockPieces
 
 logger = logging.getLogger(__name__)
 
@@ -201,9 +199,9 @@ class HostBlockCopier:
     """Whole-block copies between two host layouts, straight from block ids.
 
     The host backend's path for :class:`~kvtier.transfer.layout.BlockMapping`
-    plans: built once per mapping (on its first host job), then a job costs its
-    id arithmetic and its copy calls. Pass layouts whose adjacent pieces are
-    joined (:func:`kvtier.transfer.layout.join_adjacent`), so a block-major
+    plans: the backend builds one per mapping (on its first host job), then a job
+    costs its id arithmetic and its copy calls. Pass layouts whose adjacent pieces
+    are joined (:func:`kvtier.transfer.pieces.join_adjacent`), so a block-major
     block is one piece. Per job, each run of evenly spaced pieces
     (:func:`piece_runs`) is one strided ``np.copyto`` per block, and every
     other piece one call (:func:`copy_ranges`), with offsets in Python ints for

@@ -42,12 +42,15 @@ from kvtier.errors import ConfigError, KvtierError, clear_exception_frames
 from kvtier.keys import BlockKey, prefix_keys
 from kvtier.manager import TieringManager
 from kvtier.metrics import KvtierMetrics
+from kvtier.policies import DEFAULT_POLICY
 from kvtier.tempdir import LockedTempDir, sweep_stale_temp_dirs
 from kvtier.tiers.registry import validate_tier_options
 from kvtier.transfer import TransferEngine, TransferResult
 from kvtier.types import LookupResult, RequestContext
 from kvtier.units import format_size, parse_size
+from kvtier.validation import check_seconds
 from kvtier.workload.bench_result import BenchResult, RequestRecord, TierWatch
+from kvtier.workload.budget import MemoryNeed, check_memory
 from kvtier.workload.chat import ChatRequest, ChatWorkloadSpec, generate_chat
 from kvtier.workload.device import BlockContent, DevicePool
 
@@ -58,6 +61,13 @@ DEFAULT_BENCH_FS_BYTES = 1024**3
 DEFAULT_BENCH_MODEL = "qwen2.5-0.5b"
 BENCH_DEFAULTS: dict[str, Any] = {"model": DEFAULT_BENCH_MODEL, "cpu_bytes": DEFAULT_BENCH_CPU_BYTES}
 """Where ``kvtier bench`` differs from the schema's defaults (a small model, a 256 MiB CPU tier)."""
+MAX_DEVICE_BLOCKS = 1 << 24
+"""The most blocks of the simulated device pool (its bytes are checked against memory too)."""
+MAX_BATCH_SIZE = 1 << 20
+"""The most requests admitted per engine step."""
+MIN_PREFILL_RATE = 1.0
+MAX_PREFILL_RATE = 1e12
+"""Simulated prefill speed bounds in tokens/s (0 means instantaneous): a rate of 1e-300 would sleep forever."""
 TEMP_DIR_PREFIX = "kvtier-bench-"
 """Name prefix of the bench's lock-held temporary fs-tier directories (swept by ``kvtier sweep``)."""
 
@@ -78,7 +88,7 @@ class BenchOptions:
     tokens_per_block: int = 16
     cpu_bytes: int = DEFAULT_BENCH_CPU_BYTES
     device_blocks: int = 512
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     fs: bool = True
     fs_root: str | None = None
     fs_bytes: int | None = DEFAULT_BENCH_FS_BYTES
@@ -98,14 +108,40 @@ class BenchOptions:
     """Parent of the temporary fs-tier directory (default: the system's temporary directory)."""
 
     def __post_init__(self) -> None:
-        for name in ("device_blocks", "batch_size"):
+        for name, high in (("device_blocks", MAX_DEVICE_BLOCKS), ("batch_size", MAX_BATCH_SIZE)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"bench {name} must be a positive integer, got {value!r}")
-        if not self.prefill_tokens_per_s >= 0:
-            raise ConfigError(f"bench prefill_tokens_per_s must be >= 0, got {self.prefill_tokens_per_s!r}")
-        if not self.stall_timeout_s > 0:
-            raise ConfigError(f"bench stall_timeout_s must be > 0, got {self.stall_timeout_s!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+                raise ConfigError(f"bench {name} must be a positive integer of at most {high}, got {str(value)[:40]}")
+        rate = self.prefill_tokens_per_s
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not (
+            rate == 0 or MIN_PREFILL_RATE <= rate <= MAX_PREFILL_RATE
+        ):
+            raise ConfigError(
+                f"bench prefill_tokens_per_s must be 0 (instantaneous) or in [{MIN_PREFILL_RATE:g}, "
+                f"{MAX_PREFILL_RATE:g}] tokens/s, got {rate!r}"
+            )
+        check_seconds(self.stall_timeout_s, "bench stall_timeout_s", positive=True)
+
+    def memory_needs(self, config: KvtierConfig) -> list[MemoryNeed]:
+        """What a run of ``config`` holds in memory, estimated before anything is allocated.
+
+        The device pool (``device_blocks`` rows of a block each), the CPU tier's
+        region (in /dev/shm, which is memory too), memory tiers at their capacity,
+        and the workload: its prompts at their longest (4 bytes a token) plus a
+        block key (about 80 bytes with its list slot) per block of each prompt.
+        """
+        block = config.block_bytes
+        tokens_per_block = config.kv_geometry().tokens_per_block
+        region = config.resolved_num_cpu_blocks(block) * config.row_stride
+        tokens = self.workload.max_tokens()
+        memory_tiers = sum(int(t.get("max_bytes") or 0) for t in config.tiers if t.get("type") == "memory")
+        memory_tiers += sum(int(t.get("max_bytes") or 0) for t in self.extra_tiers if t.get("type") == "memory")
+        return [
+            MemoryNeed("device pool", self.device_blocks * block, "--device-blocks"),
+            MemoryNeed("CPU tier", region, "--cpu-bytes"),
+            MemoryNeed("workload", tokens * 4 + tokens // tokens_per_block * 80, "--sessions/--max-turns"),
+            MemoryNeed("memory tier", memory_tiers, "--memory-tier"),
+        ]
 
     def added_tiers(self, fs_root: str | None) -> list[dict[str, Any]]:
         """The tiers the bench adds (fs, redis, extra) as ``{"type": ..., **options}`` specs."""
@@ -174,7 +210,7 @@ class _Run:
         geometry = config.kv_geometry()
         self.tokens_per_block = geometry.tokens_per_block
         self.block_bytes = geometry.bytes_per_block
-        self.tier_labels = ["cpu"] + [manager.tier_label(i + 1).split(":", 1)[1] for i in range(len(manager.tiers))]
+        self.tier_labels = ["cpu"] + [tier.tier_type for tier in manager.tier_descriptors()[1:]]
         self.watches = [TierWatch(label) for label in self.tier_labels[1:]]
         self.result = _new_result(config, manager, self.opts, self.tier_labels)
         self.result.tier_health = dict(zip(self.tier_labels[1:], self.watches, strict=True))
@@ -313,12 +349,11 @@ class _Run:
         hits = 0
         pending = False
         origin = self.promoted_from.setdefault(req.req_id, {})
-        tiers = self.manager.tiers
-        lookup = self.manager.lookup
+        manager = self.manager
+        lookup = manager.lookup
         perf = time.perf_counter_ns
         lookup_ns = self.result.lookup_ns
         for key in keys:
-            before = [t.stats.lookups_hit for t in tiers] if tiers else None
             t = perf()
             answer = lookup(key, req)
             dt = perf() - t
@@ -332,11 +367,8 @@ class _Run:
                 hits += 0 if pending else 1
                 continue
             pending = True
-            if before is not None and key not in origin:
-                for pos, tier in enumerate(tiers):
-                    if tier.stats.lookups_hit > before[pos]:
-                        origin[key] = self.tier_labels[pos + 1]
-                        break
+            if manager.promoted_from and key not in origin:  # this lookup started a promotion from that tier
+                origin[key] = self.tier_labels[manager.promoted_from]
         return hits, pending
 
     def submit_copy(self, run: _Running, pairs: list[tuple[Any, Any]], is_load: bool) -> int:
@@ -492,7 +524,7 @@ class _Run:
         result.manager_stats = stats.as_dict()
         result.promotion_failures = stats.manager.promotions_failed
         for pos, tier in enumerate(stats.secondary):
-            short = self.tier_labels[pos + 1]
+            short = self.tier_labels[tier.index]
             result.bytes[f"cpu_to_{short}"] = tier.written.bytes
             result.bytes[f"{short}_to_cpu"] = tier.read.bytes
             # Cascade jobs queue behind each other on several threads, so their summed
@@ -503,7 +535,11 @@ class _Run:
             result.job_seconds[f"cpu_to_{short}"] = tier.written.seconds
             result.job_seconds[f"{short}_to_cpu"] = tier.read.seconds
             failures = tier.failures
-            result.tier_failures += failures["store_failed"] + failures["load_failed"] + failures["corrupt_value"]
+            failed = failures["store_failed"] + failures["load_failed"] + failures["corrupt_value"]
+            result.tier_failures += failed
+            last_error = self.manager.telemetry[pos + 1].last_error
+            if failed or tier.failures.get("promotion_job_failed"):
+                result.tier_errors[short] = last_error or f"{failed} job(s) failed without a reason given"
             result.stores_shed += failures["store_dropped"]
             if tier.backpressure is not None and tier.backpressure.skipped_blocks:
                 result.stores_skipped[short] = tier.backpressure.skipped_blocks
@@ -520,6 +556,7 @@ def _new_result(config: KvtierConfig, manager: TieringManager, opts: BenchOption
             "cpu_bytes": config.cpu_bytes,
             "cpu_blocks": manager.primary.num_blocks,
             "device_blocks": opts.device_blocks,
+            "device_pool_bytes": opts.device_blocks * geometry.bytes_per_block,
             "policy": config.policy,
             # The temporary fs root is gone after the run: leave it out.
             "tiers": [
@@ -568,8 +605,11 @@ class Bench:
         self.notify = notify
 
     def run(self) -> BenchResult:
-        """Build, warm, run, verify, report; the manager and any temporary directory are always released."""
+        """Check memory, then build, warm, run, verify, report; the manager and any temporary directory
+        are always released. Raises :class:`ConfigError` before allocating anything when the run
+        would not fit in the memory available (:mod:`kvtier.workload.budget`)."""
         started = time.perf_counter()
+        check_memory(self.options.memory_needs(self.options.config(None)))
         scratch = self._temp_fs_dir()
         try:
             fs_root = self.options.fs_root or (str(scratch.path / "fs") if scratch is not None else None)
@@ -666,21 +706,29 @@ def describe_options(options: BenchOptions) -> str:
     if base is not None:
         cpu = format_size(base.cpu_bytes) if base.cpu_bytes is not None else f"{base.num_cpu_blocks} blocks"
         tiers = [f"cpu {cpu}"] + [f"{t['type']} {_where(t)}".strip() for t in base.tiers]
-        model = base.model
+        model, policy = base.model, base.policy
     else:
         tiers = ["cpu " + format_size(options.cpu_bytes)]
-        model = options.model
+        model, policy = options.model, options.policy
+    pool = format_size(options.device_blocks * options.config(None).block_bytes)
     if options.fs:
         tiers.append("fs " + (options.fs_root or "(temp dir)"))
     if options.redis_url:
         tiers.append("redis " + _where({"url": options.redis_url}))
     tiers += [f"{t['type']} {_where(t)}".strip() for t in options.extra_tiers]
-    return f"model {model}, device pool {options.device_blocks} blocks, tiers: " + ", ".join(tiers)
+    return (
+        f"model {model}, policy {policy}, device pool {options.device_blocks} blocks ({pool}), tiers: "
+        + ", ".join(tiers)
+    )
 
 
 __all__ = [
     "BENCH_DEFAULTS",
     "DEFAULT_BENCH_CPU_BYTES",
+    "MAX_BATCH_SIZE",
+    "MAX_DEVICE_BLOCKS",
+    "MAX_PREFILL_RATE",
+    "MIN_PREFILL_RATE",
     "TEMP_DIR_PREFIX",
     "Bench",
     "BenchOptions",

@@ -6,6 +6,7 @@ rendered by :mod:`kvtier.workload.report`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,11 @@ class TierWatch:
         }
 
 
+def _plain(text: str) -> str:
+    """A tier's error text without Python's ``[Errno N]`` prefixes."""
+    return re.sub(r"\[Errno -?\d+\]\s*", "", text)
+
+
 @dataclass
 class BenchResult:
     """Everything ``kvtier bench`` reports; :meth:`to_dict` is the ``--json`` document."""
@@ -114,6 +120,8 @@ class BenchResult:
     tokens_per_block: int = 16
     tier_health: dict[str, TierWatch] = field(default_factory=dict)
     """Per secondary tier (by short label, e.g. ``"fs"``): health and dropped stores by cause."""
+    tier_errors: dict[str, str] = field(default_factory=dict)
+    """Per secondary tier with failed jobs (by short label): the tier's own words for the latest failure."""
 
     @property
     def errors(self) -> int:
@@ -159,14 +167,34 @@ class BenchResult:
             "prefill_tokens_saved_fraction": self.tokens_saved / self.prompt_tokens if self.prompt_tokens else 0.0,
         }
 
-    def _errors_dict(self) -> dict[str, int]:
+    def _errors_dict(self) -> dict[str, Any]:
         return {
             "total": self.errors,
             "verify_failures": self.verify_failures,
             "transfer_failures": self.transfer_failures,
             "promotion_failures": self.promotion_failures,
             "tier_failures": self.tier_failures,
+            "tier_errors": dict(self.tier_errors),
         }
+
+    def error_lines(self) -> list[str]:
+        """What failed, one line per cause (empty when :attr:`errors` is 0): what a user reads on exit 1."""
+        lines = []
+        if self.verify_failures:
+            lines.append(
+                f"{self.verify_failures} loaded block(s) had wrong bytes: kvtier served wrong KV, which is a bug; "
+                "please report it with the --json output"
+            )
+        if self.transfer_failures:
+            lines.append(f"{self.transfer_failures} device<->CPU copy job(s) failed (the log above says why)")
+        if self.tier_failures or self.promotion_failures:
+            failed = f"{self.tier_failures} tier job(s) failed" if self.tier_failures else ""
+            lost = f"{self.promotion_failures} block(s) could not be loaded back" if self.promotion_failures else ""
+            lines.append("; ".join(x for x in (failed, lost) if x) + " (computed again instead; no wrong bytes)")
+            for label, error in self.tier_errors.items():
+                lines.append(f"{label} tier failed: {_plain(error)}")
+        return lines
+
 
     @staticmethod
     def _timeline_entry(r: RequestRecord) -> dict[str, Any]:

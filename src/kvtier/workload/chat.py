@@ -14,16 +14,32 @@ same requests, token for token, on every machine. Pure; any thread.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from kvtier.errors import ConfigError
 
+MAX_SESSIONS = 1_000_000
+"""The most sessions a workload may have (memory is checked as well: see :meth:`ChatWorkloadSpec.max_tokens`)."""
+MAX_TURNS = 10_000
+"""The most turns per session."""
+MAX_SHARED_PROMPTS = 100_000
+"""The most shared system prompts."""
+MAX_TOKENS_PER_MESSAGE = 1 << 20
+"""The longest system prompt, user message or answer, in tokens."""
+MAX_SEED = 2**63 - 1
+"""The largest seed."""
+
 
 @dataclass(frozen=True)
 class ChatWorkloadSpec:
-    """Shape of the workload. Token ranges are inclusive ``(low, high)``."""
+    """Shape of the workload. Token ranges are inclusive ``(low, high)``.
+
+    Raises :class:`ConfigError` for counts that are not integers in their range
+    (``sessions`` <= :data:`MAX_SESSIONS`, turns <= :data:`MAX_TURNS`, ...).
+    """
 
     sessions: int = 48
     min_turns: int = 2
@@ -39,20 +55,40 @@ class ChatWorkloadSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.sessions < 1:
-            raise ConfigError(f"sessions must be >= 1, got {self.sessions}")
-        if self.shared_system_prompts < 0:
-            raise ConfigError(f"shared_system_prompts must be >= 0, got {self.shared_system_prompts}")
+        for name, low, high in (("sessions", 1, MAX_SESSIONS), ("min_turns", 1, MAX_TURNS),
+                                ("max_turns", 1, MAX_TURNS), ("shared_system_prompts", 0, MAX_SHARED_PROMPTS),
+                                ("vocab_size", 2, 2**32), ("seed", 0, MAX_SEED)):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ConfigError(f"{name} must be an integer in [{low}, {high}], got {str(value)[:40]}")
         if not 1 <= self.min_turns <= self.max_turns:
             raise ConfigError(f"turns must satisfy 1 <= min_turns <= max_turns, got {self.min_turns}..{self.max_turns}")
         if not 0.0 <= self.shared_fraction <= 1.0:
             raise ConfigError(f"shared_fraction must lie in [0, 1], got {self.shared_fraction}")
         for name in ("system_tokens", "user_tokens", "answer_tokens"):
             low, high = getattr(self, name)
-            if not 0 < low <= high:
-                raise ConfigError(f"{name} must be (low, high) with 0 < low <= high, got {(low, high)}")
-        if self.vocab_size < 2:
-            raise ConfigError(f"vocab_size must be >= 2, got {self.vocab_size}")
+            if not 0 < low <= high <= MAX_TOKENS_PER_MESSAGE:
+                raise ConfigError(
+                    f"{name} must be (low, high) with 0 < low <= high <= {MAX_TOKENS_PER_MESSAGE}, got {(low, high)}"
+                )
+        for name in ("mean_think_s", "mean_arrival_gap_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+
+    def max_tokens(self) -> int:
+        """An upper bound of the prompt tokens of all requests together (every prompt at its longest).
+
+        Turn ``t`` (from 0) re-sends the system prompt, ``t + 1`` user messages and
+        ``t`` answers, so a session of ``T`` turns holds at most
+        ``T*S + U*T(T+1)/2 + A*T(T-1)/2`` tokens; shared prompts add ``S`` each.
+        What :func:`generate_chat` allocates is about 4 bytes per token for the
+        prompts plus whatever the caller derives from them (block keys).
+        """
+        system, user, answer = self.system_tokens[1], self.user_tokens[1], self.answer_tokens[1]
+        turns = self.max_turns
+        per_session = turns * system + user * turns * (turns + 1) // 2 + answer * turns * (turns - 1) // 2
+        return self.sessions * per_session + self.shared_system_prompts * system
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)

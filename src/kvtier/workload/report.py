@@ -5,6 +5,7 @@ Rendering only: nothing here touches a manager. Call from any one thread.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.config import format_size
+from kvtier.user_files import write_output
 from kvtier.workload.bench import BenchResult
 from kvtier.workload.simulate import HitRateResult
 
@@ -43,6 +45,7 @@ def _summary_table(result: BenchResult, data: dict[str, Any]) -> Table:
     geo = result.geometry
     options = data["options"]
     summary.add_row("model", str(options["model"]))
+    summary.add_row("policy (cpu tier)", str(options["policy"]))
     summary.add_row("block", f"{geo['tokens_per_block']} tokens, {format_size(geo['bytes_per_block'])}")
     summary.add_row("device pool / cpu tier", f"{options['device_blocks']} / {options['cpu_blocks']} blocks")
     summary.add_row("requests", f"{result.requests}")
@@ -131,18 +134,28 @@ def print_bench(result: BenchResult, console: Console | None = None) -> None:
     console.print(lat)
 
 
-def write_json(path: str | os.PathLike[str], data: Any) -> None:
-    """Write ``data`` as indented JSON (atomically: temp file + rename)."""
-    target = os.fspath(path)
-    tmp = f"{target}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2, sort_keys=False, default=str)
-        handle.write("\n")
-    os.replace(tmp, target)
+def json_document(data: Any) -> str:
+    """``data`` as the indented JSON text ``--json`` writes."""
+    return json.dumps(data, indent=2, sort_keys=False, default=str) + "\n"
 
 
-def plot_bench(result: BenchResult, path: str | os.PathLike[str], window: int = 16) -> None:
-    """Hit rate per tier over time (rolling over ``window`` requests) and bytes per tier, as PNG."""
+def write_json(path: str | os.PathLike[str], data: Any, flag: str = "--json") -> None:
+    """Write ``data`` as indented JSON to ``path`` (``-``: standard output), rendered first, then
+    written in place by :func:`kvtier.user_files.write_output` (no temporary file; never replaces
+    what is at the path). Raises :class:`~kvtier.errors.ConfigError` naming ``flag`` and the path."""
+    write_output(os.fspath(path), json_document(data), flag)
+
+
+def plot_bench(result: BenchResult, path: str | os.PathLike[str], window: int = 16, flag: str = "--plot") -> None:
+    """Write :func:`plot_image` of ``result`` to ``path`` (its suffix says the image type; PNG for ``-``),
+    like :func:`write_json`."""
+    kind = os.path.splitext(os.fspath(path))[1].lstrip(".").lower() or "png"
+    write_output(os.fspath(path), plot_image(result, kind, window), flag)
+
+
+def plot_image(result: BenchResult, kind: str = "png", window: int = 16) -> bytes:
+    """Hit rate per tier over time (rolling over ``window`` requests) and bytes per tier, as an image
+    of type ``kind`` (a matplotlib format: png, svg, pdf...), rendered in memory."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -178,8 +191,10 @@ def plot_bench(result: BenchResult, path: str | os.PathLike[str], window: int = 
     ax2.set_title("bytes by direction")
     ax2.invert_yaxis()
     fig.tight_layout()
-    fig.savefig(os.fspath(path), dpi=110)
+    image = io.BytesIO()
+    fig.savefig(image, dpi=110, format=kind)
     plt.close(fig)
+    return image.getvalue()
 
 
 def replay_table(rows: Sequence[dict[str, Any]], title: str) -> Table:

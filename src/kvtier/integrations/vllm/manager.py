@@ -34,7 +34,7 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
@@ -106,10 +106,15 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     def _context(self, req: ReqContext, keep: bool = True) -> RequestContext:
         # Completions may arrive after on_request_finished: those use a
         # throwaway context (keep=False) so nothing is retained for the request.
+        # The request's kv_transfer_params come from the API client: parsed here, once, and not
+        # kept (the context holds only the parsed control), so what a client sent costs nothing
+        # after this call however large it was.
         ctx = self._contexts.get(req.req_id)
         if ctx is None:
-            params = dict(req.kv_transfer_params) if req.kv_transfer_params else {}
-            ctx = RequestContext(req.req_id, params)
+            ctx = RequestContext(req.req_id)
+            params = req.kv_transfer_params
+            if params and isinstance(params, Mapping):
+                ctx.control = self.manager.request_control(RequestContext(req.req_id, dict(params)))
             vllm_filter = getattr(req, "load_tier_filter", TierFilter.ALL)
             if vllm_filter is not TierFilter.ALL:
                 ctx.control = self._apply_vllm_filter(self.manager.request_control(ctx), vllm_filter)
@@ -136,9 +141,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     # --- lookups and loads -----------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> VllmLookup:
-        in_cpu = key in self.manager.primary
         result = self.manager.lookup(key, self._context(req_context))
-        if not in_cpu and result is LookupResult.HIT_PENDING:
+        # promoted_from: this lookup started a promotion (0: the block was being written already)
+        if result is LookupResult.HIT_PENDING and self.manager.promoted_from:
             self._promoted[key] = self._promotion_source
             if len(self._promoted) > self._promoted_cap:
                 self._promoted.popitem(last=False)

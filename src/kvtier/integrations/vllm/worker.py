@@ -22,6 +22,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
+from kvtier.failures import log_failure
 from kvtier.integrations.vllm.config import VllmKvtierSettings
 from kvtier.integrations.vllm.copier import RegionCopier
 from kvtier.integrations.vllm.swap import vllm_swap_backend
@@ -83,8 +84,9 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
                 host.block_ids,
                 to_device,
             )
-        except Exception:
-            logger.exception("job %d: could not queue the kvtier copy", job_id)
+        except Exception as exc:
+            what = f"job {job_id}: could not queue the kvtier copy"
+            log_failure(logger, logging.ERROR, what, exc, with_traceback=True)
             return False
         return True
 

@@ -6,14 +6,17 @@ region in /dev/shm), partial success, corrupt values (MISS, counted, dropped),
 namespace isolation, lookup answers and RETRY semantics, drain with a
 deadline, results reported exactly once, shutdown idempotence and thread
 cleanup, health transitions during an outage of the medium (scheduler calls
-stay under 50 ms), usage, events, and warm restart for persistent tiers.
+stay under 50 ms), usage, events, warm restart for persistent tiers, and that
+failures logged while a handler keeps every record (a corrupt value, an
+outage) leave no view of the CPU rows behind: the manager still releases its
+region at shutdown.
 
 Use it from pytest (``pip install 'kvtier[test]'``) with a :class:`TierHarness`
 that says how to build your tier and, optionally, how to damage a stored
 value and take the medium away::
 
     import pytest
-    from kvtier.tiers.conformance import TierConformance, TierHarness
+    from kvtier.testing import TierConformance, TierHarness
 
     class MyHarness(TierHarness):
         def spec(self):
@@ -34,6 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
+import logging.handlers
 import mmap
 import shutil
 import tempfile
@@ -210,6 +215,42 @@ def wait_for(
         time.sleep(0.005)
 
 
+def _store_through(mgr: TieringManager, keys: list[BlockKey], harness: TierHarness, wait: bool = True) -> None:
+    """Store ``keys`` (random bytes) through the manager, then (``wait``) until every cascade ended."""
+    req = RequestContext(f"conformance-store-{uuid.uuid4().hex[:8]}")
+    mgr.on_new_request(req)
+    plan = mgr.prepare_store(keys, req)
+    if plan is not None:
+        rng = np.random.default_rng(len(keys))
+        for slot in plan.slots:
+            mgr.rows[slot, : harness.block_bytes] = rng.integers(0, 256, harness.block_bytes, dtype=np.uint8)
+        mgr.complete_store(list(plan.keys_to_store), req)
+    mgr.on_request_finished(req)
+    mgr.on_schedule_end()
+    if wait:
+        wait_for(lambda: not mgr.has_pending_work(), harness.wait_seconds, "cascades finished", mgr.on_schedule_end)
+
+
+def _promote_through(
+    mgr: TieringManager, keys: list[BlockKey], harness: TierHarness, wait: bool = True
+) -> list[LookupResult]:
+    """Look ``keys`` up step by step (promotions run) until each answer is final: HIT or MISS."""
+    req = RequestContext(f"conformance-load-{uuid.uuid4().hex[:8]}")
+    mgr.on_new_request(req)
+    deadline = time.monotonic() + harness.wait_seconds
+    while True:
+        answers = [mgr.lookup(k, req) for k in keys]
+        mgr.on_schedule_end()
+        final = all(a in (LookupResult.HIT, LookupResult.MISS) for a in answers) and not mgr.has_pending_work()
+        if final or not wait:
+            break
+        assert time.monotonic() < deadline, f"lookups not final within {harness.wait_seconds}s: {answers}"
+        time.sleep(0.002)
+    mgr.on_request_finished(req)
+    mgr.on_schedule_end()
+    return answers
+
+
 class _Timed:
     """Wraps scheduler-thread calls and remembers the slowest one."""
 
@@ -225,6 +266,29 @@ class _Timed:
             took = time.perf_counter() - t0
             if took > self.worst:
                 self.worst, self.worst_call = took, name
+
+
+@contextlib.contextmanager
+def keeping_every_record() -> Iterator[logging.handlers.MemoryHandler]:
+    """A handler on the root logger that keeps every record at any level (as a log shipper or
+    pytest's capture does) while inside; on exit it checks that no record holds an exception
+    object (in ``exc_info`` or its arguments), which would keep its frames alive."""
+    keeper = logging.handlers.MemoryHandler(capacity=1 << 30, flushLevel=logging.CRITICAL + 1)
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(keeper)
+    root.setLevel(logging.DEBUG)
+    try:
+        yield keeper
+    finally:
+        root.removeHandler(keeper)
+        root.setLevel(level)
+    for record in keeper.buffer:
+        holders = [record.exc_info, *(record.args if isinstance(record.args, tuple) else ())]
+        assert not any(isinstance(h, BaseException | tuple) for h in holders), (
+            f"log record {record.getMessage()[:200]!r} ({record.name}) keeps an exception and its frames"
+        )
+    keeper.close()
 
 
 class TierConformance:
@@ -264,7 +328,7 @@ class TierConformance:
             mgr.on_request_finished(req)
             wait_for(lambda: not mgr.has_pending_work(), harness.wait_seconds, "cascades finished", mgr.on_schedule_end)
             mgr.on_schedule_end()
-            assert mgr.stats()["manager"]["cascades_succeeded"] == len(keys)
+            assert mgr.stats().manager.cascades_succeeded == len(keys)
 
             mgr.reset_cache()
             mgr.rows[:] = 0  # nothing left in the CPU tier to cheat with
@@ -286,10 +350,58 @@ class TierConformance:
             mgr.on_schedule_end()
             assert np.array_equal(back, device), "promoted blocks differ from what was stored"
             stats = mgr.stats()
-            assert stats["manager"]["promotions_succeeded"] == len(keys)
-            assert next(iter(stats["tiers"].values()))["corrupt_values"] == 0
+            assert stats.manager.promotions_succeeded == len(keys)
+            assert stats.secondary[0].counters["corrupt_values"] == 0
         finally:
             mgr.shutdown()
+
+    def test_logged_corrupt_value_pins_no_cpu_row(self, harness: TierHarness, shm_dir: Path) -> None:
+        """A corrupt value is read (and logged) while a handler keeps every record: the manager
+        then shuts down and releases its region; no record holds an exception (whose frames
+        would hold views of the rows and make the release fail with RegionBusyError)."""
+        bb = harness.block_bytes
+        ns = make_namespace(bb)
+        keys = chain_ids(range(4), ns)
+        with keeping_every_record():
+            mgr = TieringManager.create(namespace=ns, num_cpu_blocks=8, tiers=[harness.spec()], shm_dir=shm_dir)
+            try:
+                _store_through(mgr, keys, harness)
+                if not harness.damage(mgr.tiers[0], keys[1]):
+                    pytest.skip("the harness cannot damage a stored value")
+                mgr.reset_cache()
+                answers = _promote_through(mgr, keys, harness)
+                assert answers[1] is LookupResult.MISS and answers[0] is LookupResult.HIT, answers
+                assert mgr.stats().secondary[0].counters["corrupt_values"] == 1
+            finally:
+                mgr.shutdown()
+            assert mgr.region.closed, "the region was not released"
+
+    def test_logged_outage_pins_no_cpu_row(self, harness: TierHarness, shm_dir: Path) -> None:
+        """Stores and loads fail during an outage of the medium (and are logged) while a handler
+        keeps every record: the manager still shuts down and releases its region."""
+        bb = harness.block_bytes
+        ns = make_namespace(bb)
+        keys = chain_ids(range(6), ns)
+        spec = {**harness.spec(), **harness.fast_failure_options()}
+        with keeping_every_record():
+            mgr = TieringManager.create(namespace=ns, num_cpu_blocks=12, tiers=[spec], shm_dir=shm_dir)
+            try:
+                _store_through(mgr, keys[:3], harness)
+                mgr.reset_cache()
+                with harness.outage() as supported:
+                    if not supported:
+                        pytest.skip("the harness cannot take the medium away")
+                    tier = mgr.tiers[0]
+                    deadline = time.monotonic() + harness.wait_seconds
+                    while tier.health().state is HealthState.CLOSED and time.monotonic() < deadline:
+                        _store_through(mgr, keys[3:], harness, wait=False)
+                        _promote_through(mgr, keys[:3], harness, wait=False)
+                        time.sleep(0.05)
+                    wait_for(lambda: not mgr.has_pending_work(), harness.wait_seconds, "jobs reported",
+                             mgr.on_schedule_end)  # fmt: skip
+            finally:
+                mgr.shutdown()
+            assert mgr.region.closed, "the region was not released"
 
     # --- jobs ---------------------------------------------------------------------------------
 
@@ -544,6 +656,7 @@ __all__ = [
     "TierConformance",
     "TierFactory",
     "TierHarness",
+    "keeping_every_record",
     "make_namespace",
     "new_job",
     "resolve",

@@ -1,0 +1,168 @@
+"""Request parameters are client input: a malformed value costs O(1) memory after the call.
+
+An HTTP client writes ``kv_transfer_params``. Whatever it sends under kvtier's keys
+(huge lists, long strings, deep nesting, huge integers, objects with hostile
+``__repr__``), the manager keeps no copy, no message grows with it, and the
+bookkeeping of problems is counts per key and kind, bounded however many distinct
+bad requests arrive. Measured with tracemalloc; retention checked by reference
+counts and weak references.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import sys
+import tracemalloc
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier import Namespace, RequestContext, TieringManager
+from kvtier.request_control import CASCADE_TIERS_KEY, CONTROL_KEYS, LOAD_TIERS_KEY, STORE_KEY
+
+
+class Hostile:
+    """A Python-API caller's object: repr and len raise, and it can be weakly referenced."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr for you")
+
+    def __len__(self) -> int:
+        raise RuntimeError("no len either")
+
+
+def _nested(depth: int) -> list[Any]:
+    value: list[Any] = ["fs"]
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+# Each maker builds the i-th distinct malformed value of one shape.
+SHAPES: dict[str, Callable[[int], Any]] = {
+    "200k-item list": lambda i: list(range(i, i + 200_000)),
+    "200k unknown selectors": lambda i: [f"tier-{i}-{j}" for j in range(200_000)],
+    "100k-key dict": lambda i: {f"k{j}": i for j in range(100_000)},
+    "1 MB string": lambda i: f"{i}:" + "x" * 1_000_000,
+    "1 MB selector": lambda i: ["cpu", f"{i}" + "y" * 1_000_000],
+    "huge int": lambda i: 10**5000 + i,
+    "deep nesting": lambda i: _nested(500 + i % 7),
+    "list of 100k dicts": lambda i: [{"n": i, "v": "z" * 10} for _ in range(100_000)],
+    "bytes": lambda i: bytes(1_000_000) + i.to_bytes(4, "big"),
+    "float": lambda i: float("nan") if i % 2 else 1e308 * (i + 1),
+    "hostile object": lambda i: Hostile(),
+}
+
+
+@pytest.fixture
+def mgr(namespace: Namespace, private_shm: Path) -> Iterator[TieringManager]:
+    manager = TieringManager.create(
+        namespace=namespace, num_cpu_blocks=8, shm_dir=private_shm, tiers=[{"type": "memory", "max_bytes": "1MiB"}]
+    )
+    yield manager
+    manager.shutdown()
+
+
+def _control(mgr: TieringManager, req_id: str, params: dict[str, Any]) -> None:
+    ctx = RequestContext(req_id, params)
+    mgr.request_control(ctx)
+    del ctx
+
+
+@pytest.mark.parametrize("key", CONTROL_KEYS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_malformed_value_is_not_kept_and_its_message_is_bounded(
+    mgr: TieringManager, shape: str, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    value = SHAPES[shape](0)
+    before = sys.getrefcount(value)
+    probe = weakref.ref(value) if isinstance(value, Hostile) else None
+    with caplog.at_level(logging.WARNING):
+        _control(mgr, "r0", {key: value})
+    gc.collect()
+    assert sys.getrefcount(value) == before, f"something kept a reference to the client's {shape}"
+    messages = [r.getMessage() for r in caplog.records if key in r.getMessage()]
+    assert messages, "a malformed setting must be logged"
+    assert all(len(m) < 400 for m in messages), max(messages, key=len)[:500]
+    assert all(r.args is None or all(isinstance(a, str | int) for a in r.args) for r in caplog.records)
+    if probe is not None:
+        del value
+        gc.collect()
+        assert probe() is None, "the hostile object outlived the call"
+
+
+DISTINCT: dict[str, Callable[[int], Any]] = {
+    "2k-item lists": lambda i: list(range(i, i + 2_000)),
+    "20 KB strings": lambda i: f"{i}:" + "x" * 20_000,
+    "20 KB selectors": lambda i: ["cpu", f"{i}" + "y" * 20_000],
+    "1 KB unknown selectors": lambda i: ["cpu", f"tier-{i}-" + "q" * 1_000],
+    "2k-key dicts": lambda i: dict.fromkeys(range(i, i + 2_000), i),
+}
+
+
+def _retained(mgr: TieringManager, requests: int, make: Callable[[int], Any]) -> int:
+    """Bytes still allocated after ``requests`` distinct bad requests (values dropped by the caller)."""
+    for i in range(20):  # warm-up: the first problem of each kind is logged, caches fill
+        _control(mgr, f"warm-{i}", {LOAD_TIERS_KEY: make(i), STORE_KEY: make(i), CASCADE_TIERS_KEY: make(i)})
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.take_snapshot()
+        for i in range(20, 20 + requests):
+            value = make(i)
+            _control(mgr, f"req-{i}-" + "r" * 100, {LOAD_TIERS_KEY: value, STORE_KEY: value, CASCADE_TIERS_KEY: value})
+            del value
+        gc.collect()
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    return sum(stat.size_diff for stat in after.compare_to(base, "filename"))
+
+
+@pytest.mark.parametrize("shape", list(DISTINCT))
+def test_thousands_of_distinct_bad_requests_cost_bounded_memory(mgr: TieringManager, shape: str) -> None:
+    """2,000 distinct bad requests: what the manager retains afterwards does not grow with
+    them (the old code kept 1,024 distinct messages, each holding the whole value's repr:
+    10-40 MB for these shapes, GBs for larger values)."""
+    grown = _retained(mgr, 2_000, DISTINCT[shape])
+    assert grown < 64 * 1024, f"{grown} bytes retained after 2,000 bad requests of {shape}"
+
+
+def test_a_200k_item_list_costs_nothing_after_the_call(mgr: TieringManager) -> None:
+    grown = _retained(mgr, 3, SHAPES["200k-item list"])
+    assert grown < 16 * 1024, f"{grown} bytes retained after three 200,000-item lists"
+
+
+def test_problems_are_counted_per_kind_and_logged_at_1_10_100(
+    mgr: TieringManager, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        for i in range(150):
+            _control(mgr, f"r{i}", {CASCADE_TIERS_KEY: [f"nope-{i}"], STORE_KEY: i})
+    counts = mgr._requests._control_problems.counts()  # the request table (kvtier.manager.requests) keeps them
+    assert counts == {f"{CASCADE_TIERS_KEY}:unknown_selector": 150, f"{STORE_KEY}:not_boolean": 150}
+    logged = [r.getMessage() for r in caplog.records if "setting is ignored" in r.getMessage()]
+    assert len(logged) == 6, logged  # 1st, 10th, 100th of each kind
+    assert any("(100 such problem(s) so far)" in m for m in logged)
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        pytest.param("no", "'no'", id="short string"),
+        pytest.param(list(range(200_000)), "a list of 200000 items: [0, 1, 2, 3, ...]", id="long list"),
+        pytest.param("x" * 10_000, "a string of 10000 characters", id="long string"),
+        pytest.param(10**5000, "an integer of 16610 bits", id="huge int"),
+        pytest.param(Hostile(), "a Hostile object", id="hostile"),
+        pytest.param(bytes(10_000), "10000 bytes", id="bytes"),
+        pytest.param(_nested(1000), "a list of 1 items: [[[...]]]", id="deep"),
+    ],
+)
+def test_values_are_described_by_type_and_a_bounded_repr(value: Any, shown: str) -> None:
+    from kvtier.request_control import describe_value
+
+    assert describe_value(value) == shown
