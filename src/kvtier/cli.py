@@ -548,6 +548,13 @@ def _add_replay(sub: Any) -> None:
         "subdirectory (kvtier-replay-*) and removes it after, so no run starts warm (real bytes of small "
         "blocks); per-tier hit rates",
     )  # fmt: skip
+    p.add_argument(
+        "--fs-blocks", type=_capacity_list, default=None,
+        help="with --fs-root: the fs tier's size, in blocks or as a share of the distinct blocks like 10%% "
+        "(default: the fs tier's own default, a share of the free space)",
+    )  # fmt: skip
+    p.add_argument("--admission", choices=("all", "learned"), default="all",
+                   help="with --fs-root: which stored blocks the fs tier is given (the tier option admission)")
     p.add_argument("--shm-dir", default=None, help="directory of the CPU region (default: KVTIER_SHM_DIR, /dev/shm)")
     p.add_argument("--json", metavar="FILE", default=None,
                    help="write the sweep as JSON ('-': stdout, the tables then go to stderr)")  # fmt: skip
@@ -626,6 +633,26 @@ def _replay_fs_dir(fs_root: str) -> Any:
         raise ConfigError(f"--fs-root {fs_root!r}: {os_error_text(exc)}") from None
 
 
+def _replay_fs_options(args: argparse.Namespace, distinct: int) -> dict[str, Any]:
+    """The replay fs tier's options from --fs-blocks and --admission (which need --fs-root)."""
+    from kvtier.tiers.fs import FilesystemTier
+    from kvtier.workload.replay import REPLAY_BLOCK_BYTES
+
+    if args.fs_root is None:
+        given = [f for f, v in (("--fs-blocks", args.fs_blocks), ("--admission", args.admission != "all")) if v]
+        if given:
+            raise ConfigError(f"{' and '.join(given)} shape the replay's fs tier: add --fs-root DIR, or drop it")
+        return {}
+    options: dict[str, Any] = {"admission": args.admission}
+    if args.fs_blocks is not None:
+        if len(args.fs_blocks) != 1:
+            raise ConfigError(f"--fs-blocks takes one size, got {len(args.fs_blocks)}: give one, e.g. 10%")
+        value = args.fs_blocks[0]
+        blocks = value if isinstance(value, int) else max(1, round(value * distinct))
+        options["max_bytes"] = blocks * FilesystemTier.bytes_per_block(REPLAY_BLOCK_BYTES)
+    return options
+
+
 def _cmd_replay(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         if (args.trace is None) == (args.synthetic is None):
@@ -678,10 +705,21 @@ def _print_replay(
             out.print(
                 f"capacity {row['capacity']}: {'kvtier' if single else name} {100 * kv['hit_rate']:.2f}%  "
                 f"belady {belady_text}  unbounded {100 * row['unbounded']['hit_rate']:.2f}%  "
-                f"({kv['ratio_to_lru']:.3f}x lru, {kv['self_evictions']} self-evicted)",
+                f"({kv['ratio_to_lru']:.3f}x lru, {kv['self_evictions']} self-evicted)" + _tier_writes(kv),
                 highlight=False,
             )
     return rows
+
+
+def _tier_writes(kv: dict[str, Any]) -> str:
+    """Each secondary tier's hits, bytes written and admission counts, for a replay's line ("" without)."""
+    parts = [
+        f"; {label}: {100 * kv['tier_hit_rates'].get(label, 0.0):.2f}% hits, {int(kv[name])} bytes written "
+        f"({int(kv.get(f'admitted_blocks:{label}', 0))} blocks admitted, "
+        f"{int(kv.get(f'declined_blocks:{label}', 0))} declined)"
+        for name in kv if name.startswith("written_bytes:") for label in [name.split(":", 1)[1]]
+    ]  # fmt: skip
+    return "".join(parts)
 
 
 def _replay(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
@@ -712,10 +750,13 @@ def _replay(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
         if fs_dir is not None:
             err.print(f"fs tiers in {fs_dir} (removed after the run)", highlight=False, markup=False)
 
+        fs_options = _replay_fs_options(args, int(summary["distinct_blocks"]))
+
         def tiers(policy: str, capacity: int) -> list[dict[str, Any]]:
             if fs_dir is None:
                 return []
-            return [{"type": "fs", "root": os.path.join(fs_dir, f"{policy.replace(':', '_')}-{capacity}")}]
+            return [{"type": "fs", "root": os.path.join(fs_dir, f"{policy.replace(':', '_')}-{capacity}"),
+                     **fs_options}]  # fmt: skip
 
         runs = compare_policies(
             keys, capacities, args.policy, namespace=namespace, tiers=tiers, shm_dir=args.shm_dir,

@@ -30,6 +30,9 @@ tier or ``<n>:<type>`` for secondary tier n, as in events and logs):
   not cascaded because of backpressure)
 * ``backpressure_active{tier}``, ``store_latency_avg_seconds{tier}``,
   ``backpressure_skipped_jobs_total{tier}``, ``backpressure_skipped_blocks_total{tier}``
+* ``admission_blocks_total{tier,rule,decision}``: stored blocks a secondary tier's cascade
+  admission (``rule``: ``all`` or ``learned``) admitted (``decision="admitted"``) or declined
+  (``"declined_learned"``: predicted not worth the write; ``"declined_backpressure"``)
 * ``tier_extra_counter_total{tier,name}`` and ``tier_extra_gauge{tier,name}``:
   the metrics a tier declares itself (``SecondaryTier.extra_metrics``)
 * ``lookup_seconds`` and ``scheduler_step_seconds``: histograms the caller feeds
@@ -136,6 +139,11 @@ def _families(snap: ManagerSnapshot, transfer: Mapping[str, tuple[int, float]]) 
     skipped_blocks = CounterMetricFamily(
         "kvtier_backpressure_skipped_blocks", "Blocks not cascaded under backpressure.", labels=["tier"]
     )
+    admission = CounterMetricFamily(
+        "kvtier_admission_blocks",
+        "Stored blocks a secondary tier's cascade admission admitted or declined (reason: backpressure or "
+        "learned).", labels=["tier", "rule", "decision"],
+    )
     extra_counters = CounterMetricFamily(
         "kvtier_tier_extra_counter", "Counters a tier declares itself.", labels=["tier", "name"]
     )
@@ -179,6 +187,11 @@ def _families(snap: ManagerSnapshot, transfer: Mapping[str, tuple[int, float]]) 
                 latency.add_metric([label], bp.store_latency_avg)
             skipped_jobs.add_metric([label], bp.skipped_jobs)
             skipped_blocks.add_metric([label], bp.skipped_blocks)
+        adm = tier.admission
+        if adm is not None:
+            admission.add_metric([label, adm.rule, "admitted"], adm.admitted_blocks)
+            admission.add_metric([label, adm.rule, "declined_learned"], adm.learned_declined)
+            admission.add_metric([label, adm.rule, "declined_backpressure"], adm.declined_blocks - adm.learned_declined)
         for name, value in sorted(tier.extra.items()):
             family = extra_counters if tier.extra_kinds.get(name) == "counter" else extra_gauges
             family.add_metric([label, name], value)
@@ -205,7 +218,7 @@ def _families(snap: ManagerSnapshot, transfer: Mapping[str, tuple[int, float]]) 
         "lookup_async_seconds",
     )
     return [lookups, sync, deferred, nbytes, seconds, jobs, active, failures, evictions, used, total, entries,
-            health, pressure, latency, skipped_jobs, skipped_blocks, extra_counters, extra_gauges, in_flight,
+            health, pressure, latency, skipped_jobs, skipped_blocks, admission, extra_counters, extra_gauges, in_flight,
             promotions, cascades, *policy_families]  # fmt: skip
 
 

@@ -143,6 +143,8 @@ class TierTelemetry:
     """What the manager observes about one tier. Scheduler thread only."""
 
     __slots__ = (
+        "admitted_blocks",
+        "declined_blocks",
         "failures",
         "last_error",
         "loads_in_flight",
@@ -163,6 +165,8 @@ class TierTelemetry:
         """The tier's own words for its latest failed job (at most 300 characters), for reports."""
         self.stores_in_flight = 0
         self.loads_in_flight = 0
+        self.admitted_blocks = 0  # stored blocks the tier's cascade admission took (secondary tiers)
+        self.declined_blocks = 0  # ... and declined (backpressure or a learned admission)
 
     def fail(self, kind: str, count: int = 1, error: str | None = None) -> None:
         self.failures[kind] = self.failures.get(kind, 0) + count
@@ -241,6 +245,19 @@ class BackpressureSnapshot:
 
 
 @dataclass(frozen=True)
+class AdmissionSnapshot:
+    """How the manager admits cascades to one secondary tier: its rule (``all`` or ``learned``,
+    the tier spec's ``admission`` option) and the stored blocks it admitted and declined
+    (declined for any reason: backpressure or the learned rule; ``learned_declined`` counts the
+    learned rule's alone)."""
+
+    rule: str
+    admitted_blocks: int
+    declined_blocks: int
+    learned_declined: int = 0
+
+
+@dataclass(frozen=True)
 class PolicySnapshot:
     """What a tier's eviction policy reports about itself (:meth:`EvictionPolicy.stats`).
 
@@ -309,6 +326,7 @@ class TierSnapshot:
     evictions: int
     health: str
     backpressure: BackpressureSnapshot | None = None
+    admission: AdmissionSnapshot | None = None
     counters: Mapping[str, float] = field(default_factory=dict)
     extra: Mapping[str, float] = field(default_factory=dict)
     extra_kinds: Mapping[str, str] = field(default_factory=dict)
@@ -573,6 +591,7 @@ def _tier_from_dict(index: int, label: str, entry: Mapping[str, Any]) -> TierSna
 __all__ = [
     "ASYNC_LOOKUP_SECONDS_BUCKETS",
     "LOOKUP_SECONDS_BUCKETS",
+    "AdmissionSnapshot",
     "BackpressureSnapshot",
     "HistogramSnapshot",
     "LatencyHistogram",

@@ -138,7 +138,7 @@ class TieringManager:
         self.backpressure = backpressure if backpressure is not None else BackpressureSettings()
         self.lookup_timing_every = lookup_timing_every
         self._stats = ManagerCounters()
-        self._tiers = TierSet(self.tiers, self.backpressure, self._stats)
+        self._tiers = TierSet(self.tiers, self.backpressure, self._stats, primary)
         self._jobs = Ledger(primary, self._stats)
         cpu = TierDescriptor(0, PRIMARY_LABEL, "primary", "local")
         self._requests = RequestTable([cpu, *(handle.descriptor for handle in self._tiers.handles)], self._tiers)

@@ -21,7 +21,8 @@ from typing import Any, TypeVar
 from kvtier.backpressure import BackpressureSettings
 from kvtier.errors import TierFailure, TierShutdownTimeout
 from kvtier.keys import BlockKey
-from kvtier.manager.admission import CascadeAdmission, cascade_admission
+from kvtier.manager.admission import CascadeAdmission, tier_admission
+from kvtier.primary import PrimaryTier
 from kvtier.request_control import TierDescriptor, tier_locality
 from kvtier.telemetry import ManagerCounters, TierTelemetry
 from kvtier.tiers.base import SecondaryTier, TransferJob
@@ -169,12 +170,10 @@ class TierSet:
     """Every secondary tier's handle, in order, and what the manager asks of them together."""
 
     def __init__(self, tiers: Sequence[SecondaryTier], backpressure: BackpressureSettings,
-                 counters: ManagerCounters) -> None:
+                 counters: ManagerCounters, primary: PrimaryTier | None = None) -> None:
         self.cpu = TierTelemetry()  # the manager's telemetry of the CPU tier (index 0)
-        self.handles = tuple(
-            TierHandle(i, tier, cascade_admission(backpressure, tier_label(i, tier.tier_type)), counters)
-            for i, tier in enumerate(tiers, start=1)
-        )
+        self.handles = tuple(TierHandle(i, tier, tier_admission(tier, i, backpressure, primary), counters)
+                             for i, tier in enumerate(tiers, start=1))  # fmt: skip
         self.live = list(self.handles)
         """The handles of the tiers not shut down, in order (the lookup path iterates it)."""
         self._step_end = [handle for handle in self.handles if handle.has_step_end]
@@ -236,15 +235,16 @@ class TierSet:
         return [handle for handle in among if handle.live and (wanted is None or handle.index in wanted)]
 
     def admit(self, among: list[TierHandle], keys: list[BlockKey], request: RequestContext | None) -> list[TierHandle]:
-        """The handles of ``among`` whose admission takes a cascade of ``keys`` now (the others
-        count its blocks as skipped)."""
+        """The handles of ``among`` whose admission takes a cascade of ``keys`` now (counted per tier)."""
         admitted = []
         for handle in among:
-            admission = handle.admission
-            if admission is not None and not admission.admit(keys, request, handle.telemetry.stores_in_flight):
+            admission, telemetry = handle.admission, handle.telemetry
+            if admission is not None and not admission.admit(keys, request, telemetry.stores_in_flight):
                 self._counters.cascades_skipped += len(keys)
-                continue
-            admitted.append(handle)
+                telemetry.declined_blocks += len(keys)
+            else:
+                telemetry.admitted_blocks += len(keys)
+                admitted.append(handle)
         return admitted
 
     def has_pending_work(self) -> bool:

@@ -132,7 +132,9 @@ def replay_manager(
 
     Returns prefix hits split by tier (``"cpu"`` and each secondary tier's label),
     with ``extra["self_evictions"]``: blocks evicted by a later store of their own
-    request. ``store_chunk``: how each request's missed blocks are stored (one
+    request, and per secondary tier ``extra["written_bytes:LABEL"]`` (bytes its cascades
+    wrote), ``"admitted_blocks:LABEL"`` and ``"declined_blocks:LABEL"`` (its admission's
+    count). ``store_chunk``: how each request's missed blocks are stored (one
     ``prepare_store`` / ``complete_store`` per piece, see :func:`store_pieces`);
     ``decode_blocks[i]``: request ``i``'s decode stores in the mixed mode (default 1).
     ``progress`` is called with the number of requests done, every 256 requests.
@@ -218,8 +220,15 @@ def replay_manager(
         manager.shutdown()
     hits_total = sum(tier_hits.values())
     policy_values = stats.cpu.policy.values if stats.cpu.policy is not None else {}
+    written: dict[str, float] = {}
+    for tier in stats.tiers[1:]:  # what each secondary tier was given (its admission's work)
+        written[f"written_bytes:{tier.label}"] = tier.written.bytes
+        if tier.admission is not None:
+            written[f"admitted_blocks:{tier.label}"] = tier.admission.admitted_blocks
+            written[f"declined_blocks:{tier.label}"] = tier.admission.declined_blocks
     extra: dict[str, float] = {
         **{f"policy_{name}": value for name, value in policy_values.items()},
+        **written,
         "store_rejections": rejected,
         "self_evictions": self_evicted,
         "evictions": stats.cpu.evictions,

@@ -33,6 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar, NamedTuple
 
+import numpy as np
+
 from kvtier.keys import BlockKey
 from kvtier.policies.fingerprints import fingerprint
 from kvtier.policies.return_time.classes import (
@@ -81,6 +83,10 @@ SPARE_RECORDS = 64
 GUARD_KEYS = 512
 """The guard's miniature of the learned holds has at least this many entries (if the model's
 sample allows): its share of the keys is ``max(512 / capacity, 1 / 256)``, at most the model's."""
+
+
+MIN_RETURNS = 64.0
+"""Returns the model must have seen (decayed) before :meth:`ReturnTimePolicy.relative_reuse` answers."""
 
 
 class LoadedChain(NamedTuple):
@@ -135,6 +141,8 @@ class ReturnTimePolicy(ExpiryWheel):
         self._next_solve = self.solve_every
         self._loaded: LoadedChain | None = None
         self._open_limit = max(8, min(OPEN_REQUESTS, c // 32) // 2)  # per generation
+        self._odds_key: tuple[int, int] | None = None  # (solve clock, horizon) of _odds
+        self._odds: list[float] | None = None
 
     def _reset_blocks(self) -> None:
         super()._reset_blocks()
@@ -172,6 +180,43 @@ class ReturnTimePolicy(ExpiryWheel):
             "fallbacks": float(guard.fallbacks),
             "open_requests": float(len(self._open) + len(self._open_old)),
         }
+
+    def relative_reuse(self, tail_slot: int, horizon: int) -> float | None:
+        """The chance that blocks like those of the store that ended in ``tail_slot`` return within
+        ``horizon`` references (at most the model's horizon), over the average stored block's
+        (see :meth:`EvictionPolicy.relative_reuse`); None before the first solve or while the
+        model has seen too few returns to tell.
+
+        A stored block is one of its request's blocks but the last (the request may go on: its
+        last block is known only when it ends), classed by the request's count of genuinely new
+        blocks so far (its record; a settled request's store gets the average). The odds per
+        class come from the model's survival curves, refreshed once per solve.
+        """
+        odds = self._reuse_odds(horizon)
+        if odds is None:
+            return None
+        record = self._open.get(tail_slot) or self._open_old.get(tail_slot)
+        if record is None:
+            return 1.0
+        new = record.new
+        return odds[BASE_OF_NEW[new if new < 8 else 8]]
+
+    def _reuse_odds(self, horizon: int) -> list[float] | None:
+        """Per class, its chance of a return within ``horizon`` over the average new block's,
+        cached until the next solve (None: too few returns observed)."""
+        key = (self._last_solve, horizon)
+        if self._odds_key == key:
+            return self._odds
+        self._odds_key = key
+        model = self.model
+        at = min(model.age_bucket(max(1, horizon)) + 1, len(model.edges) - 1)
+        returned = 1.0 - model.survival(model.events, model.censored)[:, at]
+        bodies = sorted(set(BASE_OF_NEW))  # the classes of stored blocks but a request's last
+        weights = model.refs[bodies]
+        mean = float(np.dot(weights, returned[bodies]) / weights.sum()) if weights.sum() > 0 else 0.0
+        enough = model.events.sum() >= MIN_RETURNS and mean > 0
+        self._odds = [float(r) / mean for r in returned] if enough else None
+        return self._odds
 
     # --- references -------------------------------------------------------------------
 
