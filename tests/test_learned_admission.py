@@ -16,6 +16,7 @@ import pytest
 
 from kvtier import Namespace, RequestContext, TieringManager, prefix_keys
 from kvtier.config import load_config
+from kvtier.config.build import describe_config
 from kvtier.errors import ConfigError
 from kvtier.keys import KVGeometry
 from kvtier.manager.admission import LearnedAdmission
@@ -152,3 +153,11 @@ def test_replay_reports_what_each_tier_was_given(tmp_path: Path) -> None:
     bad_args = ["replay", "--synthetic", "chat", "--admission", "learned"]
     bad = subprocess.run([sys.executable, "-m", "kvtier.cli", *bad_args], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--admission" in bad.stderr and "--fs-root" in bad.stderr
+
+
+def test_config_show_sizes_a_tier_that_names_its_admission() -> None:
+    """Regression: the tier's capacity was computed from options that still held ``admission``,
+    which the tier's own model refuses."""
+    config = load_config(cli={"tiers": [{"type": "memory", "max_bytes": "1MiB", "admission": "learned"}]})
+    tier = describe_config(config)["tiers"][0]
+    assert tier["capacity_bytes"] == 1 << 20 and tier["options"]["admission"] == "learned"
