@@ -161,3 +161,38 @@ def test_config_show_sizes_a_tier_that_names_its_admission() -> None:
     config = load_config(cli={"tiers": [{"type": "memory", "max_bytes": "1MiB", "admission": "learned"}]})
     tier = describe_config(config)["tiers"][0]
     assert tier["capacity_bytes"] == 1 << 20 and tier["options"]["admission"] == "learned"
+
+
+class _Predictions:
+    """The CPU tier as the admission sees it (a collaborator): slots by key, and a policy whose
+    predictions the test sets."""
+
+    def __init__(self) -> None:
+        self.ratio = 1.0
+        self.policy = self
+        self.asked = 0
+
+    def slot_of(self, key: bytes) -> int:
+        return 0
+
+    def relative_reuse(self, tail_slot: int, horizon: int) -> float:
+        self.asked += 1
+        return self.ratio
+
+
+def test_a_request_stored_in_pieces_follows_its_first_stores_decision() -> None:
+    """Regression: each piece was judged alone, so a request's later pieces (more new blocks, a
+    class that returns less) were declined after its first were written, leaving them useless in
+    the tier (api seed 0, one block a store: 0.71x the hit rate of admitting all)."""
+    cpu = _Predictions()
+    admission = LearnedAdmission(cpu, 1000, None)  # type: ignore[arg-type]
+    keys = prefix_keys(np.arange(4), 1)
+    first, other = RequestContext("first"), RequestContext("other")
+    assert admission.admit(keys[:1], first, 0)
+    cpu.ratio = 0.1  # its later pieces look like a class that seldom returns
+    assert all(admission.admit(keys[i : i + 1], first, 0) for i in range(1, 4))
+    assert not admission.admit(keys, other, 0) and admission.declined == 4
+    cpu.ratio = 1.0
+    assert not admission.admit(keys, other, 0)  # declined from its first store on: no holes
+    assert admission.admit(keys, None, 0)  # a store without a request is judged alone
+    assert cpu.asked == 3
