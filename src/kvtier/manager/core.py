@@ -144,7 +144,7 @@ class TieringManager:
         self.lookup_timing_every = lookup_timing_every
         cpu = TierTelemetry()
         self._waits = BlockWaits(self.wait_timeout, hold, cpu, primary.num_blocks)
-        self._tiers = TierSet(self.tiers, self.backpressure, ManagerCounters(), self._waits, cpu)
+        self._tiers = TierSet(self.tiers, self.backpressure, ManagerCounters(), self._waits, cpu, primary)
         self._jobs = Ledger(primary, self._tiers.counters, self._tiers, self._waits, self.wait_timeout)
         cpu_tier = TierDescriptor(0, PRIMARY_LABEL, "primary", "local")
         self._requests = RequestTable([cpu_tier, *(h.descriptor for h in self._tiers.handles)], self._tiers,
@@ -425,14 +425,14 @@ class TieringManager:
         if result is None:
             self._tiers.counters.store_rejections += 1
             return None
-        if state is not None:
-            if keys:
-                state.chain_tail = keys[-1]
-                state.stored_tail = True
-            state.pending_store_keys.update(result.keys_to_store)
-            if state.request_level_tiers:
-                new = set(result.keys_to_store)
-                self._requests.cascade(state, [k for k in dict.fromkeys(keys) if k not in new])
+        if state is None:
+            if keys:  # no request to continue it: the store is a whole request
+                self.primary.end_request(keys[-1])
+            return result
+        state.note_store(keys, result.keys_to_store)
+        if state.request_level_tiers:
+            new = set(result.keys_to_store)
+            self._requests.cascade(state, [k for k in dict.fromkeys(keys) if k not in new])
         return result
 
     def complete_store(
