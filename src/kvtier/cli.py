@@ -688,7 +688,10 @@ def _replay_fs_options(args: argparse.Namespace, distinct: int) -> dict[str, Any
         if len(args.fs_blocks) != 1:
             raise ConfigError(f"--fs-blocks takes one size, got {len(args.fs_blocks)}: give one, e.g. 10%")
         value = args.fs_blocks[0]
-        blocks = value if isinstance(value, int) else max(1, round(value * distinct))
+        if value.nbytes is not None:
+            raise ConfigError(f"--fs-blocks {value.text!r} is a size: give the fs tier's blocks as a count or a "
+                              "share of the distinct blocks, e.g. 18279 or 10%")
+        blocks = value.blocks if value.blocks is not None else max(1, round((value.share or 0) * distinct))
         options["max_bytes"] = blocks * FilesystemTier.bytes_per_block(REPLAY_BLOCK_BYTES)
     return options
 
