@@ -271,3 +271,30 @@ def test_bench_tiers_come_in_the_order_given(tmp_path: Path, private_shm: Path) 
     assert _bench_tier_names(private_shm, "--config", str(config), "--fs-root", fs)[2:] == ["memory", "fs"]
     assert _bench_tier_names(private_shm, "--fs-root", fs, "--config", str(config))[2:] == ["fs", "memory"]
     assert _bench_tier_names(private_shm, "--memory-tier", "8MiB", "--fs-root", fs)[2:] == ["memory", "fs"]
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [("0", ["--fs-blocks", "'0'"]), ("4GiB", ["--fs-blocks", "is a size"]), ("10%,20%", ["--fs-blocks", "one"]),
+     ("abc", ["--fs-blocks", "'abc'"]), ("0.00001%", ["--fs-blocks", "less than one block"])],
+)  # fmt: skip
+def test_fs_blocks_is_refused_naming_itself_before_any_replay(tmp_path: Path, value: str, words: list[str]) -> None:
+    """Regression: --fs-blocks used --capacity's parser (its errors said '--capacity') and was checked
+    after the fs directory was made and announced."""
+    out = run(*SMALL, "--fs-root", str(tmp_path), "--fs-blocks", value)
+    assert out.returncode == 2
+    _one_error_line(out, *words)
+    assert "--capacity" not in out.stderr and "fs tiers in" not in out.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_two_outputs_naming_one_file_are_refused(tmp_path: Path) -> None:
+    """Regression: --json X --plot X wrote the JSON, then the PNG over it, and exited 0."""
+    target = tmp_path / "a.png"
+    out = run(*SMALL, "--json", str(target), "--plot", str(target))
+    assert out.returncode == 2
+    _one_error_line(out, "--json", "--plot", "same file")
+    assert not target.exists()
+    (tmp_path / "link.png").symlink_to(target)
+    out = run(*SMALL, "--json", str(target), "--plot", str(tmp_path / "link.png"))
+    assert out.returncode == 2 and "same file" in out.stderr

@@ -152,6 +152,17 @@ def check_plot_file(path: str, inputs: Sequence[str | None] = ()) -> None:
         raise ConfigError(f"--plot {path!r}: matplotlib cannot write {what}: use a suffix from {kinds}")
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether two output paths name one file: the same path once resolved, or the same inode."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
 def _open_outputs(
     stack: contextlib.ExitStack, outputs: dict[str, str | None], inputs: Sequence[str | None]
 ) -> dict[str, OutputFile]:
@@ -160,6 +171,13 @@ def _open_outputs(
     to_stdout = [flag for flag, path in outputs.items() if path == STDOUT]
     if len(to_stdout) > 1:
         raise ConfigError(f"{' and '.join(to_stdout)} both write to standard output ('-'): give one of them a file")
+    named = [(flag, path) for flag, path in outputs.items() if path is not None and path != STDOUT]
+    for i, (flag, target) in enumerate(named):
+        for other, other_target in named[:i]:
+            if _same_file(target, other_target):
+                raise ConfigError(
+                    f"{other} {other_target!r} and {flag} {target!r} name the same file: give each its own"
+                )
     opened: dict[str, OutputFile] = {}
     for flag, path in outputs.items():
         if path is None:
@@ -556,7 +574,8 @@ def _add_replay(sub: Any) -> None:
     )  # fmt: skip
     p.add_argument(
         "--block-tokens", metavar="N", type=_int_in(1, MAX_LAYOUT_COUNT), default=None,
-        help="tokens per trace block (hash_id) for sizes (default 512, as in the Mooncake traces)",
+        help="tokens per trace block (hash_id), for sizes and the decode stores of --store-chunk mixed "
+        "(default 512, as in the Mooncake traces)",
     )  # fmt: skip
     p.add_argument(
         "--block-bytes", metavar="SIZE", type=_positive_size, default=None,
@@ -575,19 +594,7 @@ def _add_replay(sub: Any) -> None:
         "per store for the blocks its output fills (default: one store per request)",
     )  # fmt: skip
     p.add_argument("--no-belady", action="store_true", help="skip the Belady reference")
-    p.add_argument(
-        "--fs-root", metavar="DIR", default=None,
-        help="also cascade to an fs tier on this directory's disk: each replay makes a fresh, lock-held "
-        "subdirectory (kvtier-replay-*) and removes it after, so no run starts warm (real bytes of small "
-        "blocks); per-tier hit rates",
-    )  # fmt: skip
-    p.add_argument(
-        "--fs-blocks", type=_capacity_list, default=None,
-        help="with --fs-root: the fs tier's size, in blocks or as a share of the distinct blocks like 10%% "
-        "(default: the fs tier's own default, a share of the free space)",
-    )  # fmt: skip
-    p.add_argument("--admission", choices=("all", "learned"), default="all",
-                   help="with --fs-root: which stored blocks the fs tier is given (the tier option admission)")
+    _add_replay_fs_tier(p)
     p.add_argument("--shm-dir", default=None, help="directory of the CPU region (default: KVTIER_SHM_DIR, /dev/shm)")
     p.add_argument("--json", metavar="FILE", default=None,
                    help="write the sweep as JSON ('-': stdout, the tables then go to stderr)")  # fmt: skip
@@ -599,6 +606,42 @@ def _add_replay(sub: Any) -> None:
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (none is shown when standard error is not a terminal)")  # fmt: skip
     p.set_defaults(func=_cmd_replay)
+
+
+def _add_replay_fs_tier(p: argparse.ArgumentParser) -> None:
+    """replay's flags of its optional fs tier."""
+    p.add_argument(
+        "--fs-root", metavar="DIR", default=None,
+        help="also cascade to an fs tier on this directory's disk: each replay makes a fresh, lock-held "
+        "subdirectory (kvtier-replay-*) and removes it after, so no run starts warm (real bytes of small "
+        "blocks); per-tier hit rates",
+    )  # fmt: skip
+    p.add_argument(
+        "--fs-blocks", metavar="N|P%", type=_fs_blocks, default=None,
+        help="with --fs-root: the fs tier's size, in blocks or as a share of the distinct blocks like 10%% "
+        "(default: the fs tier's own default, a share of the free space)",
+    )  # fmt: skip
+    p.add_argument("--admission", choices=("all", "learned"), default="all",
+                   help="with --fs-root: which stored blocks the fs tier is given (the tier option admission)")
+
+
+def _fs_blocks(text: str) -> Any:
+    """``replay --fs-blocks``: one block count or share of the distinct blocks (a size is refused:
+    the fs tier's blocks are trace blocks); refused at parse time naming the flag."""
+    from kvtier.workload.capacity import parse_capacities
+
+    try:
+        entries = parse_capacities(text, MAX_REPLAY_CAPACITY, "--fs-blocks")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if len(entries) != 1:
+        raise argparse.ArgumentTypeError(f"--fs-blocks {text!r}: give one block count or one share like 10%")
+    if entries[0].nbytes is not None:
+        raise argparse.ArgumentTypeError(
+            f"--fs-blocks {text!r} is a size: give the fs tier's blocks as a count or a share of the distinct "
+            "blocks, e.g. 20000 or 10%"
+        )
+    return entries[0]
 
 
 def _store_chunk(text: str) -> int | str:
@@ -685,13 +728,11 @@ def _replay_fs_options(args: argparse.Namespace, distinct: int) -> dict[str, Any
         return {}
     options: dict[str, Any] = {"admission": args.admission}
     if args.fs_blocks is not None:
-        if len(args.fs_blocks) != 1:
-            raise ConfigError(f"--fs-blocks takes one size, got {len(args.fs_blocks)}: give one, e.g. 10%")
-        value = args.fs_blocks[0]
-        if value.nbytes is not None:
-            raise ConfigError(f"--fs-blocks {value.text!r} is a size: give the fs tier's blocks as a count or a "
-                              "share of the distinct blocks, e.g. 18279 or 10%")
-        blocks = value.blocks if value.blocks is not None else max(1, round((value.share or 0) * distinct))
+        value = args.fs_blocks
+        blocks = value.blocks if value.blocks is not None else round((value.share or 0) * distinct)
+        if blocks < 1:
+            raise ConfigError(f"--fs-blocks {value.text!r} of the {distinct} distinct blocks is less than one "
+                              "block: give a larger share or a block count")
         options["max_bytes"] = blocks * FilesystemTier.bytes_per_block(REPLAY_BLOCK_BYTES)
     return options
 
@@ -770,8 +811,8 @@ def _print_replay(
                 f"capacity {row['capacity']}: {'kvtier' if single else name} {100 * kv['hit_rate']:.2f}%  "
                 f"belady {belady_text}  unbounded {100 * row['unbounded']['hit_rate']:.2f}%  "
                 f"({kv['ratio_to_lru']:.3f}x lru, {kv['self_evictions']} self-evicted)" + _tier_writes(kv),
-                highlight=False,
-            )
+                highlight=False, soft_wrap=True,
+            )  # fmt: skip
     return rows
 
 
@@ -787,16 +828,15 @@ def _tier_writes(kv: dict[str, Any]) -> str:
 
 
 def _replay_runs(
-    args: argparse.Namespace, trace: Any, keys: Any, capacities: list[int], namespace: Any, err: Any
+    args: argparse.Namespace, trace: Any, keys: Any, capacities: list[int], namespace: Any, err: Any,
+    fs_options: dict[str, Any],
 ) -> dict[int, dict[str, Any]]:
     """Every (capacity, policy) run of the replay of ``trace`` (its requests; ``keys`` their block
-    keys), with a progress bar on a terminal (see :class:`~kvtier.workload.progress.RequestProgress`)
-    and a line per run on stderr."""
+    keys; ``fs_options``: the fs tier's, with --fs-root), with a progress bar on a terminal (see
+    :class:`~kvtier.workload.progress.RequestProgress`) and a line per run on stderr."""
     from kvtier.workload.progress import RequestProgress
     from kvtier.workload.replay import compare_policies, decode_blocks
-    from kvtier.workload.trace import trace_summary
-
-    summary = trace_summary(trace)
+    from kvtier.workload.trace import TRACE_BLOCK_TOKENS
 
     requests = len(keys)
     total = requests * len(capacities) * len(dict.fromkeys([*args.policy, "lru"]))
@@ -805,8 +845,6 @@ def _replay_runs(
         fs_dir = None if scratch is None else str(scratch.path)
         if fs_dir is not None:
             _say(err, f"fs tiers in {fs_dir} (removed after the run)")
-
-        fs_options = _replay_fs_options(args, int(summary["distinct_blocks"]))
 
         def tiers(policy: str, capacity: int) -> list[dict[str, Any]]:
             if fs_dir is None:
@@ -827,8 +865,8 @@ def _replay_runs(
 
             return compare_policies(
                 keys, capacities, args.policy, namespace=namespace, tiers=tiers, shm_dir=args.shm_dir,
-                store_chunk=args.store_chunk, decode_blocks=decode_blocks(trace), announce=announce,
-                progress=progress,
+                store_chunk=args.store_chunk, announce=announce, progress=progress,
+                decode_blocks=decode_blocks(trace, args.block_tokens or TRACE_BLOCK_TOKENS),
             )  # fmt: skip
     finally:
         if scratch is not None:
@@ -858,6 +896,7 @@ def _replay(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
     summary = trace_summary(requests)
     capacities = _replay_capacities(args, int(summary["distinct_blocks"]), block)
     _check_replay_capacity(capacities, args.shm_dir)
+    fs_options = _replay_fs_options(args, int(summary["distinct_blocks"]))
     flat = FlatTrace.from_requests(requests)
     err = _stderr_console()
     chaining = check_chaining(flat)
@@ -866,7 +905,7 @@ def _replay(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
         _say(err, f"kvtier replay: warning: {source}: {warning}")
     unbounded = unbounded_hit_rate(flat)
     namespace = replay_namespace()
-    runs = _replay_runs(args, requests, trace_keys(flat, namespace), capacities, namespace, err)
+    runs = _replay_runs(args, requests, trace_keys(flat, namespace), capacities, namespace, err, fs_options)
     belady: dict[int, HitRateResult | None] = {
         c: None if args.no_belady else belady_hit_rate(flat, c) for c in capacities
     }

@@ -29,7 +29,7 @@ tier or ``<n>:<type>`` for secondary tier n, as in events and logs):
 * ``evictions_total{tier}``, ``capacity_used_bytes{tier}``, ``capacity_bytes{tier}``, ``entries{tier}``
 * ``health_state{tier,state}``: 1 for the tier's current state (closed/open/half_open/down/unknown)
 * ``promotions_total{result}``, ``cascades_total{result}`` (blocks; ``result="skipped"``:
-  not cascaded because of backpressure)
+  declined by a tier's admission, backpressure or ``admission: learned``)
 * ``request_control_problems_total{key,kind}``: malformed per-request settings (a request's
   ``kv_transfer_params``), by key and kind of problem; each fell back to its default
 * ``backpressure_active{tier}``, ``store_latency_avg_seconds{tier}``,

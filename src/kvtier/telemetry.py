@@ -369,6 +369,8 @@ class TierSnapshot:
         )
         if self.policy is not None:
             out["policy"] = {"name": self.policy.name, "state": self.policy.state, **self.policy.values}
+        if self.admission is not None:
+            out["admission"] = dataclasses.asdict(self.admission)
         return out
 
 
@@ -394,7 +396,8 @@ class ManagerCounters:
     cascades_succeeded: int = 0
     cascades_failed: int = 0
     cascades_skipped: int = 0
-    """Blocks not cascaded to a tier under backpressure (one count per tier skipped)."""
+    """Blocks not cascaded to a tier because its admission declined them: backpressure or the
+    learned rule (one count per tier skipped; ``TierSnapshot.admission`` tells them apart)."""
     submit_errors: int = 0
     unknown_job_results: int = 0
     store_rejections: int = 0
@@ -588,6 +591,8 @@ def _tier_from_dict(index: int, label: str, entry: Mapping[str, Any]) -> TierSna
         counters={k: v for k, v in entry.items() if isinstance(v, int | float) and not isinstance(v, bool)},
         extra={str(k): float(v) for k, v in dict(entry.get("extra", {})).items()},
         extra_kinds={str(k): str(v) for k, v in dict(entry.get("extra_kinds", {})).items()},
+        policy=_policy_from_dict(entry.get("policy")),
+        admission=AdmissionSnapshot(**admission) if isinstance(admission := entry.get("admission"), Mapping) else None,
     )
 
 

@@ -205,6 +205,10 @@ def test_the_command_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
         (("--engine", "a=tcp://127.0.0.1:1", "--api", "a=ftp://x"), "api endpoint"),
         (("--read-only",), "--redis"),
         (("--engine", "a=tcp://127.0.0.1:1", "--hash", "xxhash"), "PYTHONHASHSEED"),
+        # regression: nan/inf timeouts were accepted and failed every connection with a traceback
+        *[(("--engine", "a=tcp://127.0.0.1:1", flag, value), flag)
+          for flag in ("--request-timeout", "--lag-seconds") for value in ("nan", "inf", "1e400", "-1")],
+        (("--engine", "a=tcp://127.0.0.1:1", "--max-body", "99999999999999"), "--max-body"),
     ],
 )
 def test_bad_usage_is_refused_by_name(args: tuple[str, ...], names: str) -> None:

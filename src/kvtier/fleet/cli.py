@@ -10,6 +10,7 @@ any number of ``kvtier fleet serve --redis URL --read-only`` (or
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import sys
 import threading
@@ -17,6 +18,7 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.fleet.hashing import ALGORITHMS, BlockHasher
+from kvtier.validation import MAX_SECONDS
 
 DEFAULT_PORT = 8600
 
@@ -28,14 +30,19 @@ def _named(text: str) -> tuple[str, str]:
     return name, value
 
 
-def _positive(kind: type) -> Any:
+def _positive(kind: type, maximum: float) -> Any:
+    """An argparse type: a finite number of ``kind`` in (0, ``maximum``] (nan, inf and 1e400 are
+    refused: they reached socket timeouts as a ValueError per connection)."""
+
     def parse(text: str) -> Any:
         try:
             value = kind(text)
-        except ValueError:
+        except (ValueError, OverflowError):
             raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+        if not (math.isfinite(value) and 0 < value <= maximum):
+            raise argparse.ArgumentTypeError(
+                f"expected a positive {kind.__name__} of at most {maximum:g}, got {text!r}"
+            )
         return value
 
     return parse
@@ -76,21 +83,21 @@ def add_fleet_parser(sub: Any) -> None:
                    help="the engines' --prefix-caching-hash-algo (default sha256)")  # fmt: skip
     s.add_argument("--hash-seed", default=None,
                    help="the engines' PYTHONHASHSEED, if they set one (default: vLLM's fixed seed)")  # fmt: skip
-    s.add_argument("--tokens-per-hash", type=_positive(int), default=None,
+    s.add_argument("--tokens-per-hash", type=_positive(int, 1 << 20), default=None,
                    help="the engines' KV-cache block size (default: what their events say)")  # fmt: skip
     s.add_argument("--redis", default=None, metavar="URL", help="keep the index in Redis (shared by routers)")
     s.add_argument("--redis-prefix", default="kvtier-fleet", help="key prefix in Redis (default kvtier-fleet)")
     s.add_argument("--read-only", action="store_true",
                    help="with --redis: answer from the index another 'kvtier fleet serve' writes "
                    "(no --engine)")  # fmt: skip
-    s.add_argument("--lag-seconds", type=_positive(float), default=5.0,
+    s.add_argument("--lag-seconds", type=_positive(float, MAX_SECONDS), default=5.0,
                    help="how far an engine's view of a shared store may lag other engines' changes (an fs "
                    "root's journal delay; on NFS its attribute cache); default 5")  # fmt: skip
-    s.add_argument("--max-body", type=_positive(int), default=1 << 20, help="largest request body in bytes")
-    s.add_argument("--max-blocks", type=_positive(int), default=16384, help="longest prompt in blocks")
-    s.add_argument("--request-timeout", type=_positive(float), default=5.0,
+    s.add_argument("--max-body", type=_positive(int, 1 << 30), default=1 << 20, help="largest request body in bytes")
+    s.add_argument("--max-blocks", type=_positive(int, 1 << 24), default=16384, help="longest prompt in blocks")
+    s.add_argument("--request-timeout", type=_positive(float, 3600.0), default=5.0,
                    help="seconds a connection may send or read nothing")  # fmt: skip
-    s.add_argument("--max-concurrent", type=_positive(int), default=32, help="requests answered at once")
+    s.add_argument("--max-concurrent", type=_positive(int, 4096), default=32, help="requests answered at once")
     s.set_defaults(func=_cmd_fleet_serve)
 
 

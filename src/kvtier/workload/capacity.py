@@ -37,38 +37,39 @@ class Capacity:
     nbytes: int | None = None
 
 
-def parse_capacities(text: str, max_blocks: int) -> list[Capacity]:
-    """The entries of ``--capacity TEXT``; a block count above ``max_blocks`` is refused here."""
+def parse_capacities(text: str, max_blocks: int, flag: str = FLAG) -> list[Capacity]:
+    """The entries of ``--capacity TEXT`` (or of the flag ``flag`` that reads the same forms); a
+    block count above ``max_blocks`` is refused here."""
     out: list[Capacity] = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
-        out.append(_parse_one(part, max_blocks))
+        out.append(_parse_one(part, max_blocks, flag))
     if not out:
         raise ConfigError(
-            f"{FLAG} {shown(text)}: give block counts, shares of the distinct blocks or sizes, "
+            f"{flag} {shown(text)}: give block counts, shares of the distinct blocks or sizes, "
             "e.g. 1000,9139 or 1%,5% or 4GiB,16GiB"
         )
     return out
 
 
-def _parse_one(part: str, max_blocks: int) -> Capacity:
+def _parse_one(part: str, max_blocks: int, flag: str) -> Capacity:
     if part.endswith("%"):
         try:
             share = float(part[:-1]) / 100
         except ValueError:
-            raise ConfigError(f"{FLAG} {shown(part)}: not a percentage like 5%") from None
+            raise ConfigError(f"{flag} {shown(part)}: not a percentage like 5%") from None
         if not 0 < share <= 1:  # also refuses nan
-            raise ConfigError(f"{FLAG} {shown(part)}: a share must lie in (0%, 100%]")
+            raise ConfigError(f"{flag} {shown(part)}: a share must lie in (0%, 100%]")
         return Capacity(part, share=share)
     if part.isascii() and part.isdigit():  # int() also reads "²" and fullwidth digits
         if len(part) > MAX_DIGITS or int(part) > max_blocks:
             raise ConfigError(
-                f"{FLAG} {shown(part)}: at most {max_blocks} blocks; give fewer, a share like 5% or a size like 4GiB"
+                f"{flag} {shown(part)}: at most {max_blocks} blocks; give fewer, a share like 5% or a size like 4GiB"
             )
         if int(part) == 0:
             raise ConfigError(
-                f"{FLAG} {shown(part)}: give positive block counts (0 blocks holds nothing), shares like 5% or "
+                f"{flag} {shown(part)}: give positive block counts (0 blocks holds nothing), shares like 5% or "
                 "sizes like 4GiB"
             )
         return Capacity(part, blocks=int(part))
@@ -76,12 +77,12 @@ def _parse_one(part: str, max_blocks: int) -> Capacity:
         try:
             nbytes = parse_size(part)
         except ConfigError as exc:
-            raise ConfigError(f"{FLAG} {shown(part)}: {exc}") from None
+            raise ConfigError(f"{flag} {shown(part)}: {exc}") from None
         if nbytes == 0:
-            raise ConfigError(f"{FLAG} {shown(part)}: a size must be positive")
+            raise ConfigError(f"{flag} {shown(part)}: a size must be positive")
         return Capacity(part, nbytes=nbytes)
     raise ConfigError(
-        f"{FLAG} {shown(part)}: not a block count (e.g. 9139), a share (e.g. 5%) or a size with a unit (e.g. 4GiB)"
+        f"{flag} {shown(part)}: not a block count (e.g. 9139), a share (e.g. 5%) or a size with a unit (e.g. 4GiB)"
     )
 
 

@@ -61,10 +61,11 @@ StoreChunk: TypeAlias = int | Literal["mixed"] | None
 """How a request's missed blocks are stored: None (one store), N blocks a store, or ``"mixed"``."""
 
 
-def decode_blocks(requests: Sequence[TraceRequest]) -> list[int]:
-    """Blocks each request's output fills (``ceil(output_length / 512)``, at least 1): its decode
-    stores in the mixed mode (see :func:`store_pieces`)."""
-    return [max(1, -(-r.output_length // TRACE_BLOCK_TOKENS)) for r in requests]
+def decode_blocks(requests: Sequence[TraceRequest], block_tokens: int = TRACE_BLOCK_TOKENS) -> list[int]:
+    """Blocks each request's output fills (``ceil(output_length / block_tokens)``, at least 1; a
+    Mooncake trace's blocks hold 512 tokens): its decode stores in the mixed mode (see
+    :func:`store_pieces`)."""
+    return [max(1, -(-r.output_length // block_tokens)) for r in requests]
 
 
 def store_mode(store_chunk: StoreChunk) -> str:
@@ -137,7 +138,7 @@ def replay_manager(
     count). ``store_chunk``: how each request's missed blocks are stored (one
     ``prepare_store`` / ``complete_store`` per piece, see :func:`store_pieces`);
     ``decode_blocks[i]``: request ``i``'s decode stores in the mixed mode (default 1).
-    ``progress`` is called with the number of requests done, every 256 requests.
+    ``progress`` is called with the number of requests done, every 256 requests and at the end.
     Raises :class:`KvtierError` if a promotion stays pending beyond ``pending_timeout``,
     ValueError for a bad ``store_chunk``.
     Long because set-up, the replay loop and the per-tier accounting share the manager's lifetime.
@@ -214,6 +215,8 @@ def replay_manager(
                 _settle(manager, pending_timeout)
             if progress is not None and (n + 1) % 256 == 0:
                 progress(n + 1)
+        if progress is not None:
+            progress(len(keys))
         _settle(manager, pending_timeout)
         stats = manager.stats()
     finally:

@@ -48,7 +48,8 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "failures": ("Failures by tier and kind (failed jobs, dropped or rejected stores, ...).", ("tier", "kind")),
     "evictions": ("Blocks evicted by tier.", ("tier",)),
     "promotions": ("Blocks promoted into the CPU tier (started, succeeded, failed).", ("result",)),
-    "cascades": ("Blocks cascaded from the CPU tier (succeeded, failed, skipped under backpressure).", ("result",)),
+    "cascades": ("Blocks cascaded from the CPU tier (succeeded, failed, skipped: declined by a tier's "
+                 "admission, backpressure or learned).", ("result",)),
     "backpressure_skipped_jobs": ("Cascade jobs skipped because the tier's store latency was high.", ("tier",)),
     "backpressure_skipped_blocks": ("Blocks not cascaded because the tier's store latency was high.", ("tier",)),
     "tier_extra_counter": ("Counters a tier declares itself, by name.", ("tier", "name")),
