@@ -205,3 +205,46 @@ def test_a_prefix_lookup_is_the_per_key_scan(make: Any, seed: int) -> None:
             "the same lookups timed"
         )
         assert one.manager.promotions_started == two.manager.promotions_started
+
+
+@pytest.mark.parametrize("stop", [0, 1, 63, 64, 65, 128, 129, None])
+@pytest.mark.parametrize("kind", ["miss", "in_flight", "bytes_subclass", "not_bytes"])
+def test_a_long_run_is_the_per_key_scan_across_chunks(make: Any, stop: int | None, kind: str) -> None:
+    """lookup_prefix answers runs of CPU hits in chunks of 64 keys (kvtier.manager.scan): whatever
+    ends the run (a MISS, a block being written, a key of another type) at a chunk's edge or
+    inside one, the answers, counts and timed lookups are those of a lookup per key."""
+
+    class Key(bytes):
+        pass
+
+    ks = keys(150, seed=3)
+    managers = make(200, tiers=0, lookup_timing_every=8), make(200, tiers=0, lookup_timing_every=8)
+    scan = list(ks)
+    for mgr in managers:
+        store(mgr, ks[:140])
+        if kind == "in_flight" and stop is not None:
+            assert mgr.prepare_store([ks[stop]]) is not None  # stored, not completed: HIT_PENDING
+        mgr.on_schedule_end()
+        mgr.lookup(b"warm", None)  # the step is polled: the fast paths are taken
+    if stop is not None and kind in ("bytes_subclass", "not_bytes"):
+        scan[stop] = Key(ks[stop]) if kind == "bytes_subclass" else ks[stop].hex()  # type: ignore[call-overload]
+    elif stop is not None and kind == "miss":
+        scan[stop] = b"absent" + ks[stop]
+    batched, per_key = managers
+    if kind == "not_bytes" and stop is not None:
+        with pytest.raises(InvalidKeyError):
+            batched.lookup_prefix(scan)
+        with pytest.raises(InvalidKeyError):
+            for k in scan:
+                per_key.lookup(k)
+    else:
+        got = batched.lookup_prefix(scan)
+        want: list[LookupResult] = []
+        for k in scan:
+            want.append(per_key.lookup(k))
+            if want[-1] is MISS:
+                break
+        assert got.answers == want
+    a, b = batched.stats().cpu, per_key.stats().cpu
+    assert (a.lookups, a.lookup_seconds.count) == (b.lookups, b.lookup_seconds.count)
+    assert batched._hits.protected() == per_key._hits.protected()

@@ -569,9 +569,10 @@ def _add_replay(sub: Any) -> None:
     )  # fmt: skip
     p.add_argument("--limit", type=_int_at_least(1), default=None, help="replay only the first N requests")
     p.add_argument(
-        "--store-chunk", metavar="N", type=_int_at_least(1), default=None,
+        "--store-chunk", metavar="N|mixed", type=_store_chunk, default=None,
         help="store each request's missed blocks N at a time, as an engine that prefills in chunks or "
-        "stores decoded blocks one by one does (default: one store per request)",
+        "stores decoded blocks one by one does, or 'mixed': a prefill in 16-block chunks, then one block "
+        "per store for the blocks its output fills (default: one store per request)",
     )  # fmt: skip
     p.add_argument("--no-belady", action="store_true", help="skip the Belady reference")
     p.add_argument(
@@ -580,6 +581,13 @@ def _add_replay(sub: Any) -> None:
         "subdirectory (kvtier-replay-*) and removes it after, so no run starts warm (real bytes of small "
         "blocks); per-tier hit rates",
     )  # fmt: skip
+    p.add_argument(
+        "--fs-blocks", type=_capacity_list, default=None,
+        help="with --fs-root: the fs tier's size, in blocks or as a share of the distinct blocks like 10%% "
+        "(default: the fs tier's own default, a share of the free space)",
+    )  # fmt: skip
+    p.add_argument("--admission", choices=("all", "learned"), default="all",
+                   help="with --fs-root: which stored blocks the fs tier is given (the tier option admission)")
     p.add_argument("--shm-dir", default=None, help="directory of the CPU region (default: KVTIER_SHM_DIR, /dev/shm)")
     p.add_argument("--json", metavar="FILE", default=None,
                    help="write the sweep as JSON ('-': stdout, the tables then go to stderr)")  # fmt: skip
@@ -591,6 +599,16 @@ def _add_replay(sub: Any) -> None:
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (none is shown when standard error is not a terminal)")  # fmt: skip
     p.set_defaults(func=_cmd_replay)
+
+
+def _store_chunk(text: str) -> int | str:
+    """An argparse type: ``mixed``, or a number of blocks >= 1."""
+    if text == "mixed":
+        return text
+    try:
+        return _int_at_least(1)(text)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}: give a number of blocks per store or 'mixed'") from None
 
 
 REPLAY_DIR_PREFIX = "kvtier-replay-"
@@ -655,6 +673,29 @@ def _replay_fs_dir(fs_root: str) -> Any:
         raise ConfigError(f"--fs-root {fs_root!r}: {os_error_text(exc)}") from None
 
 
+def _replay_fs_options(args: argparse.Namespace, distinct: int) -> dict[str, Any]:
+    """The replay fs tier's options from --fs-blocks and --admission (which need --fs-root)."""
+    from kvtier.tiers.fs import FilesystemTier
+    from kvtier.workload.replay import REPLAY_BLOCK_BYTES
+
+    if args.fs_root is None:
+        given = [f for f, v in (("--fs-blocks", args.fs_blocks), ("--admission", args.admission != "all")) if v]
+        if given:
+            raise ConfigError(f"{' and '.join(given)} shape the replay's fs tier: add --fs-root DIR, or drop it")
+        return {}
+    options: dict[str, Any] = {"admission": args.admission}
+    if args.fs_blocks is not None:
+        if len(args.fs_blocks) != 1:
+            raise ConfigError(f"--fs-blocks takes one size, got {len(args.fs_blocks)}: give one, e.g. 10%")
+        value = args.fs_blocks[0]
+        if value.nbytes is not None:
+            raise ConfigError(f"--fs-blocks {value.text!r} is a size: give the fs tier's blocks as a count or a "
+                              "share of the distinct blocks, e.g. 18279 or 10%")
+        blocks = value.blocks if value.blocks is not None else max(1, round((value.share or 0) * distinct))
+        options["max_bytes"] = blocks * FilesystemTier.bytes_per_block(REPLAY_BLOCK_BYTES)
+    return options
+
+
 def _cmd_replay(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         if (args.trace is None) == (args.synthetic is None):
@@ -698,6 +739,7 @@ def _print_replay(
     block: tuple[int, str] | None,
 ) -> list[dict[str, Any]]:
     """The replay's tables and lines (on stderr with --json - or --plot -); returns the JSON rows."""
+    from kvtier.workload.replay import store_mode
     from kvtier.workload.report import replay_rows, replay_table
     from kvtier.workload.textout import text_console
 
@@ -706,7 +748,7 @@ def _print_replay(
     out.print(
         f"{source}: {summary['requests']} requests, {summary['block_refs']} block references, "
         f"{summary['distinct_blocks']} distinct blocks, {summary['duration_s']:.0f} s"
-        + (f"; stores of at most {args.store_chunk} blocks (--store-chunk)" if args.store_chunk else ""),
+        + store_mode(args.store_chunk),
         highlight=False, soft_wrap=True,
     )  # fmt: skip
     if block is not None:
@@ -727,19 +769,34 @@ def _print_replay(
             out.print(
                 f"capacity {row['capacity']}: {'kvtier' if single else name} {100 * kv['hit_rate']:.2f}%  "
                 f"belady {belady_text}  unbounded {100 * row['unbounded']['hit_rate']:.2f}%  "
-                f"({kv['ratio_to_lru']:.3f}x lru)",
+                f"({kv['ratio_to_lru']:.3f}x lru, {kv['self_evictions']} self-evicted)" + _tier_writes(kv),
                 highlight=False,
             )
     return rows
 
 
+def _tier_writes(kv: dict[str, Any]) -> str:
+    """Each secondary tier's hits, bytes written and admission counts, for a replay's line ("" without)."""
+    parts = [
+        f"; {label}: {100 * kv['tier_hit_rates'].get(label, 0.0):.2f}% hits, {int(kv[name])} bytes written "
+        f"({int(kv.get(f'admitted_blocks:{label}', 0))} blocks admitted, "
+        f"{int(kv.get(f'declined_blocks:{label}', 0))} declined)"
+        for name in kv if name.startswith("written_bytes:") for label in [name.split(":", 1)[1]]
+    ]  # fmt: skip
+    return "".join(parts)
+
+
 def _replay_runs(
-    args: argparse.Namespace, keys: Any, capacities: list[int], namespace: Any, err: Any
+    args: argparse.Namespace, trace: Any, keys: Any, capacities: list[int], namespace: Any, err: Any
 ) -> dict[int, dict[str, Any]]:
-    """Every (capacity, policy) run of the replay, with a progress bar on a terminal (see
-    :class:`~kvtier.workload.progress.RequestProgress`) and a line per run on stderr."""
+    """Every (capacity, policy) run of the replay of ``trace`` (its requests; ``keys`` their block
+    keys), with a progress bar on a terminal (see :class:`~kvtier.workload.progress.RequestProgress`)
+    and a line per run on stderr."""
     from kvtier.workload.progress import RequestProgress
-    from kvtier.workload.replay import compare_policies
+    from kvtier.workload.replay import compare_policies, decode_blocks
+    from kvtier.workload.trace import trace_summary
+
+    summary = trace_summary(trace)
 
     requests = len(keys)
     total = requests * len(capacities) * len(dict.fromkeys([*args.policy, "lru"]))
@@ -749,10 +806,13 @@ def _replay_runs(
         if fs_dir is not None:
             _say(err, f"fs tiers in {fs_dir} (removed after the run)")
 
+        fs_options = _replay_fs_options(args, int(summary["distinct_blocks"]))
+
         def tiers(policy: str, capacity: int) -> list[dict[str, Any]]:
             if fs_dir is None:
                 return []
-            return [{"type": "fs", "root": os.path.join(fs_dir, f"{policy.replace(':', '_')}-{capacity}")}]
+            return [{"type": "fs", "root": os.path.join(fs_dir, f"{policy.replace(':', '_')}-{capacity}"),
+                     **fs_options}]  # fmt: skip
 
         with RequestProgress(err, total, description="replay", enabled=not args.no_progress) as bar:
             runs_started = [0]
@@ -767,7 +827,8 @@ def _replay_runs(
 
             return compare_policies(
                 keys, capacities, args.policy, namespace=namespace, tiers=tiers, shm_dir=args.shm_dir,
-                store_chunk=args.store_chunk, announce=announce, progress=progress,
+                store_chunk=args.store_chunk, decode_blocks=decode_blocks(trace), announce=announce,
+                progress=progress,
             )  # fmt: skip
     finally:
         if scratch is not None:
@@ -805,7 +866,7 @@ def _replay(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
         _say(err, f"kvtier replay: warning: {source}: {warning}")
     unbounded = unbounded_hit_rate(flat)
     namespace = replay_namespace()
-    runs = _replay_runs(args, trace_keys(flat, namespace), capacities, namespace, err)
+    runs = _replay_runs(args, requests, trace_keys(flat, namespace), capacities, namespace, err)
     belady: dict[int, HitRateResult | None] = {
         c: None if args.no_belady else belady_hit_rate(flat, c) for c in capacities
     }

@@ -34,10 +34,19 @@ tier or ``<n>:<type>`` for secondary tier n, as in events and logs):
   ``kv_transfer_params``), by key and kind of problem; each fell back to its default
 * ``backpressure_active{tier}``, ``store_latency_avg_seconds{tier}``,
   ``backpressure_skipped_jobs_total{tier}``, ``backpressure_skipped_blocks_total{tier}``
+* ``admission_blocks_total{tier,rule,decision}``: stored blocks a secondary tier's cascade
+  admission (``rule``: ``all`` or ``learned``) admitted (``decision="admitted"``) or declined
+  (``"declined_learned"``: predicted not worth the write; ``"declined_backpressure"``)
 * ``tier_extra_counter_total{tier,name}`` and ``tier_extra_gauge{tier,name}``:
   the metrics a tier declares itself (``SecondaryTier.extra_metrics``)
 * ``lookup_seconds`` and ``scheduler_step_seconds``: histograms the caller feeds
   (a whole ``lookup`` per block, kvtier's time per engine step)
+* the CPU tier's eviction policy (what its ``stats()`` reports):
+  ``policy_state{tier,policy,state}`` 1 for its current state (``return-time``:
+  ``learning``, ``ahead`` or ``fallen_back``), ``policy_sampled_hit_ratio{tier,policy,cache}``
+  (``cache="lru"`` / ``"learned"``: the prefix-hit ratios of the guard's two miniature
+  caches), ``policy_fallbacks_total{tier,policy}``, and ``policy_value{tier,policy,name}``
+  for every other number it reports
 """
 
 from __future__ import annotations
@@ -134,6 +143,11 @@ def _families(snap: ManagerSnapshot, transfer: Mapping[str, tuple[int, float]]) 
     skipped_blocks = CounterMetricFamily(
         "kvtier_backpressure_skipped_blocks", "Blocks not cascaded under backpressure.", labels=["tier"]
     )
+    admission = CounterMetricFamily(
+        "kvtier_admission_blocks",
+        "Stored blocks a secondary tier's cascade admission admitted or declined (reason: backpressure or "
+        "learned).", labels=["tier", "rule", "decision"],
+    )
     extra_counters = CounterMetricFamily(
         "kvtier_tier_extra_counter", "Counters a tier declares itself.", labels=["tier", "name"]
     )
@@ -181,6 +195,11 @@ def _families(snap: ManagerSnapshot, transfer: Mapping[str, tuple[int, float]]) 
                 latency.add_metric([label], bp.store_latency_avg)
             skipped_jobs.add_metric([label], bp.skipped_jobs)
             skipped_blocks.add_metric([label], bp.skipped_blocks)
+        adm = tier.admission
+        if adm is not None:
+            admission.add_metric([label, adm.rule, "admitted"], adm.admitted_blocks)
+            admission.add_metric([label, adm.rule, "declined_learned"], adm.learned_declined)
+            admission.add_metric([label, adm.rule, "declined_backpressure"], adm.declined_blocks - adm.learned_declined)
         for name, value in sorted(tier.extra.items()):
             family = extra_counters if tier.extra_kinds.get(name) == "counter" else extra_gauges
             family.add_metric([label, name], value)
@@ -188,6 +207,7 @@ def _families(snap: ManagerSnapshot, transfer: Mapping[str, tuple[int, float]]) 
         nbytes.add_metric(["device", direction], moved)
         seconds.add_metric(["device", direction], secs)
 
+    policy_families = _policy_families(snap)
     m = snap.manager
     in_flight.add_metric([], m.jobs_in_flight)
     promotions.add_metric(["started"], m.promotions_started)
@@ -209,8 +229,49 @@ def _families(snap: ManagerSnapshot, transfer: Mapping[str, tuple[int, float]]) 
         "lookup_async_seconds",
     )
     return [lookups, sync, deferred, nbytes, seconds, jobs, active, failures, evictions, used, total, entries,
-            health, pressure, latency, skipped_jobs, skipped_blocks, extra_counters, extra_gauges, in_flight,
-            promotions, cascades, problems]  # fmt: skip
+            health, pressure, latency, skipped_jobs, skipped_blocks, admission, extra_counters, extra_gauges, in_flight,
+            promotions, cascades, problems, *policy_families]  # fmt: skip
+
+
+POLICY_STATES = ("learning", "ahead", "fallen_back")
+"""The states ``return-time`` reports; another policy's own state is exported beside them."""
+
+
+def _policy_families(snap: ManagerSnapshot) -> list[Metric]:
+    """The eviction policies' families: state, the guard's sampled hit ratios, fallbacks, other numbers."""
+    state = GaugeMetricFamily(
+        "kvtier_policy_state", "1 for the eviction policy's current state.", labels=["tier", "policy", "state"]
+    )
+    ratio = GaugeMetricFamily(
+        "kvtier_policy_sampled_hit_ratio",
+        "Prefix-hit ratio of the policy guard's miniature caches on the sampled keys (cache: lru, learned).",
+        labels=["tier", "policy", "cache"],
+    )
+    fallbacks = CounterMetricFamily(
+        "kvtier_policy_fallbacks", "Times the policy's guard left its learned holds for LRU order.",
+        labels=["tier", "policy"],
+    )  # fmt: skip
+    other = GaugeMetricFamily(
+        "kvtier_policy_value", "Other numbers the eviction policy reports.", labels=["tier", "policy", "name"]
+    )
+    named = {"sampled_hit_rate_lru": "lru", "sampled_hit_rate_learned": "learned"}
+    for tier in snap.tiers:
+        policy = tier.policy
+        if policy is None:
+            continue
+        labels = [tier.label, policy.name]
+        if policy.state is not None:
+            states = POLICY_STATES if policy.state in POLICY_STATES else (*POLICY_STATES, policy.state)
+            for name in states:
+                state.add_metric([*labels, name], 1.0 if name == policy.state else 0.0)
+        for name, value in sorted(policy.values.items()):
+            if name in named:
+                ratio.add_metric([*labels, named[name]], value)
+            elif name == "fallbacks":
+                fallbacks.add_metric(labels, value)
+            else:
+                other.add_metric([*labels, name], value)
+    return [state, ratio, fallbacks, other]
 
 
 class KvtierMetrics:

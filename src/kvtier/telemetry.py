@@ -34,6 +34,7 @@ returned before it was typed (``as_dict()["tiers"]["1:fs"]["bytes_written"]``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -42,6 +43,8 @@ from typing import Any
 import numpy as np
 
 from kvtier.types import LookupResult
+
+logger = logging.getLogger(__name__)
 
 LOOKUP_SECONDS_BUCKETS: tuple[float, ...] = (
     1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 5e-4, 1e-3, 1e-2, 0.1,
@@ -140,6 +143,8 @@ class TierTelemetry:
     """What the manager observes about one tier. Scheduler thread only."""
 
     __slots__ = (
+        "admitted_blocks",
+        "declined_blocks",
         "failures",
         "last_error",
         "loads_in_flight",
@@ -160,6 +165,8 @@ class TierTelemetry:
         """The tier's own words for its latest failed job (at most 300 characters), for reports."""
         self.stores_in_flight = 0
         self.loads_in_flight = 0
+        self.admitted_blocks = 0  # stored blocks the tier's cascade admission took (secondary tiers)
+        self.declined_blocks = 0  # ... and declined (backpressure or a learned admission)
 
     def fail(self, kind: str, count: int = 1, error: str | None = None) -> None:
         self.failures[kind] = self.failures.get(kind, 0) + count
@@ -238,6 +245,49 @@ class BackpressureSnapshot:
 
 
 @dataclass(frozen=True)
+class AdmissionSnapshot:
+    """How the manager admits cascades to one secondary tier: its rule (``all`` or ``learned``,
+    the tier spec's ``admission`` option) and the stored blocks it admitted and declined
+    (declined for any reason: backpressure or the learned rule; ``learned_declined`` counts the
+    learned rule's alone)."""
+
+    rule: str
+    admitted_blocks: int
+    declined_blocks: int
+    learned_declined: int = 0
+
+
+@dataclass(frozen=True)
+class PolicySnapshot:
+    """What a tier's eviction policy reports about itself (:meth:`EvictionPolicy.stats`).
+
+    ``state``: its word for its state, if any (``return-time``: ``learning``,
+    ``ahead`` or ``fallen_back``); ``values``: its numbers (``return-time``:
+    ``sampled_hit_rate_lru`` and ``sampled_hit_rate_learned``, the prefix-hit
+    rates of its guard's two miniature caches, ``fallbacks``, ...).
+    """
+
+    name: str
+    state: str | None = None
+    values: Mapping[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, policy: Any) -> PolicySnapshot | None:
+        """The snapshot of ``policy`` (an :class:`~kvtier.policies.base.EvictionPolicy`), or None
+        if its ``stats()`` raised (logged) or returned something that is not a mapping."""
+        try:
+            reported = policy.stats()
+            state = reported.get("state")
+            values = {
+                str(k): float(v) for k, v in reported.items() if k != "state" and isinstance(v, int | float)
+            }
+        except Exception:
+            logger.warning("eviction policy %r: stats() failed; its snapshot is left out", policy, exc_info=True)
+            return None
+        return cls(str(getattr(policy, "name", type(policy).__name__)), None if state is None else str(state), values)
+
+
+@dataclass(frozen=True)
 class TierSnapshot:
     """One tier at one moment. ``used_bytes``/``capacity_bytes``/``entries`` are None when the
     tier cannot say (or its ``usage()`` failed); ``health`` is ``closed``/``open``/``half_open``,
@@ -276,9 +326,11 @@ class TierSnapshot:
     evictions: int
     health: str
     backpressure: BackpressureSnapshot | None = None
+    admission: AdmissionSnapshot | None = None
     counters: Mapping[str, float] = field(default_factory=dict)
     extra: Mapping[str, float] = field(default_factory=dict)
     extra_kinds: Mapping[str, str] = field(default_factory=dict)
+    policy: PolicySnapshot | None = None
 
     @property
     def is_primary(self) -> bool:
@@ -315,6 +367,8 @@ class TierSnapshot:
             backpressure=None if self.backpressure is None else dataclasses.asdict(self.backpressure),
             extra_kinds=dict(self.extra_kinds),
         )
+        if self.policy is not None:
+            out["policy"] = {"name": self.policy.name, "state": self.policy.state, **self.policy.values}
         return out
 
 
@@ -485,7 +539,16 @@ def _cpu_from_dict(primary: Mapping[str, Any], block_bytes: int, counters: Manag
         evictions=int(primary.get("evictions", 0)),
         health=str(primary.get("health", "closed")),
         counters={k: v for k, v in primary.items() if isinstance(v, int | float) and not isinstance(v, bool)},
+        policy=_policy_from_dict(primary.get("policy")),
     )
+
+
+def _policy_from_dict(entry: Any) -> PolicySnapshot | None:
+    if not isinstance(entry, Mapping):
+        return None
+    values = {str(k): float(v) for k, v in entry.items() if k not in ("name", "state") and isinstance(v, int | float)}
+    state = entry.get("state")
+    return PolicySnapshot(str(entry.get("name", "")), None if state is None else str(state), values)
 
 
 def _tier_from_dict(index: int, label: str, entry: Mapping[str, Any]) -> TierSnapshot:
@@ -531,6 +594,7 @@ def _tier_from_dict(index: int, label: str, entry: Mapping[str, Any]) -> TierSna
 __all__ = [
     "ASYNC_LOOKUP_SECONDS_BUCKETS",
     "LOOKUP_SECONDS_BUCKETS",
+    "AdmissionSnapshot",
     "BackpressureSnapshot",
     "HistogramSnapshot",
     "LatencyHistogram",

@@ -26,16 +26,20 @@ from policy_helpers import ScanSpy, Slotted, key
 from kvtier.keys import BlockKey
 from kvtier.policies import LRUPolicy, ReturnTimePolicy
 from kvtier.policies.base import EvictionPolicy
-from kvtier.policies.return_time import CLASSES, NEW_BUCKETS, RING
+from kvtier.policies.return_time import CLASSES, NEW_BUCKETS, RING, class_id
+from kvtier.policies.return_time.wheel import CLOCK, MARK, OPEN
 from kvtier.policies.slot_lists import NO_KEY
 
 
-def store(tier: Slotted[ReturnTimePolicy], ids: list[int], parent: int | None = None) -> None:
-    """A request stores the new blocks ``ids`` (in prefix order) after ``parent``; they become ready."""
+def store(tier: Slotted[ReturnTimePolicy], ids: list[int], parent: int | None = None, end: bool = True) -> None:
+    """A request stores the new blocks ``ids`` (in prefix order) after ``parent``; they become ready;
+    the request ends unless ``end`` is False (it may store more: :func:`store_more`)."""
     for i in ids:
         tier.insert(key(i))
     tier.reference_chain([key(i) for i in ids], None if parent is None else key(parent), hit=False)
     ready(tier, ids)
+    if end:
+        tier.policy.end_request(tier.slot_of[key(ids[-1])])
 
 
 def ready(tier: Slotted[ReturnTimePolicy], ids: list[int]) -> None:
@@ -45,11 +49,17 @@ def ready(tier: Slotted[ReturnTimePolicy], ids: list[int]) -> None:
 
 
 def store_more(tier: Slotted[ReturnTimePolicy], ids: list[int], parent: int) -> None:
-    """The same request stores the next new blocks ``ids`` after its last store, which ended in ``parent``."""
+    """The same request stores the next new blocks ``ids`` after its last store, which ended in ``parent``
+    (the request goes on: :func:`end` ends it)."""
     for i in ids:
         tier.insert(key(i))
     tier.policy.continue_chain([key(i) for i in ids], [tier.slot_of[key(i)] for i in ids], tier.slot_of[key(parent)])
     ready(tier, ids)
+
+
+def end(tier: Slotted[ReturnTimePolicy], tail: int) -> None:
+    """The request whose last store ended with block ``tail`` finished."""
+    tier.policy.end_request(tier.slot_of[key(tail)])
 
 
 def load(tier: Slotted[ReturnTimePolicy], ids: list[int], parent: int | None = None) -> None:
@@ -86,7 +96,10 @@ def check_invariants(tier: Slotted[ReturnTimePolicy]) -> None:
     width = policy._width
     for r, lst in enumerate(lists[1:]):
         bucket = policy._cur + r
-        assert all(policy._expiry[s] // width == bucket for s in lst), f"wheel list {r} holds another bucket"
+        assert all(
+            (policy._expiry[s] & CLOCK) // width == bucket
+            for s in lst
+        ), f"wheel list {r} holds another bucket"
     key_of = {s: k for k, s in tier.slot_of.items()}
     assert all(policy._key_of[s] == key_of.get(s, NO_KEY) for s in range(c)), "_key_of is stale"
     resident = set(tier.slot_of.values())
@@ -95,7 +108,7 @@ def check_invariants(tier: Slotted[ReturnTimePolicy]) -> None:
         up = policy._parent[s]
         if up >= 0:
             counts[up] += 1
-    assert list(policy._children) == counts, "_children counts the held blocks naming each slot as parent"
+    assert [c % MARK for c in policy._children] == counts, "_children counts the held blocks naming each slot"
     assert all(policy._parent[s] == -1 for s in range(c) if s not in resident), "a free slot has no parent"
 
 
@@ -216,17 +229,19 @@ def test_a_request_stored_a_block_at_a_time_stays_tail_first(learned: bool) -> N
     # Regression: each piece was linked at its list's tail, behind its parent, so the list
     # held the request head first; every eviction passed _PASS_LIMIT ancestors (about 2x a
     # decode store's cost) and then took the oldest of them, cutting the prefix at its head.
-    # With learned holds each store also re-classifies the previous tail, which moved it
-    # behind its descendants in the same way.
+    # With learned holds the request's blocks move when it is settled, which must keep the
+    # order too.
     tier = Slotted(ReturnTimePolicy(1024))
     if learned:
-        tier.policy.hold = list(range(10, 10 + CLASSES))  # every class its own hold
-    store(tier, [0, 1, 2, 3])  # the prefill
+        tier.policy.classes.hold = list(range(10, 10 + CLASSES))  # every class its own hold
+    store(tier, [0, 1, 2, 3], end=False)  # the prefill
     for i in range(4, 12):  # then one decoded block per store
         store_more(tier, [i], i - 1)
-    assert linked(tier.policy)[0] + [s for lst in linked(tier.policy)[1:] for s in lst] == [
-        tier.slot_of[key(i)] for i in range(11, -1, -1)
-    ]
+    tail_first = [tier.slot_of[key(i)] for i in range(11, -1, -1)]
+    assert [s for lst in linked(tier.policy) for s in lst] == tail_first
+    check_invariants(tier)
+    end(tier, 11)
+    assert [s for lst in linked(tier.policy) for s in lst] == tail_first
     check_invariants(tier)
     for expected in range(11, 5, -1):
         spy = ScanSpy()
@@ -256,12 +271,12 @@ def test_a_release_given_head_first_links_the_chain_tail_first() -> None:
 def test_holds_keep_the_head_at_least_as_long_as_the_tail_and_raise_ancestors() -> None:
     tier = Slotted(ReturnTimePolicy(64))
     policy = tier.policy
-    policy.hold = [policy.max_hold // 2 + c for c in range(CLASSES)]  # as if learned: every class held
+    policy.classes.hold = [policy.max_hold // 2 + c for c in range(CLASSES)]  # as if learned: every class held
     store(tier, [1, 2, 3])
     expiry = [policy._expiry[tier.slot_of[key(i)]] for i in (1, 2, 3)]
     assert expiry[0] >= expiry[1] >= expiry[2] > policy._now - 3
     store(tier, [4])  # unrelated, pushes the clock on
-    policy.hold = [policy.max_hold] * CLASSES
+    policy.classes.hold = [policy.max_hold] * CLASSES
     store(tier, [5], parent=3)  # a long hold for the extension raises the whole chain
     new = policy._expiry[tier.slot_of[key(5)]]
     assert all(policy._expiry[tier.slot_of[key(i)]] >= new for i in (1, 2, 3))
@@ -269,82 +284,113 @@ def test_holds_keep_the_head_at_least_as_long_as_the_tail_and_raise_ancestors() 
     assert evict_all(tier) == [4, 5, 3, 2, 1]
 
 
-def test_a_request_stored_in_pieces_is_classified_as_one_request() -> None:
+def test_a_request_stored_in_pieces_is_classified_as_one_request_when_it_ends() -> None:
     whole, pieces = Slotted(ReturnTimePolicy(64)), Slotted(ReturnTimePolicy(64))
     for tier in (whole, pieces):
-        tier.policy.hold = [policy_hold for policy_hold in range(10, 10 + CLASSES)]  # every class its own hold
+        tier.policy.classes.hold = [policy_hold for policy_hold in range(10, 10 + CLASSES)]  # every class its own hold
     store(whole, list(range(1, 11)))
-    store(pieces, [1])
+    store(pieces, [1], end=False)
     store_more(pieces, [2, 3], parent=1)
     store_more(pieces, [4, 5, 6, 7, 8, 9, 10], parent=3)
-    # One request of 10 new blocks: nine in the last bucket, the tenth its last block, both ways.
-    assert pieces.policy._class_refs == whole.policy._class_refs
-    assert sum(pieces.policy._class_refs) == 10
-    last_bucket = (NEW_BUCKETS - 1) * 6
-    assert whole.policy._class_refs[last_bucket] == 9 and whole.policy._class_refs[last_bucket + 3] == 1
+    assert sum(pieces.policy.classes.refs) == 0, "not classified while it may go on"
+    deadline = pieces.policy._expiry[pieces.slot_of[key(1)]]
+    assert all(pieces.policy._expiry[pieces.slot_of[key(i)]] == deadline for i in range(1, 11))
+    assert deadline >= pieces.policy.max_hold, "open: held as long as any block"
     # One recorded end for the request, however many stores: its first store's (key 1) while
     # it goes on, its last full block (key 9) once it ends.
-    assert len(pieces.policy._history) == len(whole.policy._history) == 1
-    assert whole.policy._history.deepest([key(i) for i in range(1, 11)], 0) == 8
-    assert pieces.policy._history.deepest([key(i) for i in range(1, 11)], 0) == 0
-    pieces.policy.end_request(pieces.slot_of[key(10)])
-    assert len(pieces.policy._history) == 1
-    assert pieces.policy._history.deepest([key(i) for i in range(1, 11)], 0) == 8
+    assert len(pieces.policy.classes.history) == len(whole.policy.classes.history) == 1
+    assert whole.policy.classes.history.deepest([key(i) for i in range(1, 11)], 0) == 8
+    assert pieces.policy.classes.history.deepest([key(i) for i in range(1, 11)], 0) == 0
+    end(pieces, 10)
+    # One request of 10 new blocks: nine in the last bucket, the tenth its last block, both ways.
+    assert pieces.policy.classes.refs == whole.policy.classes.refs
+    last_bucket = (NEW_BUCKETS - 1) * 6
+    assert whole.policy.classes.refs[last_bucket] == 9 and whole.policy.classes.refs[last_bucket + 3] == 1
+    assert len(pieces.policy.classes.history) == 1
+    assert pieces.policy.classes.history.deepest([key(i) for i in range(1, 11)], 0) == 8
     assert not pieces.policy._open and not pieces.policy._open_old, "the finished request's record went"
     for tier in (whole, pieces):
         expiry = [tier.policy._expiry[tier.slot_of[key(i)]] for i in range(1, 11)]
         assert expiry == sorted(expiry, reverse=True), "the head never expires before the tail"
         check_invariants(tier)
+    assert [pieces.policy._expiry[pieces.slot_of[key(i)]] for i in range(1, 11)] == [
+        whole.policy._expiry[whole.slot_of[key(i)]] + 3 for i in range(1, 11)
+    ], "the same holds, from the last store (3 references later than the whole store)"
     assert evict_all(pieces) == list(range(10, 0, -1))
 
 
+def test_no_block_is_evicted_by_a_later_store_of_its_own_request() -> None:
+    # Regression (issue 21): a request's first piece was classified alone, as a request of
+    # one new block whose last block it is, the class held 0; the next piece's reservation
+    # evicted it before the policy heard that the store continued the request.
+    tier = Slotted(ReturnTimePolicy(16))
+    policy = tier.policy
+    policy.classes.hold = [policy.max_hold] * CLASSES
+    policy.classes.hold[class_id(0, True, 0)] = 0  # a lone last block: not held
+    for r in range(8):  # other requests, two blocks each, filling the tier: held
+        store(tier, [100 + 2 * r, 101 + 2 * r])
+    own: list[int] = []
+    for i in range(8):  # a prefill of one block, then decode stores of one block
+        if not tier.free:
+            (victim,) = tier.evict(1) or ()
+            assert int.from_bytes(victim, "big") not in own, f"a block of {own} evicted for its own request"
+        if own:
+            store_more(tier, [i], own[-1])
+        else:
+            store(tier, [i], end=False)
+        own.append(i)
+    end(tier, 7)
+    check_invariants(tier)
+
+
 def test_an_unfinished_request_publishes_its_end_when_its_record_goes() -> None:
-    # The engine may never say a request ended: the end still reaches the table, when the
-    # record is dropped (a generation of records full), taken by a store that is not the
-    # request's continuation, or by clear().
+    # The engine may never say a request ended: the request is still settled (its blocks no
+    # longer open) and its end reaches the table, when the record is dropped (a generation
+    # of records full), taken by a store that is not the request's continuation, or by clear().
     tier = Slotted(ReturnTimePolicy(1024))
     policy = tier.policy
-    store(tier, [1, 2])
+    store(tier, [1, 2], end=False)
     store_more(tier, [3, 4], parent=2)
-    assert policy._history.deepest([key(3)], 0) == -1, "the end moves when the request ends"
+    assert policy.classes.history.deepest([key(3)], 0) == -1, "the end moves when the request ends"
     policy.clear()
-    assert policy._history.deepest([key(3)], 0) == 0, "clear() published it"
+    assert policy.classes.history.deepest([key(3)], 0) == 0, "clear() published it"
 
     tier = Slotted(ReturnTimePolicy(1024))
     policy = tier.policy
-    store(tier, [1, 2])
+    store(tier, [1, 2], end=False)
     store_more(tier, [3, 4], parent=2)
     ids = iter(range(100, 10_000))
     while tier.slot_of[key(4)] in {**policy._open, **policy._open_old}:  # other requests, until the record goes
-        store(tier, [next(ids)])
-    assert policy._history.deepest([key(3)], 0) == 0
+        store(tier, [next(ids)], end=False)
+    assert policy.classes.history.deepest([key(3)], 0) == 0
+    assert all(policy._expiry[tier.slot_of[key(i)]] < OPEN for i in (1, 2, 3, 4)), "settled"
 
     tier = Slotted(ReturnTimePolicy(1024))
     policy = tier.policy
-    store(tier, [1, 2])
+    store(tier, [1, 2], end=False)
     store_more(tier, [3, 4], parent=2)
     policy.continue_chain([key(3)], [tier.slot_of[key(3)]], tier.slot_of[key(4)])  # not new blocks
-    assert policy._history.deepest([key(3)], 0) == 0, "a store that does not continue it took the record"
+    assert policy.classes.history.deepest([key(3)], 0) == 0, "a store that does not continue it took the record"
+    assert all(policy._expiry[tier.slot_of[key(i)]] < OPEN for i in (1, 2, 3, 4)), "settled"
 
 
 def test_a_continuation_of_an_unknown_request_is_a_store_of_its_own() -> None:
     alone, continued = Slotted(ReturnTimePolicy(64)), Slotted(ReturnTimePolicy(64))
     for tier in (alone, continued):
-        store(tier, [1, 2])
-    continued.policy._open.clear()  # its record is gone (the oldest go first once there are many)
-    continued.policy._open_old.clear()
+        store(tier, [1, 2])  # it ended: its record is gone
     store(alone, [3], parent=2)
     store_more(continued, [3], parent=2)
-    assert continued.policy._class_refs == alone.policy._class_refs
-    assert len(continued.policy._history) == len(alone.policy._history) == 2, "an end of its own"
+    end(continued, 3)
+    assert continued.policy.classes.refs == alone.policy.classes.refs
+    assert len(continued.policy.classes.history) == len(alone.policy.classes.history) == 2, "an end of its own"
     check_invariants(continued)
 
 
 def test_the_clock_splices_expired_lists_in_expiry_order() -> None:
     tier = Slotted(ReturnTimePolicy(64))
     policy = tier.policy
-    policy.hold = [0] * CLASSES
-    policy.hold[3] = 3 * policy._width  # the last block of a store with one new block
+    policy.classes.hold = [0] * CLASSES
+    policy.classes.hold[3] = 3 * policy._width  # the last block of a store with one new block
     store(tier, [1])  # held 3 buckets
     store(tier, [2, 3])  # two new blocks: other classes, not held
     for i in range(10, 10 + 2 * policy._width, 4):  # a few buckets of traffic
@@ -376,10 +422,10 @@ def test_remove_unlinks_a_block_from_its_parent() -> None:
 def test_clear_forgets_blocks_but_keeps_what_was_learned() -> None:
     tier = Slotted(ReturnTimePolicy(64))
     run_workload(tier.policy, returning_conversations(seed=1, requests=1500))
-    learned = list(tier.policy.hold)
+    learned = list(tier.policy.classes.hold)
     tier.policy.clear()
     assert tier.policy.evictable_count() == 0 and tier.policy.evict(1) is None
-    assert tier.policy.hold == learned
+    assert tier.policy.classes.hold == learned
     assert all(p == -1 for p in tier.policy._parent) and not any(tier.policy._children)
 
 
@@ -450,6 +496,8 @@ def run_workload(policy: EvictionPolicy, requests: list[Request]) -> float:
             tier.reference_chain(keys[h:], keys[h - 1] if h else None, hit=False)
         for k in reversed(new):
             tier.mark_evictable(k)
+        if keys[h:]:
+            policy.end_request(tier.slot_of[keys[-1]])
     return hits / refs
 
 
@@ -463,7 +511,7 @@ def test_learned_holds_keep_returning_conversations_through_scans() -> None:
     # The scans' blocks (many new blocks, never back) are hardly held; conversation blocks are:
     # a turn's new block (one new block, the last) and the blocks it hits (referenced before).
     scan, turn_end, prefix = (NEW_BUCKETS - 1) * 6, 0 * 6 + 3, 0 * 6 + 1
-    assert policy.hold[scan] * 4 < min(policy.hold[turn_end], policy.hold[prefix])
+    assert policy.classes.hold[scan] * 4 < min(policy.classes.hold[turn_end], policy.classes.hold[prefix])
 
 
 def test_the_guard_returns_to_lru_order_at_once_when_learning_loses() -> None:
@@ -474,12 +522,12 @@ def test_the_guard_returns_to_lru_order_at_once_when_learning_loses() -> None:
     store(tier, [7_000_001])
     assert policy._evictable[tier.slot_of[key(7_000_001)]]
     now = policy._now
-    policy._trial = [-50.0, 100.0, 3]  # the sample says the learned holds lose
-    policy._guard = [-20, 40]
+    policy.guard._lead, policy.guard._spread = -50.0, 100.0  # the miniatures say the learned holds lose
+    policy.guard._period = [-20, 40]
     policy._next_solve = now
     store(tier, [7_000_002])  # the next reference solves and judges
     assert not policy.learning and policy.fallbacks == 1
-    assert policy.hold == [0] * CLASSES
+    assert policy.classes.hold == [0] * CLASSES
     assert max(policy._expiry) <= policy._now, "every hold ended at once"
     assert all(not lst for lst in linked(policy)[2:]), "the wheel is empty: all of it is in LRU order"
 
@@ -559,7 +607,7 @@ def test_large_tiers_preallocate_at_most_64_bytes_per_block() -> None:
     finally:
         tracemalloc.stop()
     assert policy.sampler.size == blocks // 8
-    assert policy._history.capacity == blocks // 4
+    assert policy.classes.history.capacity == blocks // 4
     assert allocated / blocks <= 64, f"{allocated / blocks:.1f} B per block"
 
 
@@ -592,7 +640,7 @@ class StructureMachine(RuleBasedStateMachine):
         for k in new:
             tier.insert(k)
             self.writing.add(k)
-        tier.policy.hold = [tier.policy.max_hold * c // CLASSES if learned else 0 for c in range(CLASSES)]
+        tier.policy.classes.hold = [tier.policy.max_hold * c // CLASSES if learned else 0 for c in range(CLASSES)]
         if continued and up is not None and not hit:
             # The same request's next store (the policy checks that it does continue one).
             tier.policy.continue_chain(keys, [tier.slot_of[k] for k in keys], tier.slot_of[up])
@@ -607,13 +655,16 @@ class StructureMachine(RuleBasedStateMachine):
             self.tier.policy.end_request(slot)
             assert slot not in self.tier.policy._open and slot not in self.tier.policy._open_old
 
-    @rule(i=ids)
-    def complete(self, i: int) -> None:
+    @rule(i=ids, batched=st.booleans())
+    def complete(self, i: int, batched: bool) -> None:
         k = key(i)
         if k in self.writing:
             self.writing.discard(k)
             self.ready.add(k)
-            self.tier.mark_evictable(k)
+            if batched:  # the CPU tier's form (a decode store's single block takes its own path)
+                self.tier.policy.mark_evictable_many([k], [self.tier.slot_of[k]])
+            else:
+                self.tier.mark_evictable(k)
 
     @rule(i=ids)
     def fail(self, i: int) -> None:

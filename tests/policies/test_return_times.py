@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.policies.return_times import (
+from kvtier.policies.return_time.model import (
     ReturnSampler,
     ReturnTimeModel,
     _upper_hull,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import pytest
@@ -82,3 +83,43 @@ def test_bad_arguments_are_rejected() -> None:
         generate("video")
     with pytest.raises(ConfigError, match="positive"):
         generate("chat", 0)
+
+
+def test_docqa_asks_short_questions_about_long_shared_documents() -> None:
+    requests = generate("docqa", 2000, seed=5)
+    seen: set[tuple[int, ...]] = set()
+    shared = 0
+    for r in requests:
+        document = r.hash_ids[:-2]  # all but the question and the partial block
+        assert len(document) >= 18, "system prompt and a document of 16 blocks at least"
+        shared += document in seen
+        seen.add(document)
+    assert shared > 0.7 * len(requests), "most questions are about a document asked about before"
+
+
+def test_code_sessions_resend_a_growing_file_and_edit_it_higher_up() -> None:
+    requests = generate("code", 3000, seed=6)
+    by_head: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+    for r in requests:
+        by_head.setdefault(r.hash_ids[:1], []).append(r.hash_ids[:-1])
+    grew = edited = 0
+    for prompts in by_head.values():
+        for before, after in itertools.pairwise(prompts):
+            pairs = enumerate(zip(before, after, strict=False))
+            common = next((i for i, (a, b) in pairs if a != b), min(len(before), len(after)))
+            if common == len(before) and len(after) > len(before):
+                grew += 1
+            elif common < len(before):
+                edited += 1
+    assert grew > 0 and edited > 0
+    reuse = unbounded_hit_rate(FlatTrace.from_requests(requests)).hit_rate
+    assert reuse > 0.8, "completions re-send nearly all of their prefix"
+
+
+def test_bursty_floods_the_cache_with_one_off_documents_in_bursts() -> None:
+    requests = generate("bursty", 6000, seed=7)
+    instruction = Counter(r.hash_ids[0] for r in requests if len(r.hash_ids) >= 12).most_common(1)[0][0]
+    batch = [r.timestamp_ms for r in requests if r.hash_ids[0] == instruction and len(r.hash_ids) >= 12]
+    gaps = sorted(b - a for a, b in itertools.pairwise(batch))
+    assert len(batch) > 500
+    assert gaps[len(gaps) // 2] < 1000 and gaps[-1] > 60_000, "dense bursts, long quiet spells between them"

@@ -58,12 +58,13 @@ def build_manager(
 def _tier_capacity(spec: Mapping[str, Any], block_bytes: int) -> dict[str, Any]:
     """What a tier spec gives: its options (secrets hidden) and, where its options set a byte
     capacity, how many blocks fit (the tier class says what a stored block costs)."""
+    from kvtier.tiers.options import CASCADE_OPTIONS
     from kvtier.tiers.registry import resolve_tier_class, shown_tier_options
 
     cls = resolve_tier_class(spec["type"])
     shown = shown_tier_options(spec)
     out: dict[str, Any] = {"type": spec["type"], "options": {k: v for k, v in shown.items() if k != "type"}}
-    capacity = cls.capacity_bytes({k: v for k, v in spec.items() if k != "type"})
+    capacity = cls.capacity_bytes({k: v for k, v in spec.items() if k != "type" and k not in CASCADE_OPTIONS})
     if capacity is None:
         out["capacity_bytes"] = None
         out["blocks"] = None

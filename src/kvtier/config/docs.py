@@ -98,6 +98,8 @@ def _type_text(annotation: Any, metadata: list[Any] | None = None) -> str:
         members = typing.get_args(annotation)
         own = metadata if sum(m is not type(None) for m in members) == 1 else None
         return " \\| ".join("None" if m is type(None) else _type_text(m, own) for m in members)
+    if typing.get_origin(annotation) is typing.Literal:
+        return " \\| ".join(f"`{value}`" for value in typing.get_args(annotation))
     base, carried = _constraints(annotation)
     carried += metadata or []
     if any(getattr(getattr(m, "func", None), "__name__", "") == "_size" for m in carried):
@@ -171,9 +173,17 @@ def options_table(model: type[BaseModel]) -> list[str]:
 
 
 def _tier_sections() -> list[str]:
+    from kvtier.tiers.options import CascadeOptions
     from kvtier.tiers.registry import builtin_tier_names, resolve_tier_class
 
-    lines: list[str] = []
+    lines: list[str] = [
+        "## Options every tier takes",
+        "",
+        _cell(" ".join((CascadeOptions.__doc__ or "").split())),
+        "",
+        *options_table(CascadeOptions),
+        "",
+    ]
     for name in builtin_tier_names():
         lines += [f"## Tier `{name}`", ""]
         try:

@@ -13,6 +13,7 @@ Importers use this package (``from kvtier.manager import TieringManager``). Its 
   finished, drained;
 * :mod:`~kvtier.manager.requests`: the request table and per-request control;
 * :mod:`~kvtier.manager.snapshot`: the typed snapshot, built by pure functions;
+* :mod:`~kvtier.manager.scan`: the CPU-hit run of a prefix scan, in C-level passes;
 * :mod:`~kvtier.manager.build`: the steps of ``TieringManager.create``.
 
 Only ``core`` knows the others; they never import it.

@@ -52,7 +52,7 @@ import numpy as np
 from kvtier.backpressure import BackpressureSettings
 from kvtier.errors import InvalidKeyError, ManagerClosedError, TierShutdownError
 from kvtier.keys import BlockKey, Namespace
-from kvtier.manager import build, snapshot
+from kvtier.manager import build, scan, snapshot
 from kvtier.manager.ledger import Ledger
 from kvtier.manager.requests import RequestTable
 from kvtier.manager.snapshot import LookupTally
@@ -144,7 +144,7 @@ class TieringManager:
         self.lookup_timing_every = lookup_timing_every
         cpu = TierTelemetry()
         self._waits = BlockWaits(self.wait_timeout, hold, cpu, primary.num_blocks)
-        self._tiers = TierSet(self.tiers, self.backpressure, ManagerCounters(), self._waits, cpu)
+        self._tiers = TierSet(self.tiers, self.backpressure, ManagerCounters(), self._waits, cpu, primary)
         self._jobs = Ledger(primary, self._tiers.counters, self._tiers, self._waits, self.wait_timeout)
         cpu_tier = TierDescriptor(0, PRIMARY_LABEL, "primary", "local")
         self._requests = RequestTable([cpu_tier, *(h.descriptor for h in self._tiers.handles)], self._tiers,
@@ -367,40 +367,25 @@ class TieringManager:
     def _lookup_run(
         self, keys: Sequence[BlockKey], i: int, request: RequestContext | None, answers: list[LookupResult]
     ) -> int:
-        """Answer the CPU hits of :meth:`lookup_prefix` from ``keys[i]`` on; the index of the first
-        key :meth:`_lookup` must answer. A hot-path copy of the CPU answer (the round's timed
-        lookup included while it is a hit); measured on runs of 16 hits: 2.2k instructions per
-        key (cachegrind) against 4.6k for a call of ``_lookup`` per key; 815 against 893 ns per
-        key over 100,000 blocks in random order, where memory bounds both."""
+        """Answer the CPU hits of :meth:`lookup_prefix` from ``keys[i]`` on, in C-level passes
+        (:mod:`kvtier.manager.scan`; a timed lookup among them gets the run's time per key); the
+        index of the first key :meth:`_lookup` must answer."""
         if not self._steady or not (request is None or request.control is DEFAULT_CONTROL):
             return i
-        slot_get, refs, step_hit = self._slot_get, self._refs, self._step_hit
-        n = len(keys)
-        start = i
         countdown = self._countdown
-        while i < n:
-            key = keys[i]
-            if type(key) is not bytes:
-                break
-            if countdown > 1:
-                slot = slot_get(key)
-                if slot is None or refs[slot] == IN_FLIGHT:
-                    break
-                countdown -= 1
+        began = perf_counter() if countdown <= len(keys) - i else 0.0  # a lookup of the run may be timed
+        found = scan.ready_run(self._slot_get, self._refs, IN_FLIGHT, keys, i)
+        if found:
+            self._hits.log.extend(keys[i : i + found])
+            answers += [_HIT] * found
+            if found < countdown:
+                self._countdown = countdown - found
             else:
-                began = perf_counter()
-                slot = slot_get(key)
-                if slot is None or refs[slot] == IN_FLIGHT:
-                    break
-                self._tiers.cpu.lookup_seconds.pending.append(perf_counter() - began)
-                countdown = self.lookup_timing_every
-                self._tally.counted += countdown
-            step_hit(key)
-            i += 1
-        self._countdown = countdown
-        if i > start:
-            answers += [_HIT] * (i - start)
-        return i
+                every = self.lookup_timing_every
+                timed, self._countdown = scan.sample_run(perf_counter() - began, found, countdown, every,
+                                                         self._tiers.cpu.lookup_seconds.pending)
+                self._tally.counted += every * timed
+        return i + found
 
     def prepare_load(self, keys: Sequence[BlockKey], request: RequestContext | None = None) -> np.ndarray:
         """Pin HIT blocks for a device load; returns their CPU rows. Raises if one is not HIT."""
@@ -440,14 +425,14 @@ class TieringManager:
         if result is None:
             self._tiers.counters.store_rejections += 1
             return None
-        if state is not None:
-            if keys:
-                state.chain_tail = keys[-1]
-                state.stored_tail = True
-            state.pending_store_keys.update(result.keys_to_store)
-            if state.request_level_tiers:
-                new = set(result.keys_to_store)
-                self._requests.cascade(state, [k for k in dict.fromkeys(keys) if k not in new])
+        if state is None:
+            if keys:  # no request to continue it: the store is a whole request
+                self.primary.end_request(keys[-1])
+            return result
+        state.note_store(keys, result.keys_to_store)
+        if state.request_level_tiers:
+            new = set(result.keys_to_store)
+            self._requests.cascade(state, [k for k in dict.fromkeys(keys) if k not in new])
         return result
 
     def complete_store(

@@ -47,6 +47,13 @@ class RequestState:
     in_step: bool = False
     """Listed for this step's end: promotions wait for submission, or cascades are parked."""
 
+    def note_store(self, keys: Sequence[BlockKey], keys_to_store: Sequence[BlockKey]) -> None:
+        """The request stored ``keys`` (``keys_to_store`` of them are new): its next store continues them."""
+        if keys:
+            self.chain_tail = keys[-1]
+            self.stored_tail = True
+        self.pending_store_keys.update(keys_to_store)
+
 
 def _by_seq(state: RequestState) -> int:
     return state.seq

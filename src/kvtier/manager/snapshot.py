@@ -21,7 +21,15 @@ from typing import Any, NamedTuple
 
 from kvtier.manager.tierset import TierHandle, TierSet
 from kvtier.primary import PrimaryTier
-from kvtier.telemetry import LookupCounts, ManagerSnapshot, TierSnapshot, TierTelemetry, TransferTotals
+from kvtier.telemetry import (
+    AdmissionSnapshot,
+    LookupCounts,
+    ManagerSnapshot,
+    PolicySnapshot,
+    TierSnapshot,
+    TierTelemetry,
+    TransferTotals,
+)
 from kvtier.types import PRIMARY_LABEL, LookupResult
 
 
@@ -129,6 +137,7 @@ def cpu_snapshot(primary: PrimaryTier, telemetry: TierTelemetry, answers: tuple[
         evictions=ps.evictions,
         health="down" if primary.is_shut_down else "closed",
         counters=asdict(ps),
+        policy=PolicySnapshot.of(primary.policy),
     )
 
 
@@ -164,6 +173,12 @@ def tier_snapshot(handle: TierHandle, reading: TierReading) -> TierSnapshot:
         evictions=int(counters.get("evictions", 0)),
         health=reading.health,
         backpressure=None if handle.admission is None else handle.admission.snapshot(),
+        admission=AdmissionSnapshot(
+            rule=str(getattr(getattr(handle.tier, "context", None), "admission", "all")),
+            admitted_blocks=telemetry.admitted_blocks,
+            declined_blocks=telemetry.declined_blocks,
+            learned_declined=getattr(handle.admission, "declined", 0),
+        ),
         counters=counters,
         extra=reading.extra,
         extra_kinds=reading.extra_kinds,

@@ -22,9 +22,10 @@ from kvtier.backpressure import BackpressureSettings
 from kvtier.errors import TierDrainTimeout, TierFailure, TierShutdownTimeout
 from kvtier.failures import log_failure
 from kvtier.keys import BlockKey
-from kvtier.manager.admission import CascadeAdmission, cascade_admission
+from kvtier.manager.admission import CascadeAdmission, tier_admission
 from kvtier.manager.blocking import BlockingCalls
 from kvtier.manager.waits import BlockWaits
+from kvtier.primary import PrimaryTier
 from kvtier.request_control import TierDescriptor, tier_locality
 from kvtier.telemetry import ManagerCounters, TierTelemetry
 from kvtier.tiers.base import SecondaryTier, TransferJob
@@ -137,12 +138,11 @@ class TierSet:
     """Every secondary tier's handle, in order, and what the manager asks of them together."""
 
     def __init__(self, tiers: Sequence[SecondaryTier], backpressure: BackpressureSettings,
-                 counters: ManagerCounters, waits: BlockWaits, cpu: TierTelemetry) -> None:
+                 counters: ManagerCounters, waits: BlockWaits, cpu: TierTelemetry,
+                 primary: PrimaryTier | None = None) -> None:
         self.cpu = cpu  # the manager's telemetry of the CPU tier (index 0)
-        self.handles = tuple(
-            TierHandle(i, tier, cascade_admission(backpressure, tier_label(i, tier.tier_type)), counters, waits)
-            for i, tier in enumerate(tiers, start=1)
-        )
+        self.handles = tuple(TierHandle(i, tier, tier_admission(tier, i, backpressure, primary), counters, waits)
+                             for i, tier in enumerate(tiers, start=1))  # fmt: skip
         self.live = list(self.handles)
         """The handles of the tiers not shut down, in order."""
         self.serving = list(self.handles)
@@ -213,15 +213,16 @@ class TierSet:
         return [h for h in among if h.live and not h.overdue and (wanted is None or h.index in wanted)]
 
     def admit(self, among: list[TierHandle], keys: list[BlockKey], request: RequestContext | None) -> list[TierHandle]:
-        """The handles of ``among`` whose admission takes a cascade of ``keys`` now (the others
-        count its blocks as skipped)."""
+        """The handles of ``among`` whose admission takes a cascade of ``keys`` now (counted per tier)."""
         admitted = []
         for handle in among:
-            admission = handle.admission
-            if admission is not None and not admission.admit(keys, request, handle.telemetry.stores_in_flight):
+            admission, telemetry = handle.admission, handle.telemetry
+            if admission is not None and not admission.admit(keys, request, telemetry.stores_in_flight):
                 self.counters.cascades_skipped += len(keys)
-                continue
-            admitted.append(handle)
+                telemetry.declined_blocks += len(keys)
+            else:
+                telemetry.admitted_blocks += len(keys)
+                admitted.append(handle)
         return admitted
 
     def has_pending_work(self) -> bool:

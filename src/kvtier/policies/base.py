@@ -52,7 +52,7 @@ Out-of-tree policies subclass :class:`EvictionPolicy` (constructor
 from __future__ import annotations
 
 import abc
-from collections.abc import Container, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import ClassVar
 
 from kvtier.keys import BlockKey
@@ -171,3 +171,18 @@ class EvictionPolicy(abc.ABC):
     @abc.abstractmethod
     def evictable_count(self) -> int:
         """How many blocks could be evicted right now."""
+
+    def relative_reuse(self, tail_slot: int, horizon: int) -> float | None:
+        """How likely the blocks of the store that just ended in ``tail_slot`` are to be
+        referenced again within ``horizon`` references, relative to the average stored block
+        (1.0: as likely; 0.2: a fifth as likely), or None when the policy predicts nothing
+        (a lower tier then takes every block). The manager's learned cascade admission asks it
+        after each store (:mod:`kvtier.manager.admission`). Called from the tier's thread; O(1).
+        The default predicts nothing."""
+        return None
+
+    def stats(self) -> Mapping[str, float | str]:
+        """What the policy reports about itself (the manager's snapshot and metrics carry it):
+        numbers, and under ``"state"`` a word for its state. Called from the tier's thread; cheap.
+        The default reports nothing."""
+        return {}

@@ -53,7 +53,7 @@ from pydantic import BaseModel
 
 from kvtier.keys import BlockKey, KVGeometry, Namespace
 from kvtier.tiers.format import HEADER_SIZE
-from kvtier.tiers.options import TierOptions, validate_options
+from kvtier.tiers.options import Admission, TierOptions, validate_options
 from kvtier.types import BlockEvent, LookupResult, OffloadPolicy, RequestContext
 
 
@@ -70,6 +70,9 @@ class TierContext:
     block_bytes: int
     namespace: Namespace
     index: int = 0
+    admission: Admission = "all"
+    """How the manager admits cascades to this tier (the spec's ``admission`` option, which the
+    tier itself never receives; see :class:`~kvtier.tiers.options.CascadeOptions`)."""
 
     def release_rows(self) -> None:
         """Drop this context's view of the CPU rows (the manager calls it after a tier shut down)."""

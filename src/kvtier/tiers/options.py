@@ -19,7 +19,7 @@ refused with a :class:`~kvtier.errors.ConfigError` naming the option, never an
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
@@ -80,6 +80,40 @@ class TierOptions(BaseModel):
         return None
 
 
+Admission = Literal["all", "learned"]
+"""How a secondary tier admits cascades: ``all`` (every stored block) or ``learned`` (see
+:class:`CascadeOptions`)."""
+
+
+class CascadeOptions(BaseModel):
+    """Options every secondary tier takes beside its own, read by the manager, never passed to
+    the tier: how the manager feeds the tier (declared once here for every tier type)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+
+    admission: Admission = Field(
+        default="all",
+        description="Which stored blocks are cascaded to this tier: all (every one) or learned (those the "
+        "CPU tier's eviction policy predicts will be read again within the tier's horizon often enough to "
+        "be worth the write; a policy that predicts nothing, such as lru, admits all).",
+    )
+
+
+CASCADE_OPTIONS = frozenset(CascadeOptions.model_fields)
+"""The names of :class:`CascadeOptions`' fields: taken out of a tier spec before the tier sees it."""
+
+
+def split_cascade_options(options: Mapping[str, Any], where: str) -> tuple[dict[str, Any], CascadeOptions]:
+    """``options`` without the cascade options, and those validated. ``where`` starts an error
+    message (``"tiers[0] (fs)"``); raises :class:`ConfigError` naming the option and the fix."""
+    own = {k: v for k, v in options.items() if k not in CASCADE_OPTIONS}
+    try:
+        cascade = CascadeOptions.model_validate({k: v for k, v in options.items() if k in CASCADE_OPTIONS})
+    except ValidationError as exc:
+        raise ConfigError(f"{where} has bad options: " + explain(exc, CascadeOptions, prefix="option")) from None
+    return own, cascade
+
+
 OptionsT = TypeVar("OptionsT", bound=BaseModel)
 
 
@@ -110,17 +144,21 @@ def tier_options(
 
 
 __all__ = [
+    "CASCADE_OPTIONS",
     "MAX_BYTES",
     "MAX_LIFETIME_SECONDS",
     "MAX_QUEUED",
     "MAX_SECONDS",
     "MAX_THREADS",
+    "Admission",
     "ByteSize",
+    "CascadeOptions",
     "LifetimeSeconds",
     "QueueLength",
     "Seconds",
     "Threads",
     "TierOptions",
+    "split_cascade_options",
     "tier_options",
     "validate_options",
 ]

@@ -10,7 +10,10 @@ manager (:func:`create_tier`) and the generated reference
 :func:`register_tier` and ``package.module:Class`` paths are treated alike.
 
 A class without an ``options_model`` has its options checked against its
-constructor's keyword parameters instead.
+constructor's keyword parameters instead. The cascade options every tier takes
+(:class:`~kvtier.tiers.options.CascadeOptions`: ``admission``) are validated
+here too and never reach the tier's constructor: :func:`create_tier` puts them
+in its :class:`TierContext` for the manager.
 
 Built-ins are imported lazily so optional dependencies (redis-py, obstore) are
 needed only by the tiers that use them. The registry is process-wide;
@@ -29,6 +32,7 @@ from pydantic_core import to_jsonable_python
 from kvtier.errors import ConfigError
 from kvtier.plugins import load_class
 from kvtier.tiers.base import SecondaryTier, TierContext
+from kvtier.tiers.options import split_cascade_options
 from kvtier.validation import did_you_mean, explain
 
 _BUILTIN: dict[str, str] = {
@@ -127,38 +131,40 @@ def validate_tier_options(spec: Any, *, where: str = "tier") -> dict[str, Any]:
         cls = resolve_tier_class(tier_type)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    options = {k: v for k, v in spec.items() if k != "type"}
     what = f"{where} ({tier_type})"
+    options, cascade = split_cascade_options({k: v for k, v in spec.items() if k != "type"}, what)
+    given = cascade.model_dump(exclude_unset=True)
     model = getattr(cls, "options_model", None)
     if model is None:
         _check_signature(cls, options, what)
-        return options
+        return {**options, **given}
     if not (isinstance(model, type) and issubclass(model, BaseModel)):
         raise ConfigError(f"{what}: {cls.__qualname__}.options_model must be a pydantic BaseModel subclass")
     try:
         validated = model.model_validate(options)
     except ValidationError as exc:
         raise ConfigError(f"{what} has bad options: " + explain(exc, model, prefix="option")) from None
-    return validated.model_dump(exclude_unset=True)
+    return {**validated.model_dump(exclude_unset=True), **given}
 
 
 def shown_tier_options(spec: Mapping[str, Any]) -> dict[str, Any]:
     """``spec`` (valid) as JSON-able values for display: ``{"type": ..., **options given}``,
     through the tier's options model, so secrets stay hidden (a ``SecretStr`` as
     ``'**********'``, a password in a URL as ``***``)."""
-    options = {k: v for k, v in spec.items() if k != "type"}
+    options, cascade = split_cascade_options({k: v for k, v in spec.items() if k != "type"}, str(spec["type"]))
     model = getattr(resolve_tier_class(spec["type"]), "options_model", None)
     if isinstance(model, type) and issubclass(model, BaseModel):
         shown = model.model_validate(options).model_dump(mode="json", exclude_unset=True)
     else:
         shown = to_jsonable_python(options)
-    return {"type": spec["type"], **shown}
+    return {"type": spec["type"], **shown, **cascade.model_dump(exclude_unset=True)}
 
 
 def create_tier(spec: Mapping[str, Any], context: TierContext) -> SecondaryTier:
     """Build a tier from ``{"type": name_or_path, **options}`` (validated by :func:`validate_tier_options`)."""
     where = f"secondary tier #{context.index}"
-    options = validate_tier_options(spec, where=where)
+    options, cascade = split_cascade_options(validate_tier_options(spec, where=where), where)
+    context.admission = cascade.admission
     cls = resolve_tier_class(spec["type"])
     try:
         return cls(context, **options)

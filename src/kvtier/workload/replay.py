@@ -8,10 +8,16 @@ scheduler does:
 1. ``lookup`` its keys in order until the first non-HIT (a prefix hit; with
    secondary tiers, HIT_PENDING promotions are waited for, step by step);
 2. ``prepare_load`` / ``complete_load`` the hit prefix (recency);
-3. ``prepare_store`` / ``complete_store`` the rest (evicting as needed): in one
-   store, or ``store_chunk`` blocks at a time, as an engine that prefills in
-   chunks (or stores decoded blocks one by one) does;
+3. ``prepare_store`` / ``complete_store`` the rest (evicting as needed), in
+   the pieces an engine stores (see :func:`store_pieces`): in one store,
+   ``store_chunk`` blocks at a time (a prefill in chunks, or decoded blocks one
+   by one), or ``"mixed"``: a prefill in chunks of
+   :data:`MIXED_PREFILL_CHUNK` blocks, then decode stores of one block;
 4. ``on_request_finished``, ``on_schedule_end``.
+
+Blocks evicted by a later store of their own request (self-evictions: the
+request's earlier pieces, lost before it even finished) are counted in the
+result's ``extra["self_evictions"]``.
 
 With secondary tiers configured, their cascades and promotions are real (they
 read and write the small rows), so per-tier hit rates are measured end to end.
@@ -30,7 +36,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 from kvtier.errors import KvtierError
 from kvtier.keys import BlockKey, KVGeometry, Namespace, chain_ids
@@ -38,12 +44,56 @@ from kvtier.manager import TieringManager
 from kvtier.policies import DEFAULT_POLICY
 from kvtier.types import LookupResult, RequestContext
 from kvtier.workload.simulate import HitRateResult
-from kvtier.workload.trace import FlatTrace
+from kvtier.workload.trace import TRACE_BLOCK_TOKENS, FlatTrace, TraceRequest
 
 logger = logging.getLogger(__name__)
 
 REPLAY_BLOCK_BYTES = 64
 """Payload bytes per block in metadata-only replay (a row still takes one page)."""
+
+MIXED = "mixed"
+"""The ``store_chunk`` of the mixed mode: a prefill in chunks, then decode stores of one block."""
+
+MIXED_PREFILL_CHUNK = 16
+"""Blocks per prefill store in the mixed mode."""
+
+StoreChunk: TypeAlias = int | Literal["mixed"] | None
+"""How a request's missed blocks are stored: None (one store), N blocks a store, or ``"mixed"``."""
+
+
+def decode_blocks(requests: Sequence[TraceRequest]) -> list[int]:
+    """Blocks each request's output fills (``ceil(output_length / 512)``, at least 1): its decode
+    stores in the mixed mode (see :func:`store_pieces`)."""
+    return [max(1, -(-r.output_length // TRACE_BLOCK_TOKENS)) for r in requests]
+
+
+def store_mode(store_chunk: StoreChunk) -> str:
+    """How requests are stored, as the replay's header says it ("" for one store per request)."""
+    if store_chunk is None:
+        return ""
+    if store_chunk == MIXED:
+        return f"; {MIXED_PREFILL_CHUNK}-block prefill stores, then a store per decoded block (--store-chunk mixed)"
+    return f"; stores of at most {store_chunk} blocks (--store-chunk)"
+
+
+def store_pieces(missed: int, store_chunk: StoreChunk, decode: int = 1) -> list[int]:
+    """The sizes of the stores an engine makes of a request's ``missed`` blocks, in order.
+
+    ``store_chunk`` None: one store; N: N blocks a store (the last may be
+    smaller); ``"mixed"``: the blocks but the last ``decode`` (at least 1, at
+    most ``missed``) in prefill stores of :data:`MIXED_PREFILL_CHUNK`, then the
+    last ``decode`` one block a store, as the decode phase stores each block it
+    fills. Raises ValueError for any other ``store_chunk``.
+    """
+    if store_chunk is None:
+        return [missed] if missed else []
+    if store_chunk == MIXED:
+        tail = min(missed, max(1, decode))
+        head = missed - tail
+        return [min(MIXED_PREFILL_CHUNK, head - i) for i in range(0, head, MIXED_PREFILL_CHUNK)] + [1] * tail
+    if isinstance(store_chunk, bool) or not isinstance(store_chunk, int) or store_chunk < 1:
+        raise ValueError(f"store_chunk must be a positive number of blocks or {MIXED!r}, got {store_chunk!r}")
+    return [min(store_chunk, missed - i) for i in range(0, missed, store_chunk)]
 
 
 def replay_namespace(block_bytes: int = REPLAY_BLOCK_BYTES) -> Namespace:
@@ -75,19 +125,24 @@ def replay_manager(
     shm_dir: str = "/dev/shm",
     pending_timeout: float = 30.0,
     progress: Callable[[int], None] | None = None,
-    store_chunk: int | None = None,
+    store_chunk: StoreChunk = None,
+    decode_blocks: Sequence[int] | None = None,
 ) -> HitRateResult:
     """Replay requests (lists of block keys) through a real manager with ``capacity`` CPU blocks.
 
-    Returns prefix hits split by tier (``"cpu"`` and each secondary tier's label).
-    ``store_chunk``: store each request's missed blocks this many at a time (one
-    ``prepare_store`` / ``complete_store`` per chunk); None: all in one store.
+    Returns prefix hits split by tier (``"cpu"`` and each secondary tier's label),
+    with ``extra["self_evictions"]``: blocks evicted by a later store of their own
+    request, and per secondary tier ``extra["written_bytes:LABEL"]`` (bytes its cascades
+    wrote), ``"admitted_blocks:LABEL"`` and ``"declined_blocks:LABEL"`` (its admission's
+    count). ``store_chunk``: how each request's missed blocks are stored (one
+    ``prepare_store`` / ``complete_store`` per piece, see :func:`store_pieces`);
+    ``decode_blocks[i]``: request ``i``'s decode stores in the mixed mode (default 1).
     ``progress`` is called with the number of requests done, every 256 requests.
-    Raises :class:`KvtierError` if a promotion stays pending beyond ``pending_timeout``.
+    Raises :class:`KvtierError` if a promotion stays pending beyond ``pending_timeout``,
+    ValueError for a bad ``store_chunk``.
     Long because set-up, the replay loop and the per-tier accounting share the manager's lifetime.
     """
-    if store_chunk is not None and store_chunk < 1:
-        raise ValueError(f"store_chunk must be at least 1, got {store_chunk}")
+    store_pieces(1, store_chunk)  # checks it before anything starts
     ns = namespace or replay_namespace()
     start = time.perf_counter()
     manager = TieringManager.create(
@@ -103,6 +158,7 @@ def replay_manager(
     tier_hits = dict.fromkeys(labels, 0)
     refs = 0
     rejected = 0
+    self_evicted = 0
     lookup_seconds = 0.0
     lookups = 0
     try:
@@ -136,12 +192,19 @@ def replay_manager(
                     manager.prepare_load(prefix, req)
                 manager.complete_load(prefix, req)
             rest = request_keys[hits:]
-            chunk = store_chunk or max(1, len(rest))
-            for first in range(0, len(rest), chunk):
-                result = manager.prepare_store(rest[first : first + chunk], req)
+            decode = decode_blocks[n] if decode_blocks is not None else 1
+            stored: set[BlockKey] = set()
+            first = 0
+            for size in store_pieces(len(rest), store_chunk, decode):
+                result = manager.prepare_store(rest[first : first + size], req)
+                first += size
                 if result is None:
                     rejected += 1
-                elif result.keys_to_store:
+                    continue
+                if stored and result.evicted_keys:
+                    self_evicted += sum(1 for k in result.evicted_keys if k in stored)
+                if result.keys_to_store:
+                    stored.update(result.keys_to_store)
                     manager.complete_store(result.keys_to_store, req, True)
             manager.on_request_finished(req)
             manager.on_schedule_end()
@@ -156,8 +219,18 @@ def replay_manager(
     finally:
         manager.shutdown()
     hits_total = sum(tier_hits.values())
+    policy_values = stats.cpu.policy.values if stats.cpu.policy is not None else {}
+    written: dict[str, float] = {}
+    for tier in stats.tiers[1:]:  # what each secondary tier was given (its admission's work)
+        written[f"written_bytes:{tier.label}"] = tier.written.bytes
+        if tier.admission is not None:
+            written[f"admitted_blocks:{tier.label}"] = tier.admission.admitted_blocks
+            written[f"declined_blocks:{tier.label}"] = tier.admission.declined_blocks
     extra: dict[str, float] = {
+        **{f"policy_{name}": value for name, value in policy_values.items()},
+        **written,
         "store_rejections": rejected,
+        "self_evictions": self_evicted,
         "evictions": stats.cpu.evictions,
         "lookup_us_mean": 1e6 * lookup_seconds / lookups if lookups else 0.0,
     }
@@ -173,7 +246,8 @@ def compare_policies(
     tiers: Callable[[str, int], Sequence[dict[str, Any]]] | None = None,
     shm_dir: str = "/dev/shm",
     announce: Callable[[str, int], None] | None = None,
-    store_chunk: int | None = None,
+    store_chunk: StoreChunk = None,
+    decode_blocks: Sequence[int] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> dict[int, dict[str, HitRateResult]]:
     """Replay ``keys`` through a manager per (capacity, policy); ``"lru"`` always runs, as the baseline.
@@ -182,8 +256,8 @@ def compare_policies(
     same capacity (1.0 where both are 0). ``tiers(policy, capacity)`` gives
     each run its own secondary tiers (a persistent tier must not be shared
     between runs, or a later run starts warm). ``announce(policy, capacity)``
-    is called before each run; ``store_chunk`` and ``progress`` (requests done in
-    the current run) as in :func:`replay_manager`.
+    is called before each run; ``store_chunk``, ``decode_blocks`` and ``progress`` (requests
+    done in the current run) as in :func:`replay_manager`.
     """
     names = list(dict.fromkeys([*policies, "lru"]))
     out: dict[int, dict[str, HitRateResult]] = {}
@@ -195,7 +269,7 @@ def compare_policies(
             runs[name] = replay_manager(
                 keys, capacity, policy=name, namespace=namespace, shm_dir=shm_dir,
                 tiers=tiers(name, capacity) if tiers is not None else (), store_chunk=store_chunk,
-                progress=progress,
+                decode_blocks=decode_blocks, progress=progress,
             )  # fmt: skip
         lru = runs["lru"].hit_rate
         for result in runs.values():

@@ -198,7 +198,8 @@ def plot_image(result: BenchResult, kind: str = "png", window: int = 16) -> byte
 
 
 def replay_table(rows: Sequence[dict[str, Any]], title: str, block_bytes: int | None = None) -> Table:
-    """Hit rate per capacity and policy (real manager), its ratio to LRU, per-tier split, Belady, unbounded.
+    """Hit rate per capacity and policy (real manager), its ratio to LRU, self-evictions, per-tier
+    split, Belady, unbounded.
 
     ``block_bytes``: KV bytes of one trace block, to show each capacity as a size too.
     """
@@ -207,6 +208,7 @@ def replay_table(rows: Sequence[dict[str, Any]], title: str, block_bytes: int | 
     table.add_column("policy")
     table.add_column("hit rate", justify="right")
     table.add_column("x LRU", justify="right")
+    table.add_column("self-evicted", justify="right")
     tier_names: list[str] = []
     for row in rows:
         for result in row["policies"].values():
@@ -226,7 +228,10 @@ def replay_table(rows: Sequence[dict[str, Any]], title: str, block_bytes: int | 
             capacity = str(row["capacity"])
             if block_bytes is not None:
                 capacity += f" ({format_size(row['capacity'] * block_bytes)})"
-            cells = [capacity if first else "", policy, _pct(kv["hit_rate"]), f"{kv['ratio_to_lru']:.3f}"]
+            cells = [
+                capacity if first else "", policy, _pct(kv["hit_rate"]), f"{kv['ratio_to_lru']:.3f}",
+                str(int(kv.get("self_evictions", 0))),
+            ]  # fmt: skip
             if show_tiers:
                 cells += [_pct(kv["tier_hit_rates"].get(n, 0.0)) for n in tier_names]
             belady = row.get("belady")
@@ -236,7 +241,8 @@ def replay_table(rows: Sequence[dict[str, Any]], title: str, block_bytes: int | 
             table.add_row(*cells, end_section=i == len(row["policies"]) - 1)
     table.caption = (
         "prefix-hit rate: share of block references served from cache with every earlier block a hit; "
-        "x LRU: hit rate over LRU's at the same capacity; "
+        "x LRU: hit rate over LRU's at the same capacity; self-evicted: blocks evicted by a later store "
+        "of their own request; "
         "Belady: the offline optimum of the CPU tier alone at that capacity, a bound on the "
         "cpu tier's hits, not on hits from secondary tiers; unbounded: a cache that never evicts, a bound "
         "on every policy, tier and capacity"

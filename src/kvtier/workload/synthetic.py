@@ -17,6 +17,16 @@ so it gets an id of its own and is never reused):
   prompts (with few-shot examples), Zipf-popular, plus their own input.
 * ``shift``: like ``rag``, but which documents are popular changes twice.
 * ``mix``: all of the above interleaved over the same span of time.
+* ``docqa``: long documents (8k-48k tokens) from a Zipf-popular library, each
+  asked a few short questions in a row: one long shared prefix, one block of
+  question.
+* ``code``: code completion in editor sessions: a repository's shared files,
+  then the file being edited up to the cursor, re-sent every few seconds as
+  the file grows, now and then edited higher up (the blocks after the edit
+  change).
+* ``bursty``: chat and API traffic at a steady rate, and bursts of a batch job
+  (one shared instruction, then a long document never seen again) that flood
+  the cache for a minute or two at a time.
 
 Everything derives from ``seed`` (numpy PCG64): the same call gives the same
 trace on every machine. Pure functions; any thread.
@@ -32,7 +42,7 @@ import numpy as np
 from kvtier.errors import ConfigError
 from kvtier.workload.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
-KINDS = ("chat", "agentic", "rag", "api", "shift", "mix")
+KINDS = ("chat", "agentic", "rag", "api", "shift", "mix", "docqa", "code", "bursty")
 """The workloads :func:`generate` knows."""
 
 DEFAULT_REQUESTS = 8000
@@ -107,7 +117,7 @@ def _sessions(
     """Sessions arriving at ``rate`` per second, interleaved in time order, forever.
 
     ``start(session)`` gives a new session's first contents and its number of
-    requests; ``step(contents)`` gives what the next request appends and the
+    requests; ``step(contents)`` gives the next request's contents and the
     pause before it.
     """
     heap: list[Session] = []
@@ -122,8 +132,8 @@ def _sessions(
         now, s, contents, left = heapq.heappop(heap)
         yield now, s, contents
         if left > 1:
-            more, pause = step(contents)
-            heapq.heappush(heap, (now + pause, s, contents + more, left - 1))
+            following, pause = step(contents)
+            heapq.heappush(heap, (now + pause, s, following, left - 1))
 
 
 def _chat(rng: np.random.Generator, ids: _BlockIds, content: _Content, rate: float) -> Iterator[Event]:
@@ -137,7 +147,7 @@ def _chat(rng: np.random.Generator, ids: _BlockIds, content: _Content, rate: flo
 
     def step(contents: list[int]) -> tuple[list[int], float]:
         turn = [ids.unique() for _ in range(1 + int(rng.integers(0, 5)))]  # answer and next message
-        return turn, 5.0 + _heavy_tail(rng, 60.0, 1.8, 1800.0)
+        return contents + turn, 5.0 + _heavy_tail(rng, 60.0, 1.8, 1800.0)
 
     return _sessions(rng, rate, start, step)
 
@@ -152,7 +162,7 @@ def _agentic(rng: np.random.Generator, ids: _BlockIds, content: _Content, rate: 
 
     def step(contents: list[int]) -> tuple[list[int], float]:
         observation = [ids.unique() for _ in range(1 + int(rng.integers(0, 4)))]
-        return observation, 1.0 + _heavy_tail(rng, 6.0, 2.0, 300.0)
+        return contents + observation, 1.0 + _heavy_tail(rng, 6.0, 2.0, 300.0)
 
     return _sessions(rng, rate, start, step)
 
@@ -196,6 +206,71 @@ def _api(rng: np.random.Generator, ids: _BlockIds, content: _Content, rate: floa
         t += float(rng.exponential(1.0 / rate))
 
 
+def _docqa(rng: np.random.Generator, ids: _BlockIds, content: _Content, rate: float) -> Iterator[Event]:
+    """Sessions of short questions about one long document from a Zipf-popular library."""
+    library = 600
+    document = _zipf_sampler(rng, library, 0.9)
+    system = content.piece("docqa-system", 0, 2)
+
+    def start(session: int) -> tuple[list[int], int]:
+        d = document()
+        doc = content.piece("docqa-doc", d, 16 + (37 * d) % 81)  # 16-96 blocks
+        return system + doc + [ids.unique()], 1 + int(_heavy_tail(rng, 2.0, 1.8, 30))
+
+    def step(contents: list[int]) -> tuple[list[int], float]:
+        return [*contents[:-1], ids.unique()], 10.0 + _heavy_tail(rng, 40.0, 1.8, 900.0)  # the next question
+
+    return _sessions(rng, rate, start, step)
+
+
+def _code(rng: np.random.Generator, ids: _BlockIds, content: _Content, rate: float) -> Iterator[Event]:
+    """Editor sessions: a repository's shared files, then the edited file up to the cursor.
+
+    Each completion re-sends the prefix; the file grows by a block now and
+    then, and an edit higher up (one completion in eight) replaces every
+    block from the edited one on.
+    """
+    repository = _zipf_sampler(rng, 30, 1.1)
+
+    def start(session: int) -> tuple[list[int], int]:
+        r = repository()
+        shared = content.piece("code-repo", r, 4 + (5 * r) % 17)  # 4-20 blocks of files the editor sends along
+        opened = [ids.unique() for _ in range(1 + int(rng.integers(0, 8)))]
+        return shared + opened, 5 + int(_heavy_tail(rng, 40.0, 1.6, 400))
+
+    def step(contents: list[int]) -> tuple[list[int], float]:
+        following = list(contents)
+        if rng.random() < 0.25 and len(following) > 2:  # an edit higher up in the file
+            at = int(rng.integers(max(1, len(following) - 12), len(following)))
+            following[at:] = [ids.unique() for _ in range(len(following) - at)]
+        if rng.random() < 0.3:  # the file grew by a block
+            following.append(ids.unique())
+        return following, 1.0 + _heavy_tail(rng, 4.0, 2.0, 120.0)
+
+    return _sessions(rng, rate, start, step)
+
+
+def _batch_bursts(
+    rng: np.random.Generator, ids: _BlockIds, content: _Content, rate: float, on_s: float, off_s: float
+) -> Iterator[Event]:
+    """Bursts of a batch job at ``rate`` per second, ``on_s`` long on average, ``off_s`` apart.
+
+    Every request: one of a few shared instructions, then a long document never
+    seen again (6-30 blocks).
+    """
+    instruction = _zipf_sampler(rng, 3, 1.0)
+    t, n = float(rng.exponential(off_s)), 0
+    while True:
+        end = t + float(rng.exponential(on_s))
+        while t < end:
+            contents = list(content.piece("batch-instruction", instruction(), 3))
+            contents += [ids.unique() for _ in range(6 + int(rng.integers(0, 25)))]
+            yield t, n, contents
+            n += 1
+            t += float(rng.exponential(1.0 / rate))
+        t = end + float(rng.exponential(off_s))
+
+
 def _streams(
     kind: str, rng: np.random.Generator, ids: _BlockIds, content: _Content, requests: int
 ) -> list[Iterator[Event]]:
@@ -209,6 +284,16 @@ def _streams(
         return [_api(rng, ids, content, 3.0)]
     if kind == "shift":
         return [_documents(rng, ids, content, 3.0, requests / 3.0 / 3.0)]  # three phases
+    if kind == "docqa":
+        return [_docqa(rng, ids, content, 1.0)]
+    if kind == "code":
+        return [_code(rng, ids, content, 0.1)]
+    if kind == "bursty":
+        return [
+            _chat(rng, ids, content, 0.5),
+            _api(rng, ids, content, 1.0),
+            _batch_bursts(rng, ids, content, 4.0, 60.0, 400.0),
+        ]
     return [  # mix
         _chat(rng, ids, content, 0.4),
         _agentic(rng, ids, content, 0.1),

@@ -236,9 +236,7 @@ class ReturnTimeModel:
         pool_events, pool_risk = events.sum(axis=0), at_risk.sum(axis=0)
         pool_hazard = np.divide(pool_events, pool_risk, out=np.zeros_like(pool_events), where=pool_risk > 0)
         weight = at_risk + self.prior
-        hazard = np.divide(
-            events + self.prior * pool_hazard, weight, out=np.zeros_like(events), where=weight > 0
-        )
+        hazard = np.divide(events + self.prior * pool_hazard, weight, out=np.zeros_like(events), where=weight > 0)
         survival = np.ones((self.classes, hazard.shape[1] + 1))
         survival[:, 1:] = np.cumprod(1.0 - np.clip(hazard, 0.0, 1.0), axis=1)
         return survival
