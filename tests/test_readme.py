@@ -1,10 +1,10 @@
 """The Python quickstart (docs/index.md, "From Python") runs as written, says what it did and
 leaves nothing behind; what the pages state about the manager and the replay is what the code does.
 
-Command blocks marked runnable in the README, the prepared front page (README.front.md) and the
-docs pages run too: an HTML comment ``<!-- runnable -->`` right before a fenced block marks it
-(``<!-- runnable: output -->``: what the block shows after each command is what it prints). Mark
-only cheap commands (seconds, no servers, nothing written outside a temporary directory).
+Command blocks marked runnable in the README (the front page) and the docs pages run too: an HTML
+comment ``<!-- runnable -->`` right before a fenced block marks it (``<!-- runnable: output -->``:
+what the block shows after each command is what it prints). Mark only cheap commands (seconds, no
+servers, nothing written outside a temporary directory).
 """
 
 from __future__ import annotations
@@ -159,8 +159,7 @@ def runnable_blocks(pages: list[Path]) -> list[RunnableBlock]:
 
 
 def _pages_with_commands() -> list[Path]:
-    pages = [README, REPO / "README.front.md", *sorted((REPO / "docs").rglob("*.md"))]
-    return [p for p in pages if p.is_file()]
+    return [README, *sorted(DOCS.rglob("*.md"))]
 
 
 RUNNABLE = runnable_blocks(_pages_with_commands())
