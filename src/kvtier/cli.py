@@ -575,6 +575,22 @@ def _add_replay(sub: Any) -> None:
         "per store for the blocks its output fills (default: one store per request)",
     )  # fmt: skip
     p.add_argument("--no-belady", action="store_true", help="skip the Belady reference")
+    _add_replay_fs_tier(p)
+    p.add_argument("--shm-dir", default=None, help="directory of the CPU region (default: KVTIER_SHM_DIR, /dev/shm)")
+    p.add_argument("--json", metavar="FILE", default=None,
+                   help="write the sweep as JSON ('-': stdout, the tables then go to stderr)")  # fmt: skip
+    p.add_argument(
+        "--plot", metavar="FILE.png", default=None,
+        help="draw hit rate against capacity per policy, with LRU, Belady and unbounded as references, and "
+        "hits per tier with --fs-root (needs the plot extra: pip install 'kvtier[plot]'; '-': PNG to stdout)",
+    )  # fmt: skip
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (none is shown when standard error is not a terminal)")  # fmt: skip
+    p.set_defaults(func=_cmd_replay)
+
+
+def _add_replay_fs_tier(p: argparse.ArgumentParser) -> None:
+    """``kvtier replay``'s flags of the real fs tier it can cascade to (``--fs-root`` and its options)."""
     p.add_argument(
         "--fs-root", metavar="DIR", default=None,
         help="also cascade to an fs tier on this directory's disk: each replay makes a fresh, lock-held "
@@ -588,18 +604,6 @@ def _add_replay(sub: Any) -> None:
     )  # fmt: skip
     p.add_argument("--admission", choices=("all", "learned"), default="all",
                    help="with --fs-root: which stored blocks the fs tier is given (the tier option admission)")
-    p.add_argument("--shm-dir", default=None, help="directory of the CPU region (default: KVTIER_SHM_DIR, /dev/shm)")
-    p.add_argument("--json", metavar="FILE", default=None,
-                   help="write the sweep as JSON ('-': stdout, the tables then go to stderr)")  # fmt: skip
-    p.add_argument(
-        "--plot", metavar="FILE.png", default=None,
-        help="draw hit rate against capacity per policy, with LRU, Belady and unbounded as references, and "
-        "hits per tier with --fs-root (needs the plot extra: pip install 'kvtier[plot]'; '-': PNG to stdout)",
-    )  # fmt: skip
-    p.add_argument("--no-progress", action="store_true",
-                   help="no progress bar (none is shown when standard error is not a terminal)")  # fmt: skip
-    p.set_defaults(func=_cmd_replay)
-
 
 def _store_chunk(text: str) -> int | str:
     """An argparse type: ``mixed``, or a number of blocks >= 1."""
