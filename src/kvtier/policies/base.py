@@ -56,6 +56,7 @@ from collections.abc import Container, Mapping, Sequence
 from typing import ClassVar
 
 from kvtier.keys import BlockKey
+from kvtier.types import RequestHints
 
 
 class EvictionPolicy(abc.ABC):
@@ -114,6 +115,17 @@ class EvictionPolicy(abc.ABC):
         thread, after the request's stores; the slot still holds that block), so
         a policy that keeps state per open request (see :meth:`continue_chain`)
         can let it go. The default does nothing.
+        """
+        return
+
+    def hint_request(self, tail_slot: int, hints: RequestHints) -> None:
+        """The application's hints about the request whose last store ended in ``tail_slot``
+        (its conversation, whether that ended, when it is expected back; see
+        :mod:`kvtier.request_control`), bounded and well formed.
+
+        Called right after :meth:`end_request` for a request that carried hints (same
+        thread, the slot still holds that block). The default ignores them (``lru``,
+        ``arc``): hints may only change which blocks go first, never what is correct.
         """
         return
 

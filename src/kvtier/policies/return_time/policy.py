@@ -49,6 +49,7 @@ from kvtier.policies.return_time.classes import (
     touches_of,
 )
 from kvtier.policies.return_time.guard import PREFIX_HITS, GuardState, MeasuredGuard, MiniWheel
+from kvtier.policies.return_time.hints import SessionClock
 from kvtier.policies.return_time.model import (
     SAMPLE_SCALE,
     HoldingPlan,
@@ -58,6 +59,7 @@ from kvtier.policies.return_time.model import (
 )
 from kvtier.policies.return_time.wheel import CLOCK, MARK, OPEN, RING, ExpiryWheel
 from kvtier.policies.slot_lists import NO_KEY
+from kvtier.types import RequestHints
 
 GAIN_NEEDED = 1.05
 """Learned holds are used only if they predict this many times the hits of uniform holds."""
@@ -84,6 +86,13 @@ GUARD_KEYS = 512
 """The guard's miniature of the learned holds has at least this many entries (if the model's
 sample allows): its share of the keys is ``max(512 / capacity, 1 / 256)``, at most the model's."""
 
+
+HINTED_REACH = 2
+"""An expected return is held for if it comes within this many times the capacity, in references
+(about how long LRU keeps a block at a typical miss rate); one later is evicted first."""
+
+HINT_SLACK = 1.25
+"""An expected return is held for this many times the references it is expected in."""
 
 MIN_RETURNS = 64.0
 """Returns the model must have seen (decayed) before :meth:`ReturnTimePolicy.relative_reuse` answers."""
@@ -143,6 +152,8 @@ class ReturnTimePolicy(ExpiryWheel):
         self._open_limit = max(8, min(OPEN_REQUESTS, c // 32) // 2)  # per generation
         self._odds_key: tuple[int, int] | None = None  # (solve clock, horizon) of _odds
         self._odds: list[float] | None = None
+        self.sessions = SessionClock(max(64, min(OPEN_REQUESTS, c // 4)))
+        self.hinted = {"ended": 0, "held": 0, "late": 0}  # requests by what their hints did
 
     def _reset_blocks(self) -> None:
         super()._reset_blocks()
@@ -179,6 +190,7 @@ class ReturnTimePolicy(ExpiryWheel):
             "lead_sigma": guard.spread,
             "fallbacks": float(guard.fallbacks),
             "open_requests": float(len(self._open) + len(self._open_old)),
+            **{f"hinted_{what}": float(n) for what, n in self.hinted.items()},
         }
 
     def relative_reuse(self, tail_slot: int, horizon: int) -> float | None:
@@ -464,6 +476,73 @@ class ReturnTimePolicy(ExpiryWheel):
         record = self._open.pop(tail_slot, None) or self._open_old.pop(tail_slot, None)
         if record is not None:
             self._settle(tail_slot, record)
+
+    def hint_request(self, tail_slot: int, hints: RequestHints) -> None:
+        """Hints of the request that ended in ``tail_slot`` (see :meth:`EvictionPolicy.hint_request`).
+
+        A session id teaches :attr:`sessions` the references per announced
+        second. If the conversation ended or is expected back later than
+        ``HINTED_REACH`` capacities, its own blocks (up from ``tail_slot`` while
+        each has at most one other child: the conversation's, not a prefix
+        shared with other conversations) are evicted first; if it is expected
+        back sooner, the request's blocks (up while each is its parent's only
+        child) are held until then (with ``HINT_SLACK``), their ancestors raised
+        to that. Nothing if ``tail_slot`` has children or is open. O(blocks walked).
+        """
+        now = self._now
+        if hints.session is not None:
+            self.sessions.observe(hints.session, now, hints.expected_return_s)
+        expected = None if hints.expected_return_s is None else self.sessions.references(hints.expected_return_s)
+        if not hints.session_end and expected is None:
+            return
+        children, expiry, par = self._children, self._expiry, self._parent
+        if children[tail_slot] or expiry[tail_slot] >= OPEN:
+            return
+        if now // self._width != self._cur:
+            self._advance(now // self._width)
+        expire = hints.session_end or expected is None or expected > HINTED_REACH * self.capacity
+        # Expiring also walks past a block with one other child: where an earlier turn of the
+        # conversation branched off its (partial, never reused) last block.
+        private = 2 if expire else 1
+        chain = [tail_slot]
+        up = par[tail_slot]
+        while up >= 0 and children[up] <= private and expiry[up] < OPEN and len(chain) < self.capacity:
+            chain.append(up)
+            up = par[up]
+        if expire or expected is None:
+            self.hinted["ended" if hints.session_end else "late"] += 1
+            self._expire_first(chain)
+            return
+        self.hinted["held"] += 1
+        e = max(now + min(int(HINT_SLACK * expected), self.max_hold), 1)
+        end = self._list_for(e)
+        flags = self._evictable
+        for slot in chain:  # tail first
+            expiry[slot] = e
+            if flags[slot]:
+                self._move_to_tail(slot, end)
+        if flags[chain[-1]]:
+            self._to_parent(chain[-1], end)
+        if up >= 0:
+            self._raise_ancestors(up, e)
+
+    def _expire_first(self, chain: list[int]) -> None:
+        """Expire ``chain`` (slots, tail first, each the parent of the one before) and put its
+        evictable blocks first in the expired list, tail first: evicted before any other."""
+        expiry, flags, prv, nxt = self._expiry, self._evictable, self._prev, self._next
+        end = self.capacity  # the expired list's sentinel
+        for i in range(len(chain) - 1, -1, -1):  # head first, each linked before the previous
+            slot = chain[i]
+            expiry[slot] = 1  # expired (0 is a free slot's)
+            if flags[slot]:
+                before, after = prv[slot], nxt[slot]
+                nxt[before] = after
+                prv[after] = before
+                first = nxt[end]
+                nxt[end] = slot
+                prv[slot] = end
+                nxt[slot] = first
+                prv[first] = slot
 
     def _release_holds(self, now: int) -> None:
         """:meth:`ExpiryWheel._release_holds`, and the requests that stored once note their blocks'
