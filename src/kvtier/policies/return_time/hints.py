@@ -62,4 +62,53 @@ class SessionClock:
         return math.exp(self._log_rate) * max(seconds, MIN_SECONDS)
 
 
-__all__ = ["MIN_SAMPLES", "SessionClock"]
+
+REACH_BINS = 64
+"""Bins of :class:`HoldBudget`'s histogram of return times: four per doubling, from 1 reference."""
+
+
+class HoldBudget:
+    """How far ahead an expected return is worth holding for, so that the held blocks fit.
+
+    Holding a conversation of ``b`` blocks for a return ``r`` references ahead
+    costs ``b * r`` block-references and gains ``b`` hits: the cheapest are the
+    soonest returns. The budget keeps a histogram, by return time, of the
+    block-references the announced returns would cost, and the references
+    elapsed, both decayed with ``half_life``; :meth:`reach` is the longest
+    return such that holding every return up to it keeps, on average, at most
+    ``share`` of the capacity held (Little's law: occupancy = cost per
+    reference). O(``REACH_BINS``) per request; fixed memory.
+    """
+
+    def __init__(self, capacity: int, share: float, half_life: float) -> None:
+        self._room = share * capacity
+        self._half_life = half_life
+        self._cost = [0.0] * REACH_BINS
+        self._elapsed = 0.0
+        self._then = 0
+
+    def add(self, now: int, blocks: int, returns_in: float) -> None:
+        """A request of ``blocks`` blocks (its whole prefix) announced a return ``returns_in``
+        references after ``now``."""
+        if now > self._then:
+            decay = 0.5 ** ((now - self._then) / self._half_life)
+            self._cost = [c * decay for c in self._cost]
+            self._elapsed = self._elapsed * decay + (now - self._then)
+            self._then = now
+        b = min(REACH_BINS - 1, max(0, int(4 * math.log2(max(returns_in, 1.0)))))
+        self._cost[b] += blocks * returns_in
+
+    def reach(self) -> float:
+        """The longest return (references) worth holding for now (0: none yet)."""
+        if self._elapsed <= 0:
+            return 0.0
+        budget = self._room * self._elapsed
+        spent = 0.0
+        for b, cost in enumerate(self._cost):
+            spent += cost
+            if spent > budget:
+                return float(2 ** (b / 4))  # the lower edge of the first bin past the budget
+        return math.inf
+
+
+__all__ = ["MIN_SAMPLES", "REACH_BINS", "HoldBudget", "SessionClock"]

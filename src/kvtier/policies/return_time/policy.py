@@ -49,7 +49,7 @@ from kvtier.policies.return_time.classes import (
     touches_of,
 )
 from kvtier.policies.return_time.guard import PREFIX_HITS, GuardState, MeasuredGuard, MiniWheel
-from kvtier.policies.return_time.hints import SessionClock
+from kvtier.policies.return_time.hints import HoldBudget, SessionClock
 from kvtier.policies.return_time.model import (
     SAMPLE_SCALE,
     HoldingPlan,
@@ -87,9 +87,9 @@ GUARD_KEYS = 512
 sample allows): its share of the keys is ``max(512 / capacity, 1 / 256)``, at most the model's."""
 
 
-HINTED_REACH = 2
-"""An expected return is held for if it comes within this many times the capacity, in references
-(about how long LRU keeps a block at a typical miss rate); one later is evicted first."""
+HINT_SHARE = 0.75
+"""Share of the capacity that holds for expected returns may take, on average (see
+:class:`~kvtier.policies.return_time.hints.HoldBudget`); a return later than that allows is evicted first."""
 
 HINT_SLACK = 1.25
 """An expected return is held for this many times the references it is expected in."""
@@ -153,6 +153,7 @@ class ReturnTimePolicy(ExpiryWheel):
         self._odds_key: tuple[int, int] | None = None  # (solve clock, horizon) of _odds
         self._odds: list[float] | None = None
         self.sessions = SessionClock(max(64, min(OPEN_REQUESTS, c // 4)))
+        self.budget = HoldBudget(c, HINT_SHARE, self.horizon)
         self.hinted = {"ended": 0, "held": 0, "late": 0}  # requests by what their hints did
 
     def _reset_blocks(self) -> None:
@@ -481,8 +482,8 @@ class ReturnTimePolicy(ExpiryWheel):
         """Hints of the request that ended in ``tail_slot`` (see :meth:`EvictionPolicy.hint_request`).
 
         A session id teaches :attr:`sessions` the references per announced
-        second. If the conversation ended or is expected back later than
-        ``HINTED_REACH`` capacities, its own blocks (up from ``tail_slot`` while
+        second. If the conversation ended or is expected back later than the
+        :attr:`budget` allows, its own blocks (up from ``tail_slot`` while
         each has at most one other child: the conversation's, not a prefix
         shared with other conversations) are evicted first; if it is expected
         back sooner, the request's blocks (up while each is its parent's only
@@ -500,7 +501,14 @@ class ReturnTimePolicy(ExpiryWheel):
             return
         if now // self._width != self._cur:
             self._advance(now // self._width)
-        expire = hints.session_end or expected is None or expected > HINTED_REACH * self.capacity
+        if expected is not None and not hints.session_end:
+            depth, up = 1, par[tail_slot]
+            while up >= 0 and depth < self.capacity:
+                depth += 1
+                up = par[up]
+            expected *= HINT_SLACK
+            self.budget.add(now, depth, expected)
+        expire = hints.session_end or expected is None or expected > self.budget.reach()
         # Expiring also walks past a block with one other child: where an earlier turn of the
         # conversation branched off its (partial, never reused) last block.
         private = 2 if expire else 1
@@ -514,7 +522,7 @@ class ReturnTimePolicy(ExpiryWheel):
             self._expire_first(chain)
             return
         self.hinted["held"] += 1
-        e = max(now + min(int(HINT_SLACK * expected), self.max_hold), 1)
+        e = max(now + min(int(expected), self.max_hold), 1)
         end = self._list_for(e)
         flags = self._evictable
         for slot in chain:  # tail first
