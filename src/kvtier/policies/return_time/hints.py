@@ -11,14 +11,16 @@ burst of long or short pauses moves it by a bounded factor). Until
 ``MIN_SAMPLES`` returns were seen it gives no estimate: an expected return
 time is then not used.
 
-Memory: at most ``max_sessions`` sessions (their id and two numbers), the
-oldest forgotten first. Called from the policy's thread only.
+Memory: at most ``max_sessions`` sessions (a 64-bit hash of their id, never
+the client's string, and two numbers), the oldest forgotten first. Called from the policy's thread only.
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
+
+import xxhash
 
 MIN_SAMPLES = 8
 """Returns seen before :meth:`SessionClock.references` answers."""
@@ -35,7 +37,7 @@ class SessionClock:
 
     def __init__(self, max_sessions: int) -> None:
         self._max = max(1, max_sessions)
-        self._last: OrderedDict[str, tuple[int, float]] = OrderedDict()  # id -> (clock, seconds announced)
+        self._last: OrderedDict[int, tuple[int, float]] = OrderedDict()  # id's hash -> (clock, seconds announced)
         self._log_rate = 0.0
         self.samples = 0
 
@@ -45,13 +47,14 @@ class SessionClock:
     def observe(self, session: str, now: int, expected_s: float | None) -> None:
         """``session``'s request ended at clock ``now``, announcing its next in ``expected_s``
         seconds (None: not said). Its previous request's announcement, if any, gives a sample."""
-        last = self._last.pop(session, None)
+        key = xxhash.xxh3_64_intdigest(session.encode("utf-8", "surrogatepass"))
+        last = self._last.pop(key, None)
         if last is not None and not math.isnan(last[1]) and now > last[0]:
             sample = math.log((now - last[0]) / max(last[1], MIN_SECONDS))
             self.samples += 1
             weight = max(WEIGHT, 1 / self.samples)
             self._log_rate += weight * (sample - self._log_rate)
-        self._last[session] = (now, math.nan if expected_s is None else expected_s)
+        self._last[key] = (now, math.nan if expected_s is None else expected_s)
         if len(self._last) > self._max:
             self._last.popitem(last=False)
 
