@@ -206,8 +206,10 @@ def parse_hints(params: Mapping[str, Any], problems: list[ControlProblem]) -> Re
     session: str | None = None
     raw = params.get(SESSION_KEY)
     if raw is not None:
-        if isinstance(raw, str) and 0 < len(raw) <= MAX_SESSION_CHARS and raw.isprintable():
-            session = str(raw)  # a str subclass's methods are the client's: keep a plain copy
+        # A str subclass's methods are the client's: check and keep a plain str.
+        text = (raw if type(raw) is str else str.__str__(raw)) if isinstance(raw, str) else None
+        if text is not None and 0 < len(text) <= MAX_SESSION_CHARS and text.isprintable():
+            session = text
         else:
             message = (
                 f"{SESSION_KEY} must be a string of 1 to {MAX_SESSION_CHARS} printable characters, "
