@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -26,7 +27,7 @@ def test_hints_come_with_the_same_requests_and_tell_the_truth_about_sessions(kin
         return
     assert by_session
     for turns in by_session.values():
-        for here, after in zip(turns, turns[1:], strict=False):
+        for here, after in itertools.pairwise(turns):
             params = hints[here]
             assert params is not None and params["kvtier_session_end"] is False
             gap = (requests[after].timestamp_ms - requests[here].timestamp_ms) / 1000
