@@ -196,8 +196,12 @@ def _boolean(params: Mapping[str, Any], key: str, default: bool, problems: list[
         return default
     if isinstance(raw, bool):
         return raw
-    problems.append(ControlProblem(key, "not_boolean", f"{key} must be true or false, got {describe_value(raw)}"))
+    _malformed(problems, key, "not_boolean", "true or false", raw)
     return default
+
+
+def _malformed(problems: list[ControlProblem], key: str, kind: str, wants: str, raw: Any) -> None:
+    problems.append(ControlProblem(key, kind, f"{key} must be {wants}, got {describe_value(raw)}"))
 
 
 def parse_hints(params: Mapping[str, Any], problems: list[ControlProblem]) -> RequestHints | None:
@@ -211,11 +215,8 @@ def parse_hints(params: Mapping[str, Any], problems: list[ControlProblem]) -> Re
         if text is not None and 0 < len(text) <= MAX_SESSION_CHARS and text.isprintable():
             session = text
         else:
-            message = (
-                f"{SESSION_KEY} must be a string of 1 to {MAX_SESSION_CHARS} printable characters, "
-                f"got {describe_value(raw)}"
-            )
-            problems.append(ControlProblem(SESSION_KEY, "not_session_id", message))
+            wants = f"a string of 1 to {MAX_SESSION_CHARS} printable characters"
+            _malformed(problems, SESSION_KEY, "not_session_id", wants, raw if text is None else text)
     ended = _boolean(params, SESSION_END_KEY, False, problems)
     expected: float | None = None
     raw = params.get(EXPECTED_RETURN_KEY)
@@ -226,11 +227,8 @@ def parse_hints(params: Mapping[str, Any], problems: list[ControlProblem]) -> Re
         if 0.0 <= seconds <= MAX_EXPECTED_RETURN_S:  # NaN fails both
             expected = seconds
         else:
-            message = (
-                f"{EXPECTED_RETURN_KEY} must be a number of seconds from 0 to {MAX_EXPECTED_RETURN_S:g}, "
-                f"got {describe_value(raw)}"
-            )
-            problems.append(ControlProblem(EXPECTED_RETURN_KEY, "not_seconds", message))
+            wants = f"a number of seconds from 0 to {MAX_EXPECTED_RETURN_S:g}"
+            _malformed(problems, EXPECTED_RETURN_KEY, "not_seconds", wants, raw)
     if session is None and not ended and expected is None:
         return None
     return RequestHints(session, ended, expected)

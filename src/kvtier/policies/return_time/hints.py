@@ -65,7 +65,6 @@ class SessionClock:
         return math.exp(self._log_rate) * max(seconds, MIN_SECONDS)
 
 
-
 REACH_BINS = 64
 """Bins of :class:`HoldBudget`'s histogram of return times: four per doubling, from 1 reference."""
 

@@ -537,20 +537,12 @@ class ReturnTimePolicy(ExpiryWheel):
     def _expire_first(self, chain: list[int]) -> None:
         """Expire ``chain`` (slots, tail first, each the parent of the one before) and put its
         evictable blocks first in the expired list, tail first: evicted before any other."""
-        expiry, flags, prv, nxt = self._expiry, self._evictable, self._prev, self._next
-        end = self.capacity  # the expired list's sentinel
+        expiry, flags, end = self._expiry, self._evictable, self.capacity  # the expired list's sentinel
         for i in range(len(chain) - 1, -1, -1):  # head first, each linked before the previous
             slot = chain[i]
             expiry[slot] = 1  # expired (0 is a free slot's)
             if flags[slot]:
-                before, after = prv[slot], nxt[slot]
-                nxt[before] = after
-                prv[after] = before
-                first = nxt[end]
-                nxt[end] = slot
-                prv[slot] = end
-                nxt[slot] = first
-                prv[first] = slot
+                self._move_to_head(slot, end)
 
     def _release_holds(self, now: int) -> None:
         """:meth:`ExpiryWheel._release_holds`, and the requests that stored once note their blocks'
