@@ -518,6 +518,7 @@ def _policy_list(text: str) -> list[str]:
 
 
 def _add_replay(sub: Any) -> None:
+    """The ``replay`` command's parser. Long because it is one ``add_argument`` per flag."""
     from kvtier.policies import DEFAULT_POLICY
     from kvtier.workload.synthetic import DEFAULT_REQUESTS, KINDS
 

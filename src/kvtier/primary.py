@@ -198,7 +198,7 @@ class PrimaryTier:
         if slot is not None:
             self.policy.end_request(slot)
             if hints is not None:
-                self.policy.hint_request(slot, hints)
+                self.policy.hint_request(slot, hints.session, hints.session_end, hints.expected_return_s)
 
     def prepare_write(
         self, keys: Iterable[BlockKey], protected: Collection[BlockKey] = ()

@@ -18,7 +18,8 @@ from kvtier.types import RequestHints
 
 
 def hint(tier: Slotted[ReturnTimePolicy], tail: int, **hints: object) -> None:
-    tier.policy.hint_request(tier.slot_of[key(tail)], RequestHints(**hints))  # type: ignore[arg-type]
+    given = RequestHints(**hints)  # type: ignore[arg-type]
+    tier.policy.hint_request(tier.slot_of[key(tail)], given.session, given.session_end, given.expected_return_s)
 
 
 def held_tier(capacity: int = 64) -> Slotted[ReturnTimePolicy]:
@@ -92,7 +93,7 @@ def test_lru_and_arc_ignore_hints(policy: type[LRUPolicy] | type[ARCPolicy]) -> 
         for i in range(1, 6):
             tier.insert(key(i))
             tier.policy.mark_evictable(key(i), tier.slot_of[key(i)])
-    hinted.policy.hint_request(hinted.slot_of[key(5)], RequestHints("s", True, 3.0))
+    hinted.policy.hint_request(hinted.slot_of[key(5)], "s", True, 3.0)
     assert [hinted.evict(1) for _ in range(5)] == [plain.evict(1) for _ in range(5)]
 
 

@@ -56,7 +56,6 @@ from collections.abc import Container, Mapping, Sequence
 from typing import ClassVar
 
 from kvtier.keys import BlockKey
-from kvtier.types import RequestHints
 
 
 class EvictionPolicy(abc.ABC):
@@ -118,10 +117,13 @@ class EvictionPolicy(abc.ABC):
         """
         return
 
-    def hint_request(self, tail_slot: int, hints: RequestHints) -> None:
-        """The application's hints about the request whose last store ended in ``tail_slot``
-        (its conversation, whether that ended, when it is expected back; see
-        :mod:`kvtier.request_control`), bounded and well formed.
+    def hint_request(
+        self, tail_slot: int, session: str | None, session_end: bool, expected_return_s: float | None
+    ) -> None:
+        """The application's hints about the request whose last store ended in ``tail_slot``: its
+        conversation's id (None: not said), whether the conversation ended with it, and in how many
+        seconds its next request is expected (None: not said); bounded and well formed (see
+        :mod:`kvtier.request_control`).
 
         Called right after :meth:`end_request` for a request that carried hints (same
         thread, the slot still holds that block). The default ignores them (``lru``,

@@ -59,7 +59,6 @@ from kvtier.policies.return_time.model import (
 )
 from kvtier.policies.return_time.wheel import CLOCK, MARK, OPEN, RING, ExpiryWheel
 from kvtier.policies.slot_lists import NO_KEY
-from kvtier.types import RequestHints
 
 GAIN_NEEDED = 1.05
 """Learned holds are used only if they predict this many times the hits of uniform holds."""
@@ -483,7 +482,9 @@ class ReturnTimePolicy(ExpiryWheel):
         if record is not None:
             self._settle(tail_slot, record)
 
-    def hint_request(self, tail_slot: int, hints: RequestHints) -> None:
+    def hint_request(
+        self, tail_slot: int, session: str | None, session_end: bool, expected_return_s: float | None
+    ) -> None:
         """Hints of the request that ended in ``tail_slot`` (see :meth:`EvictionPolicy.hint_request`).
 
         A session id teaches :attr:`sessions` the references per announced
@@ -496,24 +497,24 @@ class ReturnTimePolicy(ExpiryWheel):
         to that. Nothing if ``tail_slot`` has children or is open. O(blocks walked).
         """
         now = self._now
-        if hints.session is not None:
-            self.sessions.observe(hints.session, now, hints.expected_return_s)
-        expected = None if hints.expected_return_s is None else self.sessions.references(hints.expected_return_s)
-        if not hints.session_end and expected is None:
+        if session is not None:
+            self.sessions.observe(session, now, expected_return_s)
+        expected = None if expected_return_s is None else self.sessions.references(expected_return_s)
+        if not session_end and expected is None:
             return
         children, expiry, par = self._children, self._expiry, self._parent
         if children[tail_slot] or expiry[tail_slot] >= OPEN:
             return
         if now // self._width != self._cur:
             self._advance(now // self._width)
-        if expected is not None and not hints.session_end:
+        if expected is not None and not session_end:
             depth, up = 1, par[tail_slot]
             while up >= 0 and depth < self.capacity:
                 depth += 1
                 up = par[up]
             expected *= HINT_SLACK
             self.budget.add(now, depth, expected)
-        expire = hints.session_end or expected is None or expected > self._hint_reach()
+        expire = session_end or expected is None or expected > self._hint_reach()
         # Expiring also walks past a block with one other child: where an earlier turn of the
         # conversation branched off its (partial, never reused) last block.
         private = 2 if expire else 1
@@ -523,7 +524,7 @@ class ReturnTimePolicy(ExpiryWheel):
             chain.append(up)
             up = par[up]
         if expire or expected is None:
-            self.hinted["ended" if hints.session_end else "late"] += 1
+            self.hinted["ended" if session_end else "late"] += 1
             self._expire_first(chain)
             return
         self.hinted["held"] += 1
