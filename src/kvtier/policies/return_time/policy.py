@@ -156,7 +156,7 @@ class ReturnTimePolicy(ExpiryWheel):
         self._open_limit = max(8, min(OPEN_REQUESTS, c // 32) // 2)  # per generation
         self._odds_key: tuple[int, int] | None = None  # (solve clock, horizon) of _odds
         self._odds: list[float] | None = None
-        self.sessions = SessionClock(max(64, min(OPEN_REQUESTS, c // 4)))
+        self.sessions = SessionClock(max(64, min(OPEN_REQUESTS, c // 128)))  # about 205 B a session
         self.budget = HoldBudget(c, HINT_SHARE, self.horizon)
         self.hinted = {"ended": 0, "held": 0, "late": 0}  # requests by what their hints did
 
