@@ -536,6 +536,7 @@ def _policy_list(text: str) -> list[str]:
 
 
 def _add_replay(sub: Any) -> None:
+    """The ``replay`` command's parser. Long because it is one ``add_argument`` per flag."""
     from kvtier.policies import DEFAULT_POLICY
     from kvtier.workload.synthetic import DEFAULT_REQUESTS, KINDS
 
@@ -592,6 +593,11 @@ def _add_replay(sub: Any) -> None:
         help="store each request's missed blocks N at a time, as an engine that prefills in chunks or "
         "stores decoded blocks one by one does, or 'mixed': a prefill in 16-block chunks, then one block "
         "per store for the blocks its output fills (default: one store per request)",
+    )  # fmt: skip
+    p.add_argument(
+        "--hints", action="store_true",
+        help="with --synthetic: each request of a session carries the hints its client knows (kvtier_session, "
+        "kvtier_session_end, kvtier_expected_return_s; README 'Per-request keys'); a trace has no sessions",
     )  # fmt: skip
     p.add_argument("--no-belady", action="store_true", help="skip the Belady reference")
     _add_replay_fs_tier(p)
@@ -658,10 +664,11 @@ REPLAY_DIR_PREFIX = "kvtier-replay-"
 """Name prefix of a replay's lock-held fs-tier directory under ``--fs-root`` (swept like the bench's)."""
 
 
-def _replay_requests(args: argparse.Namespace) -> tuple[list[Any], str]:
-    """The requests to replay and where they came from; memory is checked before they are made."""
+def _replay_requests(args: argparse.Namespace) -> tuple[list[Any], str, list[Any] | None]:
+    """The requests to replay, where they came from and, with ``--hints``, each one's params (the
+    hints of its session); memory is checked before they are made."""
     from kvtier.workload.budget import MemoryNeed, available_memory, check_memory
-    from kvtier.workload.synthetic import DEFAULT_REQUESTS, generate
+    from kvtier.workload.synthetic import DEFAULT_REQUESTS, generate_with_hints
     from kvtier.workload.trace import MAX_TRACE_BYTES, read_trace
 
     if args.synthetic is not None:
@@ -669,17 +676,21 @@ def _replay_requests(args: argparse.Namespace) -> tuple[list[Any], str]:
         seed = args.seed if args.seed is not None else 0
         made = min(count, args.limit) if args.limit is not None else count
         check_memory([MemoryNeed("generated requests", made * SYNTHETIC_BYTES_PER_REQUEST, "--requests/--limit")])
-        requests = generate(args.synthetic, count, seed)
+        requests, hints = generate_with_hints(args.synthetic, count, seed)
         if args.limit is not None:
-            requests = requests[: args.limit]
-        return requests, f"synthetic {args.synthetic} (seed {seed})"
+            requests, hints = requests[: args.limit], hints[: args.limit]
+        return requests, f"synthetic {args.synthetic} (seed {seed})" + (", hints" if args.hints else ""), (
+            hints if args.hints else None
+        )
+    if args.hints:
+        raise ConfigError("--hints feeds the sessions of a generated workload (--synthetic KIND); a trace has none")
     shaping = (("--requests", args.requests), ("--seed", args.seed))
     given = [flag for flag, value in shaping if value is not None]
     if given:
         raise ConfigError(f"{' and '.join(given)} shape a generated workload (--synthetic KIND), not a trace: drop it")
     available = available_memory()
     cap = MAX_TRACE_BYTES if available is None else min(MAX_TRACE_BYTES, available // TRACE_MEMORY_FACTOR)
-    return read_trace(args.trace, limit=args.limit, max_bytes=cap), f"trace {args.trace}"
+    return read_trace(args.trace, limit=args.limit, max_bytes=cap), f"trace {args.trace}", None
 
 
 def _check_replay_capacity(capacities: Sequence[int], shm_dir: str) -> None:
@@ -829,11 +840,12 @@ def _tier_writes(kv: dict[str, Any]) -> str:
 
 def _replay_runs(
     args: argparse.Namespace, trace: Any, keys: Any, capacities: list[int], namespace: Any, err: Any,
-    fs_options: dict[str, Any],
+    fs_options: dict[str, Any], params: list[Any] | None = None,
 ) -> dict[int, dict[str, Any]]:
     """Every (capacity, policy) run of the replay of ``trace`` (its requests; ``keys`` their block
-    keys; ``fs_options``: the fs tier's, with --fs-root), with a progress bar on a terminal (see
-    :class:`~kvtier.workload.progress.RequestProgress`) and a line per run on stderr."""
+    keys; ``fs_options``: the fs tier's, with --fs-root; ``params`` their per-request params, None:
+    none), with a progress bar on a terminal (see :class:`~kvtier.workload.progress.RequestProgress`)
+    and a line per run on stderr."""
     from kvtier.workload.progress import RequestProgress
     from kvtier.workload.replay import compare_policies, decode_blocks
     from kvtier.workload.trace import TRACE_BLOCK_TOKENS
@@ -865,7 +877,7 @@ def _replay_runs(
 
             return compare_policies(
                 keys, capacities, args.policy, namespace=namespace, tiers=tiers, shm_dir=args.shm_dir,
-                store_chunk=args.store_chunk, announce=announce, progress=progress,
+                store_chunk=args.store_chunk, announce=announce, progress=progress, params=params,
                 decode_blocks=decode_blocks(trace, args.block_tokens or TRACE_BLOCK_TOKENS),
             )  # fmt: skip
     finally:
@@ -890,7 +902,7 @@ def _replay(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
     block = _replay_block_bytes(args, settings)
     if args.capacity:
         _check_replay_capacity([largest_known_blocks(args.capacity) or 1], args.shm_dir)
-    requests, source = _replay_requests(args)
+    requests, source, params = _replay_requests(args)
     if not requests:
         raise ConfigError(f"{source} holds no requests")
     summary = trace_summary(requests)
@@ -905,7 +917,8 @@ def _replay(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
         _say(err, f"kvtier replay: warning: {source}: {warning}")
     unbounded = unbounded_hit_rate(flat)
     namespace = replay_namespace()
-    runs = _replay_runs(args, requests, trace_keys(flat, namespace), capacities, namespace, err, fs_options)
+    runs = _replay_runs(args, requests, trace_keys(flat, namespace), capacities, namespace, err, fs_options,
+                        params)
     belady: dict[int, HitRateResult | None] = {
         c: None if args.no_belady else belady_hit_rate(flat, c) for c in capacities
     }
@@ -917,7 +930,8 @@ def _replay(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
         sizes = {"block_bytes": None if block is None else block[0], "model": settings.model if block else None}
         outputs["--json"].write(json_document({**what, "summary": summary, "chaining": chaining.to_dict(),
                                                "policy": args.policy[0], "policies": args.policy,
-                                               "store_chunk": args.store_chunk, **sizes, "rows": rows}))  # fmt: skip
+                                               "store_chunk": args.store_chunk, "hints": bool(params),
+                                               **sizes, "rows": rows}))  # fmt: skip
         if args.json != STDOUT:
             _say(err, f"wrote {args.json}")
     if args.plot:

@@ -26,7 +26,7 @@ from kvtier.errors import KvtierError
 from kvtier.keys import BlockKey
 from kvtier.policies import DEFAULT_POLICY, EvictionPolicy, create_policy
 from kvtier.region import SharedRegion
-from kvtier.types import PRIMARY_LABEL, BlockEvent, LookupResult
+from kvtier.types import PRIMARY_LABEL, BlockEvent, LookupResult, RequestHints
 
 logger = logging.getLogger(__name__)
 
@@ -190,12 +190,15 @@ class PrimaryTier:
                 self.policy.reference_chain(chain, chain_slots, parent, False)
         return PrepareStoreResult(new_keys, np.array(slots, dtype=np.int64), evicted)
 
-    def end_request(self, tail: BlockKey) -> None:
+    def end_request(self, tail: BlockKey, hints: RequestHints | None = None) -> None:
         """The request whose last store ended with ``tail`` finished (see
-        :meth:`EvictionPolicy.end_request`); nothing if ``tail`` has left the tier."""
+        :meth:`EvictionPolicy.end_request`), then its ``hints`` if any (see
+        :meth:`EvictionPolicy.hint_request`); nothing if ``tail`` has left the tier."""
         slot = self._slot_of.get(tail)
         if slot is not None:
             self.policy.end_request(slot)
+            if hints is not None:
+                self.policy.hint_request(slot, hints.session, hints.session_end, hints.expected_return_s)
 
     def prepare_write(
         self, keys: Iterable[BlockKey], protected: Collection[BlockKey] = ()

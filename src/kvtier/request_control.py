@@ -14,6 +14,19 @@ the request's ``kv_transfer_params``). The keys:
     The secondary tiers the blocks this request stores are cascaded to (a list
     of selectors); ``[]`` keeps them in the CPU tier only. Default: every tier.
 
+Application hints (what a serving stack knows about a request's future; the
+eviction policy may use them, ``return-time`` does, ``lru`` and ``arc`` ignore them):
+
+``kvtier_session``
+    The id of the conversation (session) the request belongs to: a string of 1 to
+    128 printable characters. Default: none.
+``kvtier_session_end``
+    ``true``: the conversation ended with this request; nothing will extend it, so
+    its own blocks are evicted first. Default ``false``.
+``kvtier_expected_return_s``
+    When the client expects to send the conversation's next request, in seconds
+    after this one: a number from 0 to 86400. Default: unknown.
+
 A selector names tiers: ``"cpu"`` (also ``"primary"``, ``"0:primary"``) for the
 CPU tier, a label such as ``"1:fs"``, a tier type such as ``"fs"`` or
 ``"redis"`` (every tier of that type), ``"local"`` or ``"remote"`` (by where a
@@ -34,18 +47,24 @@ first use, from its scheduler thread.
 from __future__ import annotations
 
 import logging
+import math
 import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.types import PRIMARY_LABEL, RequestControl
+from kvtier.types import PRIMARY_LABEL, RequestControl, RequestHints
 
 LOAD_TIERS_KEY = "kvtier_load_tiers"
 STORE_KEY = "kvtier_store"
 CASCADE_TIERS_KEY = "kvtier_cascade_tiers"
-CONTROL_KEYS = (LOAD_TIERS_KEY, STORE_KEY, CASCADE_TIERS_KEY)
+SESSION_KEY = "kvtier_session"
+SESSION_END_KEY = "kvtier_session_end"
+EXPECTED_RETURN_KEY = "kvtier_expected_return_s"
+CONTROL_KEYS = (LOAD_TIERS_KEY, STORE_KEY, CASCADE_TIERS_KEY, SESSION_KEY, SESSION_END_KEY, EXPECTED_RETURN_KEY)
+MAX_SESSION_CHARS = 128
+MAX_EXPECTED_RETURN_S = 86400.0
 
 _CPU_NAMES = frozenset({"cpu", "primary", PRIMARY_LABEL})
 _LOCALITIES = frozenset({"local", "remote"})
@@ -130,7 +149,8 @@ def select_tiers(key: str, raw: Any, tiers: Sequence[TierDescriptor]) -> frozens
 @dataclass(frozen=True)
 class ControlProblem:
     """One malformed setting of a request: the key, the kind of problem (``"not_selectors"``,
-    ``"unknown_selector"``, ``"not_boolean"``) and a bounded message."""
+    ``"unknown_selector"``, ``"not_boolean"``, ``"not_session_id"``, ``"not_seconds"``) and a
+    bounded message."""
 
     key: str
     kind: str
@@ -155,13 +175,7 @@ def parse_control_problems(
             load_from = select_tiers(LOAD_TIERS_KEY, raw, tiers)
         except RequestControlError as exc:
             problems.append(_problem(LOAD_TIERS_KEY, exc))
-    raw = params.get(STORE_KEY)
-    if raw is not None:
-        if isinstance(raw, bool):
-            store = raw
-        else:
-            message = f"{STORE_KEY} must be true or false, got {describe_value(raw)}"
-            problems.append(ControlProblem(STORE_KEY, "not_boolean", message))
+    store = _boolean(params, STORE_KEY, True, problems)
     raw = params.get(CASCADE_TIERS_KEY)
     if raw is not None:
         try:
@@ -172,7 +186,52 @@ def parse_control_problems(
         load_from = None
     if cascade_to is not None and cascade_to >= {t.index for t in tiers if t.index}:
         cascade_to = None
-    return RequestControl(load_from=load_from, store=store, cascade_to=cascade_to), problems
+    hints = parse_hints(params, problems)
+    return RequestControl(load_from=load_from, store=store, cascade_to=cascade_to, hints=hints), problems
+
+
+def _boolean(params: Mapping[str, Any], key: str, default: bool, problems: list[ControlProblem]) -> bool:
+    raw = params.get(key)
+    if raw is None:
+        return default
+    if isinstance(raw, bool):
+        return raw
+    _malformed(problems, key, "not_boolean", "true or false", raw)
+    return default
+
+
+def _malformed(problems: list[ControlProblem], key: str, kind: str, wants: str, raw: Any) -> None:
+    problems.append(ControlProblem(key, kind, f"{key} must be {wants}, got {describe_value(raw)}"))
+
+
+def parse_hints(params: Mapping[str, Any], problems: list[ControlProblem]) -> RequestHints | None:
+    """The application hints in ``params`` (None: none, or none well formed); one problem per
+    malformed key is appended to ``problems`` (its value is not kept)."""
+    session: str | None = None
+    raw = params.get(SESSION_KEY)
+    if raw is not None:
+        # A str subclass's methods are the client's: check and keep a plain str.
+        text = (raw if type(raw) is str else str.__str__(raw)) if isinstance(raw, str) else None
+        if text is not None and 0 < len(text) <= MAX_SESSION_CHARS and text.isprintable():
+            session = text
+        else:
+            wants = f"a string of 1 to {MAX_SESSION_CHARS} printable characters"
+            _malformed(problems, SESSION_KEY, "not_session_id", wants, raw if text is None else text)
+    ended = _boolean(params, SESSION_END_KEY, False, problems)
+    expected: float | None = None
+    raw = params.get(EXPECTED_RETURN_KEY)
+    if raw is not None:
+        # Plain JSON numbers only (a subclass's __float__ is the client's; a huge int overflows float()).
+        number = type(raw) is float or (type(raw) is int and raw.bit_length() <= 64)
+        seconds = float(raw) if number else math.nan
+        if 0.0 <= seconds <= MAX_EXPECTED_RETURN_S:  # NaN fails both
+            expected = seconds
+        else:
+            wants = f"a number of seconds from 0 to {MAX_EXPECTED_RETURN_S:g}"
+            _malformed(problems, EXPECTED_RETURN_KEY, "not_seconds", wants, raw)
+    if session is None and not ended and expected is None:
+        return None
+    return RequestHints(session, ended, expected)
 
 
 def _problem(key: str, exc: RequestControlError) -> ControlProblem:
@@ -219,7 +278,12 @@ class ControlProblemLog:
 __all__ = [
     "CASCADE_TIERS_KEY",
     "CONTROL_KEYS",
+    "EXPECTED_RETURN_KEY",
     "LOAD_TIERS_KEY",
+    "MAX_EXPECTED_RETURN_S",
+    "MAX_SESSION_CHARS",
+    "SESSION_END_KEY",
+    "SESSION_KEY",
     "STORE_KEY",
     "ControlProblem",
     "ControlProblemLog",
@@ -228,6 +292,7 @@ __all__ = [
     "describe_value",
     "parse_control",
     "parse_control_problems",
+    "parse_hints",
     "select_tiers",
     "tier_locality",
 ]

@@ -70,6 +70,17 @@ class OffloadPolicy(enum.Enum):
 
 
 @dataclass(frozen=True)
+class RequestHints:
+    """Application hints of one request (see :mod:`kvtier.request_control`): its
+    conversation's id, whether the conversation ended with it, and when the client
+    expects to send the conversation's next request (seconds after this one)."""
+
+    session: str | None = None
+    session_end: bool = False
+    expected_return_s: float | None = None
+
+
+@dataclass(frozen=True)
 class RequestControl:
     """What one request allows kvtier to do, parsed from its ``params`` (see
     :mod:`kvtier.request_control` for the keys).
@@ -83,10 +94,13 @@ class RequestControl:
     load_from: frozenset[int] | None = None
     store: bool = True
     cascade_to: frozenset[int] | None = None
+    hints: RequestHints | None = None
+    """What the serving stack told about the request's future (None: nothing); the manager
+    passes them to the eviction policy when the request ends."""
 
     @property
     def is_default(self) -> bool:
-        return self.load_from is None and self.store and self.cascade_to is None
+        return self.load_from is None and self.store and self.cascade_to is None and self.hints is None
 
 
 DEFAULT_CONTROL = RequestControl()

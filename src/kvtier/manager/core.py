@@ -486,8 +486,8 @@ class TieringManager:
             self._tiers.broadcast("on_request_finished", request)
             return
         state.finished = True
-        if state.stored_tail and state.chain_tail is not None:
-            self.primary.end_request(state.chain_tail)
+        if state.stored_tail and state.chain_tail is not None:  # the policy hears the hints too
+            self.primary.end_request(state.chain_tail, (request.control or self.request_control(request)).hints)
         self._requests.finalize_if_done(state)
 
     def on_schedule_end(self) -> None:

@@ -182,6 +182,8 @@ class RequestTable:
             else:
                 control, problems = parse_control_problems(params, self.descriptors)
                 self._control_problems.record(request.req_id, problems)
+                if control.is_default:  # e.g. only malformed keys: the default's fast paths apply
+                    control = DEFAULT_CONTROL
             request.control = control
         return control
 

@@ -117,6 +117,20 @@ class EvictionPolicy(abc.ABC):
         """
         return
 
+    def hint_request(
+        self, tail_slot: int, session: str | None, session_end: bool, expected_return_s: float | None
+    ) -> None:
+        """The application's hints about the request whose last store ended in ``tail_slot``: its
+        conversation's id (None: not said), whether the conversation ended with it, and in how many
+        seconds its next request is expected (None: not said); bounded and well formed (see
+        :mod:`kvtier.request_control`).
+
+        Called right after :meth:`end_request` for a request that carried hints (same
+        thread, the slot still holds that block). The default ignores them (``lru``,
+        ``arc``): hints may only change which blocks go first, never what is correct.
+        """
+        return
+
     @abc.abstractmethod
     def mark_evictable(self, key: BlockKey, slot: int) -> None:
         """The block's ref count became 0."""

@@ -74,6 +74,18 @@ class SlotListPolicy(EvictionPolicy):
         nxt[slot] = end
         prv[end] = slot
 
+    def _move_to_head(self, slot: int, end: int) -> None:
+        """Move a linked ``slot`` to the least recent end (the first evicted) of the list with sentinel ``end``."""
+        prv, nxt = self._prev, self._next
+        before, after = prv[slot], nxt[slot]
+        nxt[before] = after
+        prv[after] = before
+        first = nxt[end]
+        nxt[end] = slot
+        prv[slot] = end
+        nxt[slot] = first
+        prv[first] = slot
+
     def _link_evictable(self, slot: int, end: int) -> None:
         if not self._evictable[slot]:
             self._evictable[slot] = 1

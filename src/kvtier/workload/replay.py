@@ -35,7 +35,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeAlias
 
 from kvtier.errors import KvtierError
@@ -128,6 +128,7 @@ def replay_manager(
     progress: Callable[[int], None] | None = None,
     store_chunk: StoreChunk = None,
     decode_blocks: Sequence[int] | None = None,
+    params: Sequence[Mapping[str, Any] | None] | None = None,
 ) -> HitRateResult:
     """Replay requests (lists of block keys) through a real manager with ``capacity`` CPU blocks.
 
@@ -138,6 +139,8 @@ def replay_manager(
     count). ``store_chunk``: how each request's missed blocks are stored (one
     ``prepare_store`` / ``complete_store`` per piece, see :func:`store_pieces`);
     ``decode_blocks[i]``: request ``i``'s decode stores in the mixed mode (default 1).
+    ``params[i]``: request ``i``'s per-request params (its ``kv_transfer_params``: the
+    application hints of :func:`~kvtier.workload.synthetic.generate_with_hints`; None: none).
     ``progress`` is called with the number of requests done, every 256 requests and at the end.
     Raises :class:`KvtierError` if a promotion stays pending beyond ``pending_timeout``,
     ValueError for a bad ``store_chunk``.
@@ -166,7 +169,8 @@ def replay_manager(
         lookup = manager.lookup
         hit = LookupResult.HIT
         for n, request_keys in enumerate(keys):
-            req = RequestContext(f"r{n}")
+            given = params[n] if params is not None else None
+            req = RequestContext(f"r{n}", dict(given)) if given else RequestContext(f"r{n}")
             manager.on_new_request(req)
             refs += len(request_keys)
             hits = 0
@@ -252,6 +256,7 @@ def compare_policies(
     store_chunk: StoreChunk = None,
     decode_blocks: Sequence[int] | None = None,
     progress: Callable[[int], None] | None = None,
+    params: Sequence[Mapping[str, Any] | None] | None = None,
 ) -> dict[int, dict[str, HitRateResult]]:
     """Replay ``keys`` through a manager per (capacity, policy); ``"lru"`` always runs, as the baseline.
 
@@ -259,8 +264,8 @@ def compare_policies(
     same capacity (1.0 where both are 0). ``tiers(policy, capacity)`` gives
     each run its own secondary tiers (a persistent tier must not be shared
     between runs, or a later run starts warm). ``announce(policy, capacity)``
-    is called before each run; ``store_chunk``, ``decode_blocks`` and ``progress`` (requests
-    done in the current run) as in :func:`replay_manager`.
+    is called before each run; ``store_chunk``, ``decode_blocks``, ``params`` and ``progress``
+    (requests done in the current run) as in :func:`replay_manager`.
     """
     names = list(dict.fromkeys([*policies, "lru"]))
     out: dict[int, dict[str, HitRateResult]] = {}
@@ -272,7 +277,7 @@ def compare_policies(
             runs[name] = replay_manager(
                 keys, capacity, policy=name, namespace=namespace, shm_dir=shm_dir,
                 tiers=tiers(name, capacity) if tiers is not None else (), store_chunk=store_chunk,
-                decode_blocks=decode_blocks, progress=progress,
+                decode_blocks=decode_blocks, progress=progress, params=params,
             )  # fmt: skip
         lru = runs["lru"].hit_rate
         for result in runs.values():

@@ -107,13 +107,17 @@ Event = tuple[float, int, list[int]]
 Session = tuple[float, int, list[int], int]
 """(time of its next request, id, block contents so far, requests left)."""
 
+SessionEvent = tuple[float, int, list[int], int]
+"""An :data:`Event` of a session: (arrival seconds, session id, block contents, requests left
+in the session, this one included)."""
+
 
 def _sessions(
     rng: np.random.Generator,
     rate: float,
     start: Callable[[int], tuple[list[int], int]],
     step: Callable[[list[int]], tuple[list[int], float]],
-) -> Iterator[Event]:
+) -> Iterator[SessionEvent]:
     """Sessions arriving at ``rate`` per second, interleaved in time order, forever.
 
     ``start(session)`` gives a new session's first contents and its number of
@@ -130,13 +134,13 @@ def _sessions(
             arrival += float(rng.exponential(1.0 / rate))
             continue
         now, s, contents, left = heapq.heappop(heap)
-        yield now, s, contents
+        yield now, s, contents, left
         if left > 1:
             following, pause = step(contents)
             heapq.heappush(heap, (now + pause, s, following, left - 1))
 
 
-def _chat(rng: np.random.Generator, ids: _BlockIds, content: _Content, rate: float) -> Iterator[Event]:
+def _chat(rng: np.random.Generator, ids: _BlockIds, content: _Content, rate: float) -> Iterator[SessionEvent]:
     """Heavy-tailed multi-turn sessions: each turn adds the answer and the next message."""
     system = _zipf_sampler(rng, 6, 1.2)
 
@@ -152,7 +156,7 @@ def _chat(rng: np.random.Generator, ids: _BlockIds, content: _Content, rate: flo
     return _sessions(rng, rate, start, step)
 
 
-def _agentic(rng: np.random.Generator, ids: _BlockIds, content: _Content, rate: float) -> Iterator[Event]:
+def _agentic(rng: np.random.Generator, ids: _BlockIds, content: _Content, rate: float) -> Iterator[SessionEvent]:
     """Agent loops: tools and a brief, then each step re-sends the context plus a tool's output."""
     tools = content.piece("agent-tools", 0, 6)
 
@@ -206,7 +210,7 @@ def _api(rng: np.random.Generator, ids: _BlockIds, content: _Content, rate: floa
         t += float(rng.exponential(1.0 / rate))
 
 
-def _docqa(rng: np.random.Generator, ids: _BlockIds, content: _Content, rate: float) -> Iterator[Event]:
+def _docqa(rng: np.random.Generator, ids: _BlockIds, content: _Content, rate: float) -> Iterator[SessionEvent]:
     """Sessions of short questions about one long document from a Zipf-popular library."""
     library = 600
     document = _zipf_sampler(rng, library, 0.9)
@@ -223,7 +227,7 @@ def _docqa(rng: np.random.Generator, ids: _BlockIds, content: _Content, rate: fl
     return _sessions(rng, rate, start, step)
 
 
-def _code(rng: np.random.Generator, ids: _BlockIds, content: _Content, rate: float) -> Iterator[Event]:
+def _code(rng: np.random.Generator, ids: _BlockIds, content: _Content, rate: float) -> Iterator[SessionEvent]:
     """Editor sessions: a repository's shared files, then the edited file up to the cursor.
 
     Each completion re-sends the prefix; the file grows by a block now and
@@ -273,7 +277,7 @@ def _batch_bursts(
 
 def _streams(
     kind: str, rng: np.random.Generator, ids: _BlockIds, content: _Content, requests: int
-) -> list[Iterator[Event]]:
+) -> list[Iterator[Event | SessionEvent]]:
     if kind == "chat":
         return [_chat(rng, ids, content, 1.0)]
     if kind == "agentic":
@@ -307,18 +311,62 @@ def generate(kind: str, requests: int = DEFAULT_REQUESTS, seed: int = 0) -> list
 
     Raises :class:`ConfigError` for an unknown kind or a non-positive count.
     """
+    return generate_with_hints(kind, requests, seed)[0]
+
+
+def generate_with_hints(
+    kind: str, requests: int = DEFAULT_REQUESTS, seed: int = 0
+) -> tuple[list[TraceRequest], list[dict[str, object] | None]]:
+    """:func:`generate`'s requests (the same ones), and per request the application hints a
+    serving stack of that workload knows, as its per-request params (see
+    :mod:`kvtier.request_control`), or None for a request of no session (rag, api, ...).
+
+    A session's request carries ``kvtier_session`` (its stream and session number),
+    ``kvtier_session_end`` (true on its session's last request) and, unless it is the
+    last, ``kvtier_expected_return_s``: the pause until its session's next request
+    (the generator knows it exactly; a real client's guess is rougher).
+    """
     if kind not in KINDS:
         raise ConfigError(f"unknown synthetic workload {kind!r}: use one of {', '.join(KINDS)}")
     if requests <= 0:
         raise ConfigError(f"requests must be a positive number, got {requests}")
     rng = np.random.Generator(np.random.PCG64(seed))
     ids, content = _BlockIds(), _Content()
-    merged = heapq.merge(*_streams(kind, rng, ids, content, requests), key=lambda e: (e[0], e[1]))
+    tagged = [_tag(stream, i) for i, stream in enumerate(_streams(kind, rng, ids, content, requests))]
+    merged = heapq.merge(*tagged, key=lambda e: (e[0], e[1]))
     out: list[TraceRequest] = []
-    for arrival, _, contents in merged:
+    sessions: list[tuple[str, int] | None] = []
+    for arrival, _, contents, session in merged:
         blocks = [*ids.chain(contents), len(out) + (1 << 50)]  # plus the partial last block
         tokens = TRACE_BLOCK_TOKENS * (len(blocks) - 1) + 1 + int(rng.integers(0, TRACE_BLOCK_TOKENS - 1))
         out.append(TraceRequest(int(arrival * 1000), tokens, 1 + int(rng.integers(0, 512)), tuple(blocks)))
+        sessions.append(session)
         if len(out) == requests:
             break
-    return out
+    return out, _hints(out, sessions)
+
+
+def _tag(
+    stream: Iterator[Event | SessionEvent], index: int
+) -> Iterator[tuple[float, int, list[int], tuple[str, int] | None]]:
+    """The events of stream ``index``, each with its session (id, requests left) if it has one."""
+    for event in stream:
+        yield event[0], event[1], event[2], (f"{index}-{event[1]}", event[3]) if len(event) > 3 else None
+
+
+def _hints(out: list[TraceRequest], sessions: list[tuple[str, int] | None]) -> list[dict[str, object] | None]:
+    """The hints of each request of ``out`` (see :func:`generate_with_hints`)."""
+    hints: list[dict[str, object] | None] = [None] * len(out)
+    following: dict[str, int] = {}  # session -> its next request's index, walking backwards
+    for i in range(len(out) - 1, -1, -1):
+        session = sessions[i]
+        if session is None:
+            continue
+        name, left = session
+        params: dict[str, object] = {"kvtier_session": name, "kvtier_session_end": left <= 1}
+        after = following.get(name)
+        if after is not None:
+            params["kvtier_expected_return_s"] = (out[after].timestamp_ms - out[i].timestamp_ms) / 1000
+        following[name] = i
+        hints[i] = params
+    return hints
