@@ -86,7 +86,7 @@ def add_fleet_parser(sub: Any) -> None:
     s.add_argument("--tokens-per-hash", type=_positive(int, 1 << 20), default=None,
                    help="the engines' KV-cache block size (default: what their events say)")  # fmt: skip
     s.add_argument("--redis", default=None, metavar="URL", help="keep the index in Redis (shared by routers)")
-    s.add_argument("--redis-prefix", default="kvtier-fleet", help="key prefix in Redis (default kvtier-fleet)")
+    s.add_argument("--redis-prefix", default=None, help="key prefix in Redis (default kvtier-fleet; --redis only)")
     s.add_argument("--read-only", action="store_true",
                    help="with --redis: answer from the index another 'kvtier fleet serve' writes "
                    "(no --engine)")  # fmt: skip
@@ -119,6 +119,9 @@ def _endpoints(args: argparse.Namespace) -> list[Any]:
         raise ConfigError(str(exc)) from None
 
 
+DEFAULT_REDIS_PREFIX = "kvtier-fleet"
+
+
 def _cmd_fleet_serve(args: argparse.Namespace) -> int:
     from kvtier.fleet.http import FleetServer
     from kvtier.fleet.index import FleetReader
@@ -130,6 +133,9 @@ def _cmd_fleet_serve(args: argparse.Namespace) -> int:
                           "no --engine")  # fmt: skip
     if not args.read_only and not args.engine:
         raise ConfigError("give at least one --engine NAME=tcp://host:port (or --redis URL --read-only)")
+    if args.redis_prefix is not None and args.redis is None:
+        raise ConfigError("--redis-prefix names keys in Redis: give --redis URL too, or drop it")
+    prefix = DEFAULT_REDIS_PREFIX if args.redis_prefix is None else args.redis_prefix
     masks: Any = MemoryMasks()
     if args.redis is not None:
         try:
@@ -139,7 +145,7 @@ def _cmd_fleet_serve(args: argparse.Namespace) -> int:
         client = redis.Redis.from_url(args.redis, socket_timeout=5.0, socket_connect_timeout=5.0)
         try:
             # A writer restarted after a kill -9 waits out its former claim (writer_ttl).
-            masks = RedisMasks(client, args.redis_prefix, claim_wait=0.0 if args.read_only else 16.0)
+            masks = RedisMasks(client, prefix, claim_wait=0.0 if args.read_only else 16.0)
         except ValueError as exc:
             raise ConfigError(f"--redis-prefix: {exc}") from None
     subscriber = None
