@@ -35,8 +35,12 @@ def main() -> int:
     spec = {
         "type": "s3", "bucket": bucket, "endpoint": endpoint, "allow_http": True,
         "access_key_id": "testing", "secret_access_key": "testing", "max_in_flight": 4,
+        # moto is a Python server on the same (loaded, 2-core) CI machine: a step's HEADs took over the
+        # 1 s default there, so the first key answered MISS (a timed-out check) and the test failed
+        "check_timeout": 10.0,
     }  # fmt: skip
-    mgr = TieringManager.create(namespace=ns, num_cpu_blocks=count + 2, tiers=[spec], shm_dir=shm_dir)
+    mgr = TieringManager.create(namespace=ns, num_cpu_blocks=count + 2, tiers=[spec], shm_dir=shm_dir,
+                                wait_timeout=25.0)  # fmt: skip
     out: dict[str, object] = {"mode": mode}
     try:
         deadline = time.monotonic() + 30
