@@ -730,6 +730,7 @@ def _replay_fs_dir(fs_root: str) -> Any:
 def _replay_fs_options(args: argparse.Namespace, distinct: int) -> dict[str, Any]:
     """The replay fs tier's options from --fs-blocks and --admission (which need --fs-root)."""
     from kvtier.tiers.fs import FilesystemTier
+    from kvtier.workload.capacity import capacity_blocks
     from kvtier.workload.replay import REPLAY_BLOCK_BYTES
 
     if args.fs_root is None:
@@ -739,11 +740,7 @@ def _replay_fs_options(args: argparse.Namespace, distinct: int) -> dict[str, Any
         return {}
     options: dict[str, Any] = {"admission": args.admission}
     if args.fs_blocks is not None:
-        value = args.fs_blocks
-        blocks = value.blocks if value.blocks is not None else round((value.share or 0) * distinct)
-        if blocks < 1:
-            raise ConfigError(f"--fs-blocks {value.text!r} of the {distinct} distinct blocks is less than one "
-                              "block: give a larger share or a block count")
+        (blocks,) = capacity_blocks([args.fs_blocks], distinct, None, MAX_REPLAY_CAPACITY, flag="--fs-blocks")
         options["max_bytes"] = blocks * FilesystemTier.bytes_per_block(REPLAY_BLOCK_BYTES)
     return options
 

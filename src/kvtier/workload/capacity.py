@@ -87,7 +87,8 @@ def _parse_one(part: str, max_blocks: int, flag: str) -> Capacity:
 
 
 def capacity_blocks(
-    entries: Sequence[Capacity], distinct_blocks: int, block_bytes: int | None, max_blocks: int, block_note: str = ""
+    entries: Sequence[Capacity], distinct_blocks: int, block_bytes: int | None, max_blocks: int, block_note: str = "",
+    flag: str = FLAG,
 ) -> list[int]:
     """The CPU capacities in blocks, in the order given, duplicates dropped.
 
@@ -104,25 +105,25 @@ def capacity_blocks(
             blocks = round(entry.share * distinct_blocks)
             if blocks < 1:
                 raise ConfigError(
-                    f"{FLAG} {shown(entry.text)} of the {distinct_blocks} distinct blocks is less than one block: "
+                    f"{flag} {shown(entry.text)} of the {distinct_blocks} distinct blocks is less than one block: "
                     "give a larger share or a block count"
                 )
         else:
             assert entry.nbytes is not None
             if block_bytes is None:
                 raise ConfigError(
-                    f"{FLAG} {shown(entry.text)} is a size: give the model whose KV fills it (--model PRESET, or "
+                    f"{flag} {shown(entry.text)} is a size: give the model whose KV fills it (--model PRESET, or "
                     "--config FILE with model and geometry) so it converts to blocks, or give a block count"
                 )
             blocks = entry.nbytes // block_bytes
             if blocks < 1:
                 raise ConfigError(
-                    f"{FLAG} {shown(entry.text)} holds less than one block of {format_size(block_bytes)}"
+                    f"{flag} {shown(entry.text)} holds less than one block of {format_size(block_bytes)}"
                     f"{block_note}: give a larger size"
                 )
             if blocks > max_blocks:
                 raise ConfigError(
-                    f"{FLAG} {shown(entry.text)} is {blocks} blocks of {format_size(block_bytes)}{block_note}: "
+                    f"{flag} {shown(entry.text)} is {blocks} blocks of {format_size(block_bytes)}{block_note}: "
                     f"at most {max_blocks} blocks; give a smaller size"
                 )
         if blocks not in out:
