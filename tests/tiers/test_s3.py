@@ -136,6 +136,33 @@ def test_two_engine_processes_share_a_bucket_and_namespaces_never_mix(
 
 
 @pytest.mark.slow
+def test_engine_processes_exit_cleanly_while_their_last_checks_answer(
+    s3_bucket: tuple[MotoServer, str], private_shm: Path
+) -> None:
+    """Regression: a process whose last HEADs answered as it exited aborted (SIGABRT, ~1 exit in 15)
+    when the checks used obstore's async calls; every exit here must be clean."""
+    server, bucket = s3_bucket
+    child = Path(__file__).with_name("s3_child.py")
+
+    def start(mode: str, model: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, str(child), mode, server.endpoint, bucket, model, "6", str(private_shm)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    stored = start("store", "model-exit")
+    assert stored.wait(120) == 0, stored.communicate()[1][-3000:]
+    for _ in range(8):
+        # a model with nothing stored: the first key answers MISS and the process exits while the
+        # HEADs of the rest of its chain are still out or answering
+        batch = [start("load", f"model-absent-{i}") for i in range(4)]
+        for proc in batch:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, f"exit status {proc.returncode}: {err[-3000:]}"
+            assert json.loads(out.strip().splitlines()[-1])["answers"][0] == "miss"
+
+
+@pytest.mark.slow
 def test_server_killed_and_restarted_empty_mid_run(own_moto: MotoServer, make: Any) -> None:
     bucket = own_moto.create_bucket()
     ns = make_namespace(BLOCK)

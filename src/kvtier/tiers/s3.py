@@ -37,12 +37,13 @@ the options, their defaults and the bucket layout are in :mod:`kvtier.tiers.s3_s
   capacity is unbounded). Expire old objects with a bucket lifecycle rule.
 
 Threads: scheduler-side calls touch only memory (a lock held for microseconds
-and a queue); every request runs on the tier's worker threads.
+and a queue); every request runs on the tier's worker threads, a step's HEADs
+on ``max_in_flight`` HEAD threads (:mod:`kvtier.tiers.s3_checks`: blocking
+calls, so no obstore thread ever calls back into Python, and none can at exit).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import threading
@@ -60,6 +61,7 @@ from kvtier.tiers.format import HEADER_SIZE, decode_header, encode_header, paylo
 from kvtier.tiers.health import CircuitBreaker
 from kvtier.tiers.jobs import ALL_LANES, READ_LANES, Lane, ThreadedTier, Work
 from kvtier.tiers.options import tier_options
+from kvtier.tiers.s3_checks import HeadFanout
 from kvtier.tiers.s3_store import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
@@ -83,7 +85,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _STREAM_CHUNK = 1024 * 1024
-_FIRST_WINDOW = 8
 _PRUNE_PER_TICK = 10_000
 
 
@@ -134,6 +135,8 @@ class S3Tier(ThreadedTier):
         self._pending: set[BlockKey] = set()
         self.stats.extra.update({"objects_written": 0, "checks": 0, "checks_failed": 0, "missing": 0})
 
+        self._heads = HeadFanout(self._head, self._stopping)
+        self._heads.start(opts.max_in_flight, self._start_thread)
         readers = opts.max_in_flight // 4 if opts.max_in_flight > 1 else 0
         if readers:
             self._start_workers(readers, READ_LANES, "read")
@@ -250,7 +253,7 @@ class S3Tier(ThreadedTier):
 
     def _run(self, work: Work, local: Any) -> None:
         if work.lane is Lane.EXISTS:
-            self._check(work, local)
+            self._check(work)
         elif work.lane is Lane.LOAD:
             self._load(work)
         elif work.lane is Lane.STORE:
@@ -258,13 +261,8 @@ class S3Tier(ThreadedTier):
         else:
             self._warm_start()
 
-    def _open_worker(self) -> Any:
-        return {}
-
-    def _close_worker(self, local: Any) -> None:
-        loop = local.get("loop")
-        if loop is not None:
-            loop.close()
+    def _stop(self) -> None:
+        self._heads.stop()
 
     def _forget_checks(self, keys: list[BlockKey]) -> None:
         with self._lock:
@@ -398,13 +396,10 @@ class S3Tier(ThreadedTier):
 
     # --- existence checks -------------------------------------------------------------------------
 
-    def _check(self, work: Work, local: dict[str, Any]) -> None:
-        """Run one step's HEADs concurrently on this thread's event loop, within ``check_timeout``."""
-        loop = local.get("loop")
-        if loop is None:
-            loop = local["loop"] = asyncio.new_event_loop()
+    def _check(self, work: Work) -> None:
+        """Run one step's HEADs concurrently on the HEAD threads, within ``check_timeout``."""
         chains: list[list[BlockKey]] = work.payload
-        answers, errors = loop.run_until_complete(self._head_chains(chains))
+        answers, errors = self._heads.check(chains, self.options.check_timeout)
         now = time.monotonic()
         with self._lock:
             for key, present in answers.items():
@@ -412,64 +407,23 @@ class S3Tier(ThreadedTier):
                     self._remember_locked(key, present, now)
             for key in work.keys:
                 self._checking.pop(key, None)
-        self._count(checks=len(answers), checks_failed=sum(1 for e in errors if e is not None))
-        failures = [e for e in errors if e is not None]
-        if failures:
-            self._io_failure(failures[0])
+        self._count(checks=len(answers), checks_failed=len(errors))
+        if errors:
+            self._io_failure(errors[0])
+            for error in errors[1:]:
+                forget_frames(error)
         elif answers:
             self._breaker.record_success()
 
-    async def _head_chains(
-        self, chains: list[list[BlockKey]]
-    ) -> tuple[dict[BlockKey, bool], list[BaseException | None]]:
-        """HEAD the keys of every chain, all chains at once, within ``check_timeout``.
-
-        A chain (one request's unknown keys, in prefix order) goes out in
-        windows of 8, 16, 32... concurrent HEADs and stops at its first absent
-        key: the engine stops there too, so later keys stay unknown. Returns
-        the answers (a failed or late check counts as absent) and the errors met.
-        """
+    def _head(self, key: BlockKey) -> bool:
+        """HEAD thread: does the bucket hold a well-sized object for ``key``? Raises on a failed request."""
         import obstore as obs
 
-        limit = asyncio.Semaphore(self.options.max_in_flight)
-        answers: dict[BlockKey, bool] = {}
-        asked: set[BlockKey] = set()
-        errors: list[BaseException | None] = []
-
-        async def head(key: BlockKey) -> bool:
-            async with limit:
-                asked.add(key)
-                try:
-                    meta = await obs.head_async(self._quick, self.object_path(key))
-                except FileNotFoundError:
-                    return False
-            return int(meta["size"]) == self._value_bytes
-
-        async def walk(chain: list[BlockKey]) -> None:
-            start, width = 0, _FIRST_WINDOW
-            while start < len(chain):
-                window = chain[start : start + width]
-                replies = await asyncio.gather(*(head(k) for k in window), return_exceptions=True)
-                for key, reply in zip(window, replies, strict=True):
-                    if isinstance(reply, BaseException):
-                        errors.append(reply)
-                        answers[key] = False
-                        return
-                    answers[key] = reply
-                    if not reply:
-                        return
-                start, width = start + width, width * 2
-
         try:
-            await asyncio.wait_for(asyncio.gather(*(walk(c) for c in chains)), self.options.check_timeout)
-        except asyncio.TimeoutError:
-            late = asked - answers.keys()
-            errors.append(
-                TimeoutError(f"{len(late)} existence check(s) missed the {self.options.check_timeout}s deadline")
-            )
-            for key in late:
-                answers[key] = False
-        return answers, errors
+            meta = obs.head(self._quick, self.object_path(key))
+        except FileNotFoundError:
+            return False
+        return int(meta["size"]) == self._value_bytes
 
     # --- manifest, probe, warm start, upkeep ----------------------------------------------------------
 

@@ -1,0 +1,158 @@
+"""HeadFanout: a step's existence checks over tier-owned threads (kvtier.tiers.s3_checks).
+
+The HEAD itself is a collaborator here (a function over a set of present keys,
+with gates to hold it), the fan-out and its threads are real.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.keys import BlockKey
+from kvtier.tiers.s3_checks import FIRST_WINDOW, HeadFanout
+
+
+def key(i: int) -> BlockKey:
+    return BlockKey(i.to_bytes(16, "big"))
+
+
+class Bucket:
+    """What the HEAD sees: present keys, keys whose HEAD fails, and a gate that holds HEADs."""
+
+    def __init__(self, present: set[BlockKey]) -> None:
+        self.present = present
+        self.failing: set[BlockKey] = set()
+        self.asked: list[BlockKey] = []
+        self.lock = threading.Lock()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def head(self, k: BlockKey) -> bool:
+        with self.lock:
+            self.asked.append(k)
+        assert self.gate.wait(30)
+        if k in self.failing:
+            raise ConnectionError(f"HEAD of {k.hex()[:8]} failed")
+        return k in self.present
+
+
+class Fanout:
+    def __init__(self, bucket: Bucket, threads: int) -> None:
+        self.bucket = bucket
+        self.stopping = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.heads = HeadFanout(bucket.head, self.stopping)
+        self.heads.start(threads, self._start)
+
+    def _start(self, role: str, target: object) -> None:
+        thread = threading.Thread(target=target, name=role, daemon=True)  # type: ignore[arg-type]
+        thread.start()
+        self.threads.append(thread)
+
+    def close(self) -> None:
+        self.bucket.gate.set()
+        self.stopping.set()
+        self.heads.stop()
+        for thread in self.threads:
+            thread.join(10)
+        assert not any(t.is_alive() for t in self.threads)
+
+
+@pytest.fixture
+def make() -> Iterator[object]:
+    made: list[Fanout] = []
+
+    def build(bucket: Bucket, threads: int = 4) -> Fanout:
+        made.append(Fanout(bucket, threads))
+        return made[-1]
+
+    yield build
+    for fanout in made:
+        fanout.close()
+
+
+def test_a_chain_stops_at_its_first_absent_key_and_windows_double(make: object) -> None:
+    chain = [key(i) for i in range(100)]
+    bucket = Bucket(set(chain[:30]))
+    fanout = make(bucket)  # type: ignore[operator]
+    answers, errors = fanout.heads.check([chain], 10.0)
+    assert errors == []
+    assert answers == {**{k: True for k in chain[:30]}, chain[30]: False}
+    # windows of 8, 16, 32: the third window (keys 24..55) was asked whole, nothing after it
+    assert set(bucket.asked) == set(chain[: FIRST_WINDOW + 2 * FIRST_WINDOW + 4 * FIRST_WINDOW])
+    short = [key(100 + i) for i in range(5)]
+    bucket.asked.clear()
+    answers, errors = fanout.heads.check([short], 10.0)
+    assert answers == {short[0]: False} and errors == [] and set(bucket.asked) == set(short)
+
+
+def test_chains_are_checked_independently_and_a_failed_head_ends_its_chain(make: object) -> None:
+    a = [key(i) for i in range(10)]
+    b = [key(50 + i) for i in range(10)]
+    bucket = Bucket(set(a) | set(b))
+    bucket.failing.add(b[3])
+    fanout = make(bucket)  # type: ignore[operator]
+    answers, errors = fanout.heads.check([a, b], 10.0)
+    assert all(answers[k] for k in a)
+    assert [answers.get(k) for k in b[:5]] == [True, True, True, False, None]
+    assert len(errors) == 1 and isinstance(errors[0], ConnectionError) and "failed" in str(errors[0])
+
+
+def test_at_the_deadline_running_heads_count_absent_and_queued_ones_are_cancelled(make: object) -> None:
+    chain = [key(i) for i in range(8)]
+    bucket = Bucket(set(chain))
+    bucket.gate.clear()
+    fanout = make(bucket, threads=2)  # type: ignore[operator]
+    started = time.monotonic()
+    answers, errors = fanout.heads.check([chain], 0.3)
+    took = time.monotonic() - started
+    assert 0.25 <= took < 5.0
+    # two HEADs were running (one per thread): absent; the six queued ones were never asked
+    assert len(answers) == 2 and not any(answers.values())
+    assert len(errors) == 1 and isinstance(errors[0], TimeoutError) and "2 existence check(s)" in str(errors[0])
+    bucket.gate.set()
+    deadline = time.monotonic() + 10
+    while len(bucket.asked) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert len(bucket.asked) == 2, "a cancelled HEAD ran after its check gave up"
+    answers, errors = fanout.heads.check([chain], 10.0)  # the threads serve the next check
+    assert answers == {k: True for k in chain} and errors == []
+
+
+def test_stopping_cancels_queued_heads_and_ends_every_thread(make: object) -> None:
+    chain = [key(i) for i in range(8)]
+    bucket = Bucket(set(chain))
+    bucket.gate.clear()
+    fanout = make(bucket, threads=2)  # type: ignore[operator]
+    result: list[object] = []
+    checker = threading.Thread(target=lambda: result.append(fanout.heads.check([chain], 30.0)))
+    checker.start()
+    deadline = time.monotonic() + 10
+    while len(bucket.asked) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    fanout.stopping.set()
+    fanout.heads.stop()
+    checker.join(5)  # the two running HEADs are still held: the check must not wait for them
+    assert not checker.is_alive(), "a check waited for its HEADs after the tier stopped"
+    bucket.gate.set()
+    answers, errors = result[0]  # type: ignore[misc]
+    assert answers == {} and errors == []
+    assert len(bucket.asked) == 2, "a queued HEAD ran after the tier stopped"
+    for thread in fanout.threads:
+        thread.join(10)
+    assert not any(t.is_alive() for t in fanout.threads)
+    assert fanout.heads.check([chain], 1.0) == ({}, []), "after stop nothing is asked"
+
+
+def test_the_package_never_calls_obstore_async_functions() -> None:
+    """An async obstore call answers from a runtime thread that takes the GIL; at interpreter exit
+    that aborts the process (SIGABRT), so the package uses blocking calls on its own threads."""
+    src = Path(__file__).resolve().parents[2] / "src" / "kvtier"
+    users = [p.relative_to(src) for p in src.rglob("*.py") if "_async(" in p.read_text() and "obs" in p.read_text()]
+    assert users == []
