@@ -148,7 +148,10 @@ class S3TierOptions(TierOptions):
     secret_access_key: SecretStr | None = Field(default=None, description="Secret key (with access_key_id).")
     session_token: SecretStr | None = Field(default=None, description="Session token of temporary credentials.")
     max_in_flight: int = Field(
-        default=32, ge=1, le=512, description="Concurrent requests (I/O threads); a quarter serve only reads."
+        default=32,
+        ge=1,
+        le=512,
+        description="Concurrent requests: I/O threads (a quarter serve only reads), and as many for existence checks.",
     )
     max_queued_stores: QueueLength = Field(
         default=256, description="Blocks waiting to be uploaded beyond which stores are shed."
