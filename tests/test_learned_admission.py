@@ -196,3 +196,66 @@ def test_a_request_stored_in_pieces_follows_its_first_stores_decision() -> None:
     assert not admission.admit(keys, other, 0)  # declined from its first store on: no holes
     assert admission.admit(keys, None, 0)  # a store without a request is judged alone
     assert cpu.asked == 3
+
+
+def test_a_request_that_ends_its_conversation_is_not_written() -> None:
+    """``kvtier_session_end``: the request's new blocks are its conversation's last; a learned
+    tier is not given them whatever the policy predicts, and its later pieces follow."""
+    cpu = _Predictions()
+    admission = LearnedAdmission(cpu, 1000, None)  # type: ignore[arg-type]
+    manager = TieringManager.create(namespace=SMALL, num_cpu_blocks=8)
+    try:
+        last = RequestContext("last", params={"kvtier_session": "c1", "kvtier_session_end": True})
+        going_on = RequestContext("going-on", params={"kvtier_session": "c1", "kvtier_session_end": False})
+        no_hints = RequestContext("no-hints")
+        for request in (last, going_on, no_hints):
+            manager.request_control(request)  # parsed as complete_store parses it before a cascade
+    finally:
+        manager.shutdown()
+    keys = prefix_keys(np.arange(4), 1)
+    assert not admission.admit(keys[:2], last, 0) and not admission.admit(keys[2:], last, 0)
+    assert admission.declined == 4 and cpu.asked == 0
+    assert admission.admit(keys, going_on, 0) and admission.admit(keys, no_hints, 0)
+    # Not parsed (a request the manager never saw): no hints, judged by the policy.
+    assert admission.admit(keys, RequestContext("raw", params={"kvtier_session_end": True}), 0)
+
+
+def test_session_end_hints_spare_a_learned_tier_through_the_manager() -> None:
+    """End to end: conversations of 2-block turns whose last turn says it ends them; the learned
+    tier is given none of the last turns' blocks, an ``all`` tier beside it every block."""
+    block = MemoryTier.bytes_per_block(64)
+    specs = [{"type": "memory", "admission": "learned", "max_bytes": 512 * block},
+             {"type": "memory", "max_bytes": 512 * block}]  # fmt: skip
+    mgr = TieringManager.create(namespace=SMALL, num_cpu_blocks=64, policy="lru", tiers=specs)
+    rng = np.random.default_rng(7)
+    last_turns: list[list[bytes]] = []
+    try:
+        for c in range(12):
+            ids = [int(x) for x in rng.integers(0, 2**31, 2)]
+            for turn in range(4):
+                if turn:
+                    ids += [int(x) for x in rng.integers(0, 2**31, 2)]
+                params = {"kvtier_session": f"c{c}", "kvtier_session_end": turn == 3}
+                request = RequestContext(f"c{c}-t{turn}", params=params)
+                mgr.on_new_request(request)
+                keys = prefix_keys(np.asarray(ids), 1)
+                new = keys[-2:] if turn else keys
+                result = mgr.prepare_store(new, request)
+                assert result is not None
+                mgr.complete_store(result.keys_to_store, request)
+                mgr.on_request_finished(request)
+                mgr.on_schedule_end()
+                while mgr.has_pending_work():
+                    time.sleep(0.0002)
+                    mgr.on_schedule_end()
+                if turn == 3:
+                    last_turns.append(keys[-2:])
+        learned, everything = mgr.tiers
+        assert isinstance(learned, MemoryTier) and isinstance(everything, MemoryTier)
+        assert not any(k in learned._values for keys in last_turns for k in keys)
+        assert all(k in everything._values for keys in last_turns for k in keys)
+        admission = mgr.stats().tier("1:memory").admission
+        assert admission is not None and admission.learned_declined == 2 * len(last_turns)
+        assert admission.admitted_blocks == 12 * (2 + 2 + 2)
+    finally:
+        mgr.shutdown()

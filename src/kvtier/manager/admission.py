@@ -30,6 +30,8 @@ likely a store's blocks are to be read again within the tier's horizon
 (:meth:`~kvtier.policies.base.EvictionPolicy.relative_reuse`), and a store whose
 blocks are much less likely than the average stored block is not written: in a full
 tier it would displace blocks worth more, and the write costs bandwidth and wear.
+A request whose hints say it ends its conversation (``kvtier_session_end``, see
+:mod:`kvtier.request_control`) is not written either, whatever the policy.
 A policy that predicts nothing (``lru``) makes it admit everything. What each tier
 admitted and declined is in its snapshot (``admission``) and the metrics.
 """
@@ -132,7 +134,7 @@ class LearnedAdmission:
             return False
         decided = None if request is None else self._decided.get(request.req_id)
         if decided is None:
-            decided = self._worth_writing(keys)
+            decided = not _session_ended(request) and self._worth_writing(keys)
             if request is not None:
                 self._decided[request.req_id] = decided
                 if len(self._decided) > DECIDED_REQUESTS:
@@ -154,6 +156,14 @@ class LearnedAdmission:
 
     def snapshot(self) -> BackpressureSnapshot | None:
         return None if self.inner is None else self.inner.snapshot()
+
+
+def _session_ended(request: RequestContext | None) -> bool:
+    """Whether the serving stack said ``request`` ends its conversation (``kvtier_session_end``):
+    its new blocks are the conversation's last, which nothing sends again."""
+    control = None if request is None else request.control
+    hints = None if control is None else control.hints
+    return hints is not None and hints.session_end
 
 
 def cascade_admission(
