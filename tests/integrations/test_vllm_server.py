@@ -10,7 +10,8 @@ HTTP client sends token prompts to ``/v1/completions``:
   identical greedy output, cached prompt tokens, lower time to first token,
   served from kvtier's CPU and fs tiers (vLLM's own ``/metrics`` says which);
 * a restarted server on the same fs root serves its first request from the fs
-  tier, with identical output;
+  tier, with identical output (its TTFT is printed, not asserted: it includes
+  vLLM's own first-request warm-up);
 * SIGKILL of the EngineCore process: the API server exits, nothing of kvtier is
   left in the shared-memory directory and no process keeps running.
 
@@ -206,4 +207,7 @@ def test_b_restart_serves_from_fs_and_engine_kill_leaves_nothing(
         f"restarted server: fs scan {scan_ms:.1f} ms, {retries:.0f} fs lookups answered RETRY, "
         f"{fs_reads:.0f} fs read jobs took {read_ms:.1f} ms in all"
     )
-    assert first.ttft < min(RESULTS["cold_ttft"])
+    # No TTFT assertion here: a fresh server's first request carries vLLM's own first-request
+    # warm-up, so comparing it with test_a's warmed server measured the machine's load (it failed
+    # a CI run at 215 vs 140 ms); that it was served from the fs tier is asserted above (its
+    # cached tokens, the fs hits and promotions in /metrics), and its TTFT is printed.
