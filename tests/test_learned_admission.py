@@ -19,7 +19,7 @@ from kvtier.config import load_config
 from kvtier.config.build import describe_config
 from kvtier.errors import ConfigError
 from kvtier.keys import KVGeometry
-from kvtier.manager.admission import LearnedAdmission
+from kvtier.manager.admission import SESSIONS_SEEN, LearnedAdmission
 from kvtier.metrics import KvtierMetrics
 from kvtier.tiers.memory import MemoryTier
 from kvtier.tiers.registry import register_tier, validate_tier_options
@@ -198,26 +198,64 @@ def test_a_request_stored_in_pieces_follows_its_first_stores_decision() -> None:
     assert cpu.asked == 3
 
 
-def test_a_request_that_ends_its_conversation_is_not_written() -> None:
-    """``kvtier_session_end``: the request's new blocks are its conversation's last; a learned
-    tier is not given them whatever the policy predicts, and its later pieces follow."""
+def test_the_last_request_of_a_conversation_is_not_written() -> None:
+    """``kvtier_session_end`` on a conversation that stored here before: the request's new blocks
+    are the conversation's own last turn; a learned tier is not given them whatever the policy
+    predicts, and its later pieces follow. A conversation's only request (it may carry a shared
+    document) and a conversation forgotten or never seen are judged by the policy."""
     cpu = _Predictions()
     admission = LearnedAdmission(cpu, 1000, None)  # type: ignore[arg-type]
     manager = TieringManager.create(namespace=SMALL, num_cpu_blocks=8)
+
+    def request(name: str, **params: object) -> RequestContext:
+        made = RequestContext(name, params=params)
+        manager.request_control(made)  # parsed as complete_store parses it before a cascade
+        return made
+
+    keys = prefix_keys(np.arange(4), 1)
     try:
-        last = RequestContext("last", params={"kvtier_session": "c1", "kvtier_session_end": True})
-        going_on = RequestContext("going-on", params={"kvtier_session": "c1", "kvtier_session_end": False})
-        no_hints = RequestContext("no-hints")
-        for request in (last, going_on, no_hints):
-            manager.request_control(request)  # parsed as complete_store parses it before a cascade
+        assert admission.admit(keys, request("c1-t0", kvtier_session="c1"), 0)
+        assert admission.admit(keys, request("c1-t1", kvtier_session="c1", kvtier_session_end=False), 0)
+        asked = cpu.asked
+        last = request("c1-t2", kvtier_session="c1", kvtier_session_end=True)
+        assert not admission.admit(keys[:2], last, 0) and not admission.admit(keys[2:], last, 0)
+        assert admission.declined == 4 and cpu.asked == asked
+        # The conversation is forgotten once it ended: a request reusing its id is judged again.
+        assert admission.admit(keys, request("c1-again", kvtier_session="c1", kvtier_session_end=True), 0)
+        # A conversation of one request, one never seen here, a session_end without a session id,
+        # no hints, hints not parsed (a request the manager never saw): judged by the policy.
+        assert admission.admit(keys, request("only", kvtier_session="c2", kvtier_session_end=True), 0)
+        assert admission.admit(keys, request("no-id", kvtier_session_end=True), 0)
+        assert admission.admit(keys, request("no-hints"), 0)
+        assert admission.admit(keys, RequestContext("raw", params={"kvtier_session_end": True}), 0)
+        assert admission.declined == 4
+        cpu.ratio = 0.1  # the policy still declines what it predicts will not return
+        assert not admission.admit(keys, request("c3-t0", kvtier_session="c3"), 0)
     finally:
         manager.shutdown()
-    keys = prefix_keys(np.arange(4), 1)
-    assert not admission.admit(keys[:2], last, 0) and not admission.admit(keys[2:], last, 0)
-    assert admission.declined == 4 and cpu.asked == 0
-    assert admission.admit(keys, going_on, 0) and admission.admit(keys, no_hints, 0)
-    # Not parsed (a request the manager never saw): no hints, judged by the policy.
-    assert admission.admit(keys, RequestContext("raw", params={"kvtier_session_end": True}), 0)
+
+
+def test_the_conversations_remembered_are_bounded() -> None:
+    cpu = _Predictions()
+    admission = LearnedAdmission(cpu, 1000, None)  # type: ignore[arg-type]
+    manager = TieringManager.create(namespace=SMALL, num_cpu_blocks=8)
+    keys = prefix_keys(np.arange(2), 1)
+    try:
+        for i in range(SESSIONS_SEEN + 10):
+            first = RequestContext(f"s{i}", params={"kvtier_session": f"conversation-{i}"})
+            manager.request_control(first)
+            assert admission.admit(keys, first, 0)
+        assert len(admission._sessions) == SESSIONS_SEEN
+        oldest = RequestContext("end-0", params={"kvtier_session": "conversation-0", "kvtier_session_end": True})
+        newest = RequestContext(
+            "end-n", params={"kvtier_session": f"conversation-{SESSIONS_SEEN + 9}", "kvtier_session_end": True}
+        )
+        for r in (oldest, newest):
+            manager.request_control(r)
+        assert admission.admit(keys, oldest, 0)  # forgotten: judged by the policy
+        assert not admission.admit(keys, newest, 0)
+    finally:
+        manager.shutdown()
 
 
 def test_session_end_hints_spare_a_learned_tier_through_the_manager() -> None:

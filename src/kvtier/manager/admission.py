@@ -30,8 +30,9 @@ likely a store's blocks are to be read again within the tier's horizon
 (:meth:`~kvtier.policies.base.EvictionPolicy.relative_reuse`), and a store whose
 blocks are much less likely than the average stored block is not written: in a full
 tier it would displace blocks worth more, and the write costs bandwidth and wear.
-A request whose hints say it ends its conversation (``kvtier_session_end``, see
-:mod:`kvtier.request_control`) is not written either, whatever the policy.
+The last request of a conversation that stored here before, by its hints
+(``kvtier_session`` and ``kvtier_session_end``, see :mod:`kvtier.request_control`), is
+not written either, whatever the policy: its new blocks are the conversation's own.
 A policy that predicts nothing (``lru``) makes it admit everything. What each tier
 admitted and declined is in its snapshot (``admission``) and the metrics.
 """
@@ -42,6 +43,8 @@ import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
+
+import xxhash
 
 from kvtier.backpressure import BackpressureSettings, StoreLatencyMonitor
 from kvtier.keys import BlockKey
@@ -99,6 +102,11 @@ a generated bursty workload whose long one-off documents share a class with long
 0.25 declined nearly nothing anywhere.)"""
 
 
+SESSIONS_SEEN = 32768
+"""Conversations :class:`LearnedAdmission` remembers having seen a request of (a hash each, the
+oldest forgotten first): one forgotten has its last request judged by the policy."""
+
+
 DECIDED_REQUESTS = 4096
 """Requests whose first store's decision :class:`LearnedAdmission` remembers for their later
 stores (more than an engine runs at once; the oldest is forgotten first)."""
@@ -114,7 +122,7 @@ class LearnedAdmission:
     or the policy's own horizon when the tier's capacity is unknown (None).
     """
 
-    __slots__ = ("_decided", "_horizon", "_policy", "_slot_of", "declined", "inner")
+    __slots__ = ("_decided", "_horizon", "_policy", "_sessions", "_slot_of", "declined", "inner")
 
     def __init__(self, primary: PrimaryTier, tier_blocks: int | None, inner: CascadeAdmission | None) -> None:
         self.inner = inner
@@ -125,6 +133,8 @@ class LearnedAdmission:
         # request stored in pieces is one request (a piece declined after pieces admitted would
         # leave its successors useless in the tier, prefix hits being what counts).
         self._decided: OrderedDict[str, bool] = OrderedDict()
+        self._sessions: OrderedDict[int, None] = OrderedDict()
+        """Conversations (a 64-bit hash of their id) whose requests stored here and did not end them."""
         self.declined = 0
         """Blocks this admission declined (backpressure's are not counted here)."""
 
@@ -134,7 +144,7 @@ class LearnedAdmission:
             return False
         decided = None if request is None else self._decided.get(request.req_id)
         if decided is None:
-            decided = not _session_ended(request) and self._worth_writing(keys)
+            decided = not self._ends_a_conversation(request) and self._worth_writing(keys)
             if request is not None:
                 self._decided[request.req_id] = decided
                 if len(self._decided) > DECIDED_REQUESTS:
@@ -150,20 +160,35 @@ class LearnedAdmission:
         ratio = self._policy.relative_reuse(slot, self._horizon)
         return ratio is None or ratio >= DECLINE_BELOW
 
+    def _ends_a_conversation(self, request: RequestContext | None) -> bool:
+        """Whether ``request`` (at its first store) is the last request of a conversation that
+        had an earlier one here, by its hints (``kvtier_session``, ``kvtier_session_end``): its new
+        blocks are then that conversation's own last turn, which nothing sends again. A
+        conversation's first request may carry what other conversations share (a document, a
+        code base), so it is judged by the policy even when it is also the last."""
+        control = None if request is None else request.control
+        hints = None if control is None else control.hints
+        if hints is None or hints.session is None:
+            return False
+        session = xxhash.xxh3_64_intdigest(hints.session.encode("utf-8", "surrogatepass"))
+        sessions = self._sessions
+        if hints.session_end:
+            if session not in sessions:
+                return False
+            del sessions[session]
+            return True
+        sessions[session] = None
+        sessions.move_to_end(session)
+        if len(sessions) > SESSIONS_SEEN:
+            sessions.popitem(last=False)
+        return False
+
     def finished(self, result: JobResult, seconds: float) -> None:
         if self.inner is not None:
             self.inner.finished(result, seconds)
 
     def snapshot(self) -> BackpressureSnapshot | None:
         return None if self.inner is None else self.inner.snapshot()
-
-
-def _session_ended(request: RequestContext | None) -> bool:
-    """Whether the serving stack said ``request`` ends its conversation (``kvtier_session_end``):
-    its new blocks are the conversation's last, which nothing sends again."""
-    control = None if request is None else request.control
-    hints = None if control is None else control.hints
-    return hints is not None and hints.session_end
 
 
 def cascade_admission(
