@@ -156,3 +156,36 @@ def test_the_package_never_calls_obstore_async_functions() -> None:
     src = Path(__file__).resolve().parents[2] / "src" / "kvtier"
     users = [p.relative_to(src) for p in src.rglob("*.py") if "_async(" in p.read_text() and "obs" in p.read_text()]
     assert users == []
+
+
+def test_a_check_starved_by_earlier_late_heads_reports_it(make: object) -> None:
+    """The HEAD threads are shared: a check whose HEADs never started before its deadline (every
+    thread held by an earlier check's late HEADs) leaves its keys unknown and says so in a
+    TimeoutError, which the tier hands to its breaker (a slow store is heard of)."""
+    first, second = [key(i) for i in range(4)], [key(100 + i) for i in range(4)]
+    bucket = Bucket(set(first) | set(second))
+    bucket.gate.clear()
+    fanout = make(bucket, threads=4)  # type: ignore[operator]
+    answers, errors = fanout.heads.check([first], 0.2)
+    assert answers == {k: False for k in first} and "4 existence check(s) missed" in str(errors[-1])
+    answers, errors = fanout.heads.check([second], 0.2)
+    assert answers == {}
+    assert len(errors) == 1 and isinstance(errors[0], TimeoutError) and "4 more never started" in str(errors[0])
+    bucket.gate.set()
+    answers, errors = fanout.heads.check([second], 10.0)
+    assert answers == {k: True for k in second} and errors == []
+
+
+def test_many_chains_at_once_each_get_their_own_answers(make: object) -> None:
+    chains = [[key(1000 * c + i) for i in range(40)] for c in range(64)]
+    present = {k for c, chain in enumerate(chains) for k in chain[: c % 41]}  # chain c: its first c keys
+    bucket = Bucket(present)
+    fanout = make(bucket, threads=8)  # type: ignore[operator]
+    answers, errors = fanout.heads.check(chains, 30.0)
+    assert errors == []
+    for c, chain in enumerate(chains):
+        held = c % 41
+        expect = {k: True for k in chain[:held]}
+        if held < len(chain):
+            expect[chain[held]] = False
+        assert {k: answers[k] for k in chain if k in answers} == expect, f"chain {c}"

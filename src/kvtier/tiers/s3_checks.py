@@ -19,11 +19,12 @@ by the client's own request timeout, so a late HEAD ends by itself.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 
 from kvtier.keys import BlockKey
 
@@ -61,13 +62,14 @@ class HeadFanout:
             key, answer = task
             if self._stopping.is_set():
                 answer.cancel()
-            # Only this thread moves a queued HEAD on (once): a cancelled one wakes its check, if waiting
+            # Only this thread moves a queued HEAD on, once (a cancelled one is dropped here)
             if not answer.set_running_or_notify_cancel():
                 continue
             try:
                 answer.set_result(self._head(key))
             except BaseException as exc:  # handed to the check, which reports it; this thread goes on
                 answer.set_exception(exc)
+            del task, answer  # an exception's traceback holds this frame: no cycle through the future
 
     def start(self, threads: int, start_thread: Callable[[str, Callable[[], None]], None]) -> None:
         """Start ``threads`` serving threads through the tier's ``start_thread`` (which joins them)."""
@@ -98,33 +100,34 @@ class HeadFanout:
         windows of 8, 16, 32... concurrent HEADs and stops at its first absent
         key or failed request: the engine stops there too, so later keys stay
         unknown. Returns the answers and the errors met. A failed HEAD counts as
-        absent; at the deadline, a HEAD still running counts as absent (with one
-        ``TimeoutError`` in the errors) and one not started yet is cancelled,
-        its key left unknown.
+        absent; at the deadline, a HEAD still running counts as absent and one
+        not started yet is cancelled, its key left unknown (one ``TimeoutError``
+        in the errors counts both).
         """
         deadline = time.monotonic() + timeout
         answers: dict[BlockKey, bool] = {}
         errors: list[BaseException] = []
-        # chain index -> (the window's start, its width, its keys with their answers)
+        # chain index -> (the window's start, its width, its keys with their answers); one window per
+        # chain is out at a time, and each HEAD of it that finishes puts the chain's index in `finished`
+        # (a done-callback), so a wake-up costs O(1), not a scan of every HEAD in flight.
         windows: dict[int, tuple[int, int, list[tuple[BlockKey, Future[bool]]]]] = {}
+        unfinished: dict[int, int] = {}
+        finished: queue.SimpleQueue[int] = queue.SimpleQueue()
 
         def launch(index: int, start: int, width: int) -> None:
             keys = chains[index][start : start + width]
-            if keys:
-                windows[index] = (start, width, [(key, self._submit(key)) for key in keys])
+            if not keys:
+                return
+            window = [(key, self._submit(key)) for key in keys]
+            windows[index] = (start, width, window)
+            unfinished[index] = len(window)
+            note = functools.partial(_finished, finished, index)
+            for _, answer in window:
+                answer.add_done_callback(note)  # called at once if already done
 
         for index in range(len(chains)):
             launch(index, 0, FIRST_WINDOW)
         while windows:
-            for index, (start, width, window) in list(windows.items()):
-                if not all(answer.done() for _, answer in window):
-                    continue
-                del windows[index]
-                if _read_window(window, answers, errors):
-                    launch(index, start + width, width * 2)
-            running = [answer for _, _, window in windows.values() for _, answer in window if not answer.done()]
-            if not running:
-                continue
             if self._stopping.is_set():  # shutdown: nobody waits for these answers any more
                 for _, _, window in windows.values():
                     for _, answer in window:
@@ -134,8 +137,22 @@ class HeadFanout:
             if left <= 0:
                 errors.extend(_give_up(windows, answers, timeout))
                 break
-            wait(running, timeout=min(left, _STOP_POLL), return_when=FIRST_COMPLETED)
+            try:
+                index = finished.get(timeout=min(left, _STOP_POLL))
+            except queue.Empty:
+                continue
+            unfinished[index] -= 1
+            if unfinished[index]:
+                continue
+            start, width, window = windows.pop(index)
+            del unfinished[index]
+            if _read_window(window, answers, errors):
+                launch(index, start + width, width * 2)
         return answers, errors
+
+
+def _finished(finished: queue.SimpleQueue[int], index: int, _answer: Future[bool]) -> None:
+    finished.put(index)
 
 
 def _read_window(
@@ -162,15 +179,19 @@ def _give_up(
     answers: dict[BlockKey, bool],
     timeout: float,
 ) -> list[BaseException]:
-    """At the deadline: keep what finished, count running HEADs as absent, cancel queued ones;
-    returns the errors met (one ``TimeoutError`` for the late HEADs)."""
-    late = 0
+    """At the deadline: keep what finished, count running HEADs as absent, cancel queued ones
+    (their keys stay unknown); returns the errors met, with one ``TimeoutError`` for the HEADs
+    that ran late or never started (the threads busy with earlier checks' late HEADs: a slow
+    store, which the tier's breaker must hear of)."""
+    late = waited = 0
     errors: list[BaseException] = []
     for _, _, window in windows.values():
         for key, answer in window:
-            if answer.cancel() or answer.cancelled():
+            if answer.cancel():
+                waited += 1
+            elif answer.cancelled():
                 continue
-            if not answer.done():
+            elif not answer.done():
                 answers[key] = False
                 late += 1
             elif (failure := answer.exception()) is not None:
@@ -179,8 +200,13 @@ def _give_up(
             else:
                 answers[key] = answer.result()
     windows.clear()
-    if late:
-        errors.append(TimeoutError(f"{late} existence check(s) missed the {timeout}s deadline"))
+    if late or waited:
+        errors.append(
+            TimeoutError(
+                f"{late} existence check(s) missed the {timeout}s deadline, {waited} more never started "
+                "(every HEAD thread busy)"
+            )
+        )
     return errors
 
 
