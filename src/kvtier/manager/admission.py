@@ -162,10 +162,11 @@ class LearnedAdmission:
 
     def _ends_a_conversation(self, request: RequestContext | None) -> bool:
         """Whether ``request`` (at its first store) is the last request of a conversation that
-        had an earlier one here, by its hints (``kvtier_session``, ``kvtier_session_end``): its new
-        blocks are then that conversation's own last turn, which nothing sends again. A
-        conversation's first request may carry what other conversations share (a document, a
-        code base), so it is judged by the policy even when it is also the last."""
+        had an earlier store judged here (whatever the decision), by its hints (``kvtier_session``,
+        ``kvtier_session_end``): its new blocks are then that conversation's own last turn, which
+        nothing sends again. A conversation's first request may carry what other conversations
+        share (a document, a code base), so it is judged by the policy even when it is also the
+        last."""
         control = None if request is None else request.control
         hints = None if control is None else control.hints
         if hints is None or hints.session is None:

@@ -96,8 +96,8 @@ class CascadeOptions(BaseModel):
         description="Which stored blocks are cascaded to this tier: all (every one) or learned (those the "
         "CPU tier's eviction policy predicts will be read again within the tier's horizon often enough to "
         "be worth the write; a policy that predicts nothing, such as lru, admits all; the last request "
-        "of a conversation that stored before, by its kvtier_session and kvtier_session_end hints, is "
-        "never written).",
+        "of a conversation with an earlier store here, by its kvtier_session and kvtier_session_end "
+        "hints, is not written).",
     )
 
 
