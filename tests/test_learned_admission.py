@@ -61,6 +61,15 @@ def test_the_tier_never_receives_the_option_its_context_carries_it() -> None:
         mgr.shutdown()
 
 
+def _finish(mgr: TieringManager, request: RequestContext) -> None:
+    """End ``request`` and its step, then run steps until every cascade was reported."""
+    mgr.on_request_finished(request)
+    mgr.on_schedule_end()
+    while mgr.has_pending_work():
+        time.sleep(0.0002)
+        mgr.on_schedule_end()
+
+
 def _run(policy: str, rounds: int = 50) -> tuple[TieringManager, MemoryTier, list[list[bytes]]]:
     """Conversations that come back (2 new blocks a turn) beside one-off documents (24 new blocks,
     never seen again), through a 256-block CPU tier and a learned memory tier. Returns the manager
@@ -90,11 +99,7 @@ def _run(policy: str, rounds: int = 50) -> tuple[TieringManager, MemoryTier, lis
                 result = mgr.prepare_store(keys[hits:], request)
                 if result is not None and result.keys_to_store:
                     mgr.complete_store(result.keys_to_store, request)
-                mgr.on_request_finished(request)
-                mgr.on_schedule_end()
-                while mgr.has_pending_work():
-                    time.sleep(0.0002)
-                    mgr.on_schedule_end()
+                _finish(mgr, request)
                 if ids is doc and r >= rounds - 10:
                     late_docs.append(keys)
             if len(sessions[s]) > 40:
@@ -281,11 +286,7 @@ def test_session_end_hints_spare_a_learned_tier_through_the_manager() -> None:
                 result = mgr.prepare_store(new, request)
                 assert result is not None
                 mgr.complete_store(result.keys_to_store, request)
-                mgr.on_request_finished(request)
-                mgr.on_schedule_end()
-                while mgr.has_pending_work():
-                    time.sleep(0.0002)
-                    mgr.on_schedule_end()
+                _finish(mgr, request)
                 if turn == 3:
                     last_turns.append(keys[-2:])
         learned, everything = mgr.tiers

@@ -30,7 +30,7 @@ likely a store's blocks are to be read again within the tier's horizon
 (:meth:`~kvtier.policies.base.EvictionPolicy.relative_reuse`), and a store whose
 blocks are much less likely than the average stored block is not written: in a full
 tier it would displace blocks worth more, and the write costs bandwidth and wear.
-The last request of a conversation that stored here before, by its hints
+The last request of a conversation with an earlier store judged here, by its hints
 (``kvtier_session`` and ``kvtier_session_end``, see :mod:`kvtier.request_control`), is
 not written either, whatever the policy: its new blocks are the conversation's own.
 A policy that predicts nothing (``lru``) makes it admit everything. What each tier
@@ -134,7 +134,7 @@ class LearnedAdmission:
         # leave its successors useless in the tier, prefix hits being what counts).
         self._decided: OrderedDict[str, bool] = OrderedDict()
         self._sessions: OrderedDict[int, None] = OrderedDict()
-        """Conversations (a 64-bit hash of their id) whose requests stored here and did not end them."""
+        """Conversations (a 64-bit hash of their id) with a store judged here by a request that did not end them."""
         self.declined = 0
         """Blocks this admission declined (backpressure's are not counted here)."""
 
