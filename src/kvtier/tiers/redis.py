@@ -24,6 +24,7 @@ dropped (``stats.stores_dropped``) and loads fail at once; after
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import ssl
@@ -233,7 +234,12 @@ class RedisTier(ThreadedTier):
         # Scheduler-thread only.
         self._pending_checks: dict[BlockKey, None] = {}
 
-        self._start_workers(opts.io_threads, ALL_LANES, "io")
+        try:
+            self._start_workers(opts.io_threads, ALL_LANES, "io")
+        except BaseException:  # the threads already started are joined, not left running
+            with contextlib.suppress(Exception):
+                self.shutdown()
+            raise
 
     # --- helpers -------------------------------------------------------------------
 

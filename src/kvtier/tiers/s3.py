@@ -44,6 +44,7 @@ calls, so no obstore thread ever calls back into Python, and none can at exit).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -136,11 +137,16 @@ class S3Tier(ThreadedTier):
         self.stats.extra.update({"objects_written": 0, "checks": 0, "checks_failed": 0, "missing": 0})
 
         self._heads = HeadFanout(self._head, self._stopping)
-        self._heads.start(opts.max_in_flight, self._start_thread)
-        readers = opts.max_in_flight // 4 if opts.max_in_flight > 1 else 0
-        if readers:
-            self._start_workers(readers, READ_LANES, "read")
-        self._start_workers(opts.max_in_flight - readers, ALL_LANES, "io")
+        try:
+            self._heads.start(opts.max_in_flight, self._start_thread)
+            readers = opts.max_in_flight // 4 if opts.max_in_flight > 1 else 0
+            if readers:
+                self._start_workers(readers, READ_LANES, "read")
+            self._start_workers(opts.max_in_flight - readers, ALL_LANES, "io")
+        except BaseException:  # the threads already started are joined, not left running
+            with contextlib.suppress(Exception):
+                self.shutdown()
+            raise
         endpoint, source = opts.endpoint_setting()
         where = f"{endpoint} (from {source})" if endpoint else f"AWS {opts.region or '(region from AWS_REGION)'}"
         logger.info(
