@@ -9,9 +9,10 @@ HTTP client sends token prompts to ``/v1/completions``:
 * cold requests, then the same prompts after ``POST /reset_prefix_cache``:
   identical greedy output, cached prompt tokens, lower time to first token,
   served from kvtier's CPU and fs tiers (vLLM's own ``/metrics`` says which);
-* a restarted server on the same fs root serves its first request from the fs
-  tier, with identical output (its TTFT is printed, not asserted: it includes
-  vLLM's own first-request warm-up);
+* a restarted server on the same fs root serves the first prefix it is sent
+  from the fs tier, with identical output (after one unrelated short request
+  that pays vLLM's own first-request warm-up, whose TTFT is printed beside a
+  warmed server's; TTFTs are printed, not asserted);
 * SIGKILL of the EngineCore process: the API server exits, nothing of kvtier is
   left in the shared-memory directory and no process keeps running.
 
@@ -89,7 +90,9 @@ def test_a_server_serves_hits_from_cpu_and_fs_tiers(
     with Server(server_model, _config(shm_dir, fs_root), tmp_path / "server-a.log") as server:
         server.wait_ready()
         RESULTS["startup_s"] = time.monotonic() - started
-        server.complete(random_prompt_ids(40, seed=1), max_tokens=2)  # warm-up
+        first = server.complete(random_prompt_ids(40, seed=1), max_tokens=2)  # warm-up: vLLM's first request
+        second = server.complete(random_prompt_ids(40, seed=2), max_tokens=2)  # the same work, warmed
+        RESULTS.update(first_short_ttft=first.ttft, warm_short_ttft=second.ttft)
         # One prompt at a time, each cascaded before the next: a prompt's blocks stay pinned in
         # the 48-block CPU tier while the fs tier writes them, so the next prompt's stores
         # would be refused (store_rejected) and never reach the disk that test_b restarts from.
@@ -154,7 +157,11 @@ def test_b_restart_serves_from_fs_and_engine_kill_leaves_nothing(
     _drop_page_cache(fs_root)
     with Server(server_model, _config(shm_dir, fs_root), tmp_path / "server-b.log") as server:
         server.wait_ready()
-        first = server.complete(prompts[1])  # the first request of this server: from disk
+        # vLLM's own first-request warm-up (not kvtier's: 40 new tokens, nothing to load) is paid
+        # by an unrelated request, as a restarted server's traffic would; then the first hit of the
+        # fs tier's restart state (index scanned at start, page cache dropped, first load job).
+        short = server.complete(random_prompt_ids(40, seed=3), max_tokens=2)
+        first = server.complete(prompts[1])  # the first prefix this server serves: from disk
 
         def fs_hits_reported() -> Any:
             # vLLM publishes connector stats with a step's outputs: the lookups and the promotions
@@ -193,7 +200,7 @@ def test_b_restart_serves_from_fs_and_engine_kill_leaves_nothing(
     rows = [  # (what, TTFT, the device floor of the same server)
         ("cold (recompute, median of 3)", cold_ttft, floor), ("device prefix cache (floor)", floor, floor),
         ("kvtier CPU hit", RESULTS["cpu_hit_ttft"], floor), ("kvtier fs hit", RESULTS["fs_hit_ttft"], floor),
-        ("restarted: kvtier fs hit (its first request)", first.ttft, device.ttft),
+        ("restarted: kvtier fs hit (its first prefix hit)", first.ttft, device.ttft),
         ("restarted: device prefix cache (floor)", device.ttft, device.ttft),
         ("restarted: kvtier fs hit (second request)", warm_fs.ttft, device.ttft),
     ]  # fmt: skip
@@ -204,10 +211,15 @@ def test_b_restart_serves_from_fs_and_engine_kill_leaves_nothing(
     for name, ttft, base in rows:
         print(f"| {name} | {ttft * 1000:.0f} ms | {ttft / base:.2f}x |")
     print(
+        f"vLLM's first-request warm-up (40-token cold prompts): {short.ttft * 1000:.0f} ms as the restarted "
+        f"server's first request, {RESULTS['first_short_ttft'] * 1000:.0f} ms as the first server's, "
+        f"{RESULTS['warm_short_ttft'] * 1000:.0f} ms once warmed"
+    )
+    print(
         f"restarted server: fs scan {scan_ms:.1f} ms, {retries:.0f} fs lookups answered RETRY, "
         f"{fs_reads:.0f} fs read jobs took {read_ms:.1f} ms in all"
     )
-    # No TTFT assertion here: a fresh server's first request carries vLLM's own first-request
-    # warm-up, so comparing it with test_a's warmed server measured the machine's load (it failed
-    # a CI run at 215 vs 140 ms); that it was served from the fs tier is asserted above (its
-    # cached tokens, the fs hits and promotions in /metrics), and its TTFT is printed.
+    # No TTFT assertion here: timings on this shared host measure its load (a comparison of a fresh
+    # server's first request with a warmed server's failed a CI run at 215 vs 140 ms); that the
+    # prefix was served from the fs tier is asserted above (its cached tokens, the fs hits and
+    # promotions in /metrics), and the TTFTs are printed.
