@@ -50,6 +50,11 @@ CASES = {
          r"^decode: one-block stores continuing requests, evicting \(per block\)\s+\d+\s+" + RATIO,
          r"decode stores \(return-time\) within 1.5x of lru's: (MET|MISSED)"],
     ),
+    "bench_policy_ops": (
+        ["--capacity", "2000", "--ops", "1024", "--repeat", "1"],
+        [rf"^{name}(\s+-?\d+){{6}}\s+{RATIO}$" for name in ("lru", "return-time", "arc")]
+        + [r"^16-block stores$", r"^decode \(1-block stores\)$"],
+    ),
     "bench_fleet": (
         ["--keys", "4000", "--engines", "2", "--queries", "5", "--repeat", "1"],
         [rf"^\s+2048\s+{RATIO}\s+\d+\s+\d+\s+{RATIO}$", r"within 1.5x of each other \(linear\): (MET|MISSED)",

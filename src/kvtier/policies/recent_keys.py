@@ -49,10 +49,12 @@ class RecentKeys:
             size <<= 1
         self._index = array("i", bytes(4 * size))  # ring position + 1; 0: empty cell
         self._mask = size - 1
-        # Entries per value of the fingerprints' low bits (see _count). Four times the
-        # index's cells: most are 0.
-        self._filter = bytearray(4 * size)
-        self._filter_mask = 4 * size - 1
+        self.filter = bytearray(4 * size)
+        """Entries per value of the fingerprints' low bits (see :meth:`_count`); four times the
+        index's cells, most 0. Read-only outside this class: ``filter[hash(key) & filter_mask]``
+        is 0 for a key never recorded, the first probe of :meth:`deepest`, which a caller with
+        one key may make itself to save the call."""
+        self.filter_mask = 4 * size - 1
         self._pos = 0  # the ring position the next entry takes
         self._len = 0
 
@@ -100,7 +102,7 @@ class RecentKeys:
         the filter cannot rule out walks the index.
         """
         index, ring, mask = self._index, self._ring, self._mask
-        filt, fmask = self._filter, self._filter_mask
+        filt, fmask = self.filter, self.filter_mask
         for pos in range(len(keys) - 1, low - 1, -1):
             if not filt[hash(keys[pos]) & fmask]:
                 continue
@@ -142,8 +144,8 @@ class RecentKeys:
         bits 0 (see :func:`~kvtier.policies.fingerprints.fingerprint`): their low
         hash bits are 0, so it counts in cell 0 as well as in its own.
         """
-        filt = self._filter
-        j = fp & self._filter_mask
+        filt = self.filter
+        j = fp & self.filter_mask
         if filt[j] < 255:
             filt[j] += step
         if fp == 1 and filt[0] < 255:
@@ -151,7 +153,7 @@ class RecentKeys:
 
     def _find(self, fp: int) -> int:
         """The ring position of ``fp``, or -1 (at once if the filter rules it out)."""
-        if not self._filter[fp & self._filter_mask]:
+        if not self.filter[fp & self.filter_mask]:
             return -1
         index, ring, mask = self._index, self._ring, self._mask
         i = fp & mask

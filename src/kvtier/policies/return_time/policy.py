@@ -434,7 +434,12 @@ class ReturnTimePolicy(ExpiryWheel):
         if record.held >= 0:
             self._open_request(parent, record)
         # The store, open (_store_new's continuing path, inlined: every decode store takes it).
-        found = self.classes.history.deepest(keys, n - NEW_BUCKET_SPAN if n > NEW_BUCKET_SPAN else 0)
+        # A decoded block is hardly ever a recorded request end: one filter read rules it out.
+        history = self.classes.history
+        if n == 1 and not history.filter[hash(keys[0]) & history.filter_mask]:
+            found = -1
+        else:
+            found = history.deepest(keys, n - NEW_BUCKET_SPAN if n > NEW_BUCKET_SPAN else 0)
         new = n - 1 - found if found >= 0 else record.new + n
         record.tail_key, record.new, record.then = keys[-1], new, now
         record.stored += n
@@ -461,7 +466,10 @@ class ReturnTimePolicy(ExpiryWheel):
         self._now = now + n
         if self._now >= self._next_solve:
             self._solve()
-        self._keep(up, record)
+        records = self._open  # _keep, inlined
+        records[up] = record
+        if len(records) >= self._open_limit:
+            self._keep(up, record)
 
     def _keep(self, tail: int, record: OpenRequest) -> None:
         """Keep ``record``, whose last store ended in ``tail``: the request may go on (see
