@@ -14,8 +14,9 @@ Two shapes: 16-block stores, each a new request, and decode (requests store 16 b
 more one block per store, each continuing the request). The tier is filled first with requests of
 the same shape. Each call is timed with ``perf_counter_ns`` (a vDSO read, unlike a thread CPU
 clock's system call, which costs more than a one-block call), less the clock's own cost measured
-in the same run; the median over ``--repeat`` runs interleaved across policies; the ratios to LRU
-are of medians of the same run.
+in the same run, with the garbage collector off; per operation the median over ``--repeat`` runs
+interleaved across policies; the total is the sum of those medians, and its ratio to LRU's total
+compares policies measured in the same run.
 
     .venv/bin/python benchmarks/bench_policy_ops.py                    # about 1 min
     .venv/bin/python benchmarks/bench_policy_ops.py --capacity 1000000 --ops 262144
@@ -24,6 +25,7 @@ are of medians of the same run.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import statistics
 import time
@@ -67,8 +69,9 @@ class PolicyDriver:
         """Store ``keys`` after the block in slot ``parent`` (-1: none); returns the tail's slot."""
         clock = time.perf_counter_ns
         policy, slot_of, free, n = self.policy, self.slot_of, self.free, len(keys)
+        shortfall = n - len(free)  # the CPU tier evicts what its free rows do not cover
         t0 = clock()
-        chosen = policy.evict(n, ()) if len(free) < n else []
+        chosen = policy.evict(shortfall, ()) if shortfall > 0 else []
         t1 = clock()
         if chosen is None:
             raise SystemExit(f"{policy.name}: evict({n}) refused on a tier of evictable blocks")
@@ -95,10 +98,12 @@ class PolicyDriver:
         return slots[-1]
 
     def end(self, tail: int, timed: bool) -> None:
-        t0 = time.perf_counter_ns()
+        clock = time.perf_counter_ns
+        t0 = clock()
         self.policy.end_request(tail)
+        t1 = clock()
         if timed:
-            self.spent["end"] += time.perf_counter_ns() - t0 - self.overhead
+            self.spent["end"] += t1 - t0 - self.overhead
 
 
 def run_whole(driver: PolicyDriver, keys: list[BlockKey], timed: bool) -> None:
@@ -136,7 +141,13 @@ def measure(policy_names: list[str], capacity: int, ops: int, repeat: int) -> di
             for name in order:
                 driver = PolicyDriver(create_policy(name, capacity), capacity, overhead)
                 drive(driver, fill, False)
-                drive(driver, make_keys(f"{shape}-{r}", ops), True)
+                fresh = make_keys(f"{shape}-{r}", ops)
+                gc.collect()
+                gc.disable()  # a collection the driver's allocations trigger is no policy's cost
+                try:
+                    drive(driver, fresh, True)
+                finally:
+                    gc.enable()
                 for op in OPS:
                     samples[name][op].append(driver.spent[op] / max(1, driver.blocks))
         out[shape] = {p: {op: statistics.median(v) for op, v in by_op.items()} for p, by_op in samples.items()}

@@ -11,8 +11,9 @@ HTTP client sends token prompts to ``/v1/completions``:
   served from kvtier's CPU and fs tiers (vLLM's own ``/metrics`` says which);
 * a restarted server on the same fs root serves the first prefix it is sent
   from the fs tier, with identical output (after one unrelated short request
-  that pays vLLM's own first-request warm-up, whose TTFT is printed beside a
-  warmed server's; TTFTs are printed, not asserted);
+  that pays vLLM's first-request warm-up and kvtier's first one-block store,
+  and loads nothing; its TTFT is printed beside a warmed server's; TTFTs are
+  printed, not asserted);
 * SIGKILL of the EngineCore process: the API server exits, nothing of kvtier is
   left in the shared-memory directory and no process keeps running.
 
@@ -157,9 +158,10 @@ def test_b_restart_serves_from_fs_and_engine_kill_leaves_nothing(
     _drop_page_cache(fs_root)
     with Server(server_model, _config(shm_dir, fs_root), tmp_path / "server-b.log") as server:
         server.wait_ready()
-        # vLLM's own first-request warm-up (not kvtier's: 40 new tokens, nothing to load) is paid
-        # by an unrelated request, as a restarted server's traffic would; then the first hit of the
-        # fs tier's restart state (index scanned at start, page cache dropped, first load job).
+        # The first-request warm-up (vLLM's, and kvtier's first store: 40 new tokens are one block,
+        # nothing is loaded) is paid by an unrelated request, as a restarted server's traffic would;
+        # then the first hit of the fs tier's restart state (index scanned at start, page cache
+        # dropped, the fs tier's and the worker's first load jobs).
         short = server.complete(random_prompt_ids(40, seed=3), max_tokens=2)
         first = server.complete(prompts[1])  # the first prefix this server serves: from disk
 
@@ -211,7 +213,7 @@ def test_b_restart_serves_from_fs_and_engine_kill_leaves_nothing(
     for name, ttft, base in rows:
         print(f"| {name} | {ttft * 1000:.0f} ms | {ttft / base:.2f}x |")
     print(
-        f"vLLM's first-request warm-up (40-token cold prompts): {short.ttft * 1000:.0f} ms as the restarted "
+        f"first-request warm-up (40-token cold prompts): {short.ttft * 1000:.0f} ms as the restarted "
         f"server's first request, {RESULTS['first_short_ttft'] * 1000:.0f} ms as the first server's, "
         f"{RESULTS['warm_short_ttft'] * 1000:.0f} ms once warmed"
     )

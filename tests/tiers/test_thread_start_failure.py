@@ -9,7 +9,6 @@ threads before they talk to it).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,24 +34,35 @@ def _options(kind: str, tmp_path: Path) -> dict[str, Any]:
     return {**s3_options(f"http://127.0.0.1:{port}", "no-bucket", **FAST_FAILURE), "max_in_flight": 4}
 
 
+class StartControl:
+    """``Thread.start`` patched for the test's own thread: counts its starts, and refuses the n-th
+    start after :meth:`arm` (threads other threads start are left alone)."""
+
+    def __init__(self) -> None:
+        self.owner = threading.get_ident()
+        self.started = 0
+        self.left = 0
+
+    def arm(self, n: int) -> None:
+        self.started, self.left = 0, n
+
+
 @pytest.fixture
-def failing_start(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[int], None]]:
-    """``arm(n)``: the n-th ``Thread.start`` from now on raises (before starting its thread)."""
+def starts(monkeypatch: pytest.MonkeyPatch) -> StartControl:
+    control = StartControl()
     real = threading.Thread.start
-    left = [0]
 
     def start(self: threading.Thread) -> None:
-        if left[0] > 0:
-            left[0] -= 1
-            if left[0] == 0:
-                raise ThreadStartRefused(f"refused to start {self.name}")
+        if threading.get_ident() == control.owner:
+            if control.left > 0:
+                control.left -= 1
+                if control.left == 0:
+                    raise ThreadStartRefused(f"refused to start {self.name}")
+            control.started += 1
         real(self)
 
-    def arm(n: int) -> None:
-        left[0] = n
-
     monkeypatch.setattr(threading.Thread, "start", start)
-    yield arm
+    return control
 
 
 def _tier_threads(kind: str) -> list[threading.Thread]:
@@ -61,17 +71,23 @@ def _tier_threads(kind: str) -> list[threading.Thread]:
 
 @pytest.mark.parametrize("kind", ["fs", "redis", "s3"])
 def test_a_tier_whose_thread_fails_to_start_joins_the_others_and_raises(
-    kind: str, tmp_path: Path, failing_start: Callable[[int], None]
+    kind: str, tmp_path: Path, starts: StartControl
 ) -> None:
     rows = np.zeros((4, 64), dtype=np.uint8)
     options = _options(kind, tmp_path)
+    starts.arm(0)
     tier = create_tier(options, TierContext(rows, 64, make_namespace(64), index=1))
-    started = len(_tier_threads(kind))  # every thread the tier starts when nothing fails
+    started = starts.started  # every thread the tier starts when nothing fails
     tier.shutdown()
     assert started >= 3 and _tier_threads(kind) == []
     for n in range(1, started + 1):
-        failing_start(n)
-        with pytest.raises(ThreadStartRefused):
-            create_tier(options, TierContext(rows, 64, make_namespace(64), index=1))
-        failing_start(0)
+        starts.arm(n)
+        try:
+            built = create_tier(options, TierContext(rows, 64, make_namespace(64), index=1))
+        except ThreadStartRefused:
+            pass
+        else:
+            built.shutdown()
+            pytest.fail(f"start {n} of {started} was refused, yet the tier was built")
+        starts.arm(0)
         assert _tier_threads(kind) == [], f"threads left running after start {n} of {started} failed"

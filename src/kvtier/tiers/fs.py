@@ -364,8 +364,7 @@ class FilesystemTier(ThreadedTier):
             else:
                 self._scan()
         except BaseException:
-            with contextlib.suppress(Exception):
-                self.shutdown()
+            self._shut_after_failed_start()
             raise
         logger.info(
             "fs tier %s: %s, capacity %.2f GiB, %s, %d read / %d write threads",

@@ -216,8 +216,8 @@ class ThreadedTier(SecondaryTier):
     Construction: a subclass calls ``super().__init__`` with its breaker and
     queue limits, sets up its medium, then starts its threads with
     :meth:`_start_workers` (and :meth:`_start_thread` for anything else). If
-    its constructor fails after threads started, it calls :meth:`shutdown`
-    before re-raising.
+    its constructor fails after threads started, it calls
+    :meth:`_shut_after_failed_start` before re-raising.
 
     Options shared by every tier on this platform (validated by the subclass's
     options model): ``max_queued_stores`` (store work items allowed to wait;
@@ -281,6 +281,15 @@ class ThreadedTier(SecondaryTier):
             keeper = not self._has_keeper
             self._has_keeper = True
             self._start_thread(f"{role}-{i}", self._worker_loop, lanes, keeper)
+
+    def _shut_after_failed_start(self) -> None:
+        """A constructor failed after threads started: :meth:`shutdown` (joins them); a failure of
+        that is logged, and the constructor re-raises its own error."""
+        try:
+            self.shutdown()
+        except Exception as exc:
+            what = f"{self.tier_type} tier {self.label}: not shut down after a failed start"
+            log_failure(logger, logging.ERROR, what, exc)
 
     def _start_thread(self, role: str, target: Callable[..., None], *args: Any) -> None:
         """Start an owned daemon thread; :meth:`shutdown` joins it (``target`` must watch ``_stopping``)."""

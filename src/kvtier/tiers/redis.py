@@ -24,7 +24,6 @@ dropped (``stats.stores_dropped``) and loads fail at once; after
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import ssl
@@ -237,8 +236,7 @@ class RedisTier(ThreadedTier):
         try:
             self._start_workers(opts.io_threads, ALL_LANES, "io")
         except BaseException:  # the threads already started are joined, not left running
-            with contextlib.suppress(Exception):
-                self.shutdown()
+            self._shut_after_failed_start()
             raise
 
     # --- helpers -------------------------------------------------------------------

@@ -44,7 +44,6 @@ calls, so no obstore thread ever calls back into Python, and none can at exit).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import threading
@@ -136,6 +135,7 @@ class S3Tier(ThreadedTier):
         self._pending: set[BlockKey] = set()
         self.stats.extra.update({"objects_written": 0, "checks": 0, "checks_failed": 0, "missing": 0})
 
+        endpoint, source = opts.endpoint_setting()
         self._heads = HeadFanout(self._head, self._stopping)
         try:
             self._heads.start(opts.max_in_flight, self._start_thread)
@@ -144,10 +144,8 @@ class S3Tier(ThreadedTier):
                 self._start_workers(readers, READ_LANES, "read")
             self._start_workers(opts.max_in_flight - readers, ALL_LANES, "io")
         except BaseException:  # the threads already started are joined, not left running
-            with contextlib.suppress(Exception):
-                self.shutdown()
+            self._shut_after_failed_start()
             raise
-        endpoint, source = opts.endpoint_setting()
         where = f"{endpoint} (from {source})" if endpoint else f"AWS {opts.region or '(region from AWS_REGION)'}"
         logger.info(
             "s3 tier %s: %s/%s via %s, %d requests in flight",
