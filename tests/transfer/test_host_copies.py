@@ -296,3 +296,38 @@ def test_region_closes_after_host_jobs_once_the_mappings_are_dropped() -> None:
         engine.shutdown()
     del rows, host, mapping
     region.close()
+
+
+@pytest.mark.usefixtures("shm_leak_check")
+def test_prepared_mappings_build_no_executor_in_their_first_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvtier.transfer.backends as backends
+
+    built: list[int] = []  # counts only: the arguments are views of the rows
+    real = backends.HostBlockCopier
+
+    def counting(*args: object) -> object:
+        built.append(1)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(backends, "HostBlockCopier", counting)
+    region = SharedRegion("host-prepared", 8, LAYERS * PAGE)
+    views = _per_layer_kv(PAGE)[:LAYERS]
+    rows = region.rows
+    host = BlockPieces.from_rows(rows, [i * PAGE for i in range(LAYERS)], [PAGE] * LAYERS)
+    device = BlockPieces.from_block_views(views)
+    to_host, to_device = BlockMapping(device, host), BlockMapping(host, device)
+    engine = TransferEngine()
+    try:
+        engine.prepare_host([to_host, to_device])
+        assert len(built) == 2
+        engine.submit(1, to_host.plan([5, 6], [2, 4]))
+        engine.submit(2, to_device.plan([2], [1]))
+        engine.wait([1, 2], timeout=10)
+        assert all(r.success for r in engine.poll())
+        assert len(built) == 2, "the first jobs used the executors built ahead"
+        assert bytes(rows[4]) == b"".join(bytes(v[6]) for v in views)
+        assert all(bytes(v[1]) == bytes(v[5]) for v in views)
+    finally:
+        engine.shutdown()
+    del rows, host, device, to_host, to_device
+    region.close()  # the executors built ahead are let go with their mappings

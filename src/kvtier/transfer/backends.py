@@ -52,8 +52,9 @@ class HostCopyBackend:
 
     A :class:`~kvtier.transfer.layout.BlockCopyPlan` is copied straight from its block
     ids by a :class:`~kvtier.transfer.host.HostBlockCopier` per mapping, built on the
-    mapping's first job and kept while the mapping lives. One thread at a time (the
-    transfer engine's copy thread).
+    mapping's first job (or ahead of it: :meth:`TransferEngine.prepare_host
+    <kvtier.transfer.engine.TransferEngine.prepare_host>`) and kept while the mapping lives.
+    One thread at a time: the transfer engine's copy thread, or its owner while no job is in flight.
     """
 
     name = "host"

@@ -30,6 +30,7 @@ from typing import Any
 from kvtier.errors import KvtierError
 from kvtier.failures import log_failure
 from kvtier.transfer.backends import CopyBackend, HostCopyBackend, TorchCopyBackend
+from kvtier.transfer.layout import BlockMapping
 from kvtier.transfer.plan import CopyPlan
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,20 @@ class TransferEngine:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    def prepare_host(self, mappings: Iterable[BlockMapping]) -> None:
+        """Build the host backend's executor of each of ``mappings`` now, so that the first job of
+        each costs what the others do (an engine's first load after a restart is a request's time
+        to first token). Owner thread, while no job is in flight (the copy thread is idle);
+        raises :class:`KvtierError` otherwise, or for a mapping the host backend cannot copy."""
+        backend = self.host_backend
+        if not isinstance(backend, HostCopyBackend):
+            return
+        with self._done_lock:
+            if self._pending:
+                raise KvtierError("prepare_host must be called while no copy job is in flight")
+            for mapping in mappings:
+                backend.copier(mapping)
 
     def _cuda_stream(self, device: str) -> Any:
         if self._stream is None:

@@ -104,6 +104,10 @@ class ChunkCopyPlanner:
             self._to_host.append(BlockMapping(device, host))
             self._to_device.append(BlockMapping(host, device))
 
+    def mappings(self) -> list[BlockMapping]:
+        """Every block mapping the plans use, to and from the device, groups with tensors only."""
+        return [m for m in (*self._to_host, *self._to_device) if m is not None]
+
     def plan(
         self,
         device_block_ids: np.ndarray,
@@ -214,6 +218,11 @@ class RegionCopier:
                 logger.warning("kvtier worker: region %s not released after a failed setup: %s", region_name, close_exc)
             raise
         self.engine = TransferEngine(name=f"kvtier-vllm-copy-{rank}", device_backend=device_backend)
+        if not on_cuda:  # host copies: their executors built now, not in the first request's load
+            try:
+                self.engine.prepare_host(self.planner.mappings())
+            except KvtierError as exc:  # not fatal: the first job of a mapping builds its executor
+                logger.warning("kvtier worker: host copies not prepared ahead: %s", exc)
         self._closed = False
 
     def submit(
