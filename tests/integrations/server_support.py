@@ -179,10 +179,12 @@ class Server:
                     cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         return Completion(tuple(tokens), ttft, cached, time.perf_counter() - start)
 
-    def reset_prefix_cache(self, timeout: float = 60.0) -> None:
-        """Drop the engine's device prefix cache (kvtier's tiers keep their blocks); retried while busy."""
+    def reset_prefix_cache(self, timeout: float = 60.0, external: bool = False) -> None:
+        """Drop the engine's device prefix cache (kvtier's tiers keep their blocks; ``external``:
+        kvtier's CPU tier too, persistent tiers keep theirs); retried while busy."""
         deadline = time.monotonic() + timeout
-        while not self.post("/reset_prefix_cache").get("success"):
+        path = "/reset_prefix_cache?reset_external=true" if external else "/reset_prefix_cache"
+        while not self.post(path).get("success"):
             assert time.monotonic() < deadline, "reset_prefix_cache kept failing"
             time.sleep(0.2)
 

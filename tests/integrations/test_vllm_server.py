@@ -111,8 +111,10 @@ def test_a_server_serves_hits_from_cpu_and_fs_tiers(
         assert device_hit.cached_tokens == expected_cached(PROMPT_TOKENS)
         server.reset_prefix_cache()
         cpu_hit = server.complete(prompts[2])  # the newest prompt: still in the CPU tier
-        server.reset_prefix_cache()
-        fs_hit = server.complete(prompts[0])  # evicted from the CPU tier: promoted from disk
+        # The CPU tier dropped too: which of prompt 0's blocks the 48-block tier still holds by now
+        # depends on the policy's holds (a CI run found 2 of 31), and this hit is the fs tier's.
+        server.reset_prefix_cache(external=True)
+        fs_hit = server.complete(prompts[0])  # promoted from disk, every block
         after = server.settle(min_cascaded=0)
         assert server.proc.poll() is None
         server.stop(signal.SIGTERM)
