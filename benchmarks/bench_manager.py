@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import linecache
 import multiprocessing
 import os
@@ -53,6 +52,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from common import make_keys
 from kvtier import KVGeometry, LookupResult, Namespace, RequestContext, TieringManager
 from kvtier.keys import BlockKey
 from kvtier.policies import DEFAULT_POLICY, ARCPolicy
@@ -112,16 +112,6 @@ class MemoryDouble(SecondaryTier):
 
 
 register_tier("bench-double", f"{__name__}:MemoryDouble")
-
-
-def random_keys(n: int, seed: int) -> list[BlockKey]:
-    """``n`` random 32-byte keys (distinct with overwhelming probability), without hashing per key."""
-    buf = np.random.default_rng(seed).bytes(32 * n)
-    return [buf[i : i + 32] for i in range(0, 32 * n, 32)]
-
-
-def make_keys(tag: str, n: int) -> list[BlockKey]:
-    return random_keys(n, int.from_bytes(hashlib.sha256(tag.encode()).digest()[:8], "little"))
 
 
 def fill(mgr: TieringManager, keys: Sequence[BlockKey], batch: int = 256) -> None:

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import statistics
 import time
 from collections.abc import Callable
 
+from common import make_keys
 from kvtier.keys import BlockKey
 from kvtier.policies import create_policy
 from kvtier.policies.base import EvictionPolicy
@@ -38,10 +38,6 @@ from kvtier.policies.base import EvictionPolicy
 OPS = ("evict", "insert", "reference", "complete", "end")
 PREFILL = 16
 """Blocks of a request's first store (every shape), and of its decode phase (one block a store)."""
-
-
-def make_keys(tag: str, n: int) -> list[BlockKey]:
-    return [hashlib.sha256(f"{tag}-{i}".encode()).digest() for i in range(n)]
 
 
 def clock_cost(samples: int = 20_001) -> float:

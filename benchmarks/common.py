@@ -1,7 +1,8 @@
-"""Helpers shared by the tier benchmarks (imported by scripts run as ``python benchmarks/<name>.py``)."""
+"""Helpers shared by the benchmarks (imported by scripts run as ``python benchmarks/<name>.py``)."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -9,6 +10,17 @@ import numpy as np
 
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import JobResult, SecondaryTier, TransferJob
+
+
+def random_keys(n: int, seed: int) -> list[BlockKey]:
+    """``n`` random 32-byte keys (distinct with overwhelming probability), without hashing per key."""
+    buf = np.random.default_rng(seed).bytes(32 * n)
+    return [buf[i : i + 32] for i in range(0, 32 * n, 32)]
+
+
+def make_keys(tag: str, n: int) -> list[BlockKey]:
+    """``n`` random keys, the same for the same ``tag`` (keys of different tags never meet)."""
+    return random_keys(n, int.from_bytes(hashlib.sha256(tag.encode()).digest()[:8], "little"))
 
 
 def interleaved_best(nbytes: int, rounds: int, runs: dict[str, Callable[[], None]]) -> dict[str, float]:
