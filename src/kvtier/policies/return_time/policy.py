@@ -469,18 +469,22 @@ class ReturnTimePolicy(ExpiryWheel):
         records = self._open  # _keep, inlined
         records[up] = record
         if len(records) >= self._open_limit:
-            self._keep(up, record)
+            self._next_generation()
 
     def _keep(self, tail: int, record: OpenRequest) -> None:
         """Keep ``record``, whose last store ended in ``tail``: the request may go on (see
-        :meth:`continue_chain`). The older generation of records goes when the newer is full
-        (finished requests, most likely): they are settled."""
+        :meth:`continue_chain`)."""
         records = self._open
         records[tail] = record
         if len(records) >= self._open_limit:
-            for gone_tail, gone in self._open_old.items():
-                self._settle(gone_tail, gone)
-            self._open_old, self._open = records, {}
+            self._next_generation()
+
+    def _next_generation(self) -> None:
+        """The newer generation of records is full: the older goes (finished requests, most
+        likely: they are settled) and the newer takes its place."""
+        for gone_tail, gone in self._open_old.items():
+            self._settle(gone_tail, gone)
+        self._open_old, self._open = self._open, {}
 
     def end_request(self, tail_slot: int) -> None:
         """The request whose last store ended in ``tail_slot`` finished: it is settled (see
