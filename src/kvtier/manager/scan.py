@@ -43,13 +43,3 @@ def ready_run(
         if found < CHUNK:
             break
     return i - start
-
-
-def sample_run(seconds: float, hits: int, countdown: int, every: int, samples: list[float]) -> tuple[int, int]:
-    """The lookup timing of a run of ``hits`` HITs (``hits >= countdown``) answered in ``seconds``:
-    the lookups the countdown reaches (the ``countdown``-th, then every ``every``-th) each get the
-    run's time per key as their sample, the cost of one lookup of the run. Returns (how many
-    were timed, the countdown after the run)."""
-    timed = (hits - countdown) // every + 1
-    samples.extend([seconds / hits] * timed)
-    return timed, every - (hits - countdown) % every

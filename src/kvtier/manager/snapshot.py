@@ -5,12 +5,10 @@ each handle's guarded calls (:meth:`TierReading.of`) before these functions run,
 so building a snapshot never raises because a tier misbehaves.
 
 Lookup answers are counted without a counter per HIT (:class:`LookupTally`):
-every lookup that reaches the CPU tier counts the manager's countdown down; the
-one that takes it to 0 is timed and adds ``lookup_timing_every`` to ``counted``
-as it starts the next round. So the CPU tier was asked ``counted - countdown``
-times. Every other answer is counted where it is given, and each CPU miss ends
-as exactly one answer other than a CPU tier's HIT_PENDING; the HITs are what is
-left.
+every HIT logs its key for the step's eviction protection, and the manager
+counts the logged keys as it empties the log; every other answer is counted
+where it is given, and each CPU miss ends as exactly one answer other than a
+CPU tier's HIT_PENDING.
 """
 
 from __future__ import annotations
@@ -36,26 +34,24 @@ from kvtier.types import PRIMARY_LABEL, LookupResult
 class LookupTally:
     """The manager's lookup answers other than HIT (see the module docstring). Scheduler thread only."""
 
-    __slots__ = ("counted", "cpu_pending", "miss", "pending", "retry", "unasked")
+    __slots__ = ("cpu_pending", "miss", "pending", "retry", "unasked")
 
     def __init__(self) -> None:
-        self.counted = 1  # the countdown starts at 1: the first lookup is timed
         self.cpu_pending = 0  # the CPU tier answered: write in flight
         self.unasked = 0  # MISS without asking the CPU tier (the request may load nothing)
         self.pending = 0  # the manager's answers: HIT_PENDING, RETRY, MISS
         self.retry = 0
         self.miss = 0
 
-    def cpu_counts(self, countdown: int) -> tuple[int, int, int]:
-        """The CPU tier's answers to the manager: ``(hits, pending, misses)``."""
-        asked = self.counted - countdown
+    def cpu_counts(self, hits: int) -> tuple[int, int, int]:
+        """The CPU tier's answers to the manager, given the HITs answered: ``(hits, pending, misses)``."""
         misses = self.miss - self.unasked + self.retry + self.pending - self.cpu_pending
-        return asked - self.cpu_pending - misses, self.cpu_pending, misses
+        return hits, self.cpu_pending, misses
 
-    def answers(self, countdown: int) -> dict[str, int]:
-        """The manager's answers by :class:`~kvtier.types.LookupResult` value."""
+    def answers(self, hits: int) -> dict[str, int]:
+        """The manager's answers by :class:`~kvtier.types.LookupResult` value, given the HITs."""
         return {
-            LookupResult.HIT.value: self.cpu_counts(countdown)[0],
+            LookupResult.HIT.value: hits,
             LookupResult.HIT_PENDING.value: self.pending,
             LookupResult.RETRY.value: self.retry,
             LookupResult.MISS.value: self.miss,
@@ -185,20 +181,20 @@ def tier_snapshot(handle: TierHandle, reading: TierReading) -> TierSnapshot:
     )
 
 
-def manager_snapshot(primary: PrimaryTier, tiers: TierSet, tally: LookupTally, countdown: int, jobs_in_flight: int,
+def manager_snapshot(primary: PrimaryTier, tiers: TierSet, tally: LookupTally, hits: int, jobs_in_flight: int,
                      active_requests: int, control_problems: dict[str, int]) -> ManagerSnapshot:
     """The whole snapshot: every tier's (each read through its guards first, so the calls that
     failed are in the copy of the manager's counters), the CPU tier's sizes, the lookup answers
-    from ``tally`` and ``countdown``, and the request-control problems by ``"<key>:<kind>"``."""
+    from ``tally`` and ``hits`` (the HITs answered), and the request-control problems by ``"<key>:<kind>"``."""
     counters = tiers.counters
     secondary = [tier_snapshot(handle, TierReading.of(handle)) for handle in tiers.handles]
-    cpu = cpu_snapshot(primary, tiers.cpu, tally.cpu_counts(countdown), counters.promotion_alloc_failures)
+    cpu = cpu_snapshot(primary, tiers.cpu, tally.cpu_counts(hits), counters.promotion_alloc_failures)
     return ManagerSnapshot(
         taken_at=time.monotonic(),
         block_bytes=primary.block_bytes,
         row_stride=primary.region.row_stride,
         cpu_blocks=primary.num_blocks,
-        manager=replace(counters, lookups=tally.answers(countdown), jobs_in_flight=jobs_in_flight,
+        manager=replace(counters, lookups=tally.answers(hits), jobs_in_flight=jobs_in_flight,
                         active_requests=active_requests, request_control_problems=control_problems),
         tiers=(cpu, *secondary),
     )

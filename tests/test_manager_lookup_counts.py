@@ -1,0 +1,138 @@
+"""Lookup answers and lookup timing as the snapshot reports them.
+
+HITs are counted from the step's log of hit keys (no counter per HIT on the fast path), and
+one step with lookups in ``lookup_timing_every`` has every lookup timed: these tests drive a
+real manager (real /dev/shm region, LRU CPU tier) through random steps and compare the
+snapshot with the answers the calls gave.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtier import LookupResult, Namespace, RequestContext, TieringManager, prefix_keys
+
+pytestmark = pytest.mark.usefixtures("shm_leak_check")
+
+HIT, MISS = LookupResult.HIT, LookupResult.MISS
+BLOCKS = 6
+
+
+def keys(n: int, seed: int = 0) -> list[bytes]:
+    return prefix_keys(np.arange(n * 4) + seed * 100_000, 4)
+
+
+@pytest.fixture
+def manager(namespace: Namespace) -> Iterator[TieringManager]:
+    mgr = TieringManager.create(namespace=namespace, num_cpu_blocks=BLOCKS, policy="lru")
+    yield mgr
+    mgr.shutdown()
+
+
+def store(mgr: TieringManager, ks: list[bytes]) -> bool:
+    plan = mgr.prepare_store(ks)
+    if plan is None:
+        return False
+    mgr.complete_store(plan.keys_to_store)
+    return True
+
+
+def test_hits_logged_before_a_store_in_the_same_step_are_counted(manager: TieringManager) -> None:
+    """A store's eviction empties the step's log of HIT keys into the protected set mid-step: the
+    HITs before it still count, once (the count used to come from a countdown per lookup)."""
+    ks = keys(BLOCKS)
+    assert store(manager, ks)
+    manager.on_schedule_end()
+    answers = [manager.lookup(k) for k in ks[:3]]  # the first is the step's slow path, then the fast path
+    assert store(manager, keys(2, seed=1))  # evicts two blocks the step did not hit
+    answers += [manager.lookup(k) for k in ks[:4]]
+    manager.on_schedule_end()
+    answers += manager.lookup_prefix(ks).answers
+    snap = manager.stats()
+    hits = answers.count(HIT)
+    assert hits >= 7, answers
+    assert snap.cpu.lookups.hit == hits and snap.manager.lookups["hit"] == hits
+    assert snap.cpu.lookups.miss == answers.count(MISS) == snap.manager.lookups["miss"]
+
+
+def test_one_step_with_lookups_in_every_n_has_each_lookup_timed(manager: TieringManager) -> None:
+    manager.lookup_timing_every = 3
+    ks = keys(4)
+    assert store(manager, ks)
+    timed = 0
+    for step in range(9):
+        manager.on_schedule_end()
+        if step % 2:  # steps without lookups do not count towards the next timed one
+            manager.on_schedule_end()
+        answers = [manager.lookup(k) for k in ks] + [manager.lookup(b"absent")]
+        answers += manager.lookup_prefix(ks[:2]).answers
+        if step % 3 == 0:  # the first step with lookups, then every third
+            timed += len(answers)
+    assert manager.stats().cpu.lookup_seconds.count == timed == 3 * 7
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    every=st.integers(1, 4),
+    steps=st.lists(
+        st.lists(
+            st.one_of(
+                st.tuples(st.just("lookup"), st.integers(0, 9), st.just(1)),
+                st.tuples(st.just("prefix"), st.integers(0, 9), st.integers(1, 5)),
+                st.tuples(st.just("store"), st.integers(0, 9), st.integers(1, 3)),
+            ),
+            max_size=8,
+        ),
+        max_size=8,
+    ),
+)
+def test_snapshot_counts_and_timings_match_the_answers(
+    namespace: Namespace, every: int, steps: list[list[tuple[str, int, int]]]
+) -> None:
+    """Random steps of lookups, prefix scans and stores (a store evicts, which empties the HIT
+    log mid-step; it stores the keys a lookup just answered MISS): the snapshot's HIT and MISS
+    counts are the answers given, and the lookups timed are exactly those of the first step with
+    lookups and of every ``every``-th step with lookups after it."""
+    mgr = TieringManager.create(namespace=namespace, num_cpu_blocks=BLOCKS, policy="lru")
+    mgr.lookup_timing_every = every
+    try:
+        pool = keys(10, seed=7)
+        req = RequestContext("r")
+        mgr.on_new_request(req)
+        answers: list[LookupResult] = []
+        timed = steps_with_lookups = 0
+        for ops in steps:
+            step: list[LookupResult] = []
+            for kind, at, size in ops:
+                if kind == "lookup":
+                    step.append(mgr.lookup(pool[at], req))
+                elif kind == "prefix":
+                    step += mgr.lookup_prefix(pool[at : at + size], req).answers
+                else:
+                    missing = []
+                    for k in pool[at : at + size]:
+                        step.append(mgr.lookup(k, req))
+                        if step[-1] is MISS:
+                            missing.append(k)
+                    plan = mgr.prepare_store(missing, req)
+                    if plan is not None:
+                        mgr.complete_store(plan.keys_to_store, req)
+            mgr.on_schedule_end()
+            if step:
+                if steps_with_lookups % every == 0:
+                    timed += len(step)
+                steps_with_lookups += 1
+            answers += step
+        snap = mgr.stats()
+        assert set(answers) <= {HIT, MISS}
+        assert snap.cpu.lookups.hit == answers.count(HIT) == snap.manager.lookups["hit"]
+        assert snap.cpu.lookups.miss == answers.count(MISS) == snap.manager.lookups["miss"]
+        assert snap.cpu.lookup_seconds.count == timed
+        mgr.on_request_finished(req)
+    finally:
+        mgr.shutdown()
