@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.keys import KVGeometry, Namespace, chain_ids, chain_key, prefix_keys, root_key
+from kvtier.keys import KVGeometry, Namespace, chain_ids, chain_key, prefix_keys, root_key, session_digest
 
 GEOM = KVGeometry(num_layers=32, num_kv_heads=8, head_dim=128, tokens_per_block=16, dtype="bfloat16")
 NS = Namespace("meta-llama/Llama-3.1-8B", GEOM)
@@ -127,3 +127,13 @@ def test_geometry_and_namespace_validation() -> None:
         Namespace("", GEOM)
     with pytest.raises(ConfigError, match="tp_rank"):
         Namespace("m", GEOM, tp_size=2, tp_rank=2)
+
+
+def test_a_session_id_has_one_stable_64_bit_digest() -> None:
+    """The policy's session clock and learned admission remember a conversation by this digest
+    (one function for both): the same in every process (no per-process seed), defined for any
+    string a client may send, lone surrogates included."""
+    assert session_digest("conversation-1") == 10783618265777226936
+    assert session_digest("a\udc80b") == 15855175708145225553
+    digests = {session_digest(f"s{i}") for i in range(1000)}
+    assert len(digests) == 1000 and all(0 <= d < 2**64 for d in digests)

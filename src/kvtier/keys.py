@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from kvtier.errors import ConfigError
 
@@ -247,3 +248,11 @@ class Namespace:
     @property
     def hexdigest(self) -> str:
         return self.digest.hex()
+
+
+def session_digest(session: str) -> int:
+    """The 64-bit digest under which a conversation's id (the ``kvtier_session`` hint) is
+    remembered, by the policy's session clock and by learned admission alike: the id itself
+    is never kept. Not cryptographic (a collision only merges two sessions' statistics); any
+    string, lone surrogates included, has one."""
+    return xxhash.xxh3_64_intdigest(session.encode("utf-8", "surrogatepass"))

@@ -44,10 +44,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
-import xxhash
-
 from kvtier.backpressure import BackpressureSettings, StoreLatencyMonitor
-from kvtier.keys import BlockKey
+from kvtier.keys import BlockKey, session_digest
 from kvtier.primary import PrimaryTier
 from kvtier.telemetry import BackpressureSnapshot
 from kvtier.tiers.base import JobResult, SecondaryTier
@@ -171,7 +169,7 @@ class LearnedAdmission:
         hints = None if control is None else control.hints
         if hints is None or hints.session is None:
             return False
-        session = xxhash.xxh3_64_intdigest(hints.session.encode("utf-8", "surrogatepass"))
+        session = session_digest(hints.session)
         sessions = self._sessions
         if hints.session_end:
             if session not in sessions:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 
-import xxhash
+from kvtier.keys import session_digest
 
 MIN_SAMPLES = 8
 """Returns seen before :meth:`SessionClock.references` answers."""
@@ -47,7 +47,7 @@ class SessionClock:
     def observe(self, session: str, now: int, expected_s: float | None) -> None:
         """``session``'s request ended at clock ``now``, announcing its next in ``expected_s``
         seconds (None: not said). Its previous request's announcement, if any, gives a sample."""
-        key = xxhash.xxh3_64_intdigest(session.encode("utf-8", "surrogatepass"))
+        key = session_digest(session)
         last = self._last.pop(key, None)
         if last is not None and not math.isnan(last[1]) and now > last[0]:
             sample = math.log((now - last[0]) / max(last[1], MIN_SECONDS))
