@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import itertools
 import mmap
 import os
@@ -55,6 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common import make_keys
 from kvtier import LookupResult, RequestContext, TieringManager
 from kvtier.keys import KVGeometry, Namespace
 from kvtier.tiers.base import TierContext, TransferJob
@@ -62,10 +62,6 @@ from kvtier.tiers.fs import FilesystemTier
 from kvtier.tiers.fs_layout import O_DIRECT, entry_bytes, probe_direct_io
 
 _job_ids = itertools.count(1)
-
-
-def _keys(tag: str, n: int) -> list[bytes]:
-    return [hashlib.sha256(f"{tag}/{i}".encode()).digest() for i in range(n)]
 
 
 def _run_jobs(tier: FilesystemTier, keys: list[bytes], first_slot: int, load: bool, batch: int) -> float:
@@ -152,19 +148,19 @@ class _Bench:
             raw_fresh = min(raw_fresh, _raw_write(raw_path, rows, n, block, direct, fresh=True))
             tier = self.tier(direct, threads, capacity_blocks=None)
             try:
-                tier_fill = min(tier_fill, _run_jobs(tier, _keys(f"fill/{r}", n), 0, False, batch))
+                tier_fill = min(tier_fill, _run_jobs(tier, make_keys(f"fill/{r}", n), 0, False, batch))
             finally:
                 _close(tier)
         # Stores into a full tier (each evicts the LRU file and overwrites it) vs raw overwrites.
         tier = self.tier(direct, threads, capacity_blocks=n)
         try:
             shown = threads if threads != "default" else f"{tier.options.read_threads}r/{tier.options.write_threads}w"
-            _run_jobs(tier, _keys("warm", n), 0, False, batch)
+            _run_jobs(tier, make_keys("warm", n), 0, False, batch)
             raw_over = tier_steady = float("inf")
             keys: list[bytes] = []
             for r in range(repeat):
                 raw_over = min(raw_over, _raw_write(raw_path, rows, n, block, direct, fresh=False))
-                keys = _keys(f"steady/{r}", n)
+                keys = make_keys(f"steady/{r}", n)
                 tier_steady = min(tier_steady, _run_jobs(tier, keys, 0, False, batch))
             raw_r = tier_r = float("inf")
             for _ in range(repeat):
@@ -245,7 +241,7 @@ def _visibility_ms(writer: TieringManager, reader: TieringManager, samples: int)
     out = []
     for i in range(samples):
         time.sleep(phase.uniform(0, 0.1))  # stores come at any moment of the reader's housekeeping period
-        key = _keys(f"visible/{i}/{time.time_ns()}", 1)
+        key = make_keys(f"visible/{i}/{time.time_ns()}", 1)
         plan = writer.prepare_store(key)
         if plan is None:
             raise SystemExit("prepare_store refused")
@@ -287,8 +283,8 @@ def run_miss_costs(args: argparse.Namespace) -> bool:
         for _ in range(args.repeat):
             for mode, mgr in managers.items():  # interleaved, fresh keys every time
                 checks = mode == "checks"
-                keys = _keys(f"miss/{next(seeds)}", n)
-                prompts = [_keys(f"prompt/{next(seeds)}/{i}", blocks) for i in range(max(1, n // blocks))]
+                keys = make_keys(f"miss/{next(seeds)}", n)
+                prompts = [make_keys(f"prompt/{next(seeds)}/{i}", blocks) for i in range(max(1, n // blocks))]
                 for name, ns_per in (
                     ("first sight", _first_sight_ns(mgr, keys, checks)),
                     ("lookup MISS", _repeat_miss_ns(mgr, keys)),

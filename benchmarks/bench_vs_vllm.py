@@ -64,6 +64,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from common import make_keys
 from kvtier import KVGeometry, LookupResult, Namespace, RequestContext, TieringManager
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TierUsage, TransferJob
@@ -115,11 +116,6 @@ class InMemoryTier(SecondaryTier):
 
 
 register_tier(InMemoryTier.tier_type, f"{__name__}:InMemoryTier")
-
-
-def random_keys(n: int, rng: np.random.Generator) -> list[bytes]:
-    buf = rng.bytes(32 * n)
-    return [buf[i : i + 32] for i in range(0, 32 * n, 32)]
 
 
 class Side:
@@ -483,7 +479,7 @@ def main() -> int:
                 VllmSide(args.blocks, args.events),
                 FloorSide(args.blocks),
             ]
-            resident = random_keys(args.blocks, rng)
+            resident = make_keys("resident", args.blocks)
             for side in sides:
                 side.fill([side.key(k) for k in resident])
             # The newest half of the inserted blocks: each round evicts 2 x --ops blocks, all older
@@ -492,9 +488,9 @@ def main() -> int:
             for r in range(args.rounds):
                 newest = inserted[-(args.blocks // 2) :]
                 hits = [newest[int(i)] for i in rng.integers(0, len(newest), args.ops)]
-                misses = random_keys(args.ops, rng)
-                stores = random_keys(args.ops, rng)
-                promotions = random_keys(args.ops, rng)
+                misses = make_keys(f"miss/{r}", args.ops)
+                stores = make_keys(f"store/{r}", args.ops)
+                promotions = make_keys(f"promotion/{r}", args.ops)
                 order = sides[r % len(sides) :] + sides[: r % len(sides)]
                 for side in order if r % 2 == 0 else order[::-1]:
                     k = side.key
