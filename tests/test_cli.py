@@ -167,6 +167,33 @@ def test_replay_capacity_sweep_on_a_small_trace(tmp_path: Path, private_shm: Pat
     assert out.returncode == 2 and f"{bad}:1" in out.stderr
 
 
+def test_replay_key_seed_draws_other_keys_for_the_same_requests(tmp_path: Path, private_shm: Path) -> None:
+    """--key-seed N replays the same requests under keys of another namespace: every block's key
+    changes (so does the share return-time samples), LRU's hits do not; 0 is the default."""
+    from kvtier.workload.replay import replay_namespace, trace_keys
+    from kvtier.workload.synthetic import generate
+    from kvtier.workload.trace import FlatTrace
+
+    flat = FlatTrace.from_requests(generate("chat", 50, seed=1))
+    default, other = trace_keys(flat, replay_namespace()), trace_keys(flat, replay_namespace(key_seed=1))
+    assert trace_keys(flat, replay_namespace(key_seed=0)) == default
+    assert not {k for ks in default for k in ks} & {k for ks in other for k in ks}
+    assert [len(ks) for ks in default] == [len(ks) for ks in other]
+    results = {}
+    for seed in ("0", "7"):
+        out = run("replay", "--synthetic", "chat", "--requests", "400", "--policy", "return-time", "--capacity", "3%",
+                  "--key-seed", seed, "--no-belady", "--shm-dir", str(private_shm),
+                  "--json", str(tmp_path / "r.json"))  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert ("key seed 7" in out.stdout) == (seed == "7"), out.stdout
+        data = json.loads((tmp_path / "r.json").read_text())
+        assert data["key_seed"] == int(seed)
+        results[seed] = data["rows"][0]["policies"]
+    assert results["0"]["lru"]["prefix_hits"] == results["7"]["lru"]["prefix_hits"] > 0
+    out = run("replay", "--synthetic", "chat", "--key-seed", "-1")
+    assert out.returncode == 2 and "argument --key-seed: must be at least 0, got -1" in out.stderr
+
+
 def test_replay_compares_policies_on_a_generated_workload(tmp_path: Path, private_shm: Path) -> None:
     out = run("replay", "--synthetic", "chat", "--requests", "600", "--seed", "3", "--policy", "arc,return-time",
               "--capacity", "2%,150", "--shm-dir", str(private_shm), "--json", str(tmp_path / "r.json"))  # fmt: skip

@@ -599,6 +599,12 @@ def _add_replay(sub: Any) -> None:
         help="with --synthetic: each request of a session carries the hints its client knows (kvtier_session, "
         "kvtier_session_end, kvtier_expected_return_s; README 'Per-request keys'); a trace has no sessions",
     )  # fmt: skip
+    p.add_argument(
+        "--key-seed", type=_int_in(0, 2**31 - 1), default=0, metavar="N",
+        help="derive the blocks' keys in another namespace (default 0): the same requests and reuse, other "
+        "key bytes, so another draw of the keys return-time samples; a replay is one such draw, and "
+        "replays under a few seeds show how much of a figure is the draw (LRU's hits do not change)",
+    )  # fmt: skip
     p.add_argument("--no-belady", action="store_true", help="skip the Belady reference")
     _add_replay_fs_tier(p)
     p.add_argument("--shm-dir", default=None, help="directory of the CPU region (default: KVTIER_SHM_DIR, /dev/shm)")
@@ -913,7 +919,9 @@ def _replay(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
     if warning is not None:
         _say(err, f"kvtier replay: warning: {source}: {warning}")
     unbounded = unbounded_hit_rate(flat)
-    namespace = replay_namespace()
+    namespace = replay_namespace(key_seed=args.key_seed)
+    if args.key_seed:
+        source += f", key seed {args.key_seed}"
     runs = _replay_runs(args, requests, trace_keys(flat, namespace), capacities, namespace, err, fs_options,
                         params)
     belady: dict[int, HitRateResult | None] = {
@@ -928,7 +936,7 @@ def _replay(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
         outputs["--json"].write(json_document({**what, "summary": summary, "chaining": chaining.to_dict(),
                                                "policy": args.policy[0], "policies": args.policy,
                                                "store_chunk": args.store_chunk, "hints": bool(params),
-                                               **sizes, "rows": rows}))  # fmt: skip
+                                               "key_seed": args.key_seed, **sizes, "rows": rows}))  # fmt: skip
         if args.json != STDOUT:
             _say(err, f"wrote {args.json}")
     if args.plot:

@@ -97,9 +97,15 @@ def store_pieces(missed: int, store_chunk: StoreChunk, decode: int = 1) -> list[
     return [min(store_chunk, missed - i) for i in range(0, missed, store_chunk)]
 
 
-def replay_namespace(block_bytes: int = REPLAY_BLOCK_BYTES) -> Namespace:
-    """The namespace replays run under (a synthetic uint8 geometry of ``block_bytes``)."""
-    return Namespace("kvtier/trace-replay", KVGeometry.from_block_bytes(block_bytes, tokens_per_block=16))
+def replay_namespace(block_bytes: int = REPLAY_BLOCK_BYTES, key_seed: int = 0) -> Namespace:
+    """The namespace replays run under (a synthetic uint8 geometry of ``block_bytes``).
+
+    ``key_seed`` names another namespace, so every block gets other key bytes: the same trace,
+    the same reuse, another draw of the keys a sampling policy follows (``return-time`` samples
+    keys by their bytes; LRU's decisions do not depend on them). 0 is the default namespace.
+    """
+    model = "kvtier/trace-replay" if not key_seed else f"kvtier/trace-replay/key-seed-{key_seed}"
+    return Namespace(model, KVGeometry.from_block_bytes(block_bytes, tokens_per_block=16))
 
 
 def trace_keys(trace: FlatTrace, namespace: Namespace) -> list[list[BlockKey]]:
