@@ -156,7 +156,9 @@ class TieringManager:
     ) -> None:
         """``wait_timeout``: the longest a lookup keeps a request waiting on one block (RETRY,
         HIT_PENDING) before it answers MISS; ``failed_load_seconds``: how long a tier is not
-        believed about a block after its promise for it failed (:mod:`kvtier.manager.waits`)."""
+        believed about a block after its promise for it failed (:mod:`kvtier.manager.waits`);
+        ``lookup_timing_every``: one engine step with lookups in this many has each of its
+        lookups timed for the per-tier latency histograms (see :data:`LOOKUP_TIMING_EVERY`)."""
         hold = build.check_settings(shutdown_timeout, drain_timeout, lookup_timing_every, wait_timeout,
                                     failed_load_seconds)
         self.primary = primary
