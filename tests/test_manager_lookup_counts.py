@@ -42,20 +42,27 @@ def store(mgr: TieringManager, ks: list[bytes]) -> bool:
     return True
 
 
-def test_hits_logged_before_a_store_in_the_same_step_are_counted(manager: TieringManager) -> None:
+@pytest.mark.parametrize("timed", [True, False])
+def test_hits_logged_before_a_store_in_the_same_step_are_counted(manager: TieringManager, timed: bool) -> None:
     """A store's eviction empties the step's log of HIT keys into the protected set mid-step: the
-    HITs before it still count, once (the count used to come from a countdown per lookup)."""
+    HITs before it still count, once (the count used to come from a countdown per lookup), in a
+    step whose lookups are timed (the first with lookups) and in one that takes the fast path."""
     ks = keys(BLOCKS)
     assert store(manager, ks)
     manager.on_schedule_end()
-    answers = [manager.lookup(k) for k in ks[:3]]  # the first is the step's slow path, then the fast path
+    answers: list[LookupResult] = []
+    if not timed:
+        answers.append(manager.lookup(ks[0]))  # the timed step
+        manager.on_schedule_end()
+    answers += [manager.lookup(k) for k in ks[:3]]  # the first is the step's full path, then the hot path
+    assert manager._fast is not timed  # type: ignore[attr-defined]
     assert store(manager, keys(2, seed=1))  # evicts two blocks the step did not hit
     answers += [manager.lookup(k) for k in ks[:4]]
     manager.on_schedule_end()
     answers += manager.lookup_prefix(ks).answers
     snap = manager.stats()
     hits = answers.count(HIT)
-    assert hits >= 7, answers
+    assert hits >= 7 + (not timed), answers
     assert snap.cpu.lookups.hit == hits and snap.manager.lookups["hit"] == hits
     assert snap.cpu.lookups.miss == answers.count(MISS) == snap.manager.lookups["miss"]
 

@@ -207,12 +207,14 @@ def test_a_prefix_lookup_is_the_per_key_scan(make: Any, seed: int) -> None:
         assert one.manager.promotions_started == two.manager.promotions_started
 
 
+@pytest.mark.parametrize("timed", [True, False])
 @pytest.mark.parametrize("stop", [0, 1, 63, 64, 65, 128, 129, None])
 @pytest.mark.parametrize("kind", ["miss", "in_flight", "bytes_subclass", "not_bytes"])
-def test_a_long_run_is_the_per_key_scan_across_chunks(make: Any, stop: int | None, kind: str) -> None:
+def test_a_long_run_is_the_per_key_scan_across_chunks(make: Any, stop: int | None, kind: str, timed: bool) -> None:
     """lookup_prefix answers runs of CPU hits in chunks of 64 keys (kvtier.manager.scan): whatever
     ends the run (a MISS, a block being written, a key of another type) at a chunk's edge or
-    inside one, the answers, counts and timed lookups are those of a lookup per key."""
+    inside one, the answers, counts and timed lookups are those of a lookup per key, in a step
+    whose lookups are timed (the first with lookups) and in one that takes the fast paths."""
 
     class Key(bytes):
         pass
@@ -225,7 +227,10 @@ def test_a_long_run_is_the_per_key_scan_across_chunks(make: Any, stop: int | Non
         if kind == "in_flight" and stop is not None:
             assert mgr.prepare_store([ks[stop]]) is not None  # stored, not completed: HIT_PENDING
         mgr.on_schedule_end()
-        mgr.lookup(b"warm", None)  # the step is polled: the fast paths are taken
+        if not timed:  # the first step with lookups is timed, the next one of 8 is not
+            mgr.lookup(b"warm", None)
+            mgr.on_schedule_end()
+        mgr.lookup(b"warm", None)  # the step is polled (and timed or not): the fast paths are taken
     if stop is not None and kind in ("bytes_subclass", "not_bytes"):
         scan[stop] = Key(ks[stop]) if kind == "bytes_subclass" else ks[stop].hex()  # type: ignore[call-overload]
     elif stop is not None and kind == "miss":
