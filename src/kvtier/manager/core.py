@@ -406,11 +406,15 @@ class TieringManager:
         return i + found
 
     def prepare_load(self, keys: Sequence[BlockKey], request: RequestContext | None = None) -> np.ndarray:
-        """Pin HIT blocks for a device load; returns their CPU rows. Raises if one is not HIT."""
+        """Pin HIT blocks for a device load; returns their CPU rows. Raises if one is not HIT. The
+        secondary tiers are touched with ``keys`` (vLLM calls :meth:`touch` for none): a block the
+        CPU tier serves keeps its place in the tiers behind it (their recency, a TTL)."""
         keys = self._open_keys("prepare_load", keys)
         self._poll_once()
         state = self._requests.find(request)
         rows = self.primary.prepare_load(keys, after=state.chain_tail if state is not None else None)
+        if keys and self._tiers.live:
+            self._tiers.broadcast("touch", keys, request)
         if state is not None and keys:
             state.chain_tail = keys[-1]
             state.stored_tail = False
