@@ -308,8 +308,9 @@ class SecondaryTier(abc.ABC):
     def touch(self, keys: Sequence[BlockKey], request: RequestContext | None) -> None:  # noqa: B027
         """Recency hint for ``keys`` (they were used). Default: ignored.
 
-        Caller: the manager, on the scheduler thread, for every block a request
-        used (in any tier). Must not block; I/O (e.g. refreshing a TTL) is queued.
+        Caller: the manager, on the scheduler thread, for the blocks the engine
+        touches and for every block loaded from the CPU tier to the device (one call
+        per ``prepare_load``). Must not block; I/O (e.g. refreshing a TTL) is queued.
         """
 
     def on_new_request(self, request: RequestContext) -> OffloadPolicy:
