@@ -248,6 +248,41 @@ def test_touch_refreshes_ttl(redis_server: Any, make_tier: Callable[..., RedisTi
         time.sleep(0.01)
 
 
+def test_touches_queued_behind_a_hung_server_are_bounded(
+    redis_server: Any, make_tier: Callable[..., RedisTier]
+) -> None:
+    """Every CPU-tier load touches the tier (its TTL): while the server hangs, the touches queued
+    stay bounded (the rest are dropped and counted), and the tier works once the server is back."""
+    from kvtier.tiers.jobs import Lane
+    from kvtier.tiers.redis import _MAX_QUEUED_TOUCHES
+
+    rows = random_rows(4)
+    ns = namespace()
+    tier = make_tier(redis_server.url, rows, ns, ttl_seconds=100.0, io_threads=1, socket_timeout=2.0)
+    keys = keys_for(ns, 2)
+    assert store(tier, keys[:1], [0]).success
+    redis_server.pause()
+    try:
+        calls = 4 * _MAX_QUEUED_TOUCHES
+        for _ in range(calls):
+            tier.touch(keys[:1], None)
+        queued = tier._queue.queued(Lane.BACKGROUND)
+        assert queued <= _MAX_QUEUED_TOUCHES, f"{queued} touches queued behind a hung server"
+        dropped = tier.stats.extra.get("touches_dropped", 0)
+        assert calls - _MAX_QUEUED_TOUCHES - 1 <= dropped <= calls - _MAX_QUEUED_TOUCHES
+    finally:
+        redis_server.resume()
+    deadline = time.monotonic() + 10
+    while True:  # the timed-out touch may have opened the breaker: a store once it serves again
+        if tier.health().state is HealthState.CLOSED:
+            result = store(tier, keys[1:], [1])
+            if result.success:
+                break
+        assert time.monotonic() < deadline, "the tier did not serve again after the server resumed"
+        tier.on_schedule_end()
+        time.sleep(0.05)
+
+
 def test_maxmemory_eviction_is_miss_never_error(
     redis_server_factory: Callable[..., Any], make_tier: Callable[..., RedisTier]
 ) -> None:

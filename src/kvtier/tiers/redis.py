@@ -28,8 +28,8 @@ import logging
 import os
 import ssl
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar
 from urllib.parse import parse_qsl
 
 from pydantic import Field, ValidationInfo, field_serializer, field_validator
@@ -40,7 +40,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from kvtier.errors import ConfigError, CorruptValueError
 from kvtier.failures import describe_error, forget_frames, log_failure
 from kvtier.keys import BlockKey
-from kvtier.tiers.base import JobResult, TierContext, TierUsage, TransferJob
+from kvtier.tiers.base import ExtraMetric, JobResult, TierContext, TierUsage, TransferJob
 from kvtier.tiers.endpoints import parse_endpoint, redact_url
 from kvtier.tiers.format import HEADER_SIZE, decode_header, encode_header, verify_payload
 from kvtier.tiers.health import CircuitBreaker
@@ -67,6 +67,10 @@ _BATCH_BYTES = 32 * 1024 * 1024
 _EXISTS_BATCH = 512
 _CACHE_MAX_ENTRIES = 1 << 20
 _MAX_DB = 2**31 - 1
+_MAX_QUEUED_TOUCHES = 256
+"""Touch batches (one per touch call: an engine's touch, a CPU-tier load) queued at most. A touch is
+best effort and its lane the last the I/O threads take, so while stores keep them busy one more
+is dropped (counted, ``touches_dropped``) instead of growing the queue without bound."""
 
 # Query options of a Redis URL that redis-py applies to each connection; TLS ones only with rediss://.
 _URL_QUERY = frozenset({"db", "username", "password", "socket_read_size", "socket_keepalive"})
@@ -198,6 +202,9 @@ class RedisTier(ThreadedTier):
     tier_type = "redis"
     medium = "remote"
     options_model = RedisTierOptions
+    extra_metrics: ClassVar[Mapping[str, ExtraMetric]] = {
+        "touches_dropped": ExtraMetric("counter", "Keys whose TTL refresh was dropped: too many touches queued."),
+    }
 
     def __init__(self, context: TierContext, options: RedisTierOptions | None = None, /, **fields: Any) -> None:
         """Check the options (:class:`RedisTierOptions`), build the backend, start the I/O threads."""
@@ -324,6 +331,9 @@ class RedisTier(ThreadedTier):
     def touch(self, keys: Sequence[BlockKey], request: RequestContext | None) -> None:
         """With a TTL, refresh the expiry of ``keys`` (best effort, on an I/O thread)."""
         if self._px is None or self._closed or not keys or not self._breaker.serving:
+            return
+        if self._queue.queued(Lane.BACKGROUND) >= _MAX_QUEUED_TOUCHES:
+            self._count(touches_dropped=len(keys))
             return
         self._queue_internal(Work(Lane.BACKGROUND, keys=list(keys)))
 
