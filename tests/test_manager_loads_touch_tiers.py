@@ -88,6 +88,28 @@ def test_a_block_the_cpu_tier_serves_stays_in_the_tier_behind(kind: str, tmp_pat
     assert not unused, f"the {kind} tier kept an unused block through 3x its capacity of writes"
 
 
+def test_a_request_touches_only_the_tiers_it_may_load_from(tmp_path: Path) -> None:
+    """A request whose ``kvtier_load_tiers`` keeps it off a tier sends that tier none of its keys,
+    by a load or by the engine's touch; the tier it may use still hears of both."""
+    specs = [_spec("memory", tmp_path), _spec("memory", tmp_path)]
+    mgr = TieringManager.create(namespace=NS, num_cpu_blocks=8, policy="lru", tiers=specs)
+    seen: list[list[list[bytes]]] = [[], []]
+    for tier, log in zip(mgr.tiers, seen, strict=True):
+        tier.touch = lambda keys, request, log=log: log.append(list(keys))  # type: ignore[method-assign]
+    try:
+        keys = prefix_keys(np.arange(3), 1)
+        _store(mgr, keys, "stored")
+        request = RequestContext("cpu-and-first", {"kvtier_load_tiers": ["cpu", "1:memory"]})
+        mgr.prepare_load(keys, request)
+        mgr.complete_load(keys, request)
+        mgr.touch(keys[:1], request)
+        assert seen == [[keys, keys[:1]], []]
+        mgr.prepare_load(keys, RequestContext("any"))  # no control: every tier
+        assert seen == [[keys, keys[:1], keys], [keys]]
+    finally:
+        mgr.shutdown()
+
+
 def test_a_tier_whose_touch_raises_does_not_fail_the_load(tmp_path: Path) -> None:
     class Raising(MemoryTier):
         def touch(self, keys: object, request: RequestContext | None) -> None:

@@ -242,6 +242,7 @@ def test_touch_refreshes_ttl(redis_server: Any, make_tier: Callable[..., RedisTi
     raw = redis.Redis.from_url(redis_server.url)
     raw.pexpire(tier.redis_key(keys[0]), 5000)
     tier.touch(keys, None)
+    tier.on_schedule_end()  # a step's touches go out at its end
     deadline = time.monotonic() + 5
     while raw.pttl(tier.redis_key(keys[0])) < 50_000:
         assert time.monotonic() < deadline, "touch did not refresh the TTL"
@@ -252,9 +253,10 @@ def test_touches_queued_behind_a_hung_server_are_bounded(
     redis_server: Any, make_tier: Callable[..., RedisTier]
 ) -> None:
     """Every CPU-tier load touches the tier (its TTL): while the server hangs, the touches queued
-    stay bounded (the rest are dropped and counted), and the tier works once the server is back."""
+    stay bounded, one batch per step (the rest are dropped and counted), and the tier works once
+    the server is back."""
     from kvtier.tiers.jobs import Lane
-    from kvtier.tiers.redis import _MAX_QUEUED_TOUCHES
+    from kvtier.tiers.redis import _MAX_QUEUED_TOUCHES, _MAX_STEP_TOUCHES
 
     rows = random_rows(4)
     ns = namespace()
@@ -263,13 +265,20 @@ def test_touches_queued_behind_a_hung_server_are_bounded(
     assert store(tier, keys[:1], [0]).success
     redis_server.pause()
     try:
-        calls = 4 * _MAX_QUEUED_TOUCHES
-        for _ in range(calls):
-            tier.touch(keys[:1], None)
+        steps = 4 * _MAX_QUEUED_TOUCHES
+        for _ in range(steps):
+            for _ in range(3):  # three loads of the same block in a step: one key sent
+                tier.touch(keys[:1], None)
+            tier.on_schedule_end()
         queued = tier._queue.queued(Lane.BACKGROUND)
         assert queued <= _MAX_QUEUED_TOUCHES, f"{queued} touches queued behind a hung server"
         dropped = tier.stats.extra.get("touches_dropped", 0)
-        assert calls - _MAX_QUEUED_TOUCHES - 1 <= dropped <= calls - _MAX_QUEUED_TOUCHES
+        assert steps - _MAX_QUEUED_TOUCHES - 1 <= dropped <= steps - _MAX_QUEUED_TOUCHES
+        # One step touching more distinct keys than a step collects: the excess is dropped.
+        many = [b"k%d" % i for i in range(_MAX_STEP_TOUCHES + 10)]
+        tier.touch(many, None)
+        assert len(tier._touched) == _MAX_STEP_TOUCHES
+        assert tier.stats.extra["touches_dropped"] == dropped + 10
     finally:
         redis_server.resume()
     deadline = time.monotonic() + 10

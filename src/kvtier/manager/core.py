@@ -413,8 +413,7 @@ class TieringManager:
         self._poll_once()
         state = self._requests.find(request)
         rows = self.primary.prepare_load(keys, after=state.chain_tail if state is not None else None)
-        if keys and self._tiers.live:
-            self._tiers.broadcast("touch", keys, request)
+        self._tiers.touch(keys, request, self.request_control)
         if state is not None and keys:
             state.chain_tail = keys[-1]
             state.stored_tail = False
@@ -425,10 +424,11 @@ class TieringManager:
         self.primary.unpin(self._open_keys("complete_load", keys))
 
     def touch(self, keys: Sequence[BlockKey], request: RequestContext | None = None) -> None:
-        """Recency for ``keys`` in every tier (also for blocks hit in the device cache)."""
+        """Recency for ``keys`` in every tier the request may load from (also for blocks hit in the
+        device cache)."""
         keys = self._open_keys("touch", keys)
         self.primary.touch(keys)
-        self._tiers.broadcast("touch", keys, request)
+        self._tiers.touch(keys, request, self.request_control)
 
     def prepare_store(
         self, keys: Sequence[BlockKey], request: RequestContext | None = None

@@ -29,7 +29,7 @@ from kvtier.primary import PrimaryTier
 from kvtier.request_control import TierDescriptor, tier_locality
 from kvtier.telemetry import ManagerCounters, TierTelemetry
 from kvtier.tiers.base import SecondaryTier, TransferJob
-from kvtier.types import LookupResult, RequestContext, tier_label
+from kvtier.types import LookupResult, RequestContext, RequestControl, tier_label
 
 logger = logging.getLogger(__name__)
 
@@ -194,11 +194,9 @@ class TierSet:
                 return handle
         return _RETRY if retry else _MISS
 
-    def broadcast(
-        self, name: str, *args: Any, among: Iterable[TierHandle] | None = None
-    ) -> list[tuple[TierHandle, Any]]:
-        """Call ``name(*args)`` on every live tier (or those of ``among``), guarded; the
-        ``(handle, answer)`` of each call that did not raise."""
+    def broadcast(self, name: str, *args: Any,
+                  among: Iterable[TierHandle] | None = None) -> list[tuple[TierHandle, Any]]:  # fmt: skip
+        """``name(*args)`` on each live tier (or ``among``), guarded: ``(handle, answer)`` of each that returned."""
         failed = object()
         out = []
         for handle in self.live if among is None else among:
@@ -206,6 +204,14 @@ class TierSet:
             if answer is not failed:
                 out.append((handle, answer))
         return out
+
+    def touch(self, keys: Sequence[BlockKey], request: RequestContext | None,
+              control_of: Callable[[RequestContext], RequestControl]) -> None:
+        """``touch(keys, request)`` on the live tiers the request may load from (all without one)."""
+        allowed = None if request is None else (request.control or control_of(request)).load_from
+        if keys and self.live:
+            self.broadcast("touch", keys, request, among=None if allowed is None else
+                           [h for h in self.live if h.index in allowed])  # fmt: skip
 
     def targets(self, among: Iterable[TierHandle], wanted: frozenset[int] | None) -> list[TierHandle]:
         """The live handles of ``among`` with no job past the wait deadline whose index ``wanted`` has

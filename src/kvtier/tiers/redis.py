@@ -24,6 +24,7 @@ dropped (``stats.stores_dropped``) and loads fail at once; after
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import ssl
@@ -68,9 +69,12 @@ _EXISTS_BATCH = 512
 _CACHE_MAX_ENTRIES = 1 << 20
 _MAX_DB = 2**31 - 1
 _MAX_QUEUED_TOUCHES = 256
-"""Touch batches (one per touch call: an engine's touch, a CPU-tier load) queued at most. A touch is
-best effort and its lane the last the I/O threads take, so while stores keep them busy one more
-is dropped (counted, ``touches_dropped``) instead of growing the queue without bound."""
+"""Touch batches queued at most: one per engine step, the distinct keys touched in it (an engine's
+touches, every CPU-tier load's). A touch is best effort and its lane the last the I/O threads
+take, so while stores keep them busy a further step's batch is dropped (counted,
+``touches_dropped``) instead of growing the queue without bound."""
+_MAX_STEP_TOUCHES = 1 << 16
+"""Distinct keys one step's touches collect at most (the rest are dropped and counted)."""
 
 # Query options of a Redis URL that redis-py applies to each connection; TLS ones only with rediss://.
 _URL_QUERY = frozenset({"db", "username", "password", "socket_read_size", "socket_keepalive"})
@@ -239,6 +243,7 @@ class RedisTier(ThreadedTier):
 
         # Scheduler-thread only.
         self._pending_checks: dict[BlockKey, None] = {}
+        self._touched: dict[BlockKey, None] = {}  # this step's touches, sent at its end
 
         try:
             self._start_workers(opts.io_threads, ALL_LANES, "io")
@@ -300,7 +305,10 @@ class RedisTier(ThreadedTier):
         return LookupResult.RETRY
 
     def on_schedule_end(self) -> None:
-        """Hand this step's unknown keys to the I/O threads as batched EXISTS checks."""
+        """Hand this step's unknown keys to the I/O threads as batched EXISTS checks, and its
+        touched keys as one batch of TTL refreshes."""
+        if self._touched:
+            self._send_touches()
         if not self._pending_checks:
             return
         keys = list(self._pending_checks)
@@ -329,13 +337,27 @@ class RedisTier(ThreadedTier):
         return [Work(Lane.LOAD, state, [k for k, _ in blocks], [s for _, s in blocks])]
 
     def touch(self, keys: Sequence[BlockKey], request: RequestContext | None) -> None:
-        """With a TTL, refresh the expiry of ``keys`` (best effort, on an I/O thread)."""
+        """With a TTL, refresh the expiry of ``keys`` (best effort): collected for the step, whose
+        end sends each distinct key once, on an I/O thread."""
         if self._px is None or self._closed or not keys or not self._breaker.serving:
+            return
+        touched = self._touched
+        touched.update(dict.fromkeys(keys))
+        if len(touched) > _MAX_STEP_TOUCHES:
+            over = len(touched) - _MAX_STEP_TOUCHES
+            for key in list(itertools.islice(reversed(touched), over)):
+                del touched[key]
+            self._count(touches_dropped=over)
+
+    def _send_touches(self) -> None:
+        keys = list(self._touched)
+        self._touched.clear()
+        if self._closed or not self._breaker.serving:
             return
         if self._queue.queued(Lane.BACKGROUND) >= _MAX_QUEUED_TOUCHES:
             self._count(touches_dropped=len(keys))
             return
-        self._queue_internal(Work(Lane.BACKGROUND, keys=list(keys)))
+        self._queue_internal(Work(Lane.BACKGROUND, keys=keys))
 
     def usage(self) -> TierUsage:
         """Server memory from ``INFO memory`` (summed over cluster primaries), read by an I/O thread.
