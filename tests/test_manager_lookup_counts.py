@@ -9,6 +9,7 @@ snapshot with the answers the calls gave.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -16,11 +17,44 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier import LookupResult, Namespace, RequestContext, TieringManager, prefix_keys
+from kvtier.manager import step_hits
+from kvtier.manager.step_hits import TIMED_LOOKUPS
 
 pytestmark = pytest.mark.usefixtures("shm_leak_check")
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 BLOCKS = 6
+
+
+def timed_in_step(calls: list[tuple[str, list[LookupResult]]], cap: int) -> int:
+    """The lookups a timed step times, by the model: its calls in order (``lookup``: one answer;
+    ``prefix``: a lookup_prefix's answers), each lookup one sample, each run of CPU hits a
+    prefix scan answers after the step's first lookup as many at once, until ``cap`` samples."""
+    left, timed, first = cap, 0, True
+    for kind, answers in calls:
+        units: list[int] = []
+        if kind == "lookup":
+            units.append(1)
+        else:
+            i = 0
+            if first:  # the step's first lookup is answered alone (it polls and decides the timing)
+                units.append(1)
+                i = 1
+            while i < len(answers):
+                j = i
+                while j < len(answers) and answers[j] is HIT:
+                    j += 1
+                if j > i:
+                    units.append(j - i)
+                if j < len(answers):
+                    units.append(1)
+                i = j + 1
+        first = False
+        for n in units:
+            if left > 0:
+                timed += n
+                left -= n
+    return timed
 
 
 def keys(n: int, seed: int = 0) -> list[bytes]:
@@ -83,8 +117,24 @@ def test_one_step_with_lookups_in_every_n_has_each_lookup_timed(manager: Tiering
     assert manager.stats().cpu.lookup_seconds.count == timed == 3 * 7
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_timed_step_times_its_first_lookups_then_takes_the_fast_path(manager: TieringManager) -> None:
+    """A step of more lookups than :data:`TIMED_LOOKUPS` (as an engine step of many requests
+    has) times only that many; the rest are answered by the fast path, and counted all the same."""
+    ks = keys(4)
+    assert store(manager, ks)
+    manager.on_schedule_end()
+    n = 3 * TIMED_LOOKUPS
+    answers = [manager.lookup(ks[i % 4]) for i in range(n)]
+    assert answers == [HIT] * n
+    assert manager._fast  # type: ignore[attr-defined]
+    snap = manager.stats()
+    assert snap.cpu.lookup_seconds.count == TIMED_LOOKUPS
+    assert snap.cpu.lookups.hit == n
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
+    cap=st.integers(1, 12),
     every=st.integers(1, 4),
     steps=st.lists(
         st.lists(
@@ -99,14 +149,17 @@ def test_one_step_with_lookups_in_every_n_has_each_lookup_timed(manager: Tiering
     ),
 )
 def test_snapshot_counts_and_timings_match_the_answers(
-    namespace: Namespace, every: int, steps: list[list[tuple[str, int, int]]]
+    namespace: Namespace, cap: int, every: int, steps: list[list[tuple[str, int, int]]]
 ) -> None:
     """Random steps of lookups, prefix scans and stores (a store evicts, which empties the HIT
     log mid-step; it stores the keys a lookup just answered MISS): the snapshot's HIT and MISS
-    counts are the answers given, and the lookups timed are exactly those of the first step with
-    lookups and of every ``every``-th step with lookups after it."""
+    counts are the answers given, and the lookups timed are exactly the first ``cap`` (a prefix
+    scan's run of hits counting whole) of the first step with lookups and of every ``every``-th
+    step with lookups after it."""
     mgr = TieringManager.create(namespace=namespace, num_cpu_blocks=BLOCKS, policy="lru")
     mgr.lookup_timing_every = every
+    patch = mock.patch.object(step_hits, "TIMED_LOOKUPS", cap)
+    patch.start()
     try:
         pool = keys(10, seed=7)
         req = RequestContext("r")
@@ -115,15 +168,20 @@ def test_snapshot_counts_and_timings_match_the_answers(
         timed = steps_with_lookups = 0
         for ops in steps:
             step: list[LookupResult] = []
+            calls: list[tuple[str, list[LookupResult]]] = []
             for kind, at, size in ops:
                 if kind == "lookup":
                     step.append(mgr.lookup(pool[at], req))
+                    calls.append(("lookup", step[-1:]))
                 elif kind == "prefix":
-                    step += mgr.lookup_prefix(pool[at : at + size], req).answers
+                    got = mgr.lookup_prefix(pool[at : at + size], req).answers
+                    step += got
+                    calls.append(("prefix", got))
                 else:
                     missing = []
                     for k in pool[at : at + size]:
                         step.append(mgr.lookup(k, req))
+                        calls.append(("lookup", step[-1:]))
                         if step[-1] is MISS:
                             missing.append(k)
                     plan = mgr.prepare_store(missing, req)
@@ -132,7 +190,7 @@ def test_snapshot_counts_and_timings_match_the_answers(
             mgr.on_schedule_end()
             if step:
                 if steps_with_lookups % every == 0:
-                    timed += len(step)
+                    timed += timed_in_step(calls, cap)
                 steps_with_lookups += 1
             answers += step
         snap = mgr.stats()
@@ -142,4 +200,5 @@ def test_snapshot_counts_and_timings_match_the_answers(
         assert snap.cpu.lookup_seconds.count == timed
         mgr.on_request_finished(req)
     finally:
+        patch.stop()
         mgr.shutdown()

@@ -56,6 +56,7 @@ from kvtier.manager import build, scan, snapshot
 from kvtier.manager.ledger import Ledger
 from kvtier.manager.requests import RequestTable
 from kvtier.manager.snapshot import LookupTally
+from kvtier.manager.step_hits import LOOKUP_TIMING_EVERY, StepHits
 from kvtier.manager.tierset import TierHandle, TierSet
 from kvtier.manager.waits import DEFAULT_FAILED_LOAD_SECONDS, DEFAULT_WAIT_TIMEOUT, BlockWaits
 from kvtier.policies import DEFAULT_POLICY
@@ -79,61 +80,6 @@ from kvtier.types import (
 
 # The answers as module constants: the hot paths compare against them without an attribute load.
 _HIT, _HIT_PENDING, _RETRY, _MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY, LookupResult.MISS
-
-LOOKUP_TIMING_EVERY = 8
-"""One engine step with lookups in this many has each of its lookups timed, for the per-tier
-latency histograms; the other steps' CPU hits take the fast path, which times nothing and counts
-a HIT only by the key it logs anyway (a countdown per lookup cost a sixth of a CPU hit). RETRY
-answers and the answers after them are always timed."""
-
-
-class _StepHits:
-    """The keys answered HIT this step: the engine may still ``prepare_load`` them in this step,
-    so no eviction (for a store or a promotion) may take them before it ends; and whether the
-    step's lookups are timed.
-
-    A HIT only appends its key to ``log`` (never rebound: the lookup fast path holds its
-    ``append``); the set is brought up to date from the log before an eviction may run.
-    """
-
-    __slots__ = ("flushed", "keys", "log", "timed", "untimed")
-
-    def __init__(self) -> None:
-        self.keys: set[BlockKey] = set()
-        self.log: list[BlockKey] = []
-        self.flushed = 0  # HITs logged before the log was last emptied
-        self.timed = False  # this step's lookups are timed (see LOOKUP_TIMING_EVERY)
-        self.untimed = 0  # steps with lookups until the next timed one: the first is timed
-
-    def first_lookup(self, every: int) -> bool:
-        """The step's first lookup: are the step's lookups timed (one step with lookups in
-        ``every``, the first of all among them; False), or may they take the fast path (True)?"""
-        if self.untimed:
-            self.untimed -= 1
-            return True
-        self.untimed = every - 1
-        self.timed = True
-        return False
-
-    def count(self) -> int:
-        """Every HIT answered so far (each logs its key once: this is how HITs are counted)."""
-        return self.flushed + len(self.log)
-
-    def protected(self) -> set[BlockKey]:
-        """The keys no eviction may take now."""
-        if self.log:
-            self.keys.update(self.log)
-            self.flushed += len(self.log)
-            self.log.clear()
-        return self.keys
-
-    def clear(self) -> None:
-        """The step ended (or the cache was reset)."""
-        self.keys.clear()
-        self.flushed += len(self.log)
-        self.log.clear()
-        self.timed = False
-
 
 class TieringManager:
     """Coordinates a :class:`PrimaryTier` with secondary tiers; see the module docstring.
@@ -181,7 +127,7 @@ class TieringManager:
         # it then answers a CPU hit from the CPU tier's index without a call.
         self._fast = False
         self._slot_get, self._refs = primary.hot_path()
-        self._hits = _StepHits()
+        self._hits = StepHits()
         self._step_hit = self._hits.log.append
         self._tally = LookupTally()
         self.promoted_from = 0
@@ -310,6 +256,8 @@ class TieringManager:
         if start:
             now = perf_counter()
             self._tiers.cpu.lookup_seconds.pending.append(now - start)
+            if self._hits.sampled():  # the step's sample is taken: its other lookups go fast
+                self._fast = True
         if slot is not None:
             if self._refs[slot] == IN_FLIGHT:
                 self._tally.cpu_pending += 1
@@ -403,6 +351,8 @@ class TieringManager:
             answers += [_HIT] * found
             if began:
                 self._tiers.cpu.lookup_seconds.pending.extend([(perf_counter() - began) / found] * found)
+                if self._hits.sampled(found):
+                    self._fast = True
         return i + found
 
     def prepare_load(self, keys: Sequence[BlockKey], request: RequestContext | None = None) -> np.ndarray:
