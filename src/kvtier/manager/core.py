@@ -103,7 +103,7 @@ class TieringManager:
         """``wait_timeout``: the longest a lookup keeps a request waiting on one block (RETRY,
         HIT_PENDING) before it answers MISS; ``failed_load_seconds``: how long a tier is not
         believed about a block after its promise for it failed (:mod:`kvtier.manager.waits`);
-        ``lookup_timing_every``: one engine step with lookups in this many has each of its
+        ``lookup_timing_every``: one engine step with lookups in this many has its first
         lookups timed for the per-tier latency histograms (see :data:`LOOKUP_TIMING_EVERY`)."""
         hold = build.check_settings(shutdown_timeout, drain_timeout, lookup_timing_every, wait_timeout,
                                     failed_load_seconds)
@@ -210,9 +210,11 @@ class TieringManager:
         in a step already polled and not timed, for a request with the default control, a
         ready CPU block is answered here (its key logged, which is how HITs are counted) and
         a CPU miss goes straight to the secondary tiers; in a timed step such a lookup skips
-        the checks :meth:`_lookup` makes. Measured on ``bench_vs_vllm``'s HIT loop (one step
-        in 8 timed): 1.27-1.33x the floor's bare ``dict.get`` and row read (1.34-1.40x when a
-        countdown per lookup chose the timed ones); a step of untimed HITs alone 1.02-1.10x.
+        the checks :meth:`_lookup` makes (a timed step times its first lookups only, see
+        :data:`~kvtier.manager.step_hits.TIMED_LOOKUPS`). Measured on ``bench_vs_vllm``'s HIT
+        loop (256-lookup steps, one in 8 timed): 1.11-1.32x the floor's bare ``dict.get`` and
+        row read over three runs, 1.18x against 1.26x with every lookup of a timed step timed
+        in an interleaved side run; a step of untimed HITs alone 1.02-1.10x.
         """
         if type(key) is bytes and (request is None or request.control is DEFAULT_CONTROL):
             if self._fast:
