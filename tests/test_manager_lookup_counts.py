@@ -29,7 +29,8 @@ BLOCKS = 6
 def timed_in_step(calls: list[tuple[str, list[LookupResult]]], cap: int) -> int:
     """The lookups a timed step times, by the model: its calls in order (``lookup``: one answer;
     ``prefix``: a lookup_prefix's answers), each lookup one sample, each run of CPU hits a
-    prefix scan answers after the step's first lookup as many at once, until ``cap`` samples."""
+    prefix scan answers after the step's first lookup as many at once, until ``cap`` samples
+    (a run times only as many as are left: those a lookup per key would time)."""
     left, timed, first = cap, 0, True
     for kind, answers in calls:
         units: list[int] = []
@@ -51,9 +52,9 @@ def timed_in_step(calls: list[tuple[str, list[LookupResult]]], cap: int) -> int:
                 i = j + 1
         first = False
         for n in units:
-            if left > 0:
-                timed += n
-                left -= n
+            take = min(n, left)
+            timed += take
+            left -= take
     return timed
 
 
@@ -153,8 +154,8 @@ def test_snapshot_counts_and_timings_match_the_answers(
 ) -> None:
     """Random steps of lookups, prefix scans and stores (a store evicts, which empties the HIT
     log mid-step; it stores the keys a lookup just answered MISS): the snapshot's HIT and MISS
-    counts are the answers given, and the lookups timed are exactly the first ``cap`` (a prefix
-    scan's run of hits counting whole) of the first step with lookups and of every ``every``-th
+    counts are the answers given, and the lookups timed are exactly the first ``cap`` (as a lookup per
+    key would time them) of the first step with lookups and of every ``every``-th
     step with lookups after it."""
     mgr = TieringManager.create(namespace=namespace, num_cpu_blocks=BLOCKS, policy="lru")
     mgr.lookup_timing_every = every

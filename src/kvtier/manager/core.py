@@ -342,8 +342,8 @@ class TieringManager:
         self, keys: Sequence[BlockKey], i: int, request: RequestContext | None, answers: list[LookupResult]
     ) -> int:
         """Answer the CPU hits of :meth:`lookup_prefix` from ``keys[i]`` on, in C-level passes
-        (:mod:`kvtier.manager.scan`; in a timed step each gets the run's time per key as its
-        sample); the index of the first key :meth:`_lookup` must answer."""
+        (:mod:`kvtier.manager.scan`; in a timed step those a lookup per key would time get the
+        run's time per key as their sample); the index of the first key :meth:`_lookup` must answer."""
         if not (self._fast or self._hits.timed) or not (request is None or request.control is DEFAULT_CONTROL):
             return i
         began = perf_counter() if self._hits.timed else 0.0
@@ -352,8 +352,9 @@ class TieringManager:
             self._hits.log.extend(keys[i : i + found])
             answers += [_HIT] * found
             if began:
-                self._tiers.cpu.lookup_seconds.pending.extend([(perf_counter() - began) / found] * found)
-                if self._hits.sampled(found):
+                timed = min(found, self._hits.samples)  # as many as a lookup per key would time
+                self._tiers.cpu.lookup_seconds.pending.extend([(perf_counter() - began) / found] * timed)
+                if self._hits.sampled(timed):
                     self._fast = True
         return i + found
 
