@@ -208,8 +208,8 @@ class TierSet:
     def touch(self, keys: Sequence[BlockKey], request: RequestContext | None,
               control_of: Callable[[RequestContext], RequestControl]) -> None:
         """``touch(keys, request)`` on the live tiers the request may load from (all without one)."""
-        allowed = None if request is None else (request.control or control_of(request)).load_from
-        if keys and self.live:
+        if keys and self.live:  # the request's control only when there is something to send
+            allowed = None if request is None else (request.control or control_of(request)).load_from
             self.broadcast("touch", keys, request, among=None if allowed is None else
                            [h for h in self.live if h.index in allowed])  # fmt: skip
 

@@ -207,7 +207,9 @@ class RedisTier(ThreadedTier):
     medium = "remote"
     options_model = RedisTierOptions
     extra_metrics: ClassVar[Mapping[str, ExtraMetric]] = {
-        "touches_dropped": ExtraMetric("counter", "Keys whose TTL refresh was dropped: too many touches queued."),
+        "touches_dropped": ExtraMetric(
+            "counter", "Keys whose TTL refresh was dropped: too many touches queued, or a step's over its cap."
+        ),
     }
 
     def __init__(self, context: TierContext, options: RedisTierOptions | None = None, /, **fields: Any) -> None:
