@@ -126,7 +126,15 @@ class FingerprintLists:
         while index[i]:
             i = (i + 1) & mask
         index[i] = entry + 1
-        self._link(entry, which)
+        prv, nxt = self._prev, self._next  # _link, inlined
+        end = self.capacity + which
+        tail = prv[end]
+        nxt[tail] = entry
+        prv[entry] = tail
+        nxt[entry] = end
+        prv[end] = entry
+        self._list_of[entry] = which
+        self._counts[which] += 1
         return entry
 
     def move_to_end(self, entry: int, which: int) -> None:
@@ -147,11 +155,15 @@ class FingerprintLists:
 
     def remove(self, entry: int) -> None:
         """Forget ``entry``: out of its list and the index; the entry is free again."""
-        self._unlink(entry)
-        self._list_of[entry] = FREE
-        self._next[entry] = self._free
+        prv, nxt, list_of = self._prev, self._next, self._list_of  # _unlink, inlined
+        before, after = prv[entry], nxt[entry]
+        nxt[before] = after
+        prv[after] = before
+        self._counts[list_of[entry]] -= 1
+        list_of[entry] = FREE
+        nxt[entry] = self._free
         self._free = entry
-        self._unindex(entry)
+        unindex(self._index, self._fp, self._mask, entry)
 
     def pop_head(self, which: int) -> int:
         """Remove the least recent entry of ``which``; returns its entry number (-1 if empty).

@@ -105,11 +105,12 @@ class MiniWheel:
             if old >= self.open_at or old >= expiry:
                 return
         else:
-            if len(table) >= self.size:
+            if table._free < 0 and table._fresh >= self.size:  # full: no free entry, none fresh (len, without its sum)
                 self._evict()
             entry = table.add(fp, 0)
         self.expiry[entry] = expiry
-        table.move_to_end(entry, self._list(expiry))
+        bucket = (expiry & self.clock) // self.width  # _list, inlined
+        table.move_to_end(entry, 0 if bucket < self.cur else 1 + bucket % self.ring)
 
     def settle(self, fp: int, expiry: int, raise_only: bool) -> None:
         """Set ``fp``'s expiry (``raise_only``: only upwards, an open one untouched), if held."""

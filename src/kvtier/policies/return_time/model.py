@@ -30,6 +30,7 @@ import bisect
 import itertools
 import math
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -80,26 +81,36 @@ class ReturnSampler:
         self.lru_hit = False
 
     def observe(self, fp: int, now: int, cls: int) -> int:
+        """Follow a reference of ``fp`` of class ``cls`` at ``now``; returns the class of its previous
+        reference, or -1 if not followed (see the class docstring). Every sampled reference of the
+        policy comes here: the table's heads and counts are read in place (its lists: 0, the
+        recent segment, and 1, the older keys), and :meth:`expire` runs only when the oldest key
+        passed the horizon."""
         table, times, classes = self.table, self.times, self.classes
-        self.expire(now)
+        heads, end, counts = table._next, table.capacity, table._counts
+        oldest = heads[end + 1]
+        if oldest >= end:
+            oldest = heads[end]
+        if oldest < end and times[oldest] < now - self.horizon:
+            self.expire(now)
         entry = table.find(fp)
         if entry >= 0:
             prev = classes[entry]
             self.last_age = now - times[entry]
-            self.lru_hit = table.list_of(entry) == 0
+            self.lru_hit = table._list_of[entry] == 0
             table.move_to_end(entry, 0)
         else:
             prev = -1
             self.lru_hit = False
-            if len(table) >= self.size:
-                old = table.head(1)
-                if old < 0:
-                    old = table.head(0)
+            if counts[0] + counts[1] >= self.size:
+                old = heads[end + 1]
+                if old >= end:
+                    old = heads[end]
                 self.model.censor(classes[old], now - times[old])
                 table.remove(old)
             entry = table.add(fp, 0)
-        if table.count(0) > self.lru_size:
-            table.move_to_end(table.head(0), 1)  # the LRU's least recent drops out of it
+        if counts[0] > self.lru_size:
+            table.move_to_end(heads[end], 1)  # the LRU's least recent drops out of it
         times[entry] = now
         classes[entry] = cls
         return prev
@@ -250,15 +261,18 @@ class ReturnTimeModel:
         rates = self.refs / self.elapsed if self.elapsed > 0 else np.zeros(self.classes)
         plan = HoldingPlan([0] * self.classes, observations=observations)
         segments: list[tuple[float, int, int, float, float]] = []
+        # Python floats from here (the same doubles): a numpy scalar per element costs ten times more.
+        rate_of, space_of, hits_of = rates.tolist(), space.tolist(), hits.tolist()
         for c in range(self.classes):
-            if rates[c] <= 0:
+            rate, x, y = rate_of[c], space_of[c], hits_of[c]
+            if rate <= 0:
                 continue
-            for start, end in _upper_hull(space[c], hits[c]):
-                d_space = space[c, end] - space[c, start]
-                d_hits = hits[c, end] - hits[c, start]
+            for start, end in _upper_hull(x, y):
+                d_space = x[end] - x[start]
+                d_hits = y[end] - y[start]
                 if d_hits <= 0 or d_space <= 0:
                     continue
-                segments.append((d_hits / d_space, c, end, rates[c] * d_space, rates[c] * d_hits))
+                segments.append((d_hits / d_space, c, end, rate * d_space, rate * d_hits))
         segments.sort(key=lambda s: -s[0])
         used = gained = 0.0
         for _, c, end, occupancy, gain in segments:
@@ -277,7 +291,7 @@ class ReturnTimeModel:
         return plan
 
 
-def _upper_hull(x: np.ndarray, y: np.ndarray) -> list[tuple[int, int]]:
+def _upper_hull(x: Sequence[float], y: Sequence[float]) -> list[tuple[int, int]]:
     """Segments (start, end) of the upper concave hull of points ``(x[i], y[i])`` from point 0."""
     hull: list[int] = [0]
     for i in range(1, len(x)):
