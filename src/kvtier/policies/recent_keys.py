@@ -65,8 +65,11 @@ class RecentKeys:
         return isinstance(fp, int) and self._find(fp) >= 0
 
     def add(self, fp: int) -> None:
-        """Record ``fp`` (non-zero) unless present; the oldest entry goes when the table is full."""
-        if self._find(fp) >= 0:
+        """Record ``fp`` (non-zero) unless present; the oldest entry goes when the table is full.
+
+        Once per stored request, on the scheduler thread: the filter read of :meth:`_find` is
+        inline (nearly every fingerprint added is new)."""
+        if self.filter[fp & self.filter_mask] and self._find(fp) >= 0:
             return
         pos = self._pos
         if self._len == self.capacity:
