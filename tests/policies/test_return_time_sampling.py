@@ -63,7 +63,8 @@ class RecencyModel:
 
 steps = st.lists(
     st.tuples(st.integers(1, 12), st.integers(0, 40), st.integers(0, 3)),  # key, time step, class
-    min_size=1, max_size=120,
+    min_size=1,
+    max_size=120,
 )
 
 
