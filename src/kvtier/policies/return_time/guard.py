@@ -124,13 +124,25 @@ class MiniWheel:
         self.table.move_to_end(entry, self._list(expiry))
 
     def _evict(self) -> None:
+        """Make room: the expired list's head, else the head of the first wheel list in time order
+        that holds one. With every entry held far ahead that walks up to ``ring`` empty lists, so
+        the lists' heads are read in place (``head`` per list cost 17 calls an eviction where most
+        entries were held 20 intervals ahead)."""
         table = self.table
-        entry = table.head(0)
-        if entry < 0:
-            for k in range(self.ring):
-                entry = table.head(1 + (self.cur + k) % self.ring)
-                if entry >= 0:
+        heads, end = table._next, table.capacity  # a list's head follows its sentinel, end + list
+        entry = heads[end]
+        if entry >= end:
+            first = end + 1
+            start = self.cur % self.ring
+            for sentinel in range(first + start, first + self.ring):
+                entry = heads[sentinel]
+                if entry < end:
                     break
+            else:
+                for sentinel in range(first, first + start):
+                    entry = heads[sentinel]
+                    if entry < end:
+                        break
         table.remove(entry)
 
 
