@@ -126,15 +126,7 @@ class FingerprintLists:
         while index[i]:
             i = (i + 1) & mask
         index[i] = entry + 1
-        prv, nxt = self._prev, self._next  # _link, inlined
-        end = self.capacity + which
-        tail = prv[end]
-        nxt[tail] = entry
-        prv[entry] = tail
-        nxt[entry] = end
-        prv[end] = entry
-        self._list_of[entry] = which
-        self._counts[which] += 1
+        self._link(entry, which)
         return entry
 
     def move_to_end(self, entry: int, which: int) -> None:
@@ -155,7 +147,7 @@ class FingerprintLists:
 
     def remove(self, entry: int) -> None:
         """Forget ``entry``: out of its list and the index; the entry is free again."""
-        prv, nxt, list_of = self._prev, self._next, self._list_of  # _unlink, inlined
+        prv, nxt, list_of = self._prev, self._next, self._list_of  # out of its list, in place
         before, after = prv[entry], nxt[entry]
         nxt[before] = after
         prv[after] = before
@@ -190,16 +182,6 @@ class FingerprintLists:
         prv[end] = entry
         self._list_of[entry] = which
         self._counts[which] += 1
-
-    def _unlink(self, entry: int) -> None:
-        prv, nxt = self._prev, self._next
-        before, after = prv[entry], nxt[entry]
-        nxt[before] = after
-        prv[after] = before
-        self._counts[self._list_of[entry]] -= 1
-
-    def _unindex(self, entry: int) -> None:
-        unindex(self._index, self._fp, self._mask, entry)
 
 
 def unindex(index: array[int], fps: array[int], mask: int, entry: int) -> None:
