@@ -123,8 +123,14 @@ class FingerprintMachine(RuleBasedStateMachine):
             return
         assert self.table.fingerprint_of(entry) == self.model[which].pop(0)
 
+    @rule()
+    def clear(self) -> None:
+        self.table.clear()
+        self.model = [[] for _ in range(LISTS)]
+
     @invariant()
     def matches_the_model(self) -> None:
+        assert len(self.table) == sum(map(len, self.model)), "len counts the entries in every list"
         for which in range(LISTS):
             assert self.table.fingerprints(which) == self.model[which]
             assert self.table.count(which) == len(self.model[which])

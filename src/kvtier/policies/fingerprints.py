@@ -60,6 +60,7 @@ class FingerprintLists:
         self._next = array("i", range(ends))
         self._list_of = bytearray([FREE]) * capacity
         self._counts = [0] * lists
+        self._len = 0  # entries in the lists: the sum of _counts, kept (a miniature has 129 lists)
         size = 4
         while size < 2 * capacity:
             size <<= 1
@@ -69,7 +70,7 @@ class FingerprintLists:
         self._free = -1  # head of the free entries, chained through _next
 
     def __len__(self) -> int:
-        return sum(self._counts)
+        return self._len
 
     def count(self, which: int) -> int:
         return self._counts[which]
@@ -127,6 +128,7 @@ class FingerprintLists:
             i = (i + 1) & mask
         index[i] = entry + 1
         self._link(entry, which)
+        self._len += 1
         return entry
 
     def move_to_end(self, entry: int, which: int) -> None:
@@ -155,6 +157,7 @@ class FingerprintLists:
         list_of[entry] = FREE
         nxt[entry] = self._free
         self._free = entry
+        self._len -= 1
         unindex(self._index, self._fp, self._mask, entry)
 
     def pop_head(self, which: int) -> int:

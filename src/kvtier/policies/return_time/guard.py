@@ -105,7 +105,7 @@ class MiniWheel:
             if old >= self.open_at or old >= expiry:
                 return
         else:
-            if table._free < 0 and table._fresh >= self.size:  # full: no free entry, none fresh (len, without its sum)
+            if len(table) >= self.size:
                 self._evict()
             entry = table.add(fp, 0)
         self.expiry[entry] = expiry
