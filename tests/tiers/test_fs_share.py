@@ -166,6 +166,79 @@ def test_an_announcement_read_after_this_engine_deleted_the_file_does_not_revive
     assert index.add_found([(time.time() + 1, key)]) == 1 and key in index
 
 
+def _settled_removal(tier: FilesystemTier, key: bytes, timeout: float = 5.0) -> list[float]:
+    """Times of ``tier``'s removal events of ``key`` once it answers MISS for it (fails after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    removals: list[float] = []
+    while tier.lookup(key, None) is LookupResult.HIT:
+        assert time.monotonic() < deadline, "a peer's removal of a file gone from disk never reached the index"
+        removals += [e.time for e in tier.take_events() if e.removed and key in e.keys]
+        time.sleep(0.005)
+    time.sleep(0.02)  # the event is queued after the index dropped the key
+    return removals + [e.time for e in tier.take_events() if e.removed and key in e.keys]
+
+
+def test_a_peers_removal_timed_before_this_engines_store_is_checked_on_disk(tmp_path: Path, rows: np.ndarray) -> None:
+    """Regression (the fleet reconstruction test's rare failure under load): engine B unlinked the
+    file engine A had just linked, but B's removal was timed (before its unlink started) earlier than
+    A's store (timed once its file was visible). A's index kept the key for good (a removal older than
+    its own proof of the file) and a fleet index, applying the latest change per key, kept A's store:
+    both believed in a file gone from disk. Now such a removal is checked on disk: gone, A drops the
+    key and reports a removal timed after its store; still there (B removed an older file of the key
+    before A stored it), A keeps it and reports nothing."""
+    tier = make_tier(tmp_path, rows, BB)
+    peer = JournalWriter(tier._dirs, "9-cccccccccccc")  # a peer's journal: the records it writes
+    try:
+        keys = [key_of(i, b"raced") for i in range(2)]
+        fill(rows, range(2), keys, BB)
+        before = time.time() - 1.0  # the peer's removals are timed before A's stores
+        assert store(tier, keys, [0, 1]).success
+        stored = {e.keys[0]: e.time for e in tier.take_events() if not e.removed}
+        assert set(stored) == set(keys) and all(t > before for t in stored.values())
+        os.unlink(value_path(tier.ns_dir, keys[0]))  # the peer unlinked A's new file of keys[0]...
+        for key in keys:  # ...and of keys[1] only an older one: A's file is still there
+            peer.append(REMOVED, [key], when=before)
+        peer.flush()
+        removals = _settled_removal(tier, keys[0])
+        assert len(removals) == 1 and removals[0] > stored[keys[0]]
+        assert tier.stats.extra["journal_removed"] == 1
+        time.sleep(0.2)  # several journal reads later
+        assert tier.lookup(keys[1], None) is LookupResult.HIT
+        assert not [e for e in tier.take_events() if e.removed]
+        assert load(tier, keys[1:], [5]).success
+        assert np.array_equal(rows[5, :BB], block_bytes_for(keys[1], BB))
+    finally:
+        peer.close()
+        tier.shutdown()
+
+
+def test_a_peers_removal_of_a_key_being_loaded_here_is_applied_once_the_load_is_over(
+    tmp_path: Path, rows: np.ndarray
+) -> None:
+    """A removal read while a load reads the key (pinned) used to be dropped: the index kept a key
+    whose file was gone until some later load found it vanished. It is applied again at the next
+    journal read once the pin is gone."""
+    tier = make_tier(tmp_path, rows, BB)
+    peer = JournalWriter(tier._dirs, "9-bbbbbbbbbbbb")
+    try:
+        key = key_of(0, b"pinned")
+        fill(rows, [0], [key], BB)
+        assert store(tier, [key], [0]).success
+        tier.take_events()
+        assert tier._index.pin(key)  # what a load in flight holds
+        os.unlink(value_path(tier.ns_dir, key))
+        peer.append(REMOVED, [key])  # timed now: after A's store
+        peer.flush()
+        time.sleep(0.3)  # several journal reads: the key stays while pinned
+        assert tier.lookup(key, None) is LookupResult.HIT
+        tier._index.unpin(key)
+        _settled_removal(tier, key)
+        assert tier.stats.extra["journal_removed"] == 1
+    finally:
+        peer.close()
+        tier.shutdown()
+
+
 def test_sharing_off_keeps_the_index_built_at_start(tmp_path: Path, rows: np.ndarray) -> None:
     other = AlignedRows(4, BB).rows
     b = make_tier(tmp_path, rows, BB, sharing=False)

@@ -76,7 +76,7 @@ from kvtier.tiers.fs_files import (
     remove_value,
     take_for_recycling,
 )
-from kvtier.tiers.fs_index import FileIndex, Reservation
+from kvtier.tiers.fs_index import FileIndex, PeerRemoval, Reservation
 from kvtier.tiers.fs_journal import ADDED, REMOVED, Entry, JournalReader, JournalWriter
 from kvtier.tiers.fs_layout import (
     O_DIRECT,
@@ -126,6 +126,10 @@ victims do not list the shards again for this long (they are dropped as finding 
 _JOURNAL_SECONDS = 0.05
 """At most this often housekeeping reads the other engines' journals and looks for new engines
 (it also runs after every work item under load; idle, every ``housekeeping_interval``)."""
+
+_REMOVALS_AGAIN_MAX = 4096
+"""Peers' removals of keys busy here kept for the next journal read (more are dropped: a load finds
+such a file vanished)."""
 
 _LEDGER_SECONDS = 1.0
 """How often housekeeping adopts dead instances' ledgers and rereads the shared file count."""
@@ -346,6 +350,7 @@ class FilesystemTier(ThreadedTier):
         try:  # before the scan: records appended from now on are read, what came before is scanned
             self._journal = JournalWriter(self._dirs, self._instance.name)
             self._follow = JournalReader(self._dirs, self._instance.name) if self.options.sharing else None
+            self._removals_again: dict[BlockKey, float] = {}  # peers' removals of keys busy here, by time
         except BaseException:
             self._instance.close(remove=True)
             self._budget.close()
@@ -643,11 +648,12 @@ class FilesystemTier(ThreadedTier):
         finally:
             if not self._queue.queued(Lane.STORE):  # idle: tell the others now; busy: housekeeping batches
                 self._journal.flush()
+        if written:  # before the commit: a peer's removal read after it is timed later (_apply_journal)
+            self._emit([key], removed=False)
         self._index.commit(key)
         self._checks.forget(key)
         self._breaker.record_success()
         if written:
-            self._emit([key], removed=False)
             self._complete(work, ok=[key], nbytes=self.block_bytes)
         else:
             self._count(stores_skipped=1)
@@ -820,10 +826,12 @@ class FilesystemTier(ThreadedTier):
             except OSError as exc:
                 self._io_error(f"evicting {victim.hex()[:16]} failed: {exc.strerror or exc}")
         self._budget.release(len(gone), planned=planned)
-        self._journal.append(REMOVED, gone)
+        removed_when = dict(zip(victims, removed_at, strict=True))
+        for victim in gone:  # timed as their events: a peer orders them against its stores (_apply_journal)
+            self._journal.append(REMOVED, [victim], when=removed_when[victim])
         self._index.finish_delete(victims)
         self._count(evictions=len(victims))
-        for victim, when in zip(victims, removed_at, strict=True):
+        for victim, when in removed_when.items():
             self._emit([victim], removed=True, when=when)
         return recycled, len(gone)
 
@@ -918,16 +926,42 @@ class FilesystemTier(ThreadedTier):
                 self._follow.remove_dead()
 
     def _apply_journal(self, entries: list[Entry]) -> None:
-        """What other engines added (present, ranked by its write time) and removed (gone)."""
+        """What other engines added (present, ranked by its write time) and removed (gone).
+
+        A removal's time and this engine's proof of a file (a store, timed after its link) do
+        not order them when they are close: another engine may have unlinked the very file this
+        one just linked. So a removal of a key proven here since is checked on disk (one
+        ``fstatat``; a rare case: a key evicted and stored again within a journal read), and a
+        key gone is dropped with a removal event timed before the look, after this engine's
+        own store event (emitted before its commit). A removal of a key busy here (a store or
+        load under way) is applied again at the next read, once that is over."""
         added = removed = 0
-        for op, when, key in entries:
+        again, self._removals_again = self._removals_again, {}
+        for op, when, key in [(REMOVED, when, key) for key, when in again.items()] + entries:
             if op == ADDED:
                 added += self._index.add_found([(when, key)])
                 self._checks.forget(key)
-            elif self._index.forget_if_older(key, when):
+                continue
+            verdict = self._index.forget_if_older(key, when)
+            if verdict is PeerRemoval.DROPPED:
                 removed += 1
+            elif verdict is PeerRemoval.BUSY:
+                if len(self._removals_again) < _REMOVALS_AGAIN_MAX:
+                    self._removals_again[key] = max(when, self._removals_again.get(key, when))
+            elif verdict is PeerRemoval.NEWER:
+                looked = time.time()
+                if not self._still_on_disk(key):
+                    self._forget(key, looked)
+                    removed += 1
         if added or removed:
             self._count(journal_added=added, journal_removed=removed)
+
+    def _still_on_disk(self, key: BlockKey) -> bool:
+        """:meth:`_on_disk` for a key the index holds: an I/O error answers True (kept; a load finds out)."""
+        try:
+            return self._on_disk(key)
+        except OSError as exc:
+            return not _is_gone(exc)
 
     def _io_error(self, detail: str) -> None:
         logger.warning("fs tier %s: %s", self.label, detail)

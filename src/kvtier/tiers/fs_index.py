@@ -42,6 +42,15 @@ class Reservation(Enum):
     BUSY = "busy"
 
 
+class PeerRemoval(Enum):
+    """What :meth:`FileIndex.forget_if_older` made of another engine's removal of a key."""
+
+    DROPPED = "dropped"  # the key was present here: it is not any more
+    UNKNOWN = "unknown"  # not present here: nothing to do
+    NEWER = "newer"  # a file of it was proven here after the removal's time: check the disk
+    BUSY = "busy"  # a store, deletion or load of it is under way here: ask again later
+
+
 SEEN_SECONDS = 120.0
 """How long the index remembers when a file of a used key was last proven to exist (stored,
 adopted, announced by another engine): a removal another engine announces with an older time
@@ -207,25 +216,29 @@ class FileIndex:
             self._saw_locked(key, now)
             return True
 
-    def forget_if_older(self, key: bytes, when: float) -> bool:
+    def forget_if_older(self, key: bytes, when: float) -> PeerRemoval:
         """Another engine removed ``key``'s file at ``when`` (wall clock): drop the key unless a
-        load or store of it is under way here, or a file of it was proven to exist after
-        ``when`` (stored or adopted here, announced or found on disk since; a mere use proves
-        nothing). True if it was dropped."""
+        load or store of it is under way here (BUSY), or a file of it was proven to exist after
+        ``when`` (NEWER: stored or adopted here, announced or found on disk since; a mere use
+        proves nothing). Times bracket the actions they stand for only loosely (a store is timed
+        after its link, a journal's removal after its unlink), so NEWER and BUSY leave the truth
+        to the disk: the caller looks (see ``FsTier._apply_journal``)."""
         with self._lock:
             if key in self._busy or key in self._pins:
-                return False
+                return PeerRemoval.BUSY
             found = self._found.get(key)
             if found is not None:
                 if found > when:
-                    return False
+                    return PeerRemoval.NEWER
                 del self._found[key]
-                return True
-            if key not in self._used or self._seen.get(key, 0.0) > when:
-                return False
+                return PeerRemoval.DROPPED
+            if key not in self._used:
+                return PeerRemoval.UNKNOWN
+            if self._seen.get(key, 0.0) > when:
+                return PeerRemoval.NEWER
             del self._used[key]
             self._seen.pop(key, None)
-            return True
+            return PeerRemoval.DROPPED
 
     def add_found(self, files: Iterable[tuple[float, bytes]]) -> int:
         """Add files found on disk or announced by another engine (``(mtime, key)``, oldest
