@@ -125,7 +125,8 @@ def _exported_metrics() -> dict[str, set[str]]:
     ns = Namespace("docs-metrics", KVGeometry(num_layers=2, num_kv_heads=2, head_dim=64, tokens_per_block=16))
     with tempfile.TemporaryDirectory() as tmp:
         mgr = TieringManager.create(namespace=ns, num_cpu_blocks=8, shm_dir=tmp,
-                                    tiers=[{"type": "fs", "root": f"{tmp}/fs", "max_bytes": 1 << 24}])  # fmt: skip
+                                    tiers=[{"type": "fs", "root": f"{tmp}/fs", "max_bytes": 1 << 24,
+                                            "admission": "learned"}])  # fmt: skip
         try:
             for i in range(4):  # cascades the fs tier completes: its store latency average gets measured
                 keys = [bytes([i + 1]) * 32]

@@ -124,6 +124,9 @@ def test_learned_admission_declines_what_the_policy_predicts_will_not_return() -
         # The conversations, which return, are still written and read back from the tier.
         assert admission.admitted_blocks > 0 and snap.tier("1:memory").lookups.hit > 0
         assert snap.tier("1:memory").written.blocks == admission.admitted_blocks
+        # Its measured guard agrees: the declined documents never came back, nothing was lost.
+        assert admission.guard in ("learning", "judging") and admission.guard_fallbacks == 0
+        assert admission.hits_lost == 0 and admission.overridden_blocks == 0
         metrics = KvtierMetrics()
         metrics.update(snap)
         text = metrics.render().decode()
@@ -153,6 +156,8 @@ def test_replay_reports_what_each_tier_was_given(tmp_path: Path) -> None:
     kv = json.loads(out.read_text())["rows"][0]["kvtier"]
     assert kv["written_bytes:1:fs"] > 0
     assert kv["admitted_blocks:1:fs"] + kv["declined_blocks:1:fs"] > 0
+    assert {"hits_gained:1:fs", "hits_lost:1:fs", "guard_fallbacks:1:fs", "guard_fallen_back:1:fs",
+            "overridden_blocks:1:fs"} <= set(kv)  # fmt: skip
     assert "1:fs: " in done.stdout and "blocks admitted" in " ".join(done.stdout.split())
     # The fs tier's size and admission need the fs tier: said, not ignored.
     bad_args = ["replay", "--synthetic", "chat", "--admission", "learned"]

@@ -27,6 +27,7 @@ class OnlyRequest:
         self.req_id = req_id
         self.asked: list[tuple[list[BlockKey], str | None, int]] = []
         self.finished_jobs: list[tuple[JobResult, float]] = []
+        self.served_keys: list[BlockKey] = []
 
     def admit(self, keys: Sequence[BlockKey], request: RequestContext | None, stores_in_flight: int) -> bool:
         self.asked.append((list(keys), None if request is None else request.req_id, stores_in_flight))
@@ -34,6 +35,9 @@ class OnlyRequest:
 
     def finished(self, result: JobResult, seconds: float) -> None:
         self.finished_jobs.append((result, seconds))
+
+    def served(self, keys: Sequence[BlockKey]) -> None:
+        self.served_keys.extend(keys)
 
     def snapshot(self) -> BackpressureSnapshot | None:
         return None

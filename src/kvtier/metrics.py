@@ -37,6 +37,12 @@ tier or ``<n>:<type>`` for secondary tier n, as in events and logs):
 * ``admission_blocks_total{tier,rule,decision}``: stored blocks a secondary tier's cascade
   admission (``rule``: ``all`` or ``learned``) admitted (``decision="admitted"``) or declined
   (``"declined_learned"``: predicted not worth the write; ``"declined_backpressure"``)
+* the measured guard of ``admission: learned`` (:mod:`kvtier.manager.admission_guard`):
+  ``admission_guard_state{tier,state}`` 1 for its state (``learning``, ``judging``,
+  ``fallen_back``), ``admission_guard_hits{tier,effect}`` (``effect="gained"`` / ``"lost"``: hits
+  the rule gained and lost against writing every store, estimated), ``admission_guard_fallbacks_total{tier}``
+  and ``admission_overridden_blocks_total{tier}`` (blocks the rule would have declined, written
+  while the guard was fallen back)
 * ``tier_extra_counter_total{tier,name}`` and ``tier_extra_gauge{tier,name}``:
   the metrics a tier declares itself (``SecondaryTier.extra_metrics``)
 * ``lookup_seconds`` and ``scheduler_step_seconds``: histograms the caller feeds
@@ -207,7 +213,7 @@ def _families(snap: ManagerSnapshot, transfer: Mapping[str, tuple[int, float]]) 
         nbytes.add_metric(["device", direction], moved)
         seconds.add_metric(["device", direction], secs)
 
-    policy_families = _policy_families(snap)
+    policy_families = [*_policy_families(snap), *_admission_guard_families(snap)]
     m = snap.manager
     in_flight.add_metric([], m.jobs_in_flight)
     promotions.add_metric(["started"], m.promotions_started)
@@ -232,6 +238,40 @@ def _families(snap: ManagerSnapshot, transfer: Mapping[str, tuple[int, float]]) 
             health, pressure, latency, skipped_jobs, skipped_blocks, admission, extra_counters, extra_gauges, in_flight,
             promotions, cascades, problems, *policy_families]  # fmt: skip
 
+
+def _admission_guard_families(snap: ManagerSnapshot) -> list[Metric]:
+    """The families of each ``admission: learned`` tier's measured guard."""
+    state = GaugeMetricFamily(
+        "kvtier_admission_guard_state", "1 for the learned admission guard's current state.", labels=["tier", "state"]
+    )
+    hits = GaugeMetricFamily(
+        "kvtier_admission_guard_hits",
+        "Hits a learned admission's rule gained or lost against writing every store (estimated from its guard's "
+        "sample, recent ones weighing most).", labels=["tier", "effect"],
+    )  # fmt: skip
+    fallbacks = CounterMetricFamily(
+        "kvtier_admission_guard_fallbacks", "Times the learned admission's guard fell back to writing every store.",
+        labels=["tier"],
+    )  # fmt: skip
+    overridden = CounterMetricFamily(
+        "kvtier_admission_overridden_blocks",
+        "Blocks a learned admission would have declined, written while its guard was fallen back.", labels=["tier"],
+    )  # fmt: skip
+    for tier in snap.tiers:
+        adm = tier.admission
+        if adm is None or adm.guard is None:
+            continue
+        for name in ADMISSION_GUARD_STATES:
+            state.add_metric([tier.label, name], 1.0 if name == adm.guard else 0.0)
+        hits.add_metric([tier.label, "gained"], adm.hits_gained)
+        hits.add_metric([tier.label, "lost"], adm.hits_lost)
+        fallbacks.add_metric([tier.label], adm.guard_fallbacks)
+        overridden.add_metric([tier.label], adm.overridden_blocks)
+    return [state, hits, fallbacks, overridden]
+
+
+ADMISSION_GUARD_STATES = ("learning", "judging", "fallen_back")
+"""The states of a learned admission's guard (:attr:`~kvtier.manager.admission_guard.ReturnWatch.state`)."""
 
 POLICY_STATES = ("learning", "ahead", "fallen_back")
 """The states ``return-time`` reports; another policy's own state is exported beside them."""

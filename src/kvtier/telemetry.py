@@ -249,12 +249,23 @@ class AdmissionSnapshot:
     """How the manager admits cascades to one secondary tier: its rule (``all`` or ``learned``,
     the tier spec's ``admission`` option) and the stored blocks it admitted and declined
     (declined for any reason: backpressure or the learned rule; ``learned_declined`` counts the
-    learned rule's alone)."""
+    learned rule's alone).
+
+    With ``learned``, its measured guard (:mod:`kvtier.manager.admission_guard`): ``guard``
+    (``learning``, ``judging`` or ``fallen_back``), the hits the rule gained and lost against
+    writing every store (estimated from its sample, recent ones weighing most), how often it
+    fell back, and the blocks the rule declines that were written because it had
+    (``overridden_blocks``)."""
 
     rule: str
     admitted_blocks: int
     declined_blocks: int
     learned_declined: int = 0
+    guard: str | None = None
+    hits_gained: float = 0.0
+    hits_lost: float = 0.0
+    guard_fallbacks: int = 0
+    overridden_blocks: int = 0
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from typing import Protocol
 
 from kvtier.backpressure import BackpressureSettings, StoreLatencyMonitor
 from kvtier.keys import BlockKey, session_digest
+from kvtier.manager.admission_guard import ADMITTED, DECLINED, ENDED, OVERRIDDEN, ReturnWatch
 from kvtier.primary import PrimaryTier
 from kvtier.telemetry import BackpressureSnapshot
 from kvtier.tiers.base import JobResult, SecondaryTier
@@ -62,6 +63,9 @@ class CascadeAdmission(Protocol):
 
     def finished(self, result: JobResult, seconds: float) -> None:
         """The tier reported one cascade job, ``seconds`` after it was submitted."""
+
+    def served(self, keys: Sequence[BlockKey]) -> None:
+        """The tier served ``keys``: a load (promotion) of them from it succeeded."""
 
     def snapshot(self) -> BackpressureSnapshot | None:
         """The state to show in the tier's snapshot, or None."""
@@ -88,6 +92,9 @@ class BackpressureAdmission:
         if result.bytes_moved > 0 or (not result.success and result.seconds > 0):
             self.monitor.observe(seconds)
 
+    def served(self, keys: Sequence[BlockKey]) -> None:
+        pass
+
     def snapshot(self) -> BackpressureSnapshot:
         return self.monitor.snapshot()
 
@@ -105,6 +112,10 @@ SESSIONS_SEEN = 32768
 oldest forgotten first): one forgotten has its last request judged by the policy."""
 
 
+UNKNOWN_TIER_BLOCKS = 1 << 20
+"""The guard's horizon, in blocks, for a tier that cannot tell its capacity."""
+
+
 DECIDED_REQUESTS = 4096
 """Requests whose first store's decision :class:`LearnedAdmission` remembers for their later
 stores (more than an engine runs at once; the oldest is forgotten first)."""
@@ -117,10 +128,13 @@ class LearnedAdmission:
 
     The tier's horizon, in references, is its capacity in blocks (``tier_blocks``; a block
     written to a full tier stays for at least that many writes, each at least one reference),
-    or the policy's own horizon when the tier's capacity is unknown (None).
+    or the policy's own horizon when the tier's capacity is unknown (None). ``watch`` is the
+    measured guard (:mod:`kvtier.manager.admission_guard`): while it is fallen back the
+    policy's declines are overridden (written).
     """
 
-    __slots__ = ("_decided", "_horizon", "_policy", "_sessions", "_slot_of", "declined", "inner")
+    __slots__ = ("_decided", "_horizon", "_policy", "_sessions", "_slot_of", "declined", "inner", "overridden",
+                 "watch")
 
     def __init__(self, primary: PrimaryTier, tier_blocks: int | None, inner: CascadeAdmission | None) -> None:
         self.inner = inner
@@ -130,26 +144,42 @@ class LearnedAdmission:
         # The decision of each recent request's first store, which its later stores follow: a
         # request stored in pieces is one request (a piece declined after pieces admitted would
         # leave its successors useless in the tier, prefix hits being what counts).
-        self._decided: OrderedDict[str, bool] = OrderedDict()
+        self._decided: OrderedDict[str, int] = OrderedDict()  # ADMITTED, DECLINED, OVERRIDDEN or ENDED
         self._sessions: OrderedDict[int, None] = OrderedDict()
         """Conversations (a 64-bit hash of their id) with a store judged here by a request that did not end them."""
         self.declined = 0
         """Blocks this admission declined (backpressure's are not counted here)."""
+        self.overridden = 0
+        """Blocks the policy would have declined, written because the guard had fallen back."""
+        self.watch = ReturnWatch(tier_blocks if tier_blocks is not None else UNKNOWN_TIER_BLOCKS)
 
     def admit(self, keys: Sequence[BlockKey], request: RequestContext | None, stores_in_flight: int) -> bool:
         inner = self.inner
         if inner is not None and not inner.admit(keys, request, stores_in_flight):
             return False
-        decided = None if request is None else self._decided.get(request.req_id)
-        if decided is None:
-            decided = not self._ends_a_conversation(request) and self._worth_writing(keys)
+        outcome = None if request is None else self._decided.get(request.req_id)
+        if outcome is None:
+            outcome = self._decide(keys, request)
             if request is not None:
-                self._decided[request.req_id] = decided
+                self._decided[request.req_id] = outcome
                 if len(self._decided) > DECIDED_REQUESTS:
                     self._decided.popitem(last=False)
-        if not decided:
-            self.declined += len(keys)
-        return decided
+        self.watch.stored(keys, outcome)
+        if outcome == ADMITTED:
+            return True
+        if outcome == OVERRIDDEN:
+            self.overridden += len(keys)
+            return True
+        self.declined += len(keys)
+        return False
+
+    def _decide(self, keys: Sequence[BlockKey], request: RequestContext | None) -> int:
+        """The outcome of a request's first store (its later stores follow it)."""
+        if self._ends_a_conversation(request):
+            return ENDED
+        if self._worth_writing(keys):
+            return ADMITTED
+        return OVERRIDDEN if self.watch.fallen_back else DECLINED
 
     def _worth_writing(self, keys: Sequence[BlockKey]) -> bool:
         slot = self._slot_of(keys[-1]) if keys else None
@@ -185,6 +215,9 @@ class LearnedAdmission:
     def finished(self, result: JobResult, seconds: float) -> None:
         if self.inner is not None:
             self.inner.finished(result, seconds)
+
+    def served(self, keys: Sequence[BlockKey]) -> None:
+        self.watch.served(keys)
 
     def snapshot(self) -> BackpressureSnapshot | None:
         return None if self.inner is None else self.inner.snapshot()

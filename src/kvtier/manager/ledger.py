@@ -230,6 +230,8 @@ class Ledger:
                          result.job_id, handle.index, len(failed), len(job.keys), result.error)
         counters.promotions_succeeded += len(ok)
         counters.promotions_failed += len(failed)
+        if ok and handle.admission is not None:
+            handle.admission.served(ok)
         telemetry.read.add(len(ok), result.bytes_moved, seconds)
 
     def _withhold(self, handle: TierHandle, keys: list[BlockKey]) -> None:

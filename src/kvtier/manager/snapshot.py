@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, fields, replace
 from typing import Any, NamedTuple
 
+from kvtier.manager.admission_guard import ReturnWatch
 from kvtier.manager.tierset import TierHandle, TierSet
 from kvtier.primary import PrimaryTier
 from kvtier.telemetry import (
@@ -137,6 +138,23 @@ def cpu_snapshot(primary: PrimaryTier, telemetry: TierTelemetry, answers: tuple[
     )
 
 
+def _admission(handle: TierHandle) -> AdmissionSnapshot:
+    """How ``handle``'s tier admits cascades, with the learned rule's guard when it has one."""
+    telemetry, admission = handle.telemetry, handle.admission
+    snap = AdmissionSnapshot(
+        rule=str(getattr(getattr(handle.tier, "context", None), "admission", "all")),
+        admitted_blocks=telemetry.admitted_blocks,
+        declined_blocks=telemetry.declined_blocks,
+        learned_declined=getattr(admission, "declined", 0),
+    )
+    watch = getattr(admission, "watch", None)
+    if not isinstance(watch, ReturnWatch):
+        return snap
+    share = watch.sampled_share
+    return replace(snap, guard=watch.state, hits_gained=watch.gained / share, hits_lost=watch.lost / share,
+                   guard_fallbacks=watch.fallbacks, overridden_blocks=getattr(admission, "overridden", 0))
+
+
 def tier_snapshot(handle: TierHandle, reading: TierReading) -> TierSnapshot:
     """One secondary tier: what it said of itself (``reading``) and what the manager observed."""
     counters, telemetry, descriptor = reading.counters, handle.telemetry, handle.descriptor
@@ -169,12 +187,7 @@ def tier_snapshot(handle: TierHandle, reading: TierReading) -> TierSnapshot:
         evictions=int(counters.get("evictions", 0)),
         health=reading.health,
         backpressure=None if handle.admission is None else handle.admission.snapshot(),
-        admission=AdmissionSnapshot(
-            rule=str(getattr(getattr(handle.tier, "context", None), "admission", "all")),
-            admitted_blocks=telemetry.admitted_blocks,
-            declined_blocks=telemetry.declined_blocks,
-            learned_declined=getattr(handle.admission, "declined", 0),
-        ),
+        admission=_admission(handle),
         counters=counters,
         extra=reading.extra,
         extra_kinds=reading.extra_kinds,

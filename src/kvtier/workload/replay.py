@@ -142,7 +142,10 @@ def replay_manager(
     with ``extra["self_evictions"]``: blocks evicted by a later store of their own
     request, and per secondary tier ``extra["written_bytes:LABEL"]`` (bytes its cascades
     wrote), ``"admitted_blocks:LABEL"`` and ``"declined_blocks:LABEL"`` (its admission's
-    count). ``store_chunk``: how each request's missed blocks are stored (one
+    count) and, with ``admission: learned``, its guard's ``"overridden_blocks:LABEL"``,
+    ``"guard_fallbacks:LABEL"``, ``"guard_fallen_back:LABEL"`` (1 at the end of the run) and
+    ``"hits_gained:LABEL"`` / ``"hits_lost:LABEL"`` (its estimates against writing everything).
+    ``store_chunk``: how each request's missed blocks are stored (one
     ``prepare_store`` / ``complete_store`` per piece, see :func:`store_pieces`);
     ``decode_blocks[i]``: request ``i``'s decode stores in the mixed mode (default 1).
     ``params[i]``: request ``i``'s per-request params (its ``kv_transfer_params``: the
@@ -239,6 +242,12 @@ def replay_manager(
         if tier.admission is not None:
             written[f"admitted_blocks:{tier.label}"] = tier.admission.admitted_blocks
             written[f"declined_blocks:{tier.label}"] = tier.admission.declined_blocks
+            if tier.admission.guard is not None:  # the learned rule's measured guard
+                written[f"overridden_blocks:{tier.label}"] = tier.admission.overridden_blocks
+                written[f"guard_fallbacks:{tier.label}"] = tier.admission.guard_fallbacks
+                written[f"guard_fallen_back:{tier.label}"] = float(tier.admission.guard == "fallen_back")
+                written[f"hits_gained:{tier.label}"] = tier.admission.hits_gained
+                written[f"hits_lost:{tier.label}"] = tier.admission.hits_lost
     extra: dict[str, float] = {
         **{f"policy_{name}": value for name, value in policy_values.items()},
         **written,

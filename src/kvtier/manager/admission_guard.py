@@ -1,0 +1,169 @@
+"""The measured guard of ``admission: learned``: does declining gain more hits than it loses?
+
+:class:`~kvtier.manager.admission.LearnedAdmission` declines a store whose blocks the
+CPU tier's policy predicts much less likely to be read again within the tier's horizon
+than the average stored block. That is a prediction. :class:`ReturnWatch` measures what
+it is worth against writing every store, on the same stream, whichever of the two the
+tier follows, the way the policy's own guard measures its evictions.
+
+The tier holds about its capacity's worth (the horizon, ``H`` blocks) of the most
+recent writes. Writing every store, a block stays for ``H`` *offered* blocks (every
+store's, written or not); following the rule, an admitted block stays for ``H``
+*admitted* blocks, longer by what was declined meanwhile. So when a block comes back
+after it left the CPU tier (the tier serves it, or it is stored again: recomputed), at
+an age of ``a`` admitted and ``t`` offered blocks:
+
+* an admitted block is a hit the rule *gained* when ``a <= H < t`` (writing everything
+  would have evicted it);
+* a block the rule declines (declined, or written anyway while the guard is fallen back)
+  is a hit the rule *lost* when ``t <= H`` (writing everything would have kept it).
+
+Both are counted on a spatial hash sample of the keys (by a key's last two bytes, keys
+being hashes: every block when ``H`` is at most :data:`SAMPLED_MAX`, a share of them
+above it), with the same formula whether the tier follows the rule or writes everything,
+so the guard keeps measuring after it falls back. Once :data:`MIN_EVIDENCE` sampled hits
+were counted, the guard *falls back* (the admission writes every store) when the rule
+lost significantly more than it gained (by two standard deviations of the counts), and
+resumes when it gains significantly more. The counts are halved every :data:`WINDOW`
+sampled hits, so a workload that changes is followed. A guard bounds a sustained loss;
+it cannot make one impossible: until enough was counted, the predictions stand.
+
+Owned by one ``LearnedAdmission``; every call comes from the scheduler thread and
+touches only memory: a two-byte test per block, dictionary operations for the sampled
+ones. Memory: at most :data:`SAMPLED_MAX` keys in each of its two tables.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvtier.keys import BlockKey
+
+SAMPLED_MAX = 8192
+"""The most keys each of the guard's two tables follows (the sampled share of the tier's horizon)."""
+
+MIN_EVIDENCE = 32
+"""Sampled hits gained and lost, together, before the guard judges."""
+
+WINDOW = 2048
+"""Sampled hits gained and lost, together, after which both counts are halved (the past fades)."""
+
+_HASH_SPACE = 1 << 16
+
+ADMITTED = 0
+DECLINED = 1
+OVERRIDDEN = 2
+ENDED = 3
+"""What became of a store: written; declined by the policy's prediction; written although the rule
+declines it, because the guard fell back; declined by the hints (a conversation's last request:
+not the prediction the guard measures, not written whatever it says)."""
+
+
+class ReturnWatch:
+    """Sampled hits the learned rule gained and lost against writing everything, and the guard's
+    state (see the module docstring). ``horizon``: the tier's capacity in blocks."""
+
+    __slots__ = ("_admitted", "_below", "_declined", "admitted_clock", "fallbacks", "fallen_back", "gained",
+                 "horizon", "lost", "offered_clock")  # fmt: skip
+
+    def __init__(self, horizon: int) -> None:
+        self.horizon = max(1, horizon)
+        self._below = max(1, min(_HASH_SPACE, _HASH_SPACE * SAMPLED_MAX // self.horizon))
+        self._admitted: OrderedDict[BlockKey, tuple[int, int]] = OrderedDict()  # key: both clocks then
+        self._declined: OrderedDict[BlockKey, int] = OrderedDict()  # key: the offered clock then
+        self.admitted_clock = 0
+        """Blocks admitted so far (what the rule writes)."""
+        self.offered_clock = 0
+        """Blocks offered so far: admitted, declined or overridden (what writing everything writes)."""
+        self.gained = 0.0
+        self.lost = 0.0
+        """Sampled hits the rule gained and lost (halved every :data:`WINDOW`)."""
+        self.fallen_back = False
+        self.fallbacks = 0
+
+    @property
+    def sampled_share(self) -> float:
+        """The share of keys the guard follows."""
+        return self._below / _HASH_SPACE
+
+    @property
+    def state(self) -> str:
+        """``learning`` (too few hits counted), ``judging`` or ``fallen_back``."""
+        if self.fallen_back:
+            return "fallen_back"
+        return "judging" if self.gained + self.lost >= MIN_EVIDENCE else "learning"
+
+    def stored(self, keys: Sequence[BlockKey], outcome: int) -> None:
+        """A cascade of ``keys`` had ``outcome`` (ADMITTED, DECLINED, OVERRIDDEN or ENDED):
+        followed keys among them came back (stored again: recomputed); sampled keys are
+        followed from now (but ENDED ones: not the rule's)."""
+        below = self._below
+        admitted, declined = self._admitted, self._declined
+        if outcome == ADMITTED:
+            self.admitted_clock += len(keys)
+        if outcome != ENDED:
+            self.offered_clock += len(keys)
+        for key in keys:
+            if int.from_bytes(key[-2:], "little") >= below:
+                continue
+            self._came_back(key, served=False)
+            if outcome == ADMITTED:
+                admitted[key] = (self.admitted_clock, self.offered_clock)
+            elif outcome != ENDED:
+                declined[key] = self.offered_clock
+        self._expire()
+
+    def served(self, keys: Sequence[BlockKey]) -> None:
+        """The tier served ``keys`` (a load from it succeeded): followed keys came back, and are
+        followed again from now (a use renews a block's stay in the tier, in either world)."""
+        below, admitted = self._below, self._admitted
+        for key in keys:
+            if int.from_bytes(key[-2:], "little") < below:
+                self._came_back(key, served=True)
+                admitted[key] = (self.admitted_clock, self.offered_clock)
+        self._expire()
+
+    def _came_back(self, key: BlockKey, served: bool) -> None:
+        """``key`` came back: a hit gained, lost, or neither. A declined key the tier served
+        (another engine sharing it wrote the block) cost nothing."""
+        horizon = self.horizon
+        then = self._admitted.pop(key, None)
+        if then is not None:
+            if self.admitted_clock - then[0] <= horizon < self.offered_clock - then[1]:
+                self._count(gained=1.0)
+            return
+        offered = self._declined.pop(key, None)
+        if offered is not None and not served and self.offered_clock - offered <= horizon:
+            self._count(lost=1.0)
+
+    def _expire(self) -> None:
+        """Forget what no longer counts either way: admitted keys older than the horizon in
+        admitted blocks, the others older than it in offered blocks (or past the table's size)."""
+        admitted, declined = self._admitted, self._declined
+        oldest = self.admitted_clock - self.horizon
+        while admitted and (next(iter(admitted.values()))[0] < oldest or len(admitted) > SAMPLED_MAX):
+            admitted.popitem(last=False)
+        oldest = self.offered_clock - self.horizon
+        while declined and (next(iter(declined.values())) < oldest or len(declined) > SAMPLED_MAX):
+            declined.popitem(last=False)
+
+    def _count(self, gained: float = 0.0, lost: float = 0.0) -> None:
+        self.gained += gained
+        self.lost += lost
+        if self.gained + self.lost >= WINDOW:
+            self.gained /= 2.0
+            self.lost /= 2.0
+        total = self.gained + self.lost
+        if total < MIN_EVIDENCE:
+            return
+        margin = 4.0 * total  # (2 standard deviations)^2 of the difference of two counts
+        difference = self.lost - self.gained
+        if not self.fallen_back and difference > 0 and difference * difference > margin:
+            self.fallen_back = True
+            self.fallbacks += 1
+        elif self.fallen_back and difference < 0 and difference * difference > margin:
+            self.fallen_back = False
+
+
+__all__ = ["ADMITTED", "DECLINED", "ENDED", "MIN_EVIDENCE", "OVERRIDDEN", "SAMPLED_MAX", "WINDOW", "ReturnWatch"]
