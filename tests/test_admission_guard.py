@@ -47,20 +47,45 @@ def test_a_declined_block_back_within_the_horizon_is_a_hit_lost_and_an_admitted_
     watch.stored(filler[25:36], ADMITTED)  # 11 written: past the horizon in both worlds
     watch.served(admitted)
     assert (watch.gained, watch.lost) == (1.0, 1.0)
-    old = _keys(1, 4)
-    watch.stored(old, OVERRIDDEN)  # what the rule declines, written anyway: the same loss if it comes back
-    watch.stored(filler[36:], DECLINED)
-    watch.stored(old, ADMITTED)
+    written_anyway = _keys(2, 4)
+    watch.stored(written_anyway, OVERRIDDEN)  # what the rule declines, written because the guard fell back
+    watch.served(written_anyway[:1])  # served: a hit only because it was written
+    watch.stored(written_anyway[1:], ADMITTED)  # stored again: the tier lost it too, nothing either way
     assert (watch.gained, watch.lost) == (1.0, 2.0)
     ended = _keys(1, 5)
     clocks = (watch.admitted_clock, watch.offered_clock)
     watch.stored(ended, ENDED)  # the hints' decline: not the rule's, not followed, not offered
     watch.stored(ended, ADMITTED)
     assert (watch.gained, watch.lost) == (1.0, 2.0) and watch.offered_clock == clocks[1] + 1
+    watch.fallen_back = True  # writing everything: what the tier missed is judged for the rule
+    kept_by_the_rule, pushed_out = _keys(2, 13)
+    watch.stored([kept_by_the_rule, pushed_out], ADMITTED)
+    watch.stored(filler[:4], OVERRIDDEN)
+    watch.stored([kept_by_the_rule], ADMITTED)  # the tier lost it; 0 admitted since: the rule kept it
+    watch.stored(filler[4:16], ADMITTED)
+    watch.stored([pushed_out], ADMITTED)  # 13 admitted since: the rule lost it too
+    assert (watch.gained, watch.lost) == (2.0, 2.0)
+    watch.fallen_back = False
     shared = _keys(1, 12)
     watch.stored(shared, DECLINED)
     watch.served(shared)  # another engine sharing the tier wrote it: declining it here cost nothing
-    assert (watch.gained, watch.lost) == (1.0, 2.0)
+    assert (watch.gained, watch.lost) == (2.0, 2.0)
+
+
+def test_a_use_in_the_cpu_tier_renews_a_blocks_stay_in_both_worlds() -> None:
+    """The CPU tier's hits touch the tier (their recency there): a block touched is followed from
+    then, like one just written."""
+    watch = ReturnWatch(horizon=10)
+    admitted, written_anyway = _keys(1, 14), _keys(1, 15)
+    filler = _keys(40, 16)
+    watch.stored(admitted, ADMITTED)
+    watch.stored(written_anyway, OVERRIDDEN)
+    watch.stored(filler[:8], DECLINED)
+    watch.touched(admitted + written_anyway)
+    watch.stored(filler[8:16], DECLINED)  # 16 offered since the stores, 8 since the touch
+    watch.served(admitted)  # writing everything would have kept it too (touched): nothing gained
+    watch.served(written_anyway)  # written only because the guard fell back, kept by its touch: lost
+    assert (watch.gained, watch.lost) == (0.0, 1.0)
 
 
 def test_the_guard_falls_back_when_the_rule_loses_and_resumes_when_it_gains() -> None:
@@ -73,8 +98,8 @@ def test_the_guard_falls_back_when_the_rule_loses_and_resumes_when_it_gains() ->
     gaining = _keys(4 * MIN_EVIDENCE, 7)
     for i, key in enumerate(gaining):
         watch.stored([key], ADMITTED)
-        watch.stored(_keys(1001, 100 + i), OVERRIDDEN)  # more than the horizon offered, nothing admitted
-        watch.served([key])
+        watch.stored(_keys(1001, 100 + i), OVERRIDDEN)  # more than the horizon written, nothing admitted
+        watch.stored([key], ADMITTED)  # writing everything lost it; the rule would have kept it
         if not watch.fallen_back:
             break
     assert not watch.fallen_back and watch.state == "judging" and watch.fallbacks == 1
@@ -111,21 +136,34 @@ def test_only_a_sample_of_a_long_horizon_is_followed_and_memory_stays_bounded() 
 
 
 class _Model:
-    """The guard's counts, computed plainly: every return is judged by both clocks, nothing is
-    ever forgotten (what the guard forgets can no longer count either way)."""
+    """The guard, computed plainly: every return is judged by both clocks as the module docstring
+    says, nothing is ever forgotten (what the guard forgets can no longer count either way), the
+    state is decided from the counts after each one."""
 
     def __init__(self, horizon: int) -> None:
         self.horizon = horizon
         self.admitted_clock = self.offered_clock = 0
         self.follow: dict[bytes, tuple[str, int, int]] = {}
         self.gained = self.lost = 0
+        self.fallen_back = False
+
+    def count(self, gained: int, lost: int) -> None:
+        self.gained += gained
+        self.lost += lost
+        total, difference = self.gained + self.lost, self.lost - self.gained
+        if total >= MIN_EVIDENCE and difference * difference > 4 * total:
+            self.fallen_back = difference > 0
 
     def back(self, key: bytes, served: bool) -> None:
         kind, a, t = self.follow.pop(key, ("", 0, 0))
-        if kind == "admitted" and self.admitted_clock - a <= self.horizon < self.offered_clock - t:
-            self.gained += 1
-        elif kind == "declined" and not served and self.offered_clock - t <= self.horizon:
-            self.lost += 1
+        kept_by_rule = self.admitted_clock - a <= self.horizon
+        kept_by_all = self.offered_clock - t <= self.horizon
+        if kind == "admitted":
+            self.count(int(kept_by_rule and (not served if self.fallen_back else served and not kept_by_all)), 0)
+        elif kind == "overridden":
+            self.count(0, int(served and kept_by_all))
+        elif kind == "declined":
+            self.count(0, int(not served and kept_by_all))
 
     def stored(self, keys: list[bytes], outcome: int) -> None:
         self.admitted_clock += len(keys) if outcome == ADMITTED else 0
@@ -133,7 +171,7 @@ class _Model:
         for key in keys:
             self.back(key, served=False)
             if outcome != ENDED:
-                kind = "admitted" if outcome == ADMITTED else "declined"
+                kind = {ADMITTED: "admitted", DECLINED: "declined", OVERRIDDEN: "overridden"}[outcome]
                 self.follow[key] = (kind, self.admitted_clock, self.offered_clock)
 
     def served(self, keys: list[bytes]) -> None:
@@ -141,26 +179,42 @@ class _Model:
             self.back(key, served=True)
             self.follow[key] = ("admitted", self.admitted_clock, self.offered_clock)
 
+    def touched(self, keys: list[bytes]) -> None:
+        """A use renews the stay of a block still in the tier (of its world), not of one gone."""
+        for key in keys:
+            kind, a, t = self.follow.get(key, ("", 0, 0))
+            age = {"admitted": self.admitted_clock - a, "overridden": self.offered_clock - t}.get(kind)
+            if age is not None and age <= self.horizon:
+                self.follow[key] = (kind, self.admitted_clock, self.offered_clock)
 
-POOL = _keys(24, 10)
+
+POOL = _keys(8, 10)
 OUTCOMES = [ADMITTED, DECLINED, OVERRIDDEN, ENDED]
-KEYS = st.lists(st.sampled_from(POOL), min_size=1, max_size=6, unique=True)
-steps = st.lists(st.tuples(st.sampled_from(["stored", "served"]), KEYS, st.sampled_from(OUTCOMES)), max_size=120)
+KEYS = st.lists(st.sampled_from(POOL), min_size=1, max_size=4, unique=True)
+steps = st.lists(st.tuples(st.sampled_from(["stored", "served", "touched"]), KEYS, st.sampled_from(OUTCOMES)),
+                 max_size=200)  # fmt: skip
 
 
 @settings(max_examples=300, deadline=None)
-@given(horizon=st.integers(1, 40), steps=steps)
-def test_the_guard_counts_what_a_plain_model_counts(horizon: int, steps: list[tuple[str, list[bytes], int]]) -> None:
+@given(horizon=st.integers(1, 40), fallen_back=st.booleans(), steps=steps)
+def test_the_guard_counts_what_a_plain_model_counts(
+    horizon: int, fallen_back: bool, steps: list[tuple[str, list[bytes], int]]
+) -> None:
     watch, model = ReturnWatch(horizon), _Model(horizon)
+    watch.fallen_back = model.fallen_back = fallen_back  # (a start in either state: few examples reach one)
     for op, keys, outcome in steps:
         if op == "stored":
             watch.stored(keys, outcome)
             model.stored(keys, outcome)
-        else:
+        elif op == "served":
             watch.served(keys)
             model.served(keys)
+        else:
+            watch.touched(keys)
+            model.touched(keys)
         assert (watch.admitted_clock, watch.offered_clock) == (model.admitted_clock, model.offered_clock)
         assert (watch.gained, watch.lost) == (model.gained, model.lost)  # far below the window: no halving
+        assert watch.fallen_back == model.fallen_back
         assert len(watch._admitted) + len(watch._declined) <= len(POOL)
 
 

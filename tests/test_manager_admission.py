@@ -39,6 +39,9 @@ class OnlyRequest:
     def served(self, keys: Sequence[BlockKey]) -> None:
         self.served_keys.extend(keys)
 
+    def touched(self, keys: Sequence[BlockKey]) -> None:
+        pass
+
     def snapshot(self) -> BackpressureSnapshot | None:
         return None
 

@@ -67,6 +67,9 @@ class CascadeAdmission(Protocol):
     def served(self, keys: Sequence[BlockKey]) -> None:
         """The tier served ``keys``: a load (promotion) of them from it succeeded."""
 
+    def touched(self, keys: Sequence[BlockKey]) -> None:
+        """The tier was touched with ``keys`` (the CPU tier served them: their use renews their stay)."""
+
     def snapshot(self) -> BackpressureSnapshot | None:
         """The state to show in the tier's snapshot, or None."""
 
@@ -93,6 +96,9 @@ class BackpressureAdmission:
             self.monitor.observe(seconds)
 
     def served(self, keys: Sequence[BlockKey]) -> None:
+        pass
+
+    def touched(self, keys: Sequence[BlockKey]) -> None:
         pass
 
     def snapshot(self) -> BackpressureSnapshot:
@@ -218,6 +224,9 @@ class LearnedAdmission:
 
     def served(self, keys: Sequence[BlockKey]) -> None:
         self.watch.served(keys)
+
+    def touched(self, keys: Sequence[BlockKey]) -> None:
+        self.watch.touched(keys)
 
     def snapshot(self) -> BackpressureSnapshot | None:
         return None if self.inner is None else self.inner.snapshot()

@@ -71,7 +71,7 @@ class ReturnWatch:
         self.horizon = max(1, horizon)
         self._below = max(1, min(_HASH_SPACE, _HASH_SPACE * SAMPLED_MAX // self.horizon))
         self._admitted: OrderedDict[BlockKey, tuple[int, int]] = OrderedDict()  # key: both clocks then
-        self._declined: OrderedDict[BlockKey, int] = OrderedDict()  # key: the offered clock then
+        self._declined: OrderedDict[BlockKey, tuple[int, bool]] = OrderedDict()  # key: offered clock then, written
         self.admitted_clock = 0
         """Blocks admitted so far (what the rule writes)."""
         self.offered_clock = 0
@@ -111,7 +111,7 @@ class ReturnWatch:
             if outcome == ADMITTED:
                 admitted[key] = (self.admitted_clock, self.offered_clock)
             elif outcome != ENDED:
-                declined[key] = self.offered_clock
+                declined[key] = (self.offered_clock, outcome == OVERRIDDEN)
         self._expire()
 
     def served(self, keys: Sequence[BlockKey]) -> None:
@@ -124,17 +124,41 @@ class ReturnWatch:
                 admitted[key] = (self.admitted_clock, self.offered_clock)
         self._expire()
 
+    def touched(self, keys: Sequence[BlockKey]) -> None:
+        """The tier was touched with ``keys`` (the CPU tier served them): followed keys in the
+        tier are followed again from now (a use renews a block's stay in the tier)."""
+        below, admitted, declined = self._below, self._admitted, self._declined
+        for key in keys:
+            if int.from_bytes(key[-2:], "little") >= below:
+                continue
+            if key in admitted:
+                admitted[key] = (self.admitted_clock, self.offered_clock)
+                admitted.move_to_end(key)
+            elif declined.get(key, (0, False))[1]:
+                declined[key] = (self.offered_clock, True)
+                declined.move_to_end(key)
+
     def _came_back(self, key: BlockKey, served: bool) -> None:
-        """``key`` came back: a hit gained, lost, or neither. A declined key the tier served
-        (another engine sharing it wrote the block) cost nothing."""
+        """``key`` came back, ``served`` by the tier or not (stored again): a hit gained, lost, or
+        neither. What the tier did is observed; what the other world would have done is judged
+        by the two clocks. Following the rule: an admitted key served is gained if writing
+        everything would have pushed it out; a declined key stored again is lost if writing
+        everything would have kept it. Writing everything (fallen back): an admitted key stored
+        again is gained if the rule would have kept it; a key the rule declines, written anyway
+        and served, is lost. (A declined key the tier served, written by another engine sharing
+        it, cost nothing.)"""
         horizon = self.horizon
         then = self._admitted.pop(key, None)
         if then is not None:
-            if self.admitted_clock - then[0] <= horizon < self.offered_clock - then[1]:
+            kept_by_rule = self.admitted_clock - then[0] <= horizon
+            if kept_by_rule and (not served if self.fallen_back else self.offered_clock - then[1] > horizon and served):
                 self._count(gained=1.0)
             return
-        offered = self._declined.pop(key, None)
-        if offered is not None and not served and self.offered_clock - offered <= horizon:
+        declined = self._declined.pop(key, None)
+        if declined is None:
+            return
+        offered, written = declined
+        if self.offered_clock - offered <= horizon and served == written:  # written: served; else: recomputed
             self._count(lost=1.0)
 
     def _expire(self) -> None:
@@ -145,7 +169,7 @@ class ReturnWatch:
         while admitted and (next(iter(admitted.values()))[0] < oldest or len(admitted) > SAMPLED_MAX):
             admitted.popitem(last=False)
         oldest = self.offered_clock - self.horizon
-        while declined and (next(iter(declined.values())) < oldest or len(declined) > SAMPLED_MAX):
+        while declined and (next(iter(declined.values()))[0] < oldest or len(declined) > SAMPLED_MAX):
             declined.popitem(last=False)
 
     def _count(self, gained: float = 0.0, lost: float = 0.0) -> None:

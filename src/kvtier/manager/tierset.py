@@ -210,8 +210,10 @@ class TierSet:
         """``touch(keys, request)`` on the live tiers the request may load from (all without one)."""
         if keys and self.live:  # the request's control only when there is something to send
             allowed = None if request is None else (request.control or control_of(request)).load_from
-            self.broadcast("touch", keys, request, among=None if allowed is None else
-                           [h for h in self.live if h.index in allowed])  # fmt: skip
+            for handle, _ in self.broadcast("touch", keys, request, among=None if allowed is None else
+                                            [h for h in self.live if h.index in allowed]):  # fmt: skip
+                if handle.admission is not None:  # a use renews a block's stay: its admission follows
+                    handle.admission.touched(keys)
 
     def targets(self, among: Iterable[TierHandle], wanted: frozenset[int] | None) -> list[TierHandle]:
         """The live handles of ``among`` with no job past the wait deadline whose index ``wanted`` has
