@@ -37,8 +37,7 @@ _T = TypeVar("_T")
 _HIT, _RETRY, _MISS = LookupResult.HIT, LookupResult.RETRY, LookupResult.MISS
 
 DRAIN_GRACE = 1.0
-"""Seconds past its timeout a tier's ``drain(timeout)`` is waited for before it is abandoned
-(a tier that honours its timeout raises its own ``TierDrainTimeout`` in time)."""
+"""Seconds past its timeout a tier's ``drain(timeout)`` is waited for (one honouring it raises in time)."""
 
 
 class TierHandle:
@@ -210,14 +209,13 @@ class TierSet:
         """``touch(keys, request)`` on the live tiers the request may load from (all without one)."""
         if keys and self.live:  # the request's control only when there is something to send
             allowed = None if request is None else (request.control or control_of(request)).load_from
-            for handle, _ in self.broadcast("touch", keys, request, among=None if allowed is None else
-                                            [h for h in self.live if h.index in allowed]):  # fmt: skip
+            among = None if allowed is None else [h for h in self.live if h.index in allowed]
+            for handle, _ in self.broadcast("touch", keys, request, among=among):
                 if handle.admission is not None:  # a use renews a block's stay: its admission follows
                     handle.admission.touched(keys)
 
     def targets(self, among: Iterable[TierHandle], wanted: frozenset[int] | None) -> list[TierHandle]:
-        """The live handles of ``among`` with no job past the wait deadline whose index ``wanted`` has
-        (None: every one)."""
+        """The live handles of ``among`` with no job past the deadline, of an index in ``wanted`` (None: any)."""
         return [h for h in among if h.live and not h.overdue and (wanted is None or h.index in wanted)]
 
     def admit(self, among: list[TierHandle], keys: list[BlockKey], request: RequestContext | None) -> list[TierHandle]:
