@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 from kvtier.keys import BlockKey
 
@@ -64,12 +65,15 @@ class ReturnWatch:
     """Sampled hits the learned rule gained and lost against writing everything, and the guard's
     state (see the module docstring). ``horizon``: the tier's capacity in blocks."""
 
-    __slots__ = ("_admitted", "_below", "_declined", "admitted_clock", "fallbacks", "fallen_back", "gained",
-                 "horizon", "lost", "offered_clock")  # fmt: skip
+    __slots__ = ("_admitted", "_below", "_declined", "_high", "_low", "admitted_clock", "fallbacks", "fallen_back",
+                 "gained", "horizon", "lost", "offered_clock")  # fmt: skip
 
     def __init__(self, horizon: int) -> None:
         self.horizon = max(1, horizon)
         self._below = max(1, min(_HASH_SPACE, _HASH_SPACE * SAMPLED_MAX // self.horizon))
+        # A key is sampled when its last two bytes, little-endian, are below ``_below``: its last
+        # byte below ``_high``, or equal to it with the one before below ``_low``.
+        self._high, self._low = divmod(self._below, 256)
         self._admitted: OrderedDict[BlockKey, tuple[int, int]] = OrderedDict()  # key: both clocks then
         self._declined: OrderedDict[BlockKey, tuple[int, bool]] = OrderedDict()  # key: offered clock then, written
         self.admitted_clock = 0
@@ -98,38 +102,46 @@ class ReturnWatch:
         """A cascade of ``keys`` had ``outcome`` (ADMITTED, DECLINED, OVERRIDDEN or ENDED):
         followed keys among them came back (stored again: recomputed); sampled keys are
         followed from now (but ENDED ones: not the rule's)."""
-        below = self._below
+        high, low = self._high, self._low
         admitted, declined = self._admitted, self._declined
         if outcome == ADMITTED:
             self.admitted_clock += len(keys)
         if outcome != ENDED:
             self.offered_clock += len(keys)
+        follow: OrderedDict[BlockKey, Any] | None = None
+        if outcome == ADMITTED:
+            follow, entry = admitted, (self.admitted_clock, self.offered_clock)
+        elif outcome != ENDED:
+            follow, entry = declined, (self.offered_clock, outcome == OVERRIDDEN)
         for key in keys:
-            if int.from_bytes(key[-2:], "little") >= below:
-                continue
-            self._came_back(key, served=False)
-            if outcome == ADMITTED:
-                admitted[key] = (self.admitted_clock, self.offered_clock)
-            elif outcome != ENDED:
-                declined[key] = (self.offered_clock, outcome == OVERRIDDEN)
+            last = key[-1]
+            if last > high or (last == high and (len(key) < 2 or key[-2] >= low)):
+                continue  # not sampled
+            if key in admitted or key in declined:
+                self._came_back(key, served=False)
+            if follow is not None:
+                follow[key] = entry
         self._expire()
 
     def served(self, keys: Sequence[BlockKey]) -> None:
         """The tier served ``keys`` (a load from it succeeded): followed keys came back, and are
         followed again from now (a use renews a block's stay in the tier, in either world)."""
-        below, admitted = self._below, self._admitted
+        high, low, admitted = self._high, self._low, self._admitted
+        entry = (self.admitted_clock, self.offered_clock)
         for key in keys:
-            if int.from_bytes(key[-2:], "little") < below:
+            last = key[-1]
+            if last < high or (last == high and len(key) > 1 and key[-2] < low):
                 self._came_back(key, served=True)
-                admitted[key] = (self.admitted_clock, self.offered_clock)
+                admitted[key] = entry
         self._expire()
 
     def touched(self, keys: Sequence[BlockKey]) -> None:
         """The tier was touched with ``keys`` (the CPU tier served them): followed keys in the
         tier are followed again from now (a use renews a block's stay in the tier)."""
-        below, admitted, declined = self._below, self._admitted, self._declined
+        high, low, admitted, declined = self._high, self._low, self._admitted, self._declined
         for key in keys:
-            if int.from_bytes(key[-2:], "little") >= below:
+            last = key[-1]
+            if last > high or (last == high and (len(key) < 2 or key[-2] >= low)):
                 continue
             if key in admitted:
                 admitted[key] = (self.admitted_clock, self.offered_clock)
