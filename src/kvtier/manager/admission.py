@@ -19,6 +19,8 @@ dictionary operation, because ``admit`` runs once per cascade job and tier:
 * ``finished(result, seconds)``: the tier reported one of its cascade jobs.
   ``seconds`` runs from submit to report (the tier's own figure when it gave one).
   Jobs that were skipped are never reported.
+* ``served(keys)``: a load of ``keys`` from the tier succeeded; ``touched(keys)``: the
+  tier was touched with ``keys`` (the CPU tier served them). Cheap, like ``admit``.
 * ``snapshot()``: the state shown in the tier's :class:`~kvtier.telemetry.TierSnapshot`
   (its ``backpressure`` field), or None.
 
@@ -33,8 +35,11 @@ tier it would displace blocks worth more, and the write costs bandwidth and wear
 The last request of a conversation with an earlier store judged here, by its hints
 (``kvtier_session`` and ``kvtier_session_end``, see :mod:`kvtier.request_control`), is
 not written either, whatever the policy: its new blocks are the conversation's own.
-A policy that predicts nothing (``lru``) makes it admit everything. What each tier
-admitted and declined is in its snapshot (``admission``) and the metrics.
+A policy that predicts nothing (``lru``) makes it admit everything. A measured guard
+(:mod:`kvtier.manager.admission_guard`) counts the hits the rule gains and loses against
+writing every store and, while it loses, has every store written. What each tier
+admitted and declined, and the guard's state, are in its snapshot (``admission``) and
+the metrics.
 """
 
 from __future__ import annotations
