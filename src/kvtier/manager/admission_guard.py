@@ -9,24 +9,30 @@ tier follows, the way the policy's own guard measures its evictions.
 The tier holds about its capacity's worth (the horizon, ``H`` blocks) of the most
 recent writes. Writing every store, a block stays for ``H`` *offered* blocks (every
 store's, written or not); following the rule, an admitted block stays for ``H``
-*admitted* blocks, longer by what was declined meanwhile. So when a block comes back
-after it left the CPU tier (the tier serves it, or it is stored again: recomputed), at
-an age of ``a`` admitted and ``t`` offered blocks:
+*admitted* blocks, longer by what was declined meanwhile; a use (the tier serves the
+block, or the CPU tier's hit touches it) renews a stay. When a followed block comes
+back after it left the CPU tier (the tier serves it, or it is stored again: recomputed)
+at an age of ``a`` admitted and ``t`` offered blocks, what the tier did is observed and
+what the other world would have done is judged by the ages:
 
-* an admitted block is a hit the rule *gained* when ``a <= H < t`` (writing everything
-  would have evicted it);
-* a block the rule declines (declined, or written anyway while the guard is fallen back)
-  is a hit the rule *lost* when ``t <= H`` (writing everything would have kept it).
+* following the rule, an admitted block the tier serves is a hit the rule *gained* when
+  ``t > H`` (writing everything would have pushed it out), a declined block recomputed a
+  hit it *lost* when ``t <= H`` (writing everything would have kept it);
+* writing everything (fallen back), an admitted block recomputed (the tier lost it) is a
+  hit the rule would have *gained* when ``a <= H``, a block the rule declines, written
+  because of the fallback and served, a hit it would have *lost*.
 
 Both are counted on a spatial hash sample of the keys (by a key's last two bytes, keys
 being hashes: every block when ``H`` is at most :data:`SAMPLED_MAX`, a share of them
-above it), with the same formula whether the tier follows the rule or writes everything,
-so the guard keeps measuring after it falls back. Once :data:`MIN_EVIDENCE` sampled hits
-were counted, the guard *falls back* (the admission writes every store) when the rule
-lost significantly more than it gained (by two standard deviations of the counts), and
-resumes when it gains significantly more. The counts are halved every :data:`WINDOW`
-sampled hits, so a workload that changes is followed. A guard bounds a sustained loss;
-it cannot make one impossible: until enough was counted, the predictions stand.
+above it), in either state, so the guard keeps measuring after it falls back. Once
+:data:`MIN_EVIDENCE` sampled hits were counted, the guard *falls back* (the admission
+writes every store) when the rule lost more than it gained by two standard deviations
+of the counts, and resumes when it gained more by as much. The counts are halved every
+:data:`WINDOW` sampled hits, so a workload that changes is followed. What it counts are
+block hits, not prefix hits (a block early in a shared prefix is worth more than one),
+and the horizon is the tier's capacity, not what its hot blocks leave to new ones. A
+guard bounds a sustained loss; it cannot make one impossible: until enough was counted,
+the predictions stand.
 
 Owned by one ``LearnedAdmission``; every call comes from the scheduler thread and
 touches only memory: a two-byte test per block, dictionary operations for the sampled
