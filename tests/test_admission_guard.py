@@ -5,7 +5,6 @@ resumes when it gains."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -21,6 +20,7 @@ from kvtier.manager.admission_guard import ADMITTED, DECLINED, ENDED, MIN_EVIDEN
 from kvtier.metrics import KvtierMetrics
 from kvtier.policies.lru import LRUPolicy
 from kvtier.tiers.memory import MemoryTier
+from request_flow import serve
 
 SMALL = Namespace("admission-guard-test", KVGeometry.from_block_bytes(64, tokens_per_block=16))
 
@@ -263,29 +263,8 @@ def _serve_prompts(mgr: TieringManager, prompts: list[list[bytes]], rounds: int)
     n = 0
     for _ in range(rounds):
         for keys in prompts:
-            request = RequestContext(f"r{n}")
+            serve(mgr, RequestContext(f"r{n}"), keys)
             n += 1
-            mgr.on_new_request(request)
-            hits = 0
-            while hits < len(keys):
-                answer = mgr.lookup(keys[hits], request).value
-                if answer == "retry":
-                    mgr.on_schedule_end()
-                    continue
-                if answer != "hit":
-                    break
-                hits += 1
-            if hits:
-                mgr.prepare_load(keys[:hits], request)
-                mgr.complete_load(keys[:hits], request)
-            result = mgr.prepare_store(keys[hits:], request)
-            if result is not None and result.keys_to_store:
-                mgr.complete_store(result.keys_to_store, request)
-            mgr.on_request_finished(request)
-            mgr.on_schedule_end()
-            while mgr.has_pending_work():
-                time.sleep(0.0002)
-                mgr.on_schedule_end()
 
 
 @pytest.mark.usefixtures("shm_leak_check")

@@ -23,6 +23,7 @@ from kvtier.manager.admission import SESSIONS_SEEN, LearnedAdmission
 from kvtier.metrics import KvtierMetrics
 from kvtier.tiers.memory import MemoryTier
 from kvtier.tiers.registry import register_tier, validate_tier_options
+from request_flow import serve
 from tier_doubles import ScriptedTier
 
 pytestmark = pytest.mark.usefixtures("shm_leak_check")
@@ -86,20 +87,9 @@ def _run(policy: str, rounds: int = 50) -> tuple[TieringManager, MemoryTier, lis
             sessions[s] += [int(x) for x in rng.integers(0, 2**31, 2)]
             doc = [int(x) for x in rng.integers(0, 2**31, 24)]
             for ids in (sessions[s], doc):
-                request = RequestContext(f"r{n}")
-                n += 1
-                mgr.on_new_request(request)
                 keys = prefix_keys(np.asarray(ids), 1)
-                hits = 0
-                while hits < len(keys) and mgr.lookup(keys[hits], request).value == "hit":
-                    hits += 1
-                if hits:
-                    mgr.prepare_load(keys[:hits], request)
-                    mgr.complete_load(keys[:hits], request)
-                result = mgr.prepare_store(keys[hits:], request)
-                if result is not None and result.keys_to_store:
-                    mgr.complete_store(result.keys_to_store, request)
-                _finish(mgr, request)
+                serve(mgr, RequestContext(f"r{n}"), keys)
+                n += 1
                 if ids is doc and r >= rounds - 10:
                     late_docs.append(keys)
             if len(sessions[s]) > 40:
