@@ -221,8 +221,8 @@ class FileIndex:
         load or store of it is under way here (BUSY), or a file of it was proven to exist after
         ``when`` (NEWER: stored or adopted here, announced or found on disk since; a mere use
         proves nothing). Times bracket the actions they stand for only loosely (a store is timed
-        after its link, a journal's removal after its unlink), so NEWER and BUSY leave the truth
-        to the disk: the caller looks (see ``FsTier._apply_journal``)."""
+        after its link, a removal before its unlink), so NEWER and BUSY leave the truth to the
+        disk: the caller looks (see ``FilesystemTier._apply_journal``)."""
         with self._lock:
             if key in self._busy or key in self._pins:
                 return PeerRemoval.BUSY
