@@ -622,3 +622,28 @@ def test_a_request_chains_its_store_after_its_load(namespace: Namespace, private
         assert len(policy.ended) == 2
     finally:
         mgr.shutdown()
+
+
+def test_a_stray_complete_load_never_releases_a_cascades_pin(make: Any) -> None:
+    """Regression (review, 2026-12-02): a complete_load with no load outstanding took away the pin
+    an in-flight cascade held; the row was evicted and rewritten while the tier was still to copy
+    it, and the tier then served another block's bytes under the old key (wrong KV)."""
+    mgr = make(2, {"auto_complete": False})
+    (tier,) = tiers(mgr)
+    a, b, c = keys(3)
+    req = RequestContext("r")
+    store(mgr, [a], req)  # cascaded: a's row is pinned until the tier reports the job
+    mgr.complete_load([a], req)  # stray: no prepare_load of a
+    mgr.complete_load([a, a], req)  # and a duplicate
+    assert mgr.stats().tiers[0].failures["stray_load_completion"] == 3
+    store(mgr, [b], req)
+    assert mgr.prepare_store([c], req) is None, "a's row is still being copied: nothing may evict it"
+    tier.complete_all()
+    mgr.on_schedule_end()
+    assert tier.data[a] == payload(a, mgr.block_bytes).tobytes()
+    # A real load's pin is still released by its complete_load, once.
+    rows = mgr.prepare_load([b], req)
+    assert len(rows) == 1
+    mgr.complete_load([b], req)
+    store(mgr, [c], req)  # evicts a or b: both are free again
+    assert mgr.stats().tiers[0].failures["stray_load_completion"] == 3

@@ -174,3 +174,47 @@ def test_shutdown_error_message_names_every_failure(namespace: Namespace) -> Non
     for t in _tiers(mgr):
         t.shutdown_error = None
     mgr.shutdown()
+
+
+@pytest.mark.parametrize("deadline", [None, 5.0])
+def test_a_cancelled_error_from_one_tier_is_its_failure_and_the_next_tier_still_shuts_down(
+    namespace: Namespace, caplog: pytest.LogCaptureFixture, deadline: float | None
+) -> None:
+    """Regression (review, 2026-12-02): asyncio.CancelledError (a BaseException, not an Exception)
+    from tier #1's shutdown() stopped the shutdown: tier #2 was never attempted, nothing was
+    logged, and the caller got the raw CancelledError instead of TierShutdownError."""
+    import asyncio
+
+    specs = [{"type": "scripted", "name": "t1", "shutdown_error": asyncio.CancelledError()}, {"type": "scripted",
+                                                                                               "name": "t2"}]
+    mgr = TieringManager.create(namespace=namespace, num_cpu_blocks=8, tiers=specs, shutdown_timeout=deadline)
+    _store_block(mgr, b"c" * 32, 3)
+    with caplog.at_level(logging.ERROR), pytest.raises(TierShutdownError) as caught:
+        mgr.shutdown()
+    first, second = _tiers(mgr)
+    assert second.shutdown_calls == 1, "the next tier must still be shut down"
+    assert [f.index for f in caught.value.failures] == [1]
+    assert isinstance(caught.value.failures[0].error, asyncio.CancelledError)
+    assert "#1" in caplog.text and "scripted" in caplog.text and "ScriptedTier" in caplog.text
+    assert not mgr.region.closed, "a failed tier may still use the rows: the region stays mapped"
+    first.shutdown_error = None
+    mgr.shutdown()
+    assert mgr.is_shut_down and first.shutdown_calls == 2 and second.shutdown_calls == 1
+
+
+def test_a_failed_create_shuts_built_tiers_down_within_shutdown_timeout(namespace: Namespace) -> None:
+    """Regression (review, 2026-12-02): when a later tier's constructor failed, create() shut the
+    tiers already built down with no deadline: a tier whose shutdown() hangs hung create()."""
+    import threading
+    import time
+
+    gate = threading.Event()
+    specs = [{"type": "scripted", "name": "t1", "shutdown_gate": gate},
+             {"type": "scripted", "name": "t2", "construct_error": RuntimeError("tier #2 cannot start")}]
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="cannot start"):
+            TieringManager.create(namespace=namespace, num_cpu_blocks=8, tiers=specs, shutdown_timeout=0.5)
+        assert time.monotonic() - started < 5.0, "create() waited for a hanging tier past shutdown_timeout"
+    finally:
+        gate.set()  # let the abandoned shutdown() finish

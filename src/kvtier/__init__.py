@@ -7,6 +7,7 @@ from kvtier.backpressure import BackpressureSettings
 from kvtier.errors import (
     ConfigError,
     CorruptValueError,
+    ForeignFormatError,
     InsufficientSpaceError,
     InvalidKeyError,
     KvtierError,
@@ -46,6 +47,7 @@ __all__ = [
     "ConfigError",
     "CorruptValueError",
     "ExtraMetric",
+    "ForeignFormatError",
     "InsufficientSpaceError",
     "InvalidKeyError",
     "JobResult",

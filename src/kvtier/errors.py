@@ -91,6 +91,12 @@ class CorruptValueError(KvtierError):
     """A value read from a tier failed its header, length or checksum verification."""
 
 
+class ForeignFormatError(CorruptValueError):
+    """A value that carries kvtier's magic in a format version this release cannot read: written
+    by a newer (or another) release sharing the tier. Not served, like a corrupt value, but not
+    proven corrupt either, so a tier never deletes it (its writer can read it)."""
+
+
 class TierError(KvtierError):
     """A secondary tier failed an operation."""
 

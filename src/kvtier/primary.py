@@ -61,6 +61,8 @@ class PrimaryStats:
     store_failures: int = 0
     evictions: int = 0
     store_rejections: int = 0
+    stray_load_completions: int = 0
+    """Keys given to ``complete_load`` with no load of theirs outstanding (ignored)."""
 
 
 class _Union:
@@ -107,6 +109,9 @@ class PrimaryTier:
         self._slot_of: dict[BlockKey, int] = {}
         self._ref: list[int] = [0] * self.num_blocks
         self._writer = bytearray(self.num_blocks)  # the kind of each slot's last reservation
+        # The device loads' own pins, by row: complete_load releases only these, never a pin a
+        # cascade holds on the same row (sparse: a row is here only while a load holds it).
+        self._loading: dict[int, int] = {}
         self._free: list[int] = []
         self._next_fresh = 0
         # Bounded: an engine that never takes events must not grow memory without limit.
@@ -447,11 +452,46 @@ class PrimaryTier:
         """
         slots = self.pin_slots(keys)
         if slots:
+            loading = self._loading
+            for slot in slots:
+                loading[slot] = loading.get(slot, 0) + 1
             parent = -1 if after is None else self._slot_of.get(after, -1)
             self.policy.reference_chain(keys if type(keys) is list else list(keys), slots, parent, True)
         return np.array(slots, dtype=np.int64)
 
-    complete_load = unpin
+    def complete_load(self, keys: Iterable[BlockKey]) -> None:
+        """Release the pins :meth:`prepare_load` took on ``keys`` (tail first, like :meth:`unpin`).
+
+        Only a device load's own pin is released: a key with no load outstanding (a duplicate or
+        stray call, or one after a ``prepare_load`` that raised) is ignored and counted
+        (``stats.stray_load_completions``, logged at 1, 2, 4, ... of them), so another reader's
+        pin on the row (a cascade's: the tier is still copying it) is never taken away.
+        """
+        slot_of, loading = self._slot_of, self._loading
+        mine: list[BlockKey] = []
+        stray: list[BlockKey] = []
+        for key in keys if type(keys) is list else list(keys):
+            slot = slot_of.get(key)
+            held = 0 if slot is None else loading.get(slot, 0)
+            if slot is None or not held:
+                stray.append(key)
+            elif held == 1:
+                del loading[slot]
+                mine.append(key)
+            else:
+                loading[slot] = held - 1
+                mine.append(key)
+        if mine:
+            self.unpin(mine)
+        if stray:
+            before = self.stats.stray_load_completions
+            self.stats.stray_load_completions = after = before + len(stray)
+            if after.bit_length() > before.bit_length():
+                logger.warning(
+                    "complete_load of %d block(s) with no load of theirs outstanding ignored (first %s; %d so "
+                    "far): a duplicate call, or one without a successful prepare_load", len(stray),
+                    stray[0].hex()[:16], after,
+                )  # fmt: skip
 
     def touch(self, keys: Iterable[BlockKey]) -> None:
         """A use of ``keys`` (in prefix order) elsewhere, e.g. a device-cache hit.
@@ -504,6 +544,7 @@ class PrimaryTier:
         if self._slot_of and self.record_events:
             self._events.append(BlockEvent(tuple(self._slot_of), self.tier_label, self.medium, removed=True))
         self._slot_of.clear()
+        self._loading.clear()
         self._ref[:] = [0] * self.num_blocks
         self._writer[:] = bytes(self.num_blocks)
         self._free.clear()

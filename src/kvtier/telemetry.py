@@ -542,6 +542,7 @@ def _cpu_from_dict(primary: Mapping[str, Any], block_bytes: int, counters: Manag
         failures={
             "store_failed": int(primary.get("store_failures", 0)),
             "store_rejected": int(primary.get("store_rejections", 0)),
+            "stray_load_completion": int(primary.get("stray_load_completions", 0)),
             "promotion_alloc_failed": counters.promotion_alloc_failures,
             **dict(primary.get("failures", {})),
         },

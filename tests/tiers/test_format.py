@@ -132,3 +132,25 @@ def test_unknown_format_version_is_refused_clearly() -> None:
     struct.pack_into("<Q", raw, 88, xxhash.xxh3_64_intdigest(bytes(raw[:88])))
     with pytest.raises(CorruptValueError, match="unsupported value format version 3"):
         decode_header(raw, namespace=NS, key=KEY)
+
+
+def test_another_releases_format_version_is_foreign_not_corrupt() -> None:
+    """Regression: a value in a format version this release cannot read (a newer release sharing
+    the medium) was reported as corrupt, and tiers deleted it."""
+    from kvtier.errors import ForeignFormatError
+    from kvtier.tiers.format import foreign_format
+
+    header = bytearray(encode_header(NS, KEY, b"x" * 64))
+    assert foreign_format(header) is None  # ours
+    header[8:12] = (3).to_bytes(4, "little")
+    assert foreign_format(header) == 3
+    with pytest.raises(ForeignFormatError, match="unsupported value format version 3"):
+        decode_header(header, namespace=NS, key=KEY, payload_len=64)
+    assert foreign_format(b"not a value at all, no magic") is None
+    assert foreign_format(header[:10]) is None  # too short to tell
+    # A known version with a header length of another size is corrupt, not foreign.
+    known = bytearray(encode_header(NS, KEY, b"x" * 64))
+    known[12:16] = (256).to_bytes(4, "little")
+    with pytest.raises(CorruptValueError) as caught:
+        decode_header(known, namespace=NS, key=KEY, payload_len=64)
+    assert not isinstance(caught.value, ForeignFormatError)

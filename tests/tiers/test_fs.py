@@ -389,6 +389,43 @@ def test_corruption_is_a_miss_and_deletes_the_file(
         tier.shutdown()
 
 
+def _as_version(path: Path, version: int, size: int | None = None) -> None:
+    """Rewrite the value at ``path`` as if another release wrote it: its format version (and size)."""
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(version.to_bytes(4, "little"))
+        if size is not None:
+            f.truncate(size)
+
+
+@pytest.mark.parametrize("resized", [False, True])
+def test_a_value_of_another_releases_format_is_a_miss_and_kept(tmp_path: Path, rows: np.ndarray, resized: bool) -> None:
+    """Regression (review, 2026-12-02): an engine sharing a root with a newer release deleted every
+    value of the newer format it tried to load (counted as corrupt): a rolling upgrade churned."""
+    tier = make_tier(tmp_path, rows, BB)
+    try:
+        newer, good = key_of(1), key_of(2)
+        fill(rows, [0, 1], [newer, good], BB)
+        assert store(tier, [newer, good], [0, 1]).success
+        path = value_path(tier.ns_dir, newer)
+        _as_version(path, 3, PAYLOAD_OFFSET + BB + 4096 if resized else None)
+        before = path.read_bytes()
+        rows[2:4] = 0
+        result = load(tier, [newer, good], [2, 3])
+        assert result.successful_keys == frozenset([good])
+        _check_rows(rows, [3], [good])
+        assert path.read_bytes() == before, "another release's value must be left in place"
+        assert tier.stats.corrupt_values == 0 and tier.stats.extra.get("foreign_format") == 1
+        assert tier.lookup(newer, None) is LookupResult.MISS
+        assert tier.health().state is HealthState.CLOSED
+    finally:
+        tier.shutdown()
+    report = verify_root(tmp_path, remove_corrupt=True)  # kvtier inspect --verify --remove-corrupt
+    (ns,) = report.namespaces
+    assert ns.removed_corrupt == 0 and path.read_bytes() == before
+    assert any("format version 3" in entry.reason and "kept" in entry.reason for entry in ns.corrupt)
+
+
 # --- capacity ---------------------------------------------------------------------------------
 
 

@@ -201,6 +201,34 @@ def test_corrupt_values_are_miss_deleted_and_counted(
     assert tier.health().state is HealthState.CLOSED
 
 
+@pytest.mark.parametrize("resized", [False, True])
+def test_a_value_of_another_releases_format_is_a_miss_and_kept(
+    redis_server: Any, make_tier: Callable[..., RedisTier], resized: bool
+) -> None:
+    """Regression (review, 2026-12-02): a value in a newer release's format version was deleted as corrupt."""
+    rows = random_rows(8)
+    rows[4:] = 0
+    ns = namespace()
+    tier = make_tier(redis_server.url, rows, ns)
+    keys = keys_for(ns, 2)
+    assert store(tier, keys, [0, 1]).success
+    tier.take_events()
+    raw = redis.Redis.from_url(redis_server.url)
+    name = tier.redis_key(keys[0])
+    value = bytearray(raw.get(name) or b"")
+    value[8:12] = (3).to_bytes(4, "little")
+    newer = bytes(value) + (b"\x00" * 100 if resized else b"")
+    raw.set(name, newer)
+    result = load(tier, keys, [4, 5])
+    assert result.successful_keys == frozenset([keys[1]])
+    assert np.array_equal(rows[5], rows[1])
+    assert raw.get(name) == newer, "another release's value must be left in place"
+    assert tier.stats.corrupt_values == 0 and tier.stats.extra.get("foreign_format") == 1
+    assert resolve(tier, keys[0]) is LookupResult.MISS
+    assert not any(e.removed and keys[0] in e.keys for e in tier.take_events())
+    assert tier.health().state is HealthState.CLOSED
+
+
 def test_value_of_other_namespace_is_never_served(redis_server: Any, make_tier: Callable[..., RedisTier]) -> None:
     rows_a, rows_b = random_rows(2, seed=1), np.zeros((2, BLOCK), dtype=np.uint8)
     ns_a, ns_b = namespace("model-a"), namespace("model-b")

@@ -359,6 +359,28 @@ def test_bad_bodies_fail_only_their_key(s3_stub: S3Stub, make: Any, fault: str, 
         assert again.success and np.array_equal(rows[6], rows[0])
 
 
+@pytest.mark.parametrize("resized", [False, True])
+def test_an_object_of_another_releases_format_is_a_miss_and_kept(s3_stub: S3Stub, make: Any, resized: bool) -> None:
+    """Regression (review, 2026-12-02): an object in a newer release's format version was deleted as corrupt."""
+    tier, rows = make(s3_stub.endpoint, s3_stub.bucket, max_retries=0)
+    keys = chain_ids(range(2), tier.context.namespace)
+    assert run_job(tier, keys, [0, 1], False, 10).success
+    tier.take_events()
+    name = s3_stub.object_key(tier.object_path(keys[0]))
+    value = bytearray(s3_stub.objects[name])
+    value[8:12] = (3).to_bytes(4, "little")
+    newer = bytes(value) + (b"\x00" * 100 if resized else b"")
+    s3_stub.objects[name] = newer
+    rows[4:6] = 0
+    result = run_job(tier, keys, [4, 5], True, 10)
+    assert result.succeeded(keys) == [keys[1]]
+    assert np.array_equal(rows[5], rows[1])
+    assert s3_stub.objects.get(name) == newer, "another release's object must be left in place"
+    assert tier.stats.corrupt_values == 0 and tier.stats.extra.get("foreign_format") == 1
+    assert not any(e.removed and keys[0] in e.keys for e in tier.take_events())
+    assert resolve(tier, keys[0], 5) is LookupResult.MISS
+
+
 def test_create_only_never_overwrites(s3_stub: S3Stub, make: Any) -> None:
     tier, _ = make(s3_stub.endpoint, s3_stub.bucket, create_only=True)
     (key,) = chain_ids(range(1), tier.context.namespace)

@@ -48,19 +48,23 @@ class BlockingCalls:
         """An earlier ``call`` is still running, abandoned at its deadline."""
         return call in self._runs
 
-    def run(self, call: str, wait: float | None, *args: Any) -> tuple[bool, Exception | None]:
+    def run(self, call: str, wait: float | None, *args: Any) -> tuple[bool, BaseException | None]:
         """Run (or keep waiting for) ``target.call(*args)``: ``(True, its error or None)`` once it
         returned, ``(False, None)`` if it still runs after ``wait`` seconds (it is then left
         running; the next attempt waits for it again rather than calling it twice).
 
         Without a deadline (``wait`` None) and no earlier call still running, the call is made
-        in this thread. KeyboardInterrupt/SystemExit raised by the call propagate.
+        in this thread. KeyboardInterrupt/SystemExit raised by the call propagate; anything
+        else it raises (``asyncio.CancelledError`` included) is its error, so the caller goes on
+        to the next tier.
         """
         run = self._runs.get(call)
         if wait is None and run is None:
             try:
                 getattr(self._target, call)(*args)
-            except Exception as exc:
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:
                 return True, exc
             return True, None
         if run is None:
@@ -69,9 +73,9 @@ class BlockingCalls:
         if not run.wait(wait):
             return False, None
         del self._runs[call]
-        if run.error is None or isinstance(run.error, Exception):
-            return True, run.error
-        raise run.error  # KeyboardInterrupt / SystemExit inside the call: stop here
+        if isinstance(run.error, (KeyboardInterrupt, SystemExit)):
+            raise run.error  # inside the call: stop here
+        return True, run.error
 
 
 __all__ = ["BlockingCalls"]

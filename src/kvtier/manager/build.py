@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 from kvtier.errors import ConfigError, RegionBusyError, clear_exception_frames
 from kvtier.failures import log_failure
 from kvtier.keys import Namespace
+from kvtier.manager.blocking import BlockingCalls
 from kvtier.manager.waits import FAILED_LOAD_SECONDS_RANGE, WAIT_TIMEOUT_RANGE
 from kvtier.policies import resolve_policy
 from kvtier.primary import PrimaryTier
@@ -64,10 +66,12 @@ def new_region(name: str | None, num_cpu_blocks: int, block_bytes: int, shm_dir:
 
 
 def assemble(region: SharedRegion, block_bytes: int, policy: str, specs: Sequence[dict[str, Any]],
-             namespace: Namespace, events: bool, make: Callable[[PrimaryTier, list[SecondaryTier]], _M]) -> _M:
+             namespace: Namespace, events: bool, make: Callable[[PrimaryTier, list[SecondaryTier]], _M],
+             shutdown_timeout: float | None = DEFAULT_SHUTDOWN_TIMEOUT) -> _M:
     """``make(primary, tiers)`` with the CPU tier over ``region`` and each tier of ``specs`` built
-    in order. If a step fails, the tiers built are shut down in reverse order, the region is
-    released, and the original error is raised."""
+    in order. If a step fails, the tiers built are shut down in reverse order (within
+    ``shutdown_timeout`` seconds together, None: no deadline; one that overruns is abandoned),
+    the region is released, and the original error is raised."""
     built: list[SecondaryTier] = []
     primary: PrimaryTier | None = None
     try:
@@ -79,7 +83,7 @@ def assemble(region: SharedRegion, block_bytes: int, policy: str, specs: Sequenc
         # caller may keep) still reference the CPU rows: drop their locals, or the mapping (and
         # its memory) would outlive this call.
         clear_exception_frames(exc)
-        _cleanup_failed_construction(region, primary, built)
+        _cleanup_failed_construction(region, primary, built, shutdown_timeout)
         raise
 
 
@@ -127,16 +131,23 @@ def _build_tiers(specs: Sequence[dict[str, Any]], region: SharedRegion, block_by
 
 
 def _cleanup_failed_construction(region: SharedRegion, primary: PrimaryTier | None,
-                                 built: list[SecondaryTier]) -> None:
-    for tier in reversed(built):
-        try:
-            tier.shutdown()
+                                 built: list[SecondaryTier], timeout: float | None) -> None:
+    deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+    for done, tier in enumerate(reversed(built)):
+        share = None if deadline is None else max(0.0, deadline - time.monotonic()) / (len(built) - done)
+        what = (f"cleanup after failed construction: secondary tier #{tier.context.index} "
+                f"(type={tier.tier_type}, class={type(tier).__qualname__})")
+        finished, exc = BlockingCalls(tier, f"cleanup-{tier.context.index}").run("shutdown", share)
+        if not finished:  # still running: it may use the rows, which stay mapped (see below)
+            logger.error("%s did not shut down within its %.3gs share of shutdown_timeout; abandoned", what,
+                         share or 0.0)  # fmt: skip
+            continue
+        if exc is None:
             tier.context.release_rows()
-        except Exception as exc:
-            what = (f"cleanup after failed construction: secondary tier #{tier.context.index} "
-                    f"(type={tier.tier_type}, class={type(tier).__qualname__}) failed to shut down")
+        else:
             # Its traceback is kept: the error being raised (``exc.__context__``) still needs its own.
-            log_failure(logger, logging.ERROR, what, exc, with_traceback=True, keep_traceback=True)
+            log_failure(logger, logging.ERROR, what + " failed to shut down", exc, with_traceback=True,
+                        keep_traceback=True)  # fmt: skip
     built.clear()
     if primary is not None:
         primary.rows = None

@@ -163,7 +163,7 @@ class TieringManager:
                                   prefault=prefault, pin=pin, sweep_stale=sweep_stale)
         return build.assemble(region, block_bytes, policy, tiers, namespace, events, lambda primary, built: cls(
             primary, built, drain_timeout=drain_timeout, shutdown_timeout=shutdown_timeout, backpressure=backpressure,
-            wait_timeout=wait_timeout, failed_load_seconds=failed_load_seconds))
+            wait_timeout=wait_timeout, failed_load_seconds=failed_load_seconds), shutdown_timeout)
 
     @property
     def region(self) -> SharedRegion:
@@ -374,7 +374,10 @@ class TieringManager:
         return rows
 
     def complete_load(self, keys: Iterable[BlockKey], request: RequestContext | None = None) -> None:
-        self.primary.unpin(self._open_keys("complete_load", keys))
+        """The device copied ``keys`` out: release the pins :meth:`prepare_load` took. A key with
+        no load outstanding is ignored and counted (the CPU tier's ``stray_load_completion``
+        failures), never taking away a pin a cascade holds."""
+        self.primary.complete_load(self._open_keys("complete_load", keys))
 
     def touch(self, keys: Sequence[BlockKey], request: RequestContext | None = None) -> None:
         """Recency for ``keys`` in every tier the request may load from (also for blocks hit in the

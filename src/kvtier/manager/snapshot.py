@@ -124,6 +124,7 @@ def cpu_snapshot(primary: PrimaryTier, telemetry: TierTelemetry, answers: tuple[
             **telemetry.failures,
             "store_failed": ps.store_failures,
             "store_rejected": ps.store_rejections,
+            "stray_load_completion": ps.stray_load_completions,
             "promotion_alloc_failed": alloc_failures,
         },
         stores_in_flight=0,

@@ -119,7 +119,7 @@ class TierHandle:
         if error is not None:
             raise error
 
-    def shutdown(self, share: float | None) -> Exception | None:
+    def shutdown(self, share: float | None) -> BaseException | None:
         """Run (or keep waiting for) the tier's ``shutdown()`` for at most ``share`` seconds (None:
         no deadline); its error, or None on success. KeyboardInterrupt/SystemExit propagate."""
         still = " (still running the shutdown() of an earlier attempt)" if self._calls.running("shutdown") else ""

@@ -35,7 +35,10 @@ Format 2 (keys of 33..64 bytes)::
     120    8    header checksum: xxh3_64 of bytes 0..120 (uint64 LE)
 
 Readers verify every field before a payload byte is trusted; any mismatch
-raises :class:`~kvtier.errors.CorruptValueError`. Nothing is ever unpickled or
+raises :class:`~kvtier.errors.CorruptValueError`, and a value with the magic but a
+format version this release does not know (a newer release's, sharing the tier)
+raises its subclass :class:`~kvtier.errors.ForeignFormatError`: not served, and never
+deleted, since its writer can read it. Nothing is ever unpickled or
 evaluated. Backends that need the payload page aligned (O_DIRECT) place it at
 an aligned offset themselves; the header describes the payload, not its position.
 """
@@ -47,7 +50,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvtier.errors import CorruptValueError
+from kvtier.errors import CorruptValueError, ForeignFormatError
 
 MAGIC = b"KVTIER\x00\x01"
 FORMAT_VERSION = 2
@@ -58,7 +61,10 @@ MAX_KEY_BYTES = 64
 _V1_KEY_BYTES = 32
 _LAYOUT_V1 = struct.Struct("<8sII16s32sIIQQ")  # 88 bytes, then the header checksum
 _LAYOUT_V2 = struct.Struct("<8sII16s64sIIQQ")  # 120 bytes, then the header checksum
+_LAYOUTS = {1: _LAYOUT_V1, 2: _LAYOUT_V2}
 _PREFIX = struct.Struct("<8sII")
+PREFIX_SIZE = _PREFIX.size
+"""Bytes at the start of a value that say whose format it is (magic, version, header length)."""
 _CHECK = struct.Struct("<Q")
 
 
@@ -122,7 +128,8 @@ def decode_header(
     """Parse and verify a header against what the reader expects.
 
     Raises :class:`CorruptValueError` naming the first mismatch: short header,
-    magic, version, header checksum, namespace, key or payload length.
+    magic, version, header checksum, namespace, key or payload length;
+    :class:`ForeignFormatError` for the magic with a version this release cannot read.
     """
     raw = bytes(raw[:HEADER_SIZE])
     if len(raw) < HEADER_SIZE:
@@ -130,9 +137,11 @@ def decode_header(
     magic, version, hlen = _PREFIX.unpack_from(raw)
     if magic != MAGIC:
         raise CorruptValueError(f"bad magic {magic!r}")
-    layout = {1: _LAYOUT_V1, 2: _LAYOUT_V2}.get(version)
-    if layout is None or hlen != HEADER_SIZE:
-        raise CorruptValueError(f"unsupported value format version {version} (header {hlen} bytes)")
+    layout = _LAYOUTS.get(version)
+    if layout is None:
+        raise ForeignFormatError(f"unsupported value format version {version} (header {hlen} bytes): another release's")
+    if hlen != HEADER_SIZE:
+        raise CorruptValueError(f"value format version {version} with a header of {hlen} bytes, not {HEADER_SIZE}")
     (stored_check,) = _CHECK.unpack_from(raw, layout.size)
     if stored_check != xxhash.xxh3_64_intdigest(raw[: layout.size]):
         raise CorruptValueError("header checksum mismatch")
@@ -144,6 +153,16 @@ def decode_header(
     if payload_len is not None and plen != payload_len:
         raise CorruptValueError(f"payload length mismatch: header says {plen}, expected {payload_len}")
     return ValueHeader(ns, padded_key[:key_len], plen, checksum)
+
+
+def foreign_format(prefix: bytes | bytearray | memoryview) -> int | None:
+    """The format version of a value whose first bytes are ``prefix`` when it carries the magic
+    with a version this release cannot read (another release's value: see
+    :class:`ForeignFormatError`); None otherwise (ours, or not a value at all)."""
+    if len(prefix) < PREFIX_SIZE:
+        return None
+    magic, version, _ = _PREFIX.unpack_from(bytes(prefix[:PREFIX_SIZE]))
+    return version if magic == MAGIC and version not in _LAYOUTS else None
 
 
 def payload_hasher() -> xxhash.xxh3_64:

@@ -60,7 +60,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import numpy as np
 from pydantic import Field, StrictBool, field_validator
 
-from kvtier.errors import ConfigError, CorruptValueError, TierError, UnsafeEntryError
+from kvtier.errors import ConfigError, CorruptValueError, ForeignFormatError, TierError, UnsafeEntryError
 from kvtier.failures import log_failure
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import ExtraMetric, TierContext, TierUsage
@@ -210,13 +210,15 @@ class FilesystemTierOptions(TierOptions):
 
 
 class _Corrupt(Exception):
-    """A value failed verification (``removed``: its file was ours and is deleted; ``st``: its fstat)."""
+    """A value failed verification (``removed``: its file was ours and is deleted; ``st``: its fstat;
+    ``foreign``: it is another release's format, never deleted)."""
 
-    def __init__(self, reason: str, removed: bool, st: os.stat_result) -> None:
+    def __init__(self, reason: str, removed: bool, st: os.stat_result, foreign: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.removed = removed
         self.st = st
+        self.foreign = foreign
 
 
 class _NoRoom(Exception):
@@ -255,6 +257,9 @@ class FilesystemTier(ThreadedTier):
         "scan_seconds": ExtraMetric("gauge", "Duration of the warm-restart scan."),
         "temp_files_swept": ExtraMetric("gauge", "Temporary files of dead writers removed at start."),
         "unsafe_entries": ExtraMetric("counter", "Entries of the root that are not regular files of ours (untouched)."),
+        "foreign_format": ExtraMetric(
+            "counter", "Values in a format version this release cannot read (another release's): not served, kept."
+        ),
         "journal_added": ExtraMetric("counter", "Blocks other engines stored, learned from their journals."),
         "journal_removed": ExtraMetric("counter", "Blocks other engines evicted, learned from their journals."),
         "checks": ExtraMetric("counter", "Keys the index did not hold, checked on disk (miss_checks)."),
@@ -555,9 +560,14 @@ class FilesystemTier(ThreadedTier):
                 os.close(shard_fd)
             self._breaker.record_success(time.perf_counter() - t0)
         except _Corrupt as exc:
-            error = f"corrupt value {key.hex()[:16]}: {exc.reason}"
-            logger.warning("fs tier %s: %s; %s", self.label, error, "deleted" if exc.removed else "left in place")
-            self._count(corrupt_values=1)
+            if exc.foreign:  # a newer release's value, sharing the root: unreadable here, not corrupt
+                error = f"value {key.hex()[:16]} is not served: {exc.reason}"
+                logger.warning("fs tier %s: %s; left in place", self.label, error)
+                self._count(foreign_format=1)
+            else:
+                error = f"corrupt value {key.hex()[:16]}: {exc.reason}"
+                logger.warning("fs tier %s: %s; %s", self.label, error, "deleted" if exc.removed else "left in place")
+                self._count(corrupt_values=1)
             if not exc.removed:
                 self._checks.reject(key, exc.st)
             self._forget(key, started)
@@ -598,13 +608,14 @@ class FilesystemTier(ThreadedTier):
             with contextlib.suppress(OSError):  # the use, for other engines' eviction order and restarts
                 os.utime(fd)
         except CorruptValueError as exc:
-            removed = discard_corrupt(
+            foreign = isinstance(exc, ForeignFormatError)
+            removed = not foreign and discard_corrupt(
                 shard_fd, name, st, self._instance.fd, self._instance.temp_name(key), self.modes
             )
             if removed:
                 self._budget.release(1)
                 self._journal.append(REMOVED, [key])
-            raise _Corrupt(str(exc), removed, st) from None
+            raise _Corrupt(str(exc), removed, st, foreign) from None
         finally:
             os.close(fd)
 

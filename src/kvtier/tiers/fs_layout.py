@@ -48,13 +48,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.errors import ConfigError, CorruptValueError, UnsafeEntryError
+from kvtier.errors import ConfigError, CorruptValueError, ForeignFormatError, UnsafeEntryError
 from kvtier.tiers.format import (
     FORMAT_VERSION,
     HEADER_SIZE,
     MAX_KEY_BYTES,
+    PREFIX_SIZE,
     ValueHeader,
     decode_header,
+    foreign_format,
     payload_checksum,
     verify_payload,
 )
@@ -481,14 +483,18 @@ def read_value(
     ``payload`` (the CPU row) must hold at least ``block_bytes``; with ``direct`` it is page
     aligned and page-rounded. Raises :class:`CorruptValueError` on any header, key,
     namespace, length or checksum mismatch (``payload`` then holds unverified bytes that
-    must not be used), OSError on I/O failure. Returns the payload bytes read. ``name``
-    is for messages.
+    must not be used; :class:`ForeignFormatError` for another release's format), OSError on I/O
+    failure. Returns the payload bytes read. ``name`` is for messages.
     """
-    if size not in (PAYLOAD_OFFSET + block_bytes, entry_bytes(block_bytes)):
-        raise CorruptValueError(
-            f"value file {name} has {size} bytes, expected {PAYLOAD_OFFSET + block_bytes} "
-            f"or {entry_bytes(block_bytes)}"
-        )
+    sizes = sorted({PAYLOAD_OFFSET + block_bytes, entry_bytes(block_bytes)})
+    if size not in sizes:
+        got = os.preadv(fd, [header_page], 0)  # the aligned page: a direct read needs one
+        version = foreign_format(header_page[: min(got, PREFIX_SIZE)])
+        if version is not None:  # another release's layout may have another size
+            raise ForeignFormatError(
+                f"value file {name}: unsupported value format version {version}, another release's"
+            )
+        raise CorruptValueError(f"value file {name} has {size} bytes, expected {' or '.join(map(str, sizes))}")
     want = PAYLOAD_OFFSET + len(payload)
     done = os.preadv(fd, [header_page, payload], 0)
     while 0 < done < want and not (direct and done % PAGE):
@@ -773,6 +779,8 @@ def _verify_value(shard_fd: int, name: str, path: Path, key: bytes, v: _Verifica
         finally:
             os.close(fd)
         v.verified += 1
+    except ForeignFormatError as exc:  # another release's value: not corrupt, never removed
+        v.corrupt.append(CorruptEntry(str(path), f"{exc} (kept: not proven corrupt)"))
     except CorruptValueError as exc:
         v.corrupt.append(CorruptEntry(str(path), str(exc)))
         # Moved aside under a name no reader looks for, deleted only if it is still the file that failed.

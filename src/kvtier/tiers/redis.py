@@ -13,7 +13,8 @@ header into a small buffer and the payload straight into the reserved CPU row,
 then verifies header and checksum; a missing key (expired, or evicted by Redis
 ``maxmemory``) is a MISS for that key and is reported removed in the tier's events
 (nobody else can report it), a malformed value is a MISS too, is deleted, and is
-counted in ``stats.corrupt_values``.
+counted in ``stats.corrupt_values``; a value in another release's format version is a
+MISS, counted in ``foreign_format`` and kept.
 
 Health: a :class:`~kvtier.tiers.health.CircuitBreaker`. A refused connection
 opens it at once; other failures (timeouts, resets) open it after
@@ -38,12 +39,12 @@ from redis.connection import parse_url
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvtier.errors import ConfigError, CorruptValueError
+from kvtier.errors import ConfigError, CorruptValueError, ForeignFormatError
 from kvtier.failures import describe_error, forget_frames, log_failure
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import ExtraMetric, JobResult, TierContext, TierUsage, TransferJob
 from kvtier.tiers.endpoints import parse_endpoint, redact_url
-from kvtier.tiers.format import HEADER_SIZE, decode_header, encode_header, verify_payload
+from kvtier.tiers.format import HEADER_SIZE, PREFIX_SIZE, decode_header, encode_header, foreign_format, verify_payload
 from kvtier.tiers.health import CircuitBreaker
 from kvtier.tiers.jobs import ALL_LANES, JobState, Lane, ThreadedTier, Work
 from kvtier.tiers.options import LifetimeSeconds, QueueLength, Seconds, Threads, TierOptions, tier_options
@@ -209,6 +210,9 @@ class RedisTier(ThreadedTier):
     extra_metrics: ClassVar[Mapping[str, ExtraMetric]] = {
         "touches_dropped": ExtraMetric(
             "counter", "Keys whose TTL refresh was dropped: too many touches queued, or a step's over its cap."
+        ),
+        "foreign_format": ExtraMetric(
+            "counter", "Values in a format version this release cannot read (another release's): not served, kept."
         ),
     }
 
@@ -591,6 +595,7 @@ class RedisTier(ThreadedTier):
         loaded: list[BlockKey] = []
         missing: list[BlockKey] = []
         corrupt: list[BlockKey] = []
+        foreign: list[BlockKey] = []  # another release's values: not served, never deleted
         errors: list[str] = []
         header = bytearray(HEADER_SIZE)
         head_view = memoryview(header)
@@ -615,6 +620,11 @@ class RedisTier(ThreadedTier):
                 elif isinstance(reply, ErrorReply):
                     self._note_reply_error(reply)
                     errors.append(reply.message)
+                elif reply != self._value_bytes and foreign_format(head_view[: min(reply, PREFIX_SIZE)]) is not None:
+                    version = foreign_format(head_view[:PREFIX_SIZE])
+                    logger.warning("redis tier %s: value of %s is in format version %s of another release; left in "
+                                   "place", self.label, key.hex(), version)  # fmt: skip
+                    foreign.append(key)
                 elif reply != self._value_bytes:
                     logger.warning(
                         "redis tier %s: value of %s has %d bytes, expected %d; deleting it",
@@ -630,6 +640,10 @@ class RedisTier(ThreadedTier):
                             head_view, namespace=self._ns_digest, key=key, payload_len=self._block_bytes
                         )
                         verify_payload(parsed, body)
+                    except ForeignFormatError as exc:
+                        what = f"redis tier {self.label}: value of {key.hex()} is not served; left in place"
+                        log_failure(logger, logging.WARNING, what, exc)
+                        foreign.append(key)
                     except CorruptValueError as exc:
                         what = f"redis tier {self.label}: value of {key.hex()} is corrupt; deleting it"
                         log_failure(logger, logging.WARNING, what, exc)
@@ -651,7 +665,7 @@ class RedisTier(ThreadedTier):
         with self._lock:
             for key in loaded:
                 self._remember(key, True, now)
-            for key in missing + corrupt:
+            for key in missing + corrupt + foreign:
                 self._remember(key, False, now)
             if corrupt:
                 self._events.append(BlockEvent(tuple(corrupt), self.label, self.medium, True, deleting))
@@ -661,10 +675,14 @@ class RedisTier(ThreadedTier):
             errors.append(f"{len(missing)} key(s) missing (expired or evicted)")
         if corrupt:
             errors.append(f"{len(corrupt)} corrupt value(s) deleted")
+        if foreign:
+            errors.append(f"{len(foreign)} value(s) in another release's format (kept)")
         with self._stats_lock:
             self.stats.bytes_read += len(loaded) * self._value_bytes
             self.stats.seconds_reading += seconds
             self.stats.corrupt_values += len(corrupt)
+            if foreign:
+                self.stats.extra["foreign_format"] = self.stats.extra.get("foreign_format", 0) + len(foreign)
             self.stats.loads_failed += len(keys) - len(loaded)
         self._finish(self._result(job, loaded, len(loaded) * self._value_bytes, seconds, errors))
 

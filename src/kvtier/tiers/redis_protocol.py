@@ -240,8 +240,9 @@ class RespReader:
 
         On that exact length the first bytes land in ``head`` and the rest in
         ``body`` (zero extra copies for the body) and the length is returned.
-        Any other length is consumed and discarded and its length returned, so
-        the caller can tell a truncated or foreign value; None is a null reply
+        Any other length is consumed (its first bytes, as many as ``head`` holds,
+        land in ``head``; the rest is discarded) and its length returned, so the
+        caller can tell a truncated value from another release's; None is a null reply
         (missing key); an error reply is returned as :class:`ErrorReply`.
         """
         line = self._read_line(64 + head.nbytes)
@@ -259,7 +260,9 @@ class RespReader:
             self.read_into(head)
             self.read_into(body)
         else:
-            self.discard(n)
+            first = min(n, head.nbytes)
+            self.read_into(head[:first])
+            self.discard(n - first)
         self._skip_crlf()
         return n
 

@@ -16,7 +16,9 @@ the options, their defaults and the bucket layout are in :mod:`kvtier.tiers.s3_s
   as loaded. A 404 is a MISS for that key (it drops the key from the index and is
   reported removed in the tier's events: a lifecycle rule deleted it);
   a wrong length, header or checksum is a MISS too, is counted in
-  ``stats.corrupt_values``, and the object is deleted.
+  ``stats.corrupt_values``, and the object is deleted; an object in a format
+  version of another release (kvtier's magic, a version this one cannot read)
+  is a MISS counted in ``foreign_format`` and left in place.
 * **Existence**: answered from an in-memory index of what this process stored,
   loaded or checked: present keys answer HIT for ``hit_seconds``, absent keys
   MISS for ``miss_seconds`` (other engines write too). Unknown keys answer
@@ -53,11 +55,19 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import numpy as np
 
-from kvtier.errors import ConfigError, CorruptValueError, TierError
+from kvtier.errors import ConfigError, CorruptValueError, ForeignFormatError, TierError
 from kvtier.failures import forget_frames, log_failure
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import ExtraMetric, TierContext, TierUsage
-from kvtier.tiers.format import HEADER_SIZE, decode_header, encode_header, payload_hasher, verify_digest
+from kvtier.tiers.format import (
+    HEADER_SIZE,
+    PREFIX_SIZE,
+    decode_header,
+    encode_header,
+    foreign_format,
+    payload_hasher,
+    verify_digest,
+)
 from kvtier.tiers.health import CircuitBreaker
 from kvtier.tiers.jobs import ALL_LANES, READ_LANES, Lane, ThreadedTier, Work
 from kvtier.tiers.options import tier_options
@@ -100,6 +110,9 @@ class S3Tier(ThreadedTier):
         "checks_failed": ExtraMetric("counter", "Existence checks that failed (counted against the breaker)."),
         "missing": ExtraMetric("counter", "Objects gone from the bucket when read."),
         "warm_start_blocks": ExtraMetric("counter", "Blocks indexed from the manifest at start."),
+        "foreign_format": ExtraMetric(
+            "counter", "Values in a format version this release cannot read (another release's): not served, kept."
+        ),
     }
 
     def __init__(self, context: TierContext, options: S3TierOptions | None = None, /, **fields: Any) -> None:
@@ -335,6 +348,14 @@ class S3Tier(ThreadedTier):
             self._emit([key], removed=True, when=asked)  # deleted by a lifecycle rule or by hand
             self._complete(work, error="object missing (deleted, expired or never stored)")
             return
+        except ForeignFormatError as exc:  # another release's object: not served, never deleted
+            self._breaker.record_success()
+            log_failure(logger, logging.WARNING, f"s3 tier {self.label}: object {path} is not served; left in place",
+                        exc)  # fmt: skip
+            self._count(foreign_format=1)
+            self._remember(key, False, time.monotonic())
+            self._complete(work, error=f"object {key.hex()[:16]} not served: {exc}")
+            return
         except CorruptValueError as exc:
             self._breaker.record_success()
             log_failure(logger, logging.WARNING, f"s3 tier {self.label}: object {path} is corrupt; deleting it", exc)
@@ -361,13 +382,17 @@ class S3Tier(ThreadedTier):
         arrives (numpy and xxhash release the GIL), so the checksum of the
         bytes that reached the row is ready when the body ends. Raises
         FileNotFoundError (404), CorruptValueError (wrong size, header or
-        checksum) or the client's error.
+        checksum; ForeignFormatError for another release's format) or the client's error.
         """
         import obstore as obs
 
         result = obs.get(self._store, path)
         size = int(result.meta["size"])
         if size != self._value_bytes:
+            first = next(iter(result.stream(min_chunk_size=PREFIX_SIZE)), b"")
+            version = foreign_format(memoryview(first)[:PREFIX_SIZE])
+            if version is not None:  # another release's layout may have another size
+                raise ForeignFormatError(f"object: unsupported value format version {version}, another release's")
             raise CorruptValueError(f"object has {size} bytes, expected {self._value_bytes}")
         hasher = payload_hasher()
         filled = 0
