@@ -146,3 +146,33 @@ def test_stats_never_raises_when_a_tier_usage_or_health_raises(
         metrics.close()
     finally:
         mgr.shutdown()
+
+
+class _LyingKey(bytes):
+    """A bytes subclass whose ``len`` says 8 whatever its bytes (and whose hash is its own)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __hash__(self) -> int:
+        return 7
+
+
+def test_a_bytes_subclass_key_is_measured_and_stored_as_plain_bytes(mgr: TieringManager) -> None:
+    """Regression (review, 2026-12-02): a bytes subclass with a lying ``__len__`` got past the key
+    check: a 200-byte key reached a tier, and the subclass object itself was the index's key."""
+    with pytest.raises(InvalidKeyError):
+        mgr.prepare_store([_LyingKey(b"x" * 200)])
+    with pytest.raises(InvalidKeyError):
+        mgr.lookup(_LyingKey(b"x" * 200))
+    assert len(mgr.primary) == 0
+    key = _LyingKey(b"k" * 32)  # a valid key: taken as its plain bytes
+    _store(mgr, [key])
+    mgr.on_schedule_end()
+    mgr.on_schedule_end()
+    plain = b"k" * 32
+    assert mgr.lookup(plain) is LookupResult.HIT and mgr.lookup(key) is LookupResult.HIT
+    tier = mgr.tiers[0]
+    assert isinstance(tier, ScriptedTier)
+    assert all(type(k) is bytes for k in tier.data) and plain in tier.data
+    assert plain in mgr.primary and len(mgr.primary) == 1

@@ -155,3 +155,18 @@ def test_the_wait_deadlines_come_from_extra_config_and_are_checked_by_name() -> 
                      ("failed_load_seconds", "soon")):  # fmt: skip
         with pytest.raises(ConfigError, match=key):
             resolve_settings({key: bad}, LAYOUT, env={})
+
+
+@pytest.mark.parametrize("value", ["false", "no", "0", 0, 1, "true", None, [], {}])
+def test_allow_untested_vllm_takes_only_a_boolean(value: object) -> None:
+    """Regression (review, 2026-12-02): ``"allow_untested_vllm": "false"`` was read with bool(),
+    so the string turned the version check off."""
+    from kvtier.integrations.vllm.config import allow_untested_vllm
+
+    with pytest.raises(ConfigError, match="allow_untested_vllm"):
+        allow_untested_vllm({"allow_untested_vllm": value})
+    with pytest.raises(ConfigError, match="allow_untested_vllm"):
+        resolve_settings({"allow_untested_vllm": value}, LAYOUT, env={})
+    assert allow_untested_vllm({}) is False
+    assert allow_untested_vllm({"allow_untested_vllm": True}) is True
+    assert allow_untested_vllm({"allow_untested_vllm": False}) is False

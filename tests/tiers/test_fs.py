@@ -303,6 +303,32 @@ def test_restart_with_smaller_budget_evicts_oldest(tmp_path: Path, rows: np.ndar
         small.shutdown()
 
 
+def test_directories_in_tmp_not_named_like_an_instance_are_left_alone(tmp_path: Path, rows: np.ndarray) -> None:
+    """Regression (review, 2026-12-02): the start-up sweep emptied any unlocked directory in
+    ``tmp`` older than a minute, whatever its name (one not named like an instance's is not
+    proven kvtier's)."""
+    tier = make_tier(tmp_path, rows, BB)
+    tier.shutdown()
+    planted = [tier.ns_dir / "tmp" / name for name in ("mystuff", "999999-dead", "12-0123456789AB", "12-0123456789abc")]
+    for where in planted:
+        where.mkdir()
+        (where / "notes.txt").write_text("precious")
+        os.utime(where, (time.time() - 3600, time.time() - 3600))
+    dead = tier.ns_dir / "tmp" / "999998-0123456789ab"  # a dead instance's, without its lock
+    dead.mkdir()
+    (dead / "ab.1.tmp").write_bytes(b"partial")
+    os.utime(dead, (time.time() - 3600, time.time() - 3600))
+    again = make_tier(tmp_path, rows, BB)
+    try:
+        assert all((where / "notes.txt").read_text() == "precious" for where in planted)
+        assert not dead.exists()
+    finally:
+        again.shutdown()
+    report = verify_root(tmp_path)
+    left = {Path(entry.path).name for ns in report.namespaces for entry in ns.unsafe_entries}
+    assert {where.name for where in planted} <= left
+
+
 def test_manifest_of_other_data_is_refused(tmp_path: Path, rows: np.ndarray) -> None:
     tier = make_tier(tmp_path, rows, BB)
     tier.shutdown()
@@ -318,11 +344,11 @@ def test_manifest_of_other_data_is_refused(tmp_path: Path, rows: np.ndarray) -> 
 def test_orphaned_temp_files_of_dead_processes_are_swept(tmp_path: Path, rows: np.ndarray) -> None:
     tier = make_tier(tmp_path, rows, BB)
     tier.shutdown()
-    dead = tier.ns_dir / "tmp" / "999999-dead"
+    dead = tier.ns_dir / "tmp" / "999999-0123456789ab"  # instance directories are named <pid>-<12 hex>
     dead.mkdir()
     (dead / "lock").touch()
     (dead / "ab.1.tmp").write_bytes(b"partial")
-    live = tier.ns_dir / "tmp" / "1-live"
+    live = tier.ns_dir / "tmp" / "1-abcdefabcdef"
     live.mkdir()
     (live / "cd.1.tmp").write_bytes(b"in progress")
     fd = os.open(live / "lock", os.O_CREAT | os.O_RDWR)

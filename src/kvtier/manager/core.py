@@ -81,6 +81,22 @@ from kvtier.types import (
 # The answers as module constants: the hot paths compare against them without an attribute load.
 _HIT, _HIT_PENDING, _RETRY, _MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY, LookupResult.MISS
 
+def _plain_keys(keys: list[BlockKey]) -> list[BlockKey]:
+    """``keys`` checked one by one, each a plain ``bytes`` of 1..MAX_KEY_BYTES bytes: a bytes
+    subclass's key is copied to plain bytes (its own ``len``, hash and equality never take part);
+    anything else raises :class:`InvalidKeyError`."""
+    plain: list[BlockKey] = []
+    for key in keys:
+        if not isinstance(key, bytes):
+            raise InvalidKeyError.of(key, MAX_KEY_BYTES)
+        if type(key) is not bytes:
+            key = bytes(memoryview(key))
+        if not 0 < len(key) <= MAX_KEY_BYTES:
+            raise InvalidKeyError.of(key, MAX_KEY_BYTES)
+        plain.append(key)
+    return plain
+
+
 class TieringManager:
     """Coordinates a :class:`PrimaryTier` with secondary tiers; see the module docstring.
 
@@ -189,8 +205,8 @@ class TieringManager:
             raise ManagerClosedError.of(call)
         out = keys if type(keys) is list else list(keys)
         for key in out:
-            if (type(key) is not bytes and not isinstance(key, bytes)) or not 0 < len(key) <= MAX_KEY_BYTES:
-                raise InvalidKeyError.of(key, MAX_KEY_BYTES)
+            if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
+                return _plain_keys(out)  # raises, or copies a bytes subclass's keys to plain bytes
         return out
 
     def _poll_once(self) -> None:
@@ -237,7 +253,7 @@ class TieringManager:
         """:meth:`lookup` in full: the checks, the step's poll and the request's control, then
         :meth:`_answer`."""
         if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES or self._closing:
-            self._open_keys("lookup", (key,))  # raises, unless a valid key of a bytes subclass
+            key = self._open_keys("lookup", (key,))[0]  # raises, unless a valid key of a bytes subclass
         if not (self._fast or self._hits.timed):  # the step's first lookup
             self._poll_once()
             self._fast = self._hits.first_lookup(self.lookup_timing_every)

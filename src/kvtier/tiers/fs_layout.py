@@ -329,12 +329,17 @@ def instance_alive(ns_dir: Path, name: str) -> bool:
         os.close(fd)
 
 
+INSTANCE_NAME_RE = re.compile(r"\d{1,10}-[0-9a-f]{12}\Z")
+"""The name of an instance temp directory (:class:`InstanceDir`): ``<pid>-<12 hex>``."""
+
+
 def temp_dirs(ns_fd: int, ns_path: Path, remove_dead: bool = False) -> list[TempDirState]:
     """Every instance temp directory of the namespace directory open as ``ns_fd``, and whether
     a live process holds it; with ``remove_dead``, the dead ones of this user are removed.
 
     Walks through descriptors only, following no link (``tmp`` or an entry in it that is
-    not a directory is left alone).
+    not a directory is left alone), and only directories named like an instance's
+    (:data:`INSTANCE_NAME_RE`): anything else in ``tmp`` is not proven kvtier's, and is left alone.
     """
     tmp_fd = _open_subdir(ns_fd, TMP_DIR)
     if tmp_fd is None:
@@ -342,6 +347,8 @@ def temp_dirs(ns_fd: int, ns_path: Path, remove_dead: bool = False) -> list[Temp
     found: list[TempDirState] = []
     try:
         for entry in list(os.scandir(tmp_fd)):
+            if not INSTANCE_NAME_RE.match(entry.name):
+                continue
             fd = _open_subdir(tmp_fd, entry.name)
             if fd is None:
                 continue
@@ -691,7 +698,8 @@ def verify_root(
 
 
 def _unsafe_in_tmp(ns_fd: int, ns_dir: Path) -> list[CorruptEntry]:
-    """``tmp`` itself, or the entries in it, that are not directories (links included): never entered."""
+    """``tmp`` itself, or the entries in it, that are not directories (links included): never
+    entered; and directories in it not named like an instance's: left alone."""
     kind = _kind_at(ns_fd, TMP_DIR)
     if kind is not None and kind != stat.S_IFDIR:
         return [CorruptEntry(str(ns_dir / TMP_DIR), kind_of(kind) + ", not a directory: not followed")]
@@ -699,11 +707,19 @@ def _unsafe_in_tmp(ns_fd: int, ns_dir: Path) -> list[CorruptEntry]:
     if tmp_fd is None:
         return []
     try:
-        return [
-            CorruptEntry(str(ns_dir / TMP_DIR / e.name), kind_of(kind) + ", not a directory: not followed")
-            for e in sorted(os.scandir(tmp_fd), key=lambda e: e.name)
-            if (kind := _kind_at(tmp_fd, e.name)) is not None and kind != stat.S_IFDIR
-        ]
+        found = []
+        for e in sorted(os.scandir(tmp_fd), key=lambda e: e.name):
+            kind = _kind_at(tmp_fd, e.name)
+            if kind is None:
+                continue
+            if kind != stat.S_IFDIR:
+                why = kind_of(kind) + ", not a directory: not followed"
+            elif not INSTANCE_NAME_RE.match(e.name):
+                why = "a directory not named like an instance's: left alone"
+            else:
+                continue
+            found.append(CorruptEntry(str(ns_dir / TMP_DIR / e.name), why))
+        return found
     finally:
         os.close(tmp_fd)
 

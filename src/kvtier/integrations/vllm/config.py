@@ -95,6 +95,19 @@ def check_vllm_version(version: str, *, allow_untested: bool = False) -> tuple[i
     return parsed
 
 
+def allow_untested_vllm(extra: Mapping[str, Any]) -> bool:
+    """``kv_connector_extra_config["allow_untested_vllm"]``: a JSON boolean (default false).
+
+    Anything else is refused rather than read as truthy: the string ``"false"`` must never
+    turn the version check off."""
+    value = extra.get("allow_untested_vllm", False)
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"kv_connector_extra_config['allow_untested_vllm'] must be true or false (a JSON boolean), got {value!r}"
+        )
+    return value
+
+
 def installed_vllm_version() -> str:
     """The version of the importable ``vllm`` package (imports it)."""
     import vllm
@@ -180,6 +193,7 @@ def _normalize_extra(extra: Mapping[str, Any]) -> tuple[dict[str, Any], str | No
                 f"kv_connector_extra_config sets {name!r} twice (as {name!r} and as an alias): keep only one"
             )
         values[name] = value
+    allow_untested_vllm(extra)  # refused here too if it is not a boolean
     config_file = extra.get("kvtier_config_file")
     if config_file is not None and not isinstance(config_file, str):
         raise ConfigError(f"kv_connector_extra_config['kvtier_config_file'] must be a path string, got {config_file!r}")

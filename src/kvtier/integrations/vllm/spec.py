@@ -40,6 +40,7 @@ from kvtier.engine_events import EngineEventStream
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import (
     EngineLayout,
+    allow_untested_vllm,
     check_vllm_version,
     installed_vllm_version,
     resolve_settings,
@@ -85,7 +86,7 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
         super().__init__(config)
         extra: dict[str, Any] = dict(self.extra_config)
         version = installed_vllm_version()
-        allow = bool(extra.get("allow_untested_vllm", False))
+        allow = allow_untested_vllm(extra)
         check_vllm_version(version, allow_untested=allow)
         if allow:
             logger.warning("kvtier: running on vllm %s with allow_untested_vllm=true", version)
