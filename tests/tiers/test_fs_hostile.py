@@ -101,6 +101,52 @@ def test_a_value_swapped_for_a_symlink_after_indexing_is_not_followed(tmp_path: 
     assert victim.read_bytes() == b"s" * (PAYLOAD_OFFSET + BB)
 
 
+@pytest.mark.parametrize("swap", ["symlink", "fifo"])
+def test_a_shard_swapped_for_a_link_or_a_fifo_is_an_unsafe_entry_not_an_io_failure(
+    tmp_path: Path, rows: np.ndarray, swap: str
+) -> None:
+    """Regression (review, 2026-12-02): a shard directory replaced by a symlink counted as an I/O
+    error on every load and store (five took the whole tier out of service), and the key kept
+    answering HIT."""
+    import shutil
+
+    from kvtier.tiers.base import HealthState
+
+    root = tmp_path / "root"
+    tier = make_tier(root, rows, BB)
+    try:
+        first: dict[int, bytes] = {}
+        for i in range(2000):  # two keys of one shard
+            key = key_of(i, b"shard")
+            if key[0] in first:
+                keys = [first[key[0]], key]
+                break
+            first[key[0]] = key
+        fill(rows, range(2), keys, BB)
+        assert store(tier, keys[:1], [0]).success
+        shard = value_path(tier.ns_dir, keys[0]).parent
+        elsewhere = tmp_path / "elsewhere"
+        shutil.move(shard, elsewhere)
+        if swap == "symlink":
+            shard.symlink_to(elsewhere)
+        else:
+            os.mkfifo(shard)
+        rows[5] = 0
+        for _ in range(6):
+            result = load(tier, keys[:1], [5])
+            assert not result.success
+        assert not rows[5].any(), "nothing read through the link"
+        assert tier.lookup(keys[0], None) is LookupResult.MISS, "an unsafe key is forgotten"
+        for _ in range(6):  # a store into that shard: refused, left alone
+            assert not store(tier, keys[1:], [1]).success
+        extra = tier.stats.extra
+        assert extra["io_errors"] == 0 and extra["unsafe_entries"] >= 2
+        assert tier.health().state is HealthState.CLOSED
+    finally:
+        tier.shutdown()
+    assert sorted(p.name for p in elsewhere.iterdir()) == [value_path(tier.ns_dir, keys[0]).name]
+
+
 # --- FIFOs --------------------------------------------------------------------------------------
 
 

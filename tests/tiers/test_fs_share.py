@@ -991,3 +991,76 @@ def test_an_engine_killed_while_writing_costs_no_wrong_bytes_and_its_share_is_ad
     finally:
         alone.shutdown()
     assert _ledger_sum(ns_dir) == files
+
+
+def test_an_oversized_planted_segment_is_never_read(tmp_path: Path, rows: np.ndarray) -> None:
+    """Regression (review, 2026-12-02): a sparse 1 GiB file named like another engine's journal
+    segment was parsed to its end (seconds of an I/O thread; a shutdown missed its deadline)."""
+    tier = make_tier(tmp_path, rows, BB)
+    writer = JournalWriter(tier._dirs, "9-aaaaaaaaaaaa")
+    reader = JournalReader(tier._dirs, "8-eeeeeeeeeeee")
+    planted = tier.ns_dir / JOURNAL_DIR / "4242-abcdefabcdef.1"
+    try:
+        with open(planted, "wb") as f:
+            f.truncate(1 << 30)
+        key = key_of(1, b"planted")
+        writer.append(ADDED, [key])
+        writer.flush()
+        started = time.monotonic()
+        assert [k for _, _, k in reader.read()] == [key]
+        assert time.monotonic() - started < 1.0
+        assert reader.unsafe_entries == 1 and reader.bad_records == 0
+        assert planted.stat().st_size == 1 << 30, "never deleted: not proven a journal of ours"
+    finally:
+        writer.close()
+        reader.close()
+        tier.shutdown()
+
+
+def test_a_large_flush_never_makes_a_segment_longer_than_the_limit(
+    tmp_path: Path, rows: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fs_journal, "SEGMENT_BYTES", 4 * RECORD_BYTES)
+    tier = make_tier(tmp_path, rows, BB)
+    writer = JournalWriter(tier._dirs, "9-dddddddddddd")
+    try:
+        writer.append(ADDED, [key_of(1, b"one")])
+        writer.flush()
+        writer.append(ADDED, [key_of(i, b"big") for i in range(10)])  # one flush of 10 records
+        writer.flush()
+        sizes = {p.name: p.stat().st_size for p in (tier.ns_dir / JOURNAL_DIR).glob("9-dddddddddddd.*")}
+        assert sizes and all(size <= 4 * RECORD_BYTES and size % RECORD_BYTES == 0 for size in sizes.values()), sizes
+        assert max(int(name.rsplit(".", 1)[1]) for name in sizes) == 4  # 1 | 4 + 4 + 2: 10 do not fit after 1
+    finally:
+        writer.close()
+        tier.shutdown()
+
+
+def test_each_read_parses_a_bounded_share_and_takes_the_journals_in_turn(
+    tmp_path: Path, rows: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fs_journal, "READ_BUDGET", 20 * RECORD_BYTES)
+    tier = make_tier(tmp_path, rows, BB)
+    reader = JournalReader(tier._dirs, "8-eeeeeeeeeeee")
+    writers = [JournalWriter(tier._dirs, f"9-{c * 12}") for c in "abc"]
+    try:
+        written = set()
+        for n, writer in enumerate(writers):
+            keys = [key_of(i, f"turn{n}".encode()) for i in range(50)]
+            writer.append(ADDED, keys)
+            writer.flush()
+            written.update(keys)
+        seen: list[bytes] = []
+        per_call = []
+        for _ in range(3):
+            got = [k for _, _, k in reader.read()]
+            per_call.append(len(got))
+            seen += got
+        assert per_call == [50, 50, 50], "one journal a call: the budget stops the rest"
+        assert len(seen) == len(set(seen)) and set(seen) == written
+        assert reader.read() == []
+    finally:
+        for writer in writers:
+            writer.close()
+        reader.close()
+        tier.shutdown()

@@ -553,7 +553,7 @@ class FilesystemTier(ThreadedTier):
         started = time.time()  # a value found gone or corrupt was so no later than this
         t0 = time.perf_counter()
         try:
-            shard_fd = self._dirs.subdir(shard)
+            shard_fd = self._dirs.shard(shard)
             try:
                 self._read_into_row(slot, shard_fd, name, key, header)
             finally:
@@ -716,7 +716,7 @@ class FilesystemTier(ThreadedTier):
 
     def _place(self, tmp: str, tmp_dir: int, key: BlockKey) -> bool:
         """Link the written temp file to ``key``'s name; False if the name is taken."""
-        shard_fd = self._dirs.subdir(f"{key[0]:02x}")
+        shard_fd = self._dirs.shard(f"{key[0]:02x}")
         try:
             if self._hard_links:
                 try:
@@ -738,7 +738,10 @@ class FilesystemTier(ThreadedTier):
     def _on_disk(self, key: BlockKey) -> bool:
         """Is a value of ``key`` on disk: a regular file of ours (or the group's) of a value's size,
         not one that failed verification? One ``fstatat``, following no link. I/O threads."""
-        shard_fd = self._dirs.subdir(f"{key[0]:02x}")
+        try:
+            shard_fd = self._dirs.shard(f"{key[0]:02x}")
+        except UnsafeEntryError:
+            return False
         try:
             st = find_value(shard_fd, value_name(key), self.modes, self._value_sizes)
         except (UnsafeEntryError, CorruptValueError):
@@ -867,7 +870,7 @@ class FilesystemTier(ThreadedTier):
     def _probe_key(self, key: BlockKey) -> bool:
         """One check on disk for :meth:`_check_keys`: is a value of ``key`` there to adopt?"""
         try:
-            shard_fd = self._dirs.subdir(f"{key[0]:02x}")
+            shard_fd = self._dirs.shard(f"{key[0]:02x}")
             try:
                 st = find_value(shard_fd, value_name(key), self.modes, self._value_sizes)
             finally:

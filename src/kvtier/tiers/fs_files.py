@@ -159,6 +159,23 @@ class NamespaceDir:
         """A descriptor of shard (or ``tmp``) ``name``, opened without following; caller closes."""
         return os.open(name, DIR_FLAGS, dir_fd=self.fd)
 
+    def shard(self, name: str) -> int:
+        """:meth:`subdir` for a value's shard: a link or a special file (FIFO, socket, device)
+        where the shard belongs raises :class:`UnsafeEntryError` (someone else's entry, never
+        followed: not an I/O failure of the medium); anything else raises as :meth:`subdir` does."""
+        try:
+            return os.open(name, DIR_FLAGS, dir_fd=self.fd)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            try:
+                mode = os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode
+            except OSError:
+                raise exc from None
+            if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+                raise
+            raise UnsafeEntryError(self.path / name, f"{kind_of(mode)}, where a shard directory belongs") from None
+
     def entries(self, name: str) -> Iterator[os.DirEntry[str]]:
         """The entries of subdirectory ``name`` (none if it vanished)."""
         try:

@@ -23,7 +23,11 @@ cost hits, nothing else.
   remounted read-only). A failed append is logged and dropped.
 * **Segments**: past :data:`SEGMENT_BYTES` a journal starts a new segment and deletes
   the one before the previous, so it holds at most three; a reader that fell further
-  behind skips ahead (losing records: lost hits).
+  behind skips ahead (losing records: lost hits). A segment is never longer (a large
+  flush is split); one of more than :data:`MAX_SEGMENT_BYTES` (planted, or from a
+  broken writer) is never read, and each :meth:`JournalReader.read` parses at most
+  :data:`READ_BUDGET` bytes (the rest waits for the next call, whose first journal is
+  the next one in turn), so housekeeping and shutdown never wait on a huge file.
 * **Readers start at the current ends** (their start-up scan saw what came before) and
   read a journal that appears later from its beginning.
 * **Dead instances' journals** (their lock in ``tmp/`` is free) are deleted by any
@@ -69,6 +73,10 @@ SEGMENT_BYTES = 1 << 20
 """A journal starts a new segment past this size (13,107 records)."""
 STALE_SECONDS = 60.0
 """A dead instance's journal is deleted once its newest segment is this old."""
+MAX_SEGMENT_BYTES = 16 * SEGMENT_BYTES
+"""A segment longer than this is not a journal's (its writer never makes one): never read."""
+READ_BUDGET = 8 << 20
+"""Bytes :meth:`JournalReader.read` parses at most in one call."""
 _MAX_READ = 4 << 20
 _NAME_RE = re.compile(r"^(\d+-[0-9a-f]{12})\.(\d{1,9})$")
 
@@ -140,22 +148,30 @@ class JournalWriter:
             if not records or self._dir_fd < 0:
                 return
             try:
-                if self._size + len(records) > SEGMENT_BYTES:
-                    self._rotate()
-                fd = os.open(_segment_name(self.instance, self._segment), os.O_WRONLY | os.O_APPEND | SAFE_OPEN_FLAGS,
-                             dir_fd=self._dir_fd)  # fmt: skip
-                try:
-                    view = memoryview(records)
-                    while view:
-                        view = view[os.write(fd, view) :]
-                finally:
-                    os.close(fd)
-                self._size += len(records)
+                view = memoryview(records)
+                while view:  # in pieces that fit the current segment: none is ever longer
+                    if self._size + len(view) > SEGMENT_BYTES and self._size:
+                        self._rotate()
+                    room = SEGMENT_BYTES - SEGMENT_BYTES % RECORD_BYTES
+                    piece, view = view[:room], view[room:]
+                    self._append(piece)
                 self._error = None
             except OSError as exc:
                 if self._error is None:
                     logger.warning("fs tier %s: cannot append to its journal: %s", self._path, describe_error(exc))
                 self._error = str(exc)
+
+    def _append(self, piece: memoryview) -> None:
+        """Write ``piece`` (whole records) at the end of the current segment."""
+        fd = os.open(_segment_name(self.instance, self._segment), os.O_WRONLY | os.O_APPEND | SAFE_OPEN_FLAGS,
+                     dir_fd=self._dir_fd)  # fmt: skip
+        size = len(piece)
+        try:
+            while piece:
+                piece = piece[os.write(fd, piece) :]
+        finally:
+            os.close(fd)
+        self._size += size
 
     def _rotate(self) -> None:
         self._segment += 1
@@ -190,6 +206,7 @@ class JournalReader:
         self._lock = threading.Lock()
         self._cursors: dict[str, _Cursor] = {}
         self._unsafe: set[str] = set()
+        self._turn = 0  # the journal read first by the next read(), in name order
         self.bad_records = 0
         """Records that failed their checksum or made no sense (skipped)."""
         self._dir_fd = dirs.subdir(JOURNAL_DIR)
@@ -207,11 +224,19 @@ class JournalReader:
         return len(self._unsafe)
 
     def read(self) -> list[Entry]:
-        """Every record the other instances appended since the last call, in each one's order."""
+        """The records the other instances appended since the last call, in each one's order: all
+        of them, or those of the first :data:`READ_BUDGET` bytes (the journals are taken in turn,
+        starting one further each call; the rest is read by the next calls)."""
         out: list[Entry] = []
         with self._lock:
             listing = self._segments()
-            for owner, segments in listing.items():
+            owners = sorted(listing)
+            self._turn = turn = (self._turn + 1) % len(owners) if owners else 0
+            budget = READ_BUDGET
+            for owner in owners[turn:] + owners[:turn]:
+                if budget <= 0:
+                    break
+                segments = listing[owner]
                 cursor = self._cursors.get(owner) or _Cursor(segments[0], 0)
                 self._cursors[owner] = cursor
                 if cursor.segment not in segments:  # rotated and deleted past us: skip ahead
@@ -224,7 +249,10 @@ class JournalReader:
                     out += entries
                     self.bad_records += bad
                     cursor.offset += whole
+                    budget -= len(data)
                     if len(data) == _MAX_READ:
+                        if budget <= 0:
+                            break
                         continue
                     later = [s for s in segments if s > cursor.segment]
                     if not later:
@@ -272,11 +300,12 @@ class JournalReader:
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                if not stat.S_ISREG(st.st_mode) or not self._modes.trusted(st):
+                if not stat.S_ISREG(st.st_mode) or not self._modes.trusted(st) or st.st_size > MAX_SEGMENT_BYTES:
                     if entry.name not in self._unsafe:
                         self._unsafe.add(entry.name)
-                        logger.warning("fs tier %s: ignoring journal/%s: not a regular file of ours", self._path,
-                                       entry.name)  # fmt: skip
+                        why = ("not a regular file of ours" if st.st_size <= MAX_SEGMENT_BYTES or not
+                               stat.S_ISREG(st.st_mode) else f"{st.st_size} bytes, longer than any journal segment")
+                        logger.warning("fs tier %s: ignoring journal/%s: %s", self._path, entry.name, why)
                     continue
                 owner = match.group(1)
                 found.setdefault(owner, []).append(int(match.group(2)))
@@ -309,6 +338,8 @@ class JournalReader:
 
 __all__ = [
     "ADDED",
+    "MAX_SEGMENT_BYTES",
+    "READ_BUDGET",
     "RECORD_BYTES",
     "REMOVED",
     "SEGMENT_BYTES",
