@@ -154,3 +154,61 @@ def test_a_cascade_is_released_by_the_managers_record_of_its_rows(make: Any, nam
     evicting = mgr.prepare_store(chain_ids([7, 8, 9, 10], namespace))
     assert evicting is not None and sorted(evicting.evicted_keys) == sorted(keys)
     mgr.complete_store(evicting.keys_to_store)
+
+
+class MalformedAnswersTier(HoldingTier):
+    """A collaborator double whose ``poll_finished`` / ``take_events`` answer in a wrong shape
+    (``mode``), after the first step's well-formed answers are mixed in."""
+
+    tier_type: ClassVar[str] = "regression-malformed"
+    mode = "none"
+
+    def poll_finished(self) -> Any:
+        done = super().poll_finished()
+        mode = type(self).mode
+        if mode == "none":
+            return None
+        if mode == "objects":
+            return [object(), *done]  # the good results still count
+        if mode == "seconds_none":
+            return [JobResult(r.job_id, r.success, seconds=None) for r in done]  # type: ignore[arg-type]
+        if mode == "generator":
+
+            def failing() -> Iterator[JobResult]:
+                yield from done
+                raise RuntimeError("a broken generator")
+
+            return failing()
+        return done
+
+    def take_events(self) -> Any:
+        return None if type(self).mode == "events_none" else ["not an event"]
+
+
+register_tier("regression-malformed", f"{__name__}:MalformedAnswersTier")
+
+
+@pytest.mark.parametrize("mode", ["none", "objects", "seconds_none", "generator", "events_none"])
+def test_a_tier_answering_in_a_wrong_shape_never_crashes_the_scheduler(namespace: Namespace, mode: str) -> None:
+    """Regression (review, 2026-12-02): only tier calls that raised were guarded; a wrong return
+    value (None, foreign objects, a JobResult with seconds=None, a generator that raises) made
+    every later scheduler call raise."""
+    MalformedAnswersTier.mode = mode
+    mgr = TieringManager.create(namespace=namespace, num_cpu_blocks=8, tiers=[{"type": "regression-malformed"}],
+                                sweep_stale=False)  # fmt: skip
+    try:
+        keys = chain_ids(range(3), namespace)
+        req = RequestContext("r")
+        for step in range(3):
+            result = mgr.prepare_store(keys[step : step + 1], req)
+            assert result is not None
+            mgr.complete_store(result.keys_to_store, req)
+            mgr.on_schedule_end()
+            assert isinstance(mgr.take_events(), list)
+            mgr.lookup(keys[0], req)
+        snapshot = mgr.stats()
+        assert snapshot.manager.tier_call_errors >= 1
+        if mode == "objects":  # the well-formed results were still applied: no pin left behind
+            assert mgr.primary.pinned_count() == 0
+    finally:
+        mgr.shutdown()

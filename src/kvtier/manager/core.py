@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
+from functools import partial
 from time import perf_counter
 from typing import Any
 
@@ -64,7 +65,7 @@ from kvtier.primary import IN_FLIGHT, PrepareStoreResult, PrimaryTier
 from kvtier.region import SharedRegion
 from kvtier.request_control import TierDescriptor
 from kvtier.telemetry import ManagerCounters, ManagerSnapshot, TierTelemetry
-from kvtier.tiers.base import SecondaryTier
+from kvtier.tiers.base import SecondaryTier, checked_answers
 from kvtier.tiers.format import MAX_KEY_BYTES
 from kvtier.types import (
     DEFAULT_CONTROL,
@@ -512,8 +513,13 @@ class TieringManager:
         if self._closing:
             raise ManagerClosedError.of("take_events")
         events = self.primary.take_events()
-        for _, taken in self._tiers.broadcast("take_events"):
-            events.extend(taken)
+        for handle, taken in self._tiers.broadcast("take_events"):
+            answer: tuple[list[BlockEvent], str | None] = ([], None)
+            good, problem = handle.guard("take_events", partial(checked_answers, taken, BlockEvent, "take_events()"),
+                                         answer)  # fmt: skip
+            if problem is not None:
+                handle.failed("take_events", TypeError(problem))
+            events += good
         return events
 
     @property

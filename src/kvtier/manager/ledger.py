@@ -21,6 +21,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
+from functools import partial
 from time import perf_counter
 
 import numpy as np
@@ -31,7 +32,7 @@ from kvtier.manager.tierset import TierHandle, TierSet
 from kvtier.manager.waits import BlockWaits
 from kvtier.primary import PrimaryTier
 from kvtier.telemetry import ManagerCounters, TierTelemetry
-from kvtier.tiers.base import JobResult, TransferJob
+from kvtier.tiers.base import NOTHING_POLLED, JobResult, TransferJob, polled_results
 from kvtier.types import RequestContext
 
 logger = logging.getLogger(__name__)
@@ -181,7 +182,10 @@ class Ledger:
         """Collect and finish the jobs the tiers of ``handles`` report; then the jobs still in
         flight past the wait deadline are overdue (:meth:`mark_overdue`)."""
         for handle in handles:
-            for result in handle.call("poll_finished", default=()):
+            results, problem = handle.guard("poll_finished", partial(polled_results, handle.tier), NOTHING_POLLED)
+            if problem is not None:
+                handle.failed("poll_finished", TypeError(problem))
+            for result in results:
                 self.finish(handle, result)
         if self._unchecked:
             self.mark_overdue()

@@ -125,6 +125,39 @@ class JobResult:
         return [k for k in keys if k in self.successful_keys]
 
 
+def checked_answers(answer: object, kind: type[Any], what: str) -> tuple[list[Any], str | None]:
+    """A tier's answer that should be a list (or another iterable) of ``kind``: the items that
+    are, and a problem to report if the answer or some items were not (None if none). The
+    manager calls a tier through this, so a wrong type costs the tier's own answer, never the
+    scheduler (iterating the answer may raise: the caller guards it like the call)."""
+    if isinstance(answer, (str, bytes)) or not isinstance(answer, Iterable):
+        return [], f"{what} returned {type(answer).__name__}, not a list of {kind.__name__}"
+    good = [item for item in answer if isinstance(item, kind) and _well_formed(item)]
+    items = len(answer) if isinstance(answer, (list, tuple)) else len(good)
+    if len(good) == items:
+        return good, None
+    return good, f"{what} returned {items - len(good)} item(s) that are not well-formed {kind.__name__}s (ignored)"
+
+
+NOTHING_POLLED: tuple[list[JobResult], str | None] = ([], None)
+"""What :func:`polled_results` stands for when the tier's call raised."""
+
+
+def polled_results(tier: SecondaryTier) -> tuple[list[JobResult], str | None]:
+    """``tier.poll_finished()`` through :func:`checked_answers`: its well-formed results, and what
+    was wrong with the rest (None if nothing)."""
+    return checked_answers(tier.poll_finished(), JobResult, "poll_finished()")
+
+
+def _well_formed(item: object) -> bool:
+    """A JobResult's fields have the types the manager relies on (other kinds: no check)."""
+    if not isinstance(item, JobResult):
+        return True
+    keys = item.successful_keys
+    return (type(item.job_id) is int and isinstance(item.seconds, (int, float)) and not isinstance(item.seconds, bool)
+            and isinstance(item.bytes_moved, int) and (keys is None or isinstance(keys, (set, frozenset))))
+
+
 class HealthState(enum.Enum):
     """Circuit-breaker state of a tier: CLOSED serves, OPEN sheds, HALF_OPEN probes."""
 
