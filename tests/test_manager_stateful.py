@@ -436,6 +436,10 @@ class ManagerMachine(RuleBasedStateMachine):
                 retry = True
                 continue
             self.retrying.discard((pos, k))
+            wait = self.waits.get(k)  # a promotion goes on with the wait its RETRYs began...
+            if wait is not None and self.clock - wait[1] <= WAIT and self.clock - wait[0] > WAIT:
+                del self.waits[k]  # ...unless that is past the deadline: the wait ends with a MISS
+                return MISS, None
             room = len(self.present) - ghosts < NUM_CPU_BLOCKS or self.evictable({k}) - ghosts > 0
             return (HIT_PENDING, pos) if room else (MISS, None)
         if not retry:

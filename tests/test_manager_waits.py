@@ -410,3 +410,45 @@ def test_expired_waits_and_withheld_answers_reach_prometheus(make: Any) -> None:
     text = metrics.render().decode()
     for kind in ("withheld", "retry_expired", "promotion_job_failed"):
         assert f'kvtier_failures_total{{kind="{kind}",tier="1:scripted"}} 1.0' in text, kind
+
+
+def test_a_promotion_joining_an_old_batch_in_a_long_step_begins_its_own_wait(make: Any) -> None:
+    """Regression (found by the stateful test, 2026-12-02): a block whose promotion joined a batch
+    queued earlier in the same (long) step inherited the batch's clock, so its second lookup,
+    right after the first, already answered MISS."""
+    mgr = make({"auto_complete": False})
+    (tier,) = scripted(mgr)
+    a, b = keys(2)
+    tier.data[a] = tier.data[b] = bytes(mgr.block_bytes)
+    req = RequestContext("r")
+    mgr.on_new_request(req)
+    assert mgr.lookup(a, req) is LookupResult.HIT_PENDING  # the batch of (tier, request) begins
+    time.sleep(WAIT * 1.5)  # the step goes on: no step end
+    assert mgr.lookup(b, req) is LookupResult.HIT_PENDING  # joins the batch: its wait begins now
+    assert mgr.lookup(b, req) is LookupResult.HIT_PENDING
+    assert mgr.lookup(a, req) is LookupResult.MISS  # a's own wait is past the deadline
+
+
+def test_a_promotion_never_extends_a_wait_already_past_the_deadline(make: Any) -> None:
+    """Regression (found by the stateful test, 2026-12-02): a block answered RETRY for longer than
+    wait_timeout (asked often enough that the wait went on) was promoted, HIT_PENDING, when its
+    tier finally answered HIT: the engine was kept waiting past the deadline."""
+    wait = 1.0  # wide margins: a stalled machine must not end the wait between two answers
+    mgr = make({"auto_complete": False}, wait_timeout=wait)
+    (tier,) = scripted(mgr)
+    (k,) = keys(1)
+    tier.data[k] = bytes(mgr.block_bytes)
+    tier.retry_keys.add(k)
+    req = RequestContext("r")
+    mgr.on_new_request(req)
+    started = time.monotonic()
+    assert mgr.lookup(k, req) is LookupResult.RETRY
+    while time.monotonic() - started < wait * 0.7:  # asked again and again, within the deadline
+        time.sleep(wait / 10)
+        mgr.on_schedule_end()
+        assert mgr.lookup(k, req) is LookupResult.RETRY
+    time.sleep(wait * 0.4)  # the last answer is recent, the wait's start is past the deadline
+    tier.retry_keys.discard(k)
+    mgr.on_schedule_end()
+    assert mgr.lookup(k, req) is LookupResult.MISS, "the wait would go on past wait_timeout"
+    assert k not in mgr.primary, "no row reserved for a promotion nobody waits for"

@@ -304,6 +304,9 @@ class TieringManager:
                 return _MISS
             self._tally.retry += 1
             return _RETRY
+        if self._waits.since and not self._waits.promoting(key):  # its wait is already past the deadline
+            self._tally.miss += 1
+            return _MISS
         slot = self.primary.reserve_one(key, self._hits.protected())
         if slot is None:
             self._tiers.counters.promotion_alloc_failures += 1

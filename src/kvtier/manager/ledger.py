@@ -153,15 +153,16 @@ class Ledger:
             first = True
         batch.keys.append(key)
         batch.slots.append(slot)
-        # The wait on the block begins now (the batch's clock: one clock read per batch, not per
-        # block), or goes on from its RETRYs (or a failed promotion) before.
+        # The wait on the block begins now (a batch joined later in a long step is no clock: the
+        # block's wait would seem to have begun with the batch's first), or goes on from its
+        # RETRYs (or a failed promotion) before.
         waits = self._waits
+        now = batch.started if first else perf_counter()
         if waits.since:
             clock = waits.since.get(key)
-            now = batch.started
             waits.started[slot] = clock[0] if clock is not None and now - clock[1] <= self._wait_timeout else now
         else:
-            waits.started[slot] = batch.started
+            waits.started[slot] = now
         return first
 
     def submit_promotions(self) -> None:

@@ -181,6 +181,19 @@ class BlockWaits:
             tier.gave_up(key, now)
         return False
 
+    def promoting(self, key: BlockKey) -> bool:
+        """A lookup is about to start a promotion of ``key``, which continues the block's wait
+        (its RETRYs or a failed promotion, see :meth:`Ledger.queue_promotion`): False (MISS) if
+        that wait is already past the deadline, which ends it."""
+        clock = self.since.get(key)
+        if clock is None:
+            return True
+        now = perf_counter()
+        if now - clock[1] > self._timeout or now - clock[0] <= self._timeout:
+            return True
+        del self.since[key]
+        return False
+
     def pending(self, key: BlockKey, slot: int, now: float) -> bool:
         """A lookup found ``key`` being written into CPU row ``slot``: True to answer HIT_PENDING,
         False (MISS) once the wait is past the deadline; then every lookup answers MISS until
