@@ -333,3 +333,29 @@ def test_sources_name_where_each_value_came_from(tmp_path: Path) -> None:
     engine = load_config(env={}, cli={"policy": "arc"}, cli_source="extra_config")
     assert engine.sources["policy"] == "extra_config['policy']"
     assert engine.model_copy().sources == engine.sources
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("dup.yaml", "cpu_bytes: 1GiB\ncpu_bytes: 2GiB\n"),
+        ("nested.yaml", "tiers:\n  - type: fs\n    root: /a\n    root: /b\n"),
+        ("dup.json", '{"cpu_bytes": "1GiB", "cpu_bytes": "2GiB"}'),
+        ("nested.json", '{"tiers": [{"type": "fs", "root": "/a", "root": "/b"}]}'),
+    ],
+)
+def test_a_key_named_twice_in_a_config_file_is_refused(tmp_path: Path, name: str, text: str) -> None:
+    """Regression (review, 2026-12-02): YAML and JSON kept the last of two values of one key
+    unnoticed (TOML refuses them)."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="twice"):
+        load_config(file=str(path), env={})
+
+
+def test_a_key_named_twice_in_a_json_flag_or_variable_is_refused() -> None:
+    twice = '[{"type": "fs", "root": "/a", "root": "/b"}]'
+    with pytest.raises(ConfigError, match="'root' appears twice"):
+        load_config(env={"KVTIER_TIERS": twice})
+    with pytest.raises(ConfigError, match="'root' appears twice"):
+        load_config(env={}, cli={"tiers": twice})

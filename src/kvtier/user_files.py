@@ -35,6 +35,7 @@ import os
 import stat
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.units import format_size, shown
@@ -60,6 +61,42 @@ _HINTS = {
     errno.EFBIG: "the file is larger than this process may write (ulimit -f): raise the limit or pick another path",
     errno.EIO: "the device reported an I/O error: check the disk",
 }
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s ``object_pairs_hook`` for a user's JSON: an object that names a key twice is
+    refused (ValueError naming the key) instead of keeping its last value unnoticed."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` of a user's YAML, refusing a mapping that names a key twice (a
+    :class:`yaml.constructor.ConstructorError` naming the key and its line)."""
+    import yaml
+
+    class _UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    duplicate = key in seen
+                except TypeError:  # an unhashable key: the base class says so
+                    break
+                if duplicate:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark, f"found the key {key!r} twice",
+                        key_node.start_mark,
+                    )
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: nothing is evaluated
 
 
 def os_error_text(exc: OSError) -> str:
@@ -355,8 +392,10 @@ __all__ = [
     "OutputFile",
     "check_output",
     "decode_utf8",
+    "load_yaml",
     "open_input",
     "os_error_text",
     "read_text",
+    "unique_keys",
     "write_output",
 ]

@@ -42,6 +42,8 @@ def test_reads_requests_sorted_by_timestamp(tmp_path: Path) -> None:
         ('{"timestamp": 1, "hash_ids": "abc"}', "'hash_ids' must be a list of integers"),
         ('{"timestamp": 1, "hash_ids": [1, true]}', "'hash_ids' must be a list of integers"),
         ('{"timestamp": -1, "hash_ids": [1]}', "'timestamp' must be a non-negative number"),
+        # Regression (review, 2026-12-02): a field named twice kept its last value unnoticed.
+        ('{"timestamp": 1, "hash_ids": [1], "hash_ids": [2]}', "key 'hash_ids' appears twice"),
     ],
 )
 def test_bad_lines_name_file_and_line(tmp_path: Path, line: str, fragment: str) -> None:

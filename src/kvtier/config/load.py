@@ -37,7 +37,7 @@ from pydantic import ValidationError
 
 from kvtier.config.schema import KvtierConfig
 from kvtier.errors import ConfigError
-from kvtier.user_files import read_text
+from kvtier.user_files import load_yaml, read_text, unique_keys
 from kvtier.validation import did_you_mean, explain
 
 logger = logging.getLogger(__name__)
@@ -72,9 +72,7 @@ def _read_file(path: str) -> dict[str, Any]:
         )
     try:
         if suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text)
+            data = load_yaml(text)
         elif suffix == ".toml":
             if sys.version_info >= (3, 11):
                 import tomllib
@@ -82,7 +80,8 @@ def _read_file(path: str) -> dict[str, Any]:
                 import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
             data = tomllib.loads(text)
         else:
-            data = json.loads(text)  # NaN/Infinity reach the field's validation, which names the field
+            # NaN/Infinity reach the field's validation, which names the field; a key named twice is refused
+            data = json.loads(text, object_pairs_hook=unique_keys)
     except ConfigError:
         raise
     except RecursionError:
@@ -124,7 +123,7 @@ def _decode_text(field: str, raw: Any, *, source: str) -> Any:
         return raw
     if field in _JSON_FIELDS:
         try:
-            return json.loads(raw)
+            return json.loads(raw, object_pairs_hook=unique_keys)
         except RecursionError:
             raise ConfigError(f"{field} from {source} nests values too deeply to be a kvtier setting") from None
         except json.JSONDecodeError as exc:
@@ -136,6 +135,8 @@ def _decode_text(field: str, raw: Any, *, source: str) -> Any:
             raise ConfigError(
                 f"{field} from {source} is not valid JSON ({exc.msg}): write it as JSON, e.g. {example}"
             ) from None
+        except ValueError as exc:  # a key named twice (unique_keys)
+            raise ConfigError(f"{field} from {source}: {exc}: give each key once") from None
     if field in ("region_name", "cpu_bytes", "num_cpu_blocks") and raw.strip() == "":
         return None
     return raw

@@ -32,7 +32,7 @@ import numpy as np
 
 from kvtier.errors import ConfigError
 from kvtier.units import format_size
-from kvtier.user_files import decode_utf8, open_input
+from kvtier.user_files import decode_utf8, open_input, unique_keys
 
 TRACE_BLOCK_TOKENS = 512
 """Tokens per ``hash_ids`` entry in the published Mooncake traces."""
@@ -69,7 +69,7 @@ def _reject_constant(name: str) -> None:
 
 def _parse_line(line: str, where: str) -> TraceRequest:
     try:
-        obj = json.loads(line, parse_constant=_reject_constant)
+        obj = json.loads(line, parse_constant=_reject_constant, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as exc:
         raise TraceFormatError(f"{where}: not JSON ({exc.msg} at column {exc.colno})") from None
     except RecursionError:
@@ -77,6 +77,8 @@ def _parse_line(line: str, where: str) -> TraceRequest:
     except ValueError as exc:  # NaN, Infinity, or an integer of more than 4300 digits
         if "digits" in str(exc):
             raise TraceFormatError(f"{where}: an integer of thousands of digits: numbers must be below 2**63") from None
+        if "appears twice" in str(exc):
+            raise TraceFormatError(f"{where}: {exc}: give each field once") from None
         raise TraceFormatError(f"{where}: {exc}: use finite numbers") from None
     if not isinstance(obj, dict):
         raise TraceFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
