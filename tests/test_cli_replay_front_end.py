@@ -298,3 +298,14 @@ def test_two_outputs_naming_one_file_are_refused(tmp_path: Path) -> None:
     (tmp_path / "link.png").symlink_to(target)
     out = run(*SMALL, "--json", str(target), "--plot", str(tmp_path / "link.png"))
     assert out.returncode == 2 and "same file" in out.stderr
+
+
+def test_a_bad_fs_root_is_refused_before_the_workload_is_read(tmp_path: Path) -> None:
+    """Regression (review, 2026-12-02): --fs-root was checked only after the whole trace or
+    workload was read (22 s for 200,000 requests)."""
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    started = time.monotonic()
+    out = run("replay", "--synthetic", "chat", "--requests", "200000", "--fs-root", str(not_a_dir))
+    assert out.returncode == 2 and "--fs-root" in out.stderr and "not a directory" in out.stderr
+    assert time.monotonic() - started < 15.0, "the workload was generated before the check"

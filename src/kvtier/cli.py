@@ -718,12 +718,17 @@ def _check_replay_capacity(capacities: Sequence[int], shm_dir: str) -> None:
         )
 
 
+def _check_replay_fs_root(fs_root: str) -> None:
+    """--fs-root names a directory, or nothing yet (made when the replay starts): checked before any work."""
+    if os.path.lexists(fs_root) and not os.path.isdir(fs_root):
+        raise ConfigError(f"--fs-root {fs_root!r} is not a directory: give a directory (made if missing)")
+
+
 def _replay_fs_dir(fs_root: str) -> Any:
     """A fresh lock-held directory under ``fs_root`` for this replay's fs tiers (stale ones swept first)."""
     from kvtier.tempdir import LockedTempDir, sweep_stale_temp_dirs
 
-    if os.path.lexists(fs_root) and not os.path.isdir(fs_root):
-        raise ConfigError(f"--fs-root {fs_root!r} is not a directory: give a directory (made if missing)")
+    _check_replay_fs_root(fs_root)
     try:
         os.makedirs(fs_root, exist_ok=True)
         for stale in sweep_stale_temp_dirs(REPLAY_DIR_PREFIX, fs_root, remove=True):
@@ -902,6 +907,8 @@ def _replay(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
     )
     args.policy, args.shm_dir = args.policy or [settings.policy], settings.shm_dir  # env < flags
     _check_shm_dir(settings)
+    if args.fs_root is not None:
+        _check_replay_fs_root(args.fs_root)
     block = _replay_block_bytes(args, settings)
     if args.capacity:
         _check_replay_capacity([largest_known_blocks(args.capacity) or 1], args.shm_dir)

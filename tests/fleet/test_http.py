@@ -209,6 +209,8 @@ def test_the_command_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
         *[(("--engine", "a=tcp://127.0.0.1:1", flag, value), flag)
           for flag in ("--request-timeout", "--lag-seconds") for value in ("nan", "inf", "1e400", "-1")],
         (("--engine", "a=tcp://127.0.0.1:1", "--max-body", "99999999999999"), "--max-body"),
+        # regression (review, 2026-12-02): a malformed --redis URL reached the catch-all error
+        (("--redis", "notaurl", "--read-only"), "--redis 'notaurl' is not a Redis URL"),
     ],
 )
 def test_bad_usage_is_refused_by_name(args: tuple[str, ...], names: str) -> None:
