@@ -359,3 +359,13 @@ def test_a_key_named_twice_in_a_json_flag_or_variable_is_refused() -> None:
         load_config(env={"KVTIER_TIERS": twice})
     with pytest.raises(ConfigError, match="'root' appears twice"):
         load_config(env={}, cli={"tiers": twice})
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "a b", "x" * 300, "é/"])
+def test_a_bad_region_name_is_refused_when_the_config_loads(name: str) -> None:
+    """Regression (review, 2026-12-02): region_name was checked only when the region was made
+    (mid-run in bench, at the first request under vLLM); one too long for a file name failed
+    there with a raw OSError."""
+    with pytest.raises(ConfigError, match="region_name"):
+        load_config(env={}, cli={"region_name": name})
+    assert load_config(env={}, cli={"region_name": "engine-0.kv_a"}).region_name == "engine-0.kv_a"

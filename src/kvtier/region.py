@@ -106,9 +106,13 @@ __all__ = [
 
 def region_path(name: str, shm_dir: str | os.PathLike[str] = "/dev/shm") -> Path:
     """The file path of region ``name`` (only ``[A-Za-z0-9._-]`` allowed in names)."""
-    if not name or any(not (c.isalnum() or c in "._-") for c in name):
+    if not isinstance(name, str) or not name or any(not (c.isalnum() or c in "._-") for c in name):
         raise RegionError(f"region name {name!r} must be non-empty and use only letters, digits, '.', '_', '-'")
-    return Path(shm_dir) / f"{FILE_PREFIX}{name}{FILE_SUFFIX}"
+    file_name = f"{FILE_PREFIX}{name}{FILE_SUFFIX}"
+    if len(file_name.encode()) > 255:
+        raise RegionError(f"region name {name[:40]!r}... is too long: a file name holds at most 255 bytes with "
+                          f"kvtier's {len(file_name) - len(name)} around it")  # fmt: skip
+    return Path(shm_dir) / file_name
 
 
 class SharedRegion:

@@ -26,7 +26,7 @@ from pydantic import (
 
 from kvtier.backpressure import MAX_WARMUP_JOBS, BackpressureSettings
 from kvtier.config.presets import MODEL_PRESETS, find_preset
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, RegionError
 from kvtier.keys import KVGeometry, Namespace, dtype_bytes
 from kvtier.manager.waits import (
     DEFAULT_FAILED_LOAD_SECONDS,
@@ -257,6 +257,18 @@ class KvtierConfig(BaseModel):
             raise ValueError(
                 f"policy {value!r} is not a policy name: use 'return-time', 'lru', 'arc' or 'package.module:Class'"
             )
+        return value
+
+    @field_validator("region_name")
+    @classmethod
+    def _region_name(cls, value: str | None) -> str | None:
+        if value is not None:  # refused when the config loads, not when the region is made
+            from kvtier.region import region_path
+
+            try:
+                region_path(value)
+            except RegionError as exc:
+                raise ValueError(str(exc)) from None
         return value
 
     @field_validator("model")
