@@ -369,3 +369,21 @@ def test_a_bad_region_name_is_refused_when_the_config_loads(name: str) -> None:
     with pytest.raises(ConfigError, match="region_name"):
         load_config(env={}, cli={"region_name": name})
     assert load_config(env={}, cli={"region_name": "engine-0.kv_a"}).region_name == "engine-0.kv_a"
+
+
+@pytest.mark.parametrize(
+    "cli",
+    [
+        {"num_cpu_blocks": True},
+        {"geometry": {"num_layers": True}},
+        {"geometry": {"tokens_per_block": False}},
+        {"backpressure": {"warmup_jobs": True}},
+        {"tiers": [{"type": "fs", "root": "/tmp/kvtier-never-made", "read_threads": True}]},
+        {"tiers": [{"type": "redis", "url": "redis://127.0.0.1:1", "failure_threshold": True}]},
+    ],
+)
+def test_true_or_false_is_refused_where_a_number_belongs(cli: dict[str, object]) -> None:
+    """Regression (review, 2026-12-02): pydantic read booleans as 1 and 0 in count fields
+    (``num_cpu_blocks: true`` made a one-block CPU tier); sizes and durations refused them already."""
+    with pytest.raises(ConfigError, match="must be a number, not (true|false)"):
+        load_config(env={}, cli=cli)

@@ -36,6 +36,31 @@ def _not_a_bool(value: Any) -> Any:
     return value
 
 
+def _leaf_types(annotation: Any) -> set[Any]:
+    """The types an annotation admits, through ``Annotated``, ``Optional`` and unions."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _leaf_types(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return set().union(*(_leaf_types(arg) for arg in typing.get_args(annotation)))
+    return {annotation}
+
+
+def refuse_bool_numbers(model: type[BaseModel], data: Any) -> Any:
+    """A ``model_validator(mode="before")`` body: ``true``/``false`` given for a numeric field
+    (an int or a float, not a bool) is refused, naming the field; pydantic would read them as
+    1 and 0 (``num_cpu_blocks: true`` would mean one block)."""
+    if isinstance(data, Mapping):
+        for name, value in data.items():
+            field = model.model_fields.get(name) if isinstance(value, bool) else None
+            if field is None:
+                continue
+            leaves = _leaf_types(field.annotation)
+            if bool not in leaves and Any not in leaves and leaves & {int, float}:
+                raise ValueError(f"{name} must be a number, not {str(value).lower()}")
+    return data
+
+
 NOT_A_BOOL = BeforeValidator(_not_a_bool)
 """Refuses ``true``/``false`` where a number of seconds is expected (pydantic reads them as 1 and 0)."""
 

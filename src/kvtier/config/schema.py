@@ -35,7 +35,7 @@ from kvtier.manager.waits import (
     WAIT_TIMEOUT_RANGE,
 )
 from kvtier.units import parse_size, row_stride_for, rows_that_fit
-from kvtier.validation import NOT_A_BOOL, PositiveSeconds, Seconds
+from kvtier.validation import NOT_A_BOOL, PositiveSeconds, Seconds, refuse_bool_numbers
 
 DEFAULT_CPU_BYTES = 4 * 1024**3
 
@@ -61,6 +61,11 @@ class GeometryConfig(BaseModel):
     """KV block layout; any field left out is taken from the ``model`` preset."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_are_not_booleans(cls, data: Any) -> Any:
+        return refuse_bool_numbers(cls, data)
 
     num_layers: int | None = Field(
         default=None, gt=0, le=MAX_LAYOUT_COUNT, description="Attention layers held by this rank."
@@ -95,6 +100,11 @@ class BackpressureConfig(BaseModel):
     skipped, below ``low_seconds`` they resume. Loads and promotions are never shed."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_are_not_booleans(cls, data: Any) -> Any:
+        return refuse_bool_numbers(cls, data)
 
     enabled: bool = Field(default=True, description="Watch store latency and skip cascades to slow tiers.")
     high_seconds: PositiveSeconds = Field(
@@ -148,6 +158,11 @@ class KvtierConfig(BaseModel):
     """The whole kvtier configuration. See ``docs/configuration.md`` for every field."""
 
     model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_are_not_booleans(cls, data: Any) -> Any:
+        return refuse_bool_numbers(cls, data)
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
 
     cpu_bytes: int | None = Field(

@@ -21,11 +21,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from kvtier.errors import ConfigError
 from kvtier.units import parse_size
-from kvtier.validation import MAX_SECONDS, NOT_A_BOOL, explain
+from kvtier.validation import MAX_SECONDS, NOT_A_BOOL, explain, refuse_bool_numbers
 
 MAX_LIFETIME_SECONDS = 365 * 24 * 3600.0
 """The longest lifetime of a stored value a tier option takes (one year; a wait is bounded by
@@ -73,6 +73,11 @@ class TierOptions(BaseModel):
 
     # hide_input_in_errors: a bad value may hold a secret (a password in a URL); messages name it.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, hide_input_in_errors=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_are_not_booleans(cls, data: Any) -> Any:
+        return refuse_bool_numbers(cls, data)
 
     def capacity(self) -> int | None:
         """The byte capacity these options give the tier; None when its medium sets it (a
