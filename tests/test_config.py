@@ -385,5 +385,5 @@ def test_a_bad_region_name_is_refused_when_the_config_loads(name: str) -> None:
 def test_true_or_false_is_refused_where_a_number_belongs(cli: dict[str, object]) -> None:
     """Regression (review, 2026-12-02): pydantic read booleans as 1 and 0 in count fields
     (``num_cpu_blocks: true`` made a one-block CPU tier); sizes and durations refused them already."""
-    with pytest.raises(ConfigError, match="must be a number, not (true|false)"):
+    with pytest.raises(ConfigError, match=r"must be a number, not (true|false)"):
         load_config(env={}, cli=cli)

@@ -47,3 +47,29 @@ def test_a_namespace_needs_a_geometry_or_an_engine_layout() -> None:
     a = Namespace("m", extra=(("row_bytes", "1"),))
     b = Namespace("m", extra=(("row_bytes", "2"),))
     assert a.digest != b.digest and a.canonical() == Namespace("m", extra=(("row_bytes", "1"),)).canonical()
+
+
+@pytest.mark.parametrize("mappers", [1, 2])
+def test_a_manager_dropped_without_shutdown_gives_its_memory_back(
+    private_shm: Path, mappers: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression (review, 2026-12-02): a manager collected without shutdown() kept its region's
+    descriptor open, and with it every tmpfs page (the path, already unlinked, showed nothing) until
+    the process exited; with expected_mappers=2 the named file stayed too."""
+    import gc
+    import os
+
+    def used() -> int:
+        st = os.statvfs(private_shm)
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    before = used()
+    ns = Namespace("dropped", KVGeometry.from_block_bytes(8192))
+    for _ in range(2):
+        mgr = TieringManager.create(namespace=ns, num_cpu_blocks=2048, shm_dir=str(private_shm), prefault=True,
+                                    expected_mappers=mappers)  # fmt: skip
+        del mgr
+        gc.collect()
+    assert used() - before < 2 * 2048 * 8192 // 4, "the dropped regions' pages are still held"
+    assert not list(private_shm.iterdir())
+    assert "dropped without close()" in caplog.text

@@ -269,7 +269,7 @@ def test_sweep_ignores_every_hostile_entry_and_never_blocks(private_shm: Path, t
         f"""
         import os, signal
         from kvtier.region import SharedRegion
-        SharedRegion("dead", 2, 4096, expected_mappers=2, shm_dir={str(private_shm)!r})
+        region = SharedRegion("dead", 2, 4096, expected_mappers=2, shm_dir={str(private_shm)!r})  # held until killed
         os.kill(os.getpid(), signal.SIGKILL)
         """
     )

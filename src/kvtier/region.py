@@ -115,6 +115,26 @@ def region_path(name: str, shm_dir: str | os.PathLike[str] = "/dev/shm") -> Path
     return Path(shm_dir) / file_name
 
 
+def _release_dropped(fd_box: list[int], path: Path, name: str) -> None:
+    """The finalizer of a :class:`SharedRegion` collected without :meth:`~SharedRegion.close`:
+    close its descriptor, so the tmpfs pages go with the last mapping (a numpy view still
+    alive keeps them until it goes), and unlink its path if no other process maps it and it
+    still names this file. Runs at garbage collection; never raises."""
+    fd = fd_box[0]
+    if fd < 0:
+        return
+    fd_box[0] = -1
+    try:
+        if try_flock(fd, exclusive=True):
+            unlink_if_same(path, fd, timeout=0.1)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    logger.warning("region %r was dropped without close() (its manager was never shut down): its descriptor is "
+                   "closed, and its memory is returned with its last view", name)  # fmt: skip
+
+
 class SharedRegion:
     """A page-aligned array of rows in a shared-memory file; see the module docstring.
 
@@ -157,7 +177,11 @@ class SharedRegion:
         self.generation = generation
         self.is_creator = False
         self.unlinked = False
-        self._fd = -1
+        # The descriptor lives in a box the finalizer shares: a region dropped without close()
+        # (its manager never shut down) still gives its pages back with its last view.
+        self._fd_box = [-1]
+        self._finalizer = weakref.finalize(self, _release_dropped, self._fd_box, self.path, name)
+        self._finalizer.atexit = False  # the process's exit closes it anyway
         self._mmap: mmap.mmap | None = None
         self._rows: np.ndarray | None = None
         self._pinned_ptr: int | None = None
@@ -445,6 +469,15 @@ class SharedRegion:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def _fd(self) -> int:
+        """The region file's descriptor (-1: none)."""
+        return self._fd_box[0]
+
+    @_fd.setter
+    def _fd(self, fd: int) -> None:
+        self._fd_box[0] = fd
 
     # --- cleanup -----------------------------------------------------------------
 
