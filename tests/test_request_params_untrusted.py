@@ -185,3 +185,38 @@ def test_problem_counts_are_in_the_snapshot_and_the_metrics(mgr: TieringManager)
         assert f'kvtier_request_control_problems_total{{key="{key}",kind="{kind}"}} {float(count)}' in text
     metrics.update(snap.as_dict())  # the mapping form carries them too
     assert metrics.render().decode() == text
+
+
+class _ClientStr(str):
+    """A str subclass whose methods are the client's: they must never run."""
+
+    def strip(self, *args: Any) -> str:
+        raise AssertionError("the client's str method ran")
+
+    def lower(self) -> str:
+        raise AssertionError("the client's str method ran")
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        RequestContext("selector-subclass", {LOAD_TIERS_KEY: [_ClientStr("cpu")]}),
+        RequestContext("params-a-str", "kvtier_store=false"),  # type: ignore[arg-type]
+        RequestContext(7, {STORE_KEY: "no"}),  # type: ignore[arg-type]
+    ],
+    ids=["selector-subclass", "params-a-str", "req-id-an-int"],
+)
+def test_odd_params_and_request_ids_fall_back_to_defaults(mgr: TieringManager, request_: RequestContext) -> None:
+    """Regression (review, 2026-12-02): a selector of a str subclass ran the client's methods,
+    params given as a str raised AttributeError, and a non-str req_id raised once a malformed
+    setting was logged: all from lookup, on the scheduler thread."""
+    key = b"q" * 32
+    assert mgr.lookup(key, request_) is not None
+    assert mgr.lookup_prefix([key], request_).ready == 0
+
+
+def test_a_request_that_is_not_a_request_context_is_named(mgr: TieringManager) -> None:
+    with pytest.raises(TypeError, match="request must be a RequestContext"):
+        mgr.lookup(b"q" * 32, "r4")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="request must be a RequestContext"):
+        mgr.request_control("r4")  # type: ignore[arg-type]

@@ -115,6 +115,12 @@ def tier_locality(medium: str, declared: object = None) -> str:
     return "remote" if medium == "remote" else "local"
 
 
+def _shown_id(req_id: object) -> str:
+    """A request id for a log line: short, printable, whatever the engine passed."""
+    text = str.__str__(req_id) if isinstance(req_id, str) else repr(req_id)
+    return text if len(text) <= 64 and text.isprintable() else ascii(text[:61])[1:-1] + "..."
+
+
 def select_tiers(key: str, raw: Any, tiers: Sequence[TierDescriptor]) -> frozenset[int]:
     """The indices of ``tiers`` that the selectors ``raw`` (a string or a list of them) name.
 
@@ -128,7 +134,7 @@ def select_tiers(key: str, raw: Any, tiers: Sequence[TierDescriptor]) -> frozens
         )
     chosen: set[int] = set()
     for item in items:
-        name = item.strip().lower()
+        name = str.lower(str.strip(item))  # str's own methods: a str subclass's are the client's
         if name == "all":
             matched = {t.index for t in tiers}
         elif name in _CPU_NAMES:
@@ -266,7 +272,7 @@ class ControlProblemLog:
             if str(n).rstrip("0") == "1":  # 1, 10, 100, ...
                 self._log.warning(
                     "request %s: %s; that setting is ignored (%d such problem(s) so far)",
-                    req_id if len(req_id) <= 64 and req_id.isprintable() else ascii(req_id[:61])[1:-1] + "...",
+                    _shown_id(req_id),
                     problem.message, n,
                 )  # fmt: skip
 

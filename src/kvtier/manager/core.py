@@ -233,7 +233,11 @@ class TieringManager:
         row read over three runs, 1.18x against 1.26x with every lookup of a timed step timed
         in an interleaved side run; a step of untimed HITs alone 1.02-1.10x.
         """
-        if type(key) is bytes and (request is None or request.control is DEFAULT_CONTROL):
+        try:
+            plain = request is None or request.control is DEFAULT_CONTROL
+        except AttributeError:
+            raise TypeError(f"request must be a RequestContext (or None), got {type(request).__name__}") from None
+        if type(key) is bytes and plain:
             if self._fast:
                 slot = self._slot_get(key)
                 if slot is not None:  # the key equals a stored one, so its length was checked

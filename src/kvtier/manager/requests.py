@@ -18,7 +18,7 @@ Scheduler thread only.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -26,7 +26,13 @@ from kvtier.keys import BlockKey
 from kvtier.manager.ledger import Ledger
 from kvtier.manager.tierset import TierHandle, TierSet
 from kvtier.primary import PrimaryTier
-from kvtier.request_control import CONTROL_KEYS, ControlProblemLog, TierDescriptor, parse_control_problems
+from kvtier.request_control import (
+    CONTROL_KEYS,
+    ControlProblem,
+    ControlProblemLog,
+    TierDescriptor,
+    parse_control_problems,
+)
 from kvtier.types import DEFAULT_CONTROL, RequestContext, RequestControl
 
 logger = logging.getLogger(__name__)
@@ -174,10 +180,17 @@ class RequestTable:
         Malformed keys fall back to their defaults (a request is never refused for them), are
         counted per kind and logged at the 1st, 10th, 100th... occurrence; nothing of the value
         is kept (:class:`~kvtier.request_control.ControlProblemLog`)."""
+        if not isinstance(request, RequestContext):
+            raise TypeError(f"request must be a RequestContext (or None), got {type(request).__name__}")
         control = request.control
         if control is None:
             params = request.params
-            if not params or not any(key in params for key in CONTROL_KEYS):
+            if params and not isinstance(params, Mapping):
+                problem = ControlProblem("params", "not_a_mapping", f"params must be a mapping of settings, got "  # type: ignore[unreachable]
+                                         f"{type(params).__name__}")  # fmt: skip
+                self._control_problems.record(request.req_id, [problem])
+                control = DEFAULT_CONTROL
+            elif not params or not any(key in params for key in CONTROL_KEYS):
                 control = DEFAULT_CONTROL
             else:
                 control, problems = parse_control_problems(params, self.descriptors)
