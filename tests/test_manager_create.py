@@ -73,3 +73,30 @@ def test_a_manager_dropped_without_shutdown_gives_its_memory_back(
     assert used() - before < 2 * 2048 * 8192 // 4, "the dropped regions' pages are still held"
     assert not list(private_shm.iterdir())
     assert "dropped without close()" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("bad", "names"),
+    [
+        ({"namespace": "m"}, "namespace"),
+        ({"policy": 5}, "policy"),
+        ({"policy": None}, "policy"),
+        ({"expected_mappers": "2"}, "expected_mappers"),
+        ({"expected_mappers": 2.5}, "expected_mappers"),
+        ({"expected_mappers": True}, "expected_mappers"),
+        ({"backpressure": "on"}, "backpressure"),
+        ({"region_name": "x" * 300}, "region_name"),
+        ({"region_name": ""}, "region_name"),
+        ({"events": "no"}, "events"),
+        ({"prefault": 1}, "prefault"),
+        ({"tiers": "fs"}, "tiers"),
+    ],
+)
+def test_a_wrong_argument_to_create_is_named(private_shm: Path, bad: dict[str, object], names: str) -> None:
+    """Regression (review, 2026-12-02): wrong types reached create()'s depths (AttributeError,
+    TypeError, struct.error, OSError 36) or were taken for something else (events="no" is truthy,
+    region_name="" meant the default)."""
+    args: dict[str, object] = {"namespace": Namespace("args", KVGeometry.from_block_bytes(8192)),
+                               "num_cpu_blocks": 4, "shm_dir": str(private_shm), **bad}  # fmt: skip
+    with pytest.raises(ConfigError, match=names):
+        TieringManager.create(**args)  # type: ignore[arg-type]

@@ -17,14 +17,14 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from kvtier.errors import ConfigError, RegionBusyError, clear_exception_frames
+from kvtier.errors import ConfigError, RegionBusyError, RegionError, clear_exception_frames
 from kvtier.failures import log_failure
 from kvtier.keys import Namespace
 from kvtier.manager.blocking import BlockingCalls
 from kvtier.manager.waits import FAILED_LOAD_SECONDS_RANGE, WAIT_TIMEOUT_RANGE
 from kvtier.policies import resolve_policy
 from kvtier.primary import PrimaryTier
-from kvtier.region import SharedRegion
+from kvtier.region import SharedRegion, region_path
 from kvtier.tiers.base import SecondaryTier, TierContext
 from kvtier.tiers.registry import create_tier, validate_tier_options
 from kvtier.units import parse_size, rows_that_fit
@@ -114,6 +114,34 @@ def _cpu_rows(num_cpu_blocks: int | None, cpu_bytes: int | str | None, block_byt
     return num_cpu_blocks
 
 
+def check_arguments(namespace: object, policy: object, tiers: object, region_name: object, expected_mappers: object,
+                    backpressure: object, flags: dict[str, object]) -> None:
+    """The types of ``create()``'s arguments (ConfigError naming the one that is wrong): a
+    wrong type would otherwise fail deep inside, or be taken for something else (``events="no"``
+    is truthy)."""
+    from kvtier.backpressure import BackpressureSettings
+    from kvtier.policies.base import EvictionPolicy
+
+    if not isinstance(namespace, Namespace):
+        raise ConfigError(f"namespace must be a kvtier.Namespace, got {type(namespace).__name__}")
+    if not isinstance(policy, (str, EvictionPolicy)):
+        raise ConfigError(f"policy must be a policy name (e.g. 'lru') or an EvictionPolicy, got {policy!r:.80}")
+    if not isinstance(tiers, (list, tuple)) or not all(isinstance(spec, dict) for spec in tiers):
+        raise ConfigError(f"tiers must be a list of tier specs ({{'type': ..., **options}}), got {tiers!r:.80}")
+    if region_name is not None:
+        try:
+            region_path(region_name)  # type: ignore[arg-type]
+        except RegionError as exc:
+            raise ConfigError(f"region_name: {exc}") from None
+    if isinstance(expected_mappers, bool) or not isinstance(expected_mappers, int) or expected_mappers < 1:
+        raise ConfigError(f"expected_mappers must be an integer >= 1, got {expected_mappers!r:.80}")
+    if backpressure is not None and not isinstance(backpressure, BackpressureSettings):
+        raise ConfigError(f"backpressure must be a BackpressureSettings or None, got {backpressure!r:.80}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be True or False, got {value!r:.80}")
+
+
 def check_policy_and_tiers(policy: str, tiers: Sequence[dict[str, Any]]) -> None:
     if isinstance(policy, str):
         resolve_policy(policy)
@@ -164,6 +192,6 @@ def _cleanup_failed_construction(region: SharedRegion, primary: PrimaryTier | No
 
 
 __all__ = [
-    "DEFAULT_SHUTDOWN_TIMEOUT", "assemble", "check_policy_and_tiers", "check_settings", "check_shutdown_timeout",
-    "new_region", "sizes",
+    "DEFAULT_SHUTDOWN_TIMEOUT", "assemble", "check_arguments", "check_policy_and_tiers", "check_settings",
+    "check_shutdown_timeout", "new_region", "sizes",
 ]

@@ -173,6 +173,8 @@ class TieringManager:
         stored/removed events for :meth:`take_events` (for an engine that never takes
         them), sparing an allocation per eviction.
         """
+        build.check_arguments(namespace, policy, tiers, region_name, expected_mappers, backpressure,
+                              {"prefault": prefault, "pin": pin, "sweep_stale": sweep_stale, "events": events})
         block_bytes, num_cpu_blocks = build.sizes(namespace, block_bytes, num_cpu_blocks, cpu_bytes)
         build.check_settings(shutdown_timeout, drain_timeout, 1, wait_timeout, failed_load_seconds)
         build.check_policy_and_tiers(policy, tiers)

@@ -115,7 +115,7 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
                 region_name=s.region_name,
                 num_cpu_blocks=s.num_rows,
                 # vLLM drains take_events() only when it publishes KV cache events.
-                events=self.kv_events_config.enable_kv_cache_events,
+                events=bool(self.kv_events_config.enable_kv_cache_events),
             )
             metrics = None
             if s.metrics_port is not None:
