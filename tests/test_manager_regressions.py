@@ -212,3 +212,43 @@ def test_a_tier_answering_in_a_wrong_shape_never_crashes_the_scheduler(namespace
             assert mgr.primary.pinned_count() == 0
     finally:
         mgr.shutdown()
+
+
+def test_tier_label_names_only_tiers_that_exist(make: Any) -> None:
+    """Regression (review, 2026-12-02): tier_label(-1) made a label for no tier ("-1:..."), and
+    tier_label(5) raised a bare IndexError."""
+    mgr = make(4, tiers=2)
+    assert [mgr.tier_label(i) for i in range(3)] == ["0:primary", "1:regression-holding", "2:regression-holding"]
+    for bad in (-1, 3, True, "1"):
+        with pytest.raises(IndexError, match=r"0 \(the CPU tier\) to 2"):
+            mgr.tier_label(bad)
+
+
+class RepeatingTier(HoldingTier):
+    """A collaborator double that reports the same unknown job at every poll."""
+
+    tier_type: ClassVar[str] = "regression-repeating"
+
+    def poll_finished(self) -> list[JobResult]:
+        return [JobResult(987_654, True)]
+
+
+register_tier("regression-repeating", f"{__name__}:RepeatingTier")
+
+
+def test_a_tier_repeating_an_unknown_job_never_fills_the_log(
+    namespace: Namespace, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression (review, 2026-12-02): every report of an unknown job was logged at ERROR."""
+    mgr = TieringManager.create(namespace=namespace, num_cpu_blocks=4, tiers=[{"type": "regression-repeating"}],
+                                sweep_stale=False)  # fmt: skip
+    try:
+        for _ in range(150):
+            mgr.on_schedule_end()
+            mgr.lookup(b"u" * 32)
+        reported = mgr.stats().manager.unknown_job_results
+        assert 150 <= reported < 1000
+        logged = [r for r in caplog.records if "unknown job" in r.getMessage()]
+        assert len(logged) == 3  # the 1st, 10th and 100th
+    finally:
+        mgr.shutdown()

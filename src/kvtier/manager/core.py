@@ -198,7 +198,9 @@ class TieringManager:
         return self.primary.block_bytes
 
     def tier_label(self, index: int) -> str:
-        """``"0:primary"`` or ``"<n>:<type>"`` for secondary tier n (1-based)."""
+        """``"0:primary"`` or ``"<n>:<type>"`` for secondary tier n (1-based); IndexError for no tier."""
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= len(self.tiers):
+            raise IndexError(f"tier index {index!r}: this manager's tiers are 0 (the CPU tier) to {len(self.tiers)}")
         return tier_label(index, "primary" if index == 0 else self.tiers[index - 1].tier_type)
 
     def _open_keys(self, call: str, keys: Iterable[BlockKey]) -> list[BlockKey]:

@@ -196,8 +196,10 @@ class Ledger:
         free their rows); a cascade's pins are released and its admission told."""
         job = self._jobs.get(result.job_id)
         if job is None or job.handle is not handle:
-            self._counters.unknown_job_results += 1
-            logger.error("secondary tier #%d reported unknown job %d; ignored", handle.index, result.job_id)
+            self._counters.unknown_job_results = n = self._counters.unknown_job_results + 1
+            if str(n).rstrip("0") == "1":  # the 1st, 10th, 100th...: a tier repeating itself never fills the log
+                logger.error("secondary tier #%d reported unknown job %d; ignored (%d so far)", handle.index,
+                             result.job_id, n)  # fmt: skip
             return
         del self._jobs[result.job_id]
         if job.overdue:
