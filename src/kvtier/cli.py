@@ -693,7 +693,8 @@ def _replay_requests(args: argparse.Namespace) -> tuple[list[Any], str, list[Any
     shaping = (("--requests", args.requests), ("--seed", args.seed))
     given = [flag for flag, value in shaping if value is not None]
     if given:
-        raise ConfigError(f"{' and '.join(given)} shape a generated workload (--synthetic KIND), not a trace: drop it")
+        verb = "shapes" if len(given) == 1 else "shape"
+        raise ConfigError(f"{' and '.join(given)} {verb} a generated workload (--synthetic KIND), not a trace: drop it")
     available = available_memory()
     cap = MAX_TRACE_BYTES if available is None else min(MAX_TRACE_BYTES, available // TRACE_MEMORY_FACTOR)
     return read_trace(args.trace, limit=args.limit, max_bytes=cap), f"trace {args.trace}", None
@@ -747,7 +748,8 @@ def _replay_fs_options(args: argparse.Namespace, distinct: int) -> dict[str, Any
     if args.fs_root is None:
         given = [f for f, v in (("--fs-blocks", args.fs_blocks), ("--admission", args.admission != "all")) if v]
         if given:
-            raise ConfigError(f"{' and '.join(given)} shape the replay's fs tier: add --fs-root DIR, or drop it")
+            verb = "shapes" if len(given) == 1 else "shape"
+            raise ConfigError(f"{' and '.join(given)} {verb} the replay's fs tier: add --fs-root DIR, or drop it")
         return {}
     options: dict[str, Any] = {"admission": args.admission}
     if args.fs_blocks is not None:

@@ -211,6 +211,9 @@ def test_the_command_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
         (("--engine", "a=tcp://127.0.0.1:1", "--max-body", "99999999999999"), "--max-body"),
         # regression (review, 2026-12-02): a malformed --redis URL reached the catch-all error
         (("--redis", "notaurl", "--read-only"), "--redis 'notaurl' is not a Redis URL"),
+        # regression (review, 2026-12-02): a port out of range was accepted; listen errors named no input
+        (("--engine", "a=tcp://127.0.0.1:99999"), "needs a port 1-65535"),
+        (("--engine", "a=tcp://127.0.0.1:1", "--host", "999.9.9.9"), "cannot listen on 999.9.9.9:0 (--host, --port)"),
     ],
 )
 def test_bad_usage_is_refused_by_name(args: tuple[str, ...], names: str) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.fleet.hashing import ALGORITHMS, BlockHasher
+from kvtier.user_files import os_error_text
 from kvtier.validation import MAX_SECONDS
 
 DEFAULT_PORT = 8600
@@ -41,7 +42,7 @@ def _positive(kind: type, maximum: float) -> Any:
             raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
         if not (math.isfinite(value) and 0 < value <= maximum):
             raise argparse.ArgumentTypeError(
-                f"expected a positive {kind.__name__} of at most {maximum:g}, got {text!r}"
+                f"expected a positive {kind.__name__} of at most {maximum:,.0f}, got {text!r}"
             )
         return value
 
@@ -163,11 +164,16 @@ def _cmd_fleet_serve(args: argparse.Namespace) -> int:
         endpoints = _endpoints(args)
         answers = _writer_index(masks, args)
         subscriber = FleetSubscriber(answers, endpoints)
-    server = FleetServer(
-        (args.host, args.port), answers, hashing=(args.hash, args.hash_seed), tokens_per_hash=args.tokens_per_hash,
-        max_body=args.max_body, max_blocks=args.max_blocks, request_timeout=args.request_timeout,
-        max_concurrent=args.max_concurrent,
-    )  # fmt: skip
+    try:
+        server = FleetServer(
+            (args.host, args.port), answers, hashing=(args.hash, args.hash_seed), tokens_per_hash=args.tokens_per_hash,
+            max_body=args.max_body, max_blocks=args.max_blocks, request_timeout=args.request_timeout,
+            max_concurrent=args.max_concurrent,
+        )  # fmt: skip
+    except OSError as exc:  # the port is taken, the host is no address of this machine...
+        if subscriber is not None:
+            answers.close()
+        raise ConfigError(f"cannot listen on {args.host}:{args.port} (--host, --port): {os_error_text(exc)}") from None
     stop = threading.Event()
 
     def _on_signal(signum: int, frame: Any) -> None:

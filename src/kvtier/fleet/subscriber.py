@@ -67,6 +67,9 @@ class EngineEndpoint:
                                    ("api", self.api, ("http://", "https://"))):  # fmt: skip
             if url is not None and not url.startswith(schemes):
                 raise ValueError(f"engine {self.name}: {what} endpoint {url!r} must start with one of {schemes}")
+            port = url.rpartition(":")[2] if url is not None and url.startswith("tcp://") else None
+            if port is not None and port != "*" and not (port.isdigit() and 0 < int(port) < 65536):
+                raise ValueError(f"engine {self.name}: {what} endpoint {url!r} needs a port 1-65535")
 
 
 @dataclass

@@ -113,7 +113,8 @@ def capacity_blocks(
             if block_bytes is None:
                 raise ConfigError(
                     f"{flag} {shown(entry.text)} is a size: give the model whose KV fills it (--model PRESET, or "
-                    "--config FILE with model and geometry) so it converts to blocks, or give a block count"
+                    "--block-bytes SIZE for one trace block of another model) so it converts to blocks, or give a "
+                    "block count"
                 )
             blocks = entry.nbytes // block_bytes
             if blocks < 1:
