@@ -368,3 +368,19 @@ def test_two_engines_sharing_a_root_never_tear_or_lose_a_valid_value(tmp_path: P
         assert c["wrong_bytes"] == 0, counters
         assert c["corrupt"] == 0, counters
         assert c["loads_ok"] > 0 and c["evictions"] > 0, counters
+
+
+@pytest.mark.parametrize("what", ["file", "fifo", "dangling-link"])
+def test_a_root_that_is_not_a_directory_is_named_so(tmp_path: Path, rows: np.ndarray, what: str) -> None:
+    """Regression (review, 2026-12-02): a root that is a file, a FIFO or a dangling link was
+    refused as 'not usable (File exists ...)'."""
+    root = tmp_path / "root"
+    if what == "file":
+        root.write_text("x")
+    elif what == "fifo":
+        os.mkfifo(root)
+    else:
+        root.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        make_tier(root, rows, BB)
+    assert os.path.lexists(root) and not (tmp_path / "nowhere").exists()

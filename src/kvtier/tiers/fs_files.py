@@ -103,10 +103,13 @@ class NamespaceDir:
     def __init__(self, path: Path, subdirs: tuple[str, ...], modes: FileModes) -> None:
         self.path = path
         self.modes = modes
+        root = path.parent
+        if os.path.lexists(root) and not os.path.isdir(root):  # a file, a FIFO, a dangling link...
+            raise ConfigError(f"fs tier root {root} is not a directory: give a directory for 'root' (made if missing)")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)  # the configured root: trusted as given
+            root.mkdir(parents=True, exist_ok=True)  # the configured root: trusted as given
         except OSError as exc:
-            raise ConfigError(f"fs tier root {path.parent} is not usable ({exc}): pick a writable 'root'") from exc
+            raise ConfigError(f"fs tier root {root} is not usable ({exc}): pick a writable 'root'") from exc
         self.fd = self._adopt(None, str(path))
         try:
             for name in subdirs:
