@@ -647,3 +647,25 @@ def test_a_stray_complete_load_never_releases_a_cascades_pin(make: Any) -> None:
     mgr.complete_load([b], req)
     store(mgr, [c], req)  # evicts a or b: both are free again
     assert mgr.stats().tiers[0].failures["stray_load_completion"] == 3
+
+
+def test_tiers_hear_a_request_finish_once(make: Any) -> None:
+    """Regression (review, 2026-12-02): a second on_request_finished (or one for a request the
+    manager never saw, repeated) called every tier's on_request_finished hook again."""
+    mgr = make(4, {})
+    (tier,) = tiers(mgr)
+    req = RequestContext("once")
+    mgr.on_new_request(req)
+    store(mgr, keys(1), req)
+    mgr.on_schedule_end()
+    mgr.on_request_finished(req)
+    mgr.on_schedule_end()
+    mgr.on_request_finished(req)
+    stranger = RequestContext("never-seen")
+    mgr.on_request_finished(stranger)
+    mgr.on_request_finished(stranger)
+    assert tier.finished_requests == ["once", "never-seen"]
+    again = RequestContext("once")  # an id used again is a new request
+    mgr.on_new_request(again)
+    mgr.on_request_finished(again)
+    assert tier.finished_requests == ["once", "never-seen", "once"]

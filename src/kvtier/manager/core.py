@@ -489,7 +489,8 @@ class TieringManager:
             raise ManagerClosedError.of("on_request_finished")
         state = self._requests.find(request)
         if state is None:
-            self._tiers.broadcast("on_request_finished", request)
+            if self._requests.first_finish(request):  # tiers hear a request finish once
+                self._tiers.broadcast("on_request_finished", request)
             return
         state.finished = True
         if state.stored_tail and state.chain_tail is not None:  # the policy hears the hints too

@@ -18,6 +18,7 @@ Scheduler thread only.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -36,6 +37,9 @@ from kvtier.request_control import (
 from kvtier.types import DEFAULT_CONTROL, RequestContext, RequestControl
 
 logger = logging.getLogger(__name__)
+
+FINISHED_KEPT = 4096
+"""Finalized request ids remembered, so a repeated ``on_request_finished`` reaches no tier twice."""
 
 @dataclass(eq=False)
 class RequestState:
@@ -73,6 +77,7 @@ class RequestTable:
         self.descriptors = tuple(descriptors)
         """Index, label, type and locality of every tier, the CPU tier first (what selectors match)."""
         self._states: dict[str, RequestState] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()  # the last FINISHED_KEPT finalized ids
         self._next_seq = 0
         self._step: list[RequestState] = []
         self._control_problems = ControlProblemLog(logger)
@@ -96,13 +101,28 @@ class RequestTable:
         if state is None:
             state = self._states[request.req_id] = RequestState(request, self._next_seq)
             self._next_seq += 1
+            if self._finished:
+                self._finished.pop(request.req_id, None)  # an id used again: a new request
         return state
+
+    def first_finish(self, request: RequestContext) -> bool:
+        """``request``, unknown now, finishes: True unless it was finalized (or finished) lately,
+        when its tiers heard it already; remembered either way."""
+        first = request.req_id not in self._finished
+        self._remember_finished(request.req_id)
+        return first
+
+    def _remember_finished(self, req_id: str) -> None:
+        self._finished[req_id] = None
+        if len(self._finished) > FINISHED_KEPT:
+            self._finished.popitem(last=False)
 
     def finalize_if_done(self, state: RequestState) -> None:
         """Forget ``state`` and tell the tiers its request finished, once nothing of it is
         outstanding (it finished, no device store awaits completion, nothing waits for step end)."""
         if state.finished and not state.pending_store_keys and not state.in_step:
             del self._states[state.request.req_id]
+            self._remember_finished(state.request.req_id)
             self._tiers.broadcast("on_request_finished", state.request)
 
     def list_for_step(self, state: RequestState) -> None:
