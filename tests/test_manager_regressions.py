@@ -252,3 +252,30 @@ def test_a_tier_repeating_an_unknown_job_never_fills_the_log(
         assert len(logged) == 3  # the 1st, 10th and 100th
     finally:
         mgr.shutdown()
+
+
+class DrainFailingTier(HoldingTier):
+    """A collaborator double whose ``drain`` raises a plain error."""
+
+    tier_type: ClassVar[str] = "regression-drain-failing"
+
+    def drain(self, timeout: float | None = None) -> None:
+        raise RuntimeError("drain boom")
+
+
+register_tier("regression-drain-failing", f"{__name__}:DrainFailingTier")
+
+
+def test_a_tier_failing_to_drain_is_named_in_a_tier_error(namespace: Namespace) -> None:
+    """Regression (review, 2026-12-02): reset_cache passed a tier's plain drain() error through raw,
+    naming no tier (its docstring promises a TierError)."""
+    from kvtier.errors import TierError
+
+    specs = [{"type": "regression-holding"}, {"type": "regression-drain-failing"}]
+    mgr = TieringManager.create(namespace=namespace, num_cpu_blocks=4, sweep_stale=False, tiers=specs)
+    try:
+        with pytest.raises(TierError, match=r"secondary tier #2 \(type=regression-drain-failing\)") as caught:
+            mgr.reset_cache()
+        assert isinstance(caught.value.__cause__, RuntimeError)
+    finally:
+        mgr.shutdown()

@@ -19,7 +19,7 @@ from time import perf_counter
 from typing import Any, TypeVar
 
 from kvtier.backpressure import BackpressureSettings
-from kvtier.errors import TierDrainTimeout, TierFailure, TierShutdownTimeout
+from kvtier.errors import TierDrainTimeout, TierError, TierFailure, TierShutdownTimeout
 from kvtier.failures import log_failure
 from kvtier.keys import BlockKey
 from kvtier.manager.admission import CascadeAdmission, tier_admission
@@ -107,8 +107,8 @@ class TierHandle:
         return True
 
     def drain(self, timeout: float | None) -> None:
-        """The tier's ``drain(timeout)``, waited for at most ``timeout`` + :data:`DRAIN_GRACE`
-        seconds: raises what it raised, or :class:`TierDrainTimeout` if it did not return."""
+        """The tier's ``drain(timeout)``, waited for at most ``timeout`` + :data:`DRAIN_GRACE` s: raises
+        its TierError, a TierError naming the tier for another error, or :class:`TierDrainTimeout`."""
         still = " (still running the drain() of an earlier reset)" if self._calls.running("drain") else ""
         done, error = self._calls.run("drain", None if timeout is None else timeout + DRAIN_GRACE, timeout)
         if not done:
@@ -116,8 +116,9 @@ class TierHandle:
                 f"secondary tier #{self.index} (type={self.tier.tier_type}) did not return from drain() within "
                 f"{timeout:.3g}s{still}; nothing was reset. Call reset_cache() again to wait for it"
             )
-        if error is not None:
-            raise error
+        if error is not None:  # named, as a shutdown failure is
+            what = f"secondary tier #{self.index} (type={self.tier.tier_type}) failed to drain: {error!r}"
+            raise error if isinstance(error, TierError) else TierError(what) from error
 
     def shutdown(self, share: float | None) -> BaseException | None:
         """Run (or keep waiting for) the tier's ``shutdown()`` for at most ``share`` seconds (None:
@@ -248,8 +249,7 @@ class TierSet:
             handle.retry_since.clear()
 
     def job_overdue(self, handle: TierHandle, late: bool) -> None:
-        """One of ``handle``'s jobs passed the wait deadline (``late``), or such a job was reported:
-        while any is, the tier gets no lookup and no cascade."""
+        """A job of ``handle``'s passed the deadline (``late``), or was reported; while any is: no lookup/cascade."""
         handle.overdue += 1 if late else -1
         if handle.overdue == int(late):  # its state changed
             self.serving = [h for h in self.live if not h.overdue]
