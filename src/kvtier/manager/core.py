@@ -604,7 +604,9 @@ class TieringManager:
         and chained to the last one. Calling again retries only the failed tiers,
         then releases the CPU tier. After a complete shutdown this is a no-op.
         KeyboardInterrupt and SystemExit propagate at once and never lead to the
-        CPU tier being released.
+        CPU tier being released. A view of :attr:`rows` still held by the caller makes
+        the release raise :class:`~kvtier.errors.RegionBusyError` (the tiers are shut
+        down; drop the view and call again).
 
         Deadline: ``timeout`` seconds (default: ``shutdown_timeout`` of the
         constructor; None there means no deadline) for all tiers together. Each
