@@ -355,3 +355,9 @@ def test_bench_with_the_memory_tier(private_shm: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "memory" in out.stderr and "cpu -> memory (cascade)" in out.stdout
     assert re.search(r"memory\s*│\s*[1-9]\d*\s*│", out.stdout), "the memory tier served no block"
+
+
+def test_inspect_refuses_a_namespace_that_is_no_hex(tmp_path: Path) -> None:
+    """Regression (review, 2026-12-02): ``inspect --namespace zz`` matched nothing, silently."""
+    out = run("inspect", str(tmp_path), "--namespace", "zz")
+    assert out.returncode == 2 and "--namespace" in out.stderr and "hex" in out.stderr

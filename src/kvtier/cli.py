@@ -76,6 +76,13 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _hex_prefix(text: str) -> str:
+    """``inspect --namespace``: a namespace digest or its start, in hex (a digest is 32 hex digits)."""
+    if not 0 < len(text) <= 32 or any(c not in "0123456789abcdef" for c in text.lower()):
+        raise argparse.ArgumentTypeError(f"expected a namespace digest or its start (1-32 hex digits), got {text!r}")
+    return text.lower()
+
+
 def _positive_size(text: str) -> int:
     size = _size(text)
     if size <= 0:
@@ -1077,7 +1084,7 @@ def _add_inspect(sub: Any) -> None:
     )
     p.add_argument("--remove-corrupt", action="store_true",
                    help="delete corrupt values (needs --verify, or --sample for S3)")  # fmt: skip
-    p.add_argument("--namespace", default=None, help="only this namespace digest (hex prefix)")
+    p.add_argument("--namespace", default=None, type=_hex_prefix, help="only this namespace digest (hex prefix)")
     p.add_argument("--region", default=None,
                    help="S3 only: the bucket's region (default AWS_REGION or us-east-1)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
