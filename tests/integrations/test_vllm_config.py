@@ -170,3 +170,14 @@ def test_allow_untested_vllm_takes_only_a_boolean(value: object) -> None:
     assert allow_untested_vllm({}) is False
     assert allow_untested_vllm({"allow_untested_vllm": True}) is True
     assert allow_untested_vllm({"allow_untested_vllm": False}) is False
+
+
+@pytest.mark.parametrize(
+    "extra", [{"cpu_bytes": None}, {"cpu_bytes": ""}, {"cpu_bytes_to_use": "  "}, {"policy": None}]
+)
+def test_a_null_or_empty_setting_is_refused_not_defaulted(extra: dict[str, object]) -> None:
+    """Regression (review, 2026-12-02): ``{"cpu_bytes": null}`` and ``{"cpu_bytes": ""}`` silently
+    gave the 4 GiB default, while an empty CLI flag value is refused."""
+    with pytest.raises(ConfigError, match=r"is (null|empty): give a value"):
+        resolve_settings(extra, LAYOUT, env={})
+

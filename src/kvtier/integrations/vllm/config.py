@@ -192,6 +192,11 @@ def _normalize_extra(extra: Mapping[str, Any]) -> tuple[dict[str, Any], str | No
             raise ConfigError(
                 f"kv_connector_extra_config sets {name!r} twice (as {name!r} and as an alias): keep only one"
             )
+        if value is None or (isinstance(value, str) and not value.strip()):
+            raise ConfigError(  # as an empty CLI flag is: the default would be taken silently
+                f"kv_connector_extra_config[{key!r}] is {'null' if value is None else 'empty'}: give a value, "
+                "or leave the key out for the default"
+            )
         values[name] = value
     allow_untested_vllm(extra)  # refused here too if it is not a boolean
     config_file = extra.get("kvtier_config_file")
