@@ -452,3 +452,21 @@ def test_a_promotion_never_extends_a_wait_already_past_the_deadline(make: Any) -
     mgr.on_schedule_end()
     assert mgr.lookup(k, req) is LookupResult.MISS, "the wait would go on past wait_timeout"
     assert k not in mgr.primary, "no row reserved for a promotion nobody waits for"
+
+
+def test_a_promotion_rejoining_an_earlier_batch_begins_its_own_wait(make: Any) -> None:
+    """Regression (review of the fix above): a promotion that rejoined a batch which was not the
+    last one queued (request A, then B, then A again) still took that batch's old clock."""
+    mgr = make({"auto_complete": False})
+    (tier,) = scripted(mgr)
+    a, b, c = keys(3)
+    for k in (a, b, c):
+        tier.data[k] = bytes(mgr.block_bytes)
+    first, second = RequestContext("first"), RequestContext("second")
+    mgr.on_new_request(first)
+    mgr.on_new_request(second)
+    assert mgr.lookup(a, first) is LookupResult.HIT_PENDING  # the batch of (tier, first)
+    assert mgr.lookup(c, second) is LookupResult.HIT_PENDING  # the batch of (tier, second)
+    time.sleep(WAIT * 1.5)  # the step goes on
+    assert mgr.lookup(b, first) is LookupResult.HIT_PENDING  # rejoins (tier, first): its wait begins now
+    assert mgr.lookup(b, first) is LookupResult.HIT_PENDING

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvtier import Namespace, RequestContext, TieringManager
@@ -203,8 +204,9 @@ class _ClientStr(str):
         RequestContext("selector-subclass", {LOAD_TIERS_KEY: [_ClientStr("cpu")]}),
         RequestContext("params-a-str", "kvtier_store=false"),  # type: ignore[arg-type]
         RequestContext(7, {STORE_KEY: "no"}),  # type: ignore[arg-type]
+        RequestContext("params-an-array", np.array([1, 2])),  # type: ignore[arg-type]  # its truth test raises
     ],
-    ids=["selector-subclass", "params-a-str", "req-id-an-int"],
+    ids=["selector-subclass", "params-a-str", "req-id-an-int", "params-an-array"],
 )
 def test_odd_params_and_request_ids_fall_back_to_defaults(mgr: TieringManager, request_: RequestContext) -> None:
     """Regression (review, 2026-12-02): a selector of a str subclass ran the client's methods,

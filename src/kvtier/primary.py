@@ -467,22 +467,25 @@ class PrimaryTier:
         (``stats.stray_load_completions``, logged at 1, 2, 4, ... of them), so another reader's
         pin on the row (a cascade's: the tier is still copying it) is never taken away.
         """
-        slot_of, loading = self._slot_of, self._loading
-        mine: list[BlockKey] = []
+        slot_of, loading, ref = self._slot_of, self._loading, self._ref
+        freed_keys: list[BlockKey] = []
+        freed_slots: list[int] = []
         stray: list[BlockKey] = []
-        for key in keys if type(keys) is list else list(keys):
+        for key in reversed(keys if type(keys) is list else list(keys)):  # tail first, as unpin
             slot = slot_of.get(key)
-            held = 0 if slot is None else loading.get(slot, 0)
+            held = 0 if slot is None else loading.pop(slot, 0)
             if slot is None or not held:
                 stray.append(key)
-            elif held == 1:
-                del loading[slot]
-                mine.append(key)
-            else:
+                continue
+            if held > 1:
                 loading[slot] = held - 1
-                mine.append(key)
-        if mine:
-            self.unpin(mine)
+            count = ref[slot]  # >= 1: the load's own pin is in it
+            ref[slot] = count - 1
+            if count == 1:
+                freed_keys.append(key)
+                freed_slots.append(slot)
+        if freed_keys:
+            self.policy.mark_evictable_many(freed_keys, freed_slots)
         if stray:
             before = self.stats.stray_load_completions
             self.stats.stray_load_completions = after = before + len(stray)

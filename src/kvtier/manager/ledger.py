@@ -142,10 +142,11 @@ class Ledger:
         last = self._last
         if last is not None and last[0] is handle and last[1] is request:
             batch = last[2]
-            first = False
+            first = created = False
         else:
             req_id = None if request is None else request.req_id
             found = self._batches.get((handle, req_id))
+            created = found is None
             if found is None:
                 found = self._batches[(handle, req_id)] = _Batch(request)
             batch = found
@@ -153,11 +154,10 @@ class Ledger:
             first = True
         batch.keys.append(key)
         batch.slots.append(slot)
-        # The wait on the block begins now (a batch joined later in a long step is no clock: the
-        # block's wait would seem to have begun with the batch's first), or goes on from its
-        # RETRYs (or a failed promotion) before.
+        # The wait on the block begins now (the clock of a batch made by this call; a batch joined
+        # later is no clock), or goes on from its RETRYs (or a failed promotion) before.
         waits = self._waits
-        now = batch.started if first else perf_counter()
+        now = batch.started if first and created else perf_counter()
         if waits.since:
             clock = waits.since.get(key)
             waits.started[slot] = clock[0] if clock is not None and now - clock[1] <= self._wait_timeout else now

@@ -205,7 +205,7 @@ class RequestTable:
         control = request.control
         if control is None:
             params = request.params
-            if params and not isinstance(params, Mapping):
+            if params is not None and not isinstance(params, Mapping):  # no truth test of a stranger's object
                 problem = ControlProblem("params", "not_a_mapping", f"params must be a mapping of settings, got "  # type: ignore[unreachable]
                                          f"{type(params).__name__}")  # fmt: skip
                 self._control_problems.record(request.req_id, [problem])

@@ -44,9 +44,12 @@ from __future__ import annotations
 
 import abc
 import enum
+import math
+import numbers
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 from pydantic import BaseModel
@@ -127,16 +130,22 @@ class JobResult:
 
 def checked_answers(answer: object, kind: type[Any], what: str) -> tuple[list[Any], str | None]:
     """A tier's answer that should be a list (or another iterable) of ``kind``: the items that
-    are, and a problem to report if the answer or some items were not (None if none). The
-    manager calls a tier through this, so a wrong type costs the tier's own answer, never the
-    scheduler (iterating the answer may raise: the caller guards it like the call)."""
+    are (a JobResult of odd field types normalized, see :func:`_usable`), and a problem to report
+    if the answer or some items were not (None if none). The manager calls a tier through this,
+    so a wrong type costs the tier's own answer, never the scheduler (iterating the answer may
+    raise: the caller guards it like the call)."""
     if isinstance(answer, (str, bytes)) or not isinstance(answer, Iterable):
         return [], f"{what} returned {type(answer).__name__}, not a list of {kind.__name__}"
-    good = [item for item in answer if isinstance(item, kind) and _well_formed(item)]
-    items = len(answer) if isinstance(answer, (list, tuple)) else len(good)
-    if len(good) == items:
+    good: list[Any] = []
+    odd = 0
+    for item in answer:
+        usable = _usable(item, kind)
+        if usable is not None:
+            good.append(usable)
+        odd += usable is not item
+    if not odd:
         return good, None
-    return good, f"{what} returned {items - len(good)} item(s) that are not well-formed {kind.__name__}s (ignored)"
+    return good, f"{what} returned {odd} item(s) that are not well-formed {kind.__name__}s (normalized, or ignored)"
 
 
 NOTHING_POLLED: tuple[list[JobResult], str | None] = ([], None)
@@ -149,13 +158,42 @@ def polled_results(tier: SecondaryTier) -> tuple[list[JobResult], str | None]:
     return checked_answers(tier.poll_finished(), JobResult, "poll_finished()")
 
 
-def _well_formed(item: object) -> bool:
-    """A JobResult's fields have the types the manager relies on (other kinds: no check)."""
+def _usable(item: object, kind: type[Any]) -> Any:
+    """``item`` if it is a well-formed ``kind``; a JobResult with odd field types (a numpy int,
+    ``seconds=None``) normalized, anything doubtful about what succeeded taken as a failure
+    (never as a success: the rows would be served); None if unusable (not a ``kind``, or a job
+    id that is no integer)."""
+    if not isinstance(item, kind):
+        return None
     if not isinstance(item, JobResult):
-        return True
-    keys = item.successful_keys
-    return (type(item.job_id) is int and isinstance(item.seconds, (int, float)) and not isinstance(item.seconds, bool)
-            and isinstance(item.bytes_moved, int) and (keys is None or isinstance(keys, (set, frozenset))))
+        return item
+    keys, success = item.successful_keys, cast(object, item.success)  # a tier's, whatever its annotation says
+    if (type(item.job_id) is int and type(success) is bool and _finite(item.seconds) and type(item.bytes_moved) is int
+            and (keys is None or isinstance(keys, (set, frozenset)))):  # fmt: skip
+        return item
+    try:
+        job_id = operator.index(item.job_id)
+    except TypeError:
+        return None
+    if not isinstance(success, (bool, np.bool_)):
+        success = False
+    try:
+        keys = None if keys is None else frozenset(keys)
+    except TypeError:
+        keys, success = frozenset(), False
+    try:
+        moved = operator.index(item.bytes_moved)
+    except TypeError:
+        moved = 0
+    seconds = float(item.seconds) if _finite(item.seconds) else 0.0
+    return JobResult(job_id, bool(success), keys, moved, seconds, item.error if isinstance(item.error, str) else None)
+
+
+def _finite(value: object) -> bool:
+    """A finite real number, not a bool."""
+    if type(value) is bool or not isinstance(value, numbers.Real):
+        return False
+    return math.isfinite(value)
 
 
 class HealthState(enum.Enum):

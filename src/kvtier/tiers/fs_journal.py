@@ -23,11 +23,12 @@ cost hits, nothing else.
   remounted read-only). A failed append is logged and dropped.
 * **Segments**: past :data:`SEGMENT_BYTES` a journal starts a new segment and deletes
   the one before the previous, so it holds at most three; a reader that fell further
-  behind skips ahead (losing records: lost hits). A segment is never longer (a large
-  flush is split); one of more than :data:`MAX_SEGMENT_BYTES` (planted, or from a
-  broken writer) is never read, and each :meth:`JournalReader.read` parses at most
-  :data:`READ_BUDGET` bytes (the rest waits for the next call, whose first journal is
-  the next one in turn), so housekeeping and shutdown never wait on a huge file.
+  behind skips ahead (losing records: lost hits). One flush goes to one segment (one
+  larger than a segment makes a longer one; past :data:`MAX_SEGMENT_BYTES`, about
+  840,000 records, the rest is dropped: lost hits). A segment longer than that (planted,
+  or from a broken writer) is never read, and each :meth:`JournalReader.read` parses at
+  most :data:`READ_BUDGET` bytes (the rest waits for the next call, whose first journal
+  is the next one in turn), so housekeeping and shutdown never wait on a huge file.
 * **Readers start at the current ends** (their start-up scan saw what came before) and
   read a journal that appears later from its beginning.
 * **Dead instances' journals** (their lock in ``tmp/`` is free) are deleted by any
@@ -73,7 +74,7 @@ SEGMENT_BYTES = 1 << 20
 """A journal starts a new segment past this size (13,107 records)."""
 STALE_SECONDS = 60.0
 """A dead instance's journal is deleted once its newest segment is this old."""
-MAX_SEGMENT_BYTES = 16 * SEGMENT_BYTES
+MAX_SEGMENT_BYTES = 64 * SEGMENT_BYTES
 """A segment longer than this is not a journal's (its writer never makes one): never read."""
 READ_BUDGET = 8 << 20
 """Bytes :meth:`JournalReader.read` parses at most in one call."""
@@ -148,13 +149,12 @@ class JournalWriter:
             if not records or self._dir_fd < 0:
                 return
             try:
-                view = memoryview(records)
-                while view:  # in pieces that fit the current segment: none is ever longer
-                    if self._size + len(view) > SEGMENT_BYTES and self._size:
-                        self._rotate()
-                    room = SEGMENT_BYTES - SEGMENT_BYTES % RECORD_BYTES
-                    piece, view = view[:room], view[room:]
-                    self._append(piece)
+                # One flush, one segment (a rotation deletes the segment before the previous: a
+                # flush split over segments would delete its own first records before anyone read
+                # them). A flush larger than a segment makes a longer one, up to MAX_SEGMENT_BYTES.
+                if self._size + len(records) > SEGMENT_BYTES and self._size:
+                    self._rotate()
+                self._append(memoryview(records[: MAX_SEGMENT_BYTES - MAX_SEGMENT_BYTES % RECORD_BYTES]))
                 self._error = None
             except OSError as exc:
                 if self._error is None:
