@@ -46,6 +46,16 @@ def _leaf_types(annotation: Any) -> set[Any]:
     return {annotation}
 
 
+def _validated_before(annotation: Any) -> bool:
+    """An ``Annotated`` type in ``annotation`` (through unions) carries a BeforeValidator."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return any(isinstance(m, BeforeValidator) for m in typing.get_args(annotation)[1:])
+    if origin in (typing.Union, types.UnionType):
+        return any(_validated_before(arg) for arg in typing.get_args(annotation))
+    return False
+
+
 def refuse_bool_numbers(model: type[BaseModel], data: Any) -> Any:
     """A ``model_validator(mode="before")`` body: ``true``/``false`` given for a numeric field
     (an int or a float, not a bool) is refused, naming the field; pydantic would read them as
@@ -53,8 +63,9 @@ def refuse_bool_numbers(model: type[BaseModel], data: Any) -> Any:
     if isinstance(data, Mapping):
         for name, value in data.items():
             field = model.model_fields.get(name) if isinstance(value, bool) else None
-            if field is None:
-                continue
+            if field is None or any(isinstance(m, BeforeValidator) for m in field.metadata) \
+                    or _validated_before(field.annotation):
+                continue  # a field with its own before-validator words its own refusal (sizes, seconds)
             leaves = _leaf_types(field.annotation)
             if bool not in leaves and Any not in leaves and leaves & {int, float}:
                 raise ValueError(f"{name} must be a number, not {str(value).lower()}")
