@@ -387,3 +387,13 @@ def test_true_or_false_is_refused_where_a_number_belongs(cli: dict[str, object])
     (``num_cpu_blocks: true`` made a one-block CPU tier); sizes and durations refused them already."""
     with pytest.raises(ConfigError, match=r"must be a number, not (true|false)"):
         load_config(env={}, cli=cli)
+
+
+@pytest.mark.parametrize("text", ["kvtier: 5\n", "kvtier:\n  cpu_bytes: 1GiB\npolicy: lru\n"])
+def test_a_kvtier_section_must_be_alone_and_a_mapping(tmp_path: Path, text: str) -> None:
+    """Regression (review, 2026-12-02): a malformed 'kvtier:' section was reported as an unknown
+    setting 'kvtier' (did you mean 'tiers'?)."""
+    path = tmp_path / "section.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="'kvtier:' section must be the file's only top-level key"):
+        load_config(file=str(path), env={})

@@ -134,3 +134,9 @@ def test_port_in_use_is_explained() -> None:
         port = sock.getsockname()[1]
         with pytest.raises(KvtierError, match="pick a free --metrics-port"):
             KvtierMetrics().serve(port)
+
+
+def test_an_address_that_is_not_this_machines_is_named_as_the_problem() -> None:
+    """Regression (review, 2026-12-02): a bad --metrics-addr was answered 'pick a free --metrics-port'."""
+    with pytest.raises(KvtierError, match="give an address of this machine"):
+        KvtierMetrics().serve(0, addr="999.1.1.1")

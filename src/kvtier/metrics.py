@@ -57,6 +57,7 @@ tier or ``<n>:<type>`` for secondary tier n, as in events and logs):
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from collections.abc import Iterable, Mapping
@@ -380,9 +381,9 @@ class KvtierMetrics:
         try:
             server, thread = start_http_server(port, addr=addr, registry=self.registry)
         except OSError as exc:
-            raise KvtierError(
-                f"cannot serve metrics on {addr}:{port} ({exc.strerror or exc}): pick a free --metrics-port"
-            ) from None
+            busy = exc.errno in (errno.EADDRINUSE, errno.EACCES)  # else the address is the problem
+            fix = "pick a free --metrics-port" if busy else "give an address of this machine (--metrics-addr)"
+            raise KvtierError(f"cannot serve metrics on {addr}:{port} ({exc.strerror or exc}): {fix}") from None
         self._server, self._thread = server, thread
         return int(server.server_port)
 

@@ -95,7 +95,12 @@ def _read_file(path: str) -> dict[str, Any]:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path!r} must hold a mapping of fields, got {type(data).__name__}")
-    if set(data) == {"kvtier"} and isinstance(data["kvtier"], dict):
+    if "kvtier" in data:  # the documented section: alone, and a mapping
+        if set(data) != {"kvtier"} or not isinstance(data["kvtier"], dict):
+            raise ConfigError(
+                f"config file {path!r}: a 'kvtier:' section must be the file's only top-level key and hold a mapping "
+                "of fields (or give the fields at the top level, without it)"
+            )
         data = data["kvtier"]
     return dict(data)
 
