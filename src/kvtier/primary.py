@@ -467,11 +467,11 @@ class PrimaryTier:
         (``stats.stray_load_completions``, logged at 1, 2, 4, ... of them), so another reader's
         pin on the row (a cascade's: the tier is still copying it) is never taken away.
         """
-        slot_of, loading, ref = self._slot_of, self._loading, self._ref
-        freed_keys: list[BlockKey] = []
-        freed_slots: list[int] = []
+        slot_of, loading = self._slot_of, self._loading
+        mine_keys: list[BlockKey] = []
+        mine_slots: list[int] = []
         stray: list[BlockKey] = []
-        for key in reversed(keys if type(keys) is list else list(keys)):  # tail first, as unpin
+        for key in keys if type(keys) is list else list(keys):
             slot = slot_of.get(key)
             held = 0 if slot is None else loading.pop(slot, 0)
             if slot is None or not held:
@@ -479,13 +479,10 @@ class PrimaryTier:
                 continue
             if held > 1:
                 loading[slot] = held - 1
-            count = ref[slot]  # >= 1: the load's own pin is in it
-            ref[slot] = count - 1
-            if count == 1:
-                freed_keys.append(key)
-                freed_slots.append(slot)
-        if freed_keys:
-            self.policy.mark_evictable_many(freed_keys, freed_slots)
+            mine_keys.append(key)
+            mine_slots.append(slot)
+        if mine_keys:  # each row pinned by its load: unpin_slots needs no second index lookup
+            self.unpin_slots(mine_keys, mine_slots)
         if stray:
             before = self.stats.stray_load_completions
             self.stats.stray_load_completions = after = before + len(stray)
