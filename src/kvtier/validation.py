@@ -21,7 +21,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_validator
 
 from kvtier.errors import ConfigError
 
@@ -70,6 +70,16 @@ def refuse_bool_numbers(model: type[BaseModel], data: Any) -> Any:
             if bool not in leaves and Any not in leaves and leaves & {int, float}:
                 raise ValueError(f"{name} must be a number, not {str(value).lower()}")
     return data
+
+
+class NoBoolNumbers(BaseModel):
+    """Base of the settings models: ``true``/``false`` given for a numeric field is refused
+    (:func:`refuse_bool_numbers`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_are_not_booleans(cls, data: Any) -> Any:
+        return refuse_bool_numbers(cls, data)
 
 
 NOT_A_BOOL = BeforeValidator(_not_a_bool)

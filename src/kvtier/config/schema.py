@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -35,7 +34,7 @@ from kvtier.manager.waits import (
     WAIT_TIMEOUT_RANGE,
 )
 from kvtier.units import parse_size, row_stride_for, rows_that_fit
-from kvtier.validation import NOT_A_BOOL, PositiveSeconds, Seconds, refuse_bool_numbers
+from kvtier.validation import NOT_A_BOOL, NoBoolNumbers, PositiveSeconds, Seconds
 
 DEFAULT_CPU_BYTES = 4 * 1024**3
 
@@ -57,15 +56,10 @@ HoldSeconds = Annotated[
 """``failed_load_seconds``: a second to a day."""
 
 
-class GeometryConfig(BaseModel):
+class GeometryConfig(NoBoolNumbers):
     """KV block layout; any field left out is taken from the ``model`` preset."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _numbers_are_not_booleans(cls, data: Any) -> Any:
-        return refuse_bool_numbers(cls, data)
 
     num_layers: int | None = Field(
         default=None, gt=0, le=MAX_LAYOUT_COUNT, description="Attention layers held by this rank."
@@ -94,17 +88,12 @@ class GeometryConfig(BaseModel):
         return value
 
 
-class BackpressureConfig(BaseModel):
+class BackpressureConfig(NoBoolNumbers):
     """Latency-aware backpressure on cascades (see ``kvtier.backpressure``): per secondary tier,
     a moving average of its store-job latency; above ``high_seconds`` new cascades to the tier are
     skipped, below ``low_seconds`` they resume. Loads and promotions are never shed."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _numbers_are_not_booleans(cls, data: Any) -> Any:
-        return refuse_bool_numbers(cls, data)
 
     enabled: bool = Field(default=True, description="Watch store latency and skip cascades to slow tiers.")
     high_seconds: PositiveSeconds = Field(
@@ -154,15 +143,10 @@ def _known_policies() -> list[str] | None:
     return sorted(POLICIES)
 
 
-class KvtierConfig(BaseModel):
+class KvtierConfig(NoBoolNumbers):
     """The whole kvtier configuration. See ``docs/configuration.md`` for every field."""
 
     model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _numbers_are_not_booleans(cls, data: Any) -> Any:
-        return refuse_bool_numbers(cls, data)
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
 
     cpu_bytes: int | None = Field(

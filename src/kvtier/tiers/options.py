@@ -21,11 +21,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from kvtier.errors import ConfigError
 from kvtier.units import parse_size
-from kvtier.validation import MAX_SECONDS, NOT_A_BOOL, explain, refuse_bool_numbers
+from kvtier.validation import MAX_SECONDS, NOT_A_BOOL, NoBoolNumbers, explain
 
 MAX_LIFETIME_SECONDS = 365 * 24 * 3600.0
 """The longest lifetime of a stored value a tier option takes (one year; a wait is bounded by
@@ -67,17 +67,12 @@ QueueLength = Annotated[int, Field(ge=1, le=MAX_QUEUED)]
 """A bound on waiting work items: 1 to 1,048,576."""
 
 
-class TierOptions(BaseModel):
+class TierOptions(NoBoolNumbers):
     """Base of tier options models: unknown options are errors, numbers are finite, and
     validated options are immutable."""
 
     # hide_input_in_errors: a bad value may hold a secret (a password in a URL); messages name it.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, hide_input_in_errors=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _numbers_are_not_booleans(cls, data: Any) -> Any:
-        return refuse_bool_numbers(cls, data)
 
     def capacity(self) -> int | None:
         """The byte capacity these options give the tier; None when its medium sets it (a
