@@ -159,6 +159,23 @@ def test_store_skips_keys_known_present(redis_server: Any, make_tier: Callable[.
     assert tier.stats.bytes_written - written == HEADER_SIZE + BLOCK
 
 
+def _two_stored(url: str, make_tier: Callable[..., RedisTier]) -> tuple[RedisTier, np.ndarray, list[BlockKey],
+                                                                         redis.Redis, bytes, bytes]:
+    """A tier that stored two blocks (rows 0-1; rows 4-7 zeroed for loads), a raw client, and the
+    first block's Redis name and value, for tests that tamper with it."""
+    rows = random_rows(8)
+    rows[4:] = 0
+    ns = namespace()
+    tier = make_tier(url, rows, ns)
+    keys = keys_for(ns, 2)
+    assert store(tier, keys, [0, 1]).success
+    raw = redis.Redis.from_url(url)
+    name = tier.redis_key(keys[0])
+    value = raw.get(name)
+    assert isinstance(value, bytes)
+    return tier, rows, keys, raw, name, value
+
+
 @pytest.mark.parametrize(
     "damage",
     ["flip_payload", "truncate", "header_junk", "short", "wrong_key", "empty"],
@@ -166,16 +183,7 @@ def test_store_skips_keys_known_present(redis_server: Any, make_tier: Callable[.
 def test_corrupt_values_are_miss_deleted_and_counted(
     redis_server: Any, make_tier: Callable[..., RedisTier], damage: str
 ) -> None:
-    rows = random_rows(8)
-    rows[4:] = 0
-    ns = namespace()
-    tier = make_tier(redis_server.url, rows, ns)
-    keys = keys_for(ns, 2)
-    assert store(tier, keys, [0, 1]).success
-    raw = redis.Redis.from_url(redis_server.url)
-    name = tier.redis_key(keys[0])
-    value = raw.get(name)
-    assert value is not None
+    tier, rows, keys, raw, name, value = _two_stored(redis_server.url, make_tier)
     if damage == "flip_payload":
         raw.setrange(name, HEADER_SIZE + 1234, bytes([value[HEADER_SIZE + 1234] ^ 0xFF]))
     elif damage == "truncate":
@@ -206,16 +214,9 @@ def test_a_value_of_another_releases_format_is_a_miss_and_kept(
     redis_server: Any, make_tier: Callable[..., RedisTier], resized: bool
 ) -> None:
     """Regression (review, 2026-12-02): a value in a newer release's format version was deleted as corrupt."""
-    rows = random_rows(8)
-    rows[4:] = 0
-    ns = namespace()
-    tier = make_tier(redis_server.url, rows, ns)
-    keys = keys_for(ns, 2)
-    assert store(tier, keys, [0, 1]).success
+    tier, rows, keys, raw, name, stored = _two_stored(redis_server.url, make_tier)
     tier.take_events()
-    raw = redis.Redis.from_url(redis_server.url)
-    name = tier.redis_key(keys[0])
-    value = bytearray(raw.get(name) or b"")
+    value = bytearray(stored)
     value[8:12] = (3).to_bytes(4, "little")
     newer = bytes(value) + (b"\x00" * 100 if resized else b"")
     raw.set(name, newer)

@@ -82,6 +82,7 @@ from kvtier.types import (
 # The answers as module constants: the hot paths compare against them without an attribute load.
 _HIT, _HIT_PENDING, _RETRY, _MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY, LookupResult.MISS
 
+
 def _plain_keys(keys: list[BlockKey]) -> list[BlockKey]:
     """``keys`` checked one by one, each a plain ``bytes`` of 1..MAX_KEY_BYTES bytes: a bytes
     subclass's key is copied to plain bytes (its own ``len``, hash and equality never take part);

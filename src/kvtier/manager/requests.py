@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 FINISHED_KEPT = 4096
 """Finalized request ids remembered, so a repeated ``on_request_finished`` reaches no tier twice."""
 
+
 @dataclass(eq=False)
 class RequestState:
     """What the manager tracks of one request."""
