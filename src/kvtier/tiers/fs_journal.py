@@ -60,7 +60,7 @@ from kvtier.errors import UnsafeEntryError
 from kvtier.failures import describe_error
 from kvtier.tiers.format import MAX_KEY_BYTES
 from kvtier.tiers.fs_files import NamespaceDir, create_file
-from kvtier.tiers.fs_layout import JOURNAL_DIR, instance_alive
+from kvtier.tiers.fs_layout import INSTANCE_NAME, JOURNAL_DIR, instance_alive
 from kvtier.untrusted import SAFE_OPEN_FLAGS, open_regular
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ MAX_SEGMENT_BYTES = 64 * SEGMENT_BYTES
 READ_BUDGET = 8 << 20
 """Bytes :meth:`JournalReader.read` parses at most in one call."""
 _MAX_READ = 4 << 20
-_NAME_RE = re.compile(r"^(\d+-[0-9a-f]{12})\.(\d{1,9})$")
+_NAME_RE = re.compile(rf"^({INSTANCE_NAME})\.(\d{{1,9}})$")
 
 Entry = tuple[int, float, bytes]
 """``(ADDED or REMOVED, wall-clock time, key)``."""
@@ -303,8 +303,9 @@ class JournalReader:
                 if not stat.S_ISREG(st.st_mode) or not self._modes.trusted(st) or st.st_size > MAX_SEGMENT_BYTES:
                     if entry.name not in self._unsafe:
                         self._unsafe.add(entry.name)
-                        why = ("not a regular file of ours" if st.st_size <= MAX_SEGMENT_BYTES or not
-                               stat.S_ISREG(st.st_mode) else f"{st.st_size} bytes, longer than any journal segment")
+                        ours = stat.S_ISREG(st.st_mode) and self._modes.trusted(st)
+                        why = f"{st.st_size} bytes, longer than any journal segment" if ours else \
+                            "not a regular file of ours"
                         logger.warning("fs tier %s: ignoring journal/%s: %s", self._path, entry.name, why)
                     continue
                 owner = match.group(1)

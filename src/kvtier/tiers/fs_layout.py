@@ -329,8 +329,10 @@ def instance_alive(ns_dir: Path, name: str) -> bool:
         os.close(fd)
 
 
-INSTANCE_NAME_RE = re.compile(r"\d{1,10}-[0-9a-f]{12}\Z")
-"""The name of an instance temp directory (:class:`InstanceDir`): ``<pid>-<12 hex>``."""
+INSTANCE_NAME = r"\d{1,10}-[0-9a-f]{12}"
+"""The pattern of an instance's name (:class:`InstanceDir`): ``<pid>-<12 hex>``; its temp
+directory and its journal segments are named after it."""
+INSTANCE_NAME_RE = re.compile(INSTANCE_NAME + r"\Z")
 
 
 def temp_dirs(ns_fd: int, ns_path: Path, remove_dead: bool = False) -> list[TempDirState]:
