@@ -242,6 +242,13 @@ class ExtraMetric:
             raise ValueError(f"ExtraMetric kind must be 'counter' or 'gauge', got {self.kind!r}")
 
 
+FOREIGN_FORMAT_METRIC = ExtraMetric(
+    "counter", "Values in a format version this release cannot read (another release's): not served, kept."
+)
+"""``foreign_format``, which every tier that reads kvtier's value format counts (see
+:class:`~kvtier.errors.ForeignFormatError`)."""
+
+
 @dataclass
 class TierStats:
     """Counters every tier keeps; read by metrics and ``kvtier bench``."""

@@ -63,7 +63,7 @@ from pydantic import Field, StrictBool, field_validator
 from kvtier.errors import ConfigError, CorruptValueError, ForeignFormatError, TierError, UnsafeEntryError
 from kvtier.failures import log_failure
 from kvtier.keys import BlockKey
-from kvtier.tiers.base import ExtraMetric, TierContext, TierUsage
+from kvtier.tiers.base import FOREIGN_FORMAT_METRIC, ExtraMetric, TierContext, TierUsage
 from kvtier.tiers.fs_budget import SharedBudget
 from kvtier.tiers.fs_files import (
     NO_HARD_LINKS,
@@ -257,9 +257,7 @@ class FilesystemTier(ThreadedTier):
         "scan_seconds": ExtraMetric("gauge", "Duration of the warm-restart scan."),
         "temp_files_swept": ExtraMetric("gauge", "Temporary files of dead writers removed at start."),
         "unsafe_entries": ExtraMetric("counter", "Entries of the root that are not regular files of ours (untouched)."),
-        "foreign_format": ExtraMetric(
-            "counter", "Values in a format version this release cannot read (another release's): not served, kept."
-        ),
+        "foreign_format": FOREIGN_FORMAT_METRIC,
         "journal_added": ExtraMetric("counter", "Blocks other engines stored, learned from their journals."),
         "journal_removed": ExtraMetric("counter", "Blocks other engines evicted, learned from their journals."),
         "checks": ExtraMetric("counter", "Keys the index did not hold, checked on disk (miss_checks)."),

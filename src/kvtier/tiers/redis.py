@@ -42,7 +42,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from kvtier.errors import ConfigError, CorruptValueError, ForeignFormatError
 from kvtier.failures import describe_error, forget_frames, log_failure
 from kvtier.keys import BlockKey
-from kvtier.tiers.base import ExtraMetric, JobResult, TierContext, TierUsage, TransferJob
+from kvtier.tiers.base import FOREIGN_FORMAT_METRIC, ExtraMetric, JobResult, TierContext, TierUsage, TransferJob
 from kvtier.tiers.endpoints import parse_endpoint, redact_url
 from kvtier.tiers.format import HEADER_SIZE, PREFIX_SIZE, decode_header, encode_header, foreign_format, verify_payload
 from kvtier.tiers.health import CircuitBreaker
@@ -211,9 +211,7 @@ class RedisTier(ThreadedTier):
         "touches_dropped": ExtraMetric(
             "counter", "Keys whose TTL refresh was dropped: too many touches queued, or a step's over its cap."
         ),
-        "foreign_format": ExtraMetric(
-            "counter", "Values in a format version this release cannot read (another release's): not served, kept."
-        ),
+        "foreign_format": FOREIGN_FORMAT_METRIC,
     }
 
     def __init__(self, context: TierContext, options: RedisTierOptions | None = None, /, **fields: Any) -> None:
@@ -620,20 +618,16 @@ class RedisTier(ThreadedTier):
                 elif isinstance(reply, ErrorReply):
                     self._note_reply_error(reply)
                     errors.append(reply.message)
-                elif reply != self._value_bytes and foreign_format(head_view[: min(reply, PREFIX_SIZE)]) is not None:
-                    version = foreign_format(head_view[:PREFIX_SIZE])
-                    logger.warning("redis tier %s: value of %s is in format version %s of another release; left in "
-                                   "place", self.label, key.hex(), version)  # fmt: skip
-                    foreign.append(key)
                 elif reply != self._value_bytes:
-                    logger.warning(
-                        "redis tier %s: value of %s has %d bytes, expected %d; deleting it",
-                        self.label,
-                        key.hex(),
-                        reply,
-                        self._value_bytes,
-                    )
-                    corrupt.append(key)
+                    version = foreign_format(head_view[: min(reply, PREFIX_SIZE)])
+                    if version is not None:  # another release's layout may have another size
+                        logger.warning("redis tier %s: value of %s is in format version %s of another release; "
+                                       "left in place", self.label, key.hex(), version)  # fmt: skip
+                        foreign.append(key)
+                    else:
+                        logger.warning("redis tier %s: value of %s has %d bytes, expected %d; deleting it",
+                                       self.label, key.hex(), reply, self._value_bytes)  # fmt: skip
+                        corrupt.append(key)
                 else:
                     try:
                         parsed = decode_header(

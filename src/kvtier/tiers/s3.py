@@ -58,7 +58,7 @@ import numpy as np
 from kvtier.errors import ConfigError, CorruptValueError, ForeignFormatError, TierError
 from kvtier.failures import forget_frames, log_failure
 from kvtier.keys import BlockKey
-from kvtier.tiers.base import ExtraMetric, TierContext, TierUsage
+from kvtier.tiers.base import FOREIGN_FORMAT_METRIC, ExtraMetric, TierContext, TierUsage
 from kvtier.tiers.format import (
     HEADER_SIZE,
     PREFIX_SIZE,
@@ -110,9 +110,7 @@ class S3Tier(ThreadedTier):
         "checks_failed": ExtraMetric("counter", "Existence checks that failed (counted against the breaker)."),
         "missing": ExtraMetric("counter", "Objects gone from the bucket when read."),
         "warm_start_blocks": ExtraMetric("counter", "Blocks indexed from the manifest at start."),
-        "foreign_format": ExtraMetric(
-            "counter", "Values in a format version this release cannot read (another release's): not served, kept."
-        ),
+        "foreign_format": FOREIGN_FORMAT_METRIC,
     }
 
     def __init__(self, context: TierContext, options: S3TierOptions | None = None, /, **fields: Any) -> None:
