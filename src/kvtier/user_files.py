@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import stat
 import sys
@@ -79,7 +80,15 @@ def load_yaml(text: str) -> Any:
     :class:`yaml.constructor.ConstructorError` naming the key and its line)."""
     import yaml
 
-    class _UniqueKeyLoader(yaml.SafeLoader):
+    return yaml.load(text, Loader=_unique_key_loader())  # a SafeLoader: nothing is evaluated
+
+
+@functools.cache
+def _unique_key_loader() -> type:
+    """The SafeLoader subclass :func:`load_yaml` uses (made once: yaml is imported on first use)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
         def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
             seen: set[Any] = set()
             for key_node, _ in node.value:
@@ -96,7 +105,7 @@ def load_yaml(text: str) -> Any:
                 seen.add(key)
             return super().construct_mapping(node, deep=deep)
 
-    return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: nothing is evaluated
+    return UniqueKeyLoader
 
 
 def os_error_text(exc: OSError) -> str:
