@@ -112,6 +112,30 @@ def test_reset_forgets_everything_and_reports_removal(tier: PrimaryTier) -> None
     assert event.removed and set(event.keys) == {k(1), k(2)}
 
 
+def test_reset_holds_out_the_rows_an_engine_copy_may_still_touch(tier: PrimaryTier) -> None:
+    """A device store not completed and a device load not completed still copy into / out of
+    their rows after a reset: no new write may get those rows until release_held()."""
+    fill(tier, 1, 2)
+    tier.prepare_load([k(1)])  # a device load reading k(1)'s row
+    stored = tier.prepare_store([k(3)])  # a device store writing k(3)'s row
+    assert stored is not None
+    promoted = tier.reserve_one(k(4))  # a promotion reserved but never submitted: nobody writes it
+    assert promoted is not None
+    busy = {tier.slot_of(k(1)), tier.slot_of(k(3))}
+    tier.reset()
+    assert tier.held_count == 2 and tier.free_slots == 2
+    rows = tier.prepare_store([k(10), k(11)])
+    assert rows is not None and not busy & set(rows.slots.tolist())
+    assert tier.prepare_store([k(12)]) is None  # the held rows are not evicted into either
+    tier.complete_store(rows.keys_to_store)
+    tier.reset()  # a second reset keeps holding them (and the completed store's rows are free again)
+    assert tier.held_count == 2 and tier.free_slots == 2
+    assert tier.release_held() == 2
+    assert tier.held_count == 0 and tier.free_slots == 4
+    rows = tier.prepare_store([k(20), k(21), k(22), k(23)])
+    assert rows is not None and sorted(rows.slots.tolist()) == [0, 1, 2, 3]
+
+
 @pytest.fixture
 def recorded(private_shm: Path) -> Iterator[tuple[PrimaryTier, RecordingLRU]]:
     region = SharedRegion("primary-rec", 8, 4096, shm_dir=private_shm)

@@ -114,6 +114,8 @@ class PrimaryTier:
         self._loading: dict[int, int] = {}
         self._free: list[int] = []
         self._next_fresh = 0
+        # Rows an engine copy may still touch after a reset: out of ``_free`` until release_held().
+        self._held: set[int] = set()
         # Bounded: an engine that never takes events must not grow memory without limit.
         self._events: deque[BlockEvent] = deque(maxlen=max_pending_events)
         self.record_events = record_events
@@ -540,16 +542,44 @@ class PrimaryTier:
         return sum(1 for slot in self._slot_of.values() if self._ref[slot] > 0)
 
     def reset(self) -> None:
-        """Forget every block. The caller guarantees no copy touches the rows any more."""
+        """Forget every block. The caller guarantees that no copy of a *tier* touches the rows any
+        more (the manager drains them first); an engine's copy may still run: a row written by a
+        device store not yet completed or pinned by a device load not yet completed (and any row
+        held out by an earlier reset) is held out, never handed to a new write, until
+        :meth:`release_held` (the engine knows when its copies have finished; vLLM's adapter
+        calls it a few schedule steps later, once the worker has flushed them)."""
         if self._slot_of and self.record_events:
             self._events.append(BlockEvent(tuple(self._slot_of), self.tier_label, self.medium, removed=True))
+        ref = self._ref
+        held = self._held
+        writer = self._writer
+        # A device load's pin, or a device store's reservation (a promotion not drained was never submitted).
+        held.update(slot for slot in self._slot_of.values()
+                    if ref[slot] > 0 or (ref[slot] and writer[slot] != PROMOTION))
         self._slot_of.clear()
         self._loading.clear()
-        self._ref[:] = [0] * self.num_blocks
-        self._writer[:] = bytes(self.num_blocks)
+        ref[:] = [0] * self.num_blocks
+        writer[:] = bytes(self.num_blocks)
         self._free.clear()
         self._next_fresh = 0
+        if held:  # the rows below the highest held one, lowest handed out first; above it, fresh
+            top = max(held)
+            self._free.extend(slot for slot in range(top, -1, -1) if slot not in held)
+            self._next_fresh = top + 1
         self.policy.clear()
+
+    @property
+    def held_count(self) -> int:
+        """Rows held out by :meth:`reset` until :meth:`release_held`."""
+        return len(self._held)
+
+    def release_held(self) -> int:
+        """Give the rows :meth:`reset` held out back to new writes (the engine's copies that may
+        have touched them have finished). Returns how many."""
+        held = sorted(self._held, reverse=True)
+        self._held.clear()
+        self._free.extend(held)
+        return len(held)
 
     @property
     def is_shut_down(self) -> bool:

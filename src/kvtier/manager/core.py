@@ -550,7 +550,8 @@ class TieringManager:
 
         Blocks until in-flight tier copies finish (never aborts one halfway).
         Persistent tiers keep their data. Raises :class:`TierError` (and resets
-        nothing) if a tier cannot drain within the timeout.
+        nothing) if a tier cannot drain within the timeout. The engine's own copies
+        may still run: their rows stay out of use until ``primary.release_held()``.
         """
         if self._closing:
             raise ManagerClosedError.of("reset_cache")

@@ -78,6 +78,12 @@ CONTROL_KEY = OffloadKey(hashlib.sha256(b"kvtier-events control record").digest(
 EVENTS_PARAM = "kvtier_events"
 MARKER_PARAM = "kvtier_events_marker"
 
+# Schedule steps after a reset before the rows a worker copy may still touch are reused: vLLM's
+# worker flushes the copies in the first step's execution, and with async scheduling the next
+# step is scheduled before that execution ends; one more step of margin. The spec adds the
+# pipeline's depth (more batches in flight).
+RESET_HOLD_STEPS = 3
+
 _LOOKUP = {r: VllmLookup[r.name] for r in LookupResult}
 _POLICY = {
     OffloadPolicy.BLOCK_LEVEL: VllmPolicy.CHUNK_LEVEL,
@@ -94,6 +100,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     ``metrics_interval`` seconds; vLLM's own metrics get kvtier's figures every
     ``stats_interval`` seconds and when the manager goes idle. ``events``: the
     stamped event stream over ``manager`` that :meth:`take_events` reports.
+    ``reset_hold_steps``: after :meth:`reset_cache`, the CPU rows a worker copy may still
+    touch stay out of use for this many schedule steps (see :meth:`reset_cache`).
     """
 
     def __init__(
@@ -105,8 +113,11 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         metrics_interval: float = 1.0,
         stats_interval: float = 1.0,
         events: EngineEventStream | None = None,
+        reset_hold_steps: int = RESET_HOLD_STEPS,
     ) -> None:
         self.manager = manager
+        self._reset_hold_steps = max(1, reset_hold_steps)
+        self._held_steps_left = 0
         self.events = events
         self.stats_reporter = VllmStatsReporter(manager, interval=stats_interval)
         self.metrics = metrics
@@ -215,6 +226,10 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self.manager.on_schedule_end()
+        if self._held_steps_left:
+            self._held_steps_left -= 1
+            if not self._held_steps_left:
+                self.manager.primary.release_held()
         if self.metrics is not None:
             now = time.monotonic()
             if now >= self._metrics_due:  # a stats snapshot per interval, not per step
@@ -267,11 +282,19 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         return out
 
     def reset_cache(self) -> None:
+        """Empty the CPU tier (persistent tiers keep their data). vLLM calls it between steps
+        while worker copies of earlier jobs may still run: it flushes them during the next step's
+        execution, discarding their completions. The rows those copies write or read are held out
+        of use (:meth:`PrimaryTier.reset <kvtier.primary.PrimaryTier.reset>`) for
+        ``reset_hold_steps`` schedule steps, so no promotion lands on a row a stale store is still
+        writing or a load is still reading."""
         if self.events is None:
             self.manager.reset_cache()
         else:
             self.events.reset_cache()
         self._promoted.clear()
+        if self.manager.primary.held_count:
+            self._held_steps_left = self._reset_hold_steps
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         """kvtier's figures since the last report, for vLLM's metrics (see

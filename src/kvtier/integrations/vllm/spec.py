@@ -104,7 +104,7 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
         """Scheduler side: build (once) the TieringManager, its region and tiers. Blocks while
         the region is created and pre-faulted."""
         if self._manager is None:
-            from kvtier.integrations.vllm.manager import KvtierOffloadingManager
+            from kvtier.integrations.vllm.manager import RESET_HOLD_STEPS, KvtierOffloadingManager
 
             s = self.settings
             tiering = build_manager(
@@ -131,7 +131,8 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
             events = None
             if self.kv_events_config.enable_kv_cache_events:
                 events = EngineEventStream(tiering, engine=s.layout.engine_id, info=self._event_info())
-            self._manager = KvtierOffloadingManager(tiering, metrics=metrics, events=events)
+            hold = RESET_HOLD_STEPS + max(0, self.config.parallel.pp_size - 1)
+            self._manager = KvtierOffloadingManager(tiering, metrics=metrics, events=events, reset_hold_steps=hold)
             logger.info(
                 "kvtier: CPU tier of %d rows x %d bytes in region %s, %d secondary tier(s), "
                 "namespace %s",
