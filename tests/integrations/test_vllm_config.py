@@ -88,6 +88,21 @@ def test_settings_are_deterministic_and_namespaced_by_engine_layout() -> None:
     assert c.namespace.digest == a.namespace.digest and c.region_name != a.region_name
 
 
+def test_an_explicit_region_name_is_never_shared_by_two_engines() -> None:
+    """Regression (review, 2026-12-03): two DP replicas share one ``kv_connector_extra_config``
+    (only ``engine_id`` gets a ``_dp<rank>`` suffix); with an explicit ``region_name`` both engines
+    mapped one region, so each loaded the other's KV and cascaded zeros into shared tiers."""
+    dp0 = EngineLayout(**{**LAYOUT.__dict__, "engine_id": "engine_dp0"})
+    dp1 = EngineLayout(**{**LAYOUT.__dict__, "engine_id": "engine_dp1"})
+    a = resolve_settings({"num_cpu_blocks": 10, "region_name": "shared"}, dp0, env={})
+    b = resolve_settings({"num_cpu_blocks": 10, "region_name": "shared"}, dp1, env={})
+    assert a.region_name.startswith("shared-") and b.region_name.startswith("shared-")
+    assert a.region_name != b.region_name
+    assert resolve_settings({"num_cpu_blocks": 10, "region_name": "shared"}, dp0, env={}).region_name == a.region_name
+    with pytest.raises(ConfigError, match=r"region_name.*too long"):
+        resolve_settings({"num_cpu_blocks": 10, "region_name": "r" * 240}, dp0, env={})
+
+
 def test_vllm_cpu_offloading_names_are_accepted_as_aliases() -> None:
     s = resolve_settings({"cpu_bytes_to_use": 1 << 22, "eviction_policy": "arc"}, LAYOUT, env={})
     assert s.config.cpu_bytes == 1 << 22 and s.config.policy == "arc"

@@ -29,6 +29,7 @@ from typing import Any
 from kvtier.config import KvtierConfig, load_config
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
+from kvtier.region import RegionError, region_path
 
 SUPPORTED_VLLM_MIN = (0, 32, 0)
 """Oldest vLLM release this integration was built and tested against (inclusive)."""
@@ -155,11 +156,23 @@ class VllmKvtierSettings:
     metrics_port: int | None = None
 
 
-def region_name_for(engine_id: str) -> str:
-    """A region file name derived from vLLM's engine id (safe characters only, bounded length)."""
-    safe = re.sub(r"[^A-Za-z0-9._-]", "-", engine_id)[:48]
+def region_name_for(engine_id: str, region_name: str | None = None) -> str:
+    """The region file name of the engine ``engine_id``: derived from it (safe characters only,
+    bounded length), or ``region_name`` followed by the engine id's digest. Never the same for two
+    engines: two DP replicas share one ``kv_connector_extra_config`` (only ``engine_id`` differs),
+    and engines sharing one region would load each other's KV."""
     digest = hashlib.sha256(engine_id.encode()).hexdigest()[:12]
-    return f"vllm-{safe}-{digest}"
+    if region_name is None:
+        safe = re.sub(r"[^A-Za-z0-9._-]", "-", engine_id)[:48]
+        return f"vllm-{safe}-{digest}"
+    name = f"{region_name}-{digest}"
+    try:
+        region_path(name)
+    except RegionError as exc:
+        raise ConfigError(
+            f"kv_connector_extra_config['region_name'] with the engine id's digest added: {exc}"
+        ) from None
+    return name
 
 
 def _metrics_port(extra: Mapping[str, Any]) -> int | None:
@@ -259,7 +272,7 @@ def resolve_settings(
         config=config,
         namespace=namespace,
         layout=layout,
-        region_name=config.region_name or region_name_for(layout.engine_id),
+        region_name=region_name_for(layout.engine_id, config.region_name),
         num_rows=num_rows,
         expected_mappers=layout.world_size + 1,
         metrics_port=_metrics_port(extra),
