@@ -222,3 +222,18 @@ def test_a_request_that_is_not_a_request_context_is_named(mgr: TieringManager) -
         mgr.lookup(b"q" * 32, "r4")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="request must be a RequestContext"):
         mgr.request_control("r4")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [["cpu"] * 65, ["memory"] * 200_000, ["cpu", " " * 10_000 + "cpu"]],
+    ids=["65 selectors", "200k valid selectors", "a 10k-character selector"],
+)
+def test_a_selector_list_longer_than_any_engine_needs_is_refused_unread(mgr: TieringManager, value: Any) -> None:
+    """Regression (review, 2026-12-03): every item of an uncapped selector list was parsed on the
+    scheduler thread (~50 ms per MB a client sent), and a list of valid names was accepted."""
+    control = mgr.request_control(RequestContext("long", {LOAD_TIERS_KEY: value}))
+    assert control.load_from is None  # the default: refused, not applied
+    assert mgr.stats().manager.request_control_problems == {f"{LOAD_TIERS_KEY}:not_selectors": 1}
+    ok = mgr.request_control(RequestContext("ok", {LOAD_TIERS_KEY: ["cpu"] * 64}))
+    assert ok.load_from == frozenset({0})

@@ -69,6 +69,7 @@ from typing import Any
 
 from kvtier.keys import BlockKey
 from kvtier.manager import TieringManager
+from kvtier.request_control import describe_value
 from kvtier.types import PRIMARY_LABEL, BlockEvent
 
 logger = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ def _finite(value: float) -> bool:
 
 def _check_name(what: str, value: Any) -> str:
     if not isinstance(value, str) or not 0 < len(value) <= _MAX_NAME:
-        raise ValueError(f"{what} must be a string of 1 to {_MAX_NAME} characters, got {value!r:.80}")
+        raise ValueError(f"{what} must be a string of 1 to {_MAX_NAME} characters, got {describe_value(value)}")
     return value
 
 

@@ -121,6 +121,12 @@ def _shown_id(req_id: object) -> str:
     return text if len(text) <= 64 and text.isprintable() else ascii(text[:61])[1:-1] + "..."
 
 
+# An engine has a handful of tiers: a longer list, or a longer name, is malformed, and refused
+# before the scheduler thread spends time in proportion to what a client sent.
+MAX_SELECTORS = 64
+MAX_SELECTOR_CHARS = 256
+
+
 def select_tiers(key: str, raw: Any, tiers: Sequence[TierDescriptor]) -> frozenset[int]:
     """The indices of ``tiers`` that the selectors ``raw`` (a string or a list of them) name.
 
@@ -128,9 +134,13 @@ def select_tiers(key: str, raw: Any, tiers: Sequence[TierDescriptor]) -> frozens
     this engine's tiers offer.
     """
     items = [raw] if isinstance(raw, str) else raw
-    if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
+    if (
+        not isinstance(items, list | tuple) or len(items) > MAX_SELECTORS
+        or not all(isinstance(i, str) and len(i) <= MAX_SELECTOR_CHARS for i in items)
+    ):  # fmt: skip
         raise RequestControlError(
-            f"{key} must be a list of tier selectors (strings), got {describe_value(raw)}: e.g. [\"cpu\", \"fs\"]"
+            f"{key} must be a list of tier selectors (at most {MAX_SELECTORS} strings of at most "
+            f"{MAX_SELECTOR_CHARS} characters), got {describe_value(raw)}: e.g. [\"cpu\", \"fs\"]"
         )
     chosen: set[int] = set()
     for item in items:

@@ -5,6 +5,7 @@ Fast; needs vLLM (and torch) installed, skipped otherwise.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
@@ -328,3 +329,35 @@ def test_events_reach_a_fleet_index_through_vllms_own_translation(shm: Path, sel
         assert index.held("e", "0:primary") == set() and index.engine("e").seq == stream._seq - 1
     finally:
         adapter.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("params", "problem"),
+    [
+        ({"kvtier_events": "bogus"}, "kvtier_events:not_events_request"),
+        ({"kvtier_events": ["mark"]}, "kvtier_events:not_events_request"),
+        ({"kvtier_events": "mark", "kvtier_events_marker": 7}, "kvtier_events_marker:not_marker"),
+        ({"kvtier_events": "mark", "kvtier_events_marker": "m" * 1_000_000}, "kvtier_events_marker:not_marker"),
+    ],
+)
+def test_malformed_event_requests_are_counted_and_logged_at_1_10_100(
+    shm: Path, caplog: pytest.LogCaptureFixture, params: dict[str, object], problem: str
+) -> None:
+    """Regression (review, 2026-12-03): a malformed ``kvtier_events`` or marker logged one WARNING
+    per request (a client could fill the engine's log) and was not counted."""
+    from kvtier.engine_events import EngineEventStream
+
+    ns = Namespace("unit", KVGeometry.from_block_bytes(4096))
+    tiering = TieringManager.create(namespace=ns, num_cpu_blocks=4, shm_dir=shm)
+    mgr = KvtierOffloadingManager(tiering, events=EngineEventStream(tiering, engine="e"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvtier"):
+            for i in range(150):
+                req = ReqContext(f"r{i}", params)
+                mgr.on_new_request(req)
+                mgr.on_request_finished(req)
+        assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 3  # the 1st, 10th, 100th
+        assert all(len(r.getMessage()) < 1000 for r in caplog.records)
+        assert mgr.kvtier_stats().manager.request_control_problems == {problem: 150}
+    finally:
+        mgr.shutdown()

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.config import KvtierConfig, load_config
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, RegionError
 from kvtier.keys import Namespace
-from kvtier.region import RegionError, region_path
+from kvtier.region import region_path
 
 SUPPORTED_VLLM_MIN = (0, 32, 0)
 """Oldest vLLM release this integration was built and tested against (inclusive)."""

@@ -68,6 +68,7 @@ from kvtier.integrations.vllm.stats import VllmStatsReporter
 from kvtier.keys import BlockKey
 from kvtier.manager import TieringManager
 from kvtier.metrics import KvtierMetrics
+from kvtier.request_control import ControlProblem, ControlProblemLog, describe_value
 from kvtier.telemetry import ManagerSnapshot
 from kvtier.types import PRIMARY_LABEL, LookupResult, OffloadPolicy, RequestContext, RequestControl
 
@@ -119,7 +120,10 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self._reset_hold_steps = max(1, reset_hold_steps)
         self._held_steps_left = 0
         self.events = events
-        self.stats_reporter = VllmStatsReporter(manager, interval=stats_interval)
+        # Malformed kvtier_events / kvtier_events_marker values: counted and logged like the manager's
+        # own request settings (1st, 10th, 100th...), and reported with them.
+        self._event_problems = ControlProblemLog(logger)
+        self.stats_reporter = VllmStatsReporter(manager, interval=stats_interval, snapshot=self.kvtier_stats)
         self.metrics = metrics
         self._metrics_interval = metrics_interval
         self._metrics_due = 0.0
@@ -234,7 +238,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             now = time.monotonic()
             if now >= self._metrics_due:  # a stats snapshot per interval, not per step
                 self._metrics_due = now + self._metrics_interval
-                self.metrics.update(self.manager)
+                self.metrics.update(self.kvtier_stats())
 
     def has_pending_work(self) -> bool:
         return self.manager.has_pending_work() or (self.events is not None and self.events.has_pending_output())
@@ -244,19 +248,20 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         ``params`` come from the API client: only these two keys are read, and shown bounded."""
         assert self.events is not None
         what = params.get(EVENTS_PARAM)
-        if what == "snapshot":
+        if what == "snapshot" and type(what) is str:
             if not self.events.request_snapshot():
-                logger.info("kvtier events: snapshot asked by %.80s ignored (one is under way or was sent "
-                            "within %.0f s)", req_id, self.events.snapshot_interval)  # fmt: skip
-        elif what == "mark":
+                logger.debug("kvtier events: snapshot asked by %.80s ignored (one is under way or was sent "
+                             "within %.0f s)", req_id, self.events.snapshot_interval)  # fmt: skip
+        elif what == "mark" and type(what) is str:
             marker = params.get(MARKER_PARAM, req_id)
             try:
                 self.events.mark(marker)
             except ValueError as exc:
-                logger.warning("kvtier events: request %.80s: %s: %s", req_id, MARKER_PARAM, exc)
+                message = f"{MARKER_PARAM}: {exc}"
+                self._event_problems.record(req_id, [ControlProblem(MARKER_PARAM, "not_marker", message)])
         else:
-            logger.warning("kvtier events: request %.80s: %s=%.80r is not 'snapshot' or 'mark'; ignored",
-                           req_id, EVENTS_PARAM, what)  # fmt: skip
+            message = f"{EVENTS_PARAM} must be 'snapshot' or 'mark', got {describe_value(what)}"
+            self._event_problems.record(req_id, [ControlProblem(EVENTS_PARAM, "not_events_request", message)])
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         out: list[OffloadingEvent] = []
@@ -304,8 +309,11 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         return self.stats_reporter.report()
 
     def kvtier_stats(self) -> ManagerSnapshot:
-        """kvtier's typed snapshot (CPU tier, each secondary tier, manager); ``.as_dict()`` is JSON-able."""
-        return self.manager.stats()
+        """kvtier's typed snapshot (CPU tier, each secondary tier, manager); ``.as_dict()`` is JSON-able.
+        The malformed ``kvtier_events`` settings this adapter saw are in ``manager.request_control_problems``."""
+        snap = self.manager.stats()
+        snap.manager.request_control_problems.update(self._event_problems.counts())
+        return snap
 
     def shutdown(self) -> None:
         """Shut down every tier and release the CPU region. Idempotent; raises on tier failure."""

@@ -24,6 +24,7 @@ Scheduler thread only (vLLM's scheduler calls ``get_stats`` there).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -149,9 +150,12 @@ class VllmStatsReporter:
     """
 
     def __init__(
-        self, manager: TieringManager, *, interval: float = 1.0, sample_limit: int = DEFAULT_SAMPLE_LIMIT
+        self, manager: TieringManager, *, interval: float = 1.0, sample_limit: int = DEFAULT_SAMPLE_LIMIT,
+        snapshot: Callable[[], ManagerSnapshot] | None = None,
     ) -> None:
+        """``snapshot``: what to report (default ``manager.stats``; the adapter adds its own counts)."""
         self.manager = manager
+        self._snapshot = manager.stats if snapshot is None else snapshot
         self.interval = interval
         self._due = 0.0
         self._flushed_idle = False
@@ -170,7 +174,7 @@ class VllmStatsReporter:
             return None
         self._due = now + self.interval
         self._flushed_idle = idle
-        return self._build(self.manager.stats())
+        return self._build(self._snapshot())
 
     def _build(self, snap: ManagerSnapshot) -> OffloadingConnectorStats | None:
         stats = OffloadingConnectorStats()
