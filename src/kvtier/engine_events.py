@@ -148,7 +148,7 @@ def _finite(value: float) -> bool:
 
 
 def _check_name(what: str, value: Any) -> str:
-    if not isinstance(value, str) or not 0 < len(value) <= _MAX_NAME:
+    if type(value) is not str or not 0 < len(value) <= _MAX_NAME:  # a str subclass's len() is the caller's
         raise ValueError(f"{what} must be a string of 1 to {_MAX_NAME} characters, got {describe_value(value)}")
     return value
 

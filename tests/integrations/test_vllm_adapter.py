@@ -331,11 +331,21 @@ def test_events_reach_a_fleet_index_through_vllms_own_translation(shm: Path, sel
         adapter.shutdown()
 
 
+class _RaisingStr(str):
+    """A client's str subclass (``SamplingParams.extra_args`` from Python) whose comparisons raise."""
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("a client's __eq__ ran")
+
+    __hash__ = str.__hash__
+
+
 @pytest.mark.parametrize(
     ("params", "problem"),
     [
         ({"kvtier_events": "bogus"}, "kvtier_events:not_events_request"),
         ({"kvtier_events": ["mark"]}, "kvtier_events:not_events_request"),
+        ({"kvtier_events": _RaisingStr("mark")}, "kvtier_events:not_events_request"),
         ({"kvtier_events": "mark", "kvtier_events_marker": 7}, "kvtier_events_marker:not_marker"),
         ({"kvtier_events": "mark", "kvtier_events_marker": "m" * 1_000_000}, "kvtier_events_marker:not_marker"),
     ],

@@ -248,11 +248,11 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         ``params`` come from the API client: only these two keys are read, and shown bounded."""
         assert self.events is not None
         what = params.get(EVENTS_PARAM)
-        if what == "snapshot" and type(what) is str:
+        if type(what) is str and what == "snapshot":  # a str subclass's __eq__ is the client's
             if not self.events.request_snapshot():
                 logger.debug("kvtier events: snapshot asked by %.80s ignored (one is under way or was sent "
                              "within %.0f s)", req_id, self.events.snapshot_interval)  # fmt: skip
-        elif what == "mark" and type(what) is str:
+        elif type(what) is str and what == "mark":
             marker = params.get(MARKER_PARAM, req_id)
             try:
                 self.events.mark(marker)
