@@ -72,6 +72,7 @@ CHAINS = [[0, 1, 2, 3, 4, 5], [0, 1, 2, 6, 7, 8], [9, 10, 11]]
 SEEDED = [6, 7, 9, 10]  # blocks the second tier holds from "a previous run"
 WAIT = 1.0  # the manager's wait_timeout, in seconds of the machine's clock
 HOLD = 2.0  # its failed_load_seconds
+GAP = max(WAIT, HOLD)  # no lookup of a waited-on block for this long: its wait is over (a new one starts)
 CLOCKED = ("core", "tierset", "waits", "ledger", "requests")  # the manager's rooms that read perf_counter
 
 
@@ -283,7 +284,7 @@ class ManagerMachine(RuleBasedStateMachine):
         """One more RETRY/HIT_PENDING for ``k``: True while its wait is within the deadline."""
         now = self.clock
         wait = self.waits.get(k)
-        if wait is None or now - wait[1] > WAIT:
+        if wait is None or now - wait[1] > GAP:
             self.waits[k] = [now, now]
             return True
         wait[1] = now
@@ -294,9 +295,9 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def wait_began(self, k: BlockKey) -> float:
         """When the wait on ``k`` began, for a promotion starting now: it goes on from the RETRYs
-        (or failed promotions) before it, unless their last answer is older than the deadline."""
+        (or failed promotions) before it, unless their last answer is older than GAP."""
         wait = self.waits.get(k)
-        return wait[0] if wait is not None and self.clock - wait[1] <= WAIT else self.clock
+        return wait[0] if wait is not None and self.clock - wait[1] <= GAP else self.clock
 
     def serving(self, pos: int) -> bool:
         """No job of tier ``pos`` is overdue and unreported (jobs about to be polled are reported)."""
@@ -318,7 +319,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.runs.pop(k, None)
             return
         run = self.runs.get(k)
-        if run is None or self.clock - run[1] > WAIT:
+        if run is None or self.clock - run[1] > GAP:
             run = self.runs[k] = [self.clock, self.clock]
         run[1] = self.clock
         assert self.clock - run[0] <= WAIT, f"{name(k)} answered {answer} {self.clock - run[0]}s into its wait"
@@ -437,7 +438,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 continue
             self.retrying.discard((pos, k))
             wait = self.waits.get(k)  # a promotion goes on with the wait its RETRYs began...
-            if wait is not None and self.clock - wait[1] <= WAIT and self.clock - wait[0] > WAIT:
+            if wait is not None and self.clock - wait[1] <= GAP and self.clock - wait[0] > WAIT:
                 del self.waits[k]  # ...unless that is past the deadline: the wait ends with a MISS
                 return MISS, None
             room = len(self.present) - ghosts < NUM_CPU_BLOCKS or self.evictable({k}) - ghosts > 0

@@ -155,6 +155,29 @@ def test_a_device_store_never_completed_ends_as_a_miss_at_the_deadline(make: Any
     assert mgr.lookup(k, req) is HIT
 
 
+@pytest.mark.parametrize("tiers", [(), ({"auto_complete": False},)], ids=["device store", "retry"])
+def test_the_deadline_holds_when_the_engine_steps_less_often_than_wait_timeout(
+    make: Any, tiers: tuple[dict[str, Any], ...]
+) -> None:
+    """Regression (review, 2026-12-03): a block's clock restarted whenever its last answer was
+    older than ``wait_timeout``, so an engine stepping every 0.1 s with ``wait_timeout`` 0.05 s
+    got HIT_PENDING (or RETRY) forever."""
+    mgr = make(*tiers, wait_timeout=0.05)
+    k = keys(1)[0]
+    if tiers:
+        (tier,) = scripted(mgr)
+        tier.retry_keys = {k}  # its existence check never ends
+    else:
+        assert mgr.prepare_store([k], RequestContext("writer")) is not None  # never completed
+    req = RequestContext("reader")
+    answers = []
+    for _ in range(4):
+        answers.append(mgr.lookup(k, req))
+        mgr.on_schedule_end()
+        time.sleep(0.1)
+    assert answers[0] in (HIT_PENDING, RETRY) and answers[1:] == [MISS] * 3, answers
+
+
 def test_one_wait_goes_on_across_tiers(make: Any) -> None:
     """A load from tier 1 fails half way to the deadline; tier 2 holds the block too but never
     finishes its load: the request's wait still ends at the deadline, not half a deadline later."""

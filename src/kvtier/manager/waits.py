@@ -5,8 +5,10 @@ A request waits while :meth:`~kvtier.manager.TieringManager.lookup` answers RETR
 HIT_PENDING for one of its blocks: it asks again next step. The manager keeps one clock
 per block (:class:`BlockWaits`), whatever the tiers involved: a wait starts at the first
 RETRY or HIT_PENDING answered for the block and goes on while lookups keep answering so
-(with less than ``wait_timeout`` between two of them); ``wait_timeout`` after it started
-the lookup answers MISS and the engine recomputes the block. Then:
+(with less than ``failed_load_seconds`` or ``wait_timeout``, the longer, between two of them:
+not ``wait_timeout`` alone, or an engine whose steps are further apart than a short
+``wait_timeout`` would start a new wait at every lookup and wait forever); ``wait_timeout``
+after it started the lookup answers MISS and the engine recomputes the block. Then:
 
 * **RETRY** (a secondary tier's existence check under way): the tiers that answered
   RETRY are not asked about the block for ``failed_load_seconds`` (every request waiting
@@ -18,8 +20,7 @@ the lookup answers MISS and the engine recomputes the block. Then:
 
 A wait goes on through a failed promotion (the block's next RETRY or promotion, from
 another tier, continues it), and ends when the block becomes readable. So no request
-waits on one block longer than ``wait_timeout`` in all, unless it stops asking for longer
-than that.
+waits on one block longer than ``wait_timeout`` in all.
 
 **Failed promises.** A tier whose promise for a block failed (its load job failed or was
 refused, or its RETRY outlived the deadline) is not believed about that block for
@@ -125,10 +126,12 @@ class BlockWaits:
     """The manager's clock of every block a lookup keeps a request waiting on, and the writes
     into the CPU tier given up; see the module docstring."""
 
-    __slots__ = ("_cpu", "_hold", "_next_prune", "_tiers", "_timeout", "abandoned", "since", "started", "writer")
+    __slots__ = ("_cpu", "_gap", "_hold", "_next_prune", "_tiers", "_timeout", "abandoned", "since", "started",
+                 "writer")  # fmt: skip
 
     def __init__(self, timeout: float, hold: float, cpu: TierTelemetry, rows: int) -> None:
         self._timeout = timeout
+        self._gap = max(timeout, hold)  # no lookup for this long: the wait's requests stopped asking
         self._hold = hold
         self._cpu = cpu
         self._tiers: list[TierWaits] = []
@@ -152,15 +155,16 @@ class BlockWaits:
 
     def _within(self, key: BlockKey, now: float) -> bool:
         """Count one more RETRY or HIT_PENDING answer for ``key`` at ``now``: True while its wait
-        is within the deadline. A wait whose last answer is older than the deadline is over
-        (its requests stopped asking, or got their answer): a new one starts."""
+        is within the deadline. A wait whose last answer is older than ``failed_load_seconds`` and
+        ``wait_timeout`` is over (its requests stopped asking): a new one starts."""
         since = self.since
+        gap = self._gap
         if now >= self._next_prune:
-            self._next_prune = now + self._timeout
-            for old in [k for k, (_, last) in since.items() if now - last > self._timeout]:
+            self._next_prune = now + gap
+            for old in [k for k, (_, last) in since.items() if now - last > gap]:
                 del since[old]
         clock = since.get(key)
-        if clock is None or now - clock[1] > self._timeout:
+        if clock is None or now - clock[1] > gap:
             if len(since) >= MAX_KEYS:
                 del since[next(iter(since))]
             since[key] = [now, now]
@@ -189,7 +193,7 @@ class BlockWaits:
         if clock is None:
             return True
         now = perf_counter()
-        if now - clock[1] > self._timeout or now - clock[0] <= self._timeout:
+        if now - clock[1] > self._gap or now - clock[0] <= self._timeout:
             return True
         del self.since[key]
         return False
