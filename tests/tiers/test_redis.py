@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,7 +18,8 @@ from kvtier.errors import ConfigError, TierError
 from kvtier.keys import BlockKey, KVGeometry, Namespace, chain_ids
 from kvtier.tiers.base import HealthState, JobResult, TierContext, TransferJob
 from kvtier.tiers.format import HEADER_SIZE
-from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.redis import RedisTier, refused_by_server
+from kvtier.tiers.redis_protocol import ErrorReply
 from kvtier.tiers.registry import create_tier
 from kvtier.types import LookupResult
 
@@ -640,3 +643,88 @@ def test_acl_user_in_url(redis_server: Any, make_tier: Callable[..., RedisTier])
     result = store(other, keys, [0, 1])
     assert not result.success and result.error is not None and "NOPERM" in result.error
     assert other.health().state is HealthState.CLOSED
+
+
+def _acl_url(redis_server: Any, user: str, *rules: str) -> str:
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.execute_command("ACL", "SETUSER", user, "on", ">pw", *rules)
+    return f"redis://{user}:pw@127.0.0.1:{redis_server.port}/0"
+
+
+def test_an_acl_refusal_is_a_miss_a_breaker_failure_and_logged_once(
+    redis_server: Any, make_tier: Callable[..., RedisTier], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression (review, 2026-12-03): a NOPERM reply to EXISTS left the lookup at RETRY every step
+    (the engine waited its whole wait_timeout), counted as a breaker success and logged nothing."""
+    url = _acl_url(redis_server, "kv", "~other:*", "+@all")
+    ns = namespace()
+    tier = make_tier(url, random_rows(4), ns, failure_threshold=3, open_seconds=30.0)
+    keys = keys_for(ns, 3)
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.redis"):
+        started = time.monotonic()
+        assert resolve(tier, keys[0]) is LookupResult.MISS
+        assert time.monotonic() - started < 1.0
+        assert tier.health().state is HealthState.CLOSED and tier.health().consecutive_failures == 1
+        assert "NOPERM" in tier.health().detail
+        result = store(tier, keys[1:2], [1])
+        assert not result.success and result.error is not None and "NOPERM" in result.error
+        assert resolve(tier, keys[2]) is LookupResult.MISS
+    assert tier.health().state is HealthState.OPEN, "three refusals in a row take the tier out of service"
+    refusals = [r for r in caplog.records if "NOPERM" in r.getMessage() and "ACL user" in r.getMessage()]
+    assert len(refusals) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_a_busy_server_is_a_miss_and_opens_the_breaker(
+    redis_server_factory: Callable[..., Any], make_tier: Callable[..., RedisTier]
+) -> None:
+    """Regression (review, 2026-12-03): while another client's script ran (-BUSY) every lookup
+    answered RETRY and the breaker stayed closed."""
+    server = redis_server_factory("--busy-reply-threshold", "50")
+    ns = namespace()
+    tier = make_tier(server.url, random_rows(4), ns, io_threads=1, failure_threshold=2, open_seconds=30.0)
+    keys = keys_for(ns, 4)
+    assert resolve(tier, keys[3]) is LookupResult.MISS  # connected before the server gets busy
+
+    def run_script() -> None:
+        with contextlib.suppress(redis.exceptions.ResponseError):  # "Script killed by user"
+            redis.Redis.from_url(server.url).eval("while true do end", 0)
+
+    runner = threading.Thread(target=run_script, daemon=True)
+    runner.start()
+    admin = redis.Redis.from_url(server.url)
+    try:
+        deadline = time.monotonic() + 5
+        while True:  # wait until the server answers BUSY
+            try:
+                admin.ping()
+            except redis.exceptions.BusyLoadingError:
+                break
+            except redis.exceptions.ResponseError as exc:
+                if "BUSY" in str(exc):
+                    break
+                raise
+            assert time.monotonic() < deadline, "the script never made the server busy"
+            time.sleep(0.02)
+        for key in keys[:2]:
+            assert resolve(tier, key, timeout=2.0) is LookupResult.MISS
+        assert tier.health().state is HealthState.OPEN and "BUSY" in tier.health().detail
+    finally:
+        admin.script_kill()
+        runner.join(5)
+
+
+@pytest.mark.parametrize(
+    ("message", "writing", "refused"),
+    [
+        ("NOPERM this user has no permissions", False, True),
+        ("LOADING Redis is loading the dataset in memory", False, True),
+        ("BUSY Redis is busy running a script", True, True),
+        ("MASTERDOWN Link with MASTER is down", False, True),
+        ("OOM command not allowed when used memory > 'maxmemory'.", False, True),
+        ("OOM command not allowed when used memory > 'maxmemory'.", True, False),
+        ("MOVED 3999 127.0.0.1:6381", False, False),
+        ("WRONGTYPE Operation against a key holding the wrong kind of value", False, False),
+    ],
+)
+def test_which_error_replies_count_against_the_server(message: str, writing: bool, refused: bool) -> None:
+    assert refused_by_server(ErrorReply(message), writing) is refused

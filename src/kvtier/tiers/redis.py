@@ -187,6 +187,29 @@ class RedisTierOptions(TierOptions):
         return redact_url(url)
 
 
+# Error replies that say the server will not serve this client now (an ACL without the tier's
+# keys or commands, a script running, a data set loading, a replica without its primary...) are
+# tier failures; only these few are about the one key: a redirect (the topology moved) and a value
+# of another type. OOM is one too for a write (the server is full, it still serves reads).
+_KEY_ERRORS = ("MOVED", "ASK", "WRONGTYPE")
+_REFUSAL_HINTS = {
+    "NOPERM": "give the URL's ACL user the keys <prefix>:* and the commands STRLEN GET SET DEL EVAL "
+              "PEXPIRE PING INFO; counted as a tier failure",
+    "NOAUTH": "the URL's password or ACL user is wrong or missing; counted as a tier failure",
+    "BUSY": "a long script blocks the server; counted as a tier failure",
+    "LOADING": "the server is loading its data set; counted as a tier failure",
+    "MASTERDOWN": "the replica has lost its primary; counted as a tier failure",
+    "READONLY": "the URL names a read-only replica: give the primary; counted as a tier failure",
+}  # fmt: skip
+
+
+def refused_by_server(reply: ErrorReply, writing: bool = False) -> bool:
+    """Whether ``reply`` says the server refuses this client (a tier failure), not one key (a
+    MISS or failed key only): everything but a redirect, WRONGTYPE and, for a write, OOM."""
+    code = reply.message.split(" ", 1)[0]
+    return code not in _KEY_ERRORS and not (writing and code == "OOM")
+
+
 def _is_refused(exc: BaseException) -> bool:
     seen: BaseException | None = exc
     for _ in range(5):
@@ -244,6 +267,7 @@ class RedisTier(ThreadedTier):
         self._usage = TierUsage(0, None)
         self._usage_at = float("-inf")
         self._need_refresh = False
+        self._refusals_logged: set[str] = set()  # error codes logged since the server last served
 
         # Scheduler-thread only.
         self._pending_checks: dict[BlockKey, None] = {}
@@ -489,9 +513,30 @@ class RedisTier(ThreadedTier):
                     conn.disconnect()
                 pool.release(conn)
 
-    def _note_reply_error(self, reply: ErrorReply) -> None:
+    def _note_reply_error(self, reply: ErrorReply, refusals: list[str], writing: bool = False) -> None:
+        """A redirect asks for a topology refresh; an error reply that is not about the one key
+        (see :func:`refused_by_server`) is added to ``refusals``."""
         if reply.is_redirect:
             self._need_refresh = True
+        if refused_by_server(reply, writing):
+            refusals.append(reply.message)
+
+    def _record_outcome(self, refusals: list[str], command: str) -> None:
+        """After a pipeline that did not raise: a breaker failure if the server refused a command
+        (logged once until the server serves again), else a success."""
+        if not refusals:
+            self._refusals_logged.clear()
+            self._breaker.record_success()
+            return
+        detail = f"{command} answered {refusals[0]!r}"
+        self._breaker.record_failure(detail)
+        code = refusals[0].split(" ", 1)[0]
+        if code not in self._refusals_logged:
+            self._refusals_logged.add(code)
+            hint = _REFUSAL_HINTS.get(code, "the server refuses this client; counted as a tier failure")
+            logger.warning("redis tier %s: %s (%s)", self.label, detail, hint)
+        if not self._breaker.serving:
+            logger.warning("redis tier %s out of service: %s", self.label, detail)
 
     def _do_exists(self, keys: list[BlockKey]) -> None:
         if not self._breaker.serving:
@@ -501,6 +546,8 @@ class RedisTier(ThreadedTier):
             return
         rkeys = [self.redis_key(k) for k in keys]
         answers: dict[int, bool] = {}
+        redirected: set[int] = set()
+        refusals: list[str] = []
 
         def send(out: list[Piece], i: int) -> None:
             pack_command(out, b"EXISTS", rkeys[i])
@@ -510,20 +557,26 @@ class RedisTier(ThreadedTier):
             if isinstance(reply, int):
                 answers[i] = reply > 0
             elif isinstance(reply, ErrorReply):
-                self._note_reply_error(reply)
+                # An error reply is a MISS: the lookup gets its answer the next step, not RETRY forever.
+                self._note_reply_error(reply, refusals)
+                answers[i] = False
+                if reply.is_redirect:
+                    redirected.add(i)
 
         try:
             self._pipeline(rkeys, send, receive)
         except Exception as exc:
             self._record_error(exc)
         else:
-            self._breaker.record_success()
+            self._record_outcome(refusals, "EXISTS")
         now = time.monotonic()
         with self._lock:
             for i, key in enumerate(keys):
                 self._checking.pop(key, None)
                 if i in answers:
-                    self._remember(key, answers[i], now, answer=True)
+                    # A redirected key is asked again after the topology refresh: its MISS is not cached.
+                    at = now - self._lookup_cache_seconds if i in redirected else now
+                    self._remember(key, answers[i], at, answer=True)
 
     def _do_store(self, job: TransferJob, keys: list[BlockKey]) -> None:
         if not self._breaker.serving:
@@ -550,17 +603,18 @@ class RedisTier(ThreadedTier):
             def receive(reader: RespReader, i: int) -> None:
                 reply = reader.read_reply()
                 if isinstance(reply, ErrorReply):
-                    self._note_reply_error(reply)
+                    self._note_reply_error(reply, refusals, writing=True)
                     errors.append(reply.message)
                 else:
                     ok[i] = True
 
+            refusals: list[str] = []
             try:
                 self._pipeline(rkeys, send, receive)
             except Exception as exc:
                 errors.append(self._record_error(exc))
             else:
-                self._breaker.record_success()
+                self._record_outcome(refusals, "SET")
                 stored.extend(k for k, good in zip(keys, ok, strict=True) if good)
         seconds = time.perf_counter() - started
         now = time.monotonic()
@@ -595,6 +649,7 @@ class RedisTier(ThreadedTier):
         corrupt: list[BlockKey] = []
         foreign: list[BlockKey] = []  # another release's values: not served, never deleted
         errors: list[str] = []
+        refusals: list[str] = []  # a chunk's error replies that count against the server
         header = bytearray(HEADER_SIZE)
         head_view = memoryview(header)
         asked = time.time()  # a key found missing was gone by then
@@ -616,7 +671,7 @@ class RedisTier(ThreadedTier):
                 if reply is None:
                     missing.append(key)
                 elif isinstance(reply, ErrorReply):
-                    self._note_reply_error(reply)
+                    self._note_reply_error(reply, refusals)
                     errors.append(reply.message)
                 elif reply != self._value_bytes:
                     version = foreign_format(head_view[: min(reply, PREFIX_SIZE)])
@@ -650,7 +705,8 @@ class RedisTier(ThreadedTier):
             except Exception as exc:
                 errors.append(self._record_error(exc))
                 break
-            self._breaker.record_success()
+            self._record_outcome(refusals, "GET")
+            refusals.clear()
         seconds = time.perf_counter() - started
         deleting = time.time()
         if corrupt:
