@@ -728,3 +728,32 @@ def test_a_busy_server_is_a_miss_and_opens_the_breaker(
 )
 def test_which_error_replies_count_against_the_server(message: str, writing: bool, refused: bool) -> None:
     assert refused_by_server(ErrorReply(message), writing) is refused
+
+
+@pytest.mark.parametrize("damage", ["flip_payload", "truncate"])
+def test_a_corrupt_value_rewritten_before_its_delete_is_kept(
+    redis_server: Any, make_tier: Callable[..., RedisTier], damage: str
+) -> None:
+    """Regression (review, 2026-12-03): a corrupt value was removed by a plain DEL after the GET, so a
+    valid value another engine wrote in between was deleted too. A flipped payload keeps the header,
+    so comparing the header alone would not do: the whole value is compared."""
+    tier, rows, keys, raw, name, value = _two_stored(redis_server.url, make_tier)
+    if damage == "flip_payload":
+        raw.setrange(name, HEADER_SIZE + 7, bytes([value[HEADER_SIZE + 7] ^ 0xFF]))
+    else:
+        raw.set(name, value[:-10])
+    other = make_tier(redis_server.url, rows, namespace(), lookup_cache_seconds=0.0)
+    delete = tier._delete
+
+    def another_engine_rewrites_first(*args: Any) -> Any:
+        assert store(other, keys[:1], [0]).success  # the valid value, acknowledged
+        return delete(*args)
+
+    tier._delete = another_engine_rewrites_first  # type: ignore[method-assign]
+    result = load(tier, keys, [4, 5])
+    assert result.successful_keys == frozenset([keys[1]])
+    assert result.error is not None and "1 rewritten since" in result.error
+    assert raw.get(name) == value, "the value another engine wrote after the read must stay"
+    assert tier.stats.corrupt_values == 1
+    assert not any(e.removed and keys[0] in e.keys for e in tier.take_events())
+    assert resolve(tier, keys[0]) is LookupResult.HIT

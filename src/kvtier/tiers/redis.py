@@ -25,6 +25,7 @@ dropped (``stats.stores_dropped``) and loads fail at once; after
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
@@ -201,6 +202,16 @@ _REFUSAL_HINTS = {
     "MASTERDOWN": "the replica has lost its primary; counted as a tier failure",
     "READONLY": "the URL names a read-only replica: give the primary; counted as a tier failure",
 }  # fmt: skip
+
+
+# Deletes KEYS[1] only if it still is the value judged corrupt: ARGV[1] its length and either
+# ARGV[2] the SHA-1 of the whole value or (ARGV[2] empty) ARGV[3] its first bytes. 1: deleted, 0: not.
+_DELETE_IF_UNCHANGED = b"""local n = redis.call('strlen', KEYS[1])
+if n ~= tonumber(ARGV[1]) then return 0 end
+if ARGV[2] ~= '' then
+  if redis.sha1hex(redis.call('get', KEYS[1])) ~= ARGV[2] then return 0 end
+elseif n > 0 and redis.call('getrange', KEYS[1], 0, #ARGV[3] - 1) ~= ARGV[3] then return 0 end
+return redis.call('del', KEYS[1])"""
 
 
 def refused_by_server(reply: ErrorReply, writing: bool = False) -> bool:
@@ -646,7 +657,7 @@ class RedisTier(ThreadedTier):
         slots = [int(s) for s in job.slots]
         loaded: list[BlockKey] = []
         missing: list[BlockKey] = []
-        corrupt: list[BlockKey] = []
+        corrupt: dict[BlockKey, tuple[int, bytes, bytes]] = {}  # what was read: see _delete
         foreign: list[BlockKey] = []  # another release's values: not served, never deleted
         errors: list[str] = []
         refusals: list[str] = []  # a chunk's error replies that count against the server
@@ -682,7 +693,7 @@ class RedisTier(ThreadedTier):
                     else:
                         logger.warning("redis tier %s: value of %s has %d bytes, expected %d; deleting it",
                                        self.label, key.hex(), reply, self._value_bytes)  # fmt: skip
-                        corrupt.append(key)
+                        corrupt[key] = (reply, b"", bytes(head_view[: min(reply, HEADER_SIZE)]))
                 else:
                     try:
                         parsed = decode_header(
@@ -696,7 +707,9 @@ class RedisTier(ThreadedTier):
                     except CorruptValueError as exc:
                         what = f"redis tier {self.label}: value of {key.hex()} is corrupt; deleting it"
                         log_failure(logger, logging.WARNING, what, exc)
-                        corrupt.append(key)
+                        digest = hashlib.sha1(head_view, usedforsecurity=False)
+                        digest.update(body)
+                        corrupt[key] = (reply, digest.hexdigest().encode(), b"")
                     else:
                         loaded.append(key)
 
@@ -709,22 +722,28 @@ class RedisTier(ThreadedTier):
             refusals.clear()
         seconds = time.perf_counter() - started
         deleting = time.time()
-        if corrupt:
-            self._delete(corrupt)
+        deleted, rewritten = self._delete(corrupt) if corrupt else ([], [])
+        kept = set(rewritten)
+        gone = [key for key in corrupt if key not in kept]  # deleted, or left but never servable
         now = time.monotonic()
         with self._lock:
             for key in loaded:
                 self._remember(key, True, now)
-            for key in missing + corrupt + foreign:
+            for key in missing + gone + foreign:
                 self._remember(key, False, now)
-            if corrupt:
-                self._events.append(BlockEvent(tuple(corrupt), self.label, self.medium, True, deleting))
+            for key in rewritten:  # another engine's value now: asked again
+                self._known.pop(key, None)
+            if gone:
+                self._events.append(BlockEvent(tuple(gone), self.label, self.medium, True, deleting))
             if missing:  # expired or evicted by Redis itself: nobody else can report it
                 self._events.append(BlockEvent(tuple(missing), self.label, self.medium, True, asked))
         if missing:
             errors.append(f"{len(missing)} key(s) missing (expired or evicted)")
-        if corrupt:
-            errors.append(f"{len(corrupt)} corrupt value(s) deleted")
+        if deleted:
+            errors.append(f"{len(deleted)} corrupt value(s) deleted")
+        if len(deleted) < len(corrupt):
+            left = len(corrupt) - len(deleted)
+            errors.append(f"{left} corrupt value(s) not deleted ({len(rewritten)} rewritten since)")
         if foreign:
             errors.append(f"{len(foreign)} value(s) in another release's format (kept)")
         with self._stats_lock:
@@ -736,8 +755,37 @@ class RedisTier(ThreadedTier):
             self.stats.loads_failed += len(keys) - len(loaded)
         self._finish(self._result(job, loaded, len(loaded) * self._value_bytes, seconds, errors))
 
-    def _delete(self, keys: list[BlockKey]) -> None:
-        self._best_effort(b"DEL", keys)
+    def _delete(self, corrupt: Mapping[BlockKey, tuple[int, bytes, bytes]]) -> tuple[list[BlockKey], list[BlockKey]]:
+        """Delete each corrupt value only if it is still the one read (:data:`_DELETE_IF_UNCHANGED`),
+        so a valid value another engine wrote since is never removed.
+
+        ``corrupt`` maps a key to ``(length, sha1 hex of the whole value, b"")`` when the value had
+        the expected length, else ``(length, b"", its first bytes)``: a valid value never has another
+        length. Returns ``(deleted, rewritten since)``; a key in neither is left by an error
+        (logged), e.g. an ACL without EVAL. Best effort: a failure is a breaker failure, not raised.
+        """
+        keys = list(corrupt)
+        rkeys = [self.redis_key(k) for k in keys]
+        replies: dict[int, object] = {}
+
+        def send(out: list[Piece], i: int) -> None:
+            length, digest, head = corrupt[keys[i]]
+            pack_command(out, b"EVAL", _DELETE_IF_UNCHANGED, b"1", rkeys[i], b"%d" % length, digest, head)
+
+        def receive(reader: RespReader, i: int) -> None:
+            replies[i] = reader.read_reply()
+
+        try:
+            self._pipeline(rkeys, send, receive)
+        except Exception as exc:
+            self._record_error(exc)
+        deleted = [k for i, k in enumerate(keys) if replies.get(i) == 1]
+        rewritten = [k for i, k in enumerate(keys) if replies.get(i) == 0]
+        refused = [r for r in replies.values() if isinstance(r, ErrorReply)]
+        if refused:
+            logger.warning("redis tier %s: %d corrupt value(s) left in place: the server answered %r to EVAL",
+                           self.label, len(refused), refused[0].message)  # fmt: skip
+        return deleted, rewritten
 
     def _do_touch(self, keys: list[BlockKey]) -> None:
         if self._px is not None and self._breaker.serving:
