@@ -757,3 +757,24 @@ def test_a_corrupt_value_rewritten_before_its_delete_is_kept(
     assert tier.stats.corrupt_values == 1
     assert not any(e.removed and keys[0] in e.keys for e in tier.take_events())
     assert resolve(tier, keys[0]) is LookupResult.HIT
+
+
+def test_a_key_of_another_type_or_length_is_a_miss_and_left_alone(
+    redis_server: Any, make_tier: Callable[..., RedisTier]
+) -> None:
+    """Regression (review, 2026-12-03): EXISTS answered HIT for a list, hash, stream or set under a
+    block's key (and for a value of any length), so promotions kept failing with WRONGTYPE."""
+    ns = namespace()
+    tier = make_tier(redis_server.url, random_rows(2), ns)
+    raw = redis.Redis.from_url(redis_server.url)
+    keys = keys_for(ns, 6)
+    names = [tier.redis_key(k) for k in keys]
+    raw.rpush(names[0], b"x")
+    raw.hset(names[1], b"f", b"v")
+    raw.xadd(names[2], {b"f": b"v"})
+    raw.sadd(names[3], b"m")
+    raw.set(names[4], b"short")
+    raw.set(names[5], b"x" * (HEADER_SIZE + BLOCK + 1))
+    assert [resolve(tier, k) for k in keys] == [LookupResult.MISS] * 6
+    assert all(raw.exists(n) for n in names), "values of others are never deleted by a lookup"
+    assert tier.health().state is HealthState.CLOSED and tier.health().consecutive_failures == 0

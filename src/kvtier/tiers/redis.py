@@ -194,8 +194,8 @@ class RedisTierOptions(TierOptions):
 # of another type. OOM is one too for a write (the server is full, it still serves reads).
 _KEY_ERRORS = ("MOVED", "ASK", "WRONGTYPE")
 _REFUSAL_HINTS = {
-    "NOPERM": "give the URL's ACL user the keys <prefix>:* and the commands STRLEN GET SET DEL EVAL "
-              "PEXPIRE PING INFO; counted as a tier failure",
+    "NOPERM": "give the URL's ACL user the keys <prefix>:* and the commands STRLEN GET SET EVAL GETRANGE "
+              "DEL PEXPIRE PING INFO (docs/tiers.md); counted as a tier failure",
     "NOAUTH": "the URL's password or ACL user is wrong or missing; counted as a tier failure",
     "BUSY": "a long script blocks the server; counted as a tier failure",
     "LOADING": "the server is loading its data set; counted as a tier failure",
@@ -304,7 +304,7 @@ class RedisTier(ThreadedTier):
 
     def _unverify_locked(self, keys: Iterable[BlockKey]) -> None:
         # A GET that failed (timeout, dropped connection) says nothing about the value: its
-        # cached HIT is dropped, so the next lookup checks it again with EXISTS. A missing or
+        # cached HIT is dropped, so the next lookup checks it again (STRLEN). A missing or
         # corrupt value stays remembered as absent.
         known = self._known
         for key in keys:
@@ -324,7 +324,7 @@ class RedisTier(ThreadedTier):
     # --- scheduler-thread calls ----------------------------------------------------
 
     def _lookup(self, key: BlockKey, request: RequestContext | None) -> LookupResult:
-        """HIT/MISS from the answer cache, else RETRY while a batched EXISTS is under way.
+        """HIT/MISS from the answer cache, else RETRY while a batched STRLEN check is under way.
 
         Unknown keys are collected and sent to an I/O thread at :meth:`on_schedule_end`.
         """
@@ -344,7 +344,7 @@ class RedisTier(ThreadedTier):
         return LookupResult.RETRY
 
     def on_schedule_end(self) -> None:
-        """Hand this step's unknown keys to the I/O threads as batched EXISTS checks, and its
+        """Hand this step's unknown keys to the I/O threads as batched STRLEN checks, and its
         touched keys as one batch of TTL refreshes."""
         if self._touched:
             self._send_touches()
@@ -561,12 +561,14 @@ class RedisTier(ThreadedTier):
         refusals: list[str] = []
 
         def send(out: list[Piece], i: int) -> None:
-            pack_command(out, b"EXISTS", rkeys[i])
+            pack_command(out, b"STRLEN", rkeys[i])
 
         def receive(reader: RespReader, i: int) -> None:
             reply = reader.read_reply()
             if isinstance(reply, int):
-                answers[i] = reply > 0
+                # 0 for a missing key: only a string of a value's exact length is promised (HIT);
+                # another type is a WRONGTYPE error reply (a MISS below), never deleted.
+                answers[i] = reply == self._value_bytes
             elif isinstance(reply, ErrorReply):
                 # An error reply is a MISS: the lookup gets its answer the next step, not RETRY forever.
                 self._note_reply_error(reply, refusals)
@@ -579,7 +581,7 @@ class RedisTier(ThreadedTier):
         except Exception as exc:
             self._record_error(exc)
         else:
-            self._record_outcome(refusals, "EXISTS")
+            self._record_outcome(refusals, "STRLEN")
         now = time.monotonic()
         with self._lock:
             for i, key in enumerate(keys):
