@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
+from redis_servers import SlowLink
 
 from kvtier.errors import ConfigError, TierError
 from kvtier.keys import BlockKey, KVGeometry, Namespace, chain_ids
@@ -778,3 +779,34 @@ def test_a_key_of_another_type_or_length_is_a_miss_and_left_alone(
     assert [resolve(tier, k) for k in keys] == [LookupResult.MISS] * 6
     assert all(raw.exists(n) for n in names), "values of others are never deleted by a lookup"
     assert tier.health().state is HealthState.CLOSED and tier.health().consecutive_failures == 0
+
+
+def test_a_slow_link_times_a_load_out_and_takes_the_tier_out_of_service(
+    redis_server: Any, make_tier: Callable[..., RedisTier]
+) -> None:
+    """Regression (review, 2026-12-03): socket_timeout bounded each receive, not the replies, so a
+    link that delivered a little within every timeout kept a load running without end, the breaker
+    never opened and shutdown() failed to join the I/O thread."""
+    rows = random_rows(32)
+    ns = namespace()
+    keys = keys_for(ns, 16)
+    assert store(make_tier(redis_server.url, rows, ns), keys, list(range(16))).success
+    link = SlowLink(redis_server.port, 64 * 1024)  # 1 MiB of replies would take 16 s
+    try:
+        tier = RedisTier(
+            TierContext(rows, BLOCK, ns), url=f"redis://127.0.0.1:{link.port}/0", io_threads=1,
+            socket_timeout=0.5, failure_threshold=1, open_seconds=30.0,
+        )  # fmt: skip
+        try:
+            started = time.monotonic()
+            tier.submit_load(job(keys, list(range(16, 32)), True))
+            (result,) = wait_results(tier, 1, timeout=5.0)
+            assert time.monotonic() - started < 2.5
+            assert not result.success and result.error is not None and "min_read_mib_per_second" in result.error
+            assert tier.health().state is HealthState.OPEN
+        finally:
+            started = time.monotonic()
+            tier.shutdown()
+            assert time.monotonic() - started < 2.0
+    finally:
+        link.close()

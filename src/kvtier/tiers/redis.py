@@ -170,6 +170,11 @@ class RedisTierOptions(TierOptions):
     usage_refresh_seconds: Seconds = Field(
         default=5.0, gt=0, description="How often INFO memory is read for usage()."
     )
+    min_read_mib_per_second: float = Field(
+        default=8.0, gt=0, le=1_000_000, allow_inf_nan=False,
+        description="Slowest read accepted: a batch of replies may take socket_timeout plus its MiB divided by "
+        "this, else it times out (a breaker failure), so a slow link takes the tier out of service.",
+    )
 
     @field_validator("url")
     @classmethod
@@ -251,12 +256,14 @@ class RedisTier(ThreadedTier):
     def __init__(self, context: TierContext, options: RedisTierOptions | None = None, /, **fields: Any) -> None:
         """Check the options (:class:`RedisTierOptions`), build the backend, start the I/O threads."""
         self.options = opts = tier_options(RedisTierOptions, self.tier_type, options, fields)
-        # A running batch is bounded by a connect plus a few socket timeouts.
+        self._read_rate = opts.min_read_mib_per_second * 2**20
+        # A running batch is bounded by a connect, a few socket timeouts and one batch of replies
+        # at the slowest read rate accepted (a load checks for shutdown between batches).
         super().__init__(
             context,
             breaker=CircuitBreaker(failure_threshold=opts.failure_threshold, open_seconds=opts.open_seconds),
             max_queued_stores=opts.max_queued_stores,
-            shutdown_timeout=opts.connect_timeout + 4 * opts.socket_timeout + 2.0,
+            shutdown_timeout=opts.connect_timeout + 4 * opts.socket_timeout + 2.0 + _BATCH_BYTES / self._read_rate,
         )
         self._value_bytes = HEADER_SIZE + context.block_bytes
         self._ns_digest = context.namespace.digest
@@ -515,7 +522,7 @@ class RedisTier(ThreadedTier):
                             send_pieces(sock, pieces)
                             pieces.clear()
                 send_pieces(sock, pieces)
-                reader = RespReader(sock)
+                reader = RespReader(sock, timeout=self.options.socket_timeout, bytes_per_second=self._read_rate)
                 for i in indexes:
                     receive(reader, i)
                 clean = True
@@ -668,6 +675,9 @@ class RedisTier(ThreadedTier):
         asked = time.time()  # a key found missing was gone by then
         started = time.perf_counter()
         for base in range(0, len(keys), self._chunk):
+            if self._stopping.is_set():
+                errors.append("redis tier is shutting down")
+                break
             chunk = keys[base : base + self._chunk]
             chunk_slots = slots[base : base + self._chunk]
             rkeys = [self.redis_key(k) for k in chunk]
