@@ -810,3 +810,24 @@ def test_a_slow_link_times_a_load_out_and_takes_the_tier_out_of_service(
             assert time.monotonic() - started < 2.0
     finally:
         link.close()
+
+
+def test_an_acl_user_without_info_leaves_usage_unknown_and_the_tier_serving(
+    redis_server: Any, make_tier: Callable[..., RedisTier], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression (review, 2026-12-03): a least-privilege user without INFO took an idle tier out
+    of service every few usage refreshes (each refused INFO counted as a failure)."""
+    url = _acl_url(redis_server, "kv", "~kvtier:*", "+@read", "+@write", "+@connection", "+@scripting",
+                   "-@dangerous")  # fmt: skip
+    rows = random_rows(4)
+    ns = namespace()
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.redis"):
+        tier = make_tier(url, rows, ns, usage_refresh_seconds=0.02, failure_threshold=2)
+        time.sleep(0.5)  # many refused INFOs (housekeeping runs about every 0.1 s)
+        assert tier.health().state is HealthState.CLOSED and tier.health().consecutive_failures == 0
+        assert tier.usage().capacity_bytes is None
+        keys = keys_for(ns, 2)
+        assert store(tier, keys, [0, 1]).success
+        assert load(tier, keys, [2, 3]).success
+    refused = [r for r in caplog.records if "INFO memory" in r.getMessage()]
+    assert len(refused) == 1 and "+info" in refused[0].getMessage()

@@ -37,7 +37,7 @@ from urllib.parse import parse_qsl
 
 from pydantic import Field, ValidationInfo, field_serializer, field_validator
 from redis.connection import parse_url
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvtier.errors import ConfigError, CorruptValueError, ForeignFormatError
@@ -286,6 +286,7 @@ class RedisTier(ThreadedTier):
         self._usage_at = float("-inf")
         self._need_refresh = False
         self._refusals_logged: set[str] = set()  # error codes logged since the server last served
+        self._usage_refused = False  # INFO refused (logged once)
 
         # Scheduler-thread only.
         self._pending_checks: dict[BlockKey, None] = {}
@@ -409,7 +410,8 @@ class RedisTier(ThreadedTier):
         """Server memory from ``INFO memory`` (summed over cluster primaries), read by an I/O thread.
 
         ``used_bytes`` is the server's whole ``used_memory``; ``capacity_bytes``
-        is ``maxmemory``, or None when the server has no limit.
+        is ``maxmemory``, or None when the server has no limit. ``TierUsage(0, None)`` (unknown)
+        when the server refuses ``INFO`` (an ACL user without it): not a tier failure.
         """
         return self._usage
 
@@ -461,11 +463,28 @@ class RedisTier(ThreadedTier):
         now = time.monotonic()
         if now - self._usage_at >= self.options.usage_refresh_seconds:
             self._usage_at = now
-            memory = self._guarded(self._backend.info_memory)
+            memory = self._guarded(self._read_usage)
             if memory is not None:
                 self._usage = TierUsage(memory[0], memory[1])
         with self._lock:
             self._prune_known(now)
+
+    def _read_usage(self) -> tuple[int, int | None] | None:
+        """``INFO memory``, or None when the server refuses it (an ACL user without ``INFO``): usage is
+        optional, so a refusal is logged once and leaves the capacity unknown, never a tier failure."""
+        try:
+            memory = self._backend.info_memory()
+        except ResponseError as exc:
+            self._usage = TierUsage(0, None)
+            if self._usage_refused:
+                forget_frames(exc)
+            else:
+                self._usage_refused = True
+                log_failure(logger, logging.WARNING, f"redis tier {self.label}: usage() is unknown: INFO memory "
+                            "is refused (give the URL's ACL user +info)", exc)  # fmt: skip
+            return None
+        self._usage_refused = False
+        return memory
 
     def _guarded(self, call: Callable[[], Any]) -> Any:
         try:
