@@ -831,3 +831,20 @@ def test_an_acl_user_without_info_leaves_usage_unknown_and_the_tier_serving(
         assert load(tier, keys, [2, 3]).success
     refused = [r for r in caplog.records if "INFO memory" in r.getMessage()]
     assert len(refused) == 1 and "+info" in refused[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    ("query", "named"),
+    [("socket_read_size=0", "socket_read_size"), ("socket_read_size=-5", "socket_read_size"),
+     ("socket_read_size=1e3", "socket_read_size"), ("socket_keepalive=maybe", "socket_keepalive"),
+     ("socket_keepalive=", "socket_keepalive")],
+)  # fmt: skip
+def test_url_options_that_would_break_every_connection_are_refused(query: str, named: str) -> None:
+    """Regression (review, 2026-12-03): ?socket_read_size=0 passed validation and made the tier
+    permanently out of service ("Connection closed by server"); ?socket_keepalive=maybe was taken."""
+    rows = random_rows(1)
+    ctx = TierContext(rows, BLOCK, namespace())
+    with pytest.raises(ConfigError, match=f"{named} must be"):
+        RedisTier(ctx, url=f"redis://127.0.0.1:1/0?{query}")
+    for good in ("socket_read_size=65536", "socket_keepalive=true", "socket_keepalive=0"):
+        RedisTier(ctx, url=f"redis://127.0.0.1:1/0?{good}", io_threads=1).shutdown()

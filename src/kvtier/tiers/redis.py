@@ -86,6 +86,10 @@ _URL_TLS_QUERY = frozenset(
 )  # fmt: skip
 _URL_FILES = {"ssl_ca_certs": os.path.isfile, "ssl_certfile": os.path.isfile, "ssl_keyfile": os.path.isfile,
               "ssl_ca_path": os.path.isdir}  # fmt: skip
+# Query options redis-py reads as a bool (anything but its false words is true), and the words taken.
+_BOOL_WORDS = frozenset({"1", "T", "TRUE", "Y", "YES", "0", "F", "FALSE", "N", "NO"})
+_URL_BOOLS = {"socket_keepalive": _BOOL_WORDS, "ssl_check_hostname": _BOOL_WORDS}
+_MAX_READ_SIZE = 64 * 1024 * 1024
 # Query options that would silently override what the tier's own options set.
 _URL_OWNED = {
     "socket_timeout": "socket_timeout",
@@ -131,6 +135,11 @@ def check_redis_url(url: str) -> str:
             raise ValueError(f"{where}: {name} {value!r} does not exist")
         if name == "ssl_cert_reqs" and value.lower() not in ("none", "optional", "required"):
             raise ValueError(f"{where}: ssl_cert_reqs must be none, optional or required, got {value!r}")
+        if name in _URL_BOOLS and value.upper() not in _URL_BOOLS[name]:
+            raise ValueError(f"{where}: {name} must be true or false (or 1/0, yes/no), got {value!r:.40}")
+        if name == "socket_read_size" and not (value.isdigit() and 1 <= int(value) <= _MAX_READ_SIZE):
+            raise ValueError(f"{where}: socket_read_size must be a number of bytes from 1 to {_MAX_READ_SIZE}, "
+                             f"got {value!r:.40}")  # fmt: skip
     try:
         parse_url(url)  # type: ignore[no-untyped-call]
     except ValueError as exc:  # what redis-py itself refuses (a bad number in the query...)
