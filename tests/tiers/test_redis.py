@@ -7,6 +7,7 @@ import itertools
 import logging
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,7 +20,7 @@ from kvtier.errors import ConfigError, TierError
 from kvtier.keys import BlockKey, KVGeometry, Namespace, chain_ids
 from kvtier.tiers.base import HealthState, JobResult, TierContext, TransferJob
 from kvtier.tiers.format import HEADER_SIZE
-from kvtier.tiers.redis import RedisTier, refused_by_server
+from kvtier.tiers.redis import RedisTier, RedisTierOptions, refused_by_server
 from kvtier.tiers.redis_protocol import ErrorReply
 from kvtier.tiers.registry import create_tier
 from kvtier.types import LookupResult
@@ -750,7 +751,7 @@ def test_a_corrupt_value_rewritten_before_its_delete_is_kept(
         assert store(other, keys[:1], [0]).success  # the valid value, acknowledged
         return delete(*args)
 
-    tier._delete = another_engine_rewrites_first  # type: ignore[method-assign]
+    tier._delete = another_engine_rewrites_first  # type: ignore[method-assign,assignment]
     result = load(tier, keys, [4, 5])
     assert result.successful_keys == frozenset([keys[1]])
     assert result.error is not None and "1 rewritten since" in result.error
@@ -848,3 +849,30 @@ def test_url_options_that_would_break_every_connection_are_refused(query: str, n
         RedisTier(ctx, url=f"redis://127.0.0.1:1/0?{query}")
     for good in ("socket_read_size=65536", "socket_keepalive=true", "socket_keepalive=0"):
         RedisTier(ctx, url=f"redis://127.0.0.1:1/0?{good}", io_threads=1).shutdown()
+
+
+def test_store_location_names_the_database_really_used_once_per_database(redis_server: Any) -> None:
+    """Regression (review, 2026-12-03): store_location() ignored ?db= (db 0 and db 3 announced one
+    store) and kept the path as written (three spellings of db 0, three stores)."""
+    rows = random_rows(1)
+    ctx = TierContext(rows, BLOCK, namespace())
+    base = f"redis://127.0.0.1:{redis_server.port}"
+
+    def location(url: str) -> str:
+        tier = RedisTier(ctx, url=url, io_threads=1)
+        try:
+            return tier.store_location()
+        finally:
+            tier.shutdown()
+
+    db0 = {location(base + suffix) for suffix in ("/0", "", "/", "?db=0", "/0?db=0")}
+    db3 = {location(base + suffix) for suffix in ("/3", "?db=3", "/3?db=3")}
+    assert db0 == {f"redis:redis://127.0.0.1:{redis_server.port}/0/kvtier"}
+    assert db3 == {f"redis:redis://127.0.0.1:{redis_server.port}/3/kvtier"}
+    # The default port, spelled out (no tier built: nothing may connect to a real port 6379 here).
+    unbuilt = types.SimpleNamespace(options=RedisTierOptions(url="redis://[::1]/0", prefix="p"))
+    assert RedisTier.store_location(unbuilt) == "redis:redis://[::1]:6379/0/p"  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="the path says database 0 and"):
+        RedisTier(ctx, url=base + "/0?db=3")
+    with pytest.raises(ConfigError, match="db must be a database number"):
+        RedisTier(ctx, url=base + "?db=x")

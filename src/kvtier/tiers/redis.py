@@ -115,6 +115,7 @@ def check_redis_url(url: str) -> str:
         db = ep.path[1:]
         if not db.isdigit() or int(db) > _MAX_DB:
             raise ValueError(f"{where}: the path is the database number, got {db!r}: use e.g. /0")
+    path_db = None if ep.scheme == "unix" or ep.path in ("", "/") else int(ep.path[1:])
     keys: set[str] = set()
     try:
         pairs = parse_qsl(ep.query, keep_blank_values=True, strict_parsing=bool(ep.query))
@@ -131,6 +132,11 @@ def check_redis_url(url: str) -> str:
         if name not in _URL_QUERY | _URL_TLS_QUERY:
             known = sorted(_URL_QUERY | (_URL_TLS_QUERY if ep.scheme == "rediss" else frozenset()))
             raise ValueError(f"{where} has query option {name!r}, which the tier does not take: known are {known}")
+        if name == "db":
+            if not value.isdigit() or int(value) > _MAX_DB:
+                raise ValueError(f"{where}: db must be a database number from 0 to {_MAX_DB}, got {value!r:.40}")
+            if path_db is not None and int(value) != path_db:
+                raise ValueError(f"{where}: the path says database {path_db} and ?db= says {value}: give it once")
         if name in _URL_FILES and not _URL_FILES[name](value):
             raise ValueError(f"{where}: {name} {value!r} does not exist")
         if name == "ssl_cert_reqs" and value.lower() not in ("none", "optional", "required"):
@@ -425,11 +431,24 @@ class RedisTier(ThreadedTier):
         return self._usage
 
     def store_location(self) -> str:
-        """``redis:<host:port/db, no credentials or options>/<prefix>`` (give every engine the same
-        URL; in cluster mode the same node)."""
+        """``redis:<scheme>://<host>:<port>/<db>/<prefix>`` (``redis:unix://<socket>/<db>/<prefix>``):
+        no credentials or options; the database actually used (the path's or ``?db=``'s, 0 by
+        default) and the port (6379 by default) always spelled out, so every spelling of one
+        database gives one location. Give every engine the same host (in cluster mode the same node)."""
         ep = parse_endpoint(self.options.url, "redis url", _SCHEMES, needs_host=False)
-        port = "" if ep.port is None else f":{ep.port}"
-        return f"redis:{ep.scheme}://{ep.host}{port}{ep.path}/{self.options.prefix}"
+        query_db = dict(parse_qsl(ep.query)).get("db")
+        if query_db is not None:
+            db = int(query_db)
+        elif ep.scheme != "unix" and ep.path not in ("", "/"):
+            db = int(ep.path[1:])
+        else:
+            db = 0
+        if ep.scheme == "unix":
+            server = f"unix://{ep.path}"
+        else:
+            host = f"[{ep.host}]" if ":" in ep.host else ep.host
+            server = f"{ep.scheme}://{host}:{ep.port or 6379}"
+        return f"redis:{server}/{db}/{self.options.prefix}"
 
     def describe(self) -> dict[str, Any]:
         return {
