@@ -876,3 +876,25 @@ def test_store_location_names_the_database_really_used_once_per_database(redis_s
         RedisTier(ctx, url=base + "/0?db=3")
     with pytest.raises(ConfigError, match="db must be a database number"):
         RedisTier(ctx, url=base + "?db=x")
+
+
+def test_loads_fit_a_client_output_buffer_limit_with_load_batch_mib(
+    redis_server_factory: Callable[..., Any], make_tier: Callable[..., RedisTier]
+) -> None:
+    """Regression (review, 2026-12-03): a load pipelined 32 MiB of GETs; a server with a
+    client-output-buffer-limit for normal clients below that closed the connection on every
+    multi-block load ("Redis closed the connection", no hint) and the tier flapped."""
+    server = redis_server_factory("--client-output-buffer-limit", "normal 4mb 2mb 10")
+    block = 1024 * 1024
+    rows = random_rows(32, block_bytes=block)
+    ns = namespace(block_bytes=block)
+    keys = keys_for(ns, 16)
+    tier = make_tier(server.url, rows, ns, failure_threshold=100)
+    assert store(tier, keys, list(range(16))).success
+    result = load(tier, keys, list(range(16, 32)))
+    assert not result.success and result.error is not None
+    assert "client-output-buffer-limit" in result.error and "load_batch_mib (32 MiB)" in result.error
+    batched = make_tier(server.url, rows, ns, load_batch_mib=2)
+    result = load(batched, keys, list(range(16, 32)))
+    assert result.success, result.error
+    assert np.array_equal(rows[16:], rows[:16])

@@ -63,10 +63,11 @@ from kvtier.types import BlockEvent, LookupResult, RequestContext
 logger = logging.getLogger(__name__)
 
 _SCHEMES = ("redis", "rediss", "unix")
-# Payload bytes of GET replies per pipelined round trip: bounds what the server buffers for
-# this client while the replies are read (16 blocks of 2 MiB). Stores need no bound: each SET
-# is applied as it arrives and its reply is 5 bytes, so a store job is one pipeline.
-_BATCH_BYTES = 32 * 1024 * 1024
+# Payload bytes of GET replies per pipelined round trip are bounded by the option load_batch_mib:
+# the server buffers them all for this client at once (its client-output-buffer-limit for normal
+# clients must allow that). Stores need no bound: each SET is applied as it arrives and its reply
+# is 5 bytes, so a store job is one pipeline.
+_MIB = 1024 * 1024
 _EXISTS_BATCH = 512
 _CACHE_MAX_ENTRIES = 1 << 20
 _MAX_DB = 2**31 - 1
@@ -185,6 +186,11 @@ class RedisTierOptions(TierOptions):
     usage_refresh_seconds: Seconds = Field(
         default=5.0, gt=0, description="How often INFO memory is read for usage()."
     )
+    load_batch_mib: int = Field(
+        default=32, ge=1, le=4096,
+        description="MiB of values a load asks for per round trip (at least one value): the server buffers "
+        "their replies at once, so keep it under its client-output-buffer-limit for normal clients.",
+    )
     min_read_mib_per_second: float = Field(
         default=8.0, gt=0, le=1_000_000, allow_inf_nan=False,
         description="Slowest read accepted: a batch of replies may take socket_timeout plus its MiB divided by "
@@ -271,21 +277,22 @@ class RedisTier(ThreadedTier):
     def __init__(self, context: TierContext, options: RedisTierOptions | None = None, /, **fields: Any) -> None:
         """Check the options (:class:`RedisTierOptions`), build the backend, start the I/O threads."""
         self.options = opts = tier_options(RedisTierOptions, self.tier_type, options, fields)
-        self._read_rate = opts.min_read_mib_per_second * 2**20
+        self._read_rate = opts.min_read_mib_per_second * _MIB
         # A running batch is bounded by a connect, a few socket timeouts and one batch of replies
         # at the slowest read rate accepted (a load checks for shutdown between batches).
         super().__init__(
             context,
             breaker=CircuitBreaker(failure_threshold=opts.failure_threshold, open_seconds=opts.open_seconds),
             max_queued_stores=opts.max_queued_stores,
-            shutdown_timeout=opts.connect_timeout + 4 * opts.socket_timeout + 2.0 + _BATCH_BYTES / self._read_rate,
+            shutdown_timeout=opts.connect_timeout + 4 * opts.socket_timeout + 2.0
+            + opts.load_batch_mib * _MIB / self._read_rate,
         )
         self._value_bytes = HEADER_SIZE + context.block_bytes
         self._ns_digest = context.namespace.digest
         self._key_prefix = f"{opts.prefix}:{context.namespace.hexdigest}:".encode()
         self._px = b"%d" % max(1, round(opts.ttl_seconds * 1000)) if opts.ttl_seconds is not None else None
         self._set_encoder = SetEncoder(self._value_bytes, self._px)
-        self._chunk = max(1, _BATCH_BYTES // self._block_bytes)
+        self._chunk = max(1, opts.load_batch_mib * _MIB // self._block_bytes)
         self._lookup_cache_seconds = opts.lookup_cache_seconds
         # A check that has not answered in this long is treated as a MISS.
         self._check_deadline = opts.socket_timeout + opts.connect_timeout + 0.5
@@ -775,7 +782,12 @@ class RedisTier(ThreadedTier):
             try:
                 self._pipeline(rkeys, send, receive)
             except Exception as exc:
+                closed = isinstance(exc, ConnectionResetError) and len(chunk) > 1
                 errors.append(self._record_error(exc))
+                if closed:  # the usual cause when it happens on every multi-value load
+                    limit = self.options.load_batch_mib
+                    errors.append(f"if the server sets a client-output-buffer-limit for normal clients, "
+                                  f"it must exceed load_batch_mib ({limit} MiB), or lower that")  # fmt: skip
                 break
             self._record_outcome(refusals, "GET")
             refusals.clear()
