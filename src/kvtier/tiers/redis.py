@@ -12,13 +12,15 @@ Values are ``header + payload`` (:mod:`kvtier.tiers.format`). A load reads the
 header into a small buffer and the payload straight into the reserved CPU row,
 then verifies header and checksum; a missing key (expired, or evicted by Redis
 ``maxmemory``) is a MISS for that key and is reported removed in the tier's events
-(nobody else can report it), a malformed value is a MISS too, is deleted, and is
-counted in ``stats.corrupt_values``; a value in another release's format version is a
-MISS, counted in ``foreign_format`` and kept.
+(nobody else can report it), a malformed value is a MISS too, is counted in
+``stats.corrupt_values`` and is deleted only if it is still the value read (one Lua
+script compares and deletes, so another engine's rewrite since is kept); a value in
+another release's format version is a MISS, counted in ``foreign_format`` and kept.
 
 Health: a :class:`~kvtier.tiers.health.CircuitBreaker`. A refused connection
-opens it at once; other failures (timeouts, resets) open it after
-``failure_threshold`` in a row. While open, lookups answer MISS, stores are
+opens it at once; other failures (timeouts, resets, a batch of replies slower than
+``min_read_mib_per_second``, error replies by which the server refuses this client:
+:func:`refused_by_server`) open it after ``failure_threshold`` in a row. While open, lookups answer MISS, stores are
 dropped (``stats.stores_dropped``) and loads fail at once; after
 ``open_seconds`` an I/O thread sends PING and a success brings the tier back.
 """
@@ -219,6 +221,7 @@ class RedisTierOptions(TierOptions):
 # tier failures; only these few are about the one key: a redirect (the topology moved) and a value
 # of another type. OOM is one too for a write (the server is full, it still serves reads).
 _KEY_ERRORS = ("MOVED", "ASK", "WRONGTYPE")
+_REFUSAL_LOG_SECONDS = 60.0
 _REFUSAL_HINTS = {
     "NOPERM": "give the URL's ACL user the keys <prefix>:* and the commands STRLEN GET SET EVAL GETRANGE "
               "DEL PEXPIRE PING INFO (docs/tiers.md); counted as a tier failure",
@@ -307,7 +310,7 @@ class RedisTier(ThreadedTier):
         self._usage = TierUsage(0, None)
         self._usage_at = float("-inf")
         self._need_refresh = False
-        self._refusals_logged: set[str] = set()  # error codes logged since the server last served
+        self._refusals_logged: dict[str, float] = {}  # error code -> when it was last logged
         self._usage_refused = False  # INFO refused (logged once)
 
         # Scheduler-thread only.
@@ -595,16 +598,15 @@ class RedisTier(ThreadedTier):
 
     def _record_outcome(self, refusals: list[str], command: str) -> None:
         """After a pipeline that did not raise: a breaker failure if the server refused a command
-        (logged once until the server serves again), else a success."""
+        (each error code logged at most once a minute), else a success."""
         if not refusals:
-            self._refusals_logged.clear()
             self._breaker.record_success()
             return
         detail = f"{command} answered {refusals[0]!r}"
         self._breaker.record_failure(detail)
-        code = refusals[0].split(" ", 1)[0]
-        if code not in self._refusals_logged:
-            self._refusals_logged.add(code)
+        code, now = refusals[0].split(" ", 1)[0], time.monotonic()
+        if now - self._refusals_logged.get(code, -_REFUSAL_LOG_SECONDS) >= _REFUSAL_LOG_SECONDS:
+            self._refusals_logged[code] = now
             hint = _REFUSAL_HINTS.get(code, "the server refuses this client; counted as a tier failure")
             logger.warning("redis tier %s: %s (%s)", self.label, detail, hint)
         if not self._breaker.serving:
