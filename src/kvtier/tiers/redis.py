@@ -20,9 +20,9 @@ another release's format version is a MISS, counted in ``foreign_format`` and ke
 Health: a :class:`~kvtier.tiers.health.CircuitBreaker`. A refused connection
 opens it at once; other failures (timeouts, resets, a batch of replies slower than
 ``min_read_mib_per_second``, error replies by which the server refuses this client:
-:func:`refused_by_server`) open it after ``failure_threshold`` in a row. While open, lookups answer MISS, stores are
-dropped (``stats.stores_dropped``) and loads fail at once; after
-``open_seconds`` an I/O thread sends PING and a success brings the tier back.
+:func:`refused_by_server`) open it after ``failure_threshold`` in a row. While open,
+lookups answer MISS, stores are dropped (``stats.stores_dropped``) and loads fail at
+once; after ``open_seconds`` an I/O thread sends PING and a success brings the tier back.
 """
 
 from __future__ import annotations
