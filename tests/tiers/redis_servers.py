@@ -7,9 +7,11 @@ the fixtures of ``tests/tiers/conftest.py`` and by other test folders that need 
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -90,3 +92,45 @@ def _start_server(workdir: Path, extra_args: tuple[str, ...] = ()) -> RedisServe
 def start_redis(workdir: Path, extra_args: tuple[str, ...] = ()) -> RedisServer:
     """A redis-server on a fresh free port (RuntimeError if none starts)."""
     return _start_server(workdir, extra_args)
+
+
+class SlowLink:
+    """A TCP proxy to a local port that passes server-to-client bytes at ``bytes_per_second``
+    (a congested link); client-to-server bytes pass as they come. ``close()`` stops it."""
+
+    def __init__(self, upstream_port: int, bytes_per_second: int) -> None:
+        self._upstream = upstream_port
+        self._rate = bytes_per_second
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._sockets: list[socket.socket] = [self._listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self._upstream))
+            self._sockets += [client, server]
+            threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, slow: bool) -> None:
+        try:
+            while data := src.recv(1024 if slow else 65536):
+                if slow:
+                    time.sleep(len(data) / self._rate)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        for s in self._sockets:
+            with contextlib.suppress(OSError):
+                s.close()

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import redis
+from redis_servers import SlowLink
 
 from kvtier.errors import ConfigError, TierError
 from kvtier.keys import BlockKey, KVGeometry, Namespace, chain_ids
 from kvtier.tiers.base import HealthState, JobResult, TierContext, TransferJob
 from kvtier.tiers.format import HEADER_SIZE
-from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.redis import RedisTier, RedisTierOptions, refused_by_server
+from kvtier.tiers.redis_protocol import ErrorReply
 from kvtier.tiers.registry import create_tier
 from kvtier.types import LookupResult
 
@@ -640,3 +645,256 @@ def test_acl_user_in_url(redis_server: Any, make_tier: Callable[..., RedisTier])
     result = store(other, keys, [0, 1])
     assert not result.success and result.error is not None and "NOPERM" in result.error
     assert other.health().state is HealthState.CLOSED
+
+
+def _acl_url(redis_server: Any, user: str, *rules: str) -> str:
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.execute_command("ACL", "SETUSER", user, "on", ">pw", *rules)
+    return f"redis://{user}:pw@127.0.0.1:{redis_server.port}/0"
+
+
+def test_an_acl_refusal_is_a_miss_a_breaker_failure_and_logged_once(
+    redis_server: Any, make_tier: Callable[..., RedisTier], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression (review, 2026-12-03): a NOPERM reply to EXISTS left the lookup at RETRY every step
+    (the engine waited its whole wait_timeout), counted as a breaker success and logged nothing."""
+    url = _acl_url(redis_server, "kv", "~other:*", "+@all")
+    ns = namespace()
+    tier = make_tier(url, random_rows(4), ns, failure_threshold=3, open_seconds=30.0)
+    keys = keys_for(ns, 3)
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.redis"):
+        started = time.monotonic()
+        assert resolve(tier, keys[0]) is LookupResult.MISS
+        assert time.monotonic() - started < 1.0
+        assert tier.health().state is HealthState.CLOSED and tier.health().consecutive_failures == 1
+        assert "NOPERM" in tier.health().detail
+        result = store(tier, keys[1:2], [1])
+        assert not result.success and result.error is not None and "NOPERM" in result.error
+        assert resolve(tier, keys[2]) is LookupResult.MISS
+    assert tier.health().state is HealthState.OPEN, "three refusals in a row take the tier out of service"
+    refusals = [r for r in caplog.records if "NOPERM" in r.getMessage() and "ACL user" in r.getMessage()]
+    assert len(refusals) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_a_busy_server_is_a_miss_and_opens_the_breaker(
+    redis_server_factory: Callable[..., Any], make_tier: Callable[..., RedisTier]
+) -> None:
+    """Regression (review, 2026-12-03): while another client's script ran (-BUSY) every lookup
+    answered RETRY and the breaker stayed closed."""
+    server = redis_server_factory("--busy-reply-threshold", "50")
+    ns = namespace()
+    tier = make_tier(server.url, random_rows(4), ns, io_threads=1, failure_threshold=2, open_seconds=30.0)
+    keys = keys_for(ns, 4)
+    assert resolve(tier, keys[3]) is LookupResult.MISS  # connected before the server gets busy
+
+    def run_script() -> None:
+        with contextlib.suppress(redis.exceptions.ResponseError):  # "Script killed by user"
+            redis.Redis.from_url(server.url).eval("while true do end", 0)
+
+    runner = threading.Thread(target=run_script, daemon=True)
+    runner.start()
+    admin = redis.Redis.from_url(server.url)
+    try:
+        deadline = time.monotonic() + 5
+        while True:  # wait until the server answers BUSY
+            try:
+                admin.ping()
+            except redis.exceptions.BusyLoadingError:
+                break
+            except redis.exceptions.ResponseError as exc:
+                if "BUSY" in str(exc):
+                    break
+                raise
+            assert time.monotonic() < deadline, "the script never made the server busy"
+            time.sleep(0.02)
+        for key in keys[:2]:
+            assert resolve(tier, key, timeout=2.0) is LookupResult.MISS
+        assert tier.health().state is HealthState.OPEN and "BUSY" in tier.health().detail
+    finally:
+        admin.script_kill()
+        runner.join(5)
+
+
+@pytest.mark.parametrize(
+    ("message", "writing", "refused"),
+    [
+        ("NOPERM this user has no permissions", False, True),
+        ("LOADING Redis is loading the dataset in memory", False, True),
+        ("BUSY Redis is busy running a script", True, True),
+        ("MASTERDOWN Link with MASTER is down", False, True),
+        ("OOM command not allowed when used memory > 'maxmemory'.", False, True),
+        ("OOM command not allowed when used memory > 'maxmemory'.", True, False),
+        ("MOVED 3999 127.0.0.1:6381", False, False),
+        ("WRONGTYPE Operation against a key holding the wrong kind of value", False, False),
+    ],
+)
+def test_which_error_replies_count_against_the_server(message: str, writing: bool, refused: bool) -> None:
+    assert refused_by_server(ErrorReply(message), writing) is refused
+
+
+@pytest.mark.parametrize("damage", ["flip_payload", "truncate"])
+def test_a_corrupt_value_rewritten_before_its_delete_is_kept(
+    redis_server: Any, make_tier: Callable[..., RedisTier], damage: str
+) -> None:
+    """Regression (review, 2026-12-03): a corrupt value was removed by a plain DEL after the GET, so a
+    valid value another engine wrote in between was deleted too. A flipped payload keeps the header,
+    so comparing the header alone would not do: the whole value is compared."""
+    tier, rows, keys, raw, name, value = _two_stored(redis_server.url, make_tier)
+    if damage == "flip_payload":
+        raw.setrange(name, HEADER_SIZE + 7, bytes([value[HEADER_SIZE + 7] ^ 0xFF]))
+    else:
+        raw.set(name, value[:-10])
+    other = make_tier(redis_server.url, rows, namespace(), lookup_cache_seconds=0.0)
+    delete = tier._delete
+
+    def another_engine_rewrites_first(*args: Any) -> Any:
+        assert store(other, keys[:1], [0]).success  # the valid value, acknowledged
+        return delete(*args)
+
+    tier._delete = another_engine_rewrites_first  # type: ignore[method-assign,assignment]
+    result = load(tier, keys, [4, 5])
+    assert result.successful_keys == frozenset([keys[1]])
+    assert result.error is not None and "1 rewritten since" in result.error
+    assert raw.get(name) == value, "the value another engine wrote after the read must stay"
+    assert tier.stats.corrupt_values == 1
+    assert not any(e.removed and keys[0] in e.keys for e in tier.take_events())
+    assert resolve(tier, keys[0]) is LookupResult.HIT
+
+
+def test_a_key_of_another_type_or_length_is_a_miss_and_left_alone(
+    redis_server: Any, make_tier: Callable[..., RedisTier]
+) -> None:
+    """Regression (review, 2026-12-03): EXISTS answered HIT for a list, hash, stream or set under a
+    block's key (and for a value of any length), so promotions kept failing with WRONGTYPE."""
+    ns = namespace()
+    tier = make_tier(redis_server.url, random_rows(2), ns)
+    raw = redis.Redis.from_url(redis_server.url)
+    keys = keys_for(ns, 6)
+    names = [tier.redis_key(k) for k in keys]
+    raw.rpush(names[0], b"x")
+    raw.hset(names[1], b"f", b"v")
+    raw.xadd(names[2], {b"f": b"v"})
+    raw.sadd(names[3], b"m")
+    raw.set(names[4], b"short")
+    raw.set(names[5], b"x" * (HEADER_SIZE + BLOCK + 1))
+    assert [resolve(tier, k) for k in keys] == [LookupResult.MISS] * 6
+    assert all(raw.exists(n) for n in names), "values of others are never deleted by a lookup"
+    assert tier.health().state is HealthState.CLOSED and tier.health().consecutive_failures == 0
+
+
+def test_a_slow_link_times_a_load_out_and_takes_the_tier_out_of_service(
+    redis_server: Any, make_tier: Callable[..., RedisTier]
+) -> None:
+    """Regression (review, 2026-12-03): socket_timeout bounded each receive, not the replies, so a
+    link that delivered a little within every timeout kept a load running without end, the breaker
+    never opened and shutdown() failed to join the I/O thread."""
+    rows = random_rows(32)
+    ns = namespace()
+    keys = keys_for(ns, 16)
+    assert store(make_tier(redis_server.url, rows, ns), keys, list(range(16))).success
+    link = SlowLink(redis_server.port, 64 * 1024)  # 1 MiB of replies would take 16 s
+    try:
+        tier = RedisTier(
+            TierContext(rows, BLOCK, ns), url=f"redis://127.0.0.1:{link.port}/0", io_threads=1,
+            socket_timeout=0.5, failure_threshold=1, open_seconds=30.0,
+        )  # fmt: skip
+        try:
+            started = time.monotonic()
+            tier.submit_load(job(keys, list(range(16, 32)), True))
+            (result,) = wait_results(tier, 1, timeout=5.0)
+            assert time.monotonic() - started < 2.5
+            assert not result.success and result.error is not None and "min_read_mib_per_second" in result.error
+            assert tier.health().state is HealthState.OPEN
+        finally:
+            started = time.monotonic()
+            tier.shutdown()
+            assert time.monotonic() - started < 2.0
+    finally:
+        link.close()
+
+
+def test_an_acl_user_without_info_leaves_usage_unknown_and_the_tier_serving(
+    redis_server: Any, make_tier: Callable[..., RedisTier], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression (review, 2026-12-03): a least-privilege user without INFO took an idle tier out
+    of service every few usage refreshes (each refused INFO counted as a failure)."""
+    url = _acl_url(redis_server, "kv", "~kvtier:*", "+@read", "+@write", "+@connection", "+@scripting",
+                   "-@dangerous")  # fmt: skip
+    rows = random_rows(4)
+    ns = namespace()
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.redis"):
+        tier = make_tier(url, rows, ns, usage_refresh_seconds=0.02, failure_threshold=2)
+        time.sleep(0.5)  # many refused INFOs (housekeeping runs about every 0.1 s)
+        assert tier.health().state is HealthState.CLOSED and tier.health().consecutive_failures == 0
+        assert tier.usage().capacity_bytes is None
+        keys = keys_for(ns, 2)
+        assert store(tier, keys, [0, 1]).success
+        assert load(tier, keys, [2, 3]).success
+    refused = [r for r in caplog.records if "INFO memory" in r.getMessage()]
+    assert len(refused) == 1 and "+info" in refused[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    ("query", "named"),
+    [("socket_read_size=0", "socket_read_size"), ("socket_read_size=-5", "socket_read_size"),
+     ("socket_read_size=1e3", "socket_read_size"), ("socket_keepalive=maybe", "socket_keepalive"),
+     ("socket_keepalive=", "socket_keepalive")],
+)  # fmt: skip
+def test_url_options_that_would_break_every_connection_are_refused(query: str, named: str) -> None:
+    """Regression (review, 2026-12-03): ?socket_read_size=0 passed validation and made the tier
+    permanently out of service ("Connection closed by server"); ?socket_keepalive=maybe was taken."""
+    rows = random_rows(1)
+    ctx = TierContext(rows, BLOCK, namespace())
+    with pytest.raises(ConfigError, match=f"{named} must be"):
+        RedisTier(ctx, url=f"redis://127.0.0.1:1/0?{query}")
+    for good in ("socket_read_size=65536", "socket_keepalive=true", "socket_keepalive=0"):
+        RedisTier(ctx, url=f"redis://127.0.0.1:1/0?{good}", io_threads=1).shutdown()
+
+
+def test_store_location_names_the_database_really_used_once_per_database(redis_server: Any) -> None:
+    """Regression (review, 2026-12-03): store_location() ignored ?db= (db 0 and db 3 announced one
+    store) and kept the path as written (three spellings of db 0, three stores)."""
+    rows = random_rows(1)
+    ctx = TierContext(rows, BLOCK, namespace())
+    base = f"redis://127.0.0.1:{redis_server.port}"
+
+    def location(url: str) -> str:
+        tier = RedisTier(ctx, url=url, io_threads=1)
+        try:
+            return tier.store_location()
+        finally:
+            tier.shutdown()
+
+    db0 = {location(base + suffix) for suffix in ("/0", "", "/", "?db=0", "/0?db=0")}
+    db3 = {location(base + suffix) for suffix in ("/3", "?db=3", "/3?db=3")}
+    assert db0 == {f"redis:redis://127.0.0.1:{redis_server.port}/0/kvtier"}
+    assert db3 == {f"redis:redis://127.0.0.1:{redis_server.port}/3/kvtier"}
+    # The default port, spelled out (no tier built: nothing may connect to a real port 6379 here).
+    unbuilt = types.SimpleNamespace(options=RedisTierOptions(url="redis://[::1]/0", prefix="p"))
+    assert RedisTier.store_location(unbuilt) == "redis:redis://[::1]:6379/0/p"  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="the path says database 0 and"):
+        RedisTier(ctx, url=base + "/0?db=3")
+    with pytest.raises(ConfigError, match="db must be a database number"):
+        RedisTier(ctx, url=base + "?db=x")
+
+
+def test_loads_fit_a_client_output_buffer_limit_with_load_batch_mib(
+    redis_server_factory: Callable[..., Any], make_tier: Callable[..., RedisTier]
+) -> None:
+    """Regression (review, 2026-12-03): a load pipelined 32 MiB of GETs; a server with a
+    client-output-buffer-limit for normal clients below that closed the connection on every
+    multi-block load ("Redis closed the connection", no hint) and the tier flapped."""
+    server = redis_server_factory("--client-output-buffer-limit", "normal 4mb 2mb 10")
+    block = 1024 * 1024
+    rows = random_rows(32, block_bytes=block)
+    ns = namespace(block_bytes=block)
+    keys = keys_for(ns, 16)
+    tier = make_tier(server.url, rows, ns, failure_threshold=100)
+    assert store(tier, keys, list(range(16))).success
+    result = load(tier, keys, list(range(16, 32)))
+    assert not result.success and result.error is not None
+    assert "client-output-buffer-limit" in result.error and "load_batch_mib (32 MiB)" in result.error
+    batched = make_tier(server.url, rows, ns, load_batch_mib=2)
+    result = load(batched, keys, list(range(16, 32)))
+    assert result.success, result.error
+    assert np.array_equal(rows[16:], rows[:16])

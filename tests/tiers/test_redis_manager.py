@@ -279,3 +279,22 @@ def test_keys_up_to_the_maximum_length_round_trip_through_redis(
     b.on_new_request(req)
     assert lookup_prefix(b, keys, req) == len(keys)
     assert np.array_equal(load_blocks(b, keys, req), data)
+
+
+def test_a_refusing_server_costs_a_request_one_step_not_the_wait_timeout(
+    redis_server: Any, make_manager: Callable[..., TieringManager]
+) -> None:
+    """Regression (review, 2026-12-03): with an ACL user whose keys do not cover the prefix (NOPERM),
+    each new request sat deferred for the whole wait_timeout (10 s) before its MISS."""
+    import redis
+
+    redis.Redis.from_url(redis_server.url).execute_command("ACL", "SETUSER", "kv", "on", ">pw", "~other:*", "+@all")
+    ns = namespace()
+    mgr = make_manager(f"redis://kv:pw@127.0.0.1:{redis_server.port}/0", ns)
+    for n in range(3):
+        req = RequestContext(f"r{n}")
+        mgr.on_new_request(req)
+        started = time.monotonic()
+        assert lookup_prefix(mgr, chain_ids(range(10 * n, 10 * n + 4), ns), req, timeout=5.0) == 0
+        assert time.monotonic() - started < 1.0
+        mgr.on_request_finished(req)

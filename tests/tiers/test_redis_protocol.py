@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -151,3 +152,31 @@ def test_send_pieces_gives_up_after_the_socket_timeout_when_the_peer_stops_readi
     big = memoryview(bytes(16 << 20))  # far more than the socket buffers hold
     with pytest.raises(TimeoutError):
         send_pieces(a, [b"head", big])
+
+
+def test_reader_bounds_the_whole_batch_when_every_receive_is_within_the_socket_timeout(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """Regression (review, 2026-12-03): a peer that sent a little within each socket timeout kept a
+    bulk read going without limit."""
+    a, b = pair
+    stop = threading.Event()
+
+    def trickle() -> None:
+        b.sendall(b"$100000\r\n")
+        while not stop.is_set():
+            b.sendall(b"x" * 100)
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=trickle)
+    thread.start()
+    try:
+        reader = RespReader(a, timeout=0.2, bytes_per_second=1e6)  # 0.2 s + 0.1 s for the value
+        head, body = bytearray(10), bytearray(100000 - 10)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"took longer than 0\.30s"):
+            reader.read_bulk_split(memoryview(head), memoryview(body))
+        assert time.monotonic() - started < 1.0
+    finally:
+        stop.set()
+        thread.join()

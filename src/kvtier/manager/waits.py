@@ -29,7 +29,7 @@ The manager keeps this per tier, bounded, so it holds for every tier, in-tree or
 whether or not the tier re-verifies the block itself; afterwards the tier's answer is
 trusted again (for the built-in tiers it then reflects what they re-verified: fs
 forgets corrupt, vanished and unsafe files; redis and s3 remember a missing or corrupt
-value as absent and check again with EXISTS / HEAD once that answer expires).
+value as absent and check again with STRLEN / HEAD once that answer expires).
 
 Tier jobs past ``wait_timeout`` (:mod:`kvtier.manager.ledger`), parked request-level
 cascades (:mod:`kvtier.manager.requests`) and the blocking calls of ``reset_cache`` and

@@ -12,19 +12,22 @@ Values are ``header + payload`` (:mod:`kvtier.tiers.format`). A load reads the
 header into a small buffer and the payload straight into the reserved CPU row,
 then verifies header and checksum; a missing key (expired, or evicted by Redis
 ``maxmemory``) is a MISS for that key and is reported removed in the tier's events
-(nobody else can report it), a malformed value is a MISS too, is deleted, and is
-counted in ``stats.corrupt_values``; a value in another release's format version is a
-MISS, counted in ``foreign_format`` and kept.
+(nobody else can report it), a malformed value is a MISS too, is counted in
+``stats.corrupt_values`` and is deleted only if it is still the value read (one Lua
+script compares and deletes, so another engine's rewrite since is kept); a value in
+another release's format version is a MISS, counted in ``foreign_format`` and kept.
 
 Health: a :class:`~kvtier.tiers.health.CircuitBreaker`. A refused connection
-opens it at once; other failures (timeouts, resets) open it after
-``failure_threshold`` in a row. While open, lookups answer MISS, stores are
-dropped (``stats.stores_dropped``) and loads fail at once; after
-``open_seconds`` an I/O thread sends PING and a success brings the tier back.
+opens it at once; other failures (timeouts, resets, a batch of replies slower than
+``min_read_mib_per_second``, error replies by which the server refuses this client:
+:func:`refused_by_server`) open it after ``failure_threshold`` in a row. While open,
+lookups answer MISS, stores are dropped (``stats.stores_dropped``) and loads fail at
+once; after ``open_seconds`` an I/O thread sends PING and a success brings the tier back.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
@@ -36,7 +39,7 @@ from urllib.parse import parse_qsl
 
 from pydantic import Field, ValidationInfo, field_serializer, field_validator
 from redis.connection import parse_url
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvtier.errors import ConfigError, CorruptValueError, ForeignFormatError
@@ -62,10 +65,11 @@ from kvtier.types import BlockEvent, LookupResult, RequestContext
 logger = logging.getLogger(__name__)
 
 _SCHEMES = ("redis", "rediss", "unix")
-# Payload bytes of GET replies per pipelined round trip: bounds what the server buffers for
-# this client while the replies are read (16 blocks of 2 MiB). Stores need no bound: each SET
-# is applied as it arrives and its reply is 5 bytes, so a store job is one pipeline.
-_BATCH_BYTES = 32 * 1024 * 1024
+# Payload bytes of GET replies per pipelined round trip are bounded by the option load_batch_mib:
+# the server buffers them all for this client at once (its client-output-buffer-limit for normal
+# clients must allow that). Stores need no bound: each SET is applied as it arrives and its reply
+# is 5 bytes, so a store job is one pipeline.
+_MIB = 1024 * 1024
 _EXISTS_BATCH = 512
 _CACHE_MAX_ENTRIES = 1 << 20
 _MAX_DB = 2**31 - 1
@@ -85,6 +89,10 @@ _URL_TLS_QUERY = frozenset(
 )  # fmt: skip
 _URL_FILES = {"ssl_ca_certs": os.path.isfile, "ssl_certfile": os.path.isfile, "ssl_keyfile": os.path.isfile,
               "ssl_ca_path": os.path.isdir}  # fmt: skip
+# Query options redis-py reads as a bool (anything but its false words is true), and the words taken.
+_BOOL_WORDS = frozenset({"1", "T", "TRUE", "Y", "YES", "0", "F", "FALSE", "N", "NO"})
+_URL_BOOLS = {"socket_keepalive": _BOOL_WORDS, "ssl_check_hostname": _BOOL_WORDS}
+_MAX_READ_SIZE = 64 * 1024 * 1024
 # Query options that would silently override what the tier's own options set.
 _URL_OWNED = {
     "socket_timeout": "socket_timeout",
@@ -110,6 +118,7 @@ def check_redis_url(url: str) -> str:
         db = ep.path[1:]
         if not db.isdigit() or int(db) > _MAX_DB:
             raise ValueError(f"{where}: the path is the database number, got {db!r}: use e.g. /0")
+    path_db = None if ep.scheme == "unix" or ep.path in ("", "/") else int(ep.path[1:])
     keys: set[str] = set()
     try:
         pairs = parse_qsl(ep.query, keep_blank_values=True, strict_parsing=bool(ep.query))
@@ -126,10 +135,20 @@ def check_redis_url(url: str) -> str:
         if name not in _URL_QUERY | _URL_TLS_QUERY:
             known = sorted(_URL_QUERY | (_URL_TLS_QUERY if ep.scheme == "rediss" else frozenset()))
             raise ValueError(f"{where} has query option {name!r}, which the tier does not take: known are {known}")
+        if name == "db":
+            if not value.isdigit() or int(value) > _MAX_DB:
+                raise ValueError(f"{where}: db must be a database number from 0 to {_MAX_DB}, got {value!r:.40}")
+            if path_db is not None and int(value) != path_db:
+                raise ValueError(f"{where}: the path says database {path_db} and ?db= says {value}: give it once")
         if name in _URL_FILES and not _URL_FILES[name](value):
             raise ValueError(f"{where}: {name} {value!r} does not exist")
         if name == "ssl_cert_reqs" and value.lower() not in ("none", "optional", "required"):
             raise ValueError(f"{where}: ssl_cert_reqs must be none, optional or required, got {value!r}")
+        if name in _URL_BOOLS and value.upper() not in _URL_BOOLS[name]:
+            raise ValueError(f"{where}: {name} must be true or false (or 1/0, yes/no), got {value!r:.40}")
+        if name == "socket_read_size" and not (value.isdigit() and 1 <= int(value) <= _MAX_READ_SIZE):
+            raise ValueError(f"{where}: socket_read_size must be a number of bytes from 1 to {_MAX_READ_SIZE}, "
+                             f"got {value!r:.40}")  # fmt: skip
     try:
         parse_url(url)  # type: ignore[no-untyped-call]
     except ValueError as exc:  # what redis-py itself refuses (a bad number in the query...)
@@ -169,6 +188,16 @@ class RedisTierOptions(TierOptions):
     usage_refresh_seconds: Seconds = Field(
         default=5.0, gt=0, description="How often INFO memory is read for usage()."
     )
+    load_batch_mib: int = Field(
+        default=32, ge=1, le=4096,
+        description="MiB of values a load asks for per round trip (at least one value): the server buffers "
+        "their replies at once, so keep it under its client-output-buffer-limit for normal clients.",
+    )
+    min_read_mib_per_second: float = Field(
+        default=8.0, gt=0, le=1_000_000, allow_inf_nan=False,
+        description="Slowest read accepted: a batch of replies may take socket_timeout plus its MiB divided by "
+        "this, else it times out (a breaker failure), so a slow link takes the tier out of service.",
+    )
 
     @field_validator("url")
     @classmethod
@@ -185,6 +214,40 @@ class RedisTierOptions(TierOptions):
     @field_serializer("url", when_used="json")
     def _shown_url(self, url: str) -> str:
         return redact_url(url)
+
+
+# Error replies that say the server will not serve this client now (an ACL without the tier's
+# keys or commands, a script running, a data set loading, a replica without its primary...) are
+# tier failures; only these few are about the one key: a redirect (the topology moved) and a value
+# of another type. OOM is one too for a write (the server is full, it still serves reads).
+_KEY_ERRORS = ("MOVED", "ASK", "WRONGTYPE")
+_REFUSAL_LOG_SECONDS = 60.0
+_REFUSAL_HINTS = {
+    "NOPERM": "give the URL's ACL user the keys <prefix>:* and the commands STRLEN GET SET EVAL GETRANGE "
+              "DEL PEXPIRE PING INFO (docs/tiers.md); counted as a tier failure",
+    "NOAUTH": "the URL's password or ACL user is wrong or missing; counted as a tier failure",
+    "BUSY": "a long script blocks the server; counted as a tier failure",
+    "LOADING": "the server is loading its data set; counted as a tier failure",
+    "MASTERDOWN": "the replica has lost its primary; counted as a tier failure",
+    "READONLY": "the URL names a read-only replica: give the primary; counted as a tier failure",
+}  # fmt: skip
+
+
+# Deletes KEYS[1] only if it still is the value judged corrupt: ARGV[1] its length and either
+# ARGV[2] the SHA-1 of the whole value or (ARGV[2] empty) ARGV[3] its first bytes. 1: deleted, 0: not.
+_DELETE_IF_UNCHANGED = b"""local n = redis.call('strlen', KEYS[1])
+if n ~= tonumber(ARGV[1]) then return 0 end
+if ARGV[2] ~= '' then
+  if redis.sha1hex(redis.call('get', KEYS[1])) ~= ARGV[2] then return 0 end
+elseif n > 0 and redis.call('getrange', KEYS[1], 0, #ARGV[3] - 1) ~= ARGV[3] then return 0 end
+return redis.call('del', KEYS[1])"""
+
+
+def refused_by_server(reply: ErrorReply, writing: bool = False) -> bool:
+    """Whether ``reply`` says the server refuses this client (a tier failure), not one key (a
+    MISS or failed key only): everything but a redirect, WRONGTYPE and, for a write, OOM."""
+    code = reply.message.split(" ", 1)[0]
+    return code not in _KEY_ERRORS and not (writing and code == "OOM")
 
 
 def _is_refused(exc: BaseException) -> bool:
@@ -217,19 +280,22 @@ class RedisTier(ThreadedTier):
     def __init__(self, context: TierContext, options: RedisTierOptions | None = None, /, **fields: Any) -> None:
         """Check the options (:class:`RedisTierOptions`), build the backend, start the I/O threads."""
         self.options = opts = tier_options(RedisTierOptions, self.tier_type, options, fields)
-        # A running batch is bounded by a connect plus a few socket timeouts.
+        self._read_rate = opts.min_read_mib_per_second * _MIB
+        # A running batch is bounded by a connect, a few socket timeouts and one batch of replies
+        # at the slowest read rate accepted (a load checks for shutdown between batches).
         super().__init__(
             context,
             breaker=CircuitBreaker(failure_threshold=opts.failure_threshold, open_seconds=opts.open_seconds),
             max_queued_stores=opts.max_queued_stores,
-            shutdown_timeout=opts.connect_timeout + 4 * opts.socket_timeout + 2.0,
+            shutdown_timeout=opts.connect_timeout + 4 * opts.socket_timeout + 2.0
+            + opts.load_batch_mib * _MIB / self._read_rate,
         )
         self._value_bytes = HEADER_SIZE + context.block_bytes
         self._ns_digest = context.namespace.digest
         self._key_prefix = f"{opts.prefix}:{context.namespace.hexdigest}:".encode()
         self._px = b"%d" % max(1, round(opts.ttl_seconds * 1000)) if opts.ttl_seconds is not None else None
         self._set_encoder = SetEncoder(self._value_bytes, self._px)
-        self._chunk = max(1, _BATCH_BYTES // self._block_bytes)
+        self._chunk = max(1, opts.load_batch_mib * _MIB // self._block_bytes)
         self._lookup_cache_seconds = opts.lookup_cache_seconds
         # A check that has not answered in this long is treated as a MISS.
         self._check_deadline = opts.socket_timeout + opts.connect_timeout + 0.5
@@ -244,6 +310,8 @@ class RedisTier(ThreadedTier):
         self._usage = TierUsage(0, None)
         self._usage_at = float("-inf")
         self._need_refresh = False
+        self._refusals_logged: dict[str, float] = {}  # error code -> when it was last logged
+        self._usage_refused = False  # INFO refused (logged once)
 
         # Scheduler-thread only.
         self._pending_checks: dict[BlockKey, None] = {}
@@ -269,7 +337,7 @@ class RedisTier(ThreadedTier):
 
     def _unverify_locked(self, keys: Iterable[BlockKey]) -> None:
         # A GET that failed (timeout, dropped connection) says nothing about the value: its
-        # cached HIT is dropped, so the next lookup checks it again with EXISTS. A missing or
+        # cached HIT is dropped, so the next lookup checks it again (STRLEN). A missing or
         # corrupt value stays remembered as absent.
         known = self._known
         for key in keys:
@@ -289,7 +357,7 @@ class RedisTier(ThreadedTier):
     # --- scheduler-thread calls ----------------------------------------------------
 
     def _lookup(self, key: BlockKey, request: RequestContext | None) -> LookupResult:
-        """HIT/MISS from the answer cache, else RETRY while a batched EXISTS is under way.
+        """HIT/MISS from the answer cache, else RETRY while a batched STRLEN check is under way.
 
         Unknown keys are collected and sent to an I/O thread at :meth:`on_schedule_end`.
         """
@@ -309,7 +377,7 @@ class RedisTier(ThreadedTier):
         return LookupResult.RETRY
 
     def on_schedule_end(self) -> None:
-        """Hand this step's unknown keys to the I/O threads as batched EXISTS checks, and its
+        """Hand this step's unknown keys to the I/O threads as batched STRLEN checks, and its
         touched keys as one batch of TTL refreshes."""
         if self._touched:
             self._send_touches()
@@ -367,16 +435,30 @@ class RedisTier(ThreadedTier):
         """Server memory from ``INFO memory`` (summed over cluster primaries), read by an I/O thread.
 
         ``used_bytes`` is the server's whole ``used_memory``; ``capacity_bytes``
-        is ``maxmemory``, or None when the server has no limit.
+        is ``maxmemory``, or None when the server has no limit. ``TierUsage(0, None)`` (unknown)
+        when the server refuses ``INFO`` (an ACL user without it): not a tier failure.
         """
         return self._usage
 
     def store_location(self) -> str:
-        """``redis:<host:port/db, no credentials or options>/<prefix>`` (give every engine the same
-        URL; in cluster mode the same node)."""
+        """``redis:<scheme>://<host>:<port>/<db>/<prefix>`` (``redis:unix://<socket>/<db>/<prefix>``):
+        no credentials or options; the database actually used (the path's or ``?db=``'s, 0 by
+        default) and the port (6379 by default) always spelled out, so every spelling of one
+        database gives one location. Give every engine the same host (in cluster mode the same node)."""
         ep = parse_endpoint(self.options.url, "redis url", _SCHEMES, needs_host=False)
-        port = "" if ep.port is None else f":{ep.port}"
-        return f"redis:{ep.scheme}://{ep.host}{port}{ep.path}/{self.options.prefix}"
+        query_db = dict(parse_qsl(ep.query)).get("db")
+        if query_db is not None:
+            db = int(query_db)
+        elif ep.scheme != "unix" and ep.path not in ("", "/"):
+            db = int(ep.path[1:])
+        else:
+            db = 0
+        if ep.scheme == "unix":
+            server = f"unix://{ep.path}"
+        else:
+            host = f"[{ep.host}]" if ":" in ep.host else ep.host
+            server = f"{ep.scheme}://{host}:{ep.port or 6379}"
+        return f"redis:{server}/{db}/{self.options.prefix}"
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -419,11 +501,28 @@ class RedisTier(ThreadedTier):
         now = time.monotonic()
         if now - self._usage_at >= self.options.usage_refresh_seconds:
             self._usage_at = now
-            memory = self._guarded(self._backend.info_memory)
+            memory = self._guarded(self._read_usage)
             if memory is not None:
                 self._usage = TierUsage(memory[0], memory[1])
         with self._lock:
             self._prune_known(now)
+
+    def _read_usage(self) -> tuple[int, int | None] | None:
+        """``INFO memory``, or None when the server refuses it (an ACL user without ``INFO``): usage is
+        optional, so a refusal is logged once and leaves the capacity unknown, never a tier failure."""
+        try:
+            memory = self._backend.info_memory()
+        except ResponseError as exc:
+            self._usage = TierUsage(0, None)
+            if self._usage_refused:
+                forget_frames(exc)
+            else:
+                self._usage_refused = True
+                log_failure(logger, logging.WARNING, f"redis tier {self.label}: usage() is unknown: INFO memory "
+                            "is refused (give the URL's ACL user +info)", exc)  # fmt: skip
+            return None
+        self._usage_refused = False
+        return memory
 
     def _guarded(self, call: Callable[[], Any]) -> Any:
         try:
@@ -480,7 +579,7 @@ class RedisTier(ThreadedTier):
                             send_pieces(sock, pieces)
                             pieces.clear()
                 send_pieces(sock, pieces)
-                reader = RespReader(sock)
+                reader = RespReader(sock, timeout=self.options.socket_timeout, bytes_per_second=self._read_rate)
                 for i in indexes:
                     receive(reader, i)
                 clean = True
@@ -489,9 +588,29 @@ class RedisTier(ThreadedTier):
                     conn.disconnect()
                 pool.release(conn)
 
-    def _note_reply_error(self, reply: ErrorReply) -> None:
+    def _note_reply_error(self, reply: ErrorReply, refusals: list[str], writing: bool = False) -> None:
+        """A redirect asks for a topology refresh; an error reply that is not about the one key
+        (see :func:`refused_by_server`) is added to ``refusals``."""
         if reply.is_redirect:
             self._need_refresh = True
+        if refused_by_server(reply, writing):
+            refusals.append(reply.message)
+
+    def _record_outcome(self, refusals: list[str], command: str) -> None:
+        """After a pipeline that did not raise: a breaker failure if the server refused a command
+        (each error code logged at most once a minute), else a success."""
+        if not refusals:
+            self._breaker.record_success()
+            return
+        detail = f"{command} answered {refusals[0]!r}"
+        self._breaker.record_failure(detail)
+        code, now = refusals[0].split(" ", 1)[0], time.monotonic()
+        if now - self._refusals_logged.get(code, -_REFUSAL_LOG_SECONDS) >= _REFUSAL_LOG_SECONDS:
+            self._refusals_logged[code] = now
+            hint = _REFUSAL_HINTS.get(code, "the server refuses this client; counted as a tier failure")
+            logger.warning("redis tier %s: %s (%s)", self.label, detail, hint)
+        if not self._breaker.serving:
+            logger.warning("redis tier %s out of service: %s", self.label, detail)
 
     def _do_exists(self, keys: list[BlockKey]) -> None:
         if not self._breaker.serving:
@@ -501,29 +620,39 @@ class RedisTier(ThreadedTier):
             return
         rkeys = [self.redis_key(k) for k in keys]
         answers: dict[int, bool] = {}
+        redirected: set[int] = set()
+        refusals: list[str] = []
 
         def send(out: list[Piece], i: int) -> None:
-            pack_command(out, b"EXISTS", rkeys[i])
+            pack_command(out, b"STRLEN", rkeys[i])
 
         def receive(reader: RespReader, i: int) -> None:
             reply = reader.read_reply()
             if isinstance(reply, int):
-                answers[i] = reply > 0
+                # 0 for a missing key: only a string of a value's exact length is promised (HIT);
+                # another type is a WRONGTYPE error reply (a MISS below), never deleted.
+                answers[i] = reply == self._value_bytes
             elif isinstance(reply, ErrorReply):
-                self._note_reply_error(reply)
+                # An error reply is a MISS: the lookup gets its answer the next step, not RETRY forever.
+                self._note_reply_error(reply, refusals)
+                answers[i] = False
+                if reply.is_redirect:
+                    redirected.add(i)
 
         try:
             self._pipeline(rkeys, send, receive)
         except Exception as exc:
             self._record_error(exc)
         else:
-            self._breaker.record_success()
+            self._record_outcome(refusals, "STRLEN")
         now = time.monotonic()
         with self._lock:
             for i, key in enumerate(keys):
                 self._checking.pop(key, None)
                 if i in answers:
-                    self._remember(key, answers[i], now, answer=True)
+                    # A redirected key is asked again after the topology refresh: its MISS is not cached.
+                    at = now - self._lookup_cache_seconds if i in redirected else now
+                    self._remember(key, answers[i], at, answer=True)
 
     def _do_store(self, job: TransferJob, keys: list[BlockKey]) -> None:
         if not self._breaker.serving:
@@ -550,17 +679,18 @@ class RedisTier(ThreadedTier):
             def receive(reader: RespReader, i: int) -> None:
                 reply = reader.read_reply()
                 if isinstance(reply, ErrorReply):
-                    self._note_reply_error(reply)
+                    self._note_reply_error(reply, refusals, writing=True)
                     errors.append(reply.message)
                 else:
                     ok[i] = True
 
+            refusals: list[str] = []
             try:
                 self._pipeline(rkeys, send, receive)
             except Exception as exc:
                 errors.append(self._record_error(exc))
             else:
-                self._breaker.record_success()
+                self._record_outcome(refusals, "SET")
                 stored.extend(k for k, good in zip(keys, ok, strict=True) if good)
         seconds = time.perf_counter() - started
         now = time.monotonic()
@@ -592,14 +722,18 @@ class RedisTier(ThreadedTier):
         slots = [int(s) for s in job.slots]
         loaded: list[BlockKey] = []
         missing: list[BlockKey] = []
-        corrupt: list[BlockKey] = []
+        corrupt: dict[BlockKey, tuple[int, bytes, bytes]] = {}  # what was read: see _delete
         foreign: list[BlockKey] = []  # another release's values: not served, never deleted
         errors: list[str] = []
+        refusals: list[str] = []  # a chunk's error replies that count against the server
         header = bytearray(HEADER_SIZE)
         head_view = memoryview(header)
         asked = time.time()  # a key found missing was gone by then
         started = time.perf_counter()
         for base in range(0, len(keys), self._chunk):
+            if self._stopping.is_set():
+                errors.append("redis tier is shutting down")
+                break
             chunk = keys[base : base + self._chunk]
             chunk_slots = slots[base : base + self._chunk]
             rkeys = [self.redis_key(k) for k in chunk]
@@ -616,7 +750,7 @@ class RedisTier(ThreadedTier):
                 if reply is None:
                     missing.append(key)
                 elif isinstance(reply, ErrorReply):
-                    self._note_reply_error(reply)
+                    self._note_reply_error(reply, refusals)
                     errors.append(reply.message)
                 elif reply != self._value_bytes:
                     version = foreign_format(head_view[: min(reply, PREFIX_SIZE)])
@@ -627,7 +761,7 @@ class RedisTier(ThreadedTier):
                     else:
                         logger.warning("redis tier %s: value of %s has %d bytes, expected %d; deleting it",
                                        self.label, key.hex(), reply, self._value_bytes)  # fmt: skip
-                        corrupt.append(key)
+                        corrupt[key] = (reply, b"", bytes(head_view[: min(reply, HEADER_SIZE)]))
                 else:
                     try:
                         parsed = decode_header(
@@ -641,34 +775,48 @@ class RedisTier(ThreadedTier):
                     except CorruptValueError as exc:
                         what = f"redis tier {self.label}: value of {key.hex()} is corrupt; deleting it"
                         log_failure(logger, logging.WARNING, what, exc)
-                        corrupt.append(key)
+                        digest = hashlib.sha1(head_view, usedforsecurity=False)
+                        digest.update(body)
+                        corrupt[key] = (reply, digest.hexdigest().encode(), b"")
                     else:
                         loaded.append(key)
 
             try:
                 self._pipeline(rkeys, send, receive)
             except Exception as exc:
+                closed = isinstance(exc, ConnectionResetError) and len(chunk) > 1
                 errors.append(self._record_error(exc))
+                if closed:  # the usual cause when it happens on every multi-value load
+                    limit = self.options.load_batch_mib
+                    errors.append(f"if the server sets a client-output-buffer-limit for normal clients, "
+                                  f"it must exceed load_batch_mib ({limit} MiB), or lower that")  # fmt: skip
                 break
-            self._breaker.record_success()
+            self._record_outcome(refusals, "GET")
+            refusals.clear()
         seconds = time.perf_counter() - started
         deleting = time.time()
-        if corrupt:
-            self._delete(corrupt)
+        deleted, rewritten = self._delete(corrupt) if corrupt else ([], [])
+        kept = set(rewritten)
+        gone = [key for key in corrupt if key not in kept]  # deleted, or left but never servable
         now = time.monotonic()
         with self._lock:
             for key in loaded:
                 self._remember(key, True, now)
-            for key in missing + corrupt + foreign:
+            for key in missing + gone + foreign:
                 self._remember(key, False, now)
-            if corrupt:
-                self._events.append(BlockEvent(tuple(corrupt), self.label, self.medium, True, deleting))
+            for key in rewritten:  # another engine's value now: asked again
+                self._known.pop(key, None)
+            if gone:
+                self._events.append(BlockEvent(tuple(gone), self.label, self.medium, True, deleting))
             if missing:  # expired or evicted by Redis itself: nobody else can report it
                 self._events.append(BlockEvent(tuple(missing), self.label, self.medium, True, asked))
         if missing:
             errors.append(f"{len(missing)} key(s) missing (expired or evicted)")
-        if corrupt:
-            errors.append(f"{len(corrupt)} corrupt value(s) deleted")
+        if deleted:
+            errors.append(f"{len(deleted)} corrupt value(s) deleted")
+        if len(deleted) < len(corrupt):
+            left = len(corrupt) - len(deleted)
+            errors.append(f"{left} corrupt value(s) not deleted ({len(rewritten)} rewritten since)")
         if foreign:
             errors.append(f"{len(foreign)} value(s) in another release's format (kept)")
         with self._stats_lock:
@@ -680,8 +828,37 @@ class RedisTier(ThreadedTier):
             self.stats.loads_failed += len(keys) - len(loaded)
         self._finish(self._result(job, loaded, len(loaded) * self._value_bytes, seconds, errors))
 
-    def _delete(self, keys: list[BlockKey]) -> None:
-        self._best_effort(b"DEL", keys)
+    def _delete(self, corrupt: Mapping[BlockKey, tuple[int, bytes, bytes]]) -> tuple[list[BlockKey], list[BlockKey]]:
+        """Delete each corrupt value only if it is still the one read (:data:`_DELETE_IF_UNCHANGED`),
+        so a valid value another engine wrote since is never removed.
+
+        ``corrupt`` maps a key to ``(length, sha1 hex of the whole value, b"")`` when the value had
+        the expected length, else ``(length, b"", its first bytes)``: a valid value never has another
+        length. Returns ``(deleted, rewritten since)``; a key in neither is left by an error
+        (logged), e.g. an ACL without EVAL. Best effort: a failure is a breaker failure, not raised.
+        """
+        keys = list(corrupt)
+        rkeys = [self.redis_key(k) for k in keys]
+        replies: dict[int, object] = {}
+
+        def send(out: list[Piece], i: int) -> None:
+            length, digest, head = corrupt[keys[i]]
+            pack_command(out, b"EVAL", _DELETE_IF_UNCHANGED, b"1", rkeys[i], b"%d" % length, digest, head)
+
+        def receive(reader: RespReader, i: int) -> None:
+            replies[i] = reader.read_reply()
+
+        try:
+            self._pipeline(rkeys, send, receive)
+        except Exception as exc:
+            self._record_error(exc)
+        deleted = [k for i, k in enumerate(keys) if replies.get(i) == 1]
+        rewritten = [k for i, k in enumerate(keys) if replies.get(i) == 0]
+        refused = [r for r in replies.values() if isinstance(r, ErrorReply)]
+        if refused:
+            logger.warning("redis tier %s: %d corrupt value(s) left in place: the server answered %r to EVAL",
+                           self.label, len(refused), refused[0].message)  # fmt: skip
+        return deleted, rewritten
 
     def _do_touch(self, keys: list[BlockKey]) -> None:
         if self._px is not None and self._breaker.serving:

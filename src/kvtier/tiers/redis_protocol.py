@@ -18,7 +18,9 @@ integers and bulk strings (including null). Arrays raise
 :class:`RespProtocolError`. Nothing read is ever evaluated.
 
 All functions run on the tier's I/O threads and block on the socket, bounded
-by the socket timeout redis-py configured on it.
+by the socket timeout redis-py configured on it; a :class:`RespReader` given a
+``timeout`` also bounds the whole batch of replies it reads (a slow link that
+delivers a little within every socket timeout cannot keep a read going).
 """
 
 from __future__ import annotations
@@ -161,14 +163,47 @@ class RespReader:
 
     One reader per connection per batch; it must consume exactly the replies
     of the commands sent, so the connection can go back to its pool clean.
+
+    With ``timeout``, the whole batch has a deadline: ``timeout`` seconds from the
+    reader's creation for the replies to start, plus ``length / bytes_per_second`` for
+    each bulk reply as its length is announced. A receive that returns past the
+    deadline raises ``TimeoutError`` (so a read overruns it by one socket timeout at
+    most); the connection is then unusable.
     """
 
-    def __init__(self, sock: socket.socket, bufsize: int = 64 * 1024) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        bufsize: int = 64 * 1024,
+        *,
+        timeout: float | None = None,
+        bytes_per_second: float = float("inf"),
+    ) -> None:
         self._sock = sock
         self._buf = bytearray(bufsize)
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
+        self._budget = timeout
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._rate = bytes_per_second
+
+    def _allow(self, nbytes: int) -> None:
+        # A bulk reply of ``nbytes`` is announced: its transfer extends the deadline.
+        if self._deadline is not None and self._budget is not None and nbytes > 0:
+            self._budget += nbytes / self._rate
+            self._deadline += nbytes / self._rate
+
+    def _recv_into(self, view: memoryview) -> int:
+        got = self._sock.recv_into(view)
+        if got == 0:
+            raise ConnectionResetError("Redis closed the connection")
+        if self._deadline is not None and time.monotonic() > self._deadline:
+            raise TimeoutError(
+                f"reading replies from Redis took longer than {self._budget:.2f}s "
+                "(a link slower than the tier's min_read_mib_per_second)"
+            )
+        return got
 
     def _fill(self, max_bytes: int) -> None:
         if self._start == self._end:
@@ -178,10 +213,7 @@ class RespReader:
             self._buf[:n] = self._buf[self._start : self._end]
             self._start, self._end = 0, n
         room = min(max_bytes, len(self._buf) - self._end)
-        got = self._sock.recv_into(self._view[self._end : self._end + room])
-        if got == 0:
-            raise ConnectionResetError("Redis closed the connection")
-        self._end += got
+        self._end += self._recv_into(self._view[self._end : self._end + room])
 
     def _read_line(self, max_fill: int) -> bytes:
         while True:
@@ -202,10 +234,7 @@ class RespReader:
             dest[:got] = self._view[self._start : self._start + got]
             self._start += got
         while got < n:
-            r = self._sock.recv_into(dest[got:])
-            if r == 0:
-                raise ConnectionResetError("Redis closed the connection")
-            got += r
+            got += self._recv_into(dest[got:])
 
     def _skip_crlf(self) -> None:
         crlf = bytearray(2)
@@ -229,6 +258,7 @@ class RespReader:
             n = int(rest)
             if n < 0:
                 return None
+            self._allow(n)
             data = bytearray(n)
             self.read_into(memoryview(data))
             self._skip_crlf()
@@ -256,6 +286,7 @@ class RespReader:
         n = int(rest)
         if n < 0:
             return None
+        self._allow(n)
         if n == head.nbytes + body.nbytes:
             self.read_into(head)
             self.read_into(body)
