@@ -372,3 +372,18 @@ def test_inspect_refuses_a_namespace_that_is_no_hex(tmp_path: Path) -> None:
     """Regression (review, 2026-12-02): ``inspect --namespace zz`` matched nothing, silently."""
     out = run("inspect", str(tmp_path), "--namespace", "zz")
     assert out.returncode == 2 and "--namespace" in out.stderr and "hex" in out.stderr
+
+
+def test_inspect_text_reports_a_namespace_directory_that_is_a_link(tmp_path: Path) -> None:
+    """Regression (review, 2026-12-03): a namespace directory that is a symbolic link was in
+    ``--json``'s ``unsafe_entries`` only; the text report said "0 namespace(s)" and nothing more."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root = tmp_path / "root"
+    root.mkdir()
+    link = root / ("0123456789abcdef" * 2)
+    link.symlink_to(outside)
+    out = run("inspect", str(root), "--verify")
+    assert f"{link}: a symbolic link" in out.stdout, out.stdout
+    assert "unsafe entries: 1" in out.stdout and "Traceback" not in out.stderr
+    assert link.is_symlink() and list(outside.iterdir()) == []

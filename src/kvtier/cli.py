@@ -1148,6 +1148,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict(), indent=2))
         return 0 if report.ok else 1
     print(f"{'s3' if is_s3 else 'fs'} tier {report.root}: {len(report.namespaces)} namespace(s)")
+    if report.unsafe_entries:  # e.g. a namespace directory that is a symbolic link: reported, never followed
+        print(f"  unsafe entries: {len(report.unsafe_entries)} (not directories of this user: never entered)")
+        for c in report.unsafe_entries[:20]:
+            print(f"    {c.path}: {c.reason}")
+        if len(report.unsafe_entries) > 20:
+            print(f"    ... {len(report.unsafe_entries) - 20} more")
     for ns in report.namespaces:
         info = ns.to_dict()
         print(f"  namespace {ns.digest}")
