@@ -179,6 +179,33 @@ def test_operations_metrics_table_matches_what_the_exporter_serves() -> None:
             )
 
 
+def test_store_dropped_is_documented_as_what_it_counts(tmp_path: Path) -> None:
+    """Regression (review, 2026-12-03): the troubleshooting table said ``store_dropped`` grows while a
+    breaker is open; it also counts stores shed at a full write queue, with the breaker closed."""
+    from kvtier import KVGeometry, Namespace, TieringManager
+
+    ns = Namespace("docs-shed", KVGeometry(num_layers=2, num_kv_heads=2, head_dim=64, tokens_per_block=16))
+    mgr = TieringManager.create(namespace=ns, num_cpu_blocks=256, shm_dir=tmp_path,
+                                tiers=[{"type": "memory", "max_queued_stores": 1}])  # fmt: skip
+    try:
+        for request in range(8):
+            keys = [bytes([request + 1, i + 1]) * 16 for i in range(16)]
+            mgr.prepare_store(keys)
+            mgr.complete_store(keys)
+            mgr.on_schedule_end()
+        tier = mgr.stats().tier("1:memory")
+    finally:
+        mgr.shutdown()
+    assert tier.health == "closed" and tier.failures["store_dropped"] > 0, (tier.health, tier.failures)
+    assert tier.failures["cascade_job_failed"] > 0  # the shed jobs are reported failed too
+    operations = (DOCS / "operations.md").read_text()
+    row = next(line for line in operations.splitlines() if line.startswith('| `failures_total{kind="store_dropped"}`'))
+    assert "breaker was open" in row and "max_queued_stores" in row and "cascade_job_failed" in row, row
+    metrics_row = _table_after(operations, "| metric (prefix `kvtier_`)")
+    failures = next(line for line in metrics_row if line.startswith("| `failures_total`"))
+    assert "max_queued_stores" in failures and "out of service" in failures, failures
+
+
 def _vllm_metric_names() -> dict[str, str]:
     """``vllm:kvtier_*`` family names the vLLM reporter declares -> kind, read from its source (no vLLM needed)."""
     tree = ast.parse((REPO / "src" / "kvtier" / "integrations" / "vllm" / "stats.py").read_text())
@@ -222,6 +249,27 @@ def test_grafana_dashboard_queries_only_series_vllm_exports() -> None:
     covered = {re.sub(r"_(total|bucket|sum|count)$", "", m) for m in used}
     missing = {n for n in declared if n not in covered and "extra" not in n}
     assert not missing, f"series without a panel: {sorted(missing)}"
+
+
+def test_grafana_dashboard_converted_as_documented_queries_only_series_kvtiers_exporter_serves() -> None:
+    """Regression (review, 2026-12-03): the two documented substitutions left the async-lookup panels on
+    ``kvtier_lookup_async_seconds``, which kvtier's exporter does not serve (it is ``kvtier_tier_lookup_...``)."""
+    text = " ".join((DOCS / "operations.md").read_text().split())
+    sentence = text[text.index("For kvtier's own exporter (") :].split(" in the queries.")[0]
+    substitutions = re.findall(r"`([^`]+)` by `([^`]+)`", sentence)
+    assert ("vllm:kvtier_", "kvtier_") in substitutions, sentence
+    dashboard = json.loads((DOCS / "grafana-kvtier.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    for old, new in substitutions:
+        exprs = [e.replace(old, new) for e in exprs]
+    used = {re.sub(r"_(bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"\bkvtier_[a-z_]+", e)}
+    assert used, "the dashboard queries nothing"
+    missing = used - set(_exported_metrics())
+    assert not missing, f"series kvtier's exporter does not serve: {sorted(missing)}"
+    # kvtier's exporter has no model_name label: the variable lists nothing and must match every series.
+    model = next(v for v in dashboard["templating"]["list"] if v["name"] == "model_name")
+    assert model["includeAll"] and model["allValue"] == ".*"
 
 
 def test_architecture_page_lists_the_layers_contract_of_pyproject() -> None:
