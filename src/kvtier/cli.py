@@ -735,10 +735,11 @@ def _check_replay_fs_root(fs_root: str) -> None:
 def _replay_fs_dir(fs_root: str) -> Any:
     """A fresh lock-held directory under ``fs_root`` for this replay's fs tiers (stale ones swept first)."""
     from kvtier.tempdir import LockedTempDir, sweep_stale_temp_dirs
+    from kvtier.tiers.fs_files import FileModes, make_dirs
 
     _check_replay_fs_root(fs_root)
     try:
-        os.makedirs(fs_root, exist_ok=True)
+        make_dirs(Path(fs_root), FileModes.for_group(None))  # what is missing: 0700, as the fs tier makes it
         for stale in sweep_stale_temp_dirs(REPLAY_DIR_PREFIX, fs_root, remove=True):
             logger.info("removed %s left by a replay that died", stale.path)
         return LockedTempDir(REPLAY_DIR_PREFIX, fs_root)
