@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.policies import DEFAULT_POLICY
+
 REPO = Path(__file__).resolve().parents[1]
 REAL_TRACE = REPO / ".." / "shared" / "traces" / "conversation_trace.jsonl"
 _SCRIPT = Path(sys.executable).parent / "kvtier"
@@ -135,7 +137,7 @@ def test_replay_real_trace_acceptance(tmp_path: Path, private_shm: Path) -> None
     assert out.returncode == 0, out.stderr
     assert "12031 requests, 288500 block references" in out.stdout
     assert "unbounded cache prefix-hit rate: 36.6%" in out.stdout
-    m = re.search(r"capacity 9139: kvtier ([\d.]+)%\s+belady ([\d.]+)%\s+unbounded ([\d.]+)%", out.stdout)
+    m = re.search(r"capacity 9139: lru ([\d.]+)%\s+belady ([\d.]+)%\s+unbounded ([\d.]+)%", out.stdout)
     assert m, out.stdout
     kvtier, belady, unbounded = (float(g) for g in m.groups())
     assert kvtier == pytest.approx(19.5, abs=0.5)
@@ -157,8 +159,11 @@ def test_replay_capacity_sweep_on_a_small_trace(tmp_path: Path, private_shm: Pat
     # 15 refs; unbounded hits: [0,1] + [] + [0,1,2] + [4,5] = 7
     assert "5 requests, 15 block references, 8 distinct blocks" in out.stdout
     assert "unbounded cache prefix-hit rate: 46.7%" in out.stdout
-    assert "capacity 100: kvtier 46.67%  belady 46.67%  unbounded 46.67%" in out.stdout
-    assert "capacity 2: kvtier 13.33%  belady 26.67%  unbounded 46.67%" in out.stdout
+    # Regression (review, 2026-12-03): with one --policy the lines named it "kvtier", not the policy that ran.
+    assert "capacity 100: lru 46.67%  belady 46.67%  unbounded 46.67%" in out.stdout
+    assert "capacity 2: lru 13.33%  belady 26.67%  unbounded 46.67%" in out.stdout
+    out = run("replay", str(trace), "--capacity", "2", "--shm-dir", str(private_shm))  # the default policy
+    assert re.search(rf"^capacity 2: {re.escape(DEFAULT_POLICY)} [\d.]+%  belady", out.stdout, re.M), out.stdout
     out = run("replay", str(trace), "--capacity", "0")
     assert out.returncode == 2 and "positive block counts" in out.stderr
     bad = tmp_path / "bad.jsonl"

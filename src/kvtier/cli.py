@@ -830,14 +830,13 @@ def _print_replay(
             row["capacity_bytes"] = row["capacity"] * block[0]
     named = f"policy {args.policy[0]}" if len(args.policy) == 1 else f"policies {', '.join(args.policy)}"
     out.print(replay_table(rows, f"prefix-hit rate vs CPU capacity ({named})", None if block is None else block[0]))
-    single = len(args.policy) == 1
     for row in rows:
         bel = row["belady"]
         belady_text = "-" if bel is None else f"{100 * bel['hit_rate']:.2f}%"
         for name in args.policy:
             kv = row["policies"][name]
             out.print(
-                f"capacity {row['capacity']}: {'kvtier' if single else name} {100 * kv['hit_rate']:.2f}%  "
+                f"capacity {row['capacity']}: {name} {100 * kv['hit_rate']:.2f}%  "
                 f"belady {belady_text}  unbounded {100 * row['unbounded']['hit_rate']:.2f}%  "
                 f"({kv['ratio_to_lru']:.3f}x lru, {kv['self_evictions']} self-evicted)" + _tier_writes(kv),
                 highlight=False, soft_wrap=True,
