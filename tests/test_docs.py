@@ -272,6 +272,27 @@ def test_grafana_dashboard_converted_as_documented_queries_only_series_kvtiers_e
     assert model["includeAll"] and model["allValue"] == ".*"
 
 
+def test_every_class_and_function_in_the_api_reference_has_its_own_docstring() -> None:
+    """Regression (review, 2026-12-03): ``::: kvtier.policies.EvictionPolicy`` rendered a class
+    without a description (the class to subclass for ``policy: package.module:Class``)."""
+    import importlib
+    import inspect
+
+    names = re.findall(r"^::: ([\w.]+)", (DOCS / "api.md").read_text(), re.M)
+    assert "kvtier.policies.EvictionPolicy" in names
+    bare = []
+    for name in names:
+        module, _, attr = name.rpartition(".")
+        try:
+            obj: Any = importlib.import_module(name)
+        except ImportError:
+            obj = getattr(importlib.import_module(module), attr)
+        doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else obj.__doc__
+        if not (doc or "").strip():
+            bare.append(name)
+    assert not bare, f"no docstring of their own: {bare}"
+
+
 def test_architecture_page_lists_the_layers_contract_of_pyproject() -> None:
     contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
     layers = next(c["layers"] for c in contracts if c["type"] == "layers")
