@@ -332,7 +332,8 @@ def _bench_config(args: argparse.Namespace) -> KvtierConfig:
         "cpu_bytes": args.cpu_bytes, "policy": args.policy, "model": args.model, "shm_dir": args.shm_dir,
         "geometry": None if args.tokens_per_block is None else {"tokens_per_block": args.tokens_per_block},
     }  # fmt: skip
-    return load_config(args.config, cli=flags, defaults=BENCH_DEFAULTS, defaults_source="kvtier bench default")
+    return load_config(args.config, cli=flags, cli_flags={"geometry": "--tokens-per-block"}, defaults=BENCH_DEFAULTS,
+                       defaults_source="kvtier bench default")  # fmt: skip
 
 
 def _extra_bench_tiers(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -604,7 +605,7 @@ def _add_replay(sub: Any) -> None:
     p.add_argument(
         "--hints", action="store_true",
         help="with --synthetic: each request of a session carries the hints its client knows (kvtier_session, "
-        "kvtier_session_end, kvtier_expected_return_s; README 'Per-request keys'); a trace has no sessions",
+        "kvtier_session_end, kvtier_expected_return_s; docs/vllm.md 'Per-request keys'); a trace has no sessions",
     )  # fmt: skip
     p.add_argument(
         "--key-seed", type=_int_in(0, 2**31 - 1), default=0, metavar="N",
@@ -1331,6 +1332,23 @@ def _innermost_parser(parser: argparse.ArgumentParser, args: argparse.Namespace)
     return parser
 
 
+def _unknown_before_the_command(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """Options ``kvtier`` itself does not know, given before any subcommand (``kvtier --bogus``).
+
+    Empty when a subcommand follows: its parser then names what it does not know.
+    """
+    known = [option for action in parser._actions for option in action.option_strings]
+    unknown = []
+    for arg in argv:
+        if not arg.startswith("-") or arg == "-":
+            return []
+        name = arg.split("=", 1)[0]
+        abbreviates = name.startswith("--") and any(option.startswith(name) for option in known)  # --vers
+        if name not in known and not abbreviates and not re.fullmatch(r"-v+", name):
+            unknown.append(arg)
+    return unknown
+
+
 def _verbosity(args: argparse.Namespace) -> int:
     """How many ``-v`` were given, before and after the subcommands."""
     return int(args.verbose) + sum(int(v) for k, v in vars(args).items() if k.startswith("verbose_"))
@@ -1364,6 +1382,9 @@ def _say_error(command: str, text: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvtier`` console script; returns the exit status."""
     parser = build_parser()
+    before = _unknown_before_the_command(parser, sys.argv[1:] if argv is None else list(argv))
+    if before:  # argparse would only say that a subcommand is required
+        parser.error(f"unrecognized arguments: {' '.join(before)}")
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the subcommand's own parser, which names its --help
         _innermost_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
