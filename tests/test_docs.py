@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -232,6 +233,37 @@ def test_vllm_metrics_table_names_every_series_the_reporter_declares() -> None:
     declared = _vllm_metric_names()
     expected = {n + "_total" if kind == "counter" else n for n, kind in declared.items()}
     assert documented == expected, documented ^ expected
+
+
+def test_families_vllm_does_not_serve_are_named_as_kvtiers_exporters_only() -> None:
+    """Regression (review, 2026-12-03): the docs said vLLM's /metrics has "the same figures", but the
+    admission and policy families are not declared by the vLLM reporter."""
+    text = " ".join((DOCS / "operations.md").read_text().split())
+    only = text[text.index("Only in kvtier's exporter:") :].split(". ")[0]
+    in_vllm = {"kvtier_" + re.sub(r"^vllm:kvtier_", "", name) for name in _vllm_metric_names()}
+    in_vllm |= {name.replace("kvtier_lookup", "kvtier_tier_lookup") for name in in_vllm}
+    absent = {re.sub(r"_total$", "", name) for name in _exported_metrics()} - in_vllm
+    assert absent, "every family is under vLLM too: drop the sentence"
+    for name in sorted(absent):
+        short = name.removeprefix("kvtier_")
+        prefix = short.split("_")[0]
+        assert f"`{short}`" in only or f"`{prefix}_*`" in only, f"{name} is not named as exporter-only: {only}"
+
+
+def test_the_masks_of_secrets_are_the_ones_config_show_prints() -> None:
+    """Regression (review, 2026-12-03): the S3 keys are shown as ``**********`` (pydantic's SecretStr),
+    the docs said ``***`` for every secret."""
+    tiers = json.dumps([{"type": "s3", "bucket": "bkt", "endpoint": "http://127.0.0.1:9", "allow_http": True,
+                         "access_key_id": "AKIAEXAMPLE", "secret_access_key": "sekrit"},
+                        {"type": "redis", "url": "redis://user:hunter2@127.0.0.1:9"}])  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "config", "show", "--tiers", tiers],
+                         capture_output=True, text=True, timeout=60, check=False, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "AKIAEXAMPLE" not in out.stdout and "sekrit" not in out.stdout and "hunter2" not in out.stdout
+    assert '"secret_access_key": "**********"' in out.stdout and "user:***@" in out.stdout, out.stdout
+    text = " ".join((DOCS / "operations.md").read_text().split())
+    assert "show `***` (the S3 keys `**********`)" in text
 
 
 def test_grafana_dashboard_queries_only_series_vllm_exports() -> None:
