@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.policies import DEFAULT_POLICY
+
 REPO = Path(__file__).resolve().parents[1]
 REAL_TRACE = REPO / ".." / "shared" / "traces" / "conversation_trace.jsonl"
 _SCRIPT = Path(sys.executable).parent / "kvtier"
@@ -135,7 +137,7 @@ def test_replay_real_trace_acceptance(tmp_path: Path, private_shm: Path) -> None
     assert out.returncode == 0, out.stderr
     assert "12031 requests, 288500 block references" in out.stdout
     assert "unbounded cache prefix-hit rate: 36.6%" in out.stdout
-    m = re.search(r"capacity 9139: kvtier ([\d.]+)%\s+belady ([\d.]+)%\s+unbounded ([\d.]+)%", out.stdout)
+    m = re.search(r"capacity 9139: lru ([\d.]+)%\s+belady ([\d.]+)%\s+unbounded ([\d.]+)%", out.stdout)
     assert m, out.stdout
     kvtier, belady, unbounded = (float(g) for g in m.groups())
     assert kvtier == pytest.approx(19.5, abs=0.5)
@@ -157,8 +159,11 @@ def test_replay_capacity_sweep_on_a_small_trace(tmp_path: Path, private_shm: Pat
     # 15 refs; unbounded hits: [0,1] + [] + [0,1,2] + [4,5] = 7
     assert "5 requests, 15 block references, 8 distinct blocks" in out.stdout
     assert "unbounded cache prefix-hit rate: 46.7%" in out.stdout
-    assert "capacity 100: kvtier 46.67%  belady 46.67%  unbounded 46.67%" in out.stdout
-    assert "capacity 2: kvtier 13.33%  belady 26.67%  unbounded 46.67%" in out.stdout
+    # Regression (review, 2026-12-03): with one --policy the lines named it "kvtier", not the policy that ran.
+    assert "capacity 100: lru 46.67%  belady 46.67%  unbounded 46.67%" in out.stdout
+    assert "capacity 2: lru 13.33%  belady 26.67%  unbounded 46.67%" in out.stdout
+    out = run("replay", str(trace), "--capacity", "2", "--shm-dir", str(private_shm))  # the default policy
+    assert re.search(rf"^capacity 2: {re.escape(DEFAULT_POLICY)} [\d.]+%  belady", out.stdout, re.M), out.stdout
     out = run("replay", str(trace), "--capacity", "0")
     assert out.returncode == 2 and "positive block counts" in out.stderr
     bad = tmp_path / "bad.jsonl"
@@ -338,16 +343,27 @@ def test_usage_errors_exit_2() -> None:
     assert run("config").returncode == 2
 
 
-def test_closed_stdout_pipe_is_not_a_traceback() -> None:
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["config", "show"],
+        # Regression: the tables print through rich, whose own broken-pipe handling exited 1 silently.
+        TINY_BENCH,
+        ["replay", "--synthetic", "chat", "--requests", "100", "--capacity", "5%", "--no-progress"],
+    ],
+    ids=["config-show", "bench", "replay"],
+)
+def test_closed_stdout_pipe_is_not_a_traceback(args: list[str], private_shm: Path) -> None:
     """Regression: `kvtier config show | head -2` printed a BrokenPipeError traceback."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    proc = subprocess.Popen([*KVTIER, "config", "show"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    env["KVTIER_SHM_DIR"] = str(private_shm)
+    proc = subprocess.Popen([*KVTIER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO)
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()  # the reader is gone before the first write
     stderr = proc.stderr.read().decode()
     proc.stderr.close()
-    assert proc.wait(timeout=60) == 141
-    assert "Traceback" not in stderr, stderr
+    assert proc.wait(timeout=120) == 141, stderr
+    assert "Traceback" not in stderr and "error" not in stderr, stderr
 
 
 def test_bench_with_the_memory_tier(private_shm: Path) -> None:
@@ -361,3 +377,18 @@ def test_inspect_refuses_a_namespace_that_is_no_hex(tmp_path: Path) -> None:
     """Regression (review, 2026-12-02): ``inspect --namespace zz`` matched nothing, silently."""
     out = run("inspect", str(tmp_path), "--namespace", "zz")
     assert out.returncode == 2 and "--namespace" in out.stderr and "hex" in out.stderr
+
+
+def test_inspect_text_reports_a_namespace_directory_that_is_a_link(tmp_path: Path) -> None:
+    """Regression (review, 2026-12-03): a namespace directory that is a symbolic link was in
+    ``--json``'s ``unsafe_entries`` only; the text report said "0 namespace(s)" and nothing more."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root = tmp_path / "root"
+    root.mkdir()
+    link = root / ("0123456789abcdef" * 2)
+    link.symlink_to(outside)
+    out = run("inspect", str(root), "--verify")
+    assert f"{link}: a symbolic link" in out.stdout, out.stdout
+    assert "unsafe entries: 1" in out.stdout and "Traceback" not in out.stderr
+    assert link.is_symlink() and list(outside.iterdir()) == []

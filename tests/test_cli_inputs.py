@@ -568,3 +568,43 @@ def test_error_lines_name_each_cause_without_errno_text() -> None:
                         "no wrong bytes)")  # fmt: skip
     assert lines[2:] == ["fs tier failed: store failed: Permission denied: '/kv/ab'",
                          "s3 tier failed: request timed out"]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- messages name what was given
+
+
+@pytest.mark.parametrize("args", [["--bogus"], ["-v", "--bogus"], ["-x"]])
+def test_an_unknown_option_before_any_subcommand_is_named(args: list[str]) -> None:
+    """Regression (review, 2026-12-03): ``kvtier --bogus`` said only that a subcommand is required."""
+    line = one_line_error(run(*args))
+    assert f"unrecognized arguments: {args[-1]}" in line and "kvtier --help" in line, line
+
+
+def test_bench_names_the_flag_that_set_the_geometry(private_shm: Path) -> None:
+    """Regression (review, 2026-12-03): ``--tokens-per-block`` was reported as "CLI flag --geometry",
+    a flag ``kvtier bench`` does not have."""
+    out = run("bench", *TINY, "--tokens-per-block", "32", "--shm-dir", str(private_shm))
+    assert out.returncode == 0, out.stderr
+    assert "geometry (CLI flag --tokens-per-block)" in out.stderr and "--geometry" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "flag", "where"),
+    [
+        ({"KVTIER_CPU_BYTES": "64TiB"}, [], "KVTIER_CPU_BYTES"),
+        ({}, ["--cpu-bytes", "64TiB"], "--cpu-bytes"),
+        ({"KVTIER_NUM_CPU_BLOCKS": str(2**32)}, [], "KVTIER_NUM_CPU_BLOCKS"),
+    ],
+)
+def test_the_memory_budget_names_where_the_cpu_size_came_from(env: dict[str, str], flag: list[str], where: str) -> None:
+    """Regression (review, 2026-12-03): a size from the environment was blamed on --cpu-bytes, no flag given."""
+    line = one_line_error(run("bench", "--no-progress", *flag, env=env))
+    assert re.search(rf"CPU tier [\d.]+ TiB \({where}\)", line), line
+    assert line.endswith(f"lower {where} or --device-blocks"), line
+
+
+def test_replay_hints_help_points_at_a_section_that_exists() -> None:
+    """Regression (review, 2026-12-03): the help named "README 'Per-request keys'", a section the README lost."""
+    out = run("replay", "--help", env={"COLUMNS": "400"})
+    assert "docs/vllm.md 'Per-request keys'" in out.stdout and "README 'Per" not in out.stdout, out.stdout
+    assert "## Per-request keys" in (REPO / "docs" / "vllm.md").read_text()

@@ -152,6 +152,18 @@ def test_replay_plot_with_an_fs_tier_and_to_stdout(tmp_path: Path, private_shm: 
     assert b"prefix-hit rate vs CPU capacity" in out.stderr  # the tables moved to stderr
 
 
+def test_replay_makes_a_missing_fs_root_private(tmp_path: Path, private_shm: Path) -> None:
+    """Regression (review, 2026-12-03): a missing --fs-root (and its parents) was made 0755."""
+    old = os.umask(0o022)
+    try:
+        out = run(*SMALL, "--requests", "40", "--fs-root", str(tmp_path / "a" / "fs"), "--shm-dir", str(private_shm),
+                  "--no-progress")  # fmt: skip
+    finally:
+        os.umask(old)
+    assert out.returncode == 0, out.stderr
+    assert [oct((tmp_path / p).stat().st_mode & 0o7777) for p in ("a", "a/fs")] == [oct(0o700)] * 2
+
+
 def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
     blocker = tmp_path / "no-matplotlib" / "matplotlib"
     blocker.mkdir(parents=True)

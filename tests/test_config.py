@@ -47,6 +47,10 @@ def write(tmp_path: Path, name: str, text: str) -> str:
         ("4096", 4096),
         (4096, 4096),
         (8.0, 8),
+        # Regression (review, 2026-12-03): sizes go "up to 8 EiB", but EiB was not a unit.
+        ("7EiB", 7 * 2**60),
+        ("1E", 2**60),
+        ("1EB", 10**18),
     ],
 )
 def test_parse_size_accepts_units(text: str | int | float, expected: int) -> None:
@@ -225,6 +229,9 @@ def test_unknown_env_var_is_ignored_with_a_warning(caplog: pytest.LogCaptureFixt
         ({"tiers": '[{"type": "redis", "url": "redis://x", "ttl_seconds": 0}]'}, {}, ["ttl_seconds"]),
         ({"tiers": '[{"type": "redis", "url": "redis://x", "io_thread": 2}]'}, {}, ["'io_thread'", "'io_threads'"]),
         ({"cpu_byte": 1}, {}, ["'cpu_byte'", "did you mean 'cpu_bytes'"]),
+        # Regression (review, 2026-12-03): 0 was accepted and made every shutdown with a secondary tier fail.
+        ({"shutdown_timeout": 0}, {}, ["shutdown_timeout", "from CLI flag", "greater than 0"]),
+        ({}, {"KVTIER_SHUTDOWN_TIMEOUT": "0"}, ["shutdown_timeout", "KVTIER_SHUTDOWN_TIMEOUT", "greater than 0"]),
     ],
 )
 def test_validation_errors_name_field_and_fix(cli: dict[str, object], env: dict[str, str], expected: list[str]) -> None:

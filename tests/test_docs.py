@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -179,6 +180,33 @@ def test_operations_metrics_table_matches_what_the_exporter_serves() -> None:
             )
 
 
+def test_store_dropped_is_documented_as_what_it_counts(tmp_path: Path) -> None:
+    """Regression (review, 2026-12-03): the troubleshooting table said ``store_dropped`` grows while a
+    breaker is open; it also counts stores shed at a full write queue, with the breaker closed."""
+    from kvtier import KVGeometry, Namespace, TieringManager
+
+    ns = Namespace("docs-shed", KVGeometry(num_layers=2, num_kv_heads=2, head_dim=64, tokens_per_block=16))
+    mgr = TieringManager.create(namespace=ns, num_cpu_blocks=256, shm_dir=tmp_path,
+                                tiers=[{"type": "memory", "max_queued_stores": 1}])  # fmt: skip
+    try:
+        for request in range(8):
+            keys = [bytes([request + 1, i + 1]) * 16 for i in range(16)]
+            mgr.prepare_store(keys)
+            mgr.complete_store(keys)
+            mgr.on_schedule_end()
+        tier = mgr.stats().tier("1:memory")
+    finally:
+        mgr.shutdown()
+    assert tier.health == "closed" and tier.failures["store_dropped"] > 0, (tier.health, tier.failures)
+    assert tier.failures["cascade_job_failed"] > 0  # the shed jobs are reported failed too
+    operations = (DOCS / "operations.md").read_text()
+    row = next(line for line in operations.splitlines() if line.startswith('| `failures_total{kind="store_dropped"}`'))
+    assert "breaker was open" in row and "max_queued_stores" in row and "cascade_job_failed" in row, row
+    metrics_row = _table_after(operations, "| metric (prefix `kvtier_`)")
+    failures = next(line for line in metrics_row if line.startswith("| `failures_total`"))
+    assert "max_queued_stores" in failures and "out of service" in failures, failures
+
+
 def _vllm_metric_names() -> dict[str, str]:
     """``vllm:kvtier_*`` family names the vLLM reporter declares -> kind, read from its source (no vLLM needed)."""
     tree = ast.parse((REPO / "src" / "kvtier" / "integrations" / "vllm" / "stats.py").read_text())
@@ -207,6 +235,37 @@ def test_vllm_metrics_table_names_every_series_the_reporter_declares() -> None:
     assert documented == expected, documented ^ expected
 
 
+def test_families_vllm_does_not_serve_are_named_as_kvtiers_exporters_only() -> None:
+    """Regression (review, 2026-12-03): the docs said vLLM's /metrics has "the same figures", but the
+    admission and policy families are not declared by the vLLM reporter."""
+    text = " ".join((DOCS / "operations.md").read_text().split())
+    only = text[text.index("Only in kvtier's exporter:") :].split(". ")[0]
+    in_vllm = {"kvtier_" + re.sub(r"^vllm:kvtier_", "", name) for name in _vllm_metric_names()}
+    in_vllm |= {name.replace("kvtier_lookup", "kvtier_tier_lookup") for name in in_vllm}
+    absent = {re.sub(r"_total$", "", name) for name in _exported_metrics()} - in_vllm
+    assert absent, "every family is under vLLM too: drop the sentence"
+    for name in sorted(absent):
+        short = name.removeprefix("kvtier_")
+        prefix = short.split("_")[0]
+        assert f"`{short}`" in only or f"`{prefix}_*`" in only, f"{name} is not named as exporter-only: {only}"
+
+
+def test_the_masks_of_secrets_are_the_ones_config_show_prints() -> None:
+    """Regression (review, 2026-12-03): the S3 keys are shown as ``**********`` (pydantic's SecretStr),
+    the docs said ``***`` for every secret."""
+    tiers = json.dumps([{"type": "s3", "bucket": "bkt", "endpoint": "http://127.0.0.1:9", "allow_http": True,
+                         "access_key_id": "AKIAEXAMPLE", "secret_access_key": "sekrit"},
+                        {"type": "redis", "url": "redis://user:hunter2@127.0.0.1:9"}])  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "config", "show", "--tiers", tiers],
+                         capture_output=True, text=True, timeout=60, check=False, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "AKIAEXAMPLE" not in out.stdout and "sekrit" not in out.stdout and "hunter2" not in out.stdout
+    assert '"secret_access_key": "**********"' in out.stdout and "user:***@" in out.stdout, out.stdout
+    text = " ".join((DOCS / "operations.md").read_text().split())
+    assert "show `***` (the S3 keys `**********`)" in text
+
+
 def test_grafana_dashboard_queries_only_series_vllm_exports() -> None:
     dashboard = json.loads((DOCS / "grafana-kvtier.json").read_text())
     declared = _vllm_metric_names()
@@ -222,6 +281,48 @@ def test_grafana_dashboard_queries_only_series_vllm_exports() -> None:
     covered = {re.sub(r"_(total|bucket|sum|count)$", "", m) for m in used}
     missing = {n for n in declared if n not in covered and "extra" not in n}
     assert not missing, f"series without a panel: {sorted(missing)}"
+
+
+def test_grafana_dashboard_converted_as_documented_queries_only_series_kvtiers_exporter_serves() -> None:
+    """Regression (review, 2026-12-03): the two documented substitutions left the async-lookup panels on
+    ``kvtier_lookup_async_seconds``, which kvtier's exporter does not serve (it is ``kvtier_tier_lookup_...``)."""
+    text = " ".join((DOCS / "operations.md").read_text().split())
+    sentence = text[text.index("For kvtier's own exporter (") :].split(" in the queries.")[0]
+    substitutions = re.findall(r"`([^`]+)` by `([^`]+)`", sentence)
+    assert ("vllm:kvtier_", "kvtier_") in substitutions, sentence
+    dashboard = json.loads((DOCS / "grafana-kvtier.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    for old, new in substitutions:
+        exprs = [e.replace(old, new) for e in exprs]
+    used = {re.sub(r"_(bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"\bkvtier_[a-z_]+", e)}
+    assert used, "the dashboard queries nothing"
+    missing = used - set(_exported_metrics())
+    assert not missing, f"series kvtier's exporter does not serve: {sorted(missing)}"
+    # kvtier's exporter has no model_name label: the variable lists nothing and must match every series.
+    model = next(v for v in dashboard["templating"]["list"] if v["name"] == "model_name")
+    assert model["includeAll"] and model["allValue"] == ".*"
+
+
+def test_every_class_and_function_in_the_api_reference_has_its_own_docstring() -> None:
+    """Regression (review, 2026-12-03): ``::: kvtier.policies.EvictionPolicy`` rendered a class
+    without a description (the class to subclass for ``policy: package.module:Class``)."""
+    import importlib
+    import inspect
+
+    names = re.findall(r"^::: ([\w.]+)", (DOCS / "api.md").read_text(), re.M)
+    assert "kvtier.policies.EvictionPolicy" in names
+    bare = []
+    for name in names:
+        module, _, attr = name.rpartition(".")
+        try:
+            obj: Any = importlib.import_module(name)
+        except ImportError:
+            obj = getattr(importlib.import_module(module), attr)
+        doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else obj.__doc__
+        if not (doc or "").strip():
+            bare.append(name)
+    assert not bare, f"no docstring of their own: {bare}"
 
 
 def test_architecture_page_lists_the_layers_contract_of_pyproject() -> None:

@@ -53,8 +53,8 @@ def test_sizes_are_exact_integers(text: str | int | float, expected: int) -> Non
     [
         (HUGE, "(401 characters) is above the largest size kvtier accepts, 8 EiB"),
         ("9223372036854775808", "above the largest size"),
-        ("8EiB", "is not understood"),
         ("8192PiB", "above the largest size"),
+        ("8EiB", "above the largest size"),  # 8 EiB is one byte above the largest offset
         ("1" + "0" * 40 + "KiB", "above the largest size"),
         ("0." + "1" * 60, "above the largest size"),  # more digits than any size has: refused before converting
         (10**400, "above the largest size"),
@@ -143,7 +143,7 @@ def test_no_deadline_has_a_documented_spelling_in_text_and_files(tmp_path: Path,
     assert load_config(env={"KVTIER_SHUTDOWN_TIMEOUT": ""}).shutdown_timeout == 120.0  # empty = unset
 
 
-@pytest.mark.parametrize("value", ["0", "1e-300", "0.5", str(MAX_SECONDS)])
+@pytest.mark.parametrize("value", ["1e-300", "0.5", str(MAX_SECONDS)])
 def test_tiny_and_bounded_durations_are_accepted_as_given(value: str) -> None:
     assert load_config(env={"KVTIER_SHUTDOWN_TIMEOUT": value}).shutdown_timeout == float(value)
 

@@ -332,7 +332,8 @@ def _bench_config(args: argparse.Namespace) -> KvtierConfig:
         "cpu_bytes": args.cpu_bytes, "policy": args.policy, "model": args.model, "shm_dir": args.shm_dir,
         "geometry": None if args.tokens_per_block is None else {"tokens_per_block": args.tokens_per_block},
     }  # fmt: skip
-    return load_config(args.config, cli=flags, defaults=BENCH_DEFAULTS, defaults_source="kvtier bench default")
+    return load_config(args.config, cli=flags, cli_flags={"geometry": "--tokens-per-block"}, defaults=BENCH_DEFAULTS,
+                       defaults_source="kvtier bench default")  # fmt: skip
 
 
 def _extra_bench_tiers(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -604,7 +605,7 @@ def _add_replay(sub: Any) -> None:
     p.add_argument(
         "--hints", action="store_true",
         help="with --synthetic: each request of a session carries the hints its client knows (kvtier_session, "
-        "kvtier_session_end, kvtier_expected_return_s; README 'Per-request keys'); a trace has no sessions",
+        "kvtier_session_end, kvtier_expected_return_s; docs/vllm.md 'Per-request keys'); a trace has no sessions",
     )  # fmt: skip
     p.add_argument(
         "--key-seed", type=_int_in(0, 2**31 - 1), default=0, metavar="N",
@@ -735,10 +736,11 @@ def _check_replay_fs_root(fs_root: str) -> None:
 def _replay_fs_dir(fs_root: str) -> Any:
     """A fresh lock-held directory under ``fs_root`` for this replay's fs tiers (stale ones swept first)."""
     from kvtier.tempdir import LockedTempDir, sweep_stale_temp_dirs
+    from kvtier.tiers.fs_files import FileModes, make_dirs
 
     _check_replay_fs_root(fs_root)
     try:
-        os.makedirs(fs_root, exist_ok=True)
+        make_dirs(Path(fs_root), FileModes.for_group(None))  # what is missing: 0700, as the fs tier makes it
         for stale in sweep_stale_temp_dirs(REPLAY_DIR_PREFIX, fs_root, remove=True):
             logger.info("removed %s left by a replay that died", stale.path)
         return LockedTempDir(REPLAY_DIR_PREFIX, fs_root)
@@ -829,14 +831,13 @@ def _print_replay(
             row["capacity_bytes"] = row["capacity"] * block[0]
     named = f"policy {args.policy[0]}" if len(args.policy) == 1 else f"policies {', '.join(args.policy)}"
     out.print(replay_table(rows, f"prefix-hit rate vs CPU capacity ({named})", None if block is None else block[0]))
-    single = len(args.policy) == 1
     for row in rows:
         bel = row["belady"]
         belady_text = "-" if bel is None else f"{100 * bel['hit_rate']:.2f}%"
         for name in args.policy:
             kv = row["policies"][name]
             out.print(
-                f"capacity {row['capacity']}: {'kvtier' if single else name} {100 * kv['hit_rate']:.2f}%  "
+                f"capacity {row['capacity']}: {name} {100 * kv['hit_rate']:.2f}%  "
                 f"belady {belady_text}  unbounded {100 * row['unbounded']['hit_rate']:.2f}%  "
                 f"({kv['ratio_to_lru']:.3f}x lru, {kv['self_evictions']} self-evicted)" + _tier_writes(kv),
                 highlight=False, soft_wrap=True,
@@ -1148,6 +1149,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict(), indent=2))
         return 0 if report.ok else 1
     print(f"{'s3' if is_s3 else 'fs'} tier {report.root}: {len(report.namespaces)} namespace(s)")
+    if report.unsafe_entries:  # e.g. a namespace directory that is a symbolic link: reported, never followed
+        print(f"  unsafe entries: {len(report.unsafe_entries)} (not directories of this user: never entered)")
+        for c in report.unsafe_entries[:20]:
+            print(f"    {c.path}: {c.reason}")
+        if len(report.unsafe_entries) > 20:
+            print(f"    ... {len(report.unsafe_entries) - 20} more")
     for ns in report.namespaces:
         info = ns.to_dict()
         print(f"  namespace {ns.digest}")
@@ -1325,6 +1332,23 @@ def _innermost_parser(parser: argparse.ArgumentParser, args: argparse.Namespace)
     return parser
 
 
+def _unknown_before_the_command(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """Options ``kvtier`` itself does not know, given before any subcommand (``kvtier --bogus``).
+
+    Empty when a subcommand follows: its parser then names what it does not know.
+    """
+    known = [option for action in parser._actions for option in action.option_strings]
+    unknown = []
+    for arg in argv:
+        if not arg.startswith("-") or arg == "-":
+            return []
+        name = arg.split("=", 1)[0]
+        abbreviates = name.startswith("--") and any(option.startswith(name) for option in known)  # --vers
+        if name not in known and not abbreviates and not re.fullmatch(r"-v+", name):
+            unknown.append(arg)
+    return unknown
+
+
 def _verbosity(args: argparse.Namespace) -> int:
     """How many ``-v`` were given, before and after the subcommands."""
     return int(args.verbose) + sum(int(v) for k, v in vars(args).items() if k.startswith("verbose_"))
@@ -1358,6 +1382,9 @@ def _say_error(command: str, text: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvtier`` console script; returns the exit status."""
     parser = build_parser()
+    before = _unknown_before_the_command(parser, sys.argv[1:] if argv is None else list(argv))
+    if before:  # argparse would only say that a subcommand is required
+        parser.error(f"unrecognized arguments: {' '.join(before)}")
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the subcommand's own parser, which names its --help
         _innermost_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")

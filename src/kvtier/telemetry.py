@@ -308,7 +308,8 @@ class TierSnapshot:
     ``promotion_job_failed`` (jobs the tier reported failed, partly or wholly),
     ``submit_error`` (the tier refused a job), ``call_error`` (a scheduler-side
     call raised), and the tier's own block counts ``store_failed``,
-    ``load_failed``, ``store_dropped`` (shed: queue full or out of service) and
+    ``load_failed``, ``store_dropped`` (shed before any write: out of service, queue
+    full, or no room while every evictable value is being read) and
     ``corrupt_value``; for the CPU tier ``store_failed`` (device stores reported
     failed), ``store_rejected`` (no room) and ``promotion_alloc_failed``.
 

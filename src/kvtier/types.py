@@ -13,7 +13,23 @@ PRIMARY_LABEL = "0:primary"
 
 
 def tier_label(index: int, tier_type: str) -> str:
-    """The one label scheme used everywhere: ``"0:primary"`` or ``"<n>:<type>"`` for secondary tier n."""
+    """The one label scheme used everywhere: ``"0:primary"`` or ``"<n>:<type>"`` for secondary tier n.
+
+    ``index`` is 0 (the CPU tier, whose ``tier_type`` is ``"primary"``) or n >= 1 (the n-th
+    secondary tier, whose ``tier_type`` is its registry name or import path, never empty
+    and never ``"primary"``). Anything else names no tier: ValueError, naming the value.
+    """
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(
+            f"tier index {index!r} names no tier: give 0 (the CPU tier) or n >= 1 (the n-th secondary tier)"
+        )
+    if not isinstance(tier_type, str) or not tier_type.strip():
+        raise ValueError(f"tier type {tier_type!r} is empty or not a string: give the tier's type, e.g. 'fs'")
+    if (index == 0) != (tier_type == "primary"):
+        raise ValueError(
+            f"tier {index} of type {tier_type!r} is no tier: index 0 is the CPU tier (type 'primary') "
+            "and only it has that type"
+        )
     return PRIMARY_LABEL if index == 0 else f"{index}:{tier_type}"
 
 

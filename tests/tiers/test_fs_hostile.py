@@ -261,6 +261,34 @@ def test_files_and_directories_are_private_by_default(tmp_path: Path, rows: np.n
     assert dirs == {0o700} and files == {0o600}, (dirs, files)
 
 
+def test_a_missing_root_and_its_parents_are_made_private_and_an_existing_one_is_left_alone(
+    tmp_path: Path, rows: np.ndarray
+) -> None:
+    """Regression (review, 2026-12-03): the root and its missing parents were made 0755 (``mkdir -p``),
+    so every user could list the namespace digests; the docs say the tier creates directories 0700."""
+    existing = tmp_path / "existing"
+    existing.mkdir(mode=0o755)
+    os.chmod(existing, 0o755)  # the user's own directory: kvtier never changes its mode
+    old = os.umask(0o022)
+    try:
+        tier = make_tier(existing / "a" / "b" / "root", rows, BB)
+        tier.shutdown()
+    finally:
+        os.umask(old)
+    made = [existing / "a", existing / "a" / "b", existing / "a" / "b" / "root"]
+    assert [oct(stat.S_IMODE(p.lstat().st_mode)) for p in made] == [oct(0o700)] * 3
+    assert stat.S_IMODE(existing.lstat().st_mode) == 0o755
+
+
+def test_a_missing_root_of_a_shared_group_is_the_groups(tmp_path: Path, rows: np.ndarray) -> None:
+    group = grp.getgrgid(os.getgid()).gr_name
+    tier = make_tier(tmp_path / "a" / "root", rows, BB, share_group=group)
+    tier.shutdown()
+    for made in (tmp_path / "a", tmp_path / "a" / "root"):
+        st = made.lstat()
+        assert stat.S_IMODE(st.st_mode) == 0o2770 and st.st_gid == os.getgid(), (made, oct(st.st_mode))
+
+
 def test_a_shared_group_gets_group_access(tmp_path: Path, rows: np.ndarray) -> None:
     group = grp.getgrgid(os.getgid()).gr_name
     tier = make_tier(tmp_path / "root", rows, BB, share_group=group)

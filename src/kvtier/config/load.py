@@ -185,6 +185,7 @@ def load_config(
     cli: Mapping[str, Any] | None = None,
     *,
     cli_source: str = "CLI flags",
+    cli_flags: Mapping[str, str] | None = None,
     defaults: Mapping[str, Any] | None = None,
     defaults_source: str = "defaults",
     layout_from_engine: bool = False,
@@ -196,9 +197,10 @@ def load_config(
     given". Strings for ``tiers``/``geometry`` in env and CLI are parsed as JSON.
     ``cli_source`` names where ``cli`` came from in messages and in
     :attr:`KvtierConfig.sources` (an engine integration passes its own, e.g.
-    ``"kv_connector_extra_config"``). ``defaults`` replace the schema's defaults
-    below every other source (a command with its own defaults, such as
-    ``kvtier bench``); ``defaults_source`` names them. ``layout_from_engine`` skips the check that
+    ``"kv_connector_extra_config"``). ``cli_flags`` names the flag that gave a field when it
+    is not ``--<field>`` (``kvtier bench``'s ``--tokens-per-block`` gives ``geometry``).
+    ``defaults`` replace the schema's defaults below every other source (a command with its own
+    defaults, such as ``kvtier bench``); ``defaults_source`` names them. ``layout_from_engine`` skips the check that
     ``model``/``geometry`` describe a complete KV layout, for an engine that
     supplies the block size itself. Raises :class:`ConfigError` naming the
     field, its source and the fix.
@@ -211,10 +213,7 @@ def load_config(
         layers.append((file_source, _read_file(os.fspath(file)), lambda _field: file_source))
     layers.append(("environment", _parse_env(os.environ if env is None else env), env_source))
     if cli:
-        if cli_source == "CLI flags":
-            field_source: Callable[[str], str] = cli_flag_source
-        else:
-            field_source = lambda field: f"{cli_source}[{field!r}]"  # noqa: E731
+        field_source = _cli_field_source(cli_source, dict(cli_flags or {}))
         cli_values: dict[str, Any] = {}
         for name, value in cli.items():
             field = name.replace("-", "_")
@@ -231,6 +230,17 @@ def load_config(
         raise ConfigError(str(exc)) from None
     config.record_sources(sources)
     return config
+
+
+def _cli_field_source(cli_source: str, flags: Mapping[str, str]) -> Callable[[str], str]:
+    """How a field given in ``cli`` is named in messages: its flag, or ``<cli_source>['field']``."""
+
+    def named(field: str) -> str:
+        if cli_source != "CLI flags":
+            return f"{cli_source}[{field!r}]"
+        return f"CLI flag {flags[field]}" if field in flags else cli_flag_source(field)
+
+    return named
 
 
 def env_source(field: str) -> str:

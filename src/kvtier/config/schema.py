@@ -194,10 +194,11 @@ class KvtierConfig(NoBoolNumbers):
             "low_seconds, warmup_jobs, smoothing} (see the backpressure section below)."
         ),
     )
-    shutdown_timeout: Seconds | None = Field(
+    shutdown_timeout: PositiveSeconds | None = Field(
         default=120.0,
         description=(
-            "Seconds shutdown gives all secondary tiers together (finite, at most 1000000); a tier that "
+            "Seconds shutdown gives all secondary tiers together (above 0, finite, at most 1000000; 0 would "
+            "abandon every tier at once); a tier that "
             "overruns its share is abandoned and counted as failed (the CPU tier stays mapped). null "
             "(in a file; 'none' as text): no deadline."
         ),

@@ -59,6 +59,25 @@ from kvtier.keys import BlockKey
 
 
 class EvictionPolicy(abc.ABC):
+    """Orders the evictable blocks of a tier and picks which to evict; subclass it for your own policy.
+
+    One invariant: :meth:`evict` returns only blocks that are evictable now (inserted,
+    marked evictable since their last :meth:`mark_pinned`, not removed or evicted) and not
+    in ``protected``, and forgets them. The owning tier keeps the ref counts and rows; it
+    tells the policy about each block through its row ``slot`` (``0 <= slot < capacity``):
+    ``insert`` -> ``mark_evictable`` / ``mark_pinned`` any number of times -> ``remove`` or
+    eviction; ``touch`` and :meth:`reference_chain` are recency hints. Every call comes from
+    the tier's one thread (the scheduler thread for the CPU tier) and must not block; key
+    and slot sequences passed are the caller's, read during the call and never kept.
+
+    To write one: subclass, set ``name``, implement :meth:`insert`, :meth:`remove`,
+    :meth:`touch`, :meth:`mark_evictable`, :meth:`mark_pinned`, :meth:`evict`, :meth:`clear`
+    and :meth:`evictable_count`, and keep the constructor ``cls(capacity)``; then name it
+    as ``policy: "package.module:Class"``. The batched forms (``insert_many``,
+    ``mark_evictable_many``, ...) default to loops over the per-block calls. The full
+    contract is in :mod:`kvtier.policies.base`.
+    """
+
     name: ClassVar[str] = "abstract"
 
     def __init__(self, capacity: int) -> None:

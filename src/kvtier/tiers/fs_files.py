@@ -92,6 +92,32 @@ class FileModes:
         return f"owned by uid {st.st_uid} and gid {st.st_gid}, neither {self.uid} nor group {self.group}"
 
 
+def make_dirs(path: Path, modes: FileModes) -> None:
+    """Create directory ``path`` and its missing parents with ``modes``' directory mode (0700, or
+    2770 owned by the shared group); one that exists is left as its owner made it, never chmodded.
+
+    ``mkdir -p`` (``Path.mkdir(parents=True)``) would make them 0777 less the umask (0755):
+    the namespace digests in the root would be listable by every user. Raises OSError.
+    """
+    missing: list[Path] = []
+    while not os.path.lexists(path) and path.parent != path:
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, 0o700)  # never wider than asked, even for a moment
+        except FileExistsError:
+            continue  # made meanwhile by someone else: theirs, left as it is
+        if modes.dir_mode != 0o700 or modes.group is not None:
+            fd = os.open(directory, DIR_FLAGS)
+            try:
+                if modes.group is not None:
+                    os.fchown(fd, -1, modes.group)
+                os.fchmod(fd, modes.dir_mode)
+            finally:
+                os.close(fd)
+
+
 class NamespaceDir:
     """The namespace directory, its 256 shards and ``tmp``: created with the tier's modes,
     each proven a real directory we may use, held open so nothing can swap it for a link.
@@ -107,7 +133,7 @@ class NamespaceDir:
         if os.path.lexists(root) and not os.path.isdir(root):  # a file, a FIFO, a dangling link...
             raise ConfigError(f"fs tier root {root} is not a directory: give a directory for 'root' (made if missing)")
         try:
-            root.mkdir(parents=True, exist_ok=True)  # the configured root: trusted as given
+            make_dirs(root, modes)  # the configured root: trusted as given
         except OSError as exc:
             raise ConfigError(f"fs tier root {root} is not usable ({exc}): pick a writable 'root'") from exc
         self.fd = self._adopt(None, str(path))

@@ -76,6 +76,19 @@ class TierUnreachableError(KvtierError):
     """A configured secondary tier was out of service during a ``strict`` bench run."""
 
 
+def _cpu_size_setting(config: KvtierConfig) -> str:
+    """Where the CPU tier's size was given, as a user would change it: ``--cpu-bytes`` (the flag or
+    the bench's default), ``KVTIER_CPU_BYTES`` (or ``KVTIER_NUM_CPU_BLOCKS``), or the config file."""
+    sources = config.sources
+    field = "num_cpu_blocks" if "default" not in sources.get("num_cpu_blocks", "default") else "cpu_bytes"
+    source = sources.get(field, "default")
+    if source.startswith("environment variable "):
+        return source.removeprefix("environment variable ")
+    if source.startswith("file "):
+        return f"{field} in {source.removeprefix('file ')}"
+    return "--cpu-bytes"
+
+
 @dataclass
 class BenchOptions:
     """What ``kvtier bench`` runs. ``fs_root=None`` uses a lock-held temporary directory (removed after).
@@ -141,7 +154,7 @@ class BenchOptions:
         memory_tiers += sum(int(t.get("max_bytes") or 0) for t in self.extra_tiers if t.get("type") == "memory")
         return [
             MemoryNeed("device pool", self.device_blocks * block, "--device-blocks"),
-            MemoryNeed("CPU tier", region, "--cpu-bytes"),
+            MemoryNeed("CPU tier", region, _cpu_size_setting(config)),
             MemoryNeed("workload", tokens * 4 + tokens // tokens_per_block * 80, "--sessions/--max-turns"),
             MemoryNeed("memory tier", memory_tiers, "--memory-tier"),
         ]

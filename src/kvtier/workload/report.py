@@ -19,6 +19,7 @@ from kvtier.config import format_size
 from kvtier.user_files import write_output
 from kvtier.workload.bench import BenchResult
 from kvtier.workload.simulate import HitRateResult
+from kvtier.workload.textout import text_console
 
 _DIRECTION_NAMES = {
     "device_to_cpu": "device -> cpu (store)",
@@ -120,7 +121,7 @@ BENCH_NOTES = (
 
 def print_bench(result: BenchResult, console: Console | None = None) -> None:
     """Print the tables, then one line per tier that was unreachable (with the tier's own words)."""
-    console = console or Console()
+    console = console or text_console()
     summary, hits, moved, lat = bench_tables(result)
     console.print(summary)
     for label, watch in result.tier_health.items():

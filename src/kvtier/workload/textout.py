@@ -6,6 +6,11 @@ trailing spaces on many lines, which diff tools and tests trip over. A console
 made here writes through :class:`TrailingSpaceStripper` whenever its stream is
 not a terminal, so every line it writes ends in its last visible character.
 
+A console made here also lets a closed pipe (``kvtier bench | head -1``) surface as
+:class:`BrokenPipeError`, so the command stops the way every other ``kvtier`` command
+does (exit 141, quietly); rich's own handling exits with status 1, the status that
+means "the run found a problem".
+
 No state outside the objects made; each console belongs to the thread that prints
 with it (the CLI's main thread).
 """
@@ -64,6 +69,19 @@ class TrailingSpaceStripper(io.TextIOBase):
         super().close()
 
 
+class PipeAwareConsole(Console):
+    """A rich console that raises :class:`BrokenPipeError` when its reader has gone away.
+
+    rich's :meth:`Console.on_broken_pipe` raises ``SystemExit(1)``; the ``kvtier``
+    entry point turns a :class:`BrokenPipeError` into exit status 141 with nothing on
+    standard error, the shell's convention for a writer stopped by SIGPIPE.
+    """
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True  # nothing more is written through this console
+        raise BrokenPipeError("the reader of this console's stream has gone away")
+
+
 def text_console(*, stderr: bool = False, min_width: int | None = None) -> Console:
     """A rich console on standard output (or error) that leaves no trailing spaces when piped.
 
@@ -74,5 +92,5 @@ def text_console(*, stderr: bool = False, min_width: int | None = None) -> Conso
     probe = Console(file=stream)
     width = probe.width if min_width is None else max(min_width, probe.width)
     if probe.is_terminal:
-        return Console(file=stream, width=width)
-    return Console(file=cast(TextIO, TrailingSpaceStripper(stream)), width=width)
+        return PipeAwareConsole(file=stream, width=width)
+    return PipeAwareConsole(file=cast(TextIO, TrailingSpaceStripper(stream)), width=width)
