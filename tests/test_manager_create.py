@@ -90,6 +90,8 @@ def test_a_manager_dropped_without_shutdown_gives_its_memory_back(
         ({"events": "no"}, "events"),
         ({"prefault": 1}, "prefault"),
         ({"tiers": "fs"}, "tiers"),
+        ({"shutdown_timeout": 0}, "shutdown_timeout must be above 0"),
+        ({"shutdown_timeout": 0.0}, "shutdown_timeout must be above 0"),
     ],
 )
 def test_a_wrong_argument_to_create_is_named(private_shm: Path, bad: dict[str, object], names: str) -> None:

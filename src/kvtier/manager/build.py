@@ -48,6 +48,9 @@ def check_settings(shutdown_timeout: float | None, drain_timeout: float | None, 
     """Check the manager's settings (ConfigError naming the one that is wrong); returns
     ``failed_load_seconds`` as a float."""
     check_shutdown_timeout(shutdown_timeout)
+    if shutdown_timeout is not None and shutdown_timeout <= 0:
+        raise ConfigError("shutdown_timeout must be above 0 seconds (None: no deadline), got 0: it would abandon "
+                          "every secondary tier at every shutdown")  # fmt: skip
     check_shutdown_timeout(drain_timeout, "drain_timeout")
     if isinstance(lookup_timing_every, bool) or not isinstance(lookup_timing_every, int) or lookup_timing_every < 1:
         raise ConfigError(f"lookup_timing_every must be an integer >= 1, got {lookup_timing_every!r}")
