@@ -107,6 +107,18 @@ def test_every_call_after_shutdown_raises_but_stats_and_shutdown_do_not(namespac
     for name, call in calls.items():
         with pytest.raises(ManagerClosedError, match=rf"{name}\(\) called after shutdown"):
             call()
+    # What the message names as still answering does answer (it named only three; review 2026-12-03).
+    with pytest.raises(ManagerClosedError) as raised:
+        mgr.lookup(key)
+    answering = {
+        "is_shut_down": lambda: mgr.is_shut_down, "stats": mgr.stats, "is_idle": lambda: mgr.is_idle,
+        "tier_descriptors": mgr.tier_descriptors, "tier_label": lambda: mgr.tier_label(0),
+        "request_control": lambda: mgr.request_control(req), "telemetry": lambda: mgr.telemetry,
+        "block_bytes": lambda: mgr.block_bytes,
+    }  # fmt: skip
+    for name, read in answering.items():
+        assert name in str(raised.value)
+        read()
     stats = mgr.stats().as_dict()
     assert stats["primary"]["capacity_blocks"] == 8
     mgr.shutdown()  # still a no-op

@@ -60,8 +60,9 @@ class ManagerClosedError(KvtierError, RuntimeError):
     def of(cls, call: str) -> ManagerClosedError:
         """The error for a call of the manager's method ``call`` after ``shutdown()``."""
         return cls(
-            f"TieringManager.{call}() called after shutdown(): only shutdown(), is_shut_down and stats() may be "
-            "called now"
+            f"TieringManager.{call}() called after shutdown(): only the calls that read what the manager knows "
+            "answer now (shutdown(), is_shut_down, stats(), is_idle, tier_descriptors(), tier_label(), "
+            "request_control(), telemetry, block_bytes)"
         )
 
 

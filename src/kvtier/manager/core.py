@@ -139,7 +139,7 @@ class TieringManager:
         cpu_tier = TierDescriptor(0, PRIMARY_LABEL, "primary", "local")
         self._requests = RequestTable([cpu_tier, *(h.descriptor for h in self._tiers.handles)], self._tiers,
                                       primary, self._jobs, self.wait_timeout)
-        self._closing = False  # shutdown() was called: only shutdown(), is_shut_down and stats() remain
+        self._closing = False  # shutdown() was called: only the calls that read what it knows remain
         self._steady = False  # this step was polled (the manager is open)
         # The lookup fast path (see lookup): True in a polled step whose lookups are not timed;
         # it then answers a CPU hit from the CPU tier's index without a call.
