@@ -524,3 +524,20 @@ def test_store_runs_before_the_first_housekeeping(s3_stub: S3Stub) -> None:
         assert run_job(tier, keys, [0, 1], False, 10).success
     finally:
         tier.shutdown()
+
+
+@pytest.mark.parametrize("secret", ["73918264055", "[7391, 8264]", "true"])
+def test_a_secret_of_the_wrong_type_is_never_echoed(tmp_path: Path, secret: str) -> None:
+    """Review S1: an all-digit secret (YAML reads it as a number), a list or a bool is refused
+    without showing it, from a config file and from tier options."""
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(
+        "model: tiny\ntiers:\n  - type: s3\n    bucket: kv-cache\n    endpoint: https://minio.internal:9000\n"
+        f"    access_key_id: minio\n    secret_access_key: {secret}\n"
+    )
+    with pytest.raises(ConfigError, match="secret_access_key") as raised:
+        load_config(path, env={})
+    assert "7391" not in str(raised.value) and "True" not in str(raised.value), raised.value
+    with pytest.raises(ConfigError, match="session_token") as raised:
+        S3Tier(_ctx(), bucket="kv-cache", session_token=73918264055)
+    assert "7391" not in str(raised.value), raised.value

@@ -215,3 +215,24 @@ def test_remove_corrupt_never_trusts_an_unusable_manifest(s3_bucket: tuple[MotoS
     assert ns.manifest_error is not None and ns.removed_corrupt == 0
     assert [c.path for c in ns.corrupt] == [broken] and "no usable manifest" in ns.corrupt[0].reason
     assert {tier.object_path(k) for k in keys} <= _paths(raw)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY@127.0.0.1:9000/kv-cache",
+        "http://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI?K7MDENG#bPxRfiCYEXAMPLEKEY@127.0.0.1:9000/kv-cache",
+        "s3://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY@kv-cache/p",
+    ],
+)
+def test_a_secret_with_a_slash_in_the_url_is_never_echoed(url: str) -> None:
+    """Review S1: an unencoded '/', '?' or '#' in the secret split the URL before anything could
+    redact it, and validation echoed the pieces; now it is refused naming the fix."""
+    with pytest.raises(ConfigError) as raised:
+        options_from_url(url)
+    text = str(raised.value)
+    assert not any(piece in text for piece in ("wJalrXUtnFEMI", "K7MDENG", "bPxRfiCYEXAMPLEKEY")), text
+    assert "percent-encode" in text or "carries credentials" in text
+    out = _run("inspect", url)
+    assert out.returncode == 2 and "K7MDENG" not in out.stdout + out.stderr, out.stderr
+    assert "wJalrXUtnFEMI" not in out.stdout + out.stderr and "bPxRfiCYEXAMPLEKEY" not in out.stdout + out.stderr

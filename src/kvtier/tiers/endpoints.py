@@ -18,7 +18,7 @@ from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
 _LABEL = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?\Z")
 _UNSAFE_CHAR = re.compile(r"[^\x21-\x7e]")
-_SECRET_QUERY = re.compile(r"pass|secret|token|key|credential|auth", re.IGNORECASE)
+_SECRET_QUERY = re.compile(r"pass|secret|token|key|credential|auth|signature", re.IGNORECASE)
 _SHOWN_CHARS = 200
 
 

@@ -50,6 +50,19 @@ def options_from_url(url: str, **overrides: Any) -> dict[str, Any]:
       endpoint, path-style; ``http`` implies ``allow_http``.
     """
     shown = redact_url(url)
+    scheme, sep, rest = url.partition("://")
+    if sep and "@" in rest:  # '@' is in no bucket or prefix: everything before the last one is userinfo
+        shown = f"{redact_url(scheme + '://')}***@{redact_url(rest.rsplit('@', 1)[1])}"
+        if scheme == "s3":
+            raise ConfigError(
+                f"s3 url {shown!r} carries credentials: s3:// uses the standard AWS chain; give an endpoint "
+                "URL http(s)://key:secret@host:port/bucket for explicit keys"
+            )
+        if any(c in rest.rsplit("@", 1)[0] for c in "/?#"):
+            raise ConfigError(
+                f"s3 url {shown!r}: the key or secret holds an unencoded '/', '?' or '#': "
+                "percent-encode it (%2F, %3F, %23)"
+            )
     try:
         parts = urlsplit(url)
     except ValueError as exc:
