@@ -113,6 +113,22 @@ def test_a_manifest_of_another_block_size_keeps_the_tier_out_of_service(
     ], "nothing may be written next to a foreign manifest"
 
 
+def test_a_deeply_nested_planted_manifest_is_named_unreadable(s3_bucket: tuple[MotoServer, str], make: Any) -> None:
+    """Review U3: 30,000 nested arrays (under the size limit) gave a bare RecursionError."""
+    import obstore as obs
+
+    server, bucket = s3_bucket
+    ns = make_namespace(BLOCK)
+    raw = raw_client(server.endpoint, bucket)
+    obs.put(raw, f"kvtier/{ns.hexdigest}/manifest.json", b"[" * 30000 + b"]" * 30000)
+    tier, _ = make(server.endpoint, bucket, ns)
+    job = new_job(chain_ids(range(1), ns), [0], False)
+    tier.submit_store(job)
+    assert not wait_results(tier, {job.job_id}, 10)[job.job_id].success
+    detail = tier.health().detail
+    assert "manifest.json unreadable (manifest is nested too deeply" in detail and "Recursion" not in detail, detail
+
+
 @pytest.mark.slow
 def test_two_engine_processes_share_a_bucket_and_namespaces_never_mix(
     s3_bucket: tuple[MotoServer, str], private_shm: Path
@@ -469,6 +485,8 @@ def _ctx() -> TierContext:
         ({"max_in_flight": 0}, "max_in_flight"),
         ({"endpoint": "https://127.0.0.1:9000", "path_style": False}, "virtual-hosted"),
         ({"bukket": "x"}, "'bukket': is not a setting"),
+        ({"endpoint": "http://127.0.0.1:9000#", "allow_http": True}, "'#' fragment"),  # review U1
+        ({"endpoint": "http://127.0.0.1:9000/#", "allow_http": True}, "'#' fragment"),
     ],
 )
 def test_bad_options_name_the_problem(options: dict[str, Any], message: str) -> None:

@@ -112,7 +112,7 @@ def parse_endpoint(url: str, what: str, schemes: tuple[str, ...], *, needs_host:
     if parts.scheme not in schemes:
         shown = parts.scheme or "none"
         raise ValueError(f"{where} has scheme {shown!r}: use " + " or ".join(f"{s}://" for s in schemes))
-    if parts.fragment:
+    if parts.fragment or "#" in url:  # an empty fragment ('host:9000#') too: urlsplit drops it
         raise ValueError(f"{where} has a '#' fragment: remove it")
     netloc = parts.netloc.rsplit("@", 1)[-1]
     if port is None and re.search(r":[^\]]*$", netloc):

@@ -423,7 +423,10 @@ def parse_manifest(raw: bytes) -> dict[str, Any]:
     """The manifest's JSON object (plain JSON only; nothing is evaluated); ValueError if malformed."""
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ValueError(f"manifest is {len(raw)} bytes (limit {MAX_MANIFEST_BYTES})")
-    data = json.loads(raw.decode("utf-8"))
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except RecursionError:  # planted: thousands of nested arrays fit under the size limit
+        raise ValueError("manifest is nested too deeply to be one") from None
     if not isinstance(data, dict):
         raise ValueError("manifest is not a JSON object")
     return data
