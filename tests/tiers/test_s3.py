@@ -28,7 +28,7 @@ from kvtier.tiers.base import HealthState, JobResult, TierContext
 from kvtier.tiers.format import HEADER_SIZE
 from kvtier.tiers.registry import create_tier
 from kvtier.tiers.s3 import S3Tier
-from kvtier.tiers.s3_store import S3TierOptions, key_of_path, manifest_dict
+from kvtier.tiers.s3_store import S3TierOptions, classify_error, key_of_path, manifest_dict
 from kvtier.types import LookupResult, RequestContext
 
 pytestmark = pytest.mark.s3
@@ -559,3 +559,41 @@ def test_a_secret_of_the_wrong_type_is_never_echoed(tmp_path: Path, secret: str)
     with pytest.raises(ConfigError, match="session_token") as raised:
         S3Tier(_ctx(), bucket="kv-cache", session_token=73918264055)
     assert "7391" not in str(raised.value), raised.value
+
+
+def test_errors_are_classified_by_status_and_code_never_by_names_in_the_url(
+    s3_stub: S3Stub, make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review U2: a bucket named 'kv-credentials' turned one 5xx into "no S3 credentials" and
+    tripped the breaker; a prefix holding 'NoSuchBucket' would do the same for every 404."""
+    import obstore as obs
+
+    prefix = "NoSuchBucket-TimedOut/credential/latest/meta-data"
+    raw = raw_client(s3_stub.endpoint, "kv-credentials", max_retries=0)
+    with pytest.raises(FileNotFoundError) as missing:
+        obs.get(raw, f"{prefix}/x")
+    s3_stub.slowdowns = 1
+    with pytest.raises(Exception) as throttled:
+        obs.get(raw, f"{prefix}/x")
+    assert (classify_error(missing.value), classify_error(throttled.value)) == ("missing", "throttled")
+
+    tier, _ = make(s3_stub.endpoint, "kv-credentials", prefix=prefix, **{**FAST, "max_retries": 0})
+    keys = chain_ids(range(1), tier.context.namespace)
+    assert run_job(tier, keys, [0], False, 10).success
+    s3_stub.slowdowns = 1
+    assert not run_job(tier, keys, [0], True, 10).success
+    health = tier.health()
+    assert health.state is HealthState.CLOSED and "credentials" not in health.detail, health
+
+    monkeypatch.setenv("AWS_METADATA_ENDPOINT", s3_stub.endpoint)  # the real thing still reads as such
+    chain = open_store_without_keys(s3_stub.endpoint)
+    s3_stub.slowdowns = 1
+    with pytest.raises(Exception) as imds:
+        obs.get(chain, "kvtier/x")
+    assert classify_error(imds.value) == "credentials"
+
+
+def open_store_without_keys(endpoint: str) -> Any:
+    from kvtier.tiers.s3_store import open_store
+
+    return open_store(S3TierOptions(bucket="stub", endpoint=endpoint, allow_http=True, max_retries=0))

@@ -452,28 +452,51 @@ _PERFORMING = re.compile(r"Error performing (\w+) (\S+)")
 _STATUS = re.compile(r"status code: (\d{3})")
 _S3_CODE = re.compile(r"<Code>(\w{1,64})</Code>")
 _UNREACHABLE = {"refused": "connection refused", "unreachable": "host not found or no route", "timeout": "timed out"}
-_IMDS = ("169.254.169.254", "/latest/api/token", "/latest/meta-data", "fd00:ec2::254")
+_IMDS_HOSTS = ("169.254.169.254", "fd00:ec2::254", "[fd00:ec2::254]")
+_IMDS_PATHS = ("/latest/api/token", "/latest/meta-data")
+_URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s,\"')]+")
+_NAMED = re.compile(r'(location |path: ")[^\s"]*')
+_XML = re.compile(r"<\?xml.*?</Error>|<Error>.*?</Error>", re.DOTALL)
+
+
+def _own_words(text: str) -> str:
+    """An error's text without what names the bucket, prefix or key (URLs, object paths, the
+    server's XML body): those may hold any word ('kv-credentials', 'NoSuchBucket-x')."""
+    return _NAMED.sub(r"\1", _URL.sub("<url>", _XML.sub("<body>", text)))
+
+
+def _asks_imds(text: str) -> bool:
+    """True if a request in the error went to the instance metadata service (credentials)."""
+    for url in _URL.findall(text):
+        parts = urlsplit(url)
+        if parts.netloc.rsplit("@", 1)[-1].rsplit(":", 1)[0] in _IMDS_HOSTS or parts.path.startswith(_IMDS_PATHS):
+            return True
+    return False
 
 
 def classify_error(exc: BaseException) -> ErrorKind:
-    """What an obstore error means, from its type and text (first line and debug dump)."""
+    """What an obstore error means, from its type, the HTTP status, the S3 ``<Code>`` and the
+    client's own words; never from the bucket, prefix or key named in its URLs and paths."""
     if is_native_crash(exc):
         return "crash"
     text = str(exc)
-    if "NoSuchBucket" in text:
+    words = _own_words(text)
+    found = _S3_CODE.search(text)
+    code = found.group(1) if found else None
+    if code == "NoSuchBucket":
         return "no_bucket"
-    if any(marker in text for marker in _IMDS) or "credential" in text.lower():
+    if _asks_imds(text) or "credential" in words.lower():
         return "credentials"
     if isinstance(exc, FileNotFoundError):
         return "missing"
-    if "ConnectionRefused" in text or "Connection refused" in text:
+    if "ConnectionRefused" in words or "Connection refused" in words:
         return "refused"
-    if "TimedOut" in text or "kind: Timeout" in text or "timed out" in text.lower():
+    if "TimedOut" in words or "kind: Timeout" in words or "timed out" in words.lower():
         return "timeout"
-    if "dns error" in text or "kind: Connect" in text:
+    if "dns error" in words or "kind: Connect" in words:
         return "unreachable"
-    status = _STATUS.search(text)
-    if "SlowDown" in text or (status is not None and status.group(1) == "503"):
+    status = _STATUS.search(words)
+    if code == "SlowDown" or (status is not None and status.group(1) == "503"):
         return "throttled"
     if status is not None and status.group(1).startswith("5"):
         return "server"
