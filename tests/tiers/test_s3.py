@@ -308,6 +308,33 @@ def test_slowdown_is_retried_with_backoff_and_succeeds(s3_stub: S3Stub, make: An
     assert s3_stub.count("PUT") >= 4 and s3_stub.count("GET") >= 4, "the 503s were retried"
 
 
+def test_a_server_stalled_from_the_start_ends_store_jobs_and_shutdown_in_time(s3_stub: S3Stub) -> None:
+    """Review H2: each I/O thread waiting on the manifest check ran the whole check again with full
+    retries, one after another, so store jobs ended at several job_timeouts and shutdown() overran
+    its bound; now a waiter takes the check's result, and stops waiting at shutdown."""
+    s3_stub.hang()
+    rows = np.zeros((8, BLOCK), dtype=np.uint8)
+    ns = make_namespace(BLOCK)
+    options = {k: v for k, v in s3_options(s3_stub.endpoint, s3_stub.bucket, max_in_flight=8).items() if k != "type"}
+    tier = S3Tier(TierContext(rows, BLOCK, ns), **{**options, **FAST, "failure_threshold": 1000})
+    keys = chain_ids(range(8), ns)
+    jobs = [new_job([key], [i], False) for i, key in enumerate(keys)]
+    t0 = time.monotonic()
+    for job in jobs:
+        tier.submit_store(job)
+    results = wait_results(tier, {job.job_id for job in jobs}, 15)
+    took = time.monotonic() - t0
+    assert not any(r.success for r in results.values())
+    assert took < FAST["job_timeout"] + FAST["request_timeout"] + 2.0, f"store jobs ended after {took:.1f}s"
+    more = [new_job([key], [i], False) for i, key in enumerate(keys)]
+    for job in more:
+        tier.submit_store(job)
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    tier.shutdown()  # raises TierError past its bound (job_timeout + request_timeout + 2)
+    assert time.monotonic() - t0 < FAST["job_timeout"] + FAST["request_timeout"] + 2.0
+
+
 def test_a_hanging_server_fails_jobs_by_their_deadline_without_blocking_the_scheduler(
     s3_stub: S3Stub, make: Any
 ) -> None:

@@ -135,6 +135,8 @@ class S3Tier(ThreadedTier):
         self._ready = threading.Event()
         self._born = time.monotonic()
         self._manifest_lock = threading.Lock()
+        self._manifest_checks = 0  # checks done (under _manifest_lock): a waiter takes the last one's result
+        self._manifest_failed_at = float("-inf")  # a failed check is not redone for open_seconds (probes excepted)
         self._manifest_error: str | None = None
         self._warmed = False
 
@@ -504,7 +506,10 @@ class S3Tier(ThreadedTier):
     def _probe(self) -> None:
         """The manifest check (it also proves the bucket is there and writable); a fresh index after."""
         with self._manifest_lock:
-            self._ensure_manifest()
+            try:
+                self._ensure_manifest()
+            finally:
+                self._manifest_checks += 1
         with self._lock:
             self._present.clear()
             self._absent.clear()
@@ -512,21 +517,40 @@ class S3Tier(ThreadedTier):
     def _ensure_ready(self, wait: bool = True) -> bool:
         """Check the manifest once before the first request (I/O thread); True once it passed.
 
-        A failure takes the tier out of service at once (probes retry).
-        ``wait=False`` returns at once if another thread is checking.
+        A failure takes the tier out of service at once (probes retry). A thread that waited
+        while another checked takes that check's result rather than running one more with full
+        retries (against a stalled server, one after another, they outlasted job deadlines and
+        shutdown); a failed check is not redone for ``open_seconds`` (a probe may redo it); a
+        waiter gives up once the tier is stopping. ``wait=False`` returns at once if
+        another thread is checking.
         """
         if self._ready.is_set():
             return True
-        if not self._manifest_lock.acquire(blocking=wait):
+        checks = self._manifest_checks
+        if wait:
+            while not self._manifest_lock.acquire(timeout=0.05):
+                if self._stopping.is_set():
+                    return False
+        elif not self._manifest_lock.acquire(blocking=False):
             return False
         try:
-            if not self._ready.is_set() and self._breaker.serving:
+            if (
+                not self._ready.is_set()
+                and self._breaker.serving
+                and checks == self._manifest_checks
+                and time.monotonic() - self._manifest_failed_at >= self.options.open_seconds
+                and not self._stopping.is_set()
+            ):
                 try:
                     self._ensure_manifest()
                 except ConfigError as exc:  # a foreign manifest: out of service until it changes
+                    self._manifest_failed_at = time.monotonic()
                     self._note_failure(str(exc), trip=True)
                 except Exception as exc:  # the store failed: retried at the next tick or probe
+                    self._manifest_failed_at = time.monotonic()
                     self._io_failure(exc)
+                finally:
+                    self._manifest_checks += 1
         finally:
             self._manifest_lock.release()
         return self._ready.is_set()
