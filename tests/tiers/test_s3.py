@@ -624,3 +624,20 @@ def open_store_without_keys(endpoint: str) -> Any:
     from kvtier.tiers.s3_store import open_store
 
     return open_store(S3TierOptions(bucket="stub", endpoint=endpoint, allow_http=True, max_retries=0))
+
+
+def test_store_location_names_the_endpoint_in_use(s3_stub: S3Stub, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review M2: an endpoint from AWS_ENDPOINT_URL was spelled 'aws', so two stores shared one
+    fleet id and one store had two; and describe() re-read the environment after construction."""
+    options = {k: v for k, v in s3_options(s3_stub.endpoint, s3_stub.bucket).items() if k != "type"}
+    named = create_tier({"type": "s3", **options}, _ctx())
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_stub.endpoint)
+    del options["endpoint"]
+    from_env = create_tier({"type": "s3", **options}, _ctx())
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+        assert named.store_location() == from_env.store_location() == f"s3:{s3_stub.endpoint}/stub/kvtier"
+        assert from_env.describe()["endpoint"] == s3_stub.endpoint
+    finally:
+        named.shutdown()
+        from_env.shutdown()

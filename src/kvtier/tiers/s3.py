@@ -148,7 +148,8 @@ class S3Tier(ThreadedTier):
         self._pending: set[BlockKey] = set()
         self.stats.extra.update({"objects_written": 0, "checks": 0, "checks_failed": 0, "missing": 0})
 
-        endpoint, source = opts.endpoint_setting()
+        # The endpoint in use, read once: the client was built with it, whatever the environment says later.
+        self._endpoint_setting = endpoint, source = opts.endpoint_setting()
         self._heads = HeadFanout(self._head, self._stopping)
         try:
             self._heads.start(opts.max_in_flight, self._start_thread)
@@ -249,16 +250,17 @@ class S3Tier(ThreadedTier):
         return TierUsage(self.stats.bytes_written, None, int(self.stats.extra["objects_written"]))
 
     def store_location(self) -> str:
-        """``s3:<endpoint or aws>/<bucket>/<prefix>``."""
-        return f"s3:{self.options.endpoint or 'aws'}/{self.options.bucket}/{self.options.prefix}"
+        """``s3:<endpoint in use, or aws>/<bucket>/<prefix>``: the same for every engine that reaches
+        the store, whether its endpoint comes from the option or from ``AWS_ENDPOINT_URL*``."""
+        return f"s3:{self._endpoint_setting[0] or 'aws'}/{self.options.bucket}/{self.options.prefix}"
 
     def describe(self) -> dict[str, Any]:
         return {
             "type": self.tier_type,
             "medium": self.medium,
             **self.options.model_dump(mode="json"),
-            "endpoint": self.options.endpoint_setting()[0],
-            "endpoint_from": self.options.endpoint_setting()[1],
+            "endpoint": self._endpoint_setting[0],
+            "endpoint_from": self._endpoint_setting[1],
             "namespace_prefix": self._ns_prefix,
             "path_style": self.options.uses_path_style,
             "allow_http": self.options.uses_http,
