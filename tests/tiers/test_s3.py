@@ -277,6 +277,42 @@ def test_existence_checks_go_out_once_per_step_and_stop_at_the_first_404(s3_stub
     assert heads == 8, f"one window of 8 HEADs, then the chain stops at its first 404 (got {heads})"
 
 
+def test_slow_existence_checks_never_pile_up_ahead_of_loads(s3_stub: S3Stub, make: Any) -> None:
+    """Review H1: with HEADs slower than the steps that need them, one queued batch per step grew
+    without bound ahead of loads (served first), and a promotion was never reported. Now at most
+    half the threads run checks, later steps' keys join one deferred batch, and stale keys are
+    dropped unchecked."""
+    from kvtier.tiers.jobs import Lane
+
+    tier, _ = make(s3_stub.endpoint, s3_stub.bucket, check_timeout=1.0, failure_threshold=1000,
+                   request_timeout=1.0, job_timeout=3.0)  # fmt: skip
+    ns = tier.context.namespace
+    stored = chain_ids(range(4), ns)
+    assert run_job(tier, stored, [0, 1, 2, 3], False, 10).success
+    s3_stub.delays["HEAD"] = 0.4
+    load = new_job(stored, [10, 11, 12, 13], True)
+    got: dict[int, JobResult] = {}
+    t0 = time.monotonic()
+    most_queued = step = 0
+    while time.monotonic() - t0 < 5 and load.job_id not in got:
+        for r in range(3):  # each step: 3 new prompts of 4 unknown keys
+            first = 10_000 + step * 12 + r * 4
+            for key in chain_ids(range(first, first + 4), ns):
+                tier.lookup(key, RequestContext(f"r{step}-{r}"))
+        tier.on_schedule_end()
+        step += 1
+        if step == 50:
+            tier.submit_load(load)
+            loaded_at = time.monotonic()
+        got.update({r.job_id: r for r in tier.poll_finished()})
+        most_queued = max(most_queued, tier._queue.queued(Lane.EXISTS))
+        time.sleep(0.01)
+    s3_stub.delays.clear()
+    assert load.job_id in got, f"the load was not reported; {tier._queue.queued(Lane.EXISTS)} checks queued"
+    assert got[load.job_id].success and time.monotonic() - loaded_at < 3.0
+    assert most_queued <= 2, most_queued
+
+
 def test_a_check_answered_after_a_store_does_not_override_it(s3_stub: S3Stub, make: Any) -> None:
     """Regression: a HEAD sent before a PUT finished answered 404 after it, and the key read MISS."""
     tier, _ = make(s3_stub.endpoint, s3_stub.bucket)

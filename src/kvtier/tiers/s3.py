@@ -24,7 +24,10 @@ the options, their defaults and the bucket layout are in :mod:`kvtier.tiers.s3_s
   MISS for ``miss_seconds`` (other engines write too). Unknown keys answer
   RETRY and go out at step end as one batch of concurrent HEADs with a
   deadline (``check_timeout``), stopping a request's chain of keys at its
-  first 404; a check that fails or misses its deadline counts as absent.
+  first 404; a check that fails or misses its deadline counts as absent. At most
+  half the I/O threads run batches (later steps' keys join one deferred batch),
+  and keys whose lookups already answered MISS are dropped unchecked, so slow
+  HEADs never pile up ahead of loads.
   ``warm_start`` fills the index by listing the namespace in the background.
 * **Manifest**: ``<prefix>/<namespace>/manifest.json`` is created or checked
   before the tier serves (a manifest of another layout or block size keeps it
@@ -146,6 +149,11 @@ class S3Tier(ThreadedTier):
         # Scheduler thread only: this step's unknown keys, per request chain, in lookup order.
         self._chains: dict[object, list[BlockKey]] = {}
         self._pending: set[BlockKey] = set()
+        # Existence batches out (queued or running), guarded by _lock: at most half the I/O threads,
+        # so loads always find one; keys of steps that end meanwhile join one deferred batch.
+        self._checks_out = 0
+        self._max_checks_out = max(1, opts.max_in_flight // 2)
+        self._deferred: Work | None = None
         self.stats.extra.update({"objects_written": 0, "checks": 0, "checks_failed": 0, "missing": 0})
 
         # The endpoint in use, read once: the client was built with it, whatever the environment says later.
@@ -238,8 +246,22 @@ class S3Tier(ThreadedTier):
         with self._lock:
             for key in keys:
                 self._checking[key] = now
-        if not self._queue_internal(Work(Lane.EXISTS, keys=keys, payload=chains)):
-            self._forget_checks(keys)
+            if self._deferred is not None:  # a batch already waits for a free slot: these keys join it
+                self._deferred.keys.extend(keys)
+                self._deferred.payload.extend(chains)
+                return
+            if self._checks_out >= self._max_checks_out:
+                self._deferred = Work(Lane.EXISTS, keys=keys, payload=chains)
+                return
+            self._checks_out += 1
+        self._send_checks(Work(Lane.EXISTS, keys=keys, payload=chains))
+
+    def _send_checks(self, work: Work) -> None:
+        """Queue a batch of existence checks already counted in ``_checks_out``."""
+        if not self._queue_internal(work):
+            self._forget_checks(work.keys)
+            with self._lock:
+                self._checks_out -= 1
 
     def _holds(self, key: BlockKey) -> bool:
         with self._lock:
@@ -428,8 +450,31 @@ class S3Tier(ThreadedTier):
     # --- existence checks -------------------------------------------------------------------------
 
     def _check(self, work: Work) -> None:
-        """Run one step's HEADs concurrently on the HEAD threads, within ``check_timeout``."""
-        chains: list[list[BlockKey]] = work.payload
+        """Run a batch of existence checks, then send the deferred batch, if any."""
+        try:
+            self._check_batch(work)
+        finally:
+            with self._lock:
+                deferred, self._deferred = self._deferred, None
+                if deferred is None:
+                    self._checks_out -= 1
+            if deferred is not None:
+                self._send_checks(deferred)
+
+    def _check_batch(self, work: Work) -> None:
+        """Run a batch's HEADs concurrently on the HEAD threads, within ``check_timeout``. Keys whose
+        lookups already gave up (answered MISS), or all of them while out of service, are dropped
+        unchecked: a backlog of stale checks must not keep HEADs going."""
+        given_up = time.monotonic() - self.options.check_timeout - 1.0
+        serving = self._breaker.serving and not self._stopping.is_set()
+        with self._lock:
+            live = {k for k in work.keys if serving and self._checking.get(k, given_up) > given_up}
+            for key in work.keys:
+                if key not in live:
+                    self._checking.pop(key, None)
+        chains = [kept for kept in ([k for k in chain if k in live] for chain in work.payload) if kept]
+        if not chains:
+            return
         answers, errors = self._heads.check(chains, self.options.check_timeout)
         now = time.monotonic()
         with self._lock:
