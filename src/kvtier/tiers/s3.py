@@ -16,7 +16,8 @@ the options, their defaults and the bucket layout are in :mod:`kvtier.tiers.s3_s
   as loaded. A 404 is a MISS for that key (it drops the key from the index and is
   reported removed in the tier's events: a lifecycle rule deleted it);
   a wrong length, header or checksum is a MISS too, is counted in
-  ``stats.corrupt_values``, and the object is deleted; an object in a format
+  ``stats.corrupt_values``, and the object is deleted (obstore sends a
+  multi-object delete, ``POST ?delete``, naming it); an object in a format
   version of another release (kvtier's magic, a version this one cannot read)
   is a MISS counted in ``foreign_format`` and left in place.
 * **Existence**: answered from an in-memory index of what this process stored,
