@@ -371,6 +371,26 @@ def test_a_server_stalled_from_the_start_ends_store_jobs_and_shutdown_in_time(s3
     assert time.monotonic() - t0 < FAST["job_timeout"] + FAST["request_timeout"] + 2.0
 
 
+def test_work_started_late_in_a_job_gets_only_the_retries_that_fit_its_deadline(
+    s3_stub: S3Stub, make: Any
+) -> None:
+    """Review H3: the retry budget was fixed (job_timeout - request_timeout), so work started just
+    before the deadline ran a whole budget more: jobs ended up to 2 x job_timeout after
+    submission. Now it is bounded by the time the job has left (at worst one request past it)."""
+    tier, _ = make(s3_stub.endpoint, s3_stub.bucket, request_timeout=1.0, job_timeout=3.0, max_retries=4,
+                   failure_threshold=1000)  # fmt: skip
+    keys = chain_ids(range(9), tier.context.namespace)
+    assert run_job(tier, keys[:1], [0], False, 10).success
+    s3_stub.hang()
+    job = new_job(keys[1:], list(range(1, 9)), False)  # 8 blocks on 3 store threads: waves
+    t0 = time.monotonic()
+    tier.submit_store(job)
+    result = wait_results(tier, {job.job_id}, 15)[job.job_id]
+    took = time.monotonic() - t0
+    assert not result.success
+    assert took < 3.0 + 1.0 * 0.6, f"a 3 s job with 1 s requests was reported after {took:.1f}s"
+
+
 def test_a_hanging_server_fails_jobs_by_their_deadline_without_blocking_the_scheduler(
     s3_stub: S3Stub, make: Any
 ) -> None:

@@ -34,8 +34,10 @@ the options, their defaults and the bucket layout are in :mod:`kvtier.tiers.s3_s
   before the tier serves (a manifest of another layout or block size keeps it
   out of service, with the reason in ``health().detail``); until then lookups
   answer RETRY for about ``check_timeout`` seconds, then MISS.
-* **Failures**: the data client retries with backoff and jitter within
-  ``job_timeout - request_timeout``; refused connections open the breaker at
+* **Failures**: the data client retries with backoff and jitter within the time
+  the job has left less ``request_timeout`` (work started late gets a client with
+  a smaller retry budget, the last one attempt only, ending at most
+  ``request_timeout`` past the deadline); refused connections open the breaker at
   once, timeouts, 5xx and SlowDown storms after ``failure_threshold`` in a
   row. While open, lookups answer MISS, stores are dropped, loads fail at once;
   a probe (the manifest check) brings the tier back, with a fresh index.
@@ -130,6 +132,12 @@ class S3Tier(ThreadedTier):
             job_timeout=opts.job_timeout,
         )
         self._store: S3Store = open_store(opts)
+        # Data clients by retry budget, largest first: work started late in its job's life gets one
+        # whose retries still end by the deadline (the last, one attempt, ends within request_timeout).
+        full = opts.job_timeout - opts.request_timeout
+        self._by_budget: list[tuple[float, S3Store]] = [(full, self._store)] + [
+            (budget, open_store(opts, retry_seconds=budget)) for budget in (full / 2, full / 4, 0.0)
+        ]
         self._quick: S3Store = open_store(opts, quick=True)
         self._value_bytes = HEADER_SIZE + context.block_bytes
         self._digest = context.namespace.digest
@@ -332,7 +340,7 @@ class S3Tier(ThreadedTier):
         try:
             header = encode_header(self._digest, key, row)
             obs.put(
-                self._store,
+                self._data_client(work),
                 self.object_path(key),
                 [header, row],
                 use_multipart=False,
@@ -361,7 +369,7 @@ class S3Tier(ThreadedTier):
         row = rows[work.slots[0], : self._block_bytes]
         asked = time.time()  # a key found missing was gone by then
         try:
-            self._get_into(path, key, header, row)
+            self._get_into(self._data_client(work), path, key, header, row)
         except FileNotFoundError as exc:
             if classify_error(exc) == "no_bucket":  # the bucket went away: a failure, not a missing block
                 self._complete(work, error=f"download of {key.hex()[:16]} failed: {self._io_failure(exc)}")
@@ -400,7 +408,16 @@ class S3Tier(ThreadedTier):
         self._remember(key, True, time.monotonic())
         self._complete(work, ok=[key], nbytes=self._value_bytes)
 
-    def _get_into(self, path: str, key: BlockKey, header: bytearray, row: np.ndarray) -> None:
+    def _data_client(self, work: Work) -> S3Store:
+        """The client whose retries end by the deadline of ``work``'s job, given the time it has left
+        (work is only started before its deadline; see :class:`ThreadedTier`)."""
+        deadline = work.job.deadline if work.job is not None else None
+        if deadline is None:
+            return self._store
+        left = deadline - time.monotonic() - self.options.request_timeout
+        return next((store for budget, store in self._by_budget if budget <= left), self._by_budget[-1][1])
+
+    def _get_into(self, store: S3Store, path: str, key: BlockKey, header: bytearray, row: np.ndarray) -> None:
         """GET ``path``: the first 128 bytes into ``header``, the rest into ``row``; then verify both.
 
         Each payload chunk is copied into the row and hashed there as it
@@ -411,7 +428,7 @@ class S3Tier(ThreadedTier):
         """
         import obstore as obs
 
-        result = obs.get(self._store, path)
+        result = obs.get(store, path)
         size = int(result.meta["size"])
         if size != self._value_bytes:
             first = next(iter(result.stream(min_chunk_size=PREFIX_SIZE)), b"")

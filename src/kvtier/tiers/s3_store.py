@@ -162,7 +162,8 @@ class S3TierOptions(TierOptions):
         default=30.0,
         gt=0,
         validate_default=True,
-        description="Deadline of a job after submission; retries (with backoff) stop in time to meet it.",
+        description="Deadline of a job after submission; retries (with backoff) fit the time the job has left "
+        "(work started late makes one attempt: at most request_timeout past the deadline).",
     )
     max_retries: int = Field(
         default=4, ge=0, le=100, description="Retries of a failed request (5xx, connection errors)."
@@ -326,14 +327,15 @@ def is_local_host(host: str) -> bool:
     return True
 
 
-def open_store(options: S3TierOptions, *, quick: bool = False) -> S3Store:
+def open_store(options: S3TierOptions, *, quick: bool = False, retry_seconds: float | None = None) -> S3Store:
     """An obstore client for ``options``.
 
     ``quick`` builds the client of existence checks and probes: no retries and
     ``check_timeout`` per request, so a dead server is noticed within one
     deadline. The data client retries (backoff with jitter) within
-    ``job_timeout - request_timeout`` seconds, so a job's last attempt ends
-    before its deadline.
+    ``retry_seconds`` (default ``job_timeout - request_timeout``), so the last
+    attempt of work started with that much time left ends before its deadline;
+    ``retry_seconds=0`` makes one attempt.
     """
     try:
         from obstore.store import S3Store
@@ -348,9 +350,10 @@ def open_store(options: S3TierOptions, *, quick: bool = False) -> S3Store:
     }
     if options.ca_file is not None:
         client["root_certificate"] = Path(options.ca_file).read_bytes()
+    budget = options.job_timeout - options.request_timeout if retry_seconds is None else retry_seconds
     retry: dict[str, Any] = {
-        "max_retries": 0 if quick else options.max_retries,
-        "retry_timeout": timedelta(seconds=max(0.1, options.job_timeout - options.request_timeout)),
+        "max_retries": 0 if quick or budget <= 0 else options.max_retries,
+        "retry_timeout": timedelta(seconds=max(0.1, budget)),
         "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=2), "base": 2},
     }
     config: dict[str, Any] = {
