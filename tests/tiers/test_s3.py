@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from s3_servers import FAST_FAILURE, MotoServer, S3Stub, raw_client, s3_options
+from s3_servers import FAST_FAILURE, MotoServer, S3Stub, put_plain, raw_client, s3_options
 
 from kvtier.config import describe_config, load_config
 from kvtier.errors import ConfigError
@@ -508,6 +508,27 @@ def test_warm_start_answers_hit_without_existence_checks(s3_bucket: tuple[MotoSe
     assert reader.stats.extra["warm_start_blocks"] == 3
     assert [reader.lookup(k, None) for k in keys] == [LookupResult.HIT] * 3
     assert reader.stats.extra["checks"] == 0
+
+
+def test_warm_start_lists_around_foreign_names_the_client_cannot_parse(
+    s3_bucket: tuple[MotoServer, str], make: Any
+) -> None:
+    """Review U4: one foreign object named 'x//y' or 'x/./y' under the namespace ended the whole
+    listing ('warm-start listing stopped', 0 blocks found)."""
+    server, bucket = s3_bucket
+    ns = make_namespace(BLOCK)
+    writer, _ = make(server.endpoint, bucket, ns)
+    keys = chain_ids(range(3), ns)
+    assert run_job(writer, keys, [0, 1, 2], False, 20).success
+    for name in ("x//y", "x/./y", "//top"):
+        put_plain(server.endpoint, bucket, f"kvtier/{ns.hexdigest}/{name}")
+    reader, _ = make(server.endpoint, bucket, ns, warm_start=True)
+    deadline = time.monotonic() + 20
+    while reader.stats.extra.get("warm_start_blocks") is None:
+        assert time.monotonic() < deadline, "warm start did not finish"
+        time.sleep(0.01)
+    assert reader.stats.extra["warm_start_blocks"] == 3
+    assert [reader.lookup(k, None) for k in keys] == [LookupResult.HIT] * 3
 
 
 def test_https_endpoint_behind_a_private_ca(tmp_path: Path, make: Any) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from s3_servers import MotoServer, raw_client, s3_options
+from s3_servers import MotoServer, put_plain, raw_client, s3_options
 
 from kvtier.errors import ConfigError
 from kvtier.keys import KVGeometry, Namespace, chain_ids
@@ -236,3 +236,25 @@ def test_a_secret_with_a_slash_in_the_url_is_never_echoed(url: str) -> None:
     out = _run("inspect", url)
     assert out.returncode == 2 and "K7MDENG" not in out.stdout + out.stderr, out.stderr
     assert "wJalrXUtnFEMI" not in out.stdout + out.stderr and "bPxRfiCYEXAMPLEKEY" not in out.stdout + out.stderr
+
+
+def test_inspect_reports_foreign_names_the_client_cannot_parse(s3_bucket: tuple[MotoServer, str]) -> None:
+    """Review U4: one object named 'a//b', 'a/./b' or 'a/../b' under the prefix (another
+    application's, in a shared bucket) made inspect exit 2 ("cannot list"), inspecting nothing."""
+    server, bucket = s3_bucket
+    tier, _ = _fill(server, bucket, "model-a", 3)
+    tier.shutdown()
+    ns_dir = f"kvtier/{tier.context.namespace.hexdigest}"
+    planted = ["kvtier/x//y", f"{ns_dir}/x/./y", f"{ns_dir}/q/../z"]
+    for name in planted:
+        put_plain(server.endpoint, bucket, name)
+    options = S3TierOptions(**{k: v for k, v in s3_options(server.endpoint, bucket).items() if k != "type"})
+    report = inspect_prefix(options, verify=True, remove_corrupt=True)
+    by_digest = {ns.digest: ns for ns in report.namespaces}
+    ours = by_digest[tier.context.namespace.hexdigest]
+    assert ours.entries == 3 and ours.verified == 3 and not ours.corrupt and ours.manifest_error is None
+    foreign = {path for ns in report.namespaces for path in ns.foreign_files}
+    assert all(any(name.startswith(shown) for shown in foreign) for name in planted), foreign  # or its folder
+    url = f"http://testing:testing@127.0.0.1:{server.port}/{bucket}"
+    out = _run("inspect", url, "--verify")
+    assert out.returncode == 1 and "blocks:       3" in out.stdout, out.stdout + out.stderr

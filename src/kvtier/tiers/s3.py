@@ -85,6 +85,7 @@ from kvtier.tiers.s3_store import (
     S3TierOptions,
     classify_error,
     key_of_path,
+    list_objects,
     manifest_dict,
     manifest_mismatch,
     namespace_prefix,
@@ -635,11 +636,10 @@ class S3Tier(ThreadedTier):
 
     def _warm_start(self) -> None:
         """List the namespace and remember every well-sized block object as present."""
-        import obstore as obs
-
         found = 0
+        unlisted: list[str] = []
         try:
-            for batch in obs.list(self._store, prefix=self._ns_prefix + "/", chunk_size=1000):
+            for batch in list_objects(self._store, self._ns_prefix + "/", unlisted):
                 if self._stopping.is_set():
                     return
                 now = time.monotonic()
@@ -653,6 +653,9 @@ class S3Tier(ThreadedTier):
                             found += 1
         except Exception as exc:
             logger.warning("s3 tier %s: warm-start listing stopped: %s", self.label, self._io_failure(exc))
+        if unlisted:
+            logger.warning("s3 tier %s: warm start skipped %d foreign object(s) whose names the S3 client cannot "
+                           "parse, e.g. %r", self.label, len(unlisted), unlisted[0])  # fmt: skip
         logger.info("s3 tier %s: warm start found %d block(s)", self.label, found)
         self._count(warm_start_blocks=found)
 

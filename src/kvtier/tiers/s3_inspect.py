@@ -34,6 +34,7 @@ from kvtier.tiers.s3_store import (
     MAX_MANIFEST_BYTES,
     S3TierOptions,
     key_of_path,
+    list_objects,
     open_store,
     parse_manifest,
     short_error,
@@ -105,25 +106,27 @@ def inspect_prefix(
     ``verify`` reads every block; ``sample`` reads that many random blocks per
     namespace instead. ``namespace`` keeps only digests starting with it.
     """
-    import obstore as obs
-
     store = open_store(options)
     root = f"s3://{options.bucket}/{options.prefix}"
-    groups: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    groups: dict[str, dict[str, int]] = defaultdict(dict)
+    unlisted: list[str] = []
     try:
-        for batch in obs.list(store, prefix=options.prefix + "/", chunk_size=1000):
+        for batch in list_objects(store, options.prefix + "/", unlisted, shards_at=1):
             for meta in batch:
                 rest = meta["path"][len(options.prefix) + 1 :]
-                digest = rest.split("/", 1)[0]
-                groups[digest].append((meta["path"], int(meta["size"])))
+                groups[rest.split("/", 1)[0]][meta["path"]] = int(meta["size"])
     except Exception as exc:
         raise ConfigError(f"cannot list {root}: {short_error(exc)}") from None
+    for name in unlisted:  # another application's object: foreign, reported, never touched
+        rest = name[len(options.prefix) + 1 :] if name.startswith(options.prefix + "/") else name
+        groups[rest.split("/", 1)[0]].setdefault(name, -1)
     reports = []
     rng = random.Random(seed)
     for digest in sorted(groups):
         if namespace is not None and not digest.startswith(namespace):
             continue
-        reports.append(_namespace_report(store, options, digest, groups[digest], verify, sample, remove_corrupt, rng))
+        objects = list(groups[digest].items())
+        reports.append(_namespace_report(store, options, digest, objects, verify, sample, remove_corrupt, rng))
     return RootReport(root, reports)
 
 

@@ -28,6 +28,7 @@ import json
 import os
 import re
 import stat
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -411,6 +412,43 @@ def key_of_path(ns_prefix: str, path: str) -> BlockKey | None:
     return bytes.fromhex(m.group(1))
 
 
+_BAD_PATH = re.compile(r'Path "([^"]{0,1024})"')
+
+
+def list_objects(
+    store: S3Store, prefix: str, unlisted: list[str], shards_at: int | None = 0
+) -> Iterator[Sequence[Any]]:
+    """Batches of the objects (``ObjectMeta``) under ``prefix`` (ending in ``/``), as ``obstore.list`` gives them,
+    except that a foreign object whose name the client cannot parse (``a//b``, ``a/./b``: another
+    application's, in a shared bucket) does not end the listing: the folder holding it is listed
+    level by level around it, and the name (or the folder holding it, as the client's error
+    says) goes to ``unlisted``. ``shards_at``: how many levels
+    below ``prefix`` the namespace folders are (their 256 shards are listed one by one when the
+    folder itself cannot be). An object may come twice: callers deduplicate.
+    """
+    import obstore as obs
+    from obstore.exceptions import InvalidPathError
+
+    try:
+        yield from obs.list(store, prefix=prefix, chunk_size=1000)
+        return
+    except InvalidPathError:
+        pass
+    try:
+        level = obs.list_with_delimiter(store, prefix=prefix)
+    except InvalidPathError as exc:
+        found = _BAD_PATH.search(str(exc))
+        unlisted.append(found.group(1) if found else f"{prefix}... (a name the S3 client cannot parse)")
+        if shards_at == 0:
+            for shard in range(256):
+                yield from list_objects(store, f"{prefix}{shard:02x}/", unlisted, None)
+        return
+    if level["objects"]:
+        yield level["objects"]
+    for folder in level["common_prefixes"]:
+        yield from list_objects(store, folder + "/", unlisted, None if not shards_at else shards_at - 1)
+
+
 def manifest_dict(namespace_digest: bytes, namespace_canonical: str, block_bytes: int) -> dict[str, Any]:
     return {
         "kvtier_s3_layout": LAYOUT_VERSION,
@@ -552,6 +590,7 @@ __all__ = [
     "check_s3_endpoint",
     "classify_error",
     "key_of_path",
+    "list_objects",
     "manifest_dict",
     "manifest_mismatch",
     "namespace_prefix",
