@@ -165,7 +165,7 @@ def _submodel(model: type[BaseModel], loc: Sequence[int | str]) -> type[BaseMode
     return current
 
 
-_SECRET_NAME = re.compile(r"pass|secret|token|credential|access_key", re.IGNORECASE)
+_SECRET_NAME = re.compile(r"(^|_)(password|passwd|secret|credentials?)(_|$)|(^|_)token$|^access_key", re.IGNORECASE)
 
 
 def _is_secret(model: type[BaseModel], loc: Sequence[int | str]) -> bool:

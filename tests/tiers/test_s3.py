@@ -663,6 +663,8 @@ def test_a_secret_of_the_wrong_type_is_never_echoed(tmp_path: Path, secret: str)
     with pytest.raises(ConfigError, match="session_token") as raised:
         S3Tier(_ctx(), bucket="kv-cache", session_token=73918264055)
     assert "7391" not in str(raised.value), raised.value
+    with pytest.raises(ConfigError, match="got 'many'"):  # other values are still shown
+        S3Tier(_ctx(), bucket="kv-cache", max_in_flight="many")
 
 
 def test_errors_are_classified_by_status_and_code_never_by_names_in_the_url(
