@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 import reprlib
 import types
 import typing
@@ -164,6 +165,22 @@ def _submodel(model: type[BaseModel], loc: Sequence[int | str]) -> type[BaseMode
     return current
 
 
+_SECRET_NAME = re.compile(r"(^|_)(password|passwd|secret|credentials?)(_|$)|(^|_)token$|^access_key", re.IGNORECASE)
+
+
+def _is_secret(model: type[BaseModel], loc: Sequence[int | str]) -> bool:
+    """True when the value at ``loc`` is (inside) a ``SecretStr`` field or one named like a secret:
+    its input is never shown (an all-digit secret that YAML read as a number included)."""
+    for i, part in enumerate(loc):
+        if isinstance(part, str) and _SECRET_NAME.search(part):
+            return True
+        owner = _submodel(model, loc[:i])
+        info = owner.model_fields.get(str(part)) if owner is not None else None
+        if info is not None and "SecretStr" in repr(info.annotation):
+            return True
+    return False
+
+
 def _is_union_member(model: type[BaseModel], loc: Sequence[int | str]) -> bool:
     """True when ``loc[-1]`` is pydantic's tag of a union member (``'bool'``, ``"literal['auto']"``), not a name."""
     if len(loc) < 2 or not isinstance(loc[-1], str):
@@ -203,7 +220,8 @@ def explain(
             if known:
                 msg += f": known names are {known}"
         elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
-            msg = f"{msg} (got {_shown_input(err['input'])})"
+            shown = "a value, not shown: it is a secret" if _is_secret(model, loc) else _shown_input(err["input"])
+            msg = f"{msg} (got {shown})"
         problems.setdefault(loc, []).append(msg)
     lines = []
     for loc, messages in problems.items():

@@ -128,6 +128,14 @@ def raw_client(endpoint: str, bucket: str, **extra: Any) -> Any:
     return open_store(S3TierOptions(**options))
 
 
+def put_plain(endpoint: str, bucket: str, key: str, body: bytes = b"x") -> None:
+    """PUT an object with a bare HTTP request (unsigned, as moto allows): for names obstore refuses
+    to write (``a//b``, ``a/./b``) but another application in a shared bucket may."""
+    request = urllib.request.Request(f"{endpoint}/{bucket}/{key}", data=body, method="PUT")
+    with urllib.request.urlopen(request, timeout=10):
+        pass
+
+
 class _StubHandler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _StubHTTPServer

@@ -227,7 +227,8 @@ def test_config_show_refuses_them_in_a_few_lines(
 @pytest.mark.parametrize(
     "url",
     [f"redis://user:{SECRET}@h:1/0", f"redis://:{SECRET}@h/0", f"redis://{SECRET}@h", f"rediss://h/0?password={SECRET}",
-     f"http://k:{SECRET}@h:9000/b", f"u:{SECRET}@h", f"redis://u:{SECRET}@[::1", f"redis://h/0?ssl_password={SECRET}&db=1"],
+     f"http://k:{SECRET}@h:9000/b", f"u:{SECRET}@h", f"redis://u:{SECRET}@[::1", f"redis://h/0?ssl_password={SECRET}&db=1",
+     f"https://h:9000?X-Amz-Signature={SECRET}"],
 )  # fmt: skip
 def test_redact_url_hides_passwords_in_every_form(url: str) -> None:
     from kvtier.tiers.endpoints import redact_url

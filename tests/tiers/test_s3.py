@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from s3_servers import FAST_FAILURE, MotoServer, S3Stub, raw_client, s3_options
+from s3_servers import FAST_FAILURE, MotoServer, S3Stub, put_plain, raw_client, s3_options
 
 from kvtier.config import describe_config, load_config
 from kvtier.errors import ConfigError
@@ -28,7 +28,7 @@ from kvtier.tiers.base import HealthState, JobResult, TierContext
 from kvtier.tiers.format import HEADER_SIZE
 from kvtier.tiers.registry import create_tier
 from kvtier.tiers.s3 import S3Tier
-from kvtier.tiers.s3_store import S3TierOptions, key_of_path, manifest_dict
+from kvtier.tiers.s3_store import S3TierOptions, classify_error, key_of_path, manifest_dict
 from kvtier.types import LookupResult, RequestContext
 
 pytestmark = pytest.mark.s3
@@ -111,6 +111,22 @@ def test_a_manifest_of_another_block_size_keeps_the_tier_out_of_service(
     assert [m["path"] for batch in obs.list(raw, prefix="kvtier") for m in batch] == [
         f"kvtier/{ns.hexdigest}/manifest.json"
     ], "nothing may be written next to a foreign manifest"
+
+
+def test_a_deeply_nested_planted_manifest_is_named_unreadable(s3_bucket: tuple[MotoServer, str], make: Any) -> None:
+    """Review U3: 30,000 nested arrays (under the size limit) gave a bare RecursionError."""
+    import obstore as obs
+
+    server, bucket = s3_bucket
+    ns = make_namespace(BLOCK)
+    raw = raw_client(server.endpoint, bucket)
+    obs.put(raw, f"kvtier/{ns.hexdigest}/manifest.json", b"[" * 30000 + b"]" * 30000)
+    tier, _ = make(server.endpoint, bucket, ns)
+    job = new_job(chain_ids(range(1), ns), [0], False)
+    tier.submit_store(job)
+    assert not wait_results(tier, {job.job_id}, 10)[job.job_id].success
+    detail = tier.health().detail
+    assert "manifest.json unreadable (manifest is nested too deeply" in detail and "Recursion" not in detail, detail
 
 
 @pytest.mark.slow
@@ -261,6 +277,42 @@ def test_existence_checks_go_out_once_per_step_and_stop_at_the_first_404(s3_stub
     assert heads == 8, f"one window of 8 HEADs, then the chain stops at its first 404 (got {heads})"
 
 
+def test_slow_existence_checks_never_pile_up_ahead_of_loads(s3_stub: S3Stub, make: Any) -> None:
+    """Review H1: with HEADs slower than the steps that need them, one queued batch per step grew
+    without bound ahead of loads (served first), and a promotion was never reported. Now at most
+    half the threads run checks, later steps' keys join one deferred batch, and stale keys are
+    dropped unchecked."""
+    from kvtier.tiers.jobs import Lane
+
+    tier, _ = make(s3_stub.endpoint, s3_stub.bucket, check_timeout=1.0, failure_threshold=1000,
+                   request_timeout=1.0, job_timeout=3.0)  # fmt: skip
+    ns = tier.context.namespace
+    stored = chain_ids(range(4), ns)
+    assert run_job(tier, stored, [0, 1, 2, 3], False, 10).success
+    s3_stub.delays["HEAD"] = 0.4
+    load = new_job(stored, [10, 11, 12, 13], True)
+    got: dict[int, JobResult] = {}
+    t0 = time.monotonic()
+    most_queued = step = 0
+    while time.monotonic() - t0 < 5 and load.job_id not in got:
+        for r in range(3):  # each step: 3 new prompts of 4 unknown keys
+            first = 10_000 + step * 12 + r * 4
+            for key in chain_ids(range(first, first + 4), ns):
+                tier.lookup(key, RequestContext(f"r{step}-{r}"))
+        tier.on_schedule_end()
+        step += 1
+        if step == 50:
+            tier.submit_load(load)
+            loaded_at = time.monotonic()
+        got.update({r.job_id: r for r in tier.poll_finished()})
+        most_queued = max(most_queued, tier._queue.queued(Lane.EXISTS))
+        time.sleep(0.01)
+    s3_stub.delays.clear()
+    assert load.job_id in got, f"the load was not reported; {tier._queue.queued(Lane.EXISTS)} checks queued"
+    assert got[load.job_id].success and time.monotonic() - loaded_at < 3.0
+    assert most_queued <= 2, most_queued
+
+
 def test_a_check_answered_after_a_store_does_not_override_it(s3_stub: S3Stub, make: Any) -> None:
     """Regression: a HEAD sent before a PUT finished answered 404 after it, and the key read MISS."""
     tier, _ = make(s3_stub.endpoint, s3_stub.bucket)
@@ -290,6 +342,53 @@ def test_slowdown_is_retried_with_backoff_and_succeeds(s3_stub: S3Stub, make: An
     assert np.array_equal(rows[4:6], rows[0:2])
     assert tier.health().state is HealthState.CLOSED and tier.stats.stores_failed == 0
     assert s3_stub.count("PUT") >= 4 and s3_stub.count("GET") >= 4, "the 503s were retried"
+
+
+def test_a_server_stalled_from_the_start_ends_store_jobs_and_shutdown_in_time(s3_stub: S3Stub) -> None:
+    """Review H2: each I/O thread waiting on the manifest check ran the whole check again with full
+    retries, one after another, so store jobs ended at several job_timeouts and shutdown() overran
+    its bound; now a waiter takes the check's result, and stops waiting at shutdown."""
+    s3_stub.hang()
+    rows = np.zeros((8, BLOCK), dtype=np.uint8)
+    ns = make_namespace(BLOCK)
+    options = {k: v for k, v in s3_options(s3_stub.endpoint, s3_stub.bucket, max_in_flight=8).items() if k != "type"}
+    tier = S3Tier(TierContext(rows, BLOCK, ns), **{**options, **FAST, "failure_threshold": 1000})
+    keys = chain_ids(range(8), ns)
+    jobs = [new_job([key], [i], False) for i, key in enumerate(keys)]
+    t0 = time.monotonic()
+    for job in jobs:
+        tier.submit_store(job)
+    results = wait_results(tier, {job.job_id for job in jobs}, 15)
+    took = time.monotonic() - t0
+    assert not any(r.success for r in results.values())
+    assert took < FAST["job_timeout"] + FAST["request_timeout"] + 2.0, f"store jobs ended after {took:.1f}s"
+    more = [new_job([key], [i], False) for i, key in enumerate(keys)]
+    for job in more:
+        tier.submit_store(job)
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    tier.shutdown()  # raises TierError past its bound (job_timeout + request_timeout + 2)
+    assert time.monotonic() - t0 < FAST["job_timeout"] + FAST["request_timeout"] + 2.0
+
+
+def test_work_started_late_in_a_job_gets_only_the_retries_that_fit_its_deadline(
+    s3_stub: S3Stub, make: Any
+) -> None:
+    """Review H3: the retry budget was fixed (job_timeout - request_timeout), so work started just
+    before the deadline ran a whole budget more: jobs ended up to 2 x job_timeout after
+    submission. Now it is bounded by the time the job has left (at worst one request past it)."""
+    tier, _ = make(s3_stub.endpoint, s3_stub.bucket, request_timeout=1.0, job_timeout=3.0, max_retries=4,
+                   failure_threshold=1000)  # fmt: skip
+    keys = chain_ids(range(9), tier.context.namespace)
+    assert run_job(tier, keys[:1], [0], False, 10).success
+    s3_stub.hang()
+    job = new_job(keys[1:], list(range(1, 9)), False)  # 8 blocks on 3 store threads: waves
+    t0 = time.monotonic()
+    tier.submit_store(job)
+    result = wait_results(tier, {job.job_id}, 15)[job.job_id]
+    took = time.monotonic() - t0
+    assert not result.success
+    assert took < 3.0 + 1.0 * 0.6, f"a 3 s job with 1 s requests was reported after {took:.1f}s"
 
 
 def test_a_hanging_server_fails_jobs_by_their_deadline_without_blocking_the_scheduler(
@@ -411,6 +510,27 @@ def test_warm_start_answers_hit_without_existence_checks(s3_bucket: tuple[MotoSe
     assert reader.stats.extra["checks"] == 0
 
 
+def test_warm_start_lists_around_foreign_names_the_client_cannot_parse(
+    s3_bucket: tuple[MotoServer, str], make: Any
+) -> None:
+    """Review U4: one foreign object named 'x//y' or 'x/./y' under the namespace ended the whole
+    listing ('warm-start listing stopped', 0 blocks found)."""
+    server, bucket = s3_bucket
+    ns = make_namespace(BLOCK)
+    writer, _ = make(server.endpoint, bucket, ns)
+    keys = chain_ids(range(3), ns)
+    assert run_job(writer, keys, [0, 1, 2], False, 20).success
+    for name in ("x//y", "x/./y", "//top"):
+        put_plain(server.endpoint, bucket, f"kvtier/{ns.hexdigest}/{name}")
+    reader, _ = make(server.endpoint, bucket, ns, warm_start=True)
+    deadline = time.monotonic() + 20
+    while reader.stats.extra.get("warm_start_blocks") is None:
+        assert time.monotonic() < deadline, "warm start did not finish"
+        time.sleep(0.01)
+    assert reader.stats.extra["warm_start_blocks"] == 3
+    assert [reader.lookup(k, None) for k in keys] == [LookupResult.HIT] * 3
+
+
 def test_https_endpoint_behind_a_private_ca(tmp_path: Path, make: Any) -> None:
     from conftest import make_test_certificates
 
@@ -469,6 +589,8 @@ def _ctx() -> TierContext:
         ({"max_in_flight": 0}, "max_in_flight"),
         ({"endpoint": "https://127.0.0.1:9000", "path_style": False}, "virtual-hosted"),
         ({"bukket": "x"}, "'bukket': is not a setting"),
+        ({"endpoint": "http://127.0.0.1:9000#", "allow_http": True}, "'#' fragment"),  # review U1
+        ({"endpoint": "http://127.0.0.1:9000/#", "allow_http": True}, "'#' fragment"),
     ],
 )
 def test_bad_options_name_the_problem(options: dict[str, Any], message: str) -> None:
@@ -524,3 +646,77 @@ def test_store_runs_before_the_first_housekeeping(s3_stub: S3Stub) -> None:
         assert run_job(tier, keys, [0, 1], False, 10).success
     finally:
         tier.shutdown()
+
+
+@pytest.mark.parametrize("secret", ["73918264055", "[7391, 8264]", "true"])
+def test_a_secret_of_the_wrong_type_is_never_echoed(tmp_path: Path, secret: str) -> None:
+    """Review S1: an all-digit secret (YAML reads it as a number), a list or a bool is refused
+    without showing it, from a config file and from tier options."""
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(
+        "model: tiny\ntiers:\n  - type: s3\n    bucket: kv-cache\n    endpoint: https://minio.internal:9000\n"
+        f"    access_key_id: minio\n    secret_access_key: {secret}\n"
+    )
+    with pytest.raises(ConfigError, match="secret_access_key") as raised:
+        load_config(path, env={})
+    assert "7391" not in str(raised.value) and "True" not in str(raised.value), raised.value
+    with pytest.raises(ConfigError, match="session_token") as raised:
+        S3Tier(_ctx(), bucket="kv-cache", session_token=73918264055)
+    assert "7391" not in str(raised.value), raised.value
+    with pytest.raises(ConfigError, match="got 'many'"):  # other values are still shown
+        S3Tier(_ctx(), bucket="kv-cache", max_in_flight="many")
+
+
+def test_errors_are_classified_by_status_and_code_never_by_names_in_the_url(
+    s3_stub: S3Stub, make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review U2: a bucket named 'kv-credentials' turned one 5xx into "no S3 credentials" and
+    tripped the breaker; a prefix holding 'NoSuchBucket' would do the same for every 404."""
+    import obstore as obs
+
+    prefix = "NoSuchBucket-TimedOut/credential/latest/meta-data"
+    raw = raw_client(s3_stub.endpoint, "kv-credentials", max_retries=0)
+    with pytest.raises(FileNotFoundError) as missing:
+        obs.get(raw, f"{prefix}/x")
+    s3_stub.slowdowns = 1
+    with pytest.raises(Exception) as throttled:
+        obs.get(raw, f"{prefix}/x")
+    assert (classify_error(missing.value), classify_error(throttled.value)) == ("missing", "throttled")
+
+    tier, _ = make(s3_stub.endpoint, "kv-credentials", prefix=prefix, **{**FAST, "max_retries": 0})
+    keys = chain_ids(range(1), tier.context.namespace)
+    assert run_job(tier, keys, [0], False, 10).success
+    s3_stub.slowdowns = 1
+    assert not run_job(tier, keys, [0], True, 10).success
+    health = tier.health()
+    assert health.state is HealthState.CLOSED and "credentials" not in health.detail, health
+
+    monkeypatch.setenv("AWS_METADATA_ENDPOINT", s3_stub.endpoint)  # the real thing still reads as such
+    chain = open_store_without_keys(s3_stub.endpoint)
+    s3_stub.slowdowns = 1
+    with pytest.raises(Exception) as imds:
+        obs.get(chain, "kvtier/x")
+    assert classify_error(imds.value) == "credentials"
+
+
+def open_store_without_keys(endpoint: str) -> Any:
+    from kvtier.tiers.s3_store import open_store
+
+    return open_store(S3TierOptions(bucket="stub", endpoint=endpoint, allow_http=True, max_retries=0))
+
+
+def test_store_location_names_the_endpoint_in_use(s3_stub: S3Stub, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review M2: an endpoint from AWS_ENDPOINT_URL was spelled 'aws', so two stores shared one
+    fleet id and one store had two; and describe() re-read the environment after construction."""
+    options = {k: v for k, v in s3_options(s3_stub.endpoint, s3_stub.bucket).items() if k != "type"}
+    named = create_tier({"type": "s3", **options}, _ctx())
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_stub.endpoint)
+    del options["endpoint"]
+    from_env = create_tier({"type": "s3", **options}, _ctx())
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+        assert named.store_location() == from_env.store_location() == f"s3:{s3_stub.endpoint}/stub/kvtier"
+        assert from_env.describe()["endpoint"] == s3_stub.endpoint
+    finally:
+        named.shutdown()
+        from_env.shutdown()

@@ -7,10 +7,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-from s3_servers import MotoServer, raw_client, s3_options
+from s3_servers import MotoServer, put_plain, raw_client, s3_options
 
 from kvtier.errors import ConfigError
 from kvtier.keys import KVGeometry, Namespace, chain_ids
@@ -111,3 +112,149 @@ def test_bench_with_an_s3_tier(s3_bucket: tuple[MotoServer, str], private_shm: P
         S3TierOptions(**{k: v for k, v in s3_options(server.endpoint, bucket, prefix="bench").items() if k != "type"})
     )
     assert report.entries > 0
+
+
+def _paths(raw: object) -> set[str]:
+    import obstore as obs
+
+    return {meta["path"] for batch in obs.list(raw, prefix="kvtier/") for meta in batch}  # type: ignore[arg-type]
+
+
+def _rewrite(raw: object, path: str, edit: Any) -> None:
+    import obstore as obs
+
+    obs.put(raw, path, edit(bytearray(obs.get(raw, path).bytes())))  # type: ignore[arg-type]
+
+
+def _flip_payload(body: bytearray) -> bytes:
+    body[HEADER_SIZE + 5] ^= 0xFF
+    return bytes(body)
+
+
+def _version_3(extra: bytes) -> Any:
+    def edit(body: bytearray) -> bytes:
+        body[8:12] = (3).to_bytes(4, "little")
+        return bytes(body) + extra
+
+    return edit
+
+
+def test_remove_corrupt_keeps_another_releases_values(s3_bucket: tuple[MotoServer, str]) -> None:
+    """Review D1: kvtier's magic with a format version this release cannot read is another
+    release's value, kept whatever its size; only the proven-corrupt object goes."""
+    server, bucket = s3_bucket
+    tier, keys = _fill(server, bucket, "model-a", 3)
+    tier.shutdown()
+    raw = raw_client(server.endpoint, bucket)
+    same, longer, broken = (tier.object_path(k) for k in keys)
+    _rewrite(raw, same, _version_3(b""))
+    _rewrite(raw, longer, _version_3(b"\0" * 100))
+    _rewrite(raw, broken, _flip_payload)
+    options = S3TierOptions(**{k: v for k, v in s3_options(server.endpoint, bucket).items() if k != "type"})
+
+    report = inspect_prefix(options, verify=True, remove_corrupt=True)
+    (ns,) = report.namespaces
+    reasons = {c.path: c.reason for c in ns.corrupt}
+    assert ns.removed_corrupt == 1 and set(reasons) == {same, longer, broken}, reasons
+    assert "another release's (kept" in reasons[same] and "another release's (kept" in reasons[longer]
+    left = _paths(raw)
+    assert same in left and longer in left and broken not in left
+
+
+def test_remove_corrupt_keeps_objects_whose_read_failed(
+    s3_bucket: tuple[MotoServer, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review D2: a GET answered 403 (no kms:Decrypt, an archived object) or 503 proves nothing:
+    the object is listed as unreadable and kept."""
+    import obstore as obs
+    from obstore.exceptions import GenericError, PermissionDeniedError
+
+    server, bucket = s3_bucket
+    tier, keys = _fill(server, bucket, "model-a", 3)
+    tier.shutdown()
+    denied, throttled = tier.object_path(keys[0]), tier.object_path(keys[1])
+    real_get = obs.get
+    failures = {
+        denied: PermissionDeniedError("Error performing GET: status code: 403 <Code>AccessDenied</Code>"),
+        throttled: GenericError("Error performing GET: status code: 503 <Code>SlowDown</Code>"),
+    }
+
+    def failing_get(store: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+        if path in failures:
+            raise failures[path]
+        return real_get(store, path, *args, **kwargs)
+
+    monkeypatch.setattr(obs, "get", failing_get)
+    options = S3TierOptions(**{k: v for k, v in s3_options(server.endpoint, bucket).items() if k != "type"})
+    (ns,) = inspect_prefix(options, verify=True, remove_corrupt=True).namespaces
+    assert ns.removed_corrupt == 0 and {c.path for c in ns.corrupt} == {denied, throttled}
+    assert all("unreadable" in c.reason and "kept" in c.reason for c in ns.corrupt), ns.corrupt
+    assert {denied, throttled} <= _paths(raw_client(server.endpoint, bucket))
+
+
+@pytest.mark.parametrize("planted", ["layout", "digest", "header"])
+def test_remove_corrupt_never_trusts_an_unusable_manifest(s3_bucket: tuple[MotoServer, str], planted: str) -> None:
+    """Review D3: a manifest of another layout, header size or namespace does not size the
+    blocks; they are judged by their own header, and nothing in that namespace is removed."""
+    server, bucket = s3_bucket
+    tier, keys = _fill(server, bucket, "model-a", 3)
+    tier.shutdown()
+    raw = raw_client(server.endpoint, bucket)
+    manifest_path = f"kvtier/{tier.context.namespace.hexdigest}/manifest.json"
+    changes = {
+        "layout": {"kvtier_s3_layout": 2, "header_bytes": 256},
+        "digest": {"namespace_digest": "0" * 32, "block_bytes": 1234},
+        "header": {"header_bytes": 256},
+    }[planted]
+    _rewrite(raw, manifest_path, lambda body: json.dumps({**json.loads(bytes(body)), **changes}).encode())
+    broken = tier.object_path(keys[0])
+    _rewrite(raw, broken, _flip_payload)
+    options = S3TierOptions(**{k: v for k, v in s3_options(server.endpoint, bucket).items() if k != "type"})
+
+    (ns,) = inspect_prefix(options, verify=True, remove_corrupt=True).namespaces
+    assert ns.manifest_error is not None and ns.removed_corrupt == 0
+    assert [c.path for c in ns.corrupt] == [broken] and "no usable manifest" in ns.corrupt[0].reason
+    assert {tier.object_path(k) for k in keys} <= _paths(raw)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY@127.0.0.1:9000/kv-cache",
+        "http://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI?K7MDENG#bPxRfiCYEXAMPLEKEY@127.0.0.1:9000/kv-cache",
+        "s3://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY@kv-cache/p",
+    ],
+)
+def test_a_secret_with_a_slash_in_the_url_is_never_echoed(url: str) -> None:
+    """Review S1: an unencoded '/', '?' or '#' in the secret split the URL before anything could
+    redact it, and validation echoed the pieces; now it is refused naming the fix."""
+    with pytest.raises(ConfigError) as raised:
+        options_from_url(url)
+    text = str(raised.value)
+    assert not any(piece in text for piece in ("wJalrXUtnFEMI", "K7MDENG", "bPxRfiCYEXAMPLEKEY")), text
+    assert "percent-encode" in text or "carries credentials" in text
+    out = _run("inspect", url)
+    assert out.returncode == 2 and "K7MDENG" not in out.stdout + out.stderr, out.stderr
+    assert "wJalrXUtnFEMI" not in out.stdout + out.stderr and "bPxRfiCYEXAMPLEKEY" not in out.stdout + out.stderr
+
+
+def test_inspect_reports_foreign_names_the_client_cannot_parse(s3_bucket: tuple[MotoServer, str]) -> None:
+    """Review U4: one object named 'a//b', 'a/./b' or 'a/../b' under the prefix (another
+    application's, in a shared bucket) made inspect exit 2 ("cannot list"), inspecting nothing."""
+    server, bucket = s3_bucket
+    tier, _ = _fill(server, bucket, "model-a", 3)
+    tier.shutdown()
+    ns_dir = f"kvtier/{tier.context.namespace.hexdigest}"
+    planted = ["kvtier/x//y", f"{ns_dir}/x/./y", f"{ns_dir}/q/../z"]
+    for name in planted:
+        put_plain(server.endpoint, bucket, name)
+    options = S3TierOptions(**{k: v for k, v in s3_options(server.endpoint, bucket).items() if k != "type"})
+    report = inspect_prefix(options, verify=True, remove_corrupt=True)
+    by_digest = {ns.digest: ns for ns in report.namespaces}
+    ours = by_digest[tier.context.namespace.hexdigest]
+    assert ours.entries == 3 and ours.verified == 3 and not ours.corrupt and ours.manifest_error is None
+    foreign = {path for ns in report.namespaces for path in ns.foreign_files}
+    assert all(any(name.startswith(shown) for shown in foreign) for name in planted), foreign  # or its folder
+    url = f"http://testing:testing@127.0.0.1:{server.port}/{bucket}"
+    out = _run("inspect", url, "--verify")
+    assert out.returncode == 1 and "blocks:       3" in out.stdout, out.stdout + out.stderr

@@ -18,7 +18,7 @@ from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
 _LABEL = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?\Z")
 _UNSAFE_CHAR = re.compile(r"[^\x21-\x7e]")
-_SECRET_QUERY = re.compile(r"pass|secret|token|key|credential|auth", re.IGNORECASE)
+_SECRET_QUERY = re.compile(r"pass|secret|token|key|credential|auth|signature", re.IGNORECASE)
 _SHOWN_CHARS = 200
 
 
@@ -112,7 +112,7 @@ def parse_endpoint(url: str, what: str, schemes: tuple[str, ...], *, needs_host:
     if parts.scheme not in schemes:
         shown = parts.scheme or "none"
         raise ValueError(f"{where} has scheme {shown!r}: use " + " or ".join(f"{s}://" for s in schemes))
-    if parts.fragment:
+    if parts.fragment or "#" in url:  # an empty fragment ('host:9000#') too: urlsplit drops it
         raise ValueError(f"{where} has a '#' fragment: remove it")
     netloc = parts.netloc.rsplit("@", 1)[-1]
     if port is None and re.search(r":[^\]]*$", netloc):

@@ -16,7 +16,8 @@ the options, their defaults and the bucket layout are in :mod:`kvtier.tiers.s3_s
   as loaded. A 404 is a MISS for that key (it drops the key from the index and is
   reported removed in the tier's events: a lifecycle rule deleted it);
   a wrong length, header or checksum is a MISS too, is counted in
-  ``stats.corrupt_values``, and the object is deleted; an object in a format
+  ``stats.corrupt_values``, and the object is deleted (obstore sends a
+  multi-object delete, ``POST ?delete``, naming it); an object in a format
   version of another release (kvtier's magic, a version this one cannot read)
   is a MISS counted in ``foreign_format`` and left in place.
 * **Existence**: answered from an in-memory index of what this process stored,
@@ -24,14 +25,19 @@ the options, their defaults and the bucket layout are in :mod:`kvtier.tiers.s3_s
   MISS for ``miss_seconds`` (other engines write too). Unknown keys answer
   RETRY and go out at step end as one batch of concurrent HEADs with a
   deadline (``check_timeout``), stopping a request's chain of keys at its
-  first 404; a check that fails or misses its deadline counts as absent.
+  first 404; a check that fails or misses its deadline counts as absent. At most
+  half the I/O threads run batches (later steps' keys join one deferred batch),
+  and keys whose lookups already answered MISS are dropped unchecked, so slow
+  HEADs never pile up ahead of loads.
   ``warm_start`` fills the index by listing the namespace in the background.
 * **Manifest**: ``<prefix>/<namespace>/manifest.json`` is created or checked
   before the tier serves (a manifest of another layout or block size keeps it
   out of service, with the reason in ``health().detail``); until then lookups
   answer RETRY for about ``check_timeout`` seconds, then MISS.
-* **Failures**: the data client retries with backoff and jitter within
-  ``job_timeout - request_timeout``; refused connections open the breaker at
+* **Failures**: the data client retries with backoff and jitter within the time
+  the job has left less ``request_timeout`` (work started late gets a client with
+  a smaller retry budget, the last one attempt only, ending at most
+  ``request_timeout`` past the deadline); refused connections open the breaker at
   once, timeouts, 5xx and SlowDown storms after ``failure_threshold`` in a
   row. While open, lookups answer MISS, stores are dropped, loads fail at once;
   a probe (the manifest check) brings the tier back, with a fresh index.
@@ -79,6 +85,7 @@ from kvtier.tiers.s3_store import (
     S3TierOptions,
     classify_error,
     key_of_path,
+    list_objects,
     manifest_dict,
     manifest_mismatch,
     namespace_prefix,
@@ -126,6 +133,12 @@ class S3Tier(ThreadedTier):
             job_timeout=opts.job_timeout,
         )
         self._store: S3Store = open_store(opts)
+        # Data clients by retry budget, largest first: work started late in its job's life gets one
+        # whose retries still end by the deadline (the last, one attempt, ends within request_timeout).
+        full = opts.job_timeout - opts.request_timeout
+        self._by_budget: list[tuple[float, S3Store]] = [(full, self._store)] + [
+            (budget, open_store(opts, retry_seconds=budget)) for budget in (full / 2, full / 4, 0.0)
+        ]
         self._quick: S3Store = open_store(opts, quick=True)
         self._value_bytes = HEADER_SIZE + context.block_bytes
         self._digest = context.namespace.digest
@@ -135,6 +148,8 @@ class S3Tier(ThreadedTier):
         self._ready = threading.Event()
         self._born = time.monotonic()
         self._manifest_lock = threading.Lock()
+        self._manifest_checks = 0  # checks done (under _manifest_lock): a waiter takes the last one's result
+        self._manifest_failed_at = float("-inf")  # a failed check is not redone for open_seconds (probes excepted)
         self._manifest_error: str | None = None
         self._warmed = False
 
@@ -144,9 +159,15 @@ class S3Tier(ThreadedTier):
         # Scheduler thread only: this step's unknown keys, per request chain, in lookup order.
         self._chains: dict[object, list[BlockKey]] = {}
         self._pending: set[BlockKey] = set()
+        # Existence batches out (queued or running), guarded by _lock: at most half the I/O threads,
+        # so loads always find one; keys of steps that end meanwhile join one deferred batch.
+        self._checks_out = 0
+        self._max_checks_out = max(1, opts.max_in_flight // 2)
+        self._deferred: Work | None = None
         self.stats.extra.update({"objects_written": 0, "checks": 0, "checks_failed": 0, "missing": 0})
 
-        endpoint, source = opts.endpoint_setting()
+        # The endpoint in use, read once: the client was built with it, whatever the environment says later.
+        self._endpoint_setting = endpoint, source = opts.endpoint_setting()
         self._heads = HeadFanout(self._head, self._stopping)
         try:
             self._heads.start(opts.max_in_flight, self._start_thread)
@@ -235,8 +256,22 @@ class S3Tier(ThreadedTier):
         with self._lock:
             for key in keys:
                 self._checking[key] = now
-        if not self._queue_internal(Work(Lane.EXISTS, keys=keys, payload=chains)):
-            self._forget_checks(keys)
+            if self._deferred is not None:  # a batch already waits for a free slot: these keys join it
+                self._deferred.keys.extend(keys)
+                self._deferred.payload.extend(chains)
+                return
+            if self._checks_out >= self._max_checks_out:
+                self._deferred = Work(Lane.EXISTS, keys=keys, payload=chains)
+                return
+            self._checks_out += 1
+        self._send_checks(Work(Lane.EXISTS, keys=keys, payload=chains))
+
+    def _send_checks(self, work: Work) -> None:
+        """Queue a batch of existence checks already counted in ``_checks_out``."""
+        if not self._queue_internal(work):
+            self._forget_checks(work.keys)
+            with self._lock:
+                self._checks_out -= 1
 
     def _holds(self, key: BlockKey) -> bool:
         with self._lock:
@@ -247,16 +282,17 @@ class S3Tier(ThreadedTier):
         return TierUsage(self.stats.bytes_written, None, int(self.stats.extra["objects_written"]))
 
     def store_location(self) -> str:
-        """``s3:<endpoint or aws>/<bucket>/<prefix>``."""
-        return f"s3:{self.options.endpoint or 'aws'}/{self.options.bucket}/{self.options.prefix}"
+        """``s3:<endpoint in use, or aws>/<bucket>/<prefix>``: the same for every engine that reaches
+        the store, whether its endpoint comes from the option or from ``AWS_ENDPOINT_URL*``."""
+        return f"s3:{self._endpoint_setting[0] or 'aws'}/{self.options.bucket}/{self.options.prefix}"
 
     def describe(self) -> dict[str, Any]:
         return {
             "type": self.tier_type,
             "medium": self.medium,
             **self.options.model_dump(mode="json"),
-            "endpoint": self.options.endpoint_setting()[0],
-            "endpoint_from": self.options.endpoint_setting()[1],
+            "endpoint": self._endpoint_setting[0],
+            "endpoint_from": self._endpoint_setting[1],
             "namespace_prefix": self._ns_prefix,
             "path_style": self.options.uses_path_style,
             "allow_http": self.options.uses_http,
@@ -305,7 +341,7 @@ class S3Tier(ThreadedTier):
         try:
             header = encode_header(self._digest, key, row)
             obs.put(
-                self._store,
+                self._data_client(work),
                 self.object_path(key),
                 [header, row],
                 use_multipart=False,
@@ -334,7 +370,7 @@ class S3Tier(ThreadedTier):
         row = rows[work.slots[0], : self._block_bytes]
         asked = time.time()  # a key found missing was gone by then
         try:
-            self._get_into(path, key, header, row)
+            self._get_into(self._data_client(work), path, key, header, row)
         except FileNotFoundError as exc:
             if classify_error(exc) == "no_bucket":  # the bucket went away: a failure, not a missing block
                 self._complete(work, error=f"download of {key.hex()[:16]} failed: {self._io_failure(exc)}")
@@ -373,7 +409,16 @@ class S3Tier(ThreadedTier):
         self._remember(key, True, time.monotonic())
         self._complete(work, ok=[key], nbytes=self._value_bytes)
 
-    def _get_into(self, path: str, key: BlockKey, header: bytearray, row: np.ndarray) -> None:
+    def _data_client(self, work: Work) -> S3Store:
+        """The client whose retries end by the deadline of ``work``'s job, given the time it has left
+        (work is only started before its deadline; see :class:`ThreadedTier`)."""
+        deadline = work.job.deadline if work.job is not None else None
+        if deadline is None:
+            return self._store
+        left = deadline - time.monotonic() - self.options.request_timeout
+        return next((store for budget, store in self._by_budget if budget <= left), self._by_budget[-1][1])
+
+    def _get_into(self, store: S3Store, path: str, key: BlockKey, header: bytearray, row: np.ndarray) -> None:
         """GET ``path``: the first 128 bytes into ``header``, the rest into ``row``; then verify both.
 
         Each payload chunk is copied into the row and hashed there as it
@@ -384,7 +429,7 @@ class S3Tier(ThreadedTier):
         """
         import obstore as obs
 
-        result = obs.get(self._store, path)
+        result = obs.get(store, path)
         size = int(result.meta["size"])
         if size != self._value_bytes:
             first = next(iter(result.stream(min_chunk_size=PREFIX_SIZE)), b"")
@@ -424,8 +469,31 @@ class S3Tier(ThreadedTier):
     # --- existence checks -------------------------------------------------------------------------
 
     def _check(self, work: Work) -> None:
-        """Run one step's HEADs concurrently on the HEAD threads, within ``check_timeout``."""
-        chains: list[list[BlockKey]] = work.payload
+        """Run a batch of existence checks, then send the deferred batch, if any."""
+        try:
+            self._check_batch(work)
+        finally:
+            with self._lock:
+                deferred, self._deferred = self._deferred, None
+                if deferred is None:
+                    self._checks_out -= 1
+            if deferred is not None:
+                self._send_checks(deferred)
+
+    def _check_batch(self, work: Work) -> None:
+        """Run a batch's HEADs concurrently on the HEAD threads, within ``check_timeout``. Keys whose
+        lookups already gave up (answered MISS), or all of them while out of service, are dropped
+        unchecked: a backlog of stale checks must not keep HEADs going."""
+        given_up = time.monotonic() - self.options.check_timeout - 1.0
+        serving = self._breaker.serving and not self._stopping.is_set()
+        with self._lock:
+            live = {k for k in work.keys if serving and self._checking.get(k, given_up) > given_up}
+            for key in work.keys:
+                if key not in live:
+                    self._checking.pop(key, None)
+        chains = [kept for kept in ([k for k in chain if k in live] for chain in work.payload) if kept]
+        if not chains:
+            return
         answers, errors = self._heads.check(chains, self.options.check_timeout)
         now = time.monotonic()
         with self._lock:
@@ -504,7 +572,10 @@ class S3Tier(ThreadedTier):
     def _probe(self) -> None:
         """The manifest check (it also proves the bucket is there and writable); a fresh index after."""
         with self._manifest_lock:
-            self._ensure_manifest()
+            try:
+                self._ensure_manifest()
+            finally:
+                self._manifest_checks += 1
         with self._lock:
             self._present.clear()
             self._absent.clear()
@@ -512,21 +583,40 @@ class S3Tier(ThreadedTier):
     def _ensure_ready(self, wait: bool = True) -> bool:
         """Check the manifest once before the first request (I/O thread); True once it passed.
 
-        A failure takes the tier out of service at once (probes retry).
-        ``wait=False`` returns at once if another thread is checking.
+        A failure takes the tier out of service at once (probes retry). A thread that waited
+        while another checked takes that check's result rather than running one more with full
+        retries (against a stalled server, one after another, they outlasted job deadlines and
+        shutdown); a failed check is not redone for ``open_seconds`` (a probe may redo it); a
+        waiter gives up once the tier is stopping. ``wait=False`` returns at once if
+        another thread is checking.
         """
         if self._ready.is_set():
             return True
-        if not self._manifest_lock.acquire(blocking=wait):
+        checks = self._manifest_checks
+        if wait:
+            while not self._manifest_lock.acquire(timeout=0.05):
+                if self._stopping.is_set():
+                    return False
+        elif not self._manifest_lock.acquire(blocking=False):
             return False
         try:
-            if not self._ready.is_set() and self._breaker.serving:
+            if (
+                not self._ready.is_set()
+                and self._breaker.serving
+                and checks == self._manifest_checks
+                and time.monotonic() - self._manifest_failed_at >= self.options.open_seconds
+                and not self._stopping.is_set()
+            ):
                 try:
                     self._ensure_manifest()
                 except ConfigError as exc:  # a foreign manifest: out of service until it changes
+                    self._manifest_failed_at = time.monotonic()
                     self._note_failure(str(exc), trip=True)
                 except Exception as exc:  # the store failed: retried at the next tick or probe
+                    self._manifest_failed_at = time.monotonic()
                     self._io_failure(exc)
+                finally:
+                    self._manifest_checks += 1
         finally:
             self._manifest_lock.release()
         return self._ready.is_set()
@@ -546,11 +636,10 @@ class S3Tier(ThreadedTier):
 
     def _warm_start(self) -> None:
         """List the namespace and remember every well-sized block object as present."""
-        import obstore as obs
-
         found = 0
+        unlisted: list[str] = []
         try:
-            for batch in obs.list(self._store, prefix=self._ns_prefix + "/", chunk_size=1000):
+            for batch in list_objects(self._store, self._ns_prefix + "/", unlisted):
                 if self._stopping.is_set():
                     return
                 now = time.monotonic()
@@ -564,6 +653,9 @@ class S3Tier(ThreadedTier):
                             found += 1
         except Exception as exc:
             logger.warning("s3 tier %s: warm-start listing stopped: %s", self.label, self._io_failure(exc))
+        if unlisted:
+            logger.warning("s3 tier %s: warm start skipped %d foreign object(s) whose names the S3 client cannot "
+                           "parse, e.g. %r", self.label, len(unlisted), unlisted[0])  # fmt: skip
         logger.info("s3 tier %s: warm start found %d block(s)", self.label, found)
         self._count(warm_start_blocks=found)
 

@@ -5,7 +5,13 @@ manifest, and counts blocks and bytes. With ``verify`` it reads blocks back
 (all of them, or a random sample per namespace) and checks each against the
 header it must carry: namespace digest (from the path), key (from the object
 name), payload length (from the manifest) and xxh3 checksum. Nothing read is
-evaluated. ``remove_corrupt`` deletes the objects that failed.
+evaluated. ``remove_corrupt`` deletes only the objects proven corrupt, the same
+rule as the fs tier's inspect: never an object whose read failed (403, 5xx, a
+timeout prove nothing), never another release's value (kvtier's magic with a
+format version this one cannot read: its writer can read it), and nothing in a
+namespace without a usable manifest (missing, unreadable, another namespace's,
+another layout's or header size): blocks there are judged by their own header
+alone and kept.
 
 Blocking and single-threaded; meant for an operator's shell, never for an engine.
 """
@@ -18,15 +24,17 @@ from collections import defaultdict
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from kvtier.errors import ConfigError, CorruptValueError
+from kvtier.errors import ConfigError, CorruptValueError, ForeignFormatError
 from kvtier.tiers.endpoints import redact_url
-from kvtier.tiers.format import HEADER_SIZE, decode_header, verify_payload
+from kvtier.tiers.format import HEADER_SIZE, PREFIX_SIZE, decode_header, foreign_format, verify_payload
 from kvtier.tiers.fs_layout import CorruptEntry, NamespaceReport, RootReport
 from kvtier.tiers.s3_store import (
+    LAYOUT_VERSION,
     MANIFEST,
     MAX_MANIFEST_BYTES,
     S3TierOptions,
     key_of_path,
+    list_objects,
     open_store,
     parse_manifest,
     short_error,
@@ -43,6 +51,19 @@ def options_from_url(url: str, **overrides: Any) -> dict[str, Any]:
       endpoint, path-style; ``http`` implies ``allow_http``.
     """
     shown = redact_url(url)
+    scheme, sep, rest = url.partition("://")
+    if sep and "@" in rest:  # '@' is in no bucket or prefix: everything before the last one is userinfo
+        shown = f"{redact_url(scheme + '://')}***@{redact_url(rest.rsplit('@', 1)[1])}"
+        if scheme == "s3":
+            raise ConfigError(
+                f"s3 url {shown!r} carries credentials: s3:// uses the standard AWS chain; give an endpoint "
+                "URL http(s)://key:secret@host:port/bucket for explicit keys"
+            )
+        if any(c in rest.rsplit("@", 1)[0] for c in "/?#"):
+            raise ConfigError(
+                f"s3 url {shown!r}: the key or secret holds an unencoded '/', '?' or '#': "
+                "percent-encode it (%2F, %3F, %23)"
+            )
     try:
         parts = urlsplit(url)
     except ValueError as exc:
@@ -85,25 +106,27 @@ def inspect_prefix(
     ``verify`` reads every block; ``sample`` reads that many random blocks per
     namespace instead. ``namespace`` keeps only digests starting with it.
     """
-    import obstore as obs
-
     store = open_store(options)
     root = f"s3://{options.bucket}/{options.prefix}"
-    groups: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    groups: dict[str, dict[str, int]] = defaultdict(dict)
+    unlisted: list[str] = []
     try:
-        for batch in obs.list(store, prefix=options.prefix + "/", chunk_size=1000):
+        for batch in list_objects(store, options.prefix + "/", unlisted, shards_at=1):
             for meta in batch:
                 rest = meta["path"][len(options.prefix) + 1 :]
-                digest = rest.split("/", 1)[0]
-                groups[digest].append((meta["path"], int(meta["size"])))
+                groups[rest.split("/", 1)[0]][meta["path"]] = int(meta["size"])
     except Exception as exc:
         raise ConfigError(f"cannot list {root}: {short_error(exc)}") from None
+    for name in unlisted:  # another application's object: foreign, reported, never touched
+        rest = name[len(options.prefix) + 1 :] if name.startswith(options.prefix + "/") else name
+        groups[rest.split("/", 1)[0]].setdefault(name, -1)
     reports = []
     rng = random.Random(seed)
     for digest in sorted(groups):
         if namespace is not None and not digest.startswith(namespace):
             continue
-        reports.append(_namespace_report(store, options, digest, groups[digest], verify, sample, remove_corrupt, rng))
+        objects = list(groups[digest].items())
+        reports.append(_namespace_report(store, options, digest, objects, verify, sample, remove_corrupt, rng))
     return RootReport(root, reports)
 
 
@@ -142,15 +165,18 @@ def _namespace_report(
             report.bytes += size
     if report.manifest is None and report.manifest_error is None:
         report.manifest_error = "no manifest"
-    block_bytes = (report.manifest or {}).get("block_bytes")
+    # Only a manifest that passed every check sizes the blocks and allows removal.
+    block_bytes = report.manifest.get("block_bytes") if report.manifest and report.manifest_error is None else None
     chosen = blocks if verify else (rng.sample(blocks, min(sample, len(blocks))) if sample else [])
     for path, key, size in chosen:
-        reason = _check_block(store, path, key, size, bytes.fromhex(digest), block_bytes)
+        reason, proven = _check_block(store, path, key, size, bytes.fromhex(digest), block_bytes)
         report.verified += 1
         if reason is None:
             continue
+        if proven and block_bytes is None:
+            reason, proven = f"{reason} (kept: the namespace has no usable manifest)", False
         report.corrupt.append(CorruptEntry(path, reason))
-        if remove_corrupt:
+        if remove_corrupt and proven:
             try:
                 obs.delete(store, path)
                 report.removed_corrupt += 1
@@ -172,29 +198,46 @@ def _read_manifest(store: Any, path: str, size: int, digest: str) -> tuple[dict[
         return None, f"manifest not read: {short_error(exc)}"
     if manifest.get("namespace_digest") != digest:
         return manifest, f"manifest names namespace {manifest.get('namespace_digest')!r}"
-    if not isinstance(manifest.get("block_bytes"), int):
-        return manifest, "manifest has no block_bytes"
+    layout, header_bytes, block_bytes = (manifest.get(k) for k in ("kvtier_s3_layout", "header_bytes", "block_bytes"))
+    if layout != LAYOUT_VERSION:
+        return manifest, f"manifest is of layout {layout!r}, this release reads {LAYOUT_VERSION}: another release's"
+    if header_bytes != HEADER_SIZE:
+        return manifest, f"manifest says header_bytes={header_bytes!r}, this release reads {HEADER_SIZE}"
+    if not isinstance(block_bytes, int) or isinstance(block_bytes, bool) or block_bytes <= 0:
+        return manifest, f"manifest has no usable block_bytes (got {block_bytes!r})"
     return manifest, None
 
 
 def _check_block(
     store: Any, path: str, key: bytes, size: int, namespace: bytes, block_bytes: int | None
-) -> str | None:
-    """None if the object holds a valid value for ``key``, else why not."""
+) -> tuple[str | None, bool]:
+    """``(None, False)`` if the object holds a valid value for ``key``; else why not, and whether
+    that proves it corrupt. A failed read or another release's format proves nothing (kept)."""
     import obstore as obs
 
-    if block_bytes is not None and size != HEADER_SIZE + block_bytes:
-        return f"size {size}, expected {HEADER_SIZE + block_bytes}"
+    expected = None if block_bytes is None else HEADER_SIZE + block_bytes
     try:
-        body = memoryview(obs.get(store, path).bytes())
+        if expected is not None and size < PREFIX_SIZE:
+            body = memoryview(b"")
+        elif expected is not None and size != expected:  # its first bytes say if it is another release's
+            body = memoryview(bytes(obs.get_range(store, path, start=0, length=PREFIX_SIZE)))
+        else:
+            body = memoryview(obs.get(store, path).bytes())
     except Exception as exc:
-        return f"read failed: {short_error(exc)}"
+        return f"unreadable: {short_error(exc)} (kept: a failed read proves nothing)", False
+    version = foreign_format(body[:PREFIX_SIZE])
+    if version is not None:
+        return f"value format version {version}: another release's (kept: not proven corrupt)", False
+    if expected is not None and size != expected:
+        return f"size {size}, expected {expected}", True
     try:
         header = decode_header(body[:HEADER_SIZE], namespace=namespace, key=key, payload_len=block_bytes)
         verify_payload(header, body[HEADER_SIZE:])
+    except ForeignFormatError as exc:
+        return f"{exc} (kept: not proven corrupt)", False
     except CorruptValueError as exc:
-        return str(exc)
-    return None
+        return str(exc), True
+    return None, False
 
 
 __all__ = ["inspect_prefix", "options_from_url"]

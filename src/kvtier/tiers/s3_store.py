@@ -28,6 +28,7 @@ import json
 import os
 import re
 import stat
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -162,7 +163,8 @@ class S3TierOptions(TierOptions):
         default=30.0,
         gt=0,
         validate_default=True,
-        description="Deadline of a job after submission; retries (with backoff) stop in time to meet it.",
+        description="Deadline of a job after submission; retries (with backoff) fit the time the job has left "
+        "(work started late makes one attempt: at most request_timeout past the deadline).",
     )
     max_retries: int = Field(
         default=4, ge=0, le=100, description="Retries of a failed request (5xx, connection errors)."
@@ -326,14 +328,15 @@ def is_local_host(host: str) -> bool:
     return True
 
 
-def open_store(options: S3TierOptions, *, quick: bool = False) -> S3Store:
+def open_store(options: S3TierOptions, *, quick: bool = False, retry_seconds: float | None = None) -> S3Store:
     """An obstore client for ``options``.
 
     ``quick`` builds the client of existence checks and probes: no retries and
     ``check_timeout`` per request, so a dead server is noticed within one
     deadline. The data client retries (backoff with jitter) within
-    ``job_timeout - request_timeout`` seconds, so a job's last attempt ends
-    before its deadline.
+    ``retry_seconds`` (default ``job_timeout - request_timeout``), so the last
+    attempt of work started with that much time left ends before its deadline;
+    ``retry_seconds=0`` makes one attempt.
     """
     try:
         from obstore.store import S3Store
@@ -348,9 +351,10 @@ def open_store(options: S3TierOptions, *, quick: bool = False) -> S3Store:
     }
     if options.ca_file is not None:
         client["root_certificate"] = Path(options.ca_file).read_bytes()
+    budget = options.job_timeout - options.request_timeout if retry_seconds is None else retry_seconds
     retry: dict[str, Any] = {
-        "max_retries": 0 if quick else options.max_retries,
-        "retry_timeout": timedelta(seconds=max(0.1, options.job_timeout - options.request_timeout)),
+        "max_retries": 0 if quick or budget <= 0 else options.max_retries,
+        "retry_timeout": timedelta(seconds=max(0.1, budget)),
         "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=2), "base": 2},
     }
     config: dict[str, Any] = {
@@ -408,6 +412,43 @@ def key_of_path(ns_prefix: str, path: str) -> BlockKey | None:
     return bytes.fromhex(m.group(1))
 
 
+_BAD_PATH = re.compile(r'Path "([^"]{0,1024})"')
+
+
+def list_objects(
+    store: S3Store, prefix: str, unlisted: list[str], shards_at: int | None = 0
+) -> Iterator[Sequence[Any]]:
+    """Batches of the objects (``ObjectMeta``) under ``prefix`` (ending in ``/``), as ``obstore.list`` gives them,
+    except that a foreign object whose name the client cannot parse (``a//b``, ``a/./b``: another
+    application's, in a shared bucket) does not end the listing: the folder holding it is listed
+    level by level around it, and the name (or the folder holding it, as the client's error
+    says) goes to ``unlisted``. ``shards_at``: how many levels
+    below ``prefix`` the namespace folders are (their 256 shards are listed one by one when the
+    folder itself cannot be). An object may come twice: callers deduplicate.
+    """
+    import obstore as obs
+    from obstore.exceptions import InvalidPathError
+
+    try:
+        yield from obs.list(store, prefix=prefix, chunk_size=1000)
+        return
+    except InvalidPathError:
+        pass
+    try:
+        level = obs.list_with_delimiter(store, prefix=prefix)
+    except InvalidPathError as exc:
+        found = _BAD_PATH.search(str(exc))
+        unlisted.append(found.group(1) if found else f"{prefix}... (a name the S3 client cannot parse)")
+        if shards_at == 0:
+            for shard in range(256):
+                yield from list_objects(store, f"{prefix}{shard:02x}/", unlisted, None)
+        return
+    if level["objects"]:
+        yield level["objects"]
+    for folder in level["common_prefixes"]:
+        yield from list_objects(store, folder + "/", unlisted, None if not shards_at else shards_at - 1)
+
+
 def manifest_dict(namespace_digest: bytes, namespace_canonical: str, block_bytes: int) -> dict[str, Any]:
     return {
         "kvtier_s3_layout": LAYOUT_VERSION,
@@ -423,7 +464,10 @@ def parse_manifest(raw: bytes) -> dict[str, Any]:
     """The manifest's JSON object (plain JSON only; nothing is evaluated); ValueError if malformed."""
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ValueError(f"manifest is {len(raw)} bytes (limit {MAX_MANIFEST_BYTES})")
-    data = json.loads(raw.decode("utf-8"))
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except RecursionError:  # planted: thousands of nested arrays fit under the size limit
+        raise ValueError("manifest is nested too deeply to be one") from None
     if not isinstance(data, dict):
         raise ValueError("manifest is not a JSON object")
     return data
@@ -449,28 +493,51 @@ _PERFORMING = re.compile(r"Error performing (\w+) (\S+)")
 _STATUS = re.compile(r"status code: (\d{3})")
 _S3_CODE = re.compile(r"<Code>(\w{1,64})</Code>")
 _UNREACHABLE = {"refused": "connection refused", "unreachable": "host not found or no route", "timeout": "timed out"}
-_IMDS = ("169.254.169.254", "/latest/api/token", "/latest/meta-data", "fd00:ec2::254")
+_IMDS_HOSTS = ("169.254.169.254", "fd00:ec2::254", "[fd00:ec2::254]")
+_IMDS_PATHS = ("/latest/api/token", "/latest/meta-data")
+_URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s,\"')]+")
+_NAMED = re.compile(r'(location |path: ")[^\s"]*')
+_XML = re.compile(r"<\?xml.*?</Error>|<Error>.*?</Error>", re.DOTALL)
+
+
+def _own_words(text: str) -> str:
+    """An error's text without what names the bucket, prefix or key (URLs, object paths, the
+    server's XML body): those may hold any word ('kv-credentials', 'NoSuchBucket-x')."""
+    return _NAMED.sub(r"\1", _URL.sub("<url>", _XML.sub("<body>", text)))
+
+
+def _asks_imds(text: str) -> bool:
+    """True if a request in the error went to the instance metadata service (credentials)."""
+    for url in _URL.findall(text):
+        parts = urlsplit(url)
+        if parts.netloc.rsplit("@", 1)[-1].rsplit(":", 1)[0] in _IMDS_HOSTS or parts.path.startswith(_IMDS_PATHS):
+            return True
+    return False
 
 
 def classify_error(exc: BaseException) -> ErrorKind:
-    """What an obstore error means, from its type and text (first line and debug dump)."""
+    """What an obstore error means, from its type, the HTTP status, the S3 ``<Code>`` and the
+    client's own words; never from the bucket, prefix or key named in its URLs and paths."""
     if is_native_crash(exc):
         return "crash"
     text = str(exc)
-    if "NoSuchBucket" in text:
+    words = _own_words(text)
+    found = _S3_CODE.search(text)
+    code = found.group(1) if found else None
+    if code == "NoSuchBucket":
         return "no_bucket"
-    if any(marker in text for marker in _IMDS) or "credential" in text.lower():
+    if _asks_imds(text) or "credential" in words.lower():
         return "credentials"
     if isinstance(exc, FileNotFoundError):
         return "missing"
-    if "ConnectionRefused" in text or "Connection refused" in text:
+    if "ConnectionRefused" in words or "Connection refused" in words:
         return "refused"
-    if "TimedOut" in text or "kind: Timeout" in text or "timed out" in text.lower():
+    if "TimedOut" in words or "kind: Timeout" in words or "timed out" in words.lower():
         return "timeout"
-    if "dns error" in text or "kind: Connect" in text:
+    if "dns error" in words or "kind: Connect" in words:
         return "unreachable"
-    status = _STATUS.search(text)
-    if "SlowDown" in text or (status is not None and status.group(1) == "503"):
+    status = _STATUS.search(words)
+    if code == "SlowDown" or (status is not None and status.group(1) == "503"):
         return "throttled"
     if status is not None and status.group(1).startswith("5"):
         return "server"
@@ -523,6 +590,7 @@ __all__ = [
     "check_s3_endpoint",
     "classify_error",
     "key_of_path",
+    "list_objects",
     "manifest_dict",
     "manifest_mismatch",
     "namespace_prefix",
