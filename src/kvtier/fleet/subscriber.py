@@ -19,9 +19,10 @@ ROUTER that resends buffered batches from a sequence number) and its OpenAI API 
 
 Every socket has bounded buffers and message sizes (``max_message_bytes``); messages
 that are not KV event batches are counted and dropped; a replay is bounded in time
-(``replay_timeout``) and in batches (the gap it fills). A batch the index fails to apply
-(its store, Redis, did not answer) counts as lost events of that engine; the thread
-carries on. Needs ``pyzmq`` and ``msgspec`` (``pip install 'kvtier[fleet]'``).
+(``replay_timeout``) and in batches (the gap it fills). A batch, gap or publisher restart
+the index fails to take (its store, Redis, did not answer) counts as lost events of that
+engine; the thread carries on. Should the thread stop on its own all the same (a bug), every
+engine is marked partial and :attr:`FleetSubscriber.failure` says why. Needs ``pyzmq`` and ``msgspec`` (``pip install 'kvtier[fleet]'``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,6 +121,8 @@ class FleetSubscriber:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._asks: list[threading.Thread] = []
+        self.failure: str | None = None
+        """Why the subscriber thread stopped on its own (a bug); None while it runs as it should."""
 
     def start(self) -> None:
         for endpoint in self.endpoints:
@@ -159,6 +162,15 @@ class FleetSubscriber:
     # --- the thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:  # a bug: without this thread nothing is applied again
+            self.failure = f"the subscriber thread stopped: {type(exc).__name__}: {exc}"
+            logger.critical("fleet: %s; every engine is marked partial", self.failure, exc_info=True)
+            for link in self._links.values():
+                self._tell_index(link, "marking it partial", self.index.lost_events, self.failure)
+
+    def _loop(self) -> None:
         poller = zmq.Poller()
         for sub in self._links:
             poller.register(sub, zmq.POLLIN)
@@ -176,7 +188,14 @@ class FleetSubscriber:
                         frames = sub.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self._receive(link, frames)
+                    try:
+                        self._receive(link, frames)
+                    except Exception as exc:  # whatever one message does, the others are still applied
+                        link.dropped += 1
+                        logger.exception("fleet: engine %s: a message could not be handled; dropped",
+                                         link.endpoint.name)  # fmt: skip
+                        self._tell_index(link, "dropping what the message could have changed", self.index.lost_events,
+                                         f"a message could not be handled ({type(exc).__name__})")  # fmt: skip
             try:
                 self.index.tick()
             except Exception:
@@ -184,6 +203,18 @@ class FleetSubscriber:
                 self._stop.wait(1.0)  # do not spin on a store that is down
             for link in self._links.values():
                 self._maybe_ask_snapshot(link)
+
+    def _tell_index(self, link: _Link, what: str, call: Callable[..., None], *args: Any) -> None:
+        """``call(engine name, *args)`` on the index. A failure of its store (Redis) is logged and
+        counted, never raised: the index left the engine incomplete and marked for its next batch
+        to finish dropping what it could not."""
+        name = link.endpoint.name
+        try:
+            call(name, *args)
+        except Exception as exc:
+            link.failed += 1
+            logger.warning("fleet: engine %s: %s failed (%s: %s); retried with its next batch", name, what,
+                           type(exc).__name__, exc)  # fmt: skip
 
     def _receive(self, link: _Link, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES:
@@ -196,8 +227,8 @@ class FleetSubscriber:
         name = link.endpoint.name
         if link.expected is not None and seq < link.expected:
             logger.info("fleet: engine %s publisher started over (batch %d after %d)", name, seq, link.expected - 1)
-            self.index.publisher_restarted(name)
             link.expected = None
+            self._tell_index(link, "dropping its old start", self.index.publisher_restarted)
         if link.expected is None:
             # First batch heard from this publisher: fetch what it still buffers before it. If
             # that does not reach back to its start, the index learns so from the control
@@ -210,7 +241,8 @@ class FleetSubscriber:
             for batch_seq, payload in replayed:
                 self._apply(link, batch_seq, payload)
             if missing:
-                self.index.lost_events(name, f"{missing} batch(es) before {seq} could not be replayed")
+                why = f"{missing} batch(es) before {seq} could not be replayed"
+                self._tell_index(link, "dropping what lost batches could have changed", self.index.lost_events, why)
         self._apply(link, seq, frames[2])
 
     def _apply(self, link: _Link, seq: int, payload: bytes) -> None:
@@ -227,11 +259,8 @@ class FleetSubscriber:
         except Exception as exc:  # the index's store (Redis) failed: this batch's changes are lost
             link.failed += 1
             logger.warning("fleet: engine %s batch %d could not be applied: %s", name, seq, exc)
-            try:
-                self.index.lost_events(name, f"batch {seq} could not be applied ({type(exc).__name__})")
-            except Exception as again:
-                logger.warning("fleet: engine %s: dropping what the lost batch could have changed failed too (%s); "
-                               "retried with its next batch", name, again)  # fmt: skip
+            self._tell_index(link, "dropping what the lost batch could have changed", self.index.lost_events,
+                             f"batch {seq} could not be applied ({type(exc).__name__})")
 
     def _replay(self, link: _Link, start: int, stop: int, from_start: bool) -> list[tuple[int, bytes]]:
         """An unbroken run of batches ending at ``stop - 1`` from the engine's replay endpoint,
