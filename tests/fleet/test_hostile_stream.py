@@ -109,3 +109,98 @@ def test_a_redis_that_does_not_answer_during_a_gap_or_a_restart_does_not_stop_th
     finally:
         subscriber.stop()
         index.close()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_writer_takes_its_claim_again_after_redis_restarts_empty(tmp_path: Path) -> None:
+    import redis
+    from redis_servers import REDIS_SERVER, RedisServer
+
+    from kvtier.fleet import FleetReader
+
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server not found on PATH")
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    try:
+        client = redis.Redis.from_url(server.url, socket_timeout=1, socket_connect_timeout=1)
+        clock = _Clock()
+        index = FleetIndex(["a"], RedisMasks(client, "p"), clock=clock)
+        index.apply("a", _decoded(control("hello", 0), stored([1, 2])))
+        server.kill()
+        server.start()  # empty, on the same port: the claim, the table and the keys are gone
+        clock.now += 10
+        index.tick()  # before the fix: WriterConflict, and every later write refused for good
+        eng = index.engine("a")
+        assert eng.status == "partial" and eng.needs_snapshot and index.writer_lost is None
+        assert client.get("p:writer") is not None
+        index.apply("a", _decoded(control("events", 1, tiers=()), stored([3])))
+        answer = FleetReader(RedisMasks(client, "p"), meta_ttl=0.0).prefix([3])
+        assert answer["a"]["tiers"]["0:primary"] == 1 and answer["a"]["status"] == "partial"
+        index.close()
+    finally:
+        server.stop()
+
+
+def test_health_fails_once_another_writer_took_the_prefix(redis_server: Any) -> None:
+    import http.client
+    import threading
+
+    import redis
+
+    from kvtier.fleet.http import FleetServer
+    from kvtier.fleet.masks import WriterConflict
+
+    client = redis.Redis.from_url(redis_server.url, socket_timeout=1)
+    clock = _Clock()
+    index = FleetIndex(["a"], RedisMasks(client, "p"), clock=clock)
+    served = FleetServer(("127.0.0.1", 0), index, health=lambda: index.writer_lost)
+    threading.Thread(target=served.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def health() -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection(*served.server_address[:2], timeout=5)
+        conn.request("GET", "/health")
+        response = conn.getresponse()
+        return response.status, response.read()
+
+    try:
+        assert health() == (200, b'{"ok":true}')
+        client.set("p:writer", "another writer's token")
+        clock.now += 10
+        with pytest.raises(WriterConflict, match="another writer"):
+            index.tick()
+        status, body = health()
+        assert status == 503 and b"lost its claim" in body  # before the fix: 200 {"ok":true}
+    finally:
+        served.shutdown()
+        served.server_close()
+
+
+def _decoded(*events: dict[str, Any]) -> Any:
+    return decode_batch(batch(*events))
+
+
+def test_a_subscriber_thread_that_stops_on_a_bug_marks_every_engine_partial(publisher: Publisher) -> None:
+    class Buggy(FleetIndex):
+        def take_snapshot_wanted(self, name: str) -> bool:
+            raise RuntimeError("a bug")
+
+    index = Buggy(["e"])
+    index.apply("e", _decoded(control("hello", 0), stored([1])))
+    assert index.engine("e").status == "synced"
+    endpoint = EngineEndpoint("e", publisher.events, api="http://127.0.0.1:9")
+    subscriber = FleetSubscriber(index, [endpoint])
+    subscriber.start()
+    try:
+        wait_for(lambda: subscriber.failure is not None, "the thread to record why it stopped")
+        assert "RuntimeError: a bug" in subscriber.failure
+        assert index.engine("e").status == "partial"  # before the fix: still synced, frozen for good
+    finally:
+        subscriber.stop()

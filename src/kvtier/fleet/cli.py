@@ -168,7 +168,7 @@ def _cmd_fleet_serve(args: argparse.Namespace) -> int:
         server = FleetServer(
             (args.host, args.port), answers, hashing=(args.hash, args.hash_seed), tokens_per_hash=args.tokens_per_hash,
             max_body=args.max_body, max_blocks=args.max_blocks, request_timeout=args.request_timeout,
-            max_concurrent=args.max_concurrent,
+            max_concurrent=args.max_concurrent, health=None if subscriber is None else _writer_health(subscriber),
         )  # fmt: skip
     except OSError as exc:  # the port is taken, the host is no address of this machine...
         if subscriber is not None:
@@ -194,6 +194,11 @@ def _cmd_fleet_serve(args: argparse.Namespace) -> int:
             answers.close()
     print("kvtier fleet: stopped", file=sys.stderr)
     return 0
+
+
+def _writer_health(subscriber: Any) -> Any:
+    """Why the writer no longer follows its engines (for ``GET /health``), or None."""
+    return lambda: subscriber.failure or subscriber.index.writer_lost
 
 
 def _writer_index(masks: Any, args: argparse.Namespace) -> Any:

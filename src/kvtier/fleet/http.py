@@ -13,7 +13,9 @@ Endpoints:
   event of its start; ``partial``: some were lost and its device cache or private tiers
   are incomplete until a snapshot or a clear; ``waiting``: nothing heard yet), tiers,
   counters and the last markers it sent.
-* ``GET /health``.
+* ``GET /health``: ``{"ok": true}``, or 503 with an ``error`` when the index no longer
+  follows the engines (``health``: the subscriber thread stopped, or another writer took the
+  Redis prefix over).
 
 It is a network service and its input is untrusted: a request body must declare its
 length and stay under ``max_body`` bytes, a prompt under ``max_blocks`` blocks; every
@@ -34,7 +36,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
@@ -66,7 +68,8 @@ class BadRequest(Exception):
 class FleetServer(ThreadingHTTPServer):
     """The HTTP server (see the module docstring). ``hashing``: (algorithm, seed) of the
     engines' block hashes; ``tokens_per_hash``: their block size (None: taken from the
-    engines' events, which must agree). Serve with ``serve_forever()``; stop with
+    engines' events, which must agree); ``health()``: None while the index is sound, else why
+    not (``GET /health`` answers 503 with it). Serve with ``serve_forever()``; stop with
     ``shutdown()`` then ``server_close()``."""
 
     daemon_threads = True
@@ -83,8 +86,10 @@ class FleetServer(ThreadingHTTPServer):
         max_blocks: int = 16384,
         request_timeout: float = 5.0,
         max_concurrent: int = 32,
+        health: Callable[[], str | None] | None = None,
     ) -> None:
         self.answers = answers
+        self.health = health
         self.hashing = hashing
         self.tokens_per_hash = tokens_per_hash
         self.max_body = max_body
@@ -273,13 +278,19 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path == "/health":
-            self._guarded(lambda: {"ok": True})
+            self._guarded(self._health)
         elif self.path == "/v1/engines":
             self._guarded(self._engines)
         else:
             self.close_connection = True
             self._send(HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path[:100]!r}: use /v1/prefix, "
                                               "/v1/engines or /health"})  # fmt: skip
+
+    def _health(self) -> dict[str, Any]:
+        problem = self.server.health() if self.server.health is not None else None
+        if problem is not None:
+            raise BadRequest(HTTPStatus.SERVICE_UNAVAILABLE, problem)
+        return {"ok": True}
 
     def _engines(self) -> dict[str, Any]:
         engines = self.server.answers.meta().get("engines", {})

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.engine_events import SCOPE_SHARED, ControlRecord, TierInfo
-from kvtier.fleet.masks import MAX_LOCATIONS, LocationMasks, MemoryMasks
+from kvtier.fleet.masks import MAX_LOCATIONS, LocationMasks, MemoryMasks, WriterConflict
 from kvtier.fleet.records import Kind, WireBatch, WireEvent
 from kvtier.types import PRIMARY_LABEL
 
@@ -135,6 +135,8 @@ class FleetIndex:
         self._sweeps_due: list[tuple[str, str]] = []
         self._next_bit = 0
         self._kept_writer = clock()
+        self.writer_lost: str | None = None
+        """Why this writer no longer writes its shared store (another writer took it); None if it does."""
         self.masks.open_writer()
         for name in engines:
             self.add_engine(name)
@@ -157,11 +159,31 @@ class FleetIndex:
 
     def tick(self) -> None:
         """Called every fraction of a second by the writer's thread (the subscriber): keeps a
-        shared index's writer claim (raises :class:`~kvtier.fleet.masks.WriterConflict` if lost)."""
+        shared index's writer claim (raises :class:`~kvtier.fleet.masks.WriterConflict` if another
+        writer took it, and keeps the reason in :attr:`writer_lost`). A claim that had run out
+        with nobody else holding it is taken again, and every engine is then treated as having
+        lost events (the store may have lost what was written: a Redis restarted empty)."""
         now = self._clock()
         if now - self._kept_writer >= _KEEP_WRITER_EVERY:
             self._kept_writer = now
-            self.masks.keep_writer()
+            try:
+                reclaimed = self.masks.keep_writer()
+            except WriterConflict as exc:
+                self.writer_lost = str(exc)
+                raise
+            if reclaimed:
+                self._store_forgot()
+
+    def _store_forgot(self) -> None:
+        with self._lock:
+            for eng in self._engines.values():  # all incomplete first: the drops below may fail midway
+                eng.device_complete = eng.private_complete = False
+                eng.dirty = True
+                eng.needs_snapshot = eng.start is not None
+                eng.gaps += 1
+            for eng in self._engines.values():
+                self._drop_private(eng)
+            self._publish()
 
     def close(self) -> None:
         """Release a shared index's writer claim (the writer is done)."""

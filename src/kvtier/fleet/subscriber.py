@@ -22,7 +22,8 @@ that are not KV event batches are counted and dropped; a replay is bounded in ti
 (``replay_timeout``) and in batches (the gap it fills). A batch, gap or publisher restart
 the index fails to take (its store, Redis, did not answer) counts as lost events of that
 engine; the thread carries on. Should the thread stop on its own all the same (a bug), every
-engine is marked partial and :attr:`FleetSubscriber.failure` says why. Needs ``pyzmq`` and ``msgspec`` (``pip install 'kvtier[fleet]'``).
+engine is marked partial and :attr:`FleetSubscriber.failure` says why. Needs ``pyzmq`` and
+``msgspec`` (``pip install 'kvtier[fleet]'``).
 """
 
 from __future__ import annotations
