@@ -22,13 +22,15 @@ Trust rules (kvtier's control records, :mod:`kvtier.engine_events`):
   engine's device cache and private tiers are dropped and marked incomplete until a
   snapshot (private tiers) or a clear (device cache) makes them whole again. An engine
   first heard in the middle of a start is incomplete the same way.
-* Block events of kvtier's media (CPU, STORAGE) only count after a control record of
-  the same batch names the start and the tiers; others (another connector's) are
-  skipped and counted.
+* Block events of medium GPU (or none: older vLLM) are the device cache's. Those of
+  kvtier's media (CPU, STORAGE) only count after a control record of the same batch names
+  the start and the tiers; those of any other medium (another connector's) are skipped
+  and counted.
 * Engines' streams reach the index in any order relative to each other, so changes to a
   shared store carry the time they happened (kvtier's control records; engines' clocks,
   capped at the index's own): a change older than the last one applied to the same key is
-  ignored (the latest change wins; exact on one host, as good as clock sync across hosts).
+  ignored (the latest change wins; exact on one host, as good as clock sync across hosts),
+  however old the changes (a replay reaches back minutes).
   A snapshot's stored events report what an engine's index held, which may lag other
   engines' changes (an fs root's journal delay): they count as ``lag_seconds`` older than
   the snapshot. A snapshot that lists a store completely (an fs root with sharing) also
@@ -129,7 +131,7 @@ class FleetIndex:
         self._stores: dict[str, int] = {}
         # store bit -> key -> when its last applied change happened (engines' clocks), for recent keys
         self._times: dict[int, OrderedDict[int, float]] = {}
-        self._newest: dict[int, float] = {}
+        self._floor: dict[int, float] = {}  # store bit -> the newest time forgotten from _times
         # (engine, tier label) -> (when a complete snapshot of a shared store was taken, the keys it listed)
         self._sweeps: dict[tuple[str, str], tuple[float, set[int]]] = {}
         self._sweeps_due: list[tuple[str, str]] = []
@@ -220,7 +222,7 @@ class FleetIndex:
         if bit is None:
             bit = self._stores[store] = self._alloc()
             self._times[bit] = OrderedDict()
-            self._newest[bit] = -float("inf")
+            self._floor[bit] = -float("inf")
         return bit
 
     def _drop_private(self, eng: EngineState) -> None:
@@ -335,8 +337,10 @@ class FleetIndex:
             elif event.kind is Kind.CLEARED:
                 self.masks.clear(eng.device_bit)
                 eng.device_complete = eng.start is not None
-            elif event.medium is None or event.medium not in _KVTIER_MEDIA:
+            elif event.medium is None or event.medium == DEVICE:  # (None: vLLM before media)
                 self._block_event(eng.device_bit, event)
+            elif event.medium not in _KVTIER_MEDIA:  # another connector's ("cpu", "LocalDiskBackend"...)
+                eng.skipped += 1
             elif context is None:
                 eng.unattributed += 1
             else:
@@ -404,12 +408,19 @@ class FleetIndex:
 
     def _store_event(self, bit: int, keys: Sequence[int], removed: bool, when: float) -> None:
         """Apply a change to a shared store's keys unless a later change of the same key was
-        applied already (engines' streams interleave in any order; the latest change wins)."""
+        applied already (engines' streams interleave in any order, and a replay brings changes of
+        minutes ago: the latest change wins). The times of at most ``max_times`` keys per store
+        are kept, whatever their age; past that the least recently changed are forgotten, and a
+        change of a forgotten key no newer than the newest forgotten time may be older than what
+        was forgotten: a removal is applied (the index under-claims at worst), a store is not."""
         times = self._times[bit]
+        floor = self._floor[bit]
         apply = []
         for key in keys:
             last = times.get(key)
             if last is not None and last > when:
+                continue
+            if last is None and when <= floor and not removed:
                 continue
             apply.append(key)
             if last is not None:
@@ -420,11 +431,9 @@ class FleetIndex:
                 self.masks.remove(bit, apply)
             else:
                 self.masks.add(bit, apply)
-        # Only recent changes can race; keep those (and at most max_times).
-        newest = self._newest[bit] = max(self._newest[bit], when)
-        horizon = newest - 4 * self.lag_seconds
-        while times and (len(times) > self.max_times or next(iter(times.values())) < horizon):
-            times.popitem(last=False)
+        while len(times) > self.max_times:
+            floor = max(floor, times.popitem(last=False)[1])
+        self._floor[bit] = floor
 
     def _finish_sweeps(self) -> None:
         """Complete snapshots of shared stores: drop what the store was believed to hold beyond
