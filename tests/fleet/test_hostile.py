@@ -115,6 +115,7 @@ def test_a_reader_leaves_out_malformed_engine_entries(redis_url: str) -> None:
     meta["engines"]["negative"] = dict(meta["engines"]["a"], device_bit=-1)
     meta["engines"]["tiers"] = dict(meta["engines"]["a"], tiers=[{"label": "x", "bit": "0"}])
     meta["engines"]["info"] = dict(meta["engines"]["a"], info=[1])
+    meta["engines"]["nested-info"] = dict(meta["engines"]["a"], info={"tokens_per_hash": [4]})  # (500s, review D7)
     meta["engines"]["list"] = [1, 2]
     client.set("p:meta", json.dumps(meta))
     reader = FleetReader(RedisMasks(client, "p"), meta_ttl=0.0)

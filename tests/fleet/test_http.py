@@ -245,3 +245,48 @@ def test_routers_share_an_index_in_redis(tmp_path: Path) -> None:
             assert proc.wait(20) == 0
     finally:
         server.stop()
+
+
+def _hello_with_info(index: FleetIndex, engine: str, info_json: str) -> None:
+    """A hello whose info is ``info_json`` as sent on the wire (decoded like the subscriber does)."""
+    import msgspec
+
+    from kvtier.engine_events import CONTROL_PREFIX
+    from kvtier.fleet.wire import decode_batch
+
+    text = CONTROL_PREFIX + '{"op":"hello","engine":"e","start":"s","seq":0,"time":1.0,"tiers":[{"label":"0:primary",' \
+        '"type":"cpu","medium":"cpu","scope":"engine"}],"info":' + info_json + "}"
+    events = [{"type": "BlockRemoved", "block_hashes": [1], "medium": "STORAGE", "ownership": text},
+              {"type": "BlockStored", "block_hashes": [1, 2], "medium": "GPU"}]  # fmt: skip
+    index.apply(engine, decode_batch(msgspec.msgpack.encode([time.time(), events, None])))
+
+
+@pytest.mark.parametrize("info", ['{"x":' + "[" * 50 + "]" * 50 + "}", '{"x":NaN}', '{"x":{"y":1}}',
+                                  '{"tokens_per_hash":[4]}', '{"x":' + "9" * 30 + "}"])  # fmt: skip
+def test_an_engines_info_that_is_not_flat_scalars_is_refused_and_the_table_stays_readable(
+    served: tuple[FleetServer, FleetIndex], info: str
+) -> None:
+    server, index = served
+    _fill(index, [1, 2])
+    _hello_with_info(index, "b", info)
+    assert index.engine("b").skipped == 1 and index.engine("b").info == {}  # the record was refused
+    status, body = _request(server.url, "GET", "/v1/engines")
+    assert status == 200 and set(body["engines"]) == {"a", "b"}  # before the fix: 500 (nested), or NaN in the body
+    status, body = _post(server.url, {"tokens": list(range(8))})
+    assert status == 200 and body["tokens_per_hash"] == TOKENS
+
+
+def test_an_engines_odd_tokens_per_hash_is_named_and_does_not_break_other_answers(
+    served: tuple[FleetServer, FleetIndex],
+) -> None:
+    server, index = served
+    _fill(index, [1, 2])
+    _hello_with_info(index, "b", '{"tokens_per_hash":"4"}')
+    status, body = _post(server.url, {"block_hashes": [1, 2]})
+    assert status == 200 and body["engines"]["a"]["blocks"] == 2  # before the fix: 500 (sorted([4, "4"]))
+    status, body = _post(server.url, {"tokens": list(range(8)), "engines": ["a"]})
+    assert status == 200 and body["tokens_per_hash"] == TOKENS and body["engines"]["a"]["blocks"] == 0
+    status, body = _post(server.url, {"tokens": list(range(8))})  # b's size is left out
+    assert status == 200 and body["tokens_per_hash"] == TOKENS
+    status, body = _post(server.url, {"tokens": list(range(8)), "engines": ["b"]})
+    assert status == 409 and "'b' reported '4'" in body["error"]

@@ -132,21 +132,29 @@ class FleetServer(ThreadingHTTPServer):
             hasher = self._hashers[tokens_per_hash] = BlockHasher(*self.hashing, tokens_per_hash=tokens_per_hash)
         return hasher
 
-    def engines_tokens_per_hash(self) -> int:
+    def engines_tokens_per_hash(self, engines: Sequence[str] | None = None) -> int:
+        """``--tokens-per-hash``, else the block size the engines (those named, or all) report;
+        an engine reporting anything but a positive integer is left out (and named if no size is left)."""
         if self.tokens_per_hash is not None:
             return self.tokens_per_hash
-        sizes = {e.get("info", {}).get("tokens_per_hash") for e in self.answers.meta().get("engines", {}).values()}
-        sizes.discard(None)
+        known = self.answers.meta().get("engines", {})
+        sizes: set[int] = set()
+        odd: list[str] = []
+        for name in known if engines is None else [e for e in engines if e in known]:
+            info = known[name].get("info")
+            size = info.get("tokens_per_hash") if isinstance(info, dict) else None
+            if type(size) is int and size >= 1:
+                sizes.add(size)
+            elif size is not None:
+                odd.append(f"{name!r:.80} reported {size!r:.40}")
         if len(sizes) != 1:
             raise BadRequest(
                 HTTPStatus.CONFLICT,
                 "the engines' tokens per block is not known yet or differs between them "
-                f"({sorted(sizes)}): start the server with --tokens-per-hash, or ask by block_hashes",
+                f"({sorted(sizes)}{'; ' if odd else ''}{', '.join(odd[:4])}): start the server with "
+                "--tokens-per-hash, or ask by block_hashes",
             )
-        size = sizes.pop()
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise BadRequest(HTTPStatus.CONFLICT, f"an engine reported tokens_per_hash={size!r}")
-        return size
+        return sizes.pop()
 
     def answer_prefix(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict):
@@ -164,12 +172,12 @@ class FleetServer(ThreadingHTTPServer):
             raise BadRequest(HTTPStatus.BAD_REQUEST, "give exactly one of tokens and block_hashes")
         size: int | None
         if "tokens" in body:
-            size = self.engines_tokens_per_hash()
+            size = self.engines_tokens_per_hash(engines)
             keys = self._hasher(size).event_hashes(self._tokens(body["tokens"], size))
         else:
             keys = self._keys(body["block_hashes"], body.get("group", 0))
             try:
-                size = self.engines_tokens_per_hash()
+                size = self.engines_tokens_per_hash(engines)
             except BadRequest:
                 size = None
         found = self.answers.prefix(keys, engines)
@@ -252,7 +260,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: HTTPStatus, body: dict[str, Any]) -> None:
         self.connection.settimeout(self.server.request_timeout)  # (reads left it at what remained)
-        data = json.dumps(body, separators=(",", ":")).encode()
+        data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()  # (strict JSON: no NaN)
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))

@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.engine_events import SCOPE_SHARED, ControlRecord, TierInfo
+from kvtier.engine_events import SCOPE_SHARED, ControlRecord, TierInfo, is_info_value
 from kvtier.fleet.masks import MAX_LOCATIONS, LocationMasks, MemoryMasks, WriterConflict
 from kvtier.fleet.records import Kind, WireBatch, WireEvent
 from kvtier.types import PRIMARY_LABEL
@@ -552,7 +552,8 @@ def longest_prefix(meta: dict[str, Any], masks: Sequence[int], engines: Sequence
 def checked_meta(meta: Any) -> dict[str, Any]:
     """An engine table read from a shared store, with every engine whose entry is not what an
     index writes left out (a reader must not trust a store others may write): bits are
-    integers below :data:`~kvtier.fleet.masks.MAX_LOCATIONS`, labels strings, info an object."""
+    integers below :data:`~kvtier.fleet.masks.MAX_LOCATIONS`, labels strings, info an object of
+    scalars (:func:`~kvtier.engine_events.is_info_value`)."""
     if not isinstance(meta, dict) or not isinstance(meta.get("engines"), dict):
         return {}
     engines = {}
@@ -571,7 +572,10 @@ def _is_bit(value: Any) -> bool:
 def _engine_entry_ok(engine: Any) -> bool:
     if not isinstance(engine, dict) or not _is_bit(engine.get("device_bit")):
         return False
-    if not isinstance(engine.get("info", {}), dict) or not isinstance(engine.get("tiers", []), list):
+    info = engine.get("info", {})
+    if not isinstance(info, dict) or not all(is_info_value(v) for v in info.values()):
+        return False
+    if not isinstance(engine.get("tiers", []), list):
         return False
     return all(isinstance(t, dict) and _is_bit(t.get("bit")) and isinstance(t.get("label"), str)
                for t in engine.get("tiers", []))  # fmt: skip
