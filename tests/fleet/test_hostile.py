@@ -326,3 +326,15 @@ def test_a_snapshot_ask_survives_an_api_that_answers_nonsense() -> None:
     finally:
         api.shutdown()
         api.server_close()
+
+
+def test_an_engine_naming_ever_new_stores_is_refused_past_its_share_of_location_bits() -> None:
+    index = FleetIndex(["e", "f"], max_stores_per_engine=4)
+    for start in range(50):  # before the fix: 2 new store bits per start, 100 in all, the engine table growing
+        stores = tuple(TierInfo(f"{i}:redis", "redis", "cpu", "shared", f"store-{start}-{i}") for i in (1, 2))
+        index.apply("e", _batch(_record("hello", f"s{start}", 0, (CPU, *stores)), _stored([1])))
+    assert len(index.meta()["stores"]) == 4 and index._next_bit <= 2 + 1 + 4
+    assert index.engine("e").status == "partial" and index.engine("e").skipped == 48
+    shared = TierInfo("1:redis", "redis", "cpu", "shared", "store-0-1")
+    index.apply("f", _batch(_record("hello", "t", 0, (CPU, shared)), _stored([7])))
+    assert index.held("f", "0:primary") == {7} and index.engine("f").status == "synced"

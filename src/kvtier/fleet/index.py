@@ -83,6 +83,7 @@ class EngineState:
     tiers: dict[str, TierInfo] = field(default_factory=dict)
     bits: dict[str, int] = field(default_factory=dict)  # tier label -> location bit
     spare: list[int] = field(default_factory=list)  # bits of its former private tiers, reused by its next ones
+    stores: set[str] = field(default_factory=set)  # every shared store it has named (bounded: max_stores_per_engine)
     dirty: bool = False  # dropping its device cache and private tiers failed (a store error): retried
     info: dict[str, Any] = field(default_factory=dict)
     device_complete: bool = False
@@ -107,7 +108,9 @@ class EngineState:
 class FleetIndex:
     """The writer's index (see the module docstring). ``masks`` holds the key bitmaps
     (default: in memory; :class:`~kvtier.fleet.masks.RedisMasks` to share them with
-    readers). Every method is thread-safe."""
+    readers). ``max_stores_per_engine`` bounds the shared stores one engine may name over all
+    its starts (each takes a location bit for good, and the engine table lists them). Every
+    method is thread-safe."""
 
     def __init__(
         self,
@@ -117,6 +120,7 @@ class FleetIndex:
         lag_seconds: float = 5.0,
         max_times: int = 1 << 20,
         max_locations: int = MAX_LOCATIONS,
+        max_stores_per_engine: int = 16,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -124,6 +128,7 @@ class FleetIndex:
         self.lag_seconds = lag_seconds
         self.max_times = max_times
         self.max_locations = min(max_locations, MAX_LOCATIONS)
+        self.max_stores_per_engine = max_stores_per_engine
         self._clock = clock
         self._wall = wall_clock
         self._lock = threading.RLock()
@@ -208,7 +213,11 @@ class FleetIndex:
                                                                                        {t.label for t in tiers})
         )  # fmt: skip
         kept = 0 if switching else sum(1 for t in private if t.label in eng.bits)
-        stores = {t.store for t in tiers if t.scope == SCOPE_SHARED and t.store is not None} - set(self._stores)
+        named = {t.store for t in tiers if t.scope == SCOPE_SHARED and t.store is not None}
+        if len(eng.stores | named) > self.max_stores_per_engine:
+            raise LocationsFull(f"engine {eng.name} names {len(eng.stores | named)} shared stores over its starts; at "
+                                f"most {self.max_stores_per_engine} per engine")  # fmt: skip
+        stores = named - set(self._stores)
         needed = max(0, len(private) - kept - spare) + len(stores)
         if self._next_bit + needed > self.max_locations:
             raise LocationsFull(f"engine {eng.name} names {len(private)} private tier(s) and {len(stores)} new "
@@ -272,6 +281,8 @@ class FleetIndex:
             if label not in eng.bits:
                 shared = info.scope == SCOPE_SHARED and info.store is not None
                 eng.bits[label] = self._store_bit(info.store) if shared and info.store else self._private_bit(eng)
+                if shared and info.store:
+                    eng.stores.add(info.store)
         eng.tiers = new
 
     def lost_events(self, name: str, why: str) -> None:

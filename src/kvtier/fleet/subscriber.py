@@ -166,10 +166,11 @@ class FleetSubscriber:
         try:
             self._loop()
         except Exception as exc:  # a bug: without this thread nothing is applied again
-            self.failure = f"the subscriber thread stopped: {type(exc).__name__}: {exc}"
-            logger.critical("fleet: %s; every engine is marked partial", self.failure, exc_info=True)
+            failure = f"the subscriber thread stopped: {type(exc).__name__}: {exc}"
+            logger.critical("fleet: %s; every engine is marked partial", failure, exc_info=True)
             for link in self._links.values():
-                self._tell_index(link, "marking it partial", self.index.lost_events, self.failure)
+                self._tell_index(link, "marking it partial", self.index.lost_events, failure)
+            self.failure = failure
 
     def _loop(self) -> None:
         poller = zmq.Poller()
