@@ -97,7 +97,8 @@ def add_fleet_parser(sub: Any) -> None:
     s.add_argument("--max-body", type=_positive(int, 1 << 30), default=1 << 20, help="largest request body in bytes")
     s.add_argument("--max-blocks", type=_positive(int, 1 << 24), default=16384, help="longest prompt in blocks")
     s.add_argument("--request-timeout", type=_positive(float, 3600.0), default=5.0,
-                   help="seconds a connection may send or read nothing")  # fmt: skip
+                   help="seconds a whole request (its line, headers and body) may take to arrive, from its first "
+                   "byte or the previous answer (default 5)")  # fmt: skip
     s.add_argument("--max-concurrent", type=_positive(int, 4096), default=32, help="requests answered at once")
     s.set_defaults(func=_cmd_fleet_serve)
 

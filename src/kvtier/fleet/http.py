@@ -100,6 +100,8 @@ class FleetServer(ThreadingHTTPServer):
         self._hashers: dict[int, BlockHasher] = {}
         if tokens_per_hash is not None:
             self._hasher(tokens_per_hash)  # check the hashing settings now
+        # socketserver's listen backlog is 5: a burst of connections waited for SYN retransmits (1 s and more)
+        self.request_queue_size = max(socket.SOMAXCONN, 4 * max_concurrent)
         super().__init__(address, _Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -188,9 +190,11 @@ class FleetServer(ThreadingHTTPServer):
     def _tokens(self, tokens: Any, size: int) -> list[int]:
         if not isinstance(tokens, list):
             raise BadRequest(HTTPStatus.BAD_REQUEST, "tokens must be a list of token ids")
-        if len(tokens) > self.max_blocks * size + size:
-            limit = self.max_blocks * size
-            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"tokens has {len(tokens)} ids; at most {limit}")
+        if len(tokens) // size > self.max_blocks:  # (a last, partial block is not hashed)
+            limit = (self.max_blocks + 1) * size - 1
+            message = f"tokens has {len(tokens)} ids, {len(tokens) // size} blocks of {size}; at most " \
+                f"{self.max_blocks} blocks ({limit} ids)"
+            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, message)
         if not all(type(t) is int and 0 <= t <= _MAX_TOKEN for t in tokens):
             raise BadRequest(HTTPStatus.BAD_REQUEST, f"tokens must be integers in [0, {_MAX_TOKEN}]")
         return tokens
@@ -254,6 +258,22 @@ class _Handler(BaseHTTPRequestHandler):
         # sends a byte now and then (slowloris) is dropped like a silent one.
         self._reader.deadline = time.monotonic() + self.server.request_timeout
         super().handle_one_request()
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The standard library's own refusals (a bad request line, too long a line, too many
+        headers, an unknown method) as JSON like every other error, never HTML."""
+        short, long = self.responses.get(code, ("Error", ""))
+        text = f"{message or short}: {explain or long}".rstrip(": ")
+        self.log_error("code %d, message %s", code, text)
+        self.close_connection = True
+        data = json.dumps({"error": text[:1000]}).encode()
+        self.send_response(code, short)  # (the message may quote the client's bytes: not in the status line)
+        self.send_header("Connection", "close")
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s " + format, self.address_string(), *args)
