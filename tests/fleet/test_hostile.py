@@ -338,3 +338,52 @@ def test_an_engine_naming_ever_new_stores_is_refused_past_its_share_of_location_
     shared = TierInfo("1:redis", "redis", "cpu", "shared", "store-0-1")
     index.apply("f", _batch(_record("hello", "t", 0, (CPU, shared)), _stored([7])))
     assert index.held("f", "0:primary") == {7} and index.engine("f").status == "synced"
+
+
+@pytest.mark.parametrize("answer", ["drip", "deep-json"])
+def test_a_snapshot_ask_is_bounded_as_a_whole_and_retried_whatever_the_api_answers(answer: str) -> None:
+    pytest.importorskip("zmq")
+    import http.server
+
+    from kvtier.fleet.subscriber import EngineEndpoint, FleetSubscriber, _Link
+
+    stop = threading.Event()
+
+    class Hostile(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"[" * 100_000 if answer == "deep-json" else b"x" * 1000
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if answer == "deep-json":
+                self.wfile.write(body)
+                return
+            for byte in body:  # one byte every 0.2 s: each read well inside the timeout
+                if stop.wait(0.2):
+                    return
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    api = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    api.daemon_threads = True
+    threading.Thread(target=api.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        index = FleetIndex(["e"])
+        index.apply("e", _batch(_record("hello", "s", 3)))  # joined mid-start: wants a snapshot
+        assert index.take_snapshot_wanted("e")
+        endpoint = EngineEndpoint("e", "ipc:///nonexistent", api=f"http://127.0.0.1:{api.server_address[1]}")
+        subscriber = FleetSubscriber(index, [endpoint], http_timeout=1.0)
+        ask = threading.Thread(target=subscriber._ask_snapshot, args=(_Link(endpoint, None),), daemon=True)
+        started = time.monotonic()
+        ask.start()
+        ask.join(10)
+        # before the fix: the drip went on for 200 s; the deep JSON killed the ask with a RecursionError
+        assert not ask.is_alive() and time.monotonic() - started < 5
+        assert index.engine("e").needs_snapshot  # asked again later
+    finally:
+        stop.set()
+        api.shutdown()
+        api.server_close()

@@ -15,7 +15,8 @@ ROUTER that resends buffered batches from a sequence number) and its OpenAI API 
 * When the index wants a snapshot of an engine (it joined mid-start, or lost events),
   and the engine's API URL is known, a helper thread sends the engine a one-token
   completion whose ``kv_transfer_params`` ask kvtier for one (``{"kvtier_events":
-  "snapshot"}``; at most once per ``snapshot_retry`` seconds per engine).
+  "snapshot"}``; at most once per ``snapshot_retry`` seconds per engine; each ask bounded
+  as a whole by ``http_timeout``, and asked again later whatever went wrong).
 
 Every socket has bounded buffers and message sizes (``max_message_bytes``); messages
 that are not KV event batches are counted and dropped; a replay is bounded in time
@@ -29,12 +30,13 @@ engine is marked partial and :attr:`FleetSubscriber.failure` says why. Needs ``p
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import logging
+import socket
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -324,17 +326,54 @@ class FleetSubscriber:
         assert api is not None
         try:
             if link.model is None:
-                with urllib.request.urlopen(api.rstrip("/") + "/v1/models", timeout=self.http_timeout) as response:
-                    models = json.loads(response.read(1 << 20))
+                models = json.loads(self._call(api.rstrip("/") + "/v1/models", None))
                 link.model = str(models["data"][0]["id"])
             body = {"model": link.model, "prompt": "kvtier", "max_tokens": 1,
                     "kv_transfer_params": {"kvtier_events": "snapshot"}}  # fmt: skip
-            req = urllib.request.Request(api.rstrip("/") + "/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
-            with urllib.request.urlopen(req, timeout=self.http_timeout) as response:
-                response.read(1 << 20)
+            self._call(api.rstrip("/") + "/v1/completions", json.dumps(body).encode())
             logger.info("fleet: asked engine %s for a snapshot", link.endpoint.name)
-        except (OSError, ValueError, KeyError, IndexError, TypeError, urllib.error.URLError) as exc:
-            logger.warning("fleet: could not ask engine %s for a snapshot: %s", link.endpoint.name, exc)
+        except Exception as exc:  # whatever the API answers (JSON nested too deep included), ask again later
+            logger.warning("fleet: could not ask engine %s for a snapshot: %s: %.200s", link.endpoint.name,
+                           type(exc).__name__, exc)  # fmt: skip
             with contextlib.suppress(KeyError):
                 self.index.engine(link.endpoint.name).needs_snapshot = True
+
+    def _call(self, url: str, body: bytes | None) -> bytes:
+        """One request to an engine's API (POST ``body`` as JSON, or GET), its first MiB of answer.
+        ``http_timeout`` bounds the whole call, not each read: an API that sends a byte now and
+        then is cut off at the deadline."""
+        parts = urllib.parse.urlsplit(url)
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        deadline = time.monotonic() + self.http_timeout
+        conn = kind(parts.hostname or "", parts.port, timeout=self.http_timeout)
+        conn.connect()
+        # (the connection's own reference goes when an HTTP/1.0 answer arrives: keep the socket's)
+        cut = threading.Event()
+        watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), _cut, args=(conn.sock, cut))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            headers = {"Content-Type": "application/json"} if body is not None else {}
+            try:
+                conn.request("GET" if body is None else "POST", target, body=body, headers=headers)
+                response = conn.getresponse()
+                data = response.read(1 << 20)
+            except (OSError, http.client.HTTPException):
+                if not cut.is_set():
+                    raise
+            if cut.is_set():
+                raise TimeoutError(f"{url} did not answer within {self.http_timeout} s")
+            if response.status >= 400:
+                raise OSError(f"{url} answered HTTP {response.status}")
+            return data
+        finally:
+            watchdog.cancel()
+            conn.close()
+
+
+def _cut(sock: socket.socket, cut: threading.Event) -> None:
+    """Shut a connection's socket: a read blocked on it returns at once."""
+    cut.set()
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
