@@ -204,3 +204,50 @@ def test_a_subscriber_thread_that_stops_on_a_bug_marks_every_engine_partial(publ
         assert index.engine("e").status == "partial"  # before the fix: still synced, frozen for good
     finally:
         subscriber.stop()
+
+
+def test_a_reader_whose_redis_hangs_answers_503_naming_it_and_never_queues_requests(redis_server: Any) -> None:
+    import http.client
+    import json
+    import threading
+
+    import redis
+
+    from kvtier.fleet import FleetReader
+    from kvtier.fleet.http import FleetServer
+
+    writer = FleetIndex(["a"], RedisMasks(redis.Redis.from_url(redis_server.url, socket_timeout=5), "p"))
+    writer.apply("a", _decoded(control("hello", 0), stored([1, 2])))
+    client = redis.Redis.from_url(redis_server.url, socket_timeout=1, socket_connect_timeout=1)
+    served = FleetServer(("127.0.0.1", 0), FleetReader(RedisMasks(client, "p"), meta_ttl=0.0))
+    threading.Thread(target=served.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    results: list[tuple[int, str]] = []
+
+    def ask() -> None:
+        conn = http.client.HTTPConnection(*served.server_address[:2], timeout=30)
+        conn.request("POST", "/v1/prefix", body=b'{"block_hashes":[1,2]}')
+        response = conn.getresponse()
+        results.append((response.status, json.loads(response.read())["error"]))
+
+    try:
+        ask_ok = http.client.HTTPConnection(*served.server_address[:2], timeout=30)
+        ask_ok.request("POST", "/v1/prefix", body=b'{"block_hashes":[1,2]}')
+        assert ask_ok.getresponse().status == 200
+        redis_server.pause()
+        try:
+            started = time.monotonic()
+            threads = [threading.Thread(target=ask) for _ in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(30)
+            elapsed = time.monotonic() - started
+        finally:
+            redis_server.resume()
+        # before the fix: one after the other behind the reader's lock (8 s), each a 500 "internal error"
+        assert len(results) == 8 and elapsed < 4.0, (elapsed, results)
+        assert all(status == 503 and "the index's Redis did not answer" in error for status, error in results)
+    finally:
+        served.shutdown()
+        served.server_close()
+        writer.close()

@@ -42,6 +42,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
 from kvtier.fleet.hashing import BlockHasher
+from kvtier.fleet.masks import StoreUnavailable
 from kvtier.fleet.records import MAX_GROUP, block_key
 
 logger = logging.getLogger(__name__)
@@ -297,6 +298,10 @@ class _Handler(BaseHTTPRequestHandler):
         except BadRequest as exc:
             self.close_connection = True
             self._send(exc.status, {"error": str(exc)})
+        except StoreUnavailable as exc:
+            logger.warning("fleet: request %s: %s", self.path[:100], exc)
+            self.close_connection = True
+            self._send(HTTPStatus.SERVICE_UNAVAILABLE, {"error": str(exc)})
         except Exception:
             logger.exception("fleet: request %s failed", self.path)
             self.close_connection = True

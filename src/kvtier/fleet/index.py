@@ -492,9 +492,9 @@ class FleetIndex:
 
     def prefix(self, keys: Sequence[int], engines: Sequence[str] | None = None) -> dict[str, Any]:
         """The longest cached prefix of ``keys`` per engine and tier (see :func:`longest_prefix`);
-        reads the keys' bitmaps only as far as some engine's prefix still reaches."""
-        with self._lock:
-            return prefix_answer(self.meta(), self.masks, keys, engines, first_window=64)
+        reads the keys' bitmaps only as far as some engine's prefix still reaches. The index's
+        lock is not held while they are read (a slow Redis must not stall the writer)."""
+        return prefix_answer(self.meta(), self.masks, keys, engines, first_window=64)
 
     def held(self, name: str, label: str) -> set[int]:
         """The keys the index says engine ``name`` holds in tier ``label`` (or ``"GPU"``)."""
@@ -524,14 +524,27 @@ class FleetReader:
         self._lock = threading.Lock()
         self._meta: dict[str, Any] = {}
         self._read_at = -float("inf")
+        self._refreshing = False
 
     def meta(self) -> dict[str, Any]:
+        """The engine table, re-read at most every ``meta_ttl`` seconds. No lock is held while
+        Redis is read: while one thread re-reads it the others answer from the table read before
+        (a hung Redis holds each caller for its own timeout, not for everyone's in turn). Raises
+        :class:`~kvtier.fleet.masks.StoreUnavailable` if Redis does not answer."""
+        now = self._clock()
         with self._lock:
-            now = self._clock()
-            if now - self._read_at >= self.meta_ttl:
-                self._meta = checked_meta(self.masks.get_meta())
-                self._read_at = now
-            return self._meta
+            have = self._read_at > -float("inf")
+            if now - self._read_at < self.meta_ttl or (self._refreshing and have):
+                return self._meta
+            self._refreshing = True
+        try:
+            meta = checked_meta(self.masks.get_meta())
+        finally:
+            with self._lock:
+                self._refreshing = False
+        with self._lock:
+            self._meta, self._read_at = meta, now
+        return meta
 
     def prefix(self, keys: Sequence[int], engines: Sequence[str] | None = None) -> dict[str, Any]:
         return prefix_answer(self.meta(), self.masks, keys, engines, first_window=self.first_window)

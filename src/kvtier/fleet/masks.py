@@ -55,6 +55,10 @@ class WriterConflict(KvtierError):
     """Another writer holds the Redis prefix (or took it over from this one)."""
 
 
+class StoreUnavailable(KvtierError):
+    """The index's store (Redis) did not answer a read."""
+
+
 class LocationMasks(Protocol):
     """The key -> location bitmask store (see the module docstring)."""
 
@@ -322,7 +326,15 @@ class RedisMasks:
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
             pipe.getrange(self._key(key), 0, last_byte)  # only the bytes of locations that matter
-        return [_bitmap_mask(value) for value in pipe.execute()]
+        return [_bitmap_mask(value) for value in self._read("the key bitmaps", pipe.execute)]
+
+    def _read(self, what: str, call: Any) -> Any:
+        """``call()``; any failure of Redis (or of the way there) as :class:`StoreUnavailable` naming it."""
+        try:
+            return call()
+        except Exception as exc:  # redis.RedisError, OSError: whatever the client raises
+            raise StoreUnavailable(f"the index's Redis did not answer (reading {what} under prefix {self.prefix!r}): "
+                                   f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
 
     def count(self, bit: int) -> int:
         return int(self.client.scard(self._set(bit)))
@@ -337,7 +349,7 @@ class RedisMasks:
     def get_meta(self) -> dict[str, Any]:
         """The engine table, or {} where there is none or it is not a JSON object of at most
         :data:`MAX_META_BYTES` (a reader checks each entry: :func:`kvtier.fleet.index.checked_meta`)."""
-        raw = self.client.getrange(f"{self.prefix}:meta", 0, MAX_META_BYTES)
+        raw = self._read("the engine table", lambda: self.client.getrange(f"{self.prefix}:meta", 0, MAX_META_BYTES))
         if not raw:
             return {}
         if len(raw) > MAX_META_BYTES:
