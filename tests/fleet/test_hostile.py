@@ -6,6 +6,7 @@ Redis that dies under the subscriber, and HTTP clients that dribble bytes or sen
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -387,3 +388,51 @@ def test_a_snapshot_ask_is_bounded_as_a_whole_and_retried_whatever_the_api_answe
         stop.set()
         api.shutdown()
         api.server_close()
+
+
+def test_a_client_that_reads_its_answers_at_a_trickle_holds_no_slot_and_is_dropped() -> None:
+    served = FleetServer(("127.0.0.1", 0), FleetIndex(["a"], MemoryMasks()), tokens_per_hash=4, request_timeout=1.0,
+                         max_concurrent=1)  # fmt: skip
+    threading.Thread(target=served.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    host, port = served.server_address[:2]
+    attacker = socket.socket()
+    attacker.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    attacker.connect((str(host), port))
+    stop = threading.Event()
+    closed_at: list[float] = []
+
+    def pipeline() -> None:
+        with contextlib.suppress(OSError):
+            attacker.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * 100_000)
+
+    def trickle() -> None:  # ~20 KB/s: each answer's write completes, but only just
+        while not stop.is_set():
+            try:
+                if attacker.recv(2048) == b"":
+                    closed_at.append(time.monotonic())
+                    return
+            except OSError:
+                closed_at.append(time.monotonic())
+                return
+            time.sleep(0.1)
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=pipeline, daemon=True), threading.Thread(target=trickle, daemon=True)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(0.5)
+        statuses = []
+        for _ in range(5):
+            with socket.create_connection((str(host), port), timeout=5) as sock:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                statuses.append(sock.recv(100).split(b" ")[1])
+            time.sleep(0.1)
+        assert statuses == [b"200"] * 5  # before the fix: mostly 503, the slot held while writing to the attacker
+        threads[1].join(10)
+        assert closed_at and closed_at[0] - started < 8  # before the fix: held for as long as it kept reading
+    finally:
+        stop.set()
+        attacker.close()
+        served.shutdown()
+        served.server_close()

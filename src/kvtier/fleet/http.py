@@ -22,7 +22,10 @@ length and stay under ``max_body`` bytes, a prompt under ``max_blocks`` blocks; 
 field is type- and range-checked (errors are 4xx with a JSON ``error`` naming the
 field); a request (its line, headers and body) must arrive within ``request_timeout``
 seconds of its first byte, or of the previous answer on a kept-alive connection, else
-the connection is closed (a client that sends a byte now and then holds no thread); at
+the connection is closed (a client that sends a byte now and then holds no thread); a
+connection's answers may wait for the client to read them ``request_timeout`` seconds in
+all, and no answer slot is held while they wait (a client that reads at a trickle is dropped
+too); at
 most ``max_concurrent`` requests are answered at once (more get 503 at once) and at most
 four times that many connections are open (more are closed at once). Bind it to a
 private address: it has no authentication.
@@ -223,6 +226,10 @@ class FleetServer(ThreadingHTTPServer):
         return keys
 
 
+def _encode(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()  # (strict JSON: no NaN)
+
+
 class _DeadlineReader(io.RawIOBase):
     """A socket's bytes, each read bounded by what is left of one deadline for the whole request."""
 
@@ -253,6 +260,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.connection.settimeout(self.server.request_timeout)
         self._reader = _DeadlineReader(self.connection, self.server.request_timeout)
         self.rfile = io.BufferedReader(self._reader)
+        self._write_budget = self.server.request_timeout
 
     def handle_one_request(self) -> None:
         # One deadline per request, from when the previous answer went out: a client that
@@ -280,34 +288,49 @@ class _Handler(BaseHTTPRequestHandler):
         logger.debug("%s " + format, self.address_string(), *args)
 
     def _send(self, status: HTTPStatus, body: dict[str, Any]) -> None:
-        self.connection.settimeout(self.server.request_timeout)  # (reads left it at what remained)
-        data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()  # (strict JSON: no NaN)
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        self._write(status, _encode(body))
+
+    def _write(self, status: HTTPStatus, data: bytes) -> None:
+        """Send one answer. The connection's answers share one write budget of
+        ``request_timeout`` seconds: a client that reads them slowly (a byte now and then, or
+        thousands of pipelined requests read at a trickle) is dropped once its writes have
+        waited that long in all."""
+        if self._write_budget <= 0:
+            raise TimeoutError("the client did not read its answers within request_timeout")
+        self.connection.settimeout(self._write_budget)
+        started = time.monotonic()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        finally:
+            self._write_budget -= time.monotonic() - started
 
     def _guarded(self, handle: Any) -> None:
+        """Answer ``handle()`` in one of the ``max_concurrent`` slots; the slot is given back
+        before the answer is written (a slow reader must not hold it)."""
         if not self.server._slots.acquire(blocking=False):
             self.close_connection = True
             self._send(HTTPStatus.SERVICE_UNAVAILABLE, {"error": "too many requests at once; retry"})
             return
+        status = HTTPStatus.OK
         try:
-            self._send(HTTPStatus.OK, handle())
+            data = _encode(handle())  # (what cannot be sent fails here, as an internal error)
         except BadRequest as exc:
-            self.close_connection = True
-            self._send(exc.status, {"error": str(exc)})
+            status, data = exc.status, _encode({"error": str(exc)})
         except StoreUnavailable as exc:
             logger.warning("fleet: request %s: %s", self.path[:100], exc)
-            self.close_connection = True
-            self._send(HTTPStatus.SERVICE_UNAVAILABLE, {"error": str(exc)})
+            status, data = HTTPStatus.SERVICE_UNAVAILABLE, _encode({"error": str(exc)})
         except Exception:
-            logger.exception("fleet: request %s failed", self.path)
-            self.close_connection = True
-            self._send(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": "internal error (see the server's log)"})
+            logger.exception("fleet: request %s failed", self.path[:100])
+            status, data = HTTPStatus.INTERNAL_SERVER_ERROR, _encode({"error": "internal error (see the server's log)"})
         finally:
             self.server._slots.release()
+        if status != HTTPStatus.OK:
+            self.close_connection = True
+        self._write(status, data)
 
     def do_GET(self) -> None:
         if self.path == "/health":
