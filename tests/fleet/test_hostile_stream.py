@@ -4,6 +4,7 @@ paused or restarted under the writer, and the subscriber thread must carry on an
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -251,3 +252,64 @@ def test_a_reader_whose_redis_hangs_answers_503_naming_it_and_never_queues_reque
         served.shutdown()
         served.server_close()
         writer.close()
+
+
+def test_the_receive_queue_is_bounded_in_bytes(publisher: Publisher) -> None:
+    import zmq
+
+    index = FleetIndex(["e"])
+    subscriber = _subscribe(index, publisher)
+    try:
+        (link,) = subscriber._links.values()
+        queued = link.sub.getsockopt(zmq.RCVHWM) * link.sub.getsockopt(zmq.MAXMSGSIZE)
+        assert queued <= 1 << 30  # before the fix: 100,000 messages of up to 256 MiB each
+    finally:
+        subscriber.stop()
+
+
+def test_a_replay_that_never_fills_the_gap_is_given_up_at_its_byte_budget(tmp_path: Path) -> None:
+    import threading
+
+    import zmq
+
+    ctx = zmq.Context()
+    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    pub.bind(f"ipc://{tmp_path}/events")
+    router.bind(f"ipc://{tmp_path}/replay")
+    stop = threading.Event()
+    sent = [0]
+
+    def flood() -> None:  # answers a replay request with 200 KB batches that never reach the end of the gap
+        while not stop.is_set():
+            if not router.poll(20):
+                continue
+            peer = router.recv_multipart()[0]
+            seq = 0
+            while not stop.is_set() and seq < 2000:
+                with contextlib.suppress(zmq.Again):
+                    router.send_multipart([peer, b"", b"", seq.to_bytes(8, "big"), b"\x00" * 200_000], zmq.NOBLOCK)
+                    sent[0] += 1
+                    seq += 1
+
+    thread = threading.Thread(target=flood, daemon=True)
+    thread.start()
+    index = FleetIndex(["e"])
+    endpoint = EngineEndpoint("e", f"ipc://{tmp_path}/events", replay=f"ipc://{tmp_path}/replay")
+    subscriber = FleetSubscriber(index, [endpoint], replay_timeout=30.0, max_queued_bytes=4 << 20)
+    subscriber.start()
+    try:
+        time.sleep(0.3)
+        started = time.monotonic()
+        # a first batch numbered 2**40 asks for everything before it
+        pub.send_multipart([b"", (1 << 40).to_bytes(8, "big"), batch(control("hello", 0), stored([1]))])
+        wait_for(lambda: index.held("e", "0:primary") == {1}, "the batch after the replay", timeout=25)
+        # before the fix the replay held every payload for replay_timeout (30 s here)
+        assert time.monotonic() - started < 10
+        assert subscriber.stats()["e"]["replayed"] == 0
+    finally:
+        stop.set()
+        thread.join(5)
+        subscriber.stop()
+        pub.close(0)
+        router.close(0)
+        ctx.term()

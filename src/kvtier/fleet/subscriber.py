@@ -18,9 +18,11 @@ ROUTER that resends buffered batches from a sequence number) and its OpenAI API 
   "snapshot"}``; at most once per ``snapshot_retry`` seconds per engine; each ask bounded
   as a whole by ``http_timeout``, and asked again later whatever went wrong).
 
-Every socket has bounded buffers and message sizes (``max_message_bytes``); messages
-that are not KV event batches are counted and dropped; a replay is bounded in time
-(``replay_timeout``) and in batches (the gap it fills). A batch, gap or publisher restart
+Every socket has bounded message sizes (``max_message_bytes``, 32 MiB) and a receive queue
+of at most ``max_queued_bytes`` (1 GiB) at that size (ZMQ counts messages: batches beyond
+are dropped, then replayed); messages that are not KV event batches are counted and
+dropped; a replay is bounded in time (``replay_timeout``), in batches (the gap it fills)
+and in bytes (``max_queued_bytes``). A batch, gap or publisher restart
 the index fails to take (its store, Redis, did not answer) counts as lost events of that
 engine; the thread carries on. Should the thread stop on its own all the same (a bug), every
 engine is marked partial and :attr:`FleetSubscriber.failure` says why. Needs ``pyzmq`` and
@@ -99,8 +101,9 @@ class FleetSubscriber:
         endpoints: Sequence[EngineEndpoint],
         *,
         replay_timeout: float = 2.0,
-        max_message_bytes: int = 256 << 20,
-        rcvhwm: int = 100_000,
+        max_message_bytes: int = 32 << 20,
+        max_queued_bytes: int = 1 << 30,
+        rcvhwm: int | None = None,
         snapshot_retry: float = 10.0,
         http_timeout: float = 30.0,
         poll_ms: int = 100,
@@ -115,7 +118,9 @@ class FleetSubscriber:
                 index.add_engine(endpoint.name)
         self.replay_timeout = replay_timeout
         self.max_message_bytes = max_message_bytes
-        self.rcvhwm = rcvhwm
+        self.max_queued_bytes = max_queued_bytes
+        # ZMQ bounds a queue in messages: as many as fit the byte budget at the largest size.
+        self.rcvhwm = rcvhwm if rcvhwm is not None else max(8, min(100_000, max_queued_bytes // max_message_bytes))
         self.snapshot_retry = snapshot_retry
         self.http_timeout = http_timeout
         self.poll_ms = poll_ms
@@ -275,6 +280,7 @@ class FleetSubscriber:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         out: list[tuple[int, bytes]] = []
+        held = 0  # bytes of the payloads in out
         try:
             sock.connect(link.endpoint.replay)
             sock.send_multipart([b"", start.to_bytes(_SEQ_BYTES, "big")])
@@ -291,8 +297,14 @@ class FleetSubscriber:
                     break
                 if start <= seq < stop:
                     if out and seq != out[-1][0] + 1:
-                        out = []  # a hole: keep only the run after it
+                        out, held = [], 0  # a hole: keep only the run after it
                     out.append((seq, frames[3]))
+                    held += len(frames[3])
+                    if held > self.max_queued_bytes:
+                        logger.warning("fleet: engine %s replay of batches %d..%d holds over %d bytes; given up",
+                                       link.endpoint.name, start, stop - 1, self.max_queued_bytes)  # fmt: skip
+                        out = []
+                        break
                     if seq == stop - 1:
                         break  # the gap is filled: whatever else the endpoint sends is not needed
             else:
