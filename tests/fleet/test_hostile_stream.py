@@ -313,3 +313,20 @@ def test_a_replay_that_never_fills_the_gap_is_given_up_at_its_byte_budget(tmp_pa
         pub.close(0)
         router.close(0)
         ctx.term()
+
+
+def test_an_engine_flooding_the_index_with_keys_meets_max_keys(publisher: Publisher) -> None:
+    from kvtier.fleet import MemoryMasks
+
+    masks = MemoryMasks(max_keys=1000)
+    index = FleetIndex(["e"], masks)
+    subscriber = _subscribe(index, publisher)
+    try:
+        publisher.send(batch(control("hello", 0), stored([1])))
+        for n in range(1, 6):  # device-cache stores need no control record: 400 new keys a batch
+            publisher.send(batch(stored(list(range(n * 1000, n * 1000 + 400)), medium="GPU")))
+        wait_for(lambda: subscriber.stats()["e"]["failed"] >= 1, "the batch past max_keys to be counted")
+        assert len(masks) <= 1000  # before the fix: every key any engine reports, without bound
+        assert index.engine("e").status == "partial" and subscriber.failure is None
+    finally:
+        subscriber.stop()

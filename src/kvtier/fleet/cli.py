@@ -94,6 +94,9 @@ def add_fleet_parser(sub: Any) -> None:
     s.add_argument("--lag-seconds", type=_positive(float, MAX_SECONDS), default=5.0,
                    help="how far an engine's view of a shared store may lag other engines' changes (an fs "
                    "root's journal delay; on NFS its attribute cache); default 5")  # fmt: skip
+    s.add_argument("--max-keys", type=_positive(int, 1 << 32), default=1 << 24,
+                   help="most block keys an in-memory index holds (about 200 bytes each; default 16777216): a "
+                   "batch that would add more counts as lost events of its engine")  # fmt: skip
     s.add_argument("--max-body", type=_positive(int, 1 << 30), default=1 << 20, help="largest request body in bytes")
     s.add_argument("--max-blocks", type=_positive(int, 1 << 24), default=16384, help="longest prompt in blocks")
     s.add_argument("--request-timeout", type=_positive(float, 3600.0), default=5.0,
@@ -138,7 +141,7 @@ def _cmd_fleet_serve(args: argparse.Namespace) -> int:
     if args.redis_prefix is not None and args.redis is None:
         raise ConfigError("--redis-prefix names keys in Redis: give --redis URL too, or drop it")
     prefix = DEFAULT_REDIS_PREFIX if args.redis_prefix is None else args.redis_prefix
-    masks: Any = MemoryMasks()
+    masks: Any = MemoryMasks(max_keys=args.max_keys)
     if args.redis is not None:
         try:
             import redis

@@ -55,6 +55,10 @@ class WriterConflict(KvtierError):
     """Another writer holds the Redis prefix (or took it over from this one)."""
 
 
+class IndexFull(KvtierError):
+    """An in-memory index holds ``max_keys`` keys: a change that would add more is refused."""
+
+
 class StoreUnavailable(KvtierError):
     """The index's store (Redis) did not answer a read."""
 
@@ -95,9 +99,12 @@ class LocationMasks(Protocol):
 
 
 class MemoryMasks:
-    """:class:`LocationMasks` in this process's memory."""
+    """:class:`LocationMasks` in this process's memory: at most ``max_keys`` keys (about 200
+    bytes each); an :meth:`add` that would hold more adds nothing and raises :class:`IndexFull`
+    (the subscriber counts the batch as lost events of its engine)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_keys: int = 1 << 24) -> None:
+        self.max_keys = max_keys
         self._lock = threading.Lock()
         self._masks: dict[int, int] = {}
         self._members: dict[int, set[int]] = {}
@@ -105,8 +112,14 @@ class MemoryMasks:
 
     def add(self, bit: int, keys: Iterable[int]) -> None:
         flag = 1 << bit
+        keys = list(keys)
         with self._lock:
             masks = self._masks
+            if len(masks) + len(keys) > self.max_keys:
+                new = len(set(keys).difference(masks))
+                if len(masks) + new > self.max_keys:
+                    raise IndexFull(f"the fleet index holds {len(masks)} keys; {new} more would pass max_keys "
+                                    f"({self.max_keys})")  # fmt: skip
             members = self._members.setdefault(bit, set())
             for key in keys:
                 masks[key] = masks.get(key, 0) | flag
