@@ -330,3 +330,46 @@ def test_an_engine_flooding_the_index_with_keys_meets_max_keys(publisher: Publis
         assert index.engine("e").status == "partial" and subscriber.failure is None
     finally:
         subscriber.stop()
+
+
+def test_an_engine_on_ipv6_is_heard_and_the_server_listens_on_ipv6() -> None:
+    import http.client
+    import threading
+
+    import zmq
+
+    from kvtier.fleet.http import FleetServer
+
+    index = FleetIndex(["e"])
+    served = FleetServer(("::1", 0), index)  # before the fix: "Address family for hostname not supported"
+    threading.Thread(target=served.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.IPV6, 1)
+    port = pub.bind_to_random_port("tcp://[::1]")
+    subscriber = FleetSubscriber(index, [EngineEndpoint("e", f"tcp://[::1]:{port}")])
+    subscriber.start()
+    try:
+        deadline = time.monotonic() + 20
+        while index.held("e", "0:primary") != {1}:  # before the fix: never connected, nothing logged
+            assert time.monotonic() < deadline, "the engine on [::1] was never heard"
+            pub.send_multipart([b"", (0).to_bytes(8, "big"), batch(control("hello", 0), stored([1]))])
+            time.sleep(0.1)
+        assert served.url.startswith("http://[::1]:")
+        conn = http.client.HTTPConnection("::1", served.server_address[1], timeout=5)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+    finally:
+        served.shutdown()
+        served.server_close()
+        subscriber.stop()
+        pub.close(0)
+        ctx.term()
+
+
+@pytest.mark.parametrize(("url", "names"), [("inproc://x", "must start with one of"),
+                                            ("tcp://:5", "needs the engine's host"),
+                                            ("tcp://*:5", "needs the engine's host")])  # fmt: skip
+def test_endpoints_that_can_never_connect_are_refused(url: str, names: str) -> None:
+    with pytest.raises(ValueError, match=names):  # before the fix: accepted, the engine "waiting" for good
+        EngineEndpoint("e", url)

@@ -104,6 +104,8 @@ class FleetServer(ThreadingHTTPServer):
         self._hashers: dict[int, BlockHasher] = {}
         if tokens_per_hash is not None:
             self._hasher(tokens_per_hash)  # check the hashing settings now
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6  # (--host ::1)
         # socketserver's listen backlog is 5: a burst of connections waited for SYN retransmits (1 s and more)
         self.request_queue_size = max(socket.SOMAXCONN, 4 * max_concurrent)
         super().__init__(address, _Handler)
@@ -128,7 +130,8 @@ class FleetServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host if isinstance(host, str) else host.decode()}:{port}"
+        host = host if isinstance(host, str) else host.decode()
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def _hasher(self, tokens_per_hash: int) -> BlockHasher:
         hasher = self._hashers.get(tokens_per_hash)

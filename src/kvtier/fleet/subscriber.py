@@ -68,14 +68,20 @@ class EngineEndpoint:
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > 128 or any(c.isspace() for c in self.name):
             raise ValueError(f"engine name must be 1-128 characters without spaces, got {self.name!r}")
-        for what, url, schemes in (("events", self.events, ("tcp://", "ipc://", "inproc://")),
-                                   ("replay", self.replay, ("tcp://", "ipc://", "inproc://")),
+        # (inproc:// is refused: it reaches only sockets of the subscriber's own ZMQ context)
+        for what, url, schemes in (("events", self.events, ("tcp://", "ipc://")),
+                                   ("replay", self.replay, ("tcp://", "ipc://")),
                                    ("api", self.api, ("http://", "https://"))):  # fmt: skip
             if url is not None and not url.startswith(schemes):
                 raise ValueError(f"engine {self.name}: {what} endpoint {url!r} must start with one of {schemes}")
-            port = url.rpartition(":")[2] if url is not None and url.startswith("tcp://") else None
-            if port is not None and port != "*" and not (port.isdigit() and 0 < int(port) < 65536):
+            if url is None or not url.startswith("tcp://"):
+                continue
+            host, _, port = url.removeprefix("tcp://").rpartition(":")
+            if port != "*" and not (port.isdigit() and 0 < int(port) < 65536):
                 raise ValueError(f"engine {self.name}: {what} endpoint {url!r} needs a port 1-65535")
+            if not host or host == "*":
+                raise ValueError(f"engine {self.name}: {what} endpoint {url!r} needs the engine's host "
+                                 "(tcp://host:port; IPv6: tcp://[::1]:port)")  # fmt: skip
 
 
 @dataclass
@@ -138,6 +144,7 @@ class FleetSubscriber:
             sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
             sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.IPV6, 1)  # (without it a tcp://[::1]:port endpoint never connects, silently)
             sub.setsockopt(zmq.SUBSCRIBE, endpoint.topic.encode())
             sub.connect(endpoint.events)
             self._links[sub] = _Link(endpoint, sub)
@@ -278,6 +285,7 @@ class FleetSubscriber:
             return []
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         out: list[tuple[int, bytes]] = []
         held = 0  # bytes of the payloads in out
