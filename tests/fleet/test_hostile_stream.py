@@ -373,3 +373,32 @@ def test_an_engine_on_ipv6_is_heard_and_the_server_listens_on_ipv6() -> None:
 def test_endpoints_that_can_never_connect_are_refused(url: str, names: str) -> None:
     with pytest.raises(ValueError, match=names):  # before the fix: accepted, the engine "waiting" for good
         EngineEndpoint("e", url)
+
+
+def test_the_engine_table_is_not_rewritten_to_redis_with_every_batch(redis_server: Any) -> None:
+    import json
+
+    import redis
+
+    from kvtier.fleet import FleetReader
+
+    client = redis.Redis.from_url(redis_server.url, socket_timeout=5)
+    clock = _Clock()
+    index = FleetIndex(["a"], RedisMasks(client, "p"), clock=clock)
+
+    def sets() -> int:
+        return int(client.info("commandstats").get("cmdstat_set", {}).get("calls", 0))
+
+    index.apply("a", _decoded(control("hello", 0), stored([1])))
+    before = sets()
+    for seq in range(1, 51):
+        index.apply("a", _decoded(control("events", seq, tiers=()), stored([seq + 1])))
+    assert sets() - before == 0  # before the fix: 50 writes of the whole table, one per batch
+    reader = FleetReader(RedisMasks(client, "p"), meta_ttl=0.0)
+    assert reader.prefix([1, 2, 51])["a"]["blocks"] == 3  # the keys are there at once
+    clock.now += 1.0
+    index.tick()  # counters follow within half a second
+    assert json.loads(client.get("p:meta"))["engines"]["a"]["batches"] == 51
+    index.apply("a", _decoded(control("hello", 0, start="s2"), stored([7])))  # a restart: written at once
+    assert json.loads(client.get("p:meta"))["engines"]["a"]["start"] == "s2"
+    index.close()

@@ -66,6 +66,10 @@ DEVICE = "GPU"
 _KVTIER_MEDIA = frozenset({"CPU", "STORAGE"})
 _MARKS_KEPT = 32
 _KEEP_WRITER_EVERY = 2.0  # seconds between refreshes of a shared index's writer claim
+_PUBLISH_COUNTERS_EVERY = 0.5  # seconds: how stale an engine table's counters may be (readers re-read it as often)
+# What of an engine table changes with (nearly) every batch and no reader needs at once:
+_COUNTERS = frozenset({"seq", "batches", "events", "skipped", "unattributed", "gaps", "restarts", "last_event",
+                       "marks"})  # fmt: skip
 
 
 class LocationsFull(ValueError):
@@ -142,6 +146,9 @@ class FleetIndex:
         self._sweeps_due: list[tuple[str, str]] = []
         self._next_bit = 0
         self._kept_writer = clock()
+        self._published_shape: dict[str, Any] | None = None
+        self._published_at = -float("inf")
+        self._publish_due = False
         self.writer_lost: str | None = None
         """Why this writer no longer writes its shared store (another writer took it); None if it does."""
         self.masks.open_writer()
@@ -171,6 +178,9 @@ class FleetIndex:
         with nobody else holding it is taken again, and every engine is then treated as having
         lost events (the store may have lost what was written: a Redis restarted empty)."""
         now = self._clock()
+        if self._publish_due and now - self._published_at >= _PUBLISH_COUNTERS_EVERY:
+            with self._lock:
+                self._publish()
         if now - self._kept_writer >= _KEEP_WRITER_EVERY:
             self._kept_writer = now
             try:
@@ -468,7 +478,19 @@ class FleetIndex:
     # --- answers ----------------------------------------------------------------------
 
     def _publish(self) -> None:
-        self.masks.put_meta(self.meta())
+        """Write the engine table to the masks' store (Redis: for readers) when what a reader
+        needs to read masks changed (engines, starts, statuses, tiers, bits, stores); a change
+        of counters alone is written at most every ``_PUBLISH_COUNTERS_EVERY`` seconds (by
+        :meth:`tick`), not with every batch."""
+        meta = self.meta()
+        shape = {name: {k: v for k, v in eng.items() if k not in _COUNTERS} for name, eng in meta["engines"].items()}
+        shape["\0stores"] = meta["stores"]
+        now = self._clock()
+        if shape == self._published_shape and now - self._published_at < _PUBLISH_COUNTERS_EVERY:
+            self._publish_due = True
+            return
+        self.masks.put_meta(meta)
+        self._published_shape, self._published_at, self._publish_due = shape, now, False
 
     def meta(self) -> dict[str, Any]:
         """The engine and location table (JSON-able): what a reader needs to read masks."""

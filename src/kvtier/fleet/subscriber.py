@@ -22,9 +22,9 @@ Every socket has bounded message sizes (``max_message_bytes``, 32 MiB) and a rec
 of at most ``max_queued_bytes`` (1 GiB) at that size (ZMQ counts messages: batches beyond
 are dropped, then replayed); messages that are not KV event batches are counted and
 dropped; a replay is bounded in time (``replay_timeout``), in batches (the gap it fills)
-and in bytes (``max_queued_bytes``). A batch, gap or publisher restart
-the index fails to take (its store, Redis, did not answer) counts as lost events of that
-engine; the thread carries on. Should the thread stop on its own all the same (a bug), every
+and in bytes (``max_queued_bytes``). A batch, gap or publisher restart the index fails to
+take (its store, Redis, did not answer) counts as lost events of that engine; the thread
+carries on. Should the thread stop on its own all the same (a bug), every
 engine is marked partial and :attr:`FleetSubscriber.failure` says why. Needs ``pyzmq`` and
 ``msgspec`` (``pip install 'kvtier[fleet]'``).
 """
