@@ -89,6 +89,20 @@ _MAX_NAME = 256
 _MAX_COUNT = (1 << 63) - 1  # a seq or a part number: an int64, as every consumer can hold it
 _MAX_TIERS = 64
 _MAX_INFO_ITEMS = 64
+_MAX_INFO_TEXT = 1024
+
+
+def is_info_value(value: Any) -> bool:
+    """What a value of a control record's ``info`` may be: a string of at most 1024 characters,
+    an integer that fits in 64 bits, a finite float, a boolean or null. Nothing nested: every
+    consumer must be able to compare, hash and re-encode it (as strict JSON)."""
+    if value is None or isinstance(value, bool):
+        return True
+    if isinstance(value, str):
+        return len(value) <= _MAX_INFO_TEXT
+    if isinstance(value, int):
+        return -(1 << 63) <= value < 1 << 64
+    return isinstance(value, float) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -227,6 +241,11 @@ class ControlRecord:
         info = body.get("info", {})
         if not isinstance(info, dict) or len(info) > _MAX_INFO_ITEMS:
             raise ValueError(f"control record info must be an object of at most {_MAX_INFO_ITEMS} items")
+        for key, value in info.items():
+            if len(key) > _MAX_NAME or not is_info_value(value):
+                raise ValueError(f"control record info {key!r:.40} must be a string of at most {_MAX_INFO_TEXT} "
+                                 f"characters, a 64-bit integer, a finite number, a boolean or null; got "
+                                 f"{type(value).__name__} {value!r:.40}")  # fmt: skip
         tier = body.get("tier")
         if op in ("clear", "snapshot"):
             _check_name(f"{op} tier", tier)

@@ -6,6 +6,7 @@ Redis that dies under the subscriber, and HTTP clients that dribble bytes or sen
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -115,6 +116,7 @@ def test_a_reader_leaves_out_malformed_engine_entries(redis_url: str) -> None:
     meta["engines"]["negative"] = dict(meta["engines"]["a"], device_bit=-1)
     meta["engines"]["tiers"] = dict(meta["engines"]["a"], tiers=[{"label": "x", "bit": "0"}])
     meta["engines"]["info"] = dict(meta["engines"]["a"], info=[1])
+    meta["engines"]["nested-info"] = dict(meta["engines"]["a"], info={"tokens_per_hash": [4]})  # (500s, review D7)
     meta["engines"]["list"] = [1, 2]
     client.set("p:meta", json.dumps(meta))
     reader = FleetReader(RedisMasks(client, "p"), meta_ttl=0.0)
@@ -325,3 +327,112 @@ def test_a_snapshot_ask_survives_an_api_that_answers_nonsense() -> None:
     finally:
         api.shutdown()
         api.server_close()
+
+
+def test_an_engine_naming_ever_new_stores_is_refused_past_its_share_of_location_bits() -> None:
+    index = FleetIndex(["e", "f"], max_stores_per_engine=4)
+    for start in range(50):  # before the fix: 2 new store bits per start, 100 in all, the engine table growing
+        stores = tuple(TierInfo(f"{i}:redis", "redis", "cpu", "shared", f"store-{start}-{i}") for i in (1, 2))
+        index.apply("e", _batch(_record("hello", f"s{start}", 0, (CPU, *stores)), _stored([1])))
+    assert len(index.meta()["stores"]) == 4 and index._next_bit <= 2 + 1 + 4
+    assert index.engine("e").status == "partial" and index.engine("e").skipped == 48
+    shared = TierInfo("1:redis", "redis", "cpu", "shared", "store-0-1")
+    index.apply("f", _batch(_record("hello", "t", 0, (CPU, shared)), _stored([7])))
+    assert index.held("f", "0:primary") == {7} and index.engine("f").status == "synced"
+
+
+@pytest.mark.parametrize("answer", ["drip", "deep-json"])
+def test_a_snapshot_ask_is_bounded_as_a_whole_and_retried_whatever_the_api_answers(answer: str) -> None:
+    pytest.importorskip("zmq")
+    import http.server
+
+    from kvtier.fleet.subscriber import EngineEndpoint, FleetSubscriber, _Link
+
+    stop = threading.Event()
+
+    class Hostile(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"[" * 100_000 if answer == "deep-json" else b"x" * 1000
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if answer == "deep-json":
+                self.wfile.write(body)
+                return
+            for byte in body:  # one byte every 0.2 s: each read well inside the timeout
+                if stop.wait(0.2):
+                    return
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    api = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    api.daemon_threads = True
+    threading.Thread(target=api.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        index = FleetIndex(["e"])
+        index.apply("e", _batch(_record("hello", "s", 3)))  # joined mid-start: wants a snapshot
+        assert index.take_snapshot_wanted("e")
+        endpoint = EngineEndpoint("e", "ipc:///nonexistent", api=f"http://127.0.0.1:{api.server_address[1]}")
+        subscriber = FleetSubscriber(index, [endpoint], http_timeout=1.0)
+        ask = threading.Thread(target=subscriber._ask_snapshot, args=(_Link(endpoint, None),), daemon=True)
+        started = time.monotonic()
+        ask.start()
+        ask.join(10)
+        # before the fix: the drip went on for 200 s; the deep JSON killed the ask with a RecursionError
+        assert not ask.is_alive() and time.monotonic() - started < 5
+        assert index.engine("e").needs_snapshot  # asked again later
+    finally:
+        stop.set()
+        api.shutdown()
+        api.server_close()
+
+
+def test_a_client_that_reads_its_answers_at_a_trickle_holds_no_slot_and_is_dropped() -> None:
+    served = FleetServer(("127.0.0.1", 0), FleetIndex(["a"], MemoryMasks()), tokens_per_hash=4, request_timeout=1.0,
+                         max_concurrent=1)  # fmt: skip
+    threading.Thread(target=served.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    host, port = served.server_address[:2]
+    attacker = socket.socket()
+    attacker.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    attacker.connect((str(host), port))
+    stop = threading.Event()
+    closed_at: list[float] = []
+
+    def pipeline() -> None:
+        with contextlib.suppress(OSError):
+            attacker.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * 100_000)
+
+    def trickle() -> None:  # ~20 KB/s: each answer's write completes, but only just
+        while not stop.is_set():
+            try:
+                if attacker.recv(2048) == b"":
+                    closed_at.append(time.monotonic())
+                    return
+            except OSError:
+                closed_at.append(time.monotonic())
+                return
+            time.sleep(0.1)
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=pipeline, daemon=True), threading.Thread(target=trickle, daemon=True)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(0.5)
+        statuses = []
+        for _ in range(5):
+            with socket.create_connection((str(host), port), timeout=5) as sock:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                statuses.append(sock.recv(100).split(b" ")[1])
+            time.sleep(0.1)
+        assert statuses == [b"200"] * 5  # before the fix: mostly 503, the slot held while writing to the attacker
+        threads[1].join(10)
+        assert closed_at and closed_at[0] - started < 8  # before the fix: held for as long as it kept reading
+    finally:
+        stop.set()
+        attacker.close()
+        served.shutdown()
+        served.server_close()

@@ -245,3 +245,98 @@ def test_routers_share_an_index_in_redis(tmp_path: Path) -> None:
             assert proc.wait(20) == 0
     finally:
         server.stop()
+
+
+def _hello_with_info(index: FleetIndex, engine: str, info_json: str) -> None:
+    """A hello whose info is ``info_json`` as sent on the wire (decoded like the subscriber does)."""
+    import msgspec
+
+    from kvtier.engine_events import CONTROL_PREFIX
+    from kvtier.fleet.wire import decode_batch
+
+    text = CONTROL_PREFIX + '{"op":"hello","engine":"e","start":"s","seq":0,"time":1.0,"tiers":[{"label":"0:primary",' \
+        '"type":"cpu","medium":"cpu","scope":"engine"}],"info":' + info_json + "}"
+    events = [{"type": "BlockRemoved", "block_hashes": [1], "medium": "STORAGE", "ownership": text},
+              {"type": "BlockStored", "block_hashes": [1, 2], "medium": "GPU"}]  # fmt: skip
+    index.apply(engine, decode_batch(msgspec.msgpack.encode([time.time(), events, None])))
+
+
+@pytest.mark.parametrize("info", ['{"x":' + "[" * 50 + "]" * 50 + "}", '{"x":NaN}', '{"x":{"y":1}}',
+                                  '{"tokens_per_hash":[4]}', '{"x":' + "9" * 30 + "}"])  # fmt: skip
+def test_an_engines_info_that_is_not_flat_scalars_is_refused_and_the_table_stays_readable(
+    served: tuple[FleetServer, FleetIndex], info: str
+) -> None:
+    server, index = served
+    _fill(index, [1, 2])
+    _hello_with_info(index, "b", info)
+    assert index.engine("b").skipped == 1 and index.engine("b").info == {}  # the record was refused
+    status, body = _request(server.url, "GET", "/v1/engines")
+    assert status == 200 and set(body["engines"]) == {"a", "b"}  # before the fix: 500 (nested), or NaN in the body
+    status, body = _post(server.url, {"tokens": list(range(8))})
+    assert status == 200 and body["tokens_per_hash"] == TOKENS
+
+
+def test_an_engines_odd_tokens_per_hash_is_named_and_does_not_break_other_answers(
+    served: tuple[FleetServer, FleetIndex],
+) -> None:
+    server, index = served
+    _fill(index, [1, 2])
+    _hello_with_info(index, "b", '{"tokens_per_hash":"4"}')
+    status, body = _post(server.url, {"block_hashes": [1, 2]})
+    assert status == 200 and body["engines"]["a"]["blocks"] == 2  # before the fix: 500 (sorted([4, "4"]))
+    status, body = _post(server.url, {"tokens": list(range(8)), "engines": ["a"]})
+    assert status == 200 and body["tokens_per_hash"] == TOKENS and body["engines"]["a"]["blocks"] == 0
+    status, body = _post(server.url, {"tokens": list(range(8))})  # b's size is left out
+    assert status == 200 and body["tokens_per_hash"] == TOKENS
+    status, body = _post(server.url, {"tokens": list(range(8)), "engines": ["b"]})
+    assert status == 409 and "'b' reported '4'" in body["error"]
+
+
+def test_max_blocks_bounds_the_full_blocks_of_tokens(served: tuple[FleetServer, FleetIndex]) -> None:
+    server, index = served  # max_blocks=64, 4 tokens per block
+    _fill(index, [])
+    status, body = _post(server.url, {"tokens": [1] * (64 * TOKENS + TOKENS - 1)})
+    assert status == 200 and body["blocks"] == 64
+    status, body = _post(server.url, {"tokens": [1] * (65 * TOKENS)})  # before the fix: 65 blocks hashed, 200
+    assert status == 413 and "at most 64 blocks (259 ids)" in body["error"]
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"PUT /v1/prefix HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", 501),
+        (b"GET /" + b"x" * 70_000 + b" HTTP/1.1\r\n\r\n", 414),
+        (b"GET /health HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(101)) + b"\r\n", 431),
+        (b"GET /health HTTP/1.1\r\nX-Long: " + b"x" * 70_000 + b"\r\n\r\n", 431),
+        (b"GET / \"garbage\" HTTP/1.1\r\n\r\n", 400),
+    ],
+)
+def test_transport_level_errors_are_json_too(served: tuple[FleetServer, FleetIndex], request_bytes: bytes,
+                                             status: int) -> None:  # fmt: skip
+    server, _ = served
+    host, port = server.server_address[:2]
+    with socket.create_connection((str(host), port), timeout=5) as sock:
+        sock.sendall(request_bytes)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.") and f" {status} ".encode() in head.split(b"\r\n")[0]
+    assert b"Content-Type: application/json" in head  # before the fix: text/html
+    assert json.loads(body)["error"]
+
+
+def test_the_listen_backlog_takes_a_burst_of_connections(served: tuple[FleetServer, FleetIndex]) -> None:
+    server, _ = served
+    port = server.server_address[1]
+    listing = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, timeout=10)
+    if listing.returncode != 0 or not listing.stdout.strip():
+        pytest.skip("ss cannot list listening sockets here")
+    backlog = int(listing.stdout.split()[2])  # State Recv-Q Send-Q(backlog) ...
+    assert backlog >= 128  # before the fix: 5, and a burst of connections waited a second for SYN retransmits
+
+
+def test_the_request_timeout_help_says_what_the_code_does() -> None:
+    done = subprocess.run([sys.executable, "-m", "kvtier.cli", "fleet", "serve", "--help"], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert "a whole request" in " ".join(done.stdout.split())  # before the fix: "may send or read nothing"

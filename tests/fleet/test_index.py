@@ -148,6 +148,42 @@ def test_a_shared_store_takes_two_engines_changes_in_any_order(index: FleetIndex
     assert 4 not in index.held("a", "1:fs")
 
 
+def test_a_replayed_old_change_never_beats_a_newer_one(index: FleetIndex) -> None:
+    """An index joining while engines run replays their buffers, minutes of changes, one engine
+    after the other (review D5: times older than 4 lags were pruned, and then any change won)."""
+    a, b = Stream("a", "sa"), Stream("b", "sb")
+    index.apply("a", batch(a.record("hello", at=NOW - 100)))
+    index.apply("b", batch(b.record("hello", at=NOW - 100)))
+    # a's replay first: its removal of key 1 at NOW-80, then other changes up to NOW-10
+    index.apply("a", batch(a.record(at=NOW - 80), removed([1], "STORAGE", "1:fs")))
+    index.apply("a", batch(a.record(at=NOW - 10), stored([2], "STORAGE", "1:fs")))
+    # then b's replay: its store of key 1 at NOW-90, older than a's removal
+    index.apply("b", batch(b.record(at=NOW - 90), stored([1], "STORAGE", "1:fs")))
+    assert index.held("b", "1:fs") == {2}  # before the fix: {1, 2}, though the store no longer held 1
+
+
+def test_past_max_times_an_old_store_of_a_forgotten_key_is_not_applied() -> None:
+    index = FleetIndex(["a", "b"], max_times=2)
+    a, b = Stream("a", "sa"), Stream("b", "sb")
+    index.apply("a", batch(a.record("hello", at=NOW - 100)))
+    index.apply("b", batch(b.record("hello", at=NOW - 100)))
+    index.apply("a", batch(a.record(at=NOW - 80), removed([1], "STORAGE", "1:fs")))
+    index.apply("a", batch(a.record(at=NOW - 10), stored([2, 3, 4], "STORAGE", "1:fs")))  # key 1's time forgotten
+    index.apply("b", batch(b.record(at=NOW - 90), stored([1], "STORAGE", "1:fs")))
+    index.apply("b", batch(b.record(at=NOW - 5), stored([5], "STORAGE", "1:fs")))  # newer than all forgotten: applied
+    assert index.held("b", "1:fs") == {2, 3, 4, 5}
+
+
+@pytest.mark.parametrize("medium", ["cpu", "LocalDiskBackend", "gpu"])
+def test_block_events_of_another_connectors_medium_are_skipped_and_counted(index: FleetIndex, medium: str) -> None:
+    a = Stream("a", "s1")
+    index.apply("a", batch(a.record("hello"), stored([1, 2, 3], medium=medium), removed([4], medium=medium)))
+    state = index.engine("a")
+    assert index.held("a", "GPU") == set() and state.skipped == 2  # before the fix: GPU {1, 2, 3}
+    index.apply("a", batch(a.record(), stored([5], medium=None), stored([6], medium="GPU")))
+    assert index.held("a", "GPU") == {5, 6}  # (no medium: vLLM before media, the device cache)
+
+
 def test_a_complete_snapshot_sweeps_stale_keys_but_not_recent_changes(index: FleetIndex) -> None:
     a, b = Stream("a", "sa"), Stream("b", "sb")
     index.apply("a", batch(a.record("hello"), a.record(at=NOW - 30), stored([1, 2, 3], "STORAGE", "1:fs")))

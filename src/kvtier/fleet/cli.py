@@ -94,10 +94,14 @@ def add_fleet_parser(sub: Any) -> None:
     s.add_argument("--lag-seconds", type=_positive(float, MAX_SECONDS), default=5.0,
                    help="how far an engine's view of a shared store may lag other engines' changes (an fs "
                    "root's journal delay; on NFS its attribute cache); default 5")  # fmt: skip
+    s.add_argument("--max-keys", type=_positive(int, 1 << 32), default=1 << 24,
+                   help="most block keys an in-memory index holds (about 200 bytes each; default 16777216): a "
+                   "batch that would add more counts as lost events of its engine")  # fmt: skip
     s.add_argument("--max-body", type=_positive(int, 1 << 30), default=1 << 20, help="largest request body in bytes")
     s.add_argument("--max-blocks", type=_positive(int, 1 << 24), default=16384, help="longest prompt in blocks")
     s.add_argument("--request-timeout", type=_positive(float, 3600.0), default=5.0,
-                   help="seconds a connection may send or read nothing")  # fmt: skip
+                   help="seconds a whole request (its line, headers and body) may take to arrive, from its first "
+                   "byte or the previous answer (default 5)")  # fmt: skip
     s.add_argument("--max-concurrent", type=_positive(int, 4096), default=32, help="requests answered at once")
     s.set_defaults(func=_cmd_fleet_serve)
 
@@ -137,7 +141,7 @@ def _cmd_fleet_serve(args: argparse.Namespace) -> int:
     if args.redis_prefix is not None and args.redis is None:
         raise ConfigError("--redis-prefix names keys in Redis: give --redis URL too, or drop it")
     prefix = DEFAULT_REDIS_PREFIX if args.redis_prefix is None else args.redis_prefix
-    masks: Any = MemoryMasks()
+    masks: Any = MemoryMasks(max_keys=args.max_keys)
     if args.redis is not None:
         try:
             import redis
@@ -168,7 +172,7 @@ def _cmd_fleet_serve(args: argparse.Namespace) -> int:
         server = FleetServer(
             (args.host, args.port), answers, hashing=(args.hash, args.hash_seed), tokens_per_hash=args.tokens_per_hash,
             max_body=args.max_body, max_blocks=args.max_blocks, request_timeout=args.request_timeout,
-            max_concurrent=args.max_concurrent,
+            max_concurrent=args.max_concurrent, health=None if subscriber is None else _writer_health(subscriber),
         )  # fmt: skip
     except OSError as exc:  # the port is taken, the host is no address of this machine...
         if subscriber is not None:
@@ -194,6 +198,11 @@ def _cmd_fleet_serve(args: argparse.Namespace) -> int:
             answers.close()
     print("kvtier fleet: stopped", file=sys.stderr)
     return 0
+
+
+def _writer_health(subscriber: Any) -> Any:
+    """Why the writer no longer follows its engines (for ``GET /health``), or None."""
+    return lambda: subscriber.failure or subscriber.index.writer_lost
 
 
 def _writer_index(masks: Any, args: argparse.Namespace) -> Any:

@@ -13,14 +13,19 @@ Endpoints:
   event of its start; ``partial``: some were lost and its device cache or private tiers
   are incomplete until a snapshot or a clear; ``waiting``: nothing heard yet), tiers,
   counters and the last markers it sent.
-* ``GET /health``.
+* ``GET /health``: ``{"ok": true}``, or 503 with an ``error`` when the index no longer
+  follows the engines (``health``: the subscriber thread stopped, or another writer took the
+  Redis prefix over).
 
 It is a network service and its input is untrusted: a request body must declare its
 length and stay under ``max_body`` bytes, a prompt under ``max_blocks`` blocks; every
 field is type- and range-checked (errors are 4xx with a JSON ``error`` naming the
 field); a request (its line, headers and body) must arrive within ``request_timeout``
 seconds of its first byte, or of the previous answer on a kept-alive connection, else
-the connection is closed (a client that sends a byte now and then holds no thread); at
+the connection is closed (a client that sends a byte now and then holds no thread); a
+connection's answers may wait for the client to read them ``request_timeout`` seconds in
+all, and no answer slot is held while they wait (a client that reads at a trickle is dropped
+too); at
 most ``max_concurrent`` requests are answered at once (more get 503 at once) and at most
 four times that many connections are open (more are closed at once). Bind it to a
 private address: it has no authentication.
@@ -34,12 +39,13 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
 from kvtier.fleet.hashing import BlockHasher
+from kvtier.fleet.masks import StoreUnavailable
 from kvtier.fleet.records import MAX_GROUP, block_key
 
 logger = logging.getLogger(__name__)
@@ -66,7 +72,8 @@ class BadRequest(Exception):
 class FleetServer(ThreadingHTTPServer):
     """The HTTP server (see the module docstring). ``hashing``: (algorithm, seed) of the
     engines' block hashes; ``tokens_per_hash``: their block size (None: taken from the
-    engines' events, which must agree). Serve with ``serve_forever()``; stop with
+    engines' events, which must agree); ``health()``: None while the index is sound, else why
+    not (``GET /health`` answers 503 with it). Serve with ``serve_forever()``; stop with
     ``shutdown()`` then ``server_close()``."""
 
     daemon_threads = True
@@ -83,8 +90,10 @@ class FleetServer(ThreadingHTTPServer):
         max_blocks: int = 16384,
         request_timeout: float = 5.0,
         max_concurrent: int = 32,
+        health: Callable[[], str | None] | None = None,
     ) -> None:
         self.answers = answers
+        self.health = health
         self.hashing = hashing
         self.tokens_per_hash = tokens_per_hash
         self.max_body = max_body
@@ -95,6 +104,10 @@ class FleetServer(ThreadingHTTPServer):
         self._hashers: dict[int, BlockHasher] = {}
         if tokens_per_hash is not None:
             self._hasher(tokens_per_hash)  # check the hashing settings now
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6  # (--host ::1)
+        # socketserver's listen backlog is 5: a burst of connections waited for SYN retransmits (1 s and more)
+        self.request_queue_size = max(socket.SOMAXCONN, 4 * max_concurrent)
         super().__init__(address, _Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -117,7 +130,8 @@ class FleetServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host if isinstance(host, str) else host.decode()}:{port}"
+        host = host if isinstance(host, str) else host.decode()
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def _hasher(self, tokens_per_hash: int) -> BlockHasher:
         hasher = self._hashers.get(tokens_per_hash)
@@ -127,21 +141,29 @@ class FleetServer(ThreadingHTTPServer):
             hasher = self._hashers[tokens_per_hash] = BlockHasher(*self.hashing, tokens_per_hash=tokens_per_hash)
         return hasher
 
-    def engines_tokens_per_hash(self) -> int:
+    def engines_tokens_per_hash(self, engines: Sequence[str] | None = None) -> int:
+        """``--tokens-per-hash``, else the block size the engines (those named, or all) report;
+        an engine reporting anything but a positive integer is left out (and named if no size is left)."""
         if self.tokens_per_hash is not None:
             return self.tokens_per_hash
-        sizes = {e.get("info", {}).get("tokens_per_hash") for e in self.answers.meta().get("engines", {}).values()}
-        sizes.discard(None)
+        known = self.answers.meta().get("engines", {})
+        sizes: set[int] = set()
+        odd: list[str] = []
+        for name in known if engines is None else [e for e in engines if e in known]:
+            info = known[name].get("info")
+            size = info.get("tokens_per_hash") if isinstance(info, dict) else None
+            if type(size) is int and size >= 1:
+                sizes.add(size)
+            elif size is not None:
+                odd.append(f"{name!r:.80} reported {size!r:.40}")
         if len(sizes) != 1:
             raise BadRequest(
                 HTTPStatus.CONFLICT,
                 "the engines' tokens per block is not known yet or differs between them "
-                f"({sorted(sizes)}): start the server with --tokens-per-hash, or ask by block_hashes",
+                f"({sorted(sizes)}{'; ' if odd else ''}{', '.join(odd[:4])}): start the server with "
+                "--tokens-per-hash, or ask by block_hashes",
             )
-        size = sizes.pop()
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise BadRequest(HTTPStatus.CONFLICT, f"an engine reported tokens_per_hash={size!r}")
-        return size
+        return sizes.pop()
 
     def answer_prefix(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict):
@@ -159,12 +181,12 @@ class FleetServer(ThreadingHTTPServer):
             raise BadRequest(HTTPStatus.BAD_REQUEST, "give exactly one of tokens and block_hashes")
         size: int | None
         if "tokens" in body:
-            size = self.engines_tokens_per_hash()
+            size = self.engines_tokens_per_hash(engines)
             keys = self._hasher(size).event_hashes(self._tokens(body["tokens"], size))
         else:
             keys = self._keys(body["block_hashes"], body.get("group", 0))
             try:
-                size = self.engines_tokens_per_hash()
+                size = self.engines_tokens_per_hash(engines)
             except BadRequest:
                 size = None
         found = self.answers.prefix(keys, engines)
@@ -175,9 +197,11 @@ class FleetServer(ThreadingHTTPServer):
     def _tokens(self, tokens: Any, size: int) -> list[int]:
         if not isinstance(tokens, list):
             raise BadRequest(HTTPStatus.BAD_REQUEST, "tokens must be a list of token ids")
-        if len(tokens) > self.max_blocks * size + size:
-            limit = self.max_blocks * size
-            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"tokens has {len(tokens)} ids; at most {limit}")
+        if len(tokens) // size > self.max_blocks:  # (a last, partial block is not hashed)
+            limit = (self.max_blocks + 1) * size - 1
+            message = f"tokens has {len(tokens)} ids, {len(tokens) // size} blocks of {size}; at most " \
+                f"{self.max_blocks} blocks ({limit} ids)"
+            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, message)
         if not all(type(t) is int and 0 <= t <= _MAX_TOKEN for t in tokens):
             raise BadRequest(HTTPStatus.BAD_REQUEST, f"tokens must be integers in [0, {_MAX_TOKEN}]")
         return tokens
@@ -203,6 +227,10 @@ class FleetServer(ThreadingHTTPServer):
                 raise BadRequest(HTTPStatus.BAD_REQUEST, message)
             keys.append(block_key(value, group))
         return keys
+
+
+def _encode(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()  # (strict JSON: no NaN)
 
 
 class _DeadlineReader(io.RawIOBase):
@@ -235,6 +263,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.connection.settimeout(self.server.request_timeout)
         self._reader = _DeadlineReader(self.connection, self.server.request_timeout)
         self.rfile = io.BufferedReader(self._reader)
+        self._write_budget = self.server.request_timeout
 
     def handle_one_request(self) -> None:
         # One deadline per request, from when the previous answer went out: a client that
@@ -242,44 +271,85 @@ class _Handler(BaseHTTPRequestHandler):
         self._reader.deadline = time.monotonic() + self.server.request_timeout
         super().handle_one_request()
 
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The standard library's own refusals (a bad request line, too long a line, too many
+        headers, an unknown method) as JSON like every other error, never HTML."""
+        short, long = self.responses.get(code, ("Error", ""))
+        text = f"{message or short}: {explain or long}".rstrip(": ")
+        self.log_error("code %d, message %s", code, text)
+        self.close_connection = True
+        data = json.dumps({"error": text[:1000]}).encode()
+        self.send_response(code, short)  # (the message may quote the client's bytes: not in the status line)
+        self.send_header("Connection", "close")
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s " + format, self.address_string(), *args)
 
     def _send(self, status: HTTPStatus, body: dict[str, Any]) -> None:
-        self.connection.settimeout(self.server.request_timeout)  # (reads left it at what remained)
-        data = json.dumps(body, separators=(",", ":")).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        self._write(status, _encode(body))
+
+    def _write(self, status: HTTPStatus, data: bytes) -> None:
+        """Send one answer. The connection's answers share one write budget of
+        ``request_timeout`` seconds: a client that reads them slowly (a byte now and then, or
+        thousands of pipelined requests read at a trickle) is dropped once its writes have
+        waited that long in all."""
+        if self._write_budget <= 0:
+            raise TimeoutError("the client did not read its answers within request_timeout")
+        self.connection.settimeout(self._write_budget)
+        started = time.monotonic()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        finally:
+            self._write_budget -= time.monotonic() - started
 
     def _guarded(self, handle: Any) -> None:
+        """Answer ``handle()`` in one of the ``max_concurrent`` slots; the slot is given back
+        before the answer is written (a slow reader must not hold it)."""
         if not self.server._slots.acquire(blocking=False):
             self.close_connection = True
             self._send(HTTPStatus.SERVICE_UNAVAILABLE, {"error": "too many requests at once; retry"})
             return
+        status = HTTPStatus.OK
         try:
-            self._send(HTTPStatus.OK, handle())
+            data = _encode(handle())  # (what cannot be sent fails here, as an internal error)
         except BadRequest as exc:
-            self.close_connection = True
-            self._send(exc.status, {"error": str(exc)})
+            status, data = exc.status, _encode({"error": str(exc)})
+        except StoreUnavailable as exc:
+            logger.warning("fleet: request %s: %s", self.path[:100], exc)
+            status, data = HTTPStatus.SERVICE_UNAVAILABLE, _encode({"error": str(exc)})
         except Exception:
-            logger.exception("fleet: request %s failed", self.path)
-            self.close_connection = True
-            self._send(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": "internal error (see the server's log)"})
+            logger.exception("fleet: request %s failed", self.path[:100])
+            status, data = HTTPStatus.INTERNAL_SERVER_ERROR, _encode({"error": "internal error (see the server's log)"})
         finally:
             self.server._slots.release()
+        if status != HTTPStatus.OK:
+            self.close_connection = True
+        self._write(status, data)
 
     def do_GET(self) -> None:
         if self.path == "/health":
-            self._guarded(lambda: {"ok": True})
+            self._guarded(self._health)
         elif self.path == "/v1/engines":
             self._guarded(self._engines)
         else:
             self.close_connection = True
             self._send(HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path[:100]!r}: use /v1/prefix, "
                                               "/v1/engines or /health"})  # fmt: skip
+
+    def _health(self) -> dict[str, Any]:
+        problem = self.server.health() if self.server.health is not None else None
+        if problem is not None:
+            raise BadRequest(HTTPStatus.SERVICE_UNAVAILABLE, problem)
+        return {"ok": True}
 
     def _engines(self) -> dict[str, Any]:
         engines = self.server.answers.meta().get("engines", {})

@@ -22,13 +22,15 @@ Trust rules (kvtier's control records, :mod:`kvtier.engine_events`):
   engine's device cache and private tiers are dropped and marked incomplete until a
   snapshot (private tiers) or a clear (device cache) makes them whole again. An engine
   first heard in the middle of a start is incomplete the same way.
-* Block events of kvtier's media (CPU, STORAGE) only count after a control record of
-  the same batch names the start and the tiers; others (another connector's) are
-  skipped and counted.
+* Block events of medium GPU (or none: older vLLM) are the device cache's. Those of
+  kvtier's media (CPU, STORAGE) only count after a control record of the same batch names
+  the start and the tiers; those of any other medium (another connector's) are skipped
+  and counted.
 * Engines' streams reach the index in any order relative to each other, so changes to a
   shared store carry the time they happened (kvtier's control records; engines' clocks,
   capped at the index's own): a change older than the last one applied to the same key is
-  ignored (the latest change wins; exact on one host, as good as clock sync across hosts).
+  ignored (the latest change wins; exact on one host, as good as clock sync across hosts),
+  however old the changes (a replay reaches back minutes).
   A snapshot's stored events report what an engine's index held, which may lag other
   engines' changes (an fs root's journal delay): they count as ``lag_seconds`` older than
   the snapshot. A snapshot that lists a store completely (an fs root with sharing) also
@@ -51,8 +53,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.engine_events import SCOPE_SHARED, ControlRecord, TierInfo
-from kvtier.fleet.masks import MAX_LOCATIONS, LocationMasks, MemoryMasks
+from kvtier.engine_events import SCOPE_SHARED, ControlRecord, TierInfo, is_info_value
+from kvtier.fleet.masks import MAX_LOCATIONS, LocationMasks, MemoryMasks, WriterConflict
 from kvtier.fleet.records import Kind, WireBatch, WireEvent
 from kvtier.types import PRIMARY_LABEL
 
@@ -64,6 +66,10 @@ DEVICE = "GPU"
 _KVTIER_MEDIA = frozenset({"CPU", "STORAGE"})
 _MARKS_KEPT = 32
 _KEEP_WRITER_EVERY = 2.0  # seconds between refreshes of a shared index's writer claim
+_PUBLISH_COUNTERS_EVERY = 0.5  # seconds: how stale an engine table's counters may be (readers re-read it as often)
+# What of an engine table changes with (nearly) every batch and no reader needs at once:
+_COUNTERS = frozenset({"seq", "batches", "events", "skipped", "unattributed", "gaps", "restarts", "last_event",
+                       "marks"})  # fmt: skip
 
 
 class LocationsFull(ValueError):
@@ -81,6 +87,7 @@ class EngineState:
     tiers: dict[str, TierInfo] = field(default_factory=dict)
     bits: dict[str, int] = field(default_factory=dict)  # tier label -> location bit
     spare: list[int] = field(default_factory=list)  # bits of its former private tiers, reused by its next ones
+    stores: set[str] = field(default_factory=set)  # every shared store it has named (bounded: max_stores_per_engine)
     dirty: bool = False  # dropping its device cache and private tiers failed (a store error): retried
     info: dict[str, Any] = field(default_factory=dict)
     device_complete: bool = False
@@ -105,7 +112,9 @@ class EngineState:
 class FleetIndex:
     """The writer's index (see the module docstring). ``masks`` holds the key bitmaps
     (default: in memory; :class:`~kvtier.fleet.masks.RedisMasks` to share them with
-    readers). Every method is thread-safe."""
+    readers). ``max_stores_per_engine`` bounds the shared stores one engine may name over all
+    its starts (each takes a location bit for good, and the engine table lists them). Every
+    method is thread-safe."""
 
     def __init__(
         self,
@@ -115,6 +124,7 @@ class FleetIndex:
         lag_seconds: float = 5.0,
         max_times: int = 1 << 20,
         max_locations: int = MAX_LOCATIONS,
+        max_stores_per_engine: int = 16,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -122,6 +132,7 @@ class FleetIndex:
         self.lag_seconds = lag_seconds
         self.max_times = max_times
         self.max_locations = min(max_locations, MAX_LOCATIONS)
+        self.max_stores_per_engine = max_stores_per_engine
         self._clock = clock
         self._wall = wall_clock
         self._lock = threading.RLock()
@@ -129,12 +140,17 @@ class FleetIndex:
         self._stores: dict[str, int] = {}
         # store bit -> key -> when its last applied change happened (engines' clocks), for recent keys
         self._times: dict[int, OrderedDict[int, float]] = {}
-        self._newest: dict[int, float] = {}
+        self._floor: dict[int, float] = {}  # store bit -> the newest time forgotten from _times
         # (engine, tier label) -> (when a complete snapshot of a shared store was taken, the keys it listed)
         self._sweeps: dict[tuple[str, str], tuple[float, set[int]]] = {}
         self._sweeps_due: list[tuple[str, str]] = []
         self._next_bit = 0
         self._kept_writer = clock()
+        self._published_shape: dict[str, Any] | None = None
+        self._published_at = -float("inf")
+        self._publish_due = False
+        self.writer_lost: str | None = None
+        """Why this writer no longer writes its shared store (another writer took it); None if it does."""
         self.masks.open_writer()
         for name in engines:
             self.add_engine(name)
@@ -157,11 +173,34 @@ class FleetIndex:
 
     def tick(self) -> None:
         """Called every fraction of a second by the writer's thread (the subscriber): keeps a
-        shared index's writer claim (raises :class:`~kvtier.fleet.masks.WriterConflict` if lost)."""
+        shared index's writer claim (raises :class:`~kvtier.fleet.masks.WriterConflict` if another
+        writer took it, and keeps the reason in :attr:`writer_lost`). A claim that had run out
+        with nobody else holding it is taken again, and every engine is then treated as having
+        lost events (the store may have lost what was written: a Redis restarted empty)."""
         now = self._clock()
+        if self._publish_due and now - self._published_at >= _PUBLISH_COUNTERS_EVERY:
+            with self._lock:
+                self._publish()
         if now - self._kept_writer >= _KEEP_WRITER_EVERY:
             self._kept_writer = now
-            self.masks.keep_writer()
+            try:
+                reclaimed = self.masks.keep_writer()
+            except WriterConflict as exc:
+                self.writer_lost = str(exc)
+                raise
+            if reclaimed:
+                self._store_forgot()
+
+    def _store_forgot(self) -> None:
+        with self._lock:
+            for eng in self._engines.values():  # all incomplete first: the drops below may fail midway
+                eng.device_complete = eng.private_complete = False
+                eng.dirty = True
+                eng.needs_snapshot = eng.start is not None
+                eng.gaps += 1
+            for eng in self._engines.values():
+                self._drop_private(eng)
+            self._publish()
 
     def close(self) -> None:
         """Release a shared index's writer claim (the writer is done)."""
@@ -184,7 +223,11 @@ class FleetIndex:
                                                                                        {t.label for t in tiers})
         )  # fmt: skip
         kept = 0 if switching else sum(1 for t in private if t.label in eng.bits)
-        stores = {t.store for t in tiers if t.scope == SCOPE_SHARED and t.store is not None} - set(self._stores)
+        named = {t.store for t in tiers if t.scope == SCOPE_SHARED and t.store is not None}
+        if len(eng.stores | named) > self.max_stores_per_engine:
+            raise LocationsFull(f"engine {eng.name} names {len(eng.stores | named)} shared stores over its starts; at "
+                                f"most {self.max_stores_per_engine} per engine")  # fmt: skip
+        stores = named - set(self._stores)
         needed = max(0, len(private) - kept - spare) + len(stores)
         if self._next_bit + needed > self.max_locations:
             raise LocationsFull(f"engine {eng.name} names {len(private)} private tier(s) and {len(stores)} new "
@@ -198,7 +241,7 @@ class FleetIndex:
         if bit is None:
             bit = self._stores[store] = self._alloc()
             self._times[bit] = OrderedDict()
-            self._newest[bit] = -float("inf")
+            self._floor[bit] = -float("inf")
         return bit
 
     def _drop_private(self, eng: EngineState) -> None:
@@ -248,6 +291,8 @@ class FleetIndex:
             if label not in eng.bits:
                 shared = info.scope == SCOPE_SHARED and info.store is not None
                 eng.bits[label] = self._store_bit(info.store) if shared and info.store else self._private_bit(eng)
+                if shared and info.store:
+                    eng.stores.add(info.store)
         eng.tiers = new
 
     def lost_events(self, name: str, why: str) -> None:
@@ -313,8 +358,10 @@ class FleetIndex:
             elif event.kind is Kind.CLEARED:
                 self.masks.clear(eng.device_bit)
                 eng.device_complete = eng.start is not None
-            elif event.medium is None or event.medium not in _KVTIER_MEDIA:
+            elif event.medium is None or event.medium == DEVICE:  # (None: vLLM before media)
                 self._block_event(eng.device_bit, event)
+            elif event.medium not in _KVTIER_MEDIA:  # another connector's ("cpu", "LocalDiskBackend"...)
+                eng.skipped += 1
             elif context is None:
                 eng.unattributed += 1
             else:
@@ -382,12 +429,19 @@ class FleetIndex:
 
     def _store_event(self, bit: int, keys: Sequence[int], removed: bool, when: float) -> None:
         """Apply a change to a shared store's keys unless a later change of the same key was
-        applied already (engines' streams interleave in any order; the latest change wins)."""
+        applied already (engines' streams interleave in any order, and a replay brings changes of
+        minutes ago: the latest change wins). The times of at most ``max_times`` keys per store
+        are kept, whatever their age; past that the least recently changed are forgotten, and a
+        change of a forgotten key no newer than the newest forgotten time may be older than what
+        was forgotten: a removal is applied (the index under-claims at worst), a store is not."""
         times = self._times[bit]
+        floor = self._floor[bit]
         apply = []
         for key in keys:
             last = times.get(key)
             if last is not None and last > when:
+                continue
+            if last is None and when <= floor and not removed:
                 continue
             apply.append(key)
             if last is not None:
@@ -398,11 +452,9 @@ class FleetIndex:
                 self.masks.remove(bit, apply)
             else:
                 self.masks.add(bit, apply)
-        # Only recent changes can race; keep those (and at most max_times).
-        newest = self._newest[bit] = max(self._newest[bit], when)
-        horizon = newest - 4 * self.lag_seconds
-        while times and (len(times) > self.max_times or next(iter(times.values())) < horizon):
-            times.popitem(last=False)
+        while len(times) > self.max_times:
+            floor = max(floor, times.popitem(last=False)[1])
+        self._floor[bit] = floor
 
     def _finish_sweeps(self) -> None:
         """Complete snapshots of shared stores: drop what the store was believed to hold beyond
@@ -426,7 +478,19 @@ class FleetIndex:
     # --- answers ----------------------------------------------------------------------
 
     def _publish(self) -> None:
-        self.masks.put_meta(self.meta())
+        """Write the engine table to the masks' store (Redis: for readers) when what a reader
+        needs to read masks changed (engines, starts, statuses, tiers, bits, stores); a change
+        of counters alone is written at most every ``_PUBLISH_COUNTERS_EVERY`` seconds (by
+        :meth:`tick`), not with every batch."""
+        meta = self.meta()
+        shape = {name: {k: v for k, v in eng.items() if k not in _COUNTERS} for name, eng in meta["engines"].items()}
+        shape["\0stores"] = meta["stores"]
+        now = self._clock()
+        if shape == self._published_shape and now - self._published_at < _PUBLISH_COUNTERS_EVERY:
+            self._publish_due = True
+            return
+        self.masks.put_meta(meta)
+        self._published_shape, self._published_at, self._publish_due = shape, now, False
 
     def meta(self) -> dict[str, Any]:
         """The engine and location table (JSON-able): what a reader needs to read masks."""
@@ -450,9 +514,9 @@ class FleetIndex:
 
     def prefix(self, keys: Sequence[int], engines: Sequence[str] | None = None) -> dict[str, Any]:
         """The longest cached prefix of ``keys`` per engine and tier (see :func:`longest_prefix`);
-        reads the keys' bitmaps only as far as some engine's prefix still reaches."""
-        with self._lock:
-            return prefix_answer(self.meta(), self.masks, keys, engines, first_window=64)
+        reads the keys' bitmaps only as far as some engine's prefix still reaches. The index's
+        lock is not held while they are read (a slow Redis must not stall the writer)."""
+        return prefix_answer(self.meta(), self.masks, keys, engines, first_window=64)
 
     def held(self, name: str, label: str) -> set[int]:
         """The keys the index says engine ``name`` holds in tier ``label`` (or ``"GPU"``)."""
@@ -482,14 +546,27 @@ class FleetReader:
         self._lock = threading.Lock()
         self._meta: dict[str, Any] = {}
         self._read_at = -float("inf")
+        self._refreshing = False
 
     def meta(self) -> dict[str, Any]:
+        """The engine table, re-read at most every ``meta_ttl`` seconds. No lock is held while
+        Redis is read: while one thread re-reads it the others answer from the table read before
+        (a hung Redis holds each caller for its own timeout, not for everyone's in turn). Raises
+        :class:`~kvtier.fleet.masks.StoreUnavailable` if Redis does not answer."""
+        now = self._clock()
         with self._lock:
-            now = self._clock()
-            if now - self._read_at >= self.meta_ttl:
-                self._meta = checked_meta(self.masks.get_meta())
-                self._read_at = now
-            return self._meta
+            have = self._read_at > -float("inf")
+            if now - self._read_at < self.meta_ttl or (self._refreshing and have):
+                return self._meta
+            self._refreshing = True
+        try:
+            meta = checked_meta(self.masks.get_meta())
+        finally:
+            with self._lock:
+                self._refreshing = False
+        with self._lock:
+            self._meta, self._read_at = meta, now
+        return meta
 
     def prefix(self, keys: Sequence[int], engines: Sequence[str] | None = None) -> dict[str, Any]:
         return prefix_answer(self.meta(), self.masks, keys, engines, first_window=self.first_window)
@@ -521,7 +598,8 @@ def longest_prefix(meta: dict[str, Any], masks: Sequence[int], engines: Sequence
 def checked_meta(meta: Any) -> dict[str, Any]:
     """An engine table read from a shared store, with every engine whose entry is not what an
     index writes left out (a reader must not trust a store others may write): bits are
-    integers below :data:`~kvtier.fleet.masks.MAX_LOCATIONS`, labels strings, info an object."""
+    integers below :data:`~kvtier.fleet.masks.MAX_LOCATIONS`, labels strings, info an object of
+    scalars (:func:`~kvtier.engine_events.is_info_value`)."""
     if not isinstance(meta, dict) or not isinstance(meta.get("engines"), dict):
         return {}
     engines = {}
@@ -540,7 +618,10 @@ def _is_bit(value: Any) -> bool:
 def _engine_entry_ok(engine: Any) -> bool:
     if not isinstance(engine, dict) or not _is_bit(engine.get("device_bit")):
         return False
-    if not isinstance(engine.get("info", {}), dict) or not isinstance(engine.get("tiers", []), list):
+    info = engine.get("info", {})
+    if not isinstance(info, dict) or not all(is_info_value(v) for v in info.values()):
+        return False
+    if not isinstance(engine.get("tiers", []), list):
         return False
     return all(isinstance(t, dict) and _is_bit(t.get("bit")) and isinstance(t.get("label"), str)
                for t in engine.get("tiers", []))  # fmt: skip

@@ -12,7 +12,8 @@ interface:
   ``P:l:<bit>`` the set of keys of a location (so a location is cleared without a scan);
   ``P:meta`` the index's engine and location table (JSON, written by the writer);
   ``P:writer`` the writer's claim (a random token with a time to live, refreshed while it
-  writes): a second writer on the same prefix is refused, and a writer that takes the
+  writes, and taken again if it ran out with nobody else holding it, e.g. after Redis
+  restarted empty): a second writer on the same prefix is refused, and a writer that takes the
   prefix over first deletes the index a previous writer left there (its location bits need
   not match the new writer's). Every command has the client's socket timeout.
 
@@ -54,6 +55,14 @@ class WriterConflict(KvtierError):
     """Another writer holds the Redis prefix (or took it over from this one)."""
 
 
+class IndexFull(KvtierError):
+    """An in-memory index holds ``max_keys`` keys: a change that would add more is refused."""
+
+
+class StoreUnavailable(KvtierError):
+    """The index's store (Redis) did not answer a read."""
+
+
 class LocationMasks(Protocol):
     """The key -> location bitmask store (see the module docstring)."""
 
@@ -80,17 +89,22 @@ class LocationMasks(Protocol):
     def open_writer(self) -> None:
         """Called once by the writer before its first write (claims a shared store)."""
 
-    def keep_writer(self) -> None:
-        """Called by the writer every few seconds while it runs (keeps its claim)."""
+    def keep_writer(self) -> bool:
+        """Called by the writer every few seconds while it runs (keeps its claim). True when the
+        claim had lapsed with nobody else holding it and was taken again: what the writer wrote
+        may be gone (a Redis restarted empty)."""
 
     def close_writer(self) -> None:
         """Called by the writer when it stops (releases its claim)."""
 
 
 class MemoryMasks:
-    """:class:`LocationMasks` in this process's memory."""
+    """:class:`LocationMasks` in this process's memory: at most ``max_keys`` keys (about 200
+    bytes each); an :meth:`add` that would hold more adds nothing and raises :class:`IndexFull`
+    (the subscriber counts the batch as lost events of its engine)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_keys: int = 1 << 24) -> None:
+        self.max_keys = max_keys
         self._lock = threading.Lock()
         self._masks: dict[int, int] = {}
         self._members: dict[int, set[int]] = {}
@@ -98,8 +112,14 @@ class MemoryMasks:
 
     def add(self, bit: int, keys: Iterable[int]) -> None:
         flag = 1 << bit
+        keys = list(keys)
         with self._lock:
             masks = self._masks
+            if len(masks) + len(keys) > self.max_keys:
+                new = len(set(keys).difference(masks))
+                if len(masks) + new > self.max_keys:
+                    raise IndexFull(f"the fleet index holds {len(masks)} keys; {new} more would pass max_keys "
+                                    f"({self.max_keys})")  # fmt: skip
             members = self._members.setdefault(bit, set())
             for key in keys:
                 masks[key] = masks.get(key, 0) | flag
@@ -152,8 +172,8 @@ class MemoryMasks:
     def open_writer(self) -> None:
         pass
 
-    def keep_writer(self) -> None:
-        pass
+    def keep_writer(self) -> bool:
+        return False
 
     def close_writer(self) -> None:
         pass
@@ -170,8 +190,11 @@ class RedisMasks:
     writer's claim to end before refusing."""
 
     _CLEAR_BATCH = 1000
-    # The claim is refreshed or released only while it is still this writer's (atomic).
-    _KEEP = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('expire', KEYS[1], ARGV[2]) end return 0"
+    # The claim is refreshed or released only while it is still this writer's (atomic); a claim
+    # nobody holds (it ran out while Redis was down, or Redis restarted empty) is taken again.
+    _KEEP = ("local held = redis.call('get', KEYS[1]) "
+             "if held == ARGV[1] then redis.call('expire', KEYS[1], ARGV[2]) return 1 end "
+             "if not held then redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[2]) return 2 end return 0")  # fmt: skip
     _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 
     def __init__(
@@ -229,15 +252,22 @@ class RedisMasks:
         if batch:
             yield batch
 
-    def keep_writer(self) -> None:
-        """Refresh the claim; raises :class:`WriterConflict` if it is no longer this writer's."""
+    def keep_writer(self) -> bool:
+        """Refresh the claim, or take it again if nobody holds it (True: the index written so
+        far may be gone); raises :class:`WriterConflict` if another writer holds it."""
         if self._token is None:
-            return
-        if not self.client.eval(self._KEEP, 1, self._writer_key, self._token, self.writer_ttl):
+            return False
+        kept = self.client.eval(self._KEEP, 1, self._writer_key, self._token, self.writer_ttl)
+        if not kept:
             self._token = None
             self._lost = True
-            raise WriterConflict(f"the fleet writer lost its claim on the Redis prefix {self.prefix!r} (another "
-                                 "writer took it over, or it was not refreshed in time)")  # fmt: skip
+            raise WriterConflict(f"the fleet writer lost its claim on the Redis prefix {self.prefix!r} to another "
+                                 "writer: it no longer writes there (stop one of them)")  # fmt: skip
+        if kept == 2:
+            logger.warning("fleet: the writer's claim on Redis prefix %r had run out (Redis restarted, or did not "
+                           "answer for %d s); nobody else held it, so it was taken again", self.prefix,
+                           self.writer_ttl)  # fmt: skip
+        return bool(kept == 2)
 
     def close_writer(self) -> None:
         if self._token is not None:
@@ -263,8 +293,8 @@ class RedisMasks:
 
     def _check_writer(self) -> None:
         if self._lost:
-            raise WriterConflict(f"the fleet writer lost its claim on the Redis prefix {self.prefix!r}: it no "
-                                 "longer writes there (restart it once the other writer is gone)")  # fmt: skip
+            raise WriterConflict(f"the fleet writer lost its claim on the Redis prefix {self.prefix!r} to another "
+                                 "writer: it no longer writes there (stop one of them)")  # fmt: skip
 
     def _set_bit(self, bit: int, keys: list[int], value: int) -> None:
         """Set (1) or clear (0) ``bit`` of every key's bitmap and update the location's key set: one pipeline."""
@@ -309,7 +339,15 @@ class RedisMasks:
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
             pipe.getrange(self._key(key), 0, last_byte)  # only the bytes of locations that matter
-        return [_bitmap_mask(value) for value in pipe.execute()]
+        return [_bitmap_mask(value) for value in self._read("the key bitmaps", pipe.execute)]
+
+    def _read(self, what: str, call: Any) -> Any:
+        """``call()``; any failure of Redis (or of the way there) as :class:`StoreUnavailable` naming it."""
+        try:
+            return call()
+        except Exception as exc:  # redis.RedisError, OSError: whatever the client raises
+            raise StoreUnavailable(f"the index's Redis did not answer (reading {what} under prefix {self.prefix!r}): "
+                                   f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
 
     def count(self, bit: int) -> int:
         return int(self.client.scard(self._set(bit)))
@@ -324,7 +362,7 @@ class RedisMasks:
     def get_meta(self) -> dict[str, Any]:
         """The engine table, or {} where there is none or it is not a JSON object of at most
         :data:`MAX_META_BYTES` (a reader checks each entry: :func:`kvtier.fleet.index.checked_meta`)."""
-        raw = self.client.getrange(f"{self.prefix}:meta", 0, MAX_META_BYTES)
+        raw = self._read("the engine table", lambda: self.client.getrange(f"{self.prefix}:meta", 0, MAX_META_BYTES))
         if not raw:
             return {}
         if len(raw) > MAX_META_BYTES:

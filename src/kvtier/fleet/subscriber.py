@@ -15,25 +15,31 @@ ROUTER that resends buffered batches from a sequence number) and its OpenAI API 
 * When the index wants a snapshot of an engine (it joined mid-start, or lost events),
   and the engine's API URL is known, a helper thread sends the engine a one-token
   completion whose ``kv_transfer_params`` ask kvtier for one (``{"kvtier_events":
-  "snapshot"}``; at most once per ``snapshot_retry`` seconds per engine).
+  "snapshot"}``; at most once per ``snapshot_retry`` seconds per engine; each ask bounded
+  as a whole by ``http_timeout``, and asked again later whatever went wrong).
 
-Every socket has bounded buffers and message sizes (``max_message_bytes``); messages
-that are not KV event batches are counted and dropped; a replay is bounded in time
-(``replay_timeout``) and in batches (the gap it fills). A batch the index fails to apply
-(its store, Redis, did not answer) counts as lost events of that engine; the thread
-carries on. Needs ``pyzmq`` and ``msgspec`` (``pip install 'kvtier[fleet]'``).
+Every socket has bounded message sizes (``max_message_bytes``, 32 MiB) and a receive queue
+of at most ``max_queued_bytes`` (1 GiB) at that size (ZMQ counts messages: batches beyond
+are dropped, then replayed); messages that are not KV event batches are counted and
+dropped; a replay is bounded in time (``replay_timeout``), in batches (the gap it fills)
+and in bytes (``max_queued_bytes``). A batch, gap or publisher restart the index fails to
+take (its store, Redis, did not answer) counts as lost events of that engine; the thread
+carries on. Should the thread stop on its own all the same (a bug), every
+engine is marked partial and :attr:`FleetSubscriber.failure` says why. Needs ``pyzmq`` and
+``msgspec`` (``pip install 'kvtier[fleet]'``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import logging
+import socket
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Sequence
+import urllib.parse
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,14 +68,20 @@ class EngineEndpoint:
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > 128 or any(c.isspace() for c in self.name):
             raise ValueError(f"engine name must be 1-128 characters without spaces, got {self.name!r}")
-        for what, url, schemes in (("events", self.events, ("tcp://", "ipc://", "inproc://")),
-                                   ("replay", self.replay, ("tcp://", "ipc://", "inproc://")),
+        # (inproc:// is refused: it reaches only sockets of the subscriber's own ZMQ context)
+        for what, url, schemes in (("events", self.events, ("tcp://", "ipc://")),
+                                   ("replay", self.replay, ("tcp://", "ipc://")),
                                    ("api", self.api, ("http://", "https://"))):  # fmt: skip
             if url is not None and not url.startswith(schemes):
                 raise ValueError(f"engine {self.name}: {what} endpoint {url!r} must start with one of {schemes}")
-            port = url.rpartition(":")[2] if url is not None and url.startswith("tcp://") else None
-            if port is not None and port != "*" and not (port.isdigit() and 0 < int(port) < 65536):
+            if url is None or not url.startswith("tcp://"):
+                continue
+            host, _, port = url.removeprefix("tcp://").rpartition(":")
+            if port != "*" and not (port.isdigit() and 0 < int(port) < 65536):
                 raise ValueError(f"engine {self.name}: {what} endpoint {url!r} needs a port 1-65535")
+            if not host or host == "*":
+                raise ValueError(f"engine {self.name}: {what} endpoint {url!r} needs the engine's host "
+                                 "(tcp://host:port; IPv6: tcp://[::1]:port)")  # fmt: skip
 
 
 @dataclass
@@ -95,8 +107,9 @@ class FleetSubscriber:
         endpoints: Sequence[EngineEndpoint],
         *,
         replay_timeout: float = 2.0,
-        max_message_bytes: int = 256 << 20,
-        rcvhwm: int = 100_000,
+        max_message_bytes: int = 32 << 20,
+        max_queued_bytes: int = 1 << 30,
+        rcvhwm: int | None = None,
         snapshot_retry: float = 10.0,
         http_timeout: float = 30.0,
         poll_ms: int = 100,
@@ -111,7 +124,9 @@ class FleetSubscriber:
                 index.add_engine(endpoint.name)
         self.replay_timeout = replay_timeout
         self.max_message_bytes = max_message_bytes
-        self.rcvhwm = rcvhwm
+        self.max_queued_bytes = max_queued_bytes
+        # ZMQ bounds a queue in messages: as many as fit the byte budget at the largest size.
+        self.rcvhwm = rcvhwm if rcvhwm is not None else max(8, min(100_000, max_queued_bytes // max_message_bytes))
         self.snapshot_retry = snapshot_retry
         self.http_timeout = http_timeout
         self.poll_ms = poll_ms
@@ -120,6 +135,8 @@ class FleetSubscriber:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._asks: list[threading.Thread] = []
+        self.failure: str | None = None
+        """Why the subscriber thread stopped on its own (a bug); None while it runs as it should."""
 
     def start(self) -> None:
         for endpoint in self.endpoints:
@@ -127,6 +144,7 @@ class FleetSubscriber:
             sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
             sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.IPV6, 1)  # (without it a tcp://[::1]:port endpoint never connects, silently)
             sub.setsockopt(zmq.SUBSCRIBE, endpoint.topic.encode())
             sub.connect(endpoint.events)
             self._links[sub] = _Link(endpoint, sub)
@@ -159,6 +177,16 @@ class FleetSubscriber:
     # --- the thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:  # a bug: without this thread nothing is applied again
+            failure = f"the subscriber thread stopped: {type(exc).__name__}: {exc}"
+            logger.critical("fleet: %s; every engine is marked partial", failure, exc_info=True)
+            for link in self._links.values():
+                self._tell_index(link, "marking it partial", self.index.lost_events, failure)
+            self.failure = failure
+
+    def _loop(self) -> None:
         poller = zmq.Poller()
         for sub in self._links:
             poller.register(sub, zmq.POLLIN)
@@ -176,7 +204,14 @@ class FleetSubscriber:
                         frames = sub.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self._receive(link, frames)
+                    try:
+                        self._receive(link, frames)
+                    except Exception as exc:  # whatever one message does, the others are still applied
+                        link.dropped += 1
+                        logger.exception("fleet: engine %s: a message could not be handled; dropped",
+                                         link.endpoint.name)  # fmt: skip
+                        self._tell_index(link, "dropping what the message could have changed", self.index.lost_events,
+                                         f"a message could not be handled ({type(exc).__name__})")  # fmt: skip
             try:
                 self.index.tick()
             except Exception:
@@ -184,6 +219,18 @@ class FleetSubscriber:
                 self._stop.wait(1.0)  # do not spin on a store that is down
             for link in self._links.values():
                 self._maybe_ask_snapshot(link)
+
+    def _tell_index(self, link: _Link, what: str, call: Callable[..., None], *args: Any) -> None:
+        """``call(engine name, *args)`` on the index. A failure of its store (Redis) is logged and
+        counted, never raised: the index left the engine incomplete and marked for its next batch
+        to finish dropping what it could not."""
+        name = link.endpoint.name
+        try:
+            call(name, *args)
+        except Exception as exc:
+            link.failed += 1
+            logger.warning("fleet: engine %s: %s failed (%s: %s); retried with its next batch", name, what,
+                           type(exc).__name__, exc)  # fmt: skip
 
     def _receive(self, link: _Link, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES:
@@ -196,8 +243,8 @@ class FleetSubscriber:
         name = link.endpoint.name
         if link.expected is not None and seq < link.expected:
             logger.info("fleet: engine %s publisher started over (batch %d after %d)", name, seq, link.expected - 1)
-            self.index.publisher_restarted(name)
             link.expected = None
+            self._tell_index(link, "dropping its old start", self.index.publisher_restarted)
         if link.expected is None:
             # First batch heard from this publisher: fetch what it still buffers before it. If
             # that does not reach back to its start, the index learns so from the control
@@ -210,7 +257,8 @@ class FleetSubscriber:
             for batch_seq, payload in replayed:
                 self._apply(link, batch_seq, payload)
             if missing:
-                self.index.lost_events(name, f"{missing} batch(es) before {seq} could not be replayed")
+                why = f"{missing} batch(es) before {seq} could not be replayed"
+                self._tell_index(link, "dropping what lost batches could have changed", self.index.lost_events, why)
         self._apply(link, seq, frames[2])
 
     def _apply(self, link: _Link, seq: int, payload: bytes) -> None:
@@ -227,11 +275,8 @@ class FleetSubscriber:
         except Exception as exc:  # the index's store (Redis) failed: this batch's changes are lost
             link.failed += 1
             logger.warning("fleet: engine %s batch %d could not be applied: %s", name, seq, exc)
-            try:
-                self.index.lost_events(name, f"batch {seq} could not be applied ({type(exc).__name__})")
-            except Exception as again:
-                logger.warning("fleet: engine %s: dropping what the lost batch could have changed failed too (%s); "
-                               "retried with its next batch", name, again)  # fmt: skip
+            self._tell_index(link, "dropping what the lost batch could have changed", self.index.lost_events,
+                             f"batch {seq} could not be applied ({type(exc).__name__})")
 
     def _replay(self, link: _Link, start: int, stop: int, from_start: bool) -> list[tuple[int, bytes]]:
         """An unbroken run of batches ending at ``stop - 1`` from the engine's replay endpoint,
@@ -240,8 +285,10 @@ class FleetSubscriber:
             return []
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         out: list[tuple[int, bytes]] = []
+        held = 0  # bytes of the payloads in out
         try:
             sock.connect(link.endpoint.replay)
             sock.send_multipart([b"", start.to_bytes(_SEQ_BYTES, "big")])
@@ -258,8 +305,14 @@ class FleetSubscriber:
                     break
                 if start <= seq < stop:
                     if out and seq != out[-1][0] + 1:
-                        out = []  # a hole: keep only the run after it
+                        out, held = [], 0  # a hole: keep only the run after it
                     out.append((seq, frames[3]))
+                    held += len(frames[3])
+                    if held > self.max_queued_bytes:
+                        logger.warning("fleet: engine %s replay of batches %d..%d holds over %d bytes; given up",
+                                       link.endpoint.name, start, stop - 1, self.max_queued_bytes)  # fmt: skip
+                        out = []
+                        break
                     if seq == stop - 1:
                         break  # the gap is filled: whatever else the endpoint sends is not needed
             else:
@@ -293,17 +346,54 @@ class FleetSubscriber:
         assert api is not None
         try:
             if link.model is None:
-                with urllib.request.urlopen(api.rstrip("/") + "/v1/models", timeout=self.http_timeout) as response:
-                    models = json.loads(response.read(1 << 20))
+                models = json.loads(self._call(api.rstrip("/") + "/v1/models", None))
                 link.model = str(models["data"][0]["id"])
             body = {"model": link.model, "prompt": "kvtier", "max_tokens": 1,
                     "kv_transfer_params": {"kvtier_events": "snapshot"}}  # fmt: skip
-            req = urllib.request.Request(api.rstrip("/") + "/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
-            with urllib.request.urlopen(req, timeout=self.http_timeout) as response:
-                response.read(1 << 20)
+            self._call(api.rstrip("/") + "/v1/completions", json.dumps(body).encode())
             logger.info("fleet: asked engine %s for a snapshot", link.endpoint.name)
-        except (OSError, ValueError, KeyError, IndexError, TypeError, urllib.error.URLError) as exc:
-            logger.warning("fleet: could not ask engine %s for a snapshot: %s", link.endpoint.name, exc)
+        except Exception as exc:  # whatever the API answers (JSON nested too deep included), ask again later
+            logger.warning("fleet: could not ask engine %s for a snapshot: %s: %.200s", link.endpoint.name,
+                           type(exc).__name__, exc)  # fmt: skip
             with contextlib.suppress(KeyError):
                 self.index.engine(link.endpoint.name).needs_snapshot = True
+
+    def _call(self, url: str, body: bytes | None) -> bytes:
+        """One request to an engine's API (POST ``body`` as JSON, or GET), its first MiB of answer.
+        ``http_timeout`` bounds the whole call, not each read: an API that sends a byte now and
+        then is cut off at the deadline."""
+        parts = urllib.parse.urlsplit(url)
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        deadline = time.monotonic() + self.http_timeout
+        conn = kind(parts.hostname or "", parts.port, timeout=self.http_timeout)
+        conn.connect()
+        # (the connection's own reference goes when an HTTP/1.0 answer arrives: keep the socket's)
+        cut = threading.Event()
+        watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), _cut, args=(conn.sock, cut))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            headers = {"Content-Type": "application/json"} if body is not None else {}
+            try:
+                conn.request("GET" if body is None else "POST", target, body=body, headers=headers)
+                response = conn.getresponse()
+                data = response.read(1 << 20)
+            except (OSError, http.client.HTTPException):
+                if not cut.is_set():
+                    raise
+            if cut.is_set():
+                raise TimeoutError(f"{url} did not answer within {self.http_timeout} s")
+            if response.status >= 400:
+                raise OSError(f"{url} answered HTTP {response.status}")
+            return data
+        finally:
+            watchdog.cancel()
+            conn.close()
+
+
+def _cut(sock: socket.socket, cut: threading.Event) -> None:
+    """Shut a connection's socket: a read blocked on it returns at once."""
+    cut.set()
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)

@@ -11,7 +11,8 @@ whose events are maps tagged by ``"type"``: ``BlockStored`` (``block_hashes``,
 
 Everything here comes from the network: the payload is decoded into typed structs
 (wrong types are refused), events of types this release does not know are skipped
-and counted, and hashes and groups are range-checked. Decoding never evaluates
+and counted, and hashes and groups are range-checked; a payload nested too deep to
+decode is refused like any other malformed one. Decoding never evaluates
 anything. Needs ``msgspec`` (``pip install 'kvtier[fleet]'``; vLLM brings it).
 """
 
@@ -74,6 +75,8 @@ def decode_batch(payload: bytes) -> WireBatch:
         batch = _BATCH.decode(payload)
     except msgspec.DecodeError as exc:
         raise WireError(f"not a KV event batch: {exc}") from None
+    except RecursionError:  # nesting a thousand deep takes a ~1 KB message
+        raise WireError("not a KV event batch: nested too deep") from None
     events: list[WireEvent] = []
     skipped = 0
     for raw in batch.events:
@@ -89,6 +92,6 @@ def decode_batch(payload: bytes) -> WireBatch:
                     continue
             kind = Kind.STORED if isinstance(event, _BlockStored) else Kind.REMOVED
             events.append(WireEvent(kind, _keys(event.block_hashes, event.group_idx), event.medium, event.ownership))
-        except (msgspec.DecodeError, ValueError):
+        except (msgspec.DecodeError, ValueError, RecursionError):
             skipped += 1
     return WireBatch(batch.ts, events, skipped)
