@@ -245,7 +245,7 @@ class ControlRecord:
             if len(key) > _MAX_NAME or not is_info_value(value):
                 raise ValueError(f"control record info {key!r:.40} must be a string of at most {_MAX_INFO_TEXT} "
                                  f"characters, a 64-bit integer, a finite number, a boolean or null; got "
-                                 f"{type(value).__name__} {value!r:.40}")  # fmt: skip
+                                 f"{describe_value(value)}")  # fmt: skip
         tier = body.get("tier")
         if op in ("clear", "snapshot"):
             _check_name(f"{op} tier", tier)
