@@ -7,12 +7,13 @@ once the bug is fixed.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import pytest
 
-from kvtier import LookupResult, Namespace, RequestContext, TieringManager, chain_ids
+from kvtier import KVGeometry, LookupResult, Namespace, RequestContext, TieringManager, chain_ids
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import JobResult, SecondaryTier, TierUsage, TransferJob
 from kvtier.tiers.registry import register_tier
@@ -284,5 +285,28 @@ def test_a_tier_failing_to_drain_is_named_in_a_tier_error(namespace: Namespace) 
         with pytest.raises(TierError, match=r"secondary tier #2 \(type=regression-drain-failing\)") as caught:
             mgr.reset_cache()
         assert isinstance(caught.value.__cause__, RuntimeError)
+    finally:
+        mgr.shutdown()
+
+
+def test_a_reset_with_engine_copies_in_flight_gives_their_rows_back_after_a_few_steps(private_shm: Path) -> None:
+    """Regression (review, 2026-12-03): rows a reset held out (a device store or load still
+    running) came back only through the vLLM adapter: a direct user lost them for good."""
+    ns = Namespace("held", KVGeometry.from_block_bytes(4096))
+    mgr = TieringManager.create(namespace=ns, num_cpu_blocks=8, shm_dir=private_shm)
+    try:
+        for round_ in range(3):
+            keys = [bytes([round_, i]) * 16 for i in range(4)]
+            req = RequestContext(f"r{round_}")
+            assert mgr.prepare_store(keys, req) is not None  # the engine's device store is running...
+            mgr.reset_cache()  # ...at the reset; the engine drops its completion
+            cpu = mgr.stats().cpu
+            assert cpu.extra["held_rows"] == 4 and cpu.used_bytes == 4 * mgr.primary.region.row_stride
+            mgr.on_request_finished(req)
+            for _ in range(mgr.primary.reset_hold_steps):
+                assert mgr.primary.free_slots == 4
+                mgr.on_schedule_end()
+            assert mgr.primary.free_slots == 8 and mgr.stats().cpu.extra["held_rows"] == 0
+        assert mgr.prepare_store([bytes([9, i]) * 16 for i in range(8)], RequestContext("all")) is not None
     finally:
         mgr.shutdown()

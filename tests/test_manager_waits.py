@@ -178,6 +178,46 @@ def test_the_deadline_holds_when_the_engine_steps_less_often_than_wait_timeout(
     assert answers[0] in (HIT_PENDING, RETRY) and answers[1:] == [MISS] * 3, answers
 
 
+def test_a_wait_that_ended_in_a_miss_is_not_inherited_by_a_later_request(make: Any) -> None:
+    """Regression (review, 2026-12-03): a block's clock outlived a wait that ended in a MISS (the
+    tier's check found nothing), so a request asking between wait_timeout and failed_load_seconds
+    later got MISS at once, a ``retry_expired`` failure, and the tier withheld for the block."""
+    mgr = make({})
+    (tier,) = scripted(mgr)
+    k = keys(1)[0]
+
+    def ask(who: str) -> LookupResult:
+        answer = mgr.lookup(k, RequestContext(who))
+        mgr.on_schedule_end()
+        return answer
+
+    tier.retry_keys = {k}
+    assert ask("a") is RETRY  # the tier checks whether it holds the block...
+    tier.retry_keys = set()
+    assert ask("a") is MISS  # ...it does not: request a recomputes it
+    time.sleep(2 * WAIT)  # within HOLD; another engine stores the block meanwhile
+    tier.data[k] = b"v" * mgr.block_bytes
+    tier.retry_keys = {k}
+    assert ask("b") is RETRY
+    tier.retry_keys = set()
+    assert ask("b") is HIT_PENDING
+    assert not {kind: n for kind, n in failures(mgr, "1:scripted").items() if n}
+
+
+def test_a_device_store_started_after_a_miss_is_waited_on_afresh(make: Any) -> None:
+    mgr = make({})
+    (tier,) = scripted(mgr)
+    k = keys(1)[0]
+    tier.retry_keys = {k}
+    assert mgr.lookup(k, RequestContext("a")) is RETRY
+    tier.retry_keys = set()
+    assert mgr.lookup(k, RequestContext("a")) is MISS
+    time.sleep(2 * WAIT)
+    assert mgr.prepare_store([k], RequestContext("a")) is not None  # a recomputed it; its store starts
+    assert mgr.lookup(k, RequestContext("b")) is HIT_PENDING
+    assert failures(mgr, "0:primary").get("store_expired", 0) == 0
+
+
 def test_one_wait_goes_on_across_tiers(make: Any) -> None:
     """A load from tier 1 fails half way to the deadline; tier 2 holds the block too but never
     finishes its load: the request's wait still ends at the deadline, not half a deadline later."""

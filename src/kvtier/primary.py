@@ -31,6 +31,10 @@ from kvtier.types import PRIMARY_LABEL, BlockEvent, LookupResult, RequestHints
 logger = logging.getLogger(__name__)
 
 IN_FLIGHT = -1
+RESET_HOLD_STEPS = 3
+"""Engine steps a reset holds out the rows an engine copy may still touch: vLLM flushes its worker's
+copies during the next step's execution, and with async scheduling the step after is scheduled
+before that ends; one more of margin."""
 """The ref count of a block whose write is in flight (a device store or a promotion)."""
 
 DEVICE_STORE = 1
@@ -116,6 +120,9 @@ class PrimaryTier:
         self._next_fresh = 0
         # Rows an engine copy may still touch after a reset: out of ``_free`` until release_held().
         self._held: set[int] = set()
+        self.reset_hold_steps = RESET_HOLD_STEPS
+        """Engine steps (:meth:`step_ended` calls) after a :meth:`reset` before its held rows come back."""
+        self._hold_left = 0
         # Bounded: an engine that never takes events must not grow memory without limit.
         self._events: deque[BlockEvent] = deque(maxlen=max_pending_events)
         self.record_events = record_events
@@ -546,8 +553,8 @@ class PrimaryTier:
         more (the manager drains them first); an engine's copy may still run: a row written by a
         device store not yet completed or pinned by a device load not yet completed (and any row
         held out by an earlier reset) is held out, never handed to a new write, until
-        :meth:`release_held` (the engine knows when its copies have finished; vLLM's adapter
-        calls it a few schedule steps later, once the worker has flushed them)."""
+        :meth:`release_held`: the engine's copies have finished, or :attr:`reset_hold_steps` engine
+        steps have ended (:meth:`step_ended`; vLLM's worker flushes them during the next step)."""
         if self._slot_of and self.record_events:
             self._events.append(BlockEvent(tuple(self._slot_of), self.tier_label, self.medium, removed=True))
         ref = self._ref
@@ -566,7 +573,16 @@ class PrimaryTier:
             top = max(held)
             self._free.extend(slot for slot in range(top, -1, -1) if slot not in held)
             self._next_fresh = top + 1
+            self._hold_left = self.reset_hold_steps
         self.policy.clear()
+
+    def step_ended(self) -> None:
+        """An engine step ended (the manager's ``on_schedule_end``): the rows a :meth:`reset` held
+        come back after :attr:`reset_hold_steps` of them."""
+        if self._hold_left:
+            self._hold_left -= 1
+            if not self._hold_left:
+                self.release_held()
 
     @property
     def held_count(self) -> int:
@@ -578,6 +594,7 @@ class PrimaryTier:
         have touched them have finished). Returns how many."""
         held = sorted(self._held, reverse=True)
         self._held.clear()
+        self._hold_left = 0
         self._free.extend(held)
         return len(held)
 

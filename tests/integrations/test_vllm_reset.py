@@ -201,7 +201,7 @@ def test_held_rows_come_back_after_the_hold_steps(engine: tuple[Any, Any, torch.
     free = primary.free_slots
     manager.reset_cache()  # the store was never submitted: its row may still be written
     assert primary.held_count == 1 and primary.free_slots == free
-    for _ in range(manager._reset_hold_steps - 1):
+    for _ in range(primary.reset_hold_steps - 1):
         manager.on_schedule_end(None)
         assert primary.held_count == 1
     manager.on_schedule_end(None)

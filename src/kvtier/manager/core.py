@@ -253,7 +253,7 @@ class TieringManager:
                     found = self._tiers.lookup(key, request, None, 0.0)
                     if found is _MISS:
                         self._tally.miss += 1
-                        return _MISS
+                        return self._waits.missed(key)
                     return self._found(key, request, found)
             elif self._hits.timed and 0 < len(key) <= MAX_KEY_BYTES:
                 return self._answer(key, request, None)
@@ -300,7 +300,7 @@ class TieringManager:
         found = self._tiers.lookup(key, request, allowed, now)
         if found is _MISS:
             self._tally.miss += 1
-            return _MISS
+            return self._waits.missed(key)
         return self._found(key, request, found)
 
     def _found(self, key: BlockKey, request: RequestContext | None, found: TierHandle | LookupResult) -> LookupResult:
@@ -320,7 +320,7 @@ class TieringManager:
         if slot is None:
             self._tiers.counters.promotion_alloc_failures += 1
             self._tally.miss += 1
-            return _MISS
+            return self._waits.missed(key)
         if self._jobs.queue_promotion(found, key, slot, request):
             state = self._requests.state(request)
             if state is not None:
@@ -448,7 +448,8 @@ class TieringManager:
         """The device -> CPU copy of ``keys`` finished; on success cascade them to every tier.
 
         Only rows that :meth:`prepare_store` reserved and nothing completed since are
-        acted on (never a row a promotion is writing, nothing after a reset). The
+        acted on (never a row a promotion is writing). A copy started before
+        :meth:`reset_cache` must not be reported: its key's next store is another write. The
         blocks are made readable and pinned for each tier they cascade to in one pass.
         """
         keys = self._open_keys("complete_store", keys)
@@ -513,6 +514,7 @@ class TieringManager:
         self._tiers.end_step()
         self._hits.clear()
         self._steady = self._fast = False
+        self.primary.step_ended()
 
     def has_pending_work(self) -> bool:
         """True while a tier job is in flight, a promotion awaits submission, or a cascade is parked."""
@@ -551,7 +553,8 @@ class TieringManager:
         Blocks until in-flight tier copies finish (never aborts one halfway).
         Persistent tiers keep their data. Raises :class:`TierError` (and resets
         nothing) if a tier cannot drain within the timeout. The engine's own copies
-        may still run: their rows stay out of use until ``primary.release_held()``.
+        may still run: their rows stay out of use for ``primary.reset_hold_steps`` steps
+        (or until ``primary.release_held()``); the engine drops their completions.
         """
         if self._closing:
             raise ManagerClosedError.of("reset_cache")

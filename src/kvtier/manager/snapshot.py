@@ -129,13 +129,16 @@ def cpu_snapshot(primary: PrimaryTier, telemetry: TierTelemetry, answers: tuple[
         },
         stores_in_flight=0,
         loads_in_flight=0,
-        used_bytes=len(primary) * stride,
+        used_bytes=(len(primary) + primary.held_count) * stride,
         capacity_bytes=primary.num_blocks * stride,
         entries=len(primary),
         evictions=ps.evictions,
         health="down" if primary.is_shut_down else "closed",
         counters=asdict(ps),
         policy=PolicySnapshot.of(primary.policy),
+        # Rows a reset holds out while an engine copy may still touch them (PrimaryTier.reset).
+        extra={"held_rows": float(primary.held_count)},
+        extra_kinds={"held_rows": "gauge"},
     )
 
 

@@ -47,6 +47,7 @@ from time import perf_counter
 
 from kvtier.keys import BlockKey
 from kvtier.telemetry import TierTelemetry
+from kvtier.types import LookupResult
 
 DEFAULT_WAIT_TIMEOUT = 10.0
 """Seconds a request may wait on one block (RETRY, HIT_PENDING) before its lookup answers MISS."""
@@ -174,6 +175,13 @@ class BlockWaits:
             return True
         del since[key]
         return False
+
+    def missed(self, key: BlockKey) -> LookupResult:
+        """A lookup answers MISS for ``key`` (absent, or no row for it): its wait, if any, is over,
+        and a later RETRY or HIT_PENDING starts a new one. Returns MISS."""
+        if self.since:
+            self.since.pop(key, None)
+        return LookupResult.MISS
 
     def retrying(self, key: BlockKey) -> bool:
         """The lookup of ``key`` is about to answer RETRY: False (MISS) once the block's wait is

@@ -68,6 +68,7 @@ from kvtier.integrations.vllm.stats import VllmStatsReporter
 from kvtier.keys import BlockKey
 from kvtier.manager import TieringManager
 from kvtier.metrics import KvtierMetrics
+from kvtier.primary import RESET_HOLD_STEPS
 from kvtier.request_control import ControlProblem, ControlProblemLog, describe_value
 from kvtier.telemetry import ManagerSnapshot
 from kvtier.types import PRIMARY_LABEL, LookupResult, OffloadPolicy, RequestContext, RequestControl
@@ -78,12 +79,6 @@ CONTROL_KEY = OffloadKey(hashlib.sha256(b"kvtier-events control record").digest(
 """The key a control record rides on: a block hash no engine computes, KV-cache group 0xffffffff."""
 EVENTS_PARAM = "kvtier_events"
 MARKER_PARAM = "kvtier_events_marker"
-
-# Schedule steps after a reset before the rows a worker copy may still touch are reused: vLLM's
-# worker flushes the copies in the first step's execution, and with async scheduling the next
-# step is scheduled before that execution ends; one more step of margin. The spec adds the
-# pipeline's depth (more batches in flight).
-RESET_HOLD_STEPS = 3
 
 _LOOKUP = {r: VllmLookup[r.name] for r in LookupResult}
 _POLICY = {
@@ -117,8 +112,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         reset_hold_steps: int = RESET_HOLD_STEPS,
     ) -> None:
         self.manager = manager
-        self._reset_hold_steps = max(1, reset_hold_steps)
-        self._held_steps_left = 0
+        manager.primary.reset_hold_steps = max(1, reset_hold_steps)
         self.events = events
         # Malformed kvtier_events / kvtier_events_marker values: counted and logged like the manager's
         # own request settings (1st, 10th, 100th...), and reported with them.
@@ -230,10 +224,6 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self.manager.on_schedule_end()
-        if self._held_steps_left:
-            self._held_steps_left -= 1
-            if not self._held_steps_left:
-                self.manager.primary.release_held()
         if self.metrics is not None:
             now = time.monotonic()
             if now >= self._metrics_due:  # a stats snapshot per interval, not per step
@@ -298,8 +288,6 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         else:
             self.events.reset_cache()
         self._promoted.clear()
-        if self.manager.primary.held_count:
-            self._held_steps_left = self._reset_hold_steps
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         """kvtier's figures since the last report, for vLLM's metrics (see

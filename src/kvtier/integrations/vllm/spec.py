@@ -104,7 +104,8 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
         """Scheduler side: build (once) the TieringManager, its region and tiers. Blocks while
         the region is created and pre-faulted."""
         if self._manager is None:
-            from kvtier.integrations.vllm.manager import RESET_HOLD_STEPS, KvtierOffloadingManager
+            from kvtier.integrations.vllm.manager import KvtierOffloadingManager
+            from kvtier.primary import RESET_HOLD_STEPS
 
             s = self.settings
             tiering = build_manager(
