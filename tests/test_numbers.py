@@ -54,7 +54,7 @@ def test_sizes_are_exact_integers(text: str | int | float, expected: int) -> Non
         (HUGE, "(401 characters) is above the largest size kvtier accepts, 8 EiB"),
         ("9223372036854775808", "above the largest size"),
         ("8192PiB", "above the largest size"),
-        ("8EiB", "above the largest size"),  # 8 EiB is one byte above the largest offset
+        ("8EiB", "above the largest size kvtier accepts, 8 EiB less one byte"),  # one byte above the largest offset
         ("1" + "0" * 40 + "KiB", "above the largest size"),
         ("0." + "1" * 60, "above the largest size"),  # more digits than any size has: refused before converting
         (10**400, "above the largest size"),

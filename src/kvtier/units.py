@@ -58,7 +58,9 @@ def shown(text: str, limit: int = 40) -> str:
 
 
 def _too_large(shown_value: str) -> ConfigError:
-    return ConfigError(f"size {shown_value} is above the largest size kvtier accepts, 8 EiB ({MAX_SIZE} bytes)")
+    return ConfigError(
+        f"size {shown_value} is above the largest size kvtier accepts, 8 EiB less one byte ({MAX_SIZE} bytes)"
+    )
 
 
 def parse_size(value: int | float | str) -> int:

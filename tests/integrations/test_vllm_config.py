@@ -99,8 +99,12 @@ def test_an_explicit_region_name_is_never_shared_by_two_engines() -> None:
     assert a.region_name.startswith("shared-") and b.region_name.startswith("shared-")
     assert a.region_name != b.region_name
     assert resolve_settings({"num_cpu_blocks": 10, "region_name": "shared"}, dp0, env={}).region_name == a.region_name
-    with pytest.raises(ConfigError, match=r"region_name.*too long"):
+    too_long = r"region_name \(from kv_connector_extra_config\['region_name'\]\) is 240 bytes.* at most 231"
+    with pytest.raises(ConfigError, match=too_long):
         resolve_settings({"num_cpu_blocks": 10, "region_name": "r" * 240}, dp0, env={})
+    with pytest.raises(ConfigError, match=r"region_name \(from environment variable KVTIER_REGION_NAME\)"):
+        resolve_settings({"num_cpu_blocks": 10}, dp0, env={"KVTIER_REGION_NAME": "r" * 232})
+    region_path(resolve_settings({"num_cpu_blocks": 10, "region_name": "r" * 231}, dp0, env={}).region_name)
 
 
 def test_vllm_cpu_offloading_names_are_accepted_as_aliases() -> None:

@@ -30,6 +30,7 @@ from kvtier.config import KvtierConfig, load_config
 from kvtier.errors import ConfigError, RegionError
 from kvtier.keys import Namespace
 from kvtier.region import region_path
+from kvtier.region_file import FILE_PREFIX, FILE_SUFFIX
 
 SUPPORTED_VLLM_MIN = (0, 32, 0)
 """Oldest vLLM release this integration was built and tested against (inclusive)."""
@@ -156,7 +157,12 @@ class VllmKvtierSettings:
     metrics_port: int | None = None
 
 
-def region_name_for(engine_id: str, region_name: str | None = None) -> str:
+# The longest region_name under vLLM: a file name holds 255 bytes, with kvtier's prefix and suffix
+# and "-<12 hex digits>" of the engine id around it.
+_MAX_VLLM_REGION_NAME = 255 - len(FILE_PREFIX) - len(FILE_SUFFIX) - 13
+
+
+def region_name_for(engine_id: str, region_name: str | None = None, source: str = "kv_connector_extra_config") -> str:
     """The region file name of the engine ``engine_id``: derived from it (safe characters only,
     bounded length), or ``region_name`` followed by the engine id's digest. Never the same for two
     engines: two DP replicas share one ``kv_connector_extra_config`` (only ``engine_id`` differs),
@@ -168,9 +174,10 @@ def region_name_for(engine_id: str, region_name: str | None = None) -> str:
     name = f"{region_name}-{digest}"
     try:
         region_path(name)
-    except RegionError as exc:
+    except RegionError:
         raise ConfigError(
-            f"kv_connector_extra_config['region_name'] with the engine id's digest added: {exc}"
+            f"region_name (from {source}) is {len(region_name.encode())} bytes: under vLLM the engine id's digest "
+            f"(-{digest}) follows it in the region's file name, so it may be at most {_MAX_VLLM_REGION_NAME} bytes"
         ) from None
     return name
 
@@ -272,7 +279,7 @@ def resolve_settings(
         config=config,
         namespace=namespace,
         layout=layout,
-        region_name=region_name_for(layout.engine_id, config.region_name),
+        region_name=region_name_for(layout.engine_id, config.region_name, config.sources.get("region_name", "default")),
         num_rows=num_rows,
         expected_mappers=layout.world_size + 1,
         metrics_port=_metrics_port(extra),
