@@ -180,3 +180,22 @@ def test_reference_documents_every_builtin_tier_option() -> None:
         assert f"## Tier `{name}`" in text
         for field in model.model_fields:
             assert f"| `{field}` |" in text
+
+
+@pytest.mark.parametrize(
+    ("name", "fragment"),
+    [
+        ("fs", "built-in tier"),
+        ("memory", "built-in tier"),
+        ("0:primary", "without ':'"),
+        ("my tier", "without ':' or whitespace"),
+        ("", "non-empty"),
+        (7, "non-empty string"),
+    ],
+)
+def test_register_tier_refuses_names_that_would_replace_or_confuse_a_tier(name: object, fragment: str) -> None:
+    """Regression (review, 2026-12-03): ``register_tier("fs", ...)`` silently replaced the built-in
+    fs tier process-wide, and a name with ':' made labels like ``1:0:primary``."""
+    with pytest.raises(ConfigError, match=fragment):
+        register_tier(name, "package.module:Class")  # type: ignore[arg-type]
+    assert resolve_tier_class("fs").__name__ == "FilesystemTier"

@@ -45,8 +45,14 @@ _registered: dict[str, str] = {}
 
 
 def register_tier(name: str, import_path: str) -> None:
-    """Register ``"package.module:ClassName"`` under ``name`` (process-wide)."""
-    if ":" not in import_path:
+    """Register ``"package.module:ClassName"`` under ``name`` (process-wide). ``name`` is a tier
+    type, part of every tier label (``"<n>:<name>"``) and selector: a non-empty string without
+    ``:`` or whitespace, and not a built-in type (a plugin never replaces ``fs``, ``redis``...)."""
+    if not isinstance(name, str) or not name or ":" in name or any(c.isspace() for c in name):
+        raise ConfigError(f"tier type name {name!r} must be a non-empty string without ':' or whitespace")
+    if name in _BUILTIN:
+        raise ConfigError(f"tier type {name!r} is a built-in tier of kvtier: register yours under another name")
+    if not isinstance(import_path, str) or ":" not in import_path:
         raise ConfigError(f"tier import path {import_path!r} must look like 'package.module:ClassName'")
     _registered[name] = import_path
 
