@@ -715,9 +715,61 @@ def test_a_busy_server_is_a_miss_and_opens_the_breaker(
         runner.join(5)
 
 
+def _refuse_writes(raw: redis.Redis, how: str) -> None:
+    """Make the server refuse writes only: ``misconf`` (a failed RDB snapshot with
+    stop-writes-on-bgsave-error) or ``noreplicas`` (min-replicas-to-write without a replica)."""
+    if how == "noreplicas":
+        raw.config_set("min-replicas-to-write", 1)
+        return
+    raw.config_set("dir", "/proc/self")  # the snapshot cannot be written there
+    raw.bgsave()
+    deadline = time.monotonic() + 10
+    while raw.info("persistence")["rdb_last_bgsave_status"] != "err":
+        assert time.monotonic() < deadline, "the failing BGSAVE did not end"
+        time.sleep(0.02)
+    raw.config_set("save", "3600 1000000")  # with a save point, the failed snapshot stops writes
+
+
+@pytest.mark.parametrize("how", ["misconf", "noreplicas"])
+def test_a_server_that_refuses_only_writes_fails_the_stores_and_keeps_serving_reads(
+    redis_server_factory: Callable[..., Any], make_tier: Callable[..., RedisTier], caplog: pytest.LogCaptureFixture,
+    how: str,
+) -> None:
+    """Regression (review, 2026-12-03, D4): MISCONF (a failed RDB snapshot) and NOREPLICAS refuse writes
+    only, but counted as breaker failures: three refused stores took the whole tier out of service,
+    and blocks the server still served became MISS."""
+    server = redis_server_factory("--enable-protected-configs", "yes")
+    rows = random_rows(8)
+    ns = namespace()
+    tier = make_tier(server.url, rows, ns, io_threads=1, failure_threshold=2, open_seconds=30.0)
+    keys = keys_for(ns, 8)
+    assert store(tier, keys[:2], [0, 1]).success
+    raw = redis.Redis.from_url(server.url)
+    try:
+        _refuse_writes(raw, how)
+        code = how.upper()
+        with caplog.at_level(logging.WARNING, logger="kvtier.tiers.redis"):
+            for i in range(2, 6):
+                result = store(tier, keys[i : i + 1], [i])
+                assert not result.success and result.error is not None and code in result.error
+        assert tier.health().state is HealthState.CLOSED and tier.health().consecutive_failures == 0
+        assert tier.stats.stores_failed == 4
+        assert resolve(tier, keys[0]) is LookupResult.HIT
+        assert load(tier, keys[:2], [6, 7]).success
+        assert np.array_equal(rows[6:8], rows[0:2])
+        logged = [r.getMessage() for r in caplog.records if code in r.getMessage()]
+        assert len(logged) == 1 and "reads go on" in logged[0], logged
+    finally:
+        raw.config_set("save", "")
+        raw.config_set("min-replicas-to-write", 0)
+
+
 @pytest.mark.parametrize(
     ("message", "writing", "refused"),
     [
+        ("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist", True, False),
+        ("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist", False, True),
+        ("NOREPLICAS Not enough good replicas to write.", True, False),
         ("NOPERM this user has no permissions", False, True),
         ("LOADING Redis is loading the dataset in memory", False, True),
         ("BUSY Redis is busy running a script", True, True),

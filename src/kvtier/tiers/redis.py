@@ -219,8 +219,16 @@ class RedisTierOptions(TierOptions):
 # Error replies that say the server will not serve this client now (an ACL without the tier's
 # keys or commands, a script running, a data set loading, a replica without its primary...) are
 # tier failures; only these few are about the one key: a redirect (the topology moved) and a value
-# of another type. OOM is one too for a write (the server is full, it still serves reads).
+# of another type. To a write, the refusals of writes only are too (the server still serves reads):
+# each fails its store, is logged with its hint at most once a minute, and is no tier failure.
 _KEY_ERRORS = ("MOVED", "ASK", "WRONGTYPE")
+_WRITE_REFUSAL_HINTS = {
+    "OOM": "the server is full (maxmemory) and refuses writes; stores fail, reads go on",
+    "MISCONF": "the server refuses writes since its last RDB snapshot failed (stop-writes-on-bgsave-error): "
+               "fix its disk or dir; stores fail, reads go on",
+    "NOREPLICAS": "the server refuses writes: fewer replicas than its min-replicas-to-write are connected; "
+                  "stores fail, reads go on",
+}  # fmt: skip
 _REFUSAL_LOG_SECONDS = 60.0
 _REFUSAL_HINTS = {
     "NOPERM": "give the URL's ACL user the keys <prefix>:* and the commands STRLEN GET SET EVAL GETRANGE "
@@ -245,9 +253,10 @@ return redis.call('del', KEYS[1])"""
 
 def refused_by_server(reply: ErrorReply, writing: bool = False) -> bool:
     """Whether ``reply`` says the server refuses this client (a tier failure), not one key (a
-    MISS or failed key only): everything but a redirect, WRONGTYPE and, for a write, OOM."""
+    MISS or failed key only): everything but a redirect, WRONGTYPE and, for a write, a refusal of
+    writes only (``OOM``, ``MISCONF``, ``NOREPLICAS``: the server still serves reads)."""
     code = reply.message.split(" ", 1)[0]
-    return code not in _KEY_ERRORS and not (writing and code == "OOM")
+    return code not in _KEY_ERRORS and not (writing and code in _WRITE_REFUSAL_HINTS)
 
 
 def _is_refused(exc: BaseException) -> bool:
@@ -612,6 +621,20 @@ class RedisTier(ThreadedTier):
         if not self._breaker.serving:
             logger.warning("redis tier %s out of service: %s", self.label, detail)
 
+    def _note_write_refusal(self, reply: ErrorReply) -> None:
+        """A store refused by a server that refuses writes only (see :data:`_WRITE_REFUSAL_HINTS`):
+        the store fails (``stores_failed``), the tier keeps serving; logged once a minute per code."""
+        code = reply.message.split(" ", 1)[0]
+        hint = _WRITE_REFUSAL_HINTS.get(code)
+        if hint is None:
+            return
+        now, logged = time.monotonic(), f"SET {code}"
+        with self._lock:
+            if now - self._refusals_logged.get(logged, -_REFUSAL_LOG_SECONDS) < _REFUSAL_LOG_SECONDS:
+                return
+            self._refusals_logged[logged] = now
+        logger.warning("redis tier %s: SET answered %r (%s)", self.label, reply.message, hint)
+
     def _do_exists(self, keys: list[BlockKey]) -> None:
         if not self._breaker.serving:
             with self._lock:
@@ -680,6 +703,7 @@ class RedisTier(ThreadedTier):
                 reply = reader.read_reply()
                 if isinstance(reply, ErrorReply):
                     self._note_reply_error(reply, refusals, writing=True)
+                    self._note_write_refusal(reply)
                     errors.append(reply.message)
                 else:
                     ok[i] = True
