@@ -865,6 +865,31 @@ def test_a_slow_link_times_a_load_out_and_takes_the_tier_out_of_service(
         link.close()
 
 
+def test_a_store_over_a_slow_uplink_gets_time_for_the_bytes_it_sent(
+    redis_server: Any, make_tier: Callable[..., RedisTier]
+) -> None:
+    """Regression (review, 2026-12-03, D6): the replies' deadline started once the last SET was
+    handed to the kernel and gave nothing for the values still on their way to the server, so a
+    store over an uplink at the accepted rate timed out, blaming the reading of replies."""
+    rows = random_rows(32, block_bytes=512 * 1024)
+    ns = namespace(block_bytes=512 * 1024)
+    keys = keys_for(ns, 16)
+    link = SlowLink(redis_server.port, 2 * 1024 * 1024, uplink=True)  # 8 MiB take 4 s to reach the server
+    try:
+        # The link is faster than the floor given (1 MiB/s): the store must succeed, however much of
+        # it the kernel still buffers when the last SET is handed over.
+        tier = make_tier(f"redis://127.0.0.1:{link.port}/0", rows, ns, io_threads=1, socket_timeout=1.0,
+                         min_read_mib_per_second=1.0, failure_threshold=1, open_seconds=30.0)  # fmt: skip
+        tier.submit_store(job(keys, list(range(16)), False))
+        (result,) = wait_results(tier, 1, timeout=20.0)
+        assert result.success, result.error
+        assert tier.health().state is HealthState.CLOSED
+        assert load(tier, keys, list(range(16, 32))).success
+        assert np.array_equal(rows[16:32], rows[0:16])
+    finally:
+        link.close()
+
+
 def test_an_acl_user_without_info_leaves_usage_unknown_and_the_tier_serving(
     redis_server: Any, make_tier: Callable[..., RedisTier], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -180,3 +180,26 @@ def test_reader_bounds_the_whole_batch_when_every_receive_is_within_the_socket_t
     finally:
         stop.set()
         thread.join()
+
+
+def test_a_reader_after_sending_values_gives_them_time_and_names_the_direction_when_late(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """Regression (review, 2026-12-03, D6): a store's replies had no time for the values still on
+    their way to the server, and a late acknowledgement was blamed on reading replies."""
+    a, b = pair
+    late = threading.Timer(0.25, b.sendall, (b"+OK\r\n",))
+    late.start()
+    try:
+        reader = RespReader(a, timeout=0.1, bytes_per_second=1e6, sent=300_000)  # 0.1 s + 0.3 s
+        assert reader.read_reply() == b"OK"
+    finally:
+        late.join()
+    late = threading.Timer(0.25, b.sendall, (b"+OK\r\n",))
+    late.start()
+    try:
+        reader = RespReader(a, timeout=0.1, bytes_per_second=1e6, sent=50_000)  # 0.1 s + 0.05 s
+        with pytest.raises(TimeoutError, match=r"had not acknowledged the 50000 bytes sent to it within 0\.15s"):
+            reader.read_reply()
+    finally:
+        late.join()

@@ -195,8 +195,9 @@ class RedisTierOptions(TierOptions):
     )
     min_read_mib_per_second: float = Field(
         default=8.0, gt=0, le=1_000_000, allow_inf_nan=False,
-        description="Slowest read accepted: a batch of replies may take socket_timeout plus its MiB divided by "
-        "this, else it times out (a breaker failure), so a slow link takes the tier out of service.",
+        description="Slowest link accepted, both ways: a batch of replies may take socket_timeout plus its MiB "
+        "(and a store's, the MiB it sent) divided by this, else it times out (a breaker failure), so a slow "
+        "link takes the tier out of service.",
     )
 
     @field_validator("url")
@@ -257,6 +258,10 @@ def refused_by_server(reply: ErrorReply, writing: bool = False) -> bool:
     writes only (``OOM``, ``MISCONF``, ``NOREPLICAS``: the server still serves reads)."""
     code = reply.message.split(" ", 1)[0]
     return code not in _KEY_ERRORS and not (writing and code in _WRITE_REFUSAL_HINTS)
+
+
+def _size(pieces: Sequence[Piece]) -> int:
+    return sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in pieces)
 
 
 def _is_refused(exc: BaseException) -> bool:
@@ -578,17 +583,25 @@ class RedisTier(ThreadedTier):
                 # joined with the next command's head instead of costing a TLS record of its own.
                 keep_tail = isinstance(sock, ssl.SSLSocket)
                 pieces: list[Piece] = []
+                sent = 0
                 for i in indexes:
                     send(pieces, i)
                     if len(pieces) >= 256 or any(isinstance(p, memoryview) for p in pieces[-3:]):
                         if keep_tail:
+                            sent += _size(pieces[:-1])
                             send_pieces(sock, pieces[:-1])
                             del pieces[:-1]
                         else:
+                            sent += _size(pieces)
                             send_pieces(sock, pieces)
                             pieces.clear()
+                sent += _size(pieces)
                 send_pieces(sock, pieces)
-                reader = RespReader(sock, timeout=self.options.socket_timeout, bytes_per_second=self._read_rate)
+                # The kernel may still be passing what was sent to the server (a slow uplink):
+                # the replies' deadline gives those bytes their time too (RespReader's sent).
+                reader = RespReader(
+                    sock, timeout=self.options.socket_timeout, bytes_per_second=self._read_rate, sent=sent
+                )
                 for i in indexes:
                     receive(reader, i)
                 clean = True

@@ -165,10 +165,12 @@ class RespReader:
     of the commands sent, so the connection can go back to its pool clean.
 
     With ``timeout``, the whole batch has a deadline: ``timeout`` seconds from the
-    reader's creation for the replies to start, plus ``length / bytes_per_second`` for
-    each bulk reply as its length is announced. A receive that returns past the
-    deadline raises ``TimeoutError`` (so a read overruns it by one socket timeout at
-    most); the connection is then unusable.
+    reader's creation for the replies to start, plus ``sent / bytes_per_second`` for the
+    values just sent (``sent``: bytes the kernel may still be passing to the server, which
+    replies only once it has them all), plus ``length / bytes_per_second`` for each bulk
+    reply as its length is announced, plus what :meth:`allow` adds. A receive that returns
+    past the deadline raises ``TimeoutError`` (so a read overruns it by one socket timeout
+    at most), naming the direction that was slow; the connection is then unusable.
     """
 
     def __init__(
@@ -178,6 +180,7 @@ class RespReader:
         *,
         timeout: float | None = None,
         bytes_per_second: float = float("inf"),
+        sent: int = 0,
     ) -> None:
         self._sock = sock
         self._buf = bytearray(bufsize)
@@ -187,18 +190,33 @@ class RespReader:
         self._budget = timeout
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._rate = bytes_per_second
+        self._sent = sent
+        self._received = 0
+        self._allow(sent)
 
     def _allow(self, nbytes: int) -> None:
-        # A bulk reply of ``nbytes`` is announced: its transfer extends the deadline.
+        # ``nbytes`` more to move (a bulk reply announced, values sent): the deadline grows.
         if self._deadline is not None and self._budget is not None and nbytes > 0:
             self._budget += nbytes / self._rate
             self._deadline += nbytes / self._rate
+
+    def allow(self, nbytes: int) -> None:
+        """Give the batch ``nbytes / bytes_per_second`` more seconds: work the server does before
+        it replies that its replies' sizes do not show (e.g. a value it reads for a script)."""
+        self._allow(nbytes)
 
     def _recv_into(self, view: memoryview) -> int:
         got = self._sock.recv_into(view)
         if got == 0:
             raise ConnectionResetError("Redis closed the connection")
+        self._received += got
         if self._deadline is not None and time.monotonic() > self._deadline:
+            if self._sent and self._received == got:
+                raise TimeoutError(
+                    f"Redis had not acknowledged the {self._sent} bytes sent to it within {self._budget:.2f}s "
+                    "(a link, to the server or back, slower than the tier's min_read_mib_per_second, which "
+                    "bounds stores too)"
+                )
             raise TimeoutError(
                 f"reading replies from Redis took longer than {self._budget:.2f}s "
                 "(a link slower than the tier's min_read_mib_per_second)"
