@@ -203,3 +203,25 @@ def test_a_reader_after_sending_values_gives_them_time_and_names_the_direction_w
             reader.read_reply()
     finally:
         late.join()
+
+
+def test_reader_parses_exec_arrays_and_streams_bulk_replies_in_pieces(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """The delete of a corrupt value reads EXEC's array (null when a WATCH aborted it) and compares
+    a GET reply piece by piece instead of keeping it whole."""
+    a, b = pair
+    big = bytes(range(256)) * 5000  # over 1 MiB: two pieces
+    thread = feed(a, b"*1\r\n:1\r\n*-1\r\n*0\r\n-EXECABORT x\r\n$%d\r\n%s\r\n$-1\r\n-NOPERM no\r\n" % (len(big), big),
+                  chunk=65536)  # fmt: skip
+    reader = RespReader(b, bufsize=16)
+    assert reader.read_array() == [1]
+    assert reader.read_array() is None
+    assert reader.read_array() == []
+    assert reader.read_array() == ErrorReply("EXECABORT x")
+    pieces: list[bytes] = []
+    assert reader.read_bulk_chunks(lambda view: pieces.append(bytes(view))) == len(big)
+    assert b"".join(pieces) == big and len(pieces) == 2
+    assert reader.read_bulk_chunks(pieces.append) is None
+    assert reader.read_bulk_chunks(pieces.append) == ErrorReply("NOPERM no")
+    thread.join()

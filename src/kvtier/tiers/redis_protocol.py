@@ -14,7 +14,8 @@ row. Here:
   into a caller's buffer with ``recv_into`` (the CPU row of a load).
 
 Only the reply types the tier uses are parsed: simple strings, errors,
-integers and bulk strings (including null). Arrays raise
+integers and bulk strings (including null); arrays of those only where one is
+expected (:meth:`RespReader.read_array`, ``EXEC``'s reply), else they raise
 :class:`RespProtocolError`. Nothing read is ever evaluated.
 
 All functions run on the tier's I/O threads and block on the socket, bounded
@@ -29,6 +30,7 @@ import os
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 _CRLF = b"\r\n"
@@ -282,6 +284,46 @@ class RespReader:
             self._skip_crlf()
             return bytes(data)
         raise RespProtocolError(f"unexpected RESP reply type {kind!r}")
+
+    def read_array(self) -> list[bytes | int | ErrorReply | None] | ErrorReply | None:
+        """One array reply of scalar replies (``EXEC``'s), None for a null array (an ``EXEC``
+        aborted by ``WATCH``), or :class:`ErrorReply`."""
+        line = self._read_line(len(self._buf))
+        kind, rest = line[:1], line[1:]
+        if kind == b"-":
+            return ErrorReply(rest.decode("utf-8", "replace"))
+        if kind == b"_":  # RESP3 null
+            return None
+        if kind != b"*":
+            raise RespProtocolError(f"expected an array, got reply type {kind!r}")
+        n = int(rest)
+        return None if n < 0 else [self.read_reply() for _ in range(n)]
+
+    def read_bulk_chunks(self, consume: Callable[[memoryview], None]) -> int | ErrorReply | None:
+        """One bulk-string reply, handed to ``consume`` piece by piece (at most 1 MiB each, into
+        a scratch buffer reused: ``consume`` must not keep the view) instead of kept whole.
+        Returns its length, None for a null reply, or :class:`ErrorReply`."""
+        line = self._read_line(len(self._buf))
+        kind, rest = line[:1], line[1:]
+        if kind == b"-":
+            return ErrorReply(rest.decode("utf-8", "replace"))
+        if kind == b"_":  # RESP3 null
+            return None
+        if kind != b"$":
+            raise RespProtocolError(f"expected a bulk string, got reply type {kind!r}")
+        n = int(rest)
+        if n < 0:
+            return None
+        self._allow(n)
+        scratch = memoryview(bytearray(min(n, 1 << 20) or 1))
+        left = n
+        while left > 0:
+            step = min(left, scratch.nbytes)
+            self.read_into(scratch[:step])
+            consume(scratch[:step])
+            left -= step
+        self._skip_crlf()
+        return n
 
     def read_bulk_split(self, head: memoryview, body: memoryview) -> int | ErrorReply | None:
         """Read one bulk-string reply expected to be ``len(head) + len(body)`` bytes long.
