@@ -597,10 +597,13 @@ class RedisTier(ThreadedTier):
                 sent += _size(pieces)
                 send_pieces(sock, pieces)
                 # The kernel may still be passing what was sent to the server (a slow uplink):
-                # the replies' deadline gives those bytes their time too (RespReader's sent).
+                # the replies' deadline gives those bytes their time too (RespReader's sent). What
+                # can still be on its way is bounded by the socket buffers (a few MiB), so the
+                # allowance is capped at load_batch_mib, which shutdown_timeout already counts.
                 reader = RespReader(
-                    sock, timeout=self.options.socket_timeout, bytes_per_second=self._read_rate, sent=sent
-                )
+                    sock, timeout=self.options.socket_timeout, bytes_per_second=self._read_rate,
+                    sent=min(sent, self.options.load_batch_mib * _MIB),
+                )  # fmt: skip
                 for i in indexes:
                     receive(reader, i)
                 clean = True
