@@ -96,11 +96,13 @@ def start_redis(workdir: Path, extra_args: tuple[str, ...] = ()) -> RedisServer:
 
 class SlowLink:
     """A TCP proxy to a local port that passes server-to-client bytes at ``bytes_per_second``
-    (a congested link); client-to-server bytes pass as they come. ``close()`` stops it."""
+    (a congested link); client-to-server bytes pass as they come. With ``uplink``, the other way
+    round: client-to-server bytes are slow (a congested uplink). ``close()`` stops it."""
 
-    def __init__(self, upstream_port: int, bytes_per_second: int) -> None:
+    def __init__(self, upstream_port: int, bytes_per_second: int, uplink: bool = False) -> None:
         self._upstream = upstream_port
         self._rate = bytes_per_second
+        self._uplink = uplink
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = int(self._listener.getsockname()[1])
         self._sockets: list[socket.socket] = [self._listener]
@@ -114,12 +116,12 @@ class SlowLink:
                 return
             server = socket.create_connection(("127.0.0.1", self._upstream))
             self._sockets += [client, server]
-            threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(client, server, self._uplink), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, not self._uplink), daemon=True).start()
 
     def _pipe(self, src: socket.socket, dst: socket.socket, slow: bool) -> None:
         try:
-            while data := src.recv(1024 if slow else 65536):
+            while data := src.recv(1024 if slow and not self._uplink else 65536):
                 if slow:
                     time.sleep(len(data) / self._rate)
                 dst.sendall(data)

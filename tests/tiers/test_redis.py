@@ -18,6 +18,8 @@ from redis_servers import SlowLink
 
 from kvtier.errors import ConfigError, TierError
 from kvtier.keys import BlockKey, KVGeometry, Namespace, chain_ids
+from kvtier.tiers import redis as redis_tier_module
+from kvtier.tiers import redis_protocol
 from kvtier.tiers.base import HealthState, JobResult, TierContext, TransferJob
 from kvtier.tiers.format import HEADER_SIZE
 from kvtier.tiers.redis import RedisTier, RedisTierOptions, refused_by_server
@@ -715,9 +717,61 @@ def test_a_busy_server_is_a_miss_and_opens_the_breaker(
         runner.join(5)
 
 
+def _refuse_writes(raw: redis.Redis, how: str) -> None:
+    """Make the server refuse writes only: ``misconf`` (a failed RDB snapshot with
+    stop-writes-on-bgsave-error) or ``noreplicas`` (min-replicas-to-write without a replica)."""
+    if how == "noreplicas":
+        raw.config_set("min-replicas-to-write", 1)
+        return
+    raw.config_set("dir", "/proc/self")  # the snapshot cannot be written there
+    raw.bgsave()
+    deadline = time.monotonic() + 10
+    while raw.info("persistence")["rdb_last_bgsave_status"] != "err":
+        assert time.monotonic() < deadline, "the failing BGSAVE did not end"
+        time.sleep(0.02)
+    raw.config_set("save", "3600 1000000")  # with a save point, the failed snapshot stops writes
+
+
+@pytest.mark.parametrize("how", ["misconf", "noreplicas"])
+def test_a_server_that_refuses_only_writes_fails_the_stores_and_keeps_serving_reads(
+    redis_server_factory: Callable[..., Any], make_tier: Callable[..., RedisTier], caplog: pytest.LogCaptureFixture,
+    how: str,
+) -> None:
+    """Regression (review, 2026-12-03, D4): MISCONF (a failed RDB snapshot) and NOREPLICAS refuse writes
+    only, but counted as breaker failures: three refused stores took the whole tier out of service,
+    and blocks the server still served became MISS."""
+    server = redis_server_factory("--enable-protected-configs", "yes")
+    rows = random_rows(8)
+    ns = namespace()
+    tier = make_tier(server.url, rows, ns, io_threads=1, failure_threshold=2, open_seconds=30.0)
+    keys = keys_for(ns, 8)
+    assert store(tier, keys[:2], [0, 1]).success
+    raw = redis.Redis.from_url(server.url)
+    try:
+        _refuse_writes(raw, how)
+        code = how.upper()
+        with caplog.at_level(logging.WARNING, logger="kvtier.tiers.redis"):
+            for i in range(2, 6):
+                result = store(tier, keys[i : i + 1], [i])
+                assert not result.success and result.error is not None and code in result.error
+        assert tier.health().state is HealthState.CLOSED and tier.health().consecutive_failures == 0
+        assert tier.stats.stores_failed == 4
+        assert resolve(tier, keys[0]) is LookupResult.HIT
+        assert load(tier, keys[:2], [6, 7]).success
+        assert np.array_equal(rows[6:8], rows[0:2])
+        logged = [r.getMessage() for r in caplog.records if code in r.getMessage()]
+        assert len(logged) == 1 and "reads go on" in logged[0], logged
+    finally:
+        raw.config_set("save", "")
+        raw.config_set("min-replicas-to-write", 0)
+
+
 @pytest.mark.parametrize(
     ("message", "writing", "refused"),
     [
+        ("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist", True, False),
+        ("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist", False, True),
+        ("NOREPLICAS Not enough good replicas to write.", True, False),
         ("NOPERM this user has no permissions", False, True),
         ("LOADING Redis is loading the dataset in memory", False, True),
         ("BUSY Redis is busy running a script", True, True),
@@ -732,7 +786,7 @@ def test_which_error_replies_count_against_the_server(message: str, writing: boo
     assert refused_by_server(ErrorReply(message), writing) is refused
 
 
-@pytest.mark.parametrize("damage", ["flip_payload", "truncate"])
+@pytest.mark.parametrize("damage", ["flip_payload", "truncate", "header_junk"])
 def test_a_corrupt_value_rewritten_before_its_delete_is_kept(
     redis_server: Any, make_tier: Callable[..., RedisTier], damage: str
 ) -> None:
@@ -742,6 +796,8 @@ def test_a_corrupt_value_rewritten_before_its_delete_is_kept(
     tier, rows, keys, raw, name, value = _two_stored(redis_server.url, make_tier)
     if damage == "flip_payload":
         raw.setrange(name, HEADER_SIZE + 7, bytes([value[HEADER_SIZE + 7] ^ 0xFF]))
+    elif damage == "header_junk":
+        raw.setrange(name, 40, b"\x00junk\x00")
     else:
         raw.set(name, value[:-10])
     other = make_tier(redis_server.url, rows, namespace(), lookup_cache_seconds=0.0)
@@ -759,6 +815,81 @@ def test_a_corrupt_value_rewritten_before_its_delete_is_kept(
     assert tier.stats.corrupt_values == 1
     assert not any(e.removed and keys[0] in e.keys for e in tier.take_events())
     assert resolve(tier, keys[0]) is LookupResult.HIT
+
+
+def test_a_corrupt_value_rewritten_while_its_delete_compares_it_is_kept(
+    redis_server: Any, make_tier: Callable[..., RedisTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (review, 2026-12-03, D5): the delete no longer hashes the whole value in one script;
+    the value is compared on the client between WATCH and EXEC, so another engine's valid rewrite that
+    lands after the value was compared (here: a single payload byte apart, the same header) is kept."""
+    tier, _rows, keys, raw, name, value = _two_stored(redis_server.url, make_tier)
+    raw.setrange(name, HEADER_SIZE + 7, bytes([value[HEADER_SIZE + 7] ^ 0xFF]))
+
+    class RewriteAfterTheCompare(redis_protocol.RespReader):
+        def read_bulk_chunks(self, consume: Callable[[memoryview], None]) -> Any:
+            got = super().read_bulk_chunks(consume)
+            raw.set(name, value)  # another engine's valid value, between the GET and the EXEC
+            return got
+
+    monkeypatch.setattr(redis_tier_module, "RespReader", RewriteAfterTheCompare)
+    result = load(tier, keys, [4, 5])
+    assert result.successful_keys == frozenset([keys[1]])
+    assert result.error is not None and "1 rewritten since" in result.error
+    assert raw.get(name) == value, "the value another engine wrote after the compare must stay"
+    assert tier.stats.corrupt_values == 1
+    assert not any(e.removed and keys[0] in e.keys for e in tier.take_events())
+    assert tier.health().state is HealthState.CLOSED and tier.health().consecutive_failures == 0
+
+
+@pytest.mark.parametrize("denied", ["watch", "multi", "exec"])
+def test_an_acl_without_the_delete_commands_leaves_a_corrupt_value_in_place(
+    redis_server: Any, make_tier: Callable[..., RedisTier], caplog: pytest.LogCaptureFixture, denied: str
+) -> None:
+    """The delete of a value with a valid header needs WATCH, MULTI and EXEC: without one of them the
+    value is left in place and the refusal logged; never deleted unguarded (a DEL after a refused
+    MULTI would run at once), and no tier failure."""
+    url = _acl_url(redis_server, "kv", "~kvtier:*", "+@all", f"-{denied}")
+    tier, _rows, keys, raw, name, value = _two_stored(url, make_tier)
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.setrange(name, HEADER_SIZE + 7, bytes([value[HEADER_SIZE + 7] ^ 0xFF]))
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.redis"):
+        result = load(tier, keys, [4, 5])
+    assert result.successful_keys == frozenset([keys[1]])
+    assert result.error is not None and "1 corrupt value(s) not deleted (0 rewritten since)" in result.error
+    assert raw.exists(name) == 1
+    assert any("left in place" in r.getMessage() and "NOPERM" in r.getMessage() for r in caplog.records)
+    assert tier.health().state is HealthState.CLOSED and tier.health().consecutive_failures == 0
+    assert load(tier, keys[1:], [5]).success, "the connection is still usable"
+
+
+def test_deleting_many_large_corrupt_values_is_cheap_for_the_server_and_within_the_deadline(
+    redis_server: Any, make_tier: Callable[..., RedisTier]
+) -> None:
+    """Regression (review, 2026-12-03, D5): the compare-and-delete script hashed each whole value on
+    the server (tens of ms per value of a few MiB, blocking every other client of a shared Redis),
+    and a burst of them, pipelined, outran the replies' deadline: a false breaker failure and a
+    false "not deleted" although every value was gone."""
+    block = 8 * 1024 * 1024
+    n = 8  # the whole-value script took >= 25 ms per value here: 8 of them outran socket_timeout
+    rows = random_rows(2 * n, block_bytes=block)
+    ns = namespace(block_bytes=block)
+    keys = keys_for(ns, n)
+    tier = make_tier(redis_server.url, rows, ns, io_threads=1, socket_timeout=0.15)
+    assert store(tier, keys, list(range(n))).success
+    raw = redis.Redis.from_url(redis_server.url)
+    for key in keys:  # one payload byte flipped: the header stays valid
+        name = tier.redis_key(key)
+        raw.setrange(name, HEADER_SIZE + 99, bytes([raw.getrange(name, HEADER_SIZE + 99, HEADER_SIZE + 99)[0] ^ 1]))
+    raw.config_set("slowlog-log-slower-than", 15_000)  # microseconds
+    raw.slowlog_reset()
+    result = load(tier, keys, list(range(n, 2 * n)))
+    assert not result.success and tier.stats.corrupt_values == n
+    assert result.error is not None and f"{n} corrupt value(s) deleted" in result.error, result.error
+    assert not any(raw.exists(tier.redis_key(k)) for k in keys)
+    assert tier.health().state is HealthState.CLOSED and tier.health().consecutive_failures == 0
+    slow = [(e["command"], e["duration"]) for e in raw.slowlog_get(128)]
+    assert not [c for c in slow if b"EVAL" in c[0] or b"WATCH" in c[0] or b"EXEC" in c[0]], slow
 
 
 def test_a_key_of_another_type_or_length_is_a_miss_and_left_alone(
@@ -809,6 +940,31 @@ def test_a_slow_link_times_a_load_out_and_takes_the_tier_out_of_service(
             started = time.monotonic()
             tier.shutdown()
             assert time.monotonic() - started < 2.0
+    finally:
+        link.close()
+
+
+def test_a_store_over_a_slow_uplink_gets_time_for_the_bytes_it_sent(
+    redis_server: Any, make_tier: Callable[..., RedisTier]
+) -> None:
+    """Regression (review, 2026-12-03, D6): the replies' deadline started once the last SET was
+    handed to the kernel and gave nothing for the values still on their way to the server, so a
+    store over an uplink at the accepted rate timed out, blaming the reading of replies."""
+    rows = random_rows(32, block_bytes=512 * 1024)
+    ns = namespace(block_bytes=512 * 1024)
+    keys = keys_for(ns, 16)
+    link = SlowLink(redis_server.port, 2 * 1024 * 1024, uplink=True)  # 8 MiB take 4 s to reach the server
+    try:
+        # The link is faster than the floor given (1 MiB/s): the store must succeed, however much of
+        # it the kernel still buffers when the last SET is handed over.
+        tier = make_tier(f"redis://127.0.0.1:{link.port}/0", rows, ns, io_threads=1, socket_timeout=1.0,
+                         min_read_mib_per_second=1.0, failure_threshold=1, open_seconds=30.0)  # fmt: skip
+        tier.submit_store(job(keys, list(range(16)), False))
+        (result,) = wait_results(tier, 1, timeout=20.0)
+        assert result.success, result.error
+        assert tier.health().state is HealthState.CLOSED
+        assert load(tier, keys, list(range(16, 32))).success
+        assert np.array_equal(rows[16:32], rows[0:16])
     finally:
         link.close()
 

@@ -180,3 +180,48 @@ def test_reader_bounds_the_whole_batch_when_every_receive_is_within_the_socket_t
     finally:
         stop.set()
         thread.join()
+
+
+def test_a_reader_after_sending_values_gives_them_time_and_names_the_direction_when_late(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """Regression (review, 2026-12-03, D6): a store's replies had no time for the values still on
+    their way to the server, and a late acknowledgement was blamed on reading replies."""
+    a, b = pair
+    late = threading.Timer(0.25, b.sendall, (b"+OK\r\n",))
+    late.start()
+    try:
+        reader = RespReader(a, timeout=0.1, bytes_per_second=1e6, sent=300_000)  # 0.1 s + 0.3 s
+        assert reader.read_reply() == b"OK"
+    finally:
+        late.join()
+    late = threading.Timer(0.25, b.sendall, (b"+OK\r\n",))
+    late.start()
+    try:
+        reader = RespReader(a, timeout=0.1, bytes_per_second=1e6, sent=50_000)  # 0.1 s + 0.05 s
+        with pytest.raises(TimeoutError, match=r"had not acknowledged the 50000 bytes sent to it within 0\.15s"):
+            reader.read_reply()
+    finally:
+        late.join()
+
+
+def test_reader_parses_exec_arrays_and_streams_bulk_replies_in_pieces(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """The delete of a corrupt value reads EXEC's array (null when a WATCH aborted it) and compares
+    a GET reply piece by piece instead of keeping it whole."""
+    a, b = pair
+    big = bytes(range(256)) * 5000  # over 1 MiB: two pieces
+    thread = feed(a, b"*1\r\n:1\r\n*-1\r\n*0\r\n-EXECABORT x\r\n$%d\r\n%s\r\n$-1\r\n-NOPERM no\r\n" % (len(big), big),
+                  chunk=65536)  # fmt: skip
+    reader = RespReader(b, bufsize=16)
+    assert reader.read_array() == [1]
+    assert reader.read_array() is None
+    assert reader.read_array() == []
+    assert reader.read_array() == ErrorReply("EXECABORT x")
+    pieces: list[bytes] = []
+    assert reader.read_bulk_chunks(lambda view: pieces.append(bytes(view))) == len(big)
+    assert b"".join(pieces) == big and len(pieces) == 2
+    assert reader.read_bulk_chunks(pieces.append) is None
+    assert reader.read_bulk_chunks(pieces.append) == ErrorReply("NOPERM no")
+    thread.join()

@@ -13,9 +13,9 @@ header into a small buffer and the payload straight into the reserved CPU row,
 then verifies header and checksum; a missing key (expired, or evicted by Redis
 ``maxmemory``) is a MISS for that key and is reported removed in the tier's events
 (nobody else can report it), a malformed value is a MISS too, is counted in
-``stats.corrupt_values`` and is deleted only if it is still the value read (one Lua
-script compares and deletes, so another engine's rewrite since is kept); a value in
-another release's format version is a MISS, counted in ``foreign_format`` and kept.
+``stats.corrupt_values`` and is deleted only if it is still the value read (so another
+engine's rewrite since is kept; :meth:`RedisTier._delete` says how, at a bounded cost to the
+server); a value in another release's format version is a MISS, counted in ``foreign_format`` and kept.
 
 Health: a :class:`~kvtier.tiers.health.CircuitBreaker`. A refused connection
 opens it at once; other failures (timeouts, resets, a batch of replies slower than
@@ -195,8 +195,9 @@ class RedisTierOptions(TierOptions):
     )
     min_read_mib_per_second: float = Field(
         default=8.0, gt=0, le=1_000_000, allow_inf_nan=False,
-        description="Slowest read accepted: a batch of replies may take socket_timeout plus its MiB divided by "
-        "this, else it times out (a breaker failure), so a slow link takes the tier out of service.",
+        description="Slowest link accepted, both ways: a batch of replies may take socket_timeout plus its MiB "
+        "(and a store's, the MiB it sent) divided by this, else it times out (a breaker failure), so a slow "
+        "link takes the tier out of service.",
     )
 
     @field_validator("url")
@@ -219,12 +220,20 @@ class RedisTierOptions(TierOptions):
 # Error replies that say the server will not serve this client now (an ACL without the tier's
 # keys or commands, a script running, a data set loading, a replica without its primary...) are
 # tier failures; only these few are about the one key: a redirect (the topology moved) and a value
-# of another type. OOM is one too for a write (the server is full, it still serves reads).
+# of another type. To a write, the refusals of writes only are too (the server still serves reads):
+# each fails its store, is logged with its hint at most once a minute, and is no tier failure.
 _KEY_ERRORS = ("MOVED", "ASK", "WRONGTYPE")
+_WRITE_REFUSAL_HINTS = {
+    "OOM": "the server is full (maxmemory) and refuses writes; stores fail, reads go on",
+    "MISCONF": "the server refuses writes since its last RDB snapshot failed (stop-writes-on-bgsave-error): "
+               "fix its disk or dir; stores fail, reads go on",
+    "NOREPLICAS": "the server refuses writes: fewer replicas than its min-replicas-to-write are connected; "
+                  "stores fail, reads go on",
+}  # fmt: skip
 _REFUSAL_LOG_SECONDS = 60.0
 _REFUSAL_HINTS = {
     "NOPERM": "give the URL's ACL user the keys <prefix>:* and the commands STRLEN GET SET EVAL GETRANGE "
-              "DEL PEXPIRE PING INFO (docs/tiers.md); counted as a tier failure",
+              "DEL WATCH MULTI EXEC PEXPIRE PING INFO (docs/tiers.md); counted as a tier failure",
     "NOAUTH": "the URL's password or ACL user is wrong or missing; counted as a tier failure",
     "BUSY": "a long script blocks the server; counted as a tier failure",
     "LOADING": "the server is loading its data set; counted as a tier failure",
@@ -233,21 +242,25 @@ _REFUSAL_HINTS = {
 }  # fmt: skip
 
 
-# Deletes KEYS[1] only if it still is the value judged corrupt: ARGV[1] its length and either
-# ARGV[2] the SHA-1 of the whole value or (ARGV[2] empty) ARGV[3] its first bytes. 1: deleted, 0: not.
+# Deletes KEYS[1] only if it still has length ARGV[1] and starts with the bytes ARGV[2] (a value's
+# first bytes, at most its header: HEADER_SIZE). 1: deleted, 0: not. Reads at most #ARGV[2] bytes of
+# the value, so its cost on the server does not grow with the value (see RedisTier._delete).
 _DELETE_IF_UNCHANGED = b"""local n = redis.call('strlen', KEYS[1])
 if n ~= tonumber(ARGV[1]) then return 0 end
-if ARGV[2] ~= '' then
-  if redis.sha1hex(redis.call('get', KEYS[1])) ~= ARGV[2] then return 0 end
-elseif n > 0 and redis.call('getrange', KEYS[1], 0, #ARGV[3] - 1) ~= ARGV[3] then return 0 end
+if n > 0 and (#ARGV[2] == 0 or redis.call('getrange', KEYS[1], 0, #ARGV[2] - 1) ~= ARGV[2]) then return 0 end
 return redis.call('del', KEYS[1])"""
 
 
 def refused_by_server(reply: ErrorReply, writing: bool = False) -> bool:
     """Whether ``reply`` says the server refuses this client (a tier failure), not one key (a
-    MISS or failed key only): everything but a redirect, WRONGTYPE and, for a write, OOM."""
+    MISS or failed key only): everything but a redirect, WRONGTYPE and, for a write, a refusal of
+    writes only (``OOM``, ``MISCONF``, ``NOREPLICAS``: the server still serves reads)."""
     code = reply.message.split(" ", 1)[0]
-    return code not in _KEY_ERRORS and not (writing and code == "OOM")
+    return code not in _KEY_ERRORS and not (writing and code in _WRITE_REFUSAL_HINTS)
+
+
+def _size(pieces: Sequence[Piece]) -> int:
+    return sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in pieces)
 
 
 def _is_refused(exc: BaseException) -> bool:
@@ -569,17 +582,28 @@ class RedisTier(ThreadedTier):
                 # joined with the next command's head instead of costing a TLS record of its own.
                 keep_tail = isinstance(sock, ssl.SSLSocket)
                 pieces: list[Piece] = []
+                sent = 0
                 for i in indexes:
                     send(pieces, i)
                     if len(pieces) >= 256 or any(isinstance(p, memoryview) for p in pieces[-3:]):
                         if keep_tail:
+                            sent += _size(pieces[:-1])
                             send_pieces(sock, pieces[:-1])
                             del pieces[:-1]
                         else:
+                            sent += _size(pieces)
                             send_pieces(sock, pieces)
                             pieces.clear()
+                sent += _size(pieces)
                 send_pieces(sock, pieces)
-                reader = RespReader(sock, timeout=self.options.socket_timeout, bytes_per_second=self._read_rate)
+                # The kernel may still be passing what was sent to the server (a slow uplink):
+                # the replies' deadline gives those bytes their time too (RespReader's sent). What
+                # can still be on its way is bounded by the socket buffers (a few MiB), so the
+                # allowance is capped at load_batch_mib, which shutdown_timeout already counts.
+                reader = RespReader(
+                    sock, timeout=self.options.socket_timeout, bytes_per_second=self._read_rate,
+                    sent=min(sent, self.options.load_batch_mib * _MIB),
+                )  # fmt: skip
                 for i in indexes:
                     receive(reader, i)
                 clean = True
@@ -611,6 +635,20 @@ class RedisTier(ThreadedTier):
             logger.warning("redis tier %s: %s (%s)", self.label, detail, hint)
         if not self._breaker.serving:
             logger.warning("redis tier %s out of service: %s", self.label, detail)
+
+    def _note_write_refusal(self, reply: ErrorReply) -> None:
+        """A store refused by a server that refuses writes only (see :data:`_WRITE_REFUSAL_HINTS`):
+        the store fails (``stores_failed``), the tier keeps serving; logged once a minute per code."""
+        code = reply.message.split(" ", 1)[0]
+        hint = _WRITE_REFUSAL_HINTS.get(code)
+        if hint is None:
+            return
+        now, logged = time.monotonic(), f"SET {code}"
+        with self._lock:
+            if now - self._refusals_logged.get(logged, -_REFUSAL_LOG_SECONDS) < _REFUSAL_LOG_SECONDS:
+                return
+            self._refusals_logged[logged] = now
+        logger.warning("redis tier %s: SET answered %r (%s)", self.label, reply.message, hint)
 
     def _do_exists(self, keys: list[BlockKey]) -> None:
         if not self._breaker.serving:
@@ -680,6 +718,7 @@ class RedisTier(ThreadedTier):
                 reply = reader.read_reply()
                 if isinstance(reply, ErrorReply):
                     self._note_reply_error(reply, refusals, writing=True)
+                    self._note_write_refusal(reply)
                     errors.append(reply.message)
                 else:
                     ok[i] = True
@@ -763,21 +802,27 @@ class RedisTier(ThreadedTier):
                                        self.label, key.hex(), reply, self._value_bytes)  # fmt: skip
                         corrupt[key] = (reply, b"", bytes(head_view[: min(reply, HEADER_SIZE)]))
                 else:
+                    what = f"redis tier {self.label}: value of {key.hex()} is corrupt; deleting it"
                     try:
                         parsed = decode_header(
                             head_view, namespace=self._ns_digest, key=key, payload_len=self._block_bytes
                         )
-                        verify_payload(parsed, body)
                     except ForeignFormatError as exc:
                         what = f"redis tier {self.label}: value of {key.hex()} is not served; left in place"
                         log_failure(logger, logging.WARNING, what, exc)
                         foreign.append(key)
-                    except CorruptValueError as exc:
-                        what = f"redis tier {self.label}: value of {key.hex()} is corrupt; deleting it"
+                        return
+                    except CorruptValueError as exc:  # the header alone condemns it: see _delete
+                        log_failure(logger, logging.WARNING, what, exc)
+                        corrupt[key] = (reply, b"", bytes(head_view))
+                        return
+                    try:
+                        verify_payload(parsed, body)
+                    except CorruptValueError as exc:  # only the whole value identifies it: see _delete
                         log_failure(logger, logging.WARNING, what, exc)
                         digest = hashlib.sha1(head_view, usedforsecurity=False)
                         digest.update(body)
-                        corrupt[key] = (reply, digest.hexdigest().encode(), b"")
+                        corrupt[key] = (reply, digest.digest(), b"")
                     else:
                         loaded.append(key)
 
@@ -829,36 +874,127 @@ class RedisTier(ThreadedTier):
         self._finish(self._result(job, loaded, len(loaded) * self._value_bytes, seconds, errors))
 
     def _delete(self, corrupt: Mapping[BlockKey, tuple[int, bytes, bytes]]) -> tuple[list[BlockKey], list[BlockKey]]:
-        """Delete each corrupt value only if it is still the one read (:data:`_DELETE_IF_UNCHANGED`),
-        so a valid value another engine wrote since is never removed.
+        """Delete each corrupt value only if it is still the one read, so a valid value another engine
+        wrote since is never removed, at a cost to the server that does not grow with the value.
 
-        ``corrupt`` maps a key to ``(length, sha1 hex of the whole value, b"")`` when the value had
-        the expected length, else ``(length, b"", its first bytes)``: a valid value never has another
-        length. Returns ``(deleted, rewritten since)``; a key in neither is left by an error
-        (logged), e.g. an ACL without EVAL. Best effort: a failure is a breaker failure, not raised.
+        ``corrupt`` maps a key to ``(length, b"", first bytes)`` when the value is condemned by its
+        length or its header, else ``(length, SHA-1 of the whole value, b"")`` (its header is valid,
+        its payload does not match the header's checksum). Returns ``(deleted, rewritten since)``;
+        a key in neither is left by an error (logged), e.g. an ACL without EVAL, WATCH, MULTI or
+        EXEC. Best effort: a failure is a breaker failure, not raised.
+
+        Why each rule is safe (whether a value is valid depends on its bytes alone: a valid value is
+        ``HEADER_SIZE + block_bytes`` long, its header is valid for this tier's namespace, this key
+        and that payload length, and its payload matches the header's checksum):
+
+        * Another length, or an invalid header: one script (:data:`_DELETE_IF_UNCHANGED`) deletes the
+          key if it still has that length and starts with the same bytes (all the bytes kept, up to
+          the header). A value of another length is never valid, and its first bytes (they include
+          the format prefix) show it is not another release's either; a header judged invalid (or
+          corrupt, not foreign) is judged so by its bytes alone, and every value starting with the
+          same header bytes is judged the same. So whatever value the script finds then is invalid
+          too, and the script is atomic. It reads at most ``HEADER_SIZE`` bytes of the value.
+        * A valid header and a payload that does not match it: a valid value of the same key (another
+          engine's rewrite) may have this very header and differ in a single payload byte, so no
+          bounded part of the value tells them apart: only the whole value does. It is compared on the
+          client, never hashed by the server: ``WATCH key`` / ``GET key`` / ``MULTI``, then, if the GET
+          returned the very bytes read (same length and SHA-1), ``DEL key`` / ``EXEC``, else an empty
+          ``EXEC``. ``EXEC`` runs the DEL only if nothing wrote the key since the ``WATCH`` (else it
+          is aborted: rewritten), so the value deleted is the one the GET returned, which is the
+          corrupt one read. The server's work per command is a GET (what a load does) or O(1):
+          no script copies or hashes the value, and other clients are served between commands.
+          ``DEL`` is sent only after ``MULTI`` was answered OK (a refused MULTI would run it at once).
+
+        Each round trip has the deadline of a batch of replies: ``socket_timeout`` plus the bytes the
+        server sends back at ``min_read_mib_per_second``; the values are taken one at a time and the
+        loop stops when the tier shuts down.
         """
         keys = list(corrupt)
         rkeys = [self.redis_key(k) for k in keys]
         replies: dict[int, object] = {}
+        by_prefix = [i for i, k in enumerate(keys) if not corrupt[k][1]]
+        whole = [i for i, k in enumerate(keys) if corrupt[k][1]]
 
-        def send(out: list[Piece], i: int) -> None:
-            length, digest, head = corrupt[keys[i]]
-            pack_command(out, b"EVAL", _DELETE_IF_UNCHANGED, b"1", rkeys[i], b"%d" % length, digest, head)
+        def send(out: list[Piece], j: int) -> None:
+            i = by_prefix[j]
+            length, _, head = corrupt[keys[i]]
+            pack_command(out, b"EVAL", _DELETE_IF_UNCHANGED, b"1", rkeys[i], b"%d" % length, head)
 
-        def receive(reader: RespReader, i: int) -> None:
-            replies[i] = reader.read_reply()
+        def receive(reader: RespReader, j: int) -> None:
+            replies[by_prefix[j]] = reader.read_reply()
 
         try:
-            self._pipeline(rkeys, send, receive)
+            if by_prefix:
+                self._pipeline([rkeys[i] for i in by_prefix], send, receive)
+            if whole:
+                self._delete_whole([rkeys[i] for i in whole], [corrupt[keys[i]] for i in whole],
+                                   lambda j, reply: replies.__setitem__(whole[j], reply))  # fmt: skip
         except Exception as exc:
             self._record_error(exc)
         deleted = [k for i, k in enumerate(keys) if replies.get(i) == 1]
         rewritten = [k for i, k in enumerate(keys) if replies.get(i) == 0]
-        refused = [r for r in replies.values() if isinstance(r, ErrorReply)]
+        refused = [r.message for r in replies.values() if isinstance(r, ErrorReply)]
         if refused:
-            logger.warning("redis tier %s: %d corrupt value(s) left in place: the server answered %r to EVAL",
-                           self.label, len(refused), refused[0].message)  # fmt: skip
+            logger.warning("redis tier %s: %d corrupt value(s) left in place: the server answered %r (the "
+                           "delete needs EVAL GETRANGE DEL WATCH MULTI EXEC)", self.label, len(refused),
+                           refused[0])  # fmt: skip
         return deleted, rewritten
+
+    def _delete_whole(
+        self, rkeys: list[bytes], read: list[tuple[int, bytes, bytes]], answer: Callable[[int, object], None]
+    ) -> None:
+        """The WATCH/GET/MULTI/EXEC rule of :meth:`_delete`, one value at a time: ``answer(j, 1)``
+        deleted, ``answer(j, 0)`` not (rewritten or gone since), ``answer(j, ErrorReply)`` refused."""
+        timeout, rate = self.options.socket_timeout, self._read_rate
+        for pool, indexes in self._backend.groups(rkeys):
+            conn = pool.get_connection()
+            clean = False
+            try:
+                sock = conn._sock
+                for j in indexes:
+                    if self._stopping.is_set():
+                        break
+                    length, digest, _ = read[j]
+                    out: list[Piece] = []
+                    pack_command(out, b"WATCH", rkeys[j])
+                    pack_command(out, b"GET", rkeys[j])
+                    pack_command(out, b"MULTI")
+                    send_pieces(sock, out)
+                    reader = RespReader(sock, timeout=timeout, bytes_per_second=rate)
+                    watched = reader.read_reply()
+                    hasher = hashlib.sha1(usedforsecurity=False)
+                    got = reader.read_bulk_chunks(hasher.update)
+                    multi = reader.read_reply()
+                    errors = [r for r in (watched, got, multi) if isinstance(r, ErrorReply)]
+                    if any(r.is_redirect for r in errors):
+                        self._need_refresh = True
+                    if isinstance(multi, ErrorReply):
+                        answer(j, multi)
+                        if not isinstance(watched, ErrorReply):
+                            return  # the connection keeps a WATCH: dropped below, not pooled
+                        continue
+                    same = not errors and got == length and hasher.digest() == digest
+                    out = []
+                    if same:
+                        pack_command(out, b"DEL", rkeys[j])
+                    pack_command(out, b"EXEC")
+                    send_pieces(sock, out)
+                    reader = RespReader(sock, timeout=timeout, bytes_per_second=rate)
+                    queued = reader.read_reply() if same else None
+                    done = reader.read_array()
+                    if errors:
+                        answer(j, errors[0])
+                    elif isinstance(queued, ErrorReply):
+                        answer(j, queued)
+                    elif isinstance(done, ErrorReply):
+                        answer(j, done)
+                    else:  # not the value read, aborted by a write since the WATCH, or deleted
+                        answer(j, 1 if same and done == [1] else 0)
+                clean = True
+            finally:
+                if not clean:
+                    conn.disconnect()
+                pool.release(conn)
 
     def _do_touch(self, keys: list[BlockKey]) -> None:
         if self._px is not None and self._breaker.serving:

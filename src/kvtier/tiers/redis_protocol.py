@@ -14,7 +14,8 @@ row. Here:
   into a caller's buffer with ``recv_into`` (the CPU row of a load).
 
 Only the reply types the tier uses are parsed: simple strings, errors,
-integers and bulk strings (including null). Arrays raise
+integers and bulk strings (including null); arrays of those only where one is
+expected (:meth:`RespReader.read_array`, ``EXEC``'s reply), else they raise
 :class:`RespProtocolError`. Nothing read is ever evaluated.
 
 All functions run on the tier's I/O threads and block on the socket, bounded
@@ -29,6 +30,7 @@ import os
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 _CRLF = b"\r\n"
@@ -165,10 +167,12 @@ class RespReader:
     of the commands sent, so the connection can go back to its pool clean.
 
     With ``timeout``, the whole batch has a deadline: ``timeout`` seconds from the
-    reader's creation for the replies to start, plus ``length / bytes_per_second`` for
-    each bulk reply as its length is announced. A receive that returns past the
-    deadline raises ``TimeoutError`` (so a read overruns it by one socket timeout at
-    most); the connection is then unusable.
+    reader's creation for the replies to start, plus ``sent / bytes_per_second`` for the
+    values just sent (``sent``: bytes the kernel may still be passing to the server, which
+    replies only once it has them all), plus ``length / bytes_per_second`` for each bulk
+    reply as its length is announced, plus what :meth:`allow` adds. A receive that returns
+    past the deadline raises ``TimeoutError`` (so a read overruns it by one socket timeout
+    at most), naming the direction that was slow; the connection is then unusable.
     """
 
     def __init__(
@@ -178,6 +182,7 @@ class RespReader:
         *,
         timeout: float | None = None,
         bytes_per_second: float = float("inf"),
+        sent: int = 0,
     ) -> None:
         self._sock = sock
         self._buf = bytearray(bufsize)
@@ -187,18 +192,33 @@ class RespReader:
         self._budget = timeout
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._rate = bytes_per_second
+        self._sent = sent
+        self._received = 0
+        self._allow(sent)
 
     def _allow(self, nbytes: int) -> None:
-        # A bulk reply of ``nbytes`` is announced: its transfer extends the deadline.
+        # ``nbytes`` more to move (a bulk reply announced, values sent): the deadline grows.
         if self._deadline is not None and self._budget is not None and nbytes > 0:
             self._budget += nbytes / self._rate
             self._deadline += nbytes / self._rate
+
+    def allow(self, nbytes: int) -> None:
+        """Give the batch ``nbytes / bytes_per_second`` more seconds: work the server does before
+        it replies that its replies' sizes do not show (e.g. a value it reads for a script)."""
+        self._allow(nbytes)
 
     def _recv_into(self, view: memoryview) -> int:
         got = self._sock.recv_into(view)
         if got == 0:
             raise ConnectionResetError("Redis closed the connection")
+        self._received += got
         if self._deadline is not None and time.monotonic() > self._deadline:
+            if self._sent and self._received == got:
+                raise TimeoutError(
+                    f"Redis had not acknowledged the {self._sent} bytes sent to it within {self._budget:.2f}s "
+                    "(a link, to the server or back, slower than the tier's min_read_mib_per_second, which "
+                    "bounds stores too)"
+                )
             raise TimeoutError(
                 f"reading replies from Redis took longer than {self._budget:.2f}s "
                 "(a link slower than the tier's min_read_mib_per_second)"
@@ -264,6 +284,46 @@ class RespReader:
             self._skip_crlf()
             return bytes(data)
         raise RespProtocolError(f"unexpected RESP reply type {kind!r}")
+
+    def read_array(self) -> list[bytes | int | ErrorReply | None] | ErrorReply | None:
+        """One array reply of scalar replies (``EXEC``'s), None for a null array (an ``EXEC``
+        aborted by ``WATCH``), or :class:`ErrorReply`."""
+        line = self._read_line(len(self._buf))
+        kind, rest = line[:1], line[1:]
+        if kind == b"-":
+            return ErrorReply(rest.decode("utf-8", "replace"))
+        if kind == b"_":  # RESP3 null
+            return None
+        if kind != b"*":
+            raise RespProtocolError(f"expected an array, got reply type {kind!r}")
+        n = int(rest)
+        return None if n < 0 else [self.read_reply() for _ in range(n)]
+
+    def read_bulk_chunks(self, consume: Callable[[memoryview], None]) -> int | ErrorReply | None:
+        """One bulk-string reply, handed to ``consume`` piece by piece (at most 1 MiB each, into
+        a scratch buffer reused: ``consume`` must not keep the view) instead of kept whole.
+        Returns its length, None for a null reply, or :class:`ErrorReply`."""
+        line = self._read_line(len(self._buf))
+        kind, rest = line[:1], line[1:]
+        if kind == b"-":
+            return ErrorReply(rest.decode("utf-8", "replace"))
+        if kind == b"_":  # RESP3 null
+            return None
+        if kind != b"$":
+            raise RespProtocolError(f"expected a bulk string, got reply type {kind!r}")
+        n = int(rest)
+        if n < 0:
+            return None
+        self._allow(n)
+        scratch = memoryview(bytearray(min(n, 1 << 20) or 1))
+        left = n
+        while left > 0:
+            step = min(left, scratch.nbytes)
+            self.read_into(scratch[:step])
+            consume(scratch[:step])
+            left -= step
+        self._skip_crlf()
+        return n
 
     def read_bulk_split(self, head: memoryview, body: memoryview) -> int | ErrorReply | None:
         """Read one bulk-string reply expected to be ``len(head) + len(body)`` bytes long.
