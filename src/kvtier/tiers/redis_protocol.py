@@ -299,11 +299,10 @@ class RespReader:
         n = int(rest)
         return None if n < 0 else [self.read_reply() for _ in range(n)]
 
-    def read_bulk_chunks(self, consume: Callable[[memoryview], None]) -> int | ErrorReply | None:
-        """One bulk-string reply, handed to ``consume`` piece by piece (at most 1 MiB each, into
-        a scratch buffer reused: ``consume`` must not keep the view) instead of kept whole.
-        Returns its length, None for a null reply, or :class:`ErrorReply`."""
-        line = self._read_line(len(self._buf))
+    def _bulk_length(self, line_limit: int) -> int | ErrorReply | None:
+        """The header of a bulk-string reply: its length (checked against the reply budget),
+        None for a null reply, or :class:`ErrorReply`; any other reply type is a protocol error."""
+        line = self._read_line(line_limit)
         kind, rest = line[:1], line[1:]
         if kind == b"-":
             return ErrorReply(rest.decode("utf-8", "replace"))
@@ -315,6 +314,15 @@ class RespReader:
         if n < 0:
             return None
         self._allow(n)
+        return n
+
+    def read_bulk_chunks(self, consume: Callable[[memoryview], None]) -> int | ErrorReply | None:
+        """One bulk-string reply, handed to ``consume`` piece by piece (at most 1 MiB each, into
+        a scratch buffer reused: ``consume`` must not keep the view) instead of kept whole.
+        Returns its length, None for a null reply, or :class:`ErrorReply`."""
+        n = self._bulk_length(len(self._buf))
+        if n is None or isinstance(n, ErrorReply):
+            return n
         scratch = memoryview(bytearray(min(n, 1 << 20) or 1))
         left = n
         while left > 0:
@@ -335,18 +343,9 @@ class RespReader:
         caller can tell a truncated value from another release's; None is a null reply
         (missing key); an error reply is returned as :class:`ErrorReply`.
         """
-        line = self._read_line(64 + head.nbytes)
-        kind, rest = line[:1], line[1:]
-        if kind == b"-":
-            return ErrorReply(rest.decode("utf-8", "replace"))
-        if kind == b"_":  # RESP3 null
-            return None
-        if kind != b"$":
-            raise RespProtocolError(f"expected a bulk string, got reply type {kind!r}")
-        n = int(rest)
-        if n < 0:
-            return None
-        self._allow(n)
+        n = self._bulk_length(64 + head.nbytes)
+        if n is None or isinstance(n, ErrorReply):
+            return n
         if n == head.nbytes + body.nbytes:
             self.read_into(head)
             self.read_into(body)
