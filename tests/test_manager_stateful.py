@@ -317,6 +317,8 @@ class ManagerMachine(RuleBasedStateMachine):
         block becomes readable); none lasts longer than the deadline."""
         if answer is HIT or answer is MISS:
             self.runs.pop(k, None)
+            if answer is MISS:  # a MISS ends the block's wait: a later one starts afresh
+                self.waits.pop(k, None)
             return
         run = self.runs.get(k)
         if run is None or self.clock - run[1] > GAP:

@@ -356,7 +356,7 @@ class TierSnapshot:
         """JSON-able: the tier's own counters at the top level (the layout ``stats()`` had
         before it was typed), then the manager's view; usage and health only when known."""
         if self.is_primary:
-            out: dict[str, Any] = {**self.counters}
+            out: dict[str, Any] = {**self.counters, "extra": dict(self.extra)}
         else:
             out = {"class": self.implementation, **self.counters, "extra": dict(self.extra)}
         if self.used_bytes is not None:
@@ -556,6 +556,8 @@ def _cpu_from_dict(primary: Mapping[str, Any], block_bytes: int, counters: Manag
         health=str(primary.get("health", "closed")),
         counters={k: v for k, v in primary.items() if isinstance(v, int | float) and not isinstance(v, bool)},
         policy=_policy_from_dict(primary.get("policy")),
+        extra={str(k): float(v) for k, v in dict(primary.get("extra", {})).items()},
+        extra_kinds={str(k): "gauge" for k in dict(primary.get("extra", {}))},
     )
 
 
