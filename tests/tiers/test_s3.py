@@ -45,7 +45,8 @@ def make() -> Iterator[Callable[..., tuple[S3Tier, np.ndarray]]]:
     def build(endpoint: str, bucket: str, ns: Namespace | None = None, seed: int = 0, **options: Any) -> Any:
         rows = np.random.default_rng(seed).integers(0, 256, (32, BLOCK), dtype=np.uint8)
         ctx = TierContext(rows, BLOCK, ns or make_namespace(BLOCK))
-        opts = {k: v for k, v in s3_options(endpoint, bucket, max_in_flight=4, **options).items() if k != "type"}
+        options = {"max_in_flight": 4, **options}
+        opts = {k: v for k, v in s3_options(endpoint, bucket, **options).items() if k != "type"}
         tier = S3Tier(ctx, **opts)
         made.append(tier)
         return tier, rows
@@ -277,15 +278,17 @@ def test_existence_checks_go_out_once_per_step_and_stop_at_the_first_404(s3_stub
     assert heads == 8, f"one window of 8 HEADs, then the chain stops at its first 404 (got {heads})"
 
 
-def test_slow_existence_checks_never_pile_up_ahead_of_loads(s3_stub: S3Stub, make: Any) -> None:
+@pytest.mark.parametrize("max_in_flight", [4, 1])
+def test_slow_existence_checks_never_pile_up_ahead_of_loads(s3_stub: S3Stub, make: Any, max_in_flight: int) -> None:
     """Review H1: with HEADs slower than the steps that need them, one queued batch per step grew
     without bound ahead of loads (served first), and a promotion was never reported. Now at most
     half the threads run checks, later steps' keys join one deferred batch, and stale keys are
-    dropped unchecked."""
+    dropped unchecked. Review s3b #3: with max_in_flight 1 the one thread ran the deferred batch
+    after every batch, never the load; now a batch goes out there only while no load waits."""
     from kvtier.tiers.jobs import Lane
 
     tier, _ = make(s3_stub.endpoint, s3_stub.bucket, check_timeout=1.0, failure_threshold=1000,
-                   request_timeout=1.0, job_timeout=3.0)  # fmt: skip
+                   request_timeout=1.0, job_timeout=3.0, max_in_flight=max_in_flight)  # fmt: skip
     ns = tier.context.namespace
     stored = chain_ids(range(4), ns)
     assert run_job(tier, stored, [0, 1, 2, 3], False, 10).success
