@@ -238,6 +238,28 @@ def test_a_secret_with_a_slash_in_the_url_is_never_echoed(url: str) -> None:
     assert "wJalrXUtnFEMI" not in out.stdout + out.stderr and "bPxRfiCYEXAMPLEKEY" not in out.stdout + out.stderr
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http:/AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY@127.0.0.1:9000/kv-cache",
+        "http:AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY@127.0.0.1:9000/kv-cache",
+        "HTTPS:/AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY@127.0.0.1:9000/kv-cache",
+    ],
+)
+def test_a_url_missing_a_slash_of_its_scheme_never_echoes_the_credentials(url: str) -> None:
+    """Review s3b #4: 'http:/key:secret@host/bkt' has no netloc, so the userinfo landed in the path
+    and bench --s3 echoed it as bucket and prefix, and inspect as a directory that did not exist."""
+    pieces = ("AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMI", "K7MDENG", "bPxRfiCYEXAMPLEKEY")
+    with pytest.raises(ConfigError, match="no '://'") as raised:
+        options_from_url(url)
+    assert not any(piece in str(raised.value) for piece in pieces), raised.value
+    for args in (["inspect", url], ["bench", "--s3", url, "--no-progress"]):
+        out = _run(*args)
+        shown = out.stdout + out.stderr
+        assert out.returncode == 2 and "127.0.0.1:9000" in shown, shown
+        assert not any(piece in shown for piece in pieces), shown
+
+
 def test_inspect_reports_foreign_names_the_client_cannot_parse(s3_bucket: tuple[MotoServer, str]) -> None:
     """Review U4: one object named 'a//b', 'a/./b' or 'a/../b' under the prefix (another
     application's, in a shared bucket) made inspect exit 2 ("cannot list"), inspecting nothing."""

@@ -56,6 +56,11 @@ def options_from_url(url: str, **overrides: Any) -> dict[str, Any]:
     """
     shown = redact_url(url)
     scheme, sep, rest = url.partition("://")
+    if not sep and "@" in url:  # 'http:/key:secret@host/...': no netloc, so nothing would redact the userinfo
+        raise ConfigError(
+            f"s3 url {'***@' + redact_url(url.rsplit('@', 1)[1])!r} has an '@' but no '://' after its scheme: "
+            "write http(s)://key:secret@host:port/bucket/prefix (key and secret percent-encoded)"
+        )
     if sep and "@" in rest:  # '@' is in no bucket or prefix: everything before the last one is userinfo
         shown = f"{redact_url(scheme + '://')}***@{redact_url(rest.rsplit('@', 1)[1])}"
         if scheme == "s3":
