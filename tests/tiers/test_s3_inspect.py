@@ -378,3 +378,40 @@ def test_remove_corrupt_keeps_an_object_changed_between_its_read_and_the_delete(
     assert ns.removed_corrupt == 1 and "changed since it was read" in reasons[victim], reasons
     assert victim in _paths(raw) and bytes(obs.get(raw, victim).bytes()) == valid
     assert other not in _paths(raw)
+
+
+@pytest.mark.parametrize("planted", ["kvtier//x", "kvtier/{ns}//x", "kvtier/{ns}/{shard}//x", "kvtier/./x"])
+def test_an_unparseable_foreign_name_hides_nothing_beside_it(s3_bucket: tuple[MotoServer, str], planted: str) -> None:
+    """Review s3b #5: a folder level that cannot be listed (a foreign 'kvtier//x') was given up
+    whole: at the root every namespace vanished ("0 blocks"), in a namespace its manifest, in a
+    shard that shard's blocks. The parseable names beside it are now listed."""
+    server, bucket = s3_bucket
+    tier, keys = _fill(server, bucket, "model-a", 6)
+    tier.shutdown()
+    digest = tier.context.namespace.hexdigest
+    name = planted.format(ns=digest, shard=keys[0].hex()[:2])
+    put_plain(server.endpoint, bucket, name)
+    options = S3TierOptions(**{k: v for k, v in s3_options(server.endpoint, bucket).items() if k != "type"})
+    report = inspect_prefix(options, verify=True)
+    ours = {ns.digest: ns for ns in report.namespaces}[digest]
+    assert ours.entries == 6 and ours.verified == 6 and ours.manifest_error is None and not ours.corrupt, ours
+    foreign = {path for ns in report.namespaces for path in ns.foreign_files}
+    assert any(name.startswith(shown) for shown in foreign), foreign
+
+
+def test_a_listing_that_stops_is_reported_not_shown_as_empty(
+    s3_bucket: tuple[MotoServer, str],
+) -> None:
+    """Review s3b #5: where the names past an unparseable folder cannot be listed either (a second
+    one further on), inspect says which folder was not listed and exits non-zero."""
+    server, bucket = s3_bucket
+    tier, _ = _fill(server, bucket, "model-a", 3)
+    tier.shutdown()
+    digest = tier.context.namespace.hexdigest
+    put_plain(server.endpoint, bucket, "kvtier//x")
+    put_plain(server.endpoint, bucket, f"kvtier/{digest}/zz//y")
+    options = S3TierOptions(**{k: v for k, v in s3_options(server.endpoint, bucket).items() if k != "type"})
+    report = inspect_prefix(options, verify=True)
+    assert not report.ok
+    errors = [ns.manifest_error or "" for ns in report.namespaces]
+    assert any("not listed: kvtier/" in e for e in errors), errors

@@ -119,8 +119,9 @@ def inspect_prefix(
     root = f"s3://{options.bucket}/{options.prefix}"
     groups: dict[str, dict[str, int]] = defaultdict(dict)
     unlisted: list[str] = []
+    missed: list[str] = []
     try:
-        for batch in list_objects(store, options.prefix + "/", unlisted, shards_at=1):
+        for batch in list_objects(store, options.prefix + "/", unlisted, shards_at=1, missed=missed):
             for meta in batch:
                 rest = meta["path"][len(options.prefix) + 1 :]
                 groups[rest.split("/", 1)[0]][meta["path"]] = int(meta["size"])
@@ -136,6 +137,13 @@ def inspect_prefix(
             continue
         objects = list(groups[digest].items())
         reports.append(_namespace_report(store, options, digest, objects, verify, sample, remove_corrupt, rng))
+    for folder in missed:  # never an empty store or a missing manifest: the report says what was not listed
+        reports.append(NamespaceReport(
+            digest=folder, path=f"s3://{options.bucket}/{folder}", manifest=None,
+            manifest_error=f"not listed: {folder} (a foreign name the S3 client cannot parse is in the way)",
+            entries=0, bytes=0, verified=0, corrupt=[], removed_corrupt=0, foreign_files=[],
+            temp_files_live=0, temp_files_stale=0,
+        ))  # fmt: skip
     return RootReport(root, reports)
 
 
