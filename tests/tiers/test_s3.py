@@ -673,6 +673,35 @@ def test_a_secret_of_the_wrong_type_is_never_echoed(tmp_path: Path, secret: str)
         S3Tier(_ctx(), bucket="kv-cache", max_in_flight="many")
 
 
+@pytest.mark.parametrize(
+    ("model", "spec"),
+    [
+        ("s3", {"bucket": "bkt", "endpoint": ["http://AKIA:QQs1hunter2@h:9000"]}),
+        ("redis", {"url": ["redis://:QQs1hunter2@cache:6379"]}),
+        ("redis", {"url": {"redis://:QQs1hunter2@cache:6379": None}}),
+    ],
+)
+def test_a_url_option_of_the_wrong_type_is_never_echoed(model: str, spec: dict[str, Any]) -> None:
+    """Review s3b #6: a list or mapping given for a URL-valued option (endpoint, redis url) was
+    shown as it came, userinfo included."""
+    from kvtier.tiers.options import validate_options
+    from kvtier.tiers.redis import RedisTierOptions
+
+    with pytest.raises(ConfigError) as raised:
+        validate_options(S3TierOptions if model == "s3" else RedisTierOptions, model, spec)
+    text = str(raised.value)
+    assert "QQs1" not in text and "hunter2" not in text and "not shown" in text, text
+
+
+def test_an_upper_case_s3_scheme_with_credentials_is_refused() -> None:
+    """Review s3b #7: 'S3://key:secret@bucket/p' was accepted and its keys silently dropped."""
+    from kvtier.tiers.s3_inspect import options_from_url
+
+    with pytest.raises(ConfigError, match="carries credentials") as raised:
+        options_from_url("S3://AKIA:QQs1hunter2@bucket/p")
+    assert "QQs1" not in str(raised.value)
+
+
 def test_errors_are_classified_by_status_and_code_never_by_names_in_the_url(
     s3_stub: S3Stub, make: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

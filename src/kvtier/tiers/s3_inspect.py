@@ -63,7 +63,7 @@ def options_from_url(url: str, **overrides: Any) -> dict[str, Any]:
         )
     if sep and "@" in rest:  # '@' is in no bucket or prefix: everything before the last one is userinfo
         shown = f"{redact_url(scheme + '://')}***@{redact_url(rest.rsplit('@', 1)[1])}"
-        if scheme == "s3":
+        if scheme.strip().lower() == "s3":  # urlsplit lower-cases the scheme: 'S3://' is s3:// too
             raise ConfigError(
                 f"s3 url {shown!r} carries credentials: s3:// uses the standard AWS chain; give an endpoint "
                 "URL http(s)://key:secret@host:port/bucket for explicit keys"
