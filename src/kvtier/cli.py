@@ -1183,6 +1183,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 print(f"      {c.path}: {c.reason}")
             if len(ns.corrupt) > 20:
                 print(f"      ... {len(ns.corrupt) - 20} more")
+            for label, entries in (("unreadable:  ", ns.unreadable), ("kept:        ", ns.kept)):
+                if entries:  # S3: not proven corrupt, so not counted as corrupt
+                    print(f"    {label} {len(entries)} (not proven corrupt: kept)")
+                    for c in entries[:20]:
+                        print(f"      {c.path}: {c.reason}")
+                    if len(entries) > 20:
+                        print(f"      ... {len(entries) - 20} more")
         if ns.manifest_error:
             print(f"    manifest:     {ns.manifest_error}")
         if ns.foreign_files:
@@ -1196,6 +1203,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print(
         f"total: {report.entries} blocks, {format_size(report.bytes)}"
         + (f", {report.corrupt} corrupt" if checked else "")
+        + (f", {report.unreadable} unreadable" if report.unreadable else "")
+        + (f", {report.kept} kept (not proven corrupt)" if report.kept else "")
     )
     return 0 if report.ok else 1
 

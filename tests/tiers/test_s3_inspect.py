@@ -154,9 +154,11 @@ def test_remove_corrupt_keeps_another_releases_values(s3_bucket: tuple[MotoServe
 
     report = inspect_prefix(options, verify=True, remove_corrupt=True)
     (ns,) = report.namespaces
-    reasons = {c.path: c.reason for c in ns.corrupt}
-    assert ns.removed_corrupt == 1 and set(reasons) == {same, longer, broken}, reasons
-    assert "another release's (kept" in reasons[same] and "another release's (kept" in reasons[longer]
+    kept = {c.path: c.reason for c in ns.kept}
+    assert ns.removed_corrupt == 1 and [c.path for c in ns.corrupt] == [broken] and set(kept) == {same, longer}
+    assert "another release's (kept" in kept[same] and "another release's (kept" in kept[longer]
+    # review s3b #8: counted apart from the proven-corrupt one, in the report and the JSON
+    assert report.corrupt == 1 and report.kept == 2 and report.to_dict()["kept"] == 2
     left = _paths(raw)
     assert same in left and longer in left and broken not in left
 
@@ -186,9 +188,12 @@ def test_remove_corrupt_keeps_objects_whose_read_failed(
 
     monkeypatch.setattr(obs, "get", failing_get)
     options = S3TierOptions(**{k: v for k, v in s3_options(server.endpoint, bucket).items() if k != "type"})
-    (ns,) = inspect_prefix(options, verify=True, remove_corrupt=True).namespaces
-    assert ns.removed_corrupt == 0 and {c.path for c in ns.corrupt} == {denied, throttled}
-    assert all("unreadable" in c.reason and "kept" in c.reason for c in ns.corrupt), ns.corrupt
+    report = inspect_prefix(options, verify=True, remove_corrupt=True)
+    (ns,) = report.namespaces
+    assert ns.removed_corrupt == 0 and {c.path for c in ns.unreadable} == {denied, throttled}
+    assert all("unreadable" in c.reason and "kept" in c.reason for c in ns.unreadable), ns.unreadable
+    # review s3b #8: not counted as corrupt; the check is incomplete, so the report is not ok
+    assert report.corrupt == 0 and report.unreadable == 2 and not report.ok and ns.verified == 1
     assert {denied, throttled} <= _paths(raw_client(server.endpoint, bucket))
 
 
@@ -300,10 +305,10 @@ def test_remove_corrupt_keeps_self_verifying_blocks_when_the_manifest_block_byte
     options = S3TierOptions(**{k: v for k, v in s3_options(server.endpoint, bucket).items() if k != "type"})
 
     (ns,) = inspect_prefix(options, verify=True, remove_corrupt=True).namespaces
-    reasons = {c.path: c.reason for c in ns.corrupt}
-    assert ns.removed_corrupt == 1 and broken in reasons and "checksum" in reasons[broken], reasons
+    reasons = {c.path: c.reason for c in ns.corrupt + ns.kept}
+    assert ns.removed_corrupt == 1 and [c.path for c in ns.corrupt] == [broken] and "checksum" in reasons[broken]
     kept = {tier.object_path(k) for k in keys[1:]}
-    assert kept <= set(reasons) and all("manifest is suspect" in reasons[p] for p in kept), reasons
+    assert kept == {c.path for c in ns.kept} and all("manifest is suspect" in reasons[p] for p in kept), reasons
     assert kept <= _paths(raw) and broken not in _paths(raw)
 
 

@@ -185,10 +185,17 @@ def _namespace_report(
     chosen = blocks if verify else (rng.sample(blocks, min(sample, len(blocks))) if sample else [])
     for path, key, _listed in chosen:
         reason, proven, judged = _check_block(store, path, key, bytes.fromhex(digest), block_bytes)
-        report.verified += 1
         if reason is None:
+            report.verified += 1
             continue
-        if proven and block_bytes is None:
+        if judged is None:  # the read failed: nothing was checked
+            report.unreadable.append(CorruptEntry(path, reason))
+            continue
+        report.verified += 1
+        if not proven:  # another release's value, or a self-verifying block of a suspect manifest
+            report.kept.append(CorruptEntry(path, reason))
+            continue
+        if block_bytes is None:
             reason, proven = f"{reason} (kept: the namespace has no usable manifest)", False
         report.corrupt.append(CorruptEntry(path, reason))
         if remove_corrupt and proven:
