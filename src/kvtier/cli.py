@@ -1109,6 +1109,8 @@ def _inspect_s3(args: argparse.Namespace) -> Any:
 
 INSPECT_SCHEMES = ("s3://", "http://", "https://")
 """URL forms ``kvtier inspect`` reads (an S3 prefix); anything else is an fs tier directory."""
+_URL_TYPO = re.compile(r"(?i)(s3|https?):/?(?!/)")
+"""``http:/host/...`` or ``s3:bucket``: an S3 URL missing a '/' of its '://'."""
 
 
 def _check_inspect_flags(args: argparse.Namespace) -> bool:
@@ -1120,6 +1122,15 @@ def _check_inspect_flags(args: argparse.Namespace) -> bool:
         raise ConfigError(
             f"inspect reads an fs tier directory or an S3 prefix (s3://bucket/prefix, "
             f"http(s)://host:port/bucket/prefix), not a {scheme}:// URL: a {scheme} tier cannot be inspected offline"
+        )
+    if not is_s3 and ("@" in target or _URL_TYPO.match(target)) and not os.path.isdir(target):
+        # 'http:/key:secret@host/bkt' is no URL and no directory: never echo what precedes the '@'
+        from kvtier.tiers.endpoints import redact_url
+
+        shown = "***@" + redact_url(target.rsplit("@", 1)[1]) if "@" in target else redact_url(target)
+        raise ConfigError(
+            f"inspect target {shown!r} is neither a directory nor an S3 prefix: give s3://bucket/prefix or "
+            "http(s)://[key:secret@]host:port/bucket/prefix (with '://' after the scheme), or an fs tier directory"
         )
     if args.sample is not None and not is_s3:
         raise ConfigError("--sample applies to S3 prefixes; for an fs root use --verify")
@@ -1172,6 +1183,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 print(f"      {c.path}: {c.reason}")
             if len(ns.corrupt) > 20:
                 print(f"      ... {len(ns.corrupt) - 20} more")
+            for label, entries in (("unreadable:  ", ns.unreadable), ("kept:        ", ns.kept)):
+                if entries:  # S3: not proven corrupt, so not counted as corrupt
+                    print(f"    {label} {len(entries)} (not proven corrupt: kept)")
+                    for c in entries[:20]:
+                        print(f"      {c.path}: {c.reason}")
+                    if len(entries) > 20:
+                        print(f"      ... {len(entries) - 20} more")
         if ns.manifest_error:
             print(f"    manifest:     {ns.manifest_error}")
         if ns.foreign_files:
@@ -1185,6 +1203,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print(
         f"total: {report.entries} blocks, {format_size(report.bytes)}"
         + (f", {report.corrupt} corrupt" if checked else "")
+        + (f", {report.unreadable} unreadable" if report.unreadable else "")
+        + (f", {report.kept} kept (not proven corrupt)" if report.kept else "")
     )
     return 0 if report.ok else 1
 

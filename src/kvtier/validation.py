@@ -221,6 +221,8 @@ def explain(
                 msg += f": known names are {known}"
         elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
             shown = "a value, not shown: it is a secret" if _is_secret(model, loc) else _shown_input(err["input"])
+            if "@" in shown and not _is_secret(model, loc):  # a URL's userinfo ('redis://:pw@host') in a list or map
+                shown = "a value, not shown: it holds an '@', maybe a URL with credentials"
             msg = f"{msg} (got {shown})"
         problems.setdefault(loc, []).append(msg)
     lines = []

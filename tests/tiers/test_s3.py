@@ -45,7 +45,8 @@ def make() -> Iterator[Callable[..., tuple[S3Tier, np.ndarray]]]:
     def build(endpoint: str, bucket: str, ns: Namespace | None = None, seed: int = 0, **options: Any) -> Any:
         rows = np.random.default_rng(seed).integers(0, 256, (32, BLOCK), dtype=np.uint8)
         ctx = TierContext(rows, BLOCK, ns or make_namespace(BLOCK))
-        opts = {k: v for k, v in s3_options(endpoint, bucket, max_in_flight=4, **options).items() if k != "type"}
+        options = {"max_in_flight": 4, **options}
+        opts = {k: v for k, v in s3_options(endpoint, bucket, **options).items() if k != "type"}
         tier = S3Tier(ctx, **opts)
         made.append(tier)
         return tier, rows
@@ -277,15 +278,17 @@ def test_existence_checks_go_out_once_per_step_and_stop_at_the_first_404(s3_stub
     assert heads == 8, f"one window of 8 HEADs, then the chain stops at its first 404 (got {heads})"
 
 
-def test_slow_existence_checks_never_pile_up_ahead_of_loads(s3_stub: S3Stub, make: Any) -> None:
+@pytest.mark.parametrize("max_in_flight", [4, 1])
+def test_slow_existence_checks_never_pile_up_ahead_of_loads(s3_stub: S3Stub, make: Any, max_in_flight: int) -> None:
     """Review H1: with HEADs slower than the steps that need them, one queued batch per step grew
     without bound ahead of loads (served first), and a promotion was never reported. Now at most
     half the threads run checks, later steps' keys join one deferred batch, and stale keys are
-    dropped unchecked."""
+    dropped unchecked. Review s3b #3: with max_in_flight 1 the one thread ran the deferred batch
+    after every batch, never the load; now a batch goes out there only while no load waits."""
     from kvtier.tiers.jobs import Lane
 
     tier, _ = make(s3_stub.endpoint, s3_stub.bucket, check_timeout=1.0, failure_threshold=1000,
-                   request_timeout=1.0, job_timeout=3.0)  # fmt: skip
+                   request_timeout=1.0, job_timeout=3.0, max_in_flight=max_in_flight)  # fmt: skip
     ns = tier.context.namespace
     stored = chain_ids(range(4), ns)
     assert run_job(tier, stored, [0, 1, 2, 3], False, 10).success
@@ -668,6 +671,35 @@ def test_a_secret_of_the_wrong_type_is_never_echoed(tmp_path: Path, secret: str)
     assert "7391" not in str(raised.value), raised.value
     with pytest.raises(ConfigError, match="got 'many'"):  # other values are still shown
         S3Tier(_ctx(), bucket="kv-cache", max_in_flight="many")
+
+
+@pytest.mark.parametrize(
+    ("model", "spec"),
+    [
+        ("s3", {"bucket": "bkt", "endpoint": ["http://AKIA:QQs1hunter2@h:9000"]}),
+        ("redis", {"url": ["redis://:QQs1hunter2@cache:6379"]}),
+        ("redis", {"url": {"redis://:QQs1hunter2@cache:6379": None}}),
+    ],
+)
+def test_a_url_option_of_the_wrong_type_is_never_echoed(model: str, spec: dict[str, Any]) -> None:
+    """Review s3b #6: a list or mapping given for a URL-valued option (endpoint, redis url) was
+    shown as it came, userinfo included."""
+    from kvtier.tiers.options import validate_options
+    from kvtier.tiers.redis import RedisTierOptions
+
+    with pytest.raises(ConfigError) as raised:
+        validate_options(S3TierOptions if model == "s3" else RedisTierOptions, model, spec)
+    text = str(raised.value)
+    assert "QQs1" not in text and "hunter2" not in text and "not shown" in text, text
+
+
+def test_an_upper_case_s3_scheme_with_credentials_is_refused() -> None:
+    """Review s3b #7: 'S3://key:secret@bucket/p' was accepted and its keys silently dropped."""
+    from kvtier.tiers.s3_inspect import options_from_url
+
+    with pytest.raises(ConfigError, match="carries credentials") as raised:
+        options_from_url("S3://AKIA:QQs1hunter2@bucket/p")
+    assert "QQs1" not in str(raised.value)
 
 
 def test_errors_are_classified_by_status_and_code_never_by_names_in_the_url(

@@ -576,10 +576,15 @@ class NamespaceReport:
     temp_files_stale: int
     unsafe_entries: list[CorruptEntry] = field(default_factory=list)
     """Entries named like values that are not regular files of this user: never opened."""
+    unreadable: list[CorruptEntry] = field(default_factory=list)
+    """Entries whose read failed (a 403, a 5xx, a timeout): not checked, kept, not counted as corrupt."""
+    kept: list[CorruptEntry] = field(default_factory=list)
+    """Entries read but not proven corrupt (another release's value; a block whose own header and
+    checksum verify though its size disagrees with the manifest): kept, not counted as corrupt."""
 
     @property
     def ok(self) -> bool:
-        return self.manifest_error is None and not self.corrupt
+        return self.manifest_error is None and not self.corrupt and not self.unreadable
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -598,6 +603,8 @@ class NamespaceReport:
             "temp_files_live": self.temp_files_live,
             "unsafe_entries": [{"path": c.path, "reason": c.reason} for c in self.unsafe_entries],
             "temp_files_stale": self.temp_files_stale,
+            "unreadable": [{"path": c.path, "reason": c.reason} for c in self.unreadable],
+            "kept": [{"path": c.path, "reason": c.reason} for c in self.kept],
             "ok": self.ok,
         }
 
@@ -628,6 +635,14 @@ class RootReport:
     def corrupt(self) -> int:
         return sum(len(ns.corrupt) for ns in self.namespaces)
 
+    @property
+    def unreadable(self) -> int:
+        return sum(len(ns.unreadable) for ns in self.namespaces)
+
+    @property
+    def kept(self) -> int:
+        return sum(len(ns.kept) for ns in self.namespaces)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "root": self.root,
@@ -635,6 +650,8 @@ class RootReport:
             "entries": self.entries,
             "bytes": self.bytes,
             "corrupt": self.corrupt,
+            "unreadable": self.unreadable,
+            "kept": self.kept,
             "namespaces": [ns.to_dict() for ns in self.namespaces],
             "unsafe_entries": [{"path": c.path, "reason": c.reason} for c in self.unsafe_entries],
         }

@@ -28,7 +28,9 @@ the options, their defaults and the bucket layout are in :mod:`kvtier.tiers.s3_s
   first 404; a check that fails or misses its deadline counts as absent. At most
   half the I/O threads run batches (later steps' keys join one deferred batch),
   and keys whose lookups already answered MISS are dropped unchecked, so slow
-  HEADs never pile up ahead of loads.
+  HEADs never pile up ahead of loads. With ``max_in_flight`` 1 the one I/O
+  thread serves both: a batch then goes out only while no load is queued (it
+  waits as the deferred batch, sent at a later step end or batch end).
   ``warm_start`` fills the index by listing the namespace in the background.
 * **Manifest**: ``<prefix>/<namespace>/manifest.json`` is created or checked
   before the tier serves (a manifest of another layout or block size keeps it
@@ -160,9 +162,12 @@ class S3Tier(ThreadedTier):
         self._chains: dict[object, list[BlockKey]] = {}
         self._pending: set[BlockKey] = set()
         # Existence batches out (queued or running), guarded by _lock: at most half the I/O threads,
-        # so loads always find one; keys of steps that end meanwhile join one deferred batch.
+        # so loads always find one; keys of steps that end meanwhile join one deferred batch. With a
+        # single I/O thread (max_in_flight 1) that thread is the one loads need too: a batch then goes
+        # out only while no load is queued, else it waits as the deferred batch (see _may_send_checks).
         self._checks_out = 0
         self._max_checks_out = max(1, opts.max_in_flight // 2)
+        self._checks_may_fill_pool = self._max_checks_out >= opts.max_in_flight
         self._deferred: Work | None = None
         self.stats.extra.update({"objects_written": 0, "checks": 0, "checks_failed": 0, "missing": 0})
 
@@ -243,8 +248,9 @@ class S3Tier(ThreadedTier):
         return LookupResult.RETRY
 
     def on_schedule_end(self) -> None:
-        """Send this step's unknown keys to an I/O thread as one batch of concurrent HEADs."""
-        if not self._chains:
+        """Send this step's unknown keys to an I/O thread as one batch of concurrent HEADs (with the
+        deferred batch's, if any), or add them to the deferred batch while no batch may go out."""
+        if not self._chains and self._deferred is None:
             return
         chains = list(self._chains.values())
         self._chains = {}
@@ -259,12 +265,21 @@ class S3Tier(ThreadedTier):
             if self._deferred is not None:  # a batch already waits for a free slot: these keys join it
                 self._deferred.keys.extend(keys)
                 self._deferred.payload.extend(chains)
-                return
-            if self._checks_out >= self._max_checks_out:
+            elif keys:
                 self._deferred = Work(Lane.EXISTS, keys=keys, payload=chains)
+            if self._deferred is None or not self._may_send_checks():
                 return
+            work, self._deferred = self._deferred, None
             self._checks_out += 1
-        self._send_checks(Work(Lane.EXISTS, keys=keys, payload=chains))
+        self._send_checks(work)
+
+    def _may_send_checks(self) -> bool:
+        """Whether a batch may go out now (under _lock): a slot is free and, where batches could
+        take every I/O thread, no load waits (``WorkQueue`` serves checks first, so a batch queued
+        beside a load would run before it, and with new keys every step the load never would)."""
+        if self._checks_out >= self._max_checks_out:
+            return False
+        return not (self._checks_may_fill_pool and self._queue.queued(Lane.LOAD))
 
     def _send_checks(self, work: Work) -> None:
         """Queue a batch of existence checks already counted in ``_checks_out``."""
@@ -474,9 +489,11 @@ class S3Tier(ThreadedTier):
             self._check_batch(work)
         finally:
             with self._lock:
-                deferred, self._deferred = self._deferred, None
-                if deferred is None:
-                    self._checks_out -= 1
+                self._checks_out -= 1
+                deferred = None
+                if self._deferred is not None and self._may_send_checks():
+                    deferred, self._deferred = self._deferred, None
+                    self._checks_out += 1
             if deferred is not None:
                 self._send_checks(deferred)
 

@@ -11,7 +11,11 @@ timeout prove nothing), never another release's value (kvtier's magic with a
 format version this one cannot read: its writer can read it), and nothing in a
 namespace without a usable manifest (missing, unreadable, another namespace's,
 another layout's or header size): blocks there are judged by their own header
-alone and kept.
+alone and kept. Each block is judged from one GET of the whole object, never from
+the listing's size; a block whose own header and checksum verify is kept even if
+its size disagrees with the manifest (the manifest is the suspect); and an object
+proven corrupt is deleted only if a HEAD just before the DELETE still shows the
+ETag and size read (S3 has no delete-if-unchanged obstore can send).
 
 Blocking and single-threaded; meant for an operator's shell, never for an engine.
 """
@@ -52,9 +56,14 @@ def options_from_url(url: str, **overrides: Any) -> dict[str, Any]:
     """
     shown = redact_url(url)
     scheme, sep, rest = url.partition("://")
+    if not sep and "@" in url:  # 'http:/key:secret@host/...': no netloc, so nothing would redact the userinfo
+        raise ConfigError(
+            f"s3 url {'***@' + redact_url(url.rsplit('@', 1)[1])!r} has an '@' but no '://' after its scheme: "
+            "write http(s)://key:secret@host:port/bucket/prefix (key and secret percent-encoded)"
+        )
     if sep and "@" in rest:  # '@' is in no bucket or prefix: everything before the last one is userinfo
         shown = f"{redact_url(scheme + '://')}***@{redact_url(rest.rsplit('@', 1)[1])}"
-        if scheme == "s3":
+        if scheme.strip().lower() == "s3":  # urlsplit lower-cases the scheme: 'S3://' is s3:// too
             raise ConfigError(
                 f"s3 url {shown!r} carries credentials: s3:// uses the standard AWS chain; give an endpoint "
                 "URL http(s)://key:secret@host:port/bucket for explicit keys"
@@ -110,8 +119,9 @@ def inspect_prefix(
     root = f"s3://{options.bucket}/{options.prefix}"
     groups: dict[str, dict[str, int]] = defaultdict(dict)
     unlisted: list[str] = []
+    missed: list[str] = []
     try:
-        for batch in list_objects(store, options.prefix + "/", unlisted, shards_at=1):
+        for batch in list_objects(store, options.prefix + "/", unlisted, shards_at=1, missed=missed):
             for meta in batch:
                 rest = meta["path"][len(options.prefix) + 1 :]
                 groups[rest.split("/", 1)[0]][meta["path"]] = int(meta["size"])
@@ -127,6 +137,13 @@ def inspect_prefix(
             continue
         objects = list(groups[digest].items())
         reports.append(_namespace_report(store, options, digest, objects, verify, sample, remove_corrupt, rng))
+    for folder in missed:  # never an empty store or a missing manifest: the report says what was not listed
+        reports.append(NamespaceReport(
+            digest=folder, path=f"s3://{options.bucket}/{folder}", manifest=None,
+            manifest_error=f"not listed: {folder} (a foreign name the S3 client cannot parse is in the way)",
+            entries=0, bytes=0, verified=0, corrupt=[], removed_corrupt=0, foreign_files=[],
+            temp_files_live=0, temp_files_stale=0,
+        ))  # fmt: skip
     return RootReport(root, reports)
 
 
@@ -140,8 +157,6 @@ def _namespace_report(
     remove_corrupt: bool,
     rng: random.Random,
 ) -> NamespaceReport:
-    import obstore as obs
-
     ns_prefix = f"{options.prefix}/{digest}"
     report = NamespaceReport(
         digest=digest, path=f"s3://{options.bucket}/{ns_prefix}", manifest=None, manifest_error=None,
@@ -168,20 +183,27 @@ def _namespace_report(
     # Only a manifest that passed every check sizes the blocks and allows removal.
     block_bytes = report.manifest.get("block_bytes") if report.manifest and report.manifest_error is None else None
     chosen = blocks if verify else (rng.sample(blocks, min(sample, len(blocks))) if sample else [])
-    for path, key, size in chosen:
-        reason, proven = _check_block(store, path, key, size, bytes.fromhex(digest), block_bytes)
-        report.verified += 1
+    for path, key, _listed in chosen:
+        reason, proven, judged = _check_block(store, path, key, bytes.fromhex(digest), block_bytes)
         if reason is None:
+            report.verified += 1
             continue
-        if proven and block_bytes is None:
+        if judged is None:  # the read failed: nothing was checked
+            report.unreadable.append(CorruptEntry(path, reason))
+            continue
+        report.verified += 1
+        if not proven:  # another release's value, or a self-verifying block of a suspect manifest
+            report.kept.append(CorruptEntry(path, reason))
+            continue
+        if block_bytes is None:
             reason, proven = f"{reason} (kept: the namespace has no usable manifest)", False
         report.corrupt.append(CorruptEntry(path, reason))
         if remove_corrupt and proven:
-            try:
-                obs.delete(store, path)
+            kept = _delete_if_unchanged(store, path, judged)
+            if kept is None:
                 report.removed_corrupt += 1
-            except Exception as exc:
-                report.corrupt[-1].reason += f" (delete failed: {short_error(exc)})"
+            else:
+                report.corrupt[-1].reason += f" ({kept})"
     return report
 
 
@@ -209,35 +231,68 @@ def _read_manifest(store: Any, path: str, size: int, digest: str) -> tuple[dict[
 
 
 def _check_block(
-    store: Any, path: str, key: bytes, size: int, namespace: bytes, block_bytes: int | None
-) -> tuple[str | None, bool]:
-    """``(None, False)`` if the object holds a valid value for ``key``; else why not, and whether
-    that proves it corrupt. A failed read or another release's format proves nothing (kept)."""
+    store: Any, path: str, key: bytes, namespace: bytes, block_bytes: int | None
+) -> tuple[str | None, bool, Any]:
+    """``(None, False, meta)`` if the object holds a valid value for ``key``; else why not, whether
+    that proves it corrupt, and the metadata of the object read (None if the read failed).
+
+    Everything is judged from one GET of the whole object, never from the listing (an engine may
+    have re-stored the object since). A failed read or another release's format proves nothing;
+    nor does a size that disagrees with the manifest when the object's own header (magic, version,
+    namespace, key, payload length) and checksum verify: the manifest is then the suspect (kept).
+    """
     import obstore as obs
 
     expected = None if block_bytes is None else HEADER_SIZE + block_bytes
     try:
-        if expected is not None and size < PREFIX_SIZE:
-            body = memoryview(b"")
-        elif expected is not None and size != expected:  # its first bytes say if it is another release's
-            body = memoryview(bytes(obs.get_range(store, path, start=0, length=PREFIX_SIZE)))
-        else:
-            body = memoryview(obs.get(store, path).bytes())
+        result = obs.get(store, path)
+        meta = result.meta
+        body = memoryview(result.bytes())
     except Exception as exc:
-        return f"unreadable: {short_error(exc)} (kept: a failed read proves nothing)", False
+        return f"unreadable: {short_error(exc)} (kept: a failed read proves nothing)", False, None
+    size = len(body)
     version = foreign_format(body[:PREFIX_SIZE])
     if version is not None:
-        return f"value format version {version}: another release's (kept: not proven corrupt)", False
-    if expected is not None and size != expected:
-        return f"size {size}, expected {expected}", True
+        return f"value format version {version}: another release's (kept: not proven corrupt)", False, meta
     try:
-        header = decode_header(body[:HEADER_SIZE], namespace=namespace, key=key, payload_len=block_bytes)
+        header = decode_header(body[:HEADER_SIZE], namespace=namespace, key=key)  # its own header
         verify_payload(header, body[HEADER_SIZE:])
     except ForeignFormatError as exc:
-        return f"{exc} (kept: not proven corrupt)", False
+        return f"{exc} (kept: not proven corrupt)", False, meta
     except CorruptValueError as exc:
-        return str(exc), True
-    return None, False
+        if expected is not None and size != expected:
+            return f"size {size}, expected {expected}: {exc}", True, meta
+        return str(exc), True, meta
+    if expected is not None and size != expected:
+        return (
+            f"size {size}, the manifest's block_bytes says {expected}, but its own header and checksum "
+            "verify (kept: the manifest is suspect)"
+        ), False, meta
+    return None, False, meta
+
+
+def _delete_if_unchanged(store: Any, path: str, judged: Any) -> str | None:
+    """Delete ``path`` only if it is still the object judged (same ETag, size and version as the
+    GET that judged it): None when deleted, else why it was kept. S3 has no delete-if-unchanged
+    that obstore can send, so a HEAD just before the DELETE stands in for one; an object re-stored
+    between that HEAD and the DELETE (one request apart) is still lost, and a live engine then
+    misses once and stores the block again."""
+    import obstore as obs
+
+    try:
+        now = obs.head(store, path)
+    except FileNotFoundError:
+        return "gone before the delete"
+    except Exception as exc:
+        return f"kept: not re-checked before the delete ({short_error(exc)})"
+    fields = ("e_tag", "size", "version") if judged.get("e_tag") else ("size", "version", "last_modified")
+    if any(now.get(f) != judged.get(f) for f in fields):
+        return "kept: changed since it was read (re-stored by an engine?)"
+    try:
+        obs.delete(store, path)
+    except Exception as exc:
+        return f"delete failed: {short_error(exc)}"
+    return None
 
 
 __all__ = ["inspect_prefix", "options_from_url"]

@@ -416,15 +416,23 @@ _BAD_PATH = re.compile(r'Path "([^"]{0,1024})"')
 
 
 def list_objects(
-    store: S3Store, prefix: str, unlisted: list[str], shards_at: int | None = 0
+    store: S3Store,
+    prefix: str,
+    unlisted: list[str],
+    shards_at: int | None = 0,
+    missed: list[str] | None = None,
 ) -> Iterator[Sequence[Any]]:
     """Batches of the objects (``ObjectMeta``) under ``prefix`` (ending in ``/``), as ``obstore.list`` gives them,
     except that a foreign object whose name the client cannot parse (``a//b``, ``a/./b``: another
     application's, in a shared bucket) does not end the listing: the folder holding it is listed
     level by level around it, and the name (or the folder holding it, as the client's error
     says) goes to ``unlisted``. ``shards_at``: how many levels
-    below ``prefix`` the namespace folders are (their 256 shards are listed one by one when the
-    folder itself cannot be). An object may come twice: callers deduplicate.
+    below ``prefix`` the namespace folders are (their manifest and 256 shards are read one by one
+    when the folder itself cannot be listed). At any other level that cannot be listed, the names
+    after the unparseable folder's (every kvtier name sorts after ``''``, ``.`` and ``..``) are
+    listed from past it; if that listing fails too, the folder and where it stopped go to
+    ``missed`` (or ``unlisted`` if None): what follows is not listed. An object may come twice:
+    callers deduplicate.
     """
     import obstore as obs
     from obstore.exceptions import InvalidPathError
@@ -438,15 +446,34 @@ def list_objects(
         level = obs.list_with_delimiter(store, prefix=prefix)
     except InvalidPathError as exc:
         found = _BAD_PATH.search(str(exc))
-        unlisted.append(found.group(1) if found else f"{prefix}... (a name the S3 client cannot parse)")
-        if shards_at == 0:
+        bad = found.group(1) if found else None
+        unlisted.append(bad or f"{prefix}... (a name the S3 client cannot parse)")
+        if shards_at == 0:  # a namespace folder: its manifest, then its shards one by one
+            try:
+                manifest = [obs.head(store, prefix + MANIFEST)]
+            except FileNotFoundError:
+                manifest = []
+            if manifest:
+                yield manifest
             for shard in range(256):
-                yield from list_objects(store, f"{prefix}{shard:02x}/", unlisted, None)
+                yield from list_objects(store, f"{prefix}{shard:02x}/", unlisted, None, missed)
+            return
+        segment = bad[len(prefix) :].split("/", 1)[0] if bad and bad.startswith(prefix) else None
+        if segment in ("", ".", ".."):  # '/' + 1 is '0': past every name in the unparseable folder
+            try:
+                yield from obs.list(store, prefix=prefix, offset=f"{prefix}{segment}0", chunk_size=1000)
+                return
+            except InvalidPathError as again:
+                found = _BAD_PATH.search(str(again))
+                stop = found.group(1) if found else "a name the S3 client cannot parse"
+                (unlisted if missed is None else missed).append(f"{prefix} (listing stopped at {stop!r})")
+                return
+        (unlisted if missed is None else missed).append(f"{prefix} (cannot be listed: {short_error(exc)})")
         return
     if level["objects"]:
         yield level["objects"]
     for folder in level["common_prefixes"]:
-        yield from list_objects(store, folder + "/", unlisted, None if not shards_at else shards_at - 1)
+        yield from list_objects(store, folder + "/", unlisted, None if not shards_at else shards_at - 1, missed)
 
 
 def manifest_dict(namespace_digest: bytes, namespace_canonical: str, block_bytes: int) -> dict[str, Any]:
