@@ -45,16 +45,17 @@ engine would reuse, device cache first); ``tiers`` has the prefix of each tier a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.engine_events import SCOPE_SHARED, ControlRecord, TierInfo, is_info_value
-from kvtier.fleet.masks import MAX_LOCATIONS, LocationMasks, MemoryMasks, WriterConflict
+from kvtier.fleet.masks import MAX_LOCATIONS, IndexFull, LocationMasks, MemoryMasks, StoreUnavailable, WriterConflict
 from kvtier.fleet.records import Kind, WireBatch, WireEvent
 from kvtier.types import PRIMARY_LABEL
 
@@ -151,14 +152,26 @@ class FleetIndex:
         self._publish_due = False
         self.writer_lost: str | None = None
         """Why this writer no longer writes its shared store (another writer took it); None if it does."""
+        self._table: dict[str, Any] = {"version": 1, "engines": {}, "stores": {}}
         self.masks.open_writer()
         for name in engines:
             self.add_engine(name)
 
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """The writer's lock around a change; a write the store refused because another writer
+        took the prefix over leaves the reason in :attr:`writer_lost` (answers are 503 from then on)."""
+        with self._lock:
+            try:
+                yield
+            except WriterConflict as exc:
+                self.writer_lost = self.writer_lost or str(exc)
+                raise
+
     # --- engines -------------------------------------------------------------------------
 
     def add_engine(self, name: str) -> None:
-        with self._lock:
+        with self._writing():
             if name in self._engines:
                 raise ValueError(f"engine {name!r} is configured twice")
             self._engines[name] = EngineState(name, self._alloc())
@@ -192,12 +205,13 @@ class FleetIndex:
                 self._store_forgot()
 
     def _store_forgot(self) -> None:
-        with self._lock:
+        with self._writing():
             for eng in self._engines.values():  # all incomplete first: the drops below may fail midway
                 eng.device_complete = eng.private_complete = False
                 eng.dirty = True
                 eng.needs_snapshot = eng.start is not None
                 eng.gaps += 1
+            self._table = self._build_meta()
             for eng in self._engines.values():
                 self._drop_private(eng)
             self._publish()
@@ -250,6 +264,7 @@ class FleetIndex:
         is incomplete from the first line on; if the store fails midway, the next batch retries."""
         eng.device_complete = eng.private_complete = False
         eng.dirty = True
+        self._table = self._build_meta()  # answers say so before the store is written (it may hang or fail)
         for sweep in [k for k in self._sweeps if k[0] == eng.name]:
             del self._sweeps[sweep]
         self.masks.clear(eng.device_bit)
@@ -298,7 +313,7 @@ class FleetIndex:
     def lost_events(self, name: str, why: str) -> None:
         """The subscriber lost batches of ``name`` it could not replay (or the publisher
         restarted): drop what they could have changed and wait for a snapshot."""
-        with self._lock:
+        with self._writing():
             eng = self._engines[name]
             eng.gaps += 1
             logger.warning("fleet: engine %s lost events (%s); its device cache and private tiers are dropped",
@@ -310,7 +325,7 @@ class FleetIndex:
     def publisher_restarted(self, name: str) -> None:
         """vLLM's batch sequence started over: a new process. Its first control record
         will name the new start; until then nothing of the old one is trusted."""
-        with self._lock:
+        with self._writing():
             eng = self._engines[name]
             self._drop_private(eng)
             self._publish()
@@ -326,8 +341,11 @@ class FleetIndex:
     # --- events -------------------------------------------------------------------------
 
     def apply(self, name: str, batch: WireBatch) -> None:
-        """Apply one decoded batch of engine ``name``, in order (the subscriber thread)."""
-        with self._lock:
+        """Apply one decoded batch of engine ``name``, in order (the subscriber thread). A batch
+        refused partway (:class:`LocationsFull`, :class:`~kvtier.fleet.masks.IndexFull`, a store
+        error) still has the removals of its shared stores that follow applied: they need no room,
+        and other engines answer from those stores."""
+        with self._writing():
             eng = self._engines[name]
             eng.batches += 1
             eng.events += len(batch.events)
@@ -335,22 +353,47 @@ class FleetIndex:
             eng.last_event = time.time()
             if eng.dirty:
                 self._drop_private(eng)
+            done: list[int] = [0]
             try:
-                self._apply_events(eng, batch.events)
-            except LocationsFull as exc:
+                self._apply_events(eng, batch.events, done)
+            except (LocationsFull, IndexFull) as exc:
                 eng.skipped += 1
-                logger.warning("fleet: engine %s: %s; the rest of its batch is skipped and the engine is partial",
-                               name, exc)  # fmt: skip
+                logger.warning("fleet: engine %s: %s; the rest of its batch is skipped (but for its removals from "
+                               "shared stores) and the engine is partial", name, exc)  # fmt: skip
                 self._drop_private(eng)
+                self._shared_removals(eng, batch.events, done[0])
+            except WriterConflict:
+                raise
+            except Exception:
+                with contextlib.suppress(Exception):  # (the store failed: it may fail again; the caller is told)
+                    self._shared_removals(eng, batch.events, done[0])
+                raise
             self._finish_sweeps()
             self._publish()
 
-    def _apply_events(self, eng: EngineState, events: Sequence[WireEvent]) -> None:
+    def _shared_removals(self, eng: EngineState, events: Sequence[WireEvent], failed: int) -> None:
+        """The removals from shared stores among ``events`` from index ``failed`` on (the event a
+        batch was refused at, and what follows it): applied even though the batch was not."""
+        context: ControlRecord | None = None
+        stores = {label: info.store for label, info in eng.tiers.items() if info.scope == SCOPE_SHARED}
+        for at, event in enumerate(events):
+            if event.control is not None:
+                context = event.control
+                if event.control.tiers:  # (the tiers it names, refused or not: stores are named by id)
+                    stores = {t.label: t.store for t in event.control.tiers if t.scope == SCOPE_SHARED}
+            elif at >= failed and event.kind is Kind.REMOVED and event.medium in _KVTIER_MEDIA and context:
+                store = stores.get(event.ownership) if event.ownership is not None else None
+                bit = self._stores.get(store) if store is not None else None
+                if bit is not None:
+                    self._store_event(bit, event.keys, True, self._event_time(context))
+
+    def _apply_events(self, eng: EngineState, events: Sequence[WireEvent], done: list[int]) -> None:
+        """Apply ``events``; ``done[0]`` is kept at the index of the event being applied."""
         first = next((e.control for e in events if e.control is not None), None)
         if first is not None and first.start != eng.start:
             self._switch_start(eng, first)
         context: ControlRecord | None = None
-        for event in events:
+        for done[0], event in enumerate(events):
             if event.control is not None:
                 self._finish_sweeps()
                 self._control(eng, event.control)
@@ -482,7 +525,7 @@ class FleetIndex:
         needs to read masks changed (engines, starts, statuses, tiers, bits, stores); a change
         of counters alone is written at most every ``_PUBLISH_COUNTERS_EVERY`` seconds (by
         :meth:`tick`), not with every batch."""
-        meta = self.meta()
+        meta = self._table = self._build_meta()
         shape = {name: {k: v for k, v in eng.items() if k not in _COUNTERS} for name, eng in meta["engines"].items()}
         shape["\0stores"] = meta["stores"]
         now = self._clock()
@@ -493,7 +536,16 @@ class FleetIndex:
         self._published_shape, self._published_at, self._publish_due = shape, now, False
 
     def meta(self) -> dict[str, Any]:
-        """The engine and location table (JSON-able): what a reader needs to read masks."""
+        """The engine and location table (JSON-able): what a reader needs to read masks. Answers
+        take the copy the writer keeps after each change (never its lock: the writer holds it
+        across its store's writes, which a hung Redis makes last seconds); raises
+        :class:`~kvtier.fleet.masks.StoreUnavailable` once another writer took the prefix over
+        (this writer's table no longer describes what is there)."""
+        if self.writer_lost is not None:
+            raise StoreUnavailable(f"this fleet writer no longer answers: {self.writer_lost}")
+        return self._table
+
+    def _build_meta(self) -> dict[str, Any]:
         with self._lock:
             return {
                 "version": 1,

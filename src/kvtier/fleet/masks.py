@@ -15,7 +15,9 @@ interface:
   writes, and taken again if it ran out with nobody else holding it, e.g. after Redis
   restarted empty): a second writer on the same prefix is refused, and a writer that takes the
   prefix over first deletes the index a previous writer left there (its location bits need
-  not match the new writer's). Every command has the client's socket timeout.
+  not match the new writer's). Every write is fenced by the claim (a Lua script checks the
+  token and writes, atomically): a writer that lost its claim writes nothing more. Every
+  command has the client's socket timeout.
 
   The prefix should be private to the index (Redis ACLs: ``~P:*`` read-write for the
   writer, read-only for routers). Still, nothing read back is trusted: a reader reads at
@@ -53,6 +55,10 @@ _MAX_KEY_HEX = 24  # a key is at most 96 bits (a 32-bit group above a 64-bit has
 
 class WriterConflict(KvtierError):
     """Another writer holds the Redis prefix (or took it over from this one)."""
+
+
+class ClaimLapsed(KvtierError):
+    """The writer's claim ran out with nobody else holding it: a write was refused until it is taken again."""
 
 
 class IndexFull(KvtierError):
@@ -196,6 +202,24 @@ class RedisMasks:
              "if held == ARGV[1] then redis.call('expire', KEYS[1], ARGV[2]) return 1 end "
              "if not held then redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[2]) return 2 end return 0")  # fmt: skip
     _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+    # Every write is fenced by the claim: it runs only while ``P:writer`` still holds this writer's
+    # token, in one script (atomic), so a writer that lost its claim (paused past its TTL while
+    # another took the prefix over) cannot write one more byte into the other writer's index.
+    # KEYS: the claim, the location's key set, the key bitmaps; ARGV: token, bit, 0/1, set members.
+    # A script answers -1 where another writer holds the claim, -2 where nobody does (it ran out).
+    _FENCE = ("local held = redis.call('get', KEYS[1]) "
+              "if held ~= ARGV[1] then if held then return -1 end return -2 end ")
+    _SET_BITS = (_FENCE +
+                 "local bit, value = tonumber(ARGV[2]), tonumber(ARGV[3]) "
+                 "for i = 3, #KEYS do "
+                 "  redis.call('setbit', KEYS[i], bit, value) "
+                 "  if value == 0 and redis.call('bitcount', KEYS[i]) == 0 then redis.call('del', KEYS[i]) end "
+                 "end "
+                 "local op = value == 1 and 'sadd' or 'srem' "
+                 "for i = 4, #ARGV do redis.call(op, KEYS[2], ARGV[i]) end return 1")  # fmt: skip
+    _SPOP = _FENCE + "return redis.call('spop', KEYS[2], ARGV[2])"
+    _PUT = _FENCE + "redis.call('set', KEYS[2], ARGV[2]) return 1"
+    _WRITE_CHUNK = 500  # keys per fenced script call (one pipeline holds them all)
 
     def __init__(
         self, client: Any, prefix: str = "kvtier-fleet", *, writer_ttl: int = 15, claim_wait: float = 0.0
@@ -286,51 +310,51 @@ class RedisMasks:
         self._set_bit(bit, list(keys), 1)
 
     def remove(self, bit: int, keys: Iterable[int]) -> None:
-        keys = list(keys)
-        self._set_bit(bit, keys, 0)
-        if keys:
-            self._drop_empty(keys)
+        self._set_bit(bit, list(keys), 0)  # (a key bitmap left with no bit is deleted in the same script)
 
-    def _check_writer(self) -> None:
-        if self._lost:
+    def _check_writer(self) -> str:
+        """This writer's token; raises :class:`WriterConflict` once the claim was lost."""
+        if self._lost or self._token is None:
             raise WriterConflict(f"the fleet writer lost its claim on the Redis prefix {self.prefix!r} to another "
                                  "writer: it no longer writes there (stop one of them)")  # fmt: skip
+        return self._token
+
+    def _fenced(self, results: Iterable[Any]) -> None:
+        """Raise where a fenced script refused to write: :class:`WriterConflict` (and no write
+        from now on) where another writer holds the claim, :class:`ClaimLapsed` where nobody
+        does (:meth:`keep_writer` takes it again)."""
+        refusals = {r for r in results if type(r) is int and r < 0}
+        if -1 in refusals:
+            self._token = None
+            self._lost = True
+            self._check_writer()
+        if refusals:
+            raise ClaimLapsed(f"the fleet writer's claim on the Redis prefix {self.prefix!r} ran out (Redis restarted, "
+                              "or did not answer for a while): nothing is written until it is taken again")  # fmt: skip
 
     def _set_bit(self, bit: int, keys: list[int], value: int) -> None:
-        """Set (1) or clear (0) ``bit`` of every key's bitmap and update the location's key set: one pipeline."""
-        self._check_writer()
+        """Set (1) or clear (0) ``bit`` of every key's bitmap and update the location's key set
+        (clearing deletes a bitmap left with no bit): one pipeline of fenced scripts."""
+        token = self._check_writer()
         if not keys:
             return
         pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.setbit(self._key(key), bit, value)
-        members = [f"{k:x}" for k in keys]
-        if value:
-            pipe.sadd(self._set(bit), *members)
-        else:
-            pipe.srem(self._set(bit), *members)
-        pipe.execute()
-
-    def _drop_empty(self, keys: list[int]) -> None:
-        """Delete key bitmaps that hold no bit any more (BITCOUNT 0), so Redis does not keep them."""
-        pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.bitcount(self._key(key))
-        empty = [self._key(k) for k, n in zip(keys, pipe.execute(), strict=True) if not n]
-        if empty:
-            self.client.delete(*empty)
+        for at in range(0, len(keys), self._WRITE_CHUNK):
+            chunk = keys[at : at + self._WRITE_CHUNK]
+            names = [self._key(k) for k in chunk]
+            pipe.eval(self._SET_BITS, 2 + len(names), self._writer_key, self._set(bit), *names, token, bit, value,
+                      *[f"{k:x}" for k in chunk])  # fmt: skip
+        self._fenced(pipe.execute())
 
     def clear(self, bit: int) -> None:
-        self._check_writer()
+        token = self._check_writer()
         name = self._set(bit)
         while True:
-            batch = self.client.spop(name, self._CLEAR_BATCH)
+            batch = self.client.eval(self._SPOP, 2, self._writer_key, name, token, self._CLEAR_BATCH)
+            self._fenced([batch])
             if not batch:
                 break
-            keys = _parse_keys(batch)
-            self._set_bit(bit, keys, 0)  # (the keys already left the set)
-            if keys:
-                self._drop_empty(keys)
+            self._set_bit(bit, _parse_keys(batch), 0)  # (the keys already left the set)
 
     def masks(self, keys: Sequence[int], bits: int = MAX_LOCATIONS) -> list[int]:
         if not keys:
@@ -356,8 +380,10 @@ class RedisMasks:
         return set(_parse_keys(self.client.smembers(self._set(bit))))
 
     def put_meta(self, meta: dict[str, Any]) -> None:
-        self._check_writer()
-        self.client.set(f"{self.prefix}:meta", json.dumps(meta, separators=(",", ":")))
+        token = self._check_writer()
+        done = self.client.eval(self._PUT, 2, self._writer_key, f"{self.prefix}:meta", token,
+                                json.dumps(meta, separators=(",", ":")))  # fmt: skip
+        self._fenced([done])
 
     def get_meta(self) -> dict[str, Any]:
         """The engine table, or {} where there is none or it is not a JSON object of at most

@@ -1,0 +1,188 @@
+"""The writer of a shared (Redis) index: its writes are fenced by its claim, answers never wait
+on its writes, and a batch refused partway still applies its removals from shared stores.
+Real redis-server processes, real threads and sockets."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.engine_events import ControlRecord, TierInfo
+from kvtier.fleet import FleetIndex, FleetReader, MemoryMasks, RedisMasks
+from kvtier.fleet.http import FleetServer
+from kvtier.fleet.masks import StoreUnavailable, WriterConflict
+from kvtier.fleet.records import Kind, WireBatch, WireEvent
+
+CPU = TierInfo("0:primary", "cpu", "cpu", "engine")
+FS = TierInfo("1:fs", "fs", "disk", "shared", "fs-root")
+
+
+def _record(op: str, start: str, seq: int, tiers: tuple[TierInfo, ...] = (CPU,), **fields: Any) -> WireEvent:
+    rec = ControlRecord(op, "e", start, seq, time.time(), tiers, {"tokens_per_hash": 4}, **fields)
+    return WireEvent(Kind.CONTROL, control=ControlRecord.decode(rec.encode()))
+
+
+def _batch(*events: WireEvent) -> WireBatch:
+    return WireBatch(time.time(), list(events), 0)
+
+
+def _event(kind: Kind, keys: list[int], medium: str | None = "CPU", ownership: str | None = None) -> WireEvent:
+    return WireEvent(kind, tuple(keys), medium, ownership)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[Any]:
+    from redis_servers import REDIS_SERVER, start_redis
+
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server not found on PATH")
+    server = start_redis(tmp_path / "redis")
+    try:
+        yield server
+    finally:
+        assert server.proc is not None
+        os.kill(server.proc.pid, signal.SIGCONT)
+        server.stop()
+
+
+def _client(url: str, timeout: float = 5.0) -> Any:
+    import redis
+
+    return redis.Redis.from_url(url, socket_timeout=timeout)
+
+
+def _serve(answers: Any) -> FleetServer:
+    server = FleetServer(("127.0.0.1", 0), answers, tokens_per_hash=4, request_timeout=5.0)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    return server
+
+
+def _ask(server: FleetServer, method: str, path: str, body: Any = None) -> tuple[int, Any, float]:
+    host, port = server.server_address[:2]
+    conn = http.client.HTTPConnection(str(host), port, timeout=30)
+    started = time.monotonic()
+    try:
+        conn.request(method, path, body=None if body is None else json.dumps(body),
+                     headers={"Content-Type": "application/json"})  # fmt: skip
+        answer = conn.getresponse()
+        return answer.status, json.loads(answer.read()), time.monotonic() - started
+    finally:
+        conn.close()
+
+
+def test_a_displaced_writer_cannot_write_into_the_new_writers_index_and_answers_503(redis_server: Any) -> None:
+    url = redis_server.url
+    a = FleetIndex(["a"], RedisMasks(_client(url), "p", writer_ttl=1))
+    a.apply("a", _batch(_record("hello", "sa", 0), _event(Kind.STORED, [101], medium="GPU")))
+    time.sleep(2.2)  # a is paused (GC, SIGSTOP, a VM freeze) past its claim's time to live
+    b = FleetIndex(["b"], RedisMasks(_client(url), "p", writer_ttl=1))  # takes the prefix over
+    b.apply("b", _batch(_record("hello", "sb", 0)))
+    assert a.engine("a").device_bit == b.engine("b").device_bit == 0
+    # a resumes with batches queued, before its next keep_writer: the write is refused in Redis itself
+    with pytest.raises(WriterConflict):
+        a.apply("a", _batch(_record("events", "sa", 1, tiers=()), _event(Kind.STORED, [202], medium="GPU")))
+    reader = FleetReader(RedisMasks(_client(url), "p"), meta_ttl=0.0)
+    # before the fix: {'a': {'blocks': 1, ..., 'status': 'synced'}}: a's key in b's index, a's table
+    assert set(reader.prefix([202])) == {"b"} and reader.prefix([202])["b"]["blocks"] == 0
+    assert b.held("b", "GPU") == set()
+    assert a.writer_lost is not None
+    with pytest.raises(WriterConflict):  # and every later write is refused before it reaches Redis
+        a.lost_events("a", "test")
+    b.apply("b", _batch(_record("events", "sb", 1, tiers=()), _event(Kind.STORED, [303], medium="GPU")))
+    with pytest.raises(StoreUnavailable, match="no longer answers"):
+        a.prefix([303])
+    server = _serve(a)
+    try:
+        status, body, _ = _ask(server, "POST", "/v1/prefix", {"block_hashes": [303]})
+        assert status == 503 and "another writer" in body["error"]  # before the fix: 200, a holds 303, synced
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert reader.prefix([303])["b"]["blocks"] == 1
+
+
+def test_a_claim_that_ran_out_with_nobody_holding_it_refuses_writes_until_taken_again(redis_server: Any) -> None:
+    client = _client(redis_server.url)
+    index = FleetIndex(["a"], RedisMasks(client, "p", writer_ttl=1))
+    index.apply("a", _batch(_record("hello", "s", 0), _event(Kind.STORED, [1], medium="GPU")))
+    client.delete("p:writer")  # (a Redis restarted empty: the claim is gone, nobody else holds it)
+    with pytest.raises(Exception, match="ran out"):
+        index.apply("a", _batch(_record("events", "s", 1, tiers=()), _event(Kind.STORED, [2], medium="GPU")))
+    assert index.writer_lost is None
+    index._kept_writer = -1e9
+    index.tick()  # taken again: every engine is partial until a snapshot or a clear
+    assert index.engine("a").status == "partial" and index.writer_lost is None
+    index.apply("a", _batch(_record("events", "s", 2, tiers=()), _event(Kind.STORED, [3], medium="GPU")))
+    assert index.held("a", "GPU") == {3}
+
+
+def test_answers_never_wait_for_the_writers_redis_writes(redis_server: Any) -> None:
+    index = FleetIndex(["a"], RedisMasks(_client(redis_server.url, timeout=2.0), "p"))
+    index.apply("a", _batch(_record("hello", "s", 0), _event(Kind.STORED, [1], medium="GPU")))
+    server = _serve(index)
+    stop = threading.Event()
+
+    def subscriber() -> None:  # as FleetSubscriber does: a batch, and on a failure its lost events, again
+        seq = 1
+        while not stop.is_set():
+            try:
+                index.apply("a", _batch(_record("events", "s", seq, tiers=()), _event(Kind.STORED, [seq + 10],
+                                                                                    medium="GPU")))  # fmt: skip
+            except Exception:
+                with contextlib.suppress(Exception):
+                    index.lost_events("a", "the store failed")
+            seq += 1
+
+    assert redis_server.proc is not None
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)  # Redis hangs (not down: every call waits for its timeout)
+    thread = threading.Thread(target=subscriber, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.3)  # the writer is inside a Redis write, holding its lock
+        results: dict[str, tuple[int, Any, float]] = {}
+        asks = [threading.Thread(target=lambda p=path, m=method, b=body: results.__setitem__(p, _ask(server, m, p, b)))
+                for method, path, body in (("GET", "/v1/engines", None),
+                                           ("POST", "/v1/prefix", {"block_hashes": [1]}))]  # fmt: skip
+        for ask in asks:
+            ask.start()
+        for ask in asks:
+            ask.join(30)
+        status, _, took = results["/v1/engines"]
+        assert status == 200 and took < 1.0  # before the fix: it waited for the writer's lock (2 s and more)
+        status, body, took = results["/v1/prefix"]
+        assert status == 503 and "did not answer" in body["error"] and took < 3.5  # its own read's 2 s timeout
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+        stop.set()
+        thread.join(10)
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("full", ["max_keys", "locations"])
+def test_a_batch_refused_partway_still_applies_its_removals_from_shared_stores(full: str) -> None:
+    masks = MemoryMasks(max_keys=3)
+    index = FleetIndex(["a", "b"], masks, max_locations=8 if full == "max_keys" else 5)
+    index.apply("b", _batch(_record("hello", "sb", 0, (CPU, FS)), _event(Kind.STORED, [1], "STORAGE", "1:fs")))
+    index.apply("a", _batch(_record("hello", "sa", 0, (CPU, FS))))
+    assert index.prefix([1])["b"]["blocks"] == 1
+    if full == "max_keys":  # the shared store evicts 1 to make room for new keys: the index is full
+        refused = _batch(_record("events", "sa", 1, tiers=()), _event(Kind.STORED, [7, 8, 9], "STORAGE", "1:fs"),
+                         _event(Kind.REMOVED, [1], "STORAGE", "1:fs"))  # fmt: skip
+    else:  # a control record names more tiers than there are bits left
+        more = tuple(TierInfo(f"{i}:mem", "memory", "cpu", "engine") for i in range(2, 6))
+        refused = _batch(_record("events", "sa", 1, (CPU, FS, *more)), _event(Kind.REMOVED, [1], "STORAGE", "1:fs"))
+    index.apply("a", refused)
+    assert index.engine("a").skipped == 1 and index.engine("a").status == "partial"
+    # before the fix: b -> 1 block, synced: the store lost 1 but the index still said b's store held it
+    assert index.prefix([1])["b"]["blocks"] == 0 and index.held("b", "1:fs") == set()
