@@ -188,8 +188,9 @@ class FleetIndex:
         """Called every fraction of a second by the writer's thread (the subscriber): keeps a
         shared index's writer claim (raises :class:`~kvtier.fleet.masks.WriterConflict` if another
         writer took it, and keeps the reason in :attr:`writer_lost`). A claim that had run out
-        with nobody else holding it is taken again, and every engine is then treated as having
-        lost events (the store may have lost what was written: a Redis restarted empty)."""
+        with nobody else holding it is taken again, and a Redis that restarted (maybe from an
+        older save) is noticed: the index under the prefix is then deleted and every engine is
+        treated as having lost events; shared stores' keys are reported again as they are stored."""
         now = self._clock()
         if self._publish_due and now - self._published_at >= _PUBLISH_COUNTERS_EVERY:
             with self._lock:
@@ -212,6 +213,7 @@ class FleetIndex:
                 eng.needs_snapshot = eng.start is not None
                 eng.gaps += 1
             self._table = self._build_meta()
+            self._published_shape = None  # the engine table was deleted too: written again below
             for eng in self._engines.values():
                 self._drop_private(eng)
             self._publish()

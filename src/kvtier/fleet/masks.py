@@ -235,6 +235,7 @@ class RedisMasks:
         self._token: str | None = None
         self._lost = False  # the claim was lost: every write is refused (another writer owns the prefix)
         self._writer_key = f"{prefix}:writer"
+        self._server: str | None = None  # the Redis server's run_id when the claim was taken (None: not known)
 
     # --- the writer's claim ---------------------------------------------------------------
 
@@ -253,6 +254,23 @@ class RedisMasks:
                 )
             time.sleep(0.5)
         self._token = token
+        self._server = self._run_id()
+        self._wipe("a previous writer left")
+
+    def _run_id(self) -> str | None:
+        """The Redis server's ``run_id`` (new with each start of redis-server, and another server's
+        after a failover); None where the client may not ask (an ACL without ``INFO``)."""
+        try:
+            info = self.client.info("server")
+        except Exception as exc:
+            if type(exc).__name__ in ("ResponseError", "NoPermissionError", "AuthorizationError"):
+                return None
+            raise
+        run_id = info.get("run_id") if isinstance(info, dict) else None
+        return str(run_id) if run_id is not None else None
+
+    def _wipe(self, whose: str) -> None:
+        """Delete the index under the prefix (only where an index's table is)."""
         if not _is_fleet_table(self.get_meta()):
             return  # no index here: whatever else is under the prefix is not ours to delete
         stale = 0
@@ -260,7 +278,7 @@ class RedisMasks:
             stale += len(batch)
             self.client.delete(*batch)
         if stale:
-            logger.info("fleet: deleted %d key(s) a previous writer left under Redis prefix %r", stale, self.prefix)
+            logger.info("fleet: deleted %d key(s) %s under Redis prefix %r", stale, whose, self.prefix)
 
     def _index_keys(self) -> Iterator[list[bytes]]:
         """The names of an index's keys under the prefix (key bitmaps, location sets, the table), in batches."""
@@ -277,8 +295,12 @@ class RedisMasks:
             yield batch
 
     def keep_writer(self) -> bool:
-        """Refresh the claim, or take it again if nobody holds it (True: the index written so
-        far may be gone); raises :class:`WriterConflict` if another writer holds it."""
+        """Refresh the claim, or take it again if nobody holds it; raises :class:`WriterConflict`
+        if another writer holds it. True where what is under the prefix can no longer be trusted,
+        and was deleted: the claim had run out (another writer may have written there meanwhile,
+        or Redis restarted from an older save), or the Redis server is not the one the claim was
+        taken on (a restart, which may have loaded an older RDB/AOF with this very claim in it, or
+        a failover to a replica that lagged)."""
         if self._token is None:
             return False
         kept = self.client.eval(self._KEEP, 1, self._writer_key, self._token, self.writer_ttl)
@@ -287,11 +309,21 @@ class RedisMasks:
             self._lost = True
             raise WriterConflict(f"the fleet writer lost its claim on the Redis prefix {self.prefix!r} to another "
                                  "writer: it no longer writes there (stop one of them)")  # fmt: skip
+        server = self._run_id() if self._server is not None else None
+        restarted = server is not None and server != self._server
         if kept == 2:
             logger.warning("fleet: the writer's claim on Redis prefix %r had run out (Redis restarted, or did not "
-                           "answer for %d s); nobody else held it, so it was taken again", self.prefix,
-                           self.writer_ttl)  # fmt: skip
-        return bool(kept == 2)
+                           "answer for %d s); nobody else held it, so it was taken again and the index under it "
+                           "is rebuilt", self.prefix, self.writer_ttl)  # fmt: skip
+        elif restarted:
+            logger.warning("fleet: the Redis server of prefix %r changed (run_id %s -> %s: a restart or a failover, "
+                           "maybe from an older save); the index under it is rebuilt", self.prefix, self._server,
+                           server)  # fmt: skip
+        if kept == 2 or restarted:
+            self._server = server if server is not None else self._server
+            self._wipe("written before the claim ran out or Redis restarted")
+            return True
+        return False
 
     def close_writer(self) -> None:
         if self._token is not None:
