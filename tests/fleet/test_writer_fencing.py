@@ -234,3 +234,48 @@ def test_a_redis_restarted_from_an_older_save_is_noticed_and_its_index_rebuilt(r
     for key in (1, 2):
         assert reader.prefix([key])["a"]["blocks"] == 0
     assert reader.prefix([1])["a"]["status"] == "partial"
+
+
+def test_an_engine_whose_replays_hang_does_not_hold_back_other_engines_events(tmp_path: Path) -> None:
+    from wire_publisher import Publisher, batch, control, removed, stored
+
+    from kvtier.fleet.subscriber import EngineEndpoint, FleetSubscriber
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    pa, pb = Publisher(tmp_path / "a"), Publisher(tmp_path / "b")
+    index = FleetIndex()
+    subscriber = FleetSubscriber(index, [EngineEndpoint("a", pa.events, replay=f"ipc://{tmp_path}/a/nobody"),
+                                         EngineEndpoint("b", pb.events, replay=pb.replay)], replay_timeout=1.0)
+    subscriber.start()
+    stop = threading.Event()
+    try:
+        time.sleep(0.3)
+        pa.send(batch(control("hello", 0, start="sa")))
+        pb.send(batch(control("hello", 0, start="sb"), stored([7], medium="GPU")))
+        deadline = time.monotonic() + 10
+        while index.prefix([7]).get("b", {}).get("blocks") != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+        def gaps() -> None:  # engine a skips a batch number 5 times a second; its replay endpoint never answers
+            seq = 1
+            while not stop.is_set():
+                seq += 2
+                pa.send(batch(control("events", seq, start="sa", tiers=())), seq=seq)
+                time.sleep(0.2)
+
+        threading.Thread(target=gaps, daemon=True).start()
+        time.sleep(0.5)
+        pb.send(batch(control("events", 1, start="sb", tiers=()), removed([7], medium="GPU")))
+        sent = time.monotonic()
+        while index.prefix([7])["b"]["blocks"] and time.monotonic() - sent < 15:
+            time.sleep(0.05)
+        # before the fix: b's removal waited behind a's replays (1 s each, 5 a second): 15 s and more
+        assert index.prefix([7])["b"]["blocks"] == 0 and time.monotonic() - sent < 5
+        assert index.engine("a").gaps >= 1
+    finally:
+        stop.set()
+        subscriber.stop()
+        pa.close()
+        pb.close()
