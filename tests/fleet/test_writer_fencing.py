@@ -279,3 +279,32 @@ def test_an_engine_whose_replays_hang_does_not_hold_back_other_engines_events(tm
         subscriber.stop()
         pa.close()
         pb.close()
+
+
+def test_max_keys_bounds_a_key_in_every_location_not_only_keys() -> None:
+    masks = MemoryMasks(max_keys=1000)
+    tiers = (CPU, *(TierInfo(f"{i}:mem", "memory", "cpu", "engine") for i in range(1, 10)))
+    index = FleetIndex(["a"], masks)
+    index.apply("a", _batch(_record("hello", "s", 0, tiers)))
+    for tier in tiers:  # the same 200 keys in each of 10 private tiers: 2000 entries
+        index.apply("a", _batch(_record("events", "s", index.engine("a").seq + 1, tiers=()),
+                                _event(Kind.STORED, list(range(200)), "CPU", tier.label)))  # fmt: skip
+    entries = sum(len(index.held("a", t.label)) for t in tiers)
+    assert entries <= 1000  # before the fix: 2000 (only the 200 keys were counted)
+    assert index.engine("a").status == "partial" and index.engine("a").skipped >= 1
+    index.lost_events("a", "test")  # entries dropped are counted out again: room for new ones
+    index.apply("a", _batch(_record("hello", "s2", 0, tiers), _event(Kind.STORED, list(range(900)), "CPU", "1:mem")))
+    assert len(index.held("a", "1:mem")) == 900
+
+
+def test_change_times_are_bounded_over_all_shared_stores() -> None:
+    stores = tuple(TierInfo(f"{i}:fs", "fs", "disk", "shared", f"store-{i}") for i in range(1, 5))
+    index = FleetIndex(["a", "b"], MemoryMasks(max_keys=1000), max_times=1000)
+    index.apply("b", _batch(_record("hello", "sb", 0, (CPU, stores[0])), _event(Kind.STORED, [5], "STORAGE", "1:fs")))
+    index.apply("a", _batch(_record("hello", "sa", 0, (CPU, *stores))))
+    for n, store in enumerate(stores):  # removals of keys nobody holds: only change times are kept
+        keys = list(range(10_000 + n * 1000, 11_000 + n * 1000))
+        index.apply("a", _batch(_record("events", "sa", n + 1, tiers=()),
+                                _event(Kind.REMOVED, keys, "STORAGE", store.label)))  # fmt: skip
+    assert sum(len(t) for t in index._times.values()) <= 1000  # before the fix: 4000 (1000 per store)
+    assert index.prefix([5])["b"]["blocks"] == 1  # other engines' keys are untouched

@@ -95,7 +95,8 @@ def add_fleet_parser(sub: Any) -> None:
                    help="how far an engine's view of a shared store may lag other engines' changes (an fs "
                    "root's journal delay; on NFS its attribute cache); default 5")  # fmt: skip
     s.add_argument("--max-keys", type=_positive(int, 1 << 32), default=1 << 24,
-                   help="most block keys an in-memory index holds (about 200 bytes each; default 16777216): a "
+                   help="most entries (a block key in one location) an in-memory index holds (about 200 bytes for a "
+                   "key's first location, 80 for each further one; default 16777216): a "
                    "batch that would add more is skipped (but for its removals from shared stores) and its engine "
                    "is partial")  # fmt: skip
     s.add_argument("--max-body", type=_positive(int, 1 << 30), default=1 << 20, help="largest request body in bytes")

@@ -142,6 +142,7 @@ class FleetIndex:
         # store bit -> key -> when its last applied change happened (engines' clocks), for recent keys
         self._times: dict[int, OrderedDict[int, float]] = {}
         self._floor: dict[int, float] = {}  # store bit -> the newest time forgotten from _times
+        self._times_held = 0  # the sizes of the _times together (at most max_times, over all stores)
         # (engine, tier label) -> (when a complete snapshot of a shared store was taken, the keys it listed)
         self._sweeps: dict[tuple[str, str], tuple[float, set[int]]] = {}
         self._sweeps_due: list[tuple[str, str]] = []
@@ -475,8 +476,8 @@ class FleetIndex:
     def _store_event(self, bit: int, keys: Sequence[int], removed: bool, when: float) -> None:
         """Apply a change to a shared store's keys unless a later change of the same key was
         applied already (engines' streams interleave in any order, and a replay brings changes of
-        minutes ago: the latest change wins). The times of at most ``max_times`` keys per store
-        are kept, whatever their age; past that the least recently changed are forgotten, and a
+        minutes ago: the latest change wins). The times of at most ``max_times`` keys over all
+        stores are kept, whatever their age; past that the least recently changed are forgotten, and a
         change of a forgotten key no newer than the newest forgotten time may be older than what
         was forgotten: a removal is applied (the index under-claims at worst), a store is not."""
         times = self._times[bit]
@@ -491,15 +492,30 @@ class FleetIndex:
             apply.append(key)
             if last is not None:
                 del times[key]
+            else:
+                self._times_held += 1
             times[key] = when
         if apply:
             if removed:
                 self.masks.remove(bit, apply)
             else:
                 self.masks.add(bit, apply)
-        while len(times) > self.max_times:
-            floor = max(floor, times.popitem(last=False)[1])
-        self._floor[bit] = floor
+        if self._times_held > self.max_times:
+            self._forget_times(bit, self._times_held - self.max_times)
+
+    def _forget_times(self, bit: int, excess: int) -> None:
+        """Forget the ``excess`` least recently changed times, this store's first (what one engine
+        floods a store with costs that store's times, not others')."""
+        others = sorted((b for b in self._times if b != bit), key=lambda b: len(self._times[b]), reverse=True)
+        for victim in [bit, *others]:
+            times, floor = self._times[victim], self._floor[victim]
+            while excess > 0 and times:
+                floor = max(floor, times.popitem(last=False)[1])
+                excess -= 1
+                self._times_held -= 1
+            self._floor[victim] = floor
+            if excess <= 0:
+                return
 
     def _finish_sweeps(self) -> None:
         """Complete snapshots of shared stores: drop what the store was believed to hold beyond

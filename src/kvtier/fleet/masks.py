@@ -105,15 +105,17 @@ class LocationMasks(Protocol):
 
 
 class MemoryMasks:
-    """:class:`LocationMasks` in this process's memory: at most ``max_keys`` keys (about 200
-    bytes each); an :meth:`add` that would hold more adds nothing and raises :class:`IndexFull`
-    (the subscriber counts the batch as lost events of its engine)."""
+    """:class:`LocationMasks` in this process's memory: at most ``max_keys`` entries, an entry
+    being a key in one location (a key in one location costs about 200 bytes, each further
+    location of it about 80); an :meth:`add` that would hold more adds nothing and raises
+    :class:`IndexFull` (the index skips the rest of the batch and marks its engine partial)."""
 
     def __init__(self, max_keys: int = 1 << 24) -> None:
         self.max_keys = max_keys
         self._lock = threading.Lock()
         self._masks: dict[int, int] = {}
         self._members: dict[int, set[int]] = {}
+        self._entries = 0  # (key, location) pairs: the sizes of the _members sets together
         self._meta: dict[str, Any] = {}
 
     def add(self, bit: int, keys: Iterable[int]) -> None:
@@ -121,21 +123,21 @@ class MemoryMasks:
         keys = list(keys)
         with self._lock:
             masks = self._masks
-            if len(masks) + len(keys) > self.max_keys:
-                new = len(set(keys).difference(masks))
-                if len(masks) + new > self.max_keys:
-                    raise IndexFull(f"the fleet index holds {len(masks)} keys; {new} more would pass max_keys "
-                                    f"({self.max_keys})")  # fmt: skip
             members = self._members.setdefault(bit, set())
-            for key in keys:
+            new = set(keys).difference(members)
+            if self._entries + len(new) > self.max_keys:
+                raise IndexFull(f"the fleet index holds {self._entries} entries (a key in a location); {len(new)} "
+                                f"more would pass max_keys ({self.max_keys})")  # fmt: skip
+            for key in new:
                 masks[key] = masks.get(key, 0) | flag
-                members.add(key)
+            members.update(new)
+            self._entries += len(new)
 
     def remove(self, bit: int, keys: Iterable[int]) -> None:
         with self._lock:
             members = self._members.get(bit)
             if members:
-                self._drop(bit, [k for k in keys if k in members], members)
+                self._drop(bit, [k for k in set(keys) if k in members], members)
 
     def clear(self, bit: int) -> None:
         with self._lock:
@@ -146,6 +148,7 @@ class MemoryMasks:
     def _drop(self, bit: int, keys: list[int], members: set[int]) -> None:
         keep = ~(1 << bit)
         masks = self._masks
+        self._entries -= len(keys)  # (every key given is one of the location's)
         for key in keys:
             members.discard(key)
             mask = masks.get(key, 0) & keep
