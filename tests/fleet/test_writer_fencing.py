@@ -308,3 +308,18 @@ def test_change_times_are_bounded_over_all_shared_stores() -> None:
                                 _event(Kind.REMOVED, keys, "STORAGE", store.label)))  # fmt: skip
     assert sum(len(t) for t in index._times.values()) <= 1000  # before the fix: 4000 (1000 per store)
     assert index.prefix([5])["b"]["blocks"] == 1  # other engines' keys are untouched
+
+
+def test_an_engine_past_its_shared_stores_still_follows_its_starts_and_device_cache() -> None:
+    index = FleetIndex(["a"])
+    for i in range(18):  # a legitimate engine whose store id changes with each start (a new model or namespace)
+        fs = TierInfo("1:fs", "fs", "disk", "shared", f"fs:/mnt/kv/ns{i:02d}")
+        index.apply("a", _batch(_record("hello", f"s{i}", 0, (CPU, fs)), _event(Kind.STORED, [i], medium="GPU")))
+    eng = index.engine("a")
+    # before the fix: partial for good, start s15, its device cache never counted again
+    assert eng.start == "s17" and eng.status == "synced" and index.held("a", "GPU") == {17}
+    assert "1:fs" not in eng.tiers and eng.skipped == 2  # the 17th and 18th stores are not followed
+    index.apply("a", _batch(_record("events", "s17", 1, (CPU, TierInfo("1:fs", "fs", "disk", "shared",
+                                                                         "fs:/mnt/kv/ns17"))),
+                            _event(Kind.STORED, [99], "STORAGE", "1:fs")))  # fmt: skip
+    assert eng.skipped == 2 and eng.unattributed == 1 and index.prefix([99])["a"]["blocks"] == 0

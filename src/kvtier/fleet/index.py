@@ -89,6 +89,7 @@ class EngineState:
     bits: dict[str, int] = field(default_factory=dict)  # tier label -> location bit
     spare: list[int] = field(default_factory=list)  # bits of its former private tiers, reused by its next ones
     stores: set[str] = field(default_factory=set)  # every shared store it has named (bounded: max_stores_per_engine)
+    refused: set[str] = field(default_factory=set)  # stores of its current start past that bound (not followed)
     dirty: bool = False  # dropping its device cache and private tiers failed (a store error): retried
     info: dict[str, Any] = field(default_factory=dict)
     device_complete: bool = False
@@ -241,14 +242,33 @@ class FleetIndex:
         )  # fmt: skip
         kept = 0 if switching else sum(1 for t in private if t.label in eng.bits)
         named = {t.store for t in tiers if t.scope == SCOPE_SHARED and t.store is not None}
-        if len(eng.stores | named) > self.max_stores_per_engine:
-            raise LocationsFull(f"engine {eng.name} names {len(eng.stores | named)} shared stores over its starts; at "
-                                f"most {self.max_stores_per_engine} per engine")  # fmt: skip
         stores = named - set(self._stores)
         needed = max(0, len(private) - kept - spare) + len(stores)
         if self._next_bit + needed > self.max_locations:
             raise LocationsFull(f"engine {eng.name} names {len(private)} private tier(s) and {len(stores)} new "
                                 f"store(s); {self.max_locations - self._next_bit} location bit(s) left")  # fmt: skip
+
+    def _admitted(self, eng: EngineState, tiers: Sequence[TierInfo]) -> tuple[TierInfo, ...]:
+        """``tiers`` less those naming a shared store past the engine's ``max_stores_per_engine``
+        over its starts (each takes a location bit for good): such a tier is not followed (its
+        events are counted as unattributed, the refusal as skipped); the start, the device cache
+        and the other tiers are."""
+        out, named = [], set(eng.stores)
+        for tier in tiers:
+            store = tier.store if tier.scope == SCOPE_SHARED else None
+            if store is not None and store not in named and len(named) >= self.max_stores_per_engine:
+                if store in eng.refused:
+                    continue
+                eng.refused.add(store)  # (counted and logged once per start)
+                eng.skipped += 1
+                logger.warning("fleet: engine %s names a shared store past its %d over its starts (%.200s); its tier "
+                               "%s is not followed", eng.name, self.max_stores_per_engine, store,
+                               tier.label)  # fmt: skip
+                continue
+            if store is not None:
+                named.add(store)
+            out.append(tier)
+        return tuple(out)
 
     def _private_bit(self, eng: EngineState) -> int:
         return eng.spare.pop() if eng.spare else self._alloc()
@@ -277,7 +297,9 @@ class FleetIndex:
         eng.dirty = False
 
     def _switch_start(self, eng: EngineState, record: ControlRecord) -> None:
-        self._check_room(eng, record.tiers, switching=True)
+        eng.refused = set()
+        tiers = self._admitted(eng, record.tiers)
+        self._check_room(eng, tiers, switching=True)
         if eng.start is not None:
             eng.restarts += 1
             logger.info("fleet: engine %s restarted (start %s -> %s)", eng.name, eng.start, record.start)
@@ -292,9 +314,11 @@ class FleetIndex:
         whole = record.op == "hello" and record.seq == 0
         eng.device_complete = eng.private_complete = whole
         eng.needs_snapshot = not whole
-        self._set_tiers(eng, record.tiers)
+        self._set_tiers(eng, tiers, admitted=True)
 
-    def _set_tiers(self, eng: EngineState, tiers: Sequence[TierInfo]) -> None:
+    def _set_tiers(self, eng: EngineState, tiers: Sequence[TierInfo], admitted: bool = False) -> None:
+        if not admitted:
+            tiers = self._admitted(eng, tiers)
         new = {t.label: t for t in tiers}
         if new == eng.tiers:
             return
