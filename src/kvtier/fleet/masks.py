@@ -239,6 +239,7 @@ class RedisMasks:
         self._lost = False  # the claim was lost: every write is refused (another writer owns the prefix)
         self._writer_key = f"{prefix}:writer"
         self._server: str | None = None  # the Redis server's run_id when the claim was taken (None: not known)
+        self._rebuild = False  # the index under the prefix is to be deleted (a failed deletion is retried)
 
     # --- the writer's claim ---------------------------------------------------------------
 
@@ -324,7 +325,10 @@ class RedisMasks:
                            server)  # fmt: skip
         if kept == 2 or restarted:
             self._server = server if server is not None else self._server
+            self._rebuild = True
+        if self._rebuild:  # (until the deletion went through: a Redis error midway is retried next time)
             self._wipe("written before the claim ran out or Redis restarted")
+            self._rebuild = False
             return True
         return False
 
