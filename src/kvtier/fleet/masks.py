@@ -13,11 +13,13 @@ interface:
   ``P:meta`` the index's engine and location table (JSON, written by the writer);
   ``P:writer`` the writer's claim (a random token with a time to live, refreshed while it
   writes, and taken again if it ran out with nobody else holding it, e.g. after Redis
-  restarted empty): a second writer on the same prefix is refused, and a writer that takes the
-  prefix over first deletes the index a previous writer left there (its location bits need
-  not match the new writer's). Every write is fenced by the claim (a Lua script checks the
-  token and writes, atomically): a writer that lost its claim writes nothing more. Every
-  command has the client's socket timeout.
+  restarted empty; the index under the prefix is then deleted, as it is when the Redis
+  server changes under the claim: a restart from an older save, a failover): a second writer
+  on the same prefix is refused, and a writer that takes the prefix over first deletes the
+  index a previous writer left there (its location bits need not match the new writer's).
+  Every write is fenced by the claim (a Lua script checks the token and writes, atomically):
+  a writer that lost its claim writes nothing more. Every command has the client's socket
+  timeout.
 
   The prefix should be private to the index (Redis ACLs: ``~P:*`` read-write for the
   writer, read-only for routers). Still, nothing read back is trusted: a reader reads at
