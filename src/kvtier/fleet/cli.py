@@ -95,13 +95,16 @@ def add_fleet_parser(sub: Any) -> None:
                    help="how far an engine's view of a shared store may lag other engines' changes (an fs "
                    "root's journal delay; on NFS its attribute cache); default 5")  # fmt: skip
     s.add_argument("--max-keys", type=_positive(int, 1 << 32), default=1 << 24,
-                   help="most block keys an in-memory index holds (about 200 bytes each; default 16777216): a "
-                   "batch that would add more counts as lost events of its engine")  # fmt: skip
+                   help="most entries (a block key in one location) an in-memory index holds (about 200 bytes for a "
+                   "key's first location, 80 for each further one; default 16777216): a "
+                   "batch that would add more is skipped (but for its removals from shared stores) and its engine "
+                   "is partial")  # fmt: skip
     s.add_argument("--max-body", type=_positive(int, 1 << 30), default=1 << 20, help="largest request body in bytes")
     s.add_argument("--max-blocks", type=_positive(int, 1 << 24), default=16384, help="longest prompt in blocks")
     s.add_argument("--request-timeout", type=_positive(float, 3600.0), default=5.0,
                    help="seconds a whole request (its line, headers and body) may take to arrive, from its first "
-                   "byte or the previous answer (default 5)")  # fmt: skip
+                   "byte or the previous answer; also how long a connection's answers may wait, in all, for a "
+                   "client that has not read the ones before (default 5)")  # fmt: skip
     s.add_argument("--max-concurrent", type=_positive(int, 4096), default=32, help="requests answered at once")
     s.set_defaults(func=_cmd_fleet_serve)
 

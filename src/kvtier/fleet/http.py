@@ -24,8 +24,9 @@ field); a request (its line, headers and body) must arrive within ``request_time
 seconds of its first byte, or of the previous answer on a kept-alive connection, else
 the connection is closed (a client that sends a byte now and then holds no thread); a
 connection's answers may wait for the client to read them ``request_timeout`` seconds in
-all, and no answer slot is held while they wait (a client that reads at a trickle is dropped
-too); at
+all (whole again whenever the client has taken everything sent before), and no answer slot is
+held while they wait, nor while a request's body arrives (a client that reads at a trickle is
+dropped too); at
 most ``max_concurrent`` requests are answered at once (more get 503 at once) and at most
 four times that many connections are open (more are closed at once). Bind it to a
 private address: it has no authentication.
@@ -37,6 +38,8 @@ import io
 import json
 import logging
 import socket
+import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,6 +56,24 @@ logger = logging.getLogger(__name__)
 _MAX_TOKEN = (1 << 31) - 1
 _MAX_HASH = (1 << 64) - 1
 _MAX_HASHERS = 8  # block sizes whose hashers are kept (the engines' info names the size)
+
+try:  # Linux: the bytes a socket sent that its peer has not taken yet (SIOCOUTQ)
+    import fcntl
+    import termios
+
+    _OUTQ: int | None = termios.TIOCOUTQ
+except (ImportError, AttributeError):  # pragma: no cover (not Linux)
+    _OUTQ = None
+
+
+def _unsent(sock: socket.socket) -> int | None:
+    """How many bytes written to ``sock`` its peer has not acknowledged yet (None: not known here)."""
+    if _OUTQ is None:
+        return None
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0"))[0])
+    except OSError:
+        return None
 
 
 class PrefixAnswers(Protocol):
@@ -120,6 +141,15 @@ class FleetServer(ThreadingHTTPServer):
         except BaseException:
             self._connections.release()
             raise
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that ended badly (the client went away, a deadline passed): one line at
+        debug level, not the standard library's traceback on stderr for each."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):
+            logger.debug("fleet: connection from %s ended: %s: %s", client_address, type(exc).__name__, exc)
+        else:
+            logger.warning("fleet: connection from %s failed: %s: %s", client_address, type(exc).__name__, exc)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
@@ -278,6 +308,8 @@ class _Handler(BaseHTTPRequestHandler):
         text = f"{message or short}: {explain or long}".rstrip(": ")
         self.log_error("code %d, message %s", code, text)
         self.close_connection = True
+        if self.request_version == "HTTP/0.9":  # (the request line was not parsed: still answer with a status line)
+            self.request_version = "HTTP/1.1"
         data = json.dumps({"error": text[:1000]}).encode()
         self.send_response(code, short)  # (the message may quote the client's bytes: not in the status line)
         self.send_header("Connection", "close")
@@ -297,7 +329,10 @@ class _Handler(BaseHTTPRequestHandler):
         """Send one answer. The connection's answers share one write budget of
         ``request_timeout`` seconds: a client that reads them slowly (a byte now and then, or
         thousands of pipelined requests read at a trickle) is dropped once its writes have
-        waited that long in all."""
+        waited that long in all. The budget is whole again whenever the client has taken every
+        byte sent before (a client that reads each answer before its next request is never dropped)."""
+        if _unsent(self.connection) == 0:
+            self._write_budget = self.server.request_timeout
         if self._write_budget <= 0:
             raise TimeoutError("the client did not read its answers within request_timeout")
         self.connection.settimeout(self._write_budget)
@@ -365,9 +400,15 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._send(HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path[:100]!r}: POST /v1/prefix"})
             return
-        self._guarded(self._prefix)
+        try:  # the body is read before an answer slot is taken: a client sending it slowly holds none
+            raw = self._body()
+        except BadRequest as exc:
+            self.close_connection = True
+            self._send(exc.status, {"error": str(exc)})
+            return
+        self._guarded(lambda: self._prefix(raw))
 
-    def _prefix(self) -> dict[str, Any]:
+    def _body(self) -> bytes:
         length = self.headers.get("Content-Length")
         if length is None or not (length.isascii() and length.isdigit()):  # ("²".isdigit() is True)
             raise BadRequest(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header of decimal digits is required")
@@ -378,6 +419,9 @@ class _Handler(BaseHTTPRequestHandler):
             raw = self.rfile.read(int(length))
         except TimeoutError:
             raise BadRequest(HTTPStatus.REQUEST_TIMEOUT, "the body did not arrive within request_timeout") from None
+        return raw
+
+    def _prefix(self, raw: bytes) -> dict[str, Any]:
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as exc:

@@ -45,16 +45,17 @@ engine would reuse, device cache first); ``tiers`` has the prefix of each tier a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.engine_events import SCOPE_SHARED, ControlRecord, TierInfo, is_info_value
-from kvtier.fleet.masks import MAX_LOCATIONS, LocationMasks, MemoryMasks, WriterConflict
+from kvtier.fleet.masks import MAX_LOCATIONS, IndexFull, LocationMasks, MemoryMasks, StoreUnavailable, WriterConflict
 from kvtier.fleet.records import Kind, WireBatch, WireEvent
 from kvtier.types import PRIMARY_LABEL
 
@@ -88,6 +89,7 @@ class EngineState:
     bits: dict[str, int] = field(default_factory=dict)  # tier label -> location bit
     spare: list[int] = field(default_factory=list)  # bits of its former private tiers, reused by its next ones
     stores: set[str] = field(default_factory=set)  # every shared store it has named (bounded: max_stores_per_engine)
+    refused: set[str] = field(default_factory=set)  # stores of its current start past that bound (not followed)
     dirty: bool = False  # dropping its device cache and private tiers failed (a store error): retried
     info: dict[str, Any] = field(default_factory=dict)
     device_complete: bool = False
@@ -141,6 +143,7 @@ class FleetIndex:
         # store bit -> key -> when its last applied change happened (engines' clocks), for recent keys
         self._times: dict[int, OrderedDict[int, float]] = {}
         self._floor: dict[int, float] = {}  # store bit -> the newest time forgotten from _times
+        self._times_held = 0  # the sizes of the _times together (at most max_times, over all stores)
         # (engine, tier label) -> (when a complete snapshot of a shared store was taken, the keys it listed)
         self._sweeps: dict[tuple[str, str], tuple[float, set[int]]] = {}
         self._sweeps_due: list[tuple[str, str]] = []
@@ -151,14 +154,26 @@ class FleetIndex:
         self._publish_due = False
         self.writer_lost: str | None = None
         """Why this writer no longer writes its shared store (another writer took it); None if it does."""
+        self._table: dict[str, Any] = {"version": 1, "engines": {}, "stores": {}}
         self.masks.open_writer()
         for name in engines:
             self.add_engine(name)
 
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """The writer's lock around a change; a write the store refused because another writer
+        took the prefix over leaves the reason in :attr:`writer_lost` (answers are 503 from then on)."""
+        with self._lock:
+            try:
+                yield
+            except WriterConflict as exc:
+                self.writer_lost = self.writer_lost or str(exc)
+                raise
+
     # --- engines -------------------------------------------------------------------------
 
     def add_engine(self, name: str) -> None:
-        with self._lock:
+        with self._writing():
             if name in self._engines:
                 raise ValueError(f"engine {name!r} is configured twice")
             self._engines[name] = EngineState(name, self._alloc())
@@ -175,8 +190,9 @@ class FleetIndex:
         """Called every fraction of a second by the writer's thread (the subscriber): keeps a
         shared index's writer claim (raises :class:`~kvtier.fleet.masks.WriterConflict` if another
         writer took it, and keeps the reason in :attr:`writer_lost`). A claim that had run out
-        with nobody else holding it is taken again, and every engine is then treated as having
-        lost events (the store may have lost what was written: a Redis restarted empty)."""
+        with nobody else holding it is taken again, and a Redis that restarted (maybe from an
+        older save) is noticed: the index under the prefix is then deleted and every engine is
+        treated as having lost events; shared stores' keys are reported again as they are stored."""
         now = self._clock()
         if self._publish_due and now - self._published_at >= _PUBLISH_COUNTERS_EVERY:
             with self._lock:
@@ -192,12 +208,14 @@ class FleetIndex:
                 self._store_forgot()
 
     def _store_forgot(self) -> None:
-        with self._lock:
+        with self._writing():
             for eng in self._engines.values():  # all incomplete first: the drops below may fail midway
                 eng.device_complete = eng.private_complete = False
                 eng.dirty = True
                 eng.needs_snapshot = eng.start is not None
                 eng.gaps += 1
+            self._table = self._build_meta()
+            self._published_shape = None  # the engine table was deleted too: written again below
             for eng in self._engines.values():
                 self._drop_private(eng)
             self._publish()
@@ -224,14 +242,33 @@ class FleetIndex:
         )  # fmt: skip
         kept = 0 if switching else sum(1 for t in private if t.label in eng.bits)
         named = {t.store for t in tiers if t.scope == SCOPE_SHARED and t.store is not None}
-        if len(eng.stores | named) > self.max_stores_per_engine:
-            raise LocationsFull(f"engine {eng.name} names {len(eng.stores | named)} shared stores over its starts; at "
-                                f"most {self.max_stores_per_engine} per engine")  # fmt: skip
         stores = named - set(self._stores)
         needed = max(0, len(private) - kept - spare) + len(stores)
         if self._next_bit + needed > self.max_locations:
             raise LocationsFull(f"engine {eng.name} names {len(private)} private tier(s) and {len(stores)} new "
                                 f"store(s); {self.max_locations - self._next_bit} location bit(s) left")  # fmt: skip
+
+    def _admitted(self, eng: EngineState, tiers: Sequence[TierInfo]) -> tuple[TierInfo, ...]:
+        """``tiers`` less those naming a shared store past the engine's ``max_stores_per_engine``
+        over its starts (each takes a location bit for good): such a tier is not followed (its
+        events are counted as unattributed, the refusal as skipped); the start, the device cache
+        and the other tiers are."""
+        out, named = [], set(eng.stores)
+        for tier in tiers:
+            store = tier.store if tier.scope == SCOPE_SHARED else None
+            if store is not None and store not in named and len(named) >= self.max_stores_per_engine:
+                if store in eng.refused:
+                    continue
+                eng.refused.add(store)  # (counted and logged once per start)
+                eng.skipped += 1
+                logger.warning("fleet: engine %s names a shared store past its %d over its starts (%.200s); its tier "
+                               "%s is not followed", eng.name, self.max_stores_per_engine, store,
+                               tier.label)  # fmt: skip
+                continue
+            if store is not None:
+                named.add(store)
+            out.append(tier)
+        return tuple(out)
 
     def _private_bit(self, eng: EngineState) -> int:
         return eng.spare.pop() if eng.spare else self._alloc()
@@ -250,6 +287,7 @@ class FleetIndex:
         is incomplete from the first line on; if the store fails midway, the next batch retries."""
         eng.device_complete = eng.private_complete = False
         eng.dirty = True
+        self._table = self._build_meta()  # answers say so before the store is written (it may hang or fail)
         for sweep in [k for k in self._sweeps if k[0] == eng.name]:
             del self._sweeps[sweep]
         self.masks.clear(eng.device_bit)
@@ -259,7 +297,9 @@ class FleetIndex:
         eng.dirty = False
 
     def _switch_start(self, eng: EngineState, record: ControlRecord) -> None:
-        self._check_room(eng, record.tiers, switching=True)
+        eng.refused = set()
+        tiers = self._admitted(eng, record.tiers)
+        self._check_room(eng, tiers, switching=True)
         if eng.start is not None:
             eng.restarts += 1
             logger.info("fleet: engine %s restarted (start %s -> %s)", eng.name, eng.start, record.start)
@@ -274,9 +314,11 @@ class FleetIndex:
         whole = record.op == "hello" and record.seq == 0
         eng.device_complete = eng.private_complete = whole
         eng.needs_snapshot = not whole
-        self._set_tiers(eng, record.tiers)
+        self._set_tiers(eng, tiers, admitted=True)
 
-    def _set_tiers(self, eng: EngineState, tiers: Sequence[TierInfo]) -> None:
+    def _set_tiers(self, eng: EngineState, tiers: Sequence[TierInfo], admitted: bool = False) -> None:
+        if not admitted:
+            tiers = self._admitted(eng, tiers)
         new = {t.label: t for t in tiers}
         if new == eng.tiers:
             return
@@ -298,7 +340,7 @@ class FleetIndex:
     def lost_events(self, name: str, why: str) -> None:
         """The subscriber lost batches of ``name`` it could not replay (or the publisher
         restarted): drop what they could have changed and wait for a snapshot."""
-        with self._lock:
+        with self._writing():
             eng = self._engines[name]
             eng.gaps += 1
             logger.warning("fleet: engine %s lost events (%s); its device cache and private tiers are dropped",
@@ -310,7 +352,7 @@ class FleetIndex:
     def publisher_restarted(self, name: str) -> None:
         """vLLM's batch sequence started over: a new process. Its first control record
         will name the new start; until then nothing of the old one is trusted."""
-        with self._lock:
+        with self._writing():
             eng = self._engines[name]
             self._drop_private(eng)
             self._publish()
@@ -326,8 +368,11 @@ class FleetIndex:
     # --- events -------------------------------------------------------------------------
 
     def apply(self, name: str, batch: WireBatch) -> None:
-        """Apply one decoded batch of engine ``name``, in order (the subscriber thread)."""
-        with self._lock:
+        """Apply one decoded batch of engine ``name``, in order (the subscriber thread). A batch
+        refused partway (:class:`LocationsFull`, :class:`~kvtier.fleet.masks.IndexFull`, a store
+        error) still has the removals of its shared stores that follow applied: they need no room,
+        and other engines answer from those stores."""
+        with self._writing():
             eng = self._engines[name]
             eng.batches += 1
             eng.events += len(batch.events)
@@ -335,22 +380,47 @@ class FleetIndex:
             eng.last_event = time.time()
             if eng.dirty:
                 self._drop_private(eng)
+            done: list[int] = [0]
             try:
-                self._apply_events(eng, batch.events)
-            except LocationsFull as exc:
+                self._apply_events(eng, batch.events, done)
+            except (LocationsFull, IndexFull) as exc:
                 eng.skipped += 1
-                logger.warning("fleet: engine %s: %s; the rest of its batch is skipped and the engine is partial",
-                               name, exc)  # fmt: skip
+                logger.warning("fleet: engine %s: %s; the rest of its batch is skipped (but for its removals from "
+                               "shared stores) and the engine is partial", name, exc)  # fmt: skip
                 self._drop_private(eng)
+                self._shared_removals(eng, batch.events, done[0])
+            except WriterConflict:
+                raise
+            except Exception:
+                with contextlib.suppress(Exception):  # (the store failed: it may fail again; the caller is told)
+                    self._shared_removals(eng, batch.events, done[0])
+                raise
             self._finish_sweeps()
             self._publish()
 
-    def _apply_events(self, eng: EngineState, events: Sequence[WireEvent]) -> None:
+    def _shared_removals(self, eng: EngineState, events: Sequence[WireEvent], failed: int) -> None:
+        """The removals from shared stores among ``events`` from index ``failed`` on (the event a
+        batch was refused at, and what follows it): applied even though the batch was not."""
+        context: ControlRecord | None = None
+        stores = {label: info.store for label, info in eng.tiers.items() if info.scope == SCOPE_SHARED}
+        for at, event in enumerate(events):
+            if event.control is not None:
+                context = event.control
+                if event.control.tiers:  # (the tiers it names, refused or not: stores are named by id)
+                    stores = {t.label: t.store for t in event.control.tiers if t.scope == SCOPE_SHARED}
+            elif at >= failed and event.kind is Kind.REMOVED and event.medium in _KVTIER_MEDIA and context:
+                store = stores.get(event.ownership) if event.ownership is not None else None
+                bit = self._stores.get(store) if store is not None else None
+                if bit is not None:
+                    self._store_event(bit, event.keys, True, self._event_time(context))
+
+    def _apply_events(self, eng: EngineState, events: Sequence[WireEvent], done: list[int]) -> None:
+        """Apply ``events``; ``done[0]`` is kept at the index of the event being applied."""
         first = next((e.control for e in events if e.control is not None), None)
         if first is not None and first.start != eng.start:
             self._switch_start(eng, first)
         context: ControlRecord | None = None
-        for event in events:
+        for done[0], event in enumerate(events):
             if event.control is not None:
                 self._finish_sweeps()
                 self._control(eng, event.control)
@@ -430,8 +500,8 @@ class FleetIndex:
     def _store_event(self, bit: int, keys: Sequence[int], removed: bool, when: float) -> None:
         """Apply a change to a shared store's keys unless a later change of the same key was
         applied already (engines' streams interleave in any order, and a replay brings changes of
-        minutes ago: the latest change wins). The times of at most ``max_times`` keys per store
-        are kept, whatever their age; past that the least recently changed are forgotten, and a
+        minutes ago: the latest change wins). The times of at most ``max_times`` keys over all
+        stores are kept, whatever their age; past that the least recently changed are forgotten, and a
         change of a forgotten key no newer than the newest forgotten time may be older than what
         was forgotten: a removal is applied (the index under-claims at worst), a store is not."""
         times = self._times[bit]
@@ -446,15 +516,30 @@ class FleetIndex:
             apply.append(key)
             if last is not None:
                 del times[key]
+            else:
+                self._times_held += 1
             times[key] = when
         if apply:
             if removed:
                 self.masks.remove(bit, apply)
             else:
                 self.masks.add(bit, apply)
-        while len(times) > self.max_times:
-            floor = max(floor, times.popitem(last=False)[1])
-        self._floor[bit] = floor
+        if self._times_held > self.max_times:
+            self._forget_times(bit, self._times_held - self.max_times)
+
+    def _forget_times(self, bit: int, excess: int) -> None:
+        """Forget the ``excess`` least recently changed times, this store's first (what one engine
+        floods a store with costs that store's times, not others')."""
+        others = sorted((b for b in self._times if b != bit), key=lambda b: len(self._times[b]), reverse=True)
+        for victim in [bit, *others]:
+            times, floor = self._times[victim], self._floor[victim]
+            while excess > 0 and times:
+                floor = max(floor, times.popitem(last=False)[1])
+                excess -= 1
+                self._times_held -= 1
+            self._floor[victim] = floor
+            if excess <= 0:
+                return
 
     def _finish_sweeps(self) -> None:
         """Complete snapshots of shared stores: drop what the store was believed to hold beyond
@@ -482,7 +567,7 @@ class FleetIndex:
         needs to read masks changed (engines, starts, statuses, tiers, bits, stores); a change
         of counters alone is written at most every ``_PUBLISH_COUNTERS_EVERY`` seconds (by
         :meth:`tick`), not with every batch."""
-        meta = self.meta()
+        meta = self._table = self._build_meta()
         shape = {name: {k: v for k, v in eng.items() if k not in _COUNTERS} for name, eng in meta["engines"].items()}
         shape["\0stores"] = meta["stores"]
         now = self._clock()
@@ -493,7 +578,16 @@ class FleetIndex:
         self._published_shape, self._published_at, self._publish_due = shape, now, False
 
     def meta(self) -> dict[str, Any]:
-        """The engine and location table (JSON-able): what a reader needs to read masks."""
+        """The engine and location table (JSON-able): what a reader needs to read masks. Answers
+        take the copy the writer keeps after each change (never its lock: the writer holds it
+        across its store's writes, which a hung Redis makes last seconds); raises
+        :class:`~kvtier.fleet.masks.StoreUnavailable` once another writer took the prefix over
+        (this writer's table no longer describes what is there)."""
+        if self.writer_lost is not None:
+            raise StoreUnavailable(f"this fleet writer no longer answers: {self.writer_lost}")
+        return self._table
+
+    def _build_meta(self) -> dict[str, Any]:
         with self._lock:
             return {
                 "version": 1,

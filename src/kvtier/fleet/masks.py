@@ -13,9 +13,13 @@ interface:
   ``P:meta`` the index's engine and location table (JSON, written by the writer);
   ``P:writer`` the writer's claim (a random token with a time to live, refreshed while it
   writes, and taken again if it ran out with nobody else holding it, e.g. after Redis
-  restarted empty): a second writer on the same prefix is refused, and a writer that takes the
-  prefix over first deletes the index a previous writer left there (its location bits need
-  not match the new writer's). Every command has the client's socket timeout.
+  restarted empty; the index under the prefix is then deleted, as it is when the Redis
+  server changes under the claim: a restart from an older save, a failover): a second writer
+  on the same prefix is refused, and a writer that takes the prefix over first deletes the
+  index a previous writer left there (its location bits need not match the new writer's).
+  Every write is fenced by the claim (a Lua script checks the token and writes, atomically):
+  a writer that lost its claim writes nothing more. Every command has the client's socket
+  timeout.
 
   The prefix should be private to the index (Redis ACLs: ``~P:*`` read-write for the
   writer, read-only for routers). Still, nothing read back is trusted: a reader reads at
@@ -53,6 +57,10 @@ _MAX_KEY_HEX = 24  # a key is at most 96 bits (a 32-bit group above a 64-bit has
 
 class WriterConflict(KvtierError):
     """Another writer holds the Redis prefix (or took it over from this one)."""
+
+
+class ClaimLapsed(KvtierError):
+    """The writer's claim ran out with nobody else holding it: a write was refused until it is taken again."""
 
 
 class IndexFull(KvtierError):
@@ -99,15 +107,17 @@ class LocationMasks(Protocol):
 
 
 class MemoryMasks:
-    """:class:`LocationMasks` in this process's memory: at most ``max_keys`` keys (about 200
-    bytes each); an :meth:`add` that would hold more adds nothing and raises :class:`IndexFull`
-    (the subscriber counts the batch as lost events of its engine)."""
+    """:class:`LocationMasks` in this process's memory: at most ``max_keys`` entries, an entry
+    being a key in one location (a key in one location costs about 200 bytes, each further
+    location of it about 80); an :meth:`add` that would hold more adds nothing and raises
+    :class:`IndexFull` (the index skips the rest of the batch and marks its engine partial)."""
 
     def __init__(self, max_keys: int = 1 << 24) -> None:
         self.max_keys = max_keys
         self._lock = threading.Lock()
         self._masks: dict[int, int] = {}
         self._members: dict[int, set[int]] = {}
+        self._entries = 0  # (key, location) pairs: the sizes of the _members sets together
         self._meta: dict[str, Any] = {}
 
     def add(self, bit: int, keys: Iterable[int]) -> None:
@@ -115,21 +125,21 @@ class MemoryMasks:
         keys = list(keys)
         with self._lock:
             masks = self._masks
-            if len(masks) + len(keys) > self.max_keys:
-                new = len(set(keys).difference(masks))
-                if len(masks) + new > self.max_keys:
-                    raise IndexFull(f"the fleet index holds {len(masks)} keys; {new} more would pass max_keys "
-                                    f"({self.max_keys})")  # fmt: skip
             members = self._members.setdefault(bit, set())
-            for key in keys:
+            new = set(keys).difference(members)
+            if self._entries + len(new) > self.max_keys:
+                raise IndexFull(f"the fleet index holds {self._entries} entries (a key in a location); {len(new)} "
+                                f"more would pass max_keys ({self.max_keys})")  # fmt: skip
+            for key in new:
                 masks[key] = masks.get(key, 0) | flag
-                members.add(key)
+            members.update(new)
+            self._entries += len(new)
 
     def remove(self, bit: int, keys: Iterable[int]) -> None:
         with self._lock:
             members = self._members.get(bit)
             if members:
-                self._drop(bit, [k for k in keys if k in members], members)
+                self._drop(bit, [k for k in set(keys) if k in members], members)
 
     def clear(self, bit: int) -> None:
         with self._lock:
@@ -140,6 +150,7 @@ class MemoryMasks:
     def _drop(self, bit: int, keys: list[int], members: set[int]) -> None:
         keep = ~(1 << bit)
         masks = self._masks
+        self._entries -= len(keys)  # (every key given is one of the location's)
         for key in keys:
             members.discard(key)
             mask = masks.get(key, 0) & keep
@@ -196,6 +207,24 @@ class RedisMasks:
              "if held == ARGV[1] then redis.call('expire', KEYS[1], ARGV[2]) return 1 end "
              "if not held then redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[2]) return 2 end return 0")  # fmt: skip
     _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+    # Every write is fenced by the claim: it runs only while ``P:writer`` still holds this writer's
+    # token, in one script (atomic), so a writer that lost its claim (paused past its TTL while
+    # another took the prefix over) cannot write one more byte into the other writer's index.
+    # KEYS: the claim, the location's key set, the key bitmaps; ARGV: token, bit, 0/1, set members.
+    # A script answers -1 where another writer holds the claim, -2 where nobody does (it ran out).
+    _FENCE = ("local held = redis.call('get', KEYS[1]) "
+              "if held ~= ARGV[1] then if held then return -1 end return -2 end ")
+    _SET_BITS = (_FENCE +
+                 "local bit, value = tonumber(ARGV[2]), tonumber(ARGV[3]) "
+                 "for i = 3, #KEYS do "
+                 "  redis.call('setbit', KEYS[i], bit, value) "
+                 "  if value == 0 and redis.call('bitcount', KEYS[i]) == 0 then redis.call('del', KEYS[i]) end "
+                 "end "
+                 "local op = value == 1 and 'sadd' or 'srem' "
+                 "for i = 4, #ARGV do redis.call(op, KEYS[2], ARGV[i]) end return 1")  # fmt: skip
+    _SPOP = _FENCE + "return redis.call('spop', KEYS[2], ARGV[2])"
+    _PUT = _FENCE + "redis.call('set', KEYS[2], ARGV[2]) return 1"
+    _WRITE_CHUNK = 500  # keys per fenced script call (one pipeline holds them all)
 
     def __init__(
         self, client: Any, prefix: str = "kvtier-fleet", *, writer_ttl: int = 15, claim_wait: float = 0.0
@@ -211,6 +240,8 @@ class RedisMasks:
         self._token: str | None = None
         self._lost = False  # the claim was lost: every write is refused (another writer owns the prefix)
         self._writer_key = f"{prefix}:writer"
+        self._server: str | None = None  # the Redis server's run_id when the claim was taken (None: not known)
+        self._rebuild = False  # the index under the prefix is to be deleted (a failed deletion is retried)
 
     # --- the writer's claim ---------------------------------------------------------------
 
@@ -229,6 +260,23 @@ class RedisMasks:
                 )
             time.sleep(0.5)
         self._token = token
+        self._server = self._run_id()
+        self._wipe("a previous writer left")
+
+    def _run_id(self) -> str | None:
+        """The Redis server's ``run_id`` (new with each start of redis-server, and another server's
+        after a failover); None where the client may not ask (an ACL without ``INFO``)."""
+        try:
+            info = self.client.info("server")
+        except Exception as exc:
+            if type(exc).__name__ in ("ResponseError", "NoPermissionError", "AuthorizationError"):
+                return None
+            raise
+        run_id = info.get("run_id") if isinstance(info, dict) else None
+        return str(run_id) if run_id is not None else None
+
+    def _wipe(self, whose: str) -> None:
+        """Delete the index under the prefix (only where an index's table is)."""
         if not _is_fleet_table(self.get_meta()):
             return  # no index here: whatever else is under the prefix is not ours to delete
         stale = 0
@@ -236,7 +284,7 @@ class RedisMasks:
             stale += len(batch)
             self.client.delete(*batch)
         if stale:
-            logger.info("fleet: deleted %d key(s) a previous writer left under Redis prefix %r", stale, self.prefix)
+            logger.info("fleet: deleted %d key(s) %s under Redis prefix %r", stale, whose, self.prefix)
 
     def _index_keys(self) -> Iterator[list[bytes]]:
         """The names of an index's keys under the prefix (key bitmaps, location sets, the table), in batches."""
@@ -253,8 +301,12 @@ class RedisMasks:
             yield batch
 
     def keep_writer(self) -> bool:
-        """Refresh the claim, or take it again if nobody holds it (True: the index written so
-        far may be gone); raises :class:`WriterConflict` if another writer holds it."""
+        """Refresh the claim, or take it again if nobody holds it; raises :class:`WriterConflict`
+        if another writer holds it. True where what is under the prefix can no longer be trusted,
+        and was deleted: the claim had run out (another writer may have written there meanwhile,
+        or Redis restarted from an older save), or the Redis server is not the one the claim was
+        taken on (a restart, which may have loaded an older RDB/AOF with this very claim in it, or
+        a failover to a replica that lagged)."""
         if self._token is None:
             return False
         kept = self.client.eval(self._KEEP, 1, self._writer_key, self._token, self.writer_ttl)
@@ -263,11 +315,24 @@ class RedisMasks:
             self._lost = True
             raise WriterConflict(f"the fleet writer lost its claim on the Redis prefix {self.prefix!r} to another "
                                  "writer: it no longer writes there (stop one of them)")  # fmt: skip
+        server = self._run_id() if self._server is not None else None
+        restarted = server is not None and server != self._server
         if kept == 2:
             logger.warning("fleet: the writer's claim on Redis prefix %r had run out (Redis restarted, or did not "
-                           "answer for %d s); nobody else held it, so it was taken again", self.prefix,
-                           self.writer_ttl)  # fmt: skip
-        return bool(kept == 2)
+                           "answer for %d s); nobody else held it, so it was taken again and the index under it "
+                           "is rebuilt", self.prefix, self.writer_ttl)  # fmt: skip
+        elif restarted:
+            logger.warning("fleet: the Redis server of prefix %r changed (run_id %s -> %s: a restart or a failover, "
+                           "maybe from an older save); the index under it is rebuilt", self.prefix, self._server,
+                           server)  # fmt: skip
+        if kept == 2 or restarted:
+            self._server = server if server is not None else self._server
+            self._rebuild = True
+        if self._rebuild:  # (until the deletion went through: a Redis error midway is retried next time)
+            self._wipe("written before the claim ran out or Redis restarted")
+            self._rebuild = False
+            return True
+        return False
 
     def close_writer(self) -> None:
         if self._token is not None:
@@ -286,51 +351,51 @@ class RedisMasks:
         self._set_bit(bit, list(keys), 1)
 
     def remove(self, bit: int, keys: Iterable[int]) -> None:
-        keys = list(keys)
-        self._set_bit(bit, keys, 0)
-        if keys:
-            self._drop_empty(keys)
+        self._set_bit(bit, list(keys), 0)  # (a key bitmap left with no bit is deleted in the same script)
 
-    def _check_writer(self) -> None:
-        if self._lost:
+    def _check_writer(self) -> str:
+        """This writer's token; raises :class:`WriterConflict` once the claim was lost."""
+        if self._lost or self._token is None:
             raise WriterConflict(f"the fleet writer lost its claim on the Redis prefix {self.prefix!r} to another "
                                  "writer: it no longer writes there (stop one of them)")  # fmt: skip
+        return self._token
+
+    def _fenced(self, results: Iterable[Any]) -> None:
+        """Raise where a fenced script refused to write: :class:`WriterConflict` (and no write
+        from now on) where another writer holds the claim, :class:`ClaimLapsed` where nobody
+        does (:meth:`keep_writer` takes it again)."""
+        refusals = {r for r in results if type(r) is int and r < 0}
+        if -1 in refusals:
+            self._token = None
+            self._lost = True
+            self._check_writer()
+        if refusals:
+            raise ClaimLapsed(f"the fleet writer's claim on the Redis prefix {self.prefix!r} ran out (Redis restarted, "
+                              "or did not answer for a while): nothing is written until it is taken again")  # fmt: skip
 
     def _set_bit(self, bit: int, keys: list[int], value: int) -> None:
-        """Set (1) or clear (0) ``bit`` of every key's bitmap and update the location's key set: one pipeline."""
-        self._check_writer()
+        """Set (1) or clear (0) ``bit`` of every key's bitmap and update the location's key set
+        (clearing deletes a bitmap left with no bit): one pipeline of fenced scripts."""
+        token = self._check_writer()
         if not keys:
             return
         pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.setbit(self._key(key), bit, value)
-        members = [f"{k:x}" for k in keys]
-        if value:
-            pipe.sadd(self._set(bit), *members)
-        else:
-            pipe.srem(self._set(bit), *members)
-        pipe.execute()
-
-    def _drop_empty(self, keys: list[int]) -> None:
-        """Delete key bitmaps that hold no bit any more (BITCOUNT 0), so Redis does not keep them."""
-        pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.bitcount(self._key(key))
-        empty = [self._key(k) for k, n in zip(keys, pipe.execute(), strict=True) if not n]
-        if empty:
-            self.client.delete(*empty)
+        for at in range(0, len(keys), self._WRITE_CHUNK):
+            chunk = keys[at : at + self._WRITE_CHUNK]
+            names = [self._key(k) for k in chunk]
+            pipe.eval(self._SET_BITS, 2 + len(names), self._writer_key, self._set(bit), *names, token, bit, value,
+                      *[f"{k:x}" for k in chunk])  # fmt: skip
+        self._fenced(pipe.execute())
 
     def clear(self, bit: int) -> None:
-        self._check_writer()
+        token = self._check_writer()
         name = self._set(bit)
         while True:
-            batch = self.client.spop(name, self._CLEAR_BATCH)
+            batch = self.client.eval(self._SPOP, 2, self._writer_key, name, token, self._CLEAR_BATCH)
+            self._fenced([batch])
             if not batch:
                 break
-            keys = _parse_keys(batch)
-            self._set_bit(bit, keys, 0)  # (the keys already left the set)
-            if keys:
-                self._drop_empty(keys)
+            self._set_bit(bit, _parse_keys(batch), 0)  # (the keys already left the set)
 
     def masks(self, keys: Sequence[int], bits: int = MAX_LOCATIONS) -> list[int]:
         if not keys:
@@ -356,8 +421,10 @@ class RedisMasks:
         return set(_parse_keys(self.client.smembers(self._set(bit))))
 
     def put_meta(self, meta: dict[str, Any]) -> None:
-        self._check_writer()
-        self.client.set(f"{self.prefix}:meta", json.dumps(meta, separators=(",", ":")))
+        token = self._check_writer()
+        done = self.client.eval(self._PUT, 2, self._writer_key, f"{self.prefix}:meta", token,
+                                json.dumps(meta, separators=(",", ":")))  # fmt: skip
+        self._fenced([done])
 
     def get_meta(self) -> dict[str, Any]:
         """The engine table, or {} where there is none or it is not a JSON object of at most

@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 
 END_SEQ = -1
 _SEQ_BYTES = 8
+_DRAIN_SECONDS = 0.25  # one engine's messages handled in a row at most before the other engines' are looked at
+# After a replay that took t seconds, the engine is asked for none for _REPLAY_BACKOFF * t seconds (its gaps count as
+# lost events at once meanwhile): an engine whose replays hang (down, or hostile) takes at most a fifth of the thread.
+_REPLAY_BACKOFF = 4.0
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class _Link:
     replayed: int = 0
     failed: int = 0
     last_snapshot_ask: float = -float("inf")
+    replay_after: float = -float("inf")  # no replay is asked of the engine before then (monotonic)
     model: str | None = None
     pending: list[tuple[int, bytes]] = field(default_factory=list)
 
@@ -199,7 +204,10 @@ class FleetSubscriber:
                 raise
             for sub in ready:
                 link = self._links[sub]
-                for _ in range(1000):  # drain, but let other engines in
+                drain_until = time.monotonic() + _DRAIN_SECONDS
+                for _ in range(1000):  # drain, but let other engines in (after 1000 messages or _DRAIN_SECONDS)
+                    if time.monotonic() > drain_until:
+                        break
                     try:
                         frames = sub.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
@@ -283,6 +291,18 @@ class FleetSubscriber:
         beginning at ``start`` (``from_start``) or wherever its buffer begins; else none."""
         if link.endpoint.replay is None or stop <= start:
             return []
+        asked = time.monotonic()
+        if asked < link.replay_after:  # its replays took their share of the one thread every engine shares
+            logger.debug("fleet: engine %s: no replay of batches %d..%d (its last replays took too long)",
+                         link.endpoint.name, start, stop - 1)  # fmt: skip
+            return []
+        try:
+            return self._replay_now(link, start, stop, from_start)
+        finally:
+            took = time.monotonic() - asked
+            link.replay_after = time.monotonic() + _REPLAY_BACKOFF * took
+
+    def _replay_now(self, link: _Link, start: int, stop: int, from_start: bool) -> list[tuple[int, bytes]]:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IPV6, 1)
@@ -290,7 +310,7 @@ class FleetSubscriber:
         out: list[tuple[int, bytes]] = []
         held = 0  # bytes of the payloads in out
         try:
-            sock.connect(link.endpoint.replay)
+            sock.connect(link.endpoint.replay or "")
             sock.send_multipart([b"", start.to_bytes(_SEQ_BYTES, "big")])
             deadline = time.monotonic() + self.replay_timeout
             while (left := deadline - time.monotonic()) > 0:
