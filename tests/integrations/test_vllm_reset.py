@@ -134,6 +134,24 @@ def _stored_and_cascaded(manager: Any, worker: Any, key: Any, device_block: int,
     manager.reset_cache()
 
 
+def _reset_during_copy(
+    manager: Any, worker: Any, started: threading.Event, job: int, promoted: Any, monkeypatch: pytest.MonkeyPatch
+) -> ReqContext:
+    """Reset the prefix cache while the worker's slow copy ``job`` runs; a new request then looks
+    ``promoted`` up (HIT_PENDING from the fs tier) and the next step submits its promotion before
+    the worker flushes ``job``, as vLLM orders them. Returns that request; copies are fast again."""
+    assert started.wait(5)
+    manager.reset_cache()
+    req = ReqContext(f"after-reset-{job}", {})
+    manager.on_new_request(req)
+    assert manager.lookup(promoted, req) is VllmLookup.HIT_PENDING
+    manager.on_schedule_end(None)  # the next step submits the promotion before the worker flushes
+    worker.wait({job})  # the worker flushes the copy in flight in that step's execution
+    worker.get_finished()
+    monkeypatch.undo()
+    return req
+
+
 def test_a_store_in_flight_at_reset_never_lands_on_a_promoted_row(
     engine: tuple[Any, Any, torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -145,15 +163,7 @@ def test_a_store_in_flight_at_reset_never_lands_on_a_promoted_row(
     manager.on_new_request(req)
     started = _slow_copies(worker, monkeypatch)
     stale_rows = _store(manager, worker, 2, k1, 2, req)  # K1's copy into its row is in flight...
-    assert started.wait(5)
-    manager.reset_cache()  # ...when the user resets the prefix cache
-    req2 = ReqContext("r2", {})
-    manager.on_new_request(req2)
-    assert manager.lookup(k3, req2) is VllmLookup.HIT_PENDING
-    manager.on_schedule_end(None)  # the next step submits K3's promotion before the worker flushes
-    worker.wait({2})  # the worker flushes the stale store in that step's execution
-    worker.get_finished()
-    monkeypatch.undo()
+    req2 = _reset_during_copy(manager, worker, started, 2, k3, monkeypatch)  # ...when the user resets
     _until_hit(manager, k3, req2)
     promoted_row = manager.prepare_load([k3], req2).block_ids.tolist()
     manager.complete_load([k3], req2)
@@ -178,15 +188,7 @@ def test_a_load_in_flight_at_reset_reads_its_own_bytes(
     started = _slow_copies(worker, monkeypatch)
     spec = manager.prepare_load([k3], req)
     worker.submit_load(3, spec, GPULoadStoreSpec([7], [1], [0]))  # K3's load into device block 7...
-    assert started.wait(5)
-    manager.reset_cache()  # ...is in flight at the reset
-    req2 = ReqContext("r2", {})
-    manager.on_new_request(req2)
-    assert manager.lookup(k5, req2) is VllmLookup.HIT_PENDING
-    manager.on_schedule_end(None)  # K5's promotion is submitted while the load still reads
-    worker.wait({3})
-    worker.get_finished()
-    monkeypatch.undo()
+    req2 = _reset_during_copy(manager, worker, started, 3, k5, monkeypatch)  # ...is in flight at the reset
     assert int(device[7].min()) == int(device[7].max()) == 33  # K3's bytes, not K5's 55
     _until_hit(manager, k5, req2)
 

@@ -288,33 +288,33 @@ class RespReader:
     def read_array(self) -> list[bytes | int | ErrorReply | None] | ErrorReply | None:
         """One array reply of scalar replies (``EXEC``'s), None for a null array (an ``EXEC``
         aborted by ``WATCH``), or :class:`ErrorReply`."""
-        line = self._read_line(len(self._buf))
-        kind, rest = line[:1], line[1:]
-        if kind == b"-":
-            return ErrorReply(rest.decode("utf-8", "replace"))
-        if kind == b"_":  # RESP3 null
-            return None
-        if kind != b"*":
-            raise RespProtocolError(f"expected an array, got reply type {kind!r}")
-        n = int(rest)
-        return None if n < 0 else [self.read_reply() for _ in range(n)]
+        n = self._reply_header(b"*", "an array", len(self._buf))
+        if n is None or isinstance(n, ErrorReply):
+            return n
+        return [self.read_reply() for _ in range(n)]
 
     def _bulk_length(self, line_limit: int) -> int | ErrorReply | None:
         """The header of a bulk-string reply: its length (checked against the reply budget),
         None for a null reply, or :class:`ErrorReply`; any other reply type is a protocol error."""
-        line = self._read_line(line_limit)
-        kind, rest = line[:1], line[1:]
-        if kind == b"-":
-            return ErrorReply(rest.decode("utf-8", "replace"))
-        if kind == b"_":  # RESP3 null
-            return None
-        if kind != b"$":
-            raise RespProtocolError(f"expected a bulk string, got reply type {kind!r}")
-        n = int(rest)
-        if n < 0:
-            return None
-        self._allow(n)
+        n = self._reply_header(b"$", "a bulk string", line_limit)
+        if isinstance(n, int):
+            self._allow(n)
         return n
+
+    def _reply_header(self, kind: bytes, what: str, line_limit: int) -> int | ErrorReply | None:
+        """The header line of a reply expected to be of type ``kind`` (``what``, for the error):
+        its count, None for a null reply (RESP3's ``_`` or a negative count), or :class:`ErrorReply`;
+        any other reply type is a protocol error."""
+        line = self._read_line(line_limit)
+        got, rest = line[:1], line[1:]
+        if got == b"-":
+            return ErrorReply(rest.decode("utf-8", "replace"))
+        if got == b"_":  # RESP3 null
+            return None
+        if got != kind:
+            raise RespProtocolError(f"expected {what}, got reply type {got!r}")
+        n = int(rest)
+        return None if n < 0 else n
 
     def read_bulk_chunks(self, consume: Callable[[memoryview], None]) -> int | ErrorReply | None:
         """One bulk-string reply, handed to ``consume`` piece by piece (at most 1 MiB each, into
