@@ -403,3 +403,147 @@ def test_the_engine_table_is_not_rewritten_to_redis_with_every_batch(redis_serve
     index.apply("a", _decoded(control("hello", 0, start="s2"), stored([7])))  # a restart: written at once
     assert json.loads(client.get("p:meta"))["engines"]["a"]["start"] == "s2"
     index.close()
+
+
+class _SnapshotApi:
+    """An engine's OpenAI API as far as a snapshot ask needs it; counts the completions asked."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        asked = self.asked = [0]
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self, body: bytes) -> None:
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                self._answer(b'{"data": [{"id": "m"}]}')
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                asked[0] += 1
+                self._answer(b'{"choices": []}')
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_snapshot_ask_thread_that_cannot_start_leaves_the_subscriber_running_and_is_asked_again(
+    publisher: Publisher, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review harden #1: ``RuntimeError: can't start new thread`` for a snapshot ask ended the
+    subscriber thread (every engine then partial for good); it is logged, and asked again later."""
+    import threading
+
+    real_start = threading.Thread.start
+    refused: list[str] = []
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name.startswith("kvtier-fleet-ask-") and not refused:
+            refused.append(thread.name)
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    api = _SnapshotApi()
+    index = FleetIndex(["e"])
+    index.apply("e", _decoded(control("hello", 3)))  # joined mid-start: a snapshot is wanted
+    subscriber = FleetSubscriber(index, [EngineEndpoint("e", publisher.events, api=api.url)], snapshot_retry=0.2)
+    subscriber.start()
+    try:
+        wait_for(lambda: bool(refused), "the refused start of the ask thread")
+        # before the fix: the subscriber thread died here and no snapshot was ever asked
+        wait_for(lambda: api.asked[0] >= 1, "the snapshot asked again")
+        assert subscriber._thread is not None and subscriber._thread.is_alive() and subscriber.failure is None
+        assert "could not start a thread to ask engine e for a snapshot" in caplog.text
+        publisher.send(batch(control("events", 4), stored([5])))  # and batches are still applied
+        wait_for(lambda: 5 in index.held("e", "0:primary"), "a batch after the refused ask")
+    finally:
+        subscriber.stop()
+        api.close()
+
+
+def test_a_writers_health_fails_while_its_redis_fails_every_write_and_recovers(
+    publisher: Publisher, redis_server: Any
+) -> None:
+    """Review harden #2: while the index's Redis hung, every batch failed and every engine turned
+    partial, but ``/health`` stayed ``{"ok": true}``. Now it answers 503 naming Redis once its
+    writes have failed for the grace period with none going through, and 200 again after."""
+    import http.client
+    import json
+    import threading
+
+    import redis
+
+    from kvtier.fleet.cli import _writer_health
+    from kvtier.fleet.http import FleetServer
+
+    client = redis.Redis.from_url(redis_server.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    index = FleetIndex(["e"], RedisMasks(client, "p"))
+    subscriber = _subscribe(index, publisher)
+    served = FleetServer(("127.0.0.1", 0), index, health=_writer_health(subscriber))
+    threading.Thread(target=served.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def health() -> tuple[int, dict[str, Any]]:
+        conn = http.client.HTTPConnection(*served.server_address[:2], timeout=5)
+        conn.request("GET", "/health")
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+
+    try:
+        publisher.send(batch(control("hello", 0), stored([1])))
+        wait_for(lambda: index.held("e", "0:primary") == {1}, "the first batch")
+        assert health() == (200, {"ok": True})
+        redis_server.pause()
+        try:
+            publisher.send(batch(control("events", 1, tiers=()), stored([2])))
+            wait_for(lambda: health()[0] == 503, "/health to fail while Redis does not answer")  # before: 200
+            assert "Redis" in health()[1]["error"] and subscriber.failure is None
+        finally:
+            redis_server.resume()
+        wait_for(lambda: health() == (200, {"ok": True}), "/health to recover once Redis answers")
+    finally:
+        served.shutdown()
+        served.server_close()
+        subscriber.stop()
+        index.close()
+
+
+def test_one_failed_write_alone_never_reports_the_store_failing(redis_server: Any) -> None:
+    """Review harden #2, the rule: the store is reported failing only once every write has failed
+    for ``failing_writes_grace`` seconds; one that goes through clears it at once."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url, socket_timeout=0.3, socket_connect_timeout=0.3)
+    clock = _Clock()
+    index = FleetIndex(["a"], RedisMasks(client, "p"), clock=clock, failing_writes_grace=60.0)
+    try:
+        redis_server.pause()
+        try:
+            clock.now += 10
+            with pytest.raises(redis.RedisError):
+                index.tick()  # the claim's refresh times out
+        finally:
+            redis_server.resume()
+        assert index.store_failing() is None  # one timeout, within the grace period
+        index.failing_writes_grace = 0.0
+        failing = index.store_failing()
+        assert failing is not None and "Redis has failed every write" in failing and "Timeout" in failing
+        clock.now += 10
+        index.tick()  # goes through
+        assert index.store_failing() is None
+    finally:
+        index.close()

@@ -420,3 +420,68 @@ def test_a_listing_that_stops_is_reported_not_shown_as_empty(
     assert not report.ok
     errors = [ns.manifest_error or "" for ns in report.namespaces]
     assert any("not listed: kvtier/" in e for e in errors), errors
+
+
+def test_objects_larger_than_any_block_kvtier_writes_are_never_read_whole(
+    s3_bucket: tuple[MotoServer, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review harden #3: without a usable manifest, inspect read every listed object whole into
+    memory whatever its size (a foreign object of many GiB in a shared bucket exhausts memory).
+    One listed above the largest object kvtier writes is not fetched; one that grew past it after
+    the listing, or whose body runs past it, is not read on; each is reported unreadable and kept
+    (not proven corrupt), and the other blocks are still verified."""
+    import obstore as obs
+
+    import kvtier.tiers.s3_inspect as s3_inspect
+
+    server, bucket = s3_bucket
+    tier, keys = _fill(server, bucket, "model-a", 5)
+    tier.shutdown()
+    raw = raw_client(server.endpoint, bucket)
+    obs.delete(raw, f"kvtier/{tier.context.namespace.hexdigest}/manifest.json")  # no usable manifest
+    listed_big, grown, lying, *fine = (tier.object_path(k) for k in keys)
+    bound = HEADER_SIZE + BLOCK  # a block of this namespace is exactly that large
+    monkeypatch.setattr(s3_inspect, "MAX_OBJECT_BYTES", bound)
+    huge = b"\0" * (4 * bound)
+    obs.put(raw, listed_big, huge)
+    real_get = obs.get
+    got: list[str] = []
+    streamed: dict[str, int] = {}
+
+    class Result:  # what obstore's GET answered, with the size it claims, and what was taken of it
+        def __init__(self, path: str, claimed: int | None) -> None:
+            self.path, self.real = path, real_get(raw, path)
+            self.meta = dict(self.real.meta, size=claimed if claimed is not None else self.real.meta["size"])
+
+        def bytes(self) -> Any:
+            raise AssertionError(f"{self.path} read whole")
+
+        def stream(self, min_chunk_size: int = 1 << 20) -> Any:
+            for chunk in self.real.stream(min_chunk_size=min(min_chunk_size, 4096)):
+                for at in range(0, len(chunk), 4096):  # (obstore's chunks may be larger than asked)
+                    piece = bytes(memoryview(chunk)[at : at + 4096])
+                    streamed[self.path] = streamed.get(self.path, 0) + len(piece)
+                    yield piece
+
+    def get(store: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+        if path == grown:
+            obs.put(raw, grown, huge)  # re-stored after the listing, far larger
+        if path == lying:
+            obs.put(raw, lying, huge)
+            got.append(path)
+            return Result(path, claimed=bound)  # a server whose size says one thing and whose body another
+        got.append(path)
+        return Result(path, claimed=None)
+
+    monkeypatch.setattr(obs, "get", get)
+    options = S3TierOptions(**{k: v for k, v in s3_options(server.endpoint, bucket).items() if k != "type"})
+    report = inspect_prefix(options, verify=True, remove_corrupt=True)
+    (ns,) = report.namespaces
+    unreadable = {c.path: c.reason for c in ns.unreadable}
+    # before the fix: each of the three read whole (and judged corrupt, kept only for want of a manifest)
+    assert set(unreadable) == {listed_big, grown, lying} and not ns.corrupt and not ns.kept, ns
+    assert all("largest object kvtier writes" in r and "kept" in r for r in unreadable.values()), unreadable
+    assert listed_big not in got and grown not in streamed  # never fetched; fetched, its body never taken
+    assert bound < streamed[lying] <= bound + 4096  # the body was taken until past the bound, no further
+    assert ns.verified == len(fine) and ns.removed_corrupt == 0 and not report.ok
+    assert {listed_big, grown, lying, *fine} <= _paths(raw)

@@ -73,6 +73,13 @@ _COUNTERS = frozenset({"seq", "batches", "events", "skipped", "unattributed", "g
                        "marks"})  # fmt: skip
 
 
+FAILING_WRITES_GRACE = 5.0
+"""Seconds every write to the index's store (Redis) must have failed, none going through since,
+before the writer reports the store failing (``GET /health`` answers 503). The writer refreshes its
+claim every 2 s, so a store that answers again is seen within about that; one failed write (a
+timeout) followed by one that goes through never reports it."""
+
+
 class LocationsFull(ValueError):
     """A control record names more tiers or stores than the index has location bits for."""
 
@@ -115,7 +122,9 @@ class FleetIndex:
     """The writer's index (see the module docstring). ``masks`` holds the key bitmaps
     (default: in memory; :class:`~kvtier.fleet.masks.RedisMasks` to share them with
     readers). ``max_stores_per_engine`` bounds the shared stores one engine may name over all
-    its starts (each takes a location bit for good, and the engine table lists them). Every
+    its starts (each takes a location bit for good, and the engine table lists them).
+    ``failing_writes_grace``: how long every write to the store must have failed, none going
+    through since, before :meth:`store_failing` reports it (one timeout alone does not). Every
     method is thread-safe."""
 
     def __init__(
@@ -127,10 +136,12 @@ class FleetIndex:
         max_times: int = 1 << 20,
         max_locations: int = MAX_LOCATIONS,
         max_stores_per_engine: int = 16,
+        failing_writes_grace: float = FAILING_WRITES_GRACE,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.masks: LocationMasks = masks if masks is not None else MemoryMasks()
+        self.failing_writes_grace = failing_writes_grace
         self.lag_seconds = lag_seconds
         self.max_times = max_times
         self.max_locations = min(max_locations, MAX_LOCATIONS)
@@ -206,6 +217,20 @@ class FleetIndex:
                 raise
             if reclaimed:
                 self._store_forgot()
+
+    def store_failing(self) -> str | None:
+        """Why the index's store (Redis) is failing the writer, or None: every write to it has
+        failed for at least ``failing_writes_grace`` seconds with none going through since (events
+        are lost meanwhile and engines turn partial). Any thread; never waits for the writer."""
+        failing = self.masks.write_failure()
+        if failing is None:
+            return None
+        since, why = failing
+        lasted = time.monotonic() - since
+        if lasted < self.failing_writes_grace:
+            return None
+        return (f"the index's Redis has failed every write for {lasted:.0f} s (the last: {why}): the engines' "
+                "events are not applied and they turn partial until it answers")
 
     def _store_forgot(self) -> None:
         with self._writing():

@@ -39,7 +39,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 from kvtier.errors import KvtierError
@@ -104,6 +104,10 @@ class LocationMasks(Protocol):
 
     def close_writer(self) -> None:
         """Called by the writer when it stops (releases its claim)."""
+
+    def write_failure(self) -> tuple[float, str] | None:
+        """Since when (``time.monotonic()``) every write to the store has failed, and why the last
+        one did; None while the last write went through (or none failed). Read from any thread."""
 
 
 class MemoryMasks:
@@ -189,6 +193,9 @@ class MemoryMasks:
     def close_writer(self) -> None:
         pass
 
+    def write_failure(self) -> tuple[float, str] | None:
+        return None  # (a full index refuses a change, IndexFull: the store itself does not fail)
+
     def __len__(self) -> int:
         return len(self._masks)
 
@@ -242,6 +249,7 @@ class RedisMasks:
         self._writer_key = f"{prefix}:writer"
         self._server: str | None = None  # the Redis server's run_id when the claim was taken (None: not known)
         self._rebuild = False  # the index under the prefix is to be deleted (a failed deletion is retried)
+        self._failing: tuple[float, str] | None = None  # since when every write failed, why the last did
 
     # --- the writer's claim ---------------------------------------------------------------
 
@@ -309,7 +317,7 @@ class RedisMasks:
         a failover to a replica that lagged)."""
         if self._token is None:
             return False
-        kept = self.client.eval(self._KEEP, 1, self._writer_key, self._token, self.writer_ttl)
+        kept = self._write(lambda: self.client.eval(self._KEEP, 1, self._writer_key, self._token, self.writer_ttl))
         if not kept:
             self._token = None
             self._lost = True
@@ -385,13 +393,14 @@ class RedisMasks:
             names = [self._key(k) for k in chunk]
             pipe.eval(self._SET_BITS, 2 + len(names), self._writer_key, self._set(bit), *names, token, bit, value,
                       *[f"{k:x}" for k in chunk])  # fmt: skip
-        self._fenced(pipe.execute())
+        self._fenced(self._write(pipe.execute))
 
     def clear(self, bit: int) -> None:
         token = self._check_writer()
         name = self._set(bit)
         while True:
-            batch = self.client.eval(self._SPOP, 2, self._writer_key, name, token, self._CLEAR_BATCH)
+            batch = self._write(lambda: self.client.eval(self._SPOP, 2, self._writer_key, name, token,
+                                                         self._CLEAR_BATCH))  # fmt: skip
             self._fenced([batch])
             if not batch:
                 break
@@ -405,6 +414,22 @@ class RedisMasks:
         for key in keys:
             pipe.getrange(self._key(key), 0, last_byte)  # only the bytes of locations that matter
         return [_bitmap_mask(value) for value in self._read("the key bitmaps", pipe.execute)]
+
+    def _write(self, call: Callable[[], Any]) -> Any:
+        """``call()``, one of the writer's round trips to Redis, its outcome kept for
+        :meth:`write_failure` (a write Redis answered counts as through, even one the claim's
+        fence refused: Redis answers, and the claim is the fence's business)."""
+        try:
+            done = call()
+        except Exception as exc:  # redis.RedisError, OSError: whatever the client raises
+            since = self._failing[0] if self._failing is not None else time.monotonic()
+            self._failing = (since, f"{type(exc).__name__}: {exc}"[:200])
+            raise
+        self._failing = None
+        return done
+
+    def write_failure(self) -> tuple[float, str] | None:
+        return self._failing
 
     def _read(self, what: str, call: Any) -> Any:
         """``call()``; any failure of Redis (or of the way there) as :class:`StoreUnavailable` naming it."""
@@ -422,8 +447,9 @@ class RedisMasks:
 
     def put_meta(self, meta: dict[str, Any]) -> None:
         token = self._check_writer()
-        done = self.client.eval(self._PUT, 2, self._writer_key, f"{self.prefix}:meta", token,
-                                json.dumps(meta, separators=(",", ":")))  # fmt: skip
+        table = json.dumps(meta, separators=(",", ":"))
+        done = self._write(lambda: self.client.eval(self._PUT, 2, self._writer_key, f"{self.prefix}:meta", token,
+                                                    table))  # fmt: skip
         self._fenced([done])
 
     def get_meta(self) -> dict[str, Any]:

@@ -16,7 +16,8 @@ ROUTER that resends buffered batches from a sequence number) and its OpenAI API 
   and the engine's API URL is known, a helper thread sends the engine a one-token
   completion whose ``kv_transfer_params`` ask kvtier for one (``{"kvtier_events":
   "snapshot"}``; at most once per ``snapshot_retry`` seconds per engine; each ask bounded
-  as a whole by ``http_timeout``, and asked again later whatever went wrong).
+  as a whole by ``http_timeout``, and asked again later whatever went wrong, a helper thread
+  that cannot be started included: the subscriber thread carries on).
 
 Every socket has bounded message sizes (``max_message_bytes``, 32 MiB) and a receive queue
 of at most ``max_queued_bytes`` (1 GiB) at that size (ZMQ counts messages: batches beyond
@@ -358,8 +359,15 @@ class FleetSubscriber:
         link.last_snapshot_ask = time.monotonic()
         self._asks = [t for t in self._asks if t.is_alive()]
         thread = threading.Thread(target=self._ask_snapshot, args=(link,), name=f"kvtier-fleet-ask-{name}", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as exc:  # "can't start new thread" (out of threads or memory): this thread carries on
+            # (logged at most once per snapshot_retry per engine: last_snapshot_ask gates the next try)
+            logger.warning("fleet: could not start a thread to ask engine %s for a snapshot (%s); asked again in "
+                           "%.0f s", name, exc, self.snapshot_retry)  # fmt: skip
+            self._want_snapshot_again(link)
+            return
         self._asks.append(thread)
-        thread.start()
 
     def _ask_snapshot(self, link: _Link) -> None:
         api = link.endpoint.api
@@ -375,8 +383,12 @@ class FleetSubscriber:
         except Exception as exc:  # whatever the API answers (JSON nested too deep included), ask again later
             logger.warning("fleet: could not ask engine %s for a snapshot: %s: %.200s", link.endpoint.name,
                            type(exc).__name__, exc)  # fmt: skip
-            with contextlib.suppress(KeyError):
-                self.index.engine(link.endpoint.name).needs_snapshot = True
+            self._want_snapshot_again(link)
+
+    def _want_snapshot_again(self, link: _Link) -> None:
+        """The engine still needs the snapshot an ask was meant for: asked again after ``snapshot_retry``."""
+        with contextlib.suppress(KeyError):
+            self.index.engine(link.endpoint.name).needs_snapshot = True
 
     def _call(self, url: str, body: bytes | None) -> bytes:
         """One request to an engine's API (POST ``body`` as JSON, or GET), its first MiB of answer.

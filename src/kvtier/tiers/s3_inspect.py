@@ -17,6 +17,12 @@ its size disagrees with the manifest (the manifest is the suspect); and an objec
 proven corrupt is deleted only if a HEAD just before the DELETE still shows the
 ETag and size read (S3 has no delete-if-unchanged obstore can send).
 
+Memory stays bounded by the largest object kvtier writes (:data:`MAX_OBJECT_BYTES`,
+S3's 5 GiB limit on one PUT), manifest or not: an object listed larger is not
+fetched, and one whose GET answers larger (re-stored since the listing) or whose
+body runs past it is not read on. Either is reported ``unreadable`` (not checked)
+and kept: a shared bucket may hold a foreign object of any size.
+
 Blocking and single-threaded; meant for an operator's shell, never for an engine.
 """
 
@@ -36,6 +42,7 @@ from kvtier.tiers.s3_store import (
     LAYOUT_VERSION,
     MANIFEST,
     MAX_MANIFEST_BYTES,
+    MAX_OBJECT_BYTES,
     S3TierOptions,
     key_of_path,
     list_objects,
@@ -45,6 +52,7 @@ from kvtier.tiers.s3_store import (
 )
 
 _NAMESPACE_RE = re.compile(r"^[0-9a-f]{32}\Z")
+_STREAM_CHUNK = 1 << 20
 
 
 def options_from_url(url: str, **overrides: Any) -> dict[str, Any]:
@@ -183,7 +191,10 @@ def _namespace_report(
     # Only a manifest that passed every check sizes the blocks and allows removal.
     block_bytes = report.manifest.get("block_bytes") if report.manifest and report.manifest_error is None else None
     chosen = blocks if verify else (rng.sample(blocks, min(sample, len(blocks))) if sample else [])
-    for path, key, _listed in chosen:
+    for path, key, listed in chosen:
+        if listed > MAX_OBJECT_BYTES:  # not fetched at all: it could be any size
+            report.unreadable.append(CorruptEntry(path, _too_large(f"listed at {listed} bytes")))
+            continue
         reason, proven, judged = _check_block(store, path, key, bytes.fromhex(digest), block_bytes)
         if reason is None:
             report.verified += 1
@@ -234,7 +245,8 @@ def _check_block(
     store: Any, path: str, key: bytes, namespace: bytes, block_bytes: int | None
 ) -> tuple[str | None, bool, Any]:
     """``(None, False, meta)`` if the object holds a valid value for ``key``; else why not, whether
-    that proves it corrupt, and the metadata of the object read (None if the read failed).
+    that proves it corrupt, and the metadata of the object read (None if the read failed, or
+    stopped at :data:`MAX_OBJECT_BYTES`).
 
     Everything is judged from one GET of the whole object, never from the listing (an engine may
     have re-stored the object since). A failed read or another release's format proves nothing;
@@ -247,9 +259,11 @@ def _check_block(
     try:
         result = obs.get(store, path)
         meta = result.meta
-        body = memoryview(result.bytes())
+        body = _bounded_body(result)
     except Exception as exc:
         return f"unreadable: {short_error(exc)} (kept: a failed read proves nothing)", False, None
+    if isinstance(body, str):
+        return _too_large(body), False, None
     size = len(body)
     version = foreign_format(body[:PREFIX_SIZE])
     if version is not None:
@@ -269,6 +283,30 @@ def _check_block(
             "verify (kept: the manifest is suspect)"
         ), False, meta
     return None, False, meta
+
+
+def _bounded_body(result: Any) -> memoryview | str:
+    """The body of a GET ``result``, or, reading no further, what showed it larger than
+    :data:`MAX_OBJECT_BYTES` (the size the GET answered, or its body running past it)."""
+    size = int(result.meta["size"])
+    if size > MAX_OBJECT_BYTES:
+        return f"the GET answered {size} bytes"
+    body = bytearray(size)
+    filled = 0
+    for chunk in result.stream(min_chunk_size=_STREAM_CHUNK):
+        n = len(chunk)
+        if filled + n > MAX_OBJECT_BYTES:
+            return f"its body ran past {MAX_OBJECT_BYTES} bytes (the GET said {size})"
+        if filled + n > len(body):
+            body.extend(bytes(filled + n - len(body)))
+        body[filled : filled + n] = chunk
+        filled += n
+    return memoryview(body)[:filled]
+
+
+def _too_large(seen: str) -> str:
+    return (f"not read: {seen}, more than the largest object kvtier writes ({MAX_OBJECT_BYTES} bytes) "
+            "(kept: not proven corrupt)")  # fmt: skip
 
 
 def _delete_if_unchanged(store: Any, path: str, judged: Any) -> str | None:

@@ -49,6 +49,10 @@ if TYPE_CHECKING:
 LAYOUT_VERSION = 1
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 64 * 1024
+MAX_OBJECT_BYTES = 5 << 30
+"""The largest object the S3 tier can write: it PUTs each block (header and payload) as one plain
+PUT, never multipart, and S3 refuses a single PUT over 5 GiB. A larger object under a tier prefix
+is not a block kvtier wrote; offline inspection never reads one (it could be any size)."""
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]\Z")
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9!_.*'()\-]+(/[A-Za-z0-9!_.*'()\-]+)*\Z")
 _OBJECT_RE = re.compile(rf"^[0-9a-f]{{2}}/([0-9a-f]{{2,{2 * MAX_KEY_BYTES}}})\Z")
