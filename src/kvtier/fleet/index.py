@@ -209,14 +209,22 @@ class FleetIndex:
             with self._lock:
                 self._publish()
         if now - self._kept_writer >= _KEEP_WRITER_EVERY:
-            self._kept_writer = now
-            try:
-                reclaimed = self.masks.keep_writer()
-            except WriterConflict as exc:
-                self.writer_lost = str(exc)
-                raise
-            if reclaimed:
-                self._store_forgot()
+            self.keep_writer()
+
+    def keep_writer(self) -> bool:
+        """Keep the writer's claim now, as :meth:`tick` does every 2 s (the subscriber thread; also
+        when a write found the claim had run out: :class:`~kvtier.fleet.masks.ClaimLapsed`). True
+        where it was taken again or Redis changed under it: the index under the prefix was then
+        deleted and every engine treated as having lost events. Raises like :meth:`tick`."""
+        self._kept_writer = self._clock()
+        try:
+            reclaimed = self.masks.keep_writer()
+        except WriterConflict as exc:
+            self.writer_lost = str(exc)
+            raise
+        if reclaimed:
+            self._store_forgot()
+        return reclaimed
 
     def store_failing(self) -> str | None:
         """Why the index's store (Redis) is failing the writer, or None: every write to it has

@@ -47,6 +47,7 @@ from typing import Any
 import zmq
 
 from kvtier.fleet.index import FleetIndex
+from kvtier.fleet.masks import ClaimLapsed
 from kvtier.fleet.wire import WireError, decode_batch
 
 logger = logging.getLogger(__name__)
@@ -280,7 +281,15 @@ class FleetSubscriber:
             return
         name = link.endpoint.name
         try:
-            self.index.apply(name, batch)
+            try:
+                self.index.apply(name, batch)
+            except ClaimLapsed:
+                # Redis restarted (or stalled past the claim's lease) since the last tick: the
+                # claim is taken again now, not at the next tick, and the batch applied on the index
+                # rebuilt for it, instead of being lost as well. (It counts as two batches.)
+                if not self.index.keep_writer():
+                    raise
+                self.index.apply(name, batch)
         except Exception as exc:  # the index's store (Redis) failed: this batch's changes are lost
             link.failed += 1
             logger.warning("fleet: engine %s batch %d could not be applied: %s", name, seq, exc)
