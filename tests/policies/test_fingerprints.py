@@ -115,6 +115,17 @@ class FingerprintMachine(RuleBasedStateMachine):
         self.model[where].remove(fp)
         self.model[which].append(fp)
 
+    @rule(old=fps, fp=fps, which=st.integers(0, LISTS - 1))
+    def recycle(self, old: int, fp: int, which: int) -> None:
+        where = self._where(old)
+        if where is None or (fp != old and self._where(fp) is not None):
+            return
+        entry = self.table.find(old)
+        self.table.recycle(entry, fp, which)  # remove(entry), then add(fp, which) in the same entry
+        assert self.table.find(fp) == entry and self.table.list_of(entry) == which
+        self.model[where].remove(old)
+        self.model[which].append(fp)
+
     @rule(which=st.integers(0, LISTS - 1))
     def pop(self, which: int) -> None:
         entry = self.table.pop_head(which)
@@ -131,6 +142,9 @@ class FingerprintMachine(RuleBasedStateMachine):
     @invariant()
     def matches_the_model(self) -> None:
         assert len(self.table) == sum(map(len, self.model)), "len counts the entries in every list"
+        cells = [c for c in self.table._index if c]
+        assert sorted(cells) == sorted(self.table.find(fp) + 1 for lst in self.model for fp in lst), \
+            "the index holds one cell per entry, no stale one"
         for which in range(LISTS):
             assert self.table.fingerprints(which) == self.model[which]
             assert self.table.count(which) == len(self.model[which])

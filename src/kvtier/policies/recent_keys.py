@@ -67,16 +67,34 @@ class RecentKeys:
     def add(self, fp: int) -> None:
         """Record ``fp`` (non-zero) unless present; the oldest entry goes when the table is full.
 
-        Once per stored request, on the scheduler thread: the filter read of :meth:`_find` is
-        inline (nearly every fingerprint added is new)."""
-        if self.filter[fp & self.filter_mask] and self._find(fp) >= 0:
+        Once per stored request, on the scheduler thread: :meth:`_find`'s filter read,
+        :meth:`_unplace` and :meth:`_place` are inline (nearly every fingerprint added is new,
+        and a call costs about as much as each of them)."""
+        filt, fmask = self.filter, self.filter_mask
+        if filt[fp & fmask] and self._find(fp) >= 0:
             return
         pos = self._pos
-        if self._len == self.capacity:
-            self._unplace(pos)
+        ring, index, mask = self._ring, self._index, self._mask
+        if self._len == self.capacity:  # _unplace(pos)
+            unindex(index, ring, mask, pos)
+            old = ring[pos]
+            j = old & fmask  # _count(old, -1)
+            if filt[j] < 255:
+                filt[j] -= 1
+            if old == 1 and filt[0] < 255:
+                filt[0] -= 1
         else:
             self._len += 1
-        self._place(pos, fp)
+        ring[pos] = fp  # _place(pos, fp)
+        j = fp & fmask
+        if filt[j] < 255:
+            filt[j] += 1
+        if fp == 1 and filt[0] < 255:
+            filt[0] += 1
+        i = fp & mask
+        while index[i]:
+            i = (i + 1) & mask
+        index[i] = pos + 1
         self._pos = pos + 1 if pos + 1 < self.capacity else 0
 
     def replace(self, old: int, new: int) -> None:

@@ -102,13 +102,14 @@ class ReturnSampler:
         else:
             prev = -1
             self.lru_hit = False
-            if counts[0] + counts[1] >= self.size:
-                old = heads[end + 1]
-                if old >= end:
-                    old = heads[end]
-                self.model.censor(classes[old], now - times[old])
-                table.remove(old)
-            entry = table.add(fp, 0)
+            if counts[0] + counts[1] >= self.size:  # the oldest key goes, its entry takes fp
+                entry = heads[end + 1]
+                if entry >= end:
+                    entry = heads[end]
+                self.model.censor(classes[entry], now - times[entry])
+                table.recycle(entry, fp, 0)
+            else:
+                entry = table.add(fp, 0)
         if counts[0] > self.lru_size:
             table.move_to_end(heads[end], 1)  # the LRU's least recent drops out of it
         times[entry] = now
