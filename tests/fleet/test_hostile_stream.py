@@ -62,19 +62,6 @@ def test_a_deeply_nested_message_is_dropped_and_the_subscriber_carries_on(publis
         subscriber.stop()
 
 
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[Any]:
-    from redis_servers import REDIS_SERVER, start_redis
-
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server not found on PATH")
-    server = start_redis(tmp_path / "redis")
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 @pytest.mark.parametrize("jump", ["gap", "restart"])
 def test_a_redis_that_does_not_answer_during_a_gap_or_a_restart_does_not_stop_the_subscriber(
     publisher: Publisher, redis_server: Any, jump: str

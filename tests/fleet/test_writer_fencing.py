@@ -11,7 +11,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,21 +37,6 @@ def _batch(*events: WireEvent) -> WireBatch:
 
 def _event(kind: Kind, keys: list[int], medium: str | None = "CPU", ownership: str | None = None) -> WireEvent:
     return WireEvent(kind, tuple(keys), medium, ownership)
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[Any]:
-    from redis_servers import REDIS_SERVER, start_redis
-
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server not found on PATH")
-    server = start_redis(tmp_path / "redis")
-    try:
-        yield server
-    finally:
-        assert server.proc is not None
-        os.kill(server.proc.pid, signal.SIGCONT)
-        server.stop()
 
 
 def _client(url: str, timeout: float = 5.0) -> Any:
