@@ -162,13 +162,7 @@ class FingerprintLists:
 
     def recycle(self, entry: int, fp: int, which: int) -> None:
         """:meth:`remove` ``entry``, then :meth:`add` ``fp`` to ``which``, which takes the same
-        entry: one call instead of two on the policies' sampled paths (a full table's
-        every new key)."""
-        prv, nxt, list_of, counts = self._prev, self._next, self._list_of, self._counts
-        before, after = prv[entry], nxt[entry]
-        nxt[before] = after
-        prv[after] = before
-        counts[list_of[entry]] -= 1
+        entry: fewer calls on the policies' sampled paths (a full table's every new key)."""
         index, fps, mask = self._index, self._fp, self._mask
         unindex(index, fps, mask, entry)
         fps[entry] = fp
@@ -176,14 +170,7 @@ class FingerprintLists:
         while index[i]:
             i = (i + 1) & mask
         index[i] = entry + 1
-        end = self.capacity + which
-        tail = prv[end]
-        nxt[tail] = entry
-        prv[entry] = tail
-        nxt[entry] = end
-        prv[end] = entry
-        list_of[entry] = which
-        counts[which] += 1
+        self.move_to_end(entry, which)
 
     def pop_head(self, which: int) -> int:
         """Remove the least recent entry of ``which``; returns its entry number (-1 if empty).
