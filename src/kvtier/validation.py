@@ -14,6 +14,7 @@ or refused with a :class:`~kvtier.errors.ConfigError` naming the setting.
 from __future__ import annotations
 
 import difflib
+import itertools
 import math
 import re
 import reprlib
@@ -132,9 +133,45 @@ _SHORT_REPR.maxlong = 40
 
 def _shown_input(value: Any) -> str:
     """The value a setting got, for a message: a repr of at most about 60 characters, however large
-    or deeply nested the value (a YAML alias bomb included: only what is shown is ever visited)."""
+    or deeply nested the value (a YAML alias bomb included: only what is shown is ever visited).
+    It may cut a URL's '@' away and keep its password: decide what to hide with
+    :func:`_may_hold_credentials` on the whole value first."""
     text = _SHORT_REPR.repr(value)
     return text if len(text) <= 80 else text[:60] + "..."
+
+
+_WALK_ITEMS = 10_000
+_WALK_DEPTH = 8
+
+
+def _may_hold_credentials(value: Any) -> bool:
+    """True when ``value``, walked whole (not as shortened for a message), has an '@' in a string
+    or bytes anywhere: itself, an item of a list, tuple or set, a key or value of a mapping; such a
+    value may be a URL with its userinfo (``['redis://user:pw@host']``), and a shortened display can
+    cut the '@' away but keep the password. The walk visits at most 10,000 items and 8 levels (a
+    YAML alias bomb stops there); a value past either bound counts as holding one (never shown)."""
+    budget = _WALK_ITEMS
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str | bytes | bytearray):
+            if ("@" in item) if isinstance(item, str) else (b"@" in item):
+                return True
+            continue
+        if isinstance(item, Mapping):
+            children: Any = itertools.chain.from_iterable(item.items())
+        elif isinstance(item, list | tuple | set | frozenset):
+            children = item
+        else:
+            continue
+        if depth >= _WALK_DEPTH:
+            return True
+        for child in children:
+            budget -= 1
+            if budget < 0:
+                return True
+            stack.append((child, depth + 1))
+    return False
 
 
 def did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> str:
@@ -220,8 +257,10 @@ def explain(
             if known:
                 msg += f": known names are {known}"
         elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
-            shown = "a value, not shown: it is a secret" if _is_secret(model, loc) else _shown_input(err["input"])
-            if "@" in shown and not _is_secret(model, loc):  # a URL's userinfo ('redis://:pw@host') in a list or map
+            if _is_secret(model, loc):
+                shown = "a value, not shown: it is a secret"
+            elif _may_hold_credentials(err["input"]) or "@" in (shown := _shown_input(err["input"])):
+                # a URL's userinfo ('redis://:pw@host') in a list or map: judged whole, before shortening
                 shown = "a value, not shown: it holds an '@', maybe a URL with credentials"
             msg = f"{msg} (got {shown})"
         problems.setdefault(loc, []).append(msg)

@@ -679,6 +679,13 @@ def test_a_secret_of_the_wrong_type_is_never_echoed(tmp_path: Path, secret: str)
         ("s3", {"bucket": "bkt", "endpoint": ["http://AKIA:QQs1hunter2@h:9000"]}),
         ("redis", {"url": ["redis://:QQs1hunter2@cache:6379"]}),
         ("redis", {"url": {"redis://:QQs1hunter2@cache:6379": None}}),
+        # review s3c #2: a long URL whose '@' the shortened display cut away showed user and password
+        ("redis", {"url": ["rediss://kvtier-user:QQs1hunter2@cache-primary.prod.eu-west-1.internal.example.com:6380"]}),
+        ("redis", {"url": ["redis://default:QQs1hunter2-long-password-0123456789abcdef@cache.internal:6379/0"]}),
+        ("s3", {"bucket": "bkt", "endpoint": {
+            "http://AKIAIOSFODNN7EXAMPLE:QQs1hunter2wJalr@" "minio.internal.example.com:9000": 1}}),
+        ("s3", {"bucket": "bkt", "endpoint": [1, 2, 3, 4, 5, "http://AKIA:QQs1hunter2@h:9000"]}),  # past what is shown
+        ("redis", {"url": [[[["x" * 100, {"k": ("redis://:QQs1hunter2@cache:6379",)}]]]]}),
     ],
 )
 def test_a_url_option_of_the_wrong_type_is_never_echoed(model: str, spec: dict[str, Any]) -> None:
@@ -691,6 +698,29 @@ def test_a_url_option_of_the_wrong_type_is_never_echoed(model: str, spec: dict[s
         validate_options(S3TierOptions if model == "s3" else RedisTierOptions, model, spec)
     text = str(raised.value)
     assert "QQs1" not in text and "hunter2" not in text and "not shown" in text, text
+    assert "AKIA" not in text and "kvtier-user" not in text and "default:" not in text, text
+
+
+def test_a_wrong_typed_value_is_walked_whole_within_bounds_and_shown_when_it_holds_no_at() -> None:
+    """Review s3c #2: whether to hide is decided from the whole value (not its shortened display),
+    walking at most a bounded number of items and levels; a value past the bounds is not shown,
+    one within them that holds no '@' still is."""
+    import time
+
+    from kvtier.tiers.options import validate_options
+    from kvtier.tiers.redis import RedisTierOptions
+
+    with pytest.raises(ConfigError, match=r"got \['redis-host', 6379\]"):
+        validate_options(RedisTierOptions, "redis", {"url": ["redis-host", 6379]})
+    bomb: list[Any] = ["a"]
+    for _ in range(40):  # a YAML alias bomb: 2**40 leaves, built in 40 steps
+        bomb = [bomb, bomb]
+    started = time.monotonic()
+    for value in (bomb, ["x"] * 100_000, [[[[[[[[[["x"]]]]]]]]]]):
+        with pytest.raises(ConfigError, match="not shown") as raised:
+            validate_options(RedisTierOptions, "redis", {"url": value})
+        assert len(str(raised.value)) < 300, raised.value
+    assert time.monotonic() - started < 5
 
 
 def test_an_upper_case_s3_scheme_with_credentials_is_refused() -> None:
