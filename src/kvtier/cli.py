@@ -1115,18 +1115,19 @@ _URL_TYPO = re.compile(r"(?i)(s3|https?):/?(?!/)")
 
 def _check_inspect_flags(args: argparse.Namespace) -> bool:
     """Refuse what inspect cannot do or would ignore; True when ``args.dir`` is an S3 prefix."""
+    from kvtier.tiers.endpoints import redact_url, split_scheme
+
     target = str(args.dir)
     is_s3 = target.lower().startswith(INSPECT_SCHEMES)
-    scheme, sep, _ = target.partition("://")
-    if sep and not is_s3:
+    split = split_scheme(target)  # None for 'http:/KEY://SECRET@host': that '://' is inside the credentials
+    if split is not None and not is_s3:
+        scheme = split[0]
         raise ConfigError(
             f"inspect reads an fs tier directory or an S3 prefix (s3://bucket/prefix, "
             f"http(s)://host:port/bucket/prefix), not a {scheme}:// URL: a {scheme} tier cannot be inspected offline"
         )
     if not is_s3 and ("@" in target or _URL_TYPO.match(target)) and not os.path.isdir(target):
         # 'http:/key:secret@host/bkt' is no URL and no directory: never echo what precedes the '@'
-        from kvtier.tiers.endpoints import redact_url
-
         shown = "***@" + redact_url(target.rsplit("@", 1)[1]) if "@" in target else redact_url(target)
         raise ConfigError(
             f"inspect target {shown!r} is neither a directory nor an S3 prefix: give s3://bucket/prefix or "

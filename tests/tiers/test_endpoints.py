@@ -237,6 +237,21 @@ def test_redact_url_hides_passwords_in_every_form(url: str) -> None:
     assert SECRET not in shown and "***" in shown, shown
 
 
+@pytest.mark.parametrize(
+    ("url", "split"),
+    [("s3://b/p", ("s3", "b/p")), ("HTTPS://h:9/b", ("HTTPS", "h:9/b")), ("git+ssh://h", ("git+ssh", "h")),
+     (f"http://k:a://{SECRET}@h/b", ("http", f"k:a://{SECRET}@h/b")),
+     (f"http:/KEYID://{SECRET}@h/b", None), (f"http:/KEYID:a://{SECRET}@h/b", None), (f" s3://k:{SECRET}@b", None),
+     ("1s3://b", None), ("://b", None), ("/srv/kv", None), (f"u:{SECRET}@h", None)],
+)  # fmt: skip
+def test_split_scheme_takes_a_separator_only_after_a_clean_scheme(url: str, split: tuple[str, str] | None) -> None:
+    """Review s3c #3: ``partition("://")`` took the '://' inside 'http:/KEYID://SECRET@host' for the
+    scheme's, so the key id was shown as a scheme or bucket and the secret as a prefix."""
+    from kvtier.tiers.endpoints import split_scheme
+
+    assert split_scheme(url) == split
+
+
 def test_secrets_are_never_echoed_by_describe_config_show_or_logs(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

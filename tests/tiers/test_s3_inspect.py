@@ -249,6 +249,10 @@ def test_a_secret_with_a_slash_in_the_url_is_never_echoed(url: str) -> None:
         "http:/AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY@127.0.0.1:9000/kv-cache",
         "http:AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY@127.0.0.1:9000/kv-cache",
         "HTTPS:/AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY@127.0.0.1:9000/kv-cache",
+        # review s3c #3: a '://' later, inside the credentials, was taken for the scheme's
+        "http:/AKIAIOSFODNN7EXAMPLE://wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY@127.0.0.1:9000/kv-cache/p",
+        "http:/AKIAIOSFODNN7EXAMPLE:a://wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY@127.0.0.1:9000/kv-cache",
+        " s3://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY@127.0.0.1:9000/kv-cache",
     ],
 )
 def test_a_url_missing_a_slash_of_its_scheme_never_echoes_the_credentials(url: str) -> None:

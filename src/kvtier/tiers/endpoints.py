@@ -20,6 +20,18 @@ _LABEL = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?\Z")
 _UNSAFE_CHAR = re.compile(r"[^\x21-\x7e]")
 _SECRET_QUERY = re.compile(r"pass|secret|token|key|credential|auth|signature", re.IGNORECASE)
 _SHOWN_CHARS = 200
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*\Z")
+
+
+def split_scheme(url: str) -> tuple[str, str] | None:
+    """``(scheme, rest)`` of ``scheme://rest``, or None when ``url`` has no '://' right after a clean
+    scheme (a letter, then letters, digits, '+', '.', '-'). A '://' after anything else is no
+    separator, however many follow: in ``http:/KEY://SECRET@host/bucket`` (a '/' missing) it sits
+    inside the credentials, and what precedes it must never be shown as a scheme, bucket or prefix.
+    Every parser of kvtier's URL arguments splits through this one rule; with None, a caller shows
+    only what follows the last '@'."""
+    scheme, sep, rest = url.partition("://")
+    return (scheme, rest) if sep and _SCHEME.match(scheme) else None
 
 
 def redact_url(url: str) -> str:
@@ -45,7 +57,8 @@ def redact_url(url: str) -> str:
             shown = "***@" + text.rsplit("@", 1)[1]
     except ValueError:
         if "@" in text or "?" in text:
-            scheme = text.split("://", 1)[0] + "://" if "://" in text.split("@", 1)[0] else ""
+            split = split_scheme(text)
+            scheme = split[0] + "://" if split else ""
             shown = (scheme + "***@" + text.rsplit("@", 1)[1] if "@" in text else text).split("?", 1)[0]
     shown = _UNSAFE_CHAR.sub(lambda m: repr(m.group())[1:-1] if m.group() != " " else "%20", shown)
     return shown if len(shown) <= _SHOWN_CHARS else shown[: _SHOWN_CHARS - 3] + "..."
@@ -125,4 +138,4 @@ def parse_endpoint(url: str, what: str, schemes: tuple[str, ...], *, needs_host:
     return Endpoint(parts.scheme, host, port, parts.path, parts.query, parts.username, parts.password)
 
 
-__all__ = ["Endpoint", "check_host", "parse_endpoint", "redact_url"]
+__all__ = ["Endpoint", "check_host", "parse_endpoint", "redact_url", "split_scheme"]

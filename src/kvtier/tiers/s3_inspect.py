@@ -35,7 +35,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from kvtier.errors import ConfigError, CorruptValueError, ForeignFormatError
-from kvtier.tiers.endpoints import redact_url
+from kvtier.tiers.endpoints import redact_url, split_scheme
 from kvtier.tiers.format import HEADER_SIZE, PREFIX_SIZE, decode_header, foreign_format, verify_payload
 from kvtier.tiers.fs_layout import CorruptEntry, NamespaceReport, RootReport
 from kvtier.tiers.s3_store import (
@@ -63,15 +63,18 @@ def options_from_url(url: str, **overrides: Any) -> dict[str, Any]:
       endpoint, path-style; ``http`` implies ``allow_http``.
     """
     shown = redact_url(url)
-    scheme, sep, rest = url.partition("://")
-    if not sep and "@" in url:  # 'http:/key:secret@host/...': no netloc, so nothing would redact the userinfo
+    split = split_scheme(url)  # None for 'http:/KEY://SECRET@host': that '://' is inside the credentials
+    if split is None:
+        if "@" in url:  # 'http:/key:secret@host/...': no netloc, so nothing would redact the userinfo
+            shown = "***@" + redact_url(url.rsplit("@", 1)[1])
         raise ConfigError(
-            f"s3 url {'***@' + redact_url(url.rsplit('@', 1)[1])!r} has an '@' but no '://' after its scheme: "
-            "write http(s)://key:secret@host:port/bucket/prefix (key and secret percent-encoded)"
+            f"s3 url {shown!r} has no '://' right after its scheme: write s3://bucket/prefix or "
+            "http(s)://[key:secret@]host:port/bucket/prefix (key and secret percent-encoded)"
         )
-    if sep and "@" in rest:  # '@' is in no bucket or prefix: everything before the last one is userinfo
-        shown = f"{redact_url(scheme + '://')}***@{redact_url(rest.rsplit('@', 1)[1])}"
-        if scheme.strip().lower() == "s3":  # urlsplit lower-cases the scheme: 'S3://' is s3:// too
+    scheme, rest = split
+    if "@" in rest:  # '@' is in no bucket or prefix: everything before the last one is userinfo
+        shown = f"{scheme}://***@{redact_url(rest.rsplit('@', 1)[1])}"
+        if scheme.lower() == "s3":  # urlsplit lower-cases the scheme: 'S3://' is s3:// too
             raise ConfigError(
                 f"s3 url {shown!r} carries credentials: s3:// uses the standard AWS chain; give an endpoint "
                 "URL http(s)://key:secret@host:port/bucket for explicit keys"
