@@ -426,6 +426,41 @@ def test_a_listing_that_stops_is_reported_not_shown_as_empty(
     assert any("not listed: kvtier/" in e for e in errors), errors
 
 
+def _inspect_with_get(
+    server: MotoServer, bucket: str, monkeypatch: pytest.MonkeyPatch, answer: Any, **kwargs: Any
+) -> tuple[Any, dict[str, int]]:
+    """Inspect (``verify=True``, ``kwargs``) while each GET first calls ``answer(path)``, whose int
+    replaces the size the GET answers (None: the real one); the result's body can only be streamed.
+    Returns the report and how many body bytes were taken from each path."""
+    import obstore as obs
+
+    real_get = obs.get
+    streamed: dict[str, int] = {}
+
+    class Taken:  # a GET result whose body is counted as it is taken; never taken whole
+        def __init__(self, path: str, result: Any, claimed: int | None) -> None:
+            self.path, self.real = path, result
+            self.meta = dict(result.meta, size=claimed if claimed is not None else result.meta["size"])
+
+        def bytes(self) -> Any:
+            raise AssertionError(f"{self.path} read whole")
+
+        def stream(self, min_chunk_size: int = 1 << 20) -> Any:
+            for chunk in self.real.stream(min_chunk_size=min(min_chunk_size, 4096)):
+                for at in range(0, len(chunk), 4096):  # (obstore's chunks may be larger than asked)
+                    piece = bytes(memoryview(chunk)[at : at + 4096])
+                    streamed[self.path] = streamed.get(self.path, 0) + len(piece)
+                    yield piece
+
+    def get(store: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+        claimed = answer(path)
+        return Taken(path, real_get(store, path, *args, **kwargs), claimed)
+
+    monkeypatch.setattr(obs, "get", get)
+    options = S3TierOptions(**{k: v for k, v in s3_options(server.endpoint, bucket).items() if k != "type"})
+    return inspect_prefix(options, verify=True, **kwargs), streamed
+
+
 def test_objects_larger_than_any_block_kvtier_writes_are_never_read_whole(
     s3_bucket: tuple[MotoServer, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -448,38 +483,18 @@ def test_objects_larger_than_any_block_kvtier_writes_are_never_read_whole(
     monkeypatch.setattr(s3_inspect, "MAX_OBJECT_BYTES", bound)
     huge = b"\0" * (4 * bound)
     obs.put(raw, listed_big, huge)
-    real_get = obs.get
     got: list[str] = []
-    streamed: dict[str, int] = {}
 
-    class Result:  # what obstore's GET answered, with the size it claims, and what was taken of it
-        def __init__(self, path: str, claimed: int | None) -> None:
-            self.path, self.real = path, real_get(raw, path)
-            self.meta = dict(self.real.meta, size=claimed if claimed is not None else self.real.meta["size"])
-
-        def bytes(self) -> Any:
-            raise AssertionError(f"{self.path} read whole")
-
-        def stream(self, min_chunk_size: int = 1 << 20) -> Any:
-            for chunk in self.real.stream(min_chunk_size=min(min_chunk_size, 4096)):
-                for at in range(0, len(chunk), 4096):  # (obstore's chunks may be larger than asked)
-                    piece = bytes(memoryview(chunk)[at : at + 4096])
-                    streamed[self.path] = streamed.get(self.path, 0) + len(piece)
-                    yield piece
-
-    def get(store: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+    def answer(path: str) -> int | None:
+        got.append(path)
         if path == grown:
             obs.put(raw, grown, huge)  # re-stored after the listing, far larger
         if path == lying:
             obs.put(raw, lying, huge)
-            got.append(path)
-            return Result(path, claimed=bound)  # a server whose size says one thing and whose body another
-        got.append(path)
-        return Result(path, claimed=None)
+            return bound  # a server whose size says one thing and whose body another
+        return None
 
-    monkeypatch.setattr(obs, "get", get)
-    options = S3TierOptions(**{k: v for k, v in s3_options(server.endpoint, bucket).items() if k != "type"})
-    report = inspect_prefix(options, verify=True, remove_corrupt=True)
+    report, streamed = _inspect_with_get(server, bucket, monkeypatch, answer, remove_corrupt=True)
     (ns,) = report.namespaces
     unreadable = {c.path: c.reason for c in ns.unreadable}
     # before the fix: each of the three read whole (and judged corrupt, kept only for want of a manifest)
@@ -489,3 +504,65 @@ def test_objects_larger_than_any_block_kvtier_writes_are_never_read_whole(
     assert bound < streamed[lying] <= bound + 4096  # the body was taken until past the bound, no further
     assert ns.verified == len(fine) and ns.removed_corrupt == 0 and not report.ok
     assert {listed_big, grown, lying, *fine} <= _paths(raw)
+
+
+@pytest.mark.parametrize("lie", [False, True])
+def test_a_manifest_re_stored_larger_after_the_listing_is_never_read_whole(
+    s3_bucket: tuple[MotoServer, str], monkeypatch: pytest.MonkeyPatch, lie: bool
+) -> None:
+    """Review s3c #1: only the listed size of manifest.json was checked, then the GET's body was
+    read whole: one replaced by a 300 MiB object after the listing grew inspect by 300 MiB. Now the
+    size the GET answers is checked and the body is streamed no further than MAX_MANIFEST_BYTES
+    (also when a server answers a small size and sends more); the manifest is reported too large."""
+    import obstore as obs
+
+    from kvtier.tiers.s3_store import MAX_MANIFEST_BYTES
+
+    server, bucket = s3_bucket
+    tier, _ = _fill(server, bucket, "model-a", 2)
+    tier.shutdown()
+    raw = raw_client(server.endpoint, bucket)
+    manifest = f"kvtier/{tier.context.namespace.hexdigest}/manifest.json"
+    big = b"{" * (8 * MAX_MANIFEST_BYTES)
+
+    def answer(path: str) -> int | None:
+        if path != manifest:
+            return None
+        obs.put(raw, manifest, big)  # re-stored after the listing, far larger
+        return 100 if lie else None  # a server whose size says one thing and whose body another
+
+    report, streamed = _inspect_with_get(server, bucket, monkeypatch, answer)
+    (ns,) = report.namespaces
+    assert ns.manifest_error is not None and "more than a manifest holds" in ns.manifest_error, ns.manifest_error
+    assert ("ran past" if lie else "the GET answered") in ns.manifest_error
+    assert streamed.get(manifest, 0) <= MAX_MANIFEST_BYTES + 4096, streamed
+    assert ns.manifest is None and ns.verified == 2 and not ns.corrupt
+
+
+def test_a_manifest_whose_block_bytes_self_verifying_blocks_contradict_fails_inspect(
+    s3_bucket: tuple[MotoServer, str],
+) -> None:
+    """Review s3c #4: a manifest whose block_bytes disagrees with blocks whose own header and
+    checksum verify (engines refuse the namespace) was reported as N blocks 'kept', no manifest
+    problem, exit 0. Now the namespace's manifest error says so, and inspect exits 1."""
+    server, bucket = s3_bucket
+    tier, keys = _fill(server, bucket, "model-a", 3)
+    tier.shutdown()
+    raw = raw_client(server.endpoint, bucket)
+    manifest_path = f"kvtier/{tier.context.namespace.hexdigest}/manifest.json"
+    wrong = {"block_bytes": 2 * BLOCK}
+    _rewrite(raw, manifest_path, lambda body: json.dumps({**json.loads(bytes(body)), **wrong}).encode())
+    options = S3TierOptions(**{k: v for k, v in s3_options(server.endpoint, bucket).items() if k != "type"})
+
+    report = inspect_prefix(options, verify=True)
+    (ns,) = report.namespaces
+    assert len(ns.kept) == 3 and not ns.corrupt and not report.ok
+    assert ns.manifest_error == (
+        f"manifest block_bytes={2 * BLOCK} disagrees with 3 self-verifying block(s) of {BLOCK} bytes: engines "
+        "refuse this namespace (correct the manifest, or delete it: the next engine writes it anew)"
+    )
+    (sampled,) = inspect_prefix(options, sample=1, seed=0).namespaces
+    assert sampled.manifest_error is not None and "1 self-verifying block(s)" in sampled.manifest_error
+    out = _run("inspect", f"http://testing:testing@127.0.0.1:{server.port}/{bucket}/kvtier", "--verify")
+    assert out.returncode == 1 and f"manifest block_bytes={2 * BLOCK} disagrees" in out.stdout, out.stdout + out.stderr
+    assert {tier.object_path(k) for k in keys} <= _paths(raw)  # nothing deleted

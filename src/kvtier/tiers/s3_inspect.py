@@ -13,15 +13,19 @@ namespace without a usable manifest (missing, unreadable, another namespace's,
 another layout's or header size): blocks there are judged by their own header
 alone and kept. Each block is judged from one GET of the whole object, never from
 the listing's size; a block whose own header and checksum verify is kept even if
-its size disagrees with the manifest (the manifest is the suspect); and an object
-proven corrupt is deleted only if a HEAD just before the DELETE still shows the
-ETag and size read (S3 has no delete-if-unchanged obstore can send).
+its size disagrees with the manifest, and the manifest is then the suspect: the
+namespace's ``manifest_error`` says so (engines refuse such a namespace), so the
+report is not ok. An object proven corrupt by its own header or checksum is deleted
+only if a HEAD just before the DELETE still shows the ETag and size read (S3 has
+no delete-if-unchanged obstore can send).
 
 Memory stays bounded by the largest object kvtier writes (:data:`MAX_OBJECT_BYTES`,
 S3's 5 GiB limit on one PUT), manifest or not: an object listed larger is not
 fetched, and one whose GET answers larger (re-stored since the listing) or whose
 body runs past it is not read on. Either is reported ``unreadable`` (not checked)
-and kept: a shared bucket may hold a foreign object of any size.
+and kept: a shared bucket may hold a foreign object of any size. A manifest is held
+to :data:`MAX_MANIFEST_BYTES` the same way (listed, answered or streamed larger: not
+read on, reported as the namespace's manifest error).
 
 Blocking and single-threaded; meant for an operator's shell, never for an engine.
 """
@@ -53,6 +57,7 @@ from kvtier.tiers.s3_store import (
 
 _NAMESPACE_RE = re.compile(r"^[0-9a-f]{32}\Z")
 _STREAM_CHUNK = 1 << 20
+_SUSPECT_MANIFEST = "(kept: the manifest is suspect)"
 
 
 def options_from_url(url: str, **overrides: Any) -> dict[str, Any]:
@@ -194,6 +199,7 @@ def _namespace_report(
     # Only a manifest that passed every check sizes the blocks and allows removal.
     block_bytes = report.manifest.get("block_bytes") if report.manifest and report.manifest_error is None else None
     chosen = blocks if verify else (rng.sample(blocks, min(sample, len(blocks))) if sample else [])
+    disagreeing: list[int] = []  # sizes of self-verifying blocks the manifest's block_bytes does not fit
     for path, key, listed in chosen:
         if listed > MAX_OBJECT_BYTES:  # not fetched at all: it could be any size
             report.unreadable.append(CorruptEntry(path, _too_large(f"listed at {listed} bytes")))
@@ -208,6 +214,8 @@ def _namespace_report(
         report.verified += 1
         if not proven:  # another release's value, or a self-verifying block of a suspect manifest
             report.kept.append(CorruptEntry(path, reason))
+            if reason.endswith(_SUSPECT_MANIFEST):
+                disagreeing.append(int(judged["size"]) - HEADER_SIZE)
             continue
         if block_bytes is None:
             reason, proven = f"{reason} (kept: the namespace has no usable manifest)", False
@@ -218,6 +226,13 @@ def _namespace_report(
                 report.removed_corrupt += 1
             else:
                 report.corrupt[-1].reason += f" ({kept})"
+    if disagreeing:
+        sizes = " or ".join(str(n) for n in sorted(set(disagreeing)))
+        report.manifest_error = (
+            f"manifest block_bytes={block_bytes} disagrees with {len(disagreeing)} self-verifying "
+            f"block(s) of {sizes} bytes: engines refuse this namespace (correct the manifest, or delete it: "
+            "the next engine writes it anew)"
+        )
     return report
 
 
@@ -226,12 +241,16 @@ def _read_manifest(store: Any, path: str, size: int, digest: str) -> tuple[dict[
 
     if size > MAX_MANIFEST_BYTES:
         return None, f"manifest is {size} bytes"
-    try:
-        manifest = parse_manifest(bytes(obs.get(store, path).bytes()))
-    except ValueError as exc:
-        return None, f"manifest unreadable: {exc}"
+    try:  # bounded by the GET, not the listing: it may have been re-stored larger since
+        body = _bounded_body(obs.get(store, path), MAX_MANIFEST_BYTES)
     except Exception as exc:
         return None, f"manifest not read: {short_error(exc)}"
+    if isinstance(body, str):
+        return None, f"manifest too large, not read on: {body}, more than a manifest holds ({MAX_MANIFEST_BYTES})"
+    try:
+        manifest = parse_manifest(bytes(body))
+    except ValueError as exc:
+        return None, f"manifest unreadable: {exc}"
     if manifest.get("namespace_digest") != digest:
         return manifest, f"manifest names namespace {manifest.get('namespace_digest')!r}"
     layout, header_bytes, block_bytes = (manifest.get(k) for k in ("kvtier_s3_layout", "header_bytes", "block_bytes"))
@@ -283,23 +302,25 @@ def _check_block(
     if expected is not None and size != expected:
         return (
             f"size {size}, the manifest's block_bytes says {expected}, but its own header and checksum "
-            "verify (kept: the manifest is suspect)"
+            f"verify {_SUSPECT_MANIFEST}"
         ), False, meta
     return None, False, meta
 
 
-def _bounded_body(result: Any) -> memoryview | str:
-    """The body of a GET ``result``, or, reading no further, what showed it larger than
-    :data:`MAX_OBJECT_BYTES` (the size the GET answered, or its body running past it)."""
+def _bounded_body(result: Any, limit: int | None = None) -> memoryview | str:
+    """The body of a GET ``result``, or, reading no further, what showed it larger than ``limit``
+    (default :data:`MAX_OBJECT_BYTES`): the size the GET answered, or its body running past it.
+    Memory held stays below ``limit`` plus one chunk of the stream, whatever the server sends."""
+    limit = MAX_OBJECT_BYTES if limit is None else limit
     size = int(result.meta["size"])
-    if size > MAX_OBJECT_BYTES:
+    if size > limit:
         return f"the GET answered {size} bytes"
     body = bytearray(size)
     filled = 0
-    for chunk in result.stream(min_chunk_size=_STREAM_CHUNK):
+    for chunk in result.stream(min_chunk_size=min(_STREAM_CHUNK, limit)):
         n = len(chunk)
-        if filled + n > MAX_OBJECT_BYTES:
-            return f"its body ran past {MAX_OBJECT_BYTES} bytes (the GET said {size})"
+        if filled + n > limit:
+            return f"its body ran past {limit} bytes (the GET said {size})"
         if filled + n > len(body):
             body.extend(bytes(filled + n - len(body)))
         body[filled : filled + n] = chunk
