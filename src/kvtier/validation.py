@@ -135,28 +135,30 @@ def _shown_input(value: Any) -> str:
     """The value a setting got, for a message: a repr of at most about 60 characters, however large
     or deeply nested the value (a YAML alias bomb included: only what is shown is ever visited).
     It may cut a URL's '@' away and keep its password: decide what to hide with
-    :func:`_may_hold_credentials` on the whole value first."""
+    :func:`_why_not_shown` on the whole value first."""
     text = _SHORT_REPR.repr(value)
     return text if len(text) <= 80 else text[:60] + "..."
 
 
 _WALK_ITEMS = 10_000
 _WALK_DEPTH = 8
+_HOLDS_AT = "it holds an '@', maybe a URL with credentials"
+_UNCHECKED = "it is too large or too deep to check for a URL with credentials"
 
 
-def _may_hold_credentials(value: Any) -> bool:
-    """True when ``value``, walked whole (not as shortened for a message), has an '@' in a string
-    or bytes anywhere: itself, an item of a list, tuple or set, a key or value of a mapping; such a
-    value may be a URL with its userinfo (``['redis://user:pw@host']``), and a shortened display can
-    cut the '@' away but keep the password. The walk visits at most 10,000 items and 8 levels (a
-    YAML alias bomb stops there); a value past either bound counts as holding one (never shown)."""
+def _why_not_shown(value: Any) -> str | None:
+    """Why ``value`` must not be shown in a message, or None. Walked whole (not as shortened for a
+    message): an '@' in a string or bytes anywhere (itself, an item of a list, tuple or set, a key
+    or value of a mapping) may be a URL's userinfo (``['redis://user:pw@host']``), and a shortened
+    display can cut the '@' away but keep the password. The walk visits at most 10,000 items and 8
+    levels (a YAML alias bomb stops there); a value past either bound is not shown either."""
     budget = _WALK_ITEMS
     stack: list[tuple[Any, int]] = [(value, 0)]
     while stack:
         item, depth = stack.pop()
         if isinstance(item, str | bytes | bytearray):
             if ("@" in item) if isinstance(item, str) else (b"@" in item):
-                return True
+                return _HOLDS_AT
             continue
         if isinstance(item, Mapping):
             children: Any = itertools.chain.from_iterable(item.items())
@@ -165,13 +167,13 @@ def _may_hold_credentials(value: Any) -> bool:
         else:
             continue
         if depth >= _WALK_DEPTH:
-            return True
+            return _UNCHECKED
         for child in children:
             budget -= 1
             if budget < 0:
-                return True
+                return _UNCHECKED
             stack.append((child, depth + 1))
-    return False
+    return None
 
 
 def did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> str:
@@ -259,9 +261,10 @@ def explain(
         elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
             if _is_secret(model, loc):
                 shown = "a value, not shown: it is a secret"
-            elif _may_hold_credentials(err["input"]) or "@" in (shown := _shown_input(err["input"])):
-                # a URL's userinfo ('redis://:pw@host') in a list or map: judged whole, before shortening
-                shown = "a value, not shown: it holds an '@', maybe a URL with credentials"
+            elif why := _why_not_shown(err["input"]):  # judged whole, before shortening
+                shown = f"a value, not shown: {why}"
+            elif "@" in (shown := _shown_input(err["input"])):  # an object whose repr holds one
+                shown = f"a value, not shown: {_HOLDS_AT}"
             msg = f"{msg} (got {shown})"
         problems.setdefault(loc, []).append(msg)
     lines = []
