@@ -94,19 +94,22 @@ def start_redis(workdir: Path, extra_args: tuple[str, ...] = ()) -> RedisServer:
     return _start_server(workdir, extra_args)
 
 
-class SlowLink:
-    """A TCP proxy to a local port that passes server-to-client bytes at ``bytes_per_second``
-    (a congested link); client-to-server bytes pass as they come. With ``uplink``, the other way
-    round: client-to-server bytes are slow (a congested uplink). ``close()`` stops it."""
+class TcpLink:
+    """A TCP proxy to a local port: each connection it accepts is joined to one of its own to
+    the port, and the two sockets handed to :meth:`_relay` (a subclass's pipes); ``close()``
+    stops it. A subclass sets its own attributes before calling ``__init__`` (it starts
+    accepting)."""
 
-    def __init__(self, upstream_port: int, bytes_per_second: int, uplink: bool = False) -> None:
+    def __init__(self, upstream_port: int) -> None:
         self._upstream = upstream_port
-        self._rate = bytes_per_second
-        self._uplink = uplink
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = int(self._listener.getsockname()[1])
         self._sockets: list[socket.socket] = [self._listener]
         threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
 
     def _accept(self) -> None:
         while True:
@@ -114,10 +117,45 @@ class SlowLink:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if not self._admit():
+                client.close()
+                continue
             server = socket.create_connection(("127.0.0.1", self._upstream))
             self._sockets += [client, server]
-            threading.Thread(target=self._pipe, args=(client, server, self._uplink), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, not self._uplink), daemon=True).start()
+            self._relay(client, server)
+
+    def _admit(self) -> bool:
+        """Whether a new connection is taken (else it is closed at once)."""
+        return True
+
+    def _relay(self, client: socket.socket, server: socket.socket) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _shut(*sockets: socket.socket) -> None:
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        for s in self._sockets:
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+class SlowLink(TcpLink):
+    """A TCP proxy to a local port that passes server-to-client bytes at ``bytes_per_second``
+    (a congested link); client-to-server bytes pass as they come. With ``uplink``, the other way
+    round: client-to-server bytes are slow (a congested uplink). ``close()`` stops it."""
+
+    def __init__(self, upstream_port: int, bytes_per_second: int, uplink: bool = False) -> None:
+        self._rate = bytes_per_second
+        self._uplink = uplink
+        super().__init__(upstream_port)
+
+    def _relay(self, client: socket.socket, server: socket.socket) -> None:
+        threading.Thread(target=self._pipe, args=(client, server, self._uplink), daemon=True).start()
+        threading.Thread(target=self._pipe, args=(server, client, not self._uplink), daemon=True).start()
 
     def _pipe(self, src: socket.socket, dst: socket.socket, slow: bool) -> None:
         try:
@@ -128,11 +166,4 @@ class SlowLink:
         except OSError:
             pass
         finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        for s in self._sockets:
-            with contextlib.suppress(OSError):
-                s.close()
+            self._shut(src, dst)

@@ -9,23 +9,27 @@ interface:
 * :class:`RedisMasks`: in Redis, for several routers sharing one index: one writer (the
   process that subscribes to the engines) and any number of readers. Layout under a
   prefix ``P``: ``P:k:<key hex>`` a bitmap of the key's locations (``SETBIT``/``GETRANGE``);
-  ``P:l:<bit>`` the set of keys of a location (so a location is cleared without a scan);
-  ``P:meta`` the index's engine and location table (JSON, written by the writer);
+  ``P:l:<bit>`` the set of keys of a location (so a location is cleared without a scan; a key
+  leaves it only in the script that clears its bit); ``P:meta`` the index's engine and location
+  table (JSON, written by the writer); ``P:wiping`` there while the index is being deleted;
   ``P:writer`` the writer's claim (a random token with a time to live, refreshed while it
   writes, and taken again if it ran out with nobody else holding it, e.g. after Redis
   restarted empty; the index under the prefix is then deleted, as it is when the Redis
   server changes under the claim: a restart from an older save, a failover): a second writer
   on the same prefix is refused, and a writer that takes the prefix over first deletes the
   index a previous writer left there (its location bits need not match the new writer's).
-  Every write is fenced by the claim (a Lua script checks the token and writes, atomically):
-  a writer that lost its claim writes nothing more. Every command has the client's socket
-  timeout.
+  A deletion deletes the table first and ``P:wiping`` last, so one that failed midway (a link
+  cut, a writer killed, a save taken meanwhile) is finished by the next one.
+  Every write, deletions included, is fenced by the claim (a Lua script checks the token and
+  writes, atomically): a writer that lost its claim writes nothing more. Every command has the
+  client's socket timeout.
 
   The prefix should be private to the index (Redis ACLs: ``~P:*`` read-write for the
   writer, read-only for routers). Still, nothing read back is trusted: a reader reads at
   most the bytes of the locations its engine table names, a set member that is not a key
   is skipped, a table that is not JSON or is too large reads as empty, and a writer deletes
-  only keys of an index's shapes, and only where an index's table is.
+  only keys of an index's shapes, and only where an index's table (or ``P:wiping``) is, or
+  where it wrote its own index.
 
 Callers: the writer from its subscriber thread, readers from request threads; both
 implementations are safe for that (the memory one under its own lock).
@@ -40,6 +44,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 from typing import Any, Protocol
 
 from kvtier.errors import KvtierError
@@ -229,7 +234,27 @@ class RedisMasks:
                  "end "
                  "local op = value == 1 and 'sadd' or 'srem' "
                  "for i = 4, #ARGV do redis.call(op, KEYS[2], ARGV[i]) end return 1")  # fmt: skip
-    _SPOP = _FENCE + "return redis.call('spop', KEYS[2], ARGV[2])"
+    # A location is cleared by reading some of its keys (SRANDMEMBER, no change) and then, in one
+    # script, clearing their bits and removing them from its set: a reply lost on the way loses
+    # nothing (the script ran whole or not at all; a retry finds the keys still listed, or gone
+    # with their bits). KEYS: the claim, the location's key set, the key bitmaps; ARGV: token, bit,
+    # set members (those that are not a key's hex have no bitmap: they are only removed).
+    _CLEAR_SOME = (_FENCE +
+                   "local bit = tonumber(ARGV[2]) "
+                   "for i = 3, #KEYS do "
+                   "  if redis.call('type', KEYS[i])['ok'] == 'string' "
+                   "     and redis.call('getbit', KEYS[i], bit) == 1 then "
+                   "    redis.call('setbit', KEYS[i], bit, 0) "
+                   "    if redis.call('bitcount', KEYS[i]) == 0 then redis.call('del', KEYS[i]) end "
+                   "  end "
+                   "end "
+                   "for i = 3, #ARGV do redis.call('srem', KEYS[2], ARGV[i]) end return 1")  # fmt: skip
+    # The index's deletion, fenced like every write: the marker ``P:wiping`` is set (and the table
+    # deleted, so readers see no engines) first, the bitmaps and key sets go in batches, the marker
+    # last; a deletion left unfinished (a writer that died or failed midway, Redis restarted from a
+    # save taken meanwhile) is finished by the next writer. KEYS: the claim, then what to set/delete.
+    _WIPING = _FENCE + "redis.call('set', KEYS[2], ARGV[1]) redis.call('del', KEYS[3]) return 1"
+    _DELETE = _FENCE + "for i = 2, #KEYS do redis.call('del', KEYS[i]) end return 1"
     _PUT = _FENCE + "redis.call('set', KEYS[2], ARGV[2]) return 1"
     _WRITE_CHUNK = 500  # keys per fenced script call (one pipeline holds them all)
 
@@ -247,8 +272,9 @@ class RedisMasks:
         self._token: str | None = None
         self._lost = False  # the claim was lost: every write is refused (another writer owns the prefix)
         self._writer_key = f"{prefix}:writer"
+        self._wiping_key = f"{prefix}:wiping"  # set while the index under the prefix is being deleted
         self._server: str | None = None  # the Redis server's run_id when the claim was taken (None: not known)
-        self._rebuild = False  # the index under the prefix is to be deleted (a failed deletion is retried)
+        self._rebuild = False  # this writer's index under the prefix is to be deleted (a failed deletion is retried)
         self._failing: tuple[float, str] | None = None  # since when every write failed, why the last did
 
     # --- the writer's claim ---------------------------------------------------------------
@@ -269,7 +295,7 @@ class RedisMasks:
             time.sleep(0.5)
         self._token = token
         self._server = self._run_id()
-        self._wipe("a previous writer left")
+        self._wipe("a previous writer left", ours=False)
 
     def _run_id(self) -> str | None:
         """The Redis server's ``run_id`` (new with each start of redis-server, and another server's
@@ -283,19 +309,36 @@ class RedisMasks:
         run_id = info.get("run_id") if isinstance(info, dict) else None
         return str(run_id) if run_id is not None else None
 
-    def _wipe(self, whose: str) -> None:
-        """Delete the index under the prefix (only where an index's table is)."""
-        if not _is_fleet_table(self.get_meta()):
+    def _wipe(self, whose: str, *, ours: bool) -> None:
+        """Delete the index under the prefix: its keys of an index's shapes, where ``ours`` (this
+        writer's own index), where an index's table is, or where a deletion was left unfinished
+        (``P:wiping``); else nothing (what is under the prefix is not an index's). Every deletion
+        is fenced by the claim (raises :class:`WriterConflict` / :class:`ClaimLapsed` as writes
+        do, having deleted nothing of another writer's); the table goes first (readers see no
+        engines from then on), the marker last, so a deletion that failed midway is finished by
+        the next call, or by the next writer."""
+        token = self._check_writer()
+        if not ours and not self.client.exists(self._wiping_key) and not _is_fleet_table(self.get_meta()):
             return  # no index here: whatever else is under the prefix is not ours to delete
+        meta = f"{self.prefix}:meta"
+        self._fenced([self._write(lambda: self.client.eval(self._WIPING, 3, self._writer_key, self._wiping_key, meta,
+                                                           token))])  # fmt: skip
         stale = 0
         for batch in self._index_keys():
+            self._delete(batch, token)
             stale += len(batch)
-            self.client.delete(*batch)
+        self._delete([self._wiping_key.encode()], token)
         if stale:
             logger.info("fleet: deleted %d key(s) %s under Redis prefix %r", stale, whose, self.prefix)
 
+    def _delete(self, names: list[bytes], token: str) -> None:
+        """Delete ``names``, fenced by the claim (one script)."""
+        self._fenced([self._write(lambda: self.client.eval(self._DELETE, 1 + len(names), self._writer_key, *names,
+                                                           token))])  # fmt: skip
+
     def _index_keys(self) -> Iterator[list[bytes]]:
-        """The names of an index's keys under the prefix (key bitmaps, location sets, the table), in batches."""
+        """The names of an index's keys under the prefix (key bitmaps, location sets, the table), in
+        batches (not the marker ``P:wiping``)."""
         ours = re.compile(re.escape(self.prefix).encode() + rb":(k:[0-9a-f]{1,24}|l:[0-9]{1,6}|meta)")
         batch: list[bytes] = []
         for name in self.client.scan_iter(match=f"{self.prefix}:*", count=self._CLEAR_BATCH):
@@ -337,7 +380,7 @@ class RedisMasks:
             self._server = server if server is not None else self._server
             self._rebuild = True
         if self._rebuild:  # (until the deletion went through: a Redis error midway is retried next time)
-            self._wipe("written before the claim ran out or Redis restarted")
+            self._wipe("written before the claim ran out or Redis restarted", ours=True)
             self._rebuild = False
             return True
         return False
@@ -396,15 +439,20 @@ class RedisMasks:
         self._fenced(self._write(pipe.execute))
 
     def clear(self, bit: int) -> None:
+        """Remove ``bit`` from every key of the location, some keys at a time: each batch is read
+        from the location's set without a change, then its bits cleared and its keys removed from
+        the set in one fenced script (a key leaves the set only with its bit cleared, so a failure
+        or a lost reply at any point leaves nothing behind that a retry cannot find)."""
         token = self._check_writer()
         name = self._set(bit)
         while True:
-            batch = self._write(lambda: self.client.eval(self._SPOP, 2, self._writer_key, name, token,
-                                                         self._CLEAR_BATCH))  # fmt: skip
-            self._fenced([batch])
-            if not batch:
+            members = self._write(lambda: self.client.srandmember(name, self._CLEAR_BATCH))
+            if not members:
                 break
-            self._set_bit(bit, _parse_keys(batch), 0)  # (the keys already left the set)
+            keys = [self._key(k) for k in _parse_keys(members)]
+            done = self._write(partial(self.client.eval, self._CLEAR_SOME, 2 + len(keys), self._writer_key, name,
+                                       *keys, token, bit, *members))  # fmt: skip
+            self._fenced([done])
 
     def masks(self, keys: Sequence[int], bits: int = MAX_LOCATIONS) -> list[int]:
         if not keys:
