@@ -384,3 +384,24 @@ def test_another_writer_found_by_a_ticks_table_write_makes_the_writer_answer_503
     with pytest.raises(StoreUnavailable, match="no longer answers"):
         a.prefix([100])
 
+
+def test_a_hung_redis_counts_as_failing_from_when_the_write_was_sent(redis_server: Any) -> None:
+    """Review fleet3 #3: a failure was dated from when the first failed call returned (after the
+    client's socket timeout), so with the CLI's 5 s timeout /health turned 503 ~10 s after Redis
+    hung, not the documented 5 s."""
+    import redis
+
+    client = _client(redis_server.url, timeout=1.0)
+    clock = _Clock()
+    index = FleetIndex(["a"], RedisMasks(client, "p"), clock=clock)
+    redis_server.pause()
+    try:
+        clock.now += 2.5
+        sent = time.monotonic()
+        with pytest.raises(redis.RedisError):
+            index.tick()  # the claim's refresh times out after 1 s
+    finally:
+        redis_server.resume()
+    failure = index.masks.write_failure()
+    assert failure is not None and failure[0] - sent < 0.5  # before the fix: about 1 s (the timeout) after
+    index.close()

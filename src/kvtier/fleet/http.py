@@ -17,8 +17,9 @@ Endpoints:
   follows the engines (``health``; ``kvtier fleet serve``'s writer: the subscriber thread
   stopped, another writer took the Redis prefix over, the writer does not hold its claim on the
   prefix (it ran out and is not yet taken again, the index under it rebuilt), or every write to
-  the index's Redis has failed for ``failing_writes_grace`` seconds, 5 by default, with none
-  going through since: 200 again once one does, within about 2 s of Redis answering again).
+  the index's Redis has failed for ``failing_writes_grace`` seconds, 5 by default, counted from
+  when the first failed write was sent, with none going through since: 200 again once one does,
+  within about 2 s of Redis answering again).
 
 It is a network service and its input is untrusted: a request body must declare its
 length and stay under ``max_body`` bytes, a prompt under ``max_blocks`` blocks; every

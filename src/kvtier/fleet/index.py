@@ -83,9 +83,11 @@ _COUNTERS = frozenset({"seq", "batches", "events", "skipped", "unattributed", "g
 
 FAILING_WRITES_GRACE = 5.0
 """Seconds every write to the index's store (Redis) must have failed, none going through since,
-before the writer reports the store failing (``GET /health`` answers 503). The writer refreshes its
-claim every 2 s, so a store that answers again is seen within about that; one failed write (a
-timeout) followed by one that goes through never reports it."""
+before the writer reports the store failing (``GET /health`` answers 503); counted from when the
+first failed write was sent (a hung Redis: from before the client's timeout). The writer refreshes
+its claim every 2 s, so a store that answers again is seen within about that; one failed write
+followed by one that goes through never reports it, unless Redis kept that one write waiting the
+whole grace itself (a client timeout as long: the CLI's is 5 s)."""
 
 
 class LocationsFull(ValueError):
@@ -132,8 +134,8 @@ class FleetIndex:
     readers). ``max_stores_per_engine`` bounds the shared stores one engine may name over all
     its starts (each takes a location bit for good, and the engine table lists them).
     ``failing_writes_grace``: how long every write to the store must have failed, none going
-    through since, before :meth:`store_failing` reports it (one timeout alone does not). Every
-    method is thread-safe."""
+    through since, before :meth:`store_failing` reports it (one failed write alone does not, unless
+    it waited that long itself). Every method is thread-safe."""
 
     def __init__(
         self,

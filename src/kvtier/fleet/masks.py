@@ -431,11 +431,13 @@ class RedisMasks:
     def _write(self, call: Callable[[], Any]) -> Any:
         """``call()``, one of the writer's round trips to Redis, its outcome kept for
         :meth:`write_failure` (a write Redis answered counts as through, even one the claim's
-        fence refused: Redis answers, and the claim is the fence's business: :meth:`claim_failure`)."""
+        fence refused: Redis answers, and the claim is the fence's business: :meth:`claim_failure`).
+        A failure dates from when its call began (a timeout counts from when the write was sent)."""
+        began = time.monotonic()
         try:
             done = call()
         except Exception as exc:  # redis.RedisError, OSError: whatever the client raises
-            since = self._failing[0] if self._failing is not None else time.monotonic()
+            since = self._failing[0] if self._failing is not None else began
             self._failing = (since, f"{type(exc).__name__}: {exc}"[:200])
             raise
         self._failing = None
