@@ -32,8 +32,9 @@ all (whole again whenever the client has taken everything sent before), and no a
 held while they wait, nor while a request's body arrives (a client that reads at a trickle is
 dropped too); at
 most ``max_concurrent`` requests are answered at once (more get 503 at once) and at most
-four times that many connections are open (more are closed at once). Bind it to a
-private address: it has no authentication.
+four times that many connections are open (more are closed at once). Up to 8 empty lines
+before a request line are skipped (RFC 9112 section 2.2). Bind it to a private address: it has
+no authentication.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ logger = logging.getLogger(__name__)
 _MAX_TOKEN = (1 << 31) - 1
 _MAX_HASH = (1 << 64) - 1
 _MAX_HASHERS = 8  # block sizes whose hashers are kept (the engines' info names the size)
+_EMPTY_LINES = 8  # empty lines skipped before a request line (RFC 9112 2.2: a server SHOULD ignore one at least)
+_MAX_LINE = 65536  # the standard library's bound on a request line
 
 try:  # Linux: the bytes a socket sent that its peer has not taken yet (SIOCOUTQ)
     import fcntl
@@ -289,6 +292,7 @@ class _DeadlineReader(io.RawIOBase):
 
 class _Handler(BaseHTTPRequestHandler):
     server: FleetServer
+    raw_requestline: bytes
     protocol_version = "HTTP/1.1"
     server_version = "kvtier-fleet"
 
@@ -304,6 +308,27 @@ class _Handler(BaseHTTPRequestHandler):
         # sends a byte now and then (slowloris) is dropped like a silent one.
         self._reader.deadline = time.monotonic() + self.server.request_timeout
         super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        """The standard library's, after skipping up to 8 empty lines before the request line (RFC
+        9112 section 2.2; a client's CRLF after a body, say): it took an empty line for a request
+        and closed the connection without an answer. A request line that never comes is a 400."""
+        empty = (b"\r\n", b"\n")
+        for _ in range(_EMPTY_LINES):
+            if self.raw_requestline not in empty:
+                break
+            self.raw_requestline = self.rfile.readline(_MAX_LINE + 1)
+        if not self.raw_requestline:  # (the client closed after empty lines alone)
+            self.close_connection = True
+            return False
+        if len(self.raw_requestline) > _MAX_LINE or self.raw_requestline in empty:
+            self.requestline = self.request_version = self.command = ""
+            if len(self.raw_requestline) > _MAX_LINE:
+                self.send_error(HTTPStatus.REQUEST_URI_TOO_LONG)
+            else:
+                self.send_error(HTTPStatus.BAD_REQUEST, f"no request line after {_EMPTY_LINES} empty lines")
+            return False
+        return super().parse_request()
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """The standard library's own refusals (a bad request line, too long a line, too many
