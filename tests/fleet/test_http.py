@@ -311,6 +311,7 @@ def test_max_blocks_bounds_the_full_blocks_of_tokens(served: tuple[FleetServer, 
         (b"GET / \"garbage\" HTTP/1.1\r\n\r\n", 400),
         (b"\r\n" * 9 + b"GET /health HTTP/1.1\r\n\r\n", 400),  # empty lines past the 8 skipped
         (b"\r\nGET /" + b"x" * 70_000 + b" HTTP/1.1\r\n\r\n", 414),
+        (b"GET /health HTTP/1.1\r\n" + b"X-%d: %s\r\n" % (1, b"x" * 40_000) * 2 + b"\r\n", 431),  # 80 KB in all
     ],
 )
 def test_transport_level_errors_are_json_too(served: tuple[FleetServer, FleetIndex], request_bytes: bytes,
@@ -357,3 +358,11 @@ def test_empty_lines_before_a_request_line_are_skipped(served: tuple[FleetServer
         while chunk := sock.recv(65536):  # (closed after request_timeout without another request)
             answer += chunk
     assert answer.count(b"HTTP/1.1 200 OK\r\n") == 2 and answer.startswith(b"HTTP/1.1 200")  # before: b""
+
+
+def test_header_lines_under_64_kib_in_all_are_read(served: tuple[FleetServer, FleetIndex]) -> None:
+    """Review fleet3 #5: header lines are bounded in all (64 KiB: a 431 past it, above), not only
+    each and their number, which let a connection hold 6.25 MiB; less than that is still read."""
+    server, _ = served
+    headers = {f"X-{i}": "x" * 20_000 for i in range(3)}
+    assert _request(server.url, "GET", "/health", headers=headers) == (200, {"ok": True})

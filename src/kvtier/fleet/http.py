@@ -21,7 +21,8 @@ Endpoints:
   when the first failed write was sent, with none going through since: 200 again once one does,
   within about 2 s of Redis answering again).
 
-It is a network service and its input is untrusted: a request body must declare its
+It is a network service and its input is untrusted: a request line must stay under 64 KiB
+(else 414), its header lines under 64 KiB in all (else 431), a request body must declare its
 length and stay under ``max_body`` bytes, a prompt under ``max_blocks`` blocks; every
 field is type- and range-checked (errors are 4xx with a JSON ``error`` naming the
 field); a request (its line, headers and body) must arrive within ``request_timeout``
@@ -39,6 +40,7 @@ no authentication.
 
 from __future__ import annotations
 
+import http.client
 import io
 import json
 import logging
@@ -50,7 +52,7 @@ import time
 from collections.abc import Callable, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from kvtier.fleet.hashing import BlockHasher
 from kvtier.fleet.masks import StoreUnavailable
@@ -63,6 +65,7 @@ _MAX_HASH = (1 << 64) - 1
 _MAX_HASHERS = 8  # block sizes whose hashers are kept (the engines' info names the size)
 _EMPTY_LINES = 8  # empty lines skipped before a request line (RFC 9112 2.2: a server SHOULD ignore one at least)
 _MAX_LINE = 65536  # the standard library's bound on a request line
+_MAX_HEADER_BYTES = 64 << 10  # a request's header lines in all (the standard library bounds each, and how many)
 
 try:  # Linux: the bytes a socket sent that its peer has not taken yet (SIOCOUTQ)
     import fcntl
@@ -290,6 +293,24 @@ class _DeadlineReader(io.RawIOBase):
         return self.sock.recv_into(buffer)
 
 
+class _HeaderBudget:
+    """A request's reader while the standard library reads its header lines: at most ``budget``
+    bytes of them in all, else :class:`http.client.HTTPException` (the standard library answers
+    431). Its own bounds (100 lines of 64 KiB each) let a connection hold 6.25 MiB for request_timeout."""
+
+    def __init__(self, rfile: Any, budget: int) -> None:
+        self.rfile = rfile
+        self.left = budget
+
+    def readline(self, limit: int = -1) -> bytes:
+        want = self.left + 1 if limit < 0 else min(limit, self.left + 1)
+        line: bytes = self.rfile.readline(want)
+        self.left -= len(line)
+        if self.left < 0:
+            raise http.client.HTTPException(f"the header lines are over {_MAX_HEADER_BYTES} bytes in all")
+        return line
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: FleetServer
     raw_requestline: bytes
@@ -328,7 +349,12 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self.send_error(HTTPStatus.BAD_REQUEST, f"no request line after {_EMPTY_LINES} empty lines")
             return False
-        return super().parse_request()
+        rfile = self.rfile
+        self.rfile = cast(Any, _HeaderBudget(rfile, _MAX_HEADER_BYTES))  # (what the headers are read from)
+        try:
+            return super().parse_request()
+        finally:
+            self.rfile = rfile
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """The standard library's own refusals (a bad request line, too long a line, too many
