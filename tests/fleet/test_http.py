@@ -309,6 +309,9 @@ def test_max_blocks_bounds_the_full_blocks_of_tokens(served: tuple[FleetServer, 
         (b"GET /health HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(101)) + b"\r\n", 431),
         (b"GET /health HTTP/1.1\r\nX-Long: " + b"x" * 70_000 + b"\r\n\r\n", 431),
         (b"GET / \"garbage\" HTTP/1.1\r\n\r\n", 400),
+        (b"\r\n" * 9 + b"GET /health HTTP/1.1\r\n\r\n", 400),  # empty lines past the 8 skipped
+        (b"\r\nGET /" + b"x" * 70_000 + b" HTTP/1.1\r\n\r\n", 414),
+        (b"GET /health HTTP/1.1\r\n" + b"X-%d: %s\r\n" % (1, b"x" * 40_000) * 2 + b"\r\n", 431),  # 80 KB in all
     ],
 )
 def test_transport_level_errors_are_json_too(served: tuple[FleetServer, FleetIndex], request_bytes: bytes,
@@ -340,3 +343,26 @@ def test_the_request_timeout_help_says_what_the_code_does() -> None:
     done = subprocess.run([sys.executable, "-m", "kvtier.cli", "fleet", "serve", "--help"], capture_output=True,
                           text=True, timeout=60)  # fmt: skip
     assert "a whole request" in " ".join(done.stdout.split())  # before the fix: "may send or read nothing"
+
+
+def test_empty_lines_before_a_request_line_are_skipped(served: tuple[FleetServer, FleetIndex]) -> None:
+    """Review fleet3 #4 (RFC 9112 section 2.2): a request after an empty line (a client's CRLF after
+    a body) got no answer at all, and on a kept-alive connection the request after it was lost."""
+    server, _ = served
+    host, port = server.server_address[:2]
+    body = b'{"block_hashes": ["1f"]}'
+    request = b"POST /v1/prefix HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    with socket.create_connection((str(host), port), timeout=5) as sock:
+        sock.sendall(b"\r\n" + request + b"\r\n\n" + request)
+        answer = b""
+        while chunk := sock.recv(65536):  # (closed after request_timeout without another request)
+            answer += chunk
+    assert answer.count(b"HTTP/1.1 200 OK\r\n") == 2 and answer.startswith(b"HTTP/1.1 200")  # before: b""
+
+
+def test_header_lines_under_64_kib_in_all_are_read(served: tuple[FleetServer, FleetIndex]) -> None:
+    """Review fleet3 #5: header lines are bounded in all (64 KiB: a 431 past it, above), not only
+    each and their number, which let a connection hold 6.25 MiB; less than that is still read."""
+    server, _ = served
+    headers = {f"X-{i}": "x" * 20_000 for i in range(3)}
+    assert _request(server.url, "GET", "/health", headers=headers) == (200, {"ok": True})

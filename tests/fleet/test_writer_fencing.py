@@ -307,3 +307,101 @@ def test_an_engine_past_its_shared_stores_still_follows_its_starts_and_device_ca
                                                                          "fs:/mnt/kv/ns17"))),
                             _event(Kind.STORED, [99], "STORAGE", "1:fs")))  # fmt: skip
     assert eng.skipped == 2 and eng.unattributed == 1 and index.prefix([99])["a"]["blocks"] == 0
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _counters_due(client: Any, clock: _Clock) -> FleetIndex:
+    """An index with a batch of counters alone applied: its engine table's write is due at the next tick."""
+    index = FleetIndex(["a"], RedisMasks(client, "p"), clock=clock)
+    index.apply("a", _batch(_record("hello", "s", 0), _event(Kind.STORED, [1], medium="GPU")))
+    index.apply("a", _batch(_record("events", "s", 1, tiers=()), _event(Kind.STORED, [2], medium="GPU")))
+    assert index._publish_due
+    return index
+
+
+@pytest.mark.parametrize("later", [0.6, 2.5])  # the table's write due alone, or with the claim's refresh
+def test_a_tick_takes_a_lapsed_claim_again_even_with_the_engine_table_due(redis_server: Any, later: float) -> None:
+    """Review fleet3 #1: tick wrote the due table before keeping the claim; after Redis restarted
+    empty the write was refused (ClaimLapsed) at every tick, so the claim was never taken again
+    until an engine sent a batch: nothing rebuilt, the writer 'synced', /health 200."""
+    client = _client(redis_server.url, timeout=1.0)
+    clock = _Clock()
+    index = _counters_due(client, clock)
+    redis_server.kill()
+    redis_server.start()  # empty, on the same port: the claim, the table and the keys are gone
+    clock.now += later
+    failures = 0
+    while True:
+        try:
+            index.tick()
+            break
+        except Exception:  # (the client's first call after the restart may find its old connection gone)
+            failures += 1
+            assert failures < 3  # before the fix: ClaimLapsed at every tick, for good
+    assert client.get("p:writer") is not None and index.writer_lost is None
+    assert index.engine("a").status == "partial" and index.store_failing() is None
+    reader = FleetReader(RedisMasks(_client(redis_server.url), "p"), meta_ttl=0.0)
+    assert reader.prefix([1, 2]) == {"a": {"blocks": 0, "tiers": {"GPU": 0, "0:primary": 0}, "status": "partial",
+                                           "start": "s"}}  # fmt: skip
+
+
+def test_a_writer_that_lost_its_claim_is_unhealthy_until_it_takes_it_again(redis_server: Any) -> None:
+    """Review fleet3 #1: a write refused because the claim ran out counted as gone through, so
+    /health stayed 200 while the writer held no claim (what is under the prefix may be an older save)."""
+    client = _client(redis_server.url)
+    index = FleetIndex(["a"], RedisMasks(client, "p"))
+    index.apply("a", _batch(_record("hello", "s", 0), _event(Kind.STORED, [1], medium="GPU")))
+    assert index.store_failing() is None
+    client.delete("p:writer")  # (a Redis restarted empty: the claim is gone, nobody else holds it)
+    with pytest.raises(Exception, match="ran out"):
+        index.apply("a", _batch(_record("events", "s", 1, tiers=()), _event(Kind.STORED, [2], medium="GPU")))
+    failing = index.store_failing()  # at once, not after failing_writes_grace: before the fix, None
+    assert failing is not None and "does not hold its claim" in failing
+    assert index.keep_writer() and index.store_failing() is None
+
+
+def test_another_writer_found_by_a_ticks_table_write_makes_the_writer_answer_503(redis_server: Any) -> None:
+    """Review fleet3 #2: tick's write of the due engine table was refused by the other writer's
+    claim (WriterConflict) but writer_lost was not set: the superseded writer kept answering 200
+    from the other writer's bitmaps with its own bit layout (blocks of the wrong engine)."""
+    url = redis_server.url
+    clock = _Clock()
+    a = _counters_due(_client(url), clock)
+    _client(url).delete("p:writer")  # a paused past its claim (GC, a VM freeze); b takes the prefix over
+    b = FleetIndex(["x", "a"], RedisMasks(_client(url), "p"))
+    b.apply("x", _batch(_record("hello", "x1", 0), _event(Kind.STORED, [100], medium="GPU")))
+    clock.now += 0.6  # a resumes: the table's write is due, the claim's refresh not yet
+    with pytest.raises(WriterConflict):
+        a.tick()
+    assert a.writer_lost is not None  # before the fix: None, and a answered {'a': {'blocks': 1, ...}} for 100
+    with pytest.raises(StoreUnavailable, match="no longer answers"):
+        a.prefix([100])
+
+
+def test_a_hung_redis_counts_as_failing_from_when_the_write_was_sent(redis_server: Any) -> None:
+    """Review fleet3 #3: a failure was dated from when the first failed call returned (after the
+    client's socket timeout), so with the CLI's 5 s timeout /health turned 503 ~10 s after Redis
+    hung, not the documented 5 s."""
+    import redis
+
+    client = _client(redis_server.url, timeout=1.0)
+    clock = _Clock()
+    index = FleetIndex(["a"], RedisMasks(client, "p"), clock=clock)
+    redis_server.pause()
+    try:
+        clock.now += 2.5
+        sent = time.monotonic()
+        with pytest.raises(redis.RedisError):
+            index.tick()  # the claim's refresh times out after 1 s
+    finally:
+        redis_server.resume()
+    failure = index.masks.write_failure()
+    assert failure is not None and failure[0] - sent < 0.5  # before the fix: about 1 s (the timeout) after
+    index.close()

@@ -205,8 +205,8 @@ def _cmd_fleet_serve(args: argparse.Namespace) -> int:
 
 def _writer_health(subscriber: Any) -> Any:
     """Why the writer no longer follows its engines (for ``GET /health``), or None: its subscriber
-    thread stopped, another writer took the Redis prefix over, or Redis has failed every write for
-    a while (:meth:`~kvtier.fleet.index.FleetIndex.store_failing`)."""
+    thread stopped, another writer took the Redis prefix over, or the writer does not hold its claim
+    on it or Redis has failed every write for a while (:meth:`~kvtier.fleet.index.FleetIndex.store_failing`)."""
     return lambda: subscriber.failure or subscriber.index.writer_lost or subscriber.index.store_failing()
 
 

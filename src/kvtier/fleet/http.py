@@ -15,11 +15,14 @@ Endpoints:
   counters and the last markers it sent.
 * ``GET /health``: ``{"ok": true}``, or 503 with an ``error`` when the index no longer
   follows the engines (``health``; ``kvtier fleet serve``'s writer: the subscriber thread
-  stopped, another writer took the Redis prefix over, or every write to the index's Redis has
-  failed for ``failing_writes_grace`` seconds, 5 by default, with none going through since:
-  200 again once one does, within about 2 s of Redis answering again).
+  stopped, another writer took the Redis prefix over, the writer does not hold its claim on the
+  prefix (it ran out and is not yet taken again, the index under it rebuilt), or every write to
+  the index's Redis has failed for ``failing_writes_grace`` seconds, 5 by default, counted from
+  when the first failed write was sent, with none going through since: 200 again once one does,
+  within about 2 s of Redis answering again).
 
-It is a network service and its input is untrusted: a request body must declare its
+It is a network service and its input is untrusted: a request line must stay under 64 KiB
+(else 414), its header lines under 64 KiB in all (else 431), a request body must declare its
 length and stay under ``max_body`` bytes, a prompt under ``max_blocks`` blocks; every
 field is type- and range-checked (errors are 4xx with a JSON ``error`` naming the
 field); a request (its line, headers and body) must arrive within ``request_timeout``
@@ -30,12 +33,14 @@ all (whole again whenever the client has taken everything sent before), and no a
 held while they wait, nor while a request's body arrives (a client that reads at a trickle is
 dropped too); at
 most ``max_concurrent`` requests are answered at once (more get 503 at once) and at most
-four times that many connections are open (more are closed at once). Bind it to a
-private address: it has no authentication.
+four times that many connections are open (more are closed at once). Up to 8 empty lines
+before a request line are skipped (RFC 9112 section 2.2). Bind it to a private address: it has
+no authentication.
 """
 
 from __future__ import annotations
 
+import http.client
 import io
 import json
 import logging
@@ -47,7 +52,7 @@ import time
 from collections.abc import Callable, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from kvtier.fleet.hashing import BlockHasher
 from kvtier.fleet.masks import StoreUnavailable
@@ -58,6 +63,9 @@ logger = logging.getLogger(__name__)
 _MAX_TOKEN = (1 << 31) - 1
 _MAX_HASH = (1 << 64) - 1
 _MAX_HASHERS = 8  # block sizes whose hashers are kept (the engines' info names the size)
+_EMPTY_LINES = 8  # empty lines skipped before a request line (RFC 9112 2.2: a server SHOULD ignore one at least)
+_MAX_LINE = 65536  # the standard library's bound on a request line
+_MAX_HEADER_BYTES = 64 << 10  # a request's header lines in all (the standard library bounds each, and how many)
 
 try:  # Linux: the bytes a socket sent that its peer has not taken yet (SIOCOUTQ)
     import fcntl
@@ -285,8 +293,27 @@ class _DeadlineReader(io.RawIOBase):
         return self.sock.recv_into(buffer)
 
 
+class _HeaderBudget:
+    """A request's reader while the standard library reads its header lines: at most ``budget``
+    bytes of them in all, else :class:`http.client.HTTPException` (the standard library answers
+    431). Its own bounds (100 lines of 64 KiB each) let a connection hold 6.25 MiB for request_timeout."""
+
+    def __init__(self, rfile: Any, budget: int) -> None:
+        self.rfile = rfile
+        self.left = budget
+
+    def readline(self, limit: int = -1) -> bytes:
+        want = self.left + 1 if limit < 0 else min(limit, self.left + 1)
+        line: bytes = self.rfile.readline(want)
+        self.left -= len(line)
+        if self.left < 0:
+            raise http.client.HTTPException(f"the header lines are over {_MAX_HEADER_BYTES} bytes in all")
+        return line
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: FleetServer
+    raw_requestline: bytes
     protocol_version = "HTTP/1.1"
     server_version = "kvtier-fleet"
 
@@ -302,6 +329,32 @@ class _Handler(BaseHTTPRequestHandler):
         # sends a byte now and then (slowloris) is dropped like a silent one.
         self._reader.deadline = time.monotonic() + self.server.request_timeout
         super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        """The standard library's, after skipping up to 8 empty lines before the request line (RFC
+        9112 section 2.2; a client's CRLF after a body, say): it took an empty line for a request
+        and closed the connection without an answer. A request line that never comes is a 400."""
+        empty = (b"\r\n", b"\n")
+        for _ in range(_EMPTY_LINES):
+            if self.raw_requestline not in empty:
+                break
+            self.raw_requestline = self.rfile.readline(_MAX_LINE + 1)
+        if not self.raw_requestline:  # (the client closed after empty lines alone)
+            self.close_connection = True
+            return False
+        if len(self.raw_requestline) > _MAX_LINE or self.raw_requestline in empty:
+            self.requestline = self.request_version = self.command = ""
+            if len(self.raw_requestline) > _MAX_LINE:
+                self.send_error(HTTPStatus.REQUEST_URI_TOO_LONG)
+            else:
+                self.send_error(HTTPStatus.BAD_REQUEST, f"no request line after {_EMPTY_LINES} empty lines")
+            return False
+        rfile = self.rfile
+        self.rfile = cast(Any, _HeaderBudget(rfile, _MAX_HEADER_BYTES))  # (what the headers are read from)
+        try:
+            return super().parse_request()
+        finally:
+            self.rfile = rfile
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """The standard library's own refusals (a bad request line, too long a line, too many

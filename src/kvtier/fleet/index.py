@@ -55,7 +55,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.engine_events import SCOPE_SHARED, ControlRecord, TierInfo, is_info_value
-from kvtier.fleet.masks import MAX_LOCATIONS, IndexFull, LocationMasks, MemoryMasks, StoreUnavailable, WriterConflict
+from kvtier.fleet.masks import (
+    MAX_LOCATIONS,
+    ClaimLapsed,
+    IndexFull,
+    LocationMasks,
+    MemoryMasks,
+    StoreUnavailable,
+    WriterConflict,
+)
 from kvtier.fleet.records import Kind, WireBatch, WireEvent
 from kvtier.types import PRIMARY_LABEL
 
@@ -75,9 +83,11 @@ _COUNTERS = frozenset({"seq", "batches", "events", "skipped", "unattributed", "g
 
 FAILING_WRITES_GRACE = 5.0
 """Seconds every write to the index's store (Redis) must have failed, none going through since,
-before the writer reports the store failing (``GET /health`` answers 503). The writer refreshes its
-claim every 2 s, so a store that answers again is seen within about that; one failed write (a
-timeout) followed by one that goes through never reports it."""
+before the writer reports the store failing (``GET /health`` answers 503); counted from when the
+first failed write was sent (a hung Redis: from before the client's timeout). The writer refreshes
+its claim every 2 s, so a store that answers again is seen within about that; one failed write
+followed by one that goes through never reports it, unless Redis kept that one write waiting the
+whole grace itself (a client timeout as long: the CLI's is 5 s)."""
 
 
 class LocationsFull(ValueError):
@@ -124,8 +134,8 @@ class FleetIndex:
     readers). ``max_stores_per_engine`` bounds the shared stores one engine may name over all
     its starts (each takes a location bit for good, and the engine table lists them).
     ``failing_writes_grace``: how long every write to the store must have failed, none going
-    through since, before :meth:`store_failing` reports it (one timeout alone does not). Every
-    method is thread-safe."""
+    through since, before :meth:`store_failing` reports it (one failed write alone does not, unless
+    it waited that long itself). Every method is thread-safe."""
 
     def __init__(
         self,
@@ -199,17 +209,23 @@ class FleetIndex:
 
     def tick(self) -> None:
         """Called every fraction of a second by the writer's thread (the subscriber): keeps a
-        shared index's writer claim (raises :class:`~kvtier.fleet.masks.WriterConflict` if another
-        writer took it, and keeps the reason in :attr:`writer_lost`). A claim that had run out
-        with nobody else holding it is taken again, and a Redis that restarted (maybe from an
-        older save) is noticed: the index under the prefix is then deleted and every engine is
-        treated as having lost events; shared stores' keys are reported again as they are stored."""
+        shared index's writer claim every 2 s, then writes the engine table's counters if due.
+        Raises :class:`~kvtier.fleet.masks.WriterConflict` if another writer took the claim (found
+        by either write), keeping the reason in :attr:`writer_lost`. A claim that had run out with
+        nobody else holding it is taken again (at once where the table's write found it so:
+        :class:`~kvtier.fleet.masks.ClaimLapsed`), and a Redis that restarted (maybe from an older
+        save) is noticed: the index under the prefix is then deleted and every engine is treated
+        as having lost events; shared stores' keys are reported again as they are stored."""
         now = self._clock()
-        if self._publish_due and now - self._published_at >= _PUBLISH_COUNTERS_EVERY:
-            with self._lock:
-                self._publish()
         if now - self._kept_writer >= _KEEP_WRITER_EVERY:
             self.keep_writer()
+        if self._publish_due and now - self._published_at >= _PUBLISH_COUNTERS_EVERY:
+            try:
+                with self._writing():
+                    self._publish()
+            except ClaimLapsed:
+                if not self.keep_writer():  # (taken again: the table was written again with the rebuild)
+                    raise
 
     def keep_writer(self) -> bool:
         """Keep the writer's claim now, as :meth:`tick` does every 2 s (the subscriber thread; also
@@ -227,9 +243,16 @@ class FleetIndex:
         return reclaimed
 
     def store_failing(self) -> str | None:
-        """Why the index's store (Redis) is failing the writer, or None: every write to it has
-        failed for at least ``failing_writes_grace`` seconds with none going through since (events
-        are lost meanwhile and engines turn partial). Any thread; never waits for the writer."""
+        """Why the index's store (Redis) is failing the writer, or None: the writer does not hold
+        its claim on it (it ran out, or Redis changed under it, and was not yet taken again and
+        the index under the prefix deleted: what is there may be older than what was written), or
+        every write to it has failed for at least ``failing_writes_grace`` seconds with none going
+        through since (events are lost meanwhile and engines turn partial). Any thread; never
+        waits for the writer."""
+        unclaimed = self.masks.claim_failure()
+        if unclaimed is not None:
+            return (f"the fleet writer does not hold its claim on the index's Redis ({unclaimed}): what is there "
+                    "is not trusted until the claim is taken again and the index rebuilt")
         failing = self.masks.write_failure()
         if failing is None:
             return None

@@ -114,6 +114,11 @@ class LocationMasks(Protocol):
         """Since when (``time.monotonic()``) every write to the store has failed, and why the last
         one did; None while the last write went through (or none failed). Read from any thread."""
 
+    def claim_failure(self) -> str | None:
+        """Why the writer does not hold its claim on a shared store now (a fenced write found it
+        had run out; or :meth:`keep_writer` found it had, or Redis changed under it, and has not
+        yet deleted the index under the prefix), or None while it does. Read from any thread."""
+
 
 class MemoryMasks:
     """:class:`LocationMasks` in this process's memory: at most ``max_keys`` entries, an entry
@@ -201,6 +206,9 @@ class MemoryMasks:
     def write_failure(self) -> tuple[float, str] | None:
         return None  # (a full index refuses a change, IndexFull: the store itself does not fail)
 
+    def claim_failure(self) -> str | None:
+        return None
+
     def __len__(self) -> int:
         return len(self._masks)
 
@@ -276,6 +284,7 @@ class RedisMasks:
         self._server: str | None = None  # the Redis server's run_id when the claim was taken (None: not known)
         self._rebuild = False  # this writer's index under the prefix is to be deleted (a failed deletion is retried)
         self._failing: tuple[float, str] | None = None  # since when every write failed, why the last did
+        self._unclaimed: str | None = None  # why the claim is not held (see claim_failure)
 
     # --- the writer's claim ---------------------------------------------------------------
 
@@ -379,10 +388,13 @@ class RedisMasks:
         if kept == 2 or restarted:
             self._server = server if server is not None else self._server
             self._rebuild = True
+            self._unclaimed = self._unclaimed or "the claim ran out, or Redis changed under it"
         if self._rebuild:  # (until the deletion went through: a Redis error midway is retried next time)
             self._wipe("written before the claim ran out or Redis restarted", ours=True)
             self._rebuild = False
+            self._unclaimed = None
             return True
+        self._unclaimed = None
         return False
 
     def close_writer(self) -> None:
@@ -421,6 +433,7 @@ class RedisMasks:
             self._lost = True
             self._check_writer()
         if refusals:
+            self._unclaimed = self._unclaimed or "a write found the claim had run out"
             raise ClaimLapsed(f"the fleet writer's claim on the Redis prefix {self.prefix!r} ran out (Redis restarted, "
                               "or did not answer for a while): nothing is written until it is taken again")  # fmt: skip
 
@@ -466,11 +479,13 @@ class RedisMasks:
     def _write(self, call: Callable[[], Any]) -> Any:
         """``call()``, one of the writer's round trips to Redis, its outcome kept for
         :meth:`write_failure` (a write Redis answered counts as through, even one the claim's
-        fence refused: Redis answers, and the claim is the fence's business)."""
+        fence refused: Redis answers, and the claim is the fence's business: :meth:`claim_failure`).
+        A failure dates from when its call began (a timeout counts from when the write was sent)."""
+        began = time.monotonic()
         try:
             done = call()
         except Exception as exc:  # redis.RedisError, OSError: whatever the client raises
-            since = self._failing[0] if self._failing is not None else time.monotonic()
+            since = self._failing[0] if self._failing is not None else began
             self._failing = (since, f"{type(exc).__name__}: {exc}"[:200])
             raise
         self._failing = None
@@ -478,6 +493,9 @@ class RedisMasks:
 
     def write_failure(self) -> tuple[float, str] | None:
         return self._failing
+
+    def claim_failure(self) -> str | None:
+        return self._unclaimed
 
     def _read(self, what: str, call: Any) -> Any:
         """``call()``; any failure of Redis (or of the way there) as :class:`StoreUnavailable` naming it."""
