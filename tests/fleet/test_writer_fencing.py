@@ -194,6 +194,36 @@ def test_a_claim_taken_again_over_another_writers_index_does_not_adopt_its_bits(
     assert set(reader.prefix([55])) == {"a"} and reader.prefix([55])["a"]["blocks"] == 0
 
 
+
+def test_a_claim_taken_again_is_rebuilt_even_if_the_next_call_to_redis_fails(
+    redis_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = redis_server.url
+    masks = RedisMasks(_client(url), "p", writer_ttl=1)
+    a = FleetIndex(["a"], masks)
+    a.apply("a", _batch(_record("hello", "sa", 0, (CPU, REDIS_TIER))))
+    time.sleep(2.2)  # a is paused past its claim; b takes the prefix over, writes, dies
+    b = FleetIndex(["b", "c", "d"], RedisMasks(_client(url), "p", writer_ttl=1))
+    b.apply("d", _batch(_record("hello", "sd", 0), _event(Kind.STORED, [55], medium="GPU")))
+    time.sleep(2.2)
+    real_run_id = masks._run_id
+    calls = []
+
+    def run_id_fails_once() -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConnectionError("the link dropped right after the claim was taken again")
+        return real_run_id()
+
+    monkeypatch.setattr(masks, "_run_id", run_id_fails_once)
+    a._kept_writer = -1e9
+    with pytest.raises(ConnectionError):
+        a.tick()  # a takes the claim again; the INFO that follows fails
+    a._kept_writer = -1e9
+    a.tick()  # before the fix: the claim was held, Redis the same: b's index was never deleted
+    assert calls and a.engine("a").status == "partial"
+    assert a.prefix([55])["a"]["tiers"]["1:redis"] == 0  # b's key at bit 2 not read as a's store
+
 def test_a_redis_restarted_from_an_older_save_is_noticed_and_its_index_rebuilt(redis_server: Any) -> None:
     client = _client(redis_server.url)
     index = FleetIndex(["a"], RedisMasks(client, "p", writer_ttl=15))

@@ -375,6 +375,8 @@ class RedisMasks:
             self._lost = True
             raise WriterConflict(f"the fleet writer lost its claim on the Redis prefix {self.prefix!r} to another "
                                  "writer: it no longer writes there (stop one of them)")  # fmt: skip
+        if kept == 2:  # a rebuild found due is due until done, whatever fails next (INFO below)
+            self._rebuild = True
         server = self._run_id() if self._server is not None else None
         restarted = server is not None and server != self._server
         if kept == 2:
