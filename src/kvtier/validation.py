@@ -142,22 +142,23 @@ def _shown_input(value: Any) -> str:
 
 _WALK_ITEMS = 10_000
 _WALK_DEPTH = 8
-_HOLDS_AT = "it holds an '@', maybe a URL with credentials"
+_HOLDS_AT = "it holds an '@' or a '://', maybe a URL with credentials"
 _UNCHECKED = "it is too large or too deep to check for a URL with credentials"
 
 
 def _why_not_shown(value: Any) -> str | None:
     """Why ``value`` must not be shown in a message, or None. Walked whole (not as shortened for a
-    message): an '@' in a string or bytes anywhere (itself, an item of a list, tuple or set, a key
-    or value of a mapping) may be a URL's userinfo (``['redis://user:pw@host']``), and a shortened
-    display can cut the '@' away but keep the password. The walk visits at most 10,000 items and 8
+    message): an '@' or a '://' in a string or bytes anywhere (itself, an item of a list, tuple or
+    set, a key or value of a mapping) may be a URL's userinfo or a secret in its query
+    (``['redis://user:pw@host']``, ``['rediss://h/0?password=pw']``), and a shortened display can
+    cut the '@' away but keep the password. The walk visits at most 10,000 items and 8
     levels (a YAML alias bomb stops there); a value past either bound is not shown either."""
     budget = _WALK_ITEMS
     stack: list[tuple[Any, int]] = [(value, 0)]
     while stack:
         item, depth = stack.pop()
         if isinstance(item, str | bytes | bytearray):
-            if ("@" in item) if isinstance(item, str) else (b"@" in item):
+            if ("@" in item or "://" in item) if isinstance(item, str) else (b"@" in item or b"://" in item):
                 return _HOLDS_AT
             continue
         if isinstance(item, Mapping):
@@ -263,7 +264,7 @@ def explain(
                 shown = "a value, not shown: it is a secret"
             elif why := _why_not_shown(err["input"]):  # judged whole, before shortening
                 shown = f"a value, not shown: {why}"
-            elif "@" in (shown := _shown_input(err["input"])):  # an object whose repr holds one
+            elif "@" in (shown := _shown_input(err["input"])) or "://" in shown:  # an object whose repr holds one
                 shown = f"a value, not shown: {_HOLDS_AT}"
             msg = f"{msg} (got {shown})"
         problems.setdefault(loc, []).append(msg)

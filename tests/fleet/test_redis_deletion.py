@@ -218,3 +218,33 @@ def test_a_writer_stalled_in_its_index_deletion_deletes_nothing_of_the_writer_th
         assert len(raw.keys("p:k:*")) == 2500 and raw.scard("p:l:0") == 2500
     finally:
         link.close()
+
+
+def test_an_add_refused_by_a_foreign_key_under_the_prefix_sets_no_bit(redis_server: Any) -> None:
+    """Review 3 #2: the add script set bits key by key and then listed the keys in the location's
+    set; a foreign-typed key midway stopped it with earlier bits set and listed nowhere (a clear
+    could never find them: over-reported for good). Now the whole chunk is refused first."""
+    masks = RedisMasks(_client(redis_server.url), "p")
+    masks.open_writer()
+    raw = _client(redis_server.url)
+    raw.rpush("p:k:4", "someone else's list")  # a foreign type under the prefix
+    with pytest.raises(Exception, match="WRONGTYPE"):
+        masks.add(7, [1, 2, 4, 5])
+    assert raw.getbit("p:k:1", 7) == 0 and raw.getbit("p:k:2", 7) == 0  # before the fix: 1, listed nowhere
+    assert not raw.smembers("p:l:7")
+    masks.add(7, [1, 2])  # the rest of the index still works
+    assert masks.masks([1, 2, 5]) == [1 << 7, 1 << 7, 0]
+
+
+def test_the_index_deletion_takes_only_names_the_index_writes(redis_server: Any) -> None:
+    """Review 3 #4: the deletion matched names by a loose shape (leading zeros, locations past
+    MAX_LOCATIONS): a writer taking a prefix over deleted foreign keys the index never writes."""
+    masks = RedisMasks(_client(redis_server.url), "p")
+    raw = _client(redis_server.url)
+    ours = ["p:k:abc", "p:k:0", "p:l:0", "p:l:65535", "p:meta"]
+    foreign = ["p:k:0abc", "p:k:000000000000000000000001", "p:l:000042", "p:l:65536", "p:l:999999", "p:k:ABC",
+               "p:k:" + "f" * 25, "p:metadata", "p:x:1"]  # fmt: skip
+    for name in ours + foreign:
+        raw.set(name, "x")
+    found = {name.decode() for batch in masks._index_keys() for name in batch}
+    assert found == set(ours)

@@ -219,6 +219,7 @@ def test_a_claim_taken_again_is_rebuilt_even_if_the_next_call_to_redis_fails(
     a._kept_writer = -1e9
     with pytest.raises(ConnectionError):
         a.tick()  # a takes the claim again; the INFO that follows fails
+    assert a.store_failing() is not None  # /health 503 while the rebuild is due (review 3 #1)
     a._kept_writer = -1e9
     a.tick()  # before the fix: the claim was held, Redis the same: b's index was never deleted
     assert calls and a.engine("a").status == "partial"

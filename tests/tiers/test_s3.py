@@ -686,6 +686,9 @@ def test_a_secret_of_the_wrong_type_is_never_echoed(tmp_path: Path, secret: str)
             "http://AKIAIOSFODNN7EXAMPLE:QQs1hunter2wJalr@" "minio.internal.example.com:9000": 1}}),
         ("s3", {"bucket": "bkt", "endpoint": [1, 2, 3, 4, 5, "http://AKIA:QQs1hunter2@h:9000"]}),  # past what is shown
         ("redis", {"url": [[[["x" * 100, {"k": ("redis://:QQs1hunter2@cache:6379",)}]]]]}),
+        # review 3 #3: a secret in the URL's query, no '@' anywhere
+        ("redis", {"url": ["rediss://cache:6379/0?password=QQs1hunter2"]}),
+        ("redis", {"url": ("redis://cache/?ssl_keyfile_password=QQs1hunter2",)}),
     ],
 )
 def test_a_url_option_of_the_wrong_type_is_never_echoed(model: str, spec: dict[str, Any]) -> None:

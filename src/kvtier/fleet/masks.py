@@ -234,7 +234,15 @@ class RedisMasks:
     # A script answers -1 where another writer holds the claim, -2 where nobody does (it ran out).
     _FENCE = ("local held = redis.call('get', KEYS[1]) "
               "if held ~= ARGV[1] then if held then return -1 end return -2 end ")
+    # Every key is checked before the first write (a script stopped by an error keeps what it
+    # wrote): a foreign type under the prefix refuses the whole chunk, so no bit is set that the
+    # location's set does not list (clear() could never find it).
     _SET_BITS = (_FENCE +
+                 "if redis.call('type', KEYS[2])['ok'] ~= 'none' and redis.call('type', KEYS[2])['ok'] ~= 'set' "
+                 "then return redis.error_reply('WRONGTYPE ' .. KEYS[2] .. ' is not a set') end "
+                 "for i = 3, #KEYS do local t = redis.call('type', KEYS[i])['ok'] "
+                 "  if t ~= 'none' and t ~= 'string' then "
+                 "    return redis.error_reply('WRONGTYPE ' .. KEYS[i] .. ' is not a bitmap') end end "
                  "local bit, value = tonumber(ARGV[2]), tonumber(ARGV[3]) "
                  "for i = 3, #KEYS do "
                  "  redis.call('setbit', KEYS[i], bit, value) "
@@ -348,11 +356,13 @@ class RedisMasks:
     def _index_keys(self) -> Iterator[list[bytes]]:
         """The names of an index's keys under the prefix (key bitmaps, location sets, the table), in
         batches (not the marker ``P:wiping``)."""
-        ours = re.compile(re.escape(self.prefix).encode() + rb":(k:[0-9a-f]{1,24}|l:[0-9]{1,6}|meta)")
+        # Only names the index writes: no leading zero, a location below MAX_LOCATIONS.
+        shapes = rb":(k:%s|l:(?P<at>0|[1-9][0-9]{0,4})|meta)" % _KEY_HEX.pattern
+        ours = re.compile(re.escape(self.prefix).encode() + shapes)
         batch: list[bytes] = []
         for name in self.client.scan_iter(match=f"{self.prefix}:*", count=self._CLEAR_BATCH):
             raw = name if isinstance(name, bytes) else str(name).encode()
-            if ours.fullmatch(raw):
+            if (shape := ours.fullmatch(raw)) and not (shape["at"] and int(shape["at"]) >= MAX_LOCATIONS):
                 batch.append(raw)
             if len(batch) >= self._CLEAR_BATCH:
                 yield batch
@@ -375,8 +385,9 @@ class RedisMasks:
             self._lost = True
             raise WriterConflict(f"the fleet writer lost its claim on the Redis prefix {self.prefix!r} to another "
                                  "writer: it no longer writes there (stop one of them)")  # fmt: skip
-        if kept == 2:  # a rebuild found due is due until done, whatever fails next (INFO below)
+        if kept == 2:  # a rebuild found due is due (and /health 503) until done, whatever fails next (INFO)
             self._rebuild = True
+            self._unclaimed = self._unclaimed or "the claim ran out and was taken again; the index is not rebuilt yet"
         server = self._run_id() if self._server is not None else None
         restarted = server is not None and server != self._server
         if kept == 2:
@@ -538,7 +549,8 @@ class RedisMasks:
         return meta if isinstance(meta, dict) else {}
 
 
-_KEY_HEX = re.compile(rb"[0-9a-f]{1,%d}" % _MAX_KEY_HEX)
+_KEY_HEX = re.compile(rb"(0|[1-9a-f][0-9a-f]{0,%d})" % (_MAX_KEY_HEX - 1))
+"""A key's hex as the index writes it (``f"{key:x}"``: no leading zero), so no other name matches."""
 
 
 def _is_fleet_table(meta: dict[str, Any]) -> bool:
