@@ -310,6 +310,9 @@ def test_max_blocks_bounds_the_full_blocks_of_tokens(served: tuple[FleetServer, 
         (b"GET /health HTTP/1.1\r\nX-Long: " + b"x" * 70_000 + b"\r\n\r\n", 431),
         (b"GET / \"garbage\" HTTP/1.1\r\n\r\n", 400),
         (b"\r\n" * 9 + b"GET /health HTTP/1.1\r\n\r\n", 400),  # empty lines past the 8 skipped
+        (b" \r\nGET /health HTTP/1.1\r\n\r\n", 400),  # review 3: a line of blanks got no answer
+        (b"\t\r\n", 400),
+        (b"\r\r\nGET /health HTTP/1.1\r\n\r\n", 400),
         (b"\r\nGET /" + b"x" * 70_000 + b" HTTP/1.1\r\n\r\n", 414),
         (b"GET /health HTTP/1.1\r\n" + b"X-%d: %s\r\n" % (1, b"x" * 40_000) * 2 + b"\r\n", 431),  # 80 KB in all
     ],

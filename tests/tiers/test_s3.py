@@ -130,6 +130,51 @@ def test_a_deeply_nested_planted_manifest_is_named_unreadable(s3_bucket: tuple[M
     assert "manifest.json unreadable (manifest is nested too deeply" in detail and "Recursion" not in detail, detail
 
 
+
+def test_a_planted_manifest_whose_get_understates_its_size_is_never_read_whole(
+    s3_bucket: tuple[MotoServer, str], make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review S3 (left alone by the inspect fix): the engine's manifest check compared the size the
+    GET answered with the limit, then read the body whole: a server (or a proxy) answering a small
+    size for a huge object made it hold all of it. Its body is now streamed no further than the
+    limit."""
+    import obstore as obs
+
+    from kvtier.tiers.s3_store import MAX_MANIFEST_BYTES
+
+    server, bucket = s3_bucket
+    ns = make_namespace(BLOCK)
+    raw = raw_client(server.endpoint, bucket)
+    manifest = f"kvtier/{ns.hexdigest}/manifest.json"
+    obs.put(raw, manifest, b"{" * (16 * MAX_MANIFEST_BYTES))
+    real_get = obs.get
+    streamed = [0]
+
+    class Understated:  # the GET's answer claims 100 bytes; the body is what the object holds
+        def __init__(self, result: Any) -> None:
+            self.real, self.meta = result, dict(result.meta, size=100)
+
+        def bytes(self) -> Any:
+            raise AssertionError("the manifest was read whole")
+
+        def stream(self, min_chunk_size: int = 1 << 20) -> Any:
+            for chunk in self.real.stream(min_chunk_size=4096):
+                for at in range(0, len(chunk), 4096):
+                    streamed[0] += len(chunk[at : at + 4096])
+                    yield bytes(memoryview(chunk)[at : at + 4096])
+
+    def get(store: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+        result = real_get(store, path, *args, **kwargs)
+        return Understated(result) if path == manifest else result
+
+    monkeypatch.setattr(obs, "get", get)
+    tier, _ = make(server.endpoint, bucket, ns)
+    job = new_job(chain_ids(range(1), ns), [0], False)
+    tier.submit_store(job)
+    assert not wait_results(tier, {job.job_id}, 10)[job.job_id].success
+    assert "more than a manifest holds" in tier.health().detail, tier.health().detail
+    assert 0 < streamed[0] <= MAX_MANIFEST_BYTES + 4096, streamed
+
 @pytest.mark.slow
 def test_two_engine_processes_share_a_bucket_and_namespaces_never_mix(
     s3_bucket: tuple[MotoServer, str], private_shm: Path

@@ -342,12 +342,14 @@ class _Handler(BaseHTTPRequestHandler):
         if not self.raw_requestline:  # (the client closed after empty lines alone)
             self.close_connection = True
             return False
-        if len(self.raw_requestline) > _MAX_LINE or self.raw_requestline in empty:
+        if len(self.raw_requestline) > _MAX_LINE or not self.raw_requestline.strip():
             self.requestline = self.request_version = self.command = ""
             if len(self.raw_requestline) > _MAX_LINE:
                 self.send_error(HTTPStatus.REQUEST_URI_TOO_LONG)
-            else:
+            elif self.raw_requestline in empty:
                 self.send_error(HTTPStatus.BAD_REQUEST, f"no request line after {_EMPTY_LINES} empty lines")
+            else:  # (the standard library took a line of blanks for no request: closed, no answer)
+                self.send_error(HTTPStatus.BAD_REQUEST, "a request line of blanks only")
             return False
         rfile = self.rfile
         self.rfile = cast(Any, _HeaderBudget(rfile, _MAX_HEADER_BYTES))  # (what the headers are read from)

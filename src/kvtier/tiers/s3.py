@@ -85,6 +85,7 @@ from kvtier.tiers.s3_store import (
     MAX_MANIFEST_BYTES,
     TRIPPING,
     S3TierOptions,
+    bounded_body,
     classify_error,
     key_of_path,
     list_objects,
@@ -555,10 +556,11 @@ class S3Tier(ThreadedTier):
                     continue  # another engine created it just now: read theirs
                 self._manifest_ready()
                 return
-            if int(result.meta["size"]) > MAX_MANIFEST_BYTES:
-                self._manifest_rejected(f"{result.meta['size']} bytes, more than a manifest holds")
+            body = bounded_body(result, MAX_MANIFEST_BYTES)  # (a shared bucket: any size, whatever it says)
+            if isinstance(body, str):
+                self._manifest_rejected(f"{body}, more than a manifest holds")
             try:
-                found = parse_manifest(bytes(result.bytes()))
+                found = parse_manifest(bytes(body))
             except ValueError as exc:
                 self._manifest_rejected(f"unreadable ({exc})")
             problem = manifest_mismatch(found, self._manifest)

@@ -48,6 +48,7 @@ from kvtier.tiers.s3_store import (
     MAX_MANIFEST_BYTES,
     MAX_OBJECT_BYTES,
     S3TierOptions,
+    bounded_body,
     key_of_path,
     list_objects,
     open_store,
@@ -56,7 +57,6 @@ from kvtier.tiers.s3_store import (
 )
 
 _NAMESPACE_RE = re.compile(r"^[0-9a-f]{32}\Z")
-_STREAM_CHUNK = 1 << 20
 _SUSPECT_MANIFEST = "(kept: the manifest is suspect)"
 
 
@@ -242,7 +242,7 @@ def _read_manifest(store: Any, path: str, size: int, digest: str) -> tuple[dict[
     if size > MAX_MANIFEST_BYTES:
         return None, f"manifest is {size} bytes"
     try:  # bounded by the GET, not the listing: it may have been re-stored larger since
-        body = _bounded_body(obs.get(store, path), MAX_MANIFEST_BYTES)
+        body = bounded_body(obs.get(store, path), MAX_MANIFEST_BYTES)
     except Exception as exc:
         return None, f"manifest not read: {short_error(exc)}"
     if isinstance(body, str):
@@ -281,7 +281,7 @@ def _check_block(
     try:
         result = obs.get(store, path)
         meta = result.meta
-        body = _bounded_body(result)
+        body = bounded_body(result, MAX_OBJECT_BYTES)
     except Exception as exc:
         return f"unreadable: {short_error(exc)} (kept: a failed read proves nothing)", False, None
     if isinstance(body, str):
@@ -305,27 +305,6 @@ def _check_block(
             f"verify {_SUSPECT_MANIFEST}"
         ), False, meta
     return None, False, meta
-
-
-def _bounded_body(result: Any, limit: int | None = None) -> memoryview | str:
-    """The body of a GET ``result``, or, reading no further, what showed it larger than ``limit``
-    (default :data:`MAX_OBJECT_BYTES`): the size the GET answered, or its body running past it.
-    Memory held stays below ``limit`` plus one chunk of the stream, whatever the server sends."""
-    limit = MAX_OBJECT_BYTES if limit is None else limit
-    size = int(result.meta["size"])
-    if size > limit:
-        return f"the GET answered {size} bytes"
-    body = bytearray(size)
-    filled = 0
-    for chunk in result.stream(min_chunk_size=min(_STREAM_CHUNK, limit)):
-        n = len(chunk)
-        if filled + n > limit:
-            return f"its body ran past {limit} bytes (the GET said {size})"
-        if filled + n > len(body):
-            body.extend(bytes(filled + n - len(body)))
-        body[filled : filled + n] = chunk
-        filled += n
-    return memoryview(body)[:filled]
 
 
 def _too_large(seen: str) -> str:

@@ -491,6 +491,31 @@ def manifest_dict(namespace_digest: bytes, namespace_canonical: str, block_bytes
     }
 
 
+STREAM_CHUNK = 1 << 20
+"""Bytes a bounded read asks the stream for at a time."""
+
+
+def bounded_body(result: Any, limit: int) -> memoryview | str:
+    """The body of a GET ``result``, or, reading no further, what showed it larger than ``limit``
+    (e.g. :data:`MAX_OBJECT_BYTES`): the size the GET answered, or its body running past it.
+    Memory held stays below ``limit`` plus one chunk of the stream, whatever the server sends.
+    For reads of objects a shared bucket may hold anything under (inspect, the manifest check)."""
+    size = int(result.meta["size"])
+    if size > limit:
+        return f"the GET answered {size} bytes"
+    body = bytearray(size)
+    filled = 0
+    for chunk in result.stream(min_chunk_size=min(STREAM_CHUNK, limit)):
+        n = len(chunk)
+        if filled + n > limit:
+            return f"its body ran past {limit} bytes (the GET said {size})"
+        if filled + n > len(body):
+            body.extend(bytes(filled + n - len(body)))
+        body[filled : filled + n] = chunk
+        filled += n
+    return memoryview(body)[:filled]
+
+
 def parse_manifest(raw: bytes) -> dict[str, Any]:
     """The manifest's JSON object (plain JSON only; nothing is evaluated); ValueError if malformed."""
     if len(raw) > MAX_MANIFEST_BYTES:
@@ -617,6 +642,7 @@ __all__ = [
     "MANIFEST",
     "TRIPPING",
     "S3TierOptions",
+    "bounded_body",
     "check_region",
     "check_s3_endpoint",
     "classify_error",
