@@ -436,3 +436,22 @@ def test_a_hung_redis_counts_as_failing_from_when_the_write_was_sent(redis_serve
     failure = index.masks.write_failure()
     assert failure is not None and failure[0] - sent < 0.5  # before the fix: about 1 s (the timeout) after
     index.close()
+
+
+def test_a_batch_that_finds_the_claim_run_out_is_applied_once_it_is_taken_again(redis_server: Any) -> None:
+    """A batch refused because the claim ran out (Redis restarted empty since the last tick) is
+    not lost: the subscriber's path (FleetIndex.retaking) takes the claim again, rebuilds, and
+    applies the batch on the rebuilt index."""
+    client = _client(redis_server.url)
+    index = FleetIndex(["a"], RedisMasks(client, "p"))
+    index.apply("a", _batch(_record("hello", "s", 0), _event(Kind.STORED, [1], medium="GPU")))
+    client.delete("p:writer")  # (nobody holds the claim any more)
+    batch = _batch(_record("events", "s", 1, tiers=()), _event(Kind.STORED, [2], medium="GPU"))
+    with pytest.raises(Exception, match="ran out"):
+        index.apply("a", batch)  # (apply alone does not take the claim again)
+    index.retaking(lambda: index.apply("a", batch))
+    assert client.get("p:writer") is not None and index.store_failing() is None
+    reader = FleetReader(RedisMasks(_client(redis_server.url), "p"), meta_ttl=0.0)
+    answer = reader.prefix([2])["a"]
+    assert answer["blocks"] == 1 and answer["status"] == "partial"  # key 1 was dropped with the rebuild
+    assert reader.prefix([1])["a"]["blocks"] == 0

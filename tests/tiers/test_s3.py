@@ -583,7 +583,7 @@ def test_warm_start_lists_around_foreign_names_the_client_cannot_parse(
 
 
 def test_https_endpoint_behind_a_private_ca(tmp_path: Path, make: Any) -> None:
-    from conftest import make_test_certificates
+    from tls_certificates import make_test_certificates
 
     ca, cert, key = make_test_certificates(tmp_path / "certs")
     stub = S3Stub(tls=(cert, key))

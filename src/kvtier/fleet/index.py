@@ -220,12 +220,23 @@ class FleetIndex:
         if now - self._kept_writer >= _KEEP_WRITER_EVERY:
             self.keep_writer()
         if self._publish_due and now - self._published_at >= _PUBLISH_COUNTERS_EVERY:
-            try:
-                with self._writing():
-                    self._publish()
-            except ClaimLapsed:
-                if not self.keep_writer():  # (taken again: the table was written again with the rebuild)
-                    raise
+            self.retaking(self._publish_now)
+
+    def _publish_now(self) -> None:
+        with self._writing():
+            self._publish()
+
+    def retaking(self, write: Callable[[], None]) -> None:
+        """``write()`` (the subscriber thread); where it found the claim had run out with nobody
+        else holding it (:class:`~kvtier.fleet.masks.ClaimLapsed`: Redis restarted, or stalled past
+        the claim's lease, since the last tick) the claim is taken again now, not at the next tick,
+        and ``write()`` runs once more on the index rebuilt for it instead of being lost."""
+        try:
+            write()
+        except ClaimLapsed:
+            if not self.keep_writer():
+                raise
+            write()
 
     def keep_writer(self) -> bool:
         """Keep the writer's claim now, as :meth:`tick` does every 2 s (the subscriber thread; also

@@ -44,7 +44,6 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from functools import partial
 from typing import Any, Protocol
 
 from kvtier.errors import KvtierError
@@ -238,8 +237,9 @@ class RedisMasks:
     # wrote): a foreign type under the prefix refuses the whole chunk, so no bit is set that the
     # location's set does not list (clear() could never find it).
     _SET_BITS = (_FENCE +
-                 "if redis.call('type', KEYS[2])['ok'] ~= 'none' and redis.call('type', KEYS[2])['ok'] ~= 'set' "
-                 "then return redis.error_reply('WRONGTYPE ' .. KEYS[2] .. ' is not a set') end "
+                 "local st = redis.call('type', KEYS[2])['ok'] "
+                 "if st ~= 'none' and st ~= 'set' then "
+                 "  return redis.error_reply('WRONGTYPE ' .. KEYS[2] .. ' is not a set') end "
                  "for i = 3, #KEYS do local t = redis.call('type', KEYS[i])['ok'] "
                  "  if t ~= 'none' and t ~= 'string' then "
                  "    return redis.error_reply('WRONGTYPE ' .. KEYS[i] .. ' is not a bitmap') end end "
@@ -338,8 +338,7 @@ class RedisMasks:
         if not ours and not self.client.exists(self._wiping_key) and not _is_fleet_table(self.get_meta()):
             return  # no index here: whatever else is under the prefix is not ours to delete
         meta = f"{self.prefix}:meta"
-        self._fenced([self._write(lambda: self.client.eval(self._WIPING, 3, self._writer_key, self._wiping_key, meta,
-                                                           token))])  # fmt: skip
+        self._fenced_eval(self._WIPING, [self._wiping_key, meta], token)
         stale = 0
         for batch in self._index_keys():
             self._delete(batch, token)
@@ -350,8 +349,12 @@ class RedisMasks:
 
     def _delete(self, names: list[bytes], token: str) -> None:
         """Delete ``names``, fenced by the claim (one script)."""
-        self._fenced([self._write(lambda: self.client.eval(self._DELETE, 1 + len(names), self._writer_key, *names,
-                                                           token))])  # fmt: skip
+        self._fenced_eval(self._DELETE, names, token)
+
+    def _fenced_eval(self, script: str, keys: Sequence[str | bytes], *args: Any) -> None:
+        """Run one fenced ``script`` (its first key the claim, then ``keys``; its first argument
+        the token, then ``args``) as one write; raises as :meth:`_fenced` does."""
+        self._fenced([self._write(lambda: self.client.eval(script, 1 + len(keys), self._writer_key, *keys, *args))])
 
     def _index_keys(self) -> Iterator[list[bytes]]:
         """The names of an index's keys under the prefix (key bitmaps, location sets, the table), in
@@ -386,22 +389,20 @@ class RedisMasks:
             raise WriterConflict(f"the fleet writer lost its claim on the Redis prefix {self.prefix!r} to another "
                                  "writer: it no longer writes there (stop one of them)")  # fmt: skip
         if kept == 2:  # a rebuild found due is due (and /health 503) until done, whatever fails next (INFO)
-            self._rebuild = True
-            self._unclaimed = self._unclaimed or "the claim ran out and was taken again; the index is not rebuilt yet"
-        server = self._run_id() if self._server is not None else None
-        restarted = server is not None and server != self._server
-        if kept == 2:
             logger.warning("fleet: the writer's claim on Redis prefix %r had run out (Redis restarted, or did not "
                            "answer for %d s); nobody else held it, so it was taken again and the index under it "
                            "is rebuilt", self.prefix, self.writer_ttl)  # fmt: skip
-        elif restarted:
-            logger.warning("fleet: the Redis server of prefix %r changed (run_id %s -> %s: a restart or a failover, "
-                           "maybe from an older save); the index under it is rebuilt", self.prefix, self._server,
-                           server)  # fmt: skip
-        if kept == 2 or restarted:
-            self._server = server if server is not None else self._server
             self._rebuild = True
-            self._unclaimed = self._unclaimed or "the claim ran out, or Redis changed under it"
+            self._unclaimed = self._unclaimed or "the claim ran out and was taken again; the index is not rebuilt yet"
+        server = self._run_id() if self._server is not None else None
+        if server is not None and server != self._server:
+            if kept != 2:
+                logger.warning("fleet: the Redis server of prefix %r changed (run_id %s -> %s: a restart or a "
+                               "failover, maybe from an older save); the index under it is rebuilt", self.prefix,
+                               self._server, server)  # fmt: skip
+            self._server = server
+            self._rebuild = True
+            self._unclaimed = self._unclaimed or "Redis changed under the claim; the index is not rebuilt yet"
         if self._rebuild:  # (until the deletion went through: a Redis error midway is retried next time)
             self._wipe("written before the claim ran out or Redis restarted", ours=True)
             self._rebuild = False
@@ -476,9 +477,7 @@ class RedisMasks:
             if not members:
                 break
             keys = [self._key(k) for k in _parse_keys(members)]
-            done = self._write(partial(self.client.eval, self._CLEAR_SOME, 2 + len(keys), self._writer_key, name,
-                                       *keys, token, bit, *members))  # fmt: skip
-            self._fenced([done])
+            self._fenced_eval(self._CLEAR_SOME, [name, *keys], token, bit, *members)
 
     def masks(self, keys: Sequence[int], bits: int = MAX_LOCATIONS) -> list[int]:
         if not keys:
@@ -527,9 +526,7 @@ class RedisMasks:
     def put_meta(self, meta: dict[str, Any]) -> None:
         token = self._check_writer()
         table = json.dumps(meta, separators=(",", ":"))
-        done = self._write(lambda: self.client.eval(self._PUT, 2, self._writer_key, f"{self.prefix}:meta", token,
-                                                    table))  # fmt: skip
-        self._fenced([done])
+        self._fenced_eval(self._PUT, [f"{self.prefix}:meta"], token, table)
 
     def get_meta(self) -> dict[str, Any]:
         """The engine table, or {} where there is none or it is not a JSON object of at most

@@ -47,7 +47,6 @@ from typing import Any
 import zmq
 
 from kvtier.fleet.index import FleetIndex
-from kvtier.fleet.masks import ClaimLapsed
 from kvtier.fleet.wire import WireError, decode_batch
 
 logger = logging.getLogger(__name__)
@@ -281,15 +280,7 @@ class FleetSubscriber:
             return
         name = link.endpoint.name
         try:
-            try:
-                self.index.apply(name, batch)
-            except ClaimLapsed:
-                # Redis restarted (or stalled past the claim's lease) since the last tick: the
-                # claim is taken again now, not at the next tick, and the batch applied on the index
-                # rebuilt for it, instead of being lost as well. (It counts as two batches.)
-                if not self.index.keep_writer():
-                    raise
-                self.index.apply(name, batch)
+            self.index.retaking(lambda: self.index.apply(name, batch))  # (then it counts as two batches)
         except Exception as exc:  # the index's store (Redis) failed: this batch's changes are lost
             link.failed += 1
             logger.warning("fleet: engine %s batch %d could not be applied: %s", name, seq, exc)
