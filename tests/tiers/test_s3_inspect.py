@@ -566,3 +566,28 @@ def test_a_manifest_whose_block_bytes_self_verifying_blocks_contradict_fails_ins
     out = _run("inspect", f"http://testing:testing@127.0.0.1:{server.port}/{bucket}/kvtier", "--verify")
     assert out.returncode == 1 and f"manifest block_bytes={2 * BLOCK} disagrees" in out.stdout, out.stdout + out.stderr
     assert {tier.object_path(k) for k in keys} <= _paths(raw)  # nothing deleted
+
+
+def test_a_get_that_claims_a_huge_size_costs_only_the_bytes_it_sends(
+    s3_bucket: tuple[MotoServer, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review s3c: a bounded read allocated (and zeroed) the size the GET answered before any
+    byte came: a server or object that says 256 MiB (or 5 GiB, under the bound) and sends one
+    block cost that much memory. Memory now follows the bytes received; the block is judged."""
+    import tracemalloc
+
+    server, bucket = s3_bucket
+    tier, keys = _fill(server, bucket, "model-a", 2)
+    tier.shutdown()
+    lying = tier.object_path(keys[0])
+    claimed = 256 << 20
+
+    tracemalloc.start()
+    try:
+        report, streamed = _inspect_with_get(server, bucket, monkeypatch, lambda p: claimed if p == lying else None)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"traced peak {peak} bytes"  # before the fix: over 256 MiB
+    (ns,) = report.namespaces
+    assert streamed[lying] == HEADER_SIZE + BLOCK and ns.verified == 2 and report.ok, ns

@@ -494,6 +494,9 @@ def manifest_dict(namespace_digest: bytes, namespace_canonical: str, block_bytes
 STREAM_CHUNK = 1 << 20
 """Bytes a bounded read asks the stream for at a time."""
 
+PREALLOCATE_BYTES = 16 << 20
+"""The most a bounded read allocates before the body's bytes arrive (it grows as they do)."""
+
 
 def bounded_body(result: Any, limit: int) -> memoryview | str:
     """The body of a GET ``result``, or, reading no further, what showed it larger than ``limit``
@@ -503,15 +506,15 @@ def bounded_body(result: Any, limit: int) -> memoryview | str:
     size = int(result.meta["size"])
     if size > limit:
         return f"the GET answered {size} bytes"
-    body = bytearray(size)
+    # Allocated as the body comes (the size answered is the server's word): one that says GiB
+    # and sends a few bytes costs a few bytes, not GiB of zeroes.
+    body = bytearray(min(size, PREALLOCATE_BYTES))
     filled = 0
     for chunk in result.stream(min_chunk_size=min(STREAM_CHUNK, limit)):
         n = len(chunk)
         if filled + n > limit:
             return f"its body ran past {limit} bytes (the GET said {size})"
-        if filled + n > len(body):
-            body.extend(bytes(filled + n - len(body)))
-        body[filled : filled + n] = chunk
+        body[filled : filled + n] = chunk  # (grows the buffer where the body runs past it)
         filled += n
     return memoryview(body)[:filled]
 
