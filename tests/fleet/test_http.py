@@ -369,3 +369,66 @@ def test_header_lines_under_64_kib_in_all_are_read(served: tuple[FleetServer, Fl
     server, _ = served
     headers = {f"X-{i}": "x" * 20_000 for i in range(3)}
     assert _request(server.url, "GET", "/health", headers=headers) == (200, {"ok": True})
+
+
+def test_a_read_only_servers_health_follows_its_redis(tmp_path: Path) -> None:
+    """Review fleet3: a --read-only reader's /health said {"ok": true} while its Redis was down
+    and every answer was a 503: a load balancer kept sending it traffic. Now 503 naming Redis
+    while it does not answer, 200 again once it does."""
+    from redis_servers import REDIS_SERVER, start_redis
+
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server not found on PATH")
+    import redis
+
+    server = start_redis(tmp_path / "redis")
+    try:
+        writer = FleetIndex(["a"], RedisMasks(redis.Redis.from_url(server.url), "fleet-t"))
+        _fill(writer, [1, 2])
+        proc, url = _serve("--redis", server.url, "--redis-prefix", "fleet-t", "--read-only")
+        try:
+            assert _request(url, "GET", "/health") == (200, {"ok": True})
+            server.kill()
+            time.sleep(0.6)  # (past the engine table's re-read interval)
+            status, body = _request(url, "GET", "/health")
+            assert status == 503 and "Redis did not answer" in body["error"], body  # before the fix: 200
+            assert _post(url, {"block_hashes": [1, 2]})[0] == 503
+            server.start()
+            time.sleep(0.6)
+            assert _request(url, "GET", "/health") == (200, {"ok": True})
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(20) == 0
+    finally:
+        server.stop()
+
+
+def test_health_answers_while_every_answer_slot_is_taken() -> None:
+    """Review fleet3: /health took one of the max_concurrent answer slots, so a server busy with
+    slow prefix answers told a liveness probe 503 ("too many requests") and was restarted."""
+    release = threading.Event()
+    entered = threading.Event()
+
+    class SlowAnswers:  # (a collaborator: the answers; the server under test is real)
+        def prefix(self, keys: Sequence[int], engines: Sequence[str] | None = None) -> dict[str, Any]:
+            entered.set()
+            release.wait(10)
+            return {}
+
+        def meta(self) -> dict[str, Any]:
+            return {"engines": {}}
+
+    server = FleetServer(("127.0.0.1", 0), SlowAnswers(), tokens_per_hash=TOKENS, max_concurrent=1)  # type: ignore[arg-type]
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        busy = threading.Thread(target=_post, args=(server.url, {"block_hashes": [1]}), daemon=True)
+        busy.start()
+        assert entered.wait(5)
+        assert _post(server.url, {"block_hashes": [2]})[0] == 503  # the one slot is taken
+        assert _request(server.url, "GET", "/health") == (200, {"ok": True})  # before the fix: 503
+        release.set()
+        busy.join(10)
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()

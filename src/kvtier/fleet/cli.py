@@ -175,7 +175,8 @@ def _cmd_fleet_serve(args: argparse.Namespace) -> int:
         server = FleetServer(
             (args.host, args.port), answers, hashing=(args.hash, args.hash_seed), tokens_per_hash=args.tokens_per_hash,
             max_body=args.max_body, max_blocks=args.max_blocks, request_timeout=args.request_timeout,
-            max_concurrent=args.max_concurrent, health=None if subscriber is None else _writer_health(subscriber),
+            max_concurrent=args.max_concurrent,
+            health=answers.store_failing if subscriber is None else _writer_health(subscriber),
         )  # fmt: skip
     except OSError as exc:  # the port is taken, the host is no address of this machine...
         if subscriber is not None:

@@ -19,7 +19,9 @@ Endpoints:
   prefix (it ran out and is not yet taken again, the index under it rebuilt), or every write to
   the index's Redis has failed for ``failing_writes_grace`` seconds, 5 by default, counted from
   when the first failed write was sent, with none going through since: 200 again once one does,
-  within about 2 s of Redis answering again).
+  within about 2 s of Redis answering again; a ``--read-only`` reader: its last read of the
+  engine table from Redis failed). It takes none of the ``max_concurrent`` answer slots: a
+  server busy answering is not unhealthy.
 
 It is a network service and its input is untrusted: a request line must stay under 64 KiB
 (else 414), its header lines under 64 KiB in all (else 431), a request body must declare its
@@ -403,10 +405,11 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             self._write_budget -= time.monotonic() - started
 
-    def _guarded(self, handle: Any) -> None:
-        """Answer ``handle()`` in one of the ``max_concurrent`` slots; the slot is given back
-        before the answer is written (a slow reader must not hold it)."""
-        if not self.server._slots.acquire(blocking=False):
+    def _guarded(self, handle: Any, slot: bool = True) -> None:
+        """Answer ``handle()`` in one of the ``max_concurrent`` slots (``slot``; ``/health`` takes
+        none: a server busy answering is not unhealthy); the slot is given back before the answer
+        is written (a slow reader must not hold it)."""
+        if slot and not self.server._slots.acquire(blocking=False):
             self.close_connection = True
             self._send(HTTPStatus.SERVICE_UNAVAILABLE, {"error": "too many requests at once; retry"})
             return
@@ -422,14 +425,15 @@ class _Handler(BaseHTTPRequestHandler):
             logger.exception("fleet: request %s failed", self.path[:100])
             status, data = HTTPStatus.INTERNAL_SERVER_ERROR, _encode({"error": "internal error (see the server's log)"})
         finally:
-            self.server._slots.release()
+            if slot:
+                self.server._slots.release()
         if status != HTTPStatus.OK:
             self.close_connection = True
         self._write(status, data)
 
     def do_GET(self) -> None:
         if self.path == "/health":
-            self._guarded(self._health)
+            self._guarded(self._health, slot=False)
         elif self.path == "/v1/engines":
             self._guarded(self._engines)
         else:

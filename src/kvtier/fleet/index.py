@@ -708,6 +708,7 @@ class FleetReader:
         self._meta: dict[str, Any] = {}
         self._read_at = -float("inf")
         self._refreshing = False
+        self._failure: str | None = None  # why the last read of the engine table failed; None: it did not
 
     def meta(self) -> dict[str, Any]:
         """The engine table, re-read at most every ``meta_ttl`` seconds. No lock is held while
@@ -722,12 +723,26 @@ class FleetReader:
             self._refreshing = True
         try:
             meta = checked_meta(self.masks.get_meta())
+        except StoreUnavailable as exc:
+            self._failure = str(exc)
+            raise
         finally:
             with self._lock:
                 self._refreshing = False
         with self._lock:
-            self._meta, self._read_at = meta, now
+            self._meta, self._read_at, self._failure = meta, now, None
         return meta
+
+    def store_failing(self) -> str | None:
+        """Why this reader cannot answer (its Redis did not answer the last read of the engine
+        table), or None: for ``GET /health``. Reads the table as :meth:`meta` does (at most every
+        ``meta_ttl`` seconds, one thread at a time; the others take the last read's outcome), so
+        a probe may wait up to the client's socket timeout for a hung Redis. Any thread."""
+        try:
+            self.meta()
+        except StoreUnavailable as exc:
+            return str(exc)
+        return self._failure
 
     def prefix(self, keys: Sequence[int], engines: Sequence[str] | None = None) -> dict[str, Any]:
         return prefix_answer(self.meta(), self.masks, keys, engines, first_window=self.first_window)
