@@ -215,3 +215,47 @@ def test_the_cli_takes_a_storing_mode_and_names_the_fix_for_a_bad_one(
     assert code == 0
     assert "16-block prefill stores" in out
     assert "0 self-evicted" in out
+
+
+def _stack_distance_requests(seed: int, n: int, p_new: float) -> list[TraceRequest]:
+    """A workload that suits LRU: each request continues the conversation at a geometric stack
+    distance (mean 40 conversations back: recent ones far likelier) with 1-6 new blocks, or starts
+    one of 2-30 blocks (``p_new``). Written as a held-out check of issue 21 (not a generator kind)."""
+    import random
+
+    rng = random.Random(seed)
+    next_id = 0
+    stack: list[list[int]] = []
+    out = []
+    for i in range(n):
+        if not stack or rng.random() < p_new:
+            conv = list(range(next_id, next_id + rng.randint(2, 30)))
+        else:
+            depth = min(int(rng.expovariate(1 / 40)), len(stack) - 1)
+            conv = stack.pop(len(stack) - 1 - depth)
+            conv = conv + list(range(next_id, next_id + rng.randint(1, 6)))
+            if len(conv) > 400:
+                conv = list(range(next_id, next_id + 5))
+        next_id = max(next_id, conv[-1] + 1)
+        stack.append(conv)
+        out.append(TraceRequest(i * 100, len(conv) * 512 - 10, rng.choice([5, 300, 900]), tuple(conv)))
+    return out
+
+
+@pytest.mark.slow
+def test_the_default_policy_on_a_workload_that_suits_lru(private_shm: Path) -> None:
+    """Issue 21 asks for no loss to LRU on traces outside this repository. On this held-out one
+    (LRU-friendly stack distances, whole-request stores, a 192-block tier) the default policy
+    loses to LRU (0.973x here, 0.950x-0.982x at 0.5-2 % on the variant docs/policies.md gives,
+    2026-12-03): its model predicts a gain of up to 1.7x (it counts block hits; the trace rewards
+    whole prefixes) and the guard measures the learned holds behind on its sample, but by too
+    little per solve period for its 3-sigma test. Known and open: xfail while it stays at or above
+    0.94x; worse is a regression and fails."""
+    requests = _stack_distance_requests(32, 8000, 0.1)
+    trace = FlatTrace.from_requests(requests)
+    keys = trace_keys(trace, replay_namespace())
+    runs = compare_policies(keys, [192], [DEFAULT_POLICY], shm_dir=str(private_shm))
+    ratio = runs[192][DEFAULT_POLICY].extra["ratio_to_lru"]
+    assert ratio >= 0.94, ratio
+    if ratio < 1.0:
+        pytest.xfail(f"LRU-friendly held-out trace at 192 blocks: {ratio:.3f}x LRU, target >= 1.0x (issue 21, open)")
