@@ -34,6 +34,14 @@ Lifecycle (DESIGN.md section 3):
   engine's file. From then on nothing can leak: the kernel frees the memory
   with the last mapping, even after SIGKILL. A process arriving after all
   ``expected_mappers`` attached is refused.
+* **Fork.** A child forked from a process that maps a region (a plain ``fork``, a
+  multiprocessing ``fork`` pool) gives up what it inherited at once: its descriptors, and
+  its mapping, which is replaced in place by private zeroed memory. Inherited, they would
+  hold the start's locks after the engine is killed, and its restart would join the dead
+  start's file (:func:`_drop_inherited`). A process that needs the rows attaches by name.
+* **Exit.** A region never closed is released at interpreter exit as when it is garbage
+  collected: a creator that exits before every mapper attached removes its path then, if
+  no other process maps it.
 * **Cleanup order:** unpin, drop the exported views, close the mapping, close
   the fd. A view still held elsewhere makes :meth:`close` raise
   :class:`RegionBusyError` (the region stays valid); it never crashes. A failed
@@ -46,6 +54,7 @@ tier's job.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -88,6 +97,7 @@ from kvtier.untrusted import flock_within, inspect_entry, lock_range, reopen, tr
 logger = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = 23
+_MAP_FIXED = 0x10  # (Linux; not in Python's mmap module)
 _RETRY_SECONDS = 0.01
 
 __all__ = [
@@ -135,6 +145,75 @@ def _release_dropped(fd_box: list[int], path: Path, name: str) -> None:
                    "closed, and its memory is returned with its last view", name)  # fmt: skip
 
 
+_LIVE: weakref.WeakSet[SharedRegion] = weakref.WeakSet()
+"""Every region of this process with its descriptor open (see :func:`_drop_inherited`)."""
+
+
+def _drop_inherited() -> None:
+    """After a plain ``fork()``, in the child: close every region descriptor it inherited.
+
+    A forked child shares its parent's open file descriptions, and with them the locks that prove
+    a start alive (the creator lock, the shared ``flock``): were it to keep them, a killed engine's
+    file would still look alive to its restart, which would join it (its workers then creating a
+    second region: two mappings, wrong bytes), and at the child's exit an exclusive ``flock``
+    could be converted from its parent's and the parent's path unlinked. The mapping's own
+    descriptor (``mmap`` keeps a duplicate) is pointed at ``/dev/null`` instead of closed, so the
+    mapping it inherited stays valid and closing it later closes nothing else; the mapping itself
+    holds the file (and so its locks) too, so it is replaced, at the same address, by private
+    zeroed memory. The child's region objects own no descriptor and no longer share the rows: a
+    process that needs them attaches by name."""
+    files = set()
+    for region in list(_LIVE):
+        fd = region._fd_box[0]
+        if fd >= 0:
+            files.add(region._file)
+            _unshare(region)
+            region._fd_box[0] = -1
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    if not files:
+        return
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # no /proc: the mapping's duplicate stays (nothing else holds the locks)
+        return
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        for name in names:
+            fd = int(name)
+            if fd == null:
+                continue
+            try:
+                st = os.fstat(fd)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) in files:
+                os.dup2(null, fd, inheritable=False)
+    finally:
+        os.close(null)
+
+
+def _unshare(region: SharedRegion) -> None:
+    """Replace ``region``'s mapping, in place, by private anonymous memory (a forked child's:
+    see :func:`_drop_inherited`); its numpy views stay valid and read zeros."""
+    rows = region._rows
+    if rows is None or region._mmap is None:
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    address = rows.ctypes.data - PAGE_SIZE  # (the rows start a page into the mapping)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED
+    if libc.mmap(address, region.total_bytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0) != address:
+        logger.warning("region %r: a forked child could not unshare its inherited mapping (errno %d): it keeps "
+                       "its parent's start alive while it lives", region.name, ctypes.get_errno())  # fmt: skip
+
+
+os.register_at_fork(after_in_child=_drop_inherited)
+
+
 class SharedRegion:
     """A page-aligned array of rows in a shared-memory file; see the module docstring.
 
@@ -180,8 +259,11 @@ class SharedRegion:
         # The descriptor lives in a box the finalizer shares: a region dropped without close()
         # (its manager never shut down) still gives its pages back with its last view.
         self._fd_box = [-1]
+        self._file = (-1, -1)  # (st_dev, st_ino) of the file mapped
+        # At exit too: a creator that exits (sys.exit, an exception at start-up) before every
+        # mapper attached removes its path then, if no other process maps it.
         self._finalizer = weakref.finalize(self, _release_dropped, self._fd_box, self.path, name)
-        self._finalizer.atexit = False  # the process's exit closes it anyway
+        _LIVE.add(self)
         self._mmap: mmap.mmap | None = None
         self._rows: np.ndarray | None = None
         self._pinned_ptr: int | None = None
@@ -360,6 +442,8 @@ class SharedRegion:
                 tmp_path.unlink(missing_ok=True)
 
     def _map(self) -> None:
+        st = os.fstat(self._fd)
+        self._file = (st.st_dev, st.st_ino)
         self._mmap = mmap.mmap(self._fd, self.total_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         base = np.frombuffer(self._mmap, dtype=np.uint8, count=self.num_rows * self.row_stride, offset=PAGE_SIZE)
         self._rows = base.reshape(self.num_rows, self.row_stride)
