@@ -218,3 +218,44 @@ def test_a_failed_create_shuts_built_tiers_down_within_shutdown_timeout(namespac
         assert time.monotonic() - started < 5.0, "create() waited for a hanging tier past shutdown_timeout"
     finally:
         gate.set()  # let the abandoned shutdown() finish
+
+
+@pytest.mark.parametrize("deadline", [120.0, None])
+def test_two_threads_shutting_down_at_once_shut_each_tier_down_once(namespace: Namespace, deadline: Any) -> None:
+    """Review r1: shutdown() from two threads at once (an engine's shutdown path and a signal
+    handler) raised a stray KeyError or ValueError and called a tier's shutdown() twice. The second
+    call now waits for the first, then finds the manager shut down."""
+    import threading
+
+    gate = threading.Event()
+    specs = [{"type": "scripted", "name": f"t{i}", "shutdown_gate": gate} for i in (1, 2)]
+    mgr = TieringManager.create(namespace=namespace, num_cpu_blocks=8, tiers=specs, shutdown_timeout=deadline)
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            mgr.shutdown()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    threading.Timer(0.3, gate.set).start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors, errors
+    assert [t.shutdown_calls for t in _tiers(mgr)] == [1, 1]
+    assert mgr.is_shut_down and mgr.region.closed
+
+
+@pytest.mark.parametrize("timeout", [0, 0.0, -1])
+def test_a_shutdown_deadline_of_zero_is_refused_like_the_setting(namespace: Namespace, timeout: float) -> None:
+    """Review r1: create(shutdown_timeout=0) is refused (every tier would be abandoned at once),
+    but shutdown(timeout=0) was taken and reported healthy tiers as failed (TierShutdownTimeout)."""
+    mgr = _manager(namespace, {}, {})
+    with pytest.raises(ConfigError, match=r"shutdown\(timeout=...\)"):
+        mgr.shutdown(timeout=timeout)
+    assert not mgr.is_shut_down and [t.shutdown_calls for t in _tiers(mgr)] == [0, 0]
+    mgr.shutdown()
+    assert mgr.is_shut_down

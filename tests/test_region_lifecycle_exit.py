@@ -121,3 +121,45 @@ def test_a_forked_child_leaves_its_parents_region_alone(private_shm: Path) -> No
     finally:
         region.close()
     assert sorted(p.name for p in private_shm.iterdir()) == []
+
+
+def test_a_second_engine_under_a_live_engines_region_name_is_refused(private_shm: Path) -> None:
+    """Review r1: with expected_mappers=2, a second manager under the same region name, before the
+    first one's worker attached, joined the live file: both managers handed out the same rows
+    (one's stores overwrote the other's), and its join unlinked the path, so the first engine's
+    worker then created a second region. Now the second scheduler is refused and the first's
+    worker still joins the first's region."""
+    ns = Namespace("exit-test", KVGeometry.from_block_bytes(8192))
+    first = TieringManager.create(namespace=ns, num_cpu_blocks=4, region_name="dup", shm_dir=private_shm,
+                                  expected_mappers=2)  # fmt: skip
+    try:
+        with pytest.raises(Exception, match=r"scheduler maps it.*pick another name"):
+            TieringManager.create(namespace=ns, num_cpu_blocks=4, region_name="dup", shm_dir=private_shm,
+                                  expected_mappers=2)  # fmt: skip
+        worker = SharedRegion("dup", 4, 8192, expected_mappers=2, shm_dir=private_shm, attach_timeout=5)
+        try:
+            assert not worker.is_creator and worker.unlinked
+            rows = worker.rows
+            rows[1, :8] = 0x33
+            del rows
+            assert int(first.rows[1, 0]) == 0x33
+        finally:
+            worker.close()
+    finally:
+        first.shutdown()
+    assert sorted(p.name for p in private_shm.iterdir()) == []
+
+
+def test_a_scheduler_joins_the_region_its_worker_created(private_shm: Path) -> None:
+    """Whoever comes first creates (the worker may): the scheduler still joins it."""
+    worker = SharedRegion("first", 4, 8192, expected_mappers=2, shm_dir=private_shm)
+    try:
+        ns = Namespace("exit-test", KVGeometry.from_block_bytes(8192))
+        mgr = TieringManager.create(namespace=ns, num_cpu_blocks=4, region_name="first", shm_dir=private_shm,
+                                    expected_mappers=2)  # fmt: skip
+        try:
+            assert worker.is_creator and not mgr.region.is_creator
+        finally:
+            mgr.shutdown()
+    finally:
+        worker.close()

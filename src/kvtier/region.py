@@ -78,6 +78,7 @@ from kvtier.region_file import (
     FILE_SUFFIX,
     GENERATION_BYTES,
     PAGE_SIZE,
+    SCHEDULER_LOCK_OFFSET,
     TMP_PREFIX,
     IgnoredEntry,
     RegionHeader,
@@ -224,6 +225,9 @@ class SharedRegion:
     has such a value; the creator stamps it (default: random) and attachers that
     pass it join only that file. Without it, attachers join only a file whose
     creator is alive.
+    ``scheduler``: this process is its start's scheduler (the manager's region): a live file
+    that another scheduler maps is refused (a second engine under the same name), whoever
+    created it.
     """
 
     def __init__(
@@ -239,6 +243,7 @@ class SharedRegion:
         prefault: bool = True,
         pin: bool = False,
         generation: bytes | None = None,
+        scheduler: bool = False,
     ) -> None:
         if num_rows <= 0 or row_bytes <= 0:
             raise RegionError(f"a region needs num_rows > 0 and row_bytes > 0, got {num_rows} and {row_bytes}")
@@ -254,6 +259,7 @@ class SharedRegion:
         self.total_bytes = PAGE_SIZE + num_rows * self.row_stride
         self.expected_mappers = expected_mappers
         self.generation = generation
+        self.scheduler = scheduler
         self.is_creator = False
         self.unlinked = False
         # The descriptor lives in a box the finalizer shares: a region dropped without close()
@@ -369,6 +375,11 @@ class SharedRegion:
                 f"{self.expected_mappers} mappers were asked for: every process must use the same geometry, "
                 "cpu size and number of mappers"
             )
+        if self.scheduler and not try_lock_range(fd, SCHEDULER_LOCK_OFFSET):
+            raise RegionError(
+                f"region file {self.path} already exists and a live engine's scheduler maps it (creator pid "
+                f"{header.creator_pid}): another engine uses this region name; pick another name"
+            )
         self.generation = header.generation
         self._map()
         self._count_attach()
@@ -414,7 +425,8 @@ class SharedRegion:
         self._fd = fd
         try:
             # The creator lock first: nobody may ever see this file linked without a live creator.
-            if not try_lock_range(fd, CREATOR_LOCK_OFFSET):
+            if not try_lock_range(fd, CREATOR_LOCK_OFFSET) or (self.scheduler and not try_lock_range(
+                    fd, SCHEDULER_LOCK_OFFSET)):  # fmt: skip
                 raise RegionError(f"could not take the creator lock of a new file for region {self.name!r}")
             fcntl.flock(fd, fcntl.LOCK_SH)
             os.ftruncate(fd, self.total_bytes)

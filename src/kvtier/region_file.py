@@ -15,6 +15,7 @@ directory. Its first page::
     512    4    attach counter (guarded by an OFD lock on its 4 bytes)
     1024   1    creator lock: an OFD write lock the creator holds while it maps the file
     1536   1    name lock: held while the path is checked and unlinked
+    2048   1    scheduler lock: an OFD write lock the start's scheduler holds while it maps the file
 
 Liveness (every lock is dropped by the kernel when its holder dies):
 
@@ -69,6 +70,7 @@ _OLD_HEADER = struct.Struct("<8sIIQQQQ")
 ATTACH_COUNT_OFFSET = 512
 CREATOR_LOCK_OFFSET = 1024
 NAME_LOCK_OFFSET = 1536
+SCHEDULER_LOCK_OFFSET = 2048
 GENERATION_BYTES = 16
 NAME_LOCK_TIMEOUT = 5.0
 """Seconds to wait for a name lock; holders keep it for microseconds."""

@@ -96,18 +96,18 @@ PositiveSeconds = Annotated[float, NOT_A_BOOL, Field(gt=0, le=MAX_SECONDS, allow
 
 def check_seconds(
     value: Any, name: str, *, allow_none: bool = False, positive: bool = False,
-    bounds: tuple[float, float] | None = None,
+    bounds: tuple[float, float] | None = None, none_means: str = "no deadline",
 ) -> float | None:
     """``value`` as a duration in seconds, or raise :class:`ConfigError` naming ``name``, the value and the fix.
 
     Accepts an int or float that is finite and in [0, :data:`MAX_SECONDS`]
     ((0, ...] when ``positive``; ``[low, high]`` when ``bounds`` is given); None only
-    when ``allow_none`` (no deadline). For arguments of the Python API (a manager's
-    timeouts), where pydantic does not run.
+    when ``allow_none`` (``none_means``: what None stands for, "no deadline" by default). For
+    arguments of the Python API (a manager's timeouts), where pydantic does not run.
     """
     if value is None and allow_none:
         return None
-    none = " or None (no deadline)" if allow_none else ""
+    none = f" or None ({none_means})" if allow_none else ""
     if bounds is not None:
         low, high = bounds
         fix = f"give a number of seconds from {low:g} to {high:g}{none}"

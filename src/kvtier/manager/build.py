@@ -27,6 +27,7 @@ from kvtier.primary import PrimaryTier
 from kvtier.region import SharedRegion, region_path
 from kvtier.tiers.base import SecondaryTier, TierContext
 from kvtier.tiers.registry import create_tier, validate_tier_options
+from kvtier.types import RequestContext
 from kvtier.units import parse_size, rows_that_fit
 from kvtier.validation import check_seconds
 
@@ -38,9 +39,32 @@ DEFAULT_SHUTDOWN_TIMEOUT = 120.0
 """Seconds ``TieringManager.shutdown`` gives all secondary tiers together."""
 
 
-def check_shutdown_timeout(timeout: float | None, name: str = "shutdown_timeout") -> None:
-    """A deadline of the Python API: finite seconds in [0, MAX_SECONDS] or None (ConfigError naming ``name``)."""
-    check_seconds(timeout, name, allow_none=True)
+def check_shutdown_timeout(timeout: float | None, name: str = "shutdown_timeout", *, positive: bool = False,
+                           none_means: str = "no deadline") -> None:  # fmt: skip
+    """A deadline of the Python API: finite seconds in [0, MAX_SECONDS] ((0, ...] when ``positive``)
+    or None, which stands for ``none_means`` (ConfigError naming ``name``)."""
+    check_seconds(timeout, name, allow_none=True, positive=positive, none_means=none_means)
+
+
+def bad_call(call: str, keys: Any, request: Any, success: Any, needed: bool = False) -> TypeError | None:
+    """What is wrong with the arguments of the manager's ``call`` (the keys as a whole, the
+    request, which may be None unless ``needed``, ``success``; each key is checked apart), or None."""
+    if keys is None or isinstance(keys, bytes | bytearray | memoryview | str):
+        return TypeError(f"{call}: keys must be a list (or another iterable) of block keys, got "
+                         f"{type(keys).__name__}: pass [key] for one key")  # fmt: skip
+    if (request is not None or needed) and not isinstance(request, RequestContext):
+        return TypeError(f"{call}: request must be a RequestContext{'' if needed else ' (or None)'}, got "
+                         f"{type(request).__name__}")  # fmt: skip
+    if success is not True and success is not False:
+        return TypeError(f"{call}: success must be True or False, got {type(success).__name__} {success!r:.40}")
+    return None
+
+
+def listed(call: str, keys: Any, request: Any) -> list[Any]:
+    """``keys`` (not a list or tuple) as a list; raises what :func:`bad_call` finds first."""
+    if wrong := bad_call(call, keys, request, True):
+        raise wrong
+    return list(keys)
 
 
 def check_settings(shutdown_timeout: float | None, drain_timeout: float | None, lookup_timing_every: int,
@@ -65,7 +89,8 @@ def new_region(name: str | None, num_cpu_blocks: int, block_bytes: int, shm_dir:
     if sweep_stale:
         SharedRegion.sweep_stale(shm_dir, remove=True)
     return SharedRegion(name or f"{os.getpid()}-{uuid.uuid4().hex[:12]}", num_cpu_blocks, block_bytes,
-                        expected_mappers=expected_mappers, shm_dir=shm_dir, prefault=prefault, pin=pin)
+                        expected_mappers=expected_mappers, shm_dir=shm_dir, prefault=prefault, pin=pin,
+                        scheduler=True)
 
 
 def assemble(region: SharedRegion, block_bytes: int, policy: str, specs: Sequence[dict[str, Any]],
@@ -195,6 +220,6 @@ def _cleanup_failed_construction(region: SharedRegion, primary: PrimaryTier | No
 
 
 __all__ = [
-    "DEFAULT_SHUTDOWN_TIMEOUT", "assemble", "check_arguments", "check_policy_and_tiers", "check_settings",
-    "check_shutdown_timeout", "new_region", "sizes",
+    "DEFAULT_SHUTDOWN_TIMEOUT", "assemble", "bad_call", "check_arguments", "check_policy_and_tiers", "check_settings",
+    "check_shutdown_timeout", "listed", "new_region", "sizes",
 ]

@@ -204,11 +204,14 @@ class TieringManager:
             raise IndexError(f"tier index {index!r}: this manager's tiers are 0 (the CPU tier) to {len(self.tiers)}")
         return tier_label(index, "primary" if index == 0 else self.tiers[index - 1].tier_type)
 
-    def _open_keys(self, call: str, keys: Iterable[BlockKey]) -> list[BlockKey]:
-        """``keys`` as a list, every one checked (a type and a length test per key); raises once
-        the manager is closing."""
+    def _open_keys(self, call: str, keys: Iterable[BlockKey], request: Any = None,
+                   success: Any = True) -> list[BlockKey]:  # fmt: skip
+        """``keys`` as a list, each key checked (the call's other arguments: :func:`build.bad_call`)."""
         if self._closing:
             raise ManagerClosedError.of(call)
+        if (type(keys) is not list or request is not None or success is not True) and (
+                wrong := build.bad_call(call, keys, request, success)):  # fmt: skip
+            raise wrong
         out = keys if type(keys) is list else list(keys)
         for key in out:
             if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
@@ -233,10 +236,8 @@ class TieringManager:
         ready CPU block is answered here (its key logged, which is how HITs are counted) and
         a CPU miss goes straight to the secondary tiers; in a timed step such a lookup skips
         the checks :meth:`_lookup` makes (a timed step times its first lookups only, see
-        :data:`~kvtier.manager.step_hits.TIMED_LOOKUPS`). Measured on ``bench_vs_vllm``'s HIT
-        loop (256-lookup steps, one in 8 timed): 1.11-1.32x the floor's bare ``dict.get`` and
-        row read over three runs, 1.18x against 1.26x with every lookup of a timed step timed
-        in an interleaved side run; a step of untimed HITs alone 1.02-1.10x.
+        :data:`~kvtier.manager.step_hits.TIMED_LOOKUPS`). ``bench_vs_vllm``'s HIT loop: 1.11-1.32x
+        the floor's bare ``dict.get`` and row read (three runs); a step of untimed HITs 1.02-1.10x.
         """
         try:
             plain = request is None or request.control is DEFAULT_CONTROL
@@ -345,8 +346,9 @@ class TieringManager:
         """
         if self._closing:
             raise ManagerClosedError.of("lookup_prefix")
-        if type(keys) is not list and type(keys) is not tuple:
-            keys = list(keys)
+        if (type(keys) is not list and type(keys) is not tuple) or (request is not None and type(request) is not
+                                                                    RequestContext):  # fmt: skip
+            keys = build.listed("lookup_prefix", keys, request)
         answers: list[LookupResult] = []
         n = len(keys)
         i = 0
@@ -419,7 +421,7 @@ class TieringManager:
         self, keys: Sequence[BlockKey], request: RequestContext | None = None
     ) -> PrepareStoreResult | None:
         """Reserve CPU rows for a device -> CPU store; None if no room can be made."""
-        keys = self._open_keys("prepare_store", keys)
+        keys = self._open_keys("prepare_store", keys, request)
         self._poll_once()
         if request is not None and not (request.control or self.request_control(request)).store:
             self._tiers.counters.stores_declined += len(keys)
@@ -452,7 +454,7 @@ class TieringManager:
         :meth:`reset_cache` must not be reported: its key's next store is another write. The
         blocks are made readable and pinned for each tier they cascade to in one pass.
         """
-        keys = self._open_keys("complete_store", keys)
+        keys = self._open_keys("complete_store", keys, request, success)
         targets: list[TierHandle] = []
         if success:
             wanted = None if request is None else (request.control or self.request_control(request)).cascade_to
@@ -487,8 +489,8 @@ class TieringManager:
 
     def on_request_finished(self, request: RequestContext) -> None:
         """No more submit-side calls for ``request``; completions may still arrive."""
-        if self._closing:
-            raise ManagerClosedError.of("on_request_finished")
+        if (wrong := build.bad_call("on_request_finished", (), request, True, needed=True)) or self._closing:
+            raise wrong or ManagerClosedError.of("on_request_finished")
         state = self._requests.find(request)
         if state is None:
             if self._requests.first_finish(request):  # tiers hear a request finish once
@@ -621,16 +623,18 @@ class TieringManager:
         next tiers are still attempted. A retry waits again for a tier still
         running its earlier ``shutdown()`` instead of calling it twice.
         """
-        if self.primary.is_shut_down:
-            return
-        build.check_shutdown_timeout(timeout, "shutdown(timeout=...)")
-        self._closing = True
-        self._steady = self._fast = self._hits.timed = False
-        failures = self._tiers.shutdown(self.shutdown_timeout if timeout is None else timeout)
-        if failures:
-            raise TierShutdownError(failures) from failures[-1].error
-        self._jobs.clear(self._tiers.handles)
-        self.primary.shutdown()
+        build.check_shutdown_timeout(timeout, "shutdown(timeout=...)", positive=True,
+                                     none_means="the shutdown_timeout setting")  # (0: every tier abandoned)
+        with self._tiers.shutdown_lock:  # a second thread's call waits for the first's, then retries or returns
+            if self.primary.is_shut_down:
+                return
+            self._closing = True
+            self._steady = self._fast = self._hits.timed = False
+            failures = self._tiers.shutdown(self.shutdown_timeout if timeout is None else timeout)
+            if failures:
+                raise TierShutdownError(failures) from failures[-1].error
+            self._jobs.clear(self._tiers.handles)
+            self.primary.shutdown()
 
     @property
     def is_shut_down(self) -> bool:

@@ -13,6 +13,7 @@ engine's scheduler. Scheduler thread only, except :meth:`TierSet.shutdown` and
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from time import perf_counter
@@ -150,8 +151,8 @@ class TierSet:
         self._step_end = [handle for handle in self.handles if handle.has_step_end]
         self.telemetry = (self.cpu, *(handle.telemetry for handle in self.handles))
         """The manager's telemetry of every tier, the CPU tier first."""
-        self.counters = counters
-        """The manager's own counters (its snapshot holds a copy)."""
+        self.counters = counters  # the manager's own counters (its snapshot holds a copy)
+        self.shutdown_lock = threading.Lock()  # held through the manager's shutdown: one call at a time
 
     def lookup(self, key: BlockKey, request: RequestContext | None, allowed: frozenset[int] | None,
                now: float) -> TierHandle | LookupResult:
@@ -263,11 +264,9 @@ class TierSet:
     def mark_down(self, handle: TierHandle) -> None:
         """``handle``'s tier shut down: no call reaches it any more, and its view of the rows goes."""
         handle.live = False
-        self.live.remove(handle)
-        if handle in self.serving:
-            self.serving.remove(handle)
-        if handle in self._step_end:
-            self._step_end.remove(handle)
+        for among in (self.live, self.serving, self._step_end):
+            if handle in among:
+                among.remove(handle)
         handle.tier.context.release_rows()
 
     def shutdown(self, timeout: float | None) -> list[TierFailure]:

@@ -1,0 +1,68 @@
+"""The manager's scheduler calls refuse arguments of the wrong kind with a TypeError that names the
+call and the argument (review r1: they raised AttributeError, a misleading InvalidKeyError, a bare
+"not iterable", or took success="False" as a success)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from kvtier import LookupResult, Namespace, RequestContext, TieringManager
+
+pytestmark = pytest.mark.usefixtures("shm_leak_check")
+KEY = b"k" * 32
+
+
+@pytest.fixture
+def mgr(namespace: Namespace) -> Iterator[TieringManager]:
+    manager = TieringManager.create(namespace=namespace, num_cpu_blocks=8)
+    yield manager
+    manager.shutdown()
+
+
+CALLS: list[tuple[str, Callable[[TieringManager], Any], str]] = [
+    ("prepare_store, request a str", lambda m: m.prepare_store([KEY], "req"), "prepare_store: request must be"),
+    ("complete_store, request a str", lambda m: m.complete_store([KEY], "req"), "complete_store: request must be"),
+    ("on_request_finished(None)", lambda m: m.on_request_finished(None), "on_request_finished: request must be"),
+    ("on_request_finished, a str", lambda m: m.on_request_finished("req"), "on_request_finished: request must be"),
+    ("prepare_store of one key", lambda m: m.prepare_store(KEY), r"prepare_store: keys must be a list.*\[key\]"),
+    ("prepare_store(None)", lambda m: m.prepare_store(None), "prepare_store: keys must be a list"),
+    ("complete_store of a str", lambda m: m.complete_store("abc"), "complete_store: keys must be a list"),
+    ("lookup_prefix(None)", lambda m: m.lookup_prefix(None), "lookup_prefix: keys must be a list"),
+    ("lookup_prefix, request a str", lambda m: m.lookup_prefix([KEY], "req"), "lookup_prefix: request must be"),
+    ("complete_store, success a str", lambda m: m.complete_store([KEY], None, "False"), "success must be True or"),
+    ("complete_store, success 0", lambda m: m.complete_store([KEY], None, 0), "success must be True or False"),
+]
+
+
+@pytest.mark.parametrize(("what", "call", "message"), CALLS, ids=[c[0] for c in CALLS])
+def test_a_wrong_argument_is_a_type_error_naming_it(mgr: TieringManager, what: str, call: Any, message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        call(mgr)
+
+
+def test_a_store_whose_success_is_not_a_bool_stays_unwritten(mgr: TieringManager) -> None:
+    """complete_store(success="False") (a string from a config, say) made the unwritten row a HIT:
+    wrong bytes. It is refused, the row stays in flight, and a real failure then frees it."""
+    req = RequestContext("r")
+    result = mgr.prepare_store([KEY], req)
+    assert result is not None
+    with pytest.raises(TypeError):
+        mgr.complete_store(result.keys_to_store, req, "False")  # type: ignore[arg-type]
+    assert mgr.lookup(KEY, req) is not LookupResult.HIT
+    mgr.complete_store(result.keys_to_store, req, success=False)
+    assert mgr.lookup(KEY, req) is LookupResult.MISS
+
+
+def test_the_plain_calls_still_take_any_iterable_and_a_request_subclass(mgr: TieringManager) -> None:
+    class Mine(RequestContext):
+        pass
+
+    req = Mine("r")
+    result = mgr.prepare_store(iter([KEY]), req)
+    assert result is not None and result.keys_to_store == [KEY]
+    mgr.complete_store(tuple(result.keys_to_store), req, True)
+    assert mgr.lookup_prefix(iter([KEY]), req).ready == 1
+    mgr.on_request_finished(req)
