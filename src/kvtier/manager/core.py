@@ -209,8 +209,8 @@ class TieringManager:
         """``keys`` as a list, each key checked (the call's other arguments: :func:`build.bad_call`)."""
         if self._closing:
             raise ManagerClosedError.of(call)
-        if (type(keys) is not list or request is not None or success is not True) and (
-                wrong := build.bad_call(call, keys, request, success)):  # fmt: skip
+        if (type(keys) is not list or (request is not None and type(request) is not RequestContext)
+                or success is not True) and (wrong := build.bad_call(call, keys, request, success)):  # fmt: skip
             raise wrong
         out = keys if type(keys) is list else list(keys)
         for key in out:
