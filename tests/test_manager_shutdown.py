@@ -259,3 +259,34 @@ def test_a_shutdown_deadline_of_zero_is_refused_like_the_setting(namespace: Name
     assert not mgr.is_shut_down and [t.shutdown_calls for t in _tiers(mgr)] == [0, 0]
     mgr.shutdown()
     assert mgr.is_shut_down
+
+
+@pytest.mark.timeout(60)
+def test_a_shutdown_nested_in_a_running_one_on_its_thread_returns_at_once(namespace: Namespace) -> None:
+    """Review r2: a signal handler calling shutdown() while the main thread was inside shutdown()
+    waited for a lock its own thread held: the process hung for good. The nested call returns at
+    once; the running one finishes."""
+    import os
+    import signal
+    import threading
+    import time
+
+    gate = threading.Event()
+    mgr = TieringManager.create(namespace=namespace, num_cpu_blocks=8,
+                                tiers=[{"type": "scripted", "name": "t1", "shutdown_gate": gate}])  # fmt: skip
+    nested: list[float] = []
+
+    def on_term(*_: Any) -> None:
+        started = time.monotonic()
+        mgr.shutdown()
+        nested.append(time.monotonic() - started)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        threading.Timer(2.0, gate.set).start()
+        mgr.shutdown()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert nested and nested[0] < 1.0, nested
+    assert mgr.is_shut_down and [t.shutdown_calls for t in _tiers(mgr)] == [1]

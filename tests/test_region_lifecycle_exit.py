@@ -163,3 +163,106 @@ def test_a_scheduler_joins_the_region_its_worker_created(private_shm: Path) -> N
             mgr.shutdown()
     finally:
         worker.close()
+
+
+def test_a_scheduler_restarted_while_its_old_workers_live_starts_a_new_region(private_shm: Path) -> None:
+    """Review r2: the worker created the region, the scheduler joined it and was killed -9 while
+    the worker lived on (exiting): the restarted scheduler joined the old start's file (its creator
+    alive) and completed its attach count, so the new start's worker created a second file: two
+    mappings, wrong bytes. A file whose scheduler is gone belongs to a dead start: replaced."""
+    script = textwrap.dedent("""
+        import sys, time
+        from kvtier.region import SharedRegion
+        region = SharedRegion("restart", 8, 4096, expected_mappers=3, shm_dir=sys.argv[1],
+                              scheduler=sys.argv[2] == "scheduler")
+        print(region.generation.hex(), flush=True)
+        time.sleep(120)
+    """)
+    env = {**os.environ, "PYTHONPATH": SRC}
+    procs = []
+    try:
+        lines = []
+        for role in ("worker", "scheduler"):  # the worker creates, then the scheduler joins
+            procs.append(subprocess.Popen([sys.executable, "-c", script, str(private_shm), role],
+                                          stdout=subprocess.PIPE, text=True, env=env))  # fmt: skip
+            out = procs[-1].stdout
+            assert out is not None
+            lines.append(out.readline().strip())
+        old_scheduler = procs[1]
+        old = lines[0]
+        assert lines[1] == old  # one start: the scheduler joined the worker's file
+        old_scheduler.send_signal(signal.SIGKILL)
+        old_scheduler.wait(30)
+        scheduler = SharedRegion("restart", 8, 4096, expected_mappers=3, shm_dir=private_shm, scheduler=True)
+        try:
+            assert scheduler.is_creator and scheduler.generation is not None
+            assert scheduler.generation.hex() != old  # before the fix: it joined the old start
+            worker = SharedRegion("restart", 8, 4096, expected_mappers=3, shm_dir=private_shm, attach_timeout=5)
+            try:
+                assert worker.generation == scheduler.generation
+                rows = worker.rows
+                rows[2, :4] = 0x61
+                del rows
+                assert int(scheduler.rows[2, 3]) == 0x61
+            finally:
+                worker.close()
+        finally:
+            scheduler.close()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+
+
+def test_forks_while_another_thread_makes_and_closes_regions_leave_the_child_nothing(private_shm: Path) -> None:
+    """Review r2: a fork while another thread was between opening a region's file and recording
+    its descriptor, or midway through closing it, left the child holding the file (and the
+    start's locks), or made the child's fork hook close a descriptor number the parent had just
+    reused for something else."""
+    import threading
+
+    stop = threading.Event()
+
+    def churn() -> None:
+        i = 0
+        while not stop.is_set():
+            SharedRegion(f"churn-{i}", 4, 4096, expected_mappers=2, shm_dir=private_shm, prefault=False).close()
+            i += 1
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    bad = []
+    try:
+        for _ in range(300):
+            probe = os.open(os.devnull, os.O_RDONLY)  # a descriptor of the parent's own, open across the fork
+            read, write = os.pipe()
+            child = os.fork()
+            if child == 0:
+                held = []
+                for name in os.listdir("/proc/self/fd"):
+                    try:
+                        target = os.readlink(f"/proc/self/fd/{name}")
+                    except OSError:
+                        continue
+                    if str(private_shm) in target or "/kvtier-" in target or target.startswith("/dev/shm/#"):
+                        held.append(target)
+                with open("/proc/self/maps") as maps:
+                    held += [line for line in maps if str(private_shm) in line or "/dev/shm/#" in line]
+                try:
+                    os.fstat(probe)
+                except OSError:
+                    held.append("the parent's unrelated descriptor was closed")
+                os.write(write, repr(held).encode()[:4000])
+                os._exit(0)
+            os.close(write)
+            seen = os.read(read, 4096).decode()
+            os.close(read)
+            os.waitpid(child, 0)
+            os.close(probe)
+            if seen != "[]":
+                bad.append(seen)
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not bad, bad[:3]

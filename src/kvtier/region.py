@@ -62,6 +62,7 @@ import mmap
 import os
 import secrets
 import struct
+import threading
 import time
 import uuid
 import weakref
@@ -99,6 +100,7 @@ logger = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = 23
 _MAP_FIXED = 0x10  # (Linux; not in Python's mmap module)
+_SCHEDULED = b"\x01"  # the scheduler lock's byte once a scheduler of the start mapped the file
 _RETRY_SECONDS = 0.01
 
 __all__ = [
@@ -134,14 +136,15 @@ def _release_dropped(fd_box: list[int], path: Path, name: str) -> None:
     fd = fd_box[0]
     if fd < 0:
         return
-    fd_box[0] = -1
     try:
         if try_flock(fd, exclusive=True):
             unlink_if_same(path, fd, timeout=0.1)
     except OSError:
         pass
     finally:
-        os.close(fd)
+        with _FORK_GUARD:
+            fd_box[0] = -1
+            os.close(fd)
     logger.warning("region %r was dropped without close() (its manager was never shut down): its descriptor is "
                    "closed, and its memory is returned with its last view", name)  # fmt: skip
 
@@ -212,7 +215,19 @@ def _unshare(region: SharedRegion) -> None:
                        "its parent's start alive while it lives", region.name, ctypes.get_errno())  # fmt: skip
 
 
-os.register_at_fork(after_in_child=_drop_inherited)
+_FORK_GUARD = threading.RLock()
+"""Held while a region's descriptor or mapping changes hands (opened and recorded, mapped,
+unmapped, closed and forgotten), and by a thread that forks: a child never inherits one half done
+(re-entrant: a region's finalizer may run, at garbage collection, inside a guarded step)."""
+
+
+def _after_fork_in_child() -> None:
+    _FORK_GUARD._at_fork_reinit()  # type: ignore[attr-defined]  # (the child has one thread: a fresh lock)
+    _drop_inherited()
+
+
+os.register_at_fork(before=_FORK_GUARD.acquire, after_in_parent=_FORK_GUARD.release,
+                    after_in_child=_after_fork_in_child)  # fmt: skip
 
 
 class SharedRegion:
@@ -289,14 +304,16 @@ class SharedRegion:
         """Loop until this process created or joined the file of its start (bounded by ``timeout``)."""
         deadline = time.monotonic() + timeout
         while True:
-            fd = self._open_existing()
+            with _FORK_GUARD:  # (recorded as soon as opened: see _drop_inherited)
+                fd = self._open_existing()
+                if fd is not None:
+                    self._fd = fd
             if fd is None:
                 if create is not False and self._create(prefault):
                     self._count_attach()
                     return
                 waiting = "did not appear"
             else:
-                self._fd = fd
                 waiting = self._join(create, deadline)
                 if not waiting:
                     return
@@ -375,11 +392,22 @@ class SharedRegion:
                 f"{self.expected_mappers} mappers were asked for: every process must use the same geometry, "
                 "cpu size and number of mappers"
             )
-        if self.scheduler and not try_lock_range(fd, SCHEDULER_LOCK_OFFSET):
-            raise RegionError(
-                f"region file {self.path} already exists and a live engine's scheduler maps it (creator pid "
-                f"{header.creator_pid}): another engine uses this region name; pick another name"
-            )
+        if self.scheduler:
+            if not try_lock_range(fd, SCHEDULER_LOCK_OFFSET):
+                raise RegionError(
+                    f"region file {self.path} already exists and a live engine's scheduler maps it (creator pid "
+                    f"{header.creator_pid}): another engine uses this region name; pick another name"
+                )
+            if os.pread(fd, 1, SCHEDULER_LOCK_OFFSET) == _SCHEDULED:
+                # Its start's scheduler is gone (killed, or shut down before its workers): the start is
+                # dead, whoever still maps it (its workers, exiting); a new start never joins it.
+                if create is False:
+                    return "belongs to a start whose scheduler is gone, and was not replaced"
+                if unlink_if_same(self.path, fd):
+                    logger.warning("region %s: replaced file %s of a start whose scheduler is gone (creator pid "
+                                   "%d, still alive)", self.name, self.path, header.creator_pid)  # fmt: skip
+                return "was being replaced"
+            os.pwrite(fd, _SCHEDULED, SCHEDULER_LOCK_OFFSET)
         self.generation = header.generation
         self._map()
         self._count_attach()
@@ -414,15 +442,16 @@ class SharedRegion:
             raise RegionError(f"shared-memory directory {self.path.parent} does not exist")
         self._check_space()
         tmp_path: Path | None = None
-        try:
-            fd = os.open(self.path.parent, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            if not tmpfile_unsupported(exc):
-                raise
-            tmp_path = self.path.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}{FILE_SUFFIX}"
-            flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-            fd = os.open(tmp_path, flags, 0o600)
-        self._fd = fd
+        with _FORK_GUARD:  # (recorded as soon as opened: see _drop_inherited)
+            try:
+                fd = os.open(self.path.parent, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                if not tmpfile_unsupported(exc):
+                    raise
+                tmp_path = self.path.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}{FILE_SUFFIX}"
+                flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+                fd = os.open(tmp_path, flags, 0o600)
+            self._fd = fd
         try:
             # The creator lock first: nobody may ever see this file linked without a live creator.
             if not try_lock_range(fd, CREATOR_LOCK_OFFSET) or (self.scheduler and not try_lock_range(
@@ -435,6 +464,8 @@ class SharedRegion:
                 self.expected_mappers, self.num_rows, self.row_bytes, self.row_stride, os.getpid(), generation
             )
             os.pwrite(fd, header.pack(), 0)
+            if self.scheduler:
+                os.pwrite(fd, _SCHEDULED, SCHEDULER_LOCK_OFFSET)
             self._map()
             if prefault:
                 self._prefault()
@@ -456,9 +487,10 @@ class SharedRegion:
     def _map(self) -> None:
         st = os.fstat(self._fd)
         self._file = (st.st_dev, st.st_ino)
-        self._mmap = mmap.mmap(self._fd, self.total_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        base = np.frombuffer(self._mmap, dtype=np.uint8, count=self.num_rows * self.row_stride, offset=PAGE_SIZE)
-        self._rows = base.reshape(self.num_rows, self.row_stride)
+        with _FORK_GUARD:
+            self._mmap = mmap.mmap(self._fd, self.total_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            base = np.frombuffer(self._mmap, dtype=np.uint8, count=self.num_rows * self.row_stride, offset=PAGE_SIZE)
+            self._rows = base.reshape(self.num_rows, self.row_stride)
 
     def _prefault(self) -> None:
         """Back every page of the new (not yet linked) file now, or raise InsufficientSpaceError.
@@ -594,45 +626,50 @@ class SharedRegion:
                 logger.warning("cudaHostUnregister failed for region %s: %s", self.name, exc)
             self._pinned_ptr = None
         live = sum(1 for ref in self._views if ref() is not None)
-        rows, self._rows = self._rows, None
-        del rows
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                self._rows = np.frombuffer(
-                    self._mmap, dtype=np.uint8, count=self.num_rows * self.row_stride, offset=PAGE_SIZE
-                ).reshape(self.num_rows, self.row_stride)
-                raise RegionBusyError(
-                    f"region {self.name!r} still has {max(live, 1)} exported view(s) of its rows alive; "
-                    "drop every view (numpy arrays, memoryviews) before closing"
-                ) from None
-            self._mmap = None
+        with _FORK_GUARD:  # (a fork sees the rows and the mapping both there, or both gone)
+            rows, self._rows = self._rows, None
+            del rows
+            if self._mmap is not None:
+                try:
+                    self._mmap.close()
+                except BufferError:
+                    self._rows = np.frombuffer(
+                        self._mmap, dtype=np.uint8, count=self.num_rows * self.row_stride, offset=PAGE_SIZE
+                    ).reshape(self.num_rows, self.row_stride)
+                    raise RegionBusyError(
+                        f"region {self.name!r} still has {max(live, 1)} exported view(s) of its rows alive; "
+                        "drop every view (numpy arrays, memoryviews) before closing"
+                    ) from None
+                self._mmap = None
         self._close_fd()
         self._closed = True
 
     def _close_fd(self) -> None:
-        if self._fd < 0:
+        fd = self._fd
+        if fd < 0:
             return
-        if try_flock(self._fd, exclusive=True) and not self.unlinked:
+        if try_flock(fd, exclusive=True) and not self.unlinked:
             # No other live process maps it: the last one out removes the path.
             self._unlink_if_ours()
-        os.close(self._fd)  # drops the flock and, for the creator, the creator lock
-        self._fd = -1
+        with _FORK_GUARD:  # (forgotten before closed: a fork never closes a number reused meanwhile)
+            self._fd = -1
+            os.close(fd)  # drops the flock and, for the creator, the creator lock
 
     def _release_quietly(self) -> None:
         """Close the mapping and the descriptor of a failed or abandoned attempt (never raises
         for a mapping still referenced: the kernel frees it with the last reference)."""
-        self._rows = None
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                logger.warning("region %s: mapping still referenced during failed setup", self.name)
-            self._mmap = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        with _FORK_GUARD:
+            self._rows = None
+            if self._mmap is not None:
+                try:
+                    self._mmap.close()
+                except BufferError:
+                    logger.warning("region %s: mapping still referenced during failed setup", self.name)
+                self._mmap = None
+            fd = self._fd
+            if fd >= 0:
+                self._fd = -1
+                os.close(fd)
 
     def __enter__(self) -> SharedRegion:
         return self

@@ -15,7 +15,9 @@ directory. Its first page::
     512    4    attach counter (guarded by an OFD lock on its 4 bytes)
     1024   1    creator lock: an OFD write lock the creator holds while it maps the file
     1536   1    name lock: held while the path is checked and unlinked
-    2048   1    scheduler lock: an OFD write lock the start's scheduler holds while it maps the file
+    2048   1    scheduler lock: an OFD write lock the start's scheduler holds while it maps the file;
+                the byte is 1 once a scheduler mapped it (the lock free then: the start's scheduler is
+                gone, and the start with it)
 
 Liveness (every lock is dropped by the kernel when its holder dies):
 

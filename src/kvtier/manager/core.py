@@ -609,24 +609,24 @@ class TieringManager:
         and its shared mapping are left intact (a failed tier may still be using
         the rows) and :class:`TierShutdownError` is raised, carrying every failure
         and chained to the last one. Calling again retries only the failed tiers,
-        then releases the CPU tier. After a complete shutdown this is a no-op.
+        then releases the CPU tier. After a complete shutdown this is a no-op; a call from another
+        thread waits for one running, one nested in it (a signal handler) returns at once.
         KeyboardInterrupt and SystemExit propagate at once and never lead to the
         CPU tier being released. A view of :attr:`rows` still held by the caller makes
         the release raise :class:`~kvtier.errors.RegionBusyError` (the tiers are shut
         down; drop the view and call again).
 
-        Deadline: ``timeout`` seconds (default: ``shutdown_timeout`` of the
-        constructor; None there means no deadline) for all tiers together. Each
-        tier's ``shutdown()`` then runs on its own thread and is waited for at
-        most its share (the time left divided by the tiers left); a tier that
+        Deadline: ``timeout`` seconds (default: ``shutdown_timeout`` of the constructor; None there
+        means no deadline) for all tiers together. Each tier's ``shutdown()`` then runs on its own
+        thread and is waited for at most its share (the time left divided by the tiers left); a tier that
         overruns is abandoned and fails with :class:`TierShutdownTimeout`, and the
         next tiers are still attempted. A retry waits again for a tier still
         running its earlier ``shutdown()`` instead of calling it twice.
         """
         build.check_shutdown_timeout(timeout, "shutdown(timeout=...)", positive=True,
                                      none_means="the shutdown_timeout setting")  # (0: every tier abandoned)
-        with self._tiers.shutdown_lock:  # a second thread's call waits for the first's, then retries or returns
-            if self.primary.is_shut_down:
+        with self._tiers.shutdown_call.held() as mine:  # another thread's call waits; a nested one returns
+            if not mine or self.primary.is_shut_down:
                 return
             self._closing = True
             self._steady = self._fast = self._hits.timed = False

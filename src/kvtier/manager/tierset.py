@@ -13,7 +13,6 @@ engine's scheduler. Scheduler thread only, except :meth:`TierSet.shutdown` and
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from time import perf_counter
@@ -25,6 +24,7 @@ from kvtier.failures import log_failure
 from kvtier.keys import BlockKey
 from kvtier.manager.admission import CascadeAdmission, tier_admission
 from kvtier.manager.blocking import BlockingCalls
+from kvtier.manager.serial import OneCall
 from kvtier.manager.waits import BlockWaits
 from kvtier.primary import PrimaryTier
 from kvtier.request_control import TierDescriptor, tier_locality
@@ -152,7 +152,7 @@ class TierSet:
         self.telemetry = (self.cpu, *(handle.telemetry for handle in self.handles))
         """The manager's telemetry of every tier, the CPU tier first."""
         self.counters = counters  # the manager's own counters (its snapshot holds a copy)
-        self.shutdown_lock = threading.Lock()  # held through the manager's shutdown: one call at a time
+        self.shutdown_call = OneCall()  # held through the manager's shutdown: one call at a time
 
     def lookup(self, key: BlockKey, request: RequestContext | None, allowed: frozenset[int] | None,
                now: float) -> TierHandle | LookupResult:
