@@ -94,7 +94,16 @@ from kvtier.region_file import (
 )
 from kvtier.units import format_size as format_bytes
 from kvtier.units import round_up as round_up
-from kvtier.untrusted import flock_within, inspect_entry, lock_range, reopen, try_flock, try_lock_range, unlock_range
+from kvtier.untrusted import (
+    flock_within,
+    inspect_entry,
+    lock_range,
+    range_locked_elsewhere,
+    reopen,
+    try_flock,
+    try_lock_range,
+    unlock_range,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -142,15 +151,26 @@ def _release_dropped(fd_box: list[int], path: Path, name: str) -> None:
     except OSError:
         pass
     finally:
-        with _FORK_GUARD:
+        # Never waits for the guard: a finalizer runs wherever garbage is collected, maybe on a
+        # thread holding a lock (logging's) that a thread forking under the guard waits for.
+        guarded = _FORK_GUARD.acquire(blocking=False)
+        try:
             fd_box[0] = -1
             os.close(fd)
+        finally:
+            if guarded:
+                _FORK_GUARD.release()
     logger.warning("region %r was dropped without close() (its manager was never shut down): its descriptor is "
                    "closed, and its memory is returned with its last view", name)  # fmt: skip
 
 
 _LIVE: weakref.WeakSet[SharedRegion] = weakref.WeakSet()
 """Every region of this process with its descriptor open (see :func:`_drop_inherited`)."""
+
+_MAPPED: dict[int, tuple[int, int]] = {}
+"""(st_dev, st_ino) of the file of every region mapping object alive in this process, by the
+object's id (its entry goes with the object, not at close: a view of the rows may outlive both
+the region and its close)."""
 
 
 def _drop_inherited() -> None:
@@ -166,17 +186,16 @@ def _drop_inherited() -> None:
     holds the file (and so its locks) too, so it is replaced, at the same address, by private
     zeroed memory. The child's region objects own no descriptor and no longer share the rows: a
     process that needs them attaches by name."""
-    files = set()
     for region in list(_LIVE):
         fd = region._fd_box[0]
         if fd >= 0:
-            files.add(region._file)
-            _unshare(region)
             region._fd_box[0] = -1
             with contextlib.suppress(OSError):
                 os.close(fd)
+    files = set(_MAPPED.values())  # (a region dropped while a view of its rows lives is mapped still)
     if not files:
         return
+    _unshare(files)
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:  # no /proc: the mapping's duplicate stays (nothing else holds the locks)
@@ -197,22 +216,35 @@ def _drop_inherited() -> None:
         os.close(null)
 
 
-def _unshare(region: SharedRegion) -> None:
-    """Replace ``region``'s mapping, in place, by private anonymous memory (a forked child's:
-    see :func:`_drop_inherited`); its numpy views stay valid and read zeros."""
-    rows = region._rows
-    if rows is None or region._mmap is None:
+def _unshare(files: set[tuple[int, int]]) -> None:
+    """Replace every mapping of ``files`` ((st_dev, st_ino) of region files) in this process, in
+    place, by private anonymous memory (a forked child's: see :func:`_drop_inherited`); numpy
+    views of them stay valid and read zeros. The mappings are found in ``/proc/self/maps``."""
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
         return
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    address = rows.ctypes.data - PAGE_SIZE  # (the rows start a page into the mapping)
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED
-    if libc.mmap(address, region.total_bytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0) != address:
-        logger.warning("region %r: a forked child could not unshare its inherited mapping (errno %d): it keeps "
-                       "its parent's start alive while it lives", region.name, ctypes.get_errno())  # fmt: skip
+    for line in lines:
+        fields = line.split(None, 5)
+        if len(fields) < 5 or fields[4] == "0":
+            continue
+        major, _, minor = fields[3].partition(":")
+        try:
+            if (os.makedev(int(major, 16), int(minor, 16)), int(fields[4])) not in files:
+                continue
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+        except ValueError:
+            continue
+        if libc.mmap(start, end - start, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0) != start:
+            logger.warning("a forked child could not unshare an inherited region mapping (errno %d): it keeps "
+                           "its parent's start alive while it lives", ctypes.get_errno())  # fmt: skip
 
 
 _FORK_GUARD = threading.RLock()
@@ -392,25 +424,26 @@ class SharedRegion:
                 f"{self.expected_mappers} mappers were asked for: every process must use the same geometry, "
                 "cpu size and number of mappers"
             )
-        if self.scheduler:
-            if not try_lock_range(fd, SCHEDULER_LOCK_OFFSET):
-                raise RegionError(
-                    f"region file {self.path} already exists and a live engine's scheduler maps it (creator pid "
-                    f"{header.creator_pid}): another engine uses this region name; pick another name"
-                )
-            if os.pread(fd, 1, SCHEDULER_LOCK_OFFSET) == _SCHEDULED:
-                # Its start's scheduler is gone (killed, or shut down before its workers): the start is
-                # dead, whoever still maps it (its workers, exiting); a new start never joins it.
-                if create is False:
-                    return "belongs to a start whose scheduler is gone, and was not replaced"
-                if unlink_if_same(self.path, fd):
-                    logger.warning("region %s: replaced file %s of a start whose scheduler is gone (creator pid "
-                                   "%d, still alive)", self.name, self.path, header.creator_pid)  # fmt: skip
-                return "was being replaced"
-            os.pwrite(fd, _SCHEDULED, SCHEDULER_LOCK_OFFSET)
+        if self.scheduler and not try_lock_range(fd, SCHEDULER_LOCK_OFFSET):
+            raise RegionError(
+                f"region file {self.path} already exists and a live engine's scheduler maps it (creator pid "
+                f"{header.creator_pid}): another engine uses this region name; pick another name"
+            )
+        if os.pread(fd, 1, SCHEDULER_LOCK_OFFSET) == _SCHEDULED and (
+                self.scheduler or not range_locked_elsewhere(fd, SCHEDULER_LOCK_OFFSET)):  # fmt: skip
+            # Its start's scheduler is gone (killed, or shut down before its workers): the start is
+            # dead, whoever still maps it (its workers, exiting); no process of a new start joins it.
+            if create is False:
+                return "belongs to a start whose scheduler is gone, and was not replaced"
+            if unlink_if_same(self.path, fd):
+                logger.warning("region %s: replaced file %s of a start whose scheduler is gone (creator pid "
+                               "%d, still alive)", self.name, self.path, header.creator_pid)  # fmt: skip
+            return "was being replaced"
         self.generation = header.generation
         self._map()
         self._count_attach()
+        if self.scheduler:  # (only once joined: a scheduler whose attach failed has not come)
+            os.pwrite(fd, _SCHEDULED, SCHEDULER_LOCK_OFFSET)
         return ""
 
     def _replace_old_format(self, create: bool | None) -> str:
@@ -489,6 +522,8 @@ class SharedRegion:
         self._file = (st.st_dev, st.st_ino)
         with _FORK_GUARD:
             self._mmap = mmap.mmap(self._fd, self.total_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            _MAPPED[id(self._mmap)] = self._file
+            weakref.finalize(self._mmap, _MAPPED.pop, id(self._mmap), None).atexit = False
             base = np.frombuffer(self._mmap, dtype=np.uint8, count=self.num_rows * self.row_stride, offset=PAGE_SIZE)
             self._rows = base.reshape(self.num_rows, self.row_stride)
 

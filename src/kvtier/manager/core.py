@@ -604,17 +604,15 @@ class TieringManager:
     def shutdown(self, timeout: float | None = None) -> None:
         """Shut down every secondary tier, then (only if all succeeded) the CPU tier.
 
-        Every tier is attempted even after earlier ones fail; each failure is
-        logged with the tier's index, type and class. If any failed, the CPU tier
-        and its shared mapping are left intact (a failed tier may still be using
-        the rows) and :class:`TierShutdownError` is raised, carrying every failure
-        and chained to the last one. Calling again retries only the failed tiers,
-        then releases the CPU tier. After a complete shutdown this is a no-op; a call from another
-        thread waits for one running, one nested in it (a signal handler) returns at once.
-        KeyboardInterrupt and SystemExit propagate at once and never lead to the
-        CPU tier being released. A view of :attr:`rows` still held by the caller makes
-        the release raise :class:`~kvtier.errors.RegionBusyError` (the tiers are shut
-        down; drop the view and call again).
+        Every tier is attempted even after earlier ones fail; each failure is logged with the tier's
+        index, type and class. If any failed, the CPU tier and its shared mapping are left intact (a
+        failed tier may still be using the rows) and :class:`TierShutdownError` is raised, carrying
+        every failure and chained to the last one. Calling again retries only the failed tiers,
+        then releases the CPU tier. After a complete shutdown this is a no-op; a call from another thread
+        waits for one running; one nested in it (a signal handler) returns at once (the running one raises).
+        KeyboardInterrupt and SystemExit propagate at once and never lead to the CPU tier being released.
+        A view of :attr:`rows` still held by the caller makes the release raise
+        :class:`~kvtier.errors.RegionBusyError` (the tiers are shut down; drop the view and call again).
 
         Deadline: ``timeout`` seconds (default: ``shutdown_timeout`` of the constructor; None there
         means no deadline) for all tiers together. Each tier's ``shutdown()`` then runs on its own
@@ -625,8 +623,10 @@ class TieringManager:
         """
         build.check_shutdown_timeout(timeout, "shutdown(timeout=...)", positive=True,
                                      none_means="the shutdown_timeout setting")  # (0: every tier abandoned)
-        with self._tiers.shutdown_call.held() as mine:  # another thread's call waits; a nested one returns
-            if not mine or self.primary.is_shut_down:
+        if self._tiers.shutdown_call.nested():  # inside the running call, on its thread (a signal handler)
+            return
+        with self._tiers.shutdown_call.lock:  # another thread's call waits for the running one
+            if self.primary.is_shut_down:
                 return
             self._closing = True
             self._steady = self._fast = self._hits.timed = False

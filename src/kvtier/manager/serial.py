@@ -4,37 +4,26 @@
 a call from another thread (an engine's shutdown path and its atexit hook) waits for the one
 running, then sees what it left; a call nested in the running one on its own thread (a signal
 handler that shuts down, run between two bytecodes of the running call) cannot wait for it,
-since it would wait for itself, and is told so instead.
+since it would wait for itself: it asks :meth:`OneCall.nested` first and returns at once,
+without the running call's outcome (that call raises if it fails).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 
 class OneCall:
-    """A lock that knows which thread holds it. Any thread; never held across a return."""
+    """A re-entrant lock (``lock``, taken with ``with``: entered and left in C, so an interrupt,
+    KeyboardInterrupt from a signal, never finds it taken and not yet owned by a ``with`` block)
+    that says whether this thread holds it. Any thread."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._holder: int | None = None
+        self.lock = threading.RLock()
 
-    @contextmanager
-    def held(self) -> Iterator[bool]:
-        """Hold the lock for the block: True; or False, at once, when this thread holds it
-        already (the block is nested in the call that holds it: it must not wait, nor act)."""
-        me = threading.get_ident()
-        if self._holder == me:
-            yield False
-            return
-        with self._lock:
-            self._holder = me
-            try:
-                yield True
-            finally:
-                self._holder = None
+    def nested(self) -> bool:
+        """This thread holds it already (the caller runs inside the block that holds it)."""
+        return bool(self.lock._is_owned())  # type: ignore[attr-defined]
 
 
 __all__ = ["OneCall"]
