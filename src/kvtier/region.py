@@ -312,7 +312,6 @@ class SharedRegion:
         # The descriptor lives in a box the finalizer shares: a region dropped without close()
         # (its manager never shut down) still gives its pages back with its last view.
         self._fd_box = [-1]
-        self._file = (-1, -1)  # (st_dev, st_ino) of the file mapped
         # At exit too: a creator that exits (sys.exit, an exception at start-up) before every
         # mapper attached removes its path then, if no other process maps it.
         self._finalizer = weakref.finalize(self, _release_dropped, self._fd_box, self.path, name)
@@ -519,10 +518,9 @@ class SharedRegion:
 
     def _map(self) -> None:
         st = os.fstat(self._fd)
-        self._file = (st.st_dev, st.st_ino)
         with _FORK_GUARD:
             self._mmap = mmap.mmap(self._fd, self.total_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            _MAPPED[id(self._mmap)] = self._file
+            _MAPPED[id(self._mmap)] = (st.st_dev, st.st_ino)
             weakref.finalize(self._mmap, _MAPPED.pop, id(self._mmap), None).atexit = False
             base = np.frombuffer(self._mmap, dtype=np.uint8, count=self.num_rows * self.row_stride, offset=PAGE_SIZE)
             self._rows = base.reshape(self.num_rows, self.row_stride)
