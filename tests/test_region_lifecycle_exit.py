@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,6 +44,14 @@ ENGINE = textwrap.dedent("""
     print(child, flush=True)
     time.sleep(600)
 """)
+
+
+def _one_mapping(writer: Any, reader: Any, row: int, value: int) -> bool:
+    """A write into ``writer``'s rows shows in ``reader``'s: they map one region."""
+    rows = writer.rows
+    rows[row, :8] = value
+    del rows
+    return int(reader.rows[row, 7]) == value
 
 
 def _engine(shm: Path, name: str, how: str) -> subprocess.Popen[str]:
@@ -139,10 +148,7 @@ def test_a_second_engine_under_a_live_engines_region_name_is_refused(private_shm
         worker = SharedRegion("dup", 4, 8192, expected_mappers=2, shm_dir=private_shm, attach_timeout=5)
         try:
             assert not worker.is_creator and worker.unlinked
-            rows = worker.rows
-            rows[1, :8] = 0x33
-            del rows
-            assert int(first.rows[1, 0]) == 0x33
+            assert _one_mapping(worker, first, 1, 0x33)
         finally:
             worker.close()
     finally:
@@ -200,10 +206,7 @@ def test_a_scheduler_restarted_while_its_old_workers_live_starts_a_new_region(pr
             worker = SharedRegion("restart", 8, 4096, expected_mappers=3, shm_dir=private_shm, attach_timeout=5)
             try:
                 assert worker.generation == scheduler.generation
-                rows = worker.rows
-                rows[2, :4] = 0x61
-                del rows
-                assert int(scheduler.rows[2, 3]) == 0x61
+                assert _one_mapping(worker, scheduler, 2, 0x61)
             finally:
                 worker.close()
         finally:
