@@ -103,7 +103,11 @@ class OpenRequest:
     diff: int
     """Its guard difference so far."""
     sampled: list[int] | None = None
-    """Fingerprints of its sampled blocks, in the order stored (None: none yet)."""
+    """Fingerprints of its sampled blocks, in the order stored (None: none yet); while it has
+    stored once, its first store's, kept for the opening of its blocks (see :attr:`watched`)."""
+    watched: list[int] | None = None
+    """While it has stored once: the guard's among :attr:`sampled`, in the order stored (None:
+    none), which the guard's miniature opens with its blocks (``ReturnTimePolicy._open_request``)."""
     prefix: int = 3
     """The guard's prefix state (``guard.PREFIX_HITS`` until a sampled block misses)."""
     loaded: list[int] | None = None

@@ -436,31 +436,45 @@ class ReturnTimePolicy(ExpiryWheel):
         # The store, open (_store_new's continuing path, inlined: every decode store takes it).
         # A decoded block is hardly ever a recorded request end: one filter read rules it out.
         history = self.classes.history
-        if n == 1 and not history.filter[hash(keys[0]) & history.filter_mask]:
-            found = -1
+        opened = OPEN + record.deadline
+        if n == 1:  # a decode store: one block, no loop
+            up = slots[0]
+            key = keys[0]
+            if history.filter[hash(key) & history.filter_mask] and history.deepest(keys, 0) == 0:
+                record.new = 0
+            else:
+                record.new += 1
+            record.tail_key, record.then = key, now
+            record.stored += 1
+            self._parent[up] = parent
+            self._children[parent] += 1
+            self._touches[up] = 1
+            self._expiry[up] = opened
+            if key[-1] < self._sample_below:
+                new = record.new
+                self._sample_stored(keys, [0], record, BASE_OF_NEW[new if new < 8 else 8], opened)
         else:
             found = history.deepest(keys, n - NEW_BUCKET_SPAN if n > NEW_BUCKET_SPAN else 0)
-        new = n - 1 - found if found >= 0 else record.new + n
-        record.tail_key, record.new, record.then = keys[-1], new, now
-        record.stored += n
-        opened = OPEN + record.deadline
-        par, children, touches, expiry = self._parent, self._children, self._touches, self._expiry
-        below = self._sample_below
-        sampled: list[int] | None = None
-        up = parent
-        for i in range(n):
-            slot = slots[i]
-            par[slot] = up
-            children[up] += 1
-            touches[slot] = 1
-            expiry[slot] = opened
-            up = slot
-            if keys[i][-1] < below:
-                if sampled is None:
-                    sampled = []
-                sampled.append(i)
-        if sampled is not None:
-            self._sample_stored(keys, sampled, record, BASE_OF_NEW[new if new < 8 else 8], opened)
+            new = n - 1 - found if found >= 0 else record.new + n
+            record.tail_key, record.new, record.then = keys[-1], new, now
+            record.stored += n
+            par, children, touches, expiry = self._parent, self._children, self._touches, self._expiry
+            below = self._sample_below
+            sampled: list[int] | None = None
+            up = parent
+            for i in range(n):
+                slot = slots[i]
+                par[slot] = up
+                children[up] += 1
+                touches[slot] = 1
+                expiry[slot] = opened
+                up = slot
+                if keys[i][-1] < below:
+                    if sampled is None:
+                        sampled = []
+                    sampled.append(i)
+            if sampled is not None:
+                self._sample_stored(keys, sampled, record, BASE_OF_NEW[new if new < 8 else 8], opened)
         if self.guard.chain_sampled:
             record.diff = self.guard.end_chain(record.diff)
         self._now = now + n
@@ -626,13 +640,23 @@ class ReturnTimePolicy(ExpiryWheel):
             if self._children[tail] >= MARK:
                 self._children[tail] -= MARK
             walked = self._rehold(tail, record.stored, self._expiry[tail], record.held, opened, opened, False)
-            record.sampled = self._open_sampled(tail, walked, opened)
+            if walked == record.stored:  # all of its store: its sampled blocks, noted then
+                watched = record.watched
+                if watched is not None:
+                    settle = self.guard.mini.settle
+                    for i in range(len(watched) - 1, -1, -1):  # tail first, as _open_sampled
+                        settle(watched[i], opened, False)
+            else:
+                record.sampled = self._open_sampled(tail, walked, opened)
+        else:
+            record.sampled = None
         record.held = -1
+        record.watched = None
 
     def _open_sampled(self, tail: int, count: int, opened: int) -> list[int] | None:
         """The sampled blocks among the ``count`` a request stored up to ``tail``, which just became
         open: their fingerprints, head first (None: none), the guard's open in its miniature too.
-        (A request that stores once keeps no list of them: most never become open.)"""
+        (Those its store noted are used instead when the walk reached all of them.)"""
         key_of, par = self._key_of, self._parent
         below, guard_below, settle = self._sample_below, self._guard_below, self.guard.mini.settle
         fps: list[int] = []
@@ -719,7 +743,7 @@ class ReturnTimePolicy(ExpiryWheel):
         head = tail
         walked = 1
         run = flags[tail]  # while the request is one run of its list, tail first: it moves as one
-        while walked < stored:
+        for walked in range(1, stored):  # noqa: B007 (read after a break: the blocks walked)
             slot = par[head]
             if slot < 0 or expiry[slot] != was:  # the chain was cut here
                 break
@@ -727,8 +751,8 @@ class ReturnTimePolicy(ExpiryWheel):
                 run = 0
             expiry[slot] = body_expiry
             head = slot
-            walked += 1
         else:
+            walked = stored
             up = par[head]
             if settle and up >= 0:
                 self._raise_ancestors(up, body_expiry if walked > 1 else last_expiry)
@@ -856,6 +880,7 @@ class ReturnTimePolicy(ExpiryWheel):
             record.tail_key, record.new, record.stored, record.end, record.published = tail_key, new, n, end, end
             record.then, record.deadline, record.held, record.drawn = now, now + self.max_hold, held, drawn
             record.diff, record.sampled, record.prefix, record.loaded = 0, None, PREFIX_HITS, None
+            record.watched = None
         else:
             record = OpenRequest(tail_key, new, n, end, end, now, now + self.max_hold, held, drawn, 0)
         if loaded is not None:
@@ -875,14 +900,18 @@ class ReturnTimePolicy(ExpiryWheel):
         an open request's expiry, or the body's of a first store)."""
         n = len(keys)
         fps = [fingerprint(keys[i]) for i in sampled]
-        if held >= OPEN:  # an open request's: for its settling (a first store's are found if it opens)
+        model_classes = [base + LAST if i == n - 1 else base for i in sampled]
+        guard_below = self._guard_below
+        guarded = None if guard_below == self._sample_below else [keys[i][-1] < guard_below for i in sampled]
+        if held >= OPEN:  # an open request's: for its settling
             if record.sampled is None:
                 record.sampled = fps
             else:
                 record.sampled += fps
-        model_classes = [base + LAST if i == n - 1 else base for i in sampled]
-        guard_below = self._guard_below
-        guarded = None if guard_below == self._sample_below else [keys[i][-1] < guard_below for i in sampled]
+        else:  # a first store's: for the opening of its blocks, if it stores more
+            record.sampled = fps[:]
+            watched = fps[:] if guarded is None else [fp for fp, g in zip(fps, guarded, strict=True) if g]
+            record.watched = watched or None
         if guarded is not None and not any(guarded):  # none of the guard's: only the model's sample
             self._observe_all(fps, model_classes)
             return
