@@ -73,7 +73,7 @@ def test_publishing_moves_a_request_end_in_place() -> None:
     first, last = fingerprint(key(1)), fingerprint(key(5))
     classes.history.add(first)
     record = OpenRequest(
-        key(6), new=5, stored=5, end=last, published=first, then=0, deadline=0, held=0, drawn=False, diff=0
+        key(6), new=5, stored=5, end=last, published=first, then=0, opened=0, held=0, drawn=False, diff=0
     )
     classes.publish(record)
     assert last in classes.history and first not in classes.history and len(classes.history) == 1

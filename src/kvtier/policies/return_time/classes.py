@@ -93,11 +93,12 @@ class OpenRequest:
     """The end in the table of request ends: its first store's until the request ends."""
     then: int
     """Clock of its last store."""
-    deadline: int
-    """Expiry of its blocks while it is open: its first store's clock plus the longest hold."""
+    opened: int
+    """Expiry of its blocks while it is open: ``OPEN`` plus its first store's clock plus the longest
+    hold (one int object, which all its open blocks share)."""
     held: int
     """The expiry its first store gave its blocks but the last (as if it ended then); -1 once they
-    are open (``OPEN + deadline``: it stored more, or an eviction reached it)."""
+    are open (:attr:`opened`: it stored more, or an eviction reached it)."""
     drawn: bool
     """Whether it drew the partial class's extended hold."""
     diff: int

@@ -318,9 +318,9 @@ class ReturnTimePolicy(ExpiryWheel):
                 chain_classes.append(cls)
             if old < OPEN:  # an open block's request sets its expiry when complete
                 e = now + (extended if cls == partial else hold[cls])
-                if old > e:
+                if old >= e:  # >=: the same value, the same int object (blocks share it)
                     e = old
-                if deeper > e:
+                if deeper >= e:
                     e = deeper
                 expiry[s] = deeper = e
                 if flags[s]:
@@ -408,7 +408,7 @@ class ReturnTimePolicy(ExpiryWheel):
         does), its last block marked (see
         :data:`~kvtier.policies.return_time.wheel.MARK`); once it stores more (here), or an eviction reaches its last
         block first (see :meth:`evict`), all its blocks are open until it is
-        complete: expiry ``OPEN |`` :attr:`OpenRequest.deadline` (its first
+        complete: expiry :attr:`OpenRequest.opened` (``OPEN |`` its first
         store's clock plus the longest hold), after nearly every other block,
         so never evicted for a later store of their own request while others
         qualify. Its new blocks are counted over all its stores and its end
@@ -436,7 +436,7 @@ class ReturnTimePolicy(ExpiryWheel):
         # The store, open (_store_new's continuing path, inlined: every decode store takes it).
         # A decoded block is hardly ever a recorded request end: one filter read rules it out.
         history = self.classes.history
-        opened = OPEN + record.deadline
+        opened = record.opened
         if n == 1:  # a decode store: one block, no loop
             up = slots[0]
             key = keys[0]
@@ -635,7 +635,7 @@ class ReturnTimePolicy(ExpiryWheel):
     def _open_request(self, tail: int, record: OpenRequest) -> None:
         """The request whose last store ended in ``tail`` stores more, or an eviction reached its
         last block: its blocks, held as if it had ended at its first store, become open."""
-        opened = OPEN + record.deadline
+        opened = record.opened
         if self._key_of[tail] == record.tail_key:
             if self._children[tail] >= MARK:
                 self._children[tail] -= MARK
@@ -709,7 +709,7 @@ class ReturnTimePolicy(ExpiryWheel):
         then, drawn = record.then, record.drawn
         last_expiry = then + classes.hold_of(base + LAST, drawn)
         body_expiry = max(then + classes.hold_of(base, drawn), last_expiry)
-        opened = OPEN + record.deadline
+        opened = record.opened
         walked = self._rehold(tail, record.stored, opened, opened, last_expiry, body_expiry, True)
         classes.refs[base + LAST] += 1
         classes.refs[base] += walked - 1
@@ -832,7 +832,8 @@ class ReturnTimePolicy(ExpiryWheel):
         extended = classes.extension_hold(drawn)
         last_expiry = now + (extended if base + LAST == partial else hold[base + LAST])
         # At least 1: a free slot's expiry is 0, so a walk over the request's blocks (_rehold) stops there.
-        held = max(now + (extended if base == partial else hold[base]), last_expiry, 1)
+        # last_expiry first: where the two are equal (every hold 0, say), the blocks share one int.
+        held = max(last_expiry, now + (extended if base == partial else hold[base]), 1)
         record = self._new_record(keys[-1], new, n, end, now, held, drawn, loaded, base)
         par, children, touches, expiry = self._parent, self._children, self._touches, self._expiry
         below = self._sample_below
@@ -878,11 +879,11 @@ class ReturnTimePolicy(ExpiryWheel):
         if spare:
             record = spare.pop()
             record.tail_key, record.new, record.stored, record.end, record.published = tail_key, new, n, end, end
-            record.then, record.deadline, record.held, record.drawn = now, now + self.max_hold, held, drawn
+            record.then, record.opened, record.held, record.drawn = now, OPEN + now + self.max_hold, held, drawn
             record.diff, record.sampled, record.prefix, record.loaded = 0, None, PREFIX_HITS, None
             record.watched = None
         else:
-            record = OpenRequest(tail_key, new, n, end, end, now, now + self.max_hold, held, drawn, 0)
+            record = OpenRequest(tail_key, new, n, end, end, now, OPEN + now + self.max_hold, held, drawn, 0)
         if loaded is not None:
             record.prefix, record.diff, record.loaded = loaded.prefix, loaded.diff, loaded.sampled
             if loaded.sampled is not None:

@@ -36,8 +36,8 @@ Eviction passes over a block with children while leaves qualify, so the cache
 stays prefix-closed.
 
 Per slot: the lists' two pointers and the key (24 bytes), ``_evictable``,
-``_touches`` (1 byte each), ``_parent``, ``_children`` (8 bytes each: list
-items pointing at shared int objects), ``_expiry`` (8 bytes), allocated once.
+``_touches`` (1 byte each), ``_parent``, ``_children``, ``_expiry`` (8 bytes each: list
+items pointing at shared int objects; a store's blocks share their expiry's), allocated once.
 Every operation is O(1) per block, except that eviction passes over blocks
 that are not leaves (at most ``PASS_LIMIT + 4n`` a call), raising a block's
 ancestors walks up those whose expiry it raises, and a block linked before its
@@ -47,7 +47,6 @@ thread (the tier's).
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Container, Sequence
 from typing import ClassVar
 
@@ -96,7 +95,9 @@ class ExpiryWheel(SlotListPolicy):
         # both shared objects, and list items are read without boxing.
         self._parent: list[int] = [-1] * c
         self._children: list[int] = [0] * c
-        self._expiry = array("q", bytes(8 * c))
+        # A list too: an array('q') item costs 3-5x a list item to write (argument parsing, and a
+        # multi-digit int's conversion), and the expiries of a store's blocks are one int object.
+        self._expiry: list[int] = [0] * c
         self._touches = bytearray(c)
         self._cur = self._now // self._width
         self._fresh: list[int] = []  # slots inserted since the last chain, in order
@@ -358,12 +359,15 @@ class ExpiryWheel(SlotListPolicy):
         """
         self._advance(self._cur + RING)
         self._cur = now // self._width
-        expiry = np.frombuffer(self._expiry, dtype=np.int64)
-        held_open = expiry >= OPEN
-        np.minimum(expiry, max(now, 1), out=expiry, where=~held_open)  # a held block stays above 0
+        expiries = self._expiry
+        values = np.array(expiries, dtype=np.int64)
+        held_open = values >= OPEN
+        floor = max(now, 1)  # a held block stays above 0
+        for slot in np.flatnonzero((values > floor) & ~held_open).tolist():
+            expiries[slot] = floor
         if not held_open.any():
             return
-        nxt, expiries, cap = self._next, self._expiry, self.capacity
+        nxt, cap = self._next, self.capacity
         slot = nxt[cap]
         while slot != cap:  # an open block keeps its expiry, so it goes back to that bucket
             after = nxt[slot]
