@@ -6,6 +6,7 @@ once the bug is fixed.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -308,5 +309,83 @@ def test_a_reset_with_engine_copies_in_flight_gives_their_rows_back_after_a_few_
                 mgr.on_schedule_end()
             assert mgr.primary.free_slots == 8 and mgr.stats().cpu.extra["held_rows"] == 0
         assert mgr.prepare_store([bytes([9, i]) * 16 for i in range(8)], RequestContext("all")) is not None
+    finally:
+        mgr.shutdown()
+
+
+def _keys(tag: str, n: int) -> list[BlockKey]:
+    return [hashlib.sha256(f"{tag}{i}".encode()).digest() for i in range(n)]
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "return-time"])
+def test_a_store_larger_than_what_can_be_evicted_is_refused_changing_nothing(private_shm: Path, policy: str) -> None:
+    """Review r5: on a 3-row tier, after stores that open a request piece by piece, a 4-block store
+    made return-time's eviction take one block twice: prepare_store raised KeyError(b'') halfway
+    (a block already dropped) and a row was lost for good. It must answer None, and the tier then
+    takes a 3-block store."""
+    k = _keys("r5-", 6)
+    mgr = TieringManager.create(namespace=Namespace("r5", KVGeometry.from_block_bytes(4096)), num_cpu_blocks=3,
+                                policy=policy, shm_dir=str(private_shm), sweep_stale=False)
+    a, b, c, d = (RequestContext(r) for r in "abcd")
+
+    def store(keys: list[BlockKey], req: RequestContext, order: list[BlockKey] | None = None) -> bool:
+        res = mgr.prepare_store(keys, req)
+        if res is None:
+            return False
+        done = [x for x in order if x in res.keys_to_store] if order is not None else list(res.keys_to_store)
+        if done:
+            mgr.complete_store(done, req)
+        return True
+
+    try:
+        assert store([k[0]], a)
+        assert store([k[1], k[0]], b)
+        assert store([k[2], k[3], k[4]], c, [k[3], k[4], k[2]])
+        assert store([k[1], k[0]], b, [k[0], k[1]])
+        assert not store([k[2], k[3], k[4], k[5]], d)
+        for req in (a, b, c, d):
+            mgr.on_request_finished(req)
+        mgr.on_schedule_end()
+        assert mgr.primary.policy.evictable_count() == len(mgr.primary) == 3
+        fresh = _keys("r5-fresh-", 3)
+        result = mgr.prepare_store(fresh)
+        assert result is not None and len(result.keys_to_store) == 3
+        mgr.complete_store(result.keys_to_store)
+    finally:
+        mgr.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "return-time"])
+def test_an_idle_tier_takes_a_store_that_fits_after_a_reset(private_shm: Path, policy: str) -> None:
+    """Review r5: a request settled after its last store's wheel bucket went by had its ancestors
+    raised into that past bucket's list, which eviction scans as the farthest future: a 6-row tier
+    holding 4 ready blocks and 2 free rows refused a 6-block store once (and kept stale blocks
+    longest). Every ready block is evictable: the store fits."""
+    k = _keys("r5b-", 4)
+    mgr = TieringManager.create(namespace=Namespace("r5", KVGeometry.from_block_bytes(4096)), num_cpu_blocks=6,
+                                policy=policy, shm_dir=str(private_shm), sweep_stale=False)
+    a, b, c = RequestContext("a"), RequestContext("b"), RequestContext("c")
+    try:
+        mgr.prepare_store([k[0], k[1]], a)  # in flight when the cache is reset (the engine drops it)
+        mgr.reset_cache()
+        res = mgr.prepare_store([k[2]], b)
+        assert res is not None
+        mgr.complete_store(res.keys_to_store, b)
+        res = mgr.prepare_store([k[0], k[1]], c)
+        res_a = mgr.prepare_store([k[3]], a)
+        assert res is not None and res_a is not None
+        mgr.complete_store(res.keys_to_store, c)
+        assert len(mgr.prepare_load([k[0]], b)) == 1
+        mgr.complete_store(res_a.keys_to_store, a)
+        mgr.on_request_finished(a)
+        mgr.complete_load([k[0]], b)
+        for req in (b, c):
+            mgr.on_request_finished(req)
+        for _ in range(5):  # the rows the reset held come back
+            mgr.on_schedule_end()
+        assert mgr.primary.held_count == 0 and mgr.primary.policy.evictable_count() == len(mgr.primary) == 4
+        result = mgr.prepare_store(_keys("r5b-fresh-", 6))
+        assert result is not None
+        mgr.complete_store(result.keys_to_store, success=False)
     finally:
         mgr.shutdown()

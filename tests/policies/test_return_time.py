@@ -728,3 +728,19 @@ class StructureMachine(RuleBasedStateMachine):
 
 StructureMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
 TestReturnTimeStructure = StructureMachine.TestCase
+
+
+def test_an_eviction_that_opens_a_request_never_takes_a_block_twice() -> None:
+    # Review r5: E F G stored at once; E's and G's copies done, F's not. evict(2) passes over E (its
+    # child F is held), then reaches G, the request's marked tail, and opens the request: E moved
+    # into a later list and was passed a second time, so the eviction took it twice ([E, b""]) and
+    # the evictable count went one too low for good. Only E qualifies: the answer is None.
+    policy = ReturnTimePolicy(3)
+    e, f, g = key(1), key(2), key(3)
+    policy.insert_many([e, f, g], [0, 1, 2])
+    policy.reference_chain([e, f, g], [0, 1, 2], -1, False)
+    policy.mark_evictable_many([e], [0])
+    policy.mark_evictable_many([g], [2])
+    assert policy.evict(2, {g}) is None
+    assert policy.evictable_count() == 2
+    assert policy.evict(1, {g}) == [e]

@@ -326,7 +326,9 @@ class ExpiryWheel(SlotListPolicy):
         expiry, flags, par = self._expiry, self._evictable, self._parent
         width = self._width
         bucket = expiry_at_least // width
-        end = self.capacity + 1 + bucket % RING
+        # A past expiry (a request settled after its last store's bucket went by) goes to the
+        # expired list: a wheel list of a past bucket is scanned as the farthest future.
+        end = self._list_for(expiry_at_least)
         moved = -1
         while slot >= 0 and expiry[slot] // width < bucket:
             expiry[slot] = expiry_at_least
@@ -424,6 +426,9 @@ class ExpiryWheel(SlotListPolicy):
         nxt, key_of, children, par = self._next, self._key_of, self._children, self._parent
         chosen: list[int] = []
         passed: list[int] = []
+        # Once an owner moved blocks out of the way (_reached_open), the scan may meet a block it
+        # passed or chose before, in a list further on: from then on, those it saw are skipped.
+        seen: set[int] | None = None
         budget = PASS_LIMIT + 4 * n
         need = n
         cap, c1, cur = self.capacity, self.capacity + 1, self._cur
@@ -432,8 +437,16 @@ class ExpiryWheel(SlotListPolicy):
             end = cap if k < 0 else c1 + (cur + k) % RING
             slot = nxt[end]
             while slot != end:
+                if seen is not None:
+                    if slot in seen:
+                        slot = nxt[slot]
+                        continue
+                    seen.add(slot)
                 if children[slot] and budget:
                     if children[slot] >= MARK and (resume := self._reached_open(slot)) >= 0:
+                        if seen is None:
+                            seen = {*passed, *chosen}
+                        seen.discard(slot)  # moved on, unmarked: it may still qualify where it went
                         slot = resume  # it moved out of the way: go on where it was
                         continue
                     passed.append(slot)
@@ -534,13 +547,17 @@ class ExpiryWheel(SlotListPolicy):
         Returns the passed blocks not taken.
         """
         key_of, children, par = self._key_of, self._children, self._parent
+        taken = set(chosen)  # never a slot twice (a scan that met a moved block again: see evict)
         for leaves_only in (True, False):
             left: list[int] = []
             for slot in passed:
+                if slot in taken:
+                    continue
                 if len(chosen) == n or (leaves_only and children[slot]) or key_of[slot] in protected:
                     left.append(slot)
                     continue
                 chosen.append(slot)
+                taken.add(slot)
                 if children[slot] >= MARK:
                     children[slot] -= MARK
                 parent = par[slot]
