@@ -64,6 +64,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.engine_events import ControlRecord, EngineEventStream
+from kvtier.errors import TierError
 from kvtier.integrations.vllm.stats import VllmStatsReporter
 from kvtier.keys import BlockKey
 from kvtier.manager import TieringManager
@@ -79,6 +80,9 @@ CONTROL_KEY = OffloadKey(hashlib.sha256(b"kvtier-events control record").digest(
 """The key a control record rides on: a block hash no engine computes, KV-cache group 0xffffffff."""
 EVENTS_PARAM = "kvtier_events"
 MARKER_PARAM = "kvtier_events_marker"
+
+RESET_RETRY_DRAIN = 0.001
+"""Seconds a schedule step waits for the tiers to drain when it retries a pending reset (see ``reset_cache``)."""
 
 _LOOKUP = {r: VllmLookup[r.name] for r in LookupResult}
 _POLICY = {
@@ -126,6 +130,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self._promoted: OrderedDict[BlockKey, CacheHitSource] = OrderedDict()
         self._promotion_source = self._outermost_source()
         self._shut_down = False
+        self._reset_pending = False  # a reset whose tiers did not drain in time: see reset_cache
 
     # --- translation helpers -------------------------------------------------------
 
@@ -167,6 +172,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     # --- lookups and loads -----------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> VllmLookup:
+        if self._reset_pending:  # nothing stored before the reset is served (see reset_cache)
+            return VllmLookup.MISS
         result = self.manager.lookup(key, self._context(req_context))
         # promoted_from: this lookup started a promotion (0: the block was being written already)
         if result is LookupResult.HIT_PENDING and self.manager.promoted_from:
@@ -193,6 +200,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
+        if self._reset_pending:  # nothing is stored until the reset is done (see reset_cache)
+            return None
         result = self.manager.prepare_store(list(keys), self._context(req_context))
         if result is None:
             return None
@@ -224,6 +233,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self.manager.on_schedule_end()
+        if self._reset_pending and not self.manager.has_pending_work():  # the tiers finished: reset now
+            self._reset(RESET_RETRY_DRAIN)
         if self.metrics is not None:
             now = time.monotonic()
             if now >= self._metrics_due:  # a stats snapshot per interval, not per step
@@ -282,12 +293,35 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         execution, discarding their completions. The rows those copies write or read are held out
         of use (:meth:`PrimaryTier.reset <kvtier.primary.PrimaryTier.reset>`) for
         ``reset_hold_steps`` schedule steps, so no promotion lands on a row a stale store is still
-        writing or a load is still reading."""
-        if self.events is None:
-            self.manager.reset_cache()
-        else:
-            self.events.reset_cache()
+        writing or a load is still reading.
+
+        Never raises into vLLM (its connector's state is half reset by then: the next step would
+        fail). If a secondary tier cannot finish its jobs within ``drain_timeout`` (they may still
+        read or write CPU rows), the reset is pending: logged as an error, every lookup answers
+        MISS and every store is refused (nothing from before the reset is served, nothing new is
+        cascaded), and the first schedule step that finds no tier job in flight resets it (waiting at
+        most ``RESET_RETRY_DRAIN`` seconds)."""
         self._promoted.clear()
+        self._reset(None)
+        if self._reset_pending:
+            logger.error("kvtier: reset_cache is pending: a secondary tier has not finished its jobs (they may "
+                         "still use CPU rows); until it has, every lookup is a MISS and nothing is stored")
+
+    def _reset(self, drain_timeout: float | None) -> None:
+        """Reset the manager (through the event stream, if any); pending if a tier fails to drain."""
+        try:
+            if self.events is None:
+                self.manager.reset_cache(drain_timeout)
+            else:
+                self.events.reset_cache(drain_timeout)
+        except TierError as exc:
+            if not self._reset_pending:
+                logger.error("kvtier: reset_cache: %s", exc)
+            self._reset_pending = True
+            return
+        if self._reset_pending:
+            logger.warning("kvtier: the pending reset_cache is done: the CPU tier serves and stores again")
+        self._reset_pending = False
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         """kvtier's figures since the last report, for vLLM's metrics (see
