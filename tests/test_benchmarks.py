@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,20 @@ def test_bench_vs_vllm_compares_or_says_why_not() -> None:
         row = rf"^{op}\s+[\d,]+\s+[\d,]+\s+[\d,]+\s+{RATIO}x\s+{RATIO}x\s+(MET|MISSED)$"
         assert re.search(row, stdout, flags=re.M), stdout
     assert re.search(r"^\d of 5 operations MET the target: .* within 1.25x of the floor$", stdout, flags=re.M), stdout
+
+
+@pytest.mark.parametrize("shape", ["stores", "prefill", "decode"])
+def test_bench_instructions_child_runs_its_shape(shape: str) -> None:
+    # The counted runs themselves (valgrind runs them in the full benchmark; counting them here
+    # would cost a minute of CI, so this runs each child once, uncounted).
+    with tempfile.TemporaryDirectory(prefix="kvt-bench-instr-test-", dir="/dev/shm") as shm:
+        out = subprocess.run([sys.executable, str(BENCHMARKS / "bench_instructions.py"), "--child", "return-time",
+                              shape, "64", "2048", shm], capture_output=True, text=True, timeout=300, check=False,
+                             cwd=BENCHMARKS.parent)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+
+
+def test_bench_instructions_refuses_a_run_it_cannot_measure() -> None:
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "bench_instructions.py"), "--requests", "100"],
+                         capture_output=True, text=True, timeout=60, check=False, cwd=BENCHMARKS.parent)  # fmt: skip
+    assert out.returncode == 2 and "--requests must be a positive multiple of 64, got 100" in out.stderr
