@@ -909,9 +909,9 @@ class ReturnTimePolicy(ExpiryWheel):
                 record.sampled = fps
             else:
                 record.sampled += fps
-        else:  # a first store's: for the opening of its blocks, if it stores more
-            record.sampled = fps[:]
-            watched = fps[:] if guarded is None else [fp for fp, g in zip(fps, guarded, strict=True) if g]
+        else:  # a first store's: for the opening of its blocks, if it stores more (which drops watched)
+            record.sampled = fps
+            watched = fps if guarded is None else [fp for fp, g in zip(fps, guarded, strict=True) if g]
             record.watched = watched or None
         if guarded is not None and not any(guarded):  # none of the guard's: only the model's sample
             self._observe_all(fps, model_classes)
