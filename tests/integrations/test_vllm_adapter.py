@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -453,4 +454,57 @@ def test_a_reset_whose_tier_cannot_drain_never_raises_into_vllm_and_is_done_once
         assert adapter.lookup(_keys(1, 10)[0], req) is VllmLookup.HIT
     finally:
         tier.released = True
+        adapter.shutdown()
+
+
+class _HungDrainTier(_StuckTier):
+    """A collaborator double: reports its jobs at once, but drain() blocks until released (a hung
+    flush of its medium)."""
+
+    tier_type: ClassVar[str] = "adapter-hung-drain"
+
+    def __init__(self, context: Any) -> None:
+        super().__init__(context)
+        self.released = True
+        self.unblocked = threading.Event()
+
+    def drain(self, timeout: float | None = None) -> None:
+        self.unblocked.wait(30)
+
+    def shutdown(self) -> None:
+        self.unblocked.set()
+        super().shutdown()
+
+
+register_tier("adapter-hung-drain", f"{__name__}:_HungDrainTier")
+
+
+def test_a_pending_reset_never_stalls_a_step_on_a_drain_still_running(shm: Path) -> None:
+    # Review r6: a pending reset retried at every step waited the drain grace (1 s) for the tier's
+    # earlier drain() still running, though no job was in flight: every engine step took 1 s.
+    ns = Namespace("unit", KVGeometry.from_block_bytes(4096))
+    mgr = TieringManager.create(namespace=ns, num_cpu_blocks=4, shm_dir=shm, tiers=[{"type": "adapter-hung-drain"}],
+                                drain_timeout=0.1)  # fmt: skip
+    adapter = KvtierOffloadingManager(mgr)
+    (tier,) = [t for t in mgr.tiers if isinstance(t, _HungDrainTier)]
+    try:
+        req = ReqContext("r1")
+        adapter.on_new_request(req)
+        assert adapter.prepare_store(_keys(2), req) is not None
+        adapter.complete_store(_keys(2), req)
+        adapter.on_schedule_end(None)  # type: ignore[arg-type]
+        adapter.reset_cache()
+        assert adapter.lookup(_keys(1)[0], req) is VllmLookup.MISS
+        for _ in range(3):
+            started = time.monotonic()
+            adapter.on_schedule_end(None)  # type: ignore[arg-type]
+            assert time.monotonic() - started < 0.5, "a step waited for the earlier drain()"
+            assert len(mgr.primary) == 2, "nothing reset while the tier's drain() runs"
+        tier.unblocked.set()
+        deadline = time.monotonic() + 10
+        while len(mgr.primary) and time.monotonic() < deadline:
+            adapter.on_schedule_end(None)  # type: ignore[arg-type]
+        assert len(mgr.primary) == 0, "the reset is done once the drain returned"
+    finally:
+        tier.unblocked.set()
         adapter.shutdown()

@@ -27,6 +27,7 @@ from kvtier.keys import BlockKey
 from kvtier.policies import LRUPolicy, ReturnTimePolicy
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.return_time import CLASSES, NEW_BUCKETS, RING, class_id
+from kvtier.policies.return_time.classes import BASE_OF_NEW, LAST
 from kvtier.policies.return_time.wheel import CLOCK, MARK, OPEN
 from kvtier.policies.slot_lists import NO_KEY
 
@@ -744,3 +745,27 @@ def test_an_eviction_that_opens_a_request_never_takes_a_block_twice() -> None:
     assert policy.evict(2, {g}) is None
     assert policy.evictable_count() == 2
     assert policy.evict(1, {g}) == [e]
+
+
+def test_a_stale_parent_link_never_walks_a_request_into_a_free_slot() -> None:
+    # Review r6: an eviction that finds no leaf takes a middle block (a1); its child a2 keeps a link
+    # to the freed slot. A request stored after a2 raised its ancestors through that link and gave
+    # the free slot an expiry equal to A's held one; A's next store then walked into the free slot
+    # when its blocks opened and read the empty key's last byte: IndexError out of continue_chain.
+    policy = ReturnTimePolicy(8)
+    width = policy._width
+    a0, a1, a2, b0, a3 = key(1), key(2), key(3), key(4), key(5)
+    hold = [100 * width] * CLASSES  # as if learned
+    hold[BASE_OF_NEW[3] + LAST] = 0  # A's last block held 0, its body 100 widths
+    policy.classes.hold = hold
+    policy.insert_many([a0, a1, a2], [0, 1, 2])
+    policy.reference_chain([a0, a1, a2], [0, 1, 2], -1, False)
+    policy.mark_evictable_many([a1, a0], [1, 0])  # a2's copy still running
+    assert policy.evict(1, {a0}) == [a1]  # no leaf: a1 goes, a2 names a free slot
+    policy.classes.hold = [100 * width - policy._now] * CLASSES  # B's hold ends where A's body's does
+    policy.insert(b0, 3)
+    policy.reference_chain([b0], [3], 2, False)
+    assert policy._expiry[1] == 0, "a free slot keeps expiry 0"
+    policy.insert(a3, 4)
+    policy.continue_chain([a3], [4], 2)  # no IndexError
+    assert policy._key_of[4] == a3 and policy._parent[4] == 2

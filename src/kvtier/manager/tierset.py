@@ -108,10 +108,11 @@ class TierHandle:
         return True
 
     def drain(self, timeout: float | None) -> None:
-        """The tier's ``drain(timeout)``, waited for at most ``timeout`` + :data:`DRAIN_GRACE` s: raises
-        its TierError, a TierError naming the tier for another error, or :class:`TierDrainTimeout`."""
+        """The tier's ``drain(timeout)``, waited for ``timeout`` + :data:`DRAIN_GRACE` s at most (twice a shorter
+        timeout): raises its TierError, a TierError naming the tier for another error, or TierDrainTimeout."""
         still = " (still running the drain() of an earlier reset)" if self._calls.running("drain") else ""
-        done, error = self._calls.run("drain", None if timeout is None else timeout + DRAIN_GRACE, timeout)
+        wait = None if timeout is None else timeout + min(timeout, DRAIN_GRACE)
+        done, error = self._calls.run("drain", wait, timeout)
         if not done:
             raise TierDrainTimeout(
                 f"secondary tier #{self.index} (type={self.tier.tier_type}) did not return from drain() within "

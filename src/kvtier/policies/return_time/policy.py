@@ -417,7 +417,8 @@ class ReturnTimePolicy(ExpiryWheel):
         :data:`OPEN_REQUESTS`) or taken by a store that does not continue it
         (anything but new blocks after its last store), or when the tier is
         cleared. Cost: :meth:`reference_chain`'s, and once a request, a step
-        per block it stored before.
+        per block it stored before. Long because the store of every decode
+        step is inlined here, a one-block path beside the general one.
         """
         n = len(slots)
         record = self._open.pop(parent, None) or self._open_old.pop(parent, None)
@@ -560,7 +561,11 @@ class ReturnTimePolicy(ExpiryWheel):
         private = 2 if expire else 1
         chain = [tail_slot]
         up = par[tail_slot]
-        while up >= 0 and children[up] <= private and expiry[up] < OPEN and len(chain) < self.capacity:
+        key_of = self._key_of  # a stale link (an evicted parent) ends the walk at a free slot
+        while (
+            up >= 0 and children[up] <= private and expiry[up] < OPEN and key_of[up] is not NO_KEY
+            and len(chain) < self.capacity
+        ):  # fmt: skip
             chain.append(up)
             up = par[up]
         if expire or expected is None:
@@ -663,7 +668,7 @@ class ReturnTimePolicy(ExpiryWheel):
         slot = tail
         for _ in range(count):
             key = key_of[slot]
-            if key[-1] < below:
+            if key and key[-1] < below:  # (a free slot's key is empty)
                 fp = fingerprint(key)
                 fps.append(fp)
                 if key[-1] < guard_below:

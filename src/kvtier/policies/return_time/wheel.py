@@ -322,15 +322,17 @@ class ExpiryWheel(SlotListPolicy):
         prv[parent] = slot
 
     def _raise_ancestors(self, slot: int, expiry_at_least: int) -> None:
-        """Raise ``slot`` and its ancestors to ``expiry_at_least`` until one is there already."""
-        expiry, flags, par = self._expiry, self._evictable, self._parent
+        """Raise ``slot`` and its ancestors to ``expiry_at_least`` until one is there already, or a
+        free slot (the stale link of a block whose parent was evicted: a free slot keeps expiry 0,
+        where a walk over a request's blocks stops)."""
+        expiry, flags, par, key_of = self._expiry, self._evictable, self._parent, self._key_of
         width = self._width
         bucket = expiry_at_least // width
         # A past expiry (a request settled after its last store's bucket went by) goes to the
         # expired list: a wheel list of a past bucket is scanned as the farthest future.
         end = self._list_for(expiry_at_least)
         moved = -1
-        while slot >= 0 and expiry[slot] // width < bucket:
+        while slot >= 0 and expiry[slot] // width < bucket and key_of[slot] is not NO_KEY:
             expiry[slot] = expiry_at_least
             if flags[slot]:
                 moved = slot
