@@ -32,9 +32,8 @@ import subprocess
 import sys
 import tempfile
 
-from bench_manager import DECODE_REQUESTS, fill, new_manager
+from bench_manager import DECODE_REQUESTS, fill, new_manager, time_decode_stores, time_stores
 from common import make_keys
-from kvtier.types import RequestContext
 
 BATCH = 16
 """Blocks of a store (and of a request's decode phase)."""
@@ -42,60 +41,20 @@ BATCH = 16
 SHAPES = ("16-block stores", "decode (1-block stores)")
 
 
-def _stores(blocks: int, policy: str, requests: int, shm: str) -> None:
-    mgr = new_manager(blocks, policy, 0, shm)
-    try:
-        fill(mgr, make_keys("fill", blocks))
-        fresh = make_keys("run", requests * BATCH)
-        for i in range(requests):
-            req = RequestContext(f"store-{i}")
-            result = mgr.prepare_store(fresh[i * BATCH : (i + 1) * BATCH], req)
-            if result is None:
-                raise SystemExit("prepare_store refused although every block was evictable")
-            mgr.complete_store(result.keys_to_store, req)
-            mgr.on_request_finished(req)
-            mgr.on_schedule_end()
-    finally:
-        mgr.shutdown()
-
-
-def _decode(blocks: int, policy: str, requests: int, shm: str, decode: bool) -> None:
-    mgr = new_manager(blocks, policy, 0, shm)
-    try:
-        fill(mgr, make_keys("fill", blocks))
-        per = 2 * BATCH
-        fresh = make_keys("run", requests * per)
-        reqs = [RequestContext(f"decode-{i}") for i in range(requests)]
-        for g in range(0, requests, DECODE_REQUESTS):
-            group = list(enumerate(reqs[g : g + DECODE_REQUESTS], start=g))
-            for i, req in group:
-                mgr.on_new_request(req)
-                result = mgr.prepare_store(fresh[i * per : i * per + BATCH], req)
-                if result is None:
-                    raise SystemExit("prepare_store refused although every block was evictable")
-                mgr.complete_store(result.keys_to_store, req)
-            mgr.on_schedule_end()
-            for j in range(BATCH, per):
-                if decode:
-                    for i, req in group:
-                        result = mgr.prepare_store([fresh[i * per + j]], req)
-                        if result is None:
-                            raise SystemExit("prepare_store refused although every block was evictable")
-                        mgr.complete_store(result.keys_to_store, req)
-                mgr.on_schedule_end()
-            for _, req in group:
-                mgr.on_request_finished(req)
-    finally:
-        mgr.shutdown()
-
-
 def child(argv: list[str]) -> None:
-    """One measured run (under valgrind): ``policy shape requests blocks shm``."""
+    """One measured run (under valgrind): ``policy shape requests blocks shm``, ``bench_manager``'s
+    operations on a full tier of ``blocks`` (``shape``: stores, decode, or prefill: decode's
+    requests without their one-block stores)."""
     policy, shape, requests, blocks, shm = argv[0], argv[1], int(argv[2]), int(argv[3]), argv[4]
-    if shape == "stores":
-        _stores(blocks, policy, requests, shm)
-    else:
-        _decode(blocks, policy, requests, shm, decode=shape == "decode")
+    mgr = new_manager(blocks, policy, 0, shm)
+    try:
+        fill(mgr, make_keys("fill", blocks))
+        if shape == "stores":
+            time_stores(mgr, make_keys("run", requests * BATCH), BATCH)
+        else:
+            time_decode_stores(mgr, make_keys("run", requests * 2 * BATCH), BATCH, decode=shape == "decode")
+    finally:
+        mgr.shutdown()
 
 
 def instructions(valgrind: str, args: list[str], shm: str) -> int:

@@ -189,11 +189,12 @@ DECODE_REQUESTS = 64
 """Requests decoding at once in :func:`time_decode_stores` (each stores a block per step)."""
 
 
-def time_decode_stores(mgr: TieringManager, fresh: list[BlockKey], batch: int) -> float:
+def time_decode_stores(mgr: TieringManager, fresh: list[BlockKey], batch: int, decode: bool = True) -> float:
     """ns per decoded block: requests store ``batch`` prefill blocks at once, then ``batch`` more one
     block per store, each continuing the request's last store (an engine's decode phase);
     :data:`DECODE_REQUESTS` requests per step, every block evicting one. Only the one-block
-    stores and their steps are timed."""
+    stores and their steps are timed. ``decode=False``: the same requests and steps without the
+    one-block stores (what ``bench_instructions.py`` subtracts); returns 0."""
     per = 2 * batch
     requests = [RequestContext(f"decode-{i}") for i in range(len(fresh) // per)]
     spent = evicted = decoded = 0
@@ -209,7 +210,7 @@ def time_decode_stores(mgr: TieringManager, fresh: list[BlockKey], batch: int) -
         mgr.on_schedule_end()
         t0 = _now_ns()
         for j in range(batch, per):
-            for i, req in group:
+            for i, req in group if decode else ():
                 result = mgr.prepare_store([fresh[i * per + j]], req)
                 if result is None:
                     raise SystemExit("prepare_store refused although every block was evictable")
@@ -217,13 +218,13 @@ def time_decode_stores(mgr: TieringManager, fresh: list[BlockKey], batch: int) -
                 mgr.complete_store(result.keys_to_store, req)
             mgr.on_schedule_end()
         spent += _now_ns() - t0
-        decoded += batch * len(group)
+        decoded += batch * len(group) if decode else 0
         for _, req in group:
             mgr.on_request_finished(req)
     if evicted != decoded:
         raise SystemExit(f"expected {decoded} evictions, got {evicted}")
     mgr.take_events()
-    return spent / decoded
+    return spent / decoded if decoded else 0.0
 
 
 def time_promotions(mgr: TieringManager, held: list[BlockKey], batch: int, req: RequestContext) -> float:
