@@ -343,7 +343,11 @@ def main() -> None:
     rows = np.frombuffer(mm, dtype=np.uint8).reshape(2 * n, block)
     rows[:n] = np.random.default_rng(0).integers(0, 256, (n, block), dtype=np.uint8)
     bench = _Bench(base, rows, Namespace("bench/fs", KVGeometry.from_block_bytes(block)), args)
-    direct_reason = probe_direct_io(base)
+    base_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        direct_reason = probe_direct_io(base_fd)
+    finally:
+        os.close(base_fd)
     modes = [("hot (page cache, buffered)", False)]
     if direct_reason is None:
         modes.append(("cold (O_DIRECT)", True))

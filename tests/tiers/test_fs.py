@@ -341,6 +341,20 @@ def test_manifest_of_other_data_is_refused(tmp_path: Path, rows: np.ndarray) -> 
         make_tier(tmp_path, rows, BB)
 
 
+def test_a_manifest_nested_too_deeply_is_refused_by_name(tmp_path: Path, rows: np.ndarray) -> None:
+    """Regression (review r7, 2026-12-03): a planted manifest of nested arrays (400 KB, under its
+    size cap) raised a bare RecursionError from the tier's start and from ``verify_root``."""
+    tier = make_tier(tmp_path, rows, BB)
+    tier.shutdown()
+    manifest = tier.ns_dir / "manifest.json"
+    manifest.write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(ConfigError, match=r"manifest .*manifest\.json is unreadable \(manifest is nested too deeply"):
+        make_tier(tmp_path, rows, BB)
+    (report,) = verify_root(tmp_path).namespaces
+    assert report.manifest_error == "unreadable manifest: manifest is nested too deeply to be one"
+    assert manifest.stat().st_size == 400_000, "the planted file is left as it is"
+
+
 def test_orphaned_temp_files_of_dead_processes_are_swept(tmp_path: Path, rows: np.ndarray) -> None:
     tier = make_tier(tmp_path, rows, BB)
     tier.shutdown()
@@ -363,6 +377,48 @@ def test_orphaned_temp_files_of_dead_processes_are_swept(tmp_path: Path, rows: n
             again.shutdown()
     finally:
         os.close(fd)
+
+
+def test_an_engine_starting_beside_another_never_sweeps_its_new_instance_directory(
+    tmp_path: Path, rows: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (review r7, 2026-12-03): an instance created its ``lock`` and only then locked
+    it; an engine starting at that moment on the same root took the unlocked lock, judged the
+    directory dead and removed it (~0.4 % of concurrent starts): the live engine's stores then
+    failed for good (ENOENT on its temp files). Here the other engine's sweep runs exactly in
+    that window: just before the new instance locks its lock."""
+    from kvtier.tiers import fs_layout
+
+    tier = make_tier(tmp_path, rows, BB)
+    tier.shutdown()
+    real_flock = fs_layout.fcntl.flock
+    swept: list[tuple[int, int]] = []
+    sweeping: list[bool] = []
+
+    def sweep_then_lock(fd: int, operation: int) -> None:
+        if not sweeping:  # the other engine's start: make_dirs, then its sweep of dead instances
+            sweeping.append(True)
+            other = fs_layout.make_dirs(tier.ns_dir, tier.modes)
+            try:
+                swept.append(fs_layout.sweep_temp_dirs(other))
+            finally:
+                other.close()
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(fs_layout.fcntl, "flock", sweep_then_lock)
+    again = make_tier(tmp_path, rows, BB)
+    monkeypatch.undo()
+    try:
+        assert swept == [(0, 0)], "the sweep ran in the window and swept nothing"
+        names = [p.name for p in (tier.ns_dir / "tmp").iterdir()]
+        assert len(names) == 1 and (tier.ns_dir / "tmp" / names[0] / "lock").is_file(), names
+        keys = [key_of(i, b"beside") for i in range(3)]
+        fill(rows, range(3), keys, BB)
+        result = store(again, keys, range(3))
+        assert result.success and result.successful_keys is None and again.stats.stores_failed == 0
+        assert [again.lookup(k, None) for k in keys] == [LookupResult.HIT] * 3
+    finally:
+        again.shutdown()
 
 
 # --- corruption -----------------------------------------------------------------------------
@@ -759,6 +815,31 @@ def test_verify_root_reports_and_removes_corrupt_entries(tmp_path: Path, rows: n
     assert after.ok and after.entries == 4
     with pytest.raises(ConfigError):
         verify_root(tmp_path / "missing")
+
+
+def test_verify_root_never_judges_a_value_a_live_engine_is_recycling(tmp_path: Path, rows: np.ndarray) -> None:
+    """Regression (review r7, 2026-12-03): ``kvtier inspect --verify`` opened value files without
+    the shared lock a tier's reader takes, so a file an engine was rewriting for another key
+    (recycling it: exclusive lock, then rewritten in place) was read half written and listed
+    as corrupt (and, with ``--remove-corrupt``, deleted if it was still at its name)."""
+    tier = make_tier(tmp_path, rows, BB)
+    keys = [key_of(i) for i in range(3)]
+    fill(rows, range(3), keys, BB)
+    assert store(tier, keys, list(range(3))).success
+    tier.shutdown()
+    path = value_path(tier.ns_dir, keys[2])
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # the recycler's lock, then its rewrite, half done
+        os.pwrite(fd, b"\xa5" * 4096, PAYLOAD_OFFSET)
+        report = verify_root(tmp_path, remove_corrupt=True)
+        (ns,) = report.namespaces
+        assert report.ok and ns.corrupt == [] and ns.removed_corrupt == 0 and ns.verified == 2, ns
+        assert path.exists()
+    finally:
+        os.close(fd)
+    report = verify_root(tmp_path)  # unlocked and still scribbled: now it is corrupt
+    assert report.corrupt == 1 and "checksum" in report.namespaces[0].corrupt[0].reason
 
 
 def test_stores_are_shed_when_the_write_queue_is_full(tmp_path: Path, rows: np.ndarray) -> None:

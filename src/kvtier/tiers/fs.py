@@ -392,7 +392,7 @@ class FilesystemTier(ThreadedTier):
         elif round_up(self.block_bytes) > rows.strides[0]:
             reason = "CPU rows have no room for page padding"
         else:
-            reason = probe_direct_io(self._instance.path)
+            reason = probe_direct_io(self._instance.fd)
         if reason is None:
             return True, "O_DIRECT"
         if mode is True:

@@ -79,6 +79,8 @@ TMP_DIR = "tmp"
 LEDGER_DIR = "ledger"
 JOURNAL_DIR = "journal"
 LOCK_FILE = "lock"
+NEW_LOCK_FILE = "lock.new"
+"""An instance's lock while it is being created (:class:`InstanceDir`), before it is locked and linked as ``lock``."""
 SUFFIX = ".kv"
 SHARDS = tuple(f"{i:02x}" for i in range(256))
 _NAME_RE = re.compile(rf"^([0-9a-f]{{2,{2 * MAX_KEY_BYTES}}})\.kv\Z")
@@ -146,7 +148,11 @@ def read_manifest(ns_dir: Path | int) -> dict[str, Any]:
     else:
         fd = open_regular(ns_dir / MANIFEST, os.O_RDONLY)
     with os.fdopen(fd, encoding="utf-8") as f:
-        data = json.loads(f.read(_MAX_MANIFEST_BYTES))
+        text = f.read(_MAX_MANIFEST_BYTES)
+    try:
+        data = json.loads(text)
+    except RecursionError:  # planted: thousands of nested arrays fit under the size limit
+        raise ValueError("manifest is nested too deeply to be one") from None
     if not isinstance(data, dict):
         raise ValueError("manifest is not a JSON object")
     return data
@@ -235,14 +241,22 @@ class InstanceDir:
             self.fd = os.open(self.name, DIR_FLAGS, dir_fd=tmp_fd)
         finally:
             os.close(tmp_fd)
+        self._lock_fd: int | None = None
         try:
             if dirs.modes.group is not None:
                 os.fchmod(self.fd, dirs.modes.dir_mode)
             # Read-only: an open writable file would keep the file system from being remounted ro.
             flags = os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            self._lock_fd: int | None = os.open(LOCK_FILE, flags, dirs.modes.file_mode, dir_fd=self.fd)
+            self._lock_fd = os.open(NEW_LOCK_FILE, flags, dirs.modes.file_mode, dir_fd=self.fd)
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # Named ``lock`` only once locked: an engine starting meanwhile, sweeping the dead
+            # instances' directories, finds no lock (a young directory: alive) or a held one; it
+            # could otherwise take a just-created lock first and remove this live directory.
+            os.link(NEW_LOCK_FILE, LOCK_FILE, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
+            os.unlink(NEW_LOCK_FILE, dir_fd=self.fd)
         except BaseException:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
             self._lock_fd = None
             self.close(remove=True)
             raise
@@ -359,7 +373,7 @@ def temp_dirs(ns_fd: int, ns_path: Path, remove_dead: bool = False) -> list[Temp
                 state = TempDirState(
                     ns_path / TMP_DIR / entry.name,
                     _held_by_live_process(fd, st),
-                    sum(1 for e in os.scandir(fd) if e.name != LOCK_FILE),
+                    sum(1 for e in os.scandir(fd) if e.name not in (LOCK_FILE, NEW_LOCK_FILE)),
                     st.st_uid == os.geteuid(),
                 )
                 if remove_dead and not state.live and state.ours:
@@ -402,17 +416,19 @@ def sweep_temp_dirs(dirs: NamespaceDir) -> tuple[int, int]:
 # --- O_DIRECT probe ----------------------------------------------------------------------------
 
 
-def probe_direct_io(directory: Path) -> str | None:
-    """Try an O_DIRECT write and read in ``directory``; None on success, else the reason."""
+def probe_direct_io(dir_fd: int) -> str | None:
+    """Try an O_DIRECT write and read in the directory open as ``dir_fd`` (an instance's own);
+    None on success, else the reason."""
     if not O_DIRECT:
         return "this platform has no O_DIRECT"
-    path = directory / f".direct-probe-{secrets.token_hex(4)}"
+    name = f".direct-probe-{secrets.token_hex(4)}"
     buf = aligned_buffer(PAGE)
     view = memoryview(buf)
     try:
         view[:8] = b"kvtier!!"
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_DIRECT | os.O_CLOEXEC, 0o644)
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | O_DIRECT | os.O_CLOEXEC
+            fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
         except OSError as exc:
             return f"open(O_DIRECT) failed: {exc.strerror}"
         try:
@@ -430,7 +446,7 @@ def probe_direct_io(directory: Path) -> str | None:
         view.release()
         buf.close()
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+            os.unlink(name, dir_fd=dir_fd)
 
 
 # --- value I/O ------------------------------------------------------------------------------
@@ -676,7 +692,9 @@ def verify_root(
     and verified (reads every byte: ~1 GB/s from a cold disk); without it, only names
     and sizes are checked. ``remove_corrupt`` deletes corrupt values of this user (never
     while an engine may be writing them: a live tier only ever renames complete files
-    into place; a value that replaced a corrupt one meanwhile is kept).
+    into place; a value that replaced a corrupt one meanwhile is kept). Each value is read as a
+    tier reads it (share-locked, still at its name): one a live engine is recycling is skipped
+    as gone, never judged half rewritten.
 
     Walks like the tier itself: ``root`` is opened as named, everything below it through
     directory descriptors, following no link (a namespace or shard directory that is a
@@ -809,6 +827,13 @@ def _verify_value(shard_fd: int, name: str, path: Path, key: bytes, v: _Verifica
         fd = open_regular(name, os.O_RDONLY, dir_fd=shard_fd)
         try:
             st = os.fstat(fd)
+            # As a tier's reader: share-locked and still at its name, or a live engine is recycling
+            # it (rewriting it in place for another key) and it is gone, not corrupt.
+            if not try_flock(fd, exclusive=False):
+                raise FileNotFoundError(errno.ENOENT, "being recycled", name)
+            now = os.stat(name, dir_fd=shard_fd, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                raise FileNotFoundError(errno.ENOENT, "replaced while opened", name)
             read_value(fd, st.st_size, v.header, memoryview(v.buf), namespace=v.digest, key=key,
                        block_bytes=v.block_bytes, direct=False, name=str(path))  # fmt: skip
         finally:
