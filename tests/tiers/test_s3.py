@@ -487,6 +487,28 @@ def test_a_hanging_server_fails_jobs_by_their_deadline_without_blocking_the_sche
     assert np.array_equal(rows[12:14], rows[0:2])
 
 
+def test_shutdown_waits_out_an_existence_check_longer_than_a_job(s3_stub: S3Stub, make: Any) -> None:
+    """Regression (review r8, 2026-12-03): shutdown joined the I/O threads for the job deadline
+    plus one request (4 s here) though a HEAD thread may be inside one existence check of up to
+    ``check_timeout`` (5 s here): with the server hung, ``shutdown()`` raised TierError and kept
+    the CPU rows (under a manager: TierShutdownError, the region left mapped)."""
+    options = {"request_timeout": 0.5, "connect_timeout": 0.3, "job_timeout": 1.5, "check_timeout": 5.0}
+    tier, _ = make(s3_stub.endpoint, s3_stub.bucket, **options)
+    wait_ready(tier)
+    keys = chain_ids(range(4), tier.context.namespace)
+    s3_stub.hang()
+    try:
+        assert all(tier.lookup(k, None) is LookupResult.RETRY for k in keys)
+        tier.on_schedule_end()  # their existence checks start, and hang
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        tier.shutdown()
+        took = time.monotonic() - t0
+    finally:
+        s3_stub.release()
+    assert took < 5.0 + 2.0, f"shutdown took {took:.1f}s"
+
+
 @pytest.mark.parametrize(("fault", "corrupt"), [("truncate", False), ("wrong_length", True), ("wrong_header", True)])
 def test_bad_bodies_fail_only_their_key(s3_stub: S3Stub, make: Any, fault: str, corrupt: bool) -> None:
     tier, rows = make(s3_stub.endpoint, s3_stub.bucket, max_retries=0)

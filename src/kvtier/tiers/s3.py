@@ -131,8 +131,9 @@ class S3Tier(ThreadedTier):
             context,
             breaker=CircuitBreaker(failure_threshold=opts.failure_threshold, open_seconds=opts.open_seconds),
             max_queued_stores=opts.max_queued_stores,
-            # A worker may be inside one request with its retries: bounded by the job deadline.
-            shutdown_timeout=opts.job_timeout + opts.request_timeout + 2.0,
+            # A data worker may be inside one request with its retries (bounded by the job deadline),
+            # a HEAD thread or a deletion inside one existence-check request (check_timeout).
+            shutdown_timeout=max(opts.job_timeout + opts.request_timeout, opts.check_timeout) + 2.0,
             job_timeout=opts.job_timeout,
         )
         self._store: S3Store = open_store(opts)
