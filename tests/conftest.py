@@ -16,6 +16,39 @@ from kvtier.region import FILE_PREFIX, FILE_SUFFIX
 
 SHM = Path("/dev/shm")
 
+# --- parallel runs (pytest-xdist, ``--dist loadgroup``) -------------------------------------------
+# Tests that use /dev/shm itself (leak checks of it, sweeps of it, processes holding a region there
+# killed) run one at a time on one worker ("shm" group): another worker's test could otherwise
+# see a file a killed process left a moment ago as a leak, or sweep it. vLLM engines run one at
+# a time on one worker ("vllm"): two CPU engines side by side would only slow each other down.
+# Everything else is spread over the workers test by test.
+SHM_ROOT_FIXTURES = frozenset({"shm_leak_check"})
+SHM_ROOT_MODULES = frozenset({
+    # they kill (SIGKILL, os._exit) processes that may hold a region in /dev/shm, or sweep it
+    "test_cli.py", "test_cli_inputs.py", "test_cli_replay_front_end.py", "test_manager_stateful.py",
+    "test_plugins.py", "test_region.py", "test_region_hardening.py", "test_region_lifecycle_exit.py",
+    "test_region_restart_races.py", "test_tempdir.py", "test_conformance.py", "test_fs_crash.py",
+    "test_fs_share.py", "test_redis.py", "test_redis_manager.py", "test_s3.py", "test_hostile.py",
+    "test_hostile_stream.py", "test_http.py", "test_redis_deletion.py", "test_writer_fencing.py",
+})  # fmt: skip
+MAX_WORKERS = 4
+"""``-n auto`` starts at most this many workers: the two serial groups bound the run anyway."""
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker per CPU this process may run on, at most :data:`MAX_WORKERS`."""
+    return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give each test its xdist group (before xdist reads them: ``tryfirst``)."""
+    for item in items:
+        if item.get_closest_marker("vllm") is not None:
+            item.add_marker(pytest.mark.xdist_group("vllm"))
+        elif item.path.name in SHM_ROOT_MODULES or SHM_ROOT_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("shm"))
+
 
 def _region_files(directory: Path) -> set[Path]:
     return {p for p in directory.glob(f"*{FILE_PREFIX}*{FILE_SUFFIX}") if p.is_file()}
