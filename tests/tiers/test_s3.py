@@ -25,10 +25,10 @@ from kvtier.errors import ConfigError
 from kvtier.keys import KVGeometry, Namespace, chain_ids
 from kvtier.testing import SCHEDULER_CALL_LIMIT, make_namespace, new_job, resolve, run_job, wait_results
 from kvtier.tiers.base import HealthState, JobResult, TierContext
-from kvtier.tiers.format import HEADER_SIZE
+from kvtier.tiers.format import HEADER_SIZE, MAX_KEY_BYTES
 from kvtier.tiers.registry import create_tier
 from kvtier.tiers.s3 import S3Tier
-from kvtier.tiers.s3_store import S3TierOptions, classify_error, key_of_path, manifest_dict
+from kvtier.tiers.s3_store import S3TierOptions, classify_error, key_of_path, manifest_dict, object_path
 from kvtier.types import LookupResult, RequestContext
 
 pytestmark = pytest.mark.s3
@@ -487,6 +487,36 @@ def test_a_hanging_server_fails_jobs_by_their_deadline_without_blocking_the_sche
     assert np.array_equal(rows[12:14], rows[0:2])
 
 
+def test_a_failed_probe_says_why_in_one_line(s3_bucket: tuple[MotoServer, str], make: Any) -> None:
+    """Regression (review r8, 2026-12-03): once a probe had failed, ``health().detail`` was the
+    raw client error (the URL, the retry dump, the server's XML body) instead of the one line
+    the tier gave when it went out of service."""
+    import urllib.request
+
+    import obstore as obs
+
+    server, bucket = s3_bucket
+    tier, _ = make(server.endpoint, bucket, **FAST)
+    keys = chain_ids(range(4), tier.context.namespace)
+    assert run_job(tier, keys[:2], [0, 1], False, 10).success
+    client = raw_client(server.endpoint, bucket)  # the operator empties and deletes the bucket
+    for batch in obs.list(client):
+        for meta in batch:
+            obs.delete(client, meta["path"])
+    urllib.request.urlopen(urllib.request.Request(f"{server.endpoint}/{bucket}", method="DELETE"), timeout=10).read()
+    assert not run_job(tier, keys[2:], [2, 3], False, 10).success
+    gone = "the bucket does not exist"
+    assert tier.health().detail.startswith(gone)
+    deadline = time.monotonic() + 10
+    while not tier.health().detail.startswith("health probe failed"):
+        assert time.monotonic() < deadline, f"no probe ran: {tier.health()}"
+        tier.lookup(keys[0], None)
+        tier.on_schedule_end()
+        time.sleep(0.05)
+    detail = tier.health().detail
+    assert gone in detail and "\n" not in detail and "<?xml" not in detail and "<Error>" not in detail, detail
+
+
 def test_shutdown_waits_out_an_existence_check_longer_than_a_job(s3_stub: S3Stub, make: Any) -> None:
     """Regression (review r8, 2026-12-03): shutdown joined the I/O threads for the job deadline
     plus one request (4 s here) though a HEAD thread may be inside one existence check of up to
@@ -655,6 +685,7 @@ def _ctx() -> TierContext:
         ({"request_timeout": 5, "job_timeout": 5}, "job_timeout"),
         ({"bucket": "No_Such"}, "bucket"),
         ({"prefix": "a/../b"}, "prefix"),
+        ({"prefix": "p" * 860}, "prefix is 860 characters; at most 859"),  # review r8: names over 1,024 bytes
         ({"endpoint": "https://host:9000/bucket"}, "must not have a path"),
         ({"endpoint": "ftp://host"}, "endpoint"),
         ({"access_key_id": "x"}, "both access_key_id"),
@@ -669,6 +700,16 @@ def _ctx() -> TierContext:
 def test_bad_options_name_the_problem(options: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         S3Tier(_ctx(), **{"bucket": "kv-cache", **options})
+
+
+def test_the_longest_prefix_allowed_names_objects_within_s3s_limit() -> None:
+    """Regression (review r8, 2026-12-03): a prefix of any length was accepted, and one over ~860
+    characters named every object past S3's 1,024-byte limit (the tier never came into service;
+    its detail never named the prefix)."""
+    prefix = S3TierOptions(bucket="kv-cache", prefix="p" * 859).prefix
+    ns_prefix = f"{prefix}/{make_namespace(BLOCK).hexdigest}"
+    longest = object_path(ns_prefix, bytes(range(MAX_KEY_BYTES)))
+    assert len(longest.encode()) == 1024
 
 
 def test_addressing_follows_the_endpoint() -> None:

@@ -590,10 +590,18 @@ class S3Tier(ThreadedTier):
         raise ConfigError(message)
 
     def _probe(self) -> None:
-        """The manifest check (it also proves the bucket is there and writable); a fresh index after."""
+        """The manifest check (it also proves the bucket is there and writable); a fresh index after.
+        A failed request raises TierError with its one line (:func:`short_error`: the health
+        detail never holds the client's dump or the server's XML body)."""
         with self._manifest_lock:
             try:
                 self._ensure_manifest()
+            except ConfigError:
+                raise
+            except Exception as exc:
+                detail = short_error(exc)
+                forget_frames(exc)
+                raise TierError(detail) from None
             finally:
                 self._manifest_checks += 1
         with self._lock:

@@ -55,6 +55,11 @@ PUT, never multipart, and S3 refuses a single PUT over 5 GiB. A larger object un
 is not a block kvtier wrote; offline inspection never reads one (it could be any size)."""
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]\Z")
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9!_.*'()\-]+(/[A-Za-z0-9!_.*'()\-]+)*\Z")
+MAX_OBJECT_NAME_BYTES = 1024
+"""S3's limit on an object name (its key), in UTF-8 bytes."""
+MAX_PREFIX_CHARS = MAX_OBJECT_NAME_BYTES - len("/") - 32 - len("/") - 2 - len("/") - 2 * MAX_KEY_BYTES
+"""The longest ``prefix`` whose object names (``<prefix>/<namespace hex>/<2 hex>/<key hex>``,
+keys of up to :data:`MAX_KEY_BYTES`) all fit in :data:`MAX_OBJECT_NAME_BYTES`."""
 _OBJECT_RE = re.compile(rf"^[0-9a-f]{{2}}/([0-9a-f]{{2,{2 * MAX_KEY_BYTES}}})\Z")
 
 
@@ -213,6 +218,11 @@ class S3TierOptions(TierOptions):
         value = value.strip("/")
         if not _PREFIX_RE.match(value) or any(part in (".", "..") for part in value.split("/")):
             raise ValueError(f"prefix {value!r} must be non-empty path segments of letters, digits and !_.*'()-")
+        if len(value) > MAX_PREFIX_CHARS:
+            raise ValueError(
+                f"prefix is {len(value)} characters; at most {MAX_PREFIX_CHARS}, or object names "
+                f"(<prefix>/<namespace>/<2 hex>/<key hex>) pass S3's {MAX_OBJECT_NAME_BYTES}-byte limit"
+            )
         return value
 
     # validate_default: when unset, the environment variable that stands in for it is checked.
