@@ -191,6 +191,9 @@ class _StubHandler(http.server.BaseHTTPRequestHandler):
         if not self._before():
             return
         stub, key = self._stub(), self._key()
+        if self.headers.get("If-None-Match") is not None and not stub.conditional_writes:
+            self._error(501, "NotImplemented")  # as a store without conditional writes answers
+            return
         with stub.lock:
             if self.headers.get("If-None-Match") == "*" and key in stub.objects:
                 exists = True
@@ -288,6 +291,8 @@ class S3Stub:
         self.faults: dict[str, str] = {}
         self.slowdowns = 0
         self.delays: dict[str, float] = {}
+        self.conditional_writes = True
+        """False: a PUT with ``If-None-Match`` is answered 501 NotImplemented."""
         self.hanging = threading.Event()
         self.released = threading.Event()
         self._server = _StubHTTPServer(("127.0.0.1", 0), _StubHandler)

@@ -517,6 +517,22 @@ def test_a_failed_probe_says_why_in_one_line(s3_bucket: tuple[MotoServer, str], 
     assert gone in detail and "\n" not in detail and "<?xml" not in detail and "<Error>" not in detail, detail
 
 
+def test_a_store_without_conditional_writes_gets_its_manifest(s3_stub: S3Stub, make: Any) -> None:
+    """Regression (review r8, 2026-12-03): the manifest was always uploaded with ``If-None-Match:
+    *``; a server without conditional writes answers 501 NotImplemented, so a fresh namespace never
+    got its manifest and the tier stayed out of service (its detail the raw 501 dump)."""
+    s3_stub.conditional_writes = False
+    tier, rows = make(s3_stub.endpoint, s3_stub.bucket, **FAST)
+    keys = chain_ids(range(2), tier.context.namespace)
+    result = run_job(tier, keys, [0, 1], False, 10)
+    assert result.success, (result.error, tier.health())
+    assert tier.health().state is HealthState.CLOSED
+    (name,) = [n for n in s3_stub.objects if n.endswith("/manifest.json")]
+    manifest = json.loads(s3_stub.objects[name])
+    assert manifest["block_bytes"] == BLOCK
+    assert run_job(tier, keys, [4, 5], True, 10).success and np.array_equal(rows[4:6], rows[0:2])
+
+
 def test_shutdown_waits_out_an_existence_check_longer_than_a_job(s3_stub: S3Stub, make: Any) -> None:
     """Regression (review r8, 2026-12-03): shutdown joined the I/O threads for the job deadline
     plus one request (4 s here) though a HEAD thread may be inside one existence check of up to

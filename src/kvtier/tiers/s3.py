@@ -87,6 +87,7 @@ from kvtier.tiers.s3_store import (
     S3TierOptions,
     bounded_body,
     classify_error,
+    conditional_write_unsupported,
     key_of_path,
     list_objects,
     manifest_dict,
@@ -555,6 +556,13 @@ class S3Tier(ThreadedTier):
                     obs.put(self._store, self._manifest_path, expected, mode="create", use_multipart=False)
                 except AlreadyExistsError:
                     continue  # another engine created it just now: read theirs
+                except Exception as exc:
+                    if not conditional_write_unsupported(exc):
+                        raise
+                    # A store without conditional writes: engines of this namespace upload the same
+                    # bytes, so a plain upload racing another engine's replaces it with itself.
+                    forget_frames(exc)
+                    obs.put(self._store, self._manifest_path, expected, use_multipart=False)
                 self._manifest_ready()
                 return
             body = bounded_body(result, MAX_MANIFEST_BYTES)  # (a shared bucket: any size, whatever it says)

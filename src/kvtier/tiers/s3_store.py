@@ -617,6 +617,17 @@ def classify_error(exc: BaseException) -> ErrorKind:
     return "other"
 
 
+def conditional_write_unsupported(exc: BaseException) -> bool:
+    """Did the server refuse an upload for its ``If-None-Match`` header (501 NotImplemented:
+    a store without conditional writes)?"""
+    text = str(exc)
+    found = _S3_CODE.search(text)
+    status = _STATUS.search(_own_words(text))
+    if found is not None and found.group(1) == "NotImplemented":
+        return True
+    return status is not None and status.group(1) == "501"
+
+
 def short_error(exc: BaseException) -> str:
     """One line saying what went wrong and what to do, from an obstore error: never its XML
     body, debug dump or a native crash's text."""
@@ -659,6 +670,7 @@ __all__ = [
     "check_region",
     "check_s3_endpoint",
     "classify_error",
+    "conditional_write_unsupported",
     "key_of_path",
     "list_objects",
     "manifest_dict",
