@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from held_pages import open_fds_under
 from kvtier.keys import KVGeometry, Namespace
 from kvtier.region import FILE_PREFIX, FILE_SUFFIX
 
@@ -53,11 +54,13 @@ def serial_group(module: str) -> str | None:
     return "shm" if module in SHM_GROUP else None
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: one worker per CPU this process may run on, at most :data:`MAX_WORKERS`."""
     return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """xdist's scheduling by scope, where a scope is a test's group, or the test alone."""
     if config.getvalue("dist") == "each":
@@ -101,19 +104,6 @@ def _unheld(path: Path) -> bool:
         return False
     finally:
         os.close(fd)
-
-
-def open_fds_under(path: Path) -> list[str]:
-    """What this process has open below ``path`` (from /proc/self/fd): must be empty after a cleanup."""
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(str(path)):
-            out.append(target)
-    return out
 
 
 @pytest.fixture

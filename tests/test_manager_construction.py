@@ -4,27 +4,18 @@ even while the caller keeps the exception (and so its traceback) alive."""
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from held_pages import mappings_under, pages_held_under
 from kvtier import ConfigError, KVGeometry, Namespace, TieringManager
 from kvtier.tiers.registry import register_tier
 
 register_tier("scripted", "tier_doubles:ScriptedTier")
 NS = Namespace("construction", KVGeometry.from_block_bytes(1 << 20))
 REGION_BLOCKS = 64  # 64 MiB per attempt
-
-
-def _free(directory: Path) -> int:
-    st = os.statvfs(directory)
-    return st.f_bavail * st.f_frsize
-
-
-def _region_mappings(directory: Path) -> list[str]:
-    return [line for line in Path("/proc/self/maps").read_text().splitlines() if str(directory) in line]
 
 
 @pytest.mark.parametrize(
@@ -40,7 +31,6 @@ def test_failed_creates_return_the_memory_fds_and_mappings(
 ) -> None:
     """Three failed 64 MiB creates used to keep 192 MiB of /dev/shm mapped (path unlinked, fd and
     mapping alive, invisible to ls and sweep-shm) for as long as the exceptions lived."""
-    before = _free(private_shm)
     kept: list[BaseException] = []
     with caplog.at_level(logging.WARNING):
         for _ in range(3):
@@ -48,9 +38,8 @@ def test_failed_creates_return_the_memory_fds_and_mappings(
                 TieringManager.create(namespace=NS, num_cpu_blocks=REGION_BLOCKS, shm_dir=private_shm, tiers=tiers)
             kept.append(info.value)  # the caller keeps the exception and its traceback
     assert all(e.__traceback__ is not None for e in kept)
-    assert before - _free(private_shm) < 8 << 20, "the failed regions' memory is still held"
-    assert open_fds(private_shm) == [] and _region_mappings(private_shm) == []
-    assert not list(private_shm.iterdir())
+    assert open_fds(private_shm) == [] and mappings_under(private_shm) == []
+    assert pages_held_under(private_shm) == [], "the failed regions' memory is still held"
     alarming = [r.getMessage() for r in caplog.records if r.name.startswith("kvtier") and r.levelno >= logging.WARNING]
     assert alarming == [], "a cleanup that succeeded says nothing alarming"
 

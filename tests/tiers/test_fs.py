@@ -3,6 +3,7 @@ ENOSPC and health on real (tmpfs) file systems, temp sweeping, shutdown, offline
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import gc
 import os
@@ -339,6 +340,31 @@ def test_manifest_of_other_data_is_refused(tmp_path: Path, rows: np.ndarray) -> 
     manifest.write_text("{not json")
     with pytest.raises(ConfigError, match="unreadable"):
         make_tier(tmp_path, rows, BB)
+
+
+def test_a_root_on_a_file_system_without_hard_links_starts_and_serves(
+    tmp_path: Path, rows: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (review r10, 2026-12-03): the fix above first named the lock with a hard link,
+    so on a file system without them (vfat, exFAT, some FUSE and SMB mounts: EPERM) the tier no
+    longer started; values there are placed by rename, and the lock is too."""
+
+    def no_links(*args: object, **kwargs: object) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    tier = make_tier(tmp_path, rows, BB)
+    try:
+        keys = [key_of(i, b"nolinks") for i in range(3)]
+        fill(rows, range(3), keys, BB)
+        assert store(tier, keys, range(3)).success
+        assert tier.describe()["hard_links"] is False
+        rows[4:7] = 0
+        assert load(tier, keys, range(4, 7)).success and np.array_equal(rows[4:7], rows[0:3])
+        (instance,) = (tier.ns_dir / "tmp").iterdir()
+        assert sorted(p.name for p in instance.iterdir()) == ["lock"]
+    finally:
+        tier.shutdown()
 
 
 def test_a_manifest_nested_too_deeply_is_refused_by_name(tmp_path: Path, rows: np.ndarray) -> None:

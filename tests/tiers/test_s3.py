@@ -533,6 +533,32 @@ def test_a_store_without_conditional_writes_gets_its_manifest(s3_stub: S3Stub, m
     assert run_job(tier, keys, [4, 5], True, 10).success and np.array_equal(rows[4:6], rows[0:2])
 
 
+def test_without_conditional_writes_a_manifest_another_engine_put_last_is_checked(
+    s3_stub: S3Stub, make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review r10 (2026-12-03): the plain upload of the fallback above was taken as the manifest;
+    an engine of the same namespace digest but another block size uploading right after it
+    (nothing conditional stops it) left both engines in service. The upload is read back."""
+    import obstore
+
+    s3_stub.conditional_writes = False
+    plain_put = obstore.put
+
+    def racing_put(store: Any, path: str, body: Any, **kwargs: Any) -> Any:
+        result = plain_put(store, path, body, **kwargs)
+        if path.endswith("/manifest.json") and kwargs.get("mode") is None:  # the other engine's, just after
+            theirs = dict(json.loads(bytes(body)), block_bytes=2 * BLOCK)
+            plain_put(store, path, json.dumps(theirs).encode(), **kwargs)
+        return result
+
+    monkeypatch.setattr(obstore, "put", racing_put)
+    tier, _ = make(s3_stub.endpoint, s3_stub.bucket, **FAST)
+    result = run_job(tier, chain_ids(range(1), tier.context.namespace), [0], False, 10)
+    assert not result.success
+    assert tier.health().state is not HealthState.CLOSED
+    assert f"holds block_bytes={2 * BLOCK}, this engine needs {BLOCK}" in tier.health().detail
+
+
 def test_shutdown_waits_out_an_existence_check_longer_than_a_job(s3_stub: S3Stub, make: Any) -> None:
     """Regression (review r8, 2026-12-03): shutdown joined the I/O threads for the job deadline
     plus one request (4 s here) though a HEAD thread may be inside one existence check of up to

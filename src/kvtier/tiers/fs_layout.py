@@ -252,8 +252,9 @@ class InstanceDir:
             # Named ``lock`` only once locked: an engine starting meanwhile, sweeping the dead
             # instances' directories, finds no lock (a young directory: alive) or a held one; it
             # could otherwise take a just-created lock first and remove this live directory.
-            os.link(NEW_LOCK_FILE, LOCK_FILE, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
-            os.unlink(NEW_LOCK_FILE, dir_fd=self.fd)
+            # (A rename, not a link: roots on file systems without hard links work too. It could
+            # replace only what another writer of the root put in this new directory.)
+            os.rename(NEW_LOCK_FILE, LOCK_FILE, src_dir_fd=self.fd, dst_dir_fd=self.fd)
         except BaseException:
             if self._lock_fd is not None:
                 os.close(self._lock_fd)

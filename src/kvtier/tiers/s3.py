@@ -559,10 +559,11 @@ class S3Tier(ThreadedTier):
                 except Exception as exc:
                     if not conditional_write_unsupported(exc):
                         raise
-                    # A store without conditional writes: engines of this namespace upload the same
-                    # bytes, so a plain upload racing another engine's replaces it with itself.
+                    # A store without conditional writes: a plain upload, then read back like one
+                    # another engine made (one of another block size racing this one may have won).
                     forget_frames(exc)
                     obs.put(self._store, self._manifest_path, expected, use_multipart=False)
+                    continue
                 self._manifest_ready()
                 return
             body = bounded_body(result, MAX_MANIFEST_BYTES)  # (a shared bucket: any size, whatever it says)
