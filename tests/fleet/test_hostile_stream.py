@@ -5,6 +5,9 @@ paused or restarted under the writer, and the subscriber thread must carry on an
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -357,10 +360,45 @@ def test_an_engine_on_ipv6_is_heard_and_the_server_listens_on_ipv6() -> None:
 
 @pytest.mark.parametrize(("url", "names"), [("inproc://x", "must start with one of"),
                                             ("tcp://:5", "needs the engine's host"),
-                                            ("tcp://*:5", "needs the engine's host")])  # fmt: skip
+                                            ("tcp://*:5", "needs the engine's host"),
+                                            ("ipc://", "needs a socket path of 1-107 bytes"),  # review r9
+                                            ("ipc:///tmp/" + "x" * 200, "socket path of 1-107")])  # fmt: skip
 def test_endpoints_that_can_never_connect_are_refused(url: str, names: str) -> None:
     with pytest.raises(ValueError, match=names):  # before the fix: accepted, the engine "waiting" for good
         EngineEndpoint("e", url)
+
+
+@pytest.mark.parametrize(("fields", "names"), [
+    ({"topic": "\udcff"}, "topic"), ({"topic": "t" * 256}, "topic"),
+    ({"api": "http://h:99999"}, "api URL .* needs the engine's host and a port"),
+    ({"api": "http://"}, "api URL .* needs the engine's host"),
+    ({"api": "http://:8000"}, "api URL .* needs the engine's host"),
+])  # fmt: skip
+def test_a_topic_or_api_url_that_can_never_work_is_refused_by_name(fields: dict[str, str], names: str) -> None:
+    """Regression (review r9, 2026-12-03): an undecodable topic passed, and wedged ``kvtier fleet
+    serve`` (below); an API URL without a host or with a port out of range passed, and every
+    snapshot ask failed at run time."""
+    with pytest.raises(ValueError, match=names):
+        EngineEndpoint("e", "tcp://127.0.0.1:5", **fields)
+
+
+def test_an_endpoint_zmq_refuses_fails_start_by_name_and_stop_still_ends() -> None:
+    """Regression (review r9, 2026-12-03): a SUB socket whose connect ZMQ refused was never closed,
+    and ``stop()`` (the CLI's ``finally``) then waited for it for ever in the context's term():
+    ``kvtier fleet serve`` hung without a word."""
+    subscriber = FleetSubscriber(FleetIndex(["e"]), [EngineEndpoint("e", "tcp://a b:5")])
+    with pytest.raises(ValueError, match="engine e: cannot subscribe to 'tcp://a b:5'"):
+        subscriber.start()
+    stopper = threading.Thread(target=subscriber.stop, daemon=True)
+    stopper.start()
+    stopper.join(10)
+    assert not stopper.is_alive(), "stop() is blocked"
+
+
+def test_kvtier_fleet_serve_with_an_endpoint_zmq_refuses_exits_with_the_error() -> None:
+    cli = [sys.executable, "-m", "kvtier.cli", "fleet", "serve", "--port", "0", "--engine", "a=tcp://a b:5"]
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode != 0 and "tcp://a b:5" in done.stderr, (done.returncode, done.stderr[-2000:])
 
 
 def test_the_engine_table_is_not_rewritten_to_redis_with_every_batch(redis_server: Any) -> None:

@@ -87,6 +87,21 @@ def test_answers_by_tokens_and_by_block_hashes(served: tuple[FleetServer, FleetI
     assert _request(server.url, "GET", "/health") == (200, {"ok": True})
 
 
+def test_a_group_asked_by_tokens_is_that_groups_answer(served: tuple[FleetServer, FleetIndex]) -> None:
+    """Regression (review r9, 2026-12-03): ``group`` sent with ``tokens`` was ignored, so a router
+    asking a hybrid model's group 1 by tokens was told what group 0 holds."""
+    server, index = served
+    tokens = list(range(100, 100 + 3 * TOKENS))
+    keys = BlockHasher("sha256", None, TOKENS).event_hashes(tokens)
+    _fill(index, keys[:2])  # group 0's
+    assert _post(server.url, {"tokens": tokens})[1]["engines"]["a"]["blocks"] == 2
+    assert _post(server.url, {"tokens": tokens, "group": 0})[1]["engines"]["a"]["blocks"] == 2
+    status, body = _post(server.url, {"tokens": tokens, "group": 1})
+    assert status == 200 and body["engines"]["a"]["blocks"] == 0
+    status, by_hash = _post(server.url, {"block_hashes": keys, "group": 1})
+    assert status == 200 and by_hash["engines"]["a"]["blocks"] == 0
+
+
 @pytest.mark.parametrize(
     ("body", "status", "names"),
     [
@@ -103,6 +118,7 @@ def test_answers_by_tokens_and_by_block_hashes(served: tuple[FleetServer, FleetI
         ({"block_hashes": [None]}, 400, "block_hashes"),
         ({"block_hashes": [1], "group": -1}, 400, "group"),
         ({"block_hashes": [1], "group": "0"}, 400, "group"),
+        ({"tokens": [1, 2], "group": "x"}, 400, "group"),  # review r9: with tokens it was ignored
         ({"block_hashes": list(range(65))}, 413, "block_hashes"),
         ({"block_hashes": [1], "engines": "a"}, 400, "engines"),
         ({"block_hashes": [1], "prompt": "hi"}, 400, "unknown field"),

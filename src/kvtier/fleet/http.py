@@ -221,12 +221,16 @@ class FleetServer(ThreadingHTTPServer):
             raise BadRequest(HTTPStatus.BAD_REQUEST, "engines must be a list of engine names")
         if ("tokens" in body) == ("block_hashes" in body):
             raise BadRequest(HTTPStatus.BAD_REQUEST, "give exactly one of tokens and block_hashes")
+        group = body.get("group", 0)
+        if type(group) is not int or not 0 <= group <= MAX_GROUP:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"group must be an integer in [0, {MAX_GROUP}], got {group!r:.40}")
         size: int | None
         if "tokens" in body:
             size = self.engines_tokens_per_hash(engines)
-            keys = self._hasher(size).event_hashes(self._tokens(body["tokens"], size))
+            hashes = self._hasher(size).event_hashes(self._tokens(body["tokens"], size))
+            keys = [block_key(h, group) for h in hashes] if group else hashes
         else:
-            keys = self._keys(body["block_hashes"], body.get("group", 0))
+            keys = self._keys(body["block_hashes"], group)
             try:
                 size = self.engines_tokens_per_hash(engines)
             except BadRequest:
@@ -248,9 +252,7 @@ class FleetServer(ThreadingHTTPServer):
             raise BadRequest(HTTPStatus.BAD_REQUEST, f"tokens must be integers in [0, {_MAX_TOKEN}]")
         return tokens
 
-    def _keys(self, hashes: Any, group: Any) -> list[int]:
-        if type(group) is not int or not 0 <= group <= MAX_GROUP:
-            raise BadRequest(HTTPStatus.BAD_REQUEST, f"group must be an integer in [0, {MAX_GROUP}], got {group!r:.40}")
+    def _keys(self, hashes: Any, group: int) -> list[int]:
         if not isinstance(hashes, list):
             raise BadRequest(HTTPStatus.BAD_REQUEST, "block_hashes must be a list")
         if len(hashes) > self.max_blocks:

@@ -59,6 +59,31 @@ _DRAIN_SECONDS = 0.25  # one engine's messages handled in a row at most before t
 _REPLAY_BACKOFF = 4.0
 
 
+_MAX_IPC_PATH = 107
+"""The longest ``ipc://`` socket path, in bytes (a Unix socket address holds 108, the NUL included)."""
+
+
+def _encodes(text: str) -> bool:
+    """Can ``text`` be sent as UTF-8 (no lone surrogates from undecodable bytes)?"""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_api_url(name: str, url: str) -> None:
+    """An engine's OpenAI API base URL: a host and, if given, a port 1-65535 (ValueError names it)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError:
+        port, parts = -1, None
+    if parts is None or not parts.hostname or port == 0 or port == -1 or not _encodes(url):
+        raise ValueError(f"engine {name}: api URL {url!r:.160} needs the engine's host and a port 1-65535 "
+                         "(http://host:port)")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class EngineEndpoint:
     """One engine: a name (used in answers), its events endpoint (``tcp://host:port``),
@@ -73,12 +98,21 @@ class EngineEndpoint:
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > 128 or any(c.isspace() for c in self.name):
             raise ValueError(f"engine name must be 1-128 characters without spaces, got {self.name!r}")
+        if not _encodes(self.topic) or len(self.topic.encode()) > 255:
+            raise ValueError(f"engine {self.name}: topic {self.topic!r:.80} must be text of at most 255 bytes")
         # (inproc:// is refused: it reaches only sockets of the subscriber's own ZMQ context)
         for what, url, schemes in (("events", self.events, ("tcp://", "ipc://")),
                                    ("replay", self.replay, ("tcp://", "ipc://")),
                                    ("api", self.api, ("http://", "https://"))):  # fmt: skip
             if url is not None and not url.startswith(schemes):
                 raise ValueError(f"engine {self.name}: {what} endpoint {url!r} must start with one of {schemes}")
+            if url is not None and url.startswith("ipc://"):
+                path = url.removeprefix("ipc://")
+                if not path or not _encodes(path) or len(path.encode()) > _MAX_IPC_PATH:
+                    raise ValueError(f"engine {self.name}: {what} endpoint {url!r:.160} needs a socket path of "
+                                     f"1-{_MAX_IPC_PATH} bytes (ipc:///path)")  # fmt: skip
+            if url is not None and url.startswith(("http://", "https://")):
+                _check_api_url(self.name, url)
             if url is None or not url.startswith("tcp://"):
                 continue
             host, _, port = url.removeprefix("tcp://").rpartition(":")
@@ -145,14 +179,21 @@ class FleetSubscriber:
         """Why the subscriber thread stopped on its own (a bug); None while it runs as it should."""
 
     def start(self) -> None:
+        """Connect to every engine and start the thread; ValueError names an endpoint ZMQ refused
+        (its socket closed: ``stop()`` still ends at once)."""
         for endpoint in self.endpoints:
             sub = self._ctx.socket(zmq.SUB)
-            sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-            sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.IPV6, 1)  # (without it a tcp://[::1]:port endpoint never connects, silently)
-            sub.setsockopt(zmq.SUBSCRIBE, endpoint.topic.encode())
-            sub.connect(endpoint.events)
+            try:
+                sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+                sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
+                sub.setsockopt(zmq.LINGER, 0)
+                sub.setsockopt(zmq.IPV6, 1)  # (without it a tcp://[::1]:port endpoint never connects, silently)
+                sub.setsockopt(zmq.SUBSCRIBE, endpoint.topic.encode())
+                sub.connect(endpoint.events)
+            except (zmq.ZMQError, UnicodeError) as exc:
+                sub.close(linger=0)
+                why = f"engine {endpoint.name}: cannot subscribe to {endpoint.events!r:.160}: {exc}"
+                raise ValueError(why) from None
             self._links[sub] = _Link(endpoint, sub)
         self._thread = threading.Thread(target=self._run, name="kvtier-fleet-subscriber", daemon=True)
         self._thread.start()
@@ -167,7 +208,7 @@ class FleetSubscriber:
             thread.join(max(0.1, join_timeout / 4))
         for link in self._links.values():
             link.sub.close(linger=0)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)  # (closes any socket still open, so it never waits on one)
 
     def __enter__(self) -> FleetSubscriber:
         self.start()
