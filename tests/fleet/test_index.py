@@ -270,3 +270,28 @@ def test_the_one_pass_answer_equals_each_prefix_walked_alone(masks: list[int], c
     lazy = prefix_answer(meta, masks_store, keys, first_window=window)["e"]
     assert {"blocks": got["blocks"], "tiers": got["tiers"]} == want
     assert lazy == got
+
+
+def test_the_keys_a_shared_store_snapshot_lists_are_bounded_by_max_keys() -> None:
+    """Regression (review r9, 2026-12-03): the keys a complete snapshot of a shared store lists are
+    held until its last part (to drop what it does not list), applied or not; keys older than the
+    change times the index forgot are not applied, so an engine sending such a snapshot that never
+    ends grew that set without bound, past ``max_keys``, while it stayed ``synced``."""
+
+    def rec(op: str, seq: int, at: float, **fields: Any) -> WireEvent:
+        record = ControlRecord(op, "e", "s1", seq, at, (FS,), {"tokens_per_hash": 16}, **fields)
+        return WireEvent(Kind.CONTROL, control=ControlRecord.decode(record.encode()))
+
+    index = FleetIndex(["a"], MemoryMasks(max_keys=10), max_times=4)
+    index.apply("a", WireBatch(NOW, [rec("hello", 0, NOW)], 0))
+    # removals of keys never stored fill the change times; forgetting the oldest sets the floor
+    index.apply("a", WireBatch(NOW, [rec("events", 1, NOW - 100), WireEvent(Kind.REMOVED, tuple(range(5)), "STORAGE",
+                                                                            "1:fs")], 0))  # fmt: skip
+    snapshot = {"tier": "1:fs", "last": False, "complete": True, "reason": "request"}
+    index.apply("a", WireBatch(NOW, [rec("snapshot", 2, NOW - 200, part=0, **snapshot)], 0))
+    for part in (1, 2):  # older than the floor: nothing applied, all listed
+        keys = tuple(range(1000 * part, 1000 * part + 8))
+        index.apply("a", WireBatch(NOW, [rec("snapshot", 2 + part, NOW - 200, part=part, **snapshot),
+                                         WireEvent(Kind.STORED, keys, "STORAGE", "1:fs")], 0))  # fmt: skip
+    assert sum(len(listed) for _, listed in index._sweeps.values()) <= 10
+    assert index.engine("a").status == "partial" and index.engine("a").skipped >= 1

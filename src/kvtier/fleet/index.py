@@ -128,6 +128,11 @@ class EngineState:
         return "synced" if self.device_complete and self.private_complete else "partial"
 
 
+MAX_LISTED = 1 << 22
+"""The most keys a complete snapshot of a shared store may list to an index in Redis (held in
+this process until its last part); an in-memory index's ``max_keys`` bounds it there."""
+
+
 class FleetIndex:
     """The writer's index (see the module docstring). ``masks`` holds the key bitmaps
     (default: in memory; :class:`~kvtier.fleet.masks.RedisMasks` to share them with
@@ -168,6 +173,8 @@ class FleetIndex:
         # (engine, tier label) -> (when a complete snapshot of a shared store was taken, the keys it listed)
         self._sweeps: dict[tuple[str, str], tuple[float, set[int]]] = {}
         self._sweeps_due: list[tuple[str, str]] = []
+        self._max_listed = self.masks.max_keys if isinstance(self.masks, MemoryMasks) else MAX_LISTED
+        """The most keys a complete shared-store snapshot may list (:attr:`_sweeps`)."""
         self._next_bit = 0
         self._kept_writer = clock()
         self._published_shape: dict[str, Any] | None = None
@@ -547,8 +554,14 @@ class FleetIndex:
             self._block_event(bit, event)
             return
         snapshot = context.op == "snapshot" and context.tier == tier.label
-        if snapshot and event.kind is Kind.STORED and (eng.name, tier.label) in self._sweeps:
-            self._sweeps[(eng.name, tier.label)][1].update(event.keys)
+        sweep = (eng.name, tier.label)
+        if snapshot and event.kind is Kind.STORED and sweep in self._sweeps:
+            listed = self._sweeps[sweep][1]
+            if len(listed) + len(event.keys) > self._max_listed:  # (held until the last part, applied or not)
+                del self._sweeps[sweep]
+                raise IndexFull(f"a complete snapshot of {tier.label} lists more than {self._max_listed} keys; "
+                                "its sweep is given up")  # fmt: skip
+            listed.update(event.keys)
         # What a snapshot lists may lag the store by an engine's view of other engines' changes.
         when = self._event_time(context) - (self.lag_seconds if snapshot else 0.0)
         self._store_event(bit, event.keys, event.kind is Kind.REMOVED, when)
