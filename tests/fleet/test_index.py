@@ -106,12 +106,14 @@ def test_a_gap_makes_the_engine_partial_until_a_snapshot(index: FleetIndex) -> N
     state = index.engine("a")
     assert state.gaps == 1 and state.status == "partial" and not state.private_complete
     assert index.held("a", "0:primary") == {3} and index.held("a", "GPU") == set()
-    assert index.take_snapshot_wanted("a") and not index.take_snapshot_wanted("a")
+    # wanted until a snapshot arrives whole (review r9: an ask the engine refused was never repeated)
+    assert index.take_snapshot_wanted("a") and index.take_snapshot_wanted("a")
     index.apply("a", batch(a.record("snapshot", tier="0:primary", part=0, last=False, complete=True, reason="request"),
                            stored([1, 2]),
                            a.record("snapshot", tier="0:primary", part=1, last=True, complete=True, reason="request"),
                            stored([3])))  # fmt: skip
     assert index.engine("a").private_complete and index.held("a", "0:primary") == {1, 2, 3}
+    assert not index.take_snapshot_wanted("a")
     index.apply("a", batch(WireEvent(Kind.CLEARED)))
     assert index.engine("a").status == "synced"
 
@@ -295,3 +297,25 @@ def test_the_keys_a_shared_store_snapshot_lists_are_bounded_by_max_keys() -> Non
                                          WireEvent(Kind.STORED, keys, "STORAGE", "1:fs")], 0))  # fmt: skip
     assert sum(len(listed) for _, listed in index._sweeps.values()) <= 10
     assert index.engine("a").status == "partial" and index.engine("a").skipped >= 1
+
+
+def test_a_snapshot_that_lost_a_part_leaves_the_engine_partial_and_wanting_one() -> None:
+    """Regression (review r9, 2026-12-03): a part of a CPU-tier snapshot lost (a gap) dropped the
+    tier, yet the snapshot's last part then marked it complete: the engine turned ``synced``
+    while the index missed the blocks of the parts before the gap."""
+    index = FleetIndex(["a"])
+    a = Stream("a", "s1")
+    index.apply("a", batch(a.record("hello"), stored([1, 2, 3, 4])))
+    a.record()  # lost: a gap, the engine wants a snapshot
+    index.apply("a", batch(a.record(), stored([5])))
+    snapshot = {"tier": "0:primary", "complete": True, "reason": "request"}
+    index.apply("a", batch(a.record("snapshot", part=0, last=False, **snapshot), stored([1, 2])))
+    a.record("snapshot", part=1, last=False, **snapshot)  # lost
+    index.apply("a", batch(a.record("snapshot", part=2, last=True, **snapshot), stored([4, 5])))
+    index.apply("a", batch(WireEvent(Kind.CLEARED)))
+    eng = index.engine("a")
+    assert eng.status == "partial" and not eng.private_complete and index.take_snapshot_wanted("a")
+    index.apply("a", batch(a.record("snapshot", part=0, last=False, **snapshot), stored([1, 2, 3]),
+                           a.record("snapshot", part=1, last=True, **snapshot), stored([4, 5])))  # fmt: skip
+    assert eng.status == "synced" and index.held("a", "0:primary") == {1, 2, 3, 4, 5}
+    assert not index.take_snapshot_wanted("a")

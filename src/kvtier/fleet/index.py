@@ -112,6 +112,7 @@ class EngineState:
     device_complete: bool = False
     private_complete: bool = False
     needs_snapshot: bool = False
+    snapshot_whole: bool = False  # its CPU tier's snapshot under way was heard from part 0 with no gap since
     batches: int = 0
     events: int = 0
     skipped: int = 0
@@ -359,7 +360,7 @@ class FleetIndex:
         """Forget the engine's device cache and private tiers (their contents are unknown now),
         and any snapshot of a shared store it was sending (it may have lost parts). The engine
         is incomplete from the first line on; if the store fails midway, the next batch retries."""
-        eng.device_complete = eng.private_complete = False
+        eng.device_complete = eng.private_complete = eng.snapshot_whole = False
         eng.dirty = True
         self._table = self._build_meta()  # answers say so before the store is written (it may hang or fail)
         for sweep in [k for k in self._sweeps if k[0] == eng.name]:
@@ -432,12 +433,12 @@ class FleetIndex:
             self._publish()
 
     def take_snapshot_wanted(self, name: str) -> bool:
-        """True once per need: the engine's private tiers are incomplete and a snapshot should be asked for."""
+        """True while the engine's private tiers are incomplete and a snapshot should be asked for:
+        until one arrives whole (an engine may refuse an ask, one soon after another or while it
+        sends one; the subscriber asks at most once per ``snapshot_retry``)."""
         with self._lock:
             eng = self._engines[name]
-            wanted = eng.needs_snapshot and eng.start is not None
-            eng.needs_snapshot = False
-            return wanted
+            return eng.needs_snapshot and eng.start is not None
 
     # --- events -------------------------------------------------------------------------
 
@@ -530,8 +531,14 @@ class FleetIndex:
         elif record.op == "snapshot" and tier is not None and tier.scope != SCOPE_SHARED:
             if record.part == 0:
                 self.masks.clear(eng.bits[tier.label])
-            if record.last and tier.label == PRIMARY_LABEL and record.reason != "start":
-                eng.private_complete = True
+                if tier.label == PRIMARY_LABEL:
+                    eng.snapshot_whole = True
+            if record.last and tier.label == PRIMARY_LABEL:
+                # Complete only if every part since part 0 arrived (a gap meanwhile dropped the tier).
+                if eng.snapshot_whole and record.reason != "start":
+                    eng.private_complete = True
+                    eng.needs_snapshot = False
+                eng.snapshot_whole = False
         elif record.op == "snapshot" and tier is not None:
             sweep = (eng.name, tier.label)
             if record.part == 0:
