@@ -7,6 +7,7 @@ Redis that dies under the subscriber, and HTTP clients that dribble bytes or sen
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import socket
 import threading
@@ -439,3 +440,58 @@ def test_a_client_that_reads_its_answers_at_a_trickle_holds_no_slot_and_is_dropp
         attacker.close()
         served.shutdown()
         served.server_close()
+
+
+def test_snapshot_asks_repeat_while_wanted_and_back_off() -> None:
+    """Review r9 (2026-12-03): an ask the engine refused was never repeated (the engine stayed
+    partial for good); asked again while the index wants a snapshot, each wait twice the last."""
+    pytest.importorskip("zmq")
+    import http.server
+
+    from kvtier.fleet.subscriber import EngineEndpoint, FleetSubscriber, _Link
+
+    asks: list[float] = []
+
+    class Refusing(http.server.BaseHTTPRequestHandler):  # an engine that answers and sends nothing
+        def do_GET(self) -> None:
+            self._answer(b'{"data": [{"id": "m"}]}')
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            asks.append(time.monotonic())
+            self._answer(b'{"choices": []}')
+
+        def _answer(self, body: bytes) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    api = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=api.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        index = FleetIndex(["e"])
+        index.apply("e", _batch(_record("hello", "s", 3)))  # joined mid-start: wants a snapshot
+        endpoint = EngineEndpoint("e", "ipc:///nonexistent", api=f"http://127.0.0.1:{api.server_address[1]}")
+        subscriber = FleetSubscriber(index, [endpoint], snapshot_retry=0.05, http_timeout=5)
+        link = _Link(endpoint, None)
+        asked: list[float] = []
+        end = time.monotonic() + 1.6
+        while time.monotonic() < end:
+            subscriber._maybe_ask_snapshot(link)
+            if link.last_snapshot_ask not in asked:
+                asked.append(link.last_snapshot_ask)
+            time.sleep(0.005)
+        for thread in subscriber._asks:
+            thread.join(5)
+        # at least 0.05, 0.1, 0.2, 0.4, 0.8 s apart: at most 6 asks in 1.6 s (every 0.05 s: 32)
+        assert 3 <= len(asked) <= 6, asked
+        waits = [b - a for a, b in itertools.pairwise(asked)]
+        assert all(wait >= 0.05 * 2**i for i, wait in enumerate(waits)), waits
+        assert len(asks) == len(asked) == link.asks and index.take_snapshot_wanted("e")
+    finally:
+        api.shutdown()
+        api.server_close()

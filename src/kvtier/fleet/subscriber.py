@@ -15,7 +15,8 @@ ROUTER that resends buffered batches from a sequence number) and its OpenAI API 
 * When the index wants a snapshot of an engine (it joined mid-start, or lost events),
   and the engine's API URL is known, a helper thread sends the engine a one-token
   completion whose ``kv_transfer_params`` ask kvtier for one (``{"kvtier_events":
-  "snapshot"}``; at most once per ``snapshot_retry`` seconds per engine; each ask bounded
+  "snapshot"}``; at most once per ``snapshot_retry`` seconds per engine, and twice as long
+  after each ask while the index still wants one (up to 32 times); each ask bounded
   as a whole by ``http_timeout``, and asked again later whatever went wrong, a helper thread
   that cannot be started included: the subscriber thread carries on).
 
@@ -57,6 +58,7 @@ _DRAIN_SECONDS = 0.25  # one engine's messages handled in a row at most before t
 # After a replay that took t seconds, the engine is asked for none for _REPLAY_BACKOFF * t seconds (its gaps count as
 # lost events at once meanwhile): an engine whose replays hang (down, or hostile) takes at most a fifth of the thread.
 _REPLAY_BACKOFF = 4.0
+_ASK_BACKOFF_STEPS = 5  # snapshot asks: snapshot_retry, then twice that, ... up to 32 times that
 
 
 _MAX_IPC_PATH = 107
@@ -132,6 +134,7 @@ class _Link:
     replayed: int = 0
     failed: int = 0
     last_snapshot_ask: float = -float("inf")
+    asks: int = 0  # snapshot asks since the index last wanted none
     replay_after: float = -float("inf")  # no replay is asked of the engine before then (monotonic)
     model: str | None = None
     pending: list[tuple[int, bytes]] = field(default_factory=list)
@@ -392,11 +395,19 @@ class FleetSubscriber:
     # --- snapshots --------------------------------------------------------------------------
 
     def _maybe_ask_snapshot(self, link: _Link) -> None:
+        """Ask the engine for a snapshot while the index wants one: ``snapshot_retry`` after the
+        last ask, doubling with each ask the engine leaves unanswered (up to 32 times that), so an
+        engine that never sends one (or an API that fails) is not asked forever at that pace."""
         name = link.endpoint.name
-        if link.endpoint.api is None or time.monotonic() - link.last_snapshot_ask < self.snapshot_retry:
+        since = time.monotonic() - link.last_snapshot_ask
+        if link.endpoint.api is None or since < self.snapshot_retry:
             return
         if not self.index.take_snapshot_wanted(name):
+            link.asks = 0
             return
+        if since < self.snapshot_retry * 2 ** min(link.asks, _ASK_BACKOFF_STEPS):
+            return
+        link.asks += 1
         link.last_snapshot_ask = time.monotonic()
         self._asks = [t for t in self._asks if t.is_alive()]
         thread = threading.Thread(target=self._ask_snapshot, args=(link,), name=f"kvtier-fleet-ask-{name}", daemon=True)

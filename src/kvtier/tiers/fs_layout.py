@@ -80,7 +80,7 @@ LEDGER_DIR = "ledger"
 JOURNAL_DIR = "journal"
 LOCK_FILE = "lock"
 NEW_LOCK_FILE = "lock.new"
-"""An instance's lock while it is being created (:class:`InstanceDir`), before it is locked and linked as ``lock``."""
+"""An instance's lock while it is being created (:class:`InstanceDir`), before it is locked and renamed ``lock``."""
 SUFFIX = ".kv"
 SHARDS = tuple(f"{i:02x}" for i in range(256))
 _NAME_RE = re.compile(rf"^([0-9a-f]{{2,{2 * MAX_KEY_BYTES}}})\.kv\Z")
