@@ -7,6 +7,7 @@ Redis that dies under the subscriber, and HTTP clients that dribble bytes or sen
 from __future__ import annotations
 
 import contextlib
+import http.server
 import itertools
 import json
 import socket
@@ -299,22 +300,38 @@ def test_odd_content_lengths_are_client_errors(server: FleetServer, length: str,
     assert status in _exchange(server, head + b"{}")  # before the fix: "\u00b2" (isdigit) gave 500
 
 
+class _EngineAPI(http.server.BaseHTTPRequestHandler):
+    """An engine's OpenAI API, as much as a snapshot ask uses: GET answers ``models``, a POST
+    (the ask) is noted in ``posts`` and answered."""
+
+    models = b'{"data": [{"id": "m"}]}'
+    posts: list[float] = []
+
+    def do_GET(self) -> None:
+        self._answer(self.models)
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        self.posts.append(time.monotonic())
+        self._answer(b'{"choices": []}')
+
+    def _answer(self, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
 def test_a_snapshot_ask_survives_an_api_that_answers_nonsense() -> None:
     pytest.importorskip("zmq")
-    import http.server
 
     from kvtier.fleet.subscriber import EngineEndpoint, FleetSubscriber, _Link
 
-    class Nonsense(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = b"[1, 2]"  # /v1/models as a list, not an object
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
+    class Nonsense(_EngineAPI):
+        models = b"[1, 2]"  # /v1/models as a list, not an object
 
     api = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Nonsense)
     threading.Thread(target=api.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
@@ -348,7 +365,6 @@ def test_an_engine_naming_ever_new_stores_is_refused_past_its_share_of_location_
 @pytest.mark.parametrize("answer", ["drip", "deep-json"])
 def test_a_snapshot_ask_is_bounded_as_a_whole_and_retried_whatever_the_api_answers(answer: str) -> None:
     pytest.importorskip("zmq")
-    import http.server
 
     from kvtier.fleet.subscriber import EngineEndpoint, FleetSubscriber, _Link
 
@@ -446,29 +462,13 @@ def test_snapshot_asks_repeat_while_wanted_and_back_off() -> None:
     """Review r9 (2026-12-03): an ask the engine refused was never repeated (the engine stayed
     partial for good); asked again while the index wants a snapshot, each wait twice the last."""
     pytest.importorskip("zmq")
-    import http.server
 
     from kvtier.fleet.subscriber import EngineEndpoint, FleetSubscriber, _Link
 
     asks: list[float] = []
 
-    class Refusing(http.server.BaseHTTPRequestHandler):  # an engine that answers and sends nothing
-        def do_GET(self) -> None:
-            self._answer(b'{"data": [{"id": "m"}]}')
-
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length", "0")))
-            asks.append(time.monotonic())
-            self._answer(b'{"choices": []}')
-
-        def _answer(self, body: bytes) -> None:
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
+    class Refusing(_EngineAPI):  # an engine that answers every ask and sends no snapshot
+        posts = asks
 
     api = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
     threading.Thread(target=api.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
