@@ -78,9 +78,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test that checks /dev/shm for leaks, or runs vLLM, must be in its group's module list."""
     for item in items:
-        if not item.path.resolve().is_relative_to(TESTS):
+        path = item.path.resolve()
+        if not path.is_relative_to(TESTS):
             continue
-        module = item.path.resolve().relative_to(TESTS).as_posix()
+        module = path.relative_to(TESTS).as_posix()
         if "shm_leak_check" in getattr(item, "fixturenames", ()) and serial_group(module) != "shm":
             raise pytest.UsageError(f"{module} uses shm_leak_check: add it to SHM_GROUP in tests/conftest.py")
         if item.get_closest_marker("vllm") is not None and serial_group(module) != "vllm":

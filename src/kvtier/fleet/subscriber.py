@@ -78,10 +78,10 @@ def _check_api_url(name: str, url: str) -> None:
     """An engine's OpenAI API base URL: a host and, if given, a port 1-65535 (ValueError names it)."""
     try:
         parts = urllib.parse.urlsplit(url)
-        port = parts.port
-    except ValueError:
-        port, parts = -1, None
-    if parts is None or not parts.hostname or port == 0 or port == -1 or not _encodes(url):
+        usable = bool(parts.hostname) and parts.port != 0 and _encodes(url)
+    except ValueError:  # a port out of range or not a number
+        usable = False
+    if not usable:
         raise ValueError(f"engine {name}: api URL {url!r:.160} needs the engine's host and a port 1-65535 "
                          "(http://host:port)")  # fmt: skip
 

@@ -236,15 +236,22 @@ def open_for_read(dir_fd: int, name: str, flags: int, modes: FileModes) -> tuple
         st = os.fstat(fd)
         if not modes.trusted(st):
             raise UnsafeEntryError(name, modes.why_untrusted(st))
-        if not try_flock(fd, exclusive=False):
-            raise ValueVanished(f"{name} is being recycled")
-        now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-            raise ValueVanished(f"{name} was replaced while opening it")
+        hold_at_name(dir_fd, name, fd, st)
     except BaseException:
         os.close(fd)
         raise
     return fd, st
+
+
+def hold_at_name(dir_fd: int, name: str, fd: int, st: os.stat_result) -> None:
+    """Share-lock value ``name`` open as ``fd`` (``st`` its fstat) and check it is still at its
+    name: from then on no engine rewrites it (recycling takes the exclusive lock first). Raises
+    :class:`ValueVanished` if it is being recycled or was replaced meanwhile."""
+    if not try_flock(fd, exclusive=False):
+        raise ValueVanished(f"{name} is being recycled")
+    now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+        raise ValueVanished(f"{name} was replaced while opening it")
 
 
 def find_value(dir_fd: int, name: str, modes: FileModes, sizes: tuple[int, ...]) -> os.stat_result | None:
@@ -394,6 +401,7 @@ __all__ = [
     "create_file",
     "discard_corrupt",
     "find_value",
+    "hold_at_name",
     "open_for_read",
     "place_value",
     "remove_value",

@@ -60,7 +60,15 @@ from kvtier.tiers.format import (
     payload_checksum,
     verify_payload,
 )
-from kvtier.tiers.fs_files import DIR_FLAGS, FileModes, NamespaceDir, classify_entry, create_file, discard_corrupt
+from kvtier.tiers.fs_files import (
+    DIR_FLAGS,
+    FileModes,
+    NamespaceDir,
+    classify_entry,
+    create_file,
+    discard_corrupt,
+    hold_at_name,
+)
 from kvtier.untrusted import kind_of, open_regular, try_flock
 
 logger = logging.getLogger(__name__)
@@ -829,12 +837,8 @@ def _verify_value(shard_fd: int, name: str, path: Path, key: bytes, v: _Verifica
         try:
             st = os.fstat(fd)
             # As a tier's reader: share-locked and still at its name, or a live engine is recycling
-            # it (rewriting it in place for another key) and it is gone, not corrupt.
-            if not try_flock(fd, exclusive=False):
-                raise FileNotFoundError(errno.ENOENT, "being recycled", name)
-            now = os.stat(name, dir_fd=shard_fd, follow_symlinks=False)
-            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-                raise FileNotFoundError(errno.ENOENT, "replaced while opened", name)
+            # it (rewriting it in place for another key) and it is gone (ValueVanished), not corrupt.
+            hold_at_name(shard_fd, name, fd, st)
             read_value(fd, st.st_size, v.header, memoryview(v.buf), namespace=v.digest, key=key,
                        block_bytes=v.block_bytes, direct=False, name=str(path))  # fmt: skip
         finally:
