@@ -201,6 +201,21 @@ class Server:
 
         return wait_for(idle, timeout, f"{min_cascaded} blocks cascaded and no kvtier job in flight")
 
+    def kvtier_state(self, lines: int = 40) -> str:
+        """What to read when a test finds fewer hits than it expected: kvtier's non-zero samples
+        in ``/metrics`` and the last ``lines`` warnings and errors of the server log that name a
+        tier (each cut to 400 characters)."""
+        try:
+            samples = self.metrics()
+        except OSError as exc:
+            shown = [f"/metrics failed: {exc}"]
+        else:
+            shown = [f"{name}{dict(labels)} = {value:g}" for (name, labels), value in sorted(samples.items())
+                     if name.startswith("vllm:kvtier_") and value and not name.endswith(("_bucket", "_created"))]
+        logged = [line[:400] for line in self.log_tail(400_000).splitlines()
+                  if ("WARNING" in line or "ERROR" in line) and "tier" in line.lower()][-lines:]  # fmt: skip
+        return "\n".join(["kvtier samples:", *shown, f"log ({self.log_path}):", *logged])
+
     def metrics(self) -> Samples:
         """``/metrics`` as {(sample name, sorted labels without vLLM's own): value}."""
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as response:
