@@ -19,7 +19,10 @@ to its stores and from store to store); a per-key count cannot see a prefix
 cut. :class:`MeasuredGuard` keeps the paired difference (learned minus LRU
 prefix hits) per request, decays the sums of each solve period, and leaves
 the learned holds when the difference falls ``SIGMAS`` standard deviations
-below 0, and takes them up again when it is above 0.
+below 0. The same sums decayed slowly (``LONG_DECAY``) catch a loss too small
+for a few periods' noise: past ``LONG_WARM_UP`` periods the holds are also
+left when that long-run lead falls ``LONG_SIGMAS`` standard deviations below 0.
+They are taken up again when both leads are above 0.
 
 It bounds a sustained loss; it cannot make one impossible: it acts periods
 after the evidence, so the reuse lost right after the workload changes is
@@ -47,6 +50,15 @@ DECAY = 0.8
 
 WARM_UP = 2
 """Periods judged before the guard may act."""
+
+LONG_DECAY = 0.98
+"""Weight of the earlier periods in the guard's long-run sums (about 50 periods)."""
+
+LONG_SIGMAS = 1.0
+"""The learned holds are also left when their long-run lead falls this many standard deviations below 0."""
+
+LONG_WARM_UP = 20
+"""Periods judged before the long-run test may act."""
 
 PREFIX_HITS = 3
 """A request's prefix state before its first sampled reference: bit 1, the sampled LRU's prefix
@@ -166,6 +178,8 @@ class MeasuredGuard:
         self._period = [0, 0]  # this period: sum of the differences, and of their squares by request
         self._lead = 0.0  # decayed sums over the periods
         self._spread = 0.0
+        self._long_lead = 0.0  # the same, decayed slowly
+        self._long_spread = 0.0
         self._periods = 0
 
     def count(self, lru_hit: bool, learned_hit: bool) -> None:
@@ -191,19 +205,26 @@ class MeasuredGuard:
         return total
 
     def judge(self) -> bool:
-        """End a period; returns whether the guard just fell back (the learned holds must stop now)."""
+        """End a period; returns whether the guard just fell back (the learned holds must stop now).
+
+        Falls back on either test (the fast one, or the long-run one once it
+        may act); returns to the learned holds when both leads are above 0."""
         diff, square = self._period
         self._period = [0, 0]
         self._lead = DECAY * self._lead + diff
         self._spread = DECAY * self._spread + square
+        self._long_lead = LONG_DECAY * self._long_lead + diff
+        self._long_spread = LONG_DECAY * self._long_spread + square
         self._periods += 1
         if self._periods < WARM_UP:
             return False
+        long_behind = self._periods >= LONG_WARM_UP and self._long_lead < -LONG_SIGMAS * math.sqrt(
+            max(self._long_spread, 0.0))
         if self.fallen_back:
-            if self._lead > 0:
+            if self._lead > 0 and self._long_lead > 0:
                 self.fallen_back = False
             return False
-        if self._lead < -SIGMAS * math.sqrt(max(self._spread, 0.0)):
+        if long_behind or self._lead < -SIGMAS * math.sqrt(max(self._spread, 0.0)):
             self.fallen_back = True
             self.fallbacks += 1
             return True
@@ -225,3 +246,13 @@ class MeasuredGuard:
     def spread(self) -> float:
         """The standard deviation of :attr:`lead`."""
         return math.sqrt(max(self._spread, 0.0))
+
+    @property
+    def long_lead(self) -> float:
+        """:attr:`lead` over the long run (the earlier periods weigh :data:`LONG_DECAY` each)."""
+        return self._long_lead
+
+    @property
+    def long_spread(self) -> float:
+        """The standard deviation of :attr:`long_lead`."""
+        return math.sqrt(max(self._long_spread, 0.0))

@@ -193,6 +193,8 @@ class ReturnTimePolicy(ExpiryWheel):
             "sampled_hit_rate_learned": guard.learned_hits / refs if refs else 0.0,
             "lead": guard.lead,
             "lead_sigma": guard.spread,
+            "long_lead": guard.long_lead,
+            "long_lead_sigma": guard.long_spread,
             "fallbacks": float(guard.fallbacks),
             "open_requests": float(len(self._open) + len(self._open_old)),
             **{f"hinted_{what}": float(n) for what, n in self.hinted.items()},
