@@ -226,7 +226,10 @@ def test_the_command_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
           for flag in ("--request-timeout", "--lag-seconds") for value in ("nan", "inf", "1e400", "-1")],
         (("--engine", "a=tcp://127.0.0.1:1", "--max-body", "99999999999999"), "--max-body"),
         # regression (review, 2026-12-02): a malformed --redis URL reached the catch-all error
-        (("--redis", "notaurl", "--read-only"), "--redis 'notaurl' is not a Redis URL"),
+        (("--redis", "notaurl", "--read-only"), "--redis is not a Redis URL the index can use: redis url 'notaurl'"),
+        # regression (2026-12-04): the password was echoed; a bad port reached redis-py
+        (("--redis", "redis://u:pw-s3cr3t@cache:99999/0", "--read-only"), "Port out of range"),
+        (("--redis", "redis://cache:1/0?socket_timeout=9", "--read-only"), "the fleet's connections time out"),
         # regression (review, 2026-12-02): a port out of range was accepted; listen errors named no input
         (("--engine", "a=tcp://127.0.0.1:99999"), "needs a port 1-65535"),
         (("--engine", "a=tcp://127.0.0.1:1", "--host", "999.9.9.9"), "cannot listen on 999.9.9.9:0 (--host, --port)"),
@@ -236,6 +239,7 @@ def test_bad_usage_is_refused_by_name(args: tuple[str, ...], names: str) -> None
     done = subprocess.run([sys.executable, "-m", "kvtier.cli", "fleet", "serve", "--port", "0", *args],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 2 and names in done.stderr, done.stderr
+    assert "pw-s3cr3t" not in done.stderr
 
 
 def test_routers_share_an_index_in_redis(tmp_path: Path) -> None:

@@ -50,7 +50,7 @@ BAD_REDIS_URLS = [
     "rediss://cache:6379/0?ssl_ca_certs=/nonexistent/ca.pem", "redis://cache:6379/0?db=1&db=2",
     "redis://cache:6379/0?db=x", "redis://cache:6379/0#frag", "unix://", "unix://host/tmp/redis.sock",
     "unix:///", f"redis://user:{SECRET}@cache:99999/0", f"redis://:{SECRET}@cache:6379/x",
-    f"redis://cache:6379/0?password={SECRET}&db=x", f"rediss://u:{SECRET}@[::1:6379", "", "REDIS://CACHE:1/0",
+    f"redis://cache:6379/0?password={SECRET}&db=x", f"rediss://u:{SECRET}@[::1:6379", "", "REDIS://cache:99999/0",
 ]  # fmt: skip
 
 BAD_S3_ENDPOINTS = [
@@ -101,6 +101,19 @@ def _refused(spec: dict[str, Any], option: str) -> str:
 @pytest.mark.parametrize("url", BAD_REDIS_URLS)
 def test_bad_redis_urls_are_refused_at_validation(url: str) -> None:
     _refused({"type": "redis", "url": url}, "url")
+
+
+@pytest.mark.parametrize(
+    ("url", "taken"),
+    [("REDIS://CACHE:1/0", "redis://CACHE:1/0"), ("Rediss://u:pw@h:6380", "rediss://u:pw@h:6380"),
+     ("UNIX:///tmp/redis.sock", "unix:///tmp/redis.sock")],
+)  # fmt: skip
+def test_a_redis_url_scheme_in_any_case_is_taken_in_lower_case(url: str, taken: str) -> None:
+    # regression (CI, 2026-12-04): 'REDIS://' was refused only because redis-py before 8.2 refused it
+    # (8.2 takes it); the scheme is case-insensitive (RFC 3986) and redis-py is given it in lower case.
+    from kvtier.tiers.redis import RedisTierOptions
+
+    assert RedisTierOptions(url=url).url == taken
 
 
 def test_redis_cluster_mode_needs_a_network_url() -> None:

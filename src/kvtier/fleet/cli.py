@@ -150,10 +150,13 @@ def _cmd_fleet_serve(args: argparse.Namespace) -> int:
             import redis
         except ImportError:
             raise ConfigError("--redis needs the redis package: pip install 'kvtier[redis]'") from None
-        try:
-            client = redis.Redis.from_url(args.redis, socket_timeout=5.0, socket_connect_timeout=5.0)
-        except ValueError as exc:  # not a Redis URL
-            raise ConfigError(f"--redis {args.redis!r} is not a Redis URL: {exc}") from None
+        from kvtier.tiers.redis import check_redis_url
+
+        try:  # the tier's check: a bad port, host or query named, the password never shown
+            url = check_redis_url(args.redis, owned_fix="the fleet's connections time out after 5 s")
+            client = redis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=5.0)
+        except ValueError as exc:
+            raise ConfigError(f"--redis is not a Redis URL the index can use: {exc}") from None
         try:
             # A writer restarted after a kill -9 waits out its former claim (writer_ttl).
             masks = RedisMasks(client, prefix, claim_wait=0.0 if args.read_only else 16.0)

@@ -101,13 +101,16 @@ _URL_OWNED = {
 }
 
 
-def check_redis_url(url: str) -> str:
-    """``url`` if the tier can use it; else ValueError naming the part that is wrong and the fix.
+def check_redis_url(url: str, owned_fix: str = "use the tier option {option!r} instead") -> str:
+    """``url`` with its scheme in lower case if the tier can use it; else ValueError naming the
+    part that is wrong and the fix.
 
-    Scheme ``redis://``, ``rediss://`` (TLS) or ``unix://``; a valid host and port
-    (1-65535); a database number as the path; only query options redis-py applies to
-    a connection (TLS ones with ``rediss://``; TLS files must exist). The URL is shown
-    without its password.
+    Scheme ``redis://``, ``rediss://`` (TLS) or ``unix://``, in any case (RFC 3986: ``REDIS://``
+    is ``redis://``; it is returned in lower case, since redis-py before 8.2 refuses any other);
+    a valid host and port (1-65535); a database number as the path; only query options redis-py
+    applies to a connection (TLS ones with ``rediss://``; TLS files must exist), not a timeout
+    (the caller sets those: ``owned_fix`` says how, ``{option}`` naming the tier's option). The
+    URL is shown without its password.
     """
     ep = parse_endpoint(url, "redis url", _SCHEMES, needs_host=not url.lower().startswith("unix:"))
     where = f"redis url {redact_url(url)!r}"
@@ -129,7 +132,7 @@ def check_redis_url(url: str) -> str:
             raise ValueError(f"{where} gives {name!r} twice")
         keys.add(name)
         if name in _URL_OWNED:
-            raise ValueError(f"{where} sets {name!r}: use the tier option {_URL_OWNED[name]!r} instead")
+            raise ValueError(f"{where} sets {name!r}: " + owned_fix.format(option=_URL_OWNED[name]))
         if name in _URL_TLS_QUERY and ep.scheme != "rediss":
             raise ValueError(f"{where} sets {name!r}, a TLS option: use rediss:// for TLS")
         if name not in _URL_QUERY | _URL_TLS_QUERY:
@@ -149,6 +152,7 @@ def check_redis_url(url: str) -> str:
         if name == "socket_read_size" and not (value.isdigit() and 1 <= int(value) <= _MAX_READ_SIZE):
             raise ValueError(f"{where}: socket_read_size must be a number of bytes from 1 to {_MAX_READ_SIZE}, "
                              f"got {value!r:.40}")  # fmt: skip
+    url = ep.scheme + url[len(ep.scheme) :]  # the scheme is the URL's first characters (no space is let through)
     try:
         parse_url(url)  # type: ignore[no-untyped-call]
     except ValueError as exc:  # what redis-py itself refuses (a bad number in the query...)
