@@ -625,13 +625,47 @@ def test_an_object_of_another_releases_format_is_a_miss_and_kept(s3_stub: S3Stub
     assert resolve(tier, keys[0], 5) is LookupResult.MISS
 
 
-def test_create_only_never_overwrites(s3_stub: S3Stub, make: Any) -> None:
+@pytest.mark.parametrize("planted", [b"someone else's", b"x" * (HEADER_SIZE + BLOCK + 1)])
+def test_create_only_never_overwrites_and_never_claims_what_it_cannot_serve(
+    s3_stub: S3Stub, make: Any, planted: bytes
+) -> None:
+    """Regression (2026-12-04): a create_only store refused by a stranger's object under the block's
+    name (or another release's layout, of another size) was counted as stored and reported to the
+    fleet, though no load could ever serve it."""
     tier, _ = make(s3_stub.endpoint, s3_stub.bucket, create_only=True)
     (key,) = chain_ids(range(1), tier.context.namespace)
     wait_ready(tier)
-    s3_stub.objects[s3_stub.object_key(tier.object_path(key))] = b"someone else's"
-    assert run_job(tier, [key], [0], False, 10).success
-    assert s3_stub.objects[s3_stub.object_key(tier.object_path(key))] == b"someone else's"
+    tier.take_events()
+    name = s3_stub.object_key(tier.object_path(key))
+    s3_stub.objects[name] = planted
+    result = run_job(tier, [key], [0], False, 10)
+    assert not result.success and "left in place" in (result.error or "")
+    assert s3_stub.objects[name] == planted, "create_only must never overwrite"
+    assert tier.stats.extra["create_conflicts"] == 1 and tier.stats.extra["objects_written"] == 0
+    assert not any(key in e.keys for e in tier.take_events()), "no stored event for a block not stored"
+    assert resolve(tier, key, 5) is LookupResult.MISS
+    assert tier.health().state is HealthState.CLOSED, "a refused upload is no failure of the store"
+
+
+def test_create_only_takes_the_same_block_stored_by_another_engine(s3_stub: S3Stub, make: Any) -> None:
+    """Two engines of one namespace store one block: the second PUT is refused, the block counts as
+    stored (a HEAD shows a block's size), nothing is overwritten, and it loads the first's bytes."""
+    ns = make_namespace(BLOCK)
+    first, first_rows = make(s3_stub.endpoint, s3_stub.bucket, ns, seed=1, create_only=True)
+    second, second_rows = make(s3_stub.endpoint, s3_stub.bucket, ns, seed=2, create_only=True)
+    (key,) = chain_ids(range(1), ns)
+    assert run_job(first, [key], [0], False, 10).success
+    name = s3_stub.object_key(first.object_path(key))
+    stored = s3_stub.objects[name]
+    wait_ready(second)
+    second.take_events()
+    assert run_job(second, [key], [0], False, 10).success
+    assert s3_stub.objects[name] == stored
+    assert second.stats.extra["objects_written"] == 0 and second.stats.extra.get("create_conflicts", 0) == 0
+    assert any(key in e.keys and not e.removed for e in second.take_events())
+    assert second.lookup(key, None) is LookupResult.HIT
+    assert run_job(second, [key], [5], True, 10).success
+    assert np.array_equal(second_rows[5], first_rows[0])
 
 
 def test_warm_start_answers_hit_without_existence_checks(s3_bucket: tuple[MotoServer, str], make: Any) -> None:

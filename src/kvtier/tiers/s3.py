@@ -117,6 +117,9 @@ class S3Tier(ThreadedTier):
     options_model = S3TierOptions
     extra_metrics: ClassVar[Mapping[str, ExtraMetric]] = {
         "objects_written": ExtraMetric("counter", "Objects PUT into the bucket."),
+        "create_conflicts": ExtraMetric(
+            "counter", "create_only stores refused by an object of another size under the block's name (kept)."
+        ),
         "checks": ExtraMetric("counter", "Existence checks (HEAD) of unknown keys."),
         "checks_failed": ExtraMetric("counter", "Existence checks that failed (counted against the breaker)."),
         "missing": ExtraMetric("counter", "Objects gone from the bucket when read."),
@@ -365,8 +368,9 @@ class S3Tier(ThreadedTier):
                 use_multipart=False,
                 mode="create" if self.options.create_only else "overwrite",
             )
-        except AlreadyExistsError:
-            pass  # create_only: another engine stored this block
+        except AlreadyExistsError:  # create_only: another engine stored this block, or something else is there
+            self._put_found_existing(work, key)
+            return
         except Exception as exc:
             self._complete(work, error=f"upload of {key.hex()[:16]} failed: {self._io_failure(exc)}")
             return
@@ -426,6 +430,34 @@ class S3Tier(ThreadedTier):
         self._breaker.record_success()
         self._remember(key, True, time.monotonic())
         self._complete(work, ok=[key], nbytes=self._value_bytes)
+
+    def _put_found_existing(self, work: Work, key: BlockKey) -> None:
+        """A ``create_only`` PUT found an object under ``key``'s name: stored only if a HEAD shows it
+        the size of a block (as an existence check judges one); anything else there (another
+        release's layout, a stranger's object) is left in place and the store fails, so this tier
+        never reports a block it cannot serve. I/O thread; the HEAD has the job's deadline."""
+        import obstore as obs
+
+        path = self.object_path(key)
+        try:
+            size = int(obs.head(self._data_client(work), path)["size"])
+        except FileNotFoundError:  # gone since the PUT was refused (a lifecycle rule, an eviction)
+            self._breaker.record_success()
+            self._complete(work, error=f"upload of {key.hex()[:16]} refused: the object there went away since")
+            return
+        except Exception as exc:
+            failure = self._io_failure(exc)
+            self._complete(work, error=f"upload of {key.hex()[:16]} refused, and its check failed: {failure}")
+            return
+        self._breaker.record_success()
+        if size != self._value_bytes:
+            self._count(create_conflicts=1)
+            self._complete(work, error=f"create_only: {path} already holds an object of {size} bytes, not a "
+                                       f"block of {self._value_bytes}; left in place, not stored")  # fmt: skip
+            return
+        self._remember(key, True, time.monotonic())
+        self._emit([key], removed=False)
+        self._complete(work, ok=[key], nbytes=0)
 
     def _data_client(self, work: Work) -> S3Store:
         """The client whose retries end by the deadline of ``work``'s job, given the time it has left
