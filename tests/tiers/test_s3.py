@@ -25,7 +25,7 @@ from kvtier.errors import ConfigError
 from kvtier.keys import KVGeometry, Namespace, chain_ids
 from kvtier.testing import SCHEDULER_CALL_LIMIT, make_namespace, new_job, resolve, run_job, wait_results
 from kvtier.tiers.base import HealthState, JobResult, TierContext
-from kvtier.tiers.format import HEADER_SIZE, MAX_KEY_BYTES
+from kvtier.tiers.format import FORMAT_VERSION, HEADER_SIZE, MAX_KEY_BYTES
 from kvtier.tiers.registry import create_tier
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3_store import S3TierOptions, classify_error, key_of_path, manifest_dict, object_path
@@ -112,6 +112,53 @@ def test_a_manifest_of_another_block_size_keeps_the_tier_out_of_service(
     assert [m["path"] for batch in obs.list(raw, prefix="kvtier") for m in batch] == [
         f"kvtier/{ns.hexdigest}/manifest.json"
     ], "nothing may be written next to a foreign manifest"
+
+
+def test_a_format_1_manifest_is_rewritten_to_the_current_format_and_its_blocks_served(
+    s3_bucket: tuple[MotoServer, str], make: Any
+) -> None:
+    """Regression (2026-12-04): the S3 tier refused a namespace whose manifest names value format 1
+    (which this release reads, and the fs tier takes and rewrites), while inspect called it usable."""
+    import obstore as obs
+
+    server, bucket = s3_bucket
+    ns = make_namespace(BLOCK)
+    writer, rows = make(server.endpoint, bucket, ns)
+    keys = chain_ids(range(2), ns)
+    assert run_job(writer, keys, [0, 1], False, 20).success
+    writer.shutdown()
+    raw = raw_client(server.endpoint, bucket)
+    path = f"kvtier/{ns.hexdigest}/manifest.json"
+    older = {**manifest_dict(ns.digest, ns.canonical(), BLOCK), "value_format_version": 1}
+    obs.put(raw, path, json.dumps(older).encode())
+    reader, reader_rows = make(server.endpoint, bucket, ns, seed=1)
+    assert run_job(reader, keys, [4, 5], True, 20).success
+    assert np.array_equal(reader_rows[4:6], rows[0:2])
+    assert reader.health().state is HealthState.CLOSED
+    assert json.loads(bytes(obs.get(raw, path).bytes())) == {**older, "value_format_version": FORMAT_VERSION}
+
+
+@pytest.mark.parametrize("changes", [{"value_format_version": 3}, {"value_format_version": True},
+                                     {"value_format_version": 1, "block_bytes": 4096}])  # fmt: skip
+def test_a_manifest_of_a_format_this_release_cannot_read_is_refused_untouched(
+    s3_bucket: tuple[MotoServer, str], make: Any, changes: dict[str, Any]
+) -> None:
+    import obstore as obs
+
+    server, bucket = s3_bucket
+    ns = make_namespace(BLOCK)
+    raw = raw_client(server.endpoint, bucket)
+    path = f"kvtier/{ns.hexdigest}/manifest.json"
+    planted = json.dumps({**manifest_dict(ns.digest, ns.canonical(), BLOCK), **changes}).encode()
+    obs.put(raw, path, planted)
+    tier, _ = make(server.endpoint, bucket, ns)
+    (key,) = chain_ids(range(1), ns)
+    job = new_job([key], [0], False)
+    tier.submit_store(job)
+    assert not wait_results(tier, {job.job_id}, 10)[job.job_id].success
+    field = "block_bytes=4096" if "block_bytes" in changes else "value_format_version="
+    assert field in tier.health().detail, tier.health().detail
+    assert bytes(obs.get(raw, path).bytes()) == planted, "a manifest it cannot take is never rewritten"
 
 
 def test_a_deeply_nested_planted_manifest_is_named_unreadable(s3_bucket: tuple[MotoServer, str], make: Any) -> None:

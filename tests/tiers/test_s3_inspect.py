@@ -197,10 +197,12 @@ def test_remove_corrupt_keeps_objects_whose_read_failed(
     assert {denied, throttled} <= _paths(raw_client(server.endpoint, bucket))
 
 
-@pytest.mark.parametrize("planted", ["layout", "digest", "header"])
+@pytest.mark.parametrize("planted", ["layout", "digest", "header", "value_format", "value_format_bool"])
 def test_remove_corrupt_never_trusts_an_unusable_manifest(s3_bucket: tuple[MotoServer, str], planted: str) -> None:
     """Review D3: a manifest of another layout, header size or namespace does not size the
-    blocks; they are judged by their own header, and nothing in that namespace is removed."""
+    blocks; they are judged by their own header, and nothing in that namespace is removed.
+    Regression (2026-12-04): a manifest of a value format this release cannot read, which the
+    tier refuses, was reported usable."""
     server, bucket = s3_bucket
     tier, keys = _fill(server, bucket, "model-a", 3)
     tier.shutdown()
@@ -210,6 +212,8 @@ def test_remove_corrupt_never_trusts_an_unusable_manifest(s3_bucket: tuple[MotoS
         "layout": {"kvtier_s3_layout": 2, "header_bytes": 256},
         "digest": {"namespace_digest": "0" * 32, "block_bytes": 1234},
         "header": {"header_bytes": 256},
+        "value_format": {"value_format_version": 3},
+        "value_format_bool": {"value_format_version": True},
     }[planted]
     _rewrite(raw, manifest_path, lambda body: json.dumps({**json.loads(bytes(body)), **changes}).encode())
     broken = tier.object_path(keys[0])

@@ -62,6 +62,9 @@ _V1_KEY_BYTES = 32
 _LAYOUT_V1 = struct.Struct("<8sII16s32sIIQQ")  # 88 bytes, then the header checksum
 _LAYOUT_V2 = struct.Struct("<8sII16s64sIIQQ")  # 120 bytes, then the header checksum
 _LAYOUTS = {1: _LAYOUT_V1, 2: _LAYOUT_V2}
+READABLE_FORMATS = tuple(sorted(_LAYOUTS))
+"""The value format versions this release reads (a namespace's manifest naming an older one is
+taken and rewritten to :data:`FORMAT_VERSION` by the fs and S3 tiers)."""
 _PREFIX = struct.Struct("<8sII")
 PREFIX_SIZE = _PREFIX.size
 """Bytes at the start of a value that say whose format it is (magic, version, header length)."""

@@ -54,6 +54,7 @@ from kvtier.tiers.format import (
     HEADER_SIZE,
     MAX_KEY_BYTES,
     PREFIX_SIZE,
+    READABLE_FORMATS,
     ValueHeader,
     decode_header,
     foreign_format,
@@ -92,7 +93,6 @@ NEW_LOCK_FILE = "lock.new"
 SUFFIX = ".kv"
 SHARDS = tuple(f"{i:02x}" for i in range(256))
 _NAME_RE = re.compile(rf"^([0-9a-f]{{2,{2 * MAX_KEY_BYTES}}})\.kv\Z")
-_READABLE_FORMATS = (1, FORMAT_VERSION)
 _STALE_UNLOCKED_DIR_SECONDS = 60.0
 _MAX_MANIFEST_BYTES = 1 << 20
 
@@ -185,7 +185,7 @@ def ensure_manifest(dirs: NamespaceDir, expected: dict[str, Any]) -> None:
             f"remove {ns_dir} or point 'root' elsewhere"
         ) from exc
     found_format = found.get("value_format_version")
-    if found_format in _READABLE_FORMATS and found_format != expected["value_format_version"]:
+    if found_format in READABLE_FORMATS and found_format != expected["value_format_version"]:
         # Written by a release that only knew format 1; this one reads it and may now write format 2
         # (keys over 32 bytes), so say so: a format-1-only release then refuses the directory
         # instead of taking format-2 values for corrupt ones.

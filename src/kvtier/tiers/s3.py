@@ -68,8 +68,10 @@ from kvtier.failures import forget_frames, log_failure
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import FOREIGN_FORMAT_METRIC, ExtraMetric, TierContext, TierUsage
 from kvtier.tiers.format import (
+    FORMAT_VERSION,
     HEADER_SIZE,
     PREFIX_SIZE,
+    READABLE_FORMATS,
     decode_header,
     encode_header,
     foreign_format,
@@ -575,12 +577,17 @@ class S3Tier(ThreadedTier):
     # --- manifest, probe, warm start, upkeep ----------------------------------------------------------
 
     def _ensure_manifest(self) -> None:
-        """Create the namespace's manifest, or check the one there; raises on a mismatch or an error."""
+        """Create the namespace's manifest, or check the one there; raises on a mismatch or an error.
+
+        A manifest that differs only in naming an older value format this release reads (format 1)
+        is rewritten to name :data:`FORMAT_VERSION`, as the fs tier does: its values stay servable,
+        and a release that reads only format 1 then refuses the namespace instead of taking this
+        release's values for corrupt ones."""
         import obstore as obs
         from obstore.exceptions import AlreadyExistsError
 
         expected = json.dumps(self._manifest, indent=2, sort_keys=True).encode()
-        for _ in range(2):
+        for _ in range(3):
             try:
                 result = obs.get(self._store, self._manifest_path)
             except FileNotFoundError:
@@ -605,7 +612,18 @@ class S3Tier(ThreadedTier):
                 found = parse_manifest(bytes(body))
             except ValueError as exc:
                 self._manifest_rejected(f"unreadable ({exc})")
-            problem = manifest_mismatch(found, self._manifest)
+            older = found.get("value_format_version")
+            if type(older) is int and older != FORMAT_VERSION and older in READABLE_FORMATS:
+                upgraded = dict(found, value_format_version=FORMAT_VERSION)
+                problem = manifest_mismatch(upgraded, self._manifest)  # (what else differs is the reason)
+                if problem is None:  # the same namespace, blocks and layout
+                    logger.info("s3 tier %s: manifest %s names value format %s; rewriting it to %s",
+                                self.label, self._manifest_path, older, FORMAT_VERSION)  # fmt: skip
+                    obs.put(self._store, self._manifest_path, json.dumps(upgraded, indent=2, sort_keys=True).encode(),
+                            use_multipart=False)  # fmt: skip
+                    continue  # read back, as another engine's would be
+            else:
+                problem = manifest_mismatch(found, self._manifest)
             if problem is not None:
                 self._manifest_rejected(f"holds {problem}")
             self._manifest_ready()

@@ -40,7 +40,15 @@ from urllib.parse import unquote, urlsplit
 
 from kvtier.errors import ConfigError, CorruptValueError, ForeignFormatError
 from kvtier.tiers.endpoints import redact_url, split_scheme
-from kvtier.tiers.format import HEADER_SIZE, PREFIX_SIZE, decode_header, foreign_format, verify_payload
+from kvtier.tiers.format import (
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    PREFIX_SIZE,
+    READABLE_FORMATS,
+    decode_header,
+    foreign_format,
+    verify_payload,
+)
 from kvtier.tiers.fs_layout import CorruptEntry, NamespaceReport, RootReport
 from kvtier.tiers.s3_store import (
     LAYOUT_VERSION,
@@ -258,6 +266,11 @@ def _read_manifest(store: Any, path: str, size: int, digest: str) -> tuple[dict[
         return manifest, f"manifest is of layout {layout!r}, this release reads {LAYOUT_VERSION}: another release's"
     if header_bytes != HEADER_SIZE:
         return manifest, f"manifest says header_bytes={header_bytes!r}, this release reads {HEADER_SIZE}"
+    value_format = manifest.get("value_format_version")
+    # An older format this release reads is taken: the tier rewrites the manifest to FORMAT_VERSION.
+    if type(value_format) is not int or value_format not in READABLE_FORMATS:
+        return manifest, (f"manifest says value_format_version={value_format!r}, this release writes "
+                          f"{FORMAT_VERSION}: another release's namespace, its engines refuse it")  # fmt: skip
     if not isinstance(block_bytes, int) or isinstance(block_bytes, bool) or block_bytes <= 0:
         return manifest, f"manifest has no usable block_bytes (got {block_bytes!r})"
     return manifest, None
