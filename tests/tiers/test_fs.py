@@ -896,6 +896,24 @@ def test_bad_options_are_config_errors(tmp_path: Path, rows: np.ndarray, options
         make_tier(tmp_path, rows, BB, **options)
 
 
+def test_a_format_1_manifest_of_another_block_size_is_refused_and_left_as_it_is(
+    tmp_path: Path, rows: np.ndarray
+) -> None:
+    """Regression (review, 2026-12-04): the format-1 manifest was rewritten to name format 2 before
+    its other fields were compared, so a refused directory's manifest changed on disk (and a
+    format-1-only engine that owns it was locked out)."""
+    import json
+
+    tier = make_tier(tmp_path, rows, BB)
+    tier.shutdown()
+    (manifest_path,) = tmp_path.glob("*/manifest.json")
+    planted = json.dumps({**json.loads(manifest_path.read_text()), "value_format_version": 1, "block_bytes": 4096})
+    manifest_path.write_text(planted)
+    with pytest.raises(ConfigError, match="block_bytes=4096"):
+        make_tier(tmp_path, rows, BB)
+    assert manifest_path.read_text() == planted
+
+
 def test_a_root_of_an_older_release_is_read_and_its_manifest_upgraded(tmp_path: Path, rows: np.ndarray) -> None:
     """Values of the format-1 era stay servable; the manifest then names format 2, so a
     format-1-only release refuses the directory instead of mistaking long-key values for corrupt."""

@@ -138,6 +138,84 @@ def test_a_format_1_manifest_is_rewritten_to_the_current_format_and_its_blocks_s
     assert json.loads(bytes(obs.get(raw, path).bytes())) == {**older, "value_format_version": FORMAT_VERSION}
 
 
+def _plant_format_1_manifest(server: MotoServer, bucket: str, ns: Namespace, **changes: Any) -> tuple[Any, str, bytes]:
+    import obstore as obs
+
+    raw = raw_client(server.endpoint, bucket)
+    path = f"kvtier/{ns.hexdigest}/manifest.json"
+    body = json.dumps({**manifest_dict(ns.digest, ns.canonical(), BLOCK), "value_format_version": 1, **changes})
+    obs.put(raw, path, body.encode())
+    return raw, path, body.encode()
+
+
+def test_a_create_only_tier_takes_a_format_1_manifest_as_it_is(s3_bucket: tuple[MotoServer, str], make: Any) -> None:
+    """create_only never overwrites, the manifest included: the namespace is served, the manifest kept."""
+    import obstore as obs
+
+    server, bucket = s3_bucket
+    ns = make_namespace(BLOCK)
+    raw, path, planted = _plant_format_1_manifest(server, bucket, ns)
+    tier, _ = make(server.endpoint, bucket, ns, create_only=True)
+    assert run_job(tier, chain_ids(range(1), ns), [0], False, 20).success
+    assert bytes(obs.get(raw, path).bytes()) == planted
+
+
+def test_a_format_1_manifest_replaced_before_its_rewrite_is_never_overwritten(
+    s3_bucket: tuple[MotoServer, str], make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review (2026-12-04): the rewrite was a plain PUT made after the GET; a manifest another engine
+    (another block size) put in between was overwritten, and that engine's blocks then read as
+    corrupt and deleted. The rewrite is conditional on the ETag read: it is refused, the manifest
+    is read again and this engine refuses the namespace."""
+    import obstore as obs
+
+    server, bucket = s3_bucket
+    ns = make_namespace(BLOCK)
+    raw, path, _ = _plant_format_1_manifest(server, bucket, ns)
+    theirs = json.dumps({**manifest_dict(ns.digest, ns.canonical(), BLOCK), "block_bytes": 2 * BLOCK}).encode()
+    real_put = obs.put
+
+    def put(store: Any, where: str, body: Any, **kwargs: Any) -> Any:
+        if where == path and isinstance(kwargs.get("mode"), dict):  # the rewrite: another engine first
+            real_put(raw, path, theirs)
+        return real_put(store, where, body, **kwargs)
+
+    monkeypatch.setattr(obs, "put", put)
+    tier, _ = make(server.endpoint, bucket, ns)
+    job = new_job(chain_ids(range(1), ns), [0], False)
+    tier.submit_store(job)
+    assert not wait_results(tier, {job.job_id}, 10)[job.job_id].success
+    assert f"block_bytes={2 * BLOCK}" in tier.health().detail, tier.health().detail
+    assert bytes(obs.get(raw, path).bytes()) == theirs
+
+
+def test_a_format_1_manifest_that_reads_back_unchanged_is_taken_after_one_rewrite(
+    s3_bucket: tuple[MotoServer, str], make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review (2026-12-04): a store whose reads lag its writes (a cache in front) made the tier PUT
+    the manifest three times and then report it 'appeared and vanished'. One rewrite; then the
+    namespace is served under the manifest as read."""
+    import obstore as obs
+
+    server, bucket = s3_bucket
+    ns = make_namespace(BLOCK)
+    raw, path, planted = _plant_format_1_manifest(server, bucket, ns)
+    real_put = obs.put
+    rewrites: list[str] = []
+
+    def put(store: Any, where: str, body: Any, **kwargs: Any) -> Any:
+        if where == path and isinstance(kwargs.get("mode"), dict):  # acknowledged, never seen by reads
+            rewrites.append(where)
+            return {"e_tag": None, "version": None}
+        return real_put(store, where, body, **kwargs)
+
+    monkeypatch.setattr(obs, "put", put)
+    tier, _ = make(server.endpoint, bucket, ns)
+    assert run_job(tier, chain_ids(range(1), ns), [0], False, 20).success
+    assert len(rewrites) == 1 and tier.health().state is HealthState.CLOSED
+    assert bytes(obs.get(raw, path).bytes()) == planted
+
+
 @pytest.mark.parametrize("changes", [{"value_format_version": 3}, {"value_format_version": True},
                                      {"value_format_version": 1, "block_bytes": 4096}])  # fmt: skip
 def test_a_manifest_of_a_format_this_release_cannot_read_is_refused_untouched(
@@ -672,25 +750,31 @@ def test_an_object_of_another_releases_format_is_a_miss_and_kept(s3_stub: S3Stub
     assert resolve(tier, keys[0], 5) is LookupResult.MISS
 
 
-@pytest.mark.parametrize("planted", [b"someone else's", b"x" * (HEADER_SIZE + BLOCK + 1)])
+@pytest.mark.parametrize("planted", ["short", "long", "value-sized", "another key's block", "newer format"])
 def test_create_only_never_overwrites_and_never_claims_what_it_cannot_serve(
-    s3_stub: S3Stub, make: Any, planted: bytes
+    s3_stub: S3Stub, make: Any, planted: str
 ) -> None:
     """Regression (2026-12-04): a create_only store refused by a stranger's object under the block's
-    name (or another release's layout, of another size) was counted as stored and reported to the
-    fleet, though no load could ever serve it."""
+    name (or another release's value) was counted as stored and reported to the fleet, though no
+    load could serve it; one of a block's size was then deleted as corrupt by the next load."""
     tier, _ = make(s3_stub.endpoint, s3_stub.bucket, create_only=True)
-    (key,) = chain_ids(range(1), tier.context.namespace)
-    wait_ready(tier)
+    key, other = chain_ids(range(2), tier.context.namespace)
+    assert run_job(tier, [other], [1], False, 10).success
     tier.take_events()
+    value = s3_stub.objects[s3_stub.object_key(tier.object_path(other))]
+    newer = bytearray(value)
+    newer[8:12] = (FORMAT_VERSION + 1).to_bytes(4, "little")
+    body = {"short": b"someone else's", "long": b"x" * (VALUE + 1), "value-sized": b"s" * VALUE,
+            "another key's block": value, "newer format": bytes(newer)}[planted]  # fmt: skip
     name = s3_stub.object_key(tier.object_path(key))
-    s3_stub.objects[name] = planted
+    s3_stub.objects[name] = body
     result = run_job(tier, [key], [0], False, 10)
-    assert not result.success and "left in place" in (result.error or "")
-    assert s3_stub.objects[name] == planted, "create_only must never overwrite"
-    assert tier.stats.extra["create_conflicts"] == 1 and tier.stats.extra["objects_written"] == 0
+    assert not result.success and "left in place" in (result.error or ""), result.error
+    assert s3_stub.objects[name] == body, "create_only must never overwrite"
+    assert tier.stats.extra["create_conflicts"] == 1 and tier.stats.extra["objects_written"] == 1
     assert not any(key in e.keys for e in tier.take_events()), "no stored event for a block not stored"
     assert resolve(tier, key, 5) is LookupResult.MISS
+    assert s3_stub.objects.get(name) == body, "an object it did not write is never deleted"
     assert tier.health().state is HealthState.CLOSED, "a refused upload is no failure of the store"
 
 

@@ -226,6 +226,24 @@ def test_remove_corrupt_never_trusts_an_unusable_manifest(s3_bucket: tuple[MotoS
     assert {tier.object_path(k) for k in keys} <= _paths(raw)
 
 
+@pytest.mark.parametrize("value_format", [1, 2.0])
+def test_inspect_takes_the_manifests_the_tier_takes(s3_bucket: tuple[MotoServer, str], value_format: Any) -> None:
+    """Review (2026-12-04): inspect and the tier judged a manifest's value format apart (format 1,
+    which the tier takes and rewrites; 2.0, which it takes as JSON compares it)."""
+    server, bucket = s3_bucket
+    tier, _ = _fill(server, bucket, "model-a", 2)
+    tier.shutdown()
+    raw = raw_client(server.endpoint, bucket)
+    manifest_path = f"kvtier/{tier.context.namespace.hexdigest}/manifest.json"
+    _rewrite(raw, manifest_path, lambda body: json.dumps(
+        {**json.loads(bytes(body)), "value_format_version": value_format}).encode())  # fmt: skip
+    options = S3TierOptions(**{k: v for k, v in s3_options(server.endpoint, bucket).items() if k != "type"})
+    (ns,) = inspect_prefix(options, verify=True).namespaces
+    assert ns.manifest_error is None and ns.verified == 2 and not ns.corrupt, ns.manifest_error
+    again, _ = _fill(server, bucket, "model-a", 2)  # the tier serves the namespace too
+    again.shutdown()
+
+
 @pytest.mark.parametrize(
     "url",
     [

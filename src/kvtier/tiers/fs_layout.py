@@ -184,22 +184,19 @@ def ensure_manifest(dirs: NamespaceDir, expected: dict[str, Any]) -> None:
             f"fs tier manifest {path} is unreadable ({exc}); the directory cannot be trusted: "
             f"remove {ns_dir} or point 'root' elsewhere"
         ) from exc
+    entries = ("kvtier_fs_layout", "value_format_version", "namespace_digest", "namespace", "block_bytes",
+               "payload_offset")  # fmt: skip
     found_format = found.get("value_format_version")
-    if found_format in READABLE_FORMATS and found_format != expected["value_format_version"]:
+    if type(found_format) is int and found_format in READABLE_FORMATS and found_format != expected[entries[1]]:
         # Written by a release that only knew format 1; this one reads it and may now write format 2
         # (keys over 32 bytes), so say so: a format-1-only release then refuses the directory
-        # instead of taking format-2 values for corrupt ones.
-        upgraded = dict(found, value_format_version=expected["value_format_version"])
-        atomic_write_text(dirs, MANIFEST, json.dumps(upgraded, indent=2, sort_keys=True) + "\n")
-        found = upgraded
-    for entry in (
-        "kvtier_fs_layout",
-        "value_format_version",
-        "namespace_digest",
-        "namespace",
-        "block_bytes",
-        "payload_offset",
-    ):
+        # instead of taking format-2 values for corrupt ones. Only a manifest that matches in
+        # everything else is rewritten: another namespace's or block size's stays as it is.
+        upgraded = dict(found, value_format_version=expected[entries[1]])
+        if all(upgraded.get(entry) == expected[entry] for entry in entries):
+            atomic_write_text(dirs, MANIFEST, json.dumps(upgraded, indent=2, sort_keys=True) + "\n")
+        found = upgraded  # (else it is refused below for what else differs, not for its format)
+    for entry in entries:
         if found.get(entry) != expected[entry]:
             raise ConfigError(
                 f"fs tier directory {ns_dir} holds {entry}={found.get(entry)!r}, this engine needs "

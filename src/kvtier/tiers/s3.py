@@ -120,7 +120,7 @@ class S3Tier(ThreadedTier):
     extra_metrics: ClassVar[Mapping[str, ExtraMetric]] = {
         "objects_written": ExtraMetric("counter", "Objects PUT into the bucket."),
         "create_conflicts": ExtraMetric(
-            "counter", "create_only stores refused by an object of another size under the block's name (kept)."
+            "counter", "create_only stores refused by an object under the block's name that is not the block (kept)."
         ),
         "checks": ExtraMetric("counter", "Existence checks (HEAD) of unknown keys."),
         "checks_failed": ExtraMetric("counter", "Existence checks that failed (counted against the breaker)."),
@@ -361,6 +361,7 @@ class S3Tier(ThreadedTier):
             self._complete(work, error=f"not in service: {self._breaker.health().detail}", dropped=True)
             return
         row = self._row(work.slots[0])
+        existing = False
         try:
             header = encode_header(self._digest, key, row)
             obs.put(
@@ -370,14 +371,17 @@ class S3Tier(ThreadedTier):
                 use_multipart=False,
                 mode="create" if self.options.create_only else "overwrite",
             )
-        except AlreadyExistsError:  # create_only: another engine stored this block, or something else is there
-            self._put_found_existing(work, key)
-            return
+        except AlreadyExistsError as exc:  # create_only: another engine stored this block, or something else is there
+            forget_frames(exc)
+            existing = True
         except Exception as exc:
             self._complete(work, error=f"upload of {key.hex()[:16]} failed: {self._io_failure(exc)}")
             return
         finally:
             row.release()
+        if existing:  # (the row is no longer pinned while the object there is read)
+            self._put_found_existing(work, key)
+            return
         self._breaker.record_success()
         self._remember(key, True, time.monotonic())
         self._count(objects_written=1)
@@ -434,28 +438,47 @@ class S3Tier(ThreadedTier):
         self._complete(work, ok=[key], nbytes=self._value_bytes)
 
     def _put_found_existing(self, work: Work, key: BlockKey) -> None:
-        """A ``create_only`` PUT found an object under ``key``'s name: stored only if a HEAD shows it
-        the size of a block (as an existence check judges one); anything else there (another
-        release's layout, a stranger's object) is left in place and the store fails, so this tier
-        never reports a block it cannot serve. I/O thread; the HEAD has the job's deadline."""
+        """A ``create_only`` PUT found an object under ``key``'s name: the block counts as stored
+        only if that object is one (a block's size, and a header of this format, namespace, key and
+        length: another engine stored it); anything else there (another release's value, a
+        stranger's object) is left in place and the store fails, so this tier never reports a
+        block it cannot serve, nor later deletes as corrupt an object it did not write. One GET,
+        of which only the header is read. I/O thread; the GET has the job's deadline."""
         import obstore as obs
 
         path = self.object_path(key)
         try:
-            size = int(obs.head(self._data_client(work), path)["size"])
-        except FileNotFoundError:  # gone since the PUT was refused (a lifecycle rule, an eviction)
+            result = obs.get(self._data_client(work), path)
+            size = int(result.meta["size"])
+            problem = None
+            if size != self._value_bytes:
+                problem = f"an object of {size} bytes, not a block of {self._value_bytes}"
+            else:
+                header = bytearray()
+                for chunk in result.stream(min_chunk_size=HEADER_SIZE):
+                    header += memoryview(chunk)[: HEADER_SIZE - len(header)]
+                    if len(header) >= HEADER_SIZE:
+                        break
+                decode_header(header, namespace=self._digest, key=key, payload_len=self._block_bytes)
+        except CorruptValueError as exc:  # (another release's value too: ForeignFormatError)
+            problem = f"an object that is not this block ({exc})"
+        except FileNotFoundError as exc:  # gone since the PUT was refused (a lifecycle rule), or no bucket
+            if classify_error(exc) == "no_bucket":
+                self._complete(work, error=f"upload of {key.hex()[:16]} failed: {self._io_failure(exc)}")
+                return
+            forget_frames(exc)
             self._breaker.record_success()
-            self._complete(work, error=f"upload of {key.hex()[:16]} refused: the object there went away since")
+            self._complete(work, error=f"upload of {key.hex()[:16]} refused by an object that went away since")
             return
         except Exception as exc:
             failure = self._io_failure(exc)
             self._complete(work, error=f"upload of {key.hex()[:16]} refused, and its check failed: {failure}")
             return
         self._breaker.record_success()
-        if size != self._value_bytes:
+        if problem is not None:
             self._count(create_conflicts=1)
-            self._complete(work, error=f"create_only: {path} already holds an object of {size} bytes, not a "
-                                       f"block of {self._value_bytes}; left in place, not stored")  # fmt: skip
+            self._remember(key, False, time.monotonic())
+            self._complete(work, error=f"create_only: {path} already holds {problem}; left in place, not stored")
             return
         self._remember(key, True, time.monotonic())
         self._emit([key], removed=False)
@@ -587,6 +610,7 @@ class S3Tier(ThreadedTier):
         from obstore.exceptions import AlreadyExistsError
 
         expected = json.dumps(self._manifest, indent=2, sort_keys=True).encode()
+        rewritten = False
         for _ in range(3):
             try:
                 result = obs.get(self._store, self._manifest_path)
@@ -616,12 +640,12 @@ class S3Tier(ThreadedTier):
             if type(older) is int and older != FORMAT_VERSION and older in READABLE_FORMATS:
                 upgraded = dict(found, value_format_version=FORMAT_VERSION)
                 problem = manifest_mismatch(upgraded, self._manifest)  # (what else differs is the reason)
-                if problem is None:  # the same namespace, blocks and layout
-                    logger.info("s3 tier %s: manifest %s names value format %s; rewriting it to %s",
-                                self.label, self._manifest_path, older, FORMAT_VERSION)  # fmt: skip
-                    obs.put(self._store, self._manifest_path, json.dumps(upgraded, indent=2, sort_keys=True).encode(),
-                            use_multipart=False)  # fmt: skip
-                    continue  # read back, as another engine's would be
+                if problem is None:  # the same namespace, blocks and layout: rewritten once, if it may be
+                    if not rewritten and self._rewrite_manifest(upgraded, result.meta.get("e_tag"), older):
+                        rewritten = True
+                        continue  # read back, as another engine's would be
+                    self._manifest_ready()  # taken as it is (see _rewrite_manifest)
+                    return
             else:
                 problem = manifest_mismatch(found, self._manifest)
             if problem is not None:
@@ -629,6 +653,36 @@ class S3Tier(ThreadedTier):
             self._manifest_ready()
             return
         raise ConfigError(f"manifest {self._manifest_path} appeared and vanished; retrying later")
+
+    def _rewrite_manifest(self, upgraded: dict[str, Any], e_tag: str | None, older: int) -> bool:
+        """Replace the manifest just read (naming value format ``older``) by ``upgraded``, only if it
+        is still the object read (``If-Match`` its ETag); True if the manifest must be read again
+        (rewritten, or changed since it was read), False to take it as it is: ``create_only``
+        (never overwrite), no ETag, or a store without conditional writes. Raises on other errors."""
+        import obstore as obs
+        from obstore.exceptions import PreconditionError
+
+        if self.options.create_only or not e_tag:
+            why = "create_only" if self.options.create_only else "no ETag to rewrite it safely"
+            logger.info("s3 tier %s: manifest %s names value format %s; taken as it is (%s)", self.label,
+                        self._manifest_path, older, why)  # fmt: skip
+            return False
+        body = json.dumps(upgraded, indent=2, sort_keys=True).encode()
+        try:
+            obs.put(self._store, self._manifest_path, body, mode={"e_tag": e_tag}, use_multipart=False)
+        except PreconditionError as exc:  # changed since it was read: read it again
+            forget_frames(exc)
+            return True
+        except Exception as exc:
+            if not conditional_write_unsupported(exc):
+                raise
+            forget_frames(exc)
+            logger.info("s3 tier %s: manifest %s names value format %s; taken as it is (the store has no "
+                        "conditional writes to rewrite it safely)", self.label, self._manifest_path, older)  # fmt: skip
+            return False
+        logger.info("s3 tier %s: manifest %s named value format %s; rewritten to name %s", self.label,
+                    self._manifest_path, older, FORMAT_VERSION)  # fmt: skip
+        return True
 
     def _manifest_ready(self) -> None:
         self._manifest_error = None
