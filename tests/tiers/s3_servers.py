@@ -194,6 +194,10 @@ class _StubHandler(http.server.BaseHTTPRequestHandler):
         if self.headers.get("If-None-Match") is not None and not stub.conditional_writes:
             self._error(501, "NotImplemented")  # as a store without conditional writes answers
             return
+        if self.headers.get("If-Match") is not None and stub.if_match_refused is not None:
+            status, code = stub.if_match_refused
+            self._error(status, code)
+            return
         with stub.lock:
             if self.headers.get("If-None-Match") == "*" and key in stub.objects:
                 exists = True
@@ -293,6 +297,9 @@ class S3Stub:
         self.delays: dict[str, float] = {}
         self.conditional_writes = True
         """False: a PUT with ``If-None-Match`` is answered 501 NotImplemented."""
+        self.if_match_refused: tuple[int, str] | None = None
+        """``(status, code)``: a PUT with ``If-Match`` is answered with it (a store, or a bucket
+        policy, that refuses the header); None: the header is ignored, as this stub always did."""
         self.hanging = threading.Event()
         self.released = threading.Event()
         self._server = _StubHTTPServer(("127.0.0.1", 0), _StubHandler)

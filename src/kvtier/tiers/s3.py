@@ -420,11 +420,14 @@ class S3Tier(ThreadedTier):
             return
         except CorruptValueError as exc:
             self._breaker.record_success()
-            log_failure(logger, logging.WARNING, f"s3 tier {self.label}: object {path} is corrupt; deleting it", exc)
+            keep = self.options.create_only  # never overwrites, nor deletes, an object it may not have written
+            fate = "left in place (create_only)" if keep else "deleting it"
+            log_failure(logger, logging.WARNING, f"s3 tier {self.label}: object {path} is corrupt; {fate}", exc)
             self._count(corrupt_values=1)
             self._remember(key, False, time.monotonic())
             deleting = time.time()
-            self._delete(path)
+            if not keep:
+                self._delete(path)
             self._emit([key], removed=True, when=deleting)
             self._complete(work, error=f"corrupt object {key.hex()[:16]}: {exc}")
             return
@@ -442,8 +445,9 @@ class S3Tier(ThreadedTier):
         only if that object is one (a block's size, and a header of this format, namespace, key and
         length: another engine stored it); anything else there (another release's value, a
         stranger's object) is left in place and the store fails, so this tier never reports a
-        block it cannot serve, nor later deletes as corrupt an object it did not write. One GET,
-        of which only the header is read. I/O thread; the GET has the job's deadline."""
+        block it cannot serve (and a load under ``create_only`` never deletes a corrupt object
+        either). One GET, of which only the header is read. I/O thread; the GET has the job's
+        deadline."""
         import obstore as obs
 
         path = self.object_path(key)
@@ -658,7 +662,9 @@ class S3Tier(ThreadedTier):
         """Replace the manifest just read (naming value format ``older``) by ``upgraded``, only if it
         is still the object read (``If-Match`` its ETag); True if the manifest must be read again
         (rewritten, or changed since it was read), False to take it as it is: ``create_only``
-        (never overwrite), no ETag, or a store without conditional writes. Raises on other errors."""
+        (never overwrite), no ETag, or the rewrite refused or failed (it is optional: a store
+        without conditional writes, one that denies the PUT, a failed request). A store that
+        ignores ``If-Match`` overwrites whatever is there by then."""
         import obstore as obs
         from obstore.exceptions import PreconditionError
 
@@ -673,12 +679,11 @@ class S3Tier(ThreadedTier):
         except PreconditionError as exc:  # changed since it was read: read it again
             forget_frames(exc)
             return True
-        except Exception as exc:
-            if not conditional_write_unsupported(exc):
-                raise
+        except Exception as exc:  # the rewrite is optional: refused (no conditional writes, denied) or failed
+            why = "the store has no conditional writes" if conditional_write_unsupported(exc) else short_error(exc)
             forget_frames(exc)
-            logger.info("s3 tier %s: manifest %s names value format %s; taken as it is (the store has no "
-                        "conditional writes to rewrite it safely)", self.label, self._manifest_path, older)  # fmt: skip
+            logger.info("s3 tier %s: manifest %s names value format %s; taken as it is (its rewrite: %s)",
+                        self.label, self._manifest_path, older, why)  # fmt: skip
             return False
         logger.info("s3 tier %s: manifest %s named value format %s; rewritten to name %s", self.label,
                     self._manifest_path, older, FORMAT_VERSION)  # fmt: skip
