@@ -607,9 +607,10 @@ class S3Tier(ThreadedTier):
         """Create the namespace's manifest, or check the one there; raises on a mismatch or an error.
 
         A manifest that differs only in naming an older value format this release reads (format 1)
-        is rewritten to name :data:`FORMAT_VERSION`, as the fs tier does: its values stay servable,
-        and a release that reads only format 1 then refuses the namespace instead of taking this
-        release's values for corrupt ones."""
+        is taken, and rewritten once to name :data:`FORMAT_VERSION` where that is safe (see
+        :meth:`_rewrite_manifest`), as the fs tier does: its values stay servable, and a release
+        that reads only format 1 then refuses the namespace instead of taking this release's
+        values for corrupt ones."""
         import obstore as obs
         from obstore.exceptions import AlreadyExistsError
 
