@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import xxhash
 
@@ -63,8 +64,7 @@ _LAYOUT_V1 = struct.Struct("<8sII16s32sIIQQ")  # 88 bytes, then the header check
 _LAYOUT_V2 = struct.Struct("<8sII16s64sIIQQ")  # 120 bytes, then the header checksum
 _LAYOUTS = {1: _LAYOUT_V1, 2: _LAYOUT_V2}
 READABLE_FORMATS = tuple(sorted(_LAYOUTS))
-"""The value format versions this release reads (a namespace's manifest naming an older one is
-taken and rewritten to :data:`FORMAT_VERSION` by the fs and S3 tiers)."""
+"""The value format versions this release reads."""
 _PREFIX = struct.Struct("<8sII")
 PREFIX_SIZE = _PREFIX.size
 """Bytes at the start of a value that say whose format it is (magic, version, header length)."""
@@ -166,6 +166,13 @@ def foreign_format(prefix: bytes | bytearray | memoryview) -> int | None:
         return None
     magic, version, _ = _PREFIX.unpack_from(bytes(prefix[:PREFIX_SIZE]))
     return version if magic == MAGIC and version not in _LAYOUTS else None
+
+
+def older_readable_format(version: object) -> TypeGuard[int]:
+    """Whether a namespace manifest's ``value_format_version`` names an older format this release
+    reads (an integer: JSON's ``true`` is not 1), which the fs and S3 tiers take and rewrite to
+    :data:`FORMAT_VERSION`, and ``kvtier inspect`` accepts."""
+    return type(version) is int and version != FORMAT_VERSION and version in READABLE_FORMATS
 
 
 def payload_hasher() -> xxhash.xxh3_64:

@@ -54,10 +54,10 @@ from kvtier.tiers.format import (
     HEADER_SIZE,
     MAX_KEY_BYTES,
     PREFIX_SIZE,
-    READABLE_FORMATS,
     ValueHeader,
     decode_header,
     foreign_format,
+    older_readable_format,
     payload_checksum,
     verify_payload,
 )
@@ -186,13 +186,12 @@ def ensure_manifest(dirs: NamespaceDir, expected: dict[str, Any]) -> None:
         ) from exc
     entries = ("kvtier_fs_layout", "value_format_version", "namespace_digest", "namespace", "block_bytes",
                "payload_offset")  # fmt: skip
-    found_format = found.get("value_format_version")
-    if type(found_format) is int and found_format in READABLE_FORMATS and found_format != expected[entries[1]]:
+    if older_readable_format(found.get("value_format_version")):
         # Written by a release that only knew format 1; this one reads it and may now write format 2
         # (keys over 32 bytes), so say so: a format-1-only release then refuses the directory
         # instead of taking format-2 values for corrupt ones. Only a manifest that matches in
         # everything else is rewritten: another namespace's or block size's stays as it is.
-        upgraded = dict(found, value_format_version=expected[entries[1]])
+        upgraded = dict(found, value_format_version=expected["value_format_version"])
         if all(upgraded.get(entry) == expected[entry] for entry in entries):
             atomic_write_text(dirs, MANIFEST, json.dumps(upgraded, indent=2, sort_keys=True) + "\n")
         found = upgraded  # (else it is refused below for what else differs, not for its format)

@@ -71,10 +71,10 @@ from kvtier.tiers.format import (
     FORMAT_VERSION,
     HEADER_SIZE,
     PREFIX_SIZE,
-    READABLE_FORMATS,
     decode_header,
     encode_header,
     foreign_format,
+    older_readable_format,
     payload_hasher,
     verify_digest,
 )
@@ -642,7 +642,7 @@ class S3Tier(ThreadedTier):
             except ValueError as exc:
                 self._manifest_rejected(f"unreadable ({exc})")
             older = found.get("value_format_version")
-            if type(older) is int and older != FORMAT_VERSION and older in READABLE_FORMATS:
+            if older_readable_format(older):
                 upgraded = dict(found, value_format_version=FORMAT_VERSION)
                 problem = manifest_mismatch(upgraded, self._manifest)  # (what else differs is the reason)
                 if problem is None:  # the same namespace, blocks and layout: rewritten once, if it may be

@@ -44,9 +44,9 @@ from kvtier.tiers.format import (
     FORMAT_VERSION,
     HEADER_SIZE,
     PREFIX_SIZE,
-    READABLE_FORMATS,
     decode_header,
     foreign_format,
+    older_readable_format,
     verify_payload,
 )
 from kvtier.tiers.fs_layout import CorruptEntry, NamespaceReport, RootReport
@@ -267,9 +267,8 @@ def _read_manifest(store: Any, path: str, size: int, digest: str) -> tuple[dict[
     if header_bytes != HEADER_SIZE:
         return manifest, f"manifest says header_bytes={header_bytes!r}, this release reads {HEADER_SIZE}"
     value_format = manifest.get("value_format_version")
-    # As the tier judges it: its own format (compared as JSON values are), or an older one it reads
-    # (an integer), which the tier takes and rewrites to FORMAT_VERSION.
-    if value_format != FORMAT_VERSION and not (type(value_format) is int and value_format in READABLE_FORMATS):
+    # As the tier judges it: its own format (compared as JSON values are), or an older one it reads.
+    if value_format != FORMAT_VERSION and not older_readable_format(value_format):
         return manifest, (f"manifest says value_format_version={value_format!r}, this release writes "
                           f"{FORMAT_VERSION}: another release's namespace, its engines refuse it")  # fmt: skip
     if not isinstance(block_bytes, int) or isinstance(block_bytes, bool) or block_bytes <= 0:
