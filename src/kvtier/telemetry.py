@@ -168,10 +168,13 @@ class TierTelemetry:
         self.admitted_blocks = 0  # stored blocks the tier's cascade admission took (secondary tiers)
         self.declined_blocks = 0  # ... and declined (backpressure or a learned admission)
 
-    def fail(self, kind: str, count: int = 1, error: str | None = None) -> None:
-        self.failures[kind] = self.failures.get(kind, 0) + count
+    def fail(self, kind: str, count: int = 1, error: str | None = None) -> int:
+        """Count ``count`` failures of ``kind`` (``error``: the tier's words, kept as ``last_error``);
+        returns how many of ``kind`` there have been."""
+        self.failures[kind] = n = self.failures.get(kind, 0) + count
         if error:
             self.last_error = error[:300]
+        return n
 
 
 # --------------------------------------------------------------------------- snapshots

@@ -28,6 +28,7 @@ import numpy as np
 
 from kvtier.errors import TierError
 from kvtier.keys import BlockKey
+from kvtier.manager.joblog import log_failed_job, log_unknown_job
 from kvtier.manager.tierset import TierHandle, TierSet
 from kvtier.manager.waits import BlockWaits
 from kvtier.primary import PrimaryTier
@@ -197,9 +198,7 @@ class Ledger:
         job = self._jobs.get(result.job_id)
         if job is None or job.handle is not handle:
             self._counters.unknown_job_results = n = self._counters.unknown_job_results + 1
-            if str(n).rstrip("0") == "1":  # the 1st, 10th, 100th...: a tier repeating itself never fills the log
-                logger.error("secondary tier #%d reported unknown job %d; ignored (%d so far)", handle.index,
-                             result.job_id, n)  # fmt: skip
+            log_unknown_job(handle, result.job_id, n)
             return
         del self._jobs[result.job_id]
         if job.overdue:
@@ -214,8 +213,10 @@ class Ledger:
                 telemetry.written.add(len(job.keys), result.bytes_moved, seconds)
             else:
                 counters.cascades_failed += len(job.keys)
-                telemetry.written.add(len(result.succeeded(job.keys)), result.bytes_moved, seconds)
-                telemetry.fail("cascade_job_failed", error=result.error)
+                stored = len(result.succeeded(job.keys))
+                telemetry.written.add(stored, result.bytes_moved, seconds)
+                log_failed_job(handle, "store", result, len(job.keys) - stored, len(job.keys),
+                               telemetry.fail("cascade_job_failed", error=result.error))  # fmt: skip
             if handle.admission is not None:
                 handle.admission.finished(result, seconds)
             return
@@ -232,9 +233,8 @@ class Ledger:
         if failed:
             self._primary.complete_write(failed, False)
             self._withhold(handle, failed)
-            telemetry.fail("promotion_job_failed", error=result.error)
-            logger.debug("promotion job %d from tier #%d: %d of %d keys failed (%s)",
-                         result.job_id, handle.index, len(failed), len(job.keys), result.error)
+            log_failed_job(handle, "load", result, len(failed), len(job.keys),
+                           telemetry.fail("promotion_job_failed", error=result.error))  # fmt: skip
         counters.promotions_succeeded += len(ok)
         counters.promotions_failed += len(failed)
         if ok and handle.admission is not None:
