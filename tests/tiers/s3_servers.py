@@ -216,6 +216,10 @@ class _StubHandler(http.server.BaseHTTPRequestHandler):
         with stub.lock:
             body = stub.objects.get(key)
             fault = stub.faults.pop(key, None) if not head else stub.faults.get(key)
+        if fault == "stall" and not head:  # no answer until released (or 30 s), then the connection drops
+            stub.released.wait(30)
+            self.close_connection = True
+            return
         if body is None:
             self._error(404, "NoSuchKey", head=head)
             return
@@ -322,7 +326,8 @@ class S3Stub:
         return f"{self.bucket}/{path}"
 
     def fault(self, path: str, kind: str) -> None:
-        """Serve the next GET of ``path`` with ``kind``: truncate, wrong_length or wrong_header."""
+        """Serve the next GET of ``path`` with ``kind``: truncate, wrong_length, wrong_header or stall
+        (no answer until :meth:`release`, as a dropped connection the client never hears of)."""
         with self.lock:
             self.faults[self.object_key(path)] = kind
 

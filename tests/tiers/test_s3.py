@@ -581,6 +581,25 @@ def test_work_started_late_in_a_job_gets_only_the_retries_that_fit_its_deadline(
     assert took < 3.0 + 1.0 * 0.6, f"a 3 s job with 1 s requests was reported after {took:.1f}s"
 
 
+def test_a_get_that_times_out_is_retried_within_the_jobs_deadline(s3_stub: S3Stub, make: Any) -> None:
+    """Regression (CI of 77244d3, fleet test): work taken up as soon as its job was submitted had a
+    hair less than the full retry budget left and got the half-budget client, whose budget
+    (0.45 s here, 10 s of the defaults' 20 s) a request timing out at ``request_timeout`` had
+    used up: a GET that never answered failed its block instead of being retried."""
+    tier, rows = make(s3_stub.endpoint, s3_stub.bucket, request_timeout=0.5, job_timeout=1.4, max_retries=4,
+                      failure_threshold=1000)  # fmt: skip
+    wait_ready(tier)
+    keys = chain_ids(range(2), tier.context.namespace)
+    assert run_job(tier, keys, [0, 1], False, 10).success
+    s3_stub.fault(tier.object_path(keys[0]), "stall")
+    gets = s3_stub.count("GET")
+    result = run_job(tier, keys, [4, 5], True, 10)
+    s3_stub.release()
+    assert result.success, result.error
+    assert np.array_equal(rows[4:6], rows[0:2])
+    assert s3_stub.count("GET") == gets + 3, "the stalled GET, its retry and the other key's"
+
+
 def test_a_hanging_server_fails_jobs_by_their_deadline_without_blocking_the_scheduler(
     s3_stub: S3Stub, make: Any
 ) -> None:

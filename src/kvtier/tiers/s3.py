@@ -149,6 +149,9 @@ class S3Tier(ThreadedTier):
         self._by_budget: list[tuple[float, S3Store]] = [(full, self._store)] + [
             (budget, open_store(opts, retry_seconds=budget)) for budget in (full / 2, full / 4, 0.0)
         ]
+        # Before, work taken up at once had a hair less than the full budget left and got half of it:
+        # a request that timed out at request_timeout was never retried (defaults: 10 s of 10 s).
+        self._start_grace = min(0.05 * full, opts.request_timeout)
         self._quick: S3Store = open_store(opts, quick=True)
         self._value_bytes = HEADER_SIZE + context.block_bytes
         self._digest = context.namespace.digest
@@ -490,11 +493,14 @@ class S3Tier(ThreadedTier):
 
     def _data_client(self, work: Work) -> S3Store:
         """The client whose retries end by the deadline of ``work``'s job, given the time it has left
-        (work is only started before its deadline; see :class:`ThreadedTier`)."""
+        (work is only started before its deadline; see :class:`ThreadedTier`): the largest retry
+        budget within that time, give or take ``_start_grace`` (work started right after its
+        job was submitted has a hair less than the full budget left, and gets it: its last
+        attempt ends at most that grace past the deadline)."""
         deadline = work.job.deadline if work.job is not None else None
         if deadline is None:
             return self._store
-        left = deadline - time.monotonic() - self.options.request_timeout
+        left = deadline - time.monotonic() - self.options.request_timeout + self._start_grace
         return next((store for budget, store in self._by_budget if budget <= left), self._by_budget[-1][1])
 
     def _get_into(self, store: S3Store, path: str, key: BlockKey, header: bytearray, row: np.ndarray) -> None:
