@@ -5,7 +5,7 @@
   ``kill()`` sends SIGKILL and ``start()`` brings it back on the same port,
   empty, like a store that lost everything.
 * :class:`S3Stub` is an in-process ``http.server`` speaking just enough S3
-  (path-style PUT/GET/HEAD/DELETE, bulk delete, ``If-None-Match: *``) to inject what moto
+  (path-style PUT/GET/HEAD/DELETE, ranged GETs, bulk delete, ``If-None-Match: *``) to inject what moto
   cannot: 503 SlowDown, a hanging server, a truncated body, a wrong length, a
   wrong header. It records every request.
 """
@@ -244,6 +244,19 @@ class _StubHandler(http.server.BaseHTTPRequestHandler):
             with contextlib.suppress(OSError):
                 self.connection.shutdown(socket.SHUT_RDWR)
             return
+        asked = None if head else self.headers.get("Range")
+        if asked is not None:
+            with stub.lock:
+                stub.ranged_gets.append(asked)
+        span = re.fullmatch(r"bytes=(\d+)-(\d*)", asked or "")
+        if span is not None and stub.ranges:
+            start, end = int(span.group(1)), min(int(span.group(2) or len(body) - 1), len(body) - 1)
+            if start >= len(body):
+                self._error(416, "InvalidRange")
+                return
+            headers["Content-Range"] = f"bytes {start}-{end}/{len(body)}"
+            self._send(206, body[start : end + 1], headers)
+            return
         self._send(200, body, headers, head=head)
 
     def do_GET(self) -> None:
@@ -304,6 +317,10 @@ class S3Stub:
         self.if_match_refused: tuple[int, str] | None = None
         """``(status, code)``: a PUT with ``If-Match`` is answered with it (a store, or a bucket
         policy, that refuses the header); None: the header is ignored, as this stub always did."""
+        self.ranges = True
+        """False: a GET's ``Range`` header is ignored (the whole object, 200), as some stores do."""
+        self.ranged_gets: list[str] = []
+        """The ``Range`` header of every GET that had one, in order."""
         self.hanging = threading.Event()
         self.released = threading.Event()
         self._server = _StubHTTPServer(("127.0.0.1", 0), _StubHandler)

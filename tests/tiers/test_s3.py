@@ -786,7 +786,7 @@ def test_an_object_of_another_releases_format_is_a_miss_and_kept(s3_stub: S3Stub
     assert resolve(tier, keys[0], 5) is LookupResult.MISS
 
 
-@pytest.mark.parametrize("planted", ["short", "long", "value-sized", "another key's block", "newer format"])
+@pytest.mark.parametrize("planted", ["empty", "short", "long", "value-sized", "another key's block", "newer format"])
 def test_create_only_never_overwrites_and_never_claims_what_it_cannot_serve(
     s3_stub: S3Stub, make: Any, planted: str
 ) -> None:
@@ -800,7 +800,7 @@ def test_create_only_never_overwrites_and_never_claims_what_it_cannot_serve(
     value = s3_stub.objects[s3_stub.object_key(tier.object_path(other))]
     newer = bytearray(value)
     newer[8:12] = (FORMAT_VERSION + 1).to_bytes(4, "little")
-    body = {"short": b"someone else's", "long": b"x" * (VALUE + 1), "value-sized": b"s" * VALUE,
+    body = {"empty": b"", "short": b"someone else's", "long": b"x" * (VALUE + 1), "value-sized": b"s" * VALUE,
             "another key's block": value, "newer format": bytes(newer)}[planted]  # fmt: skip
     name = s3_stub.object_key(tier.object_path(key))
     s3_stub.objects[name] = body
@@ -817,9 +817,15 @@ def test_create_only_never_overwrites_and_never_claims_what_it_cannot_serve(
     assert tier.health().state is HealthState.CLOSED, "a refused upload is no failure of the store"
 
 
-def test_create_only_takes_the_same_block_stored_by_another_engine(s3_stub: S3Stub, make: Any) -> None:
+@pytest.mark.parametrize("ranges", [True, False], ids=["ranged", "store-ignores-ranges"])
+def test_create_only_takes_the_same_block_stored_by_another_engine(
+    s3_stub: S3Stub, make: Any, ranges: bool
+) -> None:
     """Two engines of one namespace store one block: the second PUT is refused, the block counts as
-    stored (a HEAD shows a block's size), nothing is overwritten, and it loads the first's bytes."""
+    stored (its header and size checked), nothing is overwritten, and it loads the first's bytes.
+    The check GETs the header's bytes only (it GOT the whole object before 2026-12-04); a store
+    that ignores the range gets a plain GET."""
+    s3_stub.ranges = ranges
     ns = make_namespace(BLOCK)
     first, first_rows = make(s3_stub.endpoint, s3_stub.bucket, ns, seed=1, create_only=True)
     second, second_rows = make(s3_stub.endpoint, s3_stub.bucket, ns, seed=2, create_only=True)
@@ -832,10 +838,37 @@ def test_create_only_takes_the_same_block_stored_by_another_engine(s3_stub: S3St
     assert run_job(second, [key], [0], False, 10).success
     assert s3_stub.objects[name] == stored
     assert second.stats.extra["objects_written"] == 0 and second.stats.extra.get("create_conflicts", 0) == 0
+    assert s3_stub.ranged_gets == [f"bytes=0-{HEADER_SIZE - 1}"], "the check asks for the header only"
     assert any(key in e.keys and not e.removed for e in second.take_events())
     assert second.lookup(key, None) is LookupResult.HIT
     assert run_job(second, [key], [5], True, 10).success
     assert np.array_equal(second_rows[5], first_rows[0])
+
+
+def test_create_only_on_moto_takes_the_block_another_engine_stored(
+    s3_bucket: tuple[MotoServer, str], make: Any
+) -> None:
+    """The same on a real S3 implementation (moto): its 412 to the second PUT, its 206 to the
+    header check; and a stranger's empty object (moto's 416 to the range) is refused, untouched."""
+    import obstore as obs
+
+    server, bucket = s3_bucket
+    ns = make_namespace(BLOCK)
+    first, first_rows = make(server.endpoint, bucket, ns, seed=1, create_only=True)
+    second, second_rows = make(server.endpoint, bucket, ns, seed=2, create_only=True)
+    key, planted = chain_ids(range(2), ns)
+    assert run_job(first, [key], [0], False, 10).success
+    wait_ready(second)
+    assert run_job(second, [key], [0], False, 10).success
+    assert second.stats.extra["objects_written"] == 0 and second.stats.extra.get("create_conflicts", 0) == 0
+    assert run_job(second, [key], [5], True, 10).success
+    assert np.array_equal(second_rows[5], first_rows[0])
+    raw = raw_client(server.endpoint, bucket)
+    obs.put(raw, second.object_path(planted), b"")
+    result = run_job(second, [planted], [1], False, 10)
+    assert not result.success and "an object of 0 bytes" in (result.error or ""), result.error
+    assert second.stats.extra["create_conflicts"] == 1
+    assert bytes(obs.get(raw, second.object_path(planted)).bytes()) == b""
 
 
 def test_warm_start_answers_hit_without_existence_checks(s3_bucket: tuple[MotoServer, str], make: Any) -> None:

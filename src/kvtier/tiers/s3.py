@@ -449,13 +449,21 @@ class S3Tier(ThreadedTier):
         length: another engine stored it); anything else there (another release's value, a
         stranger's object) is left in place and the store fails, so this tier never reports a
         block it cannot serve (and a load under ``create_only`` never deletes a corrupt object
-        either). One GET, of which only the header is read. I/O thread; the GET has the job's
-        deadline."""
+        either). One GET of the header's bytes (the object's size comes with them); a store that
+        refuses the range (one that ignores ranges, or an empty object's 416) gets a plain GET, of
+        which only the header is read. I/O thread; the GETs have the job's deadline."""
         import obstore as obs
 
         path = self.object_path(key)
+        client = self._data_client(work)
         try:
-            result = obs.get(self._data_client(work), path)
+            try:
+                result = obs.get(client, path, options={"range": (0, HEADER_SIZE)})
+            except Exception as exc:
+                if isinstance(exc, FileNotFoundError) or classify_error(exc) != "other":
+                    raise
+                forget_frames(exc)
+                result = obs.get(client, path)
             size = int(result.meta["size"])
             problem = None
             if size != self._value_bytes:
