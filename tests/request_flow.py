@@ -33,3 +33,24 @@ def serve(mgr: TieringManager, request: RequestContext, keys: list[bytes]) -> in
         time.sleep(0.0002)
         mgr.on_schedule_end()
     return hits
+
+
+def settle(mgr: TieringManager, limit: float = 30.0) -> None:
+    """End the step, then step until every tier job was reported (fails past ``limit`` seconds)."""
+    mgr.on_schedule_end()
+    deadline = time.monotonic() + limit
+    while mgr.has_pending_work():
+        assert time.monotonic() < deadline, f"tier jobs still pending after {limit:g} s"
+        time.sleep(0.001)
+        mgr.on_schedule_end()
+
+
+def store_new(mgr: TieringManager, keys: list[bytes], name: str) -> None:
+    """A request ``name`` that stores every block of ``keys`` (none held yet), ends, and settles."""
+    request = RequestContext(name)
+    mgr.on_new_request(request)
+    result = mgr.prepare_store(keys, request)
+    assert result is not None and result.keys_to_store == keys
+    mgr.complete_store(keys, request)
+    mgr.on_request_finished(request)
+    settle(mgr)

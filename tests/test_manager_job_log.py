@@ -22,6 +22,7 @@ from kvtier import LookupResult, Namespace, RequestContext, TieringManager, pref
 from kvtier.keys import KVGeometry
 from kvtier.tiers.fs import FilesystemTier
 from kvtier.tiers.registry import register_tier
+from request_flow import store_new
 from tier_doubles import ScriptedTier
 
 pytestmark = pytest.mark.usefixtures("shm_leak_check")
@@ -29,25 +30,6 @@ pytestmark = pytest.mark.usefixtures("shm_leak_check")
 register_tier("scripted", "tier_doubles:ScriptedTier")
 NS = Namespace("job-log-test", KVGeometry.from_block_bytes(64, tokens_per_block=16))
 LOGGER = "kvtier.manager.joblog"
-
-
-def _settle(mgr: TieringManager) -> None:
-    mgr.on_schedule_end()
-    deadline = time.monotonic() + 30
-    while mgr.has_pending_work():
-        assert time.monotonic() < deadline, "jobs still pending after 30 s"
-        time.sleep(0.001)
-        mgr.on_schedule_end()
-
-
-def _store(mgr: TieringManager, keys: list[bytes], name: str) -> None:
-    request = RequestContext(name)
-    mgr.on_new_request(request)
-    result = mgr.prepare_store(keys, request)
-    assert result is not None and result.keys_to_store == keys
-    mgr.complete_store(keys, request)
-    mgr.on_request_finished(request)
-    _settle(mgr)
 
 
 def _load_from_tier(mgr: TieringManager, key: bytes, name: str) -> LookupResult:
@@ -81,7 +63,7 @@ def test_a_load_that_failed_on_a_real_fs_tier_is_logged_with_the_tier_and_its_re
     caplog.set_level(logging.WARNING, logger=LOGGER)
     with TieringManager.create(namespace=NS, num_cpu_blocks=2, policy="lru", tiers=[spec]) as mgr:
         for n, keys in enumerate(blocks):
-            _store(mgr, keys, f"store-{n}")
+            store_new(mgr, keys, f"store-{n}")
         first = blocks[0][0]
         assert mgr.lookup(first, None) is not LookupResult.HIT  # gone from the CPU tier, in the fs tier
         size = FilesystemTier.bytes_per_block(64)
@@ -120,7 +102,7 @@ def test_repeated_failures_are_logged_at_the_1st_10th_100th(
         assert mgr.stats().tier("1:scripted").failures["promotion_job_failed"] == 12
         fresh = prefix_keys(np.arange(16) + 900, 4)
         tier.fail_keys |= set(fresh)
-        _store(mgr, fresh, "store")  # every block of the cascade fails
+        store_new(mgr, fresh, "store")  # every block of the cascade fails
         stores = _warnings(caplog)[len(loads):]
     assert len(loads) == 2
     assert "[1 failed load jobs" in loads[0] and "[10 failed load jobs" in loads[1]

@@ -9,7 +9,6 @@ LRU's). ``prepare_load`` now touches the secondary tiers with the keys it loads.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ from kvtier import LookupResult, Namespace, RequestContext, TieringManager, pref
 from kvtier.keys import KVGeometry
 from kvtier.tiers.fs import FilesystemTier
 from kvtier.tiers.memory import MemoryTier
+from request_flow import settle, store_new
 
 pytestmark = pytest.mark.usefixtures("shm_leak_check")
 
@@ -33,25 +33,6 @@ def _spec(kind: str, tmp_path: Path) -> dict[str, object]:
     return {"type": "memory", "max_bytes": TIER_BLOCKS * MemoryTier.bytes_per_block(64)}
 
 
-def _settle(mgr: TieringManager) -> None:
-    mgr.on_schedule_end()
-    deadline = time.monotonic() + 30
-    while mgr.has_pending_work():
-        assert time.monotonic() < deadline, "cascades still pending after 30 s"
-        time.sleep(0.001)
-        mgr.on_schedule_end()
-
-
-def _store(mgr: TieringManager, keys: list[bytes], name: str) -> None:
-    request = RequestContext(name)
-    mgr.on_new_request(request)
-    result = mgr.prepare_store(keys, request)
-    assert result is not None and result.keys_to_store == keys
-    mgr.complete_store(keys, request)
-    mgr.on_request_finished(request)
-    _settle(mgr)
-
-
 def _run(kind: str, tmp_path: Path, load: bool) -> tuple[bool, int]:
     """Store a block, then 3x the tier's capacity of other blocks, each followed (if ``load``) by a
     load of the first from the CPU tier (which holds every block). Returns whether the secondary
@@ -61,9 +42,9 @@ def _run(kind: str, tmp_path: Path, load: bool) -> tuple[bool, int]:
     mgr = TieringManager.create(namespace=NS, num_cpu_blocks=64, policy="lru", tiers=[_spec(kind, tmp_path)])
     try:
         first = blocks[0]
-        _store(mgr, first, "first")
+        store_new(mgr, first, "first")
         for n, keys in enumerate(blocks[1:]):
-            _store(mgr, keys, f"other-{n}")
+            store_new(mgr, keys, f"other-{n}")
             if load:
                 request = RequestContext(f"load-{n}")
                 mgr.on_new_request(request)
@@ -71,7 +52,7 @@ def _run(kind: str, tmp_path: Path, load: bool) -> tuple[bool, int]:
                 mgr.prepare_load(first, request)
                 mgr.complete_load(first, request)
                 mgr.on_request_finished(request)
-                _settle(mgr)
+                settle(mgr)
         tier = mgr.tiers[0]
         return tier.holds(first[0]), sum(tier.holds(keys[0]) for keys in blocks[1:])
     finally:
@@ -98,7 +79,7 @@ def test_a_request_touches_only_the_tiers_it_may_load_from(tmp_path: Path) -> No
         tier.touch = lambda keys, request, log=log: log.append(list(keys))  # type: ignore[method-assign]
     try:
         keys = prefix_keys(np.arange(3), 1)
-        _store(mgr, keys, "stored")
+        store_new(mgr, keys, "stored")
         request = RequestContext("cpu-and-first", {"kvtier_load_tiers": ["cpu", "1:memory"]})
         mgr.prepare_load(keys, request)
         mgr.complete_load(keys, request)
@@ -119,7 +100,7 @@ def test_a_tier_whose_touch_raises_does_not_fail_the_load(tmp_path: Path) -> Non
     try:
         mgr.tiers[0].__class__ = Raising  # the same tier, its touch now raising
         keys = prefix_keys(np.arange(3), 1)
-        _store(mgr, keys, "r")
+        store_new(mgr, keys, "r")
         request = RequestContext("load")
         rows = mgr.prepare_load(keys, request)
         assert len(rows) == 3
