@@ -9,6 +9,9 @@
   as tokens.
 * **Events**: ``FleetIndex.apply`` per block event (batches of 16 stores, shared-store events
   with their timed control records, as kvtier publishes them).
+* **Answers during a clear**: the longest wait of a reader reading 64 keys' masks over and over
+  while a location of ``--clear-keys`` keys is cleared (an engine restarted, or lost events),
+  against its longest wait in the same time with nothing cleared.
 
 Run::
 
@@ -20,10 +23,11 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import threading
 import time
 
 from kvtier.engine_events import ControlRecord, TierInfo
-from kvtier.fleet import BlockHasher, FleetIndex
+from kvtier.fleet import BlockHasher, FleetIndex, MemoryMasks
 from kvtier.fleet.records import Kind, WireBatch, WireEvent
 
 TIERS = (TierInfo("0:primary", "cpu", "cpu", "engine"), TierInfo("1:fs", "fs", "disk", "shared", "root-1"))
@@ -66,12 +70,43 @@ def _timed(fn: object, repeat: int) -> float:
     return best
 
 
+def reader_waits(keys: int, clear: bool) -> tuple[float, float]:
+    """(longest wait of one 64-key ``masks`` read, seconds the clear took) while a location of
+    ``keys`` keys is cleared (``clear``), or for as long with nothing cleared."""
+    store = MemoryMasks(max_keys=2 * keys + 64)
+    store.add(1, range(keys))
+    store.add(2, range(keys, keys + 64))
+    probe = list(range(keys, keys + 64))
+    done = threading.Event()
+    worst = [0.0]
+
+    def read() -> None:
+        while not done.is_set():
+            t0 = time.perf_counter()
+            store.masks(probe)
+            worst[0] = max(worst[0], time.perf_counter() - t0)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.05)
+    t0 = time.perf_counter()
+    if clear:
+        store.clear(1)
+    else:
+        time.sleep(0.2)
+    took = time.perf_counter() - t0
+    done.set()
+    reader.join()
+    return worst[0], took
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keys", type=int, default=200_000, help="block keys in the index")
     parser.add_argument("--engines", type=int, default=4)
     parser.add_argument("--queries", type=int, default=200, help="answers per prompt length and round")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--clear-keys", type=int, default=1_000_000, help="keys of the location cleared")
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
@@ -115,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     t_hash = _timed(lambda: hasher.event_hashes(tokens), args.repeat)
     print(f"hashing tokens (sha256 chain): {t_hash / 512 * 1e9:.0f} ns per block of 16 tokens")
     print(f"median answer cost per block: {statistics.median(per_block):.0f} ns")
+    idle = max(reader_waits(args.clear_keys, False)[0] for _ in range(args.repeat))
+    runs = [reader_waits(args.clear_keys, True) for _ in range(args.repeat)]
+    during = max(w for w, _ in runs)
+    print(f"clearing a location of {args.clear_keys:,} keys took {min(t for _, t in runs) * 1e3:.0f} ms; a 64-key "
+          f"read waited at most {during * 1e3:.2f} ms meanwhile, {idle * 1e3:.2f} ms with nothing cleared "
+          f"({during / idle:.1f}x)")  # fmt: skip
     return 0
 
 

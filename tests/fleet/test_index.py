@@ -7,8 +7,9 @@ scenario on Redis (one writer, a reader) gives the same answers."""
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import kvtier.fleet.masks as masks_module
 from kvtier.engine_events import ControlRecord, TierInfo
 from kvtier.fleet import FleetIndex, FleetReader, MemoryMasks, RedisMasks, longest_prefix
 from kvtier.fleet.index import prefix_answer
@@ -227,6 +229,48 @@ def test_a_memory_index_counts_what_it_dropped() -> None:
     assert len(masks) == 0
     with pytest.raises(ValueError):
         index.add_engine("a")
+
+
+class _ReadAfterEachHold:
+    """A lock (a collaborator double) that reads the masks, as a router's answer would, each time
+    the thread holding it lets it go (not for the reads' own holds)."""
+
+    def __init__(self, read: Callable[[], None]) -> None:
+        self._lock = threading.Lock()
+        self._read = read
+        self._reading = False
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+        if not self._reading:
+            self._reading = True
+            try:
+                self._read()
+            finally:
+                self._reading = False
+
+
+def test_a_large_location_is_hidden_at_once_and_cleared_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Left alone until 2026-12-04: clearing a location (an engine restarted, or lost events) held
+    the lock answers read under for all its keys, about 0.1 s per million keys. Now answers stop
+    showing it at once and get the lock between chunks of its keys."""
+    monkeypatch.setattr(masks_module, "CLEAR_CHUNK", 10)
+    store = MemoryMasks(max_keys=40)
+    keys = list(range(35))
+    store.add(1, keys)
+    store.add(2, keys[:5])
+    seen: list[list[int]] = []
+    store._lock = _ReadAfterEachHold(lambda: seen.append(store.masks(keys)))  # type: ignore[assignment]
+    store.clear(1)
+    after = [4] * 5 + [0] * 30  # only bit 2's keys, as bit 2
+    assert len(seen) == 1 + 4 + 1, "the lock let go after taking the location, after each of 4 chunks, at the end"
+    assert all(answer == after for answer in seen), "no answer shows a location once its clear began"
+    assert store.masks(keys) == after and store.count(1) == 0 and len(store) == 5
+    store.add(1, range(100, 135))  # its 35 entries are free again (max_keys 40, 5 held)
+    assert store.count(1) == 35
 
 
 def _reference(masks: list[int], device: int, tiers: dict[str, int], chunk: int) -> dict[str, Any]:
