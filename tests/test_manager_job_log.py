@@ -10,6 +10,7 @@ words, at the 1st, 10th, 100th... failed job of its kind on a tier.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 
 from kvtier import LookupResult, Namespace, RequestContext, TieringManager, prefix_keys
 from kvtier.keys import KVGeometry
+from kvtier.tiers.base import JobResult
 from kvtier.tiers.fs import FilesystemTier
 from kvtier.tiers.registry import register_tier
 from request_flow import store_new
@@ -109,3 +111,33 @@ def test_repeated_failures_are_logged_at_the_1st_10th_100th(
     assert all(line.startswith("secondary tier #1 (type=scripted, class=ScriptedTier): load job ") for line in loads)
     (store,) = stores
     assert "store job" in store and "4 of 4 blocks failed (not stored there): " in store
+
+
+class _WordyTier(ScriptedTier):
+    """A collaborator double whose failed jobs give a long reason over several lines."""
+
+    tier_type = "job-log-wordy"
+
+    def poll_finished(self) -> list[JobResult]:
+        wordy = "line one\nline two\r\n" + "x" * 1000
+        return [r if r.success else dataclasses.replace(r, error=wordy) for r in super().poll_finished()]
+
+
+register_tier("job-log-wordy", f"{__name__}:_WordyTier")
+
+
+def test_a_tiers_reason_is_logged_on_one_line_and_cut(namespace: Namespace, caplog: pytest.LogCaptureFixture) -> None:
+    """Review (2026-12-04): any tier's text (a server's reply) went into the warning whole, newlines
+    included: one failure could fill the log or forge lines in it."""
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    with TieringManager.create(namespace=namespace, num_cpu_blocks=4, tiers=[{"type": "job-log-wordy"}],
+                               policy="lru") as mgr:  # fmt: skip
+        (tier,) = mgr.tiers
+        assert isinstance(tier, ScriptedTier)
+        (key,) = prefix_keys(np.arange(4) + 5, 4)
+        tier.data[key] = b"v" * mgr.block_bytes
+        tier.fail_keys = {key}
+        assert _load_from_tier(mgr, key, "load") is LookupResult.MISS
+        (line,) = _warnings(caplog)
+    assert "\n" not in line and "\r" not in line
+    assert "(the engine recomputes them): line one line two " + "x" * 282 + " [1 failed load jobs" in line

@@ -199,11 +199,18 @@ class _StubHandler(http.server.BaseHTTPRequestHandler):
             self._error(status, code)
             return
         with stub.lock:
-            if self.headers.get("If-None-Match") == "*" and key in stub.objects:
+            stall = stub.faults.get(key) in ("stall", "stall_after_write") and stub.faults.pop(key)
+            if stall == "stall":
+                exists = False
+            elif self.headers.get("If-None-Match") == "*" and key in stub.objects:
                 exists = True
             else:
                 exists = False
                 stub.objects[key] = body
+        if stall:  # no answer until released (or 30 s): written first for stall_after_write
+            stub.released.wait(30)
+            self.close_connection = True
+            return
         if exists:
             self._error(412, "PreconditionFailed")
             return
@@ -249,10 +256,13 @@ class _StubHandler(http.server.BaseHTTPRequestHandler):
             with stub.lock:
                 stub.ranged_gets.append(asked)
         span = re.fullmatch(r"bytes=(\d+)-(\d*)", asked or "")
+        if span is not None and span.group(2) and int(span.group(2)) < int(span.group(1)):
+            span = None  # an invalid range is ignored (RFC 9110): the whole object
         if span is not None and stub.ranges:
             start, end = int(span.group(1)), min(int(span.group(2) or len(body) - 1), len(body) - 1)
             if start >= len(body):
-                self._error(416, "InvalidRange")
+                error = b"<?xml version='1.0'?><Error><Code>InvalidRange</Code><Message>InvalidRange</Message></Error>"
+                self._send(416, error, {"Content-Type": "application/xml", "Content-Range": f"bytes */{len(body)}"})
                 return
             headers["Content-Range"] = f"bytes {start}-{end}/{len(body)}"
             self._send(206, body[start : end + 1], headers)
@@ -344,7 +354,8 @@ class S3Stub:
 
     def fault(self, path: str, kind: str) -> None:
         """Serve the next GET of ``path`` with ``kind``: truncate, wrong_length, wrong_header or stall
-        (no answer until :meth:`release`, as a dropped connection the client never hears of)."""
+        (no answer until :meth:`release`, as a dropped connection the client never hears of); or
+        the next PUT with stall (nothing written) or stall_after_write (the object written)."""
         with self.lock:
             self.faults[self.object_key(path)] = kind
 

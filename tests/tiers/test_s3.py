@@ -581,12 +581,15 @@ def test_work_started_late_in_a_job_gets_only_the_retries_that_fit_its_deadline(
     assert took < 3.0 + 1.0 * 0.6, f"a 3 s job with 1 s requests was reported after {took:.1f}s"
 
 
-def test_a_get_that_times_out_is_retried_within_the_jobs_deadline(s3_stub: S3Stub, make: Any) -> None:
+@pytest.mark.parametrize("max_retries", [4, 0])
+def test_a_get_that_times_out_is_retried_within_the_jobs_deadline(s3_stub: S3Stub, make: Any, max_retries: int) -> None:
     """Regression (CI of 77244d3, fleet test): work taken up as soon as its job was submitted had a
     hair less than the full retry budget left and got the half-budget client, whose budget
     (0.45 s here, 10 s of the defaults' 20 s) a request timing out at ``request_timeout`` had
-    used up: a GET that never answered failed its block instead of being retried."""
-    tier, rows = make(s3_stub.endpoint, s3_stub.bucket, request_timeout=0.5, job_timeout=1.4, max_retries=4,
+    used up: a GET that never answered failed its block instead of being retried. With the
+    client's retries off (``max_retries: 0``, or work queued past the top of its job's budget)
+    the tier sends it again itself while the job has a request's time left."""
+    tier, rows = make(s3_stub.endpoint, s3_stub.bucket, request_timeout=0.5, job_timeout=1.4, max_retries=max_retries,
                       failure_threshold=1000)  # fmt: skip
     wait_ready(tier)
     keys = chain_ids(range(2), tier.context.namespace)
@@ -598,6 +601,30 @@ def test_a_get_that_times_out_is_retried_within_the_jobs_deadline(s3_stub: S3Stu
     assert result.success, result.error
     assert np.array_equal(rows[4:6], rows[0:2])
     assert s3_stub.count("GET") == gets + 3, "the stalled GET, its retry and the other key's"
+    assert tier.stats.extra["requests_retried"] == (1 if max_retries == 0 else 0)
+
+
+@pytest.mark.parametrize("fault", ["stall", "stall_after_write"])
+def test_a_create_only_upload_that_times_out_is_sent_again_within_the_deadline(
+    s3_stub: S3Stub, make: Any, fault: str
+) -> None:
+    """Review (2026-12-04): the client never retries a conditional PUT (not idempotent), so a
+    create_only upload that timed out failed its block however much of the job was left. The
+    tier sends it again while the job has a request's time left; where the first one had landed,
+    the second finds it, checks it is this block and counts it stored."""
+    tier, rows = make(s3_stub.endpoint, s3_stub.bucket, create_only=True, request_timeout=0.5, job_timeout=3.0,
+                      failure_threshold=1000)  # fmt: skip
+    wait_ready(tier)
+    (key,) = chain_ids(range(1), tier.context.namespace)
+    s3_stub.fault(tier.object_path(key), fault)
+    puts = s3_stub.count("PUT")
+    result = run_job(tier, [key], [0], False, 10)
+    s3_stub.release()
+    assert result.success, result.error
+    assert s3_stub.count("PUT") == puts + 2 and tier.stats.extra["requests_retried"] == 1
+    assert tier.stats.extra.get("create_conflicts", 0) == 0
+    assert run_job(tier, [key], [7], True, 10).success
+    assert np.array_equal(rows[7], rows[0])
 
 
 def test_a_hanging_server_fails_jobs_by_their_deadline_without_blocking_the_scheduler(

@@ -29,15 +29,17 @@ def log_failed_job(handle: TierHandle, what: Literal["load", "store"], result: J
                    failed_jobs: int) -> None:  # fmt: skip
     """``result`` reports ``failed`` of the ``blocks`` of a ``what`` job of ``handle``'s tier
     failed, the tier's ``failed_jobs``-th failed job of that kind: warned at each :func:`decade`."""
-    if not decade(failed_jobs):
+    if failed <= 0 or not decade(failed_jobs):  # (a job reported failed with every block done: nothing to say)
         return
     tier = handle.tier
     consequence = "the engine recomputes them" if what == "load" else "not stored there"
+    # The tier's words on one line, cut as the snapshot's last_error is (any tier's text: a server's reply)
+    reason = " ".join(str(result.error or "no reason given").split())[:300]
     logger.warning(
         "secondary tier #%d (type=%s, class=%s): %s job %d: %d of %d blocks failed (%s): %s "
         "[%d failed %s jobs on this tier so far; logged at the 1st, 10th, 100th...]",
         handle.index, tier.tier_type, type(tier).__qualname__, what, result.job_id, failed, blocks, consequence,
-        result.error or "no reason given", failed_jobs, what,
+        reason, failed_jobs, what,
     )  # fmt: skip
 
 

@@ -98,6 +98,7 @@ from kvtier.tiers.s3_store import (
     object_path,
     open_store,
     parse_manifest,
+    range_refused,
     short_error,
 )
 from kvtier.types import LookupResult, RequestContext
@@ -125,6 +126,9 @@ class S3Tier(ThreadedTier):
         "checks": ExtraMetric("counter", "Existence checks (HEAD) of unknown keys."),
         "checks_failed": ExtraMetric("counter", "Existence checks that failed (counted against the breaker)."),
         "missing": ExtraMetric("counter", "Objects gone from the bucket when read."),
+        "requests_retried": ExtraMetric(
+            "counter", "GETs and PUTs that timed out and were sent again by the tier within their job's deadline."
+        ),
         "warm_start_blocks": ExtraMetric("counter", "Blocks indexed from the manifest at start."),
         "foreign_format": FOREIGN_FORMAT_METRIC,
     }
@@ -180,7 +184,8 @@ class S3Tier(ThreadedTier):
         self._max_checks_out = max(1, opts.max_in_flight // 2)
         self._checks_may_fill_pool = self._max_checks_out >= opts.max_in_flight
         self._deferred: Work | None = None
-        self.stats.extra.update({"objects_written": 0, "checks": 0, "checks_failed": 0, "missing": 0})
+        self.stats.extra.update({"objects_written": 0, "checks": 0, "checks_failed": 0, "missing": 0,
+                                 "requests_retried": 0})  # fmt: skip
 
         # The endpoint in use, read once: the client was built with it, whatever the environment says later.
         self._endpoint_setting = endpoint, source = opts.endpoint_setting()
@@ -367,19 +372,25 @@ class S3Tier(ThreadedTier):
         existing = False
         try:
             header = encode_header(self._digest, key, row)
-            obs.put(
-                self._data_client(work),
-                self.object_path(key),
-                [header, row],
-                use_multipart=False,
-                mode="create" if self.options.create_only else "overwrite",
-            )
-        except AlreadyExistsError as exc:  # create_only: another engine stored this block, or something else is there
-            forget_frames(exc)
-            existing = True
-        except Exception as exc:
-            self._complete(work, error=f"upload of {key.hex()[:16]} failed: {self._io_failure(exc)}")
-            return
+            while True:
+                try:
+                    obs.put(
+                        self._data_client(work),
+                        self.object_path(key),
+                        [header, row],
+                        use_multipart=False,
+                        mode="create" if self.options.create_only else "overwrite",
+                    )
+                    break
+                except AlreadyExistsError as exc:  # create_only: another engine stored it, or something else is there
+                    forget_frames(exc)
+                    existing = True  # (also where an upload that timed out had landed: then it is ours)
+                    break
+                except Exception as exc:
+                    if self._tried_again(work, exc):
+                        continue
+                    self._complete(work, error=f"upload of {key.hex()[:16]} failed: {self._io_failure(exc)}")
+                    return
         finally:
             row.release()
         if existing:  # (the row is no longer pinned while the object there is read)
@@ -401,7 +412,15 @@ class S3Tier(ThreadedTier):
         row = rows[work.slots[0], : self._block_bytes]
         asked = time.time()  # a key found missing was gone by then
         try:
-            self._get_into(self._data_client(work), path, key, header, row)
+            while True:
+                try:
+                    self._get_into(self._data_client(work), path, key, header, row)
+                    break
+                except (FileNotFoundError, CorruptValueError):
+                    raise
+                except Exception as exc:
+                    if not self._tried_again(work, exc):
+                        raise
         except FileNotFoundError as exc:
             if classify_error(exc) == "no_bucket":  # the bucket went away: a failure, not a missing block
                 self._complete(work, error=f"download of {key.hex()[:16]} failed: {self._io_failure(exc)}")
@@ -449,21 +468,21 @@ class S3Tier(ThreadedTier):
         length: another engine stored it); anything else there (another release's value, a
         stranger's object) is left in place and the store fails, so this tier never reports a
         block it cannot serve (and a load under ``create_only`` never deletes a corrupt object
-        either). One GET of the header's bytes (the object's size comes with them); a store that
-        refuses the range (one that ignores ranges, or an empty object's 416) gets a plain GET, of
-        which only the header is read. I/O thread; the GETs have the job's deadline."""
+        either). One GET of the header's bytes (the object's size comes with them); where the
+        range is refused (:func:`range_refused`: a store that ignores ranges, an empty object's
+        416) a plain GET, of which only the header is read. I/O thread; the GETs have the job's
+        deadline."""
         import obstore as obs
 
         path = self.object_path(key)
-        client = self._data_client(work)
         try:
             try:
-                result = obs.get(client, path, options={"range": (0, HEADER_SIZE)})
+                result = obs.get(self._data_client(work), path, options={"range": (0, HEADER_SIZE)})
             except Exception as exc:
-                if isinstance(exc, FileNotFoundError) or classify_error(exc) != "other":
+                if not range_refused(exc):
                     raise
-                forget_frames(exc)
-                result = obs.get(client, path)
+                forget_frames(exc)  # (one answer, no retries: the job's time is still there)
+                result = obs.get(self._data_client(work), path)
             size = int(result.meta["size"])
             problem = None
             if size != self._value_bytes:
@@ -498,6 +517,24 @@ class S3Tier(ThreadedTier):
         self._remember(key, True, time.monotonic())
         self._emit([key], removed=False)
         self._complete(work, ok=[key], nbytes=0)
+
+    def _tried_again(self, work: Work, exc: BaseException) -> bool:
+        """Whether ``work``'s request that failed with ``exc`` is sent again: it timed out (a
+        client's own retries rarely cover that: one timed-out attempt uses up a budget of about
+        ``request_timeout``), the tier is still in service, and the job has a whole
+        ``request_timeout`` left, so the new attempt ends by its deadline. If so ``exc`` is let
+        go of (the breaker hears of the work's last failure only, as of the client's own
+        retries); if not, nothing is done (the caller reports it). A create_only upload sent
+        again after one that landed finds its own object and counts as stored
+        (:meth:`_put_found_existing`). I/O thread."""
+        deadline = work.job.deadline if work.job is not None else None
+        if deadline is None or not self._breaker.serving or classify_error(exc) != "timeout":
+            return False
+        if deadline - time.monotonic() < self.options.request_timeout:
+            return False
+        forget_frames(exc)
+        self._count(requests_retried=1)
+        return True
 
     def _data_client(self, work: Work) -> S3Store:
         """The client whose retries end by the deadline of ``work``'s job, given the time it has left

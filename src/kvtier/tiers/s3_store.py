@@ -617,6 +617,18 @@ def classify_error(exc: BaseException) -> ErrorKind:
     return "other"
 
 
+def range_refused(exc: BaseException) -> bool:
+    """Did a ranged GET fail for its range alone: 416 (``InvalidRange``: an empty object has no
+    byte to send), or a whole object sent back (200) to a store that ignores ranges? Both are
+    one answer, never retried by the client."""
+    text = str(exc)
+    found = _S3_CODE.search(text)
+    status = _STATUS.search(_own_words(text))
+    if (found is not None and found.group(1) == "InvalidRange") or (status is not None and status.group(1) == "416"):
+        return True
+    return "non-partial response" in _own_words(text)
+
+
 def conditional_write_unsupported(exc: BaseException) -> bool:
     """Did the server refuse an upload for its ``If-None-Match`` header (501 NotImplemented:
     a store without conditional writes)?"""
