@@ -65,17 +65,16 @@ def prompt_keys(seed: int, blocks: int, shared: int = 0, shared_seed: int = 0) -
 
 class Engine:
     """A TieringManager with a CPU tier of ``cpu_blocks`` rows and an fs tier under ``root``
-    bounded to ``fs_files`` files (shared by every engine using the root), and its stream."""
+    bounded to ``fs_files`` files (shared by every engine using the root), or the secondary
+    tier ``tier`` instead, and its stream."""
 
-    def __init__(self, name: str, root: Path, cpu_blocks: int = 8, fs_files: int = 24, **fs: object) -> None:
+    def __init__(self, name: str, root: Path, cpu_blocks: int = 8, fs_files: int = 24,
+                 tier: dict[str, object] | None = None, **fs: object) -> None:  # fmt: skip
         self.name = name
         self.root = root
-        self.manager = TieringManager.create(
-            namespace=NS,
-            num_cpu_blocks=cpu_blocks,
-            tiers=[{"type": "fs", "root": str(root), "max_bytes": fs_files * entry_bytes(BLOCK),
-                    "read_threads": 1, "write_threads": 1, "scan_in_background": False, **fs}],
-        )  # fmt: skip
+        spec = tier or {"type": "fs", "root": str(root), "max_bytes": fs_files * entry_bytes(BLOCK),
+                        "read_threads": 1, "write_threads": 1, "scan_in_background": False, **fs}  # fmt: skip
+        self.manager = TieringManager.create(namespace=NS, num_cpu_blocks=cpu_blocks, tiers=[spec])
         self.stream = EngineEventStream(self.manager, engine=name, info={"tokens_per_hash": TOKENS})
         self._requests = 0
 

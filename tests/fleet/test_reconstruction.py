@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fleet_helpers import Engine, disk_keys, prompt_keys
+from fleet_helpers import Engine, disk_keys, fleet_key, prompt_keys
 
 from kvtier.fleet import FleetIndex
 
@@ -118,3 +118,35 @@ def test_index_reconstructs_both_engines_exactly_across_restart_reset_and_loss(t
     finally:
         for engine in engines:
             engine.shutdown()
+
+
+def test_a_snapshot_brings_back_the_s3_blocks_an_engine_lost_with_its_events(tmp_path: Path) -> None:
+    """Added 2026-12-04: an S3 tier listed no holdings, so the blocks an engine stored there in
+    events the index lost (more than the engine's replay buffer) stayed unknown to the fleet
+    until stored again; an fs root's snapshot brought its blocks back. An S3 tier's snapshot
+    now lists what its existence index answers HIT for."""
+    from s3_servers import moto_available, s3_options, start_moto
+
+    if not moto_available():
+        pytest.skip("moto is not installed")
+    moto = start_moto(tmp_path / "moto")
+    try:
+        a = Engine("a", tmp_path, tier=s3_options(moto.endpoint, moto.create_bucket()))
+        index = FleetIndex(["a"], lag_seconds=0.1)
+        try:
+            _feed(index, [a])
+            keys = prompt_keys(seed=7, blocks=5)
+            a.store(keys)
+            a.settle()
+            assert a.take().events  # lost: the index never sees these stores
+            a.stream.mark("after-loss")
+            _feed(index, [a])
+            assert index.engine("a").gaps == 1 and index.held("a", "1:s3") == set()
+            assert a.stream.request_snapshot()
+            while a.stream.has_pending_output():
+                _feed(index, [a])
+            assert index.held("a", "1:s3") == {fleet_key(k) for k in keys}
+        finally:
+            a.shutdown()
+    finally:
+        moto.stop()

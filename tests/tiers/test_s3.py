@@ -919,6 +919,32 @@ def test_warm_start_answers_hit_without_existence_checks(s3_bucket: tuple[MotoSe
     assert reader.stats.extra["checks"] == 0
 
 
+def test_the_tier_lists_what_it_knows_the_bucket_holds_for_the_fleet(
+    s3_bucket: tuple[MotoServer, str], make: Any
+) -> None:
+    """Added 2026-12-04: an S3 tier listed no holdings, so a fleet index that lost an engine's
+    events (ZMQ dropped more than the replay buffer held) never got that engine's S3 blocks back
+    (an fs root's snapshot brings them). ``held_keys`` now lists what the existence index answers
+    HIT for (stored, loaded, checked; a warm start's listing once done), never the whole bucket."""
+    import obstore as obs
+
+    server, bucket = s3_bucket
+    ns = make_namespace(BLOCK)
+    writer, _ = make(server.endpoint, bucket, ns)
+    keys = chain_ids(range(4), ns)
+    assert writer.lists_holdings and writer.held_keys() == [] and not writer.holdings_complete()
+    assert run_job(writer, keys[:3], [0, 1, 2], False, 20).success
+    assert sorted(writer.held_keys() or []) == sorted(keys[:3])
+    assert writer.holds(keys[0]) and not writer.holds(keys[3])
+    obs.put(raw_client(server.endpoint, bucket), writer.object_path(keys[3]), b"short")  # not a block: not listed
+    reader, _ = make(server.endpoint, bucket, ns, warm_start=True)
+    deadline = time.monotonic() + 10
+    while (held := reader.held_keys()) is None:  # None while the listing is under way
+        assert time.monotonic() < deadline, "warm start did not finish"
+        time.sleep(0.01)
+    assert sorted(held) == sorted(keys[:3])
+
+
 def test_warm_start_lists_around_foreign_names_the_client_cannot_parse(
     s3_bucket: tuple[MotoServer, str], make: Any
 ) -> None:

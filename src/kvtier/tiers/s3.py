@@ -169,6 +169,7 @@ class S3Tier(ThreadedTier):
         self._manifest_failed_at = float("-inf")  # a failed check is not redone for open_seconds (probes excepted)
         self._manifest_error: str | None = None
         self._warmed = False
+        self._warm_done = threading.Event()  # the warm-start listing ended (however it ended)
 
         # The existence index, guarded by _lock: expiry times, each dict in expiry order.
         self._present: dict[BlockKey, float] = {}
@@ -307,6 +308,25 @@ class S3Tier(ThreadedTier):
     def _holds(self, key: BlockKey) -> bool:
         with self._lock:
             return self._answer(key, time.monotonic()) is True
+
+    # --- what this engine knows the bucket holds, for its event stream (kvtier.engine_events) ---------
+
+    lists_holdings = True
+
+    def held_keys(self) -> list[BlockKey] | None:
+        """The keys the existence index answers HIT for: what this engine stored, loaded or
+        found by a HEAD within ``hit_seconds``, and what a ``warm_start`` listed (None while that
+        listing is under way). Never the whole bucket (:meth:`holdings_complete` is False): a
+        fleet index that lost this engine's events gets its stores back from a snapshot. A copy
+        under the lock; scheduler thread."""
+        if self.options.warm_start and not self._warm_done.is_set():
+            return None
+        now = time.monotonic()
+        with self._lock:
+            return [key for key, until in self._present.items() if until > now]
+
+    def holds(self, key: BlockKey) -> bool:
+        return self._holds(key)
 
     def usage(self) -> TierUsage:
         """The bytes this process uploaded (the bucket's total is unknown; capacity unbounded)."""
@@ -834,6 +854,12 @@ class S3Tier(ThreadedTier):
 
     def _warm_start(self) -> None:
         """List the namespace and remember every well-sized block object as present."""
+        try:
+            self._list_namespace()
+        finally:
+            self._warm_done.set()
+
+    def _list_namespace(self) -> None:
         found = 0
         unlisted: list[str] = []
         try:
