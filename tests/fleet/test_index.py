@@ -152,6 +152,21 @@ def test_a_shared_store_takes_two_engines_changes_in_any_order(index: FleetIndex
     assert 4 not in index.held("a", "1:fs")
 
 
+def test_an_incomplete_snapshot_of_a_shared_store_only_fills_gaps(index: FleetIndex) -> None:
+    """Review (2026-12-04): an S3 tier's snapshot lists what its existence index knows, learned
+    up to ``hit_seconds`` (an hour) before it; counted as the snapshot's time less the lag, it
+    revived a removal the index had applied since. What such a listing says of a key with a
+    change on record is older than that change, or no news."""
+    a, b = Stream("a", "sa"), Stream("b", "sb")
+    index.apply("a", batch(a.record("hello")))
+    index.apply("b", batch(b.record("hello")))
+    index.apply("a", batch(a.record(at=NOW - 60), stored([1, 2], "STORAGE", "1:fs")))
+    index.apply("b", batch(b.record(at=NOW - 10), removed([1], "STORAGE", "1:fs")))
+    index.apply("a", batch(a.record("snapshot", tier="1:fs", part=0, last=True, complete=False, reason="request",
+                                    at=NOW), stored([1, 2, 7], "STORAGE", "1:fs")))  # fmt: skip
+    assert index.held("a", "1:fs") == index.held("b", "1:fs") == {2, 7}  # before: {1, 2, 7}
+
+
 def test_a_replayed_old_change_never_beats_a_newer_one(index: FleetIndex) -> None:
     """An index joining while engines run replays their buffers, minutes of changes, one engine
     after the other (review D5: times older than 4 lags were pruned, and then any change won)."""

@@ -571,7 +571,13 @@ class FleetIndex:
             listed.update(event.keys)
         # What a snapshot lists may lag the store by an engine's view of other engines' changes.
         when = self._event_time(context) - (self.lag_seconds if snapshot else 0.0)
-        self._store_event(bit, event.keys, event.kind is Kind.REMOVED, when)
+        keys: Sequence[int] = event.keys
+        if snapshot and not context.complete and event.kind is Kind.STORED:
+            # What a tier knows, learned at any time within its memory (an S3 tier's existence
+            # index: up to hit_seconds old), only fills gaps: a key with a change on record keeps it.
+            times = self._times[bit]
+            keys = [key for key in keys if key not in times]
+        self._store_event(bit, keys, event.kind is Kind.REMOVED, when)
 
     def _block_event(self, bit: int, event: WireEvent) -> None:
         if event.kind is Kind.REMOVED:

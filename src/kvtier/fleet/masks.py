@@ -170,10 +170,11 @@ class MemoryMasks:
                 return
             self._entries -= len(members)
             self._clearing |= flag
+        keys = list(members)
+        keep = ~flag
+        masks = self._masks
+        start = 0
         try:
-            keys = list(members)
-            keep = ~flag
-            masks = self._masks
             for start in range(0, len(keys), CLEAR_CHUNK):
                 with self._lock:
                     for key in keys[start : start + CLEAR_CHUNK]:
@@ -182,6 +183,12 @@ class MemoryMasks:
                             masks[key] = mask
                         else:
                             masks.pop(key, None)
+        except BaseException:  # (no memory): the keys not cleared stay listed, so a later clear finds them
+            with self._lock:
+                left = keys[start:]
+                self._members.setdefault(bit, set()).update(left)
+                self._entries += len(left)
+            raise
         finally:
             with self._lock:
                 self._clearing &= ~flag

@@ -548,7 +548,9 @@ class S3Tier(ThreadedTier):
         again after one that landed finds its own object and counts as stored
         (:meth:`_put_found_existing`). I/O thread."""
         deadline = work.job.deadline if work.job is not None else None
-        if deadline is None or not self._breaker.serving or classify_error(exc) != "timeout":
+        if deadline is None or self._stopping.is_set() or not self._breaker.serving:
+            return False
+        if classify_error(exc) != "timeout":
             return False
         if deadline - time.monotonic() < self.options.request_timeout:
             return False
