@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from kvtier.tiers.base import JobResult
 from kvtier.tiers.fs import FilesystemTier
 from kvtier.tiers.registry import register_tier
 from request_flow import store_new
-from tier_doubles import ScriptedTier
+from tier_doubles import ScriptedTier, wait_for_answer
 
 pytestmark = pytest.mark.usefixtures("shm_leak_check")
 
@@ -38,15 +37,9 @@ def _load_from_tier(mgr: TieringManager, key: bytes, name: str) -> LookupResult:
     """Look ``key`` up (the CPU tier no longer holds it) until the promotion it starts ends."""
     request = RequestContext(name)
     mgr.on_new_request(request)
-    answer = mgr.lookup(key, request)
-    assert answer is LookupResult.HIT_PENDING, answer
+    assert mgr.lookup(key, request) is LookupResult.HIT_PENDING
     mgr.on_schedule_end()
-    deadline = time.monotonic() + 30
-    while answer is LookupResult.HIT_PENDING:
-        assert time.monotonic() < deadline, "the load did not end within 30 s"
-        time.sleep(0.001)
-        answer = mgr.lookup(key, request)
-        mgr.on_schedule_end()
+    answer, _ = wait_for_answer(mgr, key, request, 30.0, 0.001)
     mgr.on_request_finished(request)
     return answer
 

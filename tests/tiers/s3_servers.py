@@ -159,6 +159,12 @@ class _StubHandler(http.server.BaseHTTPRequestHandler):
         body = f"<?xml version='1.0'?><Error><Code>{code}</Code><Message>{code}</Message></Error>".encode()
         self._send(status, body, {"Content-Type": "application/xml"}, head=head)
 
+    def _stall(self, seconds: float) -> None:
+        """No answer until the stub is released (or ``seconds`` pass), then the connection drops:
+        a server that went quiet, as the client sees it."""
+        self._stub().released.wait(seconds)
+        self.close_connection = True
+
     def _before(self) -> bool:
         """Record the request, apply hang and SlowDown faults; False if a fault answered it."""
         stub = self._stub()
@@ -174,8 +180,7 @@ class _StubHandler(http.server.BaseHTTPRequestHandler):
         if delay:
             time.sleep(delay)
         if stub.hanging.is_set():
-            stub.released.wait(60)
-            self.close_connection = True
+            self._stall(60)
             return False
         if slowdown:
             self._error(503, "SlowDown", head=self.command == "HEAD")
@@ -207,9 +212,8 @@ class _StubHandler(http.server.BaseHTTPRequestHandler):
             else:
                 exists = False
                 stub.objects[key] = body
-        if stall:  # no answer until released (or 30 s): written first for stall_after_write
-            stub.released.wait(30)
-            self.close_connection = True
+        if stall:  # (written first for stall_after_write)
+            self._stall(30)
             return
         if exists:
             self._error(412, "PreconditionFailed")
@@ -223,9 +227,8 @@ class _StubHandler(http.server.BaseHTTPRequestHandler):
         with stub.lock:
             body = stub.objects.get(key)
             fault = stub.faults.pop(key, None) if not head else stub.faults.get(key)
-        if fault == "stall" and not head:  # no answer until released (or 30 s), then the connection drops
-            stub.released.wait(30)
-            self.close_connection = True
+        if fault == "stall" and not head:
+            self._stall(30)
             return
         if body is None:
             self._error(404, "NoSuchKey", head=head)

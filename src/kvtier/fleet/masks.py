@@ -171,18 +171,11 @@ class MemoryMasks:
             self._entries -= len(members)
             self._clearing |= flag
         keys = list(members)
-        keep = ~flag
-        masks = self._masks
         start = 0
         try:
             for start in range(0, len(keys), CLEAR_CHUNK):
                 with self._lock:
-                    for key in keys[start : start + CLEAR_CHUNK]:
-                        mask = masks.get(key, 0) & keep
-                        if mask:
-                            masks[key] = mask
-                        else:
-                            masks.pop(key, None)
+                    self._unmask(bit, keys[start : start + CLEAR_CHUNK])
         except BaseException:  # (no memory): the keys not cleared stay listed, so a later clear finds them
             with self._lock:
                 left = keys[start:]
@@ -194,11 +187,16 @@ class MemoryMasks:
                 self._clearing &= ~flag
 
     def _drop(self, bit: int, keys: list[int], members: set[int]) -> None:
+        self._entries -= len(keys)  # (every key given is one of the location's)
+        members.difference_update(keys)
+        self._unmask(bit, keys)
+
+    def _unmask(self, bit: int, keys: list[int]) -> None:
+        """Take ``bit`` out of the masks of ``keys`` (a key left in no location is forgotten).
+        Caller holds the lock."""
         keep = ~(1 << bit)
         masks = self._masks
-        self._entries -= len(keys)  # (every key given is one of the location's)
         for key in keys:
-            members.discard(key)
             mask = masks.get(key, 0) & keep
             if mask:
                 masks[key] = mask
