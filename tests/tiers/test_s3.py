@@ -127,10 +127,8 @@ def test_a_format_1_manifest_is_rewritten_to_the_current_format_and_its_blocks_s
     keys = chain_ids(range(2), ns)
     assert run_job(writer, keys, [0, 1], False, 20).success
     writer.shutdown()
-    raw = raw_client(server.endpoint, bucket)
-    path = f"kvtier/{ns.hexdigest}/manifest.json"
-    older = {**manifest_dict(ns.digest, ns.canonical(), BLOCK), "value_format_version": 1}
-    obs.put(raw, path, json.dumps(older).encode())
+    raw, path, planted = _plant_format_1_manifest(server, bucket, ns)
+    older = json.loads(planted)
     reader, reader_rows = make(server.endpoint, bucket, ns, seed=1)
     assert run_job(reader, keys, [4, 5], True, 20).success
     assert np.array_equal(reader_rows[4:6], rows[0:2])
@@ -139,6 +137,8 @@ def test_a_format_1_manifest_is_rewritten_to_the_current_format_and_its_blocks_s
 
 
 def _plant_format_1_manifest(server: MotoServer, bucket: str, ns: Namespace, **changes: Any) -> tuple[Any, str, bytes]:
+    """Put ``ns``'s manifest as a format-1 release wrote it (``changes`` on top); returns a raw
+    client, the manifest's path and the bytes put."""
     import obstore as obs
 
     raw = raw_client(server.endpoint, bucket)
@@ -242,10 +242,7 @@ def test_a_manifest_of_a_format_this_release_cannot_read_is_refused_untouched(
 
     server, bucket = s3_bucket
     ns = make_namespace(BLOCK)
-    raw = raw_client(server.endpoint, bucket)
-    path = f"kvtier/{ns.hexdigest}/manifest.json"
-    planted = json.dumps({**manifest_dict(ns.digest, ns.canonical(), BLOCK), **changes}).encode()
-    obs.put(raw, path, planted)
+    raw, path, planted = _plant_format_1_manifest(server, bucket, ns, **changes)
     tier, _ = make(server.endpoint, bucket, ns)
     (key,) = chain_ids(range(1), ns)
     job = new_job([key], [0], False)
