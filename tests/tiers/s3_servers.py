@@ -227,7 +227,9 @@ class _StubHandler(http.server.BaseHTTPRequestHandler):
         with stub.lock:
             body = stub.objects.get(key)
             fault = stub.faults.pop(key, None) if not head else stub.faults.get(key)
-        if fault == "stall" and not head:
+            if head and fault == "stall_head":
+                del stub.faults[key]
+        if (fault == "stall" and not head) or (fault in ("stall_head", "stall_heads") and head):
             self._stall(30)
             return
         if body is None:
@@ -358,7 +360,9 @@ class S3Stub:
     def fault(self, path: str, kind: str) -> None:
         """Serve the next GET of ``path`` with ``kind``: truncate, wrong_length, wrong_header or stall
         (no answer until :meth:`release`, as a dropped connection the client never hears of); or
-        the next PUT with stall (nothing written) or stall_after_write (the object written)."""
+        the next PUT with stall (nothing written) or stall_after_write (the object written); or the
+        next HEAD with stall_head (no answer until released; the HEAD after it is answered), or
+        every HEAD with stall_heads."""
         with self.lock:
             self.faults[self.object_key(path)] = kind
 

@@ -22,7 +22,7 @@ from s3_servers import FAST_FAILURE, MotoServer, S3Stub, put_plain, raw_client, 
 
 from kvtier.config import describe_config, load_config
 from kvtier.errors import ConfigError
-from kvtier.keys import KVGeometry, Namespace, chain_ids
+from kvtier.keys import BlockKey, KVGeometry, Namespace, chain_ids
 from kvtier.testing import SCHEDULER_CALL_LIMIT, make_namespace, new_job, resolve, run_job, wait_results
 from kvtier.tiers.base import HealthState, JobResult, TierContext
 from kvtier.tiers.format import FORMAT_VERSION, HEADER_SIZE, MAX_KEY_BYTES
@@ -460,6 +460,65 @@ def test_existence_checks_go_out_once_per_step_and_stop_at_the_first_404(s3_stub
     assert answers == [LookupResult.HIT] * 3 + [LookupResult.MISS]
     heads = s3_stub.count("HEAD") - heads_before
     assert heads == 8, f"one window of 8 HEADs, then the chain stops at its first 404 (got {heads})"
+
+
+def _checked(tier: Any, keys: list[BlockKey], req: RequestContext) -> list[LookupResult]:
+    """Look ``keys`` up (unknown: RETRY), send their check at step end, wait for it; the answers after it."""
+    assert [tier.lookup(k, req) for k in keys] == [LookupResult.RETRY] * len(keys)
+    tier.on_schedule_end()
+    deadline = time.monotonic() + 10
+    while tier.has_pending_work():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    return [tier.lookup(k, req) for k in keys]
+
+
+@pytest.mark.parametrize("check_timeout", [2.0, 0.5])
+def test_a_head_that_never_answers_is_sent_again_within_the_checks_deadline(
+    s3_stub: S3Stub, make: Any, check_timeout: float
+) -> None:
+    """Regression (CI of c35a97a, S3 fleet test): one HEAD lost on a loaded host (no answer) held
+    its chain's first key until the whole check's deadline, then counted it absent: the engine
+    recomputed a prefix the bucket held. A HEAD now gets 40 % of ``check_timeout``, and one
+    that times out is sent again while a whole attempt still fits before the deadline."""
+    ns = make_namespace(BLOCK)
+    writer, _ = make(s3_stub.endpoint, s3_stub.bucket, ns)
+    keys = chain_ids(range(3), ns)
+    assert run_job(writer, keys, [0, 1, 2], False, 10).success
+    reader, _ = make(s3_stub.endpoint, s3_stub.bucket, ns, check_timeout=check_timeout, failure_threshold=1000)
+    wait_ready(reader)
+    s3_stub.fault(reader.object_path(keys[0]), "stall_head")
+    heads = s3_stub.count("HEAD")
+    started = time.monotonic()
+    answers = _checked(reader, keys, RequestContext("chain"))
+    took = time.monotonic() - started
+    s3_stub.release()
+    assert answers == [LookupResult.HIT] * 3, "the stalled HEAD was sent again and answered"
+    assert s3_stub.count("HEAD") == heads + 4 and reader.stats.extra["requests_retried"] == 1
+    assert reader.stats.extra["checks_failed"] == 0
+    assert 0.4 * check_timeout <= took < check_timeout + 1.0
+
+
+def test_a_head_is_sent_again_only_while_an_attempt_fits_the_checks_deadline(s3_stub: S3Stub, make: Any) -> None:
+    """A HEAD that never answers however often it is sent: one resend (two attempts of 40 % fit
+    the deadline, a third does not), then the key counts absent and the failure is counted
+    (``checks_failed``, which the breaker hears of)."""
+    ns = make_namespace(BLOCK)
+    writer, _ = make(s3_stub.endpoint, s3_stub.bucket, ns)
+    keys = chain_ids(range(2), ns)
+    assert run_job(writer, keys, [0, 1], False, 10).success
+    reader, _ = make(s3_stub.endpoint, s3_stub.bucket, ns, check_timeout=0.5, failure_threshold=1000)
+    wait_ready(reader)
+    s3_stub.fault(reader.object_path(keys[0]), "stall_heads")
+    heads = s3_stub.count("HEAD")
+    started = time.monotonic()
+    answers = _checked(reader, keys, RequestContext("chain"))
+    took = time.monotonic() - started
+    s3_stub.release()
+    assert answers[0] == LookupResult.MISS
+    assert s3_stub.count("HEAD") == heads + 3 and reader.stats.extra["requests_retried"] == 1
+    assert reader.stats.extra["checks_failed"] == 1
+    assert 0.8 * 0.5 <= took < 0.5 + 1.0, "two attempts, then the chain ends (before the check's deadline)"
 
 
 @pytest.mark.parametrize("max_in_flight", [4, 1])

@@ -28,13 +28,15 @@ class Bucket:
         self.present = present
         self.failing: set[BlockKey] = set()
         self.asked: list[BlockKey] = []
+        self.deadlines: list[float] = []
         self.lock = threading.Lock()
         self.gate = threading.Event()
         self.gate.set()
 
-    def head(self, k: BlockKey) -> bool:
+    def head(self, k: BlockKey, deadline: float) -> bool:
         with self.lock:
             self.asked.append(k)
+            self.deadlines.append(deadline)
         assert self.gate.wait(30)
         if k in self.failing:
             raise ConnectionError(f"HEAD of {k.hex()[:8]} failed")
@@ -80,9 +82,13 @@ def test_a_chain_stops_at_its_first_absent_key_and_windows_double(make: object) 
     chain = [key(i) for i in range(100)]
     bucket = Bucket(set(chain[:30]))
     fanout = make(bucket)  # type: ignore[operator]
+    started = time.monotonic()
     answers, errors = fanout.heads.check([chain], 10.0)
+    ended = time.monotonic()
     assert errors == []
     assert answers == {**{k: True for k in chain[:30]}, chain[30]: False}
+    # every HEAD was handed the check's deadline (a resent HEAD must fit it)
+    assert all(started + 10.0 <= d <= ended + 10.0 for d in bucket.deadlines) and len(set(bucket.deadlines)) == 1
     # windows of 8, 16, 32: the third window (keys 24..55) was asked whole, nothing after it
     assert set(bucket.asked) == set(chain[: FIRST_WINDOW + 2 * FIRST_WINDOW + 4 * FIRST_WINDOW])
     short = [key(100 + i) for i in range(5)]

@@ -13,8 +13,9 @@ obstore call can reach back into Python.
 
 Threads: :meth:`HeadFanout.start` starts the serving threads through the
 tier (which joins them at shutdown, after :meth:`HeadFanout.stop`); :meth:`HeadFanout.check` runs on a worker
-thread of the tier and blocks for at most its ``timeout``. Each HEAD is bounded
-by the client's own request timeout, so a late HEAD ends by itself.
+thread of the tier and blocks for at most its ``timeout``. Each HEAD is handed
+the check's deadline and is bounded by the client's own request timeout (with a
+resend that must fit the deadline), so a late HEAD ends by itself.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ FIRST_WINDOW = 8
 _STOP_POLL = 0.1
 """A check waiting for HEADs looks at the tier's stopping event this often."""
 
-Head = Callable[[BlockKey], bool]
-"""Does the store hold a well-sized object for this key? Blocking; raises on a failed request."""
+Head = Callable[[BlockKey, float], bool]
+"""Does the store hold a well-sized object for this key? Blocking; the second argument is the
+check's deadline (``time.monotonic()``), which a resent request must fit; raises on a failed request."""
 
 
 class HeadFanout:
@@ -49,7 +51,7 @@ class HeadFanout:
     def __init__(self, head: Head, stopping: threading.Event) -> None:
         self._head = head
         self._stopping = stopping
-        self._tasks: queue.SimpleQueue[tuple[BlockKey, Future[bool]] | None] = queue.SimpleQueue()
+        self._tasks: queue.SimpleQueue[tuple[BlockKey, float, Future[bool]] | None] = queue.SimpleQueue()
         self._serving = 0
 
     def serve(self) -> None:
@@ -59,14 +61,14 @@ class HeadFanout:
             task = self._tasks.get()
             if task is None:
                 return
-            key, answer = task
+            key, deadline, answer = task
             if self._stopping.is_set():
                 answer.cancel()
             # Only this thread moves a queued HEAD on, once (a cancelled one is dropped here)
             if not answer.set_running_or_notify_cancel():
                 continue
             try:
-                answer.set_result(self._head(key))
+                answer.set_result(self._head(key, deadline))
             except BaseException as exc:  # handed to the check, which reports it; this thread goes on
                 answer.set_exception(exc)
             del task, answer  # an exception's traceback holds this frame: no cycle through the future
@@ -83,12 +85,12 @@ class HeadFanout:
             self._tasks.put(None)
         self._serving = 0
 
-    def _submit(self, key: BlockKey) -> Future[bool]:
+    def _submit(self, key: BlockKey, deadline: float) -> Future[bool]:
         answer: Future[bool] = Future()
         if self._stopping.is_set():
             answer.cancel()  # never queued: nothing else touches it
         else:
-            self._tasks.put((key, answer))
+            self._tasks.put((key, deadline, answer))
         return answer
 
     def check(
@@ -118,7 +120,7 @@ class HeadFanout:
             keys = chains[index][start : start + width]
             if not keys:
                 return
-            window = [(key, self._submit(key)) for key in keys]
+            window = [(key, self._submit(key, deadline)) for key in keys]
             windows[index] = (start, width, window)
             unfinished[index] = len(window)
             note = functools.partial(_finished, finished, index)
