@@ -199,7 +199,10 @@ class Server:
             busy = sum(v for (name, _), v in samples.items() if name == "vllm:kvtier_active_jobs")
             return samples if cascaded >= min_cascaded and busy == 0 else None
 
-        return wait_for(idle, timeout, f"{min_cascaded} blocks cascaded and no kvtier job in flight")
+        try:
+            return wait_for(idle, timeout, f"{min_cascaded} blocks cascaded and no kvtier job in flight")
+        except AssertionError as exc:  # say why: backpressure, failed stores, a tier out of service...
+            raise AssertionError(f"{exc}\n{self.kvtier_state()}") from None
 
     def kvtier_state(self, lines: int = 40) -> str:
         """What to read when a test finds fewer hits than it expected: kvtier's non-zero samples
