@@ -23,6 +23,7 @@ The TTFT figures are printed (``pytest -s``) for the record.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import statistics
 import time
@@ -120,6 +121,11 @@ def test_a_server_serves_hits_from_cpu_and_fs_tiers(
         server.stop(signal.SIGTERM)
         assert list(shm_dir.iterdir()) == []
 
+    # kvtier's start-up lines in vLLM's format, from the scheduler and the worker (before: kvtier's INFO
+    # records were dropped and its warnings printed bare, with no level or time)
+    logged = (tmp_path / "server-a.log").read_text(errors="replace")
+    assert re.search(r"\bINFO\b[^\n]*\] kvtier: CPU tier of \d+ rows", logged), logged[-3000:]
+    assert re.search(r"\bINFO\b[^\n]*\] kvtier worker rank 0 attached to region", logged), logged[-3000:]
     assert cpu_hit.token_ids == cold[2].token_ids and fs_hit.token_ids == cold[0].token_ids
     assert cpu_hit.cached_tokens == expected_cached(PROMPT_TOKENS)
     assert fs_hit.cached_tokens == expected_cached(PROMPT_TOKENS)

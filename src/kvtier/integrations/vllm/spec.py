@@ -45,6 +45,7 @@ from kvtier.integrations.vllm.config import (
     installed_vllm_version,
     resolve_settings,
 )
+from kvtier.integrations.vllm.logs import adopt_vllm_logging
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
+        adopt_vllm_logging()  # kvtier's records in vLLM's format (unless logging is configured)
         extra: dict[str, Any] = dict(self.extra_config)
         version = installed_vllm_version()
         allow = allow_untested_vllm(extra)
