@@ -192,7 +192,7 @@ def _backend(kind: str, work: Path) -> tuple[dict[str, Any], Callable[[], set[in
     # twice within the job. CI's run of 77244d3 lost 2 of 31 blocks of B's first hit (TTFT 22.9 s):
     # one 20 s attempt each and no retry (work taken up at once got only half the retry budget).
     # CI's run of c35a97a: one HEAD of B's first hit never answered and its chain's first key counted
-    # absent at the 20 s deadline (0 of 992 cached): a HEAD now gets 8 s and is sent once more.
+    # absent at the 20 s deadline (0 of 992 cached): a HEAD still out after 8 s is now sent again.
     options = s3_options(moto.endpoint, bucket, miss_seconds=0.5, check_timeout=SLOW_HOST,
                          request_timeout=SLOW_HOST / 2, job_timeout=2 * SLOW_HOST)  # fmt: skip
     return options, objects, moto.stop

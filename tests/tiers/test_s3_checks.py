@@ -28,15 +28,24 @@ class Bucket:
         self.present = present
         self.failing: set[BlockKey] = set()
         self.asked: list[BlockKey] = []
-        self.deadlines: list[float] = []
+        # per key, what its next HEADs do: "lost", "slow" (held until `released`), "fail" (at once)
+        self.script: dict[BlockKey, list[str]] = {}
+        self.released = threading.Event()
         self.lock = threading.Lock()
         self.gate = threading.Event()
         self.gate.set()
 
-    def head(self, k: BlockKey, deadline: float) -> bool:
+    def head(self, k: BlockKey) -> bool:
         with self.lock:
             self.asked.append(k)
-            self.deadlines.append(deadline)
+            steps = self.script.get(k)
+            step = steps.pop(0) if steps else "asked"
+        if step in ("lost", "slow"):  # no answer until released; then a timeout, or the answer
+            assert self.released.wait(30)
+            if step == "lost":
+                raise TimeoutError(f"HEAD of {k.hex()[:8]} timed out")
+        elif step == "fail":
+            raise ConnectionError(f"HEAD of {k.hex()[:8]} failed at once")
         assert self.gate.wait(30)
         if k in self.failing:
             raise ConnectionError(f"HEAD of {k.hex()[:8]} failed")
@@ -58,6 +67,7 @@ class Fanout:
 
     def close(self) -> None:
         self.bucket.gate.set()
+        self.bucket.released.set()
         self.stopping.set()
         self.heads.stop()
         for thread in self.threads:
@@ -82,18 +92,14 @@ def test_a_chain_stops_at_its_first_absent_key_and_windows_double(make: object) 
     chain = [key(i) for i in range(100)]
     bucket = Bucket(set(chain[:30]))
     fanout = make(bucket)  # type: ignore[operator]
-    started = time.monotonic()
-    answers, errors = fanout.heads.check([chain], 10.0)
-    ended = time.monotonic()
-    assert errors == []
+    answers, errors, hedged = fanout.heads.check([chain], 10.0, hedge_after=5.0)
+    assert errors == [] and hedged == 0
     assert answers == {**{k: True for k in chain[:30]}, chain[30]: False}
-    # every HEAD was handed the check's deadline (a resent HEAD must fit it)
-    assert all(started + 10.0 <= d <= ended + 10.0 for d in bucket.deadlines) and len(set(bucket.deadlines)) == 1
     # windows of 8, 16, 32: the third window (keys 24..55) was asked whole, nothing after it
     assert set(bucket.asked) == set(chain[: FIRST_WINDOW + 2 * FIRST_WINDOW + 4 * FIRST_WINDOW])
     short = [key(100 + i) for i in range(5)]
     bucket.asked.clear()
-    answers, errors = fanout.heads.check([short], 10.0)
+    answers, errors, _ = fanout.heads.check([short], 10.0)
     assert answers == {short[0]: False} and errors == [] and set(bucket.asked) == set(short)
 
 
@@ -103,7 +109,7 @@ def test_chains_are_checked_independently_and_a_failed_head_ends_its_chain(make:
     bucket = Bucket(set(a) | set(b))
     bucket.failing.add(b[3])
     fanout = make(bucket)  # type: ignore[operator]
-    answers, errors = fanout.heads.check([a, b], 10.0)
+    answers, errors, _ = fanout.heads.check([a, b], 10.0)
     assert all(answers[k] for k in a)
     assert [answers.get(k) for k in b[:5]] == [True, True, True, False, None]
     assert len(errors) == 1 and isinstance(errors[0], ConnectionError) and "failed" in str(errors[0])
@@ -115,7 +121,7 @@ def test_at_the_deadline_running_heads_count_absent_and_queued_ones_are_cancelle
     bucket.gate.clear()
     fanout = make(bucket, threads=2)  # type: ignore[operator]
     started = time.monotonic()
-    answers, errors = fanout.heads.check([chain], 0.3)
+    answers, errors, _ = fanout.heads.check([chain], 0.3)
     took = time.monotonic() - started
     assert 0.25 <= took < 5.0
     # two HEADs were running (one per thread): absent; the six queued ones were never asked
@@ -127,7 +133,7 @@ def test_at_the_deadline_running_heads_count_absent_and_queued_ones_are_cancelle
         time.sleep(0.01)
     time.sleep(0.1)
     assert len(bucket.asked) == 2, "a cancelled HEAD ran after its check gave up"
-    answers, errors = fanout.heads.check([chain], 10.0)  # the threads serve the next check
+    answers, errors, _ = fanout.heads.check([chain], 10.0)  # the threads serve the next check
     assert answers == {k: True for k in chain} and errors == []
 
 
@@ -147,13 +153,13 @@ def test_stopping_cancels_queued_heads_and_ends_every_thread(make: object) -> No
     checker.join(5)  # the two running HEADs are still held: the check must not wait for them
     assert not checker.is_alive(), "a check waited for its HEADs after the tier stopped"
     bucket.gate.set()
-    answers, errors = result[0]  # type: ignore[misc]
+    answers, errors, _ = result[0]  # type: ignore[misc]
     assert answers == {} and errors == []
     assert len(bucket.asked) == 2, "a queued HEAD ran after the tier stopped"
     for thread in fanout.threads:
         thread.join(10)
     assert not any(t.is_alive() for t in fanout.threads)
-    assert fanout.heads.check([chain], 1.0) == ({}, []), "after stop nothing is asked"
+    assert fanout.heads.check([chain], 1.0) == ({}, [], 0), "after stop nothing is asked"
 
 
 def test_the_package_never_calls_obstore_async_functions() -> None:
@@ -172,13 +178,13 @@ def test_a_check_starved_by_earlier_late_heads_reports_it(make: object) -> None:
     bucket = Bucket(set(first) | set(second))
     bucket.gate.clear()
     fanout = make(bucket, threads=4)  # type: ignore[operator]
-    answers, errors = fanout.heads.check([first], 0.2)
+    answers, errors, _ = fanout.heads.check([first], 0.2)
     assert answers == {k: False for k in first} and "4 existence check(s) missed" in str(errors[-1])
-    answers, errors = fanout.heads.check([second], 0.2)
+    answers, errors, _ = fanout.heads.check([second], 0.2)
     assert answers == {}
     assert len(errors) == 1 and isinstance(errors[0], TimeoutError) and "4 more never started" in str(errors[0])
     bucket.gate.set()
-    answers, errors = fanout.heads.check([second], 10.0)
+    answers, errors, _ = fanout.heads.check([second], 10.0)
     assert answers == {k: True for k in second} and errors == []
 
 
@@ -187,7 +193,7 @@ def test_many_chains_at_once_each_get_their_own_answers(make: object) -> None:
     present = {k for c, chain in enumerate(chains) for k in chain[: c % 41]}  # chain c: its first c keys
     bucket = Bucket(present)
     fanout = make(bucket, threads=8)  # type: ignore[operator]
-    answers, errors = fanout.heads.check(chains, 30.0)
+    answers, errors, _ = fanout.heads.check(chains, 30.0)
     assert errors == []
     for c, chain in enumerate(chains):
         held = c % 41
@@ -195,3 +201,91 @@ def test_many_chains_at_once_each_get_their_own_answers(make: object) -> None:
         if held < len(chain):
             expect[chain[held]] = False
         assert {k: answers[k] for k in chain if k in answers} == expect, f"chain {c}"
+
+
+def test_a_head_unanswered_past_hedge_after_is_sent_again_and_the_first_answer_wins(make: object) -> None:
+    """Regression (CI of c35a97a, S3 fleet test): one HEAD that never answered held its chain's
+    first key for the whole deadline, then counted it absent (the engine recomputed a prefix the
+    bucket held). A HEAD still running ``hedge_after`` into its window is sent a second time;
+    the twin's answer decides the key, and the chain goes on to its next window."""
+    chain = [key(i) for i in range(12)]
+    bucket = Bucket(set(chain))
+    bucket.script[chain[0]] = ["lost"]
+    fanout = make(bucket)  # type: ignore[operator]
+    started = time.monotonic()
+    answers, errors, hedged = fanout.heads.check([chain], 10.0, hedge_after=0.2)
+    took = time.monotonic() - started
+    assert answers == {k: True for k in chain} and errors == [] and hedged == 1
+    assert 0.2 <= took < 5.0, "answered by the hedge, long before the deadline"
+    assert bucket.asked.count(chain[0]) == 2 and len(bucket.asked) == 13
+
+
+def test_without_hedge_after_a_lost_head_waits_out_the_deadline(make: object) -> None:
+    chain = [key(i) for i in range(3)]
+    bucket = Bucket(set(chain))
+    bucket.script[chain[0]] = ["lost"]
+    fanout = make(bucket)  # type: ignore[operator]
+    answers, errors, hedged = fanout.heads.check([chain], 0.4)
+    assert hedged == 0 and answers[chain[0]] is False
+    assert len(errors) == 1 and "1 existence check(s) missed" in str(errors[0])
+
+
+def test_a_key_fails_only_once_both_its_heads_failed(make: object) -> None:
+    """Both HEADs of a key lost: at the deadline it counts absent (late) once, hedged once; a HEAD
+    that fails fast (before hedge_after) is not hedged: its error ends the chain at once."""
+    chain = [key(i) for i in range(3)]
+    bucket = Bucket(set(chain))
+    bucket.script[chain[1]] = ["lost", "lost"]
+    fanout = make(bucket)  # type: ignore[operator]
+    answers, errors, hedged = fanout.heads.check([chain], 0.6, hedge_after=0.2)
+    assert hedged == 1 and bucket.asked.count(chain[1]) == 2
+    assert answers == {chain[0]: True, chain[1]: False, chain[2]: True}
+    assert len(errors) == 1 and "1 existence check(s) missed" in str(errors[0])
+    bucket.released.set()  # the two lost HEADs fail now (their thread ends), nobody listens
+    other = [key(100 + i) for i in range(3)]
+    bucket.present.update(other)
+    bucket.failing.add(other[0])
+    answers, errors, hedged = fanout.heads.check([other], 10.0, hedge_after=0.5)
+    assert hedged == 0 and answers == {other[0]: False} and isinstance(errors[0], ConnectionError)
+
+
+def test_a_twin_that_fails_while_the_first_head_answers_is_ignored(make: object) -> None:
+    """The first HEAD, slow but answering, wins over its hedge that failed at once: a key fails
+    only when every HEAD of it failed."""
+    chain = [key(i) for i in range(2)]
+    bucket = Bucket(set(chain))
+    bucket.script[chain[0]] = ["slow", "fail"]
+    fanout = make(bucket)  # type: ignore[operator]
+    result: list[object] = []
+    checker = threading.Thread(target=lambda: result.append(fanout.heads.check([chain], 10.0, hedge_after=0.2)))
+    checker.start()
+    deadline = time.monotonic() + 10
+    while bucket.asked.count(chain[0]) < 2 and time.monotonic() < deadline:  # the hedge went out, and failed
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert checker.is_alive(), "the check ended on the hedge's failure while the first HEAD was still out"
+    bucket.released.set()
+    checker.join(10)
+    answers, errors, hedged = result[0]  # type: ignore[misc]
+    assert hedged == 1 and errors == [] and answers == {chain[0]: True, chain[1]: True}
+
+
+def test_a_hedged_heads_late_twin_is_ignored_once_its_window_was_read(make: object) -> None:
+    """Key 5's first HEAD answers only after its hedge did, its window was read and the chain's
+    next, shorter window (keys 8-9) went out: the late answer belongs to no window out and is
+    dropped (it once indexed the new window by its old position)."""
+    chain = [key(i) for i in range(10)]
+    bucket = Bucket(set(chain))
+    bucket.script.update({chain[5]: ["slow"], chain[8]: ["slow"], chain[9]: ["slow"]})
+    fanout = make(bucket)  # type: ignore[operator]
+    result: list[object] = []
+    checker = threading.Thread(target=lambda: result.append(fanout.heads.check([chain], 10.0, hedge_after=0.2)))
+    checker.start()
+    deadline = time.monotonic() + 10
+    while chain[8] not in bucket.asked and time.monotonic() < deadline:  # the second window is out
+        time.sleep(0.005)
+    bucket.released.set()  # key 5's first HEAD answers now, late; keys 8 and 9 answer too
+    checker.join(10)
+    assert not checker.is_alive()
+    answers, errors, hedged = result[0]  # type: ignore[misc]
+    assert answers == {k: True for k in chain} and errors == [] and hedged >= 1

@@ -25,8 +25,9 @@ the options, their defaults and the bucket layout are in :mod:`kvtier.tiers.s3_s
   MISS for ``miss_seconds`` (other engines write too). Unknown keys answer
   RETRY and go out at step end as one batch of concurrent HEADs with a
   deadline (``check_timeout``), stopping a request's chain of keys at its
-  first 404; each HEAD gets 40 % of the deadline and one that times out is
-  sent once more if that fits; a check that fails or misses its deadline counts as absent. At most
+  first 404; a HEAD still unanswered 40 % into the deadline is sent a second
+  time (a hedge: the first answer wins, so one lost request costs that long,
+  not the deadline); a check that fails or misses its deadline counts as absent. At most
   half the I/O threads run batches (later steps' keys join one deferred batch),
   and keys whose lookups already answered MISS are dropped unchecked, so slow
   HEADs never pile up ahead of loads. With ``max_in_flight`` 1 the one I/O
@@ -82,7 +83,7 @@ from kvtier.tiers.format import (
 from kvtier.tiers.health import CircuitBreaker
 from kvtier.tiers.jobs import ALL_LANES, READ_LANES, Lane, ThreadedTier, Work
 from kvtier.tiers.options import tier_options
-from kvtier.tiers.s3_checks import HeadFanout
+from kvtier.tiers.s3_checks import HEDGE_FRACTION, HeadFanout
 from kvtier.tiers.s3_store import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
@@ -126,9 +127,12 @@ class S3Tier(ThreadedTier):
         ),
         "checks": ExtraMetric("counter", "Existence checks (HEAD) of unknown keys."),
         "checks_failed": ExtraMetric("counter", "Existence checks that failed (counted against the breaker)."),
+        "heads_hedged": ExtraMetric(
+            "counter", "Existence checks (HEAD) sent a second time, still unanswered 40 % into check_timeout."
+        ),
         "missing": ExtraMetric("counter", "Objects gone from the bucket when read."),
         "requests_retried": ExtraMetric(
-            "counter", "GETs, PUTs and HEADs that timed out and were sent again within their job's or check's deadline."
+            "counter", "GETs and PUTs that timed out and were sent again by the tier within their job's deadline."
         ),
         "warm_start_blocks": ExtraMetric("counter", "Blocks indexed from the manifest at start."),
         "foreign_format": FOREIGN_FORMAT_METRIC,
@@ -158,12 +162,6 @@ class S3Tier(ThreadedTier):
         # a request that timed out at request_timeout was never retried (defaults: 10 s of 10 s).
         self._start_grace = min(0.05 * full, opts.request_timeout)
         self._quick: S3Store = open_store(opts, quick=True)
-        # A HEAD gets 40 % of the check's deadline, so one that never answers is sent once more in time
-        # (a lone request lost on a loaded host took a whole check to MISS; S3's own guidance is to
-        # resend slow latency-sensitive requests rather than wait). The fifth left over is for a HEAD
-        # that waited for a thread or started in a later window.
-        self._head_attempt = 0.4 * opts.check_timeout
-        self._heads_client: S3Store = open_store(opts, quick=True, timeout=self._head_attempt)
         self._value_bytes = HEADER_SIZE + context.block_bytes
         self._digest = context.namespace.digest
         self._ns_prefix = namespace_prefix(opts.prefix, context.namespace.hexdigest)
@@ -193,7 +191,7 @@ class S3Tier(ThreadedTier):
         self._checks_may_fill_pool = self._max_checks_out >= opts.max_in_flight
         self._deferred: Work | None = None
         self.stats.extra.update({"objects_written": 0, "checks": 0, "checks_failed": 0, "missing": 0,
-                                 "requests_retried": 0})  # fmt: skip
+                                 "requests_retried": 0, "heads_hedged": 0})  # fmt: skip
 
         # The endpoint in use, read once: the client was built with it, whatever the environment says later.
         self._endpoint_setting = endpoint, source = opts.endpoint_setting()
@@ -548,22 +546,18 @@ class S3Tier(ThreadedTier):
     def _tried_again(self, work: Work, exc: BaseException) -> bool:
         """Whether ``work``'s request that failed with ``exc`` is sent again: it timed out (a
         client's own retries rarely cover that: one timed-out attempt uses up a budget of about
-        ``request_timeout``) and the job has a whole ``request_timeout`` left, so the new attempt
-        ends by its deadline (see :meth:`_sends_again`). A create_only upload sent again after
-        one that landed finds its own object and counts as stored (:meth:`_put_found_existing`).
-        I/O thread."""
+        ``request_timeout``), the tier is still in service, and the job has a whole
+        ``request_timeout`` left, so the new attempt ends by its deadline. If so ``exc`` is let
+        go of (the breaker hears of the work's last failure only, as of the client's own
+        retries); if not, nothing is done (the caller reports it). A create_only upload sent
+        again after one that landed finds its own object and counts as stored
+        (:meth:`_put_found_existing`). I/O thread."""
         deadline = work.job.deadline if work.job is not None else None
-        return deadline is not None and self._sends_again(exc, deadline, self.options.request_timeout)
-
-    def _sends_again(self, exc: BaseException, deadline: float, attempt: float) -> bool:
-        """Whether a request that failed with ``exc`` is sent again: it timed out, the tier is
-        in service and not stopping, and a whole ``attempt`` (the client's request timeout) fits
-        before ``deadline``. If so ``exc`` is let go of and counted in ``requests_retried`` (the
-        breaker hears of the last failure only, as of the client's own retries); if not, nothing
-        is done (the caller reports it). I/O or HEAD thread."""
-        if self._stopping.is_set() or not self._breaker.serving or classify_error(exc) != "timeout":
+        if deadline is None or self._stopping.is_set() or not self._breaker.serving:
             return False
-        if deadline - time.monotonic() < attempt:
+        if classify_error(exc) != "timeout":
+            return False
+        if deadline - time.monotonic() < self.options.request_timeout:
             return False
         forget_frames(exc)
         self._count(requests_retried=1)
@@ -659,7 +653,8 @@ class S3Tier(ThreadedTier):
         chains = [kept for kept in ([k for k in chain if k in live] for chain in work.payload) if kept]
         if not chains:
             return
-        answers, errors = self._heads.check(chains, self.options.check_timeout)
+        timeout = self.options.check_timeout
+        answers, errors, hedged = self._heads.check(chains, timeout, hedge_after=HEDGE_FRACTION * timeout)
         now = time.monotonic()
         with self._lock:
             for key, present in answers.items():
@@ -667,7 +662,7 @@ class S3Tier(ThreadedTier):
                     self._remember_locked(key, present, now)
             for key in work.keys:
                 self._checking.pop(key, None)
-        self._count(checks=len(answers), checks_failed=len(errors))
+        self._count(checks=len(answers), checks_failed=len(errors), heads_hedged=hedged)
         if errors:
             self._io_failure(errors[0])
             for error in errors[1:]:
@@ -675,22 +670,15 @@ class S3Tier(ThreadedTier):
         elif answers:
             self._breaker.record_success()
 
-    def _head(self, key: BlockKey, deadline: float) -> bool:
-        """HEAD thread: does the bucket hold a well-sized object for ``key``? A HEAD that times out
-        (40 % of ``check_timeout``) is sent again while one more fits before the check's
-        ``deadline``; raises on a failed request."""
+    def _head(self, key: BlockKey) -> bool:
+        """HEAD thread: does the bucket hold a well-sized object for ``key``? Raises on a failed request."""
         import obstore as obs
 
-        while True:
-            try:
-                meta = obs.head(self._heads_client, self.object_path(key))
-            except FileNotFoundError:
-                return False
-            except Exception as exc:
-                if self._sends_again(exc, deadline, self._head_attempt):
-                    continue
-                raise
-            return int(meta["size"]) == self._value_bytes
+        try:
+            meta = obs.head(self._quick, self.object_path(key))
+        except FileNotFoundError:
+            return False
+        return int(meta["size"]) == self._value_bytes
 
     # --- manifest, probe, warm start, upkeep ----------------------------------------------------------
 

@@ -13,14 +13,14 @@ obstore call can reach back into Python.
 
 Threads: :meth:`HeadFanout.start` starts the serving threads through the
 tier (which joins them at shutdown, after :meth:`HeadFanout.stop`); :meth:`HeadFanout.check` runs on a worker
-thread of the tier and blocks for at most its ``timeout``. Each HEAD is handed
-the check's deadline and is bounded by the client's own request timeout (with a
-resend that must fit the deadline), so a late HEAD ends by itself.
+thread of the tier and blocks for at most its ``timeout``. Each HEAD is bounded
+by the client's own request timeout, so a late HEAD ends by itself.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import queue
 import threading
 import time
@@ -32,12 +32,14 @@ from kvtier.keys import BlockKey
 FIRST_WINDOW = 8
 """A chain's first window of concurrent HEADs; each later window is twice the one before."""
 
+HEDGE_FRACTION = 0.4
+"""The S3 tier hedges a HEAD still running this far into its check's deadline (``hedge_after``)."""
+
 _STOP_POLL = 0.1
 """A check waiting for HEADs looks at the tier's stopping event this often."""
 
-Head = Callable[[BlockKey, float], bool]
-"""Does the store hold a well-sized object for this key? Blocking; the second argument is the
-check's deadline (``time.monotonic()``), which a resent request must fit; raises on a failed request."""
+Head = Callable[[BlockKey], bool]
+"""Does the store hold a well-sized object for this key? Blocking; raises on a failed request."""
 
 
 class HeadFanout:
@@ -51,7 +53,7 @@ class HeadFanout:
     def __init__(self, head: Head, stopping: threading.Event) -> None:
         self._head = head
         self._stopping = stopping
-        self._tasks: queue.SimpleQueue[tuple[BlockKey, float, Future[bool]] | None] = queue.SimpleQueue()
+        self._tasks: queue.SimpleQueue[tuple[BlockKey, Future[bool]] | None] = queue.SimpleQueue()
         self._serving = 0
 
     def serve(self) -> None:
@@ -61,14 +63,14 @@ class HeadFanout:
             task = self._tasks.get()
             if task is None:
                 return
-            key, deadline, answer = task
+            key, answer = task
             if self._stopping.is_set():
                 answer.cancel()
             # Only this thread moves a queued HEAD on, once (a cancelled one is dropped here)
             if not answer.set_running_or_notify_cancel():
                 continue
             try:
-                answer.set_result(self._head(key, deadline))
+                answer.set_result(self._head(key))
             except BaseException as exc:  # handed to the check, which reports it; this thread goes on
                 answer.set_exception(exc)
             del task, answer  # an exception's traceback holds this frame: no cycle through the future
@@ -85,122 +87,188 @@ class HeadFanout:
             self._tasks.put(None)
         self._serving = 0
 
-    def _submit(self, key: BlockKey, deadline: float) -> Future[bool]:
+    def _submit(self, key: BlockKey) -> Future[bool]:
         answer: Future[bool] = Future()
         if self._stopping.is_set():
             answer.cancel()  # never queued: nothing else touches it
         else:
-            self._tasks.put((key, deadline, answer))
+            self._tasks.put((key, answer))
         return answer
 
     def check(
-        self, chains: list[list[BlockKey]], timeout: float
-    ) -> tuple[dict[BlockKey, bool], list[BaseException]]:
+        self, chains: list[list[BlockKey]], timeout: float, hedge_after: float | None = None
+    ) -> tuple[dict[BlockKey, bool], list[BaseException], int]:
         """HEAD the keys of every chain, all chains at once, for at most ``timeout`` seconds.
 
         A chain (one request's unknown keys, in prefix order) goes out in
         windows of 8, 16, 32... concurrent HEADs and stops at its first absent
         key or failed request: the engine stops there too, so later keys stay
-        unknown. Returns the answers and the errors met. A failed HEAD counts as
-        absent; at the deadline, a HEAD still running counts as absent and one
-        not started yet is cancelled, its key left unknown (one ``TimeoutError``
-        in the errors counts both).
+        unknown. A HEAD of a window still running ``hedge_after`` seconds after
+        the window went out is sent a second time (a hedge: a request lost on
+        the way, or one slow server thread, costs that long instead of the whole
+        deadline); the first of the two to answer is the key's answer, and a
+        failure counts only once both failed. Returns the answers, the errors
+        met and the number of hedges sent. A failed HEAD counts as absent; at
+        the deadline, a HEAD still running counts as absent and one not started
+        yet is cancelled, its key left unknown (one ``TimeoutError`` in the
+        errors counts both).
         """
-        deadline = time.monotonic() + timeout
+        now = time.monotonic()
+        deadline = now + timeout
+        hedge_delay = float("inf") if hedge_after is None else hedge_after
         answers: dict[BlockKey, bool] = {}
         errors: list[BaseException] = []
-        # chain index -> (the window's start, its width, its keys with their answers); one window per
-        # chain is out at a time, and each HEAD of it that finishes puts the chain's index in `finished`
-        # (a done-callback), so a wake-up costs O(1), not a scan of every HEAD in flight.
-        windows: dict[int, tuple[int, int, list[tuple[BlockKey, Future[bool]]]]] = {}
-        unfinished: dict[int, int] = {}
-        finished: queue.SimpleQueue[int] = queue.SimpleQueue()
+        hedged = 0
+        # chain index -> its window out (one per chain at a time). Each HEAD that finishes puts
+        # (chain index, window serial, key position) in `finished` (a done-callback), so a wake-up
+        # costs O(1), not a scan of every HEAD in flight (and no future refers to its window).
+        windows: dict[int, _Window] = {}
+        finished: queue.SimpleQueue[tuple[int, int, int]] = queue.SimpleQueue()
+        serials = itertools.count()
+
+        def send(window: _Window, pos: int) -> None:
+            head = self._submit(window.keys[pos])
+            window.heads[pos].append(head)
+            where = (window.index, window.serial, pos)
+            head.add_done_callback(functools.partial(_finished, finished, where))  # at once if done
 
         def launch(index: int, start: int, width: int) -> None:
             keys = chains[index][start : start + width]
             if not keys:
                 return
-            window = [(key, self._submit(key, deadline)) for key in keys]
-            windows[index] = (start, width, window)
-            unfinished[index] = len(window)
-            note = functools.partial(_finished, finished, index)
-            for _, answer in window:
-                answer.add_done_callback(note)  # called at once if already done
+            window = _Window(index, next(serials), start, width, keys, time.monotonic() + hedge_delay)
+            windows[index] = window
+            for pos in range(len(keys)):
+                send(window, pos)
 
         for index in range(len(chains)):
             launch(index, 0, FIRST_WINDOW)
         while windows:
             if self._stopping.is_set():  # shutdown: nobody waits for these answers any more
-                for _, _, window in windows.values():
-                    for _, answer in window:
-                        answer.cancel()
+                for window in windows.values():
+                    for heads in window.heads:
+                        for head in heads:
+                            head.cancel()
                 break
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 errors.extend(_give_up(windows, answers, timeout))
                 break
+            for window in windows.values():
+                if now >= window.hedge_at:
+                    window.hedge_at = float("inf")  # one hedge per HEAD
+                    for pos, heads in enumerate(window.heads):
+                        if window.outcomes[pos] is None and heads[0].running():
+                            send(window, pos)
+                            hedged += 1
+            wake = min(deadline, *(w.hedge_at for w in windows.values()))
             try:
-                index = finished.get(timeout=min(left, _STOP_POLL))
+                index, serial, pos = finished.get(timeout=max(0.0, min(wake - now, _STOP_POLL)))
             except queue.Empty:
                 continue
-            unfinished[index] -= 1
-            if unfinished[index]:
+            done = windows.get(index)
+            if done is None or done.serial != serial:  # a window already read: a hedge's twin answered late
                 continue
-            start, width, window = windows.pop(index)
-            del unfinished[index]
-            if _read_window(window, answers, errors):
-                launch(index, start + width, width * 2)
-        return answers, errors
+            if not done.decide(pos) or done.left:
+                continue
+            del windows[done.index]
+            if _read_window(done, answers, errors):
+                launch(done.index, done.start + done.width, done.width * 2)
+        return answers, errors, hedged
 
 
-def _finished(finished: queue.SimpleQueue[int], index: int, _answer: Future[bool]) -> None:
-    finished.put(index)
+_CANCELLED = object()
+"""A key's outcome when its HEADs were cancelled (the tier is stopping): the key stays unknown."""
 
 
-def _read_window(
-    window: list[tuple[BlockKey, Future[bool]]], answers: dict[BlockKey, bool], errors: list[BaseException]
-) -> bool:
-    """Record a finished window in chain order; True if the chain goes on past it."""
-    for key, answer in window:
-        if answer.cancelled():  # the tier is shutting down: the key stays unknown
+class _Window:
+    """One chain's window of HEADs: its keys, each key's HEADs (the first, and its hedge if
+    sent) and each key's outcome once decided (the answer, the failure, or ``_CANCELLED``).
+    Touched by the checking thread only (the HEADs' threads only queue wake-ups)."""
+
+    __slots__ = ("heads", "hedge_at", "index", "keys", "left", "outcomes", "serial", "start", "width")
+
+    def __init__(self, index: int, serial: int, start: int, width: int, keys: list[BlockKey], hedge_at: float) -> None:
+        self.index = index  # the chain's
+        self.serial = serial  # unique within the check
+        self.start = start
+        self.width = width
+        self.keys = keys
+        self.heads: list[list[Future[bool]]] = [[] for _ in keys]
+        self.outcomes: list[object] = [None] * len(keys)
+        self.left = len(keys)
+        self.hedge_at = hedge_at
+
+    def decide(self, pos: int) -> bool:
+        """Decide key ``pos`` from its finished HEADs if it can be: its first answer, else (every
+        HEAD of it finished) its first failure or ``_CANCELLED``. True if it was decided now."""
+        if self.outcomes[pos] is not None:
             return False
-        failure = answer.exception()
-        if failure is not None:
-            errors.append(failure)
+        heads = self.heads[pos]
+        failure: BaseException | None = None
+        for head in heads:
+            if not head.done() or head.cancelled():
+                continue
+            exc = head.exception()
+            if exc is None:
+                self.outcomes[pos] = head.result()
+                break
+            failure = failure or exc
+        else:
+            if not all(head.done() for head in heads):
+                return False  # its hedge may still answer
+            self.outcomes[pos] = failure if failure is not None else _CANCELLED
+        self.left -= 1
+        return True
+
+
+def _finished(finished: queue.SimpleQueue[tuple[int, int, int]], where: tuple[int, int, int], _: Future[bool]) -> None:
+    finished.put(where)
+
+
+def _read_window(window: _Window, answers: dict[BlockKey, bool], errors: list[BaseException]) -> bool:
+    """Record a decided window in chain order; True if the chain goes on past it."""
+    for key, outcome in zip(window.keys, window.outcomes, strict=True):
+        if outcome is _CANCELLED:  # the tier is shutting down: the key stays unknown
+            return False
+        if isinstance(outcome, BaseException):
+            errors.append(outcome)
             answers[key] = False
             return False
-        present = answer.result()
-        answers[key] = present
-        if not present:
+        answers[key] = bool(outcome)
+        if not outcome:
             return False
     return True
 
 
-def _give_up(
-    windows: dict[int, tuple[int, int, list[tuple[BlockKey, Future[bool]]]]],
-    answers: dict[BlockKey, bool],
-    timeout: float,
-) -> list[BaseException]:
-    """At the deadline: keep what finished, count running HEADs as absent, cancel queued ones
-    (their keys stay unknown); returns the errors met, with one ``TimeoutError`` for the HEADs
-    that ran late or never started (the threads busy with earlier checks' late HEADs: a slow
-    store, which the tier's breaker must hear of)."""
+def _give_up(windows: dict[int, _Window], answers: dict[BlockKey, bool], timeout: float) -> list[BaseException]:
+    """At the deadline: keep what was decided, count keys with a HEAD still running as absent,
+    cancel queued HEADs (their keys stay unknown); returns the errors met, with one
+    ``TimeoutError`` for the keys whose HEADs ran late or never started (the threads busy with
+    earlier checks' late HEADs: a slow store, which the tier's breaker must hear of)."""
     late = waited = 0
     errors: list[BaseException] = []
-    for _, _, window in windows.values():
-        for key, answer in window:
-            if answer.cancel():
-                waited += 1
-            elif answer.cancelled():
+    for window in windows.values():
+        for pos, key in enumerate(window.keys):
+            window.decide(pos)
+            outcome = window.outcomes[pos]
+            if outcome is None:
+                running = False
+                for head in window.heads[pos]:
+                    if not head.cancel():  # (True: it was queued, and is now cancelled)
+                        running = running or not head.done()
+                if running:
+                    answers[key] = False
+                    late += 1
+                else:
+                    waited += 1
+            elif outcome is _CANCELLED:
                 continue
-            elif not answer.done():
+            elif isinstance(outcome, BaseException):
                 answers[key] = False
-                late += 1
-            elif (failure := answer.exception()) is not None:
-                answers[key] = False
-                errors.append(failure)
+                errors.append(outcome)
             else:
-                answers[key] = answer.result()
+                answers[key] = bool(outcome)
     windows.clear()
     if late or waited:
         errors.append(
@@ -212,4 +280,4 @@ def _give_up(
     return errors
 
 
-__all__ = ["FIRST_WINDOW", "Head", "HeadFanout"]
+__all__ = ["FIRST_WINDOW", "HEDGE_FRACTION", "Head", "HeadFanout"]

@@ -179,10 +179,7 @@ class S3TierOptions(TierOptions):
         default=4, ge=0, le=100, description="Retries of a failed request (5xx, connection errors)."
     )
     check_timeout: Seconds = Field(
-        default=1.0,
-        gt=0,
-        description="Deadline of one step's batched existence checks (HEADs; each gets 40 % of it, "
-        "and one resend if it times out); then MISS.",
+        default=1.0, gt=0, description="Deadline of one step's batched existence checks (HEADs); then MISS."
     )
     hit_seconds: Seconds = Field(default=3600.0, gt=0, description="How long a known-present key answers HIT.")
     miss_seconds: Seconds = Field(
@@ -345,14 +342,12 @@ def is_local_host(host: str) -> bool:
     return True
 
 
-def open_store(
-    options: S3TierOptions, *, quick: bool = False, retry_seconds: float | None = None, timeout: float | None = None
-) -> S3Store:
+def open_store(options: S3TierOptions, *, quick: bool = False, retry_seconds: float | None = None) -> S3Store:
     """An obstore client for ``options``.
 
     ``quick`` builds the client of existence checks and probes: no retries and
-    ``check_timeout`` per request (or ``timeout``), so a dead server is noticed
-    within one deadline. The data client retries (backoff with jitter) within
+    ``check_timeout`` per request, so a dead server is noticed within one
+    deadline. The data client retries (backoff with jitter) within
     ``retry_seconds`` (default ``job_timeout - request_timeout``), so the last
     attempt of work started with that much time left ends before its deadline;
     ``retry_seconds=0`` makes one attempt.
@@ -361,8 +356,7 @@ def open_store(
         from obstore.store import S3Store
     except ImportError as exc:
         raise ConfigError("the s3 tier needs obstore: pip install 'kvtier[s3]'") from exc
-    if timeout is None:
-        timeout = options.check_timeout if quick else options.request_timeout
+    timeout = options.check_timeout if quick else options.request_timeout
     client: dict[str, Any] = {
         "timeout": timedelta(seconds=timeout),
         "connect_timeout": timedelta(seconds=min(options.connect_timeout, timeout)),
