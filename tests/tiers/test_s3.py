@@ -479,6 +479,24 @@ def _checked(tier: Any, keys: list[BlockKey], req: RequestContext) -> list[Looku
     return [tier.lookup(k, req) for k in keys]
 
 
+def _check_with_a_lost_head(s3_stub: S3Stub, make: Any, fault: str, blocks: int, check_timeout: float) -> Any:
+    """A reader's check of ``blocks`` stored keys whose first key's HEAD gets ``fault``: the
+    answers after it, its duration, the HEADs it sent and the reader."""
+    ns = make_namespace(BLOCK)
+    writer, _ = make(s3_stub.endpoint, s3_stub.bucket, ns)
+    keys = chain_ids(range(blocks), ns)
+    assert run_job(writer, keys, list(range(blocks)), False, 10).success
+    reader, _ = make(s3_stub.endpoint, s3_stub.bucket, ns, check_timeout=check_timeout, failure_threshold=1000)
+    wait_ready(reader)
+    s3_stub.fault(reader.object_path(keys[0]), fault)
+    heads = s3_stub.count("HEAD")
+    started = time.monotonic()
+    answers = _checked(reader, keys, RequestContext("chain"))
+    took = time.monotonic() - started
+    s3_stub.release()
+    return answers, took, s3_stub.count("HEAD") - heads, reader
+
+
 @pytest.mark.parametrize("check_timeout", [2.0, 1.0])
 def test_a_head_that_never_answers_is_hedged_within_the_checks_deadline(
     s3_stub: S3Stub, make: Any, check_timeout: float
@@ -487,20 +505,9 @@ def test_a_head_that_never_answers_is_hedged_within_the_checks_deadline(
     its chain's first key until the whole check's deadline, then counted it absent: the engine
     recomputed a prefix the bucket held. A HEAD still out 40 % into ``check_timeout`` is sent a
     second time and the first answer wins."""
-    ns = make_namespace(BLOCK)
-    writer, _ = make(s3_stub.endpoint, s3_stub.bucket, ns)
-    keys = chain_ids(range(3), ns)
-    assert run_job(writer, keys, [0, 1, 2], False, 10).success
-    reader, _ = make(s3_stub.endpoint, s3_stub.bucket, ns, check_timeout=check_timeout, failure_threshold=1000)
-    wait_ready(reader)
-    s3_stub.fault(reader.object_path(keys[0]), "stall_head")
-    heads = s3_stub.count("HEAD")
-    started = time.monotonic()
-    answers = _checked(reader, keys, RequestContext("chain"))
-    took = time.monotonic() - started
-    s3_stub.release()
+    answers, took, sent, reader = _check_with_a_lost_head(s3_stub, make, "stall_head", 3, check_timeout)
     assert answers == [LookupResult.HIT] * 3, "the lost HEAD's hedge answered"
-    assert s3_stub.count("HEAD") == heads + 4 and reader.stats.extra["heads_hedged"] == 1
+    assert sent == 4 and reader.stats.extra["heads_hedged"] == 1
     assert reader.stats.extra["checks_failed"] == 0
     assert 0.4 * check_timeout <= took < check_timeout
 
@@ -508,20 +515,9 @@ def test_a_head_that_never_answers_is_hedged_within_the_checks_deadline(
 def test_a_key_whose_head_and_hedge_are_both_lost_counts_absent_at_the_deadline(s3_stub: S3Stub, make: Any) -> None:
     """Every HEAD of the key lost: one hedge (not more), then at the check's deadline the key
     counts absent and the failure is counted (``checks_failed``, which the breaker hears of)."""
-    ns = make_namespace(BLOCK)
-    writer, _ = make(s3_stub.endpoint, s3_stub.bucket, ns)
-    keys = chain_ids(range(2), ns)
-    assert run_job(writer, keys, [0, 1], False, 10).success
-    reader, _ = make(s3_stub.endpoint, s3_stub.bucket, ns, check_timeout=1.0, failure_threshold=1000)
-    wait_ready(reader)
-    s3_stub.fault(reader.object_path(keys[0]), "stall_heads")
-    heads = s3_stub.count("HEAD")
-    started = time.monotonic()
-    answers = _checked(reader, keys, RequestContext("chain"))
-    took = time.monotonic() - started
-    s3_stub.release()
+    answers, took, sent, reader = _check_with_a_lost_head(s3_stub, make, "stall_heads", 2, 1.0)
     assert answers[0] == LookupResult.MISS
-    assert s3_stub.count("HEAD") == heads + 3 and reader.stats.extra["heads_hedged"] == 1
+    assert sent == 3 and reader.stats.extra["heads_hedged"] == 1
     assert reader.stats.extra["checks_failed"] == 1
     assert 1.0 <= took < 1.0 + 1.0
 
