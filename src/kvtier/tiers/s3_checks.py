@@ -251,18 +251,18 @@ def _give_up(windows: dict[int, _Window], answers: dict[BlockKey, bool], timeout
     for window in windows.values():
         for pos, key in enumerate(window.keys):
             window.decide(pos)
-            outcome = window.outcomes[pos]
-            if outcome is None:
-                running = False
+            if window.outcomes[pos] is None:
                 for head in window.heads[pos]:
-                    if not head.cancel():  # (True: it was queued, and is now cancelled)
-                        running = running or not head.done()
-                if running:
+                    head.cancel()  # one still queued never starts now (a running one cannot be cancelled)
+                if not window.decide(pos):  # a HEAD of it is still running
                     answers[key] = False
                     late += 1
-                else:
+                    continue
+                if window.outcomes[pos] is _CANCELLED:  # none of its HEADs ever started
                     waited += 1
-            elif outcome is _CANCELLED:
+                    continue
+            outcome = window.outcomes[pos]
+            if outcome is _CANCELLED:
                 continue
             elif isinstance(outcome, BaseException):
                 answers[key] = False
