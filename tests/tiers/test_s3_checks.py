@@ -28,9 +28,11 @@ class Bucket:
         self.present = present
         self.failing: set[BlockKey] = set()
         self.asked: list[BlockKey] = []
-        # per key, what its next HEADs do: "lost", "slow" (held until `released`), "fail" (at once)
+        # per key, what its next HEADs do: "lost", "slow" (held until `released`), "fail" (at once),
+        # "held" (until the test ends)
         self.script: dict[BlockKey, list[str]] = {}
         self.released = threading.Event()
+        self.held = threading.Event()
         self.lock = threading.Lock()
         self.gate = threading.Event()
         self.gate.set()
@@ -46,6 +48,8 @@ class Bucket:
                 raise TimeoutError(f"HEAD of {k.hex()[:8]} timed out")
         elif step == "fail":
             raise ConnectionError(f"HEAD of {k.hex()[:8]} failed at once")
+        elif step == "held":  # held until the test ends
+            assert self.held.wait(30)
         assert self.gate.wait(30)
         if k in self.failing:
             raise ConnectionError(f"HEAD of {k.hex()[:8]} failed")
@@ -68,6 +72,7 @@ class Fanout:
     def close(self) -> None:
         self.bucket.gate.set()
         self.bucket.released.set()
+        self.bucket.held.set()
         self.stopping.set()
         self.heads.stop()
         for thread in self.threads:
@@ -289,3 +294,25 @@ def test_a_hedged_heads_late_twin_is_ignored_once_its_window_was_read(make: obje
     assert not checker.is_alive()
     answers, errors, hedged = result[0]  # type: ignore[misc]
     assert answers == {k: True for k in chain} and errors == [] and hedged >= 1
+
+
+def test_at_the_deadline_a_failed_head_whose_hedge_never_started_is_that_failure(make: object) -> None:
+    """One HEAD thread: key 0's HEAD is lost and hedged (the hedge queued behind keys 1 and 2),
+    then fails; the thread takes key 1, held past the deadline. Key 0 is its failure (absent, the
+    error reported), key 1 late, key 2 and the hedge never started (before: key 0 too was counted
+    "never started" and left unknown)."""
+    chain = [key(i) for i in range(3)]
+    bucket = Bucket(set(chain))
+    bucket.script.update({chain[0]: ["lost"], chain[1]: ["held"]})
+    fanout = make(bucket, threads=1)  # type: ignore[operator]
+    result: list[object] = []
+    checker = threading.Thread(target=lambda: result.append(fanout.heads.check([chain], 1.0, hedge_after=0.2)))
+    checker.start()
+    time.sleep(0.5)  # past the hedge, well before the deadline
+    bucket.released.set()  # key 0's HEAD fails now; the thread goes on to key 1 (held)
+    checker.join(10)
+    answers, errors, hedged = result[0]  # type: ignore[misc]
+    assert hedged == 1 and bucket.asked == [chain[0], chain[1]]
+    assert answers == {chain[0]: False, chain[1]: False}
+    assert isinstance(errors[0], TimeoutError) and "HEAD of" in str(errors[0])
+    assert "1 existence check(s) missed" in str(errors[1]) and "1 more never started" in str(errors[1])  # key 2
