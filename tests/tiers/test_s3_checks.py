@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.keys import BlockKey
 from kvtier.tiers.s3_checks import FIRST_WINDOW, HeadFanout
@@ -316,3 +318,65 @@ def test_at_the_deadline_a_failed_head_whose_hedge_never_started_is_that_failure
     assert answers == {chain[0]: False, chain[1]: False}
     assert isinstance(errors[0], TimeoutError) and "HEAD of" in str(errors[0])
     assert "1 existence check(s) missed" in str(errors[1]) and "1 more never started" in str(errors[1])  # key 2
+
+
+_FIRST = st.sampled_from(["asked", "asked", "asked", "fail", "lost", "slow"])
+_HEDGE = st.sampled_from(["asked", "fail", "lost"])
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(st.lists(st.tuples(st.booleans(), _FIRST, _HEDGE), min_size=1, max_size=30), min_size=1, max_size=3)
+)
+def test_checks_with_hedges_answer_as_a_model_of_chains_says(chains_spec: list[list[tuple[bool, str, str]]]) -> None:
+    """Property: for chains of keys (each present or not, its first HEAD answering, failing, lost
+    or slow, and its hedge answering, failing or lost), the check's answers, errors and hedges are
+    what a model says: windows of 8, 16, 32 read in chain order up to the first absent or failed
+    key; a lost or slow first HEAD is hedged and its hedge decides the key, unless the hedge
+    failed or is lost too (then the key is late: absent at the deadline, with the other keys of
+    its window decided so far). HEAD threads are plenty, so no HEAD waits for one."""
+    timeout, hedge_after = 0.6, 0.15
+    chains = [[key(1000 * c + i) for i in range(len(spec))] for c, spec in enumerate(chains_spec)]
+    bucket = Bucket({k for chain, spec in zip(chains, chains_spec, strict=True)
+                     for k, (present, _, _) in zip(chain, spec, strict=True) if present})  # fmt: skip
+    for chain, spec in zip(chains, chains_spec, strict=True):
+        for k, (_, first, hedge) in zip(chain, spec, strict=True):
+            bucket.script[k] = [first, hedge]
+    expected: dict[BlockKey, bool] = {}
+    failures = late = min_hedged = 0
+    for chain, spec in zip(chains, chains_spec, strict=True):
+        start, width = 0, FIRST_WINDOW
+        while start < len(chain):
+            window = list(zip(chain[start : start + width], spec[start : start + width], strict=True))
+            outcomes: list[bool | str] = []  # True/False answered, "fail", "late"
+            for _, (present, first, hedge) in window:
+                step = first if first in ("asked", "fail") else hedge
+                min_hedged += first in ("lost", "slow")
+                outcomes.append(present if step == "asked" else "fail" if first == "fail" else "late")
+            if "late" in outcomes:  # the deadline finds this window out: what was decided is kept
+                for (k, _), outcome in zip(window, outcomes, strict=True):
+                    expected[k] = outcome is True
+                    failures += outcome == "fail"
+                    late += outcome == "late"
+                break
+            for (k, _), outcome in zip(window, outcomes, strict=True):
+                expected[k] = outcome is True
+                if outcome is not True:
+                    failures += outcome == "fail"
+                    break
+            else:
+                start, width = start + width, width * 2
+                continue
+            break
+    fanout = Fanout(bucket, threads=2 * sum(len(c) for c in chains))
+    try:
+        answers, errors, hedged = fanout.heads.check(chains, timeout, hedge_after=hedge_after)
+    finally:
+        fanout.close()
+    assert answers == expected
+    assert hedged >= min_hedged  # (a fast HEAD slowed past hedge_after by a loaded host is hedged too)
+    assert sum(isinstance(e, ConnectionError) for e in errors) == failures
+    timeouts = [e for e in errors if isinstance(e, TimeoutError)]
+    assert len(timeouts) == (1 if late else 0)
+    if late:
+        assert f"{late} existence check(s) missed" in str(timeouts[0])
