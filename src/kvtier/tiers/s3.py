@@ -25,9 +25,10 @@ the options, their defaults and the bucket layout are in :mod:`kvtier.tiers.s3_s
   MISS for ``miss_seconds`` (other engines write too). Unknown keys answer
   RETRY and go out at step end as one batch of concurrent HEADs with a
   deadline (``check_timeout``), stopping a request's chain of keys at its
-  first 404; a HEAD still unanswered 40 % into the deadline is sent a second
-  time (a hedge: the first answer wins, so one lost request costs that long,
-  not the deadline); a check that fails or misses its deadline counts as absent. At most
+  first 404; a HEAD still unanswered 40 % of the deadline after its window of
+  HEADs went out is sent a second time if a HEAD thread is idle (a hedge: the
+  first answer wins, so one lost request costs that long, not the deadline);
+  a check that fails or misses its deadline counts as absent. At most
   half the I/O threads run batches (later steps' keys join one deferred batch),
   and keys whose lookups already answered MISS are dropped unchecked, so slow
   HEADs never pile up ahead of loads. With ``max_in_flight`` 1 the one I/O
@@ -128,7 +129,7 @@ class S3Tier(ThreadedTier):
         "checks": ExtraMetric("counter", "Existence checks (HEAD) of unknown keys."),
         "checks_failed": ExtraMetric("counter", "Existence checks that failed (counted against the breaker)."),
         "heads_hedged": ExtraMetric(
-            "counter", "Existence checks (HEAD) sent a second time, still unanswered 40 % into check_timeout."
+            "counter", "Existence checks (HEAD) sent a second time, unanswered 40 % of check_timeout after going out."
         ),
         "missing": ExtraMetric("counter", "Objects gone from the bucket when read."),
         "requests_retried": ExtraMetric(

@@ -19,6 +19,7 @@ by the client's own request timeout, so a late HEAD ends by itself.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import queue
@@ -55,6 +56,8 @@ class HeadFanout:
         self._stopping = stopping
         self._tasks: queue.SimpleQueue[tuple[BlockKey, Future[bool]] | None] = queue.SimpleQueue()
         self._serving = 0
+        self._busy = 0  # serving threads inside a HEAD (under _busy_lock): hedges go only to idle ones
+        self._busy_lock = threading.Lock()
 
     def serve(self) -> None:
         """Thread target: run queued HEADs until :meth:`stop`; once the tier is stopping, queued
@@ -69,10 +72,15 @@ class HeadFanout:
             # Only this thread moves a queued HEAD on, once (a cancelled one is dropped here)
             if not answer.set_running_or_notify_cancel():
                 continue
+            with self._busy_lock:
+                self._busy += 1
             try:
                 answer.set_result(self._head(key))
             except BaseException as exc:  # handed to the check, which reports it; this thread goes on
                 answer.set_exception(exc)
+            finally:
+                with self._busy_lock:
+                    self._busy -= 1
             del task, answer  # an exception's traceback holds this frame: no cycle through the future
 
     def start(self, threads: int, start_thread: Callable[[str, Callable[[], None]], None]) -> None:
@@ -86,6 +94,13 @@ class HeadFanout:
         for _ in range(self._serving):
             self._tasks.put(None)
         self._serving = 0
+
+    def _idle_threads(self) -> int:
+        """Serving threads neither in a HEAD nor about to take a queued one (a hint: it may be stale
+        by the time it is used)."""
+        with self._busy_lock:
+            busy = self._busy
+        return self._serving - busy - self._tasks.qsize()
 
     def _submit(self, key: BlockKey) -> Future[bool]:
         answer: Future[bool] = Future()
@@ -105,17 +120,17 @@ class HeadFanout:
         key or failed request: the engine stops there too, so later keys stay
         unknown. A HEAD of a window still running ``hedge_after`` seconds after
         the window went out is sent a second time (a hedge: a request lost on
-        the way, or one slow server thread, costs that long instead of the whole
-        deadline); the first of the two to answer is the key's answer, and a
-        failure counts only once both failed. Returns the answers, the errors
-        met and the number of hedges sent. A failed HEAD counts as absent; at
-        the deadline, a HEAD still running counts as absent and one not started
-        yet is cancelled, its key left unknown (one ``TimeoutError`` in the
-        errors counts both).
+        the way costs that long instead of the whole deadline), as far as HEAD
+        threads are idle then: hedges never queue behind busy threads, so a
+        store that is slow throughout gets none. The first of a key's HEADs to
+        answer is its answer; a failure counts once all of them failed; what is
+        left of a decided key's HEADs, or of a window read, is cancelled if it
+        has not started. Returns the answers, the errors met and the number of
+        hedges sent. A failed HEAD counts as absent; at the deadline, a HEAD
+        still running counts as absent and one not started yet is cancelled,
+        its key left unknown (one ``TimeoutError`` in the errors counts both).
         """
-        now = time.monotonic()
-        deadline = now + timeout
-        hedge_delay = float("inf") if hedge_after is None else hedge_after
+        deadline = time.monotonic() + timeout
         answers: dict[BlockKey, bool] = {}
         errors: list[BaseException] = []
         hedged = 0
@@ -125,19 +140,23 @@ class HeadFanout:
         windows: dict[int, _Window] = {}
         finished: queue.SimpleQueue[tuple[int, int, int]] = queue.SimpleQueue()
         serials = itertools.count()
+        # (hedge time, chain index, serial) of each window launched, in launch order: hedge times only grow
+        hedges: collections.deque[tuple[float, int, int]] = collections.deque()
 
-        def send(window: _Window, pos: int) -> None:
+        def send(window: _Window, pos: int) -> Future[bool]:
             head = self._submit(window.keys[pos])
             window.heads[pos].append(head)
             where = (window.index, window.serial, pos)
             head.add_done_callback(functools.partial(_finished, finished, where))  # at once if done
+            return head
 
         def launch(index: int, start: int, width: int) -> None:
             keys = chains[index][start : start + width]
             if not keys:
                 return
-            window = _Window(index, next(serials), start, width, keys, time.monotonic() + hedge_delay)
-            windows[index] = window
+            window = windows[index] = _Window(index, next(serials), start, width, keys)
+            if hedge_after is not None:
+                hedges.append((time.monotonic() + hedge_after, index, window.serial))
             for pos in range(len(keys)):
                 send(window, pos)
 
@@ -145,23 +164,19 @@ class HeadFanout:
             launch(index, 0, FIRST_WINDOW)
         while windows:
             if self._stopping.is_set():  # shutdown: nobody waits for these answers any more
-                for window in windows.values():
-                    for heads in window.heads:
-                        for head in heads:
-                            head.cancel()
+                for out in windows.values():
+                    out.cancel_all()
                 break
             now = time.monotonic()
             if now >= deadline:
                 errors.extend(_give_up(windows, answers, timeout))
                 break
-            for window in windows.values():
-                if now >= window.hedge_at:
-                    window.hedge_at = float("inf")  # one hedge per HEAD
-                    for pos, heads in enumerate(window.heads):
-                        if window.outcomes[pos] is None and heads[0].running():
-                            send(window, pos)
-                            hedged += 1
-            wake = min(deadline, *(w.hedge_at for w in windows.values()))
+            while hedges and hedges[0][0] <= now:
+                _, index, serial = hedges.popleft()
+                due = windows.get(index)
+                if due is not None and due.serial == serial:
+                    hedged += due.hedge(send, self._idle_threads())
+            wake = min(deadline, hedges[0][0]) if hedges else deadline
             try:
                 index, serial, pos = finished.get(timeout=max(0.0, min(wake - now, _STOP_POLL)))
             except queue.Empty:
@@ -171,9 +186,10 @@ class HeadFanout:
                 continue
             if not done.decide(pos) or done.left:
                 continue
-            del windows[done.index]
+            del windows[index]
+            done.cancel_all()  # keys past the chain's end, and twins of decided keys, not started yet
             if _read_window(done, answers, errors):
-                launch(done.index, done.start + done.width, done.width * 2)
+                launch(index, done.start + done.width, done.width * 2)
         return answers, errors, hedged
 
 
@@ -186,9 +202,9 @@ class _Window:
     sent) and each key's outcome once decided (the answer, the failure, or ``_CANCELLED``).
     Touched by the checking thread only (the HEADs' threads only queue wake-ups)."""
 
-    __slots__ = ("heads", "hedge_at", "index", "keys", "left", "outcomes", "serial", "start", "width")
+    __slots__ = ("heads", "index", "keys", "left", "outcomes", "serial", "start", "width")
 
-    def __init__(self, index: int, serial: int, start: int, width: int, keys: list[BlockKey], hedge_at: float) -> None:
+    def __init__(self, index: int, serial: int, start: int, width: int, keys: list[BlockKey]) -> None:
         self.index = index  # the chain's
         self.serial = serial  # unique within the check
         self.start = start
@@ -197,14 +213,26 @@ class _Window:
         self.heads: list[list[Future[bool]]] = [[] for _ in keys]
         self.outcomes: list[object] = [None] * len(keys)
         self.left = len(keys)
-        self.hedge_at = hedge_at
+
+    def hedge(self, send: Callable[[_Window, int], Future[bool]], idle: int) -> int:
+        """Send a second HEAD for up to ``idle`` undecided keys whose only HEAD is running, in
+        chain order; returns how many went out (not those cancelled at once: the tier stopping)."""
+        sent = 0
+        for pos, heads in enumerate(self.heads):
+            if sent >= idle:
+                break
+            if self.outcomes[pos] is None and len(heads) == 1 and heads[0].running():
+                sent += not send(self, pos).cancelled()
+        return sent
 
     def decide(self, pos: int) -> bool:
         """Decide key ``pos`` from its finished HEADs if it can be: its first answer, else (every
-        HEAD of it finished) its first failure or ``_CANCELLED``. True if it was decided now."""
+        HEAD of it finished) its first failure or ``_CANCELLED``; a decided key's HEADs not
+        started yet are cancelled. True if it was decided now."""
         if self.outcomes[pos] is not None:
             return False
         heads = self.heads[pos]
+        pending = any(not head.done() for head in heads)  # first: one may finish during the scan
         failure: BaseException | None = None
         for head in heads:
             if not head.done() or head.cancelled():
@@ -213,13 +241,22 @@ class _Window:
             if exc is None:
                 self.outcomes[pos] = head.result()
                 break
-            failure = failure or exc
+            if failure is None:
+                failure = exc
         else:
-            if not all(head.done() for head in heads):
-                return False  # its hedge may still answer
+            if pending:
+                return False  # another HEAD of it may still answer
             self.outcomes[pos] = failure if failure is not None else _CANCELLED
+        for head in heads:
+            head.cancel()  # (only one not started yet is cancelled)
         self.left -= 1
         return True
+
+    def cancel_all(self) -> None:
+        """Cancel every HEAD of the window not started yet."""
+        for heads in self.heads:
+            for head in heads:
+                head.cancel()
 
 
 def _finished(finished: queue.SimpleQueue[tuple[int, int, int]], where: tuple[int, int, int], _: Future[bool]) -> None:
