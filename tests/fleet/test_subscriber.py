@@ -25,6 +25,7 @@ from kvtier.fleet.wire import WireError, decode_batch
 kv_events = pytest.importorskip("vllm.distributed.kv_events", reason="vLLM's publisher is the reference")
 pytest.importorskip("zmq")
 
+from kvtier.fleet import subscriber as subscriber_module  # noqa: E402
 from kvtier.fleet.subscriber import EngineEndpoint, FleetSubscriber  # noqa: E402
 
 TIERS = (TierInfo("0:primary", "cpu", "cpu", "engine"),)
@@ -136,12 +137,19 @@ def _publisher(path: Path, **options: Any) -> Any:
                                        **options)  # fmt: skip
 
 
-def test_a_late_subscriber_replays_the_start_and_drops_are_replayed(tmp_path: Path, api: _Api) -> None:
+def test_a_late_subscriber_replays_the_start_and_drops_are_replayed(
+    tmp_path: Path, api: _Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every gap must be asked for here. A replay that took t seconds bars the engine's next for
+    # _REPLAY_BACKOFF * t (its share of the one subscriber thread): on a loaded host (CI of c35a97a
+    # and of bb17d89) the start's replay barred the first gap's, whose batches then counted lost,
+    # and where ZMQ kept what it kept decides when the gaps show. The backoff is not what this tests.
+    monkeypatch.setattr(subscriber_module, "_REPLAY_BACKOFF", 0.0)
     publisher = _publisher(tmp_path, hwm=2)
     index = FleetIndex()
     endpoint = EngineEndpoint("e", f"ipc://{tmp_path}/events", replay=f"ipc://{tmp_path}/replay",
                               api=f"http://127.0.0.1:{api.server_address[1]}")  # fmt: skip
-    subscriber = FleetSubscriber(index, [endpoint], rcvhwm=2)
+    subscriber = FleetSubscriber(index, [endpoint], rcvhwm=2, replay_timeout=10.0)
     try:
         publisher.publish(_batch(_control(0), _stored([1])))
         publisher.publish(_batch(_control(1), _stored([2])))
@@ -156,10 +164,6 @@ def test_a_late_subscriber_replays_the_start_and_drops_are_replayed(tmp_path: Pa
             for seq in range(3, 33):
                 publisher.publish(_batch(_control(seq), _stored([seq + 1])))
             time.sleep(0.5)
-        # A replay that took t seconds bars the next for _REPLAY_BACKOFF * t: on a loaded host the start's
-        # replay can take long enough that the gap's would be refused (then counted lost): wait it out.
-        (link,) = subscriber._links.values()
-        _wait(lambda: time.monotonic() >= link.replay_after, "the start replay's backoff")
         publisher.publish(_batch(_control(33), _stored([34])))  # the next batch shows the gap
         _wait(lambda: index.held("e", "0:primary") == set(range(1, 35)), "the dropped batches, replayed")
         assert subscriber.stats()["e"]["replayed"] > 0
