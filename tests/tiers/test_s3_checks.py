@@ -440,19 +440,3 @@ def test_a_store_slow_throughout_gets_no_hedges_and_answers_as_before(make: obje
         answers, errors, hedged = fanout.heads.check([chain], 1.0, hedge_after=0.4)
         assert errors == [] and hedged == 0 and answers == {k: True for k in chain}
     assert len(bucket.asked) == 8
-
-
-def test_a_lost_head_is_hedged_once_a_thread_is_free(make: object) -> None:
-    """Every HEAD thread busy at the hedge time (key 0 lost, the others slow): the window is
-    looked at again until a thread is idle, then key 0 is hedged and answered before the
-    deadline (before: looked at once, key 0 waited for the deadline and counted absent)."""
-    chain = [key(i) for i in range(4)]
-    bucket = Bucket(set(chain))
-    bucket.delay = 0.5
-    bucket.script[chain[0]] = ["lost"]
-    fanout = make(bucket, threads=4)  # type: ignore[operator]
-    started = time.monotonic()
-    answers, errors, hedged = fanout.heads.check([chain], 3.0, hedge_after=0.2)
-    took = time.monotonic() - started
-    assert answers == {k: True for k in chain} and errors == [] and hedged == 1
-    assert 0.9 <= took < 3.0, "the hedge went out when the slow HEADs ended (0.5 s), and took 0.5 s"

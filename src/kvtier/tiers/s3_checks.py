@@ -19,8 +19,8 @@ by the client's own request timeout, so a late HEAD ends by itself.
 
 from __future__ import annotations
 
+import collections
 import functools
-import heapq
 import itertools
 import queue
 import threading
@@ -121,9 +121,8 @@ class HeadFanout:
         unknown. A HEAD of a window still running ``hedge_after`` seconds after
         the window went out is sent a second time (a hedge: a request lost on
         the way costs that long instead of the whole deadline), as far as HEAD
-        threads are idle (those left are looked at again every quarter of
-        ``hedge_after``): hedges never queue behind busy threads, so a store
-        whose HEADs are all slow gets none. The first of a key's HEADs to
+        threads are idle then: hedges never queue behind busy threads, so a
+        store that is slow throughout gets none. The first of a key's HEADs to
         answer is its answer; a failure counts once all of them failed; what is
         left of a decided key's HEADs, or of a window read, is cancelled if it
         has not started. Returns the answers, the errors met and the number of
@@ -141,9 +140,8 @@ class HeadFanout:
         windows: dict[int, _Window] = {}
         finished: queue.SimpleQueue[tuple[int, int, int]] = queue.SimpleQueue()
         serials = itertools.count()
-        # (hedge time, chain index, serial) of the windows out, earliest first (a window whose HEADs
-        # needing a hedge found too few idle threads is looked at again a quarter of hedge_after later)
-        hedges: list[tuple[float, int, int]] = []
+        # (hedge time, chain index, serial) of each window launched, in launch order: hedge times only grow
+        hedges: collections.deque[tuple[float, int, int]] = collections.deque()
 
         def send(window: _Window, pos: int) -> Future[bool]:
             head = self._submit(window.keys[pos])
@@ -158,7 +156,7 @@ class HeadFanout:
                 return
             window = windows[index] = _Window(index, next(serials), start, width, keys)
             if hedge_after is not None:
-                heapq.heappush(hedges, (time.monotonic() + hedge_after, index, window.serial))
+                hedges.append((time.monotonic() + hedge_after, index, window.serial))
             for pos in range(len(keys)):
                 send(window, pos)
 
@@ -174,13 +172,10 @@ class HeadFanout:
                 errors.extend(_give_up(windows, answers, timeout))
                 break
             while hedges and hedges[0][0] <= now:
-                _, index, serial = heapq.heappop(hedges)
+                _, index, serial = hedges.popleft()
                 due = windows.get(index)
                 if due is not None and due.serial == serial:
-                    sent, unsent = due.hedge(send, self._idle_threads())
-                    hedged += sent
-                    if unsent and hedge_after is not None:
-                        heapq.heappush(hedges, (now + hedge_after / 4, index, serial))
+                    hedged += due.hedge(send, self._idle_threads())
             wake = min(deadline, hedges[0][0]) if hedges else deadline
             try:
                 index, serial, pos = finished.get(timeout=max(0.0, min(wake - now, _STOP_POLL)))
@@ -219,19 +214,16 @@ class _Window:
         self.outcomes: list[object] = [None] * len(keys)
         self.left = len(keys)
 
-    def hedge(self, send: Callable[[_Window, int], Future[bool]], idle: int) -> tuple[int, int]:
+    def hedge(self, send: Callable[[_Window, int], Future[bool]], idle: int) -> int:
         """Send a second HEAD for up to ``idle`` undecided keys whose only HEAD is running, in
-        chain order; returns how many went out (not those cancelled at once: the tier stopping)
-        and how many such keys are left without one."""
-        sent = unsent = tried = 0
+        chain order; returns how many went out (not those cancelled at once: the tier stopping)."""
+        sent = 0
         for pos, heads in enumerate(self.heads):
+            if sent >= idle:
+                break
             if self.outcomes[pos] is None and len(heads) == 1 and heads[0].running():
-                if tried < idle:
-                    tried += 1
-                    sent += not send(self, pos).cancelled()
-                else:
-                    unsent += 1
-        return sent, unsent
+                sent += not send(self, pos).cancelled()
+        return sent
 
     def decide(self, pos: int) -> bool:
         """Decide key ``pos`` from its finished HEADs if it can be: its first answer, else (every
