@@ -115,20 +115,16 @@ class HeadFanout:
     ) -> tuple[dict[BlockKey, bool], list[BaseException], int]:
         """HEAD the keys of every chain, all chains at once, for at most ``timeout`` seconds.
 
-        A chain (one request's unknown keys, in prefix order) goes out in
-        windows of 8, 16, 32... concurrent HEADs and stops at its first absent
-        key or failed request: the engine stops there too, so later keys stay
-        unknown. A HEAD of a window still running ``hedge_after`` seconds after
-        the window went out is sent a second time (a hedge: a request lost on
-        the way costs that long instead of the whole deadline), as far as HEAD
-        threads are idle then: hedges never queue behind busy threads, so a
-        store that is slow throughout gets none. The first of a key's HEADs to
-        answer is its answer; a failure counts once all of them failed; what is
-        left of a decided key's HEADs, or of a window read, is cancelled if it
-        has not started. Returns the answers, the errors met and the number of
-        hedges sent. A failed HEAD counts as absent; at the deadline, a HEAD
-        still running counts as absent and one not started yet is cancelled,
-        its key left unknown (one ``TimeoutError`` in the errors counts both).
+        A chain (one request's unknown keys, in prefix order) goes out in windows of 8, 16, 32...
+        concurrent HEADs and stops at its first absent key or failed request: the engine stops
+        there too, so later keys stay unknown. A HEAD of a window still running ``hedge_after``
+        seconds after the window went out is sent a second time (a hedge: a request lost on the
+        way costs that long, not the deadline), as far as HEAD threads are idle then (hedges never
+        queue behind busy threads: a store slow throughout gets none). A key's first answer wins;
+        it fails once all its HEADs failed; a decided key's or a read window's HEADs not started
+        are cancelled. Returns the answers, the errors met and the hedges sent. A failed HEAD
+        counts as absent; at the deadline, a HEAD still running counts as absent and one not
+        started yet is cancelled, its key left unknown (one ``TimeoutError`` counts both).
         """
         deadline = time.monotonic() + timeout
         answers: dict[BlockKey, bool] = {}
