@@ -16,6 +16,7 @@ from kvtier import LookupResult, Namespace, RequestContext, TieringManager, pref
 from kvtier.metrics import KvtierMetrics
 from kvtier.telemetry import (
     LOOKUP_SECONDS_BUCKETS,
+    PROMOTION_WAIT_SECONDS_BUCKETS,
     HistogramSnapshot,
     LatencyHistogram,
     ManagerSnapshot,
@@ -157,6 +158,48 @@ def test_lookup_latency_histograms_sync_and_async(mgr: TieringManager) -> None:
     assert async_a.count == 1 and async_a.sum >= 0.02
     assert snap.tier("2:scripted").lookup_async_seconds.count == 0
     assert snap.tier("1:counting").lookups.retry == 0, "the double does not count its own answers"
+
+
+def test_promotion_wait_is_one_observation_per_job_from_its_queue_to_the_poll(mgr: TieringManager) -> None:
+    """The wait a request pays for blocks promoted from a tier: from the lookup that queued the
+    job, through the step end that submits it, to the next step's poll that finds it reported."""
+    a, b = mgr.tiers
+    assert isinstance(a, _CountingTier) and isinstance(b, ScriptedTier)
+    a.auto_complete = False
+    req = RequestContext("r")
+    ks = keys(3, seed=7)
+    for key in ks:
+        a.data[key] = bytes(mgr.block_bytes)
+    assert [mgr.lookup(key, req) for key in ks] == [HIT_PENDING] * 3
+    time.sleep(0.02)  # the rest of the step that queued the promotions
+    mgr.on_schedule_end()
+    assert len(a.queued) == 1, "one job for the request's three blocks"
+    time.sleep(0.03)  # the tier reads
+    a.complete_all()
+    assert mgr.stats().tier("1:counting").promotion_wait_seconds.count == 0, "reported, not yet polled"
+    time.sleep(0.01)  # until the next step
+    assert mgr.lookup(ks[0], req) is HIT  # the step's poll finds the job done
+    snap = mgr.stats()
+    wait = snap.tier("1:counting").promotion_wait_seconds
+    assert wait.bounds == PROMOTION_WAIT_SECONDS_BUCKETS
+    assert wait.count == 1 and 0.06 <= wait.sum < 30, wait
+    # the manager's own clock, not the job time the tier reports (this double says 0.25 s a block)
+    assert snap.tier("1:counting").read.seconds == pytest.approx(0.75) and wait.sum < 0.75
+    assert snap.tier("2:scripted").promotion_wait_seconds.count == 0 and snap.cpu.promotion_wait_seconds.count == 0
+    again = ManagerSnapshot.from_dict(json.loads(json.dumps(snap.as_dict())))
+    assert again.tier("1:counting").promotion_wait_seconds == wait
+    metrics = KvtierMetrics()
+    metrics.update(snap)
+    got = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            got[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    assert got[("kvtier_promotion_wait_seconds_count", (("tier", "1:counting"),))] == 1
+    assert got[("kvtier_promotion_wait_seconds_sum", (("tier", "1:counting"),))] == pytest.approx(wait.sum)
+    assert got[("kvtier_promotion_wait_seconds_bucket", (("le", "0.05"), ("tier", "1:counting")))] == 0
+    assert got[("kvtier_promotion_wait_seconds_bucket", (("le", "0.1"), ("tier", "1:counting")))] == (
+        1 if wait.sum <= 0.1 else 0
+    )
 
 
 def test_job_failures_by_kind_and_active_jobs(mgr: TieringManager) -> None:

@@ -17,7 +17,9 @@ tier or ``<n>:<type>`` for secondary tier n, as in events and logs):
 * ``lookups_total{tier,result}``: hit / hit_pending / miss / retry
 * ``tier_lookup_seconds{tier}``: histogram of one tier's lookup call, as the
   manager timed it on the scheduler thread; ``tier_lookup_async_seconds{tier}``:
-  from a tier's first RETRY for a key until it answered HIT or MISS
+  from a tier's first RETRY for a key until it answered HIT or MISS;
+  ``promotion_wait_seconds{tier}``: a promotion job from that tier, from the lookup
+  that queued it until the manager found it reported (what a request waits for its blocks)
 * ``bytes_total{tier,direction}``, ``transfer_seconds_total{tier,direction}``,
   ``jobs_total{tier,direction}``: completed jobs, direction ``write`` (into the
   tier) or ``read`` (out of it); ``tier="device"`` for device copies a caller reports
@@ -235,9 +237,15 @@ def _families(snap: ManagerSnapshot, transfer: Mapping[str, tuple[int, float]]) 
         snap,
         "lookup_async_seconds",
     )
-    return [lookups, sync, deferred, nbytes, seconds, jobs, active, failures, evictions, used, total, entries,
-            health, pressure, latency, skipped_jobs, skipped_blocks, admission, extra_counters, extra_gauges, in_flight,
-            promotions, cascades, problems, *policy_families]  # fmt: skip
+    promotion_wait = _histogram_family(
+        "kvtier_promotion_wait_seconds",
+        "A promotion job from this tier, from the lookup that queued it until the manager found it reported.",
+        snap,
+        "promotion_wait_seconds",
+    )
+    return [lookups, sync, deferred, promotion_wait, nbytes, seconds, jobs, active, failures, evictions, used, total,
+            entries, health, pressure, latency, skipped_jobs, skipped_blocks, admission, extra_counters, extra_gauges,
+            in_flight, promotions, cascades, problems, *policy_families]  # fmt: skip
 
 
 def _admission_guard_families(snap: ManagerSnapshot) -> list[Metric]:

@@ -56,6 +56,12 @@ ASYNC_LOOKUP_SECONDS_BUCKETS: tuple[float, ...] = (
 )  # fmt: skip
 """Upper bounds of the asynchronous lookup histograms (first RETRY until the tier answers HIT or MISS)."""
 
+PROMOTION_WAIT_SECONDS_BUCKETS: tuple[float, ...] = (
+    1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
+)  # fmt: skip
+"""Upper bounds of the promotion wait histograms (a promotion job queued until the manager found
+it reported; see :attr:`TierTelemetry.promotion_wait_seconds`)."""
+
 
 class LatencyHistogram:
     """Counts of observations per bucket (Prometheus ``le`` semantics), their sum and count.
@@ -150,6 +156,7 @@ class TierTelemetry:
         "loads_in_flight",
         "lookup_async_seconds",
         "lookup_seconds",
+        "promotion_wait_seconds",
         "read",
         "stores_in_flight",
         "written",
@@ -158,6 +165,12 @@ class TierTelemetry:
     def __init__(self) -> None:
         self.lookup_seconds = LatencyHistogram(LOOKUP_SECONDS_BUCKETS)
         self.lookup_async_seconds = LatencyHistogram(ASYNC_LOOKUP_SECONDS_BUCKETS)
+        self.promotion_wait_seconds = LatencyHistogram(PROMOTION_WAIT_SECONDS_BUCKETS)
+        """One observation per promotion job from this tier, when the manager finds it reported
+        (the poll of the step after it ended): seconds since its first block was queued (the
+        lookup that started it). The request waited that long for the blocks to be loadable:
+        the step end that submits the job, the tier's read (``read.seconds``), and the time
+        until the next step's poll."""
         self.written = TransferCounter()
         self.read = TransferCounter()
         self.failures: dict[str, int] = {}
@@ -346,6 +359,10 @@ class TierSnapshot:
     extra: Mapping[str, float] = field(default_factory=dict)
     extra_kinds: Mapping[str, str] = field(default_factory=dict)
     policy: PolicySnapshot | None = None
+    promotion_wait_seconds: HistogramSnapshot = field(
+        default_factory=lambda: HistogramSnapshot.empty(PROMOTION_WAIT_SECONDS_BUCKETS)
+    )
+    """Promotion jobs from this tier, queued until found reported (empty for the CPU tier)."""
 
     @property
     def is_primary(self) -> bool:
@@ -374,6 +391,7 @@ class TierSnapshot:
             lookups={**dataclasses.asdict(self.lookups), "queries": self.lookups.queries},
             lookup_seconds=dataclasses.asdict(self.lookup_seconds),
             lookup_async_seconds=dataclasses.asdict(self.lookup_async_seconds),
+            promotion_wait_seconds=dataclasses.asdict(self.promotion_wait_seconds),
             written=dataclasses.asdict(self.written),
             read=dataclasses.asdict(self.read),
             failures=dict(self.failures),
@@ -596,6 +614,7 @@ def _tier_from_dict(index: int, label: str, entry: Mapping[str, Any]) -> TierSna
         ),
         lookup_seconds=_histogram(entry, "lookup_seconds", LOOKUP_SECONDS_BUCKETS),
         lookup_async_seconds=_histogram(entry, "lookup_async_seconds", ASYNC_LOOKUP_SECONDS_BUCKETS),
+        promotion_wait_seconds=_histogram(entry, "promotion_wait_seconds", PROMOTION_WAIT_SECONDS_BUCKETS),
         written=_totals(entry, "written", "bytes_written", "seconds_writing"),
         read=_totals(entry, "read", "bytes_read", "seconds_reading"),
         failures=failures,
@@ -618,6 +637,7 @@ def _tier_from_dict(index: int, label: str, entry: Mapping[str, Any]) -> TierSna
 __all__ = [
     "ASYNC_LOOKUP_SECONDS_BUCKETS",
     "LOOKUP_SECONDS_BUCKETS",
+    "PROMOTION_WAIT_SECONDS_BUCKETS",
     "AdmissionSnapshot",
     "BackpressureSnapshot",
     "HistogramSnapshot",

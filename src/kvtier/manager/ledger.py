@@ -42,16 +42,17 @@ logger = logging.getLogger(__name__)
 class _Job:
     """A tier job in flight (a plain slotted class: one is made per job on the scheduler thread)."""
 
-    __slots__ = ("handle", "is_promotion", "job_id", "keys", "overdue", "slots", "submitted")
+    __slots__ = ("handle", "is_promotion", "job_id", "keys", "overdue", "queued", "slots", "submitted")
 
     def __init__(self, job_id: int, handle: TierHandle, is_promotion: bool, keys: list[BlockKey], slots: list[int],
-                 submitted: float) -> None:
+                 submitted: float, queued: float) -> None:
         self.job_id = job_id
         self.handle = handle
         self.is_promotion = is_promotion
         self.keys = keys
         self.slots = slots  # the rows of ``keys`` (a cascade's stay pinned until the job is reported)
         self.submitted = submitted
+        self.queued = queued  # a promotion's: when its first block was queued (its batch's clock)
         self.overdue = False  # not reported within the wait deadline
 
 
@@ -96,16 +97,19 @@ class Ledger:
         return bool(self._jobs or self._batches)
 
     def submit(self, handle: TierHandle, keys: list[BlockKey], slots: list[int], rows: np.ndarray,
-               promotion: bool, request: RequestContext | None, tier_keys: list[BlockKey] | None = None) -> None:
+               promotion: bool, request: RequestContext | None, tier_keys: list[BlockKey] | None = None,
+               queued: float = 0.0) -> None:
         """Register a job of ``handle``'s tier moving ``keys`` (rows ``slots``, also as the array
         ``rows`` the tier gets) and hand it over; the tier gets ``tier_keys`` (default ``keys``).
+        ``queued``: a promotion's batch clock (0: now), for ``promotion_wait_seconds``.
 
         If the tier refuses it, the job is unregistered and what its completion would have
         released is released now: a promotion's reserved rows are freed, a cascade's pins dropped.
         """
         job_id = self._next_id
         self._next_id = job_id + 1
-        job = self._jobs[job_id] = _Job(job_id, handle, promotion, keys, slots, perf_counter())
+        now = perf_counter()
+        job = self._jobs[job_id] = _Job(job_id, handle, promotion, keys, slots, now, queued or now)
         self._unchecked.append(job)
         telemetry = handle.telemetry
         if promotion:
@@ -173,7 +177,8 @@ class Ledger:
         batches, self._batches = self._batches, {}
         self._last = None
         for (handle, _), batch in batches.items():
-            self.submit(handle, batch.keys, batch.slots, np.asarray(batch.slots, dtype=np.int64), True, batch.request)
+            self.submit(handle, batch.keys, batch.slots, np.asarray(batch.slots, dtype=np.int64), True, batch.request,
+                        queued=batch.started)
 
     def drop_promotions(self) -> None:
         """Forget the promotions not submitted yet (their rows are the caller's to release)."""
@@ -204,7 +209,8 @@ class Ledger:
         if job.overdue:
             self._tiers.job_overdue(handle, False)
         telemetry, counters = handle.telemetry, self._counters
-        seconds = result.seconds if result.seconds > 0 else perf_counter() - job.submitted
+        now = perf_counter()
+        seconds = result.seconds if result.seconds > 0 else now - job.submitted
         if not job.is_promotion:
             telemetry.stores_in_flight -= 1
             self._primary.unpin_slots(job.keys, job.slots)
@@ -221,6 +227,7 @@ class Ledger:
                 handle.admission.finished(result, seconds)
             return
         telemetry.loads_in_flight -= 1
+        telemetry.promotion_wait_seconds.pending.append(now - job.queued)
         if result.successful_keys is None:  # all or nothing
             ok, failed = (job.keys, []) if result.success else ([], job.keys)
         else:

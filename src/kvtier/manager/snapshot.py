@@ -118,6 +118,7 @@ def cpu_snapshot(primary: PrimaryTier, telemetry: TierTelemetry, answers: tuple[
         lookups=LookupCounts(hit=ps.hits, hit_pending=ps.hits_pending, miss=ps.misses),
         lookup_seconds=telemetry.lookup_seconds.snapshot(),
         lookup_async_seconds=telemetry.lookup_async_seconds.snapshot(),
+        promotion_wait_seconds=telemetry.promotion_wait_seconds.snapshot(),
         written=TransferTotals(blocks=ps.blocks_stored, bytes=ps.blocks_stored * primary.block_bytes),
         read=TransferTotals(**asdict(telemetry.read)),
         failures={
@@ -180,6 +181,7 @@ def tier_snapshot(handle: TierHandle, reading: TierReading) -> TierSnapshot:
         ),
         lookup_seconds=telemetry.lookup_seconds.snapshot(),
         lookup_async_seconds=telemetry.lookup_async_seconds.snapshot(),
+        promotion_wait_seconds=telemetry.promotion_wait_seconds.snapshot(),
         written=TransferTotals(**asdict(telemetry.written)),
         read=TransferTotals(**asdict(telemetry.read)),
         failures=failures,

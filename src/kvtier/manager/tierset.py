@@ -239,12 +239,14 @@ class TierSet:
         return any(handle.call("has_pending_work", default=True) for handle in self.live)
 
     def end_step(self) -> None:
-        """Step end: the tiers that want ``on_schedule_end`` get it; lookup times are folded."""
+        """Step end: the tiers that want ``on_schedule_end`` get it; latencies are folded."""
         if self._step_end:
             self.broadcast("on_schedule_end", among=self._step_end)
         for telemetry in self.telemetry:
-            if len(telemetry.lookup_seconds.pending) >= telemetry.lookup_seconds.FOLD_AT:
-                telemetry.lookup_seconds.fold()
+            for histogram in (telemetry.lookup_seconds, telemetry.lookup_async_seconds,
+                              telemetry.promotion_wait_seconds):  # fmt: skip
+                if len(histogram.pending) >= histogram.FOLD_AT:
+                    histogram.fold()
 
     def forget_retries(self) -> None:
         for handle in self.handles:

@@ -37,7 +37,12 @@ from vllm.v1.kv_offload.base import (
 
 from kvtier.manager import TieringManager
 from kvtier.metrics import HEALTH_STATES
-from kvtier.telemetry import ASYNC_LOOKUP_SECONDS_BUCKETS, LOOKUP_SECONDS_BUCKETS, ManagerSnapshot
+from kvtier.telemetry import (
+    ASYNC_LOOKUP_SECONDS_BUCKETS,
+    LOOKUP_SECONDS_BUCKETS,
+    PROMOTION_WAIT_SECONDS_BUCKETS,
+    ManagerSnapshot,
+)
 
 PREFIX = "vllm:kvtier_"
 
@@ -71,6 +76,10 @@ _HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
     "lookup_seconds": ("Scheduler-side time of one tier's lookup call.", LOOKUP_SECONDS_BUCKETS),
     "lookup_async_seconds": (
         "From a tier's first RETRY for a block until it answered HIT or MISS.", ASYNC_LOOKUP_SECONDS_BUCKETS,
+    ),
+    "promotion_wait_seconds": (
+        "A promotion job from this tier, from the lookup that queued it until kvtier found it reported.",
+        PROMOTION_WAIT_SECONDS_BUCKETS,
     ),
 }  # fmt: skip
 
@@ -163,6 +172,7 @@ class VllmStatsReporter:
         for telemetry in manager.telemetry:
             telemetry.lookup_seconds.keep_samples(sample_limit)
             telemetry.lookup_async_seconds.keep_samples(sample_limit)
+            telemetry.promotion_wait_seconds.keep_samples(sample_limit)
 
     def report(self, *, force: bool = False) -> OffloadingConnectorStats | None:
         """The stats to hand to vLLM now, or None when it is not time yet (or nothing changed)."""
@@ -189,7 +199,8 @@ class VllmStatsReporter:
             stats.set_gauge(name, value, labels)
         for tier, telemetry in zip(snap.tiers, self.manager.telemetry, strict=False):
             for name, hist in (("lookup_seconds", telemetry.lookup_seconds),
-                               ("lookup_async_seconds", telemetry.lookup_async_seconds)):
+                               ("lookup_async_seconds", telemetry.lookup_async_seconds),
+                               ("promotion_wait_seconds", telemetry.promotion_wait_seconds)):
                 for sample in hist.take_samples():
                     stats.observe_histogram(PREFIX + name, sample, (tier.label,))
         return None if stats.is_empty() else stats
