@@ -181,6 +181,12 @@ class TierTelemetry:
         self.admitted_blocks = 0  # stored blocks the tier's cascade admission took (secondary tiers)
         self.declined_blocks = 0  # ... and declined (backpressure or a learned admission)
 
+    def fold_full(self) -> None:
+        """Fold each latency histogram holding at least ``FOLD_AT`` pending observations (step end)."""
+        for histogram in (self.lookup_seconds, self.lookup_async_seconds, self.promotion_wait_seconds):
+            if len(histogram.pending) >= histogram.FOLD_AT:
+                histogram.fold()
+
     def fail(self, kind: str, count: int = 1, error: str | None = None) -> int:
         """Count ``count`` failures of ``kind`` (``error``: the tier's words, kept as ``last_error``);
         returns how many of ``kind`` there have been."""

@@ -150,11 +150,27 @@ def test_a_server_serves_hits_from_cpu_and_fs_tiers(
     assert metric(after, "vllm:kvtier_failures_total", tier="1:fs", kind="promotion_job_failed") == 0
     assert ("vllm:kvtier_tier_extra_counter_total", (("name", "io_errors"), ("tier", "1:fs"))) in after
     assert metric(after, "vllm:kvtier_tier_extra_counter_total", tier="1:fs", name="io_errors") == 0
+    # What the fs hit waited for its blocks (lookup to loadable), and the fs tier's read in it.
+    waits = metric(after, "vllm:kvtier_promotion_wait_seconds_count", tier="1:fs")
+    wait_s = metric(after, "vllm:kvtier_promotion_wait_seconds_sum", tier="1:fs")
+    read_s = metric(after, "vllm:kvtier_transfer_seconds_total", tier="1:fs", direction="read")
+    assert waits >= 1 and wait_s >= read_s > 0, (waits, wait_s, read_s)
+    assert metric(after, "vllm:kvtier_promotion_wait_seconds_count", tier="0:primary") == 0
     assert device_hit.token_ids == cold[2].token_ids
+    RESULTS.update(fs_hit_wait=(waits, wait_s, read_s))
     RESULTS.update(
         prompts=prompts, cold=[c.token_ids for c in cold], cold_ttft=[c.ttft for c in cold],
         device_ttft=device_hit.ttft, cpu_hit_ttft=cpu_hit.ttft, fs_hit_ttft=fs_hit.ttft,
     )  # fmt: skip
+
+
+def _wait_of(samples: Any) -> tuple[float, float, float]:
+    """The fs tier's promotion jobs so far: (jobs, seconds waited from lookup to loadable, seconds reading)."""
+    return (
+        metric(samples, "vllm:kvtier_promotion_wait_seconds_count", tier="1:fs"),
+        metric(samples, "vllm:kvtier_promotion_wait_seconds_sum", tier="1:fs"),
+        metric(samples, "vllm:kvtier_transfer_seconds_total", tier="1:fs", direction="read"),
+    )
 
 
 def test_b_restart_serves_from_fs_and_engine_kill_leaves_nothing(
@@ -179,8 +195,9 @@ def test_b_restart_serves_from_fs_and_engine_kill_leaves_nothing(
             samples = server.metrics()
             hits = metric(samples, "vllm:kvtier_lookups_total", tier="1:fs", result="hit")
             promoted = metric(samples, "vllm:kvtier_promotions_total", result="succeeded")
+            waited = metric(samples, "vllm:kvtier_promotion_wait_seconds_count", tier="1:fs")
             blocks = PROMPT_TOKENS // BLOCK
-            return samples if hits >= blocks and promoted >= blocks else None
+            return samples if hits >= blocks and promoted >= blocks and waited >= 1 else None
 
         samples = wait_for(fs_hits_reported, 30, "fs hits and promotions in /metrics")
         # Where the first request's time went, on the same server: the floor (the same prompt
@@ -206,6 +223,9 @@ def test_b_restart_serves_from_fs_and_engine_kill_leaves_nothing(
     read_ms = metric(after, "vllm:kvtier_transfer_seconds_total", tier="1:fs", direction="read") * 1000
     retries = metric(after, "vllm:kvtier_lookups_total", tier="1:fs", result="retry")
     scan_ms = metric(after, "vllm:kvtier_tier_extra_gauge", tier="1:fs", name="scan_seconds") * 1000
+    # the promotion waits: the first request's job (in ``samples``), then the second's
+    first_wait = _wait_of(samples)
+    second_wait = tuple(b - a for a, b in zip(first_wait, _wait_of(after), strict=True))
     floor, cold_ttft = RESULTS["device_ttft"], statistics.median(RESULTS["cold_ttft"])
     rows = [  # (what, TTFT, the device floor of the same server)
         ("cold (recompute, median of 3)", cold_ttft, floor), ("device prefix cache (floor)", floor, floor),
@@ -229,6 +249,11 @@ def test_b_restart_serves_from_fs_and_engine_kill_leaves_nothing(
         f"restarted server: fs scan {scan_ms:.1f} ms, {retries:.0f} fs lookups answered RETRY, "
         f"{fs_reads:.0f} fs read jobs took {read_ms:.1f} ms in all"
     )
+    for what, (jobs, wait_s, read_s) in (("fs hit", RESULTS["fs_hit_wait"]), ("restarted: first prefix", first_wait),
+                                          ("restarted: second", second_wait)):  # fmt: skip
+        print(f"{what}: {jobs:.0f} promotion job(s) waited {wait_s * 1000:.1f} ms from lookup to loadable, "
+              f"the fs tier's reads {read_s * 1000:.1f} ms of it")
+
     # No TTFT assertion here: timings on this shared host measure its load (a comparison of a fresh
     # server's first request with a warmed server's failed a CI run at 215 vs 140 ms); that the
     # prefix was served from the fs tier is asserted above (its cached tokens, the fs hits and

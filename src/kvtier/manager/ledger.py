@@ -1,16 +1,13 @@
 """The manager's tier jobs: this step's promotions waiting for submission, and the jobs in flight.
 
-A promotion (tier -> CPU load) is queued when a lookup finds its key in a
-secondary tier, its CPU row already reserved; at step end the queue becomes one
-load job per (tier, request). A cascade (CPU -> tier store) is submitted at
-once, one job per tier, its rows pinned once per tier by the caller. Every job
-goes through :meth:`Ledger.submit`, whose one unwind path undoes what a refused
-job would have released on completion. :meth:`Ledger.poll` collects the tiers'
-reports; :meth:`Ledger.finish` makes loaded blocks readable (or frees their rows, and
-the tier may not promise them for a while: :mod:`kvtier.manager.waits`) and releases the
-pins of cascades. A job not reported within the wait deadline is overdue
-(:meth:`Ledger.mark_overdue`): its tier gets no lookup and no cascade until it is; its rows
-stay reserved or pinned, since the tier may still be using them.
+A promotion (tier -> CPU load) is queued when a lookup finds its key in a secondary tier, its CPU row already
+reserved; at step end the queue becomes one load job per (tier, request). A cascade (CPU -> tier store) is submitted
+at once, one job per tier, its rows pinned once per tier by the caller. Every job goes through :meth:`Ledger.submit`,
+whose one unwind path undoes what a refused job would have released on completion. :meth:`Ledger.poll` collects the
+tiers' reports; :meth:`Ledger.finish` makes loaded blocks readable (or frees their rows, and the tier may not promise
+them for a while: :mod:`kvtier.manager.waits`) and releases the pins of cascades. A job not reported within the wait
+deadline is overdue (:meth:`Ledger.mark_overdue`): its tier gets no lookup and no cascade until it is; its rows stay
+reserved or pinned, since the tier may still be using them.
 
 Scheduler thread only; :meth:`Ledger.drain` blocks while the tiers drain.
 """
@@ -83,9 +80,8 @@ class Ledger:
         waits.writer = self._promoting_into
         self._next_id = 1
         self._batches: dict[tuple[TierHandle, str | None], _Batch] = {}
-        # The last promotion's (handle, request object, batch): the next one of the same request
-        # from the same tier (a prefix scan's run) skips the batch lookup. Valid until the
-        # step's promotions are submitted or dropped.
+        # The last promotion's (handle, request object, batch): the next one of the same request from the
+        # same tier (a prefix scan's run) skips the batch lookup. Valid until the step's promotions are sent or dropped.
         self._last: tuple[TierHandle, RequestContext | None, _Batch] | None = None
 
     def __len__(self) -> int:
@@ -96,20 +92,18 @@ class Ledger:
         """A job is in flight or a promotion waits for step end."""
         return bool(self._jobs or self._batches)
 
-    def submit(self, handle: TierHandle, keys: list[BlockKey], slots: list[int], rows: np.ndarray,
-               promotion: bool, request: RequestContext | None, tier_keys: list[BlockKey] | None = None,
-               queued: float = 0.0) -> None:
+    def submit(self, handle: TierHandle, keys: list[BlockKey], slots: list[int], rows: np.ndarray, promotion: bool,
+               request: RequestContext | None, tier_keys: list[BlockKey] | None = None, queued: float = 0.0) -> None:
         """Register a job of ``handle``'s tier moving ``keys`` (rows ``slots``, also as the array
-        ``rows`` the tier gets) and hand it over; the tier gets ``tier_keys`` (default ``keys``).
-        ``queued``: a promotion's batch clock (0: now), for ``promotion_wait_seconds``.
+        ``rows`` the tier gets) and hand it over; the tier gets ``tier_keys`` (default ``keys``);
+        ``queued``: a promotion's batch clock (0: now).
 
         If the tier refuses it, the job is unregistered and what its completion would have
         released is released now: a promotion's reserved rows are freed, a cascade's pins dropped.
         """
         job_id = self._next_id
         self._next_id = job_id + 1
-        now = perf_counter()
-        job = self._jobs[job_id] = _Job(job_id, handle, promotion, keys, slots, now, queued or now)
+        job = self._jobs[job_id] = _Job(job_id, handle, promotion, keys, slots, now := perf_counter(), queued or now)
         self._unchecked.append(job)
         telemetry = handle.telemetry
         if promotion:
@@ -209,8 +203,7 @@ class Ledger:
         if job.overdue:
             self._tiers.job_overdue(handle, False)
         telemetry, counters = handle.telemetry, self._counters
-        now = perf_counter()
-        seconds = result.seconds if result.seconds > 0 else now - job.submitted
+        seconds = result.seconds if result.seconds > 0 else perf_counter() - job.submitted
         if not job.is_promotion:
             telemetry.stores_in_flight -= 1
             self._primary.unpin_slots(job.keys, job.slots)
@@ -227,7 +220,7 @@ class Ledger:
                 handle.admission.finished(result, seconds)
             return
         telemetry.loads_in_flight -= 1
-        telemetry.promotion_wait_seconds.pending.append(now - job.queued)
+        telemetry.promotion_wait_seconds.pending.append(perf_counter() - job.queued)
         if result.successful_keys is None:  # all or nothing
             ok, failed = (job.keys, []) if result.success else ([], job.keys)
         else:

@@ -243,10 +243,7 @@ class TierSet:
         if self._step_end:
             self.broadcast("on_schedule_end", among=self._step_end)
         for telemetry in self.telemetry:
-            for histogram in (telemetry.lookup_seconds, telemetry.lookup_async_seconds,
-                              telemetry.promotion_wait_seconds):  # fmt: skip
-                if len(histogram.pending) >= histogram.FOLD_AT:
-                    histogram.fold()
+            telemetry.fold_full()
 
     def forget_retries(self) -> None:
         for handle in self.handles:
