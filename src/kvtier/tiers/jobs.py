@@ -179,7 +179,9 @@ class WorkQueue:
         Waits up to ``timeout`` seconds; None on timeout or once closed.
         """
         with self._lock:
-            cond = self._waiters.setdefault(lanes, threading.Condition(self._lock))
+            cond = self._waiters.get(lanes)
+            if cond is None:  # (not setdefault: that would build a Condition on every call)
+                cond = self._waiters[lanes] = threading.Condition(self._lock)
             for attempt in range(2):
                 if self._closed:
                     return None
