@@ -164,12 +164,14 @@ def test_a_server_serves_hits_from_cpu_and_fs_tiers(
     )  # fmt: skip
 
 
-def _wait_of(samples: Any) -> tuple[float, float, float]:
-    """The fs tier's promotion jobs so far: (jobs, seconds waited from lookup to loadable, seconds reading)."""
+def _wait_of(samples: Any) -> tuple[float, float, float, float]:
+    """The fs tier's promotion jobs so far: (jobs, seconds waited from lookup to loadable, seconds
+    reading), and the worker's CPU -> device loads as vLLM's connector times them (every label)."""
     return (
         metric(samples, "vllm:kvtier_promotion_wait_seconds_count", tier="1:fs"),
         metric(samples, "vllm:kvtier_promotion_wait_seconds_sum", tier="1:fs"),
         metric(samples, "vllm:kvtier_transfer_seconds_total", tier="1:fs", direction="read"),
+        sum(value for (name, _), value in samples.items() if name == "vllm:kv_offload_load_time_total"),
     )
 
 
@@ -249,10 +251,12 @@ def test_b_restart_serves_from_fs_and_engine_kill_leaves_nothing(
         f"restarted server: fs scan {scan_ms:.1f} ms, {retries:.0f} fs lookups answered RETRY, "
         f"{fs_reads:.0f} fs read jobs took {read_ms:.1f} ms in all"
     )
-    for what, (jobs, wait_s, read_s) in (("fs hit", RESULTS["fs_hit_wait"]), ("restarted: first prefix", first_wait),
-                                          ("restarted: second", second_wait)):  # fmt: skip
+    for what, (jobs, wait_s, read_s, *device) in (("fs hit", RESULTS["fs_hit_wait"]),
+                                                   ("restarted: first prefix", first_wait),
+                                                   ("restarted: second", second_wait)):  # fmt: skip
+        loads = f"; the worker's loads to the device {device[0] * 1000:.1f} ms" if device else ""
         print(f"{what}: {jobs:.0f} promotion job(s) waited {wait_s * 1000:.1f} ms from lookup to loadable, "
-              f"the fs tier's reads {read_s * 1000:.1f} ms of it")
+              f"the fs tier's reads {read_s * 1000:.1f} ms of it{loads}")
 
     # No TTFT assertion here: timings on this shared host measure its load (a comparison of a fresh
     # server's first request with a warmed server's failed a CI run at 215 vs 140 ms); that the
