@@ -21,6 +21,7 @@ from kvtier.telemetry import (
     LatencyHistogram,
     ManagerSnapshot,
     TierSnapshot,
+    TierTelemetry,
 )
 from kvtier.tiers.base import ExtraMetric, TierContext
 from kvtier.tiers.registry import register_tier
@@ -200,6 +201,53 @@ def test_promotion_wait_is_one_observation_per_job_from_its_queue_to_the_poll(mg
     assert got[("kvtier_promotion_wait_seconds_bucket", (("le", "0.1"), ("tier", "1:counting")))] == (
         1 if wait.sum <= 0.1 else 0
     )
+
+
+def test_a_promotion_reported_after_it_became_overdue_is_no_wait(namespace: Namespace, private_shm: Path) -> None:
+    """Regression (review, 2026-12-04): past the wait deadline the lookups answer MISS and the engine
+    recomputes; the job's late report is no request's wait (it counts ``job_overdue``)."""
+    manager = TieringManager.create(namespace=namespace, num_cpu_blocks=16, shm_dir=private_shm,
+                                    tiers=[{"type": "scripted", "name": "a"}], wait_timeout=0.05)  # fmt: skip
+    try:
+        (a,) = manager.tiers
+        assert isinstance(a, ScriptedTier)
+        a.auto_complete = False
+        req = RequestContext("r")
+        late, in_time = keys(2, seed=9)
+        a.data[late] = a.data[in_time] = bytes(manager.block_bytes)
+        assert manager.lookup(late, req) is HIT_PENDING
+        manager.on_schedule_end()
+        time.sleep(0.1)
+        assert manager.lookup(late, req) is MISS, "waited past the deadline"
+        manager.on_schedule_end()
+        a.complete_all()
+        assert manager.lookup(in_time, req) is HIT_PENDING  # this step's poll reports the late job
+        manager.on_schedule_end()
+        a.complete_all()
+        assert manager.lookup(in_time, req) is HIT
+        tier = manager.stats().tier("1:scripted")
+        assert tier.failures.get("job_overdue") == 1
+        assert tier.read.jobs == 2 and tier.promotion_wait_seconds.count == 1, tier.promotion_wait_seconds
+        assert tier.promotion_wait_seconds.sum < 0.1
+    finally:
+        manager.shutdown()
+
+
+def test_step_end_folds_a_full_histogram_of_every_kind() -> None:
+    """Pending observations are folded at step end once FOLD_AT are pending, whatever histogram holds
+    them, so a manager whose stats are never read keeps no growing list."""
+    telemetry = TierTelemetry()
+    histograms = (telemetry.lookup_seconds, telemetry.lookup_async_seconds, telemetry.promotion_wait_seconds)
+    for histogram in histograms:
+        histogram.pending.extend([0.001] * (LatencyHistogram.FOLD_AT - 1))
+    telemetry.fold_full()
+    assert [len(h.pending) for h in histograms] == [LatencyHistogram.FOLD_AT - 1] * 3
+    assert [h.count for h in histograms] == [0, 0, 0]
+    for histogram in histograms:
+        histogram.pending.append(0.001)
+    telemetry.fold_full()
+    assert [len(h.pending) for h in histograms] == [0, 0, 0]
+    assert [h.count for h in histograms] == [LatencyHistogram.FOLD_AT] * 3
 
 
 def test_job_failures_by_kind_and_active_jobs(mgr: TieringManager) -> None:

@@ -170,7 +170,9 @@ class TierTelemetry:
         (the poll of the step after it ended): seconds since its first block was queued (the
         lookup that started it). The request waited that long for the blocks to be loadable:
         the step end that submits the job, the tier's read (``read.seconds``), and the time
-        until the next step's poll."""
+        until the next step's poll. Not observed: a job the tier refused, and one reported after
+        it became overdue (its blocks were answered MISS by then, counted ``job_overdue``). A
+        tier's RETRYs before the promotion are ``lookup_async_seconds``."""
         self.written = TransferCounter()
         self.read = TransferCounter()
         self.failures: dict[str, int] = {}
@@ -182,10 +184,15 @@ class TierTelemetry:
         self.declined_blocks = 0  # ... and declined (backpressure or a learned admission)
 
     def fold_full(self) -> None:
-        """Fold each latency histogram holding at least ``FOLD_AT`` pending observations (step end)."""
-        for histogram in (self.lookup_seconds, self.lookup_async_seconds, self.promotion_wait_seconds):
-            if len(histogram.pending) >= histogram.FOLD_AT:
-                histogram.fold()
+        """Fold each latency histogram holding at least ``FOLD_AT`` pending observations (step end:
+        written out, for a step's cost)."""
+        at = LatencyHistogram.FOLD_AT
+        if len(self.lookup_seconds.pending) >= at:
+            self.lookup_seconds.fold()
+        if len(self.lookup_async_seconds.pending) >= at:
+            self.lookup_async_seconds.fold()
+        if len(self.promotion_wait_seconds.pending) >= at:
+            self.promotion_wait_seconds.fold()
 
     def fail(self, kind: str, count: int = 1, error: str | None = None) -> int:
         """Count ``count`` failures of ``kind`` (``error``: the tier's words, kept as ``last_error``);

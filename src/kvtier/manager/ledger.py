@@ -220,12 +220,12 @@ class Ledger:
                 handle.admission.finished(result, seconds)
             return
         telemetry.loads_in_flight -= 1
-        telemetry.promotion_wait_seconds.pending.append(perf_counter() - job.queued)
+        if not job.overdue:  # (an overdue job's blocks were answered MISS: no request waited for it)
+            telemetry.promotion_wait_seconds.pending.append(perf_counter() - job.queued)
         if result.successful_keys is None:  # all or nothing
             ok, failed = (job.keys, []) if result.success else ([], job.keys)
         else:
-            ok = result.succeeded(job.keys)
-            ok_set = set(ok)
+            ok_set = set(ok := result.succeeded(job.keys))
             failed = [k for k in job.keys if k not in ok_set]
         if ok:
             self._primary.complete_write(ok, True)

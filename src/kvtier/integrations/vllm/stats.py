@@ -96,7 +96,7 @@ METRICS: dict[str, OffloadingMetricMetadata] = {
 _Key = tuple[str, tuple[str, ...]]
 
 DEFAULT_SAMPLE_LIMIT = 50_000
-"""Lookup latencies kept per tier and histogram between two reports (beyond: counted in kvtier's
+"""Latencies (lookups, promotion waits) kept per tier and histogram between two reports (beyond: counted in kvtier's
 own histograms, not sent to vLLM)."""
 
 
