@@ -57,6 +57,17 @@ register_tier("scripted", "tier_doubles:ScriptedTier")
 register_tier("counting", "test_telemetry:_CountingTier")
 
 
+def _exported(snap: ManagerSnapshot) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample kvtier's Prometheus exporter renders for ``snap``: {(name, sorted labels): value}."""
+    metrics = KvtierMetrics()
+    metrics.update(snap)
+    got = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            got[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return got
+
+
 def keys(n: int, seed: int = 0) -> list[bytes]:
     return prefix_keys(np.arange(n * 4) + seed * 100_000, 4)
 
@@ -189,12 +200,7 @@ def test_promotion_wait_is_one_observation_per_job_from_its_queue_to_the_poll(mg
     assert snap.tier("2:scripted").promotion_wait_seconds.count == 0 and snap.cpu.promotion_wait_seconds.count == 0
     again = ManagerSnapshot.from_dict(json.loads(json.dumps(snap.as_dict())))
     assert again.tier("1:counting").promotion_wait_seconds == wait
-    metrics = KvtierMetrics()
-    metrics.update(snap)
-    got = {}
-    for family in text_string_to_metric_families(metrics.render().decode()):
-        for sample in family.samples:
-            got[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    got = _exported(snap)
     assert got[("kvtier_promotion_wait_seconds_count", (("tier", "1:counting"),))] == 1
     assert got[("kvtier_promotion_wait_seconds_sum", (("tier", "1:counting"),))] == pytest.approx(wait.sum)
     assert got[("kvtier_promotion_wait_seconds_bucket", (("le", "0.05"), ("tier", "1:counting")))] == 0
@@ -307,12 +313,7 @@ def test_tier_declared_extra_metrics_reach_prometheus(mgr: TieringManager) -> No
     a.stats.extra.update(widgets=7.0, temperature=41.5, undeclared=3.0)
     snap = mgr.stats()
     assert snap.tier("1:counting").extra_kinds == {"widgets": "counter", "temperature": "gauge", "undeclared": "gauge"}
-    metrics = KvtierMetrics()
-    metrics.update(snap)
-    got = {}
-    for family in text_string_to_metric_families(metrics.render().decode()):
-        for s in family.samples:
-            got[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    got = _exported(snap)
     assert got[("kvtier_tier_extra_counter_total", (("name", "widgets"), ("tier", "1:counting")))] == 7.0
     assert got[("kvtier_tier_extra_gauge", (("name", "temperature"), ("tier", "1:counting")))] == 41.5
     assert got[("kvtier_tier_extra_gauge", (("name", "undeclared"), ("tier", "1:counting")))] == 3.0
