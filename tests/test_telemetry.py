@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 import tier_doubles
 from kvtier import LookupResult, Namespace, RequestContext, TieringManager, prefix_keys
@@ -26,6 +25,7 @@ from kvtier.telemetry import (
 from kvtier.tiers.base import ExtraMetric, TierContext
 from kvtier.tiers.registry import register_tier
 from kvtier.types import PRIMARY_LABEL, tier_label
+from test_metrics import samples
 from tier_doubles import ScriptedTier
 
 HIT, HIT_PENDING, RETRY, MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY, LookupResult.MISS
@@ -61,11 +61,7 @@ def _exported(snap: ManagerSnapshot) -> dict[tuple[str, tuple[tuple[str, str], .
     """Every sample kvtier's Prometheus exporter renders for ``snap``: {(name, sorted labels): value}."""
     metrics = KvtierMetrics()
     metrics.update(snap)
-    got = {}
-    for family in text_string_to_metric_families(metrics.render().decode()):
-        for sample in family.samples:
-            got[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return got
+    return samples(metrics)
 
 
 def keys(n: int, seed: int = 0) -> list[bytes]:

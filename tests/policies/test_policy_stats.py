@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
 from test_return_time import returning_conversations, run_workload
 
 from kvtier.keys import KVGeometry, Namespace, chain_ids
@@ -13,6 +12,7 @@ from kvtier.metrics import KvtierMetrics
 from kvtier.policies import LRUPolicy, ReturnTimePolicy
 from kvtier.telemetry import ManagerSnapshot, PolicySnapshot
 from kvtier.types import RequestContext
+from test_metrics import samples
 
 
 def test_return_time_reports_its_guard() -> None:
@@ -54,11 +54,7 @@ def test_the_snapshot_and_the_metrics_carry_the_policy_state(private_shm: Path) 
     assert ManagerSnapshot.from_dict(snapshot.as_dict()).cpu.policy == policy, "the dict form keeps it"
     metrics = KvtierMetrics()
     metrics.update(snapshot)
-    found = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(metrics.render().decode())
-        for s in family.samples
-    }
+    found = samples(metrics)
     labels = (("policy", "return-time"), ("tier", "0:primary"))
     states = {state: found[("kvtier_policy_state", (*labels[:1], ("state", state), labels[1]))]
               for state in ("learning", "ahead", "fallen_back")}  # fmt: skip

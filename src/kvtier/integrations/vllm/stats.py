@@ -96,8 +96,8 @@ METRICS: dict[str, OffloadingMetricMetadata] = {
 _Key = tuple[str, tuple[str, ...]]
 
 DEFAULT_SAMPLE_LIMIT = 50_000
-"""Latencies (lookups, promotion waits) kept per tier and histogram between two reports (beyond: counted in kvtier's
-own histograms, not sent to vLLM)."""
+"""Latencies (lookups, promotion waits) kept per tier and histogram between two reports (beyond:
+counted in kvtier's own histograms, not sent to vLLM)."""
 
 
 def _flatten(snap: ManagerSnapshot) -> tuple[dict[_Key, float], dict[_Key, float]]:
@@ -170,9 +170,8 @@ class VllmStatsReporter:
         self._flushed_idle = False
         self._last: dict[_Key, float] = {}
         for telemetry in manager.telemetry:
-            telemetry.lookup_seconds.keep_samples(sample_limit)
-            telemetry.lookup_async_seconds.keep_samples(sample_limit)
-            telemetry.promotion_wait_seconds.keep_samples(sample_limit)
+            for name in _HISTOGRAMS:  # each is the TierTelemetry attribute of that name
+                getattr(telemetry, name).keep_samples(sample_limit)
 
     def report(self, *, force: bool = False) -> OffloadingConnectorStats | None:
         """The stats to hand to vLLM now, or None when it is not time yet (or nothing changed)."""
@@ -198,10 +197,8 @@ class VllmStatsReporter:
         for (name, labels), value in gauges.items():
             stats.set_gauge(name, value, labels)
         for tier, telemetry in zip(snap.tiers, self.manager.telemetry, strict=False):
-            for name, hist in (("lookup_seconds", telemetry.lookup_seconds),
-                               ("lookup_async_seconds", telemetry.lookup_async_seconds),
-                               ("promotion_wait_seconds", telemetry.promotion_wait_seconds)):
-                for sample in hist.take_samples():
+            for name in _HISTOGRAMS:
+                for sample in getattr(telemetry, name).take_samples():
                     stats.observe_histogram(PREFIX + name, sample, (tier.label,))
         return None if stats.is_empty() else stats
 
