@@ -34,6 +34,10 @@ CALLS: list[tuple[str, Callable[[TieringManager], Any], str]] = [
     ("lookup_prefix, request a str", lambda m: m.lookup_prefix([KEY], "req"), "lookup_prefix: request must be"),
     ("complete_store, success a str", lambda m: m.complete_store([KEY], None, "False"), "success must be True or"),
     ("complete_store, success 0", lambda m: m.complete_store([KEY], None, 0), "success must be True or False"),
+    # Regression (review, 2026-12-05): "'int' object is not iterable", from deep in the call
+    ("prepare_store(5)", lambda m: m.prepare_store(5), "prepare_store: keys must be a list"),
+    ("complete_store(5.0)", lambda m: m.complete_store(5.0), "complete_store: keys must be a list"),
+    ("lookup_prefix(7)", lambda m: m.lookup_prefix(7), "lookup_prefix: keys must be a list"),
 ]
 
 
@@ -66,3 +70,13 @@ def test_the_plain_calls_still_take_any_iterable_and_a_request_subclass(mgr: Tie
     mgr.complete_store(tuple(result.keys_to_store), req, True)
     assert mgr.lookup_prefix(iter([KEY]), req).ready == 1
     mgr.on_request_finished(req)
+
+
+@pytest.mark.parametrize("req_id", [["a"], {"id": 1}, {1, 2}], ids=["list", "dict", "set"])
+def test_a_request_id_that_cannot_be_a_key_is_refused_where_the_request_is_made(req_id: Any) -> None:
+    """Regression (review, 2026-12-05): RequestContext(["a"]) was accepted, then prepare_store,
+    on_new_request and on_request_finished failed deep inside with "unhashable type: 'list'",
+    while lookup answered MISS. Ids of other hashable types stay accepted (see
+    test_request_params_untrusted)."""
+    with pytest.raises(TypeError, match=f"RequestContext.req_id must be a str.*got {type(req_id).__name__}"):
+        RequestContext(req_id)

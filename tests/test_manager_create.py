@@ -8,6 +8,7 @@ import pytest
 
 from held_pages import pages_held_under
 from kvtier import ConfigError, KVGeometry, Namespace, TieringManager
+from kvtier.errors import RegionError
 from kvtier.units import PAGE_SIZE
 
 
@@ -96,3 +97,16 @@ def test_a_wrong_argument_to_create_is_named(private_shm: Path, bad: dict[str, o
                                "num_cpu_blocks": 4, "shm_dir": str(private_shm), **bad}  # fmt: skip
     with pytest.raises(ConfigError, match=names):
         TieringManager.create(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("sweep_stale", [True, False])
+def test_an_shm_dir_that_is_a_file_is_named(private_shm: Path, tmp_path: Path, sweep_stale: bool) -> None:
+    """Regression (review, 2026-12-05): a regular file as shm_dir gave a bare NotADirectoryError
+    (from the sweep, or with a path under the file), not a kvtier error naming it."""
+    not_a_dir = tmp_path / "regular-file"
+    not_a_dir.write_bytes(b"x")
+    for shm_dir, what in ((not_a_dir, "is not a directory"), (tmp_path / "missing", "does not exist")):
+        with pytest.raises(RegionError, match=f"shared-memory directory {shm_dir} {what}: give shm_dir a directory"):
+            TieringManager.create(namespace=Namespace("shm-dir", KVGeometry.from_block_bytes(8192)), num_cpu_blocks=4,
+                                  shm_dir=str(shm_dir), sweep_stale=sweep_stale)  # fmt: skip
+    assert not_a_dir.read_bytes() == b"x" and not (tmp_path / "missing").exists()

@@ -141,3 +141,40 @@ def test_a_failed_cleanup_after_a_failed_create_logged_and_kept_pins_no_row(
     assert mapped == [], "the region is still mapped: a kept record holds the failed tier"
     (record,) = _logged(kept, "cleanup after failed construction: secondary tier #1")
     assert record.exc_info is None and "shutdown failed while reading a row" in record.getMessage()
+
+
+class _UnprintableError(Exception):
+    def __str__(self) -> str:
+        raise ValueError("str() of this error fails")
+
+
+class _UnprintablyFailing(ScriptedTier):
+    """A tier whose lookup() and usage() raise an exception that cannot be made text."""
+
+    tier_type = "unprintably-failing"
+
+    def lookup(self, key: bytes, request: RequestContext | None) -> Any:
+        raise _UnprintableError()
+
+    def usage(self) -> Any:
+        raise _UnprintableError()
+
+
+register_tier("unprintably-failing", f"{__name__}:_UnprintablyFailing")
+
+
+def test_a_tier_error_that_cannot_be_made_text_is_still_contained(
+    namespace: Namespace, private_shm: Path, kept: logging.handlers.MemoryHandler
+) -> None:
+    """Regression (review, 2026-12-05): the report of the error raised str()'s ValueError out of
+    lookup() and stats() (both promise a misbehaving tier costs its answer, never the call)."""
+    mgr = TieringManager.create(namespace=namespace, num_cpu_blocks=4, shm_dir=private_shm,
+                                tiers=[{"type": "unprintably-failing"}])  # fmt: skip
+    key = prefix_keys(np.arange(4), 4)[0]
+    assert mgr.lookup(key, RequestContext("r")).name == "MISS"
+    tier_stats = mgr.stats().tiers[1]
+    assert tier_stats.capacity_bytes is None
+    mgr.shutdown()
+    for call in ("lookup", "usage"):
+        (record,) = _logged(kept, f"raised from {call}()")
+        assert "_UnprintableError: <unprintable _UnprintableError>" in record.getMessage()

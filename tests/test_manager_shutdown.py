@@ -290,3 +290,41 @@ def test_a_shutdown_nested_in_a_running_one_on_its_thread_returns_at_once(namesp
         signal.signal(signal.SIGTERM, previous)
     assert nested and nested[0] < 1.0, nested
     assert mgr.is_shut_down and [t.shutdown_calls for t in _tiers(mgr)] == [1]
+
+
+class _Unprintable(Exception):
+    """An exception of a tier (a plugin or a client library) whose ``__str__`` is broken."""
+
+    def __str__(self) -> str:
+        raise ValueError("str() of this error fails")
+
+
+class _NotText(Exception):
+    def __str__(self) -> Any:
+        return 42  # str() raises TypeError: __str__ returned non-string
+
+
+@pytest.mark.parametrize("error", [_Unprintable(), _NotText()], ids=["str-raises", "str-not-a-str"])
+@pytest.mark.parametrize("deadline", [None, 5.0])
+def test_an_unprintable_error_from_one_tier_still_shuts_the_next_down_and_is_named(
+    namespace: Namespace, caplog: pytest.LogCaptureFixture, error: Exception, deadline: float | None
+) -> None:
+    """Regression (review, 2026-12-05): tier #1's shutdown() raised an exception whose str() fails;
+    logging it raised that ValueError out of shutdown(): tier #2 was never tried, no
+    TierShutdownError was raised, and every retry stopped at the same place."""
+    specs = [{"type": "scripted", "name": "t1", "shutdown_error": error}, {"type": "scripted", "name": "t2"}]
+    mgr = TieringManager.create(namespace=namespace, num_cpu_blocks=8, tiers=specs, shutdown_timeout=deadline)
+    _store_block(mgr, b"u" * 32, 9)
+    with caplog.at_level(logging.ERROR), pytest.raises(TierShutdownError) as caught:
+        mgr.shutdown()
+    first, second = _tiers(mgr)
+    assert second.shutdown_calls == 1, "the next tier must still be shut down"
+    assert caught.value.errors == [error]
+    name = type(error).__name__
+    assert f"tier #1 (type=scripted, class=ScriptedTier): {name}: <unprintable {name}>" in str(caught.value)
+    logged = [r.getMessage() for r in caplog.records if "Failed to shut down" in r.getMessage()]
+    assert len(logged) == 1 and "#1" in logged[0] and f"{name}: <unprintable {name}>" in logged[0]
+    assert not mgr.region.closed, "a failed tier may still use the rows: the region stays mapped"
+    first.shutdown_error = None
+    mgr.shutdown()
+    assert mgr.is_shut_down and first.shutdown_calls == 2 and second.shutdown_calls == 1

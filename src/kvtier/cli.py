@@ -51,7 +51,7 @@ from kvtier.config import (
     render_config_reference,
 )
 from kvtier.config.schema import MAX_LAYOUT_COUNT
-from kvtier.errors import ConfigError, KvtierError
+from kvtier.errors import ConfigError, KvtierError, exception_text
 from kvtier.fleet.cli import add_fleet_parser
 from kvtier.units import shown
 from kvtier.user_files import STDOUT, OutputFile, check_output, os_error_text, write_output
@@ -1442,8 +1442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.info("unexpected error", exc_info=True)
         _say_error(
             args.command,
-            f"{type(exc).__name__}: {str(exc)[:300]} (an input no check caught; run with -v for where, and please "
-            "report it)",
+            f"{type(exc).__name__}: {exception_text(exc)[:300]} (an input no check caught; run with -v for where, "
+            "and please report it)",
         )
         return 2
 

@@ -34,6 +34,16 @@ def clear_exception_frames(exc: BaseException, *, drop_traceback: bool = False) 
         pending.extend((current.__cause__, current.__context__))
 
 
+def exception_text(exc: BaseException) -> str:
+    """``str(exc)``, or ``<unprintable Type>`` when that raises (an exception class of a plugin or a
+    client library whose ``__str__`` is broken, or returns something other than a str): text for
+    a log line or another error's message, which must not fail in turn. Any thread."""
+    try:
+        return str(exc)
+    except Exception:
+        return f"<unprintable {type(exc).__name__}>"
+
+
 class KvtierError(Exception):
     """Base class of every error kvtier raises on purpose."""
 
@@ -126,7 +136,7 @@ class TierFailure:
     def __str__(self) -> str:
         return (
             f"tier #{self.index} (type={self.tier_type}, class={self.class_name}): "
-            f"{type(self.error).__name__}: {self.error}"
+            f"{type(self.error).__name__}: {exception_text(self.error)}"
         )
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import traceback
 
-from kvtier.errors import clear_exception_frames
+from kvtier.errors import clear_exception_frames, exception_text
 
 _ENDS_THREAD = (KeyboardInterrupt, SystemExit, GeneratorExit)
 
@@ -41,10 +41,14 @@ def is_native_crash(exc: BaseException) -> bool:
 
 def describe_error(exc: BaseException, limit: int = 300) -> str:
     """``Type: first line of the message`` (clients often append a multi-line debug dump);
-    for a native library's internal error, a fixed sentence instead of its text."""
+    for a native library's internal error, a fixed sentence instead of its text. Never raises:
+    an exception whose text cannot be made is ``Type: <unprintable Type>``."""
     if is_native_crash(exc):
         return "internal error of the storage client library (a crash inside it; details withheld)"
-    first = _os_error_words(exc) if isinstance(exc, OSError) else str(exc).strip().split("\n", 1)[0].strip()
+    try:
+        first = _os_error_words(exc) if isinstance(exc, OSError) else str(exc).strip().split("\n", 1)[0].strip()
+    except Exception:  # a broken __str__ (or strerror, filename) must not fail the report of the error
+        first = exception_text(exc)
     if len(first) > limit:
         first = first[: limit - 3] + "..."
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

@@ -13,12 +13,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, exception_text
 
 
 def _error_text(exc: BaseException) -> str:
     """``SyntaxError: invalid syntax (plug.py, line 3)``: the error's type and first line, at most 300 characters."""
-    text = " ".join(str(exc).split())
+    text = " ".join(exception_text(exc).split())
     return f"{type(exc).__name__}: {text}"[:300] if text else type(exc).__name__
 
 
@@ -42,7 +42,9 @@ def load_class(import_path: str, base: type, what: str, hint: str = "") -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"{what} {import_path!r}: module {module_name!r} failed to import: {exc}.{hint}") from None
+        raise ConfigError(
+            f"{what} {import_path!r}: module {module_name!r} failed to import: {exception_text(exc)}.{hint}"
+        ) from None
     except (Exception, SystemExit) as exc:  # the module's own code failed: say what, never a traceback
         raise ConfigError(
             f"{what} {import_path!r}: importing module {module_name!r} raised {_error_text(exc)}: fix the module"

@@ -137,6 +137,16 @@ def region_path(name: str, shm_dir: str | os.PathLike[str] = "/dev/shm") -> Path
     return Path(shm_dir) / file_name
 
 
+def check_shm_dir(shm_dir: str | os.PathLike[str]) -> None:
+    """RegionError unless ``shm_dir`` is a directory (a link to one is fine: the region's own file
+    is never followed), naming what it is instead: missing, or a file of another kind."""
+    path = Path(shm_dir)
+    if not path.is_dir():
+        what = "is not a directory" if os.path.lexists(path) else "does not exist"
+        raise RegionError(f"shared-memory directory {path} {what}: give shm_dir a directory on a tmpfs "
+                          "(the default /dev/shm)")  # fmt: skip
+
+
 def _release_dropped(fd_box: list[int], path: Path, name: str) -> None:
     """The finalizer of a :class:`SharedRegion` collected without :meth:`~SharedRegion.close`:
     close its descriptor, so the tmpfs pages go with the last mapping (a numpy view still
@@ -470,8 +480,7 @@ class SharedRegion:
 
     def _create(self, prefault: bool) -> bool:
         """Build a complete file and link it at the path; False if another creator won the name."""
-        if not self.path.parent.is_dir():
-            raise RegionError(f"shared-memory directory {self.path.parent} does not exist")
+        check_shm_dir(self.path.parent)
         self._check_space()
         tmp_path: Path | None = None
         with _FORK_GUARD:  # (recorded as soon as opened: see _drop_inherited)

@@ -136,6 +136,15 @@ class RequestContext:
     params: dict[str, Any] = field(default_factory=dict)
     control: RequestControl | None = None
 
+    def __post_init__(self) -> None:
+        # The manager keeps per-request state by req_id: an unhashable one would fail deep inside
+        # a later call. (Other hashable ids are tolerated, as engines' ids have been.)
+        try:
+            hash(self.req_id)
+        except Exception:
+            raise TypeError(f"RequestContext.req_id must be a str (the engine's request id), got "
+                            f"{type(self.req_id).__name__}, which cannot be a key") from None
+
 
 @dataclass(frozen=True, init=False)
 class BlockEvent:

@@ -24,7 +24,7 @@ from kvtier.manager.blocking import BlockingCalls
 from kvtier.manager.waits import FAILED_LOAD_SECONDS_RANGE, WAIT_TIMEOUT_RANGE
 from kvtier.policies import resolve_policy
 from kvtier.primary import PrimaryTier
-from kvtier.region import SharedRegion, region_path
+from kvtier.region import SharedRegion, check_shm_dir, region_path
 from kvtier.tiers.base import SecondaryTier, TierContext
 from kvtier.tiers.registry import create_tier, validate_tier_options
 from kvtier.types import RequestContext
@@ -49,7 +49,7 @@ def check_shutdown_timeout(timeout: float | None, name: str = "shutdown_timeout"
 def bad_call(call: str, keys: Any, request: Any, success: Any, needed: bool = False) -> TypeError | None:
     """What is wrong with the arguments of the manager's ``call`` (the keys as a whole, the
     request, which may be None unless ``needed``, ``success``; each key is checked apart), or None."""
-    if keys is None or isinstance(keys, bytes | bytearray | memoryview | str):
+    if keys is None or isinstance(keys, bytes | bytearray | memoryview | str) or not _iterable(keys):
         return TypeError(f"{call}: keys must be a list (or another iterable) of block keys, got "
                          f"{type(keys).__name__}: pass [key] for one key")  # fmt: skip
     if (request is not None or needed) and not isinstance(request, RequestContext):
@@ -58,6 +58,14 @@ def bad_call(call: str, keys: Any, request: Any, success: Any, needed: bool = Fa
     if success is not True and success is not False:
         return TypeError(f"{call}: success must be True or False, got {type(success).__name__} {success!r:.40}")
     return None
+
+
+def _iterable(value: Any) -> bool:
+    try:
+        iter(value)
+    except TypeError:
+        return False
+    return True
 
 
 def listed(call: str, keys: Any, request: Any) -> list[Any]:
@@ -86,6 +94,7 @@ def check_settings(shutdown_timeout: float | None, drain_timeout: float | None, 
 def new_region(name: str | None, num_cpu_blocks: int, block_bytes: int, shm_dir: str | os.PathLike[str], *,
                expected_mappers: int, prefault: bool, pin: bool, sweep_stale: bool) -> SharedRegion:
     """The shared region of the CPU tier (stale regions of dead engines swept first, if asked)."""
+    check_shm_dir(shm_dir)
     if sweep_stale:
         SharedRegion.sweep_stale(shm_dir, remove=True)
     return SharedRegion(name or f"{os.getpid()}-{uuid.uuid4().hex[:12]}", num_cpu_blocks, block_bytes,
