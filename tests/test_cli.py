@@ -68,6 +68,16 @@ def test_bench_prints_tables_and_writes_json_and_plot(tmp_path: Path, private_sh
     assert "corrupt:      0" in out.stdout and "kvtier/tiny" in out.stdout
 
 
+def test_a_bench_shorter_than_the_plot_window_plots_without_a_warning(tmp_path: Path, private_shm: Path) -> None:
+    """Regression (review, 2026-12-05): with 3 sessions the rolling window left one point, and
+    matplotlib printed a UserWarning about identical x limits on stderr."""
+    out = run("bench", "--sessions", "3", "--no-progress", "--shm-dir", str(private_shm), "--fs-root",
+              str(tmp_path / "fs"), "--plot", str(tmp_path / "b.png"))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "Warning" not in out.stderr, out.stderr
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_bench_serves_metrics_while_running(private_shm: Path) -> None:
     with socket_port() as port:
         pass

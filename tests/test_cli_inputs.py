@@ -608,3 +608,17 @@ def test_replay_hints_help_points_at_a_section_that_exists() -> None:
     out = run("replay", "--help", env={"COLUMNS": "400"})
     assert "docs/vllm.md 'Per-request keys'" in out.stdout and "README 'Per" not in out.stdout, out.stdout
     assert "## Per-request keys" in (REPO / "docs" / "vllm.md").read_text()
+
+
+def test_inspect_says_whether_the_directory_is_missing_or_not_a_directory(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Regression (review, 2026-12-05): a path that does not exist was reported as "is not a
+    directory"."""
+    a_file = tmp_path / "a-file"
+    a_file.write_bytes(b"")
+    line = refused_here(capsys, "inspect", str(tmp_path / "missing"))
+    assert f"fs tier root {tmp_path / 'missing'} does not exist" in line
+    line = refused_here(capsys, "inspect", str(a_file))
+    assert f"fs tier root {a_file} is not a directory" in line
+    assert not (tmp_path / "missing").exists()

@@ -297,6 +297,8 @@ def test_fs_blocks_is_refused_naming_itself_before_any_replay(tmp_path: Path, va
     assert out.returncode == 2
     _one_error_line(out, *words)
     assert "--capacity" not in out.stderr and "fs tiers in" not in out.stderr
+    # Regression (review, 2026-12-05): "0" suggested "sizes like 4GiB", which --fs-blocks refuses
+    assert "GiB" not in out.stderr or value == "4GiB"
     assert list(tmp_path.iterdir()) == []
 
 

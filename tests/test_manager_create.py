@@ -87,6 +87,10 @@ def test_a_manager_dropped_without_shutdown_gives_its_memory_back(
         ({"tiers": "fs"}, "tiers"),
         ({"shutdown_timeout": 0}, "shutdown_timeout must be above 0"),
         ({"shutdown_timeout": 0.0}, "shutdown_timeout must be above 0"),
+        # Regression (review, 2026-12-05): these said "give a number of seconds at least 0", and 0 is refused
+        ({"shutdown_timeout": float("inf")}, "inf is not a usable duration: give a number of seconds above 0"),
+        ({"shutdown_timeout": float("nan")}, "give a number of seconds above 0"),
+        ({"shutdown_timeout": -1}, "shutdown_timeout=-1 is not a usable duration: give a number of seconds above 0"),
     ],
 )
 def test_a_wrong_argument_to_create_is_named(private_shm: Path, bad: dict[str, object], names: str) -> None:

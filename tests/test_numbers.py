@@ -184,6 +184,8 @@ def test_manager_timeouts_are_checked_at_every_entry(namespace: Namespace, tmp_p
         ({"num_cpu_blocks": True}, "num_cpu_blocks must be a positive integer"),
         ({"num_cpu_blocks": 0}, "num_cpu_blocks must be a positive integer"),
         ({"num_cpu_blocks": "8"}, "num_cpu_blocks must be a positive integer"),
+        # Regression (review, 2026-12-05): both were taken, cpu_bytes silently dropped
+        ({"num_cpu_blocks": 4, "cpu_bytes": "8MiB"}, "cpu_bytes ('8MiB') and num_cpu_blocks (4) are both given"),
     ],
 )
 def test_manager_sizes_are_checked_before_the_region_exists(

@@ -651,7 +651,7 @@ def _fs_blocks(text: str) -> Any:
     from kvtier.workload.capacity import parse_capacities
 
     try:
-        entries = parse_capacities(text, MAX_REPLAY_CAPACITY, "--fs-blocks")
+        entries = parse_capacities(text, MAX_REPLAY_CAPACITY, "--fs-blocks", sizes=False)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if len(entries) != 1:

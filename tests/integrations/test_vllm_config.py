@@ -163,6 +163,33 @@ def test_kv_transfer_config_selects_the_spec_and_validates_early() -> None:
         kv_transfer_config(cpu_gigs=4)
 
 
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"cpu_bytes": "abc"}, "cpu_bytes"),
+        ({"policy": "nope"}, "policy"),
+        ({"tiers": [{"type": "fs", "root": "/x", "read_thread": 1}]}, "read_thread"),
+        ({"wait_timeout": 0}, "wait_timeout"),
+        ({"metrics_port": 70000}, "metrics_port"),
+        ({"region_name": "../x"}, "region_name"),
+        ({"backpressure": {"bogus": 1}}, "backpressure.bogus"),
+        ({"cpu_bytes": "1GiB", "num_cpu_blocks": 5}, "set only one of them"),
+        # vLLM's own names for what kvtier calls otherwise: named, with what to write (docs/migration.md)
+        ({"secondary_tiers": [{"type": "fs", "root_dir": "/x"}]}, "vLLM's key 'secondary_tiers'.*write 'tiers'"),
+        ({"cache_policy_module_path": "m.p"}, "vLLM's key 'cache_policy_module_path'.*write 'policy'"),
+    ],
+)
+def test_kv_transfer_config_refuses_a_bad_value_before_the_engine_starts(settings: dict[str, object], named: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (review, 2026-12-05): only the keys' names were checked; every one of these
+    returned a dict, and the mistake surfaced when vLLM built the spec. The caller's environment
+    is not the engine's: it is left out (a bad KVTIER_* here changes nothing)."""
+    monkeypatch.setenv("KVTIER_CPU_BYTES", "not a size")
+    with pytest.raises(ConfigError, match=named):
+        kv_transfer_config(**settings)
+    assert kv_transfer_config(cpu_bytes="1GiB")["kv_connector_extra_config"]["cpu_bytes"] == "1GiB"
+
+
 
 
 def test_the_wait_deadlines_come_from_extra_config_and_are_checked_by_name() -> None:

@@ -79,10 +79,10 @@ def check_settings(shutdown_timeout: float | None, drain_timeout: float | None, 
                    wait_timeout: float, failed_load_seconds: float) -> float:
     """Check the manager's settings (ConfigError naming the one that is wrong); returns
     ``failed_load_seconds`` as a float."""
-    check_shutdown_timeout(shutdown_timeout)
-    if shutdown_timeout is not None and shutdown_timeout <= 0:
+    if type(shutdown_timeout) in (int, float) and shutdown_timeout == 0:
         raise ConfigError("shutdown_timeout must be above 0 seconds (None: no deadline), got 0: it would abandon "
                           "every secondary tier at every shutdown")  # fmt: skip
+    check_shutdown_timeout(shutdown_timeout, positive=True)  # inf, nan, -1: "above 0", as for 0
     check_shutdown_timeout(drain_timeout, "drain_timeout")
     if isinstance(lookup_timing_every, bool) or not isinstance(lookup_timing_every, int) or lookup_timing_every < 1:
         raise ConfigError(f"lookup_timing_every must be an integer >= 1, got {lookup_timing_every!r}")
@@ -137,7 +137,11 @@ def sizes(namespace: Namespace, block_bytes: int | None, num_cpu_blocks: int | N
 
 
 def _cpu_rows(num_cpu_blocks: int | None, cpu_bytes: int | str | None, block_bytes: int) -> int:
-    """The CPU tier's rows from ``create``'s arguments, or a ConfigError naming the bad one."""
+    """The CPU tier's rows from ``create``'s arguments, or a ConfigError naming the bad one (both
+    given is one: they are one setting, as in every other source of the configuration)."""
+    if num_cpu_blocks is not None and cpu_bytes is not None:
+        raise ConfigError(f"cpu_bytes ({cpu_bytes!r:.40}) and num_cpu_blocks ({num_cpu_blocks!r:.40}) are both given: "
+                          "they size the same CPU tier, give only one of them")  # fmt: skip
     if num_cpu_blocks is None:
         if cpu_bytes is None:
             raise ConfigError("give the CPU tier a size: num_cpu_blocks or cpu_bytes")

@@ -711,8 +711,10 @@ def verify_root(
     base = Path(root)
     try:
         root_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        raise ConfigError(f"fs tier root {base} is not a directory: pass the tier's 'root' option") from None
+    except OSError as exc:
+        what = {errno.ENOENT: "does not exist", errno.ENOTDIR: "is not a directory"}.get(
+            exc.errno or 0, f"cannot be opened ({exc.strerror})")
+        raise ConfigError(f"fs tier root {base} {what}: give the directory of an fs tier (its 'root' option)") from None
     prefix = (namespace or "").lower()
     reports: list[NamespaceReport] = []
     unsafe: list[CorruptEntry] = []

@@ -37,23 +37,25 @@ class Capacity:
     nbytes: int | None = None
 
 
-def parse_capacities(text: str, max_blocks: int, flag: str = FLAG) -> list[Capacity]:
+def parse_capacities(text: str, max_blocks: int, flag: str = FLAG, sizes: bool = True) -> list[Capacity]:
     """The entries of ``--capacity TEXT`` (or of the flag ``flag`` that reads the same forms); a
-    block count above ``max_blocks`` is refused here."""
+    block count above ``max_blocks`` is refused here. ``sizes``: the flag takes sizes too (its
+    messages suggest them; the caller refuses one)."""
     out: list[Capacity] = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
-        out.append(_parse_one(part, max_blocks, flag))
+        out.append(_parse_one(part, max_blocks, flag, sizes))
     if not out:
         raise ConfigError(
             f"{flag} {shown(text)}: give block counts, shares of the distinct blocks or sizes, "
-            "e.g. 1000,9139 or 1%,5% or 4GiB,16GiB"
+            "e.g. 1000,9139 or 1%,5% or 4GiB,16GiB" if sizes else
+            f"{flag} {shown(text)}: give a block count or a share of the distinct blocks, e.g. 20000 or 10%"
         )
     return out
 
 
-def _parse_one(part: str, max_blocks: int, flag: str) -> Capacity:
+def _parse_one(part: str, max_blocks: int, flag: str, sizes: bool) -> Capacity:
     if part.endswith("%"):
         try:
             share = float(part[:-1]) / 100
@@ -64,25 +66,25 @@ def _parse_one(part: str, max_blocks: int, flag: str) -> Capacity:
         return Capacity(part, share=share)
     if part.isascii() and part.isdigit():  # int() also reads "²" and fullwidth digits
         if len(part) > MAX_DIGITS or int(part) > max_blocks:
-            raise ConfigError(
-                f"{flag} {shown(part)}: at most {max_blocks} blocks; give fewer, a share like 5% or a size like 4GiB"
-            )
+            raise ConfigError(f"{flag} {shown(part)}: at most {max_blocks} blocks; give fewer"
+                              f"{', a share like 5% or a size like 4GiB' if sizes else ' or a share like 5%'}")
         if int(part) == 0:
-            raise ConfigError(
-                f"{flag} {shown(part)}: give positive block counts (0 blocks holds nothing), shares like 5% or "
-                "sizes like 4GiB"
-            )
+            raise ConfigError(f"{flag} {shown(part)}: give positive block counts (0 blocks holds nothing)"
+                              f"{', shares like 5% or sizes like 4GiB' if sizes else ' or shares like 5%'}")
         return Capacity(part, blocks=int(part))
     if _UNIT.search(part):
         try:
             nbytes = parse_size(part)
         except ConfigError as exc:
+            if not sizes:  # not a size either: say what the flag takes
+                raise ConfigError(f"{flag} {shown(part)}: not a block count (e.g. 9139) or a share (e.g. 5%)") from None
             raise ConfigError(f"{flag} {shown(part)}: {exc}") from None
         if nbytes == 0:
             raise ConfigError(f"{flag} {shown(part)}: a size must be positive")
         return Capacity(part, nbytes=nbytes)
     raise ConfigError(
-        f"{flag} {shown(part)}: not a block count (e.g. 9139), a share (e.g. 5%) or a size with a unit (e.g. 4GiB)"
+        f"{flag} {shown(part)}: not a block count (e.g. 9139), a share (e.g. 5%)"
+        f"{' or a size with a unit (e.g. 4GiB)' if sizes else ''}"
     )
 
 

@@ -64,6 +64,12 @@ KVTIER_KEYS = frozenset(
 _ALIASES = {"cpu_bytes_to_use": "cpu_bytes", "eviction_policy": "policy"}
 """Names used by vLLM's own CPUOffloadingSpec, accepted for easy migration."""
 
+_RENAMED = {
+    "secondary_tiers": "write 'tiers' (fs options: 'root', 'read_threads', 'write_threads')",
+    "cache_policy_module_path": "write 'policy' as 'package.module:Class' (a kvtier.policies.EvictionPolicy)",
+}
+"""vLLM's names that kvtier does not take as aliases (the value's shape differs), and what to write."""
+
 _INTEGRATION_KEYS = frozenset({"kvtier_config_file", "allow_untested_vllm", "metrics_port"})
 _ENGINE_DERIVED = frozenset({"model", "geometry"})
 
@@ -205,6 +211,9 @@ def _normalize_extra(extra: Mapping[str, Any]) -> tuple[dict[str, Any], str | No
                 "block layout come from the engine itself; remove it"
             )
         name = _ALIASES.get(key, key)
+        if name in _RENAMED:
+            raise ConfigError(f"kv_connector_extra_config has vLLM's key {key!r}, which kvtier names differently: "
+                              f"{_RENAMED[key]} (docs/migration.md)")  # fmt: skip
         if name not in KVTIER_KEYS:
             known = sorted(KVTIER_KEYS | VLLM_OWNED_KEYS | _INTEGRATION_KEYS | set(_ALIASES))
             raise ConfigError(f"kv_connector_extra_config has unknown key {key!r}: known keys are {known}")
@@ -291,10 +300,15 @@ def kv_transfer_config(**settings: Any) -> dict[str, Any]:
 
     ``settings`` are kvtier settings (``cpu_bytes``, ``policy``, ``tiers`` ...)
     and vLLM connector keys (``block_size``, ``offload_prompt_only`` ...);
-    unknown keys raise :class:`ConfigError` here rather than inside the engine.
-    Use as ``LLM(model, kv_transfer_config=kv_transfer_config(cpu_bytes="8GiB"))``.
+    unknown keys and bad values of kvtier's settings (each checked as the
+    engine will check it, the environment and ``kvtier_config_file`` left out:
+    the engine reads those where it runs) raise :class:`ConfigError` here rather
+    than inside the engine. Use as
+    ``LLM(model, kv_transfer_config=kv_transfer_config(cpu_bytes="8GiB"))``.
     """
-    _normalize_extra(settings)
+    values, _ = _normalize_extra(settings)
+    _metrics_port(settings)
+    load_config(env={}, cli=values, cli_source="kv_transfer_config", layout_from_engine=True)
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
