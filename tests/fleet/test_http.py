@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -137,7 +138,7 @@ def test_transport_level_abuse(served: tuple[FleetServer, FleetIndex]) -> None:
     server, _ = served
     assert _request(server.url, "POST", "/v1/prefix", b"{nope", {"Content-Length": "5"})[0] == 400
     assert _request(server.url, "POST", "/v1/prefix", b"x" * 5000, {"Content-Length": "5000"})[0] == 413
-    assert _request(server.url, "GET", "/v1/prefix")[0] == 404
+    assert _request(server.url, "GET", "/v1/prefix")[0] == 405
     assert _request(server.url, "POST", "/elsewhere", b"{}", {"Content-Length": "2"})[0] == 404
     host, port = server.server_address[:2]
     # A client that announces a body and never sends it is dropped after request_timeout.
@@ -150,6 +151,59 @@ def test_transport_level_abuse(served: tuple[FleetServer, FleetIndex]) -> None:
     with socket.create_connection((str(host), port), timeout=5) as sock:
         sock.sendall(b"POST /v1/prefix HTTP/1.1\r\nHost: x\r\n\r\n")
         assert b" 411 " in sock.recv(200)
+
+
+def test_an_engine_the_index_does_not_know_is_refused_by_name(served: tuple[FleetServer, FleetIndex]) -> None:
+    """Regression (audit, 2026-12-05): ``"engines": ["nope"]`` answered 200 with ``"engines": {}``,
+    which a router with a typo read as "no engine holds the prefix". A configured engine nothing
+    was heard from yet (``b``, ``waiting``) is known."""
+    server, index = served
+    _fill(index, [7, 8])
+    status, body = _post(server.url, {"block_hashes": [7, 8], "engines": ["nope"]})
+    assert status == 400, body  # before the fix: 200 {"engines": {}}
+    assert body["error"].startswith("engines names 1 engine(s) the index does not know: 'nope'")
+    assert "(it knows 'a', 'b')" in body["error"]
+    status, body = _post(server.url, {"tokens": list(range(8)), "engines": ["a", "nope", "nope"]})
+    assert status == 400 and "engines" in body["error"] and "'nope'" in body["error"], body
+    status, body = _post(server.url, {"block_hashes": [7, 8], "engines": ["b", "a"]})
+    assert status == 200 and list(body["engines"]) == ["b", "a"], body
+    assert body["engines"]["b"]["status"] == "waiting" and body["engines"]["a"]["blocks"] == 2
+    many = [f"typo-{i}-" + "x" * 150 for i in range(20)]  # (the served body is at most 4096 bytes)
+    status, body = _post(server.url, {"block_hashes": [7], "engines": many})
+    assert status == 400 and "engines names 20 engine(s)" in body["error"] and "and 12 more" in body["error"]
+    assert len(body["error"]) < 1200 and "typo-8-" not in body["error"]  # 8 names quoted, each cut short
+
+
+def _exchange(url: str, method: str, path: str) -> tuple[int, dict[str, str], Any, bool]:
+    """One request without a body: the status, headers, JSON body, and whether the server then
+    closed the connection."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        length = "Content-Length: 0\r\n" if method == "POST" else ""
+        sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\n{length}\r\n".encode())
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        body = json.loads(response.read())
+        closed = sock.recv(1) == b""
+        return response.status, dict(response.getheaders()), body, closed
+
+
+def test_a_path_asked_with_the_wrong_method_is_405_naming_the_method(served: tuple[FleetServer, FleetIndex]) -> None:
+    """Regression (audit, 2026-12-05): ``GET /v1/prefix`` answered 404 "no such path '/v1/prefix':
+    use /v1/prefix, ...", contradicting itself. A path of the API asked with another method is 405
+    with an ``Allow`` header; an unknown path stays 404."""
+    server, _ = served
+    for method, path, allowed in (("GET", "/v1/prefix", "POST"), ("POST", "/health", "GET"),
+                                  ("POST", "/v1/engines", "GET")):  # fmt: skip
+        status, headers, body, closed = _exchange(server.url, method, path)
+        assert status == 405 and headers["Allow"] == allowed, (method, path, status, body)  # before: 404, no Allow
+        assert body == {"error": f"{method} is not answered on {path}: use {allowed} {path}"}
+        assert closed
+    for method in ("GET", "POST"):
+        status, headers, body, _ = _exchange(server.url, method, "/v1/prefixes")
+        assert status == 404 and "Allow" not in headers
+        assert body["error"] == "no such path '/v1/prefixes': use POST /v1/prefix, GET /v1/engines, GET /health"
+    assert _exchange(server.url, "GET", "/health")[:3:2] == (200, {"ok": True})
 
 
 class _Slow:
@@ -260,11 +314,53 @@ def test_routers_share_an_index_in_redis(tmp_path: Path) -> None:
             status, body = _post(url, {"tokens": tokens})
             assert status == 200 and body["engines"]["a"]["blocks"] == 3
             assert body["engines"]["a"] == writer.prefix(keys)["a"] | {"tokens": 3 * TOKENS}
+            # A reader knows the engines of the table the writer last wrote (audit, 2026-12-05: an
+            # unknown name answered 200 with no engine), one added since included, once re-read.
+            status, body = _post(url, {"tokens": tokens, "engines": ["c"]})
+            assert status == 400 and "engines names 1 engine(s) the index does not know: 'c'" in body["error"]
+            writer.add_engine("c")
+            time.sleep(0.6)  # (a reader re-reads the table at most every 0.5 s)
+            status, body = _post(url, {"block_hashes": keys, "engines": ["c"]})
+            assert status == 200 and body["engines"]["c"]["status"] == "waiting", body
         finally:
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(20) == 0
     finally:
         server.stop()
+
+
+def test_a_writer_that_finds_the_prefix_held_says_at_once_that_it_waits(tmp_path: Path, redis_server: Any) -> None:
+    """Regression (audit, 2026-12-05): ``kvtier fleet serve --redis URL`` while another writer
+    held the prefix printed nothing and listened on nothing for 16 s and more, then refused. It
+    now says at once (a WARNING line on stderr) that it waits up to 16 s for the other claim to
+    end; here the other writer then stops, and it serves."""
+    pytest.importorskip("zmq")
+    import redis
+
+    holder = FleetIndex(["a"], RedisMasks(redis.Redis.from_url(redis_server.url), "held"))  # a 15 s lease
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "fleet", "serve", "--port", "0", "--redis", redis_server.url,
+         "--redis-prefix", "held", "--engine", f"a=ipc://{tmp_path}/events"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    assert proc.stderr is not None and proc.stdout is not None
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr or ()], daemon=True).start()
+    try:
+        started = time.monotonic()
+        line = lines.get(timeout=14)  # before the fix: nothing until the refusal, 16 s and more later
+        assert line.startswith("WARNING kvtier.fleet.masks: fleet: another kvtier fleet writer holds the Redis "
+                               "prefix 'held' (its claim ends within 1"), line  # fmt: skip
+        assert line.rstrip().endswith("s if it is gone): waiting up to 16 s for its claim to end"), line
+        assert time.monotonic() - started < 14 and proc.poll() is None
+        holder.close()  # the other writer stops (its claim released): this one takes the prefix
+        served = proc.stdout.readline()
+        assert served.startswith("kvtier fleet: serving on http://"), served
+        assert _request(served.rsplit(" ", 1)[1].strip(), "GET", "/health") == (200, {"ok": True})
+    finally:
+        holder.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
 
 
 def _hello_with_info(index: FleetIndex, engine: str, info_json: str) -> None:

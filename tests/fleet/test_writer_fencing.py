@@ -455,3 +455,24 @@ def test_a_batch_that_finds_the_claim_run_out_is_applied_once_it_is_taken_again(
     answer = reader.prefix([2])["a"]
     assert answer["blocks"] == 1 and answer["status"] == "partial"  # key 1 was dropped with the rebuild
     assert reader.prefix([1])["a"]["blocks"] == 0
+
+
+def test_a_writer_waiting_for_anothers_claim_says_so_at_once_then_refuses(
+    redis_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression (audit, 2026-12-05): a second writer waited out ``claim_wait`` without a word
+    (``kvtier fleet serve``: 16 s with no output and no listener), then refused. One warning now
+    says at once that it waits, for how long, and when the other claim ends; the refusal follows."""
+    holder = FleetIndex(["a"], RedisMasks(_client(redis_server.url), "p"))
+    try:
+        started = time.time()
+        with caplog.at_level("WARNING", logger="kvtier.fleet.masks"), pytest.raises(WriterConflict) as refused:
+            FleetIndex(["b"], RedisMasks(_client(redis_server.url), "p", claim_wait=1.0))
+        waits = [r for r in caplog.records if "waiting up to 1 s for its claim to end" in r.getMessage()]
+        assert len(waits) == 1, caplog.text  # before the fix: none
+        assert "holds the Redis prefix 'p' (its claim ends within 1" in waits[0].getMessage()  # (a 15 s lease)
+        assert waits[0].created - started < 0.5  # at once, not when the wait is over
+        assert "its claim ends within" in str(refused.value) and "--redis-prefix" in str(refused.value)
+        assert time.time() - started >= 1.0
+    finally:
+        holder.close()

@@ -5,7 +5,8 @@ Endpoints:
 * ``POST /v1/prefix`` with ``{"tokens": [..]}`` (a prompt's token ids; hashed as the
   engines hash them, :mod:`kvtier.fleet.hashing`) or ``{"block_hashes": [..]}`` (the
   blocks' hashes as KV events carry them: integers, or hex strings), optionally
-  ``"engines": [names]`` and, with hashes, ``"group"`` (the KV-cache group, default 0).
+  ``"engines": [names]`` (each one the index knows: its engine table lists it, nothing heard from
+  it yet or not; else 400 naming them) and ``"group"`` (the KV-cache group, default 0).
   Answer: ``{"blocks": n, "tokens_per_hash": t, "engines": {name: {"blocks": b, "tokens":
   b*t, "tiers": {"GPU": ., "0:primary": ., "1:fs": .}, "status": ., "start": .}}}``:
   per engine the leading blocks held by any of its tiers and by each tier.
@@ -22,6 +23,9 @@ Endpoints:
   within about 2 s of Redis answering again; a ``--read-only`` reader: its last read of the
   engine table from Redis failed). It takes none of the ``max_concurrent`` answer slots: a
   server busy answering is not unhealthy.
+
+A path of these asked with another method is answered 405 with an ``Allow`` header naming the
+method to use; any other path 404 (the connection is closed after either).
 
 It is a network service and its input is untrusted: a request line must stay under 64 KiB
 (else 414), its header lines under 64 KiB in all (else 431), a request body must declare its
@@ -68,6 +72,8 @@ _MAX_HASHERS = 8  # block sizes whose hashers are kept (the engines' info names 
 _EMPTY_LINES = 8  # empty lines skipped before a request line (RFC 9112 2.2: a server SHOULD ignore one at least)
 _MAX_LINE = 65536  # the standard library's bound on a request line
 _MAX_HEADER_BYTES = 64 << 10  # a request's header lines in all (the standard library bounds each, and how many)
+_ROUTES = {"/v1/prefix": "POST", "/v1/engines": "GET", "/health": "GET"}  # path -> the one method it answers
+_QUOTED = 8  # names an error quotes (an unknown engine's, the known ones), the rest counted
 
 try:  # Linux: the bytes a socket sent that its peer has not taken yet (SIOCOUTQ)
     import fcntl
@@ -224,6 +230,8 @@ class FleetServer(ThreadingHTTPServer):
         group = body.get("group", 0)
         if type(group) is not int or not 0 <= group <= MAX_GROUP:
             raise BadRequest(HTTPStatus.BAD_REQUEST, f"group must be an integer in [0, {MAX_GROUP}], got {group!r:.40}")
+        if engines is not None:
+            self._check_engines(engines)
         size: int | None
         if "tokens" in body:
             size = self.engines_tokens_per_hash(engines)
@@ -239,6 +247,23 @@ class FleetServer(ThreadingHTTPServer):
         for answer in found.values():
             answer["tokens"] = answer["blocks"] * size if size else None
         return {"blocks": len(keys), "tokens_per_hash": size, "engines": found}
+
+    def _check_engines(self, engines: list[str]) -> None:
+        """Refuse (400, naming the field ``engines``) a name the index does not know: one its engine
+        table lacks, so that a typo is not read as "no engine holds the prefix". Known are the
+        engines the table lists, those nothing was heard from yet (``waiting``) included: a
+        writer's configured engines (``--engine``), a reader's as the writer last wrote them to
+        Redis. At most 8 unknown and 8 known names are quoted, each cut at 80 characters."""
+        known = self.answers.meta().get("engines", {})
+        unknown = list(dict.fromkeys(e for e in engines if e not in known))
+        if not unknown:
+            return
+        raise BadRequest(
+            HTTPStatus.BAD_REQUEST,
+            f"engines names {len(unknown)} engine(s) the index does not know: {_quoted(unknown)} (it knows "
+            f"{_quoted(list(known)) or 'none yet'}): give names from GET /v1/engines, or leave engines out to ask "
+            "every engine",
+        )
 
     def _tokens(self, tokens: Any, size: int) -> list[int]:
         if not isinstance(tokens, list):
@@ -271,6 +296,12 @@ class FleetServer(ThreadingHTTPServer):
                 raise BadRequest(HTTPStatus.BAD_REQUEST, message)
             keys.append(block_key(value, group))
         return keys
+
+
+def _quoted(names: Sequence[str]) -> str:
+    """The first ``_QUOTED`` of ``names`` as Python literals cut at 80 characters each, and how many more."""
+    text = ", ".join(f"{name!r:.80}" for name in names[:_QUOTED])
+    return f"{text} and {len(names) - _QUOTED} more" if len(names) > _QUOTED else text
 
 
 def _encode(body: dict[str, Any]) -> bytes:
@@ -383,10 +414,10 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s " + format, self.address_string(), *args)
 
-    def _send(self, status: HTTPStatus, body: dict[str, Any]) -> None:
-        self._write(status, _encode(body))
+    def _send(self, status: HTTPStatus, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+        self._write(status, _encode(body), headers)
 
-    def _write(self, status: HTTPStatus, data: bytes) -> None:
+    def _write(self, status: HTTPStatus, data: bytes, headers: dict[str, str] | None = None) -> None:
         """Send one answer. The connection's answers share one write budget of
         ``request_timeout`` seconds: a client that reads them slowly (a byte now and then, or
         thousands of pipelined requests read at a trickle) is dropped once its writes have
@@ -402,6 +433,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
             self.end_headers()
             self.wfile.write(data)
         finally:
@@ -433,15 +466,31 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         self._write(status, data)
 
+    def _misrouted(self) -> bool:
+        """Answer a request this method has no answer for, and say so (True); the connection is
+        closed after it (a body is left unread). A path of the API asked with another method:
+        405 with an ``Allow`` header and an error naming the method to use; any other path: 404
+        naming the API's paths."""
+        method = _ROUTES.get(self.path)
+        if method == self.command:
+            return False
+        self.close_connection = True
+        if method is None:
+            paths = ", ".join(f"{m} {path}" for path, m in _ROUTES.items())
+            self._send(HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path[:100]!r}: use {paths}"})
+        else:
+            self._send(HTTPStatus.METHOD_NOT_ALLOWED,
+                       {"error": f"{self.command} is not answered on {self.path}: use {method} {self.path}"},
+                       {"Allow": method})  # fmt: skip
+        return True
+
     def do_GET(self) -> None:
+        if self._misrouted():
+            return
         if self.path == "/health":
             self._guarded(self._health, slot=False)
-        elif self.path == "/v1/engines":
-            self._guarded(self._engines)
         else:
-            self.close_connection = True
-            self._send(HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path[:100]!r}: use /v1/prefix, "
-                                              "/v1/engines or /health"})  # fmt: skip
+            self._guarded(self._engines)
 
     def _health(self) -> dict[str, Any]:
         problem = self.server.health() if self.server.health is not None else None
@@ -459,9 +508,7 @@ class _Handler(BaseHTTPRequestHandler):
         return {"engines": out}
 
     def do_POST(self) -> None:
-        if self.path != "/v1/prefix":
-            self.close_connection = True
-            self._send(HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path[:100]!r}: POST /v1/prefix"})
+        if self._misrouted():
             return
         try:  # the body is read before an answer slot is taken: a client sending it slowly holds none
             raw = self._body()

@@ -333,20 +333,40 @@ class RedisMasks:
     def open_writer(self) -> None:
         """Claim the prefix for this writer (waiting up to ``claim_wait`` seconds for another
         writer's claim to end), then delete the index a previous writer left under it; raises
-        :class:`WriterConflict` if another writer holds it."""
+        :class:`WriterConflict` if another writer holds it. Where it waits, one warning says so
+        at once (the claim's time left, how long it waits), before the wait."""
         token = os.urandom(12).hex()
         deadline = time.monotonic() + self.claim_wait
+        warned = False
         while not self.client.set(self._writer_key, token, nx=True, ex=self.writer_ttl):
             if time.monotonic() >= deadline:
-                left = self.client.ttl(self._writer_key)
+                ends = self._claim_end()
+                if ends is None:  # (it ended just now: take it)
+                    continue
                 raise WriterConflict(
-                    f"another kvtier fleet writer holds the Redis prefix {self.prefix!r} (its claim ends within "
-                    f"{left} s if it is gone): stop it, wait, or give this index another --redis-prefix"
+                    f"another kvtier fleet writer holds the Redis prefix {self.prefix!r} ({ends}): "
+                    "stop it, wait, or give this index another --redis-prefix"
                 )
+            if not warned:
+                ends = self._claim_end()
+                warned = ends is not None
+                if warned:
+                    logger.warning("fleet: another kvtier fleet writer holds the Redis prefix %r (%s): waiting up to "
+                                   "%g s for its claim to end", self.prefix, ends, self.claim_wait)  # fmt: skip
             time.sleep(0.5)
         self._token = token
         self._server = self._run_id()
         self._wipe("a previous writer left", ours=False)
+
+    def _claim_end(self) -> str | None:
+        """When another writer's claim on the prefix ends, in words (its time to live); None where
+        it has just ended (nobody holds the prefix now)."""
+        left = self.client.ttl(self._writer_key)
+        if left == -2:
+            return None
+        if left < 0:  # (-1: set by hand, without a time to live)
+            return f"its claim {self._writer_key!r} has no time to live: delete it if no writer runs"
+        return f"its claim ends within {left} s if it is gone"
 
     def _run_id(self) -> str | None:
         """The Redis server's ``run_id`` (new with each start of redis-server, and another server's
