@@ -317,7 +317,7 @@ def test_inspect_reports_corrupt_entries(tmp_path: Path, private_shm: Path) -> N
     out = run("inspect", str(root), "--verify", "--json")
     assert out.returncode == 1 and json.loads(out.stdout)["corrupt"] == 1
     out = run("inspect", str(tmp_path / "missing"))
-    assert out.returncode == 2 and "not a directory" in out.stderr
+    assert out.returncode == 2 and "missing does not exist" in out.stderr  # (it said "is not a directory")
 
 
 def test_config_show_resolves_file_env_and_flags(tmp_path: Path) -> None:
