@@ -969,6 +969,51 @@ def test_a_store_over_a_slow_uplink_gets_time_for_the_bytes_it_sent(
         link.close()
 
 
+def test_a_store_over_an_uplink_slower_than_the_floor_is_cut_off_in_time_and_shutdown_stops_it(
+    redis_server: Any, make_tier: Callable[..., RedisTier]
+) -> None:
+    """Regression (review, 2026-12-05): each value's send had its own socket timeout, so a link that
+    took one value within every timeout, slower than min_read_mib_per_second, held the I/O thread
+    for the whole job (60 values of 256 KiB at 1 MiB/s: 15 s), and a shutdown meanwhile failed
+    (TierShutdownError, the CPU rows kept mapped). The batch's sends now share one deadline (the
+    socket timeout plus the bytes at the floor), and shutdown stops a batch between sends."""
+    rows = random_rows(64, block_bytes=256 * 1024)
+    ns = namespace(block_bytes=256 * 1024)
+    keys = keys_for(ns, 60)
+    link = SlowLink(redis_server.port, 1024 * 1024, uplink=True)  # 15 MiB take 15 s; the floor allows ~2 s
+    try:
+        tier = make_tier(f"redis://127.0.0.1:{link.port}/0", rows, ns, io_threads=1, socket_timeout=1.0,
+                         min_read_mib_per_second=8.0)  # fmt: skip
+        started = time.monotonic()
+        tier.submit_store(job(keys, list(range(60)), False))
+        (result,) = wait_results(tier, 1, timeout=30.0)
+        took = time.monotonic() - started
+        assert not result.success and took < 9.0, (took, result.error)
+        assert "deadline" in (result.error or ""), result.error
+        # A shutdown while such a store runs: it stops the batch between sends, within its budget.
+        other = make_tier(f"redis://127.0.0.1:{link.port}/0", rows, ns, io_threads=1, socket_timeout=1.0,
+                          min_read_mib_per_second=8.0)  # fmt: skip
+        other.submit_store(job(keys_for(ns, 60, start=100), list(range(60)), False))
+        time.sleep(0.5)
+        started = time.monotonic()
+        other.shutdown()
+        assert time.monotonic() - started < 4.0
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize(("rate", "batch"), [(1e-7, 32), (1e-300, 1), (0.5, 4096)])
+def test_a_batch_that_could_take_longer_than_an_hour_is_refused(
+    redis_server: Any, make_tier: Callable[..., RedisTier], rate: float, batch: int
+) -> None:
+    """Regression (review, 2026-12-05): min_read_mib_per_second=1e-7 with a large load_batch_mib
+    made the tier's shutdown budget about 4e10 s, past what a thread join takes: every shutdown
+    raised OverflowError and the CPU rows were never released."""
+    with pytest.raises(ConfigError, match="load_batch_mib / min_read_mib_per_second"):
+        make_tier(f"redis://127.0.0.1:{redis_server.port}/0", random_rows(2), min_read_mib_per_second=rate,
+                  load_batch_mib=batch)  # fmt: skip
+
+
 def test_an_acl_user_without_info_leaves_usage_unknown_and_the_tier_serving(
     redis_server: Any, make_tier: Callable[..., RedisTier], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -700,7 +700,7 @@ class ThreadedTier(SecondaryTier):
         with self._lock:
             self._checking.clear()
         self._stop()
-        join_timeout = self._join_timeout()
+        join_timeout = min(self._join_timeout(), threading.TIMEOUT_MAX)  # a join past TIMEOUT_MAX raises
         deadline = time.monotonic() + join_timeout
         for thread in self._threads:
             if thread is not threading.current_thread():

@@ -37,12 +37,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl
 
-from pydantic import Field, ValidationInfo, field_serializer, field_validator
+from pydantic import Field, ValidationInfo, field_serializer, field_validator, model_validator
 from redis.connection import parse_url
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvtier.errors import ConfigError, CorruptValueError, ForeignFormatError
+from kvtier.errors import ConfigError, CorruptValueError, ForeignFormatError, TierError
 from kvtier.failures import describe_error, forget_frames, log_failure
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import FOREIGN_FORMAT_METRIC, ExtraMetric, JobResult, TierContext, TierUsage, TransferJob
@@ -220,6 +220,26 @@ class RedisTierOptions(TierOptions):
     def _shown_url(self, url: str) -> str:
         return redact_url(url)
 
+    @model_validator(mode="after")
+    def _batch_time(self) -> RedisTierOptions:
+        # A batch of replies may take load_batch_mib at the slowest rate accepted, and shutdown waits
+        # as long: an hour at most (1e-7 MiB/s made it 4e10 s, past what a thread join takes).
+        seconds = self.load_batch_mib / self.min_read_mib_per_second
+        if seconds > MAX_BATCH_SECONDS:
+            raise ValueError(
+                f"load_batch_mib / min_read_mib_per_second is {seconds:.3g} s, the time a batch (and shutdown) "
+                f"may then wait for one batch of values: at most {MAX_BATCH_SECONDS:.0f} s; raise "
+                "min_read_mib_per_second or lower load_batch_mib"
+            )
+        return self
+
+
+class _Stopped(TierError):
+    """A batch cut short because the tier is shutting down (no failure of the server)."""
+
+
+MAX_BATCH_SECONDS = 3600.0
+"""The longest one batch of values may take at ``min_read_mib_per_second`` (see :class:`RedisTierOptions`)."""
 
 # Error replies that say the server will not serve this client now (an ACL without the tier's
 # keys or commands, a script running, a data set loading, a replica without its primary...) are
@@ -550,6 +570,8 @@ class RedisTier(ThreadedTier):
 
     def _record_error(self, exc: BaseException) -> str:
         """Feed ``exc`` to the circuit breaker; called from ``except`` blocks on I/O threads."""
+        if isinstance(exc, _Stopped):  # shutdown cut the batch short: nothing the server did
+            return str(exc)
         detail = describe_error(exc)
         if isinstance(exc, (TimeoutError, RedisTimeoutError)):
             self._breaker.record_failure(detail)
@@ -577,6 +599,7 @@ class RedisTier(ThreadedTier):
         ``sendmsg`` for its head, value header, payload and tail), so the server
         processes value ``i`` while the next header and checksum are computed.
         """
+        rate, stopping = self._read_rate, self._stopping
         for pool, indexes in self._backend.groups(rkeys):
             conn = pool.get_connection()
             clean = False
@@ -587,19 +610,25 @@ class RedisTier(ThreadedTier):
                 keep_tail = isinstance(sock, ssl.SSLSocket)
                 pieces: list[Piece] = []
                 sent = 0
+                # One deadline for the batch's sends, as for its replies: a socket timeout, plus each
+                # value's bytes at the slowest rate accepted (a link that takes a value within every
+                # socket timeout, but slower than that, no longer holds the thread for as long as
+                # the job has values); shutdown stops it between sends.
+                deadline = time.monotonic() + self.options.socket_timeout
                 for i in indexes:
                     send(pieces, i)
                     if len(pieces) >= 256 or any(isinstance(p, memoryview) for p in pieces[-3:]):
-                        if keep_tail:
-                            sent += _size(pieces[:-1])
-                            send_pieces(sock, pieces[:-1])
-                            del pieces[:-1]
-                        else:
-                            sent += _size(pieces)
-                            send_pieces(sock, pieces)
-                            pieces.clear()
-                sent += _size(pieces)
-                send_pieces(sock, pieces)
+                        if stopping.is_set():
+                            raise _Stopped("redis tier is shutting down")
+                        out = pieces[:-1] if keep_tail else pieces
+                        size = _size(out)
+                        sent += size
+                        deadline += size / rate
+                        send_pieces(sock, out, deadline=deadline)
+                        del pieces[: len(out)]
+                size = _size(pieces)
+                sent += size
+                send_pieces(sock, pieces, deadline=deadline + size / rate)
                 # The kernel may still be passing what was sent to the server (a slow uplink):
                 # the replies' deadline gives those bytes their time too (RespReader's sent). What
                 # can still be on its way is bounded by the socket buffers (a few MiB), so the

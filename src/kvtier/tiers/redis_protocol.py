@@ -127,7 +127,7 @@ def _nbytes(piece: Piece) -> int:
     return piece.nbytes if isinstance(piece, memoryview) else len(piece)
 
 
-def send_pieces(sock: socket.socket, pieces: list[Piece]) -> None:
+def send_pieces(sock: socket.socket, pieces: list[Piece], *, deadline: float | None = None) -> None:
     """Send every piece, in order, with as few system calls as the socket allows.
 
     On a plain TCP or Unix socket the pieces go out as one scatter-gather
@@ -135,18 +135,25 @@ def send_pieces(sock: socket.socket, pieces: list[Piece]) -> None:
     one call, nothing joined or copied in Python), repeated only for what the
     kernel did not take. TLS sockets cannot ``sendmsg``: they get one
     ``sendall`` per coalesced piece. Bounded like ``sendall``: the whole call
-    may take at most the socket's timeout, else ``TimeoutError``; other
-    failures raise ``OSError`` from the socket.
+    may take at most the socket's timeout (or, given ``deadline``, a
+    ``time.monotonic()`` instant: a batch's), else ``TimeoutError``, raised
+    before a send that would start past it (so it overruns by one send, one
+    socket timeout at most); other failures raise ``OSError`` from the socket.
     """
+    timeout = sock.gettimeout()
+    if deadline is None and timeout is not None:
+        deadline = time.monotonic() + timeout
     if isinstance(sock, ssl.SSLSocket):
         for piece in coalesce(pieces):
+            _check_send_deadline(deadline)
             sock.sendall(piece)
         return
-    timeout = sock.gettimeout()
-    deadline = None if timeout is None else time.monotonic() + timeout
     bufs: list[Piece] = [p for p in pieces if _nbytes(p)]
     start = 0
     while start < len(bufs):
+        # Checked before each send, not only after a partial one: a kernel that takes each
+        # call's bytes whole, after waiting for room, would otherwise never be found late.
+        _check_send_deadline(deadline)
         sent = sock.sendmsg(bufs[start : start + _IOV_MAX])
         while sent:
             n = _nbytes(bufs[start])
@@ -156,8 +163,12 @@ def send_pieces(sock: socket.socket, pieces: list[Piece]) -> None:
             else:
                 bufs[start] = memoryview(bufs[start])[sent:]
                 sent = 0
-        if deadline is not None and start < len(bufs) and time.monotonic() > deadline:
-            raise TimeoutError(f"sending to Redis took longer than the socket timeout ({timeout}s)")
+
+
+def _check_send_deadline(deadline: float | None) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        raise TimeoutError("sending to Redis overran its deadline (the socket timeout, plus the bytes sent at "
+                           "the tier's min_read_mib_per_second)")  # fmt: skip
 
 
 class RespReader:
