@@ -611,7 +611,7 @@ class NamespaceReport:
         return {
             "digest": self.digest,
             "path": self.path,
-            "model_id": (self.manifest or {}).get("namespace", {}).get("model_id"),
+            "model_id": _model_id(self.manifest),
             "block_bytes": (self.manifest or {}).get("block_bytes"),
             "manifest": self.manifest,
             "manifest_error": self.manifest_error,
@@ -719,11 +719,17 @@ def verify_root(
     reports: list[NamespaceReport] = []
     unsafe: list[CorruptEntry] = []
     try:
-        if _kind_at(root_fd, MANIFEST) == stat.S_IFREG:  # the root is one namespace directory
+        names = sorted(e.name for e in os.scandir(root_fd))
+        # The root is one namespace directory if it holds a manifest and is named like one, or
+        # holds no directory named like one (a namespace directory renamed): a stray manifest.json
+        # in a root of namespaces must not hide them.
+        if _kind_at(root_fd, MANIFEST) == stat.S_IFREG and (
+            _NAMESPACE_RE.fullmatch(base.name) or not any(_NAMESPACE_RE.fullmatch(n) for n in names)
+        ):
             if base.name.startswith(prefix):
                 reports.append(_verify_namespace(root_fd, base, check_payloads, remove_corrupt))
             return RootReport(str(base), reports)
-        for name in sorted(e.name for e in os.scandir(root_fd)):
+        for name in names:
             if not _NAMESPACE_RE.fullmatch(name) or not name.startswith(prefix):
                 continue
             ns_fd = _open_subdir(root_fd, name)
@@ -789,6 +795,7 @@ class _Verification:
     verified: int = 0
     removed: int = 0
     corrupt: list[CorruptEntry] = field(default_factory=list)
+    kept: list[CorruptEntry] = field(default_factory=list)
     unsafe: list[CorruptEntry] = field(default_factory=list)
     foreign: list[str] = field(default_factory=list)
     buf: bytearray | None = None
@@ -827,9 +834,12 @@ def _verify_shard(ns_fd: int, ns_dir: Path, shard: str, v: _Verification) -> Non
 
 
 def _verify_value(shard_fd: int, name: str, path: Path, key: bytes, v: _Verification) -> None:
-    assert v.block_bytes is not None
-    if v.buf is None:
-        v.buf = bytearray(v.block_bytes)
+    """Read and verify one value as a tier reads it. A value that fails against the manifest is
+    judged by its own header and checksum before it counts as corrupt (and may be removed): one
+    that verifies so is kept, the manifest the suspect (a manifest edited or planted with another
+    block_bytes must not condemn every value). Buffers only a file of the manifest's size."""
+    block_bytes = v.block_bytes
+    assert block_bytes is not None
     try:
         fd = open_regular(name, os.O_RDONLY, dir_fd=shard_fd)
         try:
@@ -837,8 +847,22 @@ def _verify_value(shard_fd: int, name: str, path: Path, key: bytes, v: _Verifica
             # As a tier's reader: share-locked and still at its name, or a live engine is recycling
             # it (rewriting it in place for another key) and it is gone (ValueVanished), not corrupt.
             hold_at_name(shard_fd, name, fd, st)
-            read_value(fd, st.st_size, v.header, memoryview(v.buf), namespace=v.digest, key=key,
-                       block_bytes=v.block_bytes, direct=False, name=str(path))  # fmt: skip
+            payload = memoryview(b"")  # a size the manifest does not give fails before it is used
+            if st.st_size in (PAYLOAD_OFFSET + block_bytes, entry_bytes(block_bytes)):
+                if v.buf is None:
+                    v.buf = bytearray(block_bytes)
+                payload = memoryview(v.buf)
+            try:
+                read_value(fd, st.st_size, v.header, payload, namespace=v.digest, key=key,
+                           block_bytes=block_bytes, direct=False, name=str(path))  # fmt: skip
+            except CorruptValueError:
+                own = _own_block_bytes(fd, st.st_size, key, v.digest)
+                if own is None or own == block_bytes:
+                    raise
+                v.kept.append(CorruptEntry(str(path), (
+                    f"size {st.st_size}, the manifest's block_bytes says {block_bytes}, but its own header "
+                    f"({own} payload bytes) and checksum verify (kept: the manifest is suspect)")))  # fmt: skip
+                return
         finally:
             os.close(fd)
         v.verified += 1
@@ -859,6 +883,40 @@ def _verify_value(shard_fd: int, name: str, path: Path, key: bytes, v: _Verifica
         v.corrupt.append(CorruptEntry(str(path), f"unreadable: {exc}"))
 
 
+_OWN_CHECK_CHUNK = 1 << 20
+"""Bytes hashed at a time when a value is judged by its own header (:func:`_own_block_bytes`)."""
+
+
+def _own_block_bytes(fd: int, size: int, key: bytes, digest: bytes) -> int | None:
+    """The payload length of the value open as ``fd`` (``size`` bytes) if its own header (magic,
+    version, namespace, key) and payload checksum verify and its size is one a value of that
+    length has; else None. Hashes the payload a chunk at a time (no buffer of its size)."""
+    import xxhash
+
+    try:
+        header = decode_header(os.pread(fd, HEADER_SIZE, 0), namespace=digest, key=key)
+    except (CorruptValueError, ForeignFormatError):
+        return None
+    n = header.payload_len
+    if n <= 0 or size not in (PAYLOAD_OFFSET + n, entry_bytes(n)):
+        return None
+    hasher = xxhash.xxh3_64()
+    done = 0
+    while done < n:
+        chunk = os.pread(fd, min(_OWN_CHECK_CHUNK, n - done), PAYLOAD_OFFSET + done)
+        if not chunk:
+            return None
+        hasher.update(chunk)
+        done += len(chunk)
+    return n if hasher.intdigest() == header.checksum else None
+
+
+def _model_id(manifest: dict[str, Any] | None) -> Any:
+    """The manifest's ``namespace.model_id``, None where the manifest does not have one as planned."""
+    ns = (manifest or {}).get("namespace")
+    return ns.get("model_id") if isinstance(ns, dict) else None
+
+
 def _verify_namespace(ns_fd: int, ns_dir: Path, check_payloads: bool, remove_corrupt: bool) -> NamespaceReport:
     """Report on the namespace directory open as ``ns_fd`` (named ``ns_dir``), through descriptors."""
     manifest: dict[str, Any] | None = None
@@ -869,10 +927,14 @@ def _verify_namespace(ns_fd: int, ns_dir: Path, check_payloads: bool, remove_cor
             manifest_error = (
                 f"manifest names namespace {manifest.get('namespace_digest')!r}, directory is {ns_dir.name}"
             )
+        elif not isinstance(manifest.get("namespace"), dict):
+            manifest_error = "manifest field 'namespace' is not an object"
     except (OSError, ValueError, UnsafeEntryError) as exc:
         manifest_error = f"unreadable manifest: {exc}"
     block_bytes = manifest.get("block_bytes") if manifest else None
-    usable = manifest_error is None and isinstance(block_bytes, int) and block_bytes > 0
+    usable = manifest_error is None and type(block_bytes) is int and block_bytes > 0
+    if manifest_error is None and not usable:
+        manifest_error = f"manifest field 'block_bytes' is not a positive integer: {block_bytes!r:.40}"
     digest = bytes.fromhex(ns_dir.name) if _NAMESPACE_RE.fullmatch(ns_dir.name) else b""
     v = _Verification(digest, block_bytes if usable else None, check_payloads, remove_corrupt)
     for shard in SHARDS:
@@ -901,4 +963,5 @@ def _verify_namespace(ns_fd: int, ns_dir: Path, check_payloads: bool, remove_cor
         unsafe_entries=v.unsafe,
         temp_files_live=live,
         temp_files_stale=stale,
+        kept=v.kept,
     )
