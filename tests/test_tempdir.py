@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import kvtier.tempdir as tempdir_mod
 from kvtier.tempdir import LOCK_NAME, LockedTempDir, sweep_stale_temp_dirs
 
 PREFIX = "kvtier-bench-"
@@ -81,7 +82,7 @@ def test_hostile_entries_are_never_followed_opened_or_deleted(tmp_path: Path) ->
     hostile.mkdir()
     # A symlink with our prefix pointing at a stale (lockable) directory: not followed.
     (hostile / f"{PREFIX}link").symlink_to(victim)
-    # A directory without a lock file: not proven ours.
+    # A directory without a lock file, changed just now: not proven dead (it may be a creator's, before its lock).
     (hostile / f"{PREFIX}nolock").mkdir()
     (hostile / f"{PREFIX}nolock" / "data").write_text("keep")
     # A lock file that is a symlink to a real lock file elsewhere: not followed.
@@ -105,6 +106,205 @@ def test_hostile_entries_are_never_followed_opened_or_deleted(tmp_path: Path) ->
     assert time.monotonic() - started < 5
     assert sorted(p.name for p in hostile.iterdir()) == before
     assert victim.is_dir() and (hostile / f"{PREFIX}nolock" / "data").read_text() == "keep"
+
+
+# A child that removes a directory the way the given mode does, with directory listings in sorted
+# order (so the lock file, ".kvtier-lock", comes first: file systems may return any order) and a
+# pause, announced with "paused", right after the removal unlinks the lock file while anything
+# else is left, or once at most `keep` entries are left: the parent then kills it with SIGKILL.
+_PAUSING_REMOVER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    from kvtier.tempdir import LOCK_NAME, LockedTempDir, sweep_stale_temp_dirs
+
+    mode, parent, keep = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+    if mode == "cleanup":
+        owned = LockedTempDir(sys.argv[4], parent)
+        for i in range(int(sys.argv[5])):
+            (owned.path / f"f{i:05d}").write_bytes(b"x")
+        (owned.path / "sub").mkdir()
+        (owned.path / "sub" / "inner").write_bytes(b"x")
+        print(owned.path, flush=True)
+        target = owned.path
+    else:
+        target = parent / sys.argv[4]
+    real_scandir, real_listdir, real_unlink = os.scandir, os.listdir, os.unlink
+
+    class SortedScandir:
+        def __init__(self, *args, **kwargs):
+            with real_scandir(*args, **kwargs) as it:
+                self.entries = sorted(it, key=lambda e: e.name)
+        def __enter__(self):
+            return self
+        def __exit__(self, *exc):
+            return None
+        def __iter__(self):
+            return iter(self.entries)
+        def close(self):
+            return None
+
+    def unlink(path, *args, **kwargs):
+        real_unlink(path, *args, **kwargs)
+        names = real_listdir(target)
+        if (names and LOCK_NAME not in names) or len(names) <= keep:
+            print("paused", flush=True)
+            time.sleep(600)
+
+    os.scandir, os.unlink = SortedScandir, unlink
+    if mode == "cleanup":
+        owned.cleanup()
+    else:
+        sweep_stale_temp_dirs(sys.argv[5], parent, remove=True)
+    print("done", flush=True)
+    """
+)
+
+
+def _kill_remover_half_way(args: list[str]) -> list[str]:
+    """Run the pausing remover with ``args``; SIGKILL it at its pause. Returns its lines before "paused"."""
+    proc = subprocess.Popen([sys.executable, "-c", _PAUSING_REMOVER, *args], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    lines = []
+    try:
+        while (line := proc.stdout.readline().strip()) not in ("paused", "done", ""):
+            lines.append(line)
+        assert line == "paused", "the remover was to pause half way"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        proc.stdout.close()
+    return lines
+
+
+def _fill(path: Path, files: int) -> None:
+    for i in range(files):
+        (path / f"f{i:05d}").write_bytes(b"x")
+    (path / "sub").mkdir()
+    (path / "sub" / "inner").write_bytes(b"x")
+
+
+def test_a_sweep_killed_while_removing_leaves_the_lock_and_the_next_sweep_finishes(tmp_path: Path) -> None:
+    path = _dead_creator_dir(tmp_path)
+    _fill(path, 300)
+    _kill_remover_half_way(["sweep", str(tmp_path), "100", path.name, PREFIX])
+    left = {p.name for p in path.iterdir()}
+    assert LOCK_NAME in left  # killed half way, the lock file still there: provably ours and dead
+    assert 1 < len(left) <= 100 and "sub" in left
+    (found,) = sweep_stale_temp_dirs(PREFIX, tmp_path, remove=True)
+    assert found.path == path and found.removed and not path.exists()
+    assert sweep_stale_temp_dirs(PREFIX, tmp_path, remove=True) == []
+
+
+def test_an_owner_killed_inside_its_cleanup_is_swept(tmp_path: Path) -> None:
+    (line,) = _kill_remover_half_way(["cleanup", str(tmp_path), "100", PREFIX, "300"])
+    path = Path(line)
+    left = {p.name for p in path.iterdir()}
+    assert LOCK_NAME in left
+    assert 1 < len(left) <= 100
+    (found,) = sweep_stale_temp_dirs(PREFIX, tmp_path, remove=True)
+    assert found.path == path and found.removed and not path.exists()
+
+
+def test_an_old_unlocked_dir_of_ours_is_swept_and_a_fresh_one_is_kept(tmp_path: Path) -> None:
+    """A directory a killed remover of an older version left without its lock file is dead after a while."""
+    old, fresh = tmp_path / f"{PREFIX}old", tmp_path / f"{PREFIX}fresh"
+    for path in (old, fresh):
+        path.mkdir(mode=0o700)
+        _fill(path, 20)
+    long_ago = time.time() - tempdir_mod._STALE_UNLOCKED_DIR_SECONDS - 5
+    os.utime(old, (long_ago, long_ago))
+    (found,) = sweep_stale_temp_dirs(PREFIX, tmp_path)  # listing changes nothing
+    assert found.path == old and found.size == 21 and not found.removed
+    assert not (old / LOCK_NAME).exists() and os.stat(old).st_mtime == long_ago
+    (found,) = sweep_stale_temp_dirs(PREFIX, tmp_path, remove=True)
+    assert found.path == old and found.removed and not old.exists()
+    assert len(list(fresh.iterdir())) == 21 and not (fresh / LOCK_NAME).exists()
+
+
+# A creator that stops (until a line on stdin) before its lock is in place: right after mkdtemp,
+# or after locking its staging lock file; then prints the directory it finally got and lives on.
+_STALLED_CREATOR = textwrap.dedent(
+    """
+    import fcntl, sys, tempfile, time
+    from kvtier.tempdir import LockedTempDir
+
+    stall_at, calls = sys.argv[1], []
+    real_mkdtemp, real_flock = tempfile.mkdtemp, fcntl.flock
+
+    def stall(name):
+        calls.append(name)
+        if calls.count(name) == 1 and name == stall_at:
+            print(made[0], flush=True)
+            sys.stdin.readline()
+
+    made = []
+    def mkdtemp(*args, **kwargs):
+        made.append(real_mkdtemp(*args, **kwargs))
+        stall("mkdtemp")
+        return made[-1]
+
+    def flock(*args):
+        real_flock(*args)
+        stall("flock")
+
+    tempfile.mkdtemp, fcntl.flock = mkdtemp, flock
+    owned = LockedTempDir(sys.argv[2], sys.argv[3])
+    print(owned.path, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+@pytest.mark.parametrize("stall_at", ["mkdtemp", "flock"])
+@pytest.mark.parametrize("resume", ["after_sweep", "during_sweep"])
+def test_a_creator_stalled_before_its_lock_never_loses_its_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stall_at: str, resume: str
+) -> None:
+    """A sweep may claim an old lock-less directory a stalled creator made; the creator then gets another.
+
+    ``during_sweep`` resumes the creator once the sweep has claimed the directory (created the lock
+    file) and before it deletes anything: the creator must not take it back.
+    """
+    proc = subprocess.Popen([sys.executable, "-c", _STALLED_CREATOR, stall_at, PREFIX, str(tmp_path)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    final: list[Path] = []
+
+    def resume_creator() -> None:
+        assert proc.stdin is not None and proc.stdout is not None
+        if not final:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            final.append(Path(proc.stdout.readline().strip()))
+
+    try:
+        first = Path(proc.stdout.readline().strip())
+        assert first.parent == tmp_path and not (first / LOCK_NAME).exists()
+        long_ago = time.time() - tempdir_mod._STALE_UNLOCKED_DIR_SECONDS - 5
+        os.utime(first, (long_ago, long_ago))
+        if resume == "during_sweep":
+            real_tree_size = tempdir_mod._tree_size
+
+            def tree_size(dir_fd: int) -> int:
+                assert os.path.exists(first / LOCK_NAME)  # claimed, nothing deleted yet
+                resume_creator()
+                return real_tree_size(dir_fd)
+
+            monkeypatch.setattr(tempdir_mod, "_tree_size", tree_size)
+        (found,) = sweep_stale_temp_dirs(PREFIX, tmp_path, remove=True)
+        assert found.path == first and found.removed and not first.exists()
+        monkeypatch.undo()
+        resume_creator()
+        (path,) = final
+        assert path != first and path.parent == tmp_path and (path / LOCK_NAME).is_file()
+        assert sweep_stale_temp_dirs(PREFIX, tmp_path, remove=True) == []  # live: kept
+        assert path.is_dir() and proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        proc.stdin.close()
+        proc.stdout.close()
 
 
 def test_a_missing_parent_is_an_error(tmp_path: Path) -> None:

@@ -18,8 +18,21 @@ before it deletes anything, and never follows a symlink:
   lock means "in use" and the directory is left alone. The sweeper holds the
   lock while it deletes, so two sweepers never race on one directory.
 
-A creator makes its lock file under a temporary name, locks it, then renames
-it into place, so no sweeper can ever find a new directory's lock unlocked.
+Removal (by the owner's :meth:`LockedTempDir.cleanup` or by a sweeper) deletes
+everything but the lock file first, then the lock file, then the directory: a
+remover killed half way leaves the lock file behind, so the directory is still
+provably ours and dead, and the next sweep finishes it.
+
+A directory with no lock file at all (left by a version that removed the lock
+file early, or by a remover killed between the lock file and the directory) is
+taken as dead once it has not changed for :data:`_STALE_UNLOCKED_DIR_SECONDS`.
+A creator is without its lock only between ``mkdtemp`` and two system calls
+later, so that is normally enough; and it stays safe if a creator is stopped
+for longer there: the sweeper claims such a directory by creating the lock file
+itself (``O_EXCL``), while a creator publishes its already-locked lock file
+with ``link`` (which fails if the name exists, unlike ``rename``). Whoever is
+first owns the directory; a creator that loses starts over with a new one, so
+no directory a live process uses is ever removed.
 
 Called from any thread; each function does blocking file-system I/O.
 """
@@ -35,6 +48,7 @@ import shutil
 import stat
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,43 +59,54 @@ logger = logging.getLogger(__name__)
 LOCK_NAME = ".kvtier-lock"
 """The lock file inside every locked temporary directory."""
 
+_STALE_UNLOCKED_DIR_SECONDS = 60.0
+"""A directory of ours without a lock file, unchanged (mtime) this long, is abandoned (as in the fs tier)."""
+
+_CREATE_ATTEMPTS = 5
+"""New directories a :class:`LockedTempDir` tries when a sweeper claims the one it is making."""
+
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_NO_HARD_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
+
+
+class _Claimed(Exception):
+    """The directory being created was claimed (or removed) by a sweeper before its lock was in place."""
 
 
 class LockedTempDir:
     """A new private directory (mode 0700) under ``parent``, locked until :meth:`cleanup`.
 
     Used as a context manager, or created and later cleaned up by its owner
-    (one thread). :meth:`cleanup` removes the tree, then releases the lock; if
-    the process dies first, a later :func:`sweep_stale_temp_dirs` removes it.
+    (one thread). :meth:`cleanup` removes the tree (lock file last), then
+    releases the lock; if the process dies first, even during :meth:`cleanup`,
+    a later :func:`sweep_stale_temp_dirs` removes it. Raises :class:`OSError`
+    if the directory cannot be created and locked (nothing is left behind).
     """
 
     def __init__(self, prefix: str, parent: str | os.PathLike[str] | None = None) -> None:
-        self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-        dir_fd = os.open(self.path, _DIR_FLAGS)
-        try:
-            staging = f".lock-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                         dir_fd=dir_fd)  # fmt: skip
+        for _attempt in range(_CREATE_ATTEMPTS):
+            path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                os.rename(staging, LOCK_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            except BaseException:
-                os.close(fd)
-                raise
-        except BaseException:
-            shutil.rmtree(self.path, ignore_errors=True)
-            raise
-        finally:
-            os.close(dir_fd)
-        self._lock_fd: int | None = fd
+                self._lock_fd: int | None
+                self._lock_fd, self._ident = _lock_new_dir(path)
+            except _Claimed:
+                logger.debug("temporary directory %s was claimed by a sweeper while being created", path)
+                continue
+            self.path = path
+            return
+        raise FileExistsError(errno.EEXIST, "temporary directory claimed by a sweeper on every attempt", str(path))
 
     def cleanup(self) -> None:
-        """Remove the directory and everything in it, then release the lock. Idempotent."""
+        """Remove the directory and everything in it (lock file last), then release the lock. Idempotent.
+
+        Never raises for a file-system error: a directory it cannot remove is logged and, its lock
+        released, left to a later sweep.
+        """
         if self._lock_fd is None:
             return
         try:
-            shutil.rmtree(self.path, ignore_errors=True)
+            _remove_own_dir(self.path, self._ident)
         finally:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -93,6 +118,65 @@ class LockedTempDir:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.cleanup()
+
+
+def _lock_new_dir(path: Path) -> tuple[int, tuple[int, int]]:
+    """Lock the new directory ``path``: (its lock file's fd, locked by us; its (st_dev, st_ino)).
+
+    The lock file is made under a staging name, locked, then published as :data:`LOCK_NAME` with
+    ``link`` so that it never appears unlocked and never replaces a sweeper's claim. Raises
+    :class:`_Claimed` if a sweeper claimed or removed the directory first (it is then the
+    sweeper's to remove); on any other error removes the directory and re-raises.
+    """
+    try:
+        dir_fd = os.open(path, _DIR_FLAGS)
+    except FileNotFoundError as exc:
+        raise _Claimed from exc
+    try:
+        held = os.fstat(dir_fd)
+        ident = (held.st_dev, held.st_ino)
+        staging = f".lock-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            fd = os.open(staging, _LOCK_FLAGS, 0o600, dir_fd=dir_fd)
+        except FileNotFoundError as exc:  # the directory was removed under us
+            raise _Claimed from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _publish_lock(staging, dir_fd)
+        except BaseException:
+            os.close(fd)
+            raise
+    except _Claimed:
+        raise
+    except BaseException:
+        _remove_own_dir(path, None)
+        raise
+    finally:
+        os.close(dir_fd)
+    return fd, ident
+
+
+def _publish_lock(staging: str, dir_fd: int) -> None:
+    """Give the locked staging file the name :data:`LOCK_NAME`; :class:`_Claimed` if a sweeper was first.
+
+    On a file system without hard links, falls back to ``rename`` (which would replace a
+    sweeper's claim made in the same instant: only possible after a creator stopped for
+    :data:`_STALE_UNLOCKED_DIR_SECONDS` right here).
+    """
+    try:
+        os.link(staging, LOCK_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+    except (FileExistsError, FileNotFoundError) as exc:
+        raise _Claimed from exc
+    except OSError as exc:
+        if exc.errno not in _NO_HARD_LINKS:
+            raise
+        try:
+            os.rename(staging, LOCK_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except FileNotFoundError as exc2:
+            raise _Claimed from exc2
+        return
+    with contextlib.suppress(OSError):  # a leftover staging file goes with the directory
+        os.unlink(staging, dir_fd=dir_fd)
 
 
 @dataclass(frozen=True)
@@ -152,8 +236,69 @@ def _take_stale_lock(dir_fd: int) -> int | None:
     return fd
 
 
+def _abandoned_unlocked(dir_fd: int) -> bool:
+    """Has the directory (ours, checked by the caller) no lock file, and not changed for a while?
+
+    Such a directory was left by a remover killed after the lock file went (or by a creator that
+    died before making it). A future mtime is not old.
+    """
+    try:
+        os.stat(LOCK_NAME, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    else:
+        return False  # a lock file (or something in its place): decided by _take_stale_lock
+    return time.time() - os.fstat(dir_fd).st_mtime >= _STALE_UNLOCKED_DIR_SECONDS
+
+
+def _claim_unlocked(dir_fd: int) -> int | None:
+    """Create :data:`LOCK_NAME` in the lock-less directory and lock it: the fd, or None if someone was first.
+
+    ``O_EXCL`` makes this atomic against a creator publishing its lock (``link``) and against
+    another sweeper: if the name appeared, the lock there decides (:func:`_take_stale_lock`).
+    """
+    try:
+        fd = os.open(LOCK_NAME, _LOCK_FLAGS, 0o600, dir_fd=dir_fd)
+    except FileExistsError:
+        return _take_stale_lock(dir_fd)
+    except OSError as exc:
+        logger.debug("could not claim a temporary directory without a lock file: %s", exc)
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _empty_but_lock(dir_fd: int, path: Path) -> None:
+    """Delete every entry of the directory open as ``dir_fd`` (at ``path``) except :data:`LOCK_NAME`.
+
+    Links are removed, never followed. Raises :class:`OSError` if an entry cannot be removed.
+    """
+    for entry in list(os.scandir(dir_fd)):
+        if entry.name == LOCK_NAME:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            if entry.is_dir(follow_symlinks=False):
+                if sys.version_info >= (3, 11):
+                    shutil.rmtree(entry.name, dir_fd=dir_fd)
+                else:  # pragma: no cover - 3.10: path based; still refuses a symlinked top and never follows links
+                    shutil.rmtree(path / entry.name)
+            else:
+                os.unlink(entry.name, dir_fd=dir_fd)
+
+
 def _remove(parent: Path, parent_fd: int, name: str, dir_fd: int) -> bool:
-    """Delete ``name`` if it is still the directory open as ``dir_fd``; True if it is gone."""
+    """Delete ``name`` if it is still the directory open as ``dir_fd``; True if it is gone.
+
+    The caller holds the directory's lock (or it has none). Everything but the lock file goes
+    first, then the lock file, then the directory, so a kill half way leaves the lock file. A
+    failure is logged and returns False.
+    """
     try:
         now = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
     except OSError:
@@ -162,14 +307,35 @@ def _remove(parent: Path, parent_fd: int, name: str, dir_fd: int) -> bool:
     if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
         return False
     try:
-        if sys.version_info >= (3, 11):
-            shutil.rmtree(name, dir_fd=parent_fd)
-        else:  # pragma: no cover - 3.10: path based; still refuses a symlinked top and never follows links
-            shutil.rmtree(parent / name)
+        _empty_but_lock(dir_fd, parent / name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(LOCK_NAME, dir_fd=dir_fd)
+        os.rmdir(name, dir_fd=parent_fd)
     except OSError as exc:
-        logger.warning("could not remove stale temporary directory %s: %s", parent / name, exc)
+        logger.warning("could not remove temporary directory %s: %s", parent / name, exc)
         return False
     return True
+
+
+def _remove_own_dir(path: Path, ident: tuple[int, int] | None) -> None:
+    """Remove our directory ``path`` (if it is still the inode ``ident``, when given); never raises OSError."""
+    try:
+        parent_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        logger.warning("could not remove temporary directory %s: %s", path, exc)
+        return
+    try:
+        dir_fd = _open_owned_dir(parent_fd, path.name)
+        if dir_fd is None:
+            return
+        try:
+            st = os.fstat(dir_fd)
+            if ident is None or (st.st_dev, st.st_ino) == ident:
+                _remove(path.parent, parent_fd, path.name, dir_fd)
+        finally:
+            os.close(dir_fd)
+    finally:
+        os.close(parent_fd)
 
 
 def sweep_stale_temp_dirs(
@@ -178,7 +344,9 @@ def sweep_stale_temp_dirs(
     """The directories ``<parent>/<prefix>*`` left by dead creators; deleted too with ``remove``.
 
     ``parent`` defaults to :func:`tempfile.gettempdir`. See the module docstring
-    for what proves a directory stale and ours; anything else is left alone.
+    for what proves a directory stale and ours (a lock file nobody holds, or no
+    lock file and no change for :data:`_STALE_UNLOCKED_DIR_SECONDS`); anything
+    else is left alone. Listing (without ``remove``) changes nothing.
     Raises :class:`FileNotFoundError`/:class:`NotADirectoryError` if ``parent``
     is not a directory.
     """
@@ -195,12 +363,16 @@ def sweep_stale_temp_dirs(
             try:
                 lock_fd = _take_stale_lock(dir_fd)
                 if lock_fd is None:
-                    continue
+                    if not _abandoned_unlocked(dir_fd):
+                        continue
+                    if remove and (lock_fd := _claim_unlocked(dir_fd)) is None:
+                        continue
                 try:
                     size = _tree_size(dir_fd)
                     removed = remove and _remove(base, parent_fd, name, dir_fd)
                 finally:
-                    os.close(lock_fd)
+                    if lock_fd is not None:
+                        os.close(lock_fd)
                 if removed:
                     logger.info("removed stale temporary directory %s (%d bytes)", base / name, size)
                 found.append(StaleTempDir(base / name, size, removed))
