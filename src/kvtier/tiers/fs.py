@@ -225,6 +225,11 @@ class _NoRoom(Exception):
     """A store found nothing to evict: every file it could evict is being read."""
 
 
+class _LostRace(Exception):
+    """A store's link found its name taken twice, and free each time it looked: values of other
+    engines (same key) linked there and evicted or recycled meanwhile. Nothing was written."""
+
+
 def _is_gone(exc: OSError) -> bool:
     """The file is gone: removed (ENOENT), or removed by another NFS client while open (ESTALE)."""
     return isinstance(exc, FileNotFoundError) or exc.errno == errno.ESTALE
@@ -323,6 +328,8 @@ class FilesystemTier(ThreadedTier):
              "unsafe_entries": 0, "temp_files_swept": float(self.swept_temp_files), "journal_added": 0,
              "journal_removed": 0, "checks": 0, "checks_found": 0}
         )  # fmt: skip
+        self._unsafe_shards: set[str] = set()  # shards found not to be directories (logged once each)
+        self._dirs.on_unsafe = self._unsafe_shard
         self._start()
 
     # --- construction helpers -------------------------------------------------------------
@@ -633,6 +640,11 @@ class FilesystemTier(ThreadedTier):
             self._index.abort(key)
             self._complete(work, error="no room: every evictable file is being read", dropped=True)
             return
+        except _LostRace:
+            self._index.abort(key)
+            self._complete(work, error=f"store of {key.hex()[:16]} dropped: lost a race for its name to other "
+                           "engines' values of the key, evicted or recycled since", dropped=True)  # fmt: skip
+            return
         except UnsafeEntryError as exc:
             self._index.abort(key)
             self._count(unsafe_entries=1)
@@ -674,13 +686,17 @@ class FilesystemTier(ThreadedTier):
         the index usually knows such a file from the other engine's journal, and ``_holds``
         skipped the store).
 
-        Claims room in the shared budget first and evicts what that takes; every failure
-        gives the claim back and removes the temp file. Raises _NoRoom (nothing evictable),
-        UnsafeEntryError (the name is taken by an entry that is no value of ours), OSError.
+        A name found taken and then free (the value there was evicted or recycled by its
+        engine before it could be looked at) is linked once more. Claims room in the shared
+        budget first and evicts what that takes; every failure gives the claim back and
+        removes the temp file. Raises _NoRoom (nothing evictable), _LostRace (taken and free
+        again twice), UnsafeEntryError (the name is taken by an entry that is not a value of
+        ours: left alone, never replaced), OSError.
         """
         tmp, tmp_dir = self._instance.temp_name(key), self._instance.fd
         fd: int | None = None
         claimed = True
+        at_name: bool | None = None
         need = self._budget.claim()
         try:
             fd = self._make_room(need, recycle_to=tmp)
@@ -697,7 +713,14 @@ class FilesystemTier(ThreadedTier):
                 row.release()
             os.close(fd)  # drops a recycled file's exclusive lock before it is visible again
             fd = None
-            if self._place(tmp, tmp_dir, key):
+            placed = self._place(tmp, tmp_dir, key)
+            if not placed:
+                at_name = self._value_at(key)
+                if at_name is None:  # taken at the link, free now: that value is gone, link once more
+                    placed = self._place(tmp, tmp_dir, key)
+                    if not placed:
+                        at_name = self._value_at(key)
+            if placed:
                 claimed = False
                 self._journal.append(ADDED, [key])
                 return True
@@ -708,8 +731,10 @@ class FilesystemTier(ThreadedTier):
                 self._budget.release(1)
                 with contextlib.suppress(OSError):
                     os.unlink(tmp, dir_fd=tmp_dir)
-        if self._on_disk(key):
+        if at_name:
             return False
+        if at_name is None:
+            raise _LostRace
         raise UnsafeEntryError(value_name(key), "a name taken by an entry that is not a value of ours")
 
     def _place(self, tmp: str, tmp_dir: int, key: BlockKey) -> bool:
@@ -736,6 +761,12 @@ class FilesystemTier(ThreadedTier):
     def _on_disk(self, key: BlockKey) -> bool:
         """Is a value of ``key`` on disk: a regular file of ours (or the group's) of a value's size,
         not one that failed verification? One ``fstatat``, following no link. I/O threads."""
+        return self._value_at(key) is True
+
+    def _value_at(self, key: BlockKey) -> bool | None:
+        """What is at ``key``'s name: True a value (as :meth:`_on_disk`), None nothing, False
+        anything else (an entry that is not a value of ours, in a shard that may not be one).
+        Raises OSError."""
         try:
             shard_fd = self._dirs.shard(f"{key[0]:02x}")
         except UnsafeEntryError:
@@ -746,7 +777,9 @@ class FilesystemTier(ThreadedTier):
             return False
         finally:
             os.close(shard_fd)
-        return st is not None and not self._checks.rejected(key, st)
+        if st is None:
+            return None
+        return not self._checks.rejected(key, st)
 
     def _make_room(self, need: int, recycle_to: str | None) -> int | None:
         """Evict the ``need`` files the shared budget asked for, and more while it asks for more:
@@ -820,7 +853,7 @@ class FilesystemTier(ThreadedTier):
             shard, name = f"{victim[0]:02x}", value_name(victim)
             removed_at.append(time.time())
             try:
-                shard_fd = self._dirs.subdir(shard)
+                shard_fd = self._dirs.shard(shard)
                 try:
                     if recycle_to is not None and recycled is None:
                         recycled = take_for_recycling(
@@ -835,6 +868,8 @@ class FilesystemTier(ThreadedTier):
                     os.close(shard_fd)
             except FileNotFoundError:
                 pass
+            except UnsafeEntryError as exc:  # its shard is no directory: nothing in it is ours to remove
+                self._unsafe_shard(shard, exc)
             except OSError as exc:
                 self._io_error(f"evicting {victim.hex()[:16]} failed: {exc.strerror or exc}")
         self._budget.release(len(gone), planned=planned)
@@ -975,14 +1010,25 @@ class FilesystemTier(ThreadedTier):
         except OSError as exc:
             return not _is_gone(exc)
 
+    def _unsafe_shard(self, shard: str, exc: UnsafeEntryError) -> None:
+        """A shard that is not a real directory (a link, a file...), met by a listing or an
+        eviction: counted as an unsafe entry and skipped (never followed nor removed, not an I/O
+        error: the breaker is untouched), logged once per shard."""
+        self._count(unsafe_entries=1)
+        if shard not in self._unsafe_shards:
+            self._unsafe_shards.add(shard)
+            logger.warning("fs tier %s: shard %s skipped (never followed, never deleted): %s", self.label, shard, exc)
+
     def _io_error(self, detail: str) -> None:
         logger.warning("fs tier %s: %s", self.label, detail)
         self._count(io_errors=1)
         self._note_failure(detail)
 
     def _probe(self) -> None:
-        """Open a shard, then write, read back and delete a one-page file; raises if any step fails."""
-        os.close(self._dirs.subdir(SHARDS[0]))
+        """Open a shard, then write, read back and delete a one-page file; raises if any step fails
+        (a shard that is not a directory says nothing of the medium: it does not fail the probe)."""
+        with contextlib.suppress(UnsafeEntryError):
+            os.close(self._dirs.shard(SHARDS[0]))
         name = f"health-probe.{next(self._probe_seq)}"
         dir_fd = self._instance.fd
         payload = os.urandom(PAGE)
@@ -1046,6 +1092,7 @@ class FilesystemTier(ThreadedTier):
         self._stop_scan.set()
 
     def _close(self) -> None:
+        self._dirs.on_unsafe = None
         self._instance.close(remove=True)  # first: the ledger's owner is dead from now on
         self._budget.close()
         self._journal.close()

@@ -41,7 +41,7 @@ import errno
 import grp
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,6 +129,8 @@ class NamespaceDir:
     def __init__(self, path: Path, subdirs: tuple[str, ...], modes: FileModes) -> None:
         self.path = path
         self.modes = modes
+        self.on_unsafe: Callable[[str, UnsafeEntryError], None] | None = None
+        """Told of each shard :meth:`entries` skipped as not a real directory (the tier counts it)."""
         root = path.parent
         if os.path.lexists(root) and not os.path.isdir(root):  # a file, a FIFO, a dangling link...
             raise ConfigError(f"fs tier root {root} is not a directory: give a directory for 'root' (made if missing)")
@@ -189,9 +191,10 @@ class NamespaceDir:
         return os.open(name, DIR_FLAGS, dir_fd=self.fd)
 
     def shard(self, name: str) -> int:
-        """:meth:`subdir` for a value's shard: a link or a special file (FIFO, socket, device)
-        where the shard belongs raises :class:`UnsafeEntryError` (someone else's entry, never
-        followed: not an I/O failure of the medium); anything else raises as :meth:`subdir` does."""
+        """:meth:`subdir` for a value's shard. Anything where the shard belongs that is not a real
+        directory (a link, a regular file, a FIFO, a socket, a device: ``ELOOP``/``ENOTDIR``)
+        raises :class:`UnsafeEntryError` (someone else's entry, never followed nor removed: not
+        an I/O failure of the medium); anything else raises as :meth:`subdir` does."""
         try:
             return os.open(name, DIR_FLAGS, dir_fd=self.fd)
         except OSError as exc:
@@ -200,16 +203,21 @@ class NamespaceDir:
             try:
                 mode = os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode
             except OSError:
-                raise exc from None
-            if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
-                raise
-            raise UnsafeEntryError(self.path / name, f"{kind_of(mode)}, where a shard directory belongs") from None
+                mode = 0  # gone meanwhile: it was no directory when it was opened
+            # A directory here now was swapped in after the open failed: not this shard either.
+            kind = "not a directory" if not mode or stat.S_ISDIR(mode) else kind_of(mode)
+            raise UnsafeEntryError(self.path / name, f"{kind}, where a shard directory belongs") from None
 
     def entries(self, name: str) -> Iterator[os.DirEntry[str]]:
-        """The entries of subdirectory ``name`` (none if it vanished)."""
+        """The entries of shard ``name``: none if it vanished, none if it is not a real directory
+        (never followed: handed to :attr:`on_unsafe`, which counts and logs it)."""
         try:
-            fd = self.subdir(name)
+            fd = self.shard(name)
         except FileNotFoundError:
+            return
+        except UnsafeEntryError as exc:
+            if self.on_unsafe is not None:
+                self.on_unsafe(name, exc)
             return
         try:
             yield from os.scandir(fd)
@@ -277,29 +285,29 @@ def find_value(dir_fd: int, name: str, modes: FileModes, sizes: tuple[int, ...])
 def place_value(tmp_fd: int, tmp_name: str, dir_fd: int, name: str, *, hard_link: bool) -> bool:
     """Give the finished temp file ``tmp_name`` its value name, never replacing what is there.
 
-    True if it now stands at ``name``; False if the name was taken (by another engine's
-    value of the same key, or by anything planted there). The temp name is gone either
-    way. ``hard_link`` False (the file system has none): rename, after checking the name
-    is free (a writer racing in that instant may be replaced: both wrote the same key).
-    Raises OSError; with ``hard_link``, one whose errno is in :data:`NO_HARD_LINKS` says
-    the file system has no hard links (the temp file is left for a retry).
+    True if it now stands at ``name`` (the temp name is gone); False if the name was taken
+    (by another engine's value of the same key, or by anything planted there): the temp file
+    is left for the caller to link again (the name may be free again: the value that took it
+    evicted or recycled meanwhile) or to remove. ``hard_link`` False (the file system has
+    none): rename, after checking the name is free (a writer racing in that instant may be
+    replaced: both wrote the same key). Raises OSError; with ``hard_link``, one whose errno is
+    in :data:`NO_HARD_LINKS` says the file system has no hard links (the temp file is left
+    for a retry).
     """
     if hard_link:
         try:
             os.link(tmp_name, name, src_dir_fd=tmp_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
         except FileExistsError:
             # NFS: a retransmitted LINK whose first try succeeded answers EEXIST; then ours has 2 links.
-            placed = os.stat(tmp_name, dir_fd=tmp_fd, follow_symlinks=False).st_nlink > 1
-        else:
-            placed = True
+            if os.stat(tmp_name, dir_fd=tmp_fd, follow_symlinks=False).st_nlink <= 1:
+                return False
         os.unlink(tmp_name, dir_fd=tmp_fd)
-        return placed
+        return True
     try:
         os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         os.rename(tmp_name, name, src_dir_fd=tmp_fd, dst_dir_fd=dir_fd)
         return True
-    os.unlink(tmp_name, dir_fd=tmp_fd)
     return False
 
 
