@@ -214,7 +214,7 @@ def test_the_model_may_come_from_the_environment(private_shm: Path) -> None:
         (["--capacity", "-1"], ["--capacity '-1'", "not a block count"]),
         (["--block-bytes", "0"], ["--block-bytes", "must be positive"]),
         (["--block-bytes", "1MiB", "--model", "tiny"], ["--block-bytes", "drop --model"]),
-        (["--block-tokens", "16"], ["--block-tokens", "--model"]),
+        (["--block-tokens", "16"], ["--block-tokens", "--model", "--store-chunk mixed"]),
         (["--block-tokens", "0", "--model", "tiny"], ["--block-tokens", "at least 1"]),
         (["--plot", "out.xyz"], ["--plot", "'xyz'", "suffix"]),
         (["--plot", "-", "--json", "-"], ["both write to standard output"]),
@@ -224,6 +224,22 @@ def test_the_model_may_come_from_the_environment(private_shm: Path) -> None:
 def test_bad_replay_flags_are_one_clear_line(flags: list[str], words: list[str], tmp_path: Path) -> None:
     out = run(*SMALL, *flags)
     _one_error_line(out, *words)
+
+
+def test_block_tokens_sets_the_mixed_decode_stores_without_a_model(tmp_path: Path, private_shm: Path) -> None:
+    """Regression (review, 2026-12-05): its help says --block-tokens sets the decode stores of
+    --store-chunk mixed, yet without --model (or beside --block-bytes) it was refused."""
+    counts = []
+    for tokens in ("512", "16"):
+        out = run(*SMALL, "--store-chunk", "mixed", "--block-tokens", tokens, "--policy", "lru", "--json", "-",
+                  "--shm-dir", str(private_shm))  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        counts.append([row["kvtier"]["evictions"] for row in json.loads(out.stdout)["rows"]])
+    # Decoded blocks are stored one at a time: 16-token blocks make more of them, so more evictions.
+    assert all(few < many for few, many in zip(counts[0], counts[1], strict=True)), counts
+    out = run(*SMALL, "--store-chunk", "mixed", "--block-tokens", "16", "--block-bytes", "1MiB", "--policy", "lru",
+              "--shm-dir", str(private_shm))  # fmt: skip
+    assert out.returncode == 0, out.stderr
 
 
 # --------------------------------------------------------------------------- chaining

@@ -791,14 +791,17 @@ def _replay_block_bytes(args: argparse.Namespace, settings: KvtierConfig) -> tup
     from kvtier.workload.trace import TRACE_BLOCK_TOKENS
 
     tokens = args.block_tokens if args.block_tokens is not None else TRACE_BLOCK_TOKENS
+    # --block-tokens also sets the decode stores of --store-chunk mixed: there it needs no model.
+    decode_tokens = args.block_tokens is not None and args.store_chunk == "mixed"
     if args.block_bytes is not None:
-        if args.model is not None or args.block_tokens is not None:
+        if args.model is not None or (args.block_tokens is not None and not decode_tokens):
             given = "--model" if args.model is not None else "--block-tokens"
             raise ConfigError(f"--block-bytes gives a trace block's size itself: drop {given}")
         return args.block_bytes, " (--block-bytes)"
     if settings.sources["model"] == "default":
-        if args.block_tokens is not None:
-            raise ConfigError("--block-tokens sizes a trace block with a model's KV: give --model PRESET too")
+        if args.block_tokens is not None and not decode_tokens:
+            raise ConfigError("--block-tokens sizes a trace block with a model's KV (give --model PRESET too) "
+                              "or sets the decode stores of --store-chunk mixed")  # fmt: skip
         return None
     per_token = settings.kv_geometry().bytes_per_token
     source = "" if args.model is not None else f", from {settings.sources['model']}"

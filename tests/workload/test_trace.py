@@ -34,6 +34,29 @@ def test_reads_requests_sorted_by_timestamp(tmp_path: Path) -> None:
     assert trace_summary(reqs)["distinct_blocks"] == 3
 
 
+def test_fractional_timestamps_order_the_requests(tmp_path: Path) -> None:
+    """Regression (review, 2026-12-05): timestamps were truncated to integers before the sort, so
+    0.9, 0.1, 0.5 all became 0 and the requests replayed in file order."""
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": t, "input_length": 1, "output_length": 1, "hash_ids": [i]}) + "\n"
+                            for i, t in enumerate([0.9, 0.1, 0.5])))  # fmt: skip
+    reqs = read_trace(path)
+    assert [r.hash_ids for r in reqs] == [(1,), (2,), (0,)]
+    assert [r.timestamp_ms for r in reqs] == [0.1, 0.5, 0.9]
+
+
+def test_limit_never_parses_the_line_after_the_first_n(tmp_path: Path) -> None:
+    """Regression (review, 2026-12-05): --limit N read and parsed line N+1 too, so a bad line right
+    after the first N requests failed a replay that should never reach it."""
+    path = tmp_path / "t.jsonl"
+    good = '{"timestamp": 1, "input_length": 1, "output_length": 1, "hash_ids": [1]}\n'
+    path.write_bytes(good.encode() + b'{"timestamp": NaN}\n' + b"\xff\xfe binary\n")
+    assert [r.hash_ids for r in read_trace(path, limit=1)] == [(1,)]
+    assert read_trace(path, limit=0) == []
+    with pytest.raises(TraceFormatError, match=":2"):
+        read_trace(path, limit=2)
+
+
 @pytest.mark.parametrize(
     ("line", "fragment"),
     [

@@ -42,7 +42,8 @@ TRACE_BLOCK_TOKENS = 512
 class TraceRequest:
     """One request of a trace."""
 
-    timestamp_ms: int
+    timestamp_ms: float
+    """When it arrived, in milliseconds, as the trace gives it (an int, or a fraction of one)."""
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
@@ -87,7 +88,7 @@ def _parse_line(line: str, where: str) -> TraceRequest:
         not isinstance(ids, list) or not all(type(i) is int and -_INT64 <= i < _INT64 for i in ids)  # no bools
     ):
         raise TraceFormatError(f"{where}: 'hash_ids' must be a list of integers in the int64 range, got {ids!r:.80}")
-    values = {}
+    values: dict[str, int | float] = {}
     for name in _FIELDS[:3]:
         value = obj.get(name)
         if value is None:
@@ -96,13 +97,15 @@ def _parse_line(line: str, where: str) -> TraceRequest:
             raise TraceFormatError(
                 f"{where}: {name!r} must be a non-negative number (finite, below 2**63), got {value!r:.40}"
             )
-        values[name] = int(value)
+        # The lengths are counts; the timestamp keeps its fraction: requests are replayed in its order.
+        values[name] = value if name == "timestamp" else int(value)
     missing = [name for name in _FIELDS if obj.get(name) is None]
     if missing:
         raise TraceFormatError(
             f"{where}: missing {', '.join(repr(m) for m in missing)}: each line needs {', '.join(_FIELDS)}"
         )
-    return TraceRequest(values["timestamp"], values["input_length"], values["output_length"], tuple(ids or ()))
+    return TraceRequest(values["timestamp"], int(values["input_length"]), int(values["output_length"]),
+                        tuple(ids or ()))  # fmt: skip
 
 
 def _lines(raw: BinaryIO, name: str, max_bytes: int) -> Iterator[tuple[int, int, bytes]]:
@@ -168,11 +171,13 @@ def read_trace(
     text read); with ``limit`` the rest of the file is never read.
     """
     out: list[TraceRequest] = []
+    if limit is not None and limit <= 0:
+        return out
     with contextlib.closing(iter_trace(path, max_bytes=max_bytes)) as requests:
         for req in requests:
-            if limit is not None and len(out) >= limit:
-                break
             out.append(req)
+            if limit is not None and len(out) >= limit:
+                break  # before the next line is read: a bad line after the first ``limit`` is never parsed
     out.sort(key=lambda r: r.timestamp_ms)
     return out
 
