@@ -47,6 +47,25 @@ def test_an_ended_conversations_blocks_go_first_and_a_shared_prefix_stays() -> N
     assert set(order) == {1, 2, 10, 11, 12, 13, 14, 20, 21, 22, 30, 31}
 
 
+def test_an_ended_conversation_leaves_a_prefix_it_shares_with_one_other_conversation() -> None:
+    """Regression (review, 2026-12-05): the walk passed any block with one other child, so a system
+    prompt shared by exactly two conversations was expired with the one that ended, below the
+    other conversation's live blocks (an ancestor held less than its descendants), and went first."""
+    tier = held_tier()
+    store(tier, [100, 101, 102, 1, 2])  # conversation a, turn 1, after a system prompt
+    store(tier, [7, 8], parent=102)  # conversation b, same system prompt
+    store(tier, [3], parent=2)  # conversation a, turn 2
+    expiry = tier.policy._expiry
+    prompt = [expiry[tier.slot_of[key(k)]] for k in (100, 101, 102)]
+    hint(tier, 3, session="a", session_end=True)
+    check_invariants(tier)
+    assert [expiry[tier.slot_of[key(k)]] for k in (100, 101, 102)] == prompt
+    assert min(prompt) >= max(expiry[tier.slot_of[key(k)]] for k in (7, 8))
+    order = evict_all(tier)
+    assert order[:3] == [3, 2, 1], order
+    assert order[-3:] == [102, 101, 100], order
+
+
 def test_an_expected_return_protects_a_conversation_and_a_late_one_goes_first() -> None:
     tier = Slotted(ReturnTimePolicy(64))  # learned holds 0: LRU's order without hints
     policy = tier.policy

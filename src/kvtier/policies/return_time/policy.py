@@ -533,8 +533,9 @@ class ReturnTimePolicy(ExpiryWheel):
         A session id teaches :attr:`sessions` the references per announced
         second. If the conversation ended or is expected back later than
         :meth:`_hint_reach`, its own blocks (up from ``tail_slot`` while
-        each has at most one other child: the conversation's, not a prefix
-        shared with other conversations) are evicted first; if it is expected
+        each has at most one other child, and that only where a request of
+        the conversation ended, its partial last block branching off: not a
+        prefix shared with other conversations) are evicted first; if it is expected
         back sooner, the request's blocks (up while each is its parent's only
         child) are held until then (with ``HINT_SLACK``), their ancestors raised
         to that. Nothing if ``tail_slot`` has children or is open. O(blocks walked).
@@ -558,16 +559,21 @@ class ReturnTimePolicy(ExpiryWheel):
             expected *= HINT_SLACK
             self.budget.add(now, depth, expected)
         expire = session_end or expected is None or expected > self._hint_reach()
-        # Expiring also walks past a block with one other child: where an earlier turn of the
-        # conversation branched off its (partial, never reused) last block.
+        # Expiring also walks past a block with one other child where an earlier turn of the
+        # conversation branched off its (partial, never reused) last block: a block recorded as
+        # a request's end (the history records the block before a request's last). Any other
+        # branch is a prefix shared with another conversation: the walk stops below it.
         private = 2 if expire else 1
         chain = [tail_slot]
         up = par[tail_slot]
         key_of = self._key_of  # a stale link (an evicted parent) ends the walk at a free slot
+        history = self.classes.history
         while (
             up >= 0 and children[up] <= private and expiry[up] < OPEN and key_of[up] is not NO_KEY
             and len(chain) < self.capacity
         ):  # fmt: skip
+            if children[up] > 1 and fingerprint(key_of[up]) not in history:
+                break
             chain.append(up)
             up = par[up]
         if expire or expected is None:
