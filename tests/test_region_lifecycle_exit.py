@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from kvtier import Namespace, RequestContext, TieringManager
+from kvtier.errors import RegionError
 from kvtier.keys import KVGeometry
 from kvtier.region import SharedRegion
 
@@ -269,3 +270,74 @@ def test_forks_while_another_thread_makes_and_closes_regions_leave_the_child_not
         stop.set()
         thread.join(30)
     assert not bad, bad[:3]
+
+
+def _manager(shm: Path, name: str, mappers: int = 2) -> TieringManager:
+    ns = Namespace("exit-test", KVGeometry.from_block_bytes(8192))
+    return TieringManager.create(namespace=ns, num_cpu_blocks=4, region_name=name, shm_dir=shm,
+                                 expected_mappers=mappers)  # fmt: skip
+
+
+def test_a_worker_never_takes_the_place_kept_for_its_scheduler(private_shm: Path) -> None:
+    """Regression (review, 2026-12-05): with one worker too many (expected_mappers too low), the
+    second worker completed the start and unlinked its path; the scheduler then made a second file,
+    and the engine's worker and scheduler copied to and read from different rows (wrong bytes,
+    persisted to the fs tier). The last place is the scheduler's: the extra worker is refused."""
+    first = SharedRegion("split", 4, 8192, expected_mappers=2, shm_dir=private_shm, worker=True)
+    try:
+        with pytest.raises(RegionError, match="last place is its scheduler's"):
+            SharedRegion("split", 4, 8192, expected_mappers=2, shm_dir=private_shm, worker=True)
+        mgr = _manager(private_shm, "split")
+        try:
+            assert _one_mapping(first, mgr.region, 1, 42) and first.start_complete()
+            assert list(private_shm.iterdir()) == [], "the start is complete: its path is unlinked"
+        finally:
+            mgr.shutdown()
+    finally:
+        first.close()
+    # Scheduler first, then the worker: it completes the start as before.
+    mgr = _manager(private_shm, "split")
+    try:
+        worker = SharedRegion("split", 4, 8192, expected_mappers=2, shm_dir=private_shm, worker=True)
+        try:
+            assert _one_mapping(worker, mgr.region, 2, 7) and worker.start_complete()
+        finally:
+            worker.close()
+    finally:
+        mgr.shutdown()
+
+
+def test_a_worker_that_came_after_its_start_completed_copies_nothing(private_shm: Path) -> None:
+    """Regression (review, 2026-12-05): a worker started after its engine's start was complete (the
+    path unlinked) made a file of its own and copied into rows no scheduler reads. Its copier now
+    refuses every copy; the engine recomputes instead of loading bytes that were never stored."""
+    import numpy as np
+    import torch
+
+    from kvtier.errors import KvtierError
+    from kvtier.integrations.vllm.copier import RegionCopier
+
+    def copier() -> RegionCopier:
+        dev = torch.zeros(4, 256, dtype=torch.int8)
+        return RegionCopier(region_name="late", shm_dir=str(private_shm), num_rows=4, row_bytes=8192,
+                            expected_mappers=2, rank=0, rank_bytes=4096, blocks_per_chunk=1, device_tensors=[dev],
+                            group_refs=[[(0, 256)]])  # fmt: skip
+
+    mgr = _manager(private_shm, "late")
+    try:
+        on_time = copier()
+        late = None
+        try:
+            on_time.submit(1, np.array([0]), [1], [0], np.array([1]), to_device=False)
+            on_time.engine.wait([1], timeout=10)
+            late = copier()  # the path is gone: it makes a file no scheduler will join
+            assert not late.region.start_complete()
+            with pytest.raises(KvtierError, match="not mapped by all 2 processes"):
+                late.submit(2, np.array([0]), [1], [0], np.array([1]), to_device=False)
+        finally:
+            on_time.close()
+            if late is not None:
+                late.close()
+    finally:
+        mgr.shutdown()
+    assert list(private_shm.iterdir()) == []

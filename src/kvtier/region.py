@@ -284,7 +284,9 @@ class SharedRegion:
     creator is alive.
     ``scheduler``: this process is its start's scheduler (the manager's region): a live file
     that another scheduler maps is refused (a second engine under the same name), whoever
-    created it.
+    created it. ``worker``: this process is a worker of a start that has a scheduler (an engine
+    integration's copier): the start's last place is kept for the scheduler (see
+    :meth:`_count_attach`).
     """
 
     def __init__(
@@ -301,6 +303,7 @@ class SharedRegion:
         pin: bool = False,
         generation: bytes | None = None,
         scheduler: bool = False,
+        worker: bool = False,
     ) -> None:
         if num_rows <= 0 or row_bytes <= 0:
             raise RegionError(f"a region needs num_rows > 0 and row_bytes > 0, got {num_rows} and {row_bytes}")
@@ -317,6 +320,7 @@ class SharedRegion:
         self.expected_mappers = expected_mappers
         self.generation = generation
         self.scheduler = scheduler
+        self.worker = worker and not scheduler
         self.is_creator = False
         self.unlinked = False
         # The descriptor lives in a box the finalizer shares: a region dropped without close()
@@ -450,9 +454,7 @@ class SharedRegion:
             return "was being replaced"
         self.generation = header.generation
         self._map()
-        self._count_attach()
-        if self.scheduler:  # (only once joined: a scheduler whose attach failed has not come)
-            os.pwrite(fd, _SCHEDULED, SCHEDULER_LOCK_OFFSET)
+        self._count_attach()  # (a scheduler marks the start scheduled there: only once joined)
         return ""
 
     def _replace_old_format(self, create: bool | None) -> str:
@@ -578,7 +580,12 @@ class SharedRegion:
         """Count this mapper in; the one that completes the start unlinks the path.
 
         A process arriving after every expected mapper attached (a wrong
-        ``expected_mappers``, or another engine with this name) is refused.
+        ``expected_mappers``, or another engine with this name) is refused. The
+        last place is kept for a scheduler (a manager's region) while none has
+        attached: a ``worker`` that would take it is refused, so that the start
+        never completes without its scheduler (which would then find the path
+        gone and make a second file: two mappings of one engine's rows). A
+        scheduler marks the start as scheduled here, under the counter's lock.
         """
         assert self._mmap is not None
         try:
@@ -592,12 +599,30 @@ class SharedRegion:
                     f"region {self.path} already has all {self.expected_mappers} expected mappers attached: "
                     "expected_mappers is too low, or another engine uses this region name"
                 )
+            scheduled = self._mmap[SCHEDULER_LOCK_OFFSET : SCHEDULER_LOCK_OFFSET + 1] == _SCHEDULED
+            if self.worker and count + 1 >= self.expected_mappers and not scheduled:
+                raise RegionError(
+                    f"region {self.path} has {count} of {self.expected_mappers} expected mappers attached and the "
+                    "last place is its scheduler's, which has not attached: more workers than expected_mappers "
+                    "counts (expected_mappers is too low), or another engine uses this region name"
+                )
             count += 1
             struct.pack_into("<I", self._mmap, ATTACH_COUNT_OFFSET, count)
+            if self.scheduler:
+                os.pwrite(self._fd, _SCHEDULED, SCHEDULER_LOCK_OFFSET)
             if count >= self.expected_mappers:
                 self._unlink_if_ours()
         finally:
             unlock_range(self._fd, ATTACH_COUNT_OFFSET, 4)
+
+    def start_complete(self) -> bool:
+        """Every expected mapper of this start attached (the scheduler among them, where one is
+        expected: see :meth:`_count_attach`). False for a file no start will complete: a worker
+        that came after its engine's start completed made a file of its own. Any thread."""
+        if self._mmap is None:
+            return False
+        (count,) = struct.unpack_from("<I", self._mmap, ATTACH_COUNT_OFFSET)
+        return bool(count >= self.expected_mappers)
 
     def _unlink_if_ours(self) -> None:
         if unlink_if_same(self.path, self._fd):

@@ -203,7 +203,9 @@ class RegionCopier:
             shm_dir=shm_dir,
             prefault=True,
             pin=on_cuda and torch.cuda.is_available(),
+            worker=expected_mappers > 1,
         )
+        self._started = False  # the region's start seen complete (see submit)
         try:
             self.planner: ChunkCopyPlanner | None = ChunkCopyPlanner(
                 self.plans, self.device_tensors, self.region.rows[:, rank * rank_bytes : (rank + 1) * rank_bytes],
@@ -237,6 +239,17 @@ class RegionCopier:
         """Queue one job; returns its byte count. Raises :class:`KvtierError` on a bad spec."""
         if self.planner is None:
             raise KvtierError("the kvtier worker copier is closed")
+        if not self._started:
+            # Copies only into a region every expected mapper (the scheduler among them) maps: a
+            # worker started after its engine's start completed made a file of its own, and its
+            # copies would move bytes no scheduler reads or writes (read once true: then cached).
+            self._started = self.region.start_complete()
+            if not self._started:
+                raise KvtierError(
+                    f"region {self.region.name!r} is not mapped by all {self.region.expected_mappers} processes of "
+                    "its engine (this worker joined after the engine's start completed, or the scheduler never "
+                    "attached): its copies are refused"
+                )
         plan = self.planner.plan(device_block_ids, group_sizes, block_indices, slots, to_device)
         self.engine.submit(job_id, plan)
         return plan.nbytes
