@@ -207,19 +207,23 @@ def test_an_owner_killed_inside_its_cleanup_is_swept(tmp_path: Path) -> None:
 
 
 def test_an_old_unlocked_dir_of_ours_is_swept_and_a_fresh_one_is_kept(tmp_path: Path) -> None:
-    """A directory a killed remover of an older version left without its lock file is dead after a while."""
-    old, fresh = tmp_path / f"{PREFIX}old", tmp_path / f"{PREFIX}fresh"
-    for path in (old, fresh):
+    """A directory a killed remover of an older version left without its lock file is dead after a
+    while; only names mkdtemp makes are taken so (review, 2026-12-05: a user's own directory named
+    with the prefix, say ``kvtier-replay-notes`` under a replay's --fs-root, would go too)."""
+    old, fresh, users = tmp_path / f"{PREFIX}old12345", tmp_path / f"{PREFIX}fresh123", tmp_path / f"{PREFIX}notes"
+    for path in (old, fresh, users):
         path.mkdir(mode=0o700)
         _fill(path, 20)
     long_ago = time.time() - tempdir_mod._STALE_UNLOCKED_DIR_SECONDS - 5
     os.utime(old, (long_ago, long_ago))
+    os.utime(users, (long_ago, long_ago))
     (found,) = sweep_stale_temp_dirs(PREFIX, tmp_path)  # listing changes nothing
     assert found.path == old and found.size == 21 and not found.removed
     assert not (old / LOCK_NAME).exists() and os.stat(old).st_mtime == long_ago
     (found,) = sweep_stale_temp_dirs(PREFIX, tmp_path, remove=True)
     assert found.path == old and found.removed and not old.exists()
     assert len(list(fresh.iterdir())) == 21 and not (fresh / LOCK_NAME).exists()
+    assert len(list(users.iterdir())) == 21, "a directory not named as mkdtemp names them is never taken"
 
 
 # A creator that stops (until a line on stdin) before its lock is in place: right after mkdtemp,

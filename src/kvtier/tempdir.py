@@ -44,6 +44,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import shutil
 import stat
 import sys
@@ -61,6 +62,9 @@ LOCK_NAME = ".kvtier-lock"
 
 _STALE_UNLOCKED_DIR_SECONDS = 60.0
 """A directory of ours without a lock file, unchanged (mtime) this long, is abandoned (as in the fs tier)."""
+
+_MKDTEMP_SUFFIX = re.compile(r"[a-z0-9_]{8}")
+"""What ``tempfile.mkdtemp`` appends to a prefix (CPython's ``_RandomNameSequence``)."""
 
 _CREATE_ATTEMPTS = 5
 """New directories a :class:`LockedTempDir` tries when a sweeper claims the one it is making."""
@@ -363,7 +367,9 @@ def sweep_stale_temp_dirs(
             try:
                 lock_fd = _take_stale_lock(dir_fd)
                 if lock_fd is None:
-                    if not _abandoned_unlocked(dir_fd):
+                    # Lock-less: only a name mkdtemp makes (the prefix and 8 characters), so a
+                    # user's own directory that merely starts with the prefix is never taken.
+                    if not _MKDTEMP_SUFFIX.fullmatch(name[len(prefix) :]) or not _abandoned_unlocked(dir_fd):
                         continue
                     if remove and (lock_fd := _claim_unlocked(dir_fd)) is None:
                         continue

@@ -24,8 +24,9 @@ Endpoints:
   engine table from Redis failed). It takes none of the ``max_concurrent`` answer slots: a
   server busy answering is not unhealthy.
 
-A path of these asked with another method is answered 405 with an ``Allow`` header naming the
-method to use; any other path 404 (the connection is closed after either).
+A path of these asked with another method (PUT, DELETE, PATCH and OPTIONS too) is answered 405
+with an ``Allow`` header naming the method to use; any other path 404 (the connection is closed
+after either). HEAD and other methods get the standard library's 501.
 
 It is a network service and its input is untrusted: a request line must stay under 64 KiB
 (else 414), its header lines under 64 KiB in all (else 431), a request body must declare its
@@ -506,6 +507,12 @@ class _Handler(BaseHTTPRequestHandler):
             view["tiers"] = [{k: v for k, v in t.items() if k != "bit"} for t in eng.get("tiers", ())]
             out[name] = view
         return {"engines": out}
+
+    def _no_such_method(self) -> None:
+        """PUT, DELETE, PATCH, OPTIONS: no path of the API answers them (405 on one, else 404)."""
+        self._misrouted()
+
+    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _no_such_method
 
     def do_POST(self) -> None:
         if self._misrouted():

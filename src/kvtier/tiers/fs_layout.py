@@ -59,6 +59,7 @@ from kvtier.tiers.format import (
     foreign_format,
     older_readable_format,
     payload_checksum,
+    payload_hasher,
     verify_payload,
 )
 from kvtier.tiers.fs_files import (
@@ -891,8 +892,6 @@ def _own_block_bytes(fd: int, size: int, key: bytes, digest: bytes) -> int | Non
     """The payload length of the value open as ``fd`` (``size`` bytes) if its own header (magic,
     version, namespace, key) and payload checksum verify and its size is one a value of that
     length has; else None. Hashes the payload a chunk at a time (no buffer of its size)."""
-    import xxhash
-
     try:
         header = decode_header(os.pread(fd, HEADER_SIZE, 0), namespace=digest, key=key)
     except (CorruptValueError, ForeignFormatError):
@@ -900,7 +899,7 @@ def _own_block_bytes(fd: int, size: int, key: bytes, digest: bytes) -> int | Non
     n = header.payload_len
     if n <= 0 or size not in (PAYLOAD_OFFSET + n, entry_bytes(n)):
         return None
-    hasher = xxhash.xxh3_64()
+    hasher = payload_hasher()
     done = 0
     while done < n:
         chunk = os.pread(fd, min(_OWN_CHECK_CHUNK, n - done), PAYLOAD_OFFSET + done)
@@ -940,6 +939,9 @@ def _verify_namespace(ns_fd: int, ns_dir: Path, check_payloads: bool, remove_cor
     for shard in SHARDS:
         _verify_shard(ns_fd, ns_dir, shard, v)
     v.unsafe += _unsafe_in_tmp(ns_fd, ns_dir)
+    if v.kept and manifest_error is None:  # values that verify by themselves at another size
+        manifest_error = (f"{len(v.kept)} value(s) verify by their own header at a size other than the manifest's "
+                          f"block_bytes ({block_bytes}): the manifest is suspect (the values were kept)")  # fmt: skip
     live = stale = 0
     for state in temp_dirs(ns_fd, ns_dir):
         if state.live:
