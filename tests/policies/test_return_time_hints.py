@@ -33,6 +33,7 @@ def test_an_ended_conversations_blocks_go_first_and_a_shared_prefix_stays() -> N
     tier = held_tier()
     store(tier, [1, 2])  # a system prompt, shared
     store(tier, [10, 11, 12], parent=2)  # conversation a, turn 1
+    hint(tier, 12, session="a")  # its session, on every request (records where turn 1 ended)
     store(tier, [20, 21, 22], parent=2)  # conversation b
     store(tier, [13, 14], parent=11)  # conversation a, turn 2 (after its turn 1's body; 12 was its partial last)
     store(tier, [30, 31], parent=2)  # conversation c, the most recent
@@ -64,6 +65,25 @@ def test_an_ended_conversation_leaves_a_prefix_it_shares_with_one_other_conversa
     order = evict_all(tier)
     assert order[:3] == [3, 2, 1], order
     assert order[-3:] == [102, 101, 100], order
+
+
+def test_an_ended_conversation_leaves_a_shared_prefix_where_the_other_conversation_ended() -> None:
+    """Review (2026-12-05): with the walk passing a branch at any recorded request end, a system
+    prompt shared with a conversation whose one-block request ended right after it (its end
+    recorded at the prompt's last block) was still expired. Only the ended conversation's own
+    request ends (recorded with its session) let the walk pass a branch."""
+    tier = held_tier()
+    store(tier, [100, 101, 102, 1, 2])  # conversation a, turn 1
+    hint(tier, 2, session="a")
+    store(tier, [9], parent=102)  # conversation b: a one-block request after the prompt
+    hint(tier, 9, session="b")
+    store(tier, [3], parent=2)  # conversation a, turn 2
+    expiry = tier.policy._expiry
+    prompt = [expiry[tier.slot_of[key(k)]] for k in (100, 101, 102)]
+    hint(tier, 3, session="a", session_end=True)
+    check_invariants(tier)
+    assert [expiry[tier.slot_of[key(k)]] for k in (100, 101, 102)] == prompt
+    assert min(prompt) >= expiry[tier.slot_of[key(9)]]
 
 
 def test_an_expected_return_protects_a_conversation_and_a_late_one_goes_first() -> None:

@@ -36,7 +36,8 @@ from typing import ClassVar, NamedTuple
 import numpy as np
 
 from kvtier.keys import BlockKey
-from kvtier.policies.fingerprints import fingerprint
+from kvtier.policies.fingerprints import _MASK, fingerprint
+from kvtier.policies.recent_keys import RecentKeys
 from kvtier.policies.return_time.classes import (
     BASE_OF_NEW,
     CLASSES,
@@ -125,6 +126,11 @@ class LoadedChain(NamedTuple):
     """Fingerprints of its sampled blocks, head first (None: none)."""
 
 
+def _of_session(session: str, key: BlockKey) -> int:
+    """A 63-bit fingerprint of ``key`` within ``session`` (for :attr:`ReturnTimePolicy._conversation_ends`)."""
+    return (fingerprint(key) ^ (hash(session) * 0x9E3779B97F4A7C15)) & _MASK
+
+
 class ReturnTimePolicy(ExpiryWheel):
     """``"return-time"``: learned holds on a prefix-closed timing wheel; see the module docstring."""
 
@@ -157,6 +163,9 @@ class ReturnTimePolicy(ExpiryWheel):
         self._odds_key: tuple[int, int] | None = None  # (solve clock, horizon) of _odds
         self._odds: list[float] | None = None
         self.sessions = SessionClock(max(64, min(OPEN_REQUESTS, c // 128)))  # about 205 B a session
+        # Where hinted conversations' requests ended (the block before each one's last, mixed with
+        # the session): an ended conversation's walk passes a branch only at one of its own.
+        self._conversation_ends = RecentKeys(max(64, min(OPEN_REQUESTS, c // 8)))
         self.budget = HoldBudget(c, HINT_SHARE, self.horizon)
         self.hinted = {"ended": 0, "held": 0, "late": 0}  # requests by what their hints did
 
@@ -541,12 +550,15 @@ class ReturnTimePolicy(ExpiryWheel):
         to that. Nothing if ``tail_slot`` has children or is open. O(blocks walked).
         """
         now = self._now
+        children, expiry, par = self._children, self._expiry, self._parent
+        key_of = self._key_of  # a stale link (an evicted parent) ends the walk at a free slot
         if session is not None:
             self.sessions.observe(session, now, expected_return_s)
+            if par[tail_slot] >= 0 and key_of[par[tail_slot]] is not NO_KEY:
+                self._conversation_ends.add(_of_session(session, key_of[par[tail_slot]]))
         expected = None if expected_return_s is None else self.sessions.references(expected_return_s)
         if not session_end and expected is None:
             return
-        children, expiry, par = self._children, self._expiry, self._parent
         if children[tail_slot] or expiry[tail_slot] >= OPEN:
             return
         if now // self._width != self._cur:
@@ -559,20 +571,19 @@ class ReturnTimePolicy(ExpiryWheel):
             expected *= HINT_SLACK
             self.budget.add(now, depth, expected)
         expire = session_end or expected is None or expected > self._hint_reach()
-        # Expiring also walks past a block with one other child where an earlier turn of the
-        # conversation branched off its (partial, never reused) last block: a block recorded as
-        # a request's end (the history records the block before a request's last). Any other
-        # branch is a prefix shared with another conversation: the walk stops below it.
+        # Expiring also walks past a block with one other child where an earlier request of this
+        # conversation ended, its (partial, never reused) last block branching off: a block its
+        # hints recorded (above). Any other branch is a prefix shared with another conversation
+        # (or a conversation whose requests came without a session): the walk stops below it.
         private = 2 if expire else 1
         chain = [tail_slot]
         up = par[tail_slot]
-        key_of = self._key_of  # a stale link (an evicted parent) ends the walk at a free slot
-        history = self.classes.history
+        ends = self._conversation_ends
         while (
             up >= 0 and children[up] <= private and expiry[up] < OPEN and key_of[up] is not NO_KEY
             and len(chain) < self.capacity
         ):  # fmt: skip
-            if children[up] > 1 and fingerprint(key_of[up]) not in history:
+            if children[up] > 1 and (session is None or _of_session(session, key_of[up]) not in ends):
                 break
             chain.append(up)
             up = par[up]
