@@ -78,6 +78,35 @@ def test_a_bench_shorter_than_the_plot_window_plots_without_a_warning(tmp_path: 
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_bench_terminated_cleans_up_like_ctrl_c(tmp_path: Path, private_shm: Path, sig: int) -> None:
+    """Regression (review, 2026-12-05): SIGTERM (timeout, systemd, CI) killed the bench by the signal's
+    default action: exit 143 with its temporary fs directory (up to the fs tier's size) left until
+    the next bench or sweep. It now ends the command like Ctrl-C: cleaned up, exit 128 + signal."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env["TMPDIR"] = str(scratch)
+    args = [*TINY_BENCH, "--shm-dir", str(private_shm)]
+    args[args.index("--prefill-tokens-per-s") + 1] = "2000"  # runs long enough to be signalled mid-run
+    proc = subprocess.Popen([*KVTIER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(p.name.startswith("kvtier-bench-") for p in scratch.iterdir()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the bench made no temporary directory"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + sig, err
+    assert f"terminated ({signal.Signals(sig).name})" in err and "Traceback" not in err
+    assert list(scratch.iterdir()) == [], "the bench's temporary directory was left behind"
+    assert list(private_shm.iterdir()) == []
+
+
 def test_bench_serves_metrics_while_running(private_shm: Path) -> None:
     with socket_port() as port:
         pass

@@ -36,7 +36,9 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -1403,8 +1405,34 @@ def _say_error(command: str, text: str) -> None:
     print(f"kvtier {command}: error: {text}", file=sys.stderr)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised in the main thread like Ctrl-C, so every ``finally`` runs (the
+    bench's temporary directory, the CPU region and the tiers are released) and the command exits
+    128 + the signal's number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_terminated(signum: int, _frame: Any) -> None:
+    raise _Terminated(signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvtier`` console script; returns the exit status."""
+    """Entry point of the ``kvtier`` console script; returns the exit status. In the main thread,
+    SIGTERM and SIGHUP end the command like Ctrl-C (cleaning up), with status 143 and 129."""
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv)
+    previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _main(argv)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     before = _unknown_before_the_command(parser, sys.argv[1:] if argv is None else list(argv))
     if before:  # argparse would only say that a subcommand is required
@@ -1424,7 +1452,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KvtierError as exc:
         _say_error(args.command, str(exc))
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, _Terminated):
+            print(f"kvtier {args.command}: terminated ({signal.Signals(exc.signum).name})", file=sys.stderr)
+            return 128 + exc.signum
         print(f"kvtier {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
