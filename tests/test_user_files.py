@@ -248,3 +248,19 @@ def test_a_failed_write_names_the_path_and_leaves_no_temp_file(tmp_path: Path, e
     else:
         assert "nothing was left there" in message
         assert not any(tmp_path.iterdir())
+
+
+def test_yaml_merge_keys_merge_and_a_key_named_twice_is_still_refused(tmp_path: Path) -> None:
+    """Regression (review, 2026-12-05): a standard merge key (``<<: *base``) was refused as "not valid
+    YAML: could not determine a constructor for the tag 'tag:yaml.org,2002:merge'"."""
+    from kvtier.config import load_config
+
+    path = tmp_path / "kvtier.yaml"
+    path.write_text("tiers:\n  - &fs {type: fs, root: /a, read_threads: 2}\n  - {<<: *fs, root: /b}\n"
+                    "backpressure: {<<: {high_seconds: 2.0}, low_seconds: 1.0}\n")  # fmt: skip
+    config = load_config(path, env={})
+    assert [(t["root"], t["read_threads"]) for t in config.tiers] == [("/a", 2), ("/b", 2)]
+    assert config.backpressure.high_seconds == 2.0 and config.backpressure.low_seconds == 1.0
+    path.write_text("backpressure: {<<: {high_seconds: 2.0}, low_seconds: 1.0, low_seconds: 0.5}\n")
+    with pytest.raises(ConfigError, match="twice"):
+        load_config(path, env={})

@@ -92,6 +92,8 @@ def _unique_key_loader() -> type:
         def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
             seen: set[Any] = set()
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *base``: merged below, its keys overridable
+                    continue
                 key = self.construct_object(key_node, deep=deep)
                 try:
                     duplicate = key in seen
