@@ -146,7 +146,10 @@ def check_output_file(path: str, flag: str, inputs: Sequence[str | None] = ()) -
 
 
 def check_plot_file(path: str, inputs: Sequence[str | None] = ()) -> None:
-    """Refuse ``--plot`` before the run when matplotlib is missing or the file type is not one it writes."""
+    """Refuse ``--plot`` before the run (ConfigError, one line naming ``--plot`` and the suffixes it
+    takes) when matplotlib is missing or the file type is not one :func:`plot_image` writes here
+    without an external program (``pgf``) or a warning (``ps``/``eps``): the type is test-rendered
+    in memory (:func:`kvtier.workload.report.plot_format_problem`)."""
     check_output(path, "--plot", inputs)
     try:
         from matplotlib.backend_bases import FigureCanvasBase
@@ -154,11 +157,18 @@ def check_plot_file(path: str, inputs: Sequence[str | None] = ()) -> None:
         raise ConfigError("--plot needs matplotlib, which is not installed: pip install 'kvtier[plot]'") from None
     if path == STDOUT:
         return  # PNG
+    from kvtier.workload.report import plot_format_problem, plot_formats
+
     kinds = sorted(FigureCanvasBase.get_supported_filetypes())
     suffix = Path(path).suffix.lower().lstrip(".")
     if suffix not in kinds:
         what = repr(suffix) if suffix else "a file without a suffix"
-        raise ConfigError(f"--plot {path!r}: matplotlib cannot write {what}: use a suffix from {kinds}")
+        raise ConfigError(f"--plot {path!r}: matplotlib cannot write {what}: use a suffix from {plot_formats()}")
+    problem = plot_format_problem(suffix)  # renders a tiny plot: pgf needs LaTeX, ps/eps warn
+    if problem is not None:
+        raise ConfigError(
+            f"--plot {path!r}: cannot write {suffix!r} here ({problem}): use a suffix from {plot_formats()}"
+        )
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -1297,7 +1307,9 @@ def _cmd_config_reference(args: argparse.Namespace) -> int:
 
 
 def _cmd_config_schema(args: argparse.Namespace) -> int:
-    print(json.dumps(KvtierConfig.model_json_schema(), indent=2))
+    from kvtier.config.json_schema import config_json_schema
+
+    print(json.dumps(config_json_schema(), indent=2))
     return 0
 
 

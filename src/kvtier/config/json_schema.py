@@ -29,7 +29,7 @@ _NAMED = ("properties", "$defs", "patternProperties")  # maps of names to schema
 
 def config_json_schema() -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) of a kvtier configuration file's fields."""
-    schema = _standard_bounds(KvtierConfig.model_json_schema())
+    schema: dict[str, Any] = _standard_bounds(KvtierConfig.model_json_schema())
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     fields = schema["properties"]
     for name in SIZE_FIELDS:
@@ -42,7 +42,7 @@ def config_json_schema() -> dict[str, Any]:
 def _also(field: dict[str, Any], option: dict[str, Any]) -> None:
     """Let ``field`` also be ``option`` (its description and default kept)."""
     if "anyOf" not in field:
-        kept = {k: field.pop(k) for k in ("title", "description", "default") if k in field}
+        kept: dict[str, Any] = {k: field.pop(k) for k in ("title", "description", "default") if k in field}
         inner = dict(field)
         field.clear()
         field.update(kept, anyOf=[inner])

@@ -44,7 +44,7 @@ from kvtier.manager import TieringManager
 from kvtier.metrics import KvtierMetrics
 from kvtier.policies import DEFAULT_POLICY
 from kvtier.tempdir import LockedTempDir, sweep_stale_temp_dirs
-from kvtier.tiers.registry import validate_tier_options
+from kvtier.tiers.registry import shown_tier_options, validate_tier_options
 from kvtier.transfer import TransferEngine, TransferResult
 from kvtier.types import LookupResult, RequestContext
 from kvtier.units import format_size, parse_size
@@ -240,7 +240,7 @@ class _Run:
         geometry = config.kv_geometry()
         self.tokens_per_block = geometry.tokens_per_block
         self.block_bytes = geometry.bytes_per_block
-        self.tier_labels = ["cpu"] + [tier.tier_type for tier in manager.tier_descriptors()[1:]]
+        self.tier_labels = ["cpu", *_tier_labels(manager)]
         self.watches = [TierWatch(label) for label in self.tier_labels[1:]]
         self.result = _new_result(config, manager, self.opts, self.tier_labels)
         self.result.tier_health = dict(zip(self.tier_labels[1:], self.watches, strict=True))
@@ -578,6 +578,18 @@ class _Run:
         return result
 
 
+def _tier_labels(manager: TieringManager) -> list[str]:
+    """One distinct label per secondary tier, in tier order: its type (``"fs"``) when no other
+    secondary tier has that type, else the tier's own ``"<n>:<type>"`` label (``"1:fs"``, ``"2:fs"``),
+    so two tiers of one type never share a row or a JSON key."""
+    tiers = manager.tier_descriptors()[1:]
+    types = [tier.tier_type for tier in tiers]
+    labels = [t if types.count(t) == 1 and t != "cpu" else tier.label for t, tier in zip(types, tiers, strict=True)]
+    if len(set(labels)) != len(labels):  # a custom tier type that looks like another tier's label
+        labels = [tier.label for tier in tiers]
+    return labels
+
+
 def _new_result(config: KvtierConfig, manager: TieringManager, opts: BenchOptions, labels: list[str]) -> BenchResult:
     geometry = config.kv_geometry()
     result = BenchResult(
@@ -589,8 +601,10 @@ def _new_result(config: KvtierConfig, manager: TieringManager, opts: BenchOption
             "device_pool_bytes": opts.device_blocks * geometry.bytes_per_block,
             "policy": config.policy,
             # The temporary fs root is gone after the run: leave it out.
+            # Shown form: a password in a URL or a secret key never reaches the JSON.
             "tiers": [
-                {k: v for k, v in t.items() if not (k == "root" and TEMP_DIR_PREFIX in str(v))} for t in config.tiers
+                {k: v for k, v in shown_tier_options(t).items() if not (k == "root" and TEMP_DIR_PREFIX in str(v))}
+                for t in config.tiers
             ],
             "workload": opts.workload.to_dict(),
             "batch_size": opts.batch_size,
@@ -639,12 +653,15 @@ class Bench:
         are always released. Raises :class:`ConfigError` before allocating anything when the run
         would not fit in the memory available (:mod:`kvtier.workload.budget`)."""
         started = time.perf_counter()
-        check_memory(self.options.memory_needs(self.options.config(None)))
+        plain = self.options.config(None)
+        check_memory(self.options.memory_needs(plain))
+        # Refuse a prompt the device pool cannot hold now, not after hashing the whole workload.
+        requests = self._requests(plain.kv_geometry().tokens_per_block)
         scratch = self._temp_fs_dir()
         try:
             fs_root = self.options.fs_root or (str(scratch.path / "fs") if scratch is not None else None)
             config = self.options.config(fs_root)
-            requests, keys = self._workload(config)
+            keys = self._keys(config, requests)
             manager = build_manager(config)
             try:
                 run = _Run(self, config, manager, requests, keys)
@@ -677,19 +694,24 @@ class Bench:
             logger.info("removed %s left by a bench that died (%s)", stale.path, format_size(stale.size))
         return LockedTempDir(TEMP_DIR_PREFIX, self.options.temp_dir)
 
-    def _workload(self, config: KvtierConfig) -> tuple[list[ChatRequest], list[list[BlockKey]]]:
-        """The requests and their block keys; refuses a device pool smaller than the longest prompt."""
-        namespace = config.namespace()
-        tokens_per_block = config.kv_geometry().tokens_per_block
+    def _requests(self, tokens_per_block: int) -> list[ChatRequest]:
+        """The workload's requests; raises :class:`ConfigError` when the longest prompt needs more
+        full blocks than ``device_blocks`` (checked by token count alone, so before any hashing)."""
         requests = generate_chat(self.options.workload)
-        keys = [prefix_keys(r.token_ids, tokens_per_block, namespace=namespace) for r in requests]
-        longest = max((len(k) for k in keys), default=0)
+        longest = max((len(r.token_ids) // tokens_per_block for r in requests), default=0)
         if longest > self.options.device_blocks:
             raise ConfigError(
                 f"device_blocks={self.options.device_blocks} cannot hold the longest prompt ({longest} blocks): "
                 f"raise --device-blocks to at least {longest}"
             )
-        return requests, keys
+        return requests
+
+    @staticmethod
+    def _keys(config: KvtierConfig, requests: list[ChatRequest]) -> list[list[BlockKey]]:
+        """The block keys of every request's full blocks, under ``config``'s namespace."""
+        namespace = config.namespace()
+        tokens_per_block = config.kv_geometry().tokens_per_block
+        return [prefix_keys(r.token_ids, tokens_per_block, namespace=namespace) for r in requests]
 
 
 def run_bench(

@@ -5,9 +5,12 @@ Rendering only: nothing here touches a manager. Call from any one thread.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
+import logging
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -197,6 +200,53 @@ def plot_image(result: BenchResult, kind: str = "png", window: int = 16) -> byte
     fig.savefig(image, dpi=110, format=kind)
     plt.close(fig)
     return image.getvalue()
+
+
+@functools.cache
+def plot_format_problem(kind: str) -> str | None:
+    """Why :func:`plot_image` cannot write a ``kind`` image here, or None when it can.
+
+    Renders a tiny result through :func:`plot_image` itself into memory, so the answer covers
+    what the real plot needs: a format that needs an external program (``pgf``: LaTeX) fails,
+    and one that renders with a warning (``ps``/``eps``: no transparency) is refused with that
+    warning's text, so an accepted format never prints a stray line. Needs matplotlib
+    (ImportError otherwise); cached per ``kind``; about 0.1 s the first time.
+    """
+    from kvtier.workload.bench_result import RequestRecord
+
+    probe = BenchResult(options={}, geometry={}, tiers=["cpu"], bytes={"device_to_cpu": 1, "cpu_to_device": 1})
+    probe.timeline = [RequestRecord(f"r{i}", 4, i % 2, {"cpu": 1}, 3 - i % 2, 0.0) for i in range(4)]
+    caught: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                caught.append(record.getMessage())
+
+    handler = _Keep()
+    log = logging.getLogger("matplotlib")
+    log.addHandler(handler)
+    propagate, log.propagate = log.propagate, False  # caught here, never printed
+    try:
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            plot_image(probe, kind, window=2)
+        caught.extend(str(w.message) for w in warned)
+    except Exception as exc:  # any failure means the format cannot be written here
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    finally:
+        log.removeHandler(handler)
+        log.propagate = propagate
+    return caught[0].splitlines()[0] if caught else None
+
+
+def plot_formats() -> list[str]:
+    """The image types :func:`plot_image` writes here without an external program or a warning,
+    sorted (png, svg, pdf and others matplotlib renders itself). Needs matplotlib; a few seconds
+    the first time (each type is rendered once), cached after."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return [kind for kind in sorted(FigureCanvasBase.get_supported_filetypes()) if plot_format_problem(kind) is None]
 
 
 def replay_table(rows: Sequence[dict[str, Any]], title: str, block_bytes: int | None = None) -> Table:
