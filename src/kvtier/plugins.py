@@ -15,6 +15,9 @@ from typing import Any
 
 from kvtier.errors import ConfigError, exception_text
 
+_MAX_PATH = 300
+"""The longest import path accepted; a longer one is refused, shown shortened."""
+
 
 def _error_text(exc: BaseException) -> str:
     """``SyntaxError: invalid syntax (plug.py, line 3)``: the error's type and first line, at most 300 characters."""
@@ -29,8 +32,23 @@ def load_class(import_path: str, base: type, what: str, hint: str = "") -> Any:
     "tier"); ``hint`` is appended when the module (or one it needs) is not found. Raises
     :class:`ConfigError` for a malformed path, a module that is missing or fails
     to import for any reason, and a name that is not a ``base`` subclass.
-    KeyboardInterrupt propagates.
+    KeyboardInterrupt propagates. A path that is not a string, is longer than 300 characters or
+    holds an '@' or a '://' (maybe a URL with a password) is refused without being shown.
     """
+    if not isinstance(import_path, str):
+        raise ConfigError(
+            f"{what} import path must be a string 'package.module:ClassName', got a {type(import_path).__name__}"
+        )
+    if "@" in import_path or "://" in import_path:
+        raise ConfigError(
+            f"{what} import path (a text of {len(import_path)} characters, not shown: it holds an '@' or a '://', "
+            "maybe a URL with credentials) must look like 'package.module:ClassName'"
+        )
+    if len(import_path) > _MAX_PATH:
+        raise ConfigError(
+            f"{what} import path {import_path[:40]!r}... ({len(import_path)} characters) is longer than "
+            f"{_MAX_PATH} characters: give it as 'package.module:ClassName'"
+        )
     module_name, sep, class_name = import_path.partition(":")
     if not sep or not module_name.strip() or not class_name.strip():
         raise ConfigError(f"{what} import path {import_path!r} must look like 'package.module:ClassName'")

@@ -50,8 +50,16 @@ _FORMS = (
 )
 
 
+_NOT_SHOWN = "not shown: it holds an '@' or a '://', maybe a URL with credentials"
+
+
 def shown(text: str, limit: int = 40) -> str:
-    """``repr(text)``, shortened to about ``limit`` characters with its length said, for messages."""
+    """``repr(text)``, shortened to about ``limit`` characters with its length said, for messages.
+
+    Text with an '@' or a '://' (maybe a URL with a password) is not shown at all, only its length.
+    """
+    if "@" in text or "://" in text:
+        return f"(a text of {len(text)} characters, {_NOT_SHOWN})"
     if len(text) <= limit:
         return repr(text)
     return f"{text[: limit // 2]!r}... ({len(text)} characters)"
@@ -101,7 +109,18 @@ def parse_size(value: int | float | str) -> int:
                     raise _too_large(shown(value.strip()))
                 return size
         raise ConfigError(f"size {shown(value)} is not understood: {_FORMS}")
-    raise ConfigError(f"size {shown(repr(value))} has type {type(value).__name__}: use an int or a string like '4GiB'")
+    raise ConfigError(f"size {_described(value)} has type {type(value).__name__}: use an int or a string like '4GiB'")
+
+
+def _described(value: object) -> str:
+    """A value that is not a size, for a message: its type and length only, never its contents (which may
+    be a YAML alias bomb, however large or deep, or hold a password), in constant time."""
+    try:
+        count = len(value) if isinstance(value, list | tuple | dict | set | frozenset | bytes | bytearray) else None
+    except Exception:  # a subclass whose __len__ fails
+        count = None
+    unit = "bytes" if isinstance(value, bytes | bytearray) else "items"
+    return f"(a {type(value).__name__}" + (f" of {count} {unit}" if count is not None else "") + ", not shown)"
 
 
 def format_size(num_bytes: float) -> str:

@@ -115,7 +115,7 @@ def check_seconds(
         low, high = 0.0, MAX_SECONDS
         fix = f"give a number of seconds {'above 0' if positive else 'at least 0'} and at most {high:.0f}{none}"
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{name} must be a number of seconds, got {type(value).__name__} {value!r:.60}: {fix}")
+        raise ConfigError(f"{name} must be a number of seconds, got {type(value).__name__} {shown_value(value)}: {fix}")
     if isinstance(value, int) and value > high:  # a 400-digit int too, before float() overflows
         raise ConfigError(f"{name}={str(value)[:20]}... is longer than {high:g} seconds: {fix}")
     seconds = float(value)
@@ -175,6 +175,24 @@ def _why_not_shown(value: Any) -> str | None:
                 return _UNCHECKED
             stack.append((child, depth + 1))
     return None
+
+
+def shown_value(value: Any) -> str:
+    """Any value, for a message: a bounded repr (:func:`_shown_input`: at most about 80 characters,
+    in bounded time and memory however large or deeply nested, a YAML alias bomb included), or, when
+    it may hold a secret (:func:`_why_not_shown`, judged on the whole value before shortening), its
+    type and why it is not shown."""
+    why = _why_not_shown(value)
+    if why is None:
+        text = _shown_input(value)
+        if "@" not in text and "://" not in text:  # an object whose repr holds one
+            return text
+        why = _HOLDS_AT
+    size = ""
+    if isinstance(value, str | bytes | bytearray | Mapping | list | tuple | set | frozenset):
+        unit = "characters" if isinstance(value, str) else "bytes" if isinstance(value, bytes | bytearray) else "items"
+        size = f" of {len(value)} {unit}"
+    return f"a {type(value).__name__}{size}, not shown: {why}"
 
 
 def did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> str:
@@ -260,12 +278,8 @@ def explain(
             if known:
                 msg += f": known names are {known}"
         elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
-            if _is_secret(model, loc):
-                shown = "a value, not shown: it is a secret"
-            elif why := _why_not_shown(err["input"]):  # judged whole, before shortening
-                shown = f"a value, not shown: {why}"
-            elif "@" in (shown := _shown_input(err["input"])) or "://" in shown:  # an object whose repr holds one
-                shown = f"a value, not shown: {_HOLDS_AT}"
+            secret = _is_secret(model, loc)
+            shown = "a value, not shown: it is a secret" if secret else shown_value(err["input"])
             msg = f"{msg} (got {shown})"
         problems.setdefault(loc, []).append(msg)
     lines = []

@@ -64,7 +64,7 @@ def cli_flag(field: str) -> str:
 
 def _read_file(path: str) -> dict[str, Any]:
     """The fields of a config file: a regular UTF-8 file of at most 1 MiB (:func:`kvtier.user_files.read_text`)."""
-    text = read_text(path, "config file")
+    text = read_text(path, "config file").removeprefix("\ufeff")  # a UTF-8 BOM (Windows editors write one)
     suffix = Path(path).suffix.lower()
     if suffix not in (".yaml", ".yml", ".toml", ".json"):
         raise ConfigError(
@@ -128,7 +128,7 @@ def _decode_text(field: str, raw: Any, *, source: str) -> Any:
         return raw
     if field in _JSON_FIELDS:
         try:
-            return json.loads(raw, object_pairs_hook=unique_keys)
+            value = json.loads(raw, object_pairs_hook=unique_keys)
         except RecursionError:
             raise ConfigError(f"{field} from {source} nests values too deeply to be a kvtier setting") from None
         except json.JSONDecodeError as exc:
@@ -142,9 +142,21 @@ def _decode_text(field: str, raw: Any, *, source: str) -> Any:
             ) from None
         except ValueError as exc:  # a key named twice (unique_keys)
             raise ConfigError(f"{field} from {source}: {exc}: give each key once") from None
+        if value is None:  # taken as "not given", it would silently keep the file's value
+            raise ConfigError(f"{field} from {source} is JSON null, not a value: {_leave_out(source)}")
+        return value
     if field in ("region_name", "cpu_bytes", "num_cpu_blocks") and raw.strip() == "":
         return None
     return raw
+
+
+def _leave_out(source: str) -> str:
+    """The fix for a null given where a value is expected: leave the flag out, unset the variable."""
+    for prefix, fix in (("environment variable ", "unset {} (or give a value) to use the default"),
+                        ("CLI flag ", "leave {} out (or give a value) to use the default")):
+        if source.startswith(prefix):
+            return fix.format(source.removeprefix(prefix))
+    return "leave it out (or give a value) to use the default"
 
 
 _Layer = tuple[str, dict[str, Any], Callable[[str], str]]

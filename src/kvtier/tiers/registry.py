@@ -33,7 +33,7 @@ from kvtier.errors import ConfigError
 from kvtier.plugins import load_class
 from kvtier.tiers.base import SecondaryTier, TierContext
 from kvtier.tiers.options import split_cascade_options
-from kvtier.validation import did_you_mean, explain
+from kvtier.validation import did_you_mean, explain, shown_value
 
 _BUILTIN: dict[str, str] = {
     "fs": "kvtier.tiers.fs:FilesystemTier",
@@ -77,7 +77,7 @@ def resolve_tier_class(name_or_path: str) -> type[SecondaryTier]:
     path = _registered.get(name_or_path) or _BUILTIN.get(name_or_path) or name_or_path
     if ":" not in path:
         raise ConfigError(
-            f"unknown tier type {name_or_path!r}: use one of {tier_names()} "
+            f"unknown tier type {shown_value(name_or_path)}: use one of {tier_names()} "
             "or an import path 'package.module:ClassName'"
         )
     hint = f" Install what it needs: pip install 'kvtier[{name_or_path}]'." if name_or_path in _BUILTIN else ""
@@ -87,15 +87,16 @@ def resolve_tier_class(name_or_path: str) -> type[SecondaryTier]:
 
 def _tier_type(spec: Any, where: str) -> str:
     if not isinstance(spec, Mapping):
-        raise ConfigError(f"{where} must be a mapping like {{'type': 'fs', 'root': '/path'}}, got {spec!r}")
+        raise ConfigError(f"{where} must be a mapping like {{'type': 'fs', 'root': '/path'}}, got {shown_value(spec)}")
     tier_type = spec.get("type")
     if not isinstance(tier_type, str) or not tier_type:
         raise ConfigError(
             f"{where} needs a 'type': one of {tier_names()} or an import path 'package.module:ClassName'"
         )
     if ":" not in tier_type and tier_type not in _BUILTIN and tier_type not in _registered:
+        shown = shown_value(tier_type)
         raise ConfigError(
-            f"{where}.type {tier_type!r}: unknown tier type {tier_type!r}: use one of {tier_names()} "
+            f"{where}.type {shown}: unknown tier type {shown}: use one of {tier_names()} "
             "or an import path 'package.module:ClassName'"
         )
     return tier_type
