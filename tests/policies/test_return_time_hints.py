@@ -55,13 +55,8 @@ def test_an_ended_conversation_leaves_a_prefix_it_shares_with_one_other_conversa
     tier = held_tier()
     store(tier, [100, 101, 102, 1, 2])  # conversation a, turn 1, after a system prompt
     store(tier, [7, 8], parent=102)  # conversation b, same system prompt
-    store(tier, [3], parent=2)  # conversation a, turn 2
-    expiry = tier.policy._expiry
-    prompt = [expiry[tier.slot_of[key(k)]] for k in (100, 101, 102)]
-    hint(tier, 3, session="a", session_end=True)
-    check_invariants(tier)
-    assert [expiry[tier.slot_of[key(k)]] for k in (100, 101, 102)] == prompt
-    assert min(prompt) >= max(expiry[tier.slot_of[key(k)]] for k in (7, 8))
+    prompt = _end_conversation_a(tier)
+    assert min(prompt) >= max(tier.policy._expiry[tier.slot_of[key(k)]] for k in (7, 8))
     order = evict_all(tier)
     assert order[:3] == [3, 2, 1], order
     assert order[-3:] == [102, 101, 100], order
@@ -77,13 +72,19 @@ def test_an_ended_conversation_leaves_a_shared_prefix_where_the_other_conversati
     hint(tier, 2, session="a")
     store(tier, [9], parent=102)  # conversation b: a one-block request after the prompt
     hint(tier, 9, session="b")
-    store(tier, [3], parent=2)  # conversation a, turn 2
+    assert min(_end_conversation_a(tier)) >= tier.policy._expiry[tier.slot_of[key(9)]]
+
+
+def _end_conversation_a(tier: Slotted[ReturnTimePolicy]) -> list[int]:
+    """Conversation a's turn 2 ([3] after its turn 1's 2), which ends it: the system prompt
+    (100-102) keeps its expiries; returns them."""
+    store(tier, [3], parent=2)
     expiry = tier.policy._expiry
     prompt = [expiry[tier.slot_of[key(k)]] for k in (100, 101, 102)]
     hint(tier, 3, session="a", session_end=True)
     check_invariants(tier)
     assert [expiry[tier.slot_of[key(k)]] for k in (100, 101, 102)] == prompt
-    assert min(prompt) >= expiry[tier.slot_of[key(9)]]
+    return prompt
 
 
 def test_an_expected_return_protects_a_conversation_and_a_late_one_goes_first() -> None:
