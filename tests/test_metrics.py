@@ -140,3 +140,50 @@ def test_an_address_that_is_not_this_machines_is_named_as_the_problem() -> None:
     """Regression (review, 2026-12-02): a bad --metrics-addr was answered 'pick a free --metrics-port'."""
     with pytest.raises(KvtierError, match="give an address of this machine"):
         KvtierMetrics().serve(0, addr="999.1.1.1")
+
+
+def test_the_metrics_server_bounds_what_clients_hold_and_close_ends_it_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (review, 2026-12-05): prometheus-client's server gave every connection a thread
+    with no timeout and no cap, so a local client holding half-sent requests open added a thread
+    and a socket each to the engine's scheduler process, and they outlived close()."""
+    import threading
+    import time
+
+    from kvtier import metrics_http
+
+    monkeypatch.setattr(metrics_http._Handler, "timeout", 1.0)
+    baseline = threading.active_count()
+    metrics = KvtierMetrics()
+    port = metrics.serve(0)
+    held: list[socket.socket] = []
+    try:
+        for _ in range(3 * metrics_http.MAX_CONNECTIONS):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nX-a: ")  # never finished
+            held.append(sock)
+        time.sleep(0.3)
+        assert threading.active_count() <= baseline + 1 + metrics_http.MAX_CONNECTIONS
+        held[0].settimeout(5)
+        assert held[0].recv(1) == b"", "a half-sent request is dropped after the timeout"
+        deadline = time.monotonic() + 5
+        while True:  # every held connection's time runs out: a scrape is served again
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert b"kvtier_lookup_seconds" in body
+        more = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
+        held += more
+        for sock in more:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nX-a: ")
+        time.sleep(0.2)
+    finally:
+        metrics.close()
+    deadline = time.monotonic() + 5
+    while threading.active_count() > baseline:  # close() ended the connections still open
+        assert time.monotonic() < deadline, threading.enumerate()
+        time.sleep(0.05)
+    for sock in held:
+        sock.close()

@@ -67,7 +67,6 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
 from kvtier.errors import KvtierError
@@ -75,9 +74,8 @@ from kvtier.telemetry import ManagerSnapshot
 from kvtier.types import PRIMARY_LABEL
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
-
     from kvtier.manager import TieringManager
+    from kvtier.metrics_http import MetricsServer
 
 logger = logging.getLogger(__name__)
 
@@ -347,7 +345,7 @@ class KvtierMetrics:
             buckets=_STEP_BUCKETS,
             registry=self.registry,
         )
-        self._server: WSGIServer | None = None
+        self._server: MetricsServer | None = None
         self._thread: threading.Thread | None = None
 
     def update(
@@ -386,12 +384,16 @@ class KvtierMetrics:
         """
         if self._server is not None:
             raise KvtierError("metrics server already running; call close() first")
+        from kvtier.metrics_http import MetricsServer
+
         try:
-            server, thread = start_http_server(port, addr=addr, registry=self.registry)
+            server = MetricsServer((addr, port), self.render)
         except OSError as exc:
             busy = exc.errno in (errno.EADDRINUSE, errno.EACCES)  # else the address is the problem
             fix = "pick a free --metrics-port" if busy else "give an address of this machine (--metrics-addr)"
             raise KvtierError(f"cannot serve metrics on {addr}:{port} ({exc.strerror or exc}): {fix}") from None
+        thread = threading.Thread(target=server.serve_forever, name="kvtier-metrics-http", daemon=True)
+        thread.start()
         self._server, self._thread = server, thread
         return int(server.server_port)
 
@@ -405,8 +407,7 @@ class KvtierMetrics:
         server, thread = self._server, self._thread
         self._server = self._thread = None
         if server is not None:
-            server.shutdown()
-            server.server_close()
+            server.close()
         if thread is not None:
             thread.join(timeout)
             if thread.is_alive():
