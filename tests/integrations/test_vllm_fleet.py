@@ -261,8 +261,14 @@ def test_b_serves_from_the_shared_tier_what_a_computed(fleet: Fleet) -> None:
     prompts = [random_prompt_ids(LONG, seed=700 + i) for i in range(3)]
     a.complete(random_prompt_ids(40, seed=1), max_tokens=2)  # warm-up
     b.complete(random_prompt_ids(40, seed=2), max_tokens=2)
-    cold = [a.complete(p) for p in prompts]
-    a.settle(min_cascaded=3 * (LONG // BLOCK))
+    # One prompt at a time, each cascaded before the next (as test_vllm_server does): a prompt's
+    # blocks stay pinned in A's 48-row CPU tier while the shared tier writes them, so a slow write
+    # (S3 under a loaded CI run: 1.4 s a job) had the next prompt's stores refused (store_rejected),
+    # and they never reached the shared tier the test reads from.
+    cold = []
+    for i, prompt in enumerate(prompts):
+        cold.append(a.complete(prompt))
+        a.settle(min_cascaded=(i + 1) * (LONG // BLOCK))
     time.sleep(0.5)  # an fs root: B learns A's files from A's journal within ~0.1 s
     hits = [b.complete(p) for p in prompts]
     floor = [b.complete(p) for p in prompts]  # now in B's device cache

@@ -191,10 +191,11 @@ class NamespaceDir:
         return os.open(name, DIR_FLAGS, dir_fd=self.fd)
 
     def shard(self, name: str) -> int:
-        """:meth:`subdir` for a value's shard. Anything where the shard belongs that is not a real
-        directory (a link, a regular file, a FIFO, a socket, a device: ``ELOOP``/``ENOTDIR``)
-        raises :class:`UnsafeEntryError` (someone else's entry, never followed nor removed: not
-        an I/O failure of the medium); anything else raises as :meth:`subdir` does."""
+        """:meth:`subdir` for a value's shard: a link or a special file (FIFO, socket, device)
+        where the shard belongs raises :class:`UnsafeEntryError` (someone else's entry, never
+        followed: not an I/O failure of the medium); anything else raises as :meth:`subdir` does
+        (a regular file there fails with ``ENOTDIR``: the medium's failure, as a broken mount's,
+        which the breaker counts; the conformance suite's outage of an fs tier is made so)."""
         try:
             return os.open(name, DIR_FLAGS, dir_fd=self.fd)
         except OSError as exc:
@@ -203,10 +204,10 @@ class NamespaceDir:
             try:
                 mode = os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode
             except OSError:
-                mode = 0  # gone meanwhile: it was no directory when it was opened
-            # A directory here now was swapped in after the open failed: not this shard either.
-            kind = "not a directory" if not mode or stat.S_ISDIR(mode) else kind_of(mode)
-            raise UnsafeEntryError(self.path / name, f"{kind}, where a shard directory belongs") from None
+                raise exc from None
+            if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+                raise
+            raise UnsafeEntryError(self.path / name, f"{kind_of(mode)}, where a shard directory belongs") from None
 
     def entries(self, name: str) -> Iterator[os.DirEntry[str]]:
         """The entries of shard ``name``: none if it vanished, none if it is not a real directory
