@@ -5,16 +5,20 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import shutil
+import subprocess
 import threading
 import time
 import types
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import redis
 from redis_servers import SlowLink
+from tls_certificates import make_test_certificates
 
 from kvtier.errors import ConfigError, TierError
 from kvtier.keys import BlockKey, KVGeometry, Namespace, chain_ids
@@ -1099,3 +1103,55 @@ def test_loads_fit_a_client_output_buffer_limit_with_load_batch_mib(
     result = load(batched, keys, list(range(16, 32)))
     assert result.success, result.error
     assert np.array_equal(rows[16:], rows[:16])
+
+
+def test_cluster_mode_refuses_a_database_other_than_0_at_validation() -> None:
+    """Audit (redis/s3, hostile store): ``cluster: true`` with ``redis://node/3`` (or ``?db=3``) was
+    accepted, then every call failed at run time (redis-py: "A db querystring option can only be 0
+    in cluster mode") while store_location() announced database 3. A Redis Cluster has database 0
+    only: refused when the options are checked, with the fix and without the password; database 0,
+    however spelled, is taken."""
+    rows = random_rows(1)
+    ctx = TierContext(rows, BLOCK, namespace())
+    for url in ("redis://:hunter2@127.0.0.1:1/3", "redis://:hunter2@127.0.0.1:1?db=3", "rediss://:hunter2@h:1/3?db=3"):
+        with pytest.raises(ConfigError, match="database 3: a Redis Cluster has database 0 only") as refused:
+            RedisTier(ctx, url=url, cluster=True)
+        assert "hunter2" not in str(refused.value)
+        with pytest.raises(ConfigError, match="drop the database from the url"):
+            create_tier({"type": "redis", "url": url, "cluster": True}, ctx)
+    for url in ("redis://127.0.0.1:1", "redis://127.0.0.1:1/0", "redis://127.0.0.1:1/?db=0"):
+        assert RedisTierOptions(url=url, cluster=True).cluster  # (nothing built: no connection)
+    assert RedisTierOptions(url="redis://127.0.0.1:1/3").url.endswith("/3")  # standalone: any database
+
+
+def test_tls_options_that_cannot_make_a_tls_context_are_refused_at_validation(tmp_path: Path) -> None:
+    """Audit (redis/s3, hostile store): a rediss:// URL whose TLS options redis-py cannot build a
+    context from (?ssl_min_version=2, ?ssl_ciphers=NOPE, a CA or certificate file holding no PEM,
+    a key without its certificate, an encrypted key without ssl_password) passed validation; the
+    tier then failed every connection, a ValueError/TypeError logged with its traceback each time
+    (an encrypted key without a password made OpenSSL prompt on the terminal at each connect).
+    Refused when the options are checked; working TLS options are taken."""
+    ca, crt, key = make_test_certificates(tmp_path / "certs")
+    openssl = shutil.which("openssl")
+    assert openssl is not None
+    locked = tmp_path / "locked.key"
+    subprocess.run([openssl, "pkey", "-in", str(key), "-aes256", "-passout", "pass:pw", "-out", str(locked)],
+                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    junk, both = tmp_path / "junk.pem", tmp_path / "both.pem"
+    junk.write_text("not a certificate\n")
+    both.write_bytes(crt.read_bytes() + key.read_bytes())  # a certificate file holding its key too
+    rows = random_rows(1)
+    ctx = TierContext(rows, BLOCK, namespace())
+    base = "rediss://:hunter2@127.0.0.1:1/0?"
+    for query in ("ssl_min_version=2", "ssl_ciphers=NOPE", f"ssl_ca_certs={junk}", f"ssl_certfile={junk}",
+                  f"ssl_certfile={crt}",
+                  f"ssl_keyfile={key}", f"ssl_certfile={crt}&ssl_keyfile={junk}",
+                  f"ssl_certfile={crt}&ssl_keyfile={locked}",
+                  f"ssl_certfile={crt}&ssl_keyfile={locked}&ssl_password=no"):  # fmt: skip
+        with pytest.raises(ConfigError, match="its TLS options cannot make a TLS context") as refused:
+            RedisTier(ctx, url=base + query)
+        assert "hunter2" not in str(refused.value), query
+    for query in ("ssl_min_version=771", "ssl_min_version=772", f"ssl_ca_certs={ca}", f"ssl_ca_path={tmp_path}",
+                  "ssl_ciphers=ECDHE+AESGCM", f"ssl_certfile={crt}&ssl_keyfile={key}", f"ssl_certfile={both}",
+                  f"ssl_certfile={crt}&ssl_keyfile={locked}&ssl_password=pw", "ssl_cert_reqs=none"):  # fmt: skip
+        assert RedisTierOptions(url=base + query).url == base + query  # (nothing built: no connection)

@@ -613,3 +613,39 @@ def test_a_get_that_claims_a_huge_size_costs_only_the_bytes_it_sends(
     assert peak < 64 << 20, f"traced peak {peak} bytes"  # before the fix: over 256 MiB
     (ns,) = report.namespaces
     assert streamed[lying] == HEADER_SIZE + BLOCK and ns.verified == 2 and report.ok, ns
+
+
+def test_verify_streams_each_block_and_never_holds_a_large_object_whole(s3_bucket: tuple[MotoServer, str]) -> None:
+    """Audit (redis/s3, hostile store): --verify held each object it judged whole in memory, up
+    to the 5 GiB a single PUT may write, so an object of GiB planted under a block's name in a
+    shared bucket cost as much memory. Blocks are now judged as they stream (header kept, the rest
+    hashed): memory of one chunk. The planted object is still proven corrupt and removed, a
+    block with one flipped payload byte too, and the good block verifies."""
+    import tracemalloc
+
+    import obstore as obs
+
+    server, bucket = s3_bucket
+    tier, keys = _fill(server, bucket, "model-a", 3)
+    tier.shutdown()
+    raw = raw_client(server.endpoint, bucket)
+    planted, flipped, good = (tier.object_path(k) for k in keys)
+    obs.put(raw, planted, b"\x07" * (48 << 20), use_multipart=False)
+    value = bytearray(obs.get(raw, flipped).bytes())
+    value[HEADER_SIZE + 5] ^= 0xFF
+    obs.put(raw, flipped, bytes(value), use_multipart=False)
+    options = S3TierOptions(**{k: v for k, v in s3_options(server.endpoint, bucket).items() if k != "type"})
+
+    tracemalloc.start()
+    try:
+        report = inspect_prefix(options, verify=True, remove_corrupt=True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"traced peak {peak} bytes"  # before the fix: over 48 MiB
+    (ns,) = report.namespaces
+    reasons = {c.path: c.reason for c in ns.corrupt}
+    assert set(reasons) == {planted, flipped} and ns.removed_corrupt == 2 and ns.verified == 3, ns
+    assert reasons[planted].startswith(f"size {48 << 20}, expected {HEADER_SIZE + BLOCK}: bad magic"), reasons
+    assert reasons[flipped] == "payload checksum mismatch", reasons
+    assert _paths(raw) >= {good} and not _paths(raw) & {planted, flipped}

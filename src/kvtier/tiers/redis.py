@@ -154,10 +154,55 @@ def check_redis_url(url: str, owned_fix: str = "use the tier option {option!r} i
                              f"got {value!r:.40}")  # fmt: skip
     url = ep.scheme + url[len(ep.scheme) :]  # the scheme is the URL's first characters (no space is let through)
     try:
-        parse_url(url)  # type: ignore[no-untyped-call]
+        parsed = parse_url(url)  # type: ignore[no-untyped-call]
     except ValueError as exc:  # what redis-py itself refuses (a bad number in the query...)
         raise ValueError(f"{where}: {exc}") from None
+    if ep.scheme == "rediss":
+        _check_tls_options(parsed, where)
     return url
+
+
+def _check_tls_options(parsed: dict[str, Any], where: str) -> None:
+    """ValueError unless the TLS context a ``rediss://`` URL's options describe can be built
+    (``parsed``: what redis-py's ``parse_url`` made of them). redis-py builds it at every connect
+    from the same options, so a TLS version number or cipher list OpenSSL refuses, or a
+    certificate, key or CA file that holds none, would fail every connection (a ValueError or
+    TypeError logged with its traceback each time). Built once here the way redis-py builds it;
+    a key that needs a password never prompts on a terminal (OpenSSL's default, which blocked an
+    I/O thread for good): without ``ssl_password`` an empty one is tried, and refused."""
+    context = ssl.create_default_context()
+    certfile, keyfile, password = (parsed.get(k) for k in ("ssl_certfile", "ssl_keyfile", "ssl_password"))
+    cafile, capath = parsed.get("ssl_ca_certs"), parsed.get("ssl_ca_path")
+    try:
+        if keyfile and not certfile:
+            raise ValueError("ssl_keyfile without ssl_certfile")
+        if certfile:
+            context.load_cert_chain(certfile, keyfile, password=password if password is not None else lambda: b"")
+        if cafile is not None or capath is not None:
+            context.load_verify_locations(cafile=cafile, capath=capath)
+        if parsed.get("ssl_min_version") is not None:
+            context.minimum_version = parsed["ssl_min_version"]
+        if parsed.get("ssl_ciphers"):
+            context.set_ciphers(parsed["ssl_ciphers"])
+    except (OSError, ValueError, TypeError) as exc:  # (ssl.SSLError is an OSError)
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise ValueError(
+            f"{where}: its TLS options cannot make a TLS context ({reason}): check ssl_min_version (a TLS "
+            "version number: 771 for TLS 1.2, 772 for TLS 1.3), ssl_ciphers, ssl_certfile with ssl_keyfile "
+            "(and ssl_password for an encrypted key) and ssl_ca_certs/ssl_ca_path (PEM files)"
+        ) from None
+
+
+def url_database(url: str) -> int:
+    """The database a checked Redis URL (:func:`check_redis_url`) selects: its ``?db=``, else its
+    path's number, else 0."""
+    ep = parse_endpoint(url, "redis url", _SCHEMES, needs_host=False)
+    query_db = dict(parse_qsl(ep.query)).get("db")
+    if query_db is not None:
+        return int(query_db)
+    if ep.scheme != "unix" and ep.path not in ("", "/"):
+        return int(ep.path[1:])
+    return 0
 
 
 class RedisTierOptions(TierOptions):
@@ -212,8 +257,19 @@ class RedisTierOptions(TierOptions):
     @field_validator("cluster")
     @classmethod
     def _cluster_url(cls, cluster: bool, info: ValidationInfo) -> bool:
-        if cluster and str(info.data.get("url", "")).lower().startswith("unix:"):
+        """A cluster is reached by a redis:// or rediss:// node, in database 0: Redis Cluster has
+        no other (redis-py refuses any other at the first call, so every call would fail)."""
+        url = info.data.get("url")
+        if not cluster or url is None:
+            return cluster
+        if str(url).lower().startswith("unix:"):
             raise ValueError("cluster mode needs a redis:// or rediss:// url of one node, not unix://")
+        db = url_database(str(url))
+        if db != 0:
+            raise ValueError(
+                f"redis url {redact_url(str(url))!r} names database {db}: a Redis Cluster has database 0 only "
+                "(no SELECT); drop the database from the url (or give /0)"
+            )
         return cluster
 
     @field_serializer("url", when_used="json")
@@ -349,6 +405,7 @@ class RedisTier(ThreadedTier):
         self._need_refresh = False
         self._refusals_logged: dict[str, float] = {}  # error code -> when it was last logged
         self._usage_refused = False  # INFO refused (logged once)
+        self._moved_logged = False  # a standalone tier answered MOVED/ASK: a cluster node (logged once)
 
         # Scheduler-thread only.
         self._pending_checks: dict[BlockKey, None] = {}
@@ -483,13 +540,7 @@ class RedisTier(ThreadedTier):
         default) and the port (6379 by default) always spelled out, so every spelling of one
         database gives one location. Give every engine the same host (in cluster mode the same node)."""
         ep = parse_endpoint(self.options.url, "redis url", _SCHEMES, needs_host=False)
-        query_db = dict(parse_qsl(ep.query)).get("db")
-        if query_db is not None:
-            db = int(query_db)
-        elif ep.scheme != "unix" and ep.path not in ("", "/"):
-            db = int(ep.path[1:])
-        else:
-            db = 0
+        db = url_database(self.options.url)
         if ep.scheme == "unix":
             server = f"unix://{ep.path}"
         else:
@@ -646,10 +697,18 @@ class RedisTier(ThreadedTier):
                 pool.release(conn)
 
     def _note_reply_error(self, reply: ErrorReply, refusals: list[str], writing: bool = False) -> None:
-        """A redirect asks for a topology refresh; an error reply that is not about the one key
-        (see :func:`refused_by_server`) is added to ``refusals``."""
+        """A redirect asks for a topology refresh (and, to a tier not in cluster mode, which never
+        follows one, is logged once: the server is a cluster node, so ``cluster: true`` is missing);
+        an error reply that is not about the one key (see :func:`refused_by_server`) is added to
+        ``refusals``."""
         if reply.is_redirect:
             self._need_refresh = True
+            if not self.options.cluster and not self._moved_logged and reply.message.startswith(("MOVED ", "ASK ")):
+                # A standalone tier never follows a redirect: the keys other nodes serve fail, every time.
+                self._moved_logged = True
+                logger.warning("redis tier %s: the server answered %r: it is a Redis Cluster node, and the keys "
+                               "other nodes serve fail to store and load; set cluster: true", self.label,
+                               reply.message)  # fmt: skip
         if refused_by_server(reply, writing):
             refusals.append(reply.message)
 

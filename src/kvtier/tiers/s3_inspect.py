@@ -19,11 +19,13 @@ report is not ok. An object proven corrupt by its own header or checksum is dele
 only if a HEAD just before the DELETE still shows the ETag and size read (S3 has
 no delete-if-unchanged obstore can send).
 
-Memory stays bounded by the largest object kvtier writes (:data:`MAX_OBJECT_BYTES`,
-S3's 5 GiB limit on one PUT), manifest or not: an object listed larger is not
-fetched, and one whose GET answers larger (re-stored since the listing) or whose
-body runs past it is not read on. Either is reported ``unreadable`` (not checked)
-and kept: a shared bucket may hold a foreign object of any size. A manifest is held
+Memory stays bounded by one chunk of a GET's body (:data:`STREAM_CHUNK`), whatever
+the bucket holds: a block is judged as it streams (its header kept, the rest
+hashed, never held whole). An object larger than the largest one kvtier writes
+(:data:`MAX_OBJECT_BYTES`, S3's 5 GiB limit on one PUT) is not read: listed larger,
+it is not fetched; answered larger by its GET (re-stored since the listing) or with
+a body running past it, it is not read on. Either is reported ``unreadable`` (not
+checked) and kept: a shared bucket may hold a foreign object of any size. A manifest is held
 to :data:`MAX_MANIFEST_BYTES` the same way (listed, answered or streamed larger: not
 read on, reported as the namespace's manifest error).
 
@@ -47,7 +49,8 @@ from kvtier.tiers.format import (
     decode_header,
     foreign_format,
     older_readable_format,
-    verify_payload,
+    payload_hasher,
+    verify_digest,
 )
 from kvtier.tiers.fs_layout import CorruptEntry, NamespaceReport, RootReport
 from kvtier.tiers.s3_store import (
@@ -55,6 +58,7 @@ from kvtier.tiers.s3_store import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
     MAX_OBJECT_BYTES,
+    STREAM_CHUNK,
     S3TierOptions,
     bounded_body,
     key_of_path,
@@ -284,7 +288,8 @@ def _check_block(
     stopped at :data:`MAX_OBJECT_BYTES`).
 
     Everything is judged from one GET of the whole object, never from the listing (an engine may
-    have re-stored the object since). A failed read or another release's format proves nothing;
+    have re-stored the object since), as it streams (:func:`_stream_block`: memory of one chunk,
+    whatever its size). A failed read or another release's format proves nothing;
     nor does a size that disagrees with the manifest when the object's own header (magic, version,
     namespace, key, payload length) and checksum verify: the manifest is then the suspect (kept).
     """
@@ -294,18 +299,18 @@ def _check_block(
     try:
         result = obs.get(store, path)
         meta = result.meta
-        body = bounded_body(result, MAX_OBJECT_BYTES)
+        streamed = _stream_block(result, MAX_OBJECT_BYTES)
     except Exception as exc:
         return f"unreadable: {short_error(exc)} (kept: a failed read proves nothing)", False, None
-    if isinstance(body, str):
-        return _too_large(body), False, None
-    size = len(body)
-    version = foreign_format(body[:PREFIX_SIZE])
+    if isinstance(streamed, str):
+        return _too_large(streamed), False, None
+    head, size, digest = streamed
+    version = foreign_format(head[:PREFIX_SIZE])
     if version is not None:
         return f"value format version {version}: another release's (kept: not proven corrupt)", False, meta
     try:
-        header = decode_header(body[:HEADER_SIZE], namespace=namespace, key=key)  # its own header
-        verify_payload(header, body[HEADER_SIZE:])
+        header = decode_header(head, namespace=namespace, key=key)  # its own header
+        verify_digest(header, size - HEADER_SIZE, digest)
     except ForeignFormatError as exc:
         return f"{exc} (kept: not proven corrupt)", False, meta
     except CorruptValueError as exc:
@@ -318,6 +323,31 @@ def _check_block(
             f"verify {_SUSPECT_MANIFEST}"
         ), False, meta
     return None, False, meta
+
+
+def _stream_block(result: Any, limit: int) -> tuple[bytes, int, int] | str:
+    """``(first HEADER_SIZE bytes, size, xxh3 of the bytes after them)`` of the body of a GET
+    ``result``, taken chunk by chunk: memory of one chunk, never the body (a shared bucket may hold
+    an object of GiB under a block's name). Or, reading no further, what showed the object larger
+    than ``limit``: the size the GET answered, or its body running past it (as :func:`bounded_body`)."""
+    size = int(result.meta["size"])
+    if size > limit:
+        return f"the GET answered {size} bytes"
+    head = bytearray()
+    hasher = payload_hasher()
+    filled = 0
+    for chunk in result.stream(min_chunk_size=min(STREAM_CHUNK, limit)):
+        view = memoryview(chunk).cast("B")
+        n = view.nbytes
+        if filled + n > limit:
+            return f"its body ran past {limit} bytes (the GET said {size})"
+        take = min(n, HEADER_SIZE - len(head))
+        if take > 0:
+            head += view[:take]
+        if n > take:
+            hasher.update(view[take:])
+        filled += n
+    return bytes(head), filled, int(hasher.intdigest())
 
 
 def _too_large(seen: str) -> str:
