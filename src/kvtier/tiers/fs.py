@@ -304,7 +304,14 @@ class FilesystemTier(ThreadedTier):
         self.block_bytes = block_bytes
         self.fsync = opts.fsync
         self._digest = context.namespace.digest
-        self._open_directories()
+        try:
+            self._open_directories()
+        except OSError as exc:  # a read-only or full file system, a permission: named by the root, not a temp name
+            raise ConfigError(
+                f"fs tier directory {self.ns_dir} cannot be used ({exc.strerror or exc}): the tier writes its "
+                "manifest, a temp directory, a ledger and a journal there; pick a 'root' on a writable file "
+                "system with free space"
+            ) from exc
         self._direct_flag = O_DIRECT if self.direct_io else 0
         self._index = FileIndex()
         self.sharing = opts.sharing

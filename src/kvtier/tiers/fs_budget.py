@@ -71,7 +71,7 @@ import xxhash
 from kvtier.errors import UnsafeEntryError
 from kvtier.failures import describe_error
 from kvtier.tiers.fs_files import NamespaceDir, create_file
-from kvtier.tiers.fs_layout import LEDGER_DIR, instance_alive
+from kvtier.tiers.fs_layout import LEDGER_DIR, instance_alive, is_no_space
 from kvtier.untrusted import SAFE_OPEN_FLAGS, open_regular
 
 logger = logging.getLogger(__name__)
@@ -144,17 +144,37 @@ class SharedBudget:
         self.adopted = 0
         """Ledgers of dead instances adopted by this one."""
         self._dir_fd = dirs.subdir(LEDGER_DIR)
+        created = False
         try:
             fd = create_file(self._dir_fd, instance, 0, dirs.modes)
+            created = True
             try:
                 st = os.fstat(fd)
                 self._ident = (st.st_dev, st.st_ino)
-                os.pwrite(fd, pack_record(0, 0), 0)
+                self._write_first_record(fd)
             finally:
                 os.close(fd)
         except BaseException:
+            if created:  # a start that fails leaves no ledger behind
+                with contextlib.suppress(OSError):
+                    os.unlink(instance, dir_fd=self._dir_fd)
             self.close()
             raise
+
+    def _write_first_record(self, fd: int) -> None:
+        """Write the new ledger's first record (count 0), which allocates what every later publish
+        overwrites. On a full disk (ENOSPC, EDQUOT: a tier that filled it before a restart) the
+        ledger stays empty, which reads as 0, and the record is published by the next
+        :meth:`flush` or count change that finds room (the tier evicts to make it): the tier
+        starts and serves what the disk holds. Raises any other OSError."""
+        try:
+            os.pwrite(fd, pack_record(0, 0), 0)
+        except OSError as exc:
+            if not is_no_space(exc):
+                raise
+            self._dirty = True
+            self._publish_error = str(exc)
+            logger.warning("fs tier %s: cannot write its ledger yet: %s", self._dirs.path, describe_error(exc))
 
     # --- cached figures (any thread, no I/O) -------------------------------------------------------
 

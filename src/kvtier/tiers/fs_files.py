@@ -237,10 +237,19 @@ class NamespaceDir:
 def open_for_read(dir_fd: int, name: str, flags: int, modes: FileModes) -> tuple[int, os.stat_result]:
     """Open value ``name`` for reading: a regular, trusted file, share-locked and still at its name.
 
-    Raises :class:`UnsafeEntryError` (not a regular file, or another user's),
+    Raises :class:`UnsafeEntryError` (not a regular file, another user's, or one whose mode
+    does not let this user read it: a group member's 0600 file, a file made 0000; not a failure
+    of the medium, so never an I/O error that counts towards the breaker),
     :class:`ValueVanished`/FileNotFoundError (gone, replaced, or being recycled).
     """
-    fd = open_regular(name, os.O_RDONLY | flags, dir_fd=dir_fd)
+    try:
+        fd = open_regular(name, os.O_RDONLY | flags, dir_fd=dir_fd)
+    except PermissionError:
+        try:
+            mode = stat.S_IMODE(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            raise ValueVanished(f"{name} vanished while opening it") from None
+        raise UnsafeEntryError(name, f"not readable by this user (mode {mode:04o})") from None
     try:
         st = os.fstat(fd)
         if not modes.trusted(st):

@@ -323,10 +323,18 @@ class JournalReader:
             return 0
 
     def _read_at(self, owner: str, segment: int, offset: int) -> bytes:
-        """Up to ``_MAX_READ`` bytes of a segment from ``offset`` (reopened: fresh on NFS too)."""
+        """Up to ``_MAX_READ`` bytes of a segment from ``offset`` (reopened: fresh on NFS too); none
+        from a segment gone, not a regular file of ours, or whose mode keeps this user out (logged
+        once: one such file must not fail every read, nor hide the other engines' records)."""
+        name = _segment_name(owner, segment)
         try:
-            fd = open_regular(_segment_name(owner, segment), os.O_RDONLY, dir_fd=self._dir_fd)
+            fd = open_regular(name, os.O_RDONLY, dir_fd=self._dir_fd)
         except (FileNotFoundError, UnsafeEntryError):
+            return b""
+        except PermissionError as exc:  # a mode that keeps this user out: skipped like an unsafe entry
+            if name not in self._unsafe:
+                self._unsafe.add(name)
+                logger.warning("fs tier %s: ignoring journal/%s: %s", self._path, name, describe_error(exc))
             return b""
         try:
             st = os.fstat(fd)

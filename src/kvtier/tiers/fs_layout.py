@@ -329,24 +329,31 @@ def instance_alive(ns_dir: Path, name: str) -> bool:
     """Is tier instance ``name`` (its ``tmp`` directory's name) alive? Proven by its flock.
 
     ``tmp`` and the instance directory are opened without following: a link or a file is no
-    instance directory (kvtier never made one).
+    instance directory (kvtier never made one), and a missing one is dead. One that cannot be
+    opened for another reason (EACCES: a mode that keeps this user out) is not proven dead and
+    counts as alive: its ledger is not adopted from under it nor its journal deleted.
     """
     if not name or name.startswith(".") or "/" in name:
         return False
     try:
         tmp_fd = os.open(ns_dir / TMP_DIR, DIR_FLAGS)
-    except OSError:
-        return False
+    except OSError as exc:
+        return not _proves_absent(exc)
     try:
-        fd = _open_subdir(tmp_fd, name)
+        fd = os.open(name, DIR_FLAGS, dir_fd=tmp_fd)
+    except OSError as exc:
+        return not _proves_absent(exc)
     finally:
         os.close(tmp_fd)
-    if fd is None:
-        return False
     try:
         return _held_by_live_process(fd, os.fstat(fd))
     finally:
         os.close(fd)
+
+
+def _proves_absent(exc: OSError) -> bool:
+    """Does a failed directory open show there is no such directory (nothing, a link, a file)?"""
+    return exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR)
 
 
 INSTANCE_NAME = r"\d{1,10}-[0-9a-f]{12}"
@@ -424,7 +431,8 @@ def sweep_temp_dirs(dirs: NamespaceDir) -> tuple[int, int]:
 
 def probe_direct_io(dir_fd: int) -> str | None:
     """Try an O_DIRECT write and read in the directory open as ``dir_fd`` (an instance's own);
-    None on success, else the reason."""
+    None on success (or when the file system took the O_DIRECT open but is full: ENOSPC, EDQUOT),
+    else the reason."""
     if not O_DIRECT:
         return "this platform has no O_DIRECT"
     name = f".direct-probe-{secrets.token_hex(4)}"
@@ -444,6 +452,11 @@ def probe_direct_io(dir_fd: int) -> str | None:
             if os.preadv(fd, [view], 0) != PAGE or bytes(view[:8]) != b"kvtier!!":
                 return "O_DIRECT read back different bytes"
         except OSError as exc:
+            if is_no_space(exc):
+                # A full disk (a tier that filled it, restarted) took the O_DIRECT open and the write
+                # got as far as allocating: not a reason to read buffered for the whole run, nor to
+                # refuse direct_io=true. Stores hit ENOSPC anyway and are handled as such.
+                return None
             return f"O_DIRECT I/O failed: {exc.strerror}"
         finally:
             os.close(fd)
@@ -798,6 +811,7 @@ class _Verification:
     corrupt: list[CorruptEntry] = field(default_factory=list)
     kept: list[CorruptEntry] = field(default_factory=list)
     unsafe: list[CorruptEntry] = field(default_factory=list)
+    unreadable: list[CorruptEntry] = field(default_factory=list)
     foreign: list[str] = field(default_factory=list)
     buf: bytearray | None = None
     header: memoryview = field(default_factory=lambda: memoryview(bytearray(PAGE)))
@@ -838,7 +852,8 @@ def _verify_value(shard_fd: int, name: str, path: Path, key: bytes, v: _Verifica
     """Read and verify one value as a tier reads it. A value that fails against the manifest is
     judged by its own header and checksum before it counts as corrupt (and may be removed): one
     that verifies so is kept, the manifest the suspect (a manifest edited or planted with another
-    block_bytes must not condemn every value). Buffers only a file of the manifest's size."""
+    block_bytes must not condemn every value). One whose read fails (EIO, a mode that keeps this
+    user out) is listed unreadable: not checked, kept. Buffers only a file of the manifest's size."""
     block_bytes = v.block_bytes
     assert block_bytes is not None
     try:
@@ -880,8 +895,8 @@ def _verify_value(shard_fd: int, name: str, path: Path, key: bytes, v: _Verifica
         v.unsafe.append(CorruptEntry(str(path), exc.reason))
     except FileNotFoundError:
         v.entries -= 1
-    except OSError as exc:
-        v.corrupt.append(CorruptEntry(str(path), f"unreadable: {exc}"))
+    except OSError as exc:  # not checked (EIO, a mode that keeps this user out): kept, not proven corrupt
+        v.unreadable.append(CorruptEntry(str(path), f"read failed ({exc.strerror or exc}): kept, not checked"))
 
 
 _OWN_CHECK_CHUNK = 1 << 20
@@ -916,6 +931,21 @@ def _model_id(manifest: dict[str, Any] | None) -> Any:
     return ns.get("model_id") if isinstance(ns, dict) else None
 
 
+def _layout_problem(manifest: dict[str, Any]) -> str | None:
+    """Why this release's fs tier refuses a manifest for its layout or value format (as
+    :func:`ensure_manifest` compares them: another release's namespace), or None if it takes it
+    (its own format, or an older one it reads and rewrites)."""
+    value_format = manifest.get("value_format_version")
+    if value_format != FORMAT_VERSION and not older_readable_format(value_format):
+        return (f"manifest says value_format_version={value_format!r:.40}, this release reads "
+                f"{FORMAT_VERSION}: another release's namespace, its engines refuse it")  # fmt: skip
+    for entry, expected in (("kvtier_fs_layout", LAYOUT_VERSION), ("payload_offset", PAYLOAD_OFFSET)):
+        if manifest.get(entry) != expected:
+            return (f"manifest says {entry}={manifest.get(entry)!r:.40}, this release reads {expected}: "
+                    "another release's namespace, its engines refuse it")  # fmt: skip
+    return None
+
+
 def _verify_namespace(ns_fd: int, ns_dir: Path, check_payloads: bool, remove_corrupt: bool) -> NamespaceReport:
     """Report on the namespace directory open as ``ns_fd`` (named ``ns_dir``), through descriptors."""
     manifest: dict[str, Any] | None = None
@@ -928,6 +958,8 @@ def _verify_namespace(ns_fd: int, ns_dir: Path, check_payloads: bool, remove_cor
             )
         elif not isinstance(manifest.get("namespace"), dict):
             manifest_error = "manifest field 'namespace' is not an object"
+        else:
+            manifest_error = _layout_problem(manifest)
     except (OSError, ValueError, UnsafeEntryError) as exc:
         manifest_error = f"unreadable manifest: {exc}"
     block_bytes = manifest.get("block_bytes") if manifest else None
@@ -965,5 +997,6 @@ def _verify_namespace(ns_fd: int, ns_dir: Path, check_payloads: bool, remove_cor
         unsafe_entries=v.unsafe,
         temp_files_live=live,
         temp_files_stale=stale,
+        unreadable=v.unreadable,
         kept=v.kept,
     )
