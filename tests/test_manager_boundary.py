@@ -160,6 +160,44 @@ def test_stats_never_raises_when_a_tier_usage_or_health_raises(
         mgr.shutdown()
 
 
+@pytest.mark.parametrize(
+    ("where", "field", "value"),
+    [("stats", "lookups_hit", "lots"), ("stats", "lookups_hit", float("nan")), ("stats", "evictions", None),
+     ("stats", "stores_failed", float("inf")), ("stats", "seconds_writing", object()),
+     ("usage", "used_bytes", "x"), ("usage", "capacity_bytes", float("nan")), ("usage", "entries", [1])],
+    ids=["hits-str", "hits-nan", "evictions-none", "failed-inf", "seconds-object", "used-str", "capacity-nan",
+         "entries-list"],
+)
+def test_stats_never_raises_when_a_tier_reports_a_figure_that_is_no_number(
+    namespace: Namespace, where: str, field: str, value: Any
+) -> None:
+    """Regression (audit, 2026-12-05): a tier whose counters or usage held a string, None, NaN or inf
+    made stats() raise (int() of it) or return a snapshot json.dumps refused; now that reading
+    takes its safe default, counted as a failed call, like a tier whose stats() raises."""
+    import json
+
+    from kvtier.tiers.base import TierUsage
+
+    mgr = TieringManager.create(namespace=namespace, num_cpu_blocks=8, tiers=[{"type": "memory"}])
+    try:
+        tier = mgr.tiers[0]
+        if where == "stats":
+            setattr(tier.stats, field, value)
+        else:
+            good = tier.usage()
+            tier.usage = lambda: TierUsage(**{**good.__dict__, field: value})  # type: ignore[method-assign]
+        entry = json.loads(json.dumps(mgr.stats().as_dict(), allow_nan=False))["tiers"]["1:memory"]
+        assert ("lookups_hit" not in entry) if where == "stats" else ("used_bytes" not in entry)
+        assert mgr.stats().manager.tier_call_errors == 2
+        from kvtier.metrics import KvtierMetrics
+
+        metrics = KvtierMetrics()
+        metrics.update(mgr)
+        metrics.close()
+    finally:
+        mgr.shutdown()
+
+
 class _LyingKey(bytes):
     """A bytes subclass whose ``len`` says 8 whatever its bytes (and whose hash is its own)."""
 

@@ -80,3 +80,21 @@ def test_a_request_id_that_cannot_be_a_key_is_refused_where_the_request_is_made(
     test_request_params_untrusted)."""
     with pytest.raises(TypeError, match=f"RequestContext.req_id must be a str.*got {type(req_id).__name__}"):
         RequestContext(req_id)
+
+
+@pytest.mark.parametrize("call", ["prepare_load", "complete_load", "touch"])
+def test_the_load_calls_name_a_request_that_is_not_a_request_context(call: str, namespace: Namespace) -> None:
+    """Regression (audit, 2026-12-05): prepare_load and touch raised AttributeError ("'str' object
+    has no attribute 'req_id'", touch only with a secondary tier and after touching the CPU
+    tier) and complete_load ignored the request, where the other calls raise a TypeError."""
+    manager = TieringManager.create(namespace=namespace, num_cpu_blocks=8, tiers=[{"type": "memory"}])
+    try:
+        result = manager.prepare_store([KEY])
+        assert result is not None
+        manager.complete_store([KEY])
+        before = manager.primary.ref_count(KEY)  # the cascade's pin, while the memory tier copies
+        with pytest.raises(TypeError, match=f"{call}: request must be a RequestContext"):
+            getattr(manager, call)([KEY], "req")
+        assert manager.primary.ref_count(KEY) == before  # nothing pinned, nothing released
+    finally:
+        manager.shutdown()

@@ -136,3 +136,42 @@ def test_a_hinted_request_is_stored_loaded_and_finished_like_any_and_the_policy_
         mgr.on_schedule_end()
     stats = mgr.stats().cpu.policy
     assert stats is not None and stats.values["hinted_ended"] == 1
+
+
+@pytest.mark.parametrize("hint", [{SESSION_END_KEY: True}, {SESSION_KEY: "y", SESSION_END_KEY: True}],
+                         ids=["ended", "session-ended"])
+@pytest.mark.parametrize("own_tail", [False, True], ids=["stores-nothing", "stores-its-own-tail"])
+def test_an_ended_request_that_stored_only_blocks_held_already_leaves_them_to_their_writer(
+    namespace: Namespace, private_shm: Path, hint: dict[str, Any], own_tail: bool
+) -> None:
+    """Regression (audit, 2026-12-05): a request whose store found every block held already (a
+    running request X wrote them) took X's tail as its own: its end settled X's request and its
+    session-end hint had X's blocks, a prefix another conversation still extends, evicted before
+    any other. With a block of its own after them, that block (its own) is the one hinted."""
+    manager = TieringManager.create(namespace=namespace, num_cpu_blocks=8, shm_dir=private_shm, policy="return-time")
+    try:
+        older, shared, extra, later = (prefix_keys(np.arange(base, base + 16), 4) for base in (1000, 2000, 3000, 4000))
+
+        def store(req: RequestContext, keys: list[bytes]) -> list[bytes]:
+            result = manager.prepare_store(keys, req)
+            assert result is not None
+            manager.complete_store(result.keys_to_store, req)
+            return result.evicted_keys
+
+        done = RequestContext("old", {SESSION_KEY: "old"})
+        store(done, older)
+        manager.on_request_finished(done)
+        manager.on_schedule_end()
+        running = RequestContext("x", {SESSION_KEY: "x"})  # stores its prefix, and goes on
+        store(running, shared[:2])
+        manager.on_schedule_end()
+        ended = RequestContext("y", hint)
+        assert store(ended, shared[:2] + (extra[:1] if own_tail else [])) == []
+        manager.on_request_finished(ended)
+        manager.on_schedule_end()
+        evicted = store(RequestContext("z"), later[:4 if own_tail else 3])
+        assert not set(evicted) & set(shared[:2]), "the running request's prefix went first"
+        if own_tail:
+            assert extra[0] in evicted, "the ended request's own block went last"
+    finally:
+        manager.shutdown()

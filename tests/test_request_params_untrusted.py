@@ -237,3 +237,20 @@ def test_a_selector_list_longer_than_any_engine_needs_is_refused_unread(mgr: Tie
     assert mgr.stats().manager.request_control_problems == {f"{LOAD_TIERS_KEY}:not_selectors": 1}
     ok = mgr.request_control(RequestContext("ok", {LOAD_TIERS_KEY: ["cpu"] * 64}))
     assert ok.load_from == frozenset({0})
+
+
+@pytest.mark.parametrize("key", CONTROL_KEYS)
+@pytest.mark.parametrize(
+    "value",
+    [[10**5000], {"n": 10**5000}, {10**5000: "k"}, [[1, 10**5000]]],
+    ids=["in a list", "a dict value", "a dict key", "nested"],
+)
+def test_a_huge_integer_inside_a_value_is_described_not_raised(mgr: TieringManager, key: str, value: Any) -> None:
+    """Regression (audit, 2026-12-05): an integer past Python's 4300-digit limit inside a list or
+    dict made the message's bounded repr raise ValueError, out of lookup on the scheduler thread."""
+    from kvtier.request_control import describe_value
+
+    assert "<int of 16610 bits>" in describe_value(value)
+    ctx = RequestContext("huge-inside", {key: value})
+    assert mgr.lookup(b"q" * 32, ctx) is not None
+    assert sum(mgr.stats().manager.request_control_problems.values()) == 1

@@ -46,8 +46,9 @@ MAX_WARMUP_JOBS = 10_000
 class BackpressureSettings:
     """When a tier counts as under pressure. See the module docstring.
 
-    Raises :class:`ConfigError` for thresholds that cannot work (``low_seconds``
-    not below ``high_seconds``, non-positive values, ``smoothing`` outside (0, 1]).
+    Raises :class:`ConfigError` for settings that cannot work (``enabled`` not a bool,
+    ``low_seconds`` not below ``high_seconds``, non-positive values, ``smoothing`` not a
+    number in (0, 1]).
     """
 
     enabled: bool = True
@@ -57,6 +58,8 @@ class BackpressureSettings:
     smoothing: float = 0.3
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):  # "false" or "no" would be taken for True
+            raise ConfigError(f"backpressure enabled must be True or False, got {self.enabled!r:.40}")
         check_seconds(self.high_seconds, "backpressure high_seconds", positive=True)
         check_seconds(self.low_seconds, "backpressure low_seconds")
         if not 0 <= self.low_seconds < self.high_seconds:
@@ -69,8 +72,9 @@ class BackpressureSettings:
             raise ConfigError(
                 f"backpressure warmup_jobs must be an integer in [1, {MAX_WARMUP_JOBS}], got {str(jobs)[:40]}"
             )
-        if not 0 < self.smoothing <= 1:
-            raise ConfigError(f"backpressure smoothing must be in (0, 1], got {self.smoothing!r}")
+        smoothing = self.smoothing
+        if isinstance(smoothing, bool) or not isinstance(smoothing, int | float) or not 0 < smoothing <= 1:
+            raise ConfigError(f"backpressure smoothing must be a number in (0, 1], got {smoothing!r:.40}")
 
 
 class StoreLatencyMonitor:

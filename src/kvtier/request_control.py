@@ -69,7 +69,17 @@ MAX_EXPECTED_RETURN_S = 86400.0
 _CPU_NAMES = frozenset({"cpu", "primary", PRIMARY_LABEL})
 _LOCALITIES = frozenset({"local", "remote"})
 _SHOWN_CHARS = 80
-_SHORT = reprlib.Repr()
+
+
+class _BoundedRepr(reprlib.Repr):
+    """``reprlib``'s bounded repr, also for an integer too long to print: ``reprlib`` prints every
+    ``int`` in full first, and one past Python's 4300-digit limit raises ValueError."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        return super().repr_int(x, level) if x.bit_length() <= 64 else f"<int of {x.bit_length()} bits>"
+
+
+_SHORT = _BoundedRepr()
 _SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxdict, _SHORT.maxset = 2, 4, 4, 3, 4
 _SHORT.maxstring, _SHORT.maxlong, _SHORT.maxother = 40, 40, 40
 

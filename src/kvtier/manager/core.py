@@ -393,7 +393,7 @@ class TieringManager:
         """Pin HIT blocks for a device load; returns their CPU rows. Raises if one is not HIT. The
         secondary tiers are touched with ``keys`` (vLLM calls :meth:`touch` for none): a block the
         CPU tier serves keeps its place in the tiers behind it (their recency, a TTL)."""
-        keys = self._open_keys("prepare_load", keys)
+        keys = self._open_keys("prepare_load", keys, request)
         self._poll_once()
         state = self._requests.find(request)
         rows = self.primary.prepare_load(keys, after=state.chain_tail if state is not None else None)
@@ -408,12 +408,12 @@ class TieringManager:
         """The device copied ``keys`` out: release the pins :meth:`prepare_load` took. A key with
         no load outstanding is ignored and counted (the CPU tier's ``stray_load_completion``
         failures), never taking away a pin a cascade holds."""
-        self.primary.complete_load(self._open_keys("complete_load", keys))
+        self.primary.complete_load(self._open_keys("complete_load", keys, request))
 
     def touch(self, keys: Sequence[BlockKey], request: RequestContext | None = None) -> None:
         """Recency for ``keys`` in every tier the request may load from (also for blocks hit in the
         device cache)."""
-        keys = self._open_keys("touch", keys)
+        keys = self._open_keys("touch", keys, request)
         self.primary.touch(keys)
         self._tiers.touch(keys, request, self.request_control)
 
@@ -435,7 +435,7 @@ class TieringManager:
             self._tiers.counters.store_rejections += 1
             return None
         if state is None:
-            if keys:  # no request to continue it: the store is a whole request
+            if result.keys_to_store and result.keys_to_store[-1] == keys[-1]:  # a whole request, its tail new
                 self.primary.end_request(keys[-1])
             return result
         state.note_store(keys, result.keys_to_store)

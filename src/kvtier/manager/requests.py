@@ -54,15 +54,19 @@ class RequestState:
     parked_since: float = 0.0  # when the oldest parked cascade was parked
     finished: bool = False
     chain_tail: BlockKey | None = None  # the last block loaded or stored: the parent of the next
-    stored_tail: bool = False  # chain_tail was stored by this request (a next store continues it)
+    stored_tail: bool = False  # chain_tail was written by this request (a next store continues it; its end is ours)
     in_step: bool = False
     """Listed for this step's end: promotions wait for submission, or cascades are parked."""
 
     def note_store(self, keys: Sequence[BlockKey], keys_to_store: Sequence[BlockKey]) -> None:
-        """The request stored ``keys`` (``keys_to_store`` of them are new): its next store continues them."""
+        """The request stored ``keys`` (``keys_to_store`` of them are new): its next store follows
+        them, and continues its own store if this request wrote their tail. A tail another request
+        wrote (every key already held) is not this request's: its end and hints are not told of it."""
         if keys:
-            self.chain_tail = keys[-1]
-            self.stored_tail = True
+            tail = keys[-1]
+            own = bool(keys_to_store) and keys_to_store[-1] == tail
+            self.stored_tail = own or (self.stored_tail and tail == self.chain_tail)
+            self.chain_tail = tail
         self.pending_store_keys.update(keys_to_store)
 
 

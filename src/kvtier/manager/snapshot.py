@@ -13,6 +13,8 @@ CPU tier's HIT_PENDING.
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from dataclasses import asdict, fields, replace
 from typing import Any, NamedTuple
@@ -88,9 +90,22 @@ class TierReading(NamedTuple):
         return cls(counters, extra, kinds, *usage, health)
 
 
+def _number(what: str, value: Any, optional: bool = False) -> Any:
+    """``value`` as a plain ``int`` or finite ``float`` (None kept if ``optional``); TypeError naming
+    ``what`` for anything else, so a tier's malformed figure takes its reading's safe default."""
+    if value is None and optional:
+        return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real) and math.isfinite(value):
+        return float(value)
+    shown = f"{value!r:.40}" if isinstance(value, float | str | type(None)) else f"a {type(value).__name__}"
+    raise TypeError(f"{what} must be a finite number, got {shown}")
+
+
 def _own_counters(tier: Any) -> _Counters:
     own = tier.stats
-    counters = {f.name: getattr(own, f.name) for f in fields(own) if f.name != "extra"}
+    counters = {f.name: _number(f"stats.{f.name}", getattr(own, f.name)) for f in fields(own) if f.name != "extra"}
     extra = {str(k): float(v) for k, v in own.extra.items()}
     declared = getattr(tier, "extra_metrics", {})
     return counters, extra, {name: getattr(declared.get(name), "kind", "gauge") for name in extra}
@@ -98,7 +113,9 @@ def _own_counters(tier: Any) -> _Counters:
 
 def _usage(tier: Any) -> tuple[int | None, int | None, int | None]:
     usage = tier.usage()
-    return usage.used_bytes, usage.capacity_bytes, usage.entries
+    return (int(_number("usage().used_bytes", usage.used_bytes)),
+            None if (cap := _number("usage().capacity_bytes", usage.capacity_bytes, True)) is None else int(cap),
+            None if (n := _number("usage().entries", usage.entries, True)) is None else int(n))
 
 
 def cpu_snapshot(primary: PrimaryTier, telemetry: TierTelemetry, answers: tuple[int, int, int],
