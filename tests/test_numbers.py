@@ -186,6 +186,13 @@ def test_manager_timeouts_are_checked_at_every_entry(namespace: Namespace, tmp_p
         ({"num_cpu_blocks": "8"}, "num_cpu_blocks must be a positive integer"),
         # Regression (review, 2026-12-05): both were taken, cpu_bytes silently dropped
         ({"num_cpu_blocks": 4, "cpu_bytes": "8MiB"}, "cpu_bytes ('8MiB') and num_cpu_blocks (4) are both given"),
+        # Regression (2026-12-05, twenty-first session): an int past Python's 4,300-digit str() limit
+        # was a bare ValueError from a message's formatting (here, in the region's space check, ...)
+        ({"num_cpu_blocks": 10**5000}, "num_cpu_blocks=an integer of 16610 bits rows of"),
+        ({"num_cpu_blocks": 2**62}, "are above the largest size kvtier accepts (8 EiB): give fewer blocks"),
+        ({"num_cpu_blocks": 10**5000, "cpu_bytes": "1G"}, "num_cpu_blocks (<int of 16610 bits>) are both given"),
+        ({"cpu_bytes": 10**5000}, "size an integer of 16610 bits is above the largest size"),
+        ({"cpu_bytes": -(10**5000)}, "size an integer of 16610 bits is negative"),
     ],
 )
 def test_manager_sizes_are_checked_before_the_region_exists(
@@ -301,3 +308,18 @@ def test_a_boolean_is_not_a_number_of_seconds(tmp_path: Path, text: str) -> None
     name = re.findall(r"(\w+): (?:true|false)", text)[0]
     with pytest.raises(ConfigError, match=rf"{name}.*a number of seconds, not (true|false)"):
         load_config(str(path), env={})
+
+
+def test_messages_name_an_integer_too_long_to_print() -> None:
+    """Regression (2026-12-05, twenty-first session): ``str()`` of an int of more than 4,300
+    digits raises ValueError, and the config messages formatted the value they refuse with it
+    (``check_seconds``, ``shown_value``: any setting given such an int)."""
+    from kvtier.validation import check_seconds, shown_value
+
+    huge = 10**5000
+    assert shown_value(huge) == "<int of 16610 bits>"
+    assert shown_value([huge, "a"]) == "[<int of 16610 bits>, 'a']"
+    with pytest.raises(ConfigError, match=re.escape("timeout=an integer of 16610 bits is longer than")):
+        check_seconds(huge, "timeout")
+    with pytest.raises(ConfigError, match="size an integer of 16610 bits is above"):
+        parse_size(huge)

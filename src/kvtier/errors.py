@@ -7,6 +7,7 @@ name the offending value and, where there is one, the fix.
 from __future__ import annotations
 
 import os
+import reprlib
 import traceback
 from dataclasses import dataclass
 
@@ -42,6 +43,21 @@ def exception_text(exc: BaseException) -> str:
         return str(exc)
     except Exception:
         return f"<unprintable {type(exc).__name__}>"
+
+
+def int_text(value: int) -> str:
+    """An integer for a message: its digits, or past 128 bits its size (``str()`` of an int of
+    more than 4,300 digits raises ValueError, and a long one says nothing more)."""
+    return str(value) if value.bit_length() <= 128 else f"an integer of {value.bit_length()} bits"
+
+
+class BoundedRepr(reprlib.Repr):
+    """``reprlib``'s bounded repr, also for an integer too long to print: ``reprlib`` formats every
+    ``int`` in full before shortening it, and one past Python's 4,300-digit limit raises ValueError.
+    The repr of values in error messages (set its limits per use)."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        return super().repr_int(x, level) if x.bit_length() <= 128 else f"<int of {x.bit_length()} bits>"
 
 
 class KvtierError(Exception):

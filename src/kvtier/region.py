@@ -71,7 +71,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from kvtier.errors import InsufficientSpaceError, RegionBusyError, RegionError, UnsafeEntryError
+from kvtier.errors import InsufficientSpaceError, RegionBusyError, RegionError, UnsafeEntryError, int_text
 from kvtier.region_file import (
     ATTACH_COUNT_OFFSET,
     CREATOR_LOCK_OFFSET,
@@ -476,7 +476,7 @@ class SharedRegion:
         if free < self.total_bytes:
             raise InsufficientSpaceError(
                 f"{self.path.parent} has {format_bytes(free)} free, {format_bytes(self.total_bytes)} needed "
-                f"for region {self.name!r} ({self.num_rows} rows of {format_bytes(self.row_stride)}): "
+                f"for region {self.name!r} ({int_text(self.num_rows)} rows of {format_bytes(self.row_stride)}): "
                 f"lower cpu_bytes or enlarge {self.path.parent}"
             )
 

@@ -48,12 +48,11 @@ from __future__ import annotations
 
 import logging
 import math
-import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.errors import ConfigError
+from kvtier.errors import BoundedRepr, ConfigError
 from kvtier.types import PRIMARY_LABEL, RequestControl, RequestHints
 
 LOAD_TIERS_KEY = "kvtier_load_tiers"
@@ -71,15 +70,7 @@ _LOCALITIES = frozenset({"local", "remote"})
 _SHOWN_CHARS = 80
 
 
-class _BoundedRepr(reprlib.Repr):
-    """``reprlib``'s bounded repr, also for an integer too long to print: ``reprlib`` prints every
-    ``int`` in full first, and one past Python's 4300-digit limit raises ValueError."""
-
-    def repr_int(self, x: int, level: int) -> str:
-        return super().repr_int(x, level) if x.bit_length() <= 64 else f"<int of {x.bit_length()} bits>"
-
-
-_SHORT = _BoundedRepr()
+_SHORT = BoundedRepr()
 _SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxdict, _SHORT.maxset = 2, 4, 4, 3, 4
 _SHORT.maxstring, _SHORT.maxlong, _SHORT.maxother = 40, 40, 40
 

@@ -10,7 +10,7 @@ import math
 import mmap
 import re
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, int_text
 
 PAGE_SIZE = mmap.PAGESIZE
 """The machine's page size: every CPU-tier row starts on a page boundary."""
@@ -86,9 +86,9 @@ def parse_size(value: int | float | str) -> int:
         raise ConfigError(f"size {value!r} is a boolean: give bytes as an integer or a string like '4GiB'")
     if isinstance(value, int):
         if value < 0:
-            raise ConfigError(f"size {shown(str(value))} is negative: give a positive number of bytes")
+            raise ConfigError(f"size {int_text(value)} is negative: give a positive number of bytes")
         if value > MAX_SIZE:
-            raise _too_large(shown(str(value)))
+            raise _too_large(int_text(value))
         return value
     if isinstance(value, float):
         if not math.isfinite(value):

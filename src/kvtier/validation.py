@@ -17,7 +17,6 @@ import difflib
 import itertools
 import math
 import re
-import reprlib
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -25,7 +24,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_validator
 
-from kvtier.errors import ConfigError
+from kvtier.errors import BoundedRepr, ConfigError, int_text
 
 MAX_SECONDS = 1_000_000.0
 """The longest duration any kvtier setting accepts (about 11.6 days). Waits are handed to
@@ -117,14 +116,14 @@ def check_seconds(
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{name} must be a number of seconds, got {type(value).__name__} {shown_value(value)}: {fix}")
     if isinstance(value, int) and value > high:  # a 400-digit int too, before float() overflows
-        raise ConfigError(f"{name}={str(value)[:20]}... is longer than {high:g} seconds: {fix}")
+        raise ConfigError(f"{name}={int_text(value)} is longer than {high:g} seconds: {fix}")
     seconds = float(value)
     if not math.isfinite(seconds) or seconds < low or (positive and seconds == 0) or seconds > high:
         raise ConfigError(f"{name}={value!r} is not a usable duration: {fix}")
     return seconds
 
 
-_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR = BoundedRepr()
 _SHORT_REPR.maxstring = _SHORT_REPR.maxother = 60
 _SHORT_REPR.maxlist = _SHORT_REPR.maxtuple = _SHORT_REPR.maxdict = _SHORT_REPR.maxset = 4
 _SHORT_REPR.maxlevel = 3

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from kvtier.errors import ConfigError, RegionBusyError, RegionError, clear_exception_frames
+from kvtier.errors import ConfigError, RegionBusyError, RegionError, clear_exception_frames, int_text
 from kvtier.failures import log_failure
 from kvtier.keys import Namespace
 from kvtier.manager.blocking import BlockingCalls
@@ -28,8 +28,8 @@ from kvtier.region import SharedRegion, check_shm_dir, region_path
 from kvtier.tiers.base import SecondaryTier, TierContext
 from kvtier.tiers.registry import create_tier, validate_tier_options
 from kvtier.types import RequestContext
-from kvtier.units import parse_size, rows_that_fit
-from kvtier.validation import check_seconds
+from kvtier.units import MAX_SIZE, format_size, parse_size, row_stride_for, rows_that_fit
+from kvtier.validation import check_seconds, shown_value
 
 logger = logging.getLogger(__name__)
 
@@ -140,8 +140,8 @@ def _cpu_rows(num_cpu_blocks: int | None, cpu_bytes: int | str | None, block_byt
     """The CPU tier's rows from ``create``'s arguments, or a ConfigError naming the bad one (both
     given is one: they are one setting, as in every other source of the configuration)."""
     if num_cpu_blocks is not None and cpu_bytes is not None:
-        raise ConfigError(f"cpu_bytes ({cpu_bytes!r:.40}) and num_cpu_blocks ({num_cpu_blocks!r:.40}) are both given: "
-                          "they size the same CPU tier, give only one of them")  # fmt: skip
+        raise ConfigError(f"cpu_bytes ({shown_value(cpu_bytes)}) and num_cpu_blocks ({shown_value(num_cpu_blocks)}) "
+                          "are both given: they size the same CPU tier, give only one of them")  # fmt: skip
     if num_cpu_blocks is None:
         if cpu_bytes is None:
             raise ConfigError("give the CPU tier a size: num_cpu_blocks or cpu_bytes")
@@ -151,7 +151,11 @@ def _cpu_rows(num_cpu_blocks: int | None, cpu_bytes: int | str | None, block_byt
             raise ConfigError(f"cpu_bytes: {exc}") from None
         return rows_that_fit(size, block_bytes)
     if isinstance(num_cpu_blocks, bool) or not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 1:
-        raise ConfigError(f"num_cpu_blocks must be a positive integer, got {num_cpu_blocks!r:.40}")
+        raise ConfigError(f"num_cpu_blocks must be a positive integer, got {shown_value(num_cpu_blocks)}")
+    stride = row_stride_for(block_bytes)
+    if num_cpu_blocks > MAX_SIZE // stride:
+        raise ConfigError(f"num_cpu_blocks={int_text(num_cpu_blocks)} rows of {format_size(stride)} are above the "
+                          "largest size kvtier accepts (8 EiB): give fewer blocks")  # fmt: skip
     return num_cpu_blocks
 
 
