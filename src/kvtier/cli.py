@@ -389,6 +389,18 @@ def _check_bench_flags(args: argparse.Namespace, own_tiers: bool) -> None:
         )
     if args.metrics_addr is not None and args.metrics_port is None:
         raise ConfigError("--metrics-addr needs --metrics-port PORT (no metrics are served without it)")
+    if args.metrics_addr is not None and not _is_text(args.metrics_addr):
+        raise ConfigError(f"--metrics-addr {args.metrics_addr!r:.80} holds bytes that are not UTF-8: give an "
+                          "address of this machine, e.g. 127.0.0.1 or ::1")  # fmt: skip
+
+
+def _is_text(value: str) -> bool:
+    """Whether ``value`` (from argv, where bytes that are not UTF-8 arrive as lone surrogates) is UTF-8 text."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _bench_options(args: argparse.Namespace, config: KvtierConfig) -> Any:
@@ -471,7 +483,8 @@ def _bench(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
             raise ConfigError(
                 f"--metrics-port {args.metrics_port}: cannot listen on {addr}: {os_error_text(exc)}"
             ) from None
-        _say(err, f"serving Prometheus metrics on http://{addr}:{port}/metrics")
+        host = f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr  # an IPv6 address in a URL
+        _say(err, f"serving Prometheus metrics on http://{host}:{port}/metrics")
     try:
         result = _run_bench_showing_progress(options, metrics, err, show=not args.no_progress)
     finally:
@@ -740,7 +753,12 @@ def _check_replay_capacity(capacities: Sequence[int], shm_dir: str) -> None:
 
 
 def _check_replay_fs_root(fs_root: str) -> None:
-    """--fs-root names a directory, or nothing yet (made when the replay starts): checked before any work."""
+    """--fs-root names a directory, or nothing yet (made when the replay starts), by a path of UTF-8 text
+    (an fs tier's root is text: a path of other bytes was refused only once the first replay had started):
+    checked before any work."""
+    if not _is_text(fs_root):
+        raise ConfigError(f"--fs-root {fs_root!r:.200} holds bytes that are not UTF-8, which an fs tier's root "
+                          "cannot: give a directory whose path is UTF-8 text")  # fmt: skip
     if os.path.lexists(fs_root) and not os.path.isdir(fs_root):
         raise ConfigError(f"--fs-root {fs_root!r} is not a directory: give a directory (made if missing)")
 

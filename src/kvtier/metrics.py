@@ -60,7 +60,9 @@ tier or ``<n>:<type>`` for secondary tier n, as in events and logs):
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
+import socket
 import threading
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -69,7 +71,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvtier.errors import KvtierError
+from kvtier.errors import ConfigError, KvtierError
 from kvtier.telemetry import ManagerSnapshot
 from kvtier.types import PRIMARY_LABEL
 
@@ -321,6 +323,14 @@ def _policy_families(snap: ManagerSnapshot) -> list[Metric]:
     return [state, ratio, fallbacks, other]
 
 
+def _is_ipv6(host: str) -> bool:
+    """Whether ``host`` is an IPv6 address literal (a server for it needs an AF_INET6 socket)."""
+    try:
+        return ipaddress.ip_address(host).version == 6
+    except ValueError:
+        return False
+
+
 class KvtierMetrics:
     """Prometheus metrics of one :class:`~kvtier.manager.TieringManager`.
 
@@ -380,18 +390,46 @@ class KvtierMetrics:
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` on ``addr:port`` from a daemon thread; returns the bound port.
 
-        ``port=0`` picks a free port. Raises :class:`KvtierError` if the port is taken.
+        ``port=0`` picks a free port; ``addr`` is an IPv4 or IPv6 address (``::1``, also
+        bracketed: ``[::1]``) or a host name. Raises :class:`ConfigError` (a ``ValueError``)
+        for a port that is not an int in [0, 65535], and :class:`KvtierError` if the port is
+        taken or the address is not one of this machine.
         """
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ConfigError(f"metrics port must be a TCP port in [0, 65535] (0 = any free port), got {port!r:.40}")
         if self._server is not None:
             raise KvtierError("metrics server already running; call close() first")
         from kvtier.metrics_http import MetricsServer
 
+        host = addr[1:-1] if addr.startswith("[") and addr.endswith("]") else addr
         try:
-            server = MetricsServer((addr, port), self.render)
+            host.encode()
+        except UnicodeEncodeError:
+            raise KvtierError(
+                f"cannot serve metrics on {addr!r:.80}: not text (bytes that are not UTF-8): "
+                "give an address of this machine (--metrics-addr)"
+            ) from None
+        server_class = MetricsServer
+        if _is_ipv6(host):
+
+            class _MetricsServer6(MetricsServer):
+                address_family = socket.AF_INET6
+
+            server_class = _MetricsServer6
+        try:
+            server = server_class((host, port), self.render)
+        except UnicodeError:  # a host name no DNS label can hold (too long, an empty label)
+            raise KvtierError(
+                f"cannot serve metrics on {addr!r:.80}: not a host name: "
+                "give an address of this machine (--metrics-addr)"
+            ) from None
         except OSError as exc:
             busy = exc.errno in (errno.EADDRINUSE, errno.EACCES)  # else the address is the problem
             fix = "pick a free --metrics-port" if busy else "give an address of this machine (--metrics-addr)"
-            raise KvtierError(f"cannot serve metrics on {addr}:{port} ({exc.strerror or exc}): {fix}") from None
+            where = f"[{host}]" if _is_ipv6(host) else host
+            if len(where) > 80:
+                where = f"{where[:60]}... ({len(where)} characters)"
+            raise KvtierError(f"cannot serve metrics on {where}:{port} ({exc.strerror or exc}): {fix}") from None
         thread = threading.Thread(target=server.serve_forever, name="kvtier-metrics-http", daemon=True)
         thread.start()
         self._server, self._thread = server, thread

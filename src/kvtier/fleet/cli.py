@@ -25,9 +25,17 @@ DEFAULT_PORT = 8600
 
 
 def _named(text: str) -> tuple[str, str]:
+    """An argparse type: ``NAME=VALUE``, both non-empty UTF-8 text (a name or an endpoint made of
+    bytes that are not UTF-8 could be neither connected to nor answered in JSON)."""
     name, sep, value = text.partition("=")
     if not sep or not name or not value:
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r:.200}")
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r:.200} holds bytes that are not UTF-8: give the name and endpoint as text"
+        ) from None
     return name, value
 
 
@@ -47,6 +55,16 @@ def _positive(kind: type, maximum: float) -> Any:
         return value
 
     return parse
+
+
+def _text(text: str) -> str:
+    """An argparse type: text that is UTF-8 (a host name, a key prefix or a topic made of bytes
+    that are not UTF-8 can be neither listened on, sent to Redis nor matched against a topic)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"{text!r:.200} holds bytes that are not UTF-8: give text") from None
+    return text
 
 
 def _port(text: str) -> int:
@@ -76,18 +94,20 @@ def add_fleet_parser(sub: Any) -> None:
     s.add_argument("--api", action="append", type=_named, default=[], metavar="NAME=URL",
                    help="the engine's OpenAI API base URL (http://host:port): used to ask for a snapshot when "
                    "events were lost")  # fmt: skip
-    s.add_argument("--topic", default=None,
+    s.add_argument("--topic", type=_text, default=None,
                    help="the topic the engines publish on (vLLM's kv-events topic; default none)")  # fmt: skip
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; no authentication)")
+    s.add_argument("--host", type=_text, default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; no authentication)")  # fmt: skip
     s.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 = any free)")
     s.add_argument("--hash", choices=ALGORITHMS, default="sha256",
                    help="the engines' --prefix-caching-hash-algo (default sha256)")  # fmt: skip
-    s.add_argument("--hash-seed", default=None,
+    s.add_argument("--hash-seed", type=_text, default=None,
                    help="the engines' PYTHONHASHSEED, if they set one (default: vLLM's fixed seed)")  # fmt: skip
     s.add_argument("--tokens-per-hash", type=_positive(int, 1 << 20), default=None,
                    help="the engines' KV-cache block size (default: what their events say)")  # fmt: skip
     s.add_argument("--redis", default=None, metavar="URL", help="keep the index in Redis (shared by routers)")
-    s.add_argument("--redis-prefix", default=None, help="key prefix in Redis (default kvtier-fleet; --redis only)")
+    s.add_argument("--redis-prefix", type=_text, default=None,
+                   help="key prefix in Redis (default kvtier-fleet; --redis only)")  # fmt: skip
     s.add_argument("--read-only", action="store_true",
                    help="with --redis: answer from the index another 'kvtier fleet serve' writes "
                    "(no --engine)")  # fmt: skip

@@ -139,7 +139,8 @@ class BenchOptions:
         check_seconds(self.stall_timeout_s, "bench stall_timeout_s", positive=True)
 
     def memory_needs(self, config: KvtierConfig) -> list[MemoryNeed]:
-        """What a run of ``config`` holds in memory, estimated before anything is allocated.
+        """What a run of ``config`` (this run's, from :meth:`config`) holds in memory, estimated before
+        anything is allocated.
 
         The device pool (``device_blocks`` rows of a block each), the CPU tier's
         region (in /dev/shm, which is memory too), memory tiers at their capacity,
@@ -150,8 +151,9 @@ class BenchOptions:
         tokens_per_block = config.kv_geometry().tokens_per_block
         region = config.resolved_num_cpu_blocks(block) * config.row_stride
         tokens = self.workload.max_tokens()
+        # ``config`` is this run's (:meth:`config`): its tiers already hold the ones the flags add
+        # (--memory-tier), so each memory tier is counted once.
         memory_tiers = sum(int(t.get("max_bytes") or 0) for t in config.tiers if t.get("type") == "memory")
-        memory_tiers += sum(int(t.get("max_bytes") or 0) for t in self.extra_tiers if t.get("type") == "memory")
         return [
             MemoryNeed("device pool", self.device_blocks * block, "--device-blocks"),
             MemoryNeed("CPU tier", region, _cpu_size_setting(config)),

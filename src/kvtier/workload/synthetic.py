@@ -47,6 +47,9 @@ KINDS = ("chat", "agentic", "rag", "api", "shift", "mix", "docqa", "code", "burs
 
 DEFAULT_REQUESTS = 8000
 
+MAX_REQUESTS = 10_000_000
+"""The most requests :func:`generate` makes (``kvtier replay --requests`` has the same bound)."""
+
 
 class _BlockIds:
     """Block ids of a prefix tree: one id per (parent id, content), assigned in first-seen order."""
@@ -309,7 +312,8 @@ def _streams(
 def generate(kind: str, requests: int = DEFAULT_REQUESTS, seed: int = 0) -> list[TraceRequest]:
     """The first ``requests`` requests of workload ``kind``, in arrival order.
 
-    Raises :class:`ConfigError` for an unknown kind or a non-positive count.
+    Raises :class:`ConfigError` for an unknown kind, a count that is not a whole number in
+    [1, :data:`MAX_REQUESTS`] or a seed that is not a whole number >= 0.
     """
     return generate_with_hints(kind, requests, seed)[0]
 
@@ -328,8 +332,15 @@ def generate_with_hints(
     """
     if kind not in KINDS:
         raise ConfigError(f"unknown synthetic workload {kind!r}: use one of {', '.join(KINDS)}")
+    # A count that is no whole number (5.5) never equals len(out) below: the streams are endless.
+    if isinstance(requests, bool) or not isinstance(requests, int | np.integer):
+        raise ConfigError(f"requests must be a whole, positive number of requests, got {requests!r:.40}")
     if requests <= 0:
         raise ConfigError(f"requests must be a positive number, got {requests}")
+    if requests > MAX_REQUESTS:
+        raise ConfigError(f"requests must be at most {MAX_REQUESTS}, got {requests}")
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+        raise ConfigError(f"seed must be a whole number >= 0, got {seed!r:.40}")
     rng = np.random.Generator(np.random.PCG64(seed))
     ids, content = _BlockIds(), _Content()
     tagged = [_tag(stream, i) for i, stream in enumerate(_streams(kind, rng, ids, content, requests))]
