@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -137,3 +138,23 @@ def test_a_session_id_has_one_stable_64_bit_digest() -> None:
     assert session_digest("a\udc80b") == 15855175708145225553
     digests = {session_digest(f"s{i}") for i in range(1000)}
     assert len(digests) == 1000 and all(0 <= d < 2**64 for d in digests)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "fragment"),
+    [
+        ([1.5] * 16, "got values of type float64"),
+        ([True] * 16, "got values of type bool"),
+        (["a"] * 16, "got values of type <U1"),
+        ([None] * 16, "got values of type object"),
+        ([[1] * 16], "got an array of shape (1, 16)"),
+        ([1, [2]], "flat sequence of integers"),
+        ([2**70] * 16, "outside that range"),
+    ],
+)
+def test_token_ids_that_are_not_integers_are_refused(tokens: list[object], fragment: str) -> None:
+    """Regression (docs audit, 2026-12-05): a float id was cut to an integer (``[1.5] * 16`` got the
+    keys of ``[1] * 16``: another prompt's keys), a string gave numpy's UFuncTypeError, None a bare
+    TypeError."""
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        prefix_keys(tokens, 16)  # type: ignore[arg-type]

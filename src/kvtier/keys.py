@@ -72,15 +72,33 @@ def _new_hasher(algorithm: str) -> Any:
     raise ConfigError(f"unknown key hash {algorithm!r}: use one of {list(_HASHES)}")
 
 
+def token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``token_ids`` as a one-dimensional integer array, checked: a :class:`ConfigError` for ids
+    outside ``[0, 2**32)`` and for anything that is not a flat sequence of integers (a float id:
+    1.5 would be cut to 1, giving another prompt's keys; a bool, a string, None, a nesting)."""
+    try:
+        arr = np.asarray(token_ids)
+    except (ValueError, TypeError) as exc:  # a ragged nesting, an object numpy cannot take
+        raise ConfigError(f"token ids must be a flat sequence of integers ({exc})") from None
+    if arr.ndim != 1:
+        raise ConfigError(f"token ids must be a flat sequence of integers; got an array of shape {arr.shape}")
+    if not arr.size:
+        return arr.astype("<u4")
+    if arr.dtype.kind not in "iu":
+        if arr.dtype.kind == "O" and all(type(t) is int for t in arr):  # ints too large for int64/uint64
+            raise ConfigError("token ids must lie in [0, 2**32); got an id outside that range")
+        raise ConfigError(f"token ids must be integers in [0, 2**32); got values of type {arr.dtype}")
+    if arr.min() < 0 or arr.max() >= 2**32:
+        raise ConfigError("token ids must lie in [0, 2**32); got an id outside that range")
+    return arr
+
+
 def encode_tokens(token_ids: Sequence[int] | np.ndarray) -> bytes:
     """Encode token ids as little-endian uint32 bytes (the hashed form).
 
-    Raises :class:`ConfigError` for ids outside ``[0, 2**32)``.
+    Raises :class:`ConfigError` as :func:`token_array` does.
     """
-    arr = np.asarray(token_ids)
-    if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
-        raise ConfigError("token ids must lie in [0, 2**32); got an id outside that range")
-    return arr.astype("<u4", copy=False).tobytes()
+    return token_array(token_ids).astype("<u4", copy=False).tobytes()
 
 
 def root_key(namespace: Namespace | None = None, algorithm: str = "sha256") -> BlockKey:
@@ -126,7 +144,7 @@ def prefix_keys(
     """Keys of every *full* block of a prompt, in order. A partial tail is not keyed."""
     if tokens_per_block <= 0:
         raise ConfigError(f"tokens_per_block must be positive, got {tokens_per_block}")
-    arr = np.asarray(token_ids)
+    arr = token_array(token_ids)
     parent = root_key(namespace, algorithm)
     keys: list[BlockKey] = []
     for start in range(0, len(arr) - tokens_per_block + 1, tokens_per_block):
