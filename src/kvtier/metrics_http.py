@@ -4,7 +4,9 @@ It runs inside the engine's scheduler process and any local user can connect to 
 what a client can hold: each connection gets :data:`REQUEST_TIMEOUT` seconds for each read and
 write (a client that sends half a request and waits is dropped), at most :data:`MAX_CONNECTIONS`
 connections are served at once (more are closed at once, unanswered), and :meth:`close` shuts down
-the connections still open, so no thread or socket outlives it. (prometheus-client's own
+the connections still open, so no thread or socket outlives it. A client that goes away before its
+answer is written (a scrape that timed out) is logged at debug level, and any other failure of a
+connection as one warning line: nothing is printed to the engine's stderr. (prometheus-client's own
 ``start_http_server`` has no per-connection timeout and no cap: a client holding connections open
 added a thread and a socket each, which outlived the server.) Threads: one accepting, one per
 connection, all daemons.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -62,6 +65,19 @@ class MetricsServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self._forget(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection failed (called from its thread, in its ``except``): logged, never printed.
+
+        socketserver's default prints a traceback to stderr, which under vLLM is the engine's log: one
+        for every scraper that hung up before reading its answer. Such disconnects (and timeouts) are
+        debug-level; anything else is one warning with the error's own words."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):  # the client went away or timed out (BrokenPipe, reset, timeout)
+            logger.debug("metrics: connection from %s ended early: %s", client_address, exc)
+            return
+        if exc is not None:
+            log_failure(logger, logging.WARNING, f"metrics: serving {client_address} failed", exc)
 
     def _forget(self, request: Any) -> None:
         with self._open_lock:

@@ -190,6 +190,19 @@ def test_kv_transfer_config_refuses_a_bad_value_before_the_engine_starts(setting
     assert kv_transfer_config(cpu_bytes="1GiB")["kv_connector_extra_config"]["cpu_bytes"] == "1GiB"
 
 
+@pytest.mark.parametrize(("key", "value"), [("spec_name", "CPUOffloadingSpec"), ("spec_module_path", "my.spec"),
+                                            ("spec_name", ["KvtierOffloadingSpec"])])
+def test_kv_transfer_config_refuses_another_spec(key: str, value: object) -> None:
+    """Regression (audit, 2026-12-05): ``spec_name``/``spec_module_path`` given with another value
+    replaced kvtier's in the returned dict, so it no longer selected kvtier (vLLM's own spec then got
+    kvtier's settings) without a word. kvtier's own values are accepted, as when left out."""
+    with pytest.raises(ConfigError, match=f"{key} must be"):
+        kv_transfer_config(**{key: value})
+    cfg = kv_transfer_config(spec_name=SPEC_NAME, spec_module_path=SPEC_MODULE_PATH, cpu_bytes="1GiB")
+    extra = cfg["kv_connector_extra_config"]
+    assert (extra["spec_name"], extra["spec_module_path"]) == (SPEC_NAME, SPEC_MODULE_PATH)
+
+
 
 
 def test_the_wait_deadlines_come_from_extra_config_and_are_checked_by_name() -> None:

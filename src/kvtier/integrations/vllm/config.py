@@ -303,9 +303,16 @@ def kv_transfer_config(**settings: Any) -> dict[str, Any]:
     unknown keys and bad values of kvtier's settings (each checked as the
     engine will check it, the environment and ``kvtier_config_file`` left out:
     the engine reads those where it runs) raise :class:`ConfigError` here rather
-    than inside the engine. Use as
+    than inside the engine. ``spec_name`` and ``spec_module_path`` may be given only with kvtier's
+    own values (any other would hand the settings to another spec: :class:`ConfigError`). Use as
     ``LLM(model, kv_transfer_config=kv_transfer_config(cpu_bytes="8GiB"))``.
     """
+    for key, ours in (("spec_name", SPEC_NAME), ("spec_module_path", SPEC_MODULE_PATH)):
+        if key in settings and settings[key] != ours:
+            raise ConfigError(
+                f"kv_transfer_config() selects kvtier's spec: {key} must be {ours!r} (or left out), got "
+                f"{settings[key]!r:.80}; for another offloading spec write its kv_transfer_config by hand"
+            )
     values, _ = _normalize_extra(settings)
     _metrics_port(settings)
     load_config(env={}, cli=values, cli_source="kv_transfer_config", layout_from_engine=True)
