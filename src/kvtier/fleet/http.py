@@ -25,12 +25,14 @@ Endpoints:
   server busy answering is not unhealthy.
 
 A path of these asked with another method (PUT, DELETE, PATCH and OPTIONS too) is answered 405
-with an ``Allow`` header naming the method to use; any other path 404 (the connection is closed
-after either). HEAD and other methods get the standard library's 501.
+with an ``Allow`` header naming the method to use; any other path 404; a path of these with a
+query string 400 naming it (the API takes no parameters there); the connection is closed after
+each. HEAD and other methods get the standard library's 501.
 
 It is a network service and its input is untrusted: a request line must stay under 64 KiB
 (else 414), its header lines under 64 KiB in all (else 431), a request body must declare its
-length and stay under ``max_body`` bytes, a prompt under ``max_blocks`` blocks; every
+length (one ``Content-Length``: a ``Transfer-Encoding`` is 411, lengths that disagree 400) and
+stay under ``max_body`` bytes, a prompt under ``max_blocks`` blocks; every
 field is type- and range-checked (errors are 4xx with a JSON ``error`` naming the
 field); a request (its line, headers and body) must arrive within ``request_timeout``
 seconds of its first byte, or of the previous answer on a kept-alive connection, else
@@ -47,10 +49,12 @@ no authentication.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import io
 import json
 import logging
+import math
 import socket
 import struct
 import sys
@@ -61,6 +65,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol, cast
 
+from kvtier.errors import ConfigError
 from kvtier.fleet.hashing import BlockHasher
 from kvtier.fleet.masks import StoreUnavailable
 from kvtier.fleet.records import MAX_GROUP, block_key
@@ -113,8 +118,11 @@ class FleetServer(ThreadingHTTPServer):
     """The HTTP server (see the module docstring). ``hashing``: (algorithm, seed) of the
     engines' block hashes; ``tokens_per_hash``: their block size (None: taken from the
     engines' events, which must agree); ``health()``: None while the index is sound, else why
-    not (``GET /health`` answers 503 with it). Serve with ``serve_forever()``; stop with
-    ``shutdown()`` then ``server_close()``."""
+    not (``GET /health`` answers 503 with it). ``max_body``, ``max_blocks`` and
+    ``max_concurrent`` are integers >= 1 and ``request_timeout`` a finite number of seconds > 0,
+    else :class:`~kvtier.errors.ConfigError` naming it (``max_concurrent=0`` made a server that
+    closed every connection unanswered, ``/health`` included). Serve with ``serve_forever()``;
+    stop with ``shutdown()`` then ``server_close()``."""
 
     daemon_threads = True
     allow_reuse_address = True
@@ -132,6 +140,13 @@ class FleetServer(ThreadingHTTPServer):
         max_concurrent: int = 32,
         health: Callable[[], str | None] | None = None,
     ) -> None:
+        for name, value in (("max_body", max_body), ("max_blocks", max_blocks), ("max_concurrent", max_concurrent)):
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r:.40}")
+        if isinstance(request_timeout, bool) or not isinstance(request_timeout, int | float) or not (
+            0 < request_timeout < math.inf
+        ):
+            raise ConfigError(f"request_timeout must be a finite number of seconds > 0, got {request_timeout!r:.40}")
         self.answers = answers
         self.health = health
         self.hashing = hashing
@@ -142,6 +157,9 @@ class FleetServer(ThreadingHTTPServer):
         self._slots = threading.BoundedSemaphore(max_concurrent)
         self._connections = threading.BoundedSemaphore(4 * max_concurrent)
         self._hashers: dict[int, BlockHasher] = {}
+        self._open: set[socket.socket] = set()  # the connections being served (cut by server_close)
+        self._open_lock = threading.Lock()
+        self._closed = False
         if tokens_per_hash is not None:
             self._hasher(tokens_per_hash)  # check the hashing settings now
         if ":" in address[0]:
@@ -155,11 +173,34 @@ class FleetServer(ThreadingHTTPServer):
         if not self._connections.acquire(blocking=False):
             self.shutdown_request(request)
             return
+        with self._open_lock:
+            if self._closed:
+                self._connections.release()
+                self.shutdown_request(request)
+                return
+            self._open.add(request)
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._connections.release()
+            self._forget(request)
             raise
+
+    def _forget(self, request: Any) -> None:
+        with self._open_lock:
+            self._open.discard(request)
+        self._connections.release()
+
+    def server_close(self) -> None:
+        """Stop listening and cut every open connection: a kept-alive client is answered no more
+        (before, its thread went on answering it after the server was closed, for as long as it
+        sent requests); an answer being written is cut short."""
+        super().server_close()
+        with self._open_lock:
+            self._closed = True
+            open_now = list(self._open)
+        for request in open_now:
+            with contextlib.suppress(OSError):  # (the client went away already)
+                request.shutdown(socket.SHUT_RDWR)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A connection that ended badly (the client went away, a deadline passed): one line at
@@ -174,7 +215,7 @@ class FleetServer(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._connections.release()
+            self._forget(request)
 
     @property
     def url(self) -> str:
@@ -469,19 +510,25 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _misrouted(self) -> bool:
         """Answer a request this method has no answer for, and say so (True); the connection is
-        closed after it (a body is left unread). A path of the API asked with another method:
-        405 with an ``Allow`` header and an error naming the method to use; any other path: 404
-        naming the API's paths."""
-        method = _ROUTES.get(self.path)
-        if method == self.command:
+        closed after it (a body is left unread). A path of the API with a query string (``GET
+        /health?x=1``): 400 naming it (the API takes none, and a parameter silently ignored would
+        be misread: ``?engines=a``); asked with another method: 405 with an ``Allow`` header and an
+        error naming the method to use; any other path: 404 naming the API's paths."""
+        path, mark, query = self.path.partition("?")
+        method = _ROUTES.get(path)
+        if method == self.command and not mark:
             return False
         self.close_connection = True
-        if method is None:
+        if method is not None and mark:  # (a parameter read as ignored would be worse: engines=a asks every engine)
+            error = f"{path} takes no query string, got {query[:100]!r}: give engines and group in the JSON body " \
+                "of POST /v1/prefix"
+            self._send(HTTPStatus.BAD_REQUEST, {"error": error})
+        elif method is None:
             paths = ", ".join(f"{m} {path}" for path, m in _ROUTES.items())
             self._send(HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path[:100]!r}: use {paths}"})
         else:
             self._send(HTTPStatus.METHOD_NOT_ALLOWED,
-                       {"error": f"{self.command} is not answered on {self.path}: use {method} {self.path}"},
+                       {"error": f"{self.command} is not answered on {path}: use {method} {path}"},
                        {"Allow": method})  # fmt: skip
         return True
 
@@ -526,6 +573,16 @@ class _Handler(BaseHTTPRequestHandler):
         self._guarded(lambda: self._prefix(raw))
 
     def _body(self) -> bytes:
+        """The request's body, by its one ``Content-Length``. A ``Transfer-Encoding`` is refused
+        (411), with or without a length (RFC 9112 section 6.1: read by the length, what followed
+        a chunked body would be taken for the next request); so are ``Content-Length`` headers
+        that disagree (400, at once: not a wait for bytes that never come)."""
+        if self.headers.get("Transfer-Encoding") is not None:
+            raise BadRequest(HTTPStatus.LENGTH_REQUIRED, "Transfer-Encoding is not supported: send the body with a "
+                                                         "Content-Length header of decimal digits")  # fmt: skip
+        lengths = set(self.headers.get_all("Content-Length") or ())
+        if len(lengths) > 1:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"Content-Length headers disagree ({sorted(lengths)[:4]!r:.100})")
         length = self.headers.get("Content-Length")
         if length is None or not (length.isascii() and length.isdigit()):  # ("²".isdigit() is True)
             raise BadRequest(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header of decimal digits is required")

@@ -74,6 +74,7 @@ DEVICE = "GPU"
 
 _KVTIER_MEDIA = frozenset({"CPU", "STORAGE"})
 _MARKS_KEPT = 32
+_MAX_REFUSED = 64  # refused stores remembered per start: what one record may name (an engine's tiers stay put)
 _KEEP_WRITER_EVERY = 2.0  # seconds between refreshes of a shared index's writer claim
 _PUBLISH_COUNTERS_EVERY = 0.5  # seconds: how stale an engine table's counters may be (readers re-read it as often)
 # What of an engine table changes with (nearly) every batch and no reader needs at once:
@@ -326,16 +327,27 @@ class FleetIndex:
     def _admitted(self, eng: EngineState, tiers: Sequence[TierInfo]) -> tuple[TierInfo, ...]:
         """``tiers`` less those naming a shared store past the engine's ``max_stores_per_engine``
         over its starts (each takes a location bit for good): such a tier is not followed (its
-        events are counted as unattributed, the refusal as skipped); the start, the device cache
-        and the other tiers are."""
+        events are counted as unattributed, the refusal as skipped: once per start for the first
+        64 such stores, each time for any further one, which is not remembered (memory stays bounded
+        whatever an engine names)); the start, the device cache and the other tiers are. A tier
+        labelled ``"GPU"`` (:data:`DEVICE`, the device cache's name in answers) is not followed
+        either (counted as skipped with each record naming it): its blocks must not pass for the
+        device cache's."""
         out, named = [], set(eng.stores)
         for tier in tiers:
+            if tier.label == DEVICE:  # (answers name the device cache so: such a tier would pass for it)
+                eng.skipped += 1
+                logger.debug("fleet: engine %s names a tier %r, the device cache's name in answers; not followed",
+                             eng.name, DEVICE)  # fmt: skip
+                continue
             store = tier.store if tier.scope == SCOPE_SHARED else None
             if store is not None and store not in named and len(named) >= self.max_stores_per_engine:
                 if store in eng.refused:
                     continue
-                eng.refused.add(store)  # (counted and logged once per start)
                 eng.skipped += 1
+                if len(eng.refused) >= _MAX_REFUSED:  # (a hostile engine naming ever new stores: bounded memory)
+                    continue  # counted each time, never remembered nor logged
+                eng.refused.add(store)  # (counted and logged once per start)
                 logger.warning("fleet: engine %s names a shared store past its %d over its starts (%.200s); its tier "
                                "%s is not followed", eng.name, self.max_stores_per_engine, store,
                                tier.label)  # fmt: skip

@@ -583,8 +583,10 @@ class RedisMasks:
         self._fenced_eval(self._PUT, [f"{self.prefix}:meta"], token, table)
 
     def get_meta(self) -> dict[str, Any]:
-        """The engine table, or {} where there is none or it is not a JSON object of at most
-        :data:`MAX_META_BYTES` (a reader checks each entry: :func:`kvtier.fleet.index.checked_meta`)."""
+        """The engine table, or {} where there is none or it is not a (strict) JSON object of at
+        most :data:`MAX_META_BYTES` (a reader checks each entry: :func:`kvtier.fleet.index.checked_meta`).
+        ``NaN`` and ``Infinity`` are not JSON: such a table, which no writer writes, is ignored like any
+        other (an answer quoting one could not be sent: every request was a 500)."""
         raw = self._read("the engine table", lambda: self.client.getrange(f"{self.prefix}:meta", 0, MAX_META_BYTES))
         if not raw:
             return {}
@@ -593,11 +595,16 @@ class RedisMasks:
                            MAX_META_BYTES)  # fmt: skip
             return {}
         try:
-            meta = json.loads(raw)
+            meta = json.loads(raw, parse_constant=_not_json)
         except (ValueError, RecursionError):
             logger.warning("fleet: the engine table under Redis prefix %r is not JSON; ignored", self.prefix)
             return {}
         return meta if isinstance(meta, dict) else {}
+
+
+def _not_json(constant: str) -> Any:
+    """``json.loads``' hook for ``NaN``, ``Infinity`` and ``-Infinity``: refused (strict JSON)."""
+    raise ValueError(f"{constant} is not JSON")
 
 
 _KEY_HEX = re.compile(rb"(0|[1-9a-f][0-9a-f]{0,%d})" % (_MAX_KEY_HEX - 1))

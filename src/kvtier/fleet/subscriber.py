@@ -183,7 +183,12 @@ class FleetSubscriber:
 
     def start(self) -> None:
         """Connect to every engine and start the thread; ValueError names an endpoint ZMQ refused
-        (its socket closed: ``stop()`` still ends at once)."""
+        (its socket closed: ``stop()`` still ends at once). Once only: a second call (a second
+        thread would poll the same sockets, which ZMQ does not allow) or one after ``stop()`` (its
+        sockets are gone) raises RuntimeError; make a new subscriber instead."""
+        if self._thread is not None or self._stop.is_set() or self._links:
+            raise RuntimeError("a FleetSubscriber starts once: this one was started (or stopped) already; make a new "
+                               "one")  # fmt: skip
         for endpoint in self.endpoints:
             sub = self._ctx.socket(zmq.SUB)
             try:
