@@ -649,6 +649,39 @@ def test_a_stray_complete_load_never_releases_a_cascades_pin(make: Any) -> None:
     assert mgr.stats().tiers[0].failures["stray_load_completion"] == 3
 
 
+def test_a_duplicate_complete_load_never_releases_another_requests_load(make: Any) -> None:
+    """Regression (transfer audit, 2026-12-05): loads were counted by row, not by request, so a
+    request completing its load twice took away another request's pin on the same row; the row
+    was then evicted and rewritten while that request's device copy was still to read it (wrong
+    KV), and that request's own completion was counted as stray."""
+    mgr = make(2)
+    a, b, c = keys(3)
+    writer, first, second = RequestContext("w"), RequestContext("b"), RequestContext("c")
+    store(mgr, [a, b], writer)
+    row_a = mgr.primary.slot_of(a)
+    mgr.prepare_load([a], first)
+    mgr.prepare_load([a], second)
+    mgr.complete_load([a], first)
+    mgr.complete_load([a], first)  # a duplicate: the first request has no load of a left
+    assert mgr.stats().tiers[0].failures["stray_load_completion"] == 1
+    mgr.on_schedule_end()
+    assert mgr.prepare_store([c], writer) is not None  # b is the only block free to go
+    mgr.complete_store([c], writer)
+    assert mgr.primary.slot_of(a) == row_a and mgr.lookup(a, second) is LookupResult.HIT, (
+        "the second request's load still holds a's row")
+    mgr.complete_load([a], second)  # its own completion releases its own pin, not counted stray
+    assert mgr.stats().tiers[0].failures["stray_load_completion"] == 1
+    # A completion naming no request still releases a load it did not name (the caller gave none),
+    # and one naming a request releases a load taken without one.
+    mgr.prepare_load([a], first)
+    mgr.complete_load([a])
+    mgr.prepare_load([a])
+    mgr.complete_load([a], second)
+    assert mgr.stats().tiers[0].failures["stray_load_completion"] == 1
+    mgr.on_schedule_end()
+    assert mgr.prepare_store(keys(2, seed=5), writer) is not None, "every load is released: both rows go"
+
+
 def test_tiers_hear_a_request_finish_once(make: Any) -> None:
     """Regression (review, 2026-12-02): a second on_request_finished (or one for a request the
     manager never saw, repeated) called every tier's on_request_finished hook again."""

@@ -304,6 +304,7 @@ class AuditMachine(RuleBasedStateMachine):
                 self.finish_request(pick)
             elif op == "step":
                 self.schedule_end()
+            self.a_settle_the_memory_tier()  # each op sees the tier's jobs done, as the rules do
 
     @precondition(lambda self: not self.closed)
     @rule(i=st.integers(0, len(KEYS) - 1))
@@ -407,6 +408,15 @@ class AuditMachine(RuleBasedStateMachine):
         self.mgr.telemetry  # noqa: B018
 
     # --- invariants ---------------------------------------------------------------------------
+
+    @invariant()
+    def a_settle_the_memory_tier(self) -> None:
+        """Every job of the (threaded) memory tier finished before the next rule (invariants run
+        in name order: this one first), so what the next rule sees (a HIT or a HIT_PENDING, a
+        load to complete) does not depend on its threads' timing: hypothesis needs the same
+        draws to give the same run (else FlakyStrategyDefinition)."""
+        if not self.closed:
+            self.mgr.tiers[1].drain(10.0)
 
     @invariant()
     def cpu_tier_is_sound(self) -> None:

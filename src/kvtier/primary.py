@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +29,9 @@ from kvtier.region import SharedRegion
 from kvtier.types import PRIMARY_LABEL, BlockEvent, LookupResult, RequestHints
 
 logger = logging.getLogger(__name__)
+
+_NO_LOAD = object()
+"""No load that a completion may release (see :meth:`PrimaryTier._other_load`)."""
 
 IN_FLIGHT = -1
 RESET_HOLD_STEPS = 3
@@ -113,9 +116,10 @@ class PrimaryTier:
         self._slot_of: dict[BlockKey, int] = {}
         self._ref: list[int] = [0] * self.num_blocks
         self._writer = bytearray(self.num_blocks)  # the kind of each slot's last reservation
-        # The device loads' own pins, by row: complete_load releases only these, never a pin a
-        # cascade holds on the same row (sparse: a row is here only while a load holds it).
-        self._loading: dict[int, int] = {}
+        # The device loads' own pins, by the request that took them (None: a load without one),
+        # then by row: complete_load releases only these, never a pin a cascade holds on the same
+        # row nor one another request's load holds (sparse: a row is here only while a load holds it).
+        self._loading: dict[Hashable, dict[int, int]] = {}
         self._free: list[int] = []
         self._next_fresh = 0
         # Rows an engine copy may still touch after a reset: out of ``_free`` until release_held().
@@ -453,43 +457,66 @@ class PrimaryTier:
         if ref == 1:
             self.policy.mark_evictable(key, slot)
 
-    def prepare_load(self, keys: Sequence[BlockKey], after: BlockKey | None = None) -> np.ndarray:
+    def prepare_load(
+        self, keys: Sequence[BlockKey], after: BlockKey | None = None, owner: Hashable = None
+    ) -> np.ndarray:
         """Pin ready blocks for a device load (a hit) and report the reference to the policy.
 
         ``keys`` are in prefix order; ``after`` is the block before the first of
-        them, if the caller knows it. Raises like :meth:`pin`.
+        them, if the caller knows it; ``owner`` is the request's id (None: no request), which
+        its :meth:`complete_load` names. Raises like :meth:`pin`.
         """
         slots = self.pin_slots(keys)
         if slots:
-            loading = self._loading
+            loading = self._loading.get(owner)
+            if loading is None:
+                loading = self._loading[owner] = {}
             for slot in slots:
                 loading[slot] = loading.get(slot, 0) + 1
             parent = -1 if after is None else self._slot_of.get(after, -1)
             self.policy.reference_chain(keys if type(keys) is list else list(keys), slots, parent, True)
         return np.array(slots, dtype=np.int64)
 
-    def complete_load(self, keys: Iterable[BlockKey]) -> None:
-        """Release the pins :meth:`prepare_load` took on ``keys`` (tail first, like :meth:`unpin`).
+    def complete_load(self, keys: Iterable[BlockKey], owner: Hashable = None) -> None:
+        """Release the pins :meth:`prepare_load` took on ``keys`` for ``owner`` (tail first, like
+        :meth:`unpin`).
 
-        Only a device load's own pin is released: a key with no load outstanding (a duplicate or
-        stray call, or one after a ``prepare_load`` that raised) is ignored and counted
+        Only a device load's own pin is released: the owner's, else a load taken without a
+        request (and, for a completion without one, the load of the request holding the row). A
+        key with no such load outstanding (a duplicate or stray call, one after a
+        ``prepare_load`` that raised, one naming another request) is ignored and counted
         (``stats.stray_load_completions``, logged at 1, 2, 4, ... of them), so another reader's
-        pin on the row (a cascade's: the tier is still copying it) is never taken away.
+        pin on the row (a cascade's, or another request's load: still copying it) is never taken
+        away.
         """
         slot_of, loading = self._slot_of, self._loading
+        mine = loading.get(owner)
         mine_keys: list[BlockKey] = []
         mine_slots: list[int] = []
         stray: list[BlockKey] = []
+        others: list[Hashable] = []
         for key in keys if type(keys) is list else list(keys):
             slot = slot_of.get(key)
-            held = 0 if slot is None else loading.pop(slot, 0)
-            if slot is None or not held:
+            if slot is None:
                 stray.append(key)
                 continue
+            if mine is not None and slot in mine:
+                held_by = mine
+            else:
+                who = self._other_load(slot, owner)
+                if who is _NO_LOAD:
+                    stray.append(key)
+                    continue
+                held_by = loading[who]
+                others.append(who)
+            held = held_by.pop(slot)
             if held > 1:
-                loading[slot] = held - 1
+                held_by[slot] = held - 1
             mine_keys.append(key)
             mine_slots.append(slot)
+        for who in (owner, *others) if mine_keys else ():
+            if not loading.get(who, True):  # no load of theirs left
+                del loading[who]
         if mine_keys:  # each row pinned by its load: unpin_slots needs no second index lookup
             self.unpin_slots(mine_keys, mine_slots)
         if stray:
@@ -501,6 +528,18 @@ class PrimaryTier:
                     "far): a duplicate call, or one without a successful prepare_load", len(stray),
                     stray[0].hex()[:16], after,
                 )  # fmt: skip
+
+    def _other_load(self, slot: int, owner: Hashable) -> Hashable:
+        """Whose load on ``slot`` :meth:`complete_load` of ``owner`` may release when ``owner``
+        has none there: one taken without a request (None); for a completion without a
+        request, also a request's load on the row (the first found: the caller named none).
+        :data:`_NO_LOAD` if none may be."""
+        unowned = self._loading.get(None)
+        if unowned is not None and slot in unowned:
+            return None
+        if owner is None:
+            return next((who for who, rows in self._loading.items() if slot in rows), _NO_LOAD)
+        return _NO_LOAD
 
     def touch(self, keys: Iterable[BlockKey]) -> None:
         """A use of ``keys`` (in prefix order) elsewhere, e.g. a device-cache hit.

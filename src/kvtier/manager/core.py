@@ -396,7 +396,7 @@ class TieringManager:
         keys = self._open_keys("prepare_load", keys, request)
         self._poll_once()
         state = self._requests.find(request)
-        rows = self.primary.prepare_load(keys, after=state.chain_tail if state is not None else None)
+        rows = self.primary.prepare_load(keys, state.chain_tail if state else None, request and request.req_id)
         self._tiers.touch(keys, request, self.request_control)
         if state is not None and keys:
             state.chain_tail = keys[-1]
@@ -405,10 +405,10 @@ class TieringManager:
         return rows
 
     def complete_load(self, keys: Iterable[BlockKey], request: RequestContext | None = None) -> None:
-        """The device copied ``keys`` out: release the pins :meth:`prepare_load` took. A key with
-        no load outstanding is ignored and counted (the CPU tier's ``stray_load_completion``
-        failures), never taking away a pin a cascade holds."""
-        self.primary.complete_load(self._open_keys("complete_load", keys, request))
+        """The device copied ``keys`` out: release the pins the request's :meth:`prepare_load` took. A
+        key with no load of that request outstanding is ignored and counted (the CPU tier's
+        ``stray_load_completion`` failures), never taking away a pin a cascade or another request holds."""
+        self.primary.complete_load(self._open_keys("complete_load", keys, request), request and request.req_id)
 
     def touch(self, keys: Sequence[BlockKey], request: RequestContext | None = None) -> None:
         """Recency for ``keys`` in every tier the request may load from (also for blocks hit in the
