@@ -92,6 +92,19 @@ def load(tier: FilesystemTier, keys: Sequence[bytes], slots: Sequence[int], time
     return wait_job(tier, job.job_id, timeout)
 
 
+def store_three(root: Path, rows: np.ndarray, n: int, salt: bytes) -> list[bytes]:
+    """Store three blocks (keys ``key_of(0..2, salt)``, rows 0-2) into an fs tier at ``root`` and
+    shut it down: a directory with a manifest and three values to tamper with. Their keys."""
+    keys = [key_of(i, salt) for i in range(3)]
+    fill(rows, range(3), keys, n)
+    tier = make_tier(root, rows, n)
+    try:
+        assert store(tier, keys, [0, 1, 2]).success
+    finally:
+        tier.shutdown()
+    return keys
+
+
 def value_files(root: Path) -> list[Path]:
     return sorted(p for p in Path(root).rglob("*.kv"))
 

@@ -26,6 +26,7 @@ from fs_helpers import (
     make_tier,
     mount_tmpfs,
     store,
+    store_three,
     temp_files,
     value_files,
 )
@@ -919,13 +920,7 @@ def test_a_root_of_an_older_release_is_read_and_its_manifest_upgraded(tmp_path: 
     format-1-only release refuses the directory instead of mistaking long-key values for corrupt."""
     import json
 
-    keys = [key_of(i, b"old") for i in range(3)]
-    fill(rows, range(3), keys, BB)
-    tier = make_tier(tmp_path, rows, BB)
-    try:
-        assert store(tier, keys, [0, 1, 2]).success
-    finally:
-        tier.shutdown()
+    keys = store_three(tmp_path, rows, BB, b"old")
     (manifest_path,) = tmp_path.glob("*/manifest.json")
     manifest = json.loads(manifest_path.read_text())
     manifest["value_format_version"] = 1

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fs_helpers import AlignedRows, block_bytes_for, fill, key_of, load, make_tier, mount_tmpfs, store
+from fs_helpers import AlignedRows, block_bytes_for, fill, key_of, load, make_tier, mount_tmpfs, store, store_three
 
 from kvtier.tiers.fs_layout import entry_bytes
 
@@ -109,13 +109,7 @@ def test_inspect_reports_a_manifest_the_tier_refuses(
     from kvtier.errors import ConfigError
     from kvtier.tiers.fs import verify_root
 
-    keys = [key_of(i, b"format") for i in range(3)]
-    fill(rows, range(3), keys, BB)
-    tier = make_tier(tmp_path, rows, BB)
-    try:
-        assert store(tier, keys, [0, 1, 2]).success
-    finally:
-        tier.shutdown()
+    store_three(tmp_path, rows, BB, b"format")
     (manifest_path,) = tmp_path.glob("*/manifest.json")
     manifest_path.write_text(json.dumps({**json.loads(manifest_path.read_text()), **changes}))
     with pytest.raises(ConfigError):
@@ -277,13 +271,7 @@ def test_inspect_lists_a_value_it_cannot_read_as_unreadable_not_corrupt(
     from kvtier.tiers.fs import verify_root
 
     _obey_file_modes(monkeypatch, fs_layout)
-    keys = [key_of(i, b"unreadable") for i in range(3)]
-    fill(rows, range(3), keys, BB)
-    tier = make_tier(tmp_path, rows, BB)
-    try:
-        assert store(tier, keys, [0, 1, 2]).success
-    finally:
-        tier.shutdown()
+    store_three(tmp_path, rows, BB, b"unreadable")
     locked = sorted(tmp_path.glob("*/*/*.kv"))[0]
     locked.chmod(0)
     report = verify_root(tmp_path, check_payloads=True, remove_corrupt=True)
