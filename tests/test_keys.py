@@ -143,10 +143,11 @@ def test_a_session_id_has_one_stable_64_bit_digest() -> None:
 @pytest.mark.parametrize(
     ("tokens", "fragment"),
     [
-        ([1.5] * 16, "got values of type float64"),
+        ([1.5] * 16, "got a float"),
+        (np.ones(16), "got values of type float64"),
         ([True] * 16, "got values of type bool"),
         (["a"] * 16, "got values of type <U1"),
-        ([None] * 16, "got values of type object"),
+        ([None] * 16, "got a NoneType"),
         ([[1] * 16], "got an array of shape (1, 16)"),
         ([1, [2]], "flat sequence of integers"),
         ([2**70] * 16, "outside that range"),
@@ -158,3 +159,10 @@ def test_token_ids_that_are_not_integers_are_refused(tokens: list[object], fragm
     TypeError."""
     with pytest.raises(ConfigError, match=re.escape(fragment)):
         prefix_keys(tokens, 16)  # type: ignore[arg-type]
+
+
+def test_token_ids_of_mixed_integer_kinds_are_integers() -> None:
+    """Review (2026-12-05): numpy makes a list of np.uint64 and Python ints float64; every id is an
+    integer still, and gets the keys of the same ids as plain ints."""
+    assert prefix_keys([np.uint64(1), 2] * 8, 16) == prefix_keys([1, 2] * 8, 16)
+    assert prefix_keys([np.uint64(7), np.int64(2)] * 8, 16) == prefix_keys([7, 2] * 8, 16)

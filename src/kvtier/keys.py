@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -85,12 +86,27 @@ def token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     if not arr.size:
         return arr.astype("<u4")
     if arr.dtype.kind not in "iu":
-        if arr.dtype.kind == "O" and all(type(t) is int for t in arr):  # ints too large for int64/uint64
+        if isinstance(token_ids, np.ndarray) or arr.dtype.kind not in "fO":
+            raise ConfigError(f"token ids must be integers in [0, 2**32); got values of type {arr.dtype}")
+        # A sequence numpy made floats or objects of: ints too large for int64, or ints of mixed
+        # kinds ([np.uint64(1), 2] is float64), are integers still; a float, None... is not.
+        arr = np.array([_token_id(t) for t in token_ids], dtype=object)
+        if arr.min() < 0 or arr.max() >= 2**32:
             raise ConfigError("token ids must lie in [0, 2**32); got an id outside that range")
-        raise ConfigError(f"token ids must be integers in [0, 2**32); got values of type {arr.dtype}")
+        return arr.astype(np.int64)
     if arr.min() < 0 or arr.max() >= 2**32:
         raise ConfigError("token ids must lie in [0, 2**32); got an id outside that range")
     return arr
+
+
+def _token_id(value: object) -> int:
+    """One token id of a sequence: an integer (not a bool), else a ConfigError naming its type."""
+    if not isinstance(value, bool | np.bool_):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise ConfigError(f"token ids must be integers in [0, 2**32); got a {type(value).__name__}")
 
 
 def encode_tokens(token_ids: Sequence[int] | np.ndarray) -> bytes:

@@ -535,6 +535,10 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self._misrouted():
             return
+        if self.headers.get("Transfer-Encoding") is not None or any(
+            length.strip() != "0" for length in self.headers.get_all("Content-Length") or ()
+        ):
+            self.close_connection = True  # a body a GET never reads: what follows it is no request
         if self.path == "/health":
             self._guarded(self._health, slot=False)
         else:
