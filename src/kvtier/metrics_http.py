@@ -14,18 +14,15 @@ connection, all daemons.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import socket
-import sys
-import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvtier.failures import log_failure
+from kvtier.http_server import BoundedHTTPServer
 
 logger = logging.getLogger(__name__)
 
@@ -36,64 +33,20 @@ MAX_CONNECTIONS = 16
 """Connections served at once; one more is closed unanswered."""
 
 
-class MetricsServer(ThreadingHTTPServer):
+class MetricsServer(BoundedHTTPServer):
     """Serves ``render()`` on ``GET`` of any path (as prometheus-client's server does)."""
 
-    daemon_threads = True
+    log = logger
+    label = "metrics"
 
     def __init__(self, address: tuple[str, int], render: Callable[[], bytes]) -> None:
         self.render = render
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._open: set[socket.socket] = set()
-        self._open_lock = threading.Lock()
-        super().__init__(address, _Handler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):  # at the cap: closed unanswered
-            self.shutdown_request(request)
-            return
-        with self._open_lock:
-            self._open.add(request)
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._forget(request)
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._forget(request)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A connection failed (called from its thread, in its ``except``): logged, never printed.
-
-        socketserver's default prints a traceback to stderr, which under vLLM is the engine's log: one
-        for every scraper that hung up before reading its answer. Such disconnects (and timeouts) are
-        debug-level; anything else is one warning with the error's own words."""
-        exc = sys.exc_info()[1]
-        if isinstance(exc, OSError):  # the client went away or timed out (BrokenPipe, reset, timeout)
-            logger.debug("metrics: connection from %s ended early: %s", client_address, exc)
-            return
-        if exc is not None:
-            log_failure(logger, logging.WARNING, f"metrics: serving {client_address} failed", exc)
-
-    def _forget(self, request: Any) -> None:
-        with self._open_lock:
-            if request in self._open:
-                self._open.discard(request)
-                self._slots.release()
+        super().__init__(address, _Handler, MAX_CONNECTIONS)
 
     def close(self) -> None:
         """Stop accepting, and end the connections still open (their threads then finish)."""
         self.shutdown()
         self.server_close()
-        with self._open_lock:
-            open_now = list(self._open)
-        for sock in open_now:
-            with contextlib.suppress(OSError):  # (closed meanwhile)
-                sock.shutdown(socket.SHUT_RDWR)
 
 
 class _Handler(BaseHTTPRequestHandler):

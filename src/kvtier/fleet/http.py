@@ -49,7 +49,6 @@ no authentication.
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import io
 import json
@@ -57,18 +56,18 @@ import logging
 import math
 import socket
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Protocol, cast
 
 from kvtier.errors import ConfigError
 from kvtier.fleet.hashing import BlockHasher
 from kvtier.fleet.masks import StoreUnavailable
 from kvtier.fleet.records import MAX_GROUP, block_key
+from kvtier.http_server import BoundedHTTPServer
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +113,7 @@ class BadRequest(Exception):
         self.status = status
 
 
-class FleetServer(ThreadingHTTPServer):
+class FleetServer(BoundedHTTPServer):
     """The HTTP server (see the module docstring). ``hashing``: (algorithm, seed) of the
     engines' block hashes; ``tokens_per_hash``: their block size (None: taken from the
     engines' events, which must agree); ``health()``: None while the index is sound, else why
@@ -124,8 +123,9 @@ class FleetServer(ThreadingHTTPServer):
     closed every connection unanswered, ``/health`` included). Serve with ``serve_forever()``;
     stop with ``shutdown()`` then ``server_close()``."""
 
-    daemon_threads = True
     allow_reuse_address = True
+    log = logger
+    label = "fleet"
 
     def __init__(
         self,
@@ -155,67 +155,14 @@ class FleetServer(ThreadingHTTPServer):
         self.max_blocks = max_blocks
         self.request_timeout = request_timeout
         self._slots = threading.BoundedSemaphore(max_concurrent)
-        self._connections = threading.BoundedSemaphore(4 * max_concurrent)
         self._hashers: dict[int, BlockHasher] = {}
-        self._open: set[socket.socket] = set()  # the connections being served (cut by server_close)
-        self._open_lock = threading.Lock()
-        self._closed = False
         if tokens_per_hash is not None:
             self._hasher(tokens_per_hash)  # check the hashing settings now
         if ":" in address[0]:
             self.address_family = socket.AF_INET6  # (--host ::1)
         # socketserver's listen backlog is 5: a burst of connections waited for SYN retransmits (1 s and more)
         self.request_queue_size = max(socket.SOMAXCONN, 4 * max_concurrent)
-        super().__init__(address, _Handler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        """At most ``4 * max_concurrent`` open connections (each has a thread); more are closed at once."""
-        if not self._connections.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
-        with self._open_lock:
-            if self._closed:
-                self._connections.release()
-                self.shutdown_request(request)
-                return
-            self._open.add(request)
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._forget(request)
-            raise
-
-    def _forget(self, request: Any) -> None:
-        with self._open_lock:
-            self._open.discard(request)
-        self._connections.release()
-
-    def server_close(self) -> None:
-        """Stop listening and cut every open connection: a kept-alive client is answered no more
-        (before, its thread went on answering it after the server was closed, for as long as it
-        sent requests); an answer being written is cut short."""
-        super().server_close()
-        with self._open_lock:
-            self._closed = True
-            open_now = list(self._open)
-        for request in open_now:
-            with contextlib.suppress(OSError):  # (the client went away already)
-                request.shutdown(socket.SHUT_RDWR)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A connection that ended badly (the client went away, a deadline passed): one line at
-        debug level, not the standard library's traceback on stderr for each."""
-        exc = sys.exc_info()[1]
-        if isinstance(exc, OSError):
-            logger.debug("fleet: connection from %s ended: %s: %s", client_address, type(exc).__name__, exc)
-        else:
-            logger.warning("fleet: connection from %s failed: %s: %s", client_address, type(exc).__name__, exc)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._forget(request)
+        super().__init__(address, _Handler, 4 * max_concurrent)  # (each open connection has a thread)
 
     @property
     def url(self) -> str:
