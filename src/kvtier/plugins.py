@@ -14,6 +14,7 @@ import importlib
 from typing import Any
 
 from kvtier.errors import ConfigError, exception_text
+from kvtier.units import shown
 
 _MAX_PATH = 300
 """The longest import path accepted; a longer one is refused, shown shortened."""
@@ -40,10 +41,7 @@ def load_class(import_path: str, base: type, what: str, hint: str = "") -> Any:
             f"{what} import path must be a string 'package.module:ClassName', got a {type(import_path).__name__}"
         )
     if "@" in import_path or "://" in import_path:
-        raise ConfigError(
-            f"{what} import path (a text of {len(import_path)} characters, not shown: it holds an '@' or a '://', "
-            "maybe a URL with credentials) must look like 'package.module:ClassName'"
-        )
+        raise ConfigError(f"{what} import path {shown(import_path)} must look like 'package.module:ClassName'")
     if len(import_path) > _MAX_PATH:
         raise ConfigError(
             f"{what} import path {import_path[:40]!r}... ({len(import_path)} characters) is longer than "

@@ -50,7 +50,10 @@ _FORMS = (
 )
 
 
-_NOT_SHOWN = "not shown: it holds an '@' or a '://', maybe a URL with credentials"
+HOLDS_URL = "it holds an '@' or a '://', maybe a URL with credentials"
+"""Why a text is not shown in a message (an '@' or a '://' may be a URL's password)."""
+
+_NOT_SHOWN = f"not shown: {HOLDS_URL}"
 
 
 def shown(text: str, limit: int = 40) -> str:

@@ -25,6 +25,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_validator
 
 from kvtier.errors import BoundedRepr, ConfigError, int_text
+from kvtier.units import HOLDS_URL
 
 MAX_SECONDS = 1_000_000.0
 """The longest duration any kvtier setting accepts (about 11.6 days). Waits are handed to
@@ -141,7 +142,6 @@ def _shown_input(value: Any) -> str:
 
 _WALK_ITEMS = 10_000
 _WALK_DEPTH = 8
-_HOLDS_AT = "it holds an '@' or a '://', maybe a URL with credentials"
 _UNCHECKED = "it is too large or too deep to check for a URL with credentials"
 
 
@@ -158,7 +158,7 @@ def _why_not_shown(value: Any) -> str | None:
         item, depth = stack.pop()
         if isinstance(item, str | bytes | bytearray):
             if ("@" in item or "://" in item) if isinstance(item, str) else (b"@" in item or b"://" in item):
-                return _HOLDS_AT
+                return HOLDS_URL
             continue
         if isinstance(item, Mapping):
             children: Any = itertools.chain.from_iterable(item.items())
@@ -186,7 +186,7 @@ def shown_value(value: Any) -> str:
         text = _shown_input(value)
         if "@" not in text and "://" not in text:  # an object whose repr holds one
             return text
-        why = _HOLDS_AT
+        why = HOLDS_URL
     size = ""
     if isinstance(value, str | bytes | bytearray | Mapping | list | tuple | set | frozenset):
         unit = "characters" if isinstance(value, str) else "bytes" if isinstance(value, bytes | bytearray) else "items"
