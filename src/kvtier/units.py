@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import mmap
 import re
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 
 from kvtier.errors import ConfigError, int_text
 
@@ -115,15 +117,24 @@ def parse_size(value: int | float | str) -> int:
     raise ConfigError(f"size {_described(value)} has type {type(value).__name__}: use an int or a string like '4GiB'")
 
 
-def _described(value: object) -> str:
-    """A value that is not a size, for a message: its type and length only, never its contents (which may
-    be a YAML alias bomb, however large or deep, or hold a password), in constant time."""
+_SIZED = (str, bytes, bytearray, Mapping, AbstractSet, list, tuple)
+
+
+def type_and_size(value: object) -> str:
+    """A value for a message that must not show it: its type and length only (``a list of 3
+    items``, ``a str of 80 characters``), never its contents (which may be a YAML alias bomb,
+    however large or deep, or hold a password), in constant time."""
     try:
-        count = len(value) if isinstance(value, list | tuple | dict | set | frozenset | bytes | bytearray) else None
+        count = len(value) if isinstance(value, _SIZED) else None
     except Exception:  # a subclass whose __len__ fails
         count = None
-    unit = "bytes" if isinstance(value, bytes | bytearray) else "items"
-    return f"(a {type(value).__name__}" + (f" of {count} {unit}" if count is not None else "") + ", not shown)"
+    unit = "characters" if isinstance(value, str) else "bytes" if isinstance(value, bytes | bytearray) else "items"
+    return f"a {type(value).__name__}" + (f" of {count} {unit}" if count is not None else "")
+
+
+def _described(value: object) -> str:
+    """A value that is not a size, for a message: :func:`type_and_size`, said not shown."""
+    return f"({type_and_size(value)}, not shown)"
 
 
 def format_size(num_bytes: float) -> str:

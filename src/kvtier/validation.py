@@ -25,7 +25,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_validator
 
 from kvtier.errors import BoundedRepr, ConfigError, int_text
-from kvtier.units import HOLDS_URL
+from kvtier.units import HOLDS_URL, type_and_size
 
 MAX_SECONDS = 1_000_000.0
 """The longest duration any kvtier setting accepts (about 11.6 days). Waits are handed to
@@ -187,11 +187,7 @@ def shown_value(value: Any) -> str:
         if "@" not in text and "://" not in text:  # an object whose repr holds one
             return text
         why = HOLDS_URL
-    size = ""
-    if isinstance(value, str | bytes | bytearray | Mapping | list | tuple | set | frozenset):
-        unit = "characters" if isinstance(value, str) else "bytes" if isinstance(value, bytes | bytearray) else "items"
-        size = f" of {len(value)} {unit}"
-    return f"a {type(value).__name__}{size}, not shown: {why}"
+    return f"{type_and_size(value)}, not shown: {why}"
 
 
 def did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> str:
