@@ -57,6 +57,7 @@ from kvtier.errors import ConfigError, KvtierError, exception_text
 from kvtier.fleet.cli import add_fleet_parser
 from kvtier.units import shown
 from kvtier.user_files import STDOUT, OutputFile, check_output, os_error_text, write_output
+from kvtier.validation import is_utf8_text
 from kvtier.version import __version__
 
 logger = logging.getLogger("kvtier.cli")
@@ -389,18 +390,9 @@ def _check_bench_flags(args: argparse.Namespace, own_tiers: bool) -> None:
         )
     if args.metrics_addr is not None and args.metrics_port is None:
         raise ConfigError("--metrics-addr needs --metrics-port PORT (no metrics are served without it)")
-    if args.metrics_addr is not None and not _is_text(args.metrics_addr):
+    if args.metrics_addr is not None and not is_utf8_text(args.metrics_addr):
         raise ConfigError(f"--metrics-addr {args.metrics_addr!r:.80} holds bytes that are not UTF-8: give an "
                           "address of this machine, e.g. 127.0.0.1 or ::1")  # fmt: skip
-
-
-def _is_text(value: str) -> bool:
-    """Whether ``value`` (from argv, where bytes that are not UTF-8 arrive as lone surrogates) is UTF-8 text."""
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _bench_options(args: argparse.Namespace, config: KvtierConfig) -> Any:
@@ -756,7 +748,7 @@ def _check_replay_fs_root(fs_root: str) -> None:
     """--fs-root names a directory, or nothing yet (made when the replay starts), by a path of UTF-8 text
     (an fs tier's root is text: a path of other bytes was refused only once the first replay had started):
     checked before any work."""
-    if not _is_text(fs_root):
+    if not is_utf8_text(fs_root):
         raise ConfigError(f"--fs-root {fs_root!r:.200} holds bytes that are not UTF-8, which an fs tier's root "
                           "cannot: give a directory whose path is UTF-8 text")  # fmt: skip
     if os.path.lexists(fs_root) and not os.path.isdir(fs_root):

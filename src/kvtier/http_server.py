@@ -44,6 +44,8 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         self._open: set[socket.socket] = set()  # the connections being served (cut by server_close)
         self._open_lock = threading.Lock()
         self._closed = False
+        if ":" in str(address[0]):
+            self.address_family = socket.AF_INET6  # an IPv6 address (::1): only they hold a ':'
         super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:

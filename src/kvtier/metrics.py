@@ -60,9 +60,7 @@ tier or ``<n>:<type>`` for secondary tier n, as in events and logs):
 from __future__ import annotations
 
 import errno
-import ipaddress
 import logging
-import socket
 import threading
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -74,6 +72,7 @@ from prometheus_client.registry import Collector
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.telemetry import ManagerSnapshot
 from kvtier.types import PRIMARY_LABEL
+from kvtier.validation import is_utf8_text
 
 if TYPE_CHECKING:
     from kvtier.manager import TieringManager
@@ -323,14 +322,6 @@ def _policy_families(snap: ManagerSnapshot) -> list[Metric]:
     return [state, ratio, fallbacks, other]
 
 
-def _is_ipv6(host: str) -> bool:
-    """Whether ``host`` is an IPv6 address literal (a server for it needs an AF_INET6 socket)."""
-    try:
-        return ipaddress.ip_address(host).version == 6
-    except ValueError:
-        return False
-
-
 class KvtierMetrics:
     """Prometheus metrics of one :class:`~kvtier.manager.TieringManager`.
 
@@ -402,22 +393,13 @@ class KvtierMetrics:
         from kvtier.metrics_http import MetricsServer
 
         host = addr[1:-1] if addr.startswith("[") and addr.endswith("]") else addr
-        try:
-            host.encode()
-        except UnicodeEncodeError:
+        if not is_utf8_text(host):
             raise KvtierError(
                 f"cannot serve metrics on {addr!r:.80}: not text (bytes that are not UTF-8): "
                 "give an address of this machine (--metrics-addr)"
-            ) from None
-        server_class = MetricsServer
-        if _is_ipv6(host):
-
-            class _MetricsServer6(MetricsServer):
-                address_family = socket.AF_INET6
-
-            server_class = _MetricsServer6
+            )
         try:
-            server = server_class((host, port), self.render)
+            server = MetricsServer((host, port), self.render)
         except UnicodeError:  # a host name no DNS label can hold (too long, an empty label)
             raise KvtierError(
                 f"cannot serve metrics on {addr!r:.80}: not a host name: "
@@ -426,7 +408,7 @@ class KvtierMetrics:
         except OSError as exc:
             busy = exc.errno in (errno.EADDRINUSE, errno.EACCES)  # else the address is the problem
             fix = "pick a free --metrics-port" if busy else "give an address of this machine (--metrics-addr)"
-            where = f"[{host}]" if _is_ipv6(host) else host
+            where = f"[{host}]" if ":" in host else host  # an IPv6 address
             if len(where) > 80:
                 where = f"{where[:60]}... ({len(where)} characters)"
             raise KvtierError(f"cannot serve metrics on {where}:{port} ({exc.strerror or exc}): {fix}") from None

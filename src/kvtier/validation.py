@@ -190,6 +190,16 @@ def shown_value(value: Any) -> str:
     return f"{type_and_size(value)}, not shown: {why}"
 
 
+def is_utf8_text(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8: a value from argv, a file name or a config text whose bytes
+    were not UTF-8 arrives with lone surrogates, which no host, path, key or JSON answer can hold."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> str:
     """``'read_thread' (did you mean 'read_threads'?)`` for each unknown name, comma separated."""
     parts = []

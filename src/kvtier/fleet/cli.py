@@ -19,7 +19,7 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.fleet.hashing import ALGORITHMS, BlockHasher
 from kvtier.user_files import os_error_text
-from kvtier.validation import MAX_SECONDS
+from kvtier.validation import MAX_SECONDS, is_utf8_text
 
 DEFAULT_PORT = 8600
 
@@ -30,12 +30,10 @@ def _named(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not name or not value:
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r:.200}")
-    try:
-        text.encode()
-    except UnicodeEncodeError:
+    if not is_utf8_text(text):
         raise argparse.ArgumentTypeError(
             f"{text!r:.200} holds bytes that are not UTF-8: give the name and endpoint as text"
-        ) from None
+        )
     return name, value
 
 
@@ -60,10 +58,8 @@ def _positive(kind: type, maximum: float) -> Any:
 def _text(text: str) -> str:
     """An argparse type: text that is UTF-8 (a host name, a key prefix or a topic made of bytes
     that are not UTF-8 can be neither listened on, sent to Redis nor matched against a topic)."""
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        raise argparse.ArgumentTypeError(f"{text!r:.200} holds bytes that are not UTF-8: give text") from None
+    if not is_utf8_text(text):
+        raise argparse.ArgumentTypeError(f"{text!r:.200} holds bytes that are not UTF-8: give text")
     return text
 
 

@@ -158,8 +158,6 @@ class FleetServer(BoundedHTTPServer):
         self._hashers: dict[int, BlockHasher] = {}
         if tokens_per_hash is not None:
             self._hasher(tokens_per_hash)  # check the hashing settings now
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6  # (--host ::1)
         # socketserver's listen backlog is 5: a burst of connections waited for SYN retransmits (1 s and more)
         self.request_queue_size = max(socket.SOMAXCONN, 4 * max_concurrent)
         super().__init__(address, _Handler, 4 * max_concurrent)  # (each open connection has a thread)

@@ -49,6 +49,7 @@ import zmq
 
 from kvtier.fleet.index import FleetIndex
 from kvtier.fleet.wire import WireError, decode_batch
+from kvtier.validation import is_utf8_text
 
 logger = logging.getLogger(__name__)
 
@@ -65,20 +66,11 @@ _MAX_IPC_PATH = 107
 """The longest ``ipc://`` socket path, in bytes (a Unix socket address holds 108, the NUL included)."""
 
 
-def _encodes(text: str) -> bool:
-    """Can ``text`` be sent as UTF-8 (no lone surrogates from undecodable bytes)?"""
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _check_api_url(name: str, url: str) -> None:
     """An engine's OpenAI API base URL: a host and, if given, a port 1-65535 (ValueError names it)."""
     try:
         parts = urllib.parse.urlsplit(url)
-        usable = bool(parts.hostname) and parts.port != 0 and _encodes(url)
+        usable = bool(parts.hostname) and parts.port != 0 and is_utf8_text(url)
     except ValueError:  # a port out of range or not a number
         usable = False
     if not usable:
@@ -100,7 +92,7 @@ class EngineEndpoint:
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > 128 or any(c.isspace() for c in self.name):
             raise ValueError(f"engine name must be 1-128 characters without spaces, got {self.name!r}")
-        if not _encodes(self.topic) or len(self.topic.encode()) > 255:
+        if not is_utf8_text(self.topic) or len(self.topic.encode()) > 255:
             raise ValueError(f"engine {self.name}: topic {self.topic!r:.80} must be text of at most 255 bytes")
         # (inproc:// is refused: it reaches only sockets of the subscriber's own ZMQ context)
         for what, url, schemes in (("events", self.events, ("tcp://", "ipc://")),
@@ -110,7 +102,7 @@ class EngineEndpoint:
                 raise ValueError(f"engine {self.name}: {what} endpoint {url!r} must start with one of {schemes}")
             if url is not None and url.startswith("ipc://"):
                 path = url.removeprefix("ipc://")
-                if not path or not _encodes(path) or len(path.encode()) > _MAX_IPC_PATH:
+                if not path or not is_utf8_text(path) or len(path.encode()) > _MAX_IPC_PATH:
                     raise ValueError(f"engine {self.name}: {what} endpoint {url!r:.160} needs a socket path of "
                                      f"1-{_MAX_IPC_PATH} bytes (ipc:///path)")  # fmt: skip
             if url is not None and url.startswith(("http://", "https://")):
