@@ -167,3 +167,27 @@ class SlowLink(TcpLink):
             pass
         finally:
             self._shut(src, dst)
+
+
+class MuteLink(TcpLink):
+    """A TCP proxy to a local port that passes every byte, except that while :attr:`muted` is set
+    the server's replies are read and thrown away: the commands reach the server and run, and
+    the client never hears of them (a reply lost on the way). ``close()`` stops it."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.muted = threading.Event()
+        super().__init__(upstream_port)
+
+    def _relay(self, client: socket.socket, server: socket.socket) -> None:
+        threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
+        threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if not (replies and self.muted.is_set()):
+                    dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            self._shut(src, dst)

@@ -50,3 +50,18 @@ def test_trip_opens_at_once() -> None:
     cb = CircuitBreaker(failure_threshold=10, clock=Clock())
     cb.trip("connection refused")
     assert cb.state is HealthState.OPEN and cb.health().detail == "connection refused"
+
+
+def test_answering_means_closed_with_no_failure_since_the_last_success() -> None:
+    clock = Clock()
+    cb = CircuitBreaker(failure_threshold=2, open_seconds=1.0, clock=clock)
+    assert cb.answering
+    cb.record_failure("a")
+    assert cb.serving and not cb.answering, "still serving, but the medium failed last time"
+    cb.record_success()
+    assert cb.answering
+    cb.trip("refused")
+    clock.now = 1.0
+    assert cb.probe_due() and not cb.answering
+    cb.record_success()
+    assert cb.answering

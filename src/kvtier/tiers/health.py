@@ -54,6 +54,13 @@ class CircuitBreaker:
         """True when requests may be sent (CLOSED)."""
         return self.state is HealthState.CLOSED
 
+    @property
+    def answering(self) -> bool:
+        """True when CLOSED with no failure since the last success: the medium answered last time
+        (upkeep that may wait on it, such as re-checking a request in doubt, waits for this)."""
+        with self._lock:
+            return self._state is HealthState.CLOSED and self._failures == 0
+
     def probe_due(self) -> bool:
         """True when the breaker is HALF_OPEN and waiting for a probe outcome."""
         return self.state is HealthState.HALF_OPEN

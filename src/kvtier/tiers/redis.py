@@ -23,6 +23,9 @@ opens it at once; other failures (timeouts, resets, a batch of replies slower th
 :func:`refused_by_server`) open it after ``failure_threshold`` in a row. While open,
 lookups answer MISS, stores are dropped (``stats.stores_dropped``) and loads fail at
 once; after ``open_seconds`` an I/O thread sends PING and a success brings the tier back.
+A store batch cut short counts the SETs already answered OK as stored; the SETs whose replies
+never came may have landed, and are checked by housekeeping once the server answers again
+(:meth:`RedisTier._settle_doubts`), so the tier's events announce what the server holds.
 """
 
 from __future__ import annotations
@@ -80,6 +83,10 @@ take, so while stores keep them busy a further step's batch is dropped (counted,
 ``touches_dropped``) instead of growing the queue without bound."""
 _MAX_STEP_TOUCHES = 1 << 16
 """Distinct keys one step's touches collect at most (the rest are dropped and counted)."""
+_MAX_DOUBTS = 1 << 16
+"""SETs in doubt remembered at most (the oldest is dropped: a lookup's check finds its block)."""
+_DOUBTS_PER_TICK = 512
+"""SETs in doubt checked per housekeeping tick, in one STRLEN pipeline."""
 
 # Query options of a Redis URL that redis-py applies to each connection; TLS ones only with rediss://.
 _URL_QUERY = frozenset({"db", "username", "password", "socket_read_size", "socket_keepalive"})
@@ -367,6 +374,10 @@ class RedisTier(ThreadedTier):
         "touches_dropped": ExtraMetric(
             "counter", "Keys whose TTL refresh was dropped: too many touches queued, or a step's over its cap."
         ),
+        "uploads_found": ExtraMetric(
+            "counter", "SETs whose replies were lost (a timeout, a dropped connection) that a later STRLEN found "
+            "landed: counted stored and announced then."
+        ),
         "foreign_format": FOREIGN_FORMAT_METRIC,
     }
 
@@ -400,6 +411,9 @@ class RedisTier(ThreadedTier):
 
         # Existence answers, guarded by _lock (held for dictionary operations only).
         self._known: dict[BlockKey, tuple[bool, float, bool]] = {}
+        # SETs sent whose replies were never read, oldest first, guarded by _lock: they may have
+        # landed. Housekeeping checks them once in service (see _settle_doubts).
+        self._in_doubt: dict[BlockKey, None] = {}
         self._usage = TierUsage(0, None)
         self._usage_at = float("-inf")
         self._need_refresh = False
@@ -425,7 +439,9 @@ class RedisTier(ThreadedTier):
 
     def _remember(self, key: BlockKey, present: bool, now: float, answer: bool = False) -> None:
         # Caller holds _lock. Re-inserting keeps the dict ordered by expiry. ``answer``
-        # marks the reply to a lookup's check, which that lookup consumes once.
+        # marks the reply to a lookup's check, which that lookup consumes once. Also ends a
+        # doubt about the key's SET: what was just learned is newer.
+        self._in_doubt.pop(key, None)
         self._known.pop(key, None)
         self._known[key] = (present, now + self._lookup_cache_seconds, answer)
 
@@ -580,9 +596,71 @@ class RedisTier(ThreadedTier):
         with self._lock:
             self._known.clear()
 
+    def _doubt(self, keys: Iterable[BlockKey]) -> None:
+        """SETs of ``keys`` went out (or may have) with no reply read: settled later by
+        :meth:`_settle_doubts` (the oldest doubt dropped beyond ``_MAX_DOUBTS``). I/O thread."""
+        with self._lock:
+            for key in keys:
+                self._in_doubt.pop(key, None)
+                self._in_doubt[key] = None
+            while len(self._in_doubt) > _MAX_DOUBTS:
+                del self._in_doubt[next(iter(self._in_doubt))]
+
+    def _settle_doubts(self) -> None:
+        """One STRLEN pipeline over up to ``_DOUBTS_PER_TICK`` SETs in doubt: a value of a block's
+        size there counts as stored (``uploads_found``) and is announced in the tier's events,
+        so a fleet index holds what the server holds; anything else is forgotten (remembered
+        absent). A key redirected elsewhere, or left unanswered by a failed pipeline, stays in
+        doubt for a later tick; a doubt a SET, GET or check settled meanwhile is not announced
+        again. Only while the server answers (no failure since the last success): a server that
+        hangs would hold this I/O thread, and the jobs queued behind it, for a socket timeout.
+        Housekeeping (I/O thread); bounded by the pipeline's socket timeouts."""
+        if not self._breaker.answering:
+            return
+        with self._lock:
+            keys = list(itertools.islice(self._in_doubt, _DOUBTS_PER_TICK))
+        rkeys = [self.redis_key(k) for k in keys]
+        answers: dict[int, bool] = {}
+        refusals: list[str] = []
+
+        def send(out: list[Piece], i: int) -> None:
+            pack_command(out, b"STRLEN", rkeys[i])
+
+        def receive(reader: RespReader, i: int) -> None:
+            reply = reader.read_reply()
+            if isinstance(reply, int):
+                answers[i] = reply == self._value_bytes
+            elif isinstance(reply, ErrorReply):
+                self._note_reply_error(reply, refusals)
+                if not reply.is_redirect:
+                    answers[i] = False
+
+        try:
+            self._pipeline(rkeys, send, receive)
+        except Exception as exc:
+            self._record_error(exc)
+        else:
+            self._record_outcome(refusals, "STRLEN")
+        found: list[BlockKey] = []
+        now = time.monotonic()
+        with self._lock:
+            for i, key in enumerate(keys):
+                if i in answers and key in self._in_doubt:
+                    self._remember(key, answers[i], now)
+                    if answers[i]:
+                        found.append(key)
+            if found:
+                self._events.append(BlockEvent(tuple(found), self.label, self.medium, False, time.time()))
+        if found:
+            with self._stats_lock:
+                self.stats.bytes_written += len(found) * self._value_bytes
+                self.stats.extra["uploads_found"] = self.stats.extra.get("uploads_found", 0) + len(found)
+
     def _housekeeping(self) -> None:
         if not self._breaker.serving:
             return
+        if self._in_doubt:
+            self._settle_doubts()
         if self._need_refresh:
             self._need_refresh = False
             self._guarded(self._backend.refresh)
@@ -806,8 +884,11 @@ class RedisTier(ThreadedTier):
                 payload = rows[slot_of[keys[i]], :block_bytes].data
                 encoder.pack(out, rkeys[i], encode_header(ns_digest, keys[i], payload), payload)
 
+            answered = [False] * len(keys)
+
             def receive(reader: RespReader, i: int) -> None:
                 reply = reader.read_reply()
+                answered[i] = True
                 if isinstance(reply, ErrorReply):
                     self._note_reply_error(reply, refusals, writing=True)
                     self._note_write_refusal(reply)
@@ -820,9 +901,12 @@ class RedisTier(ThreadedTier):
                 self._pipeline(rkeys, send, receive)
             except Exception as exc:
                 errors.append(self._record_error(exc))
+                # A SET whose reply was never read may have landed (or another server group's
+                # batch may have ended before this one): checked later, by _settle_doubts.
+                self._doubt(k for k, seen in zip(keys, answered, strict=True) if not seen)
             else:
                 self._record_outcome(refusals, "SET")
-                stored.extend(k for k, good in zip(keys, ok, strict=True) if good)
+            stored.extend(k for k, good in zip(keys, ok, strict=True) if good)
         seconds = time.perf_counter() - started
         now = time.monotonic()
         with self._lock:

@@ -10,7 +10,10 @@ the options, their defaults and the bucket layout are in :mod:`kvtier.tiers.s3_s
   (``stats.stores_dropped``) beyond ``max_queued_stores`` or while out of
   service; a quarter of the threads never take stores, so reads do not wait
   behind a slow upload. An upload failure fails the job; it never raises into
-  the engine.
+  the engine. An upload whose outcome is unknown (timed out, a server error)
+  may have landed: once the tier is in service, housekeeping HEADs it, and one
+  found there counts as stored and is announced in the tier's events then
+  (``uploads_found``), so a fleet index holds what the bucket holds.
 * **Loads**: concurrent GETs streamed into the reserved row (header split from
   the payload), then header and xxh3 checksum verified before the key counts
   as loaded. A 404 is a MISS for that key (it drops the key from the index and is
@@ -57,6 +60,7 @@ calls, so no obstore thread ever calls back into Python, and none can at exit).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
@@ -88,6 +92,7 @@ from kvtier.tiers.s3_checks import HEDGE_FRACTION, HeadFanout
 from kvtier.tiers.s3_store import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
+    OUTCOME_UNKNOWN,
     TRIPPING,
     S3TierOptions,
     bounded_body,
@@ -113,6 +118,10 @@ logger = logging.getLogger(__name__)
 
 _STREAM_CHUNK = 1024 * 1024
 _PRUNE_PER_TICK = 10_000
+_MAX_DOUBTS = 4096
+"""Uploads in doubt remembered at most (the oldest is dropped: its block is found by a lookup's HEAD)."""
+_DOUBTS_PER_TICK = 8
+"""Uploads in doubt HEADed per housekeeping tick, one after another."""
 
 
 class S3Tier(ThreadedTier):
@@ -136,6 +145,10 @@ class S3Tier(ThreadedTier):
             "counter", "GETs and PUTs that timed out and were sent again by the tier within their job's deadline."
         ),
         "warm_start_blocks": ExtraMetric("counter", "Blocks indexed from the manifest at start."),
+        "uploads_found": ExtraMetric(
+            "counter", "Uploads that failed with their outcome unknown (timed out, a server error) and a HEAD later "
+            "found landed: counted stored and announced then."
+        ),
         "foreign_format": FOREIGN_FORMAT_METRIC,
     }
 
@@ -191,8 +204,11 @@ class S3Tier(ThreadedTier):
         self._max_checks_out = max(1, opts.max_in_flight // 2)
         self._checks_may_fill_pool = self._max_checks_out >= opts.max_in_flight
         self._deferred: Work | None = None
+        # Uploads that failed with their outcome unknown, oldest first, guarded by _lock: a timed-out
+        # PUT may have landed. Housekeeping HEADs them once in service (see _settle_doubts).
+        self._in_doubt: dict[BlockKey, None] = {}
         self.stats.extra.update({"objects_written": 0, "checks": 0, "checks_failed": 0, "missing": 0,
-                                 "requests_retried": 0, "heads_hedged": 0})  # fmt: skip
+                                 "requests_retried": 0, "heads_hedged": 0, "uploads_found": 0})  # fmt: skip
 
         # The endpoint in use, read once: the client was built with it, whatever the environment says later.
         self._endpoint_setting = endpoint, source = opts.endpoint_setting()
@@ -223,8 +239,10 @@ class S3Tier(ThreadedTier):
             self._remember_locked(key, present, now)
 
     def _remember_locked(self, key: BlockKey, present: bool, now: float) -> None:
-        # Also ends a check of the key under way: what a PUT or GET just learned is newer.
+        # Also ends a check of the key under way, and a doubt about its upload: what a PUT or GET
+        # just learned is newer.
         self._checking.pop(key, None)
+        self._in_doubt.pop(key, None)
         self._present.pop(key, None)
         self._absent.pop(key, None)
         if present:
@@ -415,6 +433,8 @@ class S3Tier(ThreadedTier):
                 except Exception as exc:
                     if self._tried_again(work, exc):
                         continue
+                    if classify_error(exc) in OUTCOME_UNKNOWN:
+                        self._doubt(key)
                     self._complete(work, error=f"upload of {key.hex()[:16]} failed: {self._io_failure(exc)}")
                     return
         finally:
@@ -848,8 +868,50 @@ class S3Tier(ThreadedTier):
             self._manifest_lock.release()
         return self._ready.is_set()
 
+    def _doubt(self, key: BlockKey) -> None:
+        """``key``'s upload failed with its outcome unknown: settled later by :meth:`_settle_doubts`
+        (the oldest doubt is dropped beyond :data:`_MAX_DOUBTS`). I/O thread."""
+        with self._lock:
+            self._in_doubt.pop(key, None)
+            self._in_doubt[key] = None
+            while len(self._in_doubt) > _MAX_DOUBTS:
+                del self._in_doubt[next(iter(self._in_doubt))]
+
+    def _settle_doubts(self) -> None:
+        """HEAD up to :data:`_DOUBTS_PER_TICK` uploads in doubt while in service: one that landed is
+        remembered present, counted (``uploads_found``) and announced stored, so the fleet index
+        holds what the bucket holds; one not there is forgotten. A failed HEAD counts against the
+        breaker and leaves the rest for a later tick. Only while the store answers (no failure
+        since the last success): a HEAD to a server that hangs would hold this I/O thread, and
+        the jobs queued behind it, for ``check_timeout``. A doubt a PUT, GET or check settled
+        meanwhile is not announced again. Housekeeping (I/O thread); each HEAD is bounded by
+        ``check_timeout``."""
+        if not self._ready.is_set():
+            return
+        with self._lock:
+            keys = list(itertools.islice(self._in_doubt, _DOUBTS_PER_TICK))
+        for key in keys:
+            if self._stopping.is_set() or not self._breaker.answering:
+                return
+            try:
+                present = self._head(key)
+            except Exception as exc:
+                self._count(checks_failed=1)
+                self._io_failure(exc)
+                return
+            with self._lock:
+                if key not in self._in_doubt:
+                    continue
+                self._remember_locked(key, present, time.monotonic())
+            self._breaker.record_success()
+            if present:
+                self._count(uploads_found=1, objects_written=1, bytes_written=self._value_bytes)
+                self._emit([key], removed=False)
+
     def _housekeeping(self) -> None:
         self._ensure_ready(wait=False)
+        if self._in_doubt:
+            self._settle_doubts()
         now = time.monotonic()
         with self._lock:
             for index in (self._present, self._absent):

@@ -558,6 +558,10 @@ ErrorKind = Literal[
 TRIPPING: frozenset[ErrorKind] = frozenset({"crash", "no_bucket", "credentials", "refused", "unreachable"})
 """Failures that take the tier out of service at once: retrying soon cannot help."""
 
+OUTCOME_UNKNOWN: frozenset[ErrorKind] = frozenset({"crash", "timeout", "server", "other"})
+"""Failures after which a PUT may still have landed (the request may have reached the server):
+the S3 tier checks such an upload again with a HEAD once in service."""
+
 _PERFORMING = re.compile(r"Error performing (\w+) (\S+)")
 _STATUS = re.compile(r"status code: (\d{3})")
 _S3_CODE = re.compile(r"<Code>(\w{1,64})</Code>")
