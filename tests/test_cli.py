@@ -273,6 +273,11 @@ def test_replay_usage_errors_name_the_fix(tmp_path: Path) -> None:
     assert out.returncode == 2 and "invalid choice: 'video'" in out.stderr
     out = run("replay", "--synthetic", "chat", "--policy", "lru,fifo")
     assert out.returncode == 2 and "unknown eviction policy 'fifo'" in out.stderr
+    # Regression (2026-12-05): an empty entry was skipped, so a typo ran fewer policies or capacities than asked.
+    out = run("replay", "--synthetic", "chat", "--policy", "lru,,arc")
+    assert out.returncode == 2 and "--policy 'lru,,arc': an empty entry" in out.stderr
+    out = run("replay", "--synthetic", "chat", "--capacity", "1%,,5%")
+    assert out.returncode == 2 and "--capacity '1%,,5%': an empty entry" in out.stderr
     out = run("replay", "--synthetic", "chat", "--capacity", "150%")
     assert out.returncode == 2 and "(0%, 100%]" in out.stderr
     out = run("replay", "--synthetic", "chat", "--requests", "0")

@@ -549,7 +549,11 @@ def _model_preset(text: str) -> str:
 def _policy_list(text: str) -> list[str]:
     from kvtier.policies import resolve_policy
 
-    names = list(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    parts = [p.strip() for p in text.split(",")]
+    if any(parts) and not all(parts):
+        raise argparse.ArgumentTypeError(f"--policy {shown(text)}: an empty entry (two commas in a row, or one at an "
+                                         "end); give every policy name or drop its comma")
+    names = list(dict.fromkeys(part for part in parts if part))
     if not names:
         raise argparse.ArgumentTypeError(f"--policy {text!r}: give policy names, e.g. lru,arc,return-time")
     for name in names:

@@ -49,6 +49,9 @@ def test_capacity_forms_are_read_exactly() -> None:
         ("9" * 40, "at most 268435456 blocks"),
         ("268435457", "at most 268435456 blocks"),
         (",", "give block counts"),
+        ("10,,20", "an empty entry"),
+        ("10,20,", "an empty entry"),
+        (",5%", "an empty entry"),
     ],
 )
 def test_bad_capacities_name_the_value_as_typed(text: str, words: str) -> None:

@@ -41,11 +41,11 @@ def parse_capacities(text: str, max_blocks: int, flag: str = FLAG, sizes: bool =
     """The entries of ``--capacity TEXT`` (or of the flag ``flag`` that reads the same forms); a
     block count above ``max_blocks`` is refused here. ``sizes``: the flag takes sizes too (its
     messages suggest them; the caller refuses one)."""
-    out: list[Capacity] = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        out.append(_parse_one(part, max_blocks, flag, sizes))
+    parts = [p.strip() for p in text.split(",")]
+    if any(parts) and not all(parts):  # (a typo, such as 10,,20 for 10,15,20, is not read as fewer entries)
+        raise ConfigError(f"{flag} {shown(text)}: an empty entry (two commas in a row, or one at an end); "
+                          "give every entry or drop its comma")
+    out = [_parse_one(part, max_blocks, flag, sizes) for part in parts if part]
     if not out:
         raise ConfigError(
             f"{flag} {shown(text)}: give block counts, shares of the distinct blocks or sizes, "
