@@ -247,6 +247,11 @@ FOREIGN_FORMAT_METRIC = ExtraMetric(
 )
 """``foreign_format``, which every tier that reads kvtier's value format counts (see
 :class:`~kvtier.errors.ForeignFormatError`)."""
+UPLOADS_FOUND_METRIC = ExtraMetric(
+    "counter", "Writes that failed with their outcome unknown (a timeout, a lost reply) and a later check, "
+    "lookup or load found landed: announced stored then."
+)
+"""``uploads_found``, which the shared-store tiers count (see :mod:`kvtier.tiers.doubts`)."""
 
 
 @dataclass

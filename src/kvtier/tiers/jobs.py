@@ -311,6 +311,8 @@ class ThreadedTier(SecondaryTier):
                 self._tick()
                 if work is not None:
                     self._execute(work, local)
+                elif not self._stopping.is_set():
+                    self._upkeep(self._idle_upkeep)
         finally:
             self._close_worker(local)
 
@@ -347,9 +349,14 @@ class ThreadedTier(SecondaryTier):
                     self._run_probe()
             finally:
                 self._probe_lock.release()
+        self._upkeep(self._housekeeping)
+
+    def _upkeep(self, step: Callable[[], None]) -> None:
+        """Run :meth:`_housekeeping` or :meth:`_idle_upkeep` unless another thread runs one; a
+        failure is logged (a native client's crash takes the tier out of service), never raised."""
         if self._house_lock.acquire(blocking=False):
             try:
-                self._housekeeping()
+                step()
             except BaseException as exc:
                 if ends_thread(exc):
                     raise
@@ -413,6 +420,11 @@ class ThreadedTier(SecondaryTier):
     def _housekeeping(self) -> None:
         """Periodic upkeep on an I/O thread (one at a time); must be bounded by the tier's timeouts."""
 
+    def _idle_upkeep(self) -> None:
+        """Upkeep that may wait on the medium, run only by a worker that found no work (one at a
+        time with :meth:`_housekeeping`; :meth:`_tick` runs with a work item already taken, which
+        would wait as long). Must be bounded by the tier's timeouts; a failure is logged."""
+
     def _open_worker(self) -> Any:
         """Per-thread resources, handed to every ``_run`` of that thread."""
         return None
@@ -448,6 +460,18 @@ class ThreadedTier(SecondaryTier):
                     setattr(stats, name, getattr(stats, name) + n)
                 else:
                     stats.extra[name] = stats.extra.get(name, 0) + n
+
+    def _queue_idle(self) -> bool:
+        """No work waits in the queue (work may still be running). Any thread."""
+        return not any(self._queue.queued(lane) for lane in Lane)
+
+    def _announce_found(self, keys: list[BlockKey]) -> None:
+        """Blocks whose writes failed with their outcome unknown (:mod:`kvtier.tiers.doubts`)
+        that a check, lookup or load found in the store: counted (``uploads_found``) and
+        announced stored. Any I/O thread; the caller holds no lock."""
+        if keys:
+            self._count(uploads_found=len(keys))
+            self._emit(keys, removed=False)
 
     def _emit(self, keys: Iterable[BlockKey], removed: bool, when: float | None = None) -> None:
         """Queue a stored (or removed) event for ``keys`` that happened at ``when`` (default:

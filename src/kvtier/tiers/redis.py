@@ -24,8 +24,8 @@ opens it at once; other failures (timeouts, resets, a batch of replies slower th
 lookups answer MISS, stores are dropped (``stats.stores_dropped``) and loads fail at
 once; after ``open_seconds`` an I/O thread sends PING and a success brings the tier back.
 A store batch cut short counts the SETs already answered OK as stored; the SETs whose replies
-never came may have landed, and are checked by housekeeping once the server answers again
-(:meth:`RedisTier._settle_doubts`), so the tier's events announce what the server holds.
+never came may have landed, and are checked later (:mod:`kvtier.tiers.doubts`,
+:meth:`RedisTier._settle_doubts`), so the tier's events announce what the server holds.
 """
 
 from __future__ import annotations
@@ -48,7 +48,16 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from kvtier.errors import ConfigError, CorruptValueError, ForeignFormatError, TierError
 from kvtier.failures import describe_error, forget_frames, log_failure
 from kvtier.keys import BlockKey
-from kvtier.tiers.base import FOREIGN_FORMAT_METRIC, ExtraMetric, JobResult, TierContext, TierUsage, TransferJob
+from kvtier.tiers.base import (
+    FOREIGN_FORMAT_METRIC,
+    UPLOADS_FOUND_METRIC,
+    ExtraMetric,
+    JobResult,
+    TierContext,
+    TierUsage,
+    TransferJob,
+)
+from kvtier.tiers.doubts import WritesInDoubt
 from kvtier.tiers.endpoints import parse_endpoint, redact_url
 from kvtier.tiers.format import HEADER_SIZE, PREFIX_SIZE, decode_header, encode_header, foreign_format, verify_payload
 from kvtier.tiers.health import CircuitBreaker
@@ -374,10 +383,7 @@ class RedisTier(ThreadedTier):
         "touches_dropped": ExtraMetric(
             "counter", "Keys whose TTL refresh was dropped: too many touches queued, or a step's over its cap."
         ),
-        "uploads_found": ExtraMetric(
-            "counter", "SETs whose replies were lost (a timeout, a dropped connection) that a later STRLEN found "
-            "landed: counted stored and announced then."
-        ),
+        "uploads_found": UPLOADS_FOUND_METRIC,
         "foreign_format": FOREIGN_FORMAT_METRIC,
     }
 
@@ -411,9 +417,9 @@ class RedisTier(ThreadedTier):
 
         # Existence answers, guarded by _lock (held for dictionary operations only).
         self._known: dict[BlockKey, tuple[bool, float, bool]] = {}
-        # SETs sent whose replies were never read, oldest first, guarded by _lock: they may have
-        # landed. Housekeeping checks them once in service (see _settle_doubts).
-        self._in_doubt: dict[BlockKey, None] = {}
+        # SETs sent whose replies were never read, guarded by _lock: they may have landed.
+        # Housekeeping checks them (see _settle_doubts).
+        self._doubts = WritesInDoubt(_MAX_DOUBTS, settle_after=opts.socket_timeout)
         self._usage = TierUsage(0, None)
         self._usage_at = float("-inf")
         self._need_refresh = False
@@ -437,13 +443,15 @@ class RedisTier(ThreadedTier):
         """The Redis key of a block: ``<prefix>:<namespace hex>:<block key hex>``."""
         return self._key_prefix + key.hex().encode()
 
-    def _remember(self, key: BlockKey, present: bool, now: float, answer: bool = False) -> None:
-        # Caller holds _lock. Re-inserting keeps the dict ordered by expiry. ``answer``
-        # marks the reply to a lookup's check, which that lookup consumes once. Also ends a
-        # doubt about the key's SET: what was just learned is newer.
-        self._in_doubt.pop(key, None)
+    def _remember(self, key: BlockKey, present: bool, now: float, answer: bool = False) -> bool:
+        """Cache ``key``'s existence; True if its SET was in doubt (a caller that found it present
+        and does not announce it itself announces it: :meth:`_announce_found`). Caller holds
+        _lock. Re-inserting keeps the dict ordered by expiry; ``answer`` marks the reply to a
+        lookup's check, which that lookup consumes once."""
+        doubted = self._doubts.discard(key)  # (what was just learned is newer than the doubt)
         self._known.pop(key, None)
         self._known[key] = (present, now + self._lookup_cache_seconds, answer)
+        return doubted
 
     def _unverify_locked(self, keys: Iterable[BlockKey]) -> None:
         # A GET that failed (timeout, dropped connection) says nothing about the value: its
@@ -596,29 +604,28 @@ class RedisTier(ThreadedTier):
         with self._lock:
             self._known.clear()
 
-    def _doubt(self, keys: Iterable[BlockKey]) -> None:
-        """SETs of ``keys`` went out (or may have) with no reply read: settled later by
-        :meth:`_settle_doubts` (the oldest doubt dropped beyond ``_MAX_DOUBTS``). I/O thread."""
-        with self._lock:
-            for key in keys:
-                self._in_doubt.pop(key, None)
-                self._in_doubt[key] = None
-            while len(self._in_doubt) > _MAX_DOUBTS:
-                del self._in_doubt[next(iter(self._in_doubt))]
+    def _idle_upkeep(self) -> None:
+        """Check a write in doubt while the store's last request failed (see :meth:`_settle_doubts`)."""
+        if self._doubts and self._breaker.serving:
+            self._settle_doubts(idle=self._queue_idle())
 
-    def _settle_doubts(self) -> None:
-        """One STRLEN pipeline over up to ``_DOUBTS_PER_TICK`` SETs in doubt: a value of a block's
-        size there counts as stored (``uploads_found``) and is announced in the tier's events,
-        so a fleet index holds what the server holds; anything else is forgotten (remembered
-        absent). A key redirected elsewhere, or left unanswered by a failed pipeline, stays in
-        doubt for a later tick; a doubt a SET, GET or check settled meanwhile is not announced
-        again. Only while the server answers (no failure since the last success): a server that
-        hangs would hold this I/O thread, and the jobs queued behind it, for a socket timeout.
-        Housekeeping (I/O thread); bounded by the pipeline's socket timeouts."""
-        if not self._breaker.answering:
-            return
+    def _settle_doubts(self, idle: bool) -> None:
+        """One STRLEN pipeline over the SETs in doubt that are due
+        (:class:`~kvtier.tiers.doubts.WritesInDoubt`: up to ``_DOUBTS_PER_TICK`` while the server
+        answers, else one now and then from an ``idle`` worker, with no work in hand and none
+        queued: :meth:`_idle_upkeep`): a value of a block's size there is
+        remembered present and announced stored, so a fleet index holds what the server holds;
+        anything else (no value, another size, an error reply) is forgotten. Keys a failed
+        pipeline left unanswered stay in doubt for a later tick; a doubt a SET, GET or check
+        settled meanwhile is not announced again. Housekeeping (I/O thread); bounded by the
+        pipeline's socket timeouts."""
+        answering, now = self._breaker.answering, time.monotonic()
         with self._lock:
-            keys = list(itertools.islice(self._in_doubt, _DOUBTS_PER_TICK))
+            if not self._doubts.may_check(answering, idle, now):
+                return
+            keys = self._doubts.due(now, _DOUBTS_PER_TICK if answering else 1)
+        if not keys:
+            return
         rkeys = [self.redis_key(k) for k in keys]
         answers: dict[int, bool] = {}
         refusals: list[str] = []
@@ -628,12 +635,9 @@ class RedisTier(ThreadedTier):
 
         def receive(reader: RespReader, i: int) -> None:
             reply = reader.read_reply()
-            if isinstance(reply, int):
-                answers[i] = reply == self._value_bytes
-            elif isinstance(reply, ErrorReply):
+            if isinstance(reply, ErrorReply):  # (a redirect too: never followed up, so never re-sent forever)
                 self._note_reply_error(reply, refusals)
-                if not reply.is_redirect:
-                    answers[i] = False
+            answers[i] = isinstance(reply, int) and reply == self._value_bytes
 
         try:
             self._pipeline(rkeys, send, receive)
@@ -645,22 +649,15 @@ class RedisTier(ThreadedTier):
         now = time.monotonic()
         with self._lock:
             for i, key in enumerate(keys):
-                if i in answers and key in self._in_doubt:
-                    self._remember(key, answers[i], now)
-                    if answers[i]:
-                        found.append(key)
-            if found:
-                self._events.append(BlockEvent(tuple(found), self.label, self.medium, False, time.time()))
-        if found:
-            with self._stats_lock:
-                self.stats.bytes_written += len(found) * self._value_bytes
-                self.stats.extra["uploads_found"] = self.stats.extra.get("uploads_found", 0) + len(found)
+                if i in answers and key in self._doubts and self._remember(key, answers[i], now) and answers[i]:
+                    found.append(key)
+        self._announce_found(found)
 
     def _housekeeping(self) -> None:
         if not self._breaker.serving:
             return
-        if self._in_doubt:
-            self._settle_doubts()
+        if self._doubts:
+            self._settle_doubts(idle=False)
         if self._need_refresh:
             self._need_refresh = False
             self._guarded(self._backend.refresh)
@@ -854,13 +851,16 @@ class RedisTier(ThreadedTier):
         else:
             self._record_outcome(refusals, "STRLEN")
         now = time.monotonic()
+        found: list[BlockKey] = []
         with self._lock:
             for i, key in enumerate(keys):
                 self._checking.pop(key, None)
                 if i in answers:
                     # A redirected key is asked again after the topology refresh: its MISS is not cached.
                     at = now - self._lookup_cache_seconds if i in redirected else now
-                    self._remember(key, answers[i], at, answer=True)
+                    if self._remember(key, answers[i], at, answer=True) and answers[i]:
+                        found.append(key)
+        self._announce_found(found)
 
     def _do_store(self, job: TransferJob, keys: list[BlockKey]) -> None:
         if not self._breaker.serving:
@@ -903,7 +903,8 @@ class RedisTier(ThreadedTier):
                 errors.append(self._record_error(exc))
                 # A SET whose reply was never read may have landed (or another server group's
                 # batch may have ended before this one): checked later, by _settle_doubts.
-                self._doubt(k for k, seen in zip(keys, answered, strict=True) if not seen)
+                with self._lock:
+                    self._doubts.add((k for k, seen in zip(keys, answered, strict=True) if not seen), time.monotonic())
             else:
                 self._record_outcome(refusals, "SET")
             stored.extend(k for k, good in zip(keys, ok, strict=True) if good)
@@ -1021,8 +1022,7 @@ class RedisTier(ThreadedTier):
         gone = [key for key in corrupt if key not in kept]  # deleted, or left but never servable
         now = time.monotonic()
         with self._lock:
-            for key in loaded:
-                self._remember(key, True, now)
+            found = [key for key in loaded if self._remember(key, True, now)]
             for key in missing + gone + foreign:
                 self._remember(key, False, now)
             for key in rewritten:  # another engine's value now: asked again
@@ -1031,6 +1031,7 @@ class RedisTier(ThreadedTier):
                 self._events.append(BlockEvent(tuple(gone), self.label, self.medium, True, deleting))
             if missing:  # expired or evicted by Redis itself: nobody else can report it
                 self._events.append(BlockEvent(tuple(missing), self.label, self.medium, True, asked))
+        self._announce_found(found)
         if missing:
             errors.append(f"{len(missing)} key(s) missing (expired or evicted)")
         if deleted:

@@ -11,9 +11,9 @@ the options, their defaults and the bucket layout are in :mod:`kvtier.tiers.s3_s
   service; a quarter of the threads never take stores, so reads do not wait
   behind a slow upload. An upload failure fails the job; it never raises into
   the engine. An upload whose outcome is unknown (timed out, a server error)
-  may have landed: once the tier is in service, housekeeping HEADs it, and one
-  found there counts as stored and is announced in the tier's events then
-  (``uploads_found``), so a fleet index holds what the bucket holds.
+  may have landed: housekeeping HEADs it (:mod:`kvtier.tiers.doubts`), and one
+  found there, or found by a lookup or a load first, is announced in the tier's
+  events then (``uploads_found``), so a fleet index holds what the bucket holds.
 * **Loads**: concurrent GETs streamed into the reserved row (header split from
   the payload), then header and xxh3 checksum verified before the key counts
   as loaded. A 404 is a MISS for that key (it drops the key from the index and is
@@ -60,7 +60,6 @@ calls, so no obstore thread ever calls back into Python, and none can at exit).
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import threading
@@ -73,7 +72,8 @@ import numpy as np
 from kvtier.errors import ConfigError, CorruptValueError, ForeignFormatError, TierError
 from kvtier.failures import forget_frames, log_failure
 from kvtier.keys import BlockKey
-from kvtier.tiers.base import FOREIGN_FORMAT_METRIC, ExtraMetric, TierContext, TierUsage
+from kvtier.tiers.base import FOREIGN_FORMAT_METRIC, UPLOADS_FOUND_METRIC, ExtraMetric, TierContext, TierUsage
+from kvtier.tiers.doubts import WritesInDoubt
 from kvtier.tiers.format import (
     FORMAT_VERSION,
     HEADER_SIZE,
@@ -145,10 +145,7 @@ class S3Tier(ThreadedTier):
             "counter", "GETs and PUTs that timed out and were sent again by the tier within their job's deadline."
         ),
         "warm_start_blocks": ExtraMetric("counter", "Blocks indexed from the manifest at start."),
-        "uploads_found": ExtraMetric(
-            "counter", "Uploads that failed with their outcome unknown (timed out, a server error) and a HEAD later "
-            "found landed: counted stored and announced then."
-        ),
+        "uploads_found": UPLOADS_FOUND_METRIC,
         "foreign_format": FOREIGN_FORMAT_METRIC,
     }
 
@@ -204,9 +201,9 @@ class S3Tier(ThreadedTier):
         self._max_checks_out = max(1, opts.max_in_flight // 2)
         self._checks_may_fill_pool = self._max_checks_out >= opts.max_in_flight
         self._deferred: Work | None = None
-        # Uploads that failed with their outcome unknown, oldest first, guarded by _lock: a timed-out
-        # PUT may have landed. Housekeeping HEADs them once in service (see _settle_doubts).
-        self._in_doubt: dict[BlockKey, None] = {}
+        # Uploads that failed with their outcome unknown, guarded by _lock: a timed-out PUT may have
+        # landed. Housekeeping HEADs them (see _settle_doubts).
+        self._doubts = WritesInDoubt(_MAX_DOUBTS, settle_after=opts.request_timeout)
         self.stats.extra.update({"objects_written": 0, "checks": 0, "checks_failed": 0, "missing": 0,
                                  "requests_retried": 0, "heads_hedged": 0, "uploads_found": 0})  # fmt: skip
 
@@ -234,21 +231,25 @@ class S3Tier(ThreadedTier):
 
     # --- the existence index (any thread; callers hold no lock) --------------------------------
 
-    def _remember(self, key: BlockKey, present: bool, now: float) -> None:
+    def _remember(self, key: BlockKey, present: bool, now: float) -> bool:
         with self._lock:
-            self._remember_locked(key, present, now)
+            return self._remember_locked(key, present, now)
 
-    def _remember_locked(self, key: BlockKey, present: bool, now: float) -> None:
+    def _remember_locked(self, key: BlockKey, present: bool, now: float) -> bool:
+        """Remember ``key`` present or absent until ``now`` plus ``hit_seconds``/``miss_seconds``;
+        True if its upload was in doubt (a caller that found it present and does not announce
+        it itself announces it: :meth:`_announce_found`). Caller holds _lock."""
         # Also ends a check of the key under way, and a doubt about its upload: what a PUT or GET
         # just learned is newer.
         self._checking.pop(key, None)
-        self._in_doubt.pop(key, None)
+        doubted = self._doubts.discard(key)
         self._present.pop(key, None)
         self._absent.pop(key, None)
         if present:
             self._present[key] = now + self.options.hit_seconds
         else:
             self._absent[key] = now + self.options.miss_seconds
+        return doubted
 
     def _unverify_locked(self, keys: Iterable[BlockKey]) -> None:
         # A GET that failed (timeout, dropped connection, no bucket) says nothing about the
@@ -434,7 +435,8 @@ class S3Tier(ThreadedTier):
                     if self._tried_again(work, exc):
                         continue
                     if classify_error(exc) in OUTCOME_UNKNOWN:
-                        self._doubt(key)
+                        with self._lock:
+                            self._doubts.add([key], time.monotonic())
                     self._complete(work, error=f"upload of {key.hex()[:16]} failed: {self._io_failure(exc)}")
                     return
         finally:
@@ -505,7 +507,8 @@ class S3Tier(ThreadedTier):
         finally:
             del row
         self._breaker.record_success()
-        self._remember(key, True, time.monotonic())
+        if self._remember(key, True, time.monotonic()):
+            self._announce_found([key])
         self._complete(work, ok=[key], nbytes=self._value_bytes)
 
     def _put_found_existing(self, work: Work, key: BlockKey) -> None:
@@ -677,12 +680,15 @@ class S3Tier(ThreadedTier):
         timeout = self.options.check_timeout
         answers, errors, hedged = self._heads.check(chains, timeout, hedge_after=HEDGE_FRACTION * timeout)
         now = time.monotonic()
+        found: list[BlockKey] = []
         with self._lock:
             for key, present in answers.items():
-                if key in self._checking:  # else a PUT or GET answered meanwhile, and is newer
-                    self._remember_locked(key, present, now)
+                # (else a PUT or GET answered meanwhile, and is newer)
+                if key in self._checking and self._remember_locked(key, present, now) and present:
+                    found.append(key)
             for key in work.keys:
                 self._checking.pop(key, None)
+        self._announce_found(found)
         self._count(checks=len(answers), checks_failed=len(errors), heads_hedged=hedged)
         if errors:
             self._io_failure(errors[0])
@@ -868,50 +874,46 @@ class S3Tier(ThreadedTier):
             self._manifest_lock.release()
         return self._ready.is_set()
 
-    def _doubt(self, key: BlockKey) -> None:
-        """``key``'s upload failed with its outcome unknown: settled later by :meth:`_settle_doubts`
-        (the oldest doubt is dropped beyond :data:`_MAX_DOUBTS`). I/O thread."""
-        with self._lock:
-            self._in_doubt.pop(key, None)
-            self._in_doubt[key] = None
-            while len(self._in_doubt) > _MAX_DOUBTS:
-                del self._in_doubt[next(iter(self._in_doubt))]
+    def _idle_upkeep(self) -> None:
+        """Check a write in doubt while the store's last request failed (see :meth:`_settle_doubts`)."""
+        if self._doubts and self._breaker.serving:
+            self._settle_doubts(idle=self._queue_idle())
 
-    def _settle_doubts(self) -> None:
-        """HEAD up to :data:`_DOUBTS_PER_TICK` uploads in doubt while in service: one that landed is
-        remembered present, counted (``uploads_found``) and announced stored, so the fleet index
-        holds what the bucket holds; one not there is forgotten. A failed HEAD counts against the
-        breaker and leaves the rest for a later tick. Only while the store answers (no failure
-        since the last success): a HEAD to a server that hangs would hold this I/O thread, and
-        the jobs queued behind it, for ``check_timeout``. A doubt a PUT, GET or check settled
-        meanwhile is not announced again. Housekeeping (I/O thread); each HEAD is bounded by
-        ``check_timeout``."""
-        if not self._ready.is_set():
+    def _settle_doubts(self, idle: bool) -> None:
+        """HEAD the uploads in doubt that are due (:class:`~kvtier.tiers.doubts.WritesInDoubt`:
+        up to :data:`_DOUBTS_PER_TICK` while the store answers, else one now and then from an
+        ``idle`` worker, with no work in hand and none queued: :meth:`_idle_upkeep`): one that
+        landed is remembered present and announced stored, so a fleet index holds what the
+        bucket holds; one not there is forgotten. A failed HEAD counts against the breaker and
+        leaves the rest for a later tick. A doubt a PUT, GET or check settled meanwhile is not
+        announced again. Housekeeping (I/O thread); each HEAD is bounded by ``check_timeout``."""
+        if not self._ready.is_set() or not self._breaker.serving:
             return
+        answering, now = self._breaker.answering, time.monotonic()
         with self._lock:
-            keys = list(itertools.islice(self._in_doubt, _DOUBTS_PER_TICK))
-        for key in keys:
-            if self._stopping.is_set() or not self._breaker.answering:
+            if not self._doubts.may_check(answering, idle, now):
                 return
+            keys = self._doubts.due(now, _DOUBTS_PER_TICK if answering else 1)
+        found: list[BlockKey] = []
+        for key in keys:
+            if self._stopping.is_set():
+                break
             try:
                 present = self._head(key)
             except Exception as exc:
                 self._count(checks_failed=1)
                 self._io_failure(exc)
-                return
-            with self._lock:
-                if key not in self._in_doubt:
-                    continue
-                self._remember_locked(key, present, time.monotonic())
+                break
             self._breaker.record_success()
-            if present:
-                self._count(uploads_found=1, objects_written=1, bytes_written=self._value_bytes)
-                self._emit([key], removed=False)
+            with self._lock:
+                if key in self._doubts and self._remember_locked(key, present, time.monotonic()) and present:
+                    found.append(key)
+        self._announce_found(found)
 
     def _housekeeping(self) -> None:
         self._ensure_ready(wait=False)
-        if self._in_doubt:
-            self._settle_doubts()
+        if self._doubts:
+            self._settle_doubts(idle=False)
         now = time.monotonic()
         with self._lock:
             for index in (self._present, self._absent):
