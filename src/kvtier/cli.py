@@ -1196,6 +1196,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             print(f"    {c.path}: {c.reason}")
         if len(report.unsafe_entries) > 20:
             print(f"    ... {len(report.unsafe_entries) - 20} more")
+    if report.foreign_entries:  # S3: another application's objects beside the namespaces: left alone
+        print(f"  foreign entries: {len(report.foreign_entries)} (outside any kvtier namespace: left alone)")
+        for path in report.foreign_entries[:5]:
+            print(f"    {path}")
+        if len(report.foreign_entries) > 5:
+            print(f"    ... {len(report.foreign_entries) - 5} more")
     for ns in report.namespaces:
         info = ns.to_dict()
         print(f"  namespace {ns.digest}")

@@ -306,11 +306,52 @@ def test_inspect_reports_foreign_names_the_client_cannot_parse(s3_bucket: tuple[
     by_digest = {ns.digest: ns for ns in report.namespaces}
     ours = by_digest[tier.context.namespace.hexdigest]
     assert ours.entries == 3 and ours.verified == 3 and not ours.corrupt and ours.manifest_error is None
-    foreign = {path for ns in report.namespaces for path in ns.foreign_files}
+    foreign = {path for ns in report.namespaces for path in ns.foreign_files} | set(report.foreign_entries)
     assert all(any(name.startswith(shown) for shown in foreign) for name in planted), foreign  # or its folder
     url = f"http://testing:testing@127.0.0.1:{server.port}/{bucket}"
     out = _run("inspect", url, "--verify")
-    assert out.returncode == 1 and "blocks:       3" in out.stdout, out.stdout + out.stderr
+    # Every block was listed and verified: the foreign names are reported, not a failure (2026-12-05).
+    assert out.returncode == 0 and "blocks:       3" in out.stdout, out.stdout + out.stderr
+    assert "foreign entries: 1" in out.stdout and "foreign files: 2" in out.stdout, out.stdout
+
+
+def test_a_consoles_folder_markers_and_foreign_folders_are_listed_not_failed(
+    s3_bucket: tuple[MotoServer, str],
+) -> None:
+    """Regression (2026-12-05): the S3 console's "Create folder" puts a zero-byte 'kvtier/' object;
+    it, and any other application's folder beside the namespaces ('kvtier/backups/...'), made a
+    namespace report "not a kvtier namespace" and inspect exit 1 with every block fine (an fs
+    root's foreign entries were always skipped). They are listed as foreign entries now, never
+    touched; a namespace's own problems still fail it."""
+    import obstore as obs
+
+    server, bucket = s3_bucket
+    tier, _ = _fill(server, bucket, "model-a", 3)
+    tier.shutdown()
+    planted = {"kvtier/": b"", "kvtier/backups/": b"", "kvtier/backups/2026.tar": b"x" * 100}
+    raw = raw_client(server.endpoint, bucket)
+    for name, body in planted.items():
+        if name.endswith("/"):  # (a folder marker's name is one obstore will not write)
+            put_plain(server.endpoint, bucket, name, body)
+        else:
+            obs.put(raw, name, body)
+    options = S3TierOptions(**{k: v for k, v in s3_options(server.endpoint, bucket).items() if k != "type"})
+    report = inspect_prefix(options, verify=True, remove_corrupt=True)
+    assert report.ok and report.entries == 3 and [ns.digest for ns in report.namespaces] == [
+        tier.context.namespace.hexdigest
+    ]
+    assert all(any(name.rstrip("/") == shown.rstrip("/") for shown in report.foreign_entries) for name in planted), (
+        report.foreign_entries
+    )
+    assert report.to_dict()["foreign_entries"] == report.foreign_entries
+    assert bytes(obs.get(raw, "kvtier/backups/2026.tar").bytes()) == b"x" * 100
+    url = f"http://testing:testing@127.0.0.1:{server.port}/{bucket}"
+    out = _run("inspect", url, "--verify", "--remove-corrupt")
+    assert out.returncode == 0 and "foreign entries: 3 (outside any kvtier namespace: left alone)" in out.stdout, (
+        out.stdout + out.stderr
+    )
+    only = inspect_prefix(options, namespace=tier.context.namespace.hexdigest[:4])
+    assert only.ok and only.foreign_entries == []
 
 
 def test_remove_corrupt_keeps_self_verifying_blocks_when_the_manifest_block_bytes_is_wrong(
@@ -426,7 +467,7 @@ def test_an_unparseable_foreign_name_hides_nothing_beside_it(s3_bucket: tuple[Mo
     report = inspect_prefix(options, verify=True)
     ours = {ns.digest: ns for ns in report.namespaces}[digest]
     assert ours.entries == 6 and ours.verified == 6 and ours.manifest_error is None and not ours.corrupt, ours
-    foreign = {path for ns in report.namespaces for path in ns.foreign_files}
+    foreign = {path for ns in report.namespaces for path in ns.foreign_files} | set(report.foreign_entries)
     assert any(name.startswith(shown) for shown in foreign), foreign
 
 

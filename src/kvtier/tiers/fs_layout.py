@@ -653,6 +653,11 @@ class RootReport:
     unsafe_entries: list[CorruptEntry] = field(default_factory=list)
     """Entries of the root named like namespace directories that are not directories
     (symbolic links included): never followed."""
+    foreign_entries: list[str] = field(default_factory=list)
+    """S3: objects under the prefix outside any namespace (a first folder not named by a 32-hex
+    digest: another application's, a console's folder marker), or the folders holding them
+    where the client cannot list them: listed, never touched, not a failure. An fs root's
+    other entries are skipped."""
 
     @property
     def ok(self) -> bool:
@@ -689,6 +694,7 @@ class RootReport:
             "kept": self.kept,
             "namespaces": [ns.to_dict() for ns in self.namespaces],
             "unsafe_entries": [{"path": c.path, "reason": c.reason} for c in self.unsafe_entries],
+            "foreign_entries": self.foreign_entries,
         }
 
 

@@ -159,20 +159,30 @@ def inspect_prefix(
         rest = name[len(options.prefix) + 1 :] if name.startswith(options.prefix + "/") else name
         groups[rest.split("/", 1)[0]].setdefault(name, -1)
     reports = []
+    foreign: list[str] = []  # outside any namespace (another application's, a folder marker): listed, not failed
     rng = random.Random(seed)
     for digest in sorted(groups):
         if namespace is not None and not digest.startswith(namespace):
             continue
+        if not _NAMESPACE_RE.match(digest):
+            foreign += groups[digest]
+            continue
         objects = list(groups[digest].items())
         reports.append(_namespace_report(store, options, digest, objects, verify, sample, remove_corrupt, rng))
     for folder in missed:  # never an empty store or a missing manifest: the report says what was not listed
+        path = folder.split(" (", 1)[0]  # ("<folder>/ (listing stopped at ...)": see list_objects)
+        first = path[len(options.prefix) + 1 :].split("/", 1)[0] if path.startswith(options.prefix + "/") else ""
+        if first and not _NAMESPACE_RE.match(first):  # in a foreign folder: nothing of kvtier's is hidden there
+            if namespace is None:
+                foreign.append(folder)
+            continue
         reports.append(NamespaceReport(
             digest=folder, path=f"s3://{options.bucket}/{folder}", manifest=None,
             manifest_error=f"not listed: {folder} (a foreign name the S3 client cannot parse is in the way)",
             entries=0, bytes=0, verified=0, corrupt=[], removed_corrupt=0, foreign_files=[],
             temp_files_live=0, temp_files_stale=0,
         ))  # fmt: skip
-    return RootReport(root, reports)
+    return RootReport(root, reports, foreign_entries=foreign)
 
 
 def _namespace_report(
@@ -191,10 +201,6 @@ def _namespace_report(
         entries=0, bytes=0, verified=0, corrupt=[], removed_corrupt=0, foreign_files=[],
         temp_files_live=0, temp_files_stale=0,
     )  # fmt: skip
-    if not _NAMESPACE_RE.match(digest):
-        report.foreign_files = [path for path, _ in objects]
-        report.manifest_error = "not a kvtier namespace (the name is not a 32-hex digest)"
-        return report
     blocks: list[tuple[str, bytes, int]] = []
     for path, size in objects:
         key = key_of_path(ns_prefix, path)
