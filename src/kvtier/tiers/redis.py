@@ -621,30 +621,10 @@ class RedisTier(ThreadedTier):
         pipeline's socket timeouts."""
         answering, now = self._breaker.answering, time.monotonic()
         with self._lock:
-            if not self._doubts.may_check(answering, idle, now):
-                return
             keys = self._doubts.due(now, _DOUBTS_PER_TICK if answering else 1)
-        if not keys:
-            return
-        rkeys = [self.redis_key(k) for k in keys]
-        answers: dict[int, bool] = {}
-        refusals: list[str] = []
-
-        def send(out: list[Piece], i: int) -> None:
-            pack_command(out, b"STRLEN", rkeys[i])
-
-        def receive(reader: RespReader, i: int) -> None:
-            reply = reader.read_reply()
-            if isinstance(reply, ErrorReply):  # (a redirect too: never followed up, so never re-sent forever)
-                self._note_reply_error(reply, refusals)
-            answers[i] = isinstance(reply, int) and reply == self._value_bytes
-
-        try:
-            self._pipeline(rkeys, send, receive)
-        except Exception as exc:
-            self._record_error(exc)
-        else:
-            self._record_outcome(refusals, "STRLEN")
+            if not keys or not self._doubts.may_check(answering, idle, now):
+                return
+        answers, _ = self._sizes_match(keys)  # (a redirect is absent here: never re-sent every tick)
         found: list[BlockKey] = []
         now = time.monotonic()
         with self._lock:
@@ -817,12 +797,12 @@ class RedisTier(ThreadedTier):
             self._refusals_logged[logged] = now
         logger.warning("redis tier %s: SET answered %r (%s)", self.label, reply.message, hint)
 
-    def _do_exists(self, keys: list[BlockKey]) -> None:
-        if not self._breaker.serving:
-            with self._lock:
-                for key in keys:
-                    self._checking.pop(key, None)
-            return
+    def _sizes_match(self, keys: list[BlockKey]) -> tuple[dict[int, bool], set[int]]:
+        """One STRLEN pipeline: for each answered position of ``keys``, whether the server holds a
+        value of a block's exact size there (0 for a missing key; another type is a WRONGTYPE
+        error reply: False, never deleted; every error reply is False), and the positions
+        answered with a redirect. A failed pipeline counts against the breaker and leaves the
+        rest unanswered. I/O thread."""
         rkeys = [self.redis_key(k) for k in keys]
         answers: dict[int, bool] = {}
         redirected: set[int] = set()
@@ -833,16 +813,11 @@ class RedisTier(ThreadedTier):
 
         def receive(reader: RespReader, i: int) -> None:
             reply = reader.read_reply()
-            if isinstance(reply, int):
-                # 0 for a missing key: only a string of a value's exact length is promised (HIT);
-                # another type is a WRONGTYPE error reply (a MISS below), never deleted.
-                answers[i] = reply == self._value_bytes
-            elif isinstance(reply, ErrorReply):
-                # An error reply is a MISS: the lookup gets its answer the next step, not RETRY forever.
+            if isinstance(reply, ErrorReply):
                 self._note_reply_error(reply, refusals)
-                answers[i] = False
                 if reply.is_redirect:
                     redirected.add(i)
+            answers[i] = isinstance(reply, int) and reply == self._value_bytes
 
         try:
             self._pipeline(rkeys, send, receive)
@@ -850,12 +825,21 @@ class RedisTier(ThreadedTier):
             self._record_error(exc)
         else:
             self._record_outcome(refusals, "STRLEN")
+        return answers, redirected
+
+    def _do_exists(self, keys: list[BlockKey]) -> None:
+        if not self._breaker.serving:
+            with self._lock:
+                for key in keys:
+                    self._checking.pop(key, None)
+            return
+        answers, redirected = self._sizes_match(keys)
         now = time.monotonic()
         found: list[BlockKey] = []
         with self._lock:
             for i, key in enumerate(keys):
                 self._checking.pop(key, None)
-                if i in answers:
+                if i in answers:  # (an error reply is a MISS: the lookup gets its answer, not RETRY forever)
                     # A redirected key is asked again after the topology refresh: its MISS is not cached.
                     at = now - self._lookup_cache_seconds if i in redirected else now
                     if self._remember(key, answers[i], at, answer=True) and answers[i]:

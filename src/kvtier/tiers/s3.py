@@ -891,9 +891,9 @@ class S3Tier(ThreadedTier):
             return
         answering, now = self._breaker.answering, time.monotonic()
         with self._lock:
-            if not self._doubts.may_check(answering, idle, now):
-                return
             keys = self._doubts.due(now, _DOUBTS_PER_TICK if answering else 1)
+            if not keys or not self._doubts.may_check(answering, idle, now):
+                return
         found: list[BlockKey] = []
         for key in keys:
             if self._stopping.is_set():
