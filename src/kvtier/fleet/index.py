@@ -72,6 +72,10 @@ logger = logging.getLogger(__name__)
 DEVICE = "GPU"
 """The name of an engine's device cache in answers (vLLM's medium ``GPU``)."""
 
+TABLE_VERSION = 1
+"""The engine table's layout this kvtier writes and reads (its ``version``)."""
+
+
 _KVTIER_MEDIA = frozenset({"CPU", "STORAGE"})
 _MARKS_KEPT = 32
 _MAX_REFUSED = 64  # refused stores remembered per start: what one record may name (an engine's tiers stay put)
@@ -184,10 +188,15 @@ class FleetIndex:
         self._publish_due = False
         self.writer_lost: str | None = None
         """Why this writer no longer writes its shared store (another writer took it); None if it does."""
-        self._table: dict[str, Any] = {"version": 1, "engines": {}, "stores": {}}
+        self._table: dict[str, Any] = {"version": TABLE_VERSION, "engines": {}, "stores": {}}
         self.masks.open_writer()
-        for name in engines:
-            self.add_engine(name)
+        try:
+            for name in engines:
+                self.add_engine(name)
+        except BaseException:  # (no writer runs: its claim is given back, not left to run out)
+            with contextlib.suppress(Exception):
+                self.masks.close_writer()
+            raise
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:
@@ -260,6 +269,9 @@ class FleetIndex:
             raise
         if reclaimed:
             self._store_forgot()
+        elif self.masks.evicting() != self._table.get("evicting"):  # (readers refuse to answer while it evicts)
+            with self._writing():
+                self._publish()
         return reclaimed
 
     def store_failing(self) -> str | None:
@@ -273,6 +285,9 @@ class FleetIndex:
         if unclaimed is not None:
             return (f"the fleet writer does not hold its claim on the index's Redis ({unclaimed}): what is there "
                     "is not trusted until the claim is taken again and the index rebuilt")
+        evicting = self.masks.evicting()
+        if evicting is not None:
+            return evicting
         failing = self.masks.write_failure()
         if failing is None:
             return None
@@ -673,8 +688,10 @@ class FleetIndex:
         of counters alone is written at most every ``_PUBLISH_COUNTERS_EVERY`` seconds (by
         :meth:`tick`), not with every batch."""
         meta = self._table = self._build_meta()
-        shape = {name: {k: v for k, v in eng.items() if k not in _COUNTERS} for name, eng in meta["engines"].items()}
+        shape: dict[str, Any] = {name: {k: v for k, v in eng.items() if k not in _COUNTERS}
+                                 for name, eng in meta["engines"].items()}  # fmt: skip
         shape["\0stores"] = meta["stores"]
+        shape["\0evicting"] = meta.get("evicting")
         now = self._clock()
         if shape == self._published_shape and now - self._published_at < _PUBLISH_COUNTERS_EVERY:
             self._publish_due = True
@@ -687,15 +704,20 @@ class FleetIndex:
         take the copy the writer keeps after each change (never its lock: the writer holds it
         across its store's writes, which a hung Redis makes last seconds); raises
         :class:`~kvtier.fleet.masks.StoreUnavailable` once another writer took the prefix over
-        (this writer's table no longer describes what is there)."""
+        (this writer's table no longer describes what is there), and while its store may evict the
+        index's keys (:meth:`~kvtier.fleet.masks.LocationMasks.evicting`: what is there may claim
+        blocks engines dropped)."""
         if self.writer_lost is not None:
             raise StoreUnavailable(f"this fleet writer no longer answers: {self.writer_lost}")
+        evicting = self.masks.evicting()
+        if evicting is not None:
+            raise StoreUnavailable(evicting)
         return self._table
 
     def _build_meta(self) -> dict[str, Any]:
         with self._lock:
             return {
-                "version": 1,
+                "version": TABLE_VERSION,
                 "engines": {
                     eng.name: {
                         "start": eng.start, "seq": eng.seq, "status": eng.status,
@@ -709,7 +731,7 @@ class FleetIndex:
                     for eng in self._engines.values()
                 },
                 "stores": dict(self._stores),
-            }  # fmt: skip
+            } | ({} if (evicting := self.masks.evicting()) is None else {"evicting": evicting})  # fmt: skip
 
     def prefix(self, keys: Sequence[int], engines: Sequence[str] | None = None) -> dict[str, Any]:
         """The longest cached prefix of ``keys`` per engine and tier (see :func:`longest_prefix`);
@@ -760,7 +782,7 @@ class FleetReader:
                 return self._meta
             self._refreshing = True
         try:
-            meta = checked_meta(self.masks.get_meta())
+            meta = checked_meta(self.masks.get_meta(), strict=True)
         except StoreUnavailable as exc:
             self._failure = str(exc)
             raise
@@ -809,19 +831,33 @@ def longest_prefix(meta: dict[str, Any], masks: Sequence[int], engines: Sequence
     return _walk(meta, lambda start, count, bits: masks[start : start + count], len(masks), engines, len(masks))
 
 
-def checked_meta(meta: Any) -> dict[str, Any]:
+def checked_meta(meta: Any, strict: bool = False) -> dict[str, Any]:
     """An engine table read from a shared store, with every engine whose entry is not what an
     index writes left out (a reader must not trust a store others may write): bits are
-    integers below :data:`~kvtier.fleet.masks.MAX_LOCATIONS`, labels strings, info an object of
-    scalars (:func:`~kvtier.engine_events.is_info_value`)."""
+    integers below :data:`~kvtier.fleet.masks.MAX_LOCATIONS`, labels strings, none of them the
+    device cache's name in answers (``"GPU"``) nor twice in an engine, info an object of scalars
+    (:func:`~kvtier.engine_events.is_info_value`). With ``strict``, a table that is not empty but
+    not of :data:`TABLE_VERSION` (another kvtier's layout, or not an index's table) raises
+    :class:`~kvtier.fleet.masks.StoreUnavailable` naming it: its bits need not mean what this
+    reader would read them as, so answering from it could claim blocks no engine holds."""
+    if strict and isinstance(meta, dict) and meta and meta.get("version") != TABLE_VERSION:
+        raise StoreUnavailable(f"the engine table in the index's store is not one this kvtier reads (version "
+                               f"{meta.get('version')!r:.40}, this kvtier reads version {TABLE_VERSION}): run readers "
+                               "and the writer of one kvtier version, each index under its own prefix")  # fmt: skip
+    if strict and isinstance(meta, dict) and isinstance(meta.get("evicting"), str):
+        raise StoreUnavailable(f"the fleet writer reports that {meta['evicting']:.400}")
     if not isinstance(meta, dict) or not isinstance(meta.get("engines"), dict):
         return {}
-    engines = {}
+    engines, malformed = {}, []
     for name, engine in meta["engines"].items():
         if _engine_entry_ok(engine):
             engines[name] = engine
         else:
-            logger.warning("fleet: engine %.80r's entry in the shared engine table is malformed; left out", name)
+            malformed.append(name)
+    if malformed:  # (one line per read, however many: a table of a million bad entries must not flood the log)
+        names = ", ".join(f"{name!r:.80}" for name in malformed[:8]) + (" ..." if len(malformed) > 8 else "")
+        logger.warning("fleet: %d engine entry(ies) of the shared engine table malformed, left out: %s",
+                       len(malformed), names)  # fmt: skip
     return dict(meta, engines=engines)
 
 
@@ -835,10 +871,13 @@ def _engine_entry_ok(engine: Any) -> bool:
     info = engine.get("info", {})
     if not isinstance(info, dict) or not all(is_info_value(v) for v in info.values()):
         return False
-    if not isinstance(engine.get("tiers", []), list):
+    tiers = engine.get("tiers", [])
+    if not isinstance(tiers, list):
         return False
-    return all(isinstance(t, dict) and _is_bit(t.get("bit")) and isinstance(t.get("label"), str)
-               for t in engine.get("tiers", []))  # fmt: skip
+    if not all(isinstance(t, dict) and _is_bit(t.get("bit")) and isinstance(t.get("label"), str) for t in tiers):
+        return False
+    labels = [t["label"] for t in tiers]  # (answers name tiers by label and the device cache "GPU")
+    return DEVICE not in labels and len(set(labels)) == len(labels)
 
 
 def _chunk(engine: dict[str, Any]) -> int:

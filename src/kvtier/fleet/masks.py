@@ -37,6 +37,7 @@ implementations are safe for that (the memory one under its own lock).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -120,6 +121,11 @@ class LocationMasks(Protocol):
         """Why the writer does not hold its claim on a shared store now (a fenced write found it
         had run out; or :meth:`keep_writer` found it had, or Redis changed under it, and has not
         yet deleted the index under the prefix), or None while it does. Read from any thread."""
+
+    def evicting(self) -> str | None:
+        """Why the shared store may drop the index's keys on its own (a Redis whose ``maxmemory``
+        policy evicts keys without a time to live), as the writer last found (when it claimed the
+        store, then every few seconds), or None. Read from any thread."""
 
 
 class MemoryMasks:
@@ -242,6 +248,9 @@ class MemoryMasks:
     def claim_failure(self) -> str | None:
         return None
 
+    def evicting(self) -> str | None:
+        return None
+
     def __len__(self) -> int:
         return len(self._masks)
 
@@ -268,22 +277,31 @@ class RedisMasks:
     _FENCE = ("local held = redis.call('get', KEYS[1]) "
               "if held ~= ARGV[1] then if held then return -1 end return -2 end ")
     # Every key is checked before the first write (a script stopped by an error keeps what it
-    # wrote): a foreign type under the prefix refuses the whole chunk, so no bit is set that the
-    # location's set does not list (clear() could never find it).
+    # wrote): a foreign type under the prefix refuses the whole chunk of an add, so no bit is set
+    # that the location's set does not list (clear() could never find it). A removal skips such a
+    # key (it holds no bit of the index's) and still clears the others' bits: one planted key must
+    # not leave the chunk's other keys claimed after an engine dropped them.
     _SET_BITS = (_FENCE +
-                 "local st = redis.call('type', KEYS[2])['ok'] "
-                 "if st ~= 'none' and st ~= 'set' then "
-                 "  return redis.error_reply('WRONGTYPE ' .. KEYS[2] .. ' is not a set') end "
-                 "for i = 3, #KEYS do local t = redis.call('type', KEYS[i])['ok'] "
-                 "  if t ~= 'none' and t ~= 'string' then "
-                 "    return redis.error_reply('WRONGTYPE ' .. KEYS[i] .. ' is not a bitmap') end end "
                  "local bit, value = tonumber(ARGV[2]), tonumber(ARGV[3]) "
-                 "for i = 3, #KEYS do "
-                 "  redis.call('setbit', KEYS[i], bit, value) "
-                 "  if value == 0 and redis.call('bitcount', KEYS[i]) == 0 then redis.call('del', KEYS[i]) end "
+                 "local st = redis.call('type', KEYS[2])['ok'] "
+                 "if value == 1 then "
+                 "  if st ~= 'none' and st ~= 'set' then "
+                 "    return redis.error_reply('WRONGTYPE ' .. KEYS[2] .. ' is not a set') end "
+                 "  for i = 3, #KEYS do local t = redis.call('type', KEYS[i])['ok'] "
+                 "    if t ~= 'none' and t ~= 'string' then "
+                 "      return redis.error_reply('WRONGTYPE ' .. KEYS[i] .. ' is not a bitmap') end end "
                  "end "
-                 "local op = value == 1 and 'sadd' or 'srem' "
-                 "for i = 4, #ARGV do redis.call(op, KEYS[2], ARGV[i]) end return 1")  # fmt: skip
+                 "for i = 3, #KEYS do "
+                 "  if value == 1 then redis.call('setbit', KEYS[i], bit, 1) "
+                 "  elseif redis.call('type', KEYS[i])['ok'] == 'string' "
+                 "         and redis.call('getbit', KEYS[i], bit) == 1 then "
+                 "    redis.call('setbit', KEYS[i], bit, 0) "
+                 "    if redis.call('bitcount', KEYS[i]) == 0 then redis.call('del', KEYS[i]) end "
+                 "  end "
+                 "end "
+                 "if value == 1 then for i = 4, #ARGV do redis.call('sadd', KEYS[2], ARGV[i]) end "
+                 "elseif st == 'set' then for i = 4, #ARGV do redis.call('srem', KEYS[2], ARGV[i]) end end "
+                 "return 1")  # fmt: skip
     # A location is cleared by reading some of its keys (SRANDMEMBER, no change) and then, in one
     # script, clearing their bits and removing them from its set: a reply lost on the way loses
     # nothing (the script ran whole or not at all; a retry finds the keys still listed, or gone
@@ -306,6 +324,9 @@ class RedisMasks:
     _WIPING = _FENCE + "redis.call('set', KEYS[2], ARGV[1]) redis.call('del', KEYS[3]) return 1"
     _DELETE = _FENCE + "for i = 2, #KEYS do redis.call('del', KEYS[i]) end return 1"
     _PUT = _FENCE + "redis.call('set', KEYS[2], ARGV[2]) return 1"
+    # The claim's lease renewed in the middle of a long deletion or clear (no tick runs meanwhile):
+    # fenced like a write, so only this writer's own claim is renewed. ARGV: token, seconds.
+    _RENEW = _FENCE + "redis.call('expire', KEYS[1], ARGV[2]) return 1"
     _WRITE_CHUNK = 500  # keys per fenced script call (one pipeline holds them all)
 
     def __init__(
@@ -327,14 +348,19 @@ class RedisMasks:
         self._rebuild = False  # this writer's index under the prefix is to be deleted (a failed deletion is retried)
         self._failing: tuple[float, str] | None = None  # since when every write failed, why the last did
         self._unclaimed: str | None = None  # why the claim is not held (see claim_failure)
+        self._evicts: str | None = None  # why Redis may evict the index's keys (see evicting)
 
     # --- the writer's claim ---------------------------------------------------------------
 
     def open_writer(self) -> None:
         """Claim the prefix for this writer (waiting up to ``claim_wait`` seconds for another
         writer's claim to end), then delete the index a previous writer left under it; raises
-        :class:`WriterConflict` if another writer holds it. Where it waits, one warning says so
-        at once (the claim's time left, how long it waits), before the wait."""
+        :class:`WriterConflict` if another writer holds it, or another kvtier version's index is
+        there (its table's ``version`` is not 1: neither deleted nor written into). Where it waits, one warning says so
+        at once (the claim's time left, how long it waits), before the wait. Where the deletion
+        fails (Redis, a foreign key of another type under the index's names), the claim is given
+        back before the error is raised: no writer runs, and one started again must not wait out
+        this one's lease (a deletion left midway is finished by the next writer)."""
         token = os.urandom(12).hex()
         deadline = time.monotonic() + self.claim_wait
         warned = False
@@ -355,8 +381,15 @@ class RedisMasks:
                                    "%g s for its claim to end", self.prefix, ends, self.claim_wait)  # fmt: skip
             time.sleep(0.5)
         self._token = token
-        self._server = self._run_id()
-        self._wipe("a previous writer left", ours=False)
+        try:
+            self._server = self._run_id()
+            self._evicts = self._eviction()
+            self._wipe("a previous writer left", ours=False)
+        except BaseException:  # (no writer runs on it: a writer started again must not wait out its lease)
+            with contextlib.suppress(Exception):
+                self.close_writer()
+            self._token = None
+            raise
 
     def _claim_end(self) -> str | None:
         """When another writer's claim on the prefix ends, in words (its time to live); None where
@@ -380,6 +413,29 @@ class RedisMasks:
         run_id = info.get("run_id") if isinstance(info, dict) else None
         return str(run_id) if run_id is not None else None
 
+    def _eviction(self) -> str | None:
+        """Why the Redis server may evict the index's keys, which have no time to live: a
+        ``maxmemory`` with an ``allkeys-*`` policy (an evicted location's key set would leave bits
+        behind that no clear finds: answers would claim blocks engines dropped); None where it may
+        not, or where the client may not ask (an ACL without ``INFO``). Logs a warning when found."""
+        try:
+            info = self.client.info("memory")
+        except Exception as exc:
+            if type(exc).__name__ in ("ResponseError", "NoPermissionError", "AuthorizationError"):
+                return None
+            raise
+        policy = str(info.get("maxmemory_policy", "")) if isinstance(info, dict) else ""
+        limit = info.get("maxmemory", 0) if isinstance(info, dict) else 0
+        if not policy.startswith("allkeys-") or not isinstance(limit, int) or limit <= 0:
+            return None
+        why = (f"the index's Redis evicts keys without a time to live (maxmemory-policy {policy:.40}, maxmemory "
+               f"{limit}): an evicted key of the index would leave answers claiming blocks engines dropped; give "
+               "the index a Redis whose maxmemory-policy is noeviction or volatile-*")  # fmt: skip
+        if self._evicts is None:
+            logger.warning("fleet: %s (Redis prefix %r); answers are refused (503) until it no longer does", why,
+                           self.prefix)  # fmt: skip
+        return why
+
     def _wipe(self, whose: str, *, ours: bool) -> None:
         """Delete the index under the prefix: its keys of an index's shapes, where ``ours`` (this
         writer's own index), where an index's table is, or where a deletion was left unfinished
@@ -389,17 +445,37 @@ class RedisMasks:
         engines from then on), the marker last, so a deletion that failed midway is finished by
         the next call, or by the next writer."""
         token = self._check_writer()
-        if not ours and not self.client.exists(self._wiping_key) and not _is_fleet_table(self.get_meta()):
-            return  # no index here: whatever else is under the prefix is not ours to delete
+        if not ours and not self.client.exists(self._wiping_key):
+            table = self.get_meta()
+            if _is_other_index(table):  # (its bitmaps would be read, and written, as this index's)
+                raise WriterConflict(f"the Redis prefix {self.prefix!r} holds the index of another kvtier version "
+                                     f"(its engine table's version is {table.get('version')!r:.40}, this kvtier "
+                                     f"writes version 1): stop that writer and delete its index, or give this index "
+                                     "another --redis-prefix")  # fmt: skip
+            if not _is_fleet_table(table):
+                return  # no index here: whatever else is under the prefix is not ours to delete
         meta = f"{self.prefix}:meta"
         self._fenced_eval(self._WIPING, [self._wiping_key, meta], token)
         stale = 0
+        renewed = time.monotonic()
         for batch in self._index_keys():
+            renewed = self._renew_if_due(token, renewed)
             self._delete(batch, token)
             stale += len(batch)
         self._delete([self._wiping_key.encode()], token)
         if stale:
             logger.info("fleet: deleted %d key(s) %s under Redis prefix %r", stale, whose, self.prefix)
+
+    def _renew_if_due(self, token: str, renewed: float) -> float:
+        """Renew the claim's lease where a third of it passed since ``renewed`` (in a deletion or a
+        clear of millions of keys, which outlasts the lease: it ran out midway before, and the writer
+        refused to start, or rebuilt the whole index, with Redis answering all along); returns when
+        it was last renewed. Raises as a write does where the claim is no longer this writer's."""
+        now = time.monotonic()
+        if now - renewed < self.writer_ttl / 3:
+            return renewed
+        self._fenced_eval(self._RENEW, [], token, self.writer_ttl)
+        return now
 
     def _delete(self, names: list[bytes], token: str) -> None:
         """Delete ``names``, fenced by the claim (one script)."""
@@ -433,7 +509,8 @@ class RedisMasks:
         and was deleted: the claim had run out (another writer may have written there meanwhile,
         or Redis restarted from an older save), or the Redis server is not the one the claim was
         taken on (a restart, which may have loaded an older RDB/AOF with this very claim in it, or
-        a failover to a replica that lagged)."""
+        a failover to a replica that lagged), or it no longer evicts the index's keys after it did
+        (:meth:`evicting`: what it evicted meanwhile is not known)."""
         if self._token is None:
             return False
         kept = self._write(lambda: self.client.eval(self._KEEP, 1, self._writer_key, self._token, self.writer_ttl))
@@ -457,6 +534,12 @@ class RedisMasks:
             self._server = server
             self._rebuild = True
             self._unclaimed = self._unclaimed or "Redis changed under the claim; the index is not rebuilt yet"
+        evicts = self._eviction()
+        if evicts is None and self._evicts is not None:  # (what it evicted meanwhile is unknown: rebuilt)
+            logger.warning("fleet: the Redis of prefix %r no longer evicts the index's keys; the index under it is "
+                           "rebuilt", self.prefix)  # fmt: skip
+            self._rebuild = True
+        self._evicts = evicts
         if self._rebuild:  # (until the deletion went through: a Redis error midway is retried next time)
             self._wipe("written before the claim ran out or Redis restarted", ours=True)
             self._rebuild = False
@@ -526,7 +609,9 @@ class RedisMasks:
         or a lost reply at any point leaves nothing behind that a retry cannot find)."""
         token = self._check_writer()
         name = self._set(bit)
+        renewed = time.monotonic()
         while True:
+            renewed = self._renew_if_due(token, renewed)
             members = self._write(lambda: self.client.srandmember(name, self._CLEAR_BATCH))
             if not members:
                 break
@@ -562,6 +647,9 @@ class RedisMasks:
 
     def claim_failure(self) -> str | None:
         return self._unclaimed
+
+    def evicting(self) -> str | None:
+        return self._evicts
 
     def _read(self, what: str, call: Any) -> Any:
         """``call()``; any failure of Redis (or of the way there) as :class:`StoreUnavailable` naming it."""
@@ -613,6 +701,12 @@ _KEY_HEX = re.compile(rb"(0|[1-9a-f][0-9a-f]{0,%d})" % (_MAX_KEY_HEX - 1))
 
 def _is_fleet_table(meta: dict[str, Any]) -> bool:
     return meta.get("version") == 1 and isinstance(meta.get("engines"), dict)
+
+
+def _is_other_index(meta: dict[str, Any]) -> bool:
+    """An engine table of another layout than this kvtier's (a ``version`` other than 1 beside an
+    ``engines`` object): another kvtier version's index, whose bits need not mean this one's."""
+    return isinstance(meta.get("engines"), dict) and "version" in meta and not _is_fleet_table(meta)
 
 
 def _parse_keys(members: Iterable[bytes | str]) -> list[int]:
