@@ -94,6 +94,7 @@ from kvtier.region_file import (
 )
 from kvtier.units import format_size as format_bytes
 from kvtier.units import round_up as round_up
+from kvtier.units import type_and_size
 from kvtier.untrusted import (
     flock_within,
     inspect_entry,
@@ -134,13 +135,23 @@ def region_path(name: str, shm_dir: str | os.PathLike[str] = "/dev/shm") -> Path
     if len(file_name.encode()) > 255:
         raise RegionError(f"region name {name[:40]!r}... is too long: a file name holds at most 255 bytes with "
                           f"kvtier's {len(file_name) - len(name)} around it")  # fmt: skip
-    return Path(shm_dir) / file_name
+    return _shm_dir_path(shm_dir) / file_name
+
+
+def _shm_dir_path(shm_dir: object) -> Path:
+    """``shm_dir`` as a Path; RegionError naming ``shm_dir`` for anything but a non-empty str or
+    ``os.PathLike`` of one (an empty one would be the current directory, maybe not a tmpfs)."""
+    if not isinstance(shm_dir, str | os.PathLike) or not isinstance(os.fspath(shm_dir), str) or not os.fspath(shm_dir):
+        raise RegionError(
+            f"shm_dir must be a directory path (a non-empty str or os.PathLike), got {type_and_size(shm_dir)}"
+        )
+    return Path(shm_dir)
 
 
 def check_shm_dir(shm_dir: str | os.PathLike[str]) -> None:
     """RegionError unless ``shm_dir`` is a directory (a link to one is fine: the region's own file
     is never followed), naming what it is instead: missing, or a file of another kind."""
-    path = Path(shm_dir)
+    path = _shm_dir_path(shm_dir)
     if not path.is_dir():
         what = "is not a directory" if os.path.lexists(path) else "does not exist"
         raise RegionError(f"shared-memory directory {path} {what}: give shm_dir a directory on a tmpfs "

@@ -205,12 +205,26 @@ def _build_tiers(specs: Sequence[dict[str, Any]], region: SharedRegion, block_by
 
 def _cleanup_failed_construction(region: SharedRegion, primary: PrimaryTier | None,
                                  built: list[SecondaryTier], timeout: float | None) -> None:
+    """Shut down every tier of ``built`` in reverse order (sharing ``timeout``), then release the region.
+
+    Nothing can retry this cleanup (the caller gets no manager), so a KeyboardInterrupt or
+    SystemExit inside one tier's ``shutdown()`` does not stop it: the remaining tiers are still
+    shut down (within their shares of the deadline), then the region's path is unlinked but its
+    mapping and descriptor are kept (the interrupted tier may still use the rows: an interrupt
+    never leads to releasing the CPU tier), and the first interrupt is raised.
+    """
     deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+    interrupt: BaseException | None = None
     for done, tier in enumerate(reversed(built)):
         share = None if deadline is None else max(0.0, deadline - time.monotonic()) / (len(built) - done)
         what = (f"cleanup after failed construction: secondary tier #{tier.context.index} "
                 f"(type={tier.tier_type}, class={type(tier).__qualname__})")
-        finished, exc = BlockingCalls(tier, f"cleanup-{tier.context.index}").run("shutdown", share)
+        try:
+            finished, exc = BlockingCalls(tier, f"cleanup-{tier.context.index}").run("shutdown", share)
+        except (KeyboardInterrupt, SystemExit) as stop:
+            logger.error("%s was interrupted (%s); the CPU region stays mapped", what, type(stop).__name__)
+            interrupt = interrupt or stop
+            continue
         if not finished:  # still running: it may use the rows, which stay mapped (see below)
             logger.error("%s did not shut down within its %.3gs share of shutdown_timeout; abandoned", what,
                          share or 0.0)  # fmt: skip
@@ -222,6 +236,9 @@ def _cleanup_failed_construction(region: SharedRegion, primary: PrimaryTier | No
             log_failure(logger, logging.ERROR, what + " failed to shut down", exc, with_traceback=True,
                         keep_traceback=True)  # fmt: skip
     built.clear()
+    if interrupt is not None:
+        region._unlink_if_ours()  # (a restart under this name is never refused for it)
+        raise interrupt
     if primary is not None:
         primary.rows = None
     try:

@@ -70,10 +70,7 @@ class Ledger:
 
     def __init__(self, primary: PrimaryTier, counters: ManagerCounters, tiers: TierSet, waits: BlockWaits,
                  wait_timeout: float) -> None:
-        self._primary = primary
-        self._counters = counters
-        self._tiers = tiers
-        self._waits = waits
+        self._primary, self._counters, self._tiers, self._waits = primary, counters, tiers, waits
         self._wait_timeout = wait_timeout
         self._jobs: dict[int, _Job] = {}
         self._unchecked: deque[_Job] = deque()  # jobs not yet checked against the deadline, oldest first
@@ -100,6 +97,7 @@ class Ledger:
 
         If the tier refuses it, the job is unregistered and what its completion would have
         released is released now: a promotion's reserved rows are freed, a cascade's pins dropped.
+        A shutdown run inside the tier's call (by a signal handler) cleared every job: nothing is left.
         """
         job_id = self._next_id
         self._next_id = job_id + 1
@@ -114,7 +112,8 @@ class Ledger:
             telemetry.stores_in_flight += 1
         if handle.submit(TransferJob(job_id, keys if tier_keys is None else tier_keys, rows, promotion, request)):
             return
-        del self._jobs[job_id]
+        if self._jobs.pop(job_id, None) is None:  # (cleared by that shutdown)
+            return
         if promotion:
             telemetry.loads_in_flight -= 1
             self._primary.complete_write(keys, False)

@@ -54,8 +54,7 @@ class TierHandle:
         self.descriptor = TierDescriptor(index, tier_label(index, tier.tier_type), tier.tier_type,
                                          tier_locality(tier.medium, getattr(tier, "locality", None)))
         self.telemetry = TierTelemetry()
-        self.admission = admission
-        self.live = True
+        self.admission, self.live = admission, True
         self.waits = waits.for_tier(self.telemetry)
         self.retry_since = self.waits.retry_since  # the same dict: the lookup path tests it without a hop
         self.overdue = 0
@@ -63,8 +62,7 @@ class TierHandle:
         no cascade goes to it (the tier is not answering; its rows stay as they are)."""
         base = SecondaryTier.on_schedule_end  # the base class's does nothing: a call per step saved
         self.has_step_end = getattr(getattr(tier, "on_schedule_end", None), "__func__", None) is not base
-        self._counters = counters
-        self._logged: set[str] = set()
+        self._counters, self._logged = counters, set[str]()
         self._calls = BlockingCalls(tier, f"tier{index}")
 
     def failed(self, call: str, exc: Exception) -> None:
@@ -95,17 +93,20 @@ class TierHandle:
             return default
 
     def submit(self, job: TransferJob) -> bool:
-        """Hand ``job`` to the tier; False if it refused (logged, counted as ``submit_error``)."""
+        """Hand ``job`` to the tier; False if it refused (logged, counted as ``submit_error``) or is shut down."""
         try:
-            (self.tier.submit_load if job.is_promotion else self.tier.submit_store)(job)
+            if self.live:  # (not after a shutdown a signal handler ran inside the manager's call)
+                (self.tier.submit_load if job.is_promotion else self.tier.submit_store)(job)
         except Exception as exc:
+            if not self.live:  # shut down inside the tier's call: a refusal, not a failure
+                return False
             kind = "load" if job.is_promotion else "store"
             log_failure(logger, logging.ERROR, f"secondary tier #{self.index} failed to accept {kind} job "
                         f"{job.job_id}", exc, with_traceback=True)  # fmt: skip
             self._counters.submit_errors += 1
             self.telemetry.fail("submit_error")
             return False
-        return True
+        return self.live
 
     def drain(self, timeout: float | None) -> None:
         """The tier's ``drain(timeout)``, waited for ``timeout`` + :data:`DRAIN_GRACE` s at most (twice a shorter
