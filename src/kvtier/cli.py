@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import io
 import json
 import logging
 import os
@@ -39,7 +41,7 @@ import re
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -1451,17 +1453,70 @@ def _raise_terminated(signum: int, _frame: Any) -> None:
     raise _Terminated(signum)
 
 
+class _ClosedOutput:
+    """Stands in for ``sys.stdout`` when the process started with descriptor 1 closed (``>&-``), where
+    Python sets it to ``None`` and ``print`` drops everything silently: every write raises
+    ``OSError(EBADF)``, so a command whose output would be lost exits 2 naming the cause instead
+    of 0 (or of an ``AttributeError``). Its ``buffer`` is itself (``write_output('-')`` writes bytes)."""
+
+    def write(self, _data: object) -> int:
+        raise OSError(errno.EBADF, "standard output is closed")
+
+    def flush(self) -> None:
+        """Nothing is buffered."""
+
+    def isatty(self) -> bool:
+        return False
+
+    @property
+    def buffer(self) -> _ClosedOutput:
+        return self
+
+
+@contextlib.contextmanager
+def _standard_streams() -> Iterator[None]:
+    """For the command's duration: a closed standard output refuses writes (:class:`_ClosedOutput`);
+    a closed standard error swallows the diagnostics (there is nowhere to say them; the exit status
+    still tells), so a run does not fail only because nobody listens. A standard output that encodes
+    strictly (a UTF-8 locale such as en_US.UTF-8) shows a name that is not UTF-8 (a file
+    ``c$'\\xff'.yaml``, decoded by Python with lone surrogates) as ``\\udcff`` instead of failing
+    the command on a UnicodeEncodeError."""
+    saved = sys.stdout, sys.stderr
+    sink = None
+    strict = None
+    if sys.stdout is None:
+        sys.stdout = _ClosedOutput()
+    elif isinstance(sys.stdout, io.TextIOWrapper) and sys.stdout.errors == "strict":
+        strict = sys.stdout
+        strict.reconfigure(errors="backslashreplace")
+    if sys.stderr is None:
+        sink = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+        sys.stderr = sink
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+        if sink is not None:
+            sink.close()
+        if strict is not None:
+            with contextlib.suppress(OSError, ValueError):  # flushes; the reader may be gone
+                strict.reconfigure(errors="strict")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvtier`` console script; returns the exit status. In the main thread,
-    SIGTERM and SIGHUP end the command like Ctrl-C (cleaning up), with status 143 and 129."""
-    if threading.current_thread() is not threading.main_thread():
-        return _main(argv)
-    previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        return _main(argv)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    SIGTERM and SIGHUP end the command like Ctrl-C (cleaning up), with status 143 and 129. Started
+    with standard output closed, a command that prints exits 2 ("standard output is closed");
+    with standard error closed, its diagnostics are dropped and the exit status is unchanged."""
+    with _standard_streams():
+        if threading.current_thread() is not threading.main_thread():
+            return _main(argv)
+        previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
+        try:
+            return _main(argv)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -61,6 +61,7 @@ _HINTS = {
     errno.EISDIR: "give a file, not a directory",
     errno.EFBIG: "the file is larger than this process may write (ulimit -f): raise the limit or pick another path",
     errno.EIO: "the device reported an I/O error: check the disk",
+    errno.EBADF: "run the command with its output open (not '>&-')",
 }
 
 
@@ -230,7 +231,8 @@ def check_output(path: str, flag: str, inputs: Sequence[str | os.PathLike[str] |
 
     ``-`` (standard output) always passes. Refused: an empty path, a name too
     long, a missing or unwritable directory, a directory, socket or block device
-    at the path, and the same file as one of ``inputs`` (the config or trace read).
+    at the path, a path ending in a slash (a directory's name, never a file's), and
+    the same file as one of ``inputs`` (the config or trace read).
     """
     if path == STDOUT:
         return
@@ -257,6 +259,8 @@ def check_output(path: str, flag: str, inputs: Sequence[str | os.PathLike[str] |
                 raise _refuse(flag, path, "is the file this command reads: pick another path")
         return
     # Nothing there (or a dangling symlink, written through to its target): the directory must take a new file.
+    if path.endswith((os.sep, os.altsep or os.sep)):  # realpath drops the slash; open() would fail after the work
+        raise _refuse(flag, path, "ends with a slash, so it names a directory: give a file name")
     target = os.path.realpath(path)
     parent = os.path.dirname(target) or "."
     shown_parent = parent if os.path.islink(path) else os.path.dirname(path) or "."

@@ -38,7 +38,7 @@ from pydantic import ValidationError
 from kvtier.config.schema import KvtierConfig
 from kvtier.errors import ConfigError
 from kvtier.user_files import load_yaml, read_text, unique_keys
-from kvtier.validation import did_you_mean, explain
+from kvtier.validation import did_you_mean, explain, shown_value
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,8 @@ def cli_flag(field: str) -> str:
 
 
 def _read_file(path: str) -> dict[str, Any]:
-    """The fields of a config file: a regular UTF-8 file of at most 1 MiB (:func:`kvtier.user_files.read_text`)."""
+    """The fields of a config file: a regular UTF-8 file of at most 1 MiB (:func:`kvtier.user_files.read_text`),
+    a mapping (or one ``kvtier:`` section holding one) whose keys are all strings; else :class:`ConfigError`."""
     text = read_text(path, "config file").removeprefix("\ufeff")  # a UTF-8 BOM (Windows editors write one)
     suffix = Path(path).suffix.lower()
     if suffix not in (".yaml", ".yml", ".toml", ".json"):
@@ -102,6 +103,12 @@ def _read_file(path: str) -> dict[str, Any]:
                 "of fields (or give the fields at the top level, without it)"
             )
         data = data["kvtier"]
+    named = [key for key in data if not isinstance(key, str)]  # YAML ``1:``, ``null:``, ``2024-01-01:``
+    if named:
+        raise ConfigError(
+            f"config file {path!r}: {shown_value(named[0])} ({type(named[0]).__name__}) is not a setting's name: "
+            f"settings are named by text, e.g. cpu_bytes: 4GiB; known settings are {list(_FIELDS)}"
+        )
     return dict(data)
 
 
@@ -163,10 +170,12 @@ _Layer = tuple[str, dict[str, Any], Callable[[str], str]]
 """(source name, its values, the name of one field's source, e.g. ``"CLI flag --cpu-bytes"``)."""
 
 
-def _merge(layers: list[_Layer]) -> tuple[dict[str, Any], dict[str, str]]:
-    """Merge layers in increasing precedence; returns the values and each field's source."""
+def _merge(layers: list[_Layer]) -> tuple[dict[str, Any], dict[str, str], dict[str, dict[str, str]]]:
+    """Merge layers in increasing precedence; returns the values, each field's source (for a field
+    merged key by key, the last source that touched it) and, per merged field, each key's source."""
     merged: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    key_sources: dict[str, dict[str, str]] = {}
     for source, data, field_source in layers:
         unknown = sorted(set(data) - set(_FIELDS))
         if unknown:
@@ -183,12 +192,35 @@ def _merge(layers: list[_Layer]) -> tuple[dict[str, Any], dict[str, str]]:
         for field, value in data.items():
             if value is None and not (field in _NULL_MEANS_NONE and source.startswith("file ")):
                 continue
+            given = field_source(field)
             if field in _MERGED_FIELDS and isinstance(value, Mapping) and isinstance(merged.get(field), dict):
                 merged[field] = {**merged[field], **value}
+                key_sources[field].update(dict.fromkeys(map(str, value), given))
             else:
                 merged[field] = dict(value) if isinstance(value, Mapping) else value
-            sources[field] = field_source(field)
-    return merged, sources
+                key_sources[field] = dict.fromkeys(map(str, value), given) if isinstance(value, Mapping) else {}
+            sources[field] = given
+    return merged, sources, key_sources
+
+
+def _error_sources(
+    exc: ValidationError, sources: dict[str, str], key_sources: dict[str, dict[str, str]]
+) -> dict[str, str]:
+    """``sources`` for the message of ``exc``: a field merged key by key across sources (``geometry``
+    from a file and from ``KVTIER_GEOMETRY``) is named by the source(s) of its keys that failed, not
+    by the last source that touched the field."""
+    out = dict(sources)
+    failed: dict[str, list[str]] = {}
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        field = str(loc[0]) if loc else ""
+        if len(loc) > 1 and str(loc[1]) in key_sources.get(field, {}):
+            given = key_sources[field][str(loc[1])]
+            if given not in failed.setdefault(field, []):
+                failed[field].append(given)
+    for field, given_by in failed.items():
+        out[field] = " and ".join(given_by)
+    return out
 
 
 def load_config(
@@ -231,13 +263,13 @@ def load_config(
             field = name.replace("-", "_")
             cli_values[field] = _decode_text(field, value, source=field_source(field))
         layers.append((cli_source, cli_values, field_source))
-    merged, sources = _merge(layers)
+    merged, sources, key_sources = _merge(layers)
     try:
         config = KvtierConfig.model_validate(
             merged, context={"layout_from_engine": layout_from_engine, "sources": sources}
         )
     except ValidationError as exc:
-        raise ConfigError(explain(exc, KvtierConfig, sources=sources)) from None
+        raise ConfigError(explain(exc, KvtierConfig, sources=_error_sources(exc, sources, key_sources))) from None
     except ConfigError as exc:  # raised inside a validator that pydantic let through
         raise ConfigError(str(exc)) from None
     config.record_sources(sources)
