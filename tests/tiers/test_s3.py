@@ -730,6 +730,36 @@ def test_an_upload_that_timed_out_but_landed_is_found_and_announced(
     assert np.array_equal(rows[6], rows[0])
 
 
+def test_an_upload_whose_retry_is_refused_after_a_timeout_stays_in_doubt(s3_stub: S3Stub, make: Any) -> None:
+    """Review (2026-12-05): only the last attempt's error decided whether an upload was in doubt,
+    so a PUT that timed out (and landed) and whose retry was then refused (SlowDown here; a
+    refused connection, denied credentials) was taken as never stored and never announced."""
+    tier, _ = make(s3_stub.endpoint, s3_stub.bucket, request_timeout=0.5, job_timeout=3.0, max_retries=0,
+                   failure_threshold=1000)  # fmt: skip
+    wait_ready(tier)
+    (key,) = chain_ids(range(1), tier.context.namespace)
+    s3_stub.fault(tier.object_path(key), "stall_after_write")
+    puts = s3_stub.count("PUT")
+    tier.take_events()
+    job = new_job([key], [0], False)
+    tier.submit_store(job)
+    deadline = time.monotonic() + 5
+    while s3_stub.count("PUT") == puts:  # the first attempt is in: its retry is answered SlowDown
+        assert time.monotonic() < deadline, "the upload never went out"
+        time.sleep(0.005)
+    with s3_stub.lock:
+        s3_stub.slowdowns = 1
+    result = wait_results(tier, {job.job_id}, 10)[job.job_id]
+    assert not result.success and tier.stats.extra["requests_retried"] == 1, result
+    s3_stub.release()
+    deadline = time.monotonic() + 10
+    while not tier.holds(key):
+        assert time.monotonic() < deadline, "the upload in doubt was not checked"
+        time.sleep(0.02)
+    assert [e.keys for e in tier.take_events() if not e.removed] == [(key,)]
+    assert tier.stats.extra["uploads_found"] == 1
+
+
 def test_a_hanging_server_fails_jobs_by_their_deadline_without_blocking_the_scheduler(
     s3_stub: S3Stub, make: Any
 ) -> None:

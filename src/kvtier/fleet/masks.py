@@ -538,7 +538,8 @@ class RedisMasks:
         if evicts is None and self._evicts is not None:  # (what it evicted meanwhile is unknown: rebuilt)
             logger.warning("fleet: the Redis of prefix %r no longer evicts the index's keys; the index under it is "
                            "rebuilt", self.prefix)  # fmt: skip
-            self._rebuild = True
+            self._rebuild = True  # (and untrusted, as after a restart, until the deletion went through)
+            self._unclaimed = self._unclaimed or "its Redis evicted the index's keys; the index is not rebuilt yet"
         self._evicts = evicts
         if self._rebuild:  # (until the deletion went through: a Redis error midway is retried next time)
             self._wipe("written before the claim ran out or Redis restarted", ours=True)

@@ -613,23 +613,27 @@ class RedisTier(ThreadedTier):
         """One STRLEN pipeline over the SETs in doubt that are due
         (:class:`~kvtier.tiers.doubts.WritesInDoubt`: up to ``_DOUBTS_PER_TICK`` while the server
         answers, else one now and then from an ``idle`` worker, with no work in hand and none
-        queued: :meth:`_idle_upkeep`): a value of a block's size there is
-        remembered present and announced stored, so a fleet index holds what the server holds;
-        anything else (no value, another size, an error reply) is forgotten. Keys a failed
-        pipeline left unanswered stay in doubt for a later tick; a doubt a SET, GET or check
-        settled meanwhile is not announced again. Housekeeping (I/O thread); bounded by the
-        pipeline's socket timeouts."""
+        queued: :meth:`_idle_upkeep`): a value of a block's size there is remembered present and
+        announced stored, so a fleet index holds what the server holds; anything else (no value,
+        another size, an error reply) is forgotten. Keys a failed pipeline left unanswered, or a
+        cluster redirected (asked again after the topology refresh), stay in doubt for a later
+        tick; a doubt a SET, GET or check settled meanwhile is not announced again. Housekeeping
+        (I/O thread); bounded by the pipeline's socket timeouts."""
         answering, now = self._breaker.answering, time.monotonic()
         with self._lock:
             keys = self._doubts.due(now, _DOUBTS_PER_TICK if answering else 1)
             if not keys or not self._doubts.may_check(answering, idle, now):
                 return
-        answers, _ = self._sizes_match(keys)  # (a redirect is absent here: never re-sent every tick)
+        answers, redirected = self._sizes_match(keys)
         found: list[BlockKey] = []
         now = time.monotonic()
         with self._lock:
             for i, key in enumerate(keys):
-                if i in answers and key in self._doubts and self._remember(key, answers[i], now) and answers[i]:
+                if i not in answers or key not in self._doubts:
+                    continue
+                if i in redirected and self.options.cluster:  # asked again after the topology refresh
+                    self._doubts.add([key], now)  # (a standalone tier never follows one: absent, never re-sent)
+                elif self._remember(key, answers[i], now) and answers[i]:
                     found.append(key)
         self._announce_found(found)
 

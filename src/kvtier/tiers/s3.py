@@ -414,7 +414,7 @@ class S3Tier(ThreadedTier):
             self._complete(work, error=f"not in service: {self._breaker.health().detail}", dropped=True)
             return
         row = self._row(work.slots[0])
-        existing = False
+        existing = in_doubt = False  # in_doubt: an attempt failed with its outcome unknown (it may have landed)
         try:
             header = encode_header(self._digest, key, row)
             while True:
@@ -432,9 +432,10 @@ class S3Tier(ThreadedTier):
                     existing = True  # (also where an upload that timed out had landed: then it is ours)
                     break
                 except Exception as exc:
+                    in_doubt = in_doubt or classify_error(exc) in OUTCOME_UNKNOWN
                     if self._tried_again(work, exc):
                         continue
-                    if classify_error(exc) in OUTCOME_UNKNOWN:
+                    if in_doubt:  # (an earlier attempt's too: a retry refused after a timeout proves nothing)
                         with self._lock:
                             self._doubts.add([key], time.monotonic())
                     self._complete(work, error=f"upload of {key.hex()[:16]} failed: {self._io_failure(exc)}")
@@ -880,18 +881,19 @@ class S3Tier(ThreadedTier):
             self._settle_doubts(idle=self._queue_idle())
 
     def _settle_doubts(self, idle: bool) -> None:
-        """HEAD the uploads in doubt that are due (:class:`~kvtier.tiers.doubts.WritesInDoubt`:
-        up to :data:`_DOUBTS_PER_TICK` while the store answers, else one now and then from an
-        ``idle`` worker, with no work in hand and none queued: :meth:`_idle_upkeep`): one that
-        landed is remembered present and announced stored, so a fleet index holds what the
-        bucket holds; one not there is forgotten. A failed HEAD counts against the breaker and
-        leaves the rest for a later tick. A doubt a PUT, GET or check settled meanwhile is not
-        announced again. Housekeeping (I/O thread); each HEAD is bounded by ``check_timeout``."""
+        """HEAD the uploads in doubt that are due (:class:`~kvtier.tiers.doubts.WritesInDoubt`):
+        while the store answers, up to :data:`_DOUBTS_PER_TICK` from an ``idle`` worker (no work
+        in hand, none queued: :meth:`_idle_upkeep`) and one from a tick (its worker may hold a
+        work item); else one now and then from an idle worker. One that landed is remembered
+        present and announced stored, so a fleet index holds what the bucket holds; one not
+        there is forgotten. A failed HEAD counts against the breaker and leaves the rest for a
+        later tick. A doubt a PUT, GET or check settled meanwhile is not announced again.
+        Housekeeping (I/O thread); each HEAD is bounded by ``check_timeout``."""
         if not self._ready.is_set() or not self._breaker.serving:
             return
         answering, now = self._breaker.answering, time.monotonic()
-        with self._lock:
-            keys = self._doubts.due(now, _DOUBTS_PER_TICK if answering else 1)
+        with self._lock:  # (one HEAD from a tick: its worker may hold a work item, which waits for it)
+            keys = self._doubts.due(now, _DOUBTS_PER_TICK if answering and idle else 1)
             if not keys or not self._doubts.may_check(answering, idle, now):
                 return
         found: list[BlockKey] = []
