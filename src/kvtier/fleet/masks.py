@@ -401,16 +401,21 @@ class RedisMasks:
             return f"its claim {self._writer_key!r} has no time to live: delete it if no writer runs"
         return f"its claim ends within {left} s if it is gone"
 
+    def _info(self, section: str) -> dict[str, Any]:
+        """``INFO section`` as a dict; empty where the client may not ask (an ACL without
+        ``INFO``) or the reply is not one. Raises where Redis fails."""
+        try:
+            info = self.client.info(section)
+        except Exception as exc:
+            if type(exc).__name__ in ("ResponseError", "NoPermissionError", "AuthorizationError"):
+                return {}
+            raise
+        return info if isinstance(info, dict) else {}
+
     def _run_id(self) -> str | None:
         """The Redis server's ``run_id`` (new with each start of redis-server, and another server's
         after a failover); None where the client may not ask (an ACL without ``INFO``)."""
-        try:
-            info = self.client.info("server")
-        except Exception as exc:
-            if type(exc).__name__ in ("ResponseError", "NoPermissionError", "AuthorizationError"):
-                return None
-            raise
-        run_id = info.get("run_id") if isinstance(info, dict) else None
+        run_id = self._info("server").get("run_id")
         return str(run_id) if run_id is not None else None
 
     def _eviction(self) -> str | None:
@@ -418,14 +423,8 @@ class RedisMasks:
         ``maxmemory`` with an ``allkeys-*`` policy (an evicted location's key set would leave bits
         behind that no clear finds: answers would claim blocks engines dropped); None where it may
         not, or where the client may not ask (an ACL without ``INFO``). Logs a warning when found."""
-        try:
-            info = self.client.info("memory")
-        except Exception as exc:
-            if type(exc).__name__ in ("ResponseError", "NoPermissionError", "AuthorizationError"):
-                return None
-            raise
-        policy = str(info.get("maxmemory_policy", "")) if isinstance(info, dict) else ""
-        limit = info.get("maxmemory", 0) if isinstance(info, dict) else 0
+        info = self._info("memory")
+        policy, limit = str(info.get("maxmemory_policy", "")), info.get("maxmemory", 0)
         if not policy.startswith("allkeys-") or not isinstance(limit, int) or limit <= 0:
             return None
         why = (f"the index's Redis evicts keys without a time to live (maxmemory-policy {policy:.40}, maxmemory "
