@@ -622,7 +622,7 @@ class SharedRegion:
             if self.scheduler:
                 os.pwrite(self._fd, _SCHEDULED, SCHEDULER_LOCK_OFFSET)
             if count >= self.expected_mappers:
-                self._unlink_if_ours()
+                self.unlink_if_ours()
         finally:
             unlock_range(self._fd, ATTACH_COUNT_OFFSET, 4)
 
@@ -635,7 +635,11 @@ class SharedRegion:
         (count,) = struct.unpack_from("<I", self._mmap, ATTACH_COUNT_OFFSET)
         return bool(count >= self.expected_mappers)
 
-    def _unlink_if_ours(self) -> None:
+    def unlink_if_ours(self) -> None:
+        """Remove the region's path if it is still this region's file (never another start's made
+        under the name since), keeping the mapping: a restart under the name makes a new file.
+        Called when every expected mapper attached, by the last one out, and by a failed
+        construction whose interrupted tier may still use the rows."""
         if unlink_if_same(self.path, self._fd):
             logger.debug("unlinked region path %s (all %d mappers attached)", self.path, self.expected_mappers)
         self.unlinked = True
@@ -728,7 +732,7 @@ class SharedRegion:
             return
         if try_flock(fd, exclusive=True) and not self.unlinked:
             # No other live process maps it: the last one out removes the path.
-            self._unlink_if_ours()
+            self.unlink_if_ours()
         with _FORK_GUARD:  # (forgotten before closed: a fork never closes a number reused meanwhile)
             self._fd = -1
             os.close(fd)  # drops the flock and, for the creator, the creator lock

@@ -237,7 +237,7 @@ def _cleanup_failed_construction(region: SharedRegion, primary: PrimaryTier | No
                         keep_traceback=True)  # fmt: skip
     built.clear()
     if interrupt is not None:
-        region._unlink_if_ours()  # (a restart under this name is never refused for it)
+        region.unlink_if_ours()  # (a restart under this name is never refused for it)
         raise interrupt
     if primary is not None:
         primary.rows = None
@@ -250,7 +250,7 @@ def _cleanup_failed_construction(region: SharedRegion, primary: PrimaryTier | No
             "region %s still referenced after failed construction; its path is unlinked, its memory is "
             "returned when the last view of its rows is dropped", region.name,
         )
-        region._unlink_if_ours()
+        region.unlink_if_ours()
 
 
 __all__ = [
