@@ -73,6 +73,7 @@ from kvtier.tiers.base import (
     TierHealth,
     TransferJob,
 )
+from kvtier.tiers.doubts import WritesInDoubt
 from kvtier.tiers.health import CircuitBreaker
 from kvtier.types import BlockEvent, LookupResult, RequestContext
 
@@ -420,10 +421,21 @@ class ThreadedTier(SecondaryTier):
     def _housekeeping(self) -> None:
         """Periodic upkeep on an I/O thread (one at a time); must be bounded by the tier's timeouts."""
 
+    _doubts: WritesInDoubt | None = None
+    """A tier that keeps writes whose outcome is unknown (:mod:`kvtier.tiers.doubts`) sets it and
+    implements :meth:`_settle_doubts`."""
+
     def _idle_upkeep(self) -> None:
         """Upkeep that may wait on the medium, run only by a worker that found no work (one at a
         time with :meth:`_housekeeping`; :meth:`_tick` runs with a work item already taken, which
-        would wait as long). Must be bounded by the tier's timeouts; a failure is logged."""
+        would wait as long): writes in doubt are checked, ``idle`` if no work is queued either.
+        Must be bounded by the tier's timeouts; a failure is logged."""
+        if self._doubts and self._breaker.serving:
+            self._settle_doubts(idle=self._queue_idle())
+
+    def _settle_doubts(self, idle: bool) -> None:
+        """Check writes in doubt (a tier that sets :attr:`_doubts`); ``idle``: called by a worker
+        with no work in hand and none queued. I/O thread, one at a time with :meth:`_housekeeping`."""
 
     def _open_worker(self) -> Any:
         """Per-thread resources, handed to every ``_run`` of that thread."""

@@ -419,7 +419,7 @@ class RedisTier(ThreadedTier):
         self._known: dict[BlockKey, tuple[bool, float, bool]] = {}
         # SETs sent whose replies were never read, guarded by _lock: they may have landed.
         # Housekeeping checks them (see _settle_doubts).
-        self._doubts = WritesInDoubt(_MAX_DOUBTS, settle_after=opts.socket_timeout)
+        self._doubts: WritesInDoubt = WritesInDoubt(_MAX_DOUBTS, settle_after=opts.socket_timeout)
         self._usage = TierUsage(0, None)
         self._usage_at = float("-inf")
         self._need_refresh = False
@@ -603,11 +603,6 @@ class RedisTier(ThreadedTier):
         self._backend.ping()
         with self._lock:
             self._known.clear()
-
-    def _idle_upkeep(self) -> None:
-        """Check a write in doubt while the store's last request failed (see :meth:`_settle_doubts`)."""
-        if self._doubts and self._breaker.serving:
-            self._settle_doubts(idle=self._queue_idle())
 
     def _settle_doubts(self, idle: bool) -> None:
         """One STRLEN pipeline over the SETs in doubt that are due

@@ -203,7 +203,7 @@ class S3Tier(ThreadedTier):
         self._deferred: Work | None = None
         # Uploads that failed with their outcome unknown, guarded by _lock: a timed-out PUT may have
         # landed. Housekeeping HEADs them (see _settle_doubts).
-        self._doubts = WritesInDoubt(_MAX_DOUBTS, settle_after=opts.request_timeout)
+        self._doubts: WritesInDoubt = WritesInDoubt(_MAX_DOUBTS, settle_after=opts.request_timeout)
         self.stats.extra.update({"objects_written": 0, "checks": 0, "checks_failed": 0, "missing": 0,
                                  "requests_retried": 0, "heads_hedged": 0, "uploads_found": 0})  # fmt: skip
 
@@ -874,11 +874,6 @@ class S3Tier(ThreadedTier):
         finally:
             self._manifest_lock.release()
         return self._ready.is_set()
-
-    def _idle_upkeep(self) -> None:
-        """Check a write in doubt while the store's last request failed (see :meth:`_settle_doubts`)."""
-        if self._doubts and self._breaker.serving:
-            self._settle_doubts(idle=self._queue_idle())
 
     def _settle_doubts(self, idle: bool) -> None:
         """HEAD the uploads in doubt that are due (:class:`~kvtier.tiers.doubts.WritesInDoubt`):
