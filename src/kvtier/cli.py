@@ -57,7 +57,7 @@ from kvtier.config import (
 from kvtier.config.schema import MAX_LAYOUT_COUNT
 from kvtier.errors import ConfigError, KvtierError, exception_text
 from kvtier.fleet.cli import add_fleet_parser
-from kvtier.units import shown
+from kvtier.units import comma_entries, shown
 from kvtier.user_files import STDOUT, OutputFile, check_output, os_error_text, write_output
 from kvtier.validation import is_utf8_text
 from kvtier.version import __version__
@@ -551,11 +551,10 @@ def _model_preset(text: str) -> str:
 def _policy_list(text: str) -> list[str]:
     from kvtier.policies import resolve_policy
 
-    parts = [p.strip() for p in text.split(",")]
-    if any(parts) and not all(parts):
-        raise argparse.ArgumentTypeError(f"--policy {shown(text)}: an empty entry (two commas in a row, or one at an "
-                                         "end); give every policy name or drop its comma")
-    names = list(dict.fromkeys(part for part in parts if part))
+    try:
+        names = list(dict.fromkeys(comma_entries(text, "--policy")))
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     if not names:
         raise argparse.ArgumentTypeError(f"--policy {text!r}: give policy names, e.g. lru,arc,return-time")
     for name in names:

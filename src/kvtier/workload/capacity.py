@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.errors import ConfigError
-from kvtier.units import format_size, parse_size, shown
+from kvtier.units import comma_entries, format_size, parse_size, shown
 
 FLAG = "--capacity"
 MAX_DIGITS = 30
@@ -41,11 +41,7 @@ def parse_capacities(text: str, max_blocks: int, flag: str = FLAG, sizes: bool =
     """The entries of ``--capacity TEXT`` (or of the flag ``flag`` that reads the same forms); a
     block count above ``max_blocks`` is refused here. ``sizes``: the flag takes sizes too (its
     messages suggest them; the caller refuses one)."""
-    parts = [p.strip() for p in text.split(",")]
-    if any(parts) and not all(parts):  # (a typo, such as 10,,20 for 10,15,20, is not read as fewer entries)
-        raise ConfigError(f"{flag} {shown(text)}: an empty entry (two commas in a row, or one at an end); "
-                          "give every entry or drop its comma")
-    out = [_parse_one(part, max_blocks, flag, sizes) for part in parts if part]
+    out = [_parse_one(part, max_blocks, flag, sizes) for part in comma_entries(text, flag)]
     if not out:
         raise ConfigError(
             f"{flag} {shown(text)}: give block counts, shares of the distinct blocks or sizes, "
