@@ -189,18 +189,23 @@ class Server:
             time.sleep(0.2)
 
     def settle(self, min_cascaded: int = 0, timeout: float = 120.0) -> Samples:
-        """Send tiny requests until kvtier cascaded ``min_cascaded`` blocks in all and has no job in
-        flight; returns the last ``/metrics``."""
+        """Send tiny requests until kvtier cascaded ``min_cascaded`` blocks in all, has no job in
+        flight and no write in doubt (a shared store's tier announces one that landed once it
+        checked: CI's run of d9cb44b compared a fleet index with the bucket while two timed-out
+        uploads were still unchecked); returns the last ``/metrics``."""
 
         def idle() -> Any:
             self.complete([3, 4, 5], max_tokens=1)
             samples = self.metrics()
             cascaded = metric(samples, "vllm:kvtier_cascades_total", result="succeeded")
             busy = sum(v for (name, _), v in samples.items() if name == "vllm:kvtier_active_jobs")
-            return samples if cascaded >= min_cascaded and busy == 0 else None
+            doubted = sum(v for (name, labels), v in samples.items()
+                          if name == "vllm:kvtier_tier_extra_gauge" and ("name", "writes_in_doubt") in labels)
+            return samples if cascaded >= min_cascaded and busy == 0 and doubted == 0 else None
 
         try:
-            return wait_for(idle, timeout, f"{min_cascaded} blocks cascaded and no kvtier job in flight")
+            what = f"{min_cascaded} blocks cascaded, no kvtier job in flight, no write in doubt"
+            return wait_for(idle, timeout, what)
         except AssertionError as exc:  # say why: backpressure, failed stores, a tier out of service...
             raise AssertionError(f"{exc}\n{self.kvtier_state()}") from None
 

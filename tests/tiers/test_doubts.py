@@ -44,3 +44,15 @@ def test_checks_go_out_while_answering_else_only_idle_and_at_most_once_an_interv
     assert not doubts.may_check(answering=False, idle=True, now=10.0 + PROBE_INTERVAL / 2)
     assert doubts.may_check(answering=True, idle=True, now=10.0 + PROBE_INTERVAL / 2), "answering: no limit"
     assert doubts.may_check(answering=False, idle=True, now=10.0 + PROBE_INTERVAL)
+
+
+def test_on_size_follows_every_change_for_a_gauge() -> None:
+    # (the S3 and Redis tiers keep a writes_in_doubt gauge with it: a fleet test waits for 0)
+    sizes: list[int] = []
+    doubts = WritesInDoubt(limit=2, settle_after=0.0, on_size=sizes.append)
+    doubts.add([b"a", b"b", b"c"], now=0.0)  # (a dropped beyond the limit)
+    assert not doubts.discard(b"a")
+    assert doubts.discard(b"b")
+    doubts.add([b"c"], now=1.0)
+    assert doubts.discard(b"c")
+    assert sizes == [2, 1, 1, 0]

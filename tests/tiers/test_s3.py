@@ -706,6 +706,7 @@ def test_an_upload_that_timed_out_but_landed_is_found_and_announced(
     result = run_job(tier, [landed, lost], [0, 1], False, 10)
     assert not result.success and "timed out" in (result.error or ""), result.error
     assert result.succeeded([landed, lost]) == []
+    assert tier.stats.extra["writes_in_doubt"] == 2
     s3_stub.release()
     if found_by == "lookup":  # (at once: housekeeping checks a doubt request_timeout after it arose)
         assert resolve(tier, landed, 5) is LookupResult.HIT
@@ -724,6 +725,7 @@ def test_an_upload_that_timed_out_but_landed_is_found_and_announced(
     assert announced == [(landed,)]
     assert tier.held_keys() == [landed] and not tier.holds(lost)
     assert tier.stats.extra["uploads_found"] == 1 and tier.stats.extra["objects_written"] == 0
+    assert tier.stats.extra["writes_in_doubt"] == 0
     assert sum(tier.object_path(landed) in p for p in heads()) == (0 if found_by == "load" else 1)
     assert sum(tier.object_path(lost) in p for p in heads()) == 1
     assert run_job(tier, [landed], [6], True, 10).success

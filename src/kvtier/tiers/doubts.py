@@ -16,7 +16,7 @@ the tier's lock guards it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvtier.keys import BlockKey
 
@@ -27,13 +27,16 @@ PROBE_INTERVAL = 1.0
 class WritesInDoubt:
     """Keys whose writes failed with their outcome unknown, oldest failure first, at most ``limit``."""
 
-    def __init__(self, limit: int, settle_after: float) -> None:
+    def __init__(self, limit: int, settle_after: float, on_size: Callable[[int], None] | None = None) -> None:
+        """``on_size``: called with the number of writes in doubt after each change (under the
+        caller's lock; it must not block), e.g. to keep a ``writes_in_doubt`` gauge."""
         if limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")
         self.limit = limit
         self.settle_after = settle_after
         self._failed_at: dict[BlockKey, float] = {}
         self._last_probe = float("-inf")
+        self._on_size = on_size
 
     def __len__(self) -> int:
         return len(self._failed_at)
@@ -50,10 +53,16 @@ class WritesInDoubt:
             failed[key] = now
         while len(failed) > self.limit:
             del failed[next(iter(failed))]
+        if self._on_size is not None:
+            self._on_size(len(failed))
 
     def discard(self, key: BlockKey) -> bool:
         """Forget ``key``'s doubt (something newer answered for it); True if it was in doubt."""
-        return self._failed_at.pop(key, None) is not None
+        if self._failed_at.pop(key, None) is None:
+            return False
+        if self._on_size is not None:
+            self._on_size(len(self._failed_at))
+        return True
 
     def due(self, now: float, most: int) -> list[BlockKey]:
         """Up to ``most`` keys, oldest first, whose writes failed ``settle_after`` seconds ago or more."""

@@ -425,6 +425,17 @@ class ThreadedTier(SecondaryTier):
     """A tier that keeps writes whose outcome is unknown (:mod:`kvtier.tiers.doubts`) sets it and
     implements :meth:`_settle_doubts`."""
 
+    def _keep_doubts(self, limit: int, settle_after: float) -> WritesInDoubt:
+        """Writes in doubt for a tier that keeps them (sets :attr:`_doubts` to this), with their
+        number in the ``writes_in_doubt`` gauge (:data:`~kvtier.tiers.base.WRITES_IN_DOUBT_METRIC`)."""
+        extra = self.stats.extra
+        extra["writes_in_doubt"] = 0.0  # (set before any reader: a new key would resize the dict under a snapshot)
+
+        def gauge(n: int) -> None:
+            extra["writes_in_doubt"] = float(n)
+
+        return WritesInDoubt(limit, settle_after, on_size=gauge)
+
     def _idle_upkeep(self) -> None:
         """Upkeep that may wait on the medium, run only by a worker that found no work (one at a
         time with :meth:`_housekeeping`; :meth:`_tick` runs with a work item already taken, which

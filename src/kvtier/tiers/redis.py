@@ -51,6 +51,7 @@ from kvtier.keys import BlockKey
 from kvtier.tiers.base import (
     FOREIGN_FORMAT_METRIC,
     UPLOADS_FOUND_METRIC,
+    WRITES_IN_DOUBT_METRIC,
     ExtraMetric,
     JobResult,
     TierContext,
@@ -384,6 +385,7 @@ class RedisTier(ThreadedTier):
             "counter", "Keys whose TTL refresh was dropped: too many touches queued, or a step's over its cap."
         ),
         "uploads_found": UPLOADS_FOUND_METRIC,
+        "writes_in_doubt": WRITES_IN_DOUBT_METRIC,
         "foreign_format": FOREIGN_FORMAT_METRIC,
     }
 
@@ -419,7 +421,7 @@ class RedisTier(ThreadedTier):
         self._known: dict[BlockKey, tuple[bool, float, bool]] = {}
         # SETs sent whose replies were never read, guarded by _lock: they may have landed.
         # Housekeeping checks them (see _settle_doubts).
-        self._doubts: WritesInDoubt = WritesInDoubt(_MAX_DOUBTS, settle_after=opts.socket_timeout)
+        self._doubts: WritesInDoubt = self._keep_doubts(_MAX_DOUBTS, settle_after=opts.socket_timeout)
         self._usage = TierUsage(0, None)
         self._usage_at = float("-inf")
         self._need_refresh = False

@@ -72,7 +72,14 @@ import numpy as np
 from kvtier.errors import ConfigError, CorruptValueError, ForeignFormatError, TierError
 from kvtier.failures import forget_frames, log_failure
 from kvtier.keys import BlockKey
-from kvtier.tiers.base import FOREIGN_FORMAT_METRIC, UPLOADS_FOUND_METRIC, ExtraMetric, TierContext, TierUsage
+from kvtier.tiers.base import (
+    FOREIGN_FORMAT_METRIC,
+    UPLOADS_FOUND_METRIC,
+    WRITES_IN_DOUBT_METRIC,
+    ExtraMetric,
+    TierContext,
+    TierUsage,
+)
 from kvtier.tiers.doubts import WritesInDoubt
 from kvtier.tiers.format import (
     FORMAT_VERSION,
@@ -146,6 +153,7 @@ class S3Tier(ThreadedTier):
         ),
         "warm_start_blocks": ExtraMetric("counter", "Blocks indexed from the manifest at start."),
         "uploads_found": UPLOADS_FOUND_METRIC,
+        "writes_in_doubt": WRITES_IN_DOUBT_METRIC,
         "foreign_format": FOREIGN_FORMAT_METRIC,
     }
 
@@ -203,7 +211,7 @@ class S3Tier(ThreadedTier):
         self._deferred: Work | None = None
         # Uploads that failed with their outcome unknown, guarded by _lock: a timed-out PUT may have
         # landed. Housekeeping HEADs them (see _settle_doubts).
-        self._doubts: WritesInDoubt = WritesInDoubt(_MAX_DOUBTS, settle_after=opts.request_timeout)
+        self._doubts: WritesInDoubt = self._keep_doubts(_MAX_DOUBTS, settle_after=opts.request_timeout)
         self.stats.extra.update({"objects_written": 0, "checks": 0, "checks_failed": 0, "missing": 0,
                                  "requests_retried": 0, "heads_hedged": 0, "uploads_found": 0})  # fmt: skip
 
