@@ -511,6 +511,7 @@ def test_a_read_only_servers_health_follows_its_redis(tmp_path: Path) -> None:
             assert status == 503 and "Redis did not answer" in body["error"], body  # before the fix: 200
             assert _post(url, {"block_hashes": [1, 2]})[0] == 503
             server.start()
+            writer.keep_writer()  # (a running writer takes its lease again within 2 s: a reader wants one)
             time.sleep(0.6)
             assert _request(url, "GET", "/health") == (200, {"ok": True})
         finally:
@@ -549,3 +550,61 @@ def test_health_answers_while_every_answer_slot_is_taken() -> None:
         release.set()
         server.shutdown()
         server.server_close()
+
+
+def test_a_reader_does_not_answer_from_an_index_no_writer_keeps(tmp_path: Path) -> None:
+    """Audit lead (2026-12-05): once the writer stopped (or was killed and its lease ran out),
+    readers went on answering 200 from the index it left, frozen while the engines evicted and
+    restarted, and reported each engine "synced". A reader now checks the writer's lease with
+    each re-read of the engine table: 503 naming it while no writer holds one, 200 again once a
+    writer (the same one restarted) keeps the index."""
+    pytest.importorskip("zmq")
+    from redis_servers import REDIS_SERVER, start_redis
+
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server not found on PATH")
+    import redis
+
+    server = start_redis(tmp_path / "redis")
+    engine = ("--engine", f"a=ipc://{tmp_path}/events", "--replay", f"a=ipc://{tmp_path}/replay")
+    shared = ("--redis", server.url, "--redis-prefix", "fleet-t")
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        writer, _ = _serve(*shared, *engine)
+        procs.append(writer)
+        reader, url = _serve(*shared, "--read-only")
+        procs.append(reader)
+        assert _request(url, "GET", "/health") == (200, {"ok": True})
+        status, body = _post(url, {"block_hashes": [1, 2]})
+        assert status == 200 and body["engines"]["a"]["status"] == "waiting", body
+        writer.send_signal(signal.SIGTERM)  # a clean stop gives the lease back at once
+        assert writer.wait(20) == 0
+        time.sleep(0.6)  # (a reader re-reads the table at most every 0.5 s)
+        status, body = _request(url, "GET", "/health")
+        assert status == 503 and "no fleet writer keeps the index under Redis prefix 'fleet-t'" in body["error"], body
+        status, body = _post(url, {"block_hashes": [1, 2]})
+        assert status == 503 and "fleet-t:writer" in body["error"], body  # before: 200, "a" still listed
+        assert _request(url, "GET", "/v1/engines")[0] == 503
+        writer, _ = _serve(*shared, *engine)  # the writer again: it claims the prefix, rebuilds the index
+        procs.append(writer)
+        time.sleep(0.6)
+        assert _request(url, "GET", "/health") == (200, {"ok": True})
+        assert _post(url, {"block_hashes": [1, 2]})[0] == 200
+        # A writer that stops renewing its lease (killed -9, frozen, cut off from Redis): its lease
+        # runs out, and readers then refuse (in-process here, with a 1 s lease for the test's sake).
+        writer.send_signal(signal.SIGTERM)
+        assert writer.wait(20) == 0
+        frozen = FleetIndex(["a"], RedisMasks(redis.Redis.from_url(server.url), "fleet-t", writer_ttl=1))
+        _fill(frozen, [1, 2])
+        time.sleep(0.6)
+        status, body = _post(url, {"block_hashes": [1, 2]})
+        assert status == 200 and body["engines"]["a"]["blocks"] == 2, body
+        time.sleep(1.5)  # (never renewed: the lease ran out)
+        assert _request(url, "GET", "/health")[0] == 503
+        assert _post(url, {"block_hashes": [1, 2]})[0] == 503
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(20) == 0
+        server.stop()

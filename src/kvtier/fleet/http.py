@@ -21,8 +21,8 @@ Endpoints:
   the index's Redis has failed for ``failing_writes_grace`` seconds, 5 by default, counted from
   when the first failed write was sent, with none going through since: 200 again once one does,
   within about 2 s of Redis answering again; a ``--read-only`` reader: its last read of the
-  engine table from Redis failed). It takes none of the ``max_concurrent`` answer slots: a
-  server busy answering is not unhealthy.
+  engine table from Redis failed, or found no writer holding its claim on the prefix). It
+  takes none of the ``max_concurrent`` answer slots: a server busy answering is not unhealthy.
 
 A path of these asked with another method (PUT, DELETE, PATCH and OPTIONS too) is answered 405
 with an ``Allow`` header naming the method to use; any other path 404; a path of these with a

@@ -750,8 +750,10 @@ class FleetIndex:
 class FleetReader:
     """Answers from an index another process writes (:class:`~kvtier.fleet.masks.RedisMasks`):
     for routers sharing one index. The engine table is re-read at most every ``meta_ttl``
-    seconds; an answer reads the prompt's key bitmaps ``first_window`` at a time (one round
-    trip each, doubling), until no engine's prefix reaches further."""
+    seconds, with a check that a writer still holds its claim on the index (else every answer
+    raises :class:`~kvtier.fleet.masks.StoreUnavailable`: an index nobody keeps is frozen while
+    the engines evict and restart); an answer reads the prompt's key bitmaps ``first_window`` at
+    a time (one round trip each, doubling), until no engine's prefix reaches further."""
 
     def __init__(
         self,
@@ -774,7 +776,8 @@ class FleetReader:
         """The engine table, re-read at most every ``meta_ttl`` seconds. No lock is held while
         Redis is read: while one thread re-reads it the others answer from the table read before
         (a hung Redis holds each caller for its own timeout, not for everyone's in turn). Raises
-        :class:`~kvtier.fleet.masks.StoreUnavailable` if Redis does not answer."""
+        :class:`~kvtier.fleet.masks.StoreUnavailable` if Redis does not answer, or no writer holds
+        its claim on the index (:meth:`~kvtier.fleet.masks.LocationMasks.writer_missing`)."""
         now = self._clock()
         with self._lock:
             have = self._read_at > -float("inf")
@@ -783,6 +786,9 @@ class FleetReader:
             self._refreshing = True
         try:
             meta = checked_meta(self.masks.get_meta(), strict=True)
+            missing = self.masks.writer_missing()
+            if missing is not None:  # (what is there is frozen: engines evict, restart, go away unseen)
+                raise StoreUnavailable(missing)
         except StoreUnavailable as exc:
             self._failure = str(exc)
             raise
@@ -795,9 +801,10 @@ class FleetReader:
 
     def store_failing(self) -> str | None:
         """Why this reader cannot answer (its Redis did not answer the last read of the engine
-        table), or None: for ``GET /health``. Reads the table as :meth:`meta` does (at most every
-        ``meta_ttl`` seconds, one thread at a time; the others take the last read's outcome), so
-        a probe may wait up to the client's socket timeout for a hung Redis. Any thread."""
+        table, or no writer keeps the index), or None: for ``GET /health``. Reads the table as
+        :meth:`meta` does (at most every ``meta_ttl`` seconds, one thread at a time; the others
+        take the last read's outcome), so a probe may wait up to the client's socket timeout for
+        a hung Redis. Any thread."""
         try:
             self.meta()
         except StoreUnavailable as exc:

@@ -127,6 +127,12 @@ class LocationMasks(Protocol):
         policy evicts keys without a time to live), as the writer last found (when it claimed the
         store, then every few seconds), or None. Read from any thread."""
 
+    def writer_missing(self) -> str | None:
+        """Why no writer keeps the index now (a shared store's claim is gone: the writer stopped,
+        or stopped renewing it), or None while one does: a reader asks it, as what it reads no
+        longer follows the engines. May block on the store (its client's timeout); raises
+        :class:`StoreUnavailable` where it does not answer. Any thread."""
+
 
 class MemoryMasks:
     """:class:`LocationMasks` in this process's memory: at most ``max_keys`` entries, an entry
@@ -250,6 +256,9 @@ class MemoryMasks:
 
     def evicting(self) -> str | None:
         return None
+
+    def writer_missing(self) -> str | None:
+        return None  # (in memory: the writer is this process)
 
     def __len__(self) -> int:
         return len(self._masks)
@@ -669,6 +678,15 @@ class RedisMasks:
         token = self._check_writer()
         table = json.dumps(meta, separators=(",", ":"))
         self._fenced_eval(self._PUT, [f"{self.prefix}:meta"], token, table)
+
+    def writer_missing(self) -> str | None:
+        claimed = self._read("the writer's claim", lambda: self.client.exists(self._writer_key))
+        if claimed:
+            return None
+        return (f"no fleet writer keeps the index under Redis prefix {self.prefix!r}: its lease "
+                f"{self._writer_key!r} is gone (the writer stopped, or was killed or cut off from Redis over "
+                "its lease's time ago), so the index no longer follows the engines: start the writer "
+                "(kvtier fleet serve --redis URL without --read-only)")  # fmt: skip
 
     def get_meta(self) -> dict[str, Any]:
         """The engine table, or {} where there is none or it is not a (strict) JSON object of at
