@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
 import os
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.workload.trace import FlatTrace, TraceFormatError, iter_trace, read_trace, trace_summary
+from kvtier.workload.trace import FlatTrace, TraceFormatError, TraceRequest, iter_trace, read_trace, trace_summary
 
 REAL_TRACE = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "conversation_trace.jsonl"
 
@@ -180,6 +181,26 @@ def test_a_trace_that_is_not_utf8_names_file_and_position(tmp_path: Path, data: 
         with pytest.raises(ConfigError) as err:
             read_trace(path)
         assert f"trace '{path}' is not UTF-8" in str(err.value) and where in str(err.value), str(err.value)
+
+
+def test_a_trace_saved_with_a_byte_order_mark_and_crlf_lines_is_read(tmp_path: Path) -> None:
+    """Out-of-sample check (2026-12-05): a trace saved by an editor that marks UTF-8 with a BOM
+    (Windows tools, spreadsheet exports) was refused as "not JSON (Unexpected UTF-8 BOM ...)";
+    its CRLF line ends and blank lines read as before. A BOM later in the file is still refused."""
+    lines = [GOOD.strip(), "", GOOD.strip().replace('"timestamp": 0', '"timestamp": 1')]
+    data = codecs.BOM_UTF8 + "\r\n".join(lines).encode() + b"\r\n"
+    for path, payload in ((tmp_path / "t.jsonl", data), (tmp_path / "t.jsonl.gz", gzip.compress(data))):
+        path.write_bytes(payload)
+        assert read_trace(path) == read_trace_text(tmp_path, "\n".join(lines) + "\n")
+    (tmp_path / "late.jsonl").write_bytes(GOOD.encode() + codecs.BOM_UTF8 + GOOD.encode())
+    with pytest.raises(TraceFormatError, match=r"late.jsonl:2: not JSON"):
+        read_trace(tmp_path / "late.jsonl")
+
+
+def read_trace_text(tmp_path: Path, text: str) -> list[TraceRequest]:
+    path = tmp_path / "plain.jsonl"
+    path.write_text(text)
+    return read_trace(path)
 
 
 def test_only_regular_trace_files_are_opened(tmp_path: Path, open_fds: Callable[[Path], list[str]]) -> None:
