@@ -323,3 +323,39 @@ def test_extra_metric_kind_is_checked() -> None:
 def test_histogram_snapshot_empty_has_a_bucket_past_the_last_bound() -> None:
     snap = HistogramSnapshot.empty((1.0, 2.0))
     assert snap.counts == (0, 0, 0) and snap.cumulative()[-1] == ("+Inf", 0)
+
+
+def test_a_tier_adding_extra_metrics_while_stats_are_read_is_no_call_error(mgr: TieringManager) -> None:
+    """Review (2026-12-05): the S3 and Redis tiers create some declared extras on first count, on
+    their I/O threads (uploads_found, foreign_format, create_conflicts, ...); a snapshot iterating
+    ``stats.extra`` meanwhile raised "dictionary changed size during iteration", counted as the
+    tier's call_error with a traceback in the log. The snapshot copies the dict in one step."""
+    import sys
+    import threading
+
+    extra = mgr.tiers[0].stats.extra
+    stop = threading.Event()
+
+    def churn() -> None:  # (as I/O threads counting new names would)
+        i = 0
+        while not stop.is_set():
+            extra[f"new_{i % 64}"] = 1.0
+            if i % 64 == 63:
+                for j in range(64):
+                    extra.pop(f"new_{j}", None)
+            i += 1
+
+    extra.update({f"steady_{i}": float(i) for i in range(2000)})
+    worker = threading.Thread(target=churn, daemon=True)
+    switching = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # (threads take turns often: the race shows within a few snapshots)
+    worker.start()
+    try:
+        for _ in range(30):
+            snap = mgr.stats()
+            assert snap.tier("1:counting").extra.get("steady_1999") == 1999.0, snap.tier("1:counting").failures
+    finally:
+        sys.setswitchinterval(switching)
+        stop.set()
+        worker.join(10)
+    assert mgr.stats().tier("1:counting").failures.get("call_error", 0) == 0

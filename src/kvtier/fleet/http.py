@@ -77,6 +77,10 @@ _MAX_HASHERS = 8  # block sizes whose hashers are kept (the engines' info names 
 _EMPTY_LINES = 8  # empty lines skipped before a request line (RFC 9112 2.2: a server SHOULD ignore one at least)
 _MAX_LINE = 65536  # the standard library's bound on a request line
 _MAX_HEADER_BYTES = 64 << 10  # a request's header lines in all (the standard library bounds each, and how many)
+_UNAVAILABLE_LOG_EVERY = 60.0
+"""Seconds between log lines of 503 answers for one reason (see :meth:`FleetServer.log_unavailable`)."""
+_MAX_UNAVAILABLE_REASONS = 64
+"""Reasons remembered for that (forgotten all at once beyond it: a reason naming a changing detail)."""
 _ROUTES = {"/v1/prefix": "POST", "/v1/engines": "GET", "/health": "GET"}  # path -> the one method it answers
 _QUOTED = 8  # names an error quotes (an unknown engine's, the known ones), the rest counted
 
@@ -155,6 +159,8 @@ class FleetServer(BoundedHTTPServer):
         self.max_blocks = max_blocks
         self.request_timeout = request_timeout
         self._slots = threading.BoundedSemaphore(max_concurrent)
+        self._unavailable_lock = threading.Lock()
+        self._unavailable: dict[str, tuple[float, int]] = {}  # 503 reason -> (last logged, answers since)
         self._hashers: dict[int, BlockHasher] = {}
         if tokens_per_hash is not None:
             self._hasher(tokens_per_hash)  # check the hashing settings now
@@ -167,6 +173,22 @@ class FleetServer(BoundedHTTPServer):
         host, port = self.server_address[:2]
         host = host if isinstance(host, str) else host.decode()
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    def log_unavailable(self, path: str, reason: str) -> None:
+        """Log a 503 answered for ``reason``: the first at once, then at most one line per reason
+        every :data:`_UNAVAILABLE_LOG_EVERY` seconds saying how many more were answered (a Redis
+        down or a writer gone makes every request one). Request threads."""
+        now = time.monotonic()
+        with self._unavailable_lock:
+            logged, since = self._unavailable.get(reason, (-math.inf, 0))
+            if now - logged < _UNAVAILABLE_LOG_EVERY:
+                self._unavailable[reason] = (logged, since + 1)
+                return
+            if len(self._unavailable) >= _MAX_UNAVAILABLE_REASONS:
+                self._unavailable.clear()
+            self._unavailable[reason] = (now, 0)
+        more = f" ({since} more such answers since the last line)" if since else ""
+        logger.warning("fleet: request %s: answered 503: %s%s", path[:100], reason, more)
 
     def _hasher(self, tokens_per_hash: int) -> BlockHasher:
         hasher = self._hashers.get(tokens_per_hash)
@@ -441,7 +463,7 @@ class _Handler(BaseHTTPRequestHandler):
         except BadRequest as exc:
             status, data = exc.status, _encode({"error": str(exc)})
         except StoreUnavailable as exc:
-            logger.warning("fleet: request %s: %s", self.path[:100], exc)
+            self.server.log_unavailable(self.path, str(exc))
             status, data = HTTPStatus.SERVICE_UNAVAILABLE, _encode({"error": str(exc)})
         except Exception:
             logger.exception("fleet: request %s failed", self.path[:100])

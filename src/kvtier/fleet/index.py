@@ -126,11 +126,19 @@ class EngineState:
     restarts: int = 0
     last_event: float | None = None
     marks: deque[str] = field(default_factory=lambda: deque(maxlen=_MARKS_KEPT))
+    disconnected: bool = False  # the subscriber's connection to its events endpoint went down, not up since
 
     @property
     def status(self) -> str:
+        """``waiting`` (nothing heard yet), ``disconnected`` (heard, but its events endpoint's
+        connection is down: the engine stopped, was killed or cannot be reached; what it held is
+        kept, and so is its start, until it is heard again), else ``synced`` (every event of its
+        start applied) or ``partial`` (some lost: its device cache or private tiers are
+        incomplete until a snapshot or a clear)."""
         if self.start is None:
             return "waiting"
+        if self.disconnected:
+            return "disconnected"
         return "synced" if self.device_complete and self.private_complete else "partial"
 
 
@@ -410,6 +418,7 @@ class FleetIndex:
             if info.scope != SCOPE_SHARED:
                 eng.spare.append(eng.bits[label])
         eng.tiers, eng.bits = {}, {}
+        eng.info = dict(record.info)  # (an "events" record has none: the new start's is unknown until a record has it)
         eng.start = record.start
         eng.seq = record.seq - 1
         # Heard from its first record on: nothing of this start was missed.
@@ -457,6 +466,24 @@ class FleetIndex:
         with self._writing():
             eng = self._engines[name]
             self._drop_private(eng)
+            self._publish()
+
+    def engine_connected(self, name: str, connected: bool) -> None:
+        """The subscriber's connection to engine ``name``'s events endpoint came up (``connected``:
+        a ZMQ handshake with its publisher succeeded) or went down (the engine stopped, was killed,
+        or cannot be reached: ZMQ saw the connection close). While it is down a heard engine's
+        status is ``disconnected``: a router must not take its answer for what a live engine
+        holds. What it held is kept (an engine cut off for a moment comes back with the same
+        start, and its lost batches are replayed; one that restarted has its old start dropped
+        with its first batch, :meth:`apply`)."""
+        with self._writing():
+            eng = self._engines[name]
+            if eng.disconnected != connected:
+                return
+            eng.disconnected = not connected
+            if not connected:
+                logger.warning("fleet: engine %s: its events endpoint disconnected (stopped, killed or unreachable); "
+                               "its status is 'disconnected' until it connects again", name)  # fmt: skip
             self._publish()
 
     def take_snapshot_wanted(self, name: str) -> bool:
@@ -777,11 +804,14 @@ class FleetReader:
         Redis is read: while one thread re-reads it the others answer from the table read before
         (a hung Redis holds each caller for its own timeout, not for everyone's in turn). Raises
         :class:`~kvtier.fleet.masks.StoreUnavailable` if Redis does not answer, or no writer holds
-        its claim on the index (:meth:`~kvtier.fleet.masks.LocationMasks.writer_missing`)."""
+        its claim on the index (:meth:`~kvtier.fleet.masks.LocationMasks.writer_missing`): a failed
+        read's outcome is kept ``meta_ttl`` seconds too, and every caller meanwhile raises it."""
         now = self._clock()
         with self._lock:
             have = self._read_at > -float("inf")
             if now - self._read_at < self.meta_ttl or (self._refreshing and have):
+                if self._failure is not None:  # (the last read's outcome, for everyone: review, 2026-12-05)
+                    raise StoreUnavailable(self._failure)
                 return self._meta
             self._refreshing = True
         try:
@@ -790,7 +820,8 @@ class FleetReader:
             if missing is not None:  # (what is there is frozen: engines evict, restart, go away unseen)
                 raise StoreUnavailable(missing)
         except StoreUnavailable as exc:
-            self._failure = str(exc)
+            with self._lock:  # (kept for meta_ttl as a table read is: a failing Redis is not asked on every request)
+                self._failure, self._read_at = str(exc), now
             raise
         finally:
             with self._lock:

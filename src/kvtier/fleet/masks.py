@@ -665,7 +665,10 @@ class RedisMasks:
         try:
             return call()
         except Exception as exc:  # redis.RedisError, OSError: whatever the client raises
-            raise StoreUnavailable(f"the index's Redis did not answer (reading {what} under prefix {self.prefix!r}): "
+            # (an error reply, NOPERM from an ACL say, is an answer: a refusal)
+            refused = any(c.__name__ == "ResponseError" for c in type(exc).__mro__)  # (redis-py's, not imported here)
+            verb = "refused the read" if refused else "did not answer"
+            raise StoreUnavailable(f"the index's Redis {verb} (reading {what} under prefix {self.prefix!r}): "
                                    f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
 
     def count(self, bit: int) -> int:
@@ -680,8 +683,9 @@ class RedisMasks:
         self._fenced_eval(self._PUT, [f"{self.prefix}:meta"], token, table)
 
     def writer_missing(self) -> str | None:
-        claimed = self._read("the writer's claim", lambda: self.client.exists(self._writer_key))
-        if claimed:
+        # GETRANGE, as the table is read: a router's ACL that allows that allows this (no EXISTS)
+        claimed = self._read("the writer's claim", lambda: self.client.getrange(self._writer_key, 0, 0))
+        if claimed:  # (a claim is a non-empty token)
             return None
         return (f"no fleet writer keeps the index under Redis prefix {self.prefix!r}: its lease "
                 f"{self._writer_key!r} is gone (the writer stopped, or was killed or cut off from Redis over "

@@ -106,7 +106,9 @@ def _number(what: str, value: Any, optional: bool = False) -> Any:
 def _own_counters(tier: Any) -> _Counters:
     own = tier.stats
     counters = {f.name: _number(f"stats.{f.name}", getattr(own, f.name)) for f in fields(own) if f.name != "extra"}
-    extra = {str(k): float(v) for k, v in own.extra.items()}
+    # dict() copies in one step (C, under the GIL): a tier's I/O thread may add a name meanwhile,
+    # which an iteration of the live dict fails on ("changed size during iteration").
+    extra = {str(k): float(v) for k, v in dict(own.extra).items()}
     declared = getattr(tier, "extra_metrics", {})
     return counters, extra, {name: getattr(declared.get(name), "kind", "gauge") for name in extra}
 
