@@ -254,7 +254,8 @@ UPLOADS_FOUND_METRIC = ExtraMetric(
 """``uploads_found``, which the shared-store tiers count (see :mod:`kvtier.tiers.doubts`)."""
 WRITES_IN_DOUBT_METRIC = ExtraMetric(
     "gauge", "Writes that failed with their outcome unknown, not yet checked (a store's events may "
-    "still announce them): 0 once every one was found or found missing."
+    "still announce them): 0 once every one was found, found missing, or dropped unchecked (the oldest, "
+    "beyond the most a tier keeps)."
 )
 """``writes_in_doubt``, which the shared-store tiers keep (see :mod:`kvtier.tiers.doubts`)."""
 
