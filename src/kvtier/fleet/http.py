@@ -12,8 +12,9 @@ Endpoints:
   per engine the leading blocks held by any of its tiers and by each tier.
 * ``GET /v1/engines``: each engine's start, status (``synced``: the index has every
   event of its start; ``partial``: some were lost and its device cache or private tiers
-  are incomplete until a snapshot or a clear; ``waiting``: nothing heard yet), tiers,
-  counters and the last markers it sent.
+  are incomplete until a snapshot or a clear; ``waiting``: nothing heard yet;
+  ``disconnected``: the connection to its events endpoint is down, the engine stopped or was
+  killed), tiers, counters and the last markers it sent.
 * ``GET /health``: ``{"ok": true}``, or 503 with an ``error`` when the index no longer
   follows the engines (``health``; ``kvtier fleet serve``'s writer: the subscriber thread
   stopped, another writer took the Redis prefix over, the writer does not hold its claim on the

@@ -12,6 +12,10 @@ ROUTER that resends buffered batches from a sequence number) and its OpenAI API 
   going back means a new publisher (the engine restarted): the index drops the old
   start's device cache and private tiers, and the new start's batches are replayed
   from 0 where possible.
+* Each SUB socket's monitor tells when the connection to the engine's publisher goes down (the
+  engine stopped or was killed: its socket closed; vLLM sends nothing when idle, so silence
+  alone says nothing) and when a publisher there is connected again: the index marks the engine
+  ``disconnected`` meanwhile (:meth:`FleetIndex.engine_connected`).
 * When the index wants a snapshot of an engine (it joined mid-start, or lost events),
   and the engine's API URL is known, a helper thread sends the engine a one-token
   completion whose ``kv_transfer_params`` ask kvtier for one (``{"kvtier_events":
@@ -46,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvtier.fleet.index import FleetIndex
 from kvtier.fleet.wire import WireError, decode_batch
@@ -60,6 +65,8 @@ _DRAIN_SECONDS = 0.25  # one engine's messages handled in a row at most before t
 # lost events at once meanwhile): an engine whose replays hang (down, or hostile) takes at most a fifth of the thread.
 _REPLAY_BACKOFF = 4.0
 _ASK_BACKOFF_STEPS = 5  # snapshot asks: snapshot_retry, then twice that, ... up to 32 times that
+# What a SUB socket's monitor reports: a connection to the engine's publisher up (handshake done) or down.
+_CONNECTION_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
 _MAX_IPC_PATH = 107
@@ -130,6 +137,8 @@ class _Link:
     replay_after: float = -float("inf")  # no replay is asked of the engine before then (monotonic)
     model: str | None = None
     pending: list[tuple[int, bytes]] = field(default_factory=list)
+    monitor: Any = None  # the SUB socket's monitor (connection up and down, _CONNECTION_EVENTS)
+    connected: bool = False
 
 
 class FleetSubscriber:
@@ -167,6 +176,7 @@ class FleetSubscriber:
         self.poll_ms = poll_ms
         self._ctx = zmq.Context()
         self._links: dict[Any, _Link] = {}
+        self._monitors: dict[Any, _Link] = {}  # each SUB socket's monitor socket -> its link
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._asks: list[threading.Thread] = []
@@ -183,31 +193,40 @@ class FleetSubscriber:
                                "one")  # fmt: skip
         for endpoint in self.endpoints:
             sub = self._ctx.socket(zmq.SUB)
+            monitor = None
             try:
                 sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
                 sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
                 sub.setsockopt(zmq.LINGER, 0)
                 sub.setsockopt(zmq.IPV6, 1)  # (without it a tcp://[::1]:port endpoint never connects, silently)
                 sub.setsockopt(zmq.SUBSCRIBE, endpoint.topic.encode())
+                monitor = sub.get_monitor_socket(_CONNECTION_EVENTS)  # (before connecting: no event missed)
                 sub.connect(endpoint.events)
             except (zmq.ZMQError, UnicodeError) as exc:
                 sub.close(linger=0)
+                if monitor is not None:
+                    monitor.close(linger=0)
                 why = f"engine {endpoint.name}: cannot subscribe to {endpoint.events!r:.160}: {exc}"
                 raise ValueError(why) from None
-            self._links[sub] = _Link(endpoint, sub)
+            self._links[sub] = self._monitors[monitor] = _Link(endpoint, sub, monitor=monitor)
         self._thread = threading.Thread(target=self._run, name="kvtier-fleet-subscriber", daemon=True)
         self._thread.start()
 
     def stop(self, join_timeout: float = 5.0) -> None:
+        """Stop the thread and close every socket, within ``join_timeout`` seconds in all: the
+        snapshot asks still waiting on engines' APIs (daemon threads, each bounded by
+        ``http_timeout``) share what the subscriber thread left of it, however many engines there are."""
+        deadline = time.monotonic() + join_timeout
         self._stop.set()
         if self._thread is not None:
             self._thread.join(join_timeout)
             if self._thread.is_alive():
                 logger.warning("fleet: the subscriber thread did not stop within %.1f s", join_timeout)
         for thread in self._asks:
-            thread.join(max(0.1, join_timeout / 4))
+            thread.join(max(0.0, deadline - time.monotonic()))
         for link in self._links.values():
             link.sub.close(linger=0)
+            link.monitor.close(linger=0)
         self._ctx.destroy(linger=0)  # (closes any socket still open, so it never waits on one)
 
     def __enter__(self) -> FleetSubscriber:
@@ -235,7 +254,7 @@ class FleetSubscriber:
 
     def _loop(self) -> None:
         poller = zmq.Poller()
-        for sub in self._links:
+        for sub in [*self._links, *self._monitors]:
             poller.register(sub, zmq.POLLIN)
         while not self._stop.is_set():
             try:
@@ -244,7 +263,9 @@ class FleetSubscriber:
                 if self._stop.is_set():
                     return
                 raise
-            for sub in ready:
+            for monitor in [m for m in ready if m in self._monitors]:  # (before the batches a connection brought)
+                self._connection_changed(self._monitors[monitor])
+            for sub in [s for s in ready if s in self._links]:
                 link = self._links[sub]
                 drain_until = time.monotonic() + _DRAIN_SECONDS
                 for _ in range(1000):  # drain, but let other engines in (after 1000 messages or _DRAIN_SECONDS)
@@ -269,6 +290,25 @@ class FleetSubscriber:
                 self._stop.wait(1.0)  # do not spin on a store that is down
             for link in self._links.values():
                 self._maybe_ask_snapshot(link)
+
+    def _connection_changed(self, link: _Link) -> None:
+        """Read the engine's SUB socket monitor: the index learns when the connection to its
+        publisher went down (the engine stopped, was killed, or cannot be reached: its status is
+        ``disconnected``) and when it is up again (a handshake with a publisher there)."""
+        connected = link.connected
+        while True:
+            try:
+                event = recv_monitor_message(link.monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                break
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                connected = False
+        if connected != link.connected:
+            link.connected = connected
+            self._tell_index(link, "telling its connection " + ("up" if connected else "down"),
+                             self.index.engine_connected, connected)  # fmt: skip
 
     def _tell_index(self, link: _Link, what: str, call: Callable[..., None], *args: Any) -> None:
         """``call(engine name, *args)`` on the index. A failure of its store (Redis) is logged and
