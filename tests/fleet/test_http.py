@@ -23,7 +23,7 @@ import pytest
 
 from kvtier.engine_events import ControlRecord, TierInfo
 from kvtier.fleet import BlockHasher, FleetIndex, RedisMasks
-from kvtier.fleet.http import FleetServer
+from kvtier.fleet.http import BadRequest, FleetServer
 from kvtier.fleet.records import Kind, WireBatch, WireEvent
 
 TOKENS = 4
@@ -608,3 +608,29 @@ def test_a_reader_does_not_answer_from_an_index_no_writer_keeps(tmp_path: Path) 
                 proc.send_signal(signal.SIGTERM)
                 assert proc.wait(20) == 0
         server.stop()
+
+
+def test_a_disconnected_engine_of_another_block_size_does_not_stop_answers_by_tokens() -> None:
+    """Follow-up of the fleet audit (2026-12-05): with the new `disconnected` status, a dead engine
+    of another block size (an old deployment, never restarted) still counted in the engines'
+    block size, so every `tokens` request was a 409 for good. A disconnected engine's size counts
+    only while no connected engine reports one."""
+    index = FleetIndex(["a", "b"])
+    for name, size in (("a", 16), ("b", 4)):
+        hello = ControlRecord("hello", name, f"s-{name}", 0, time.time(), TIERS, {"tokens_per_hash": size})
+        index.apply(name, WireBatch(time.time(), [WireEvent(Kind.CONTROL, control=hello)], 0))
+    server = FleetServer(("127.0.0.1", 0), index)
+    try:
+        with pytest.raises(BadRequest, match=r"differs between them \(\[4, 16\]\)"):
+            server.engines_tokens_per_hash()
+        index.engine_connected("b", False)
+        assert index.engine("b").status == "disconnected"
+        assert server.engines_tokens_per_hash() == 16  # before: 409
+        assert server.engines_tokens_per_hash(["b"]) == 4  # (asked about it alone: its own size)
+        index.engine_connected("a", False)
+        with pytest.raises(BadRequest, match="differs"):
+            server.engines_tokens_per_hash()
+        index.engine_connected("b", True)
+        assert server.engines_tokens_per_hash() == 4
+    finally:
+        server.server_close()

@@ -201,19 +201,23 @@ class FleetServer(BoundedHTTPServer):
 
     def engines_tokens_per_hash(self, engines: Sequence[str] | None = None) -> int:
         """``--tokens-per-hash``, else the block size the engines (those named, or all) report;
-        an engine reporting anything but a positive integer is left out (and named if no size is left)."""
+        an engine reporting anything but a positive integer is left out (and named if no size is
+        left), and so is a ``disconnected`` one while any connected engine reports a size (a dead
+        engine of another block size made every ``tokens`` request a 409 for good)."""
         if self.tokens_per_hash is not None:
             return self.tokens_per_hash
         known = self.answers.meta().get("engines", {})
         sizes: set[int] = set()
+        gone: set[int] = set()  # sizes only disconnected engines report
         odd: list[str] = []
         for name in known if engines is None else [e for e in engines if e in known]:
             info = known[name].get("info")
             size = info.get("tokens_per_hash") if isinstance(info, dict) else None
             if type(size) is int and size >= 1:
-                sizes.add(size)
+                (gone if known[name].get("status") == "disconnected" else sizes).add(size)
             elif size is not None:
                 odd.append(f"{name!r:.80} reported {size!r:.40}")
+        sizes = sizes or gone
         if len(sizes) != 1:
             raise BadRequest(
                 HTTPStatus.CONFLICT,
