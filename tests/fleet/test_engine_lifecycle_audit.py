@@ -23,6 +23,7 @@ pytest.importorskip("zmq")
 from wire_publisher import CPU_TIER, batch, control, stored, wait_for
 
 from kvtier.fleet import FleetIndex, FleetReader, RedisMasks
+from kvtier.fleet.masks import MemoryMasks, StoreUnavailable
 from kvtier.fleet.subscriber import EngineEndpoint, FleetSubscriber
 from kvtier.fleet.wire import decode_batch
 
@@ -140,7 +141,11 @@ def test_a_cleanly_stopped_engine_is_disconnected_for_a_reader_of_the_index_in_r
         index.close()
 
 
-def test_a_restart_first_heard_midway_does_not_keep_the_previous_starts_info() -> None:
+def test_a_restarts_info_replaces_the_previous_starts_once_a_record_carries_it() -> None:
+    """Pins the rule (2026-12-05): a restart first heard mid-stream keeps the last start's info
+    until a record of the new start carries one. An audit dropped it at the restart instead;
+    review found that, as an "events" record carries no info, answers by tokens were then a 409
+    (block size unknown) and tier prefixes counted in chunks of 1 until a mark or a hello came."""
     index = FleetIndex(["a"])
     index.apply("a", decode_batch(batch(control("hello", 0, start="s1", info={"tokens_per_hash": 16}), stored([1]))))
     assert index.meta()["engines"]["a"]["info"] == {"tokens_per_hash": 16}
@@ -148,10 +153,13 @@ def test_a_restart_first_heard_midway_does_not_keep_the_previous_starts_info() -
     index.apply("a", decode_batch(batch(control("events", 7, start="s2", tiers=()), stored([2]))))
     entry = index.meta()["engines"]["a"]
     assert entry["start"] == "s2" and entry["status"] == "partial"
-    assert entry["info"] == {}  # before the fix: s1's block size, the one answers by tokens were hashed with
+    assert entry["info"] == {"tokens_per_hash": 16}  # (an engine restarted keeps its block size, as a rule)
     index.apply("a", decode_batch(batch(control("mark", 8, start="s2", tiers=(CPU_TIER,),
                                                 info={"tokens_per_hash": 32}, marker="m"))))  # fmt: skip
     assert index.meta()["engines"]["a"]["info"] == {"tokens_per_hash": 32}
+    # A restart whose first record heard carries info takes it at once.
+    index.apply("a", decode_batch(batch(control("hello", 0, start="s3", info={"tokens_per_hash": 64}), stored([3]))))
+    assert index.meta()["engines"]["a"]["info"] == {"tokens_per_hash": 64}
 
 
 def test_no_thread_or_socket_is_left_behind_by_engines_killed_again_and_again(tmp_path: Path) -> None:
@@ -199,3 +207,67 @@ def test_stop_keeps_to_its_timeout_however_many_snapshot_asks_hang_on_dead_engin
     finally:
         hole.close()  # (the connections it never accepted are reset: the asks end)
         subscriber.stop()
+
+
+class _FailingTable(MemoryMasks):
+    """The index's store (a collaborator here): its next ``failures`` table writes fail, as a
+    Redis that did not answer would."""
+
+    failures = 0
+
+    def put_meta(self, meta: dict[str, Any]) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise StoreUnavailable("the index's Redis did not answer (test)")
+        super().put_meta(meta)
+
+
+def test_a_status_whose_table_write_failed_is_written_by_the_next_tick() -> None:
+    """Review (2026-12-05): the one table write of an engine's disconnect failed (Redis did not
+    answer), and nothing wrote it again: the next write came with a batch, which a dead engine
+    never sends, so readers saw it `synced` for good. A failed table write is now due again."""
+    masks = _FailingTable()
+    now = [0.0]
+    index = FleetIndex(["a"], masks, clock=lambda: now[0])
+    index.apply("a", decode_batch(batch(control("hello", 0, start="s1"), stored([1]))))
+    assert masks.get_meta()["engines"]["a"]["status"] == "synced"
+    masks.failures = 1
+    with pytest.raises(StoreUnavailable):
+        index.engine_connected("a", False)
+    assert index.engine("a").status == "disconnected"
+    assert masks.get_meta()["engines"]["a"]["status"] == "synced"  # (the write failed)
+    now[0] = 1.0  # (tick writes a due table at most every 0.5 s)
+    index.tick()
+    assert masks.get_meta()["engines"]["a"]["status"] == "disconnected"  # before the fix: 'synced' for good
+
+
+def test_a_frozen_engine_is_disconnected_by_the_heartbeat_and_back_when_it_answers(tmp_path: Path) -> None:
+    """Review (2026-12-05): an engine frozen (SIGSTOP; a host gone without closing its connections
+    behaves alike) stayed `synced`: its connection never closed, an idle SUB sends nothing, and
+    TCP without keepalive never gives it up. The subscriber now pings each publisher (ZMTP
+    heartbeats): no answer for 3 s is a disconnect; answering again is a reconnect."""
+    events = f"tcp://127.0.0.1:{_free_port()}"
+    server, url = _serve("--engine", f"a={events}")
+    engine = _engine(events, "s0", gpu=[1], cpu=[1, 2])
+    try:
+        wait_for(lambda: _prefix(url, [1, 2])["status"] == "synced", "engine a synced")
+        engine.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        # before the fix: 'synced' for as long as it stayed frozen
+        wait_for(lambda: _prefix(url, [1, 2])["status"] == "disconnected", "the frozen engine disconnected", 15)
+        assert time.monotonic() - started < 10
+        engine.send_signal(signal.SIGCONT)
+        wait_for(lambda: _prefix(url, [1, 2])["status"] == "synced", "the engine back", 15)
+        assert _prefix(url, [1, 2])["blocks"] == 2
+    finally:
+        engine.send_signal(signal.SIGCONT)
+        _kill(engine)
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(20) == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port

@@ -418,7 +418,8 @@ class FleetIndex:
             if info.scope != SCOPE_SHARED:
                 eng.spare.append(eng.bits[label])
         eng.tiers, eng.bits = {}, {}
-        eng.info = dict(record.info)  # (an "events" record has none: the new start's is unknown until a record has it)
+        if record.info:  # (an "events" record has none: the last start's is kept, block size included, until one has)
+            eng.info = dict(record.info)
         eng.start = record.start
         eng.seq = record.seq - 1
         # Heard from its first record on: nothing of this start was missed.
@@ -723,7 +724,11 @@ class FleetIndex:
         if shape == self._published_shape and now - self._published_at < _PUBLISH_COUNTERS_EVERY:
             self._publish_due = True
             return
-        self.masks.put_meta(meta)
+        try:
+            self.masks.put_meta(meta)
+        except BaseException:  # written again by the next tick (a dead engine's status has no next batch)
+            self._published_shape, self._publish_due = None, True
+            raise
         self._published_shape, self._published_at, self._publish_due = shape, now, False
 
     def meta(self) -> dict[str, Any]:

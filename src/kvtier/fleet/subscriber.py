@@ -13,9 +13,10 @@ ROUTER that resends buffered batches from a sequence number) and its OpenAI API 
   start's device cache and private tiers, and the new start's batches are replayed
   from 0 where possible.
 * Each SUB socket's monitor tells when the connection to the engine's publisher goes down (the
-  engine stopped or was killed: its socket closed; vLLM sends nothing when idle, so silence
-  alone says nothing) and when a publisher there is connected again: the index marks the engine
-  ``disconnected`` meanwhile (:meth:`FleetIndex.engine_connected`).
+  engine stopped or was killed: its socket closed; or it answered no ZMTP heartbeat for 3 s: its
+  process frozen, its host gone; vLLM sends nothing when idle, so silence alone says nothing) and
+  when a publisher there is connected again: the index marks the engine ``disconnected``
+  meanwhile (:meth:`FleetIndex.engine_connected`).
 * When the index wants a snapshot of an engine (it joined mid-start, or lost events),
   and the engine's API URL is known, a helper thread sends the engine a one-token
   completion whose ``kv_transfer_params`` ask kvtier for one (``{"kvtier_events":
@@ -67,6 +68,11 @@ _REPLAY_BACKOFF = 4.0
 _ASK_BACKOFF_STEPS = 5  # snapshot asks: snapshot_retry, then twice that, ... up to 32 times that
 # What a SUB socket's monitor reports: a connection to the engine's publisher up (handshake done) or down.
 _CONNECTION_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+# ZMTP heartbeats on each SUB socket (ms): a publisher that answers no PING within the timeout (its
+# process frozen, its host gone without closing the connection) is disconnected. An idle SUB sends
+# nothing else, and TCP alone (no keepalive by default) would never give such a connection up.
+_HEARTBEAT_IVL_MS = 1000
+_HEARTBEAT_TIMEOUT_MS = 3000
 
 
 _MAX_IPC_PATH = 107
@@ -199,6 +205,8 @@ class FleetSubscriber:
                 sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
                 sub.setsockopt(zmq.LINGER, 0)
                 sub.setsockopt(zmq.IPV6, 1)  # (without it a tcp://[::1]:port endpoint never connects, silently)
+                sub.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+                sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
                 sub.setsockopt(zmq.SUBSCRIBE, endpoint.topic.encode())
                 monitor = sub.get_monitor_socket(_CONNECTION_EVENTS)  # (before connecting: no event missed)
                 sub.connect(endpoint.events)
