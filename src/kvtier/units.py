@@ -175,11 +175,6 @@ def rows_that_fit(cpu_bytes: int, block_bytes: int) -> int:
     return rows
 
 
-__all__ = [
-    "MAX_SIZE", "PAGE_SIZE", "format_size", "parse_size", "round_up", "row_stride_for", "rows_that_fit", "shown",
-]  # fmt: skip
-
-
 def comma_entries(text: str, flag: str) -> list[str]:
     """The entries of a comma-separated flag value (``--capacity 1%,5%``, ``--policy lru,arc``),
     stripped; none for a text of commas and spaces only (the caller says what to give). An empty
@@ -190,3 +185,9 @@ def comma_entries(text: str, flag: str) -> list[str]:
         raise ConfigError(f"{flag} {shown(text)}: an empty entry (two commas in a row, or one at an end); "
                           "give every entry or drop its comma")  # fmt: skip
     return [part for part in parts if part]
+
+
+__all__ = [
+    "MAX_SIZE", "PAGE_SIZE", "comma_entries", "format_size", "parse_size", "round_up", "row_stride_for",
+    "rows_that_fit", "shown",
+]  # fmt: skip

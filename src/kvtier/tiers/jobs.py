@@ -429,7 +429,7 @@ class ThreadedTier(SecondaryTier):
         """Writes in doubt for a tier that keeps them (sets :attr:`_doubts` to this), with their
         number in the ``writes_in_doubt`` gauge (:data:`~kvtier.tiers.base.WRITES_IN_DOUBT_METRIC`)."""
         extra = self.stats.extra
-        extra["writes_in_doubt"] = 0.0  # (set before any reader: a new key would resize the dict under a snapshot)
+        extra["writes_in_doubt"] = 0.0  # (exported as 0 from the start, not only once a write was in doubt)
 
         def gauge(n: int) -> None:
             extra["writes_in_doubt"] = float(n)

@@ -18,7 +18,6 @@ state; safe from any thread.
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import gzip
 import io
@@ -147,8 +146,9 @@ def iter_trace(
 
     The file must be a regular file (a FIFO or device is refused, never read; a
     symlink to a regular file is fine), plain or gzip-compressed (recognized by
-    its first bytes, whatever its name), UTF-8 (a leading byte order mark is skipped), with lines of at most
-    :data:`MAX_LINE_BYTES` and at most ``max_bytes`` in all (decompressed). Each
+    its first bytes, whatever its name), UTF-8 (a leading byte order mark is
+    skipped), with lines of at most :data:`MAX_LINE_BYTES` and at most
+    ``max_bytes`` in all (decompressed). Each
     line must be an object with ``timestamp``, ``input_length``,
     ``output_length`` (finite, non-negative numbers) and ``hash_ids`` (integers
     in the int64 range). Raises :class:`TraceFormatError` naming the file and
@@ -158,9 +158,9 @@ def iter_trace(
     raw = os.fdopen(open_input(name, "trace"), "rb")
     with raw:
         for lineno, offset, line in _lines(raw, name, max_bytes):
-            if lineno == 1 and line.startswith(codecs.BOM_UTF8):  # (a file saved by an editor that marks UTF-8)
-                line, offset = line[len(codecs.BOM_UTF8) :], len(codecs.BOM_UTF8)
             text = decode_utf8(line, "trace", name, start_offset=offset, line=lineno)
+            if lineno == 1:  # a UTF-8 BOM (Windows editors write one), as config files skip it
+                text = text.removeprefix("\ufeff")
             if text.strip():
                 yield _parse_line(text, f"{name}:{lineno}")
 
