@@ -676,6 +676,7 @@ class FilesystemTier(ThreadedTier):
         finally:
             if not self._queue.queued(Lane.STORE):  # idle: tell the others now; busy: housekeeping batches
                 self._journal.flush()
+                self._budget.idle()
         if written:  # before the commit: a peer's removal read after it is timed later (_apply_journal)
             self._emit([key], removed=False)
         self._index.commit(key)
@@ -696,13 +697,16 @@ class FilesystemTier(ThreadedTier):
         A name found taken and then free (the value there was evicted or recycled by its
         engine before it could be looked at) is linked once more. Claims room in the shared
         budget first and evicts what that takes; every failure gives the claim back and
-        removes the temp file. Raises _NoRoom (nothing evictable), _LostRace (taken and free
-        again twice), UnsafeEntryError (the name is taken by an entry that is not a value of
-        ours: left alone, never replaced), OSError.
+        removes the temp file. The claim is settled just before the file is linked (an engine
+        killed while writing leaves no phantom file in its ledger: see
+        :mod:`~kvtier.tiers.fs_budget`). Raises _NoRoom (nothing evictable), _LostRace (taken
+        and free again twice), UnsafeEntryError (the name is taken by an entry that is not a
+        value of ours: left alone, never replaced), OSError.
         """
         tmp, tmp_dir = self._instance.temp_name(key), self._instance.fd
         fd: int | None = None
         claimed = True
+        settled = False
         at_name: bool | None = None
         need = self._budget.claim()
         try:
@@ -720,6 +724,8 @@ class FilesystemTier(ThreadedTier):
                 row.release()
             os.close(fd)  # drops a recycled file's exclusive lock before it is visible again
             fd = None
+            self._budget.settle()
+            settled = True
             placed = self._place(tmp, tmp_dir, key)
             if not placed:
                 at_name = self._value_at(key)
@@ -735,7 +741,7 @@ class FilesystemTier(ThreadedTier):
             if fd is not None:
                 os.close(fd)
             if claimed:
-                self._budget.release(1)
+                self._budget.give_back(settled)
                 with contextlib.suppress(OSError):
                     os.unlink(tmp, dir_fd=tmp_dir)
         if at_name:
@@ -974,7 +980,11 @@ class FilesystemTier(ThreadedTier):
             self._checks.prune()
         if now >= self._next_ledger_check:
             self._next_ledger_check = now + _LEDGER_SECONDS
-            self._budget.adopt_dead()
+            if self._budget.adopt_dead():  # an engine died: its temp files go now, not at the next start
+                dirs, files = sweep_temp_dirs(self._dirs)
+                self.swept_temp_dirs += dirs
+                self.swept_temp_files += files
+                self.stats.extra["temp_files_swept"] = float(self.swept_temp_files)
             self._budget.refresh()
             if self._follow is not None:
                 self._follow.remove_dead()

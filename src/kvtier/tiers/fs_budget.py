@@ -34,8 +34,20 @@ How the engines agree on how many files there are, with no lock and no server:
 * **Dead engines' ledgers are adopted.** The ledger of an instance whose lock in
   ``tmp/`` is free keeps counting until a live engine renames it to a name of
   its own (one renamer wins), adds its count to its own ledger and deletes it.
-* **Drift only makes the bound stricter.** A process killed between a claim and
-  its link (or inside an adoption) leaves the sum above the truth. An engine that
+* **Claims not yet linked are in the record too**, so an adopter does not take
+  them for files. A record holds the count and, in the top 16 bits of its
+  sequence field, how many of its claims are *unsettled*: claimed, their file
+  being written. A store settles its claim (one more publish) just before it
+  links its file; the adopter counts ``count - unsettled``. A process killed
+  while writing its files (most of a store's time) so leaves no phantom file
+  behind. Older releases ignore those bits (and write 0 there: their claims are
+  adopted as files, as before).
+* **Drift only makes the bound stricter.** A process killed between settling a
+  claim and linking its file, between an eviction's ``unlink`` and its count, or
+  inside an adoption leaves the sum above the truth, by a file or so; without
+  the unsettled count every kill during a store would (one file per store in
+  flight), and a namespace whose engines are killed again and again, while one
+  of them lives, would end up counted full while empty. An engine that
   starts while no other is alive resets the sum to what its start-up scan counted;
   any engine whose scan counts more files than the sum (a root written by an
   older release, a deleted ledger) adds the difference.
@@ -45,7 +57,8 @@ attribute cache timeout (``actimeo``) and the bound may be overshot by what the
 other hosts wrote in that time; ENOSPC handling still protects the disk.
 
 Thread-safe: the tier's I/O threads call :meth:`SharedBudget.claim`,
-:meth:`~SharedBudget.recheck`, :meth:`~SharedBudget.release`, :meth:`~SharedBudget.cancel`;
+:meth:`~SharedBudget.settle`, :meth:`~SharedBudget.give_back`, :meth:`~SharedBudget.recheck`,
+:meth:`~SharedBudget.release`, :meth:`~SharedBudget.cancel`, :meth:`~SharedBudget.idle`;
 housekeeping calls
 :meth:`~SharedBudget.refresh` and :meth:`~SharedBudget.adopt_dead`; the scheduler
 thread only reads cached figures (:attr:`~SharedBudget.used_files`). Every call
@@ -79,6 +92,9 @@ logger = logging.getLogger(__name__)
 _HEAD = struct.Struct("<8sqQ")  # magic, files (signed: an engine may remove more than it adds), sequence
 _MAGIC = b"KVLEDGR1"
 RECORD_BYTES = _HEAD.size + 8
+_UNSETTLED_SHIFT = 48  # the sequence field's top 16 bits: unsettled claims (older releases write 0)
+_SEQUENCE_MASK = (1 << _UNSETTLED_SHIFT) - 1
+MAX_UNSETTLED = (1 << (64 - _UNSETTLED_SHIFT)) - 1
 _NAME_RE = re.compile(r"^(\d+-[0-9a-f]{12})(?:\.adopt\.\d+)?$")
 _RELIST_RECENT_SECONDS = 2.0
 """A ledger directory changed this recently is listed again even when it looks unchanged (every
@@ -87,21 +103,33 @@ show a second change."""
 _RELIST_EVERY = 0.25
 
 
-def pack_record(files: int, sequence: int) -> bytes:
-    head = _HEAD.pack(_MAGIC, files, sequence)
+def pack_record(files: int, sequence: int, unsettled: int = 0) -> bytes:
+    """A ledger record: count ``files`` (claims included), publish number ``sequence`` (kept to
+    48 bits), ``unsettled`` of the claims not linked yet (0 to :data:`MAX_UNSETTLED`)."""
+    if not 0 <= unsettled <= MAX_UNSETTLED:
+        raise ValueError(f"unsettled claims must be 0..{MAX_UNSETTLED}, not {unsettled}")
+    head = _HEAD.pack(_MAGIC, files, (sequence & _SEQUENCE_MASK) | (unsettled << _UNSETTLED_SHIFT))
     return head + xxhash.xxh64_intdigest(head).to_bytes(8, "little")
 
 
-def parse_record(data: bytes) -> int | None:
-    """The file count of a ledger record; 0 for an empty (just created) ledger; None if invalid."""
+def read_record(data: bytes) -> tuple[int, int] | None:
+    """A ledger record's (count, unsettled claims); (0, 0) for an empty (just created) ledger;
+    None if it is not a valid record."""
     if not data:
-        return 0
+        return 0, 0
     if len(data) != RECORD_BYTES or xxhash.xxh64_intdigest(data[: _HEAD.size]) != int.from_bytes(
         data[_HEAD.size :], "little"
     ):
         return None
-    magic, files, _ = _HEAD.unpack(data[: _HEAD.size])
-    return files if magic == _MAGIC else None
+    magic, files, sequence = _HEAD.unpack(data[: _HEAD.size])
+    return (files, sequence >> _UNSETTLED_SHIFT) if magic == _MAGIC else None
+
+
+def parse_record(data: bytes) -> int | None:
+    """The file count of a ledger record (unsettled claims included); 0 for an empty (just
+    created) ledger; None if invalid."""
+    record = read_record(data)
+    return None if record is None else record[0]
 
 
 @dataclass
@@ -129,8 +157,11 @@ class SharedBudget:
         self._capacity = self.max_files
         self._lock = threading.Lock()
         self._own = 0
+        self._unsettled = 0  # claims counted in _own whose file is not linked yet
         self._evicting = 0  # evictions planned by this instance's threads and not done yet
         self._seq = 0
+        self._seq_at_flush = 0
+        self._write_fd = -1  # this ledger open for writing while the tier stores (see _publish)
         self._changes = 0
         self._ledgers: dict[tuple[int, int], _Ledger] = {}
         self._signature: tuple[int, ...] | None = None
@@ -201,18 +232,37 @@ class SharedBudget:
     # --- I/O threads ----------------------------------------------------------------------------
 
     def claim(self) -> int:
-        """Count one more file (a store about to link one in), then :meth:`recheck`. The caller
-        gives the claim back with :meth:`release` if it links nothing."""
+        """Count one more file (a store about to link one in), unsettled, then :meth:`recheck`.
+        The caller calls :meth:`settle` just before it links the file, and gives the claim back
+        with :meth:`give_back` if it links nothing."""
         with self._lock:
             self._own += 1
+            self._unsettled += 1
             self._changes += 1
             self._publish()
             try:
                 return self._plan_locked()
             except BaseException:
                 self._own -= 1
+                self._unsettled -= 1
                 self._publish()
                 raise
+
+    def settle(self) -> None:
+        """A claim's file is about to be linked: from now on an adopter of this ledger counts it
+        as a file (a kill before the link leaves the sum a file too high, never too low)."""
+        with self._lock:
+            self._unsettled = max(0, self._unsettled - 1)
+            self._publish()
+
+    def give_back(self, settled: bool) -> None:
+        """A claim's store linked nothing: count it no more (``settled``: :meth:`settle` was called)."""
+        with self._lock:
+            self._own -= 1
+            if not settled:
+                self._unsettled = max(0, self._unsettled - 1)
+            self._changes += 1
+            self._publish()
 
     def recheck(self) -> int:
         """How many files the caller must evict now: what the namespace is over its capacity
@@ -224,7 +274,7 @@ class SharedBudget:
 
     def release(self, files: int, planned: bool = False) -> None:
         """Count ``files`` fewer: files removed from the shards (``planned``: evictions that
-        :meth:`claim`/:meth:`recheck` asked for), or claims given back."""
+        :meth:`claim`/:meth:`recheck` asked for). A claim is given back with :meth:`give_back`."""
         if files:
             with self._lock:
                 self._own -= files
@@ -234,11 +284,23 @@ class SharedBudget:
                 self._publish()
 
     def flush(self) -> None:
-        """Publish the count again if the last publish failed (housekeeping, shutdown)."""
-        if self._dirty:
-            with self._lock:
-                if self._dirty:
-                    self._publish()
+        """Publish the count again if the last publish failed, and close the ledger's write
+        descriptor if nothing was published since the last call (housekeeping, every tick;
+        shutdown)."""
+        with self._lock:
+            if self._dirty:
+                self._publish()
+            if self._write_fd >= 0 and self._seq == self._seq_at_flush:
+                self._close_write_fd()
+            self._seq_at_flush = self._seq
+
+    def idle(self) -> None:
+        """No store is queued (a write thread, after its store): close the ledger's write
+        descriptor unless a claim is still being written (that thread's next publish would
+        open it again)."""
+        with self._lock:
+            if self._unsettled == 0:
+                self._close_write_fd()
 
     def cancel(self, files: int) -> None:
         """``files`` planned evictions will not happen (nothing left to evict)."""
@@ -311,6 +373,7 @@ class SharedBudget:
         later instance adopts it)."""
         self.flush()
         with self._lock:
+            self._close_write_fd()
             for ledger in self._ledgers.values():
                 os.close(ledger.fd)
             self._ledgers = {}
@@ -323,26 +386,39 @@ class SharedBudget:
     def _publish(self) -> None:
         """Write this instance's count. A failure is logged, never raised: the count in memory
         stays right and the next publish carries it (the record was allocated at creation, so
-        overwriting it needs no space). Opened for each write: a descriptor open for writing
-        would keep the file system from being remounted read-only."""
+        overwriting it needs no space).
+
+        The write descriptor is opened by name (and checked to be this ledger's inode) when
+        none is open and kept while stores are queued (an open and close per publish cost more
+        than the write, and a store that evicts publishes three times); :meth:`idle` closes it
+        when the store queue runs empty and :meth:`flush` once a housekeeping tick passes
+        without a publish, so an idle tier holds no descriptor open for writing (which would
+        keep the file system from being remounted read-only)."""
         self._seq += 1
         self._dirty = False
         try:
-            fd = os.open(self.instance, os.O_WRONLY | SAFE_OPEN_FLAGS, dir_fd=self._dir_fd)
-            try:
+            if self._write_fd < 0:
+                fd = os.open(self.instance, os.O_WRONLY | SAFE_OPEN_FLAGS, dir_fd=self._dir_fd)
                 st = os.fstat(fd)
                 if (st.st_dev, st.st_ino) != self._ident:
+                    os.close(fd)
                     raise OSError(errno.ESTALE, "the ledger was replaced")
-                os.pwrite(fd, pack_record(self._own, self._seq), 0)
-            finally:
-                os.close(fd)
+                self._write_fd = fd
+            os.pwrite(self._write_fd, pack_record(self._own, self._seq, min(self._unsettled, MAX_UNSETTLED)), 0)
         except OSError as exc:
+            self._close_write_fd()
             if self._publish_error is None:
                 logger.warning("fs tier %s: cannot update its ledger: %s", self._dirs.path, describe_error(exc))
             self._publish_error = str(exc)
             self._dirty = True
             return
         self._publish_error = None
+
+    def _close_write_fd(self) -> None:
+        if self._write_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._write_fd)
+            self._write_fd = -1
 
     def _plan_locked(self) -> int:
         need = max(0, self._total_locked() - self._capacity - self._evicting)
@@ -425,7 +501,8 @@ class SharedBudget:
         return None
 
     def _adopt(self, name: str) -> bool:
-        """Rename a dead instance's ledger to a name of ours, add its count to ours, delete it."""
+        """Rename a dead instance's ledger to a name of ours, add its count less its unsettled
+        claims (files it never linked) to ours, delete it."""
         d = self._dir_fd
         taken = f"{self.instance}.adopt.{next(self._adopt_names)}"
         try:
@@ -441,14 +518,15 @@ class SharedBudget:
                 os.close(fd)
         except (OSError, UnsafeEntryError):
             data = b"?"
-        files = parse_record(data)
-        if files is None:  # not a ledger of ours after all: put it back, untouched
+        record = read_record(data)
+        if record is None:  # not a ledger of ours after all: put it back, untouched
             self._unadoptable.add(name)
             with contextlib.suppress(OSError):
                 os.rename(taken, name, src_dir_fd=d, dst_dir_fd=d)
             return False
+        files, unsettled = record
         with self._lock:
-            self._own += files
+            self._own += files - unsettled
             self._changes += 1
             self._publish()
             with contextlib.suppress(FileNotFoundError):
@@ -457,4 +535,4 @@ class SharedBudget:
         return True
 
 
-__all__ = ["RECORD_BYTES", "SharedBudget", "pack_record", "parse_record"]
+__all__ = ["MAX_UNSETTLED", "RECORD_BYTES", "SharedBudget", "pack_record", "parse_record", "read_record"]
