@@ -5,9 +5,14 @@ adopted."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
 import os
 import random
 import signal
+import stat
+import struct
 import subprocess
 import sys
 import textwrap
@@ -262,3 +267,120 @@ def test_an_idle_tier_holds_no_ledger_open_for_writing(tmp_path: Path, rows: np.
     finally:
         tier.shutdown()
     assert not _write_fds_on(ledger)
+
+
+_IN_CLOSE_WRITE, _IN_OPEN = 0x8, 0x20
+
+
+@contextlib.contextmanager
+def _closes_for_writing(path: Path) -> Iterator[list[int]]:
+    """Count the descriptors open for writing on ``path`` that are closed (inotify
+    IN_CLOSE_WRITE), in the list yielded, filled in when the block ends. Opens are watched too:
+    inotify merges identical events in a row, never an open between two closes."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "inotify_init1"):
+        pytest.skip("no inotify")
+    ino = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    if ino < 0:
+        pytest.skip(f"no inotify: {os.strerror(ctypes.get_errno())}")
+    counted: list[int] = []
+    try:
+        assert libc.inotify_add_watch(ino, str(path).encode(), _IN_CLOSE_WRITE | _IN_OPEN) >= 0
+        yield counted
+        masks = []
+        with contextlib.suppress(BlockingIOError):
+            while data := os.read(ino, 65536):
+                masks += [struct.unpack_from("iIII", data, at)[1] for at in range(0, len(data), 16)]
+        counted.append(sum(1 for mask in masks if mask & _IN_CLOSE_WRITE))
+    finally:
+        os.close(ino)
+
+
+def test_a_busy_tier_closes_its_ledger_for_writing_at_every_housekeeping_tick(tmp_path: Path, rows: np.ndarray) -> None:
+    """Regression (audit, 2026-12-05): the ledger's write descriptor was kept for as long as
+    stores stayed queued, and on NFS a client sends its writes to the server when the file is
+    closed (close-to-open consistency, as the journal's appends rely on): a busy engine's
+    claims, thousands of publishes a second, reached no other host until its queue ran empty
+    (3,000 stores in about 0.7 s: one close, at the end), so the other hosts evicted against a
+    stale count and the namespace overshot its bound for as long as the engine stayed busy.
+    Now the descriptor is closed at every housekeeping tick (50 ms), busy or not."""
+    tier = make_tier(tmp_path, rows, BB, max_bytes=64 * ENTRY, direct_io=False)
+    ledger = tier.ns_dir / LEDGER_DIR / tier.describe()["instance"]
+    try:
+        fill(rows, range(8), [key_of(i, b"busy") for i in range(8)], BB)
+        warm = [key_of(i, b"warm-up") for i in range(200)]
+        started = time.monotonic()
+        assert store(tier, warm, [i % 8 for i in range(len(warm))]).success
+        per_store = (time.monotonic() - started) / len(warm)
+        keys = [key_of(i, b"busy") for i in range(max(3000, min(30000, int(0.5 / per_store))))]
+        with _closes_for_writing(ledger) as closes:
+            started = time.monotonic()
+            assert store(tier, keys, [i % 8 for i in range(len(keys))]).success  # one job: stores stay queued
+            took = time.monotonic() - started
+        assert took > 0.15, f"the store job took {took:.3f} s: too short to span housekeeping ticks"
+        assert closes[0] >= 3, f"{closes[0]} closes of the ledger in {took:.2f} s of stores"
+        assert read_record(ledger.read_bytes()) == (64, 0)
+    finally:
+        tier.shutdown()
+
+
+def test_a_ledger_that_cannot_be_checked_after_its_open_is_not_left_open(
+    tmp_path: Path, rows: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (audit, 2026-12-05): a publish opens the ledger and checks (``fstat``) that it
+    is this instance's; an fstat that failed (EIO, or ESTALE on NFS) left the descriptor open,
+    unknown to anyone, for good: one descriptor open for writing leaked per failure (the file
+    system could not be remounted read-only). The count is published again once it can be."""
+    tier = make_tier(tmp_path, rows, BB, max_bytes=4 * ENTRY, direct_io=False)
+    ledger = tier.ns_dir / LEDGER_DIR / tier.describe()["instance"]
+    real_fstat = os.fstat
+
+    def failing_fstat(fd: int) -> os.stat_result:
+        if isinstance(fd, int) and fd in _write_fds_on(ledger):
+            raise OSError(errno.EIO, "injected: fstat of the ledger failed")
+        return real_fstat(fd)
+
+    try:
+        keys = [key_of(i, b"fstat") for i in range(2)]
+        fill(rows, range(2), keys, BB)
+        monkeypatch.setattr(os, "fstat", failing_fstat)
+        assert store(tier, keys[:1], [0]).success  # every publish of this store fails its check
+        monkeypatch.setattr(os, "fstat", real_fstat)
+        assert not _write_fds_on(ledger), "descriptors of failed publishes were left open"
+        assert store(tier, keys[1:], [1]).success
+        assert read_record(ledger.read_bytes()) == (2, 0)
+        assert not _write_fds_on(ledger)
+    finally:
+        monkeypatch.setattr(os, "fstat", real_fstat)
+        tier.shutdown()
+
+
+def test_a_value_linked_before_its_directory_fsync_failed_stays_counted(
+    tmp_path: Path, rows: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (audit, 2026-12-05): with ``fsync``, a store whose file was linked into its
+    shard and whose fsync of the shard directory then failed (EIO) gave its claim back: the
+    file stayed on disk, counted by no ledger, so the namespace was counted a file below the
+    truth for good (the bound overshot; every engine killed or not). Now the store still fails,
+    and the linked file stays counted."""
+    tier = make_tier(tmp_path, rows, BB, max_bytes=4 * ENTRY, direct_io=False, fsync=True)
+    ns_dir = tier.ns_dir
+    real_fsync = os.fsync
+
+    def failing_fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, "injected: fsync of a directory failed")
+        real_fsync(fd)
+
+    try:
+        key = key_of(0, b"dir-fsync")
+        fill(rows, [0], [key], BB)
+        monkeypatch.setattr(os, "fsync", failing_fsync)
+        result = store(tier, [key], [0])
+        monkeypatch.setattr(os, "fsync", real_fsync)
+        assert not result.success and "injected" in (result.error or "")
+        assert len(value_files(ns_dir)) == 1, "the value was not linked: the injection missed its moment"
+        assert _ledger_sum(ns_dir) == 1, "a linked value was counted off the shared budget"
+    finally:
+        monkeypatch.setattr(os, "fsync", real_fsync)
+        tier.shutdown()

@@ -696,10 +696,11 @@ class FilesystemTier(ThreadedTier):
 
         A name found taken and then free (the value there was evicted or recycled by its
         engine before it could be looked at) is linked once more. Claims room in the shared
-        budget first and evicts what that takes; every failure gives the claim back and
-        removes the temp file. The claim is settled just before the file is linked (an engine
-        killed while writing leaves no phantom file in its ledger: see
-        :mod:`~kvtier.tiers.fs_budget`). Raises _NoRoom (nothing evictable), _LostRace (taken
+        budget first and evicts what that takes; every failure before the link gives the claim
+        back and removes the temp file (a linked file stays counted: with ``fsync``, a failed
+        fsync of its directory raises OSError, the file in place). The claim is settled just
+        before the file is linked (an engine killed while writing leaves no phantom file in its
+        ledger: see :mod:`~kvtier.tiers.fs_budget`). Raises _NoRoom (nothing evictable), _LostRace (taken
         and free again twice), UnsafeEntryError (the name is taken by an entry that is not a
         value of ours: left alone, never replaced), OSError.
         """
@@ -734,8 +735,10 @@ class FilesystemTier(ThreadedTier):
                     if not placed:
                         at_name = self._value_at(key)
             if placed:
-                claimed = False
+                claimed = False  # linked: counted whatever fails next (the directory's fsync)
                 self._journal.append(ADDED, [key])
+                if self.fsync:
+                    self._sync_shard(key)
                 return True
         finally:
             if fd is not None:
@@ -765,9 +768,15 @@ class FilesystemTier(ThreadedTier):
                                 self.root)  # fmt: skip
             if not self._hard_links:
                 placed = place_value(tmp_dir, tmp, shard_fd, value_name(key), hard_link=False)
-            if placed and self.fsync:
-                os.fsync(shard_fd)
             return placed
+        finally:
+            os.close(shard_fd)
+
+    def _sync_shard(self, key: BlockKey) -> None:
+        """fsync the shard directory ``key``'s value was just linked into (``fsync``); raises OSError."""
+        shard_fd = self._dirs.shard(f"{key[0]:02x}")
+        try:
+            os.fsync(shard_fd)
         finally:
             os.close(shard_fd)
 

@@ -53,8 +53,10 @@ How the engines agree on how many files there are, with no lock and no server:
   older release, a deleted ledger) adds the difference.
 
 On NFS the ledgers are read through the client's cache: the sum lags by the
-attribute cache timeout (``actimeo``) and the bound may be overshot by what the
-other hosts wrote in that time; ENOSPC handling still protects the disk.
+attribute cache timeout (``actimeo``), plus up to a housekeeping tick (50 ms) while
+the writer's stores are queued (its descriptor, which sends its writes to the
+server when closed, is closed at every tick), and the bound may be overshot by
+what the other hosts wrote in that time; ENOSPC handling still protects the disk.
 
 Thread-safe: the tier's I/O threads call :meth:`SharedBudget.claim`,
 :meth:`~SharedBudget.settle`, :meth:`~SharedBudget.give_back`, :meth:`~SharedBudget.recheck`,
@@ -160,7 +162,6 @@ class SharedBudget:
         self._unsettled = 0  # claims counted in _own whose file is not linked yet
         self._evicting = 0  # evictions planned by this instance's threads and not done yet
         self._seq = 0
-        self._seq_at_flush = 0
         self._write_fd = -1  # this ledger open for writing while the tier stores (see _publish)
         self._changes = 0
         self._ledgers: dict[tuple[int, int], _Ledger] = {}
@@ -285,14 +286,13 @@ class SharedBudget:
 
     def flush(self) -> None:
         """Publish the count again if the last publish failed, and close the ledger's write
-        descriptor if nothing was published since the last call (housekeeping, every tick;
-        shutdown)."""
+        descriptor (housekeeping, every tick, busy or not; shutdown): on NFS a write reaches the
+        server, and the other hosts, when its descriptor is closed (close-to-open consistency),
+        so a busy tier's count is sent at least once a tick."""
         with self._lock:
             if self._dirty:
                 self._publish()
-            if self._write_fd >= 0 and self._seq == self._seq_at_flush:
-                self._close_write_fd()
-            self._seq_at_flush = self._seq
+            self._close_write_fd()
 
     def idle(self) -> None:
         """No store is queued (a write thread, after its store): close the ledger's write
@@ -391,19 +391,19 @@ class SharedBudget:
         The write descriptor is opened by name (and checked to be this ledger's inode) when
         none is open and kept while stores are queued (an open and close per publish cost more
         than the write, and a store that evicts publishes three times); :meth:`idle` closes it
-        when the store queue runs empty and :meth:`flush` once a housekeeping tick passes
-        without a publish, so an idle tier holds no descriptor open for writing (which would
-        keep the file system from being remounted read-only)."""
+        when the store queue runs empty and :meth:`flush` at every housekeeping tick, so an
+        idle tier holds no descriptor open for writing (which would keep the file system from
+        being remounted read-only) and a busy one's count reaches an NFS server within a tick
+        (a close sends an NFS client's writes to the server)."""
         self._seq += 1
         self._dirty = False
         try:
             if self._write_fd < 0:
-                fd = os.open(self.instance, os.O_WRONLY | SAFE_OPEN_FLAGS, dir_fd=self._dir_fd)
-                st = os.fstat(fd)
+                # Kept from the open on: the except clause below closes it, whatever fails.
+                self._write_fd = os.open(self.instance, os.O_WRONLY | SAFE_OPEN_FLAGS, dir_fd=self._dir_fd)
+                st = os.fstat(self._write_fd)
                 if (st.st_dev, st.st_ino) != self._ident:
-                    os.close(fd)
                     raise OSError(errno.ESTALE, "the ledger was replaced")
-                self._write_fd = fd
             os.pwrite(self._write_fd, pack_record(self._own, self._seq, min(self._unsettled, MAX_UNSETTLED)), 0)
         except OSError as exc:
             self._close_write_fd()
