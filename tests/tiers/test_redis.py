@@ -1199,3 +1199,59 @@ def test_tls_options_that_cannot_make_a_tls_context_are_refused_at_validation(tm
                   "ssl_ciphers=ECDHE+AESGCM", f"ssl_certfile={crt}&ssl_keyfile={key}", f"ssl_certfile={both}",
                   f"ssl_certfile={crt}&ssl_keyfile={locked}&ssl_password=pw", "ssl_cert_reqs=none"):  # fmt: skip
         assert RedisTierOptions(url=base + query).url == base + query  # (nothing built: no connection)
+
+
+def test_a_cluster_redirect_of_a_lookups_check_keeps_a_write_in_doubt(
+    redis_cluster: object, make_tier: Callable[..., RedisTier]
+) -> None:
+    """Regression (lead of 2026-12-05): a SET in doubt (its reply lost) whose key's slot then moved
+    to another node: the lookup's check (STRLEN) was answered MOVED, and that MISS settled the
+    doubt, so the value there was never announced (a fleet index lacked what the cluster held).
+    A redirected check now leaves the doubt for housekeeping, which asks again after the topology
+    refresh, finds the value on its new node and announces it once."""
+    from redis.cluster import RedisCluster
+
+    url = redis_cluster.url  # type: ignore[attr-defined]
+    nodes = redis_cluster.nodes  # type: ignore[attr-defined]
+    rows = random_rows(4)
+    ns = namespace()
+    tier = make_tier(url, rows, ns, cluster=True, io_threads=1, socket_timeout=2.0, failure_threshold=1000)
+    assert store(tier, keys_for(ns, 1, start=50), [3]).success  # (connections and topology set up)
+    tier.take_events()
+    key = keys_for(ns, 1, start=60)[0]
+    name = tier.redis_key(key)
+    client = RedisCluster.from_url(url)
+    try:
+        slot = client.keyslot(name)
+        owner = client.get_node_from_key(name)
+        source = redis.Redis(host="127.0.0.1", port=owner.port)
+        target_port = next(n.port for n in nodes if n.port != owner.port)
+        target = redis.Redis(host="127.0.0.1", port=target_port)
+        source.execute_command("CLIENT", "PAUSE", 2600, "WRITE")  # the SET's reply does not come in time
+        result = store(tier, [key], [0])
+        assert not result.success and tier.stats.extra["writes_in_doubt"] == 1, result
+        source.execute_command("CLIENT", "UNPAUSE")
+        # The paused SET is dropped with its connection; the value that "landed" is written as the
+        # same engine's SET would have written it (another engine's store of the block's rows).
+        other = make_tier(url, rows, ns, cluster=True)
+        assert store(other, [key], [0]).success and source.strlen(name) == HEADER_SIZE + rows.shape[1]
+        # Move the key's slot to another node (as a resharding does) before anyone checks the doubt.
+        source_id, target_id = source.execute_command("CLUSTER", "MYID"), target.execute_command("CLUSTER", "MYID")
+        target.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+        source.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+        source.execute_command("MIGRATE", "127.0.0.1", target_port, name, 0, 5000)
+        for node in nodes:
+            redis.Redis(host="127.0.0.1", port=node.port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+        assert target.strlen(name) == HEADER_SIZE + rows.shape[1]
+        resolve(tier, key)  # the check goes to the old node: MOVED
+        deadline = time.monotonic() + 10
+        while tier.stats.extra.get("uploads_found", 0) < 1:
+            assert time.monotonic() < deadline, f"the SET in doubt was dropped, not announced: {tier.stats.extra}"
+            time.sleep(0.02)
+        announced = [k for event in tier.take_events() if not event.removed for k in event.keys]
+        assert announced == [key] and tier.stats.extra["writes_in_doubt"] == 0
+        assert resolve(tier, key) is LookupResult.HIT
+        assert load(tier, [key], [1]).success
+        assert np.array_equal(rows[1], rows[0])
+    finally:
+        client.close()

@@ -445,12 +445,15 @@ class RedisTier(ThreadedTier):
         """The Redis key of a block: ``<prefix>:<namespace hex>:<block key hex>``."""
         return self._key_prefix + key.hex().encode()
 
-    def _remember(self, key: BlockKey, present: bool, now: float, answer: bool = False) -> bool:
+    def _remember(
+        self, key: BlockKey, present: bool, now: float, answer: bool = False, settles: bool = True
+    ) -> bool:
         """Cache ``key``'s existence; True if its SET was in doubt (a caller that found it present
         and does not announce it itself announces it: :meth:`_announce_found`). Caller holds
         _lock. Re-inserting keeps the dict ordered by expiry; ``answer`` marks the reply to a
-        lookup's check, which that lookup consumes once."""
-        doubted = self._doubts.discard(key)  # (what was just learned is newer than the doubt)
+        lookup's check, which that lookup consumes once; ``settles`` False: the answer says
+        nothing of the key (a cluster's redirect), and a doubt of it stays."""
+        doubted = settles and self._doubts.discard(key)  # (what was just learned is newer than the doubt)
         self._known.pop(key, None)
         self._known[key] = (present, now + self._lookup_cache_seconds, answer)
         return doubted
@@ -841,9 +844,12 @@ class RedisTier(ThreadedTier):
             for i, key in enumerate(keys):
                 self._checking.pop(key, None)
                 if i in answers:  # (an error reply is a MISS: the lookup gets its answer, not RETRY forever)
-                    # A redirected key is asked again after the topology refresh: its MISS is not cached.
-                    at = now - self._lookup_cache_seconds if i in redirected else now
-                    if self._remember(key, answers[i], at, answer=True) and answers[i]:
+                    # A redirected key is asked again after the topology refresh: its MISS is not
+                    # cached, and a write of it in doubt stays in doubt (_settle_doubts asks again).
+                    moved = i in redirected
+                    at = now - self._lookup_cache_seconds if moved else now
+                    settles = not (moved and self.options.cluster)  # (as in _settle_doubts)
+                    if self._remember(key, answers[i], at, answer=True, settles=settles) and answers[i]:
                         found.append(key)
         self._announce_found(found)
 
