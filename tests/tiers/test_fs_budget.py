@@ -82,24 +82,25 @@ def _ledger_sum(ns_dir: Path) -> int:
     return sum(parse_record(p.read_bytes()) or 0 for p in (ns_dir / LEDGER_DIR).iterdir() if p.is_file())
 
 
+def _only_live_entries(where: str, live: tuple[FilesystemTier, ...], timeout: float) -> None:
+    """Wait until the entries of ``where`` (``ledger`` or ``tmp``) are those of the ``live`` tiers."""
+    folder = live[0].ns_dir / where
+    names = sorted(tier.describe()["instance"] for tier in live)
+    deadline = time.monotonic() + timeout
+    while sorted(p.name for p in folder.iterdir()) != names:
+        assert time.monotonic() < deadline, sorted(p.name for p in folder.iterdir())
+        time.sleep(0.02)
+
+
 def _dead_adopted(*live: FilesystemTier, timeout: float = 20.0) -> None:
     """Wait until the ledgers left are those of the ``live`` tiers (housekeeping adopts dead
     ones every second)."""
-    ledgers = live[0].ns_dir / LEDGER_DIR
-    names = sorted(tier.describe()["instance"] for tier in live)
-    deadline = time.monotonic() + timeout
-    while sorted(p.name for p in ledgers.iterdir()) != names:
-        assert time.monotonic() < deadline, sorted(p.name for p in ledgers.iterdir())
-        time.sleep(0.02)
+    _only_live_entries(LEDGER_DIR, live, timeout)
 
 
 def _only_live_temp_dirs(*live: FilesystemTier, timeout: float = 10.0) -> None:
-    tmp = live[0].ns_dir / TMP_DIR
-    names = sorted(tier.describe()["instance"] for tier in live)
-    deadline = time.monotonic() + timeout
-    while sorted(p.name for p in tmp.iterdir()) != names:
-        assert time.monotonic() < deadline, sorted(p.name for p in tmp.iterdir())
-        time.sleep(0.02)
+    """Wait until the temp directories left are those of the ``live`` tiers (swept at adoption)."""
+    _only_live_entries(TMP_DIR, live, timeout)
 
 
 @pytest.fixture
