@@ -436,3 +436,12 @@ def test_inspect_text_reports_a_namespace_directory_that_is_a_link(tmp_path: Pat
     assert f"{link}: a symbolic link" in out.stdout, out.stdout
     assert "unsafe entries: 1" in out.stdout and "Traceback" not in out.stderr
     assert link.is_symlink() and list(outside.iterdir()) == []
+
+
+def test_replay_without_its_input_points_at_its_help(tmp_path: Path) -> None:
+    """Regression (docs audit, 2026-12-05): the README says a usage error is one line that points
+    at the subcommand's --help; ``kvtier replay`` with no trace and no --synthetic (or both) did not."""
+    for argv in (("replay",), ("replay", str(tmp_path / "t.jsonl"), "--synthetic", "chat")):
+        out = run(*argv)
+        assert out.returncode == 2
+        assert out.stderr.count("\n") == 1 and "(see 'kvtier replay --help')" in out.stderr, out.stderr

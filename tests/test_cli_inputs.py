@@ -622,3 +622,22 @@ def test_inspect_says_whether_the_directory_is_missing_or_not_a_directory(
     line = refused_here(capsys, "inspect", str(a_file))
     assert f"fs tier root {a_file} is not a directory" in line
     assert not (tmp_path / "missing").exists()
+
+
+@pytest.mark.usefixtures("no_kvtier_env")
+@pytest.mark.parametrize(
+    ("argv", "prog"),
+    [
+        (["config", "show", "--tiers", ""], "kvtier config show"),
+        (["bench", "--fs-root", " "], "kvtier bench"),
+        (["inspect", ""], "kvtier inspect"),
+    ],
+)
+def test_an_empty_flag_value_is_a_usage_error_that_points_at_the_help(
+    capsys: pytest.CaptureFixture[str], argv: list[str], prog: str
+) -> None:
+    """Regression (docs audit, 2026-12-05): the README says a usage error is one line that points at
+    the subcommand's --help; an empty flag value was refused without it (and as ``kvtier config``
+    for ``kvtier config show``)."""
+    line = refused_here(capsys, *argv)
+    assert line.startswith(f"{prog}: error: ") and line.endswith(f"(see '{prog} --help')"), line

@@ -404,3 +404,17 @@ def test_a_kvtier_section_must_be_alone_and_a_mapping(tmp_path: Path, text: str)
     path.write_text(text)
     with pytest.raises(ConfigError, match="'kvtier:' section must be the file's only top-level key"):
         load_config(file=str(path), env={})
+
+
+@pytest.mark.parametrize("field", ["num_cpu_blocks", "cpu_bytes"])
+def test_true_for_the_cpu_size_names_the_file_it_came_from(tmp_path: Path, field: str) -> None:
+    """Regression (docs audit, 2026-12-05): ``num_cpu_blocks: true`` (or ``cpu_bytes``) in a file or
+    ``kv_connector_extra_config`` was refused as ``config: ... must be a number, not true``, naming
+    neither the field's place nor the file, though every validation error names where the value
+    came from (docs/config.md)."""
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(f"{field}: true\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(file=str(path), env={})
+    assert str(caught.value).startswith(f"config field '{field}' (from file {path}): "), caught.value
+    assert "true" in str(caught.value).lower()

@@ -114,3 +114,13 @@ def test_an_shm_dir_that_is_a_file_is_named(private_shm: Path, tmp_path: Path, s
             TieringManager.create(namespace=Namespace("shm-dir", KVGeometry.from_block_bytes(8192)), num_cpu_blocks=4,
                                   shm_dir=str(shm_dir), sweep_stale=sweep_stale)  # fmt: skip
     assert not_a_dir.read_bytes() == b"x" and not (tmp_path / "missing").exists()
+
+
+def test_num_cpu_blocks_above_the_documented_bound_is_a_config_error(private_shm: Path) -> None:
+    """Regression (docs audit, 2026-12-05): the reference bounds num_cpu_blocks at 2^32 in every
+    source, the Python API included (a ConfigError naming the setting); ``create`` took more and
+    failed later, at the region, with InsufficientSpaceError asking to lower cpu_bytes."""
+    ns = Namespace("m", KVGeometry(num_layers=1, num_kv_heads=1, head_dim=8, tokens_per_block=16))
+    with pytest.raises(ConfigError, match=r"num_cpu_blocks=4294967297 is above"):
+        TieringManager.create(namespace=ns, num_cpu_blocks=2**32 + 1, shm_dir=private_shm)
+    assert not list(private_shm.iterdir())

@@ -797,7 +797,7 @@ def _replay_fs_options(args: argparse.Namespace, distinct: int) -> dict[str, Any
 def _cmd_replay(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         if (args.trace is None) == (args.synthetic is None):
-            raise ConfigError("give a trace file or --synthetic KIND (one of them)")
+            raise ConfigError("give a trace file or --synthetic KIND, one of them (see 'kvtier replay --help')")
         outputs = _open_outputs(stack, {"--json": args.json, "--plot": args.plot}, inputs=[args.trace])
         return _replay(args, outputs)
 
@@ -1527,9 +1527,8 @@ def _main(argv: Sequence[str] | None) -> int:
     if unknown:  # said by the subcommand's own parser, which names its --help
         _innermost_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     empty = _empty_value(args)
-    if empty is not None:
-        _say_error(args.command, empty)
-        return 2
+    if empty is not None:  # a usage error: said by the subcommand's own parser, which names its --help
+        _innermost_parser(parser, args).error(empty)
     verbosity = _verbosity(args)
     level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")

@@ -58,15 +58,23 @@ def _validated_before(annotation: Any) -> bool:
     return False
 
 
+def _has_before_decorator(model: type[BaseModel], name: str) -> bool:
+    """``name`` has a ``field_validator`` of ``model`` that sees the raw input (mode before, wrap or plain)."""
+    decorators = model.__pydantic_decorators__.field_validators.values()
+    return any(name in d.info.fields and d.info.mode != "after" for d in decorators)
+
+
 def refuse_bool_numbers(model: type[BaseModel], data: Any) -> Any:
     """A ``model_validator(mode="before")`` body: ``true``/``false`` given for a numeric field
     (an int or a float, not a bool) is refused, naming the field; pydantic would read them as
-    1 and 0 (``num_cpu_blocks: true`` would mean one block)."""
+    1 and 0 (``num_cpu_blocks: true`` would mean one block). A field with a before-validator of
+    its own (an annotation or a ``field_validator``) is left to it: it refuses a bool itself, and
+    its error carries the field's location, so a loader can say where the value came from."""
     if isinstance(data, Mapping):
         for name, value in data.items():
             field = model.model_fields.get(name) if isinstance(value, bool) else None
             if field is None or any(isinstance(m, BeforeValidator) for m in field.metadata) \
-                    or _validated_before(field.annotation):
+                    or _validated_before(field.annotation) or _has_before_decorator(model, name):
                 continue  # a field with its own before-validator words its own refusal (sizes, seconds)
             leaves = _leaf_types(field.annotation)
             if bool not in leaves and Any not in leaves and leaves & {int, float}:

@@ -27,6 +27,7 @@ from kvtier.backpressure import MAX_WARMUP_JOBS, BackpressureSettings
 from kvtier.config.presets import MODEL_PRESETS, find_preset
 from kvtier.errors import ConfigError, RegionError
 from kvtier.keys import KVGeometry, Namespace, dtype_bytes
+from kvtier.manager import build
 from kvtier.manager.waits import (
     DEFAULT_FAILED_LOAD_SECONDS,
     DEFAULT_WAIT_TIMEOUT,
@@ -42,8 +43,8 @@ DEFAULT_CPU_BYTES = 4 * 1024**3
 MAX_LAYOUT_COUNT = 1 << 16
 """The largest ``num_layers``, ``num_kv_heads``, ``head_dim`` and ``tokens_per_block`` accepted (65536)."""
 
-MAX_CPU_BLOCKS = 1 << 32
-"""The largest ``num_cpu_blocks`` accepted."""
+MAX_CPU_BLOCKS = build.MAX_CPU_BLOCKS
+"""The largest ``num_cpu_blocks`` accepted (the manager's own bound, :data:`kvtier.manager.build.MAX_CPU_BLOCKS`)."""
 
 WaitSeconds = Annotated[
     float, NOT_A_BOOL, Field(ge=WAIT_TIMEOUT_RANGE[0], le=WAIT_TIMEOUT_RANGE[1], allow_inf_nan=False)
@@ -228,6 +229,13 @@ class KvtierConfig(NoBoolNumbers):
         if size <= 0:
             raise ValueError("cpu_bytes must be positive: give e.g. '4GiB'")
         return size
+
+    @field_validator("num_cpu_blocks", mode="before")
+    @classmethod
+    def _num_cpu_blocks(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # here, not in the model's check, so the error names where it came from
+            raise ValueError(f"num_cpu_blocks must be a number, not {str(value).lower()}")
+        return value
 
     @field_validator("shutdown_timeout", mode="before")
     @classmethod

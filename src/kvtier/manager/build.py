@@ -38,6 +38,9 @@ _M = TypeVar("_M")
 DEFAULT_SHUTDOWN_TIMEOUT = 120.0
 """Seconds ``TieringManager.shutdown`` gives all secondary tiers together."""
 
+MAX_CPU_BLOCKS = 1 << 32
+"""The most CPU-tier rows a manager takes (``num_cpu_blocks``), in every source of the configuration."""
+
 
 def check_shutdown_timeout(timeout: float | None, name: str = "shutdown_timeout", *, positive: bool = False,
                            none_means: str = "no deadline") -> None:  # fmt: skip
@@ -152,6 +155,9 @@ def _cpu_rows(num_cpu_blocks: int | None, cpu_bytes: int | str | None, block_byt
         return rows_that_fit(size, block_bytes)
     if isinstance(num_cpu_blocks, bool) or not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 1:
         raise ConfigError(f"num_cpu_blocks must be a positive integer, got {shown_value(num_cpu_blocks)}")
+    if num_cpu_blocks > MAX_CPU_BLOCKS:
+        raise ConfigError(f"num_cpu_blocks={int_text(num_cpu_blocks)} is above the most kvtier accepts, "
+                          f"{MAX_CPU_BLOCKS} (2^32): give fewer blocks")  # fmt: skip
     stride = row_stride_for(block_bytes)
     if num_cpu_blocks > MAX_SIZE // stride:
         raise ConfigError(f"num_cpu_blocks={int_text(num_cpu_blocks)} rows of {format_size(stride)} are above the "
