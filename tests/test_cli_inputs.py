@@ -641,3 +641,23 @@ def test_an_empty_flag_value_is_a_usage_error_that_points_at_the_help(
     for ``kvtier config show``)."""
     line = refused_here(capsys, *argv)
     assert line.startswith(f"{prog}: error: ") and line.endswith(f"(see '{prog} --help')"), line
+
+
+@pytest.mark.parametrize(
+    ("argv", "prog", "flag"),
+    [
+        (["bench", "--cpu-byte", "1GiB"], "kvtier bench", "--cpu-byte"),
+        (["bench", "--shutdown", "5"], "kvtier bench", "--shutdown"),
+        (["replay", "--synthetic", "chat", "--capac", "1%"], "kvtier replay", "--capac"),
+        (["config", "show", "--tier", "cpu"], "kvtier config show", "--tier"),
+    ],
+)
+def test_an_abbreviated_flag_is_an_unknown_flag(
+    capsys: pytest.CaptureFixture[str], argv: list[str], prog: str, flag: str
+) -> None:
+    """Regression (docs audit, 2026-12-05): config.md says unknown flags are refused, but argparse
+    took a prefix of a flag for the flag (``--cpu-byte 1GiB`` ran as ``--cpu-bytes``), so a script
+    relying on one would change meaning when another flag sharing the prefix is added."""
+    line = refused_here(capsys, *argv)
+    assert line.startswith(f"{prog}: error: unrecognized arguments: {flag}"), line
+    assert line.endswith(f"(see '{prog} --help')"), line

@@ -1338,7 +1338,13 @@ def _cmd_config_schema(args: argparse.Namespace) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: ``kvtier bench: error: argument --x: ...`` and where the help is."""
+    """argparse with one-line errors: ``kvtier bench: error: argument --x: ...`` and where the help
+    is, and no abbreviated flags (``--cpu-byte`` is an unknown flag, not ``--cpu-bytes``: a script
+    that relied on a prefix would change meaning when a flag sharing it is added)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
