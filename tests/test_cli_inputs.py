@@ -573,7 +573,7 @@ def test_error_lines_name_each_cause_without_errno_text() -> None:
 # --------------------------------------------------------------------------- messages name what was given
 
 
-@pytest.mark.parametrize("args", [["--bogus"], ["-v", "--bogus"], ["-x"]])
+@pytest.mark.parametrize("args", [["--bogus"], ["-v", "--bogus"], ["-x"], ["--vers"]])
 def test_an_unknown_option_before_any_subcommand_is_named(args: list[str]) -> None:
     """Regression (review, 2026-12-03): ``kvtier --bogus`` said only that a subcommand is required."""
     line = one_line_error(run(*args))

@@ -1408,8 +1408,7 @@ def _unknown_before_the_command(parser: argparse.ArgumentParser, argv: Sequence[
         if not arg.startswith("-") or arg == "-":
             return []
         name = arg.split("=", 1)[0]
-        abbreviates = name.startswith("--") and any(option.startswith(name) for option in known)  # --vers
-        if name not in known and not abbreviates and not re.fullmatch(r"-v+", name):
+        if name not in known and not re.fullmatch(r"-v+", name):  # (no abbreviations: --vers is unknown)
             unknown.append(arg)
     return unknown
 

@@ -385,3 +385,37 @@ def test_a_value_linked_before_its_directory_fsync_failed_stays_counted(
     finally:
         monkeypatch.setattr(os, "fsync", real_fsync)
         tier.shutdown()
+
+
+def test_a_value_linked_whose_temp_name_could_not_be_removed_is_stored_and_counted(
+    tmp_path: Path, rows: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (review, 2026-12-05): with hard links, a store whose file was linked at its
+    name and whose removal of the temp name then failed (EIO, ESTALE on NFS) gave its claim back
+    and removed nothing: the value stood at its name, counted by no ledger. Now the store
+    succeeds (the value is there) and stays counted; the temp link left behind goes with the
+    next store of the key."""
+    tier = make_tier(tmp_path, rows, BB, max_bytes=4 * ENTRY, direct_io=False)
+    ns_dir = tier.ns_dir
+    real_unlink = os.unlink
+
+    def failing_unlink(path: str, *, dir_fd: int | None = None) -> None:
+        if str(path).endswith(".tmp"):
+            raise OSError(errno.EIO, "injected: unlink of a temp name failed")
+        real_unlink(path, dir_fd=dir_fd)
+
+    try:
+        key = key_of(0, b"tmp-unlink")
+        fill(rows, [0], [key], BB)
+        monkeypatch.setattr(os, "unlink", failing_unlink)
+        result = store(tier, [key], [0])
+        monkeypatch.setattr(os, "unlink", real_unlink)
+        assert tier._hard_links, "this file system has no hard links: the path under test is not taken"
+        assert result.success, result.error
+        assert len(value_files(ns_dir)) == 1 and _ledger_sum(ns_dir) == 1
+        rows[1] = 0
+        assert load(tier, [key], [1]).success
+        assert np.array_equal(rows[1, :BB], block_bytes_for(key, BB))
+    finally:
+        monkeypatch.setattr(os, "unlink", real_unlink)
+        tier.shutdown()

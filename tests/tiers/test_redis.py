@@ -1215,7 +1215,9 @@ def test_a_cluster_redirect_of_a_lookups_check_keeps_a_write_in_doubt(
     nodes = redis_cluster.nodes  # type: ignore[attr-defined]
     rows = random_rows(4)
     ns = namespace()
-    tier = make_tier(url, rows, ns, cluster=True, io_threads=1, socket_timeout=2.0, failure_threshold=1000)
+    # socket_timeout 3 s: the SET fails after 3 s, and housekeeping checks the doubt 3 s after that;
+    # the steps below take well under that, so the lookup's check is the first.
+    tier = make_tier(url, rows, ns, cluster=True, io_threads=1, socket_timeout=3.0, failure_threshold=1000)
     assert store(tier, keys_for(ns, 1, start=50), [3]).success  # (connections and topology set up)
     tier.take_events()
     key = keys_for(ns, 1, start=60)[0]
@@ -1227,7 +1229,7 @@ def test_a_cluster_redirect_of_a_lookups_check_keeps_a_write_in_doubt(
         source = redis.Redis(host="127.0.0.1", port=owner.port)
         target_port = next(n.port for n in nodes if n.port != owner.port)
         target = redis.Redis(host="127.0.0.1", port=target_port)
-        source.execute_command("CLIENT", "PAUSE", 2600, "WRITE")  # the SET's reply does not come in time
+        source.execute_command("CLIENT", "PAUSE", 3600, "WRITE")  # the SET's reply does not come in time
         result = store(tier, [key], [0])
         assert not result.success and tier.stats.extra["writes_in_doubt"] == 1, result
         source.execute_command("CLIENT", "UNPAUSE")

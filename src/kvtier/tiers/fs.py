@@ -723,8 +723,8 @@ class FilesystemTier(ThreadedTier):
                 )  # fmt: skip
             finally:
                 row.release()
-            os.close(fd)  # drops a recycled file's exclusive lock before it is visible again
-            fd = None
+            written, fd = fd, None  # (never closed twice: a close that raises may have freed the number)
+            os.close(written)  # drops a recycled file's exclusive lock before it is visible again
             self._budget.settle()
             settled = True
             placed = self._place(tmp, tmp_dir, key)

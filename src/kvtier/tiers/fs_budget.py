@@ -57,6 +57,8 @@ attribute cache timeout (``actimeo``), plus up to a housekeeping tick (50 ms) wh
 the writer's stores are queued (its descriptor, which sends its writes to the
 server when closed, is closed at every tick), and the bound may be overshot by
 what the other hosts wrote in that time; ENOSPC handling still protects the disk.
+A host that crashes (not a killed process: its close still sends the writes) may
+lose its last tick of updates, leaving the sum low by the files it linked then.
 
 Thread-safe: the tier's I/O threads call :meth:`SharedBudget.claim`,
 :meth:`~SharedBudget.settle`, :meth:`~SharedBudget.give_back`, :meth:`~SharedBudget.recheck`,

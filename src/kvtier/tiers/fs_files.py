@@ -37,6 +37,7 @@ constructor. Every function may block on local file-system I/O only.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import grp
 import os
@@ -295,10 +296,10 @@ def find_value(dir_fd: int, name: str, modes: FileModes, sizes: tuple[int, ...])
 def place_value(tmp_fd: int, tmp_name: str, dir_fd: int, name: str, *, hard_link: bool) -> bool:
     """Give the finished temp file ``tmp_name`` its value name, never replacing what is there.
 
-    True if it now stands at ``name`` (the temp name is gone); False if the name was taken
-    (by another engine's value of the same key, or by anything planted there): the temp file
-    is left for the caller to link again (the name may be free again: the value that took it
-    evicted or recycled meanwhile) or to remove. ``hard_link`` False (the file system has
+    True if it now stands at ``name`` (the temp name removed, or left if removing it failed);
+    False if the name was taken (by another engine's value of the same key, or by anything
+    planted there): the temp file is left for the caller to link again (the name may be free
+    again: the value that took it evicted or recycled meanwhile) or to remove. ``hard_link`` False (the file system has
     none): rename, after checking the name is free (a writer racing in that instant may be
     replaced: both wrote the same key). Raises OSError; with ``hard_link``, one whose errno is
     in :data:`NO_HARD_LINKS` says the file system has no hard links (the temp file is left
@@ -311,7 +312,10 @@ def place_value(tmp_fd: int, tmp_name: str, dir_fd: int, name: str, *, hard_link
             # NFS: a retransmitted LINK whose first try succeeded answers EEXIST; then ours has 2 links.
             if os.stat(tmp_name, dir_fd=tmp_fd, follow_symlinks=False).st_nlink <= 1:
                 return False
-        os.unlink(tmp_name, dir_fd=tmp_fd)
+        # Linked: the value stands at its name whatever the temp name's removal says (a temp
+        # link left behind is removed by the next store of the key or the sweep of the directory).
+        with contextlib.suppress(OSError):
+            os.unlink(tmp_name, dir_fd=tmp_fd)
         return True
     try:
         os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
