@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from fs_helpers import AlignedRows, block_bytes_for, fill, key_of, load, make_tier, store, temp_files, value_files
 
+from kvtier.tiers.base import JobResult
 from kvtier.tiers.fs import FilesystemTier
 from kvtier.tiers.fs_budget import MAX_UNSETTLED, RECORD_BYTES, pack_record, parse_record, read_record
 from kvtier.tiers.fs_layout import LEDGER_DIR, LOCK_FILE, TMP_DIR, entry_bytes
@@ -356,6 +357,17 @@ def test_a_ledger_that_cannot_be_checked_after_its_open_is_not_left_open(
         tier.shutdown()
 
 
+def _store_while(monkeypatch: pytest.MonkeyPatch, tier: FilesystemTier, rows: np.ndarray, salt: bytes,
+                 call: str, replacement: object) -> tuple[bytes, JobResult]:
+    """Store one block (its key made of ``salt``, row 0) while ``os.<call>`` is ``replacement``."""
+    key = key_of(0, salt)
+    fill(rows, [0], [key], BB)
+    with monkeypatch.context() as patched:
+        patched.setattr(os, call, replacement)
+        result = store(tier, [key], [0])
+    return key, result
+
+
 def test_a_value_linked_before_its_directory_fsync_failed_stays_counted(
     tmp_path: Path, rows: np.ndarray, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -365,7 +377,6 @@ def test_a_value_linked_before_its_directory_fsync_failed_stays_counted(
     truth for good (the bound overshot; every engine killed or not). Now the store still fails,
     and the linked file stays counted."""
     tier = make_tier(tmp_path, rows, BB, max_bytes=4 * ENTRY, direct_io=False, fsync=True)
-    ns_dir = tier.ns_dir
     real_fsync = os.fsync
 
     def failing_fsync(fd: int) -> None:
@@ -374,16 +385,11 @@ def test_a_value_linked_before_its_directory_fsync_failed_stays_counted(
         real_fsync(fd)
 
     try:
-        key = key_of(0, b"dir-fsync")
-        fill(rows, [0], [key], BB)
-        monkeypatch.setattr(os, "fsync", failing_fsync)
-        result = store(tier, [key], [0])
-        monkeypatch.setattr(os, "fsync", real_fsync)
+        _, result = _store_while(monkeypatch, tier, rows, b"dir-fsync", "fsync", failing_fsync)
         assert not result.success and "injected" in (result.error or "")
-        assert len(value_files(ns_dir)) == 1, "the value was not linked: the injection missed its moment"
-        assert _ledger_sum(ns_dir) == 1, "a linked value was counted off the shared budget"
+        assert len(value_files(tier.ns_dir)) == 1, "the value was not linked: the injection missed its moment"
+        assert _ledger_sum(tier.ns_dir) == 1, "a linked value was counted off the shared budget"
     finally:
-        monkeypatch.setattr(os, "fsync", real_fsync)
         tier.shutdown()
 
 
@@ -396,7 +402,6 @@ def test_a_value_linked_whose_temp_name_could_not_be_removed_is_stored_and_count
     succeeds (the value is there) and stays counted; the temp link left behind goes with the
     next store of the key."""
     tier = make_tier(tmp_path, rows, BB, max_bytes=4 * ENTRY, direct_io=False)
-    ns_dir = tier.ns_dir
     real_unlink = os.unlink
 
     def failing_unlink(path: str, *, dir_fd: int | None = None) -> None:
@@ -405,17 +410,12 @@ def test_a_value_linked_whose_temp_name_could_not_be_removed_is_stored_and_count
         real_unlink(path, dir_fd=dir_fd)
 
     try:
-        key = key_of(0, b"tmp-unlink")
-        fill(rows, [0], [key], BB)
-        monkeypatch.setattr(os, "unlink", failing_unlink)
-        result = store(tier, [key], [0])
-        monkeypatch.setattr(os, "unlink", real_unlink)
+        key, result = _store_while(monkeypatch, tier, rows, b"tmp-unlink", "unlink", failing_unlink)
         assert tier._hard_links, "this file system has no hard links: the path under test is not taken"
         assert result.success, result.error
-        assert len(value_files(ns_dir)) == 1 and _ledger_sum(ns_dir) == 1
+        assert len(value_files(tier.ns_dir)) == 1 and _ledger_sum(tier.ns_dir) == 1
         rows[1] = 0
         assert load(tier, [key], [1]).success
         assert np.array_equal(rows[1, :BB], block_bytes_for(key, BB))
     finally:
-        monkeypatch.setattr(os, "unlink", real_unlink)
         tier.shutdown()
