@@ -42,14 +42,14 @@ pub.bind(events)
 if not pub.poll(20_000):
     sys.exit("nobody subscribed")
 pub.recv()
-pub.send_multipart([b"", (0).to_bytes(8, "big"),
-                    batch(control("hello", 0, start=start), stored(gpu, medium="GPU"), stored(cpu))])
-print("sent", flush=True)
 def stop(*_):
     pub.close(0)
     ctx.term()
     sys.exit(0)
-signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGTERM, stop)  # (before "sent": a SIGTERM right after it found no handler, exit -15)
+pub.send_multipart([b"", (0).to_bytes(8, "big"),
+                    batch(control("hello", 0, start=start), stored(gpu, medium="GPU"), stored(cpu))])
+print("sent", flush=True)
 time.sleep(600)
 """
 

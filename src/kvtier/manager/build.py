@@ -155,13 +155,13 @@ def _cpu_rows(num_cpu_blocks: int | None, cpu_bytes: int | str | None, block_byt
         return rows_that_fit(size, block_bytes)
     if isinstance(num_cpu_blocks, bool) or not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 1:
         raise ConfigError(f"num_cpu_blocks must be a positive integer, got {shown_value(num_cpu_blocks)}")
+    stride = row_stride_for(block_bytes)
+    if num_cpu_blocks > MAX_SIZE // stride:  # (first: past 8 EiB, what the rows would take is the news)
+        raise ConfigError(f"num_cpu_blocks={int_text(num_cpu_blocks)} rows of {format_size(stride)} are above the "
+                          "largest size kvtier accepts (8 EiB): give fewer blocks")  # fmt: skip
     if num_cpu_blocks > MAX_CPU_BLOCKS:
         raise ConfigError(f"num_cpu_blocks={int_text(num_cpu_blocks)} is above the most kvtier accepts, "
                           f"{MAX_CPU_BLOCKS} (2^32): give fewer blocks")  # fmt: skip
-    stride = row_stride_for(block_bytes)
-    if num_cpu_blocks > MAX_SIZE // stride:
-        raise ConfigError(f"num_cpu_blocks={int_text(num_cpu_blocks)} rows of {format_size(stride)} are above the "
-                          "largest size kvtier accepts (8 EiB): give fewer blocks")  # fmt: skip
     return num_cpu_blocks
 
 
