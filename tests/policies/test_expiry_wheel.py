@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from policy_helpers import Slotted, key
@@ -9,6 +10,7 @@ from policy_helpers import Slotted, key
 from kvtier.policies import LRUPolicy
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.return_time import ExpiryWheel
+from kvtier.policies.return_time.wheel import OPEN
 
 Tree = list[list[int]]
 
@@ -107,4 +109,29 @@ def test_a_block_held_longer_outlives_blocks_referenced_after_it() -> None:
         tier.mark_evictable(key(i))
     assert tier.evict(2) == [key(2), key(3)]
     assert tier.evict(1) == [key(1)]
+    assert wheel.evictable_count() == 0
+
+
+@pytest.mark.timeout(20)
+def test_releasing_the_holds_keeps_open_blocks_whose_time_passed_where_they_are() -> None:
+    """Regression (2026-12-05): ``_release_holds`` walked the expired list and moved each open block
+    to the tail of its expiry's list; for an open block whose bucket the clock had passed, that list
+    is the one walked, and two such blocks traded places at its tail forever (a replay of a held-out
+    LRU-friendly trace, mixed stores, 192 blocks, hung in the guard's first fallback)."""
+    wheel = ExpiryWheel(8, horizon=1000)
+    tier: Slotted[ExpiryWheel] = Slotted(wheel)
+    keys = [key(i) for i in range(1, 6)]
+    for k in keys:  # one-block requests
+        tier.insert(k)
+        tier.reference_chain([k], hit=False)
+    for k in (keys[0], keys[2], keys[3]):  # open (their requests store on), held until clock 5
+        wheel._expiry[tier.slot_of[k]] = OPEN | 5
+    wheel._expiry[tier.slot_of[keys[4]]] = 900  # a hold that the release ends
+    for k in keys:
+        tier.mark_evictable(k)
+    now = 100 * wheel._width  # the clock is far past clock 5's bucket
+    wheel._release_holds(now)
+    assert [wheel._expiry[tier.slot_of[k]] for k in keys] == [OPEN | 5, 1, OPEN | 5, OPEN | 5, now]
+    assert wheel.evictable_count() == 5
+    assert sorted(tier.evict(5) or []) == keys
     assert wheel.evictable_count() == 0

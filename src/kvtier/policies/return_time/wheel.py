@@ -376,7 +376,9 @@ class ExpiryWheel(SlotListPolicy):
         while slot != cap:  # an open block keeps its expiry, so it goes back to that bucket
             after = nxt[slot]
             if expiries[slot] >= OPEN:
-                self._move_to_tail(slot, self._list_for(expiries[slot]))
+                end = self._list_for(expiries[slot])
+                if end != cap:  # one whose bucket is past stays where it is: moved to the tail of
+                    self._move_to_tail(slot, end)  # the list walked, two of them swapped forever
             slot = after
 
     # --- eviction ---------------------------------------------------------------------
