@@ -10,6 +10,7 @@ learned ``hold`` per class.
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import random
 import subprocess
@@ -712,6 +713,17 @@ class StructureMachine(RuleBasedStateMachine):
             assert k in self.ready and k not in spy.keys
             self.ready.discard(k)
 
+    @rule(references=st.integers(1, 700))
+    def elapse(self, references: int) -> None:
+        # Other blocks' references pass: the clock runs on (past open requests' holds, say).
+        self.tier.policy._now += references
+
+    @rule()
+    def fall_back(self) -> None:
+        # The guard stops the learned holds: every hold ends now, open blocks keep their expiry.
+        policy = self.tier.policy
+        policy._release_holds(policy._now)
+
     @precondition(lambda self: bool(self.tier.slot_of))
     @rule()
     def clear(self) -> None:
@@ -729,6 +741,30 @@ class StructureMachine(RuleBasedStateMachine):
 
 StructureMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
 TestReturnTimeStructure = StructureMachine.TestCase
+
+
+@pytest.mark.timeout(20)
+def test_the_guard_falls_back_after_an_open_request_outlived_its_hold() -> None:
+    # Regression (2026-12-05): a request stored a block at a time is open, its blocks' expiry its
+    # first store's clock plus the longest hold. Once the clock passed that, the guard's fallback
+    # (_release_holds) moved each open block to the tail of the list it was walking, and two of
+    # them traded places there forever: the engine's scheduler thread hung.
+    policy = ReturnTimePolicy(6)
+    tier: Slotted[ReturnTimePolicy] = Slotted(policy)
+    keys = [key(i) for i in (1, 2, 3)]
+    tier.insert(keys[0])
+    tier.reference_chain(keys[:1], None, hit=False)
+    for before, k in itertools.pairwise(keys):  # decode stores, each continuing the request
+        tier.insert(k)
+        policy.continue_chain([k], [tier.slot_of[k]], tier.slot_of[before])
+    for k in keys:
+        tier.mark_evictable(k)
+    assert all(policy._expiry[tier.slot_of[k]] >= OPEN for k in keys)
+    policy._now += 2 * policy.max_hold + 10 * policy._width  # other blocks' references
+    policy._release_holds(policy._now)
+    check_invariants(tier)
+    assert all(policy._expiry[tier.slot_of[k]] >= OPEN for k in keys), "an open request keeps its expiry"
+    assert evict_all(tier) == [3, 2, 1]
 
 
 def test_an_eviction_that_opens_a_request_never_takes_a_block_twice() -> None:
