@@ -1,8 +1,8 @@
-"""The guard's two tests: a loss past 3 sigma in a few periods, and a small loss sustained over many."""
+"""The guard's two tests: a loss past 1 sigma in a few periods, and a small loss sustained over many."""
 
 from __future__ import annotations
 
-from kvtier.policies.return_time.guard import LONG_WARM_UP, WARM_UP, MeasuredGuard, MiniWheel
+from kvtier.policies.return_time.guard import LONG_WARM_UP, SIGMAS, WARM_UP, MeasuredGuard, MiniWheel
 
 
 def new_guard() -> MeasuredGuard:
@@ -18,10 +18,10 @@ def period(guard: MeasuredGuard, diffs: list[int]) -> bool:
     return guard.judge()
 
 
-def noisy(mean: int) -> list[int]:
-    """A period's requests: differences of +-10 around ``mean`` per pair (paired noise, sigma 10 per
-    request, so about 45 per period of 20 requests)."""
-    return [mean + 10, mean - 10] * 10
+def noisy(mean: int, spread: int = 10) -> list[int]:
+    """A period's requests: differences of +-``spread`` around ``mean`` per pair (paired noise, sigma
+    10 per request by default, so about 45 per period of 20 requests)."""
+    return [mean + spread, mean - spread] * 10
 
 
 def test_a_large_loss_falls_back_within_a_few_periods() -> None:
@@ -31,15 +31,16 @@ def test_a_large_loss_falls_back_within_a_few_periods() -> None:
 
 
 def test_a_small_sustained_loss_falls_back_once_the_long_run_test_may_act() -> None:
-    # -1 a request: 20 a period against a spread of about 45 a period; the fast test's decayed sums
-    # (about five periods) stay near -100 against 3 x 100, so only the long-run sums see it.
+    # -1 a request: 20 a period against a spread of about 90 a period (sigma 20 a request); the fast
+    # test's decayed sums (about five periods) stay near -100 against 1 x 200, so only the long-run
+    # sums (about 50 periods) see it.
     guard = new_guard()
     fell_at = None
     for i in range(3 * LONG_WARM_UP):
-        if period(guard, noisy(-1)):
+        if period(guard, noisy(-1, 20)):
             fell_at = i
             break
-        assert guard.lead >= -3 * guard.spread
+        assert guard.lead >= -SIGMAS * guard.spread
     assert fell_at is not None and fell_at + 1 >= LONG_WARM_UP, fell_at
     assert guard.long_lead < -guard.long_spread
     assert guard.state(learning=True) == "fallen_back"

@@ -247,16 +247,17 @@ def test_the_default_policy_on_a_workload_that_suits_lru(private_shm: Path) -> N
     """Issue 21 asks for no loss to LRU on traces outside this repository. On this held-out one
     (LRU-friendly stack distances, whole-request stores, a 192-block tier) the default policy
     loses to LRU: its model predicts a gain of up to 1.7x (it counts block hits; the trace rewards
-    whole prefixes) while the guard's sampled prefix hits show the learned holds behind, by too
-    little per solve period for the fast 3-sigma test. The long-run test (2026-12-04) falls back
-    at period 49 of 176: 0.973x before it, 0.978x with it. Known and open: xfail while it stays at
-    or above 0.97x; worse is a regression and fails."""
+    whole prefixes) while the guard's sampled prefix hits show the learned holds behind. With the
+    fast test at 3 sigma it fell back once, at period 49 of 176 (0.978x, 2026-12-04); at 1 sigma
+    (2026-12-05) it falls back within the first 400 requests, takes the holds up again while they
+    lead and leaves them each time they fall behind: 0.997x. Known and open: xfail while it stays
+    at or above 0.99x; worse is a regression and fails."""
     requests = _stack_distance_requests(32, 8000, 0.1)
     trace = FlatTrace.from_requests(requests)
     keys = trace_keys(trace, replay_namespace())
     runs = compare_policies(keys, [192], [DEFAULT_POLICY], shm_dir=str(private_shm))
     ratio = runs[192][DEFAULT_POLICY].extra["ratio_to_lru"]
-    assert ratio >= 0.97, ratio
+    assert ratio >= 0.99, ratio
     if ratio < 1.0:
         pytest.xfail(f"LRU-friendly held-out trace at 192 blocks: {ratio:.3f}x LRU, target >= 1.0x (issue 21, open)")
 
@@ -265,10 +266,11 @@ def test_the_default_policy_on_a_workload_that_suits_lru(private_shm: Path) -> N
 def test_the_long_run_guard_bounds_a_small_sustained_loss(private_shm: Path) -> None:
     """Regression (2026-12-04): on the LRU-friendly trace above at about 1 % of its distinct blocks,
     the learned holds lose by less than the fast test's noise in every few periods, and the policy
-    stayed on them to the end: 0.941x LRU. The long-run test falls back: 0.991x."""
+    stayed on them to the end: 0.941x LRU. The long-run test falls back: 0.991x (1.001x since the
+    fast test acts at 1 sigma)."""
     requests = _stack_distance_requests(32, 8000, 0.1)
     trace = FlatTrace.from_requests(requests)
     keys = trace_keys(trace, replay_namespace())
     runs = compare_policies(keys, [384], [DEFAULT_POLICY], shm_dir=str(private_shm))
     result = runs[384][DEFAULT_POLICY]
-    assert result.extra["ratio_to_lru"] >= 0.98, result.extra["ratio_to_lru"]
+    assert result.extra["ratio_to_lru"] >= 0.99, result.extra["ratio_to_lru"]

@@ -42,7 +42,7 @@ from typing import Literal
 
 from kvtier.policies.fingerprints import FingerprintLists
 
-SIGMAS = 3.0
+SIGMAS = 1.0
 """The learned holds are left when their lead over LRU falls this many standard deviations below 0."""
 
 DECAY = 0.8
