@@ -713,6 +713,27 @@ class StructureMachine(RuleBasedStateMachine):
             assert k in self.ready and k not in spy.keys
             self.ready.discard(k)
 
+    @rule(first=st.lists(ids, min_size=1, max_size=3, unique=True), more=st.lists(ids, min_size=1, max_size=2))
+    def decode(self, first: list[int], more: list[int]) -> None:
+        # A request stored once, then a block at a time (its decode), every block completed: it is
+        # open (the rule above reaches this state only rarely: its parent is a random block).
+        tier = self.tier
+        keys = [key(i) for i in first]
+        decoded = list(dict.fromkeys(key(i) for i in more if key(i) not in keys))
+        if any(k in tier.slot_of for k in keys + decoded) or len(keys) + len(decoded) > len(tier.free):
+            return
+        for k in keys:
+            tier.insert(k)
+        tier.reference_chain(keys, None, hit=False)
+        tail = keys[-1]
+        for k in decoded:
+            tier.insert(k)
+            tier.policy.continue_chain([k], [tier.slot_of[k]], tier.slot_of[tail])
+            tail = k
+        for k in keys + decoded:
+            tier.mark_evictable(k)
+            self.ready.add(k)
+
     @rule(references=st.integers(1, 700))
     def elapse(self, references: int) -> None:
         # Other blocks' references pass: the clock runs on (past open requests' holds, say).

@@ -45,7 +45,8 @@ from kvtier.policies.fingerprints import FingerprintLists
 SIGMAS = 1.0
 """The learned holds are left when their lead over LRU falls this many standard deviations below 0.
 One, not three: holds kept while they lose cost hits below LRU's, LRU order kept while they would
-win costs only the gain (at 3, a held-out LRU-friendly workload lost up to 3.6 % to LRU)."""
+win costs only the gain (at 3, an LRU-friendly stack-distance workload lost up to 3.6 % to LRU;
+docs/policies.md gives both sides of the change)."""
 
 DECAY = 0.8
 """Weight of the earlier periods in the guard's sums."""

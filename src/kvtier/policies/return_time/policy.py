@@ -10,7 +10,7 @@ policy:
   hold 0 it is LRU's order);
 * the classifier, :class:`~kvtier.policies.return_time.classes.HoldClassifier`:
   the class of each reference and the hold of each class;
-* the guard, :class:`~kvtier.policies.return_time.guard.LruGuard`: it stops
+* the guard, :class:`~kvtier.policies.return_time.guard.MeasuredGuard`: it stops
   the learned holds while a sampled LRU beats them.
 
 This module joins them: it reports each reference to the classifier, sets the
