@@ -96,7 +96,7 @@ def test_the_default_policy_beats_lru_when_requests_are_stored_in_pieces(chunk: 
     assert ratios[1827] >= 1.5, ratios
     if chunk == MIXED and 1.09 <= ratios[9139] < 1.1:
         # Issue 21's target (>= 1.1x at 9,139 blocks) is missed in the mixed mode under the default keys
-        # (1.096x); under key seeds 1-5 the same mode gives 1.111-1.123x (docs/policies.md: one draw of
+        # (1.096x); under key seeds 1-5 the same mode gives 1.093-1.119x (docs/policies.md: one draw of
         # the sampled keys moves this figure by about 0.03x). The issue stays open. Below 1.09x it is a
         # regression and fails.
         pytest.xfail(f"mixed mode at 9,139 blocks: {ratios[9139]:.3f}x LRU, target 1.1x (issue 21, open)")
