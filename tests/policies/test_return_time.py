@@ -717,22 +717,13 @@ class StructureMachine(RuleBasedStateMachine):
     def decode(self, first: list[int], more: list[int]) -> None:
         # A request stored once, then a block at a time (its decode), every block completed: it is
         # open (the rule above reaches this state only rarely: its parent is a random block).
-        tier = self.tier
-        keys = [key(i) for i in first]
-        decoded = list(dict.fromkeys(key(i) for i in more if key(i) not in keys))
-        if any(k in tier.slot_of for k in keys + decoded) or len(keys) + len(decoded) > len(tier.free):
+        ids = first + [i for i in dict.fromkeys(more) if i not in first]
+        if any(key(i) in self.tier.slot_of for i in ids) or len(ids) > len(self.tier.free):
             return
-        for k in keys:
-            tier.insert(k)
-        tier.reference_chain(keys, None, hit=False)
-        tail = keys[-1]
-        for k in decoded:
-            tier.insert(k)
-            tier.policy.continue_chain([k], [tier.slot_of[k]], tier.slot_of[tail])
-            tail = k
-        for k in keys + decoded:
-            tier.mark_evictable(k)
-            self.ready.add(k)
+        store(self.tier, first, end=False)
+        for parent, i in itertools.pairwise(ids[len(first) - 1 :]):
+            store_more(self.tier, [i], parent)
+        self.ready.update(key(i) for i in ids)
 
     @rule(references=st.integers(1, 700))
     def elapse(self, references: int) -> None:
@@ -773,13 +764,9 @@ def test_the_guard_falls_back_after_an_open_request_outlived_its_hold() -> None:
     policy = ReturnTimePolicy(6)
     tier: Slotted[ReturnTimePolicy] = Slotted(policy)
     keys = [key(i) for i in (1, 2, 3)]
-    tier.insert(keys[0])
-    tier.reference_chain(keys[:1], None, hit=False)
-    for before, k in itertools.pairwise(keys):  # decode stores, each continuing the request
-        tier.insert(k)
-        policy.continue_chain([k], [tier.slot_of[k]], tier.slot_of[before])
-    for k in keys:
-        tier.mark_evictable(k)
+    store(tier, [1], end=False)
+    store_more(tier, [2], 1)  # decode stores, each continuing the request
+    store_more(tier, [3], 2)
     assert all(policy._expiry[tier.slot_of[k]] >= OPEN for k in keys)
     policy._now += 2 * policy.max_hold + 10 * policy._width  # other blocks' references
     policy._release_holds(policy._now)
