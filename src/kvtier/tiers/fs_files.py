@@ -299,11 +299,11 @@ def place_value(tmp_fd: int, tmp_name: str, dir_fd: int, name: str, *, hard_link
     True if it now stands at ``name`` (the temp name removed, or left if removing it failed);
     False if the name was taken (by another engine's value of the same key, or by anything
     planted there): the temp file is left for the caller to link again (the name may be free
-    again: the value that took it evicted or recycled meanwhile) or to remove. ``hard_link`` False (the file system has
-    none): rename, after checking the name is free (a writer racing in that instant may be
-    replaced: both wrote the same key). Raises OSError; with ``hard_link``, one whose errno is
-    in :data:`NO_HARD_LINKS` says the file system has no hard links (the temp file is left
-    for a retry).
+    again: the value that took it evicted or recycled meanwhile) or to remove. ``hard_link``
+    False (the file system has none): rename, after checking the name is free (a writer racing
+    in that instant may be replaced: both wrote the same key). Raises OSError; with
+    ``hard_link``, one whose errno is in :data:`NO_HARD_LINKS` says the file system has no hard
+    links (the temp file is left for a retry).
     """
     if hard_link:
         try:
