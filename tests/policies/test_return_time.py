@@ -813,3 +813,32 @@ def test_a_stale_parent_link_never_walks_a_request_into_a_free_slot() -> None:
     policy.insert(a3, 4)
     policy.continue_chain([a3], [4], 2)  # no IndexError
     assert policy._key_of[4] == a3 and policy._parent[4] == 2
+
+
+def test_a_fallback_between_a_load_and_its_store_ends_the_loaded_blocks_holds_too() -> None:
+    # Review (2026-12-05): a store that follows the load of its own prefix gives the loaded blocks
+    # the classes of its request, keeping at least the expiry each had before the load. A guard
+    # fallback between the two (the solve that ends a load's reference may run it) ended every
+    # hold, but the store then put the loaded blocks' learned holds back from that record.
+    policy = ReturnTimePolicy(16)
+    tier: Slotted[ReturnTimePolicy] = Slotted(policy)
+    width = policy._width
+    policy.classes.hold = [100 * width] * CLASSES  # as if learned
+    store(tier, [1, 2, 3])
+    store(tier, [9])
+    load(tier, [1, 2])
+    loaded = [tier.slot_of[key(i)] for i in (1, 2)]
+    assert all(policy._expiry[s] >= 100 * width for s in loaded)
+    policy.classes.hold = [0] * CLASSES  # the guard fell back: LRU order (ReturnTimePolicy._solve)
+    policy._release_holds(policy._now)
+    floor = max(policy._now, 1)
+    assert all(policy._expiry[s] <= floor for s in loaded)
+    for i in (6, 7):
+        tier.insert(key(i))
+    # 3 is held already (the general path), 6 and 7 are new: the loaded blocks are reclassified.
+    tier.reference_chain([key(3), key(6), key(7)], key(2), hit=False)
+    ready(tier, [6, 7])
+    check_invariants(tier)
+    held = {i: policy._expiry[tier.slot_of[key(i)]] for i in (1, 2, 3, 6, 7)}
+    assert all(e <= policy._now for e in held.values()), f"a hold outlived the fallback: {held} at {policy._now}"
+    assert evict_all(tier) == [9, 7, 6, 3, 2, 1]

@@ -624,12 +624,19 @@ class ReturnTimePolicy(ExpiryWheel):
 
     def _release_holds(self, now: int) -> None:
         """:meth:`ExpiryWheel._release_holds`, and the requests that stored once note their blocks'
-        expiry released (so :meth:`_rehold` still finds them)."""
+        expiry released (so :meth:`_rehold` still finds them), as does the load a store may follow
+        (:meth:`_reclassify` keeps each loaded block's expiry from before the load at least)."""
         super()._release_holds(now)
+        floor = max(now, 1)
         for records in (self._open_old, self._open):
             for record in records.values():
                 if record.held > now:
-                    record.held = max(now, 1)
+                    record.held = floor
+        if self._loaded is not None:
+            expiries = self._loaded.expiries
+            for j, e in enumerate(expiries):
+                if floor < e < OPEN:
+                    expiries[j] = floor
 
     def _reached_open(self, slot: int) -> int:
         """An eviction reached ``slot``, marked open: if it is the last block of a request that
