@@ -842,3 +842,27 @@ def test_a_fallback_between_a_load_and_its_store_ends_the_loaded_blocks_holds_to
     held = {i: policy._expiry[tier.slot_of[key(i)]] for i in (1, 2, 3, 6, 7)}
     assert all(e <= policy._now for e in held.values()), f"a hold outlived the fallback: {held} at {policy._now}"
     assert evict_all(tier) == [9, 7, 6, 3, 2, 1]
+
+
+def test_what_stays_of_a_request_cut_by_an_eviction_is_no_longer_held_open() -> None:
+    # Found on a held-out trace (2026-12-05): an open request's blocks are held after nearly every
+    # other block. Once an eviction took its tail (nothing else qualified: the request is longer
+    # than the tier), the rest of it stayed open for the longest hold, and the blocks other
+    # requests reused went first. Now what stays is settled as the request's body, from its
+    # last store, before the next chain.
+    policy = ReturnTimePolicy(6)
+    tier: Slotted[ReturnTimePolicy] = Slotted(policy)
+    store(tier, [1])
+    store(tier, [10, 11, 12], end=False)  # a request stored in pieces
+    store_more(tier, [13, 14], 12)
+    assert all(policy._expiry[tier.slot_of[key(i)]] >= OPEN for i in (10, 11, 12, 13, 14))
+    assert tier.evict(2) == [key(1), key(14)]  # its next piece: 1, then its own tail
+    for i in (15, 16):
+        tier.insert(key(i))
+    tier.reference_chain([key(15), key(16)], None, hit=False)  # its parent is gone: a new request
+    ready(tier, [15, 16])
+    check_invariants(tier)
+    assert all(policy._expiry[tier.slot_of[key(i)]] < OPEN for i in (10, 11, 12, 13)), "the rest is settled"
+    assert not policy._cut
+    end(tier, 16)
+    assert evict_all(tier) == [13, 12, 11, 10, 16, 15]

@@ -260,6 +260,8 @@ class ReturnTimePolicy(ExpiryWheel):
         Cost: O(len(slots)), plus one step per ancestor whose expiry is
         raised, plus a solve every ``solve_every`` references (see :meth:`_solve`).
         """
+        if self._cut:
+            self._settle_cuts()
         n = len(slots)
         if not n:
             return
@@ -431,6 +433,8 @@ class ReturnTimePolicy(ExpiryWheel):
         per block it stored before. Long because the store of every decode
         step is inlined here, a one-block path beside the general one.
         """
+        if self._cut:
+            self._settle_cuts()
         n = len(slots)
         record = self._open.pop(parent, None) or self._open_old.pop(parent, None)
         if not n or record is None or slots != self._fresh or self._key_of[parent] != record.tail_key:
@@ -728,9 +732,11 @@ class ReturnTimePolicy(ExpiryWheel):
         if here and record.held < 0:  # its end: its last full block, the one before its last
             record.end = self._end_of(tail, record)
         classes.publish(record)
-        if not here:
-            return
         base = BASE_OF_NEW[record.new if record.new < 8 else 8]
+        if not here:
+            if self._cut and record.held < 0:
+                self._settle_cut(record, base)
+            return
         if record.held >= 0:  # stored once, held as it is now complete
             classes.refs[base + LAST] += 1
             classes.refs[base] += record.stored - 1
@@ -742,10 +748,46 @@ class ReturnTimePolicy(ExpiryWheel):
         body_expiry = max(then + classes.hold_of(base, drawn), last_expiry)
         opened = record.opened
         walked = self._rehold(tail, record.stored, opened, opened, last_expiry, body_expiry, True)
+        if self._cut and walked < record.stored:
+            self._settle_cut(record, base)
         classes.refs[base + LAST] += 1
         classes.refs[base] += walked - 1
         if record.sampled is not None or record.loaded is not None:
             self._settle_sampled(record, base, key_of[tail][-1] < self._sample_below)
+
+    def _settle_cuts(self) -> None:
+        """Settle the open requests an eviction cut (see :meth:`ExpiryWheel._cut_at`): each is
+        complete as far as the cache goes (its blocks below the cut are gone, and a store that
+        continues it has no parent left to name), and what stays of it is held as its complete
+        request's body, from its last store. Runs before the next chain, after the eviction
+        that cut them. A part whose request has no record left is held as referenced now."""
+        expiry = self._expiry
+        owners: dict[int, tuple[dict[int, OpenRequest], int]] = {}
+        for records in (self._open_old, self._open):
+            for tail, record in records.items():
+                if record.held < 0:
+                    owners[record.opened] = (records, tail)
+        for bottom in self._cut:
+            owner = owners.pop(expiry[bottom], None)
+            if owner is not None:
+                records, tail = owner
+                self._settle(tail, records.pop(tail))  # settles every part of it in _cut
+        now = max(self._now, 1)
+        for bottom in self._cut:
+            e = expiry[bottom]
+            if e >= OPEN:  # no record: held as referenced now
+                self._rehold(bottom, self.capacity, e, e, now, now, False)
+        self._cut.clear()
+
+    def _settle_cut(self, record: OpenRequest, base: int) -> None:
+        """Hold what stays of an open request above a cut (see :meth:`_settle_cuts`) as the body of
+        the complete request (class ``base``), from its last store."""
+        classes, opened, expiry = self.classes, record.opened, self._expiry
+        then, drawn = record.then, record.drawn
+        body_expiry = max(then + classes.hold_of(base, drawn), then + classes.hold_of(base + LAST, drawn))
+        for bottom in self._cut:
+            if expiry[bottom] == opened:
+                self._rehold(bottom, record.stored, opened, opened, body_expiry, body_expiry, False)
 
     def _end_of(self, tail: int, record: OpenRequest) -> int:
         """The fingerprint to record as the end of the request whose last block is in ``tail``:

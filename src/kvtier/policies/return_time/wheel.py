@@ -101,6 +101,7 @@ class ExpiryWheel(SlotListPolicy):
         self._touches = bytearray(c)
         self._cur = self._now // self._width
         self._fresh: list[int] = []  # slots inserted since the last chain, in order
+        self._cut: list[int] = []  # see _cut_at
 
     # --- the tier's calls -------------------------------------------------------------
 
@@ -415,6 +416,8 @@ class ExpiryWheel(SlotListPolicy):
                     nxt[before] = after
                     self._prev[after] = before
                     parent = self._parent[slot]
+                    if self._expiry[slot] >= OPEN:
+                        self._cut_at(slot)
                     if parent >= 0:
                         self._children[parent] -= 1
                         self._parent[slot] = -1
@@ -528,6 +531,8 @@ class ExpiryWheel(SlotListPolicy):
         while s != after:
             key_of[s] = NO_KEY
             flags[s] = 0
+            if expiry[s] >= OPEN:
+                self._cut_at(s)
             par[s] = -1
             touches[s] = 0
             expiry[s] = 0
@@ -536,6 +541,17 @@ class ExpiryWheel(SlotListPolicy):
         self._prev[after] = end
         self._count -= len(keys)
         return keys
+
+    def _cut_at(self, slot: int) -> None:
+        """An eviction takes ``slot``, an open block (nothing else qualified): if its parent is
+        open with the same expiry (the same request), the request's chain is cut there, and the
+        parent is noted in ``_cut``, for the owner to settle what stays of the request once the
+        eviction is over (an open block is held after nearly every other block: left open, what
+        stays would outlive the blocks the tier keeps for their reuse). Called before the slot is
+        reset; rare (an open request's blocks go last)."""
+        parent = self._parent[slot]
+        if parent >= 0 and self._expiry[parent] == self._expiry[slot]:
+            self._cut.append(parent)
 
     def _reached_open(self, slot: int) -> int:
         """An eviction reached the marked block in ``slot``: -1, it is passed over like a block with
@@ -591,6 +607,8 @@ class ExpiryWheel(SlotListPolicy):
             flags[slot] = 0
             keys.append(key_of[slot])
             key_of[slot] = NO_KEY
+            if expiry[slot] >= OPEN:
+                self._cut_at(slot)
             par[slot] = -1
             touches[slot] = 0
             expiry[slot] = 0
