@@ -866,3 +866,22 @@ def test_what_stays_of_a_request_cut_by_an_eviction_is_no_longer_held_open() -> 
     assert not policy._cut
     end(tier, 16)
     assert evict_all(tier) == [13, 12, 11, 10, 16, 15]
+
+
+def test_an_eviction_finds_a_block_its_owner_moved_behind_the_scan() -> None:
+    # Found by the structure machine (2026-12-05): the eviction reaches the marked tail of a request
+    # that stored once and opens it; the open expiry (its first store's clock plus the longest
+    # hold) was past, so the block moved into the expired list, which the scan had passed: the
+    # eviction answered None although the block qualified (a store refused for nothing).
+    policy = ReturnTimePolicy(6)
+    tier: Slotted[ReturnTimePolicy] = Slotted(policy)
+    store(tier, [4], end=False)  # stored once, not ended: its record holds it, its tail marked
+    policy._now += 2 * policy.max_hold + 10 * policy._width  # other blocks' references
+    for i in (9, 8):
+        tier.insert(key(i))
+    # Another request references 4 now (9 and 8 still being written): 4 is held from now on,
+    # while its own request's open expiry is long past.
+    tier.reference_chain([key(9), key(4), key(8)], None, hit=False)
+    assert tier.evictable_count() == 1
+    assert tier.evict(1) == [key(4)]
+    check_invariants(tier)

@@ -102,6 +102,7 @@ class ExpiryWheel(SlotListPolicy):
         self._cur = self._now // self._width
         self._fresh: list[int] = []  # slots inserted since the last chain, in order
         self._cut: list[int] = []  # see _cut_at
+        self._rescan = False  # evict is scanning a second time (see there)
 
     # --- the tier's calls -------------------------------------------------------------
 
@@ -481,6 +482,15 @@ class ExpiryWheel(SlotListPolicy):
                     parent = par[slot]
                     if parent >= 0:
                         children[parent] += 1
+                if seen is not None and not self._rescan:
+                    # An owner moved blocks during the scan (_reached_open), maybe into a list it
+                    # had passed (an open request's expiry can be past): one more scan, never a
+                    # third, finds them (the marks this one reached are cleared).
+                    self._rescan = True
+                    try:
+                        return self.evict(n, protected)
+                    finally:
+                        self._rescan = False
                 return None
         return self._forget(chosen)
 
