@@ -27,6 +27,7 @@ from policy_helpers import ScanSpy, Slotted, key
 from kvtier.keys import BlockKey
 from kvtier.policies import LRUPolicy, ReturnTimePolicy
 from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.fingerprints import fingerprint
 from kvtier.policies.return_time import CLASSES, NEW_BUCKETS, RING, class_id
 from kvtier.policies.return_time.classes import BASE_OF_NEW, LAST
 from kvtier.policies.return_time.wheel import CLOCK, MARK, OPEN
@@ -864,6 +865,12 @@ def test_what_stays_of_a_request_cut_by_an_eviction_is_no_longer_held_open() -> 
     check_invariants(tier)
     assert all(policy._expiry[tier.slot_of[key(i)]] < OPEN for i in (10, 11, 12, 13)), "the rest is settled"
     assert not policy._cut
+    # The guard's miniature of the learned holds settles the request's sampled blocks too (it held
+    # them open the same way, so it measured a cache with the flaw).
+    mini = policy.guard.mini
+    followed = [mini.expiry[e] for i in range(10, 15) if (e := mini.table.find(fingerprint(key(i)))) >= 0]
+    assert followed, "the request's blocks are sampled"
+    assert all(e < OPEN for e in followed), followed
     end(tier, 16)
     assert evict_all(tier) == [13, 12, 11, 10, 16, 15]
 

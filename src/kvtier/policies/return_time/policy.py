@@ -733,9 +733,12 @@ class ReturnTimePolicy(ExpiryWheel):
             record.end = self._end_of(tail, record)
         classes.publish(record)
         base = BASE_OF_NEW[record.new if record.new < 8 else 8]
-        if not here:
-            if self._cut and record.held < 0:
-                self._settle_cut(record, base)
+        if not here:  # its last block was evicted (an open one: what stays of it may be in _cut)
+            if record.held < 0:
+                if self._cut:
+                    self._settle_cut(record, base)
+                if record.sampled is not None or record.loaded is not None:
+                    self._settle_sampled(record, base, False)  # the guard's miniature holds them open
             return
         if record.held >= 0:  # stored once, held as it is now complete
             classes.refs[base + LAST] += 1
