@@ -892,3 +892,31 @@ def test_an_eviction_finds_a_block_its_owner_moved_behind_the_scan() -> None:
     assert tier.evictable_count() == 1
     assert tier.evict(1) == [key(4)]
     check_invariants(tier)
+
+
+@pytest.mark.parametrize("settled_by", ["cut", "end"])
+def test_a_store_after_a_load_never_holds_a_settled_block_open_again(settled_by: str) -> None:
+    # Review (2026-12-05): Q loads blocks of request R while R is open, remembering their open
+    # expiry; R is settled before Q's store (an eviction cuts it, or it ends); Q's store then
+    # reclassified the loaded blocks with that open expiry as their floor and raised their
+    # ancestors to it: held open, with no record left to settle them.
+    policy = ReturnTimePolicy(8)
+    tier: Slotted[ReturnTimePolicy] = Slotted(policy)
+    store(tier, [1])  # a shared prefix
+    store(tier, [10, 11, 12], parent=1, end=False)  # request R after it, in pieces: open
+    store_more(tier, [13, 14], 12)
+    store(tier, [30])
+    store(tier, [31])
+    load(tier, [1, 10, 11])  # request Q loads the prefix and R's first blocks
+    if settled_by == "cut":  # Q's store's eviction takes R's tail
+        assert tier.evict(2, {key(i) for i in (1, 10, 11, 12, 30, 31)}) == [key(14), key(13)]
+    else:
+        end(tier, 14)
+        tier.evict(2, {key(i) for i in (1, 10, 11, 12)})
+    for i in (20, 21):
+        tier.insert(key(i))
+    tier.reference_chain([key(12), key(20), key(21)], key(11), hit=False)  # 12 held: the general path
+    ready(tier, [20, 21])
+    check_invariants(tier)
+    held_open = [k for k, s in tier.slot_of.items() if policy._expiry[s] >= OPEN]
+    assert not held_open, f"{len(held_open)} blocks held open with no request open"

@@ -400,7 +400,10 @@ class ReturnTimePolicy(ExpiryWheel):
             refs[cls] += 1
             if expiry[s] >= OPEN:  # its own request sets its expiry
                 continue
-            e = max(olds[j], then + hold[cls], floor)
+            old = olds[j]
+            if old >= OPEN:  # open at the load, its request settled since: not held open again
+                old = expiry[s]
+            e = max(old, then + hold[cls], floor)
             expiry[s] = floor = e
             if flags[s]:
                 moved, moved_to = s, self._list_for(e)
@@ -723,8 +726,10 @@ class ReturnTimePolicy(ExpiryWheel):
         request's last store, at least as long as its descendant in the
         request, and the request's ancestors are raised to its head. A request
         that stored once is held so already (its last block is unmarked); an
-        open one moves (:meth:`_rehold`). O(1), or O(blocks stored) for an open
-        request.
+        open one moves (:meth:`_rehold`). A request an eviction cut (its last
+        block gone, or blocks between): what stays above each cut is held as
+        its body (:meth:`_settle_cut`), its ancestors left as they are. O(1), or
+        O(blocks stored) for an open request.
         """
         classes = self.classes
         key_of = self._key_of
@@ -760,10 +765,11 @@ class ReturnTimePolicy(ExpiryWheel):
 
     def _settle_cuts(self) -> None:
         """Settle the open requests an eviction cut (see :meth:`ExpiryWheel._cut_at`): each is
-        complete as far as the cache goes (its blocks below the cut are gone, and a store that
-        continues it has no parent left to name), and what stays of it is held as its complete
-        request's body, from its last store. Runs before the next chain, after the eviction
-        that cut them. A part whose request has no record left is held as referenced now."""
+        complete as far as the cache goes (its blocks below the cut are gone; a store that goes
+        on from its last block, if that stays, starts a request of its own), and what stays of
+        it is held as its complete request's body, from its last store. Runs before the next
+        chain, after the eviction that cut them. A part whose request has no record left is held
+        as referenced now."""
         expiry = self._expiry
         owners: dict[int, tuple[dict[int, OpenRequest], int]] = {}
         for records in (self._open_old, self._open):

@@ -392,10 +392,12 @@ class ExpiryWheel(SlotListPolicy):
         children usually follow it in the same list and leave first); it is
         taken only when leaves, counting those its chosen children leave
         behind, are too few, or once the scan has passed ``64 + 4n`` such
-        blocks (a long chain stored piece by piece), so one eviction never
-        scans more than that beyond the blocks it takes. Atomic: None and no
-        change if fewer than ``n`` qualify. Long because the eviction of one
-        block (a decode store's) is inlined: a call costs as much as its work.
+        blocks (a long chain stored piece by piece), so one scan never passes
+        more than that beyond the blocks it takes (an eviction scans twice at
+        most: see the end). Atomic: None, nothing taken, if fewer than ``n``
+        qualify (requests whose last block a scan reached stay opened). Long
+        because the eviction of one block (a decode store's) is inlined: a
+        call costs as much as its work.
         """
         self._fresh.clear()  # the tier evicts before it inserts
         if n <= 0:
