@@ -395,9 +395,9 @@ class ExpiryWheel(SlotListPolicy):
         blocks (a long chain stored piece by piece), so one scan never passes
         more than that beyond the blocks it takes (an eviction scans twice at
         most: see the end). Atomic: None, nothing taken, if fewer than ``n``
-        qualify (requests whose last block a scan reached stay opened). Long
-        because the eviction of one block (a decode store's) is inlined: a
-        call costs as much as its work.
+        qualify (requests whose last block a scan reached stay opened).
+        Long because the eviction of one block (a decode store's) is inlined:
+        a call costs as much as its work.
         """
         self._fresh.clear()  # the tier evicts before it inserts
         if n <= 0:
