@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -105,6 +106,30 @@ def test_a_bench_terminated_cleans_up_like_ctrl_c(tmp_path: Path, private_shm: P
     assert f"terminated ({signal.Signals(sig).name})" in err and "Traceback" not in err
     assert list(scratch.iterdir()) == [], "the bench's temporary directory was left behind"
     assert list(private_shm.iterdir()) == []
+
+
+def test_a_bench_under_nohup_keeps_running_through_a_hangup(private_shm: Path) -> None:
+    """Regression (2026-12-05): the command line turned SIGHUP into an interrupt even when the process
+    was started with it ignored (``nohup kvtier bench ...``), so closing the terminal still ended
+    the run (129). A signal inherited as ignored now stays ignored."""
+    args = [*TINY_BENCH, "--shm-dir", str(private_shm), "--no-fs"]
+    args[args.index("--prefill-tokens-per-s") + 1] = "20000"  # runs a few seconds
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    proc = subprocess.Popen(["nohup", *KVTIER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)  # fmt: skip
+    try:
+        ready, _, _ = select.select([proc.stderr], [], [], 60)
+        assert ready and proc.stderr is not None and "kvtier bench:" in proc.stderr.readline()
+        time.sleep(0.3)
+        assert proc.poll() is None, "the bench ended before the hangup"
+        proc.send_signal(signal.SIGHUP)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "terminated" not in err
 
 
 def test_bench_serves_metrics_while_running(private_shm: Path) -> None:

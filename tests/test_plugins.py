@@ -99,3 +99,22 @@ def test_the_command_line_prints_one_line_and_exits_2(broken: dict[str, str], tm
             assert out.returncode == 2, out.stderr
             lines = out.stderr.strip().splitlines()
             assert len(lines) == 1 and broken[kind] in lines[0] and "Traceback" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("where", ["module", "set_name"])
+def test_an_interrupt_while_importing_stays_an_interrupt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         where: str) -> None:  # fmt: skip
+    """Regression (2026-12-05): Ctrl-C or SIGTERM landing while a tier's module was being imported (the bench
+    builds its tiers after the signal handlers are in place) inside a class body's ``__set_name__``
+    reached the loader as ``RuntimeError: Error calling __set_name__`` (Python 3.11 wraps it), and
+    the command said "fix the module" and exited 2 instead of ending as interrupted."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = f"interrupted_{where}_{uuid.uuid4().hex[:8]}"
+    source = {
+        "module": "raise KeyboardInterrupt\n",
+        "set_name": "class Field:\n    def __set_name__(self, owner, name):\n        raise KeyboardInterrupt\n\n"
+                    "class Work:\n    keys = Field()\n",
+    }[where]  # fmt: skip
+    (tmp_path / f"{name}.py").write_text(source)
+    with pytest.raises(KeyboardInterrupt):
+        load_class(f"{name}:Work", EvictionPolicy, "eviction policy")

@@ -40,7 +40,6 @@ import os
 import re
 import signal
 import sys
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -57,6 +56,7 @@ from kvtier.config import (
 from kvtier.config.schema import MAX_LAYOUT_COUNT
 from kvtier.errors import ConfigError, KvtierError, exception_text
 from kvtier.fleet.cli import add_fleet_parser
+from kvtier.interrupts import Terminated, deferring_interrupts, interrupts_deferred, raising_interrupts
 from kvtier.units import comma_entries, shown
 from kvtier.user_files import STDOUT, OutputFile, check_output, os_error_text, write_output
 from kvtier.validation import is_utf8_text
@@ -760,8 +760,9 @@ def _check_replay_fs_root(fs_root: str) -> None:
         raise ConfigError(f"--fs-root {fs_root!r} is not a directory: give a directory (made if missing)")
 
 
-def _replay_fs_dir(fs_root: str) -> Any:
-    """A fresh lock-held directory under ``fs_root`` for this replay's fs tiers (stale ones swept first)."""
+def _replay_fs_dir(fs_root: str, releases: contextlib.ExitStack) -> Any:
+    """A fresh lock-held directory under ``fs_root`` for this replay's fs tiers (stale ones swept
+    first), its removal registered with ``releases`` before an interrupt can land (kvtier.interrupts)."""
     from kvtier.tempdir import LockedTempDir, sweep_stale_temp_dirs
     from kvtier.tiers.fs_files import FileModes, make_dirs
 
@@ -770,7 +771,10 @@ def _replay_fs_dir(fs_root: str) -> Any:
         make_dirs(Path(fs_root), FileModes.for_group(None))  # what is missing: 0700, as the fs tier makes it
         for stale in sweep_stale_temp_dirs(REPLAY_DIR_PREFIX, fs_root, remove=True):
             logger.info("removed %s left by a replay that died", stale.path)
-        return LockedTempDir(REPLAY_DIR_PREFIX, fs_root)
+        with interrupts_deferred():
+            scratch = LockedTempDir(REPLAY_DIR_PREFIX, fs_root)
+            releases.callback(deferring_interrupts(scratch.cleanup))
+        return scratch
     except OSError as exc:
         raise ConfigError(f"--fs-root {fs_root!r}: {os_error_text(exc)}") from None
 
@@ -900,8 +904,8 @@ def _replay_runs(
 
     requests = len(keys)
     total = requests * len(capacities) * len(dict.fromkeys([*args.policy, "lru"]))
-    scratch = _replay_fs_dir(args.fs_root) if args.fs_root is not None else None
-    try:
+    with contextlib.ExitStack() as releases:
+        scratch = _replay_fs_dir(args.fs_root, releases) if args.fs_root is not None else None
         fs_dir = None if scratch is None else str(scratch.path)
         if fs_dir is not None:
             _say(err, f"fs tiers in {fs_dir} (removed after the run)")
@@ -928,9 +932,6 @@ def _replay_runs(
                 store_chunk=args.store_chunk, announce=announce, progress=progress, params=params,
                 decode_blocks=decode_blocks(trace, args.block_tokens or TRACE_BLOCK_TOKENS),
             )  # fmt: skip
-    finally:
-        if scratch is not None:
-            scratch.cleanup()
 
 
 def _replay(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
@@ -1443,20 +1444,6 @@ def _say_error(command: str, text: str) -> None:
     print(f"kvtier {command}: error: {text}", file=sys.stderr)
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM or SIGHUP, raised in the main thread like Ctrl-C, so every ``finally`` runs (the
-    bench's temporary directory, the CPU region and the tiers are released) and the command exits
-    128 + the signal's number."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _raise_terminated(signum: int, _frame: Any) -> None:
-    raise _Terminated(signum)
-
-
 class _ClosedOutput:
     """Stands in for ``sys.stdout`` when the process started with descriptor 1 closed (``>&-``), where
     Python sets it to ``None`` and ``print`` drops everything silently: every write raises
@@ -1509,18 +1496,12 @@ def _standard_streams() -> Iterator[None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvtier`` console script; returns the exit status. In the main thread,
-    SIGTERM and SIGHUP end the command like Ctrl-C (cleaning up), with status 143 and 129. Started
-    with standard output closed, a command that prints exits 2 ("standard output is closed");
-    with standard error closed, its diagnostics are dropped and the exit status is unchanged."""
-    with _standard_streams():
-        if threading.current_thread() is not threading.main_thread():
-            return _main(argv)
-        previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
-        try:
-            return _main(argv)
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+    Ctrl-C, SIGTERM and SIGHUP end the command cleaning up, with status 130, 143 and 129 (a signal
+    the process inherited as ignored stays ignored; see :mod:`kvtier.interrupts`). Started with
+    standard output closed, a command that prints exits 2 ("standard output is closed"); with
+    standard error closed, its diagnostics are dropped and the exit status is unchanged."""
+    with _standard_streams(), raising_interrupts():
+        return _main(argv)
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -1543,7 +1524,7 @@ def _main(argv: Sequence[str] | None) -> int:
         _say_error(args.command, str(exc))
         return 2
     except KeyboardInterrupt as exc:
-        if isinstance(exc, _Terminated):
+        if isinstance(exc, Terminated):
             print(f"kvtier {args.command}: terminated ({signal.Signals(exc.signum).name})", file=sys.stderr)
             return 128 + exc.signum
         print(f"kvtier {args.command}: interrupted", file=sys.stderr)

@@ -35,6 +35,22 @@ def clear_exception_frames(exc: BaseException, *, drop_traceback: bool = False) 
         pending.extend((current.__cause__, current.__context__))
 
 
+def interrupt_behind(exc: BaseException) -> KeyboardInterrupt | None:
+    """The :class:`KeyboardInterrupt` (Ctrl-C, or a signal raised like it) that caused ``exc``, found
+    along its ``__cause__`` and ``__context__`` chain, or None. Python 3.11 wraps an interrupt that
+    lands in a class body's ``__set_name__`` in a :class:`RuntimeError`: code that turns a failure
+    into an error message re-raises the interrupt instead, so the command still ends as interrupted.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, KeyboardInterrupt):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def exception_text(exc: BaseException) -> str:
     """``str(exc)``, or ``<unprintable Type>`` when that raises (an exception class of a plugin or a
     client library whose ``__str__`` is broken, or returns something other than a str): text for

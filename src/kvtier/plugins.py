@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from kvtier.errors import ConfigError, exception_text
+from kvtier.errors import ConfigError, exception_text, interrupt_behind
 from kvtier.units import shown
 
 _MAX_PATH = 300
@@ -33,8 +33,9 @@ def load_class(import_path: str, base: type, what: str, hint: str = "") -> Any:
     "tier"); ``hint`` is appended when the module (or one it needs) is not found. Raises
     :class:`ConfigError` for a malformed path, a module that is missing or fails
     to import for any reason, and a name that is not a ``base`` subclass.
-    KeyboardInterrupt propagates. A path that is not a string, is longer than 300 characters or
-    holds an '@' or a '://' (maybe a URL with a password) is refused without being shown.
+    KeyboardInterrupt propagates, also one Python wrapped in another error. A path that is not a
+    string, is longer than 300 characters or holds an '@' or a '://' (maybe a URL with a password)
+    is refused without being shown.
     """
     if not isinstance(import_path, str):
         raise ConfigError(
@@ -62,6 +63,9 @@ def load_class(import_path: str, base: type, what: str, hint: str = "") -> Any:
             f"{what} {import_path!r}: module {module_name!r} failed to import: {exception_text(exc)}.{hint}"
         ) from None
     except (Exception, SystemExit) as exc:  # the module's own code failed: say what, never a traceback
+        interrupt = interrupt_behind(exc)
+        if interrupt is not None:  # Ctrl-C while importing, wrapped by Python: not the module's fault
+            raise interrupt from None
         raise ConfigError(
             f"{what} {import_path!r}: importing module {module_name!r} raised {_error_text(exc)}: fix the module"
         ) from None

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
+import os
+import signal
 import socket
+import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kvtier.errors import ConfigError
+from kvtier.interrupts import Terminated, raising_interrupts
 from kvtier.keys import chain_ids
 from kvtier.metrics import KvtierMetrics
 from kvtier.tiers.base import HealthState, TierHealth
@@ -162,3 +168,61 @@ def test_the_console_line_never_shows_credentials() -> None:
 
     line = describe_options(BenchOptions(redis_url="redis://user:hunter2@10.0.0.1:6379/0", fs_root="/data/kv"))
     assert "hunter2" not in line and "redis redis://10.0.0.1:6379/0" in line and "fs /data/kv" in line
+
+
+def _signalled_after(make: Any, *, before: bool = False) -> Any:
+    """``make`` wrapped to send this process SIGTERM once it has built its object (before the caller
+    holds it), or with ``before`` as it starts."""
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        if before:
+            os.kill(os.getpid(), signal.SIGTERM)
+        made = make(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return made
+
+    return build
+
+
+@pytest.mark.parametrize("step", ["temporary directory", "manager", "copy engine", "mid-run", "shutdown too"])
+def test_a_signal_at_any_step_of_a_bench_releases_everything(
+    tmp_path: Path, private_shm: Path, monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    """Regression (2026-12-05, found by CI): SIGTERM landing while the run's state was being built (its
+    copy engine starting, after it took a view of the CPU rows but before it was assigned) left that
+    half-built object alive in the traceback: the region refused to close ("still has 1 exported
+    view(s)") and the command exited 2 instead of 143. Landing between the temporary directory's
+    creation and its owner's ``try`` left the directory behind. Every acquiring step now registers its
+    release before the signal is raised (kvtier.interrupts); a second signal during the releases
+    does not cut them."""
+    import kvtier.workload.bench as bench
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    progress = None
+    if step == "temporary directory":
+        monkeypatch.setattr(bench, "LockedTempDir", _signalled_after(bench.LockedTempDir))
+    elif step == "manager":
+        monkeypatch.setattr(bench, "build_manager", _signalled_after(bench.build_manager))
+    elif step == "copy engine":
+        monkeypatch.setattr(bench, "TransferEngine", _signalled_after(bench.TransferEngine))
+    else:
+        steps = itertools.count()
+
+        def progress(done: int, total: int) -> None:
+            if next(steps) == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        if step == "shutdown too":
+            shutdown = _signalled_after(bench.TieringManager.shutdown, before=True)
+            monkeypatch.setattr(bench.TieringManager, "shutdown", shutdown)
+    before = {t.ident for t in threading.enumerate()}
+    with raising_interrupts(), pytest.raises(Terminated) as caught:
+        run_bench(small_options(private_shm, temp_dir=str(scratch)), progress=progress)
+    assert caught.value.signum == signal.SIGTERM
+    assert list(scratch.iterdir()) == [], "the bench's temporary directory was left behind"
+    assert list(private_shm.iterdir()) == [], "the bench's region was left behind"
+    left = [t for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    for thread in left:
+        thread.join(10)
+    assert not [t.name for t in left if t.is_alive()], "the bench left threads running"

@@ -30,6 +30,7 @@ transfer engine's and the tiers' threads are started and joined here.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from urllib.parse import urlsplit
 
 from kvtier.config import KvtierConfig, build_manager, load_config
 from kvtier.errors import ConfigError, KvtierError, clear_exception_frames
+from kvtier.interrupts import deferring_interrupts, interrupts_deferred
 from kvtier.keys import BlockKey, prefix_keys
 from kvtier.manager import TieringManager
 from kvtier.metrics import KvtierMetrics
@@ -659,42 +661,42 @@ class Bench:
         check_memory(self.options.memory_needs(plain))
         # Refuse a prompt the device pool cannot hold now, not after hashing the whole workload.
         requests = self._requests(plain.kv_geometry().tokens_per_block)
-        scratch = self._temp_fs_dir()
-        try:
+        # Each step that acquires something registers its release before an interrupt may land
+        # (kvtier.interrupts), and the releases run in reverse, uncut by a second interrupt.
+        with contextlib.ExitStack() as releases:
+            scratch = None
+            if self.options.fs and self.options.fs_root is None:
+                self._sweep_temp_fs_dirs()
+                with interrupts_deferred():
+                    scratch = LockedTempDir(TEMP_DIR_PREFIX, self.options.temp_dir)
+                    releases.callback(deferring_interrupts(scratch.cleanup))
             fs_root = self.options.fs_root or (str(scratch.path / "fs") if scratch is not None else None)
             config = self.options.config(fs_root)
             keys = self._keys(config, requests)
-            manager = build_manager(config)
-            try:
+            with interrupts_deferred():
+                manager = build_manager(config)
+                releases.callback(deferring_interrupts(manager.shutdown))
+            with interrupts_deferred():
                 run = _Run(self, config, manager, requests, keys)
-                try:
-                    run.warm(timeout_s=self.options.stall_timeout_s)
-                    run.result.setup_s = time.perf_counter() - started
-                    run.run()
-                    run.verify()
-                except BaseException as exc:
-                    # The frames of the failed step hold views of the CPU rows (copy pairs);
-                    # the region cannot be released while they live, so drop them first.
-                    clear_exception_frames(exc)
-                    raise
-                finally:
-                    run.close()
-                result = run.report()
-            finally:
-                manager.shutdown()
-        finally:
-            if scratch is not None:
-                scratch.cleanup()
+                releases.callback(deferring_interrupts(run.close))
+            try:
+                run.warm(timeout_s=self.options.stall_timeout_s)
+                run.result.setup_s = time.perf_counter() - started
+                run.run()
+                run.verify()
+            except BaseException as exc:
+                # The frames of the failed step hold views of the CPU rows (copy pairs);
+                # the region cannot be released while they live, so drop them first.
+                clear_exception_frames(exc)
+                raise
+            result = run.report()
         result.wall_s = time.perf_counter() - started
         return result
 
-    def _temp_fs_dir(self) -> LockedTempDir | None:
-        """A lock-held temporary directory for the fs tier (after sweeping dead runs' ones), or None."""
-        if not self.options.fs or self.options.fs_root is not None:
-            return None
+    def _sweep_temp_fs_dirs(self) -> None:
+        """Remove the temporary directories of benches that died (lock not held)."""
         for stale in sweep_stale_temp_dirs(TEMP_DIR_PREFIX, self.options.temp_dir, remove=True):
             logger.info("removed %s left by a bench that died (%s)", stale.path, format_size(stale.size))
-        return LockedTempDir(TEMP_DIR_PREFIX, self.options.temp_dir)
 
     def _requests(self, tokens_per_block: int) -> list[ChatRequest]:
         """The workload's requests; raises :class:`ConfigError` when the longest prompt needs more

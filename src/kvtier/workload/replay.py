@@ -39,6 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeAlias
 
 from kvtier.errors import KvtierError
+from kvtier.interrupts import interrupts_deferred
 from kvtier.keys import BlockKey, KVGeometry, Namespace, chain_ids
 from kvtier.manager import TieringManager
 from kvtier.policies import DEFAULT_POLICY
@@ -158,23 +159,25 @@ def replay_manager(
     store_pieces(1, store_chunk)  # checks it before anything starts
     ns = namespace or replay_namespace()
     start = time.perf_counter()
-    manager = TieringManager.create(
-        namespace=ns,
-        num_cpu_blocks=capacity,
-        policy=policy,
-        tiers=[dict(t) for t in tiers],
-        shm_dir=shm_dir,
-        prefault=False,
-        region_name=f"replay-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-    )
-    labels = ["cpu"] + [manager.tier_label(i + 1) for i in range(len(manager.tiers))]
-    tier_hits = dict.fromkeys(labels, 0)
-    refs = 0
-    rejected = 0
-    self_evicted = 0
-    lookup_seconds = 0.0
-    lookups = 0
+    manager: TieringManager | None = None
     try:
+        with interrupts_deferred():  # (an interrupt never lands between the build and the assignment)
+            manager = TieringManager.create(
+                namespace=ns,
+                num_cpu_blocks=capacity,
+                policy=policy,
+                tiers=[dict(t) for t in tiers],
+                shm_dir=shm_dir,
+                prefault=False,
+                region_name=f"replay-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+            )
+        labels = ["cpu"] + [manager.tier_label(i + 1) for i in range(len(manager.tiers))]
+        tier_hits = dict.fromkeys(labels, 0)
+        refs = 0
+        rejected = 0
+        self_evicted = 0
+        lookup_seconds = 0.0
+        lookups = 0
         lookup = manager.lookup
         hit = LookupResult.HIT
         for n, request_keys in enumerate(keys):
@@ -233,7 +236,9 @@ def replay_manager(
         _settle(manager, pending_timeout)
         stats = manager.stats()
     finally:
-        manager.shutdown()
+        if manager is not None:
+            with interrupts_deferred():
+                manager.shutdown()
     hits_total = sum(tier_hits.values())
     policy_values = stats.cpu.policy.values if stats.cpu.policy is not None else {}
     written: dict[str, float] = {}
