@@ -166,7 +166,10 @@ def check_plot_file(path: str, inputs: Sequence[str | None] = ()) -> None:
     suffix = Path(path).suffix.lower().lstrip(".")
     if suffix not in kinds:
         what = repr(suffix) if suffix else "a file without a suffix"
-        raise ConfigError(f"--plot {path!r}: matplotlib cannot write {what}: use a suffix from {plot_formats()}")
+        # Named without test-rendering every type (seconds on a loaded host): png, svg and pdf are
+        # matplotlib's own renderers, always quiet here; a rarer type chosen is checked when given.
+        raise ConfigError(f"--plot {path!r}: matplotlib cannot write {what}: use 'png', 'svg' or 'pdf' "
+                          f"(its types: {', '.join(kinds)})")  # fmt: skip
     problem = plot_format_problem(suffix)  # renders a tiny plot: pgf needs LaTeX, ps/eps warn
     if problem is not None:
         raise ConfigError(

@@ -76,6 +76,24 @@ def test_plot_refuses_types_that_need_tools_or_warn(tmp_path: Path, name: str) -
     assert all(f"'{kind}'" in text for kind in ("png", "svg", "pdf"))
 
 
+@pytest.mark.parametrize("name", ["out.txt", "noext"])
+def test_plot_refuses_an_unknown_type_without_rendering_any(tmp_path: Path, name: str) -> None:
+    """Regression (2026-12-05, CI): the refusal of ``--plot out.txt`` test-rendered every type matplotlib
+    knows (16 plots) to list the usable ones: 8 s on an idle 2-core host, over 30 s in a loaded CI
+    run. It now names png, svg and pdf (always quiet) and matplotlib's types, rendering nothing."""
+    pytest.importorskip("matplotlib")
+    from kvtier.cli import check_plot_file
+    from kvtier.workload.report import plot_format_problem
+
+    plot_format_problem.cache_clear()
+    with pytest.raises(ConfigError) as info:
+        check_plot_file(str(tmp_path / name))
+    text = str(info.value)
+    assert "\n" not in text and "--plot" in text and "cannot write" in text
+    assert all(f"'{kind}'" in text for kind in ("png", "svg", "pdf"))
+    assert plot_format_problem.cache_info().currsize == 0, "a plot was rendered to refuse the type"
+
+
 @pytest.mark.parametrize("kind", ["png", "svg", "pdf"])
 def test_plot_accepts_types_that_render_quietly(tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture) -> None:
     pytest.importorskip("matplotlib")
