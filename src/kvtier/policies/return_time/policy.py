@@ -741,7 +741,7 @@ class ReturnTimePolicy(ExpiryWheel):
         if not here:  # its last block was evicted (an open one: what stays of it may be in _cut)
             if record.held < 0:
                 if self._cut:
-                    self._settle_cut(record, base)
+                    self._settle_cut(record, self._hold_ends(record, base)[1])
                 if record.sampled is not None or record.loaded is not None:
                     self._settle_sampled(record, base, False)  # the guard's miniature holds them open
             return
@@ -751,13 +751,11 @@ class ReturnTimePolicy(ExpiryWheel):
             if self._children[tail] >= MARK:
                 self._children[tail] -= MARK
             return
-        then, drawn = record.then, record.drawn
-        last_expiry = then + classes.hold_of(base + LAST, drawn)
-        body_expiry = max(then + classes.hold_of(base, drawn), last_expiry)
+        last_expiry, body_expiry = self._hold_ends(record, base)
         opened = record.opened
         walked = self._rehold(tail, record.stored, opened, opened, last_expiry, body_expiry, True)
         if self._cut and walked < record.stored:
-            self._settle_cut(record, base)
+            self._settle_cut(record, body_expiry)
         classes.refs[base + LAST] += 1
         classes.refs[base] += walked - 1
         if record.sampled is not None or record.loaded is not None:
@@ -771,13 +769,15 @@ class ReturnTimePolicy(ExpiryWheel):
         chain, after the eviction that cut them. A part whose request has no record left is held
         as referenced now."""
         expiry = self._expiry
-        owners: dict[int, tuple[dict[int, OpenRequest], int]] = {}
-        for records in (self._open_old, self._open):
-            for tail, record in records.items():
-                if record.held < 0:
-                    owners[record.opened] = (records, tail)
-        for bottom in self._cut:
-            owner = owners.pop(expiry[bottom], None)
+        cut_open = dict.fromkeys(e for e in (expiry[bottom] for bottom in self._cut) if e >= OPEN)  # (in cut order)
+        owners = {
+            record.opened: (records, tail)
+            for records in (self._open_old, self._open)
+            for tail, record in records.items()
+            if record.held < 0 and record.opened in cut_open
+        }
+        for opened in cut_open:
+            owner = owners.get(opened)
             if owner is not None:
                 records, tail = owner
                 self._settle(tail, records.pop(tail))  # settles every part of it in _cut
@@ -788,12 +788,17 @@ class ReturnTimePolicy(ExpiryWheel):
                 self._rehold(bottom, self.capacity, e, e, now, now, False)
         self._cut.clear()
 
-    def _settle_cut(self, record: OpenRequest, base: int) -> None:
-        """Hold what stays of an open request above a cut (see :meth:`_settle_cuts`) as the body of
-        the complete request (class ``base``), from its last store."""
-        classes, opened, expiry = self.classes, record.opened, self._expiry
-        then, drawn = record.then, record.drawn
-        body_expiry = max(then + classes.hold_of(base, drawn), then + classes.hold_of(base + LAST, drawn))
+    def _hold_ends(self, record: OpenRequest, base: int) -> tuple[int, int]:
+        """``(last, body)``: the expiries of a complete request's last block (class ``base + LAST``)
+        and of its body (class ``base``, never before its last), from its last store."""
+        classes, then, drawn = self.classes, record.then, record.drawn
+        last_expiry = then + classes.hold_of(base + LAST, drawn)
+        return last_expiry, max(then + classes.hold_of(base, drawn), last_expiry)
+
+    def _settle_cut(self, record: OpenRequest, body_expiry: int) -> None:
+        """Hold what stays of an open request above a cut (see :meth:`_settle_cuts`) until
+        ``body_expiry``, its complete request's body's (:meth:`_hold_ends`)."""
+        opened, expiry = record.opened, self._expiry
         for bottom in self._cut:
             if expiry[bottom] == opened:
                 self._rehold(bottom, record.stored, opened, opened, body_expiry, body_expiry, False)
