@@ -89,6 +89,7 @@ class _Api(http.server.ThreadingHTTPServer):
 
     def __init__(self) -> None:
         self.asked: list[dict[str, Any]] = []
+        self.on_ask: Any = None  # called after each completion asked: the engine answering it
         super().__init__(("127.0.0.1", 0), _ApiHandler)
 
 
@@ -111,6 +112,8 @@ class _ApiHandler(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.server.asked.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
         self._json({"choices": []})
+        if self.server.on_ask is not None:
+            self.server.on_ask()
 
 
 @pytest.fixture
@@ -222,3 +225,40 @@ def test_a_restarted_publisher_replaces_the_old_start(tmp_path: Path) -> None:
             second.shutdown()
     finally:
         subscriber.stop()
+
+
+def test_a_restart_whose_hello_went_unheard_is_learned_through_a_snapshot_ask(tmp_path: Path, api: _Api) -> None:
+    """Regression (2026-12-05, CI's fleet test): a restarted engine sends its hello at its first step, and
+    ZMQ's publisher drops what it sends before the subscriber has reconnected; an idle engine then
+    sends nothing more, and the index kept the old start's CPU tier and device cache for it (a
+    router's prefix answers naming blocks that are gone) until its next batch. A heard engine that
+    connects again is now asked for a snapshot, whose batch tells the new start."""
+    index = FleetIndex()
+    endpoint = EngineEndpoint("e", f"ipc://{tmp_path}/events", replay=f"ipc://{tmp_path}/replay",
+                              api=f"http://127.0.0.1:{api.server_address[1]}")  # fmt: skip
+    subscriber = FleetSubscriber(index, [endpoint], snapshot_retry=0.1)
+    first = _publisher(tmp_path)
+    second = None
+    try:
+        subscriber.start()
+        time.sleep(0.3)
+        for seq in range(5):
+            first.publish(_batch(_control(seq), _stored([seq], medium="GPU" if seq == 4 else "CPU")))
+        _wait(lambda: index.held("e", "0:primary") == set(range(4)), "the first start")
+        assert api.asked == [], "no snapshot is asked of an engine heard whole"
+        first.shutdown()
+        _wait(lambda: index.engine("e").status == "disconnected", "the disconnection")
+        second = _publisher(tmp_path)
+        second.publish(_batch(_control(0, start="s2")))  # its hello, most likely before the subscriber is back
+        answered = second
+        api.on_ask = lambda: answered.publish(_batch(_control(1, start="s2"), _stored([100])))
+        _wait(lambda: index.engine("e").start == "s2", "the new start")
+        assert api.asked and api.asked[0]["kv_transfer_params"] == {"kvtier_events": "snapshot"}
+        _wait(lambda: index.held("e", "0:primary") == {100}, "the new start's blocks")
+        assert index.held("e", "GPU") == set(), "the old start's device cache is still claimed"
+        assert index.engine("e").restarts == 1 and index.engine("e").status == "synced"
+    finally:
+        subscriber.stop()
+        first.shutdown()
+        if second is not None:
+            second.shutdown()

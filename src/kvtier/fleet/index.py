@@ -476,7 +476,11 @@ class FleetIndex:
         status is ``disconnected``: a router must not take its answer for what a live engine
         holds. What it held is kept (an engine cut off for a moment comes back with the same
         start, and its lost batches are replayed; one that restarted has its old start dropped
-        with its first batch, :meth:`apply`)."""
+        with its first batch, :meth:`apply`). A heard engine that connects again is due a
+        snapshot (:meth:`take_snapshot_wanted`): a restarted engine sends its hello at its first
+        step, which ZMQ's publisher drops when it comes before the subscriber has reconnected, and
+        an idle engine sends nothing more; the snapshot's batch is heard, and tells the new start
+        (or, same start, what was lost meanwhile)."""
         with self._writing():
             eng = self._engines[name]
             if eng.disconnected != connected:
@@ -485,6 +489,8 @@ class FleetIndex:
             if not connected:
                 logger.warning("fleet: engine %s: its events endpoint disconnected (stopped, killed or unreachable); "
                                "its status is 'disconnected' until it connects again", name)  # fmt: skip
+            elif eng.start is not None:
+                eng.needs_snapshot = True
             self._publish()
 
     def take_snapshot_wanted(self, name: str) -> bool:
