@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import sys
 import textwrap
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -108,6 +110,18 @@ def test_a_bench_terminated_cleans_up_like_ctrl_c(tmp_path: Path, private_shm: P
     assert list(private_shm.iterdir()) == []
 
 
+@contextlib.contextmanager
+def _running(command: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
+    """``command`` started with its output piped; killed (and reaped) if still running on the way out."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_bench_under_nohup_keeps_running_through_a_hangup(private_shm: Path) -> None:
     """Regression (2026-12-05): the command line turned SIGHUP into an interrupt even when the process
     was started with it ignored (``nohup kvtier bench ...``), so closing the terminal still ended
@@ -115,19 +129,13 @@ def test_a_bench_under_nohup_keeps_running_through_a_hangup(private_shm: Path) -
     args = [*TINY_BENCH, "--shm-dir", str(private_shm), "--no-fs"]
     args[args.index("--prefill-tokens-per-s") + 1] = "20000"  # runs a few seconds
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    proc = subprocess.Popen(["nohup", *KVTIER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)  # fmt: skip
-    try:
+    with _running(["nohup", *KVTIER, *args], env) as proc:
         ready, _, _ = select.select([proc.stderr], [], [], 60)
         assert ready and proc.stderr is not None and "kvtier bench:" in proc.stderr.readline()
         time.sleep(0.3)
         assert proc.poll() is None, "the bench ended before the hangup"
         proc.send_signal(signal.SIGHUP)
         _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 0, err
     assert "terminated" not in err
 
@@ -138,8 +146,7 @@ def test_bench_serves_metrics_while_running(private_shm: Path) -> None:
     args = [*TINY_BENCH, "--shm-dir", str(private_shm), "--no-fs", "--metrics-port", str(port)]
     args[args.index("--prefill-tokens-per-s") + 1] = "20000"  # runs a few seconds: time to scrape
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    proc = subprocess.Popen([*KVTIER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
+    with _running([*KVTIER, *args], env) as proc:
         body = ""
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and "kvtier_lookups_total" not in body:
@@ -150,10 +157,6 @@ def test_bench_serves_metrics_while_running(private_shm: Path) -> None:
         assert "kvtier_lookups_total" in body
         assert 'kvtier_capacity_bytes{tier="0:primary"}' in body
         _, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 0, stderr
     assert f"http://127.0.0.1:{port}/metrics" in stderr
 
