@@ -113,7 +113,8 @@ def test_a_bench_terminated_cleans_up_like_ctrl_c(tmp_path: Path, private_shm: P
 @contextlib.contextmanager
 def _running(command: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
     """``command`` started with its output piped; killed (and reaped) if still running on the way out."""
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)  # fmt: skip  (stdin not a terminal: nohup says nothing of it)
     try:
         yield proc
     finally:

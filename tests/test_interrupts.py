@@ -5,14 +5,31 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Iterator
 
 import pytest
 
-from kvtier.interrupts import Terminated, deferring_interrupts, interrupts_deferred, raising_interrupts
+from kvtier.interrupts import DeferredReleases, Terminated, interrupts_deferred, raising_interrupts
 
 
 def _signal_self(sig: int) -> None:
     os.kill(os.getpid(), sig)
+
+
+@pytest.fixture(autouse=True)
+def plain_handlers() -> Iterator[None]:
+    """Python's own handlers while a test runs, whatever this pytest inherited (``pytest &`` from a
+    script starts it with SIGINT ignored, ``nohup pytest`` with SIGHUP ignored)."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 @pytest.mark.parametrize(("sig", "kind"), [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, Terminated),
@@ -34,19 +51,29 @@ def test_the_previous_handlers_come_back() -> None:
 
 def test_a_signal_inside_a_deferral_is_raised_when_the_outermost_one_exits() -> None:
     steps: list[str] = []
-    with raising_interrupts(), pytest.raises(Terminated) as caught:
-        with interrupts_deferred():
+    with raising_interrupts():
+        with pytest.raises(Terminated) as caught:
             with interrupts_deferred():
-                _signal_self(signal.SIGTERM)
-                steps.append("inner went on")
-            steps.append("outer went on")
-            _signal_self(signal.SIGHUP)  # a second signal adds nothing: the first one is raised
-            steps.append("outer ended")
-        steps.append("after the deferral")
-    assert steps == ["inner went on", "outer went on", "outer ended"]
-    assert caught.value.signum == signal.SIGTERM
-    with raising_interrupts(), interrupts_deferred():
-        steps.append("nothing pending any more")  # the raised signal was forgotten
+                with interrupts_deferred():
+                    _signal_self(signal.SIGTERM)
+                    steps.append("inner went on")
+                steps.append("outer went on")
+            steps.append("after the deferral")
+        assert steps == ["inner went on", "outer went on"]
+        assert caught.value.signum == signal.SIGTERM
+        with interrupts_deferred():
+            steps.append("nothing pending any more")  # the raised signal was forgotten: this exit raises nothing
+    assert steps[-1] == "nothing pending any more"
+
+
+def test_a_second_signal_while_one_is_held_back_raises_at_once() -> None:
+    steps: list[str] = []
+    with raising_interrupts(), pytest.raises(Terminated) as caught, interrupts_deferred():
+        _signal_self(signal.SIGTERM)
+        steps.append("held back")
+        _signal_self(signal.SIGHUP)  # Ctrl-C again: the user means it (a release that hangs is abandoned)
+        steps.append("went on after the second")
+    assert steps == ["held back"] and caught.value.signum == signal.SIGHUP
 
 
 def test_a_block_that_fails_inside_a_deferral_still_ends_interrupted() -> None:
@@ -56,17 +83,20 @@ def test_a_block_that_fails_inside_a_deferral_still_ends_interrupted() -> None:
     assert isinstance(caught.value.__context__, ValueError)
 
 
-def test_a_wrapped_release_runs_whole() -> None:
+def test_deferred_releases_all_run_when_a_signal_lands_among_them() -> None:
     done: list[str] = []
 
-    def release() -> str:
-        _signal_self(signal.SIGTERM)
-        done.append("released")
-        return "result"
+    def release(name: str) -> None:
+        if name == "second":
+            _signal_self(signal.SIGTERM)
+        done.append(name)
 
     with raising_interrupts(), pytest.raises(Terminated):
-        deferring_interrupts(release)()
-    assert done == ["released"]
+        with DeferredReleases() as releases:
+            for name in ("third", "second", "first"):  # (run in reverse)
+                releases.callback(release, name)
+        pytest.fail("the signal was not raised after the releases")
+    assert done == ["first", "second", "third"]
 
 
 def test_a_signal_inherited_as_ignored_stays_ignored() -> None:

@@ -56,7 +56,7 @@ from kvtier.config import (
 from kvtier.config.schema import MAX_LAYOUT_COUNT
 from kvtier.errors import ConfigError, KvtierError, exception_text
 from kvtier.fleet.cli import add_fleet_parser
-from kvtier.interrupts import Terminated, deferring_interrupts, interrupts_deferred, raising_interrupts
+from kvtier.interrupts import DeferredReleases, Terminated, interrupts_deferred, raising_interrupts
 from kvtier.units import comma_entries, shown
 from kvtier.user_files import STDOUT, OutputFile, check_output, os_error_text, write_output
 from kvtier.validation import is_utf8_text
@@ -149,10 +149,11 @@ def check_output_file(path: str, flag: str, inputs: Sequence[str | None] = ()) -
 
 
 def check_plot_file(path: str, inputs: Sequence[str | None] = ()) -> None:
-    """Refuse ``--plot`` before the run (ConfigError, one line naming ``--plot`` and the suffixes it
-    takes) when matplotlib is missing or the file type is not one :func:`plot_image` writes here
-    without an external program (``pgf``) or a warning (``ps``/``eps``): the type is test-rendered
-    in memory (:func:`kvtier.workload.report.plot_format_problem`)."""
+    """Refuse ``--plot`` before the run (ConfigError, one line naming ``--plot`` and png, svg and
+    pdf) when matplotlib is missing or the file type is not one :func:`plot_image` writes here
+    without an external program (``pgf``) or a warning (``ps``/``eps``): a type matplotlib knows is
+    test-rendered in memory (:func:`kvtier.workload.report.plot_format_problem`), one it does not
+    know is refused at once."""
     check_output(path, "--plot", inputs)
     try:
         from matplotlib.backend_bases import FigureCanvasBase
@@ -160,7 +161,7 @@ def check_plot_file(path: str, inputs: Sequence[str | None] = ()) -> None:
         raise ConfigError("--plot needs matplotlib, which is not installed: pip install 'kvtier[plot]'") from None
     if path == STDOUT:
         return  # PNG
-    from kvtier.workload.report import plot_format_problem, plot_formats
+    from kvtier.workload.report import plot_format_problem
 
     kinds = sorted(FigureCanvasBase.get_supported_filetypes())
     suffix = Path(path).suffix.lower().lstrip(".")
@@ -172,9 +173,7 @@ def check_plot_file(path: str, inputs: Sequence[str | None] = ()) -> None:
                           f"(its types: {', '.join(kinds)})")  # fmt: skip
     problem = plot_format_problem(suffix)  # renders a tiny plot: pgf needs LaTeX, ps/eps warn
     if problem is not None:
-        raise ConfigError(
-            f"--plot {path!r}: cannot write {suffix!r} here ({problem}): use a suffix from {plot_formats()}"
-        )
+        raise ConfigError(f"--plot {path!r}: cannot write {suffix!r} here ({problem}): use 'png', 'svg' or 'pdf'")
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -763,7 +762,7 @@ def _check_replay_fs_root(fs_root: str) -> None:
         raise ConfigError(f"--fs-root {fs_root!r} is not a directory: give a directory (made if missing)")
 
 
-def _replay_fs_dir(fs_root: str, releases: contextlib.ExitStack) -> Any:
+def _replay_fs_dir(fs_root: str, releases: DeferredReleases) -> Any:
     """A fresh lock-held directory under ``fs_root`` for this replay's fs tiers (stale ones swept
     first), its removal registered with ``releases`` before an interrupt can land (kvtier.interrupts)."""
     from kvtier.tempdir import LockedTempDir, sweep_stale_temp_dirs
@@ -776,7 +775,7 @@ def _replay_fs_dir(fs_root: str, releases: contextlib.ExitStack) -> Any:
             logger.info("removed %s left by a replay that died", stale.path)
         with interrupts_deferred():
             scratch = LockedTempDir(REPLAY_DIR_PREFIX, fs_root)
-            releases.callback(deferring_interrupts(scratch.cleanup))
+            releases.callback(scratch.cleanup)
         return scratch
     except OSError as exc:
         raise ConfigError(f"--fs-root {fs_root!r}: {os_error_text(exc)}") from None
@@ -907,7 +906,7 @@ def _replay_runs(
 
     requests = len(keys)
     total = requests * len(capacities) * len(dict.fromkeys([*args.policy, "lru"]))
-    with contextlib.ExitStack() as releases:
+    with DeferredReleases() as releases:
         scratch = _replay_fs_dir(args.fs_root, releases) if args.fs_root is not None else None
         fs_dir = None if scratch is None else str(scratch.path)
         if fs_dir is not None:

@@ -27,13 +27,11 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any
 
-_T = TypeVar("_T")
-
-#: The signals turned into exceptions, and the exit status a command ends with on each (128 + number).
+#: The signals turned into exceptions (a command ends with status 128 + the signal's number).
 INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -61,11 +59,13 @@ def interrupt_for(signum: int) -> KeyboardInterrupt:
 
 
 def _on_signal(signum: int, _frame: FrameType | None) -> None:
-    """The installed handler (main thread): raise now, or remember the signal inside a deferral."""
-    if _Deferral.depth > 0:
-        if _Deferral.pending is None:
-            _Deferral.pending = signum
+    """The installed handler (main thread): raise now, or remember the signal inside a deferral; a
+    second signal while one is held back raises at once (a user who presses Ctrl-C again means it:
+    a release that hangs can still be abandoned)."""
+    if _Deferral.depth > 0 and _Deferral.pending is None:
+        _Deferral.pending = signum
         return
+    _Deferral.pending = None
     raise interrupt_for(signum)
 
 
@@ -80,7 +80,8 @@ def raising_interrupts() -> Iterator[None]:
     previous: dict[signal.Signals, Any] = {}
     try:
         for sig in INTERRUPT_SIGNALS:
-            if signal.getsignal(sig) is not signal.SIG_IGN:
+            # (None: a handler installed from C, which Python could not put back: left alone)
+            if signal.getsignal(sig) not in (signal.SIG_IGN, None):
                 previous[sig] = signal.signal(sig, _on_signal)
         yield
     finally:
@@ -96,8 +97,10 @@ def interrupts_deferred() -> Iterator[None]:
 
     A signal received inside is raised when the outermost deferral exits, whatever the block did
     (if the block raised, its exception becomes the interrupt's ``__context__``): the command still
-    ends as interrupted. Keep the blocks short and bounded (building something, registering its
-    release, releasing it): a signal waits for the block to end.
+    ends as interrupted. A second signal meanwhile raises at once. Keep the blocks short and
+    bounded (building something, registering its release, releasing it): a signal waits for the
+    block to end. (A signal landing in the few bytecodes of entering or leaving the block is raised
+    at once, never lost.)
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -112,12 +115,11 @@ def interrupts_deferred() -> Iterator[None]:
             raise interrupt_for(signum)
 
 
-def deferring_interrupts(release: Callable[[], _T]) -> Callable[[], _T]:
-    """``release`` wrapped to run inside :func:`interrupts_deferred`: for
-    a cleanup registered with an :class:`contextlib.ExitStack`, so a second Ctrl-C does not cut it."""
+class DeferredReleases(contextlib.ExitStack):
+    """An :class:`contextlib.ExitStack` whose releases all run inside one :func:`interrupts_deferred`:
+    a signal that lands while they run (between two of them included) waits until the last one
+    has run. Register each release in the same deferral as the step that acquired its resource."""
 
-    def run() -> _T:
+    def __exit__(self, *exc_details: Any) -> bool | None:
         with interrupts_deferred():
-            return release()
-
-    return run
+            return super().__exit__(*exc_details)

@@ -207,14 +207,17 @@ def _cmd_fleet_serve(args: argparse.Namespace) -> int:
         stop.set()
         threading.Thread(target=server.shutdown, daemon=True).start()
 
-    previous = signal.signal(signal.SIGTERM, _on_signal)
+    # A SIGTERM the process inherited as ignored stays ignored, as for every kvtier command.
+    ignored = signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    previous = None if ignored else signal.signal(signal.SIGTERM, _on_signal)
     try:
         if subscriber is not None:
             subscriber.start()
         print(f"kvtier fleet: serving on {server.url}", flush=True)
         server.serve_forever(poll_interval=0.2)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if not ignored:
+            signal.signal(signal.SIGTERM, previous)
         server.server_close()
         if subscriber is not None:
             subscriber.stop()

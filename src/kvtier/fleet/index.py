@@ -494,8 +494,9 @@ class FleetIndex:
             self._publish()
 
     def take_snapshot_wanted(self, name: str) -> bool:
-        """True while the engine's private tiers are incomplete and a snapshot should be asked for:
-        until one arrives whole (an engine may refuse an ask, one soon after another or while it
+        """True while the engine's private tiers are incomplete, or it connected again (it may have
+        restarted unheard, :meth:`engine_connected`), and a snapshot should be asked for: until one
+        arrives whole (an engine may refuse an ask, one soon after another or while it
         sends one; the subscriber asks at most once per ``snapshot_retry``)."""
         with self._lock:
             eng = self._engines[name]

@@ -17,7 +17,8 @@ ROUTER that resends buffered batches from a sequence number) and its OpenAI API 
   process frozen, its host gone; vLLM sends nothing when idle, so silence alone says nothing) and
   when a publisher there is connected again: the index marks the engine ``disconnected``
   meanwhile (:meth:`FleetIndex.engine_connected`).
-* When the index wants a snapshot of an engine (it joined mid-start, or lost events),
+* When the index wants a snapshot of an engine (it joined mid-start, lost events, or connected
+  again: it may have restarted with its hello unheard),
   and the engine's API URL is known, a helper thread sends the engine a one-token
   completion whose ``kv_transfer_params`` ask kvtier for one (``{"kvtier_events":
   "snapshot"}``; at most once per ``snapshot_retry`` seconds per engine, and twice as long

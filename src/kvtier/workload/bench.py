@@ -30,7 +30,6 @@ transfer engine's and the tiers' threads are started and joined here.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -40,7 +39,7 @@ from urllib.parse import urlsplit
 
 from kvtier.config import KvtierConfig, build_manager, load_config
 from kvtier.errors import ConfigError, KvtierError, clear_exception_frames
-from kvtier.interrupts import deferring_interrupts, interrupts_deferred
+from kvtier.interrupts import DeferredReleases, interrupts_deferred
 from kvtier.keys import BlockKey, prefix_keys
 from kvtier.manager import TieringManager
 from kvtier.metrics import KvtierMetrics
@@ -662,23 +661,23 @@ class Bench:
         # Refuse a prompt the device pool cannot hold now, not after hashing the whole workload.
         requests = self._requests(plain.kv_geometry().tokens_per_block)
         # Each step that acquires something registers its release before an interrupt may land
-        # (kvtier.interrupts), and the releases run in reverse, uncut by a second interrupt.
-        with contextlib.ExitStack() as releases:
+        # (kvtier.interrupts), and the releases run in reverse, all of them, held back from one.
+        with DeferredReleases() as releases:
             scratch = None
             if self.options.fs and self.options.fs_root is None:
                 self._sweep_temp_fs_dirs()
                 with interrupts_deferred():
                     scratch = LockedTempDir(TEMP_DIR_PREFIX, self.options.temp_dir)
-                    releases.callback(deferring_interrupts(scratch.cleanup))
+                    releases.callback(scratch.cleanup)
             fs_root = self.options.fs_root or (str(scratch.path / "fs") if scratch is not None else None)
             config = self.options.config(fs_root)
             keys = self._keys(config, requests)
             with interrupts_deferred():
                 manager = build_manager(config)
-                releases.callback(deferring_interrupts(manager.shutdown))
+                releases.callback(manager.shutdown)
             with interrupts_deferred():
                 run = _Run(self, config, manager, requests, keys)
-                releases.callback(deferring_interrupts(run.close))
+                releases.callback(run.close)
             try:
                 run.warm(timeout_s=self.options.stall_timeout_s)
                 run.result.setup_s = time.perf_counter() - started
@@ -687,7 +686,8 @@ class Bench:
             except BaseException as exc:
                 # The frames of the failed step hold views of the CPU rows (copy pairs);
                 # the region cannot be released while they live, so drop them first.
-                clear_exception_frames(exc)
+                with interrupts_deferred():
+                    clear_exception_frames(exc)
                 raise
             result = run.report()
         result.wall_s = time.perf_counter() - started

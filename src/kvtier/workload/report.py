@@ -240,15 +240,6 @@ def plot_format_problem(kind: str) -> str | None:
     return caught[0].splitlines()[0] if caught else None
 
 
-def plot_formats() -> list[str]:
-    """The image types :func:`plot_image` writes here without an external program or a warning,
-    sorted (png, svg, pdf and others matplotlib renders itself). Needs matplotlib; a few seconds
-    the first time (each type is rendered once), cached after."""
-    from matplotlib.backend_bases import FigureCanvasBase
-
-    return [kind for kind in sorted(FigureCanvasBase.get_supported_filetypes()) if plot_format_problem(kind) is None]
-
-
 def replay_table(rows: Sequence[dict[str, Any]], title: str, block_bytes: int | None = None) -> Table:
     """Hit rate per capacity and policy (real manager), its ratio to LRU, self-evictions, per-tier
     split, Belady, unbounded.
