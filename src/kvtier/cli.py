@@ -169,11 +169,13 @@ def check_plot_file(path: str, inputs: Sequence[str | None] = ()) -> None:
         what = repr(suffix) if suffix else "a file without a suffix"
         # Named without test-rendering every type (seconds on a loaded host): png, svg and pdf are
         # matplotlib's own renderers, always quiet here; a rarer type chosen is checked when given.
-        raise ConfigError(f"--plot {path!r}: matplotlib cannot write {what}: use 'png', 'svg' or 'pdf' "
-                          f"(its types: {', '.join(kinds)})")  # fmt: skip
+        raise ConfigError(f"--plot {path!r}: matplotlib cannot write {what}: use the suffix 'png', 'svg' or 'pdf' "
+                          f"(matplotlib's types: {', '.join(kinds)})")  # fmt: skip
     problem = plot_format_problem(suffix)  # renders a tiny plot: pgf needs LaTeX, ps/eps warn
     if problem is not None:
-        raise ConfigError(f"--plot {path!r}: cannot write {suffix!r} here ({problem}): use 'png', 'svg' or 'pdf'")
+        raise ConfigError(
+            f"--plot {path!r}: cannot write {suffix!r} here ({problem}): use the suffix 'png', 'svg' or 'pdf'"
+        )
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -459,6 +461,8 @@ def _bench(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
     from kvtier.workload.report import json_document, plot_image, print_bench
     from kvtier.workload.textout import text_console
 
+    if args.fs_root is not None:  # refused before the workload is hashed and the CPU region made
+        _check_fs_root_flag(args.fs_root)
     config = _bench_config(args)
     _check_shm_dir(config)
     options = _bench_options(args, config)
@@ -751,10 +755,11 @@ def _check_replay_capacity(capacities: Sequence[int], shm_dir: str) -> None:
         )
 
 
-def _check_replay_fs_root(fs_root: str) -> None:
-    """--fs-root names a directory, or nothing yet (made when the replay starts), by a path of UTF-8 text
-    (an fs tier's root is text: a path of other bytes was refused only once the first replay had started):
-    checked before any work."""
+def _check_fs_root_flag(fs_root: str) -> None:
+    """--fs-root (bench, replay) names a directory, or nothing yet (made when the run starts), by a
+    path of UTF-8 text (an fs tier's root is text: a path of other bytes was refused only once the
+    first replay had started): checked before any work (the bench refused a file there only after
+    hashing its workload and making its CPU region: over 30 s in a loaded CI run)."""
     if not is_utf8_text(fs_root):
         raise ConfigError(f"--fs-root {fs_root!r:.200} holds bytes that are not UTF-8, which an fs tier's root "
                           "cannot: give a directory whose path is UTF-8 text")  # fmt: skip
@@ -768,7 +773,7 @@ def _replay_fs_dir(fs_root: str, releases: DeferredReleases) -> Any:
     from kvtier.tempdir import LockedTempDir, sweep_stale_temp_dirs
     from kvtier.tiers.fs_files import FileModes, make_dirs
 
-    _check_replay_fs_root(fs_root)
+    _check_fs_root_flag(fs_root)
     try:
         make_dirs(Path(fs_root), FileModes.for_group(None))  # what is missing: 0700, as the fs tier makes it
         for stale in sweep_stale_temp_dirs(REPLAY_DIR_PREFIX, fs_root, remove=True):
@@ -951,7 +956,7 @@ def _replay(args: argparse.Namespace, outputs: dict[str, OutputFile]) -> int:
     args.policy, args.shm_dir = args.policy or [settings.policy], settings.shm_dir  # env < flags
     _check_shm_dir(settings)
     if args.fs_root is not None:
-        _check_replay_fs_root(args.fs_root)
+        _check_fs_root_flag(args.fs_root)
     block = _replay_block_bytes(args, settings)
     if args.capacity:
         _check_replay_capacity([largest_known_blocks(args.capacity) or 1], args.shm_dir)
