@@ -45,8 +45,8 @@ class Terminated(KeyboardInterrupt):
 
 
 class _Deferral:
-    """The main thread's deferral state: how deep in :func:`interrupts_deferred`, and the first signal
-    received there (later ones add nothing: one interrupt ends the command)."""
+    """The main thread's deferral state: how deep in :func:`interrupts_deferred`, and the signal held
+    back there (a second one raises at once: :func:`_on_signal`)."""
 
     depth = 0
     pending: int | None = None
