@@ -40,7 +40,7 @@ def publisher(tmp_path: Path) -> Iterator[Publisher]:
 def _subscribe(index: FleetIndex, pub: Publisher, **options: Any) -> FleetSubscriber:
     subscriber = FleetSubscriber(index, [EngineEndpoint("e", pub.events, replay=pub.replay)], **options)
     subscriber.start()
-    time.sleep(0.3)  # the SUB socket's subscription reaches the publisher
+    pub.wait_subscribed()
     return subscriber
 
 

@@ -265,7 +265,8 @@ def test_an_engine_whose_replays_hang_does_not_hold_back_other_engines_events(tm
     subscriber.start()
     stop = threading.Event()
     try:
-        time.sleep(0.3)
+        pa.wait_subscribed()
+        pb.wait_subscribed()
         pa.send(batch(control("hello", 0, start="sa")))
         pb.send(batch(control("hello", 0, start="sb"), stored([7], medium="GPU")))
         deadline = time.monotonic() + 10

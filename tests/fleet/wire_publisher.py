@@ -48,14 +48,17 @@ def batch(*events: dict[str, Any]) -> bytes:
 
 class Publisher:
     """Binds ``ipc://<dir>/events`` and ``ipc://<dir>/replay``; ``send`` publishes the next batch
-    (or the given ``seq``) and keeps it for replays."""
+    (or the given ``seq``) and keeps it for replays; ``wait_subscribed`` returns once a subscriber's
+    subscription has reached the publisher (an XPUB socket hears it), so a batch sent after it is
+    not dropped as one sent to nobody (ZeroMQ's slow joiner)."""
 
     def __init__(self, directory: Path) -> None:
         self.events = f"ipc://{directory}/events"
         self.replay = f"ipc://{directory}/replay"
         self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = self._ctx.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not only the first
         self._pub.bind(self.events)
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -73,6 +76,16 @@ class Publisher:
             self._sent.append((self.seq, payload))
             self._pub.send_multipart([b"", self.seq.to_bytes(8, "big"), payload])
             self.seq += 1
+
+    def wait_subscribed(self, timeout: float = 20.0) -> None:
+        """Block until the next subscription reaches the publisher (called from the thread that sends)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._pub.poll(int(left * 1000)):
+                raise AssertionError(f"no subscriber joined {self.events} within {timeout} s")
+            if self._pub.recv()[:1] == b"\x01":  # a subscription (b"\x00": an unsubscription)
+                return
 
     def _serve_replays(self) -> None:
         while not self._stop.is_set():
