@@ -474,3 +474,41 @@ def test_replay_without_its_input_points_at_its_help(tmp_path: Path) -> None:
         out = run(*argv)
         assert out.returncode == 2
         assert out.stderr.count("\n") == 1 and "(see 'kvtier replay --help')" in out.stderr, out.stderr
+
+
+_SIGNAL_WHILE_PARSING = """
+import os, signal, sys
+import kvtier.cli as cli
+real = cli.build_parser
+def build_parser():
+    os.kill(os.getpid(), int(sys.argv[1]))
+    return real()
+cli.build_parser = build_parser
+sys.exit(cli.main(["inspect", "/nonexistent"]))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_signal_while_the_command_line_is_parsed_ends_with_its_status(sig: int) -> None:
+    """Regression (2026-12-06, review): the handlers were in place before the command's ``try``:
+    a signal landing while the arguments were parsed escaped ``main`` as a traceback with status 1
+    (a Terminated) instead of 143 / 129 / 130."""
+    done = subprocess.run([sys.executable, "-c", _SIGNAL_WHILE_PARSING, str(int(sig))], capture_output=True,
+                          text=True, timeout=120, start_new_session=True)  # fmt: skip
+    assert done.returncode == 128 + sig, done.stderr
+    what = "interrupted" if sig == signal.SIGINT else f"terminated ({signal.Signals(sig).name})"
+    assert done.stderr.strip() == f"kvtier: {what}"
+
+
+def test_ctrl_c_with_the_reader_of_standard_error_gone_still_exits_130() -> None:
+    """Regression (2026-12-06, review): Ctrl-C in ``kvtier ... 2>&1 | less`` also ends the reader;
+    saying "interrupted" then raised BrokenPipeError out of ``main``: status 1. The message is
+    dropped, the status stays 130."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is said
+    try:
+        done = subprocess.run([sys.executable, "-c", _SIGNAL_WHILE_PARSING, str(int(signal.SIGINT))], stdout=write,
+                              stderr=write, timeout=120, start_new_session=True)  # fmt: skip
+    finally:
+        os.close(write)
+    assert done.returncode == 130

@@ -144,3 +144,63 @@ def test_outside_the_main_thread_installing_changes_nothing() -> None:
     thread.start()
     thread.join(10)
     assert seen == [before]
+
+
+def test_a_nested_install_keeps_the_signal_an_outer_deferral_holds_back() -> None:
+    """Regression (2026-12-06, review): leaving a nested ``raising_interrupts`` (``kvtier.cli.main``
+    called in-process under one) reset the deferral state: the held-back signal was lost and the
+    depth went to -1, so later deferrals held nothing back."""
+    with raising_interrupts():
+        with pytest.raises(Terminated), interrupts_deferred():
+            _signal_self(signal.SIGTERM)
+            with raising_interrupts():
+                pass
+        steps: list[str] = []
+        with pytest.raises(Terminated), interrupts_deferred():
+            _signal_self(signal.SIGTERM)
+            steps.append("held back")
+        assert steps == ["held back"]
+
+
+def test_a_signal_landing_while_the_handlers_go_back_reaches_the_handler_put_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression (2026-12-06, review): the handlers went back one at a time with kvtier's still on
+    the others; a SIGTERM right after SIGINT's was put back raised out of the exit and left
+    kvtier's handler on SIGTERM and SIGHUP for good. The signals are blocked meanwhile now."""
+    import types
+
+    import kvtier.interrupts as interrupts
+
+    heard: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: heard.append(signum))
+    before = {sig: signal.getsignal(sig) for sig in interrupts.INTERRUPT_SIGNALS}
+    real = signal.signal
+
+    def put_back_then_signal(sig: int, handler: object) -> object:
+        previous = real(sig, handler)  # type: ignore[arg-type]
+        if sig == signal.SIGINT and handler is not interrupts._on_signal:  # the exit putting SIGINT's back
+            _signal_self(signal.SIGTERM)
+        return previous
+
+    monkeypatch.setattr(interrupts, "signal", types.SimpleNamespace(**{**vars(signal), "signal": put_back_then_signal}))
+    with raising_interrupts():
+        pass
+    assert heard == [signal.SIGTERM]
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def test_a_child_forked_inside_a_deferral_ends_on_sigterm() -> None:
+    """Regression (2026-12-06, review): a child forked while the parent was inside a deferral kept
+    the parent's deferral (which nothing in the child would end) and kvtier's handler: its SIGTERM
+    (``Process.terminate()``) was held back for good. The child starts with neither."""
+    with raising_interrupts(), interrupts_deferred():
+        pid = os.fork()
+        if pid == 0:  # the child: wait for a SIGTERM for at most 10 s
+            try:
+                _signal_self(signal.SIGTERM)
+                threading.Event().wait(10)
+            finally:
+                os._exit(3)
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, f"child ended with status {status:#x}"

@@ -1507,8 +1507,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     the process inherited as ignored stays ignored; see :mod:`kvtier.interrupts`). Started with
     standard output closed, a command that prints exits 2 ("standard output is closed"); with
     standard error closed, its diagnostics are dropped and the exit status is unchanged."""
-    with _standard_streams(), raising_interrupts():
-        return _main(argv)
+    with _standard_streams():
+        try:
+            with raising_interrupts():
+                return _main(argv)
+        except KeyboardInterrupt as exc:  # before the command ran (parsing its arguments) or after
+            return _interrupted(None, exc)
+
+
+def _interrupted(command: str | None, exc: KeyboardInterrupt) -> int:
+    """Say that the command was interrupted (if standard error still has a reader) and return its
+    exit status: 128 + the signal's number (130 for Ctrl-C)."""
+    signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
+    what = f"terminated ({signal.Signals(signum).name})" if isinstance(exc, Terminated) else "interrupted"
+    try:
+        print(f"kvtier{'' if command is None else ' ' + command}: {what}", file=sys.stderr)
+    except (OSError, ValueError):  # a reader killed by the same Ctrl-C (`kvtier ... 2>&1 | less`)
+        with contextlib.suppress(OSError, ValueError):  # nor a second error when Python flushes at exit
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stderr.fileno())
+            os.close(devnull)
+    return 128 + signum
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -1531,11 +1550,7 @@ def _main(argv: Sequence[str] | None) -> int:
         _say_error(args.command, str(exc))
         return 2
     except KeyboardInterrupt as exc:
-        if isinstance(exc, Terminated):
-            print(f"kvtier {args.command}: terminated ({signal.Signals(exc.signum).name})", file=sys.stderr)
-            return 128 + exc.signum
-        print(f"kvtier {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return _interrupted(args.command, exc)
     except BrokenPipeError:
         # The reader (e.g. `| head`) went away: stop quietly, without a second error at exit.
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -25,6 +25,7 @@ stays ignored.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -45,11 +46,15 @@ class Terminated(KeyboardInterrupt):
 
 
 class _Deferral:
-    """The main thread's deferral state: how deep in :func:`interrupts_deferred`, and the signal held
-    back there (a second one raises at once: :func:`_on_signal`)."""
+    """The main thread's deferral state: how deep in :func:`interrupts_deferred`, the signal held
+    back there (a second one raises at once: :func:`_on_signal`), and the handlers
+    :func:`raising_interrupts` replaced (put back in a forked child)."""
 
     depth = 0
     pending: int | None = None
+    replaced: dict[signal.Signals, Any] = {}
+    restoring = False  # raising_interrupts is putting the handlers back: a signal now goes to ``late``
+    late: list[int] = []
 
 
 def interrupt_for(signum: int) -> KeyboardInterrupt:
@@ -62,6 +67,9 @@ def _on_signal(signum: int, _frame: FrameType | None) -> None:
     """The installed handler (main thread): raise now, or remember the signal inside a deferral; a
     second signal while one is held back raises at once (a user who presses Ctrl-C again means it:
     a release that hangs can still be abandoned)."""
+    if _Deferral.restoring:
+        _Deferral.late.append(signum)
+        return
     if _Deferral.depth > 0 and _Deferral.pending is None:
         _Deferral.pending = signum
         return
@@ -69,15 +77,35 @@ def _on_signal(signum: int, _frame: FrameType | None) -> None:
     raise interrupt_for(signum)
 
 
+def _reset_in_child() -> None:
+    """After a fork, in the child: the parent's deferral is not the child's (nothing there would
+    ever end it, and a ``Process.terminate()`` would be held back for good), and the handlers go
+    back to what they were before :func:`raising_interrupts`."""
+    _Deferral.depth, _Deferral.pending = 0, None
+    replaced, _Deferral.replaced = _Deferral.replaced, {}
+    for sig, handler in replaced.items():
+        with contextlib.suppress(ValueError, OSError):  # (a child forked from a thread of an embedding host)
+            signal.signal(sig, handler)
+
+
+os.register_at_fork(after_in_child=_reset_in_child)
+
+
 @contextlib.contextmanager
 def raising_interrupts() -> Iterator[None]:
     """For the block's duration (main thread only; elsewhere nothing changes): SIGINT, SIGTERM and
     SIGHUP raise as described in the module docstring, unless the process inherited the signal as
-    ignored. The previous handlers are restored on exit, and a deferral left open is reset."""
+    ignored. On exit the previous handlers are put back (a signal landing meanwhile is raised again
+    once they are, for the handler put back: not raised halfway, leaving this one on the others)
+    and the deferral state is what it was on entry (nested in a deferral, a signal held back stays
+    held back)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous: dict[signal.Signals, Any] = {}
+    outer_replaced, depth = _Deferral.replaced, _Deferral.depth
+    if not outer_replaced:  # the outermost: the handlers a forked child puts back
+        _Deferral.replaced = previous
     try:
         for sig in INTERRUPT_SIGNALS:
             # (None: a handler installed from C, which Python could not put back: left alone)
@@ -85,10 +113,18 @@ def raising_interrupts() -> Iterator[None]:
                 previous[sig] = signal.signal(sig, _on_signal)
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        _Deferral.depth = 0
-        _Deferral.pending = None
+        _Deferral.restoring = True
+        try:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        finally:
+            _Deferral.restoring = False
+            _Deferral.replaced, _Deferral.depth = outer_replaced, depth
+            if depth == 0:
+                _Deferral.pending = None
+            late, _Deferral.late = _Deferral.late, []
+            for signum in late:  # (to this thread: the handler put back runs, or the default action)
+                signal.raise_signal(signum)
 
 
 @contextlib.contextmanager
@@ -118,7 +154,10 @@ def interrupts_deferred() -> Iterator[None]:
 class DeferredReleases(contextlib.ExitStack):
     """An :class:`contextlib.ExitStack` whose releases all run inside one :func:`interrupts_deferred`:
     a signal that lands while they run (between two of them included) waits until the last one
-    has run. Register each release in the same deferral as the step that acquired its resource."""
+    has run, and one more raises at once (abandoning the release under way), also when they run
+    because of an interrupt: a supervisor's or a terminal's signal arriving with the first (SIGHUP
+    and SIGTERM as a terminal closes) does not cut them. Register each release in the same
+    deferral as the step that acquired its resource."""
 
     def __exit__(self, *exc_details: Any) -> bool | None:
         with interrupts_deferred():

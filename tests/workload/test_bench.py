@@ -226,3 +226,32 @@ def test_a_signal_at_any_step_of_a_bench_releases_everything(
     for thread in left:
         thread.join(10)
     assert not [t.name for t in left if t.is_alive()], "the bench left threads running"
+
+
+def test_an_interrupt_inside_the_runs_construction_for_a_library_caller_releases_everything(
+    tmp_path: Path, private_shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (2026-12-06, review): kvtier used as a library (Python's own Ctrl-C handler, no
+    deferral in force), a KeyboardInterrupt landing while the run's state was built left the
+    half-built object (a view of the CPU rows, a running copy thread) in the traceback: the
+    caller got RegionBusyError instead of its KeyboardInterrupt, and the thread ran on."""
+    import kvtier.workload.bench as bench
+
+    built = bench._Run.__init__
+
+    def interrupted(self: Any, *args: Any, **kwargs: Any) -> None:
+        built(self, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench._Run, "__init__", interrupted)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(KeyboardInterrupt) as caught:
+        run_bench(small_options(private_shm, temp_dir=str(scratch)))
+    assert type(caught.value) is KeyboardInterrupt
+    assert list(scratch.iterdir()) == [] and list(private_shm.iterdir()) == []
+    left = [t for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    for thread in left:
+        thread.join(10)
+    assert not [t.name for t in left if t.is_alive()], "the bench left threads running"

@@ -207,8 +207,9 @@ def _cmd_fleet_serve(args: argparse.Namespace) -> int:
         stop.set()
         threading.Thread(target=server.shutdown, daemon=True).start()
 
-    # A SIGTERM the process inherited as ignored stays ignored, as for every kvtier command.
-    ignored = signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    # A SIGTERM the process inherited as ignored stays ignored, as for every kvtier command (and one
+    # with a handler installed from C, which Python could not put back, is left alone).
+    ignored = signal.getsignal(signal.SIGTERM) in (signal.SIG_IGN, None)
     previous = None if ignored else signal.signal(signal.SIGTERM, _on_signal)
     try:
         if subscriber is not None:

@@ -231,7 +231,7 @@ class _Run:
 
     def __init__(
         self, bench: Bench, config: KvtierConfig, manager: TieringManager,
-        requests: list[ChatRequest], keys: list[list[BlockKey]],
+        requests: list[ChatRequest], keys: list[list[BlockKey]], engine: TransferEngine,
     ) -> None:  # fmt: skip
         self.opts = bench.options
         self.progress = bench.progress
@@ -249,8 +249,7 @@ class _Run:
         self.result.tier_health = dict(zip(self.tier_labels[1:], self.watches, strict=True))
         self.content = BlockContent(self.block_bytes, seed=self.opts.workload.seed)
         self.pool = DevicePool(self.opts.device_blocks, self.block_bytes)
-        self.rows: Any = manager.rows
-        self.engine = TransferEngine(name="kvtier-bench-transfer")
+        self.engine = engine
         self.jobs: dict[int, tuple[_Running, bool]] = {}
         self.next_job = 1
         self.running: dict[str, _Running] = {}
@@ -264,6 +263,7 @@ class _Run:
         self.tier_busy = [0.0] * len(manager.tiers)
         self.last_step = time.perf_counter()
         self.t0 = time.perf_counter()
+        self.rows: Any = manager.rows  # last: a view of the CPU rows, dropped by close
 
     # ----------------------------------------------------------------- warm
 
@@ -676,9 +676,13 @@ class Bench:
                 manager = build_manager(config)
                 releases.callback(manager.shutdown)
             with interrupts_deferred():
-                run = _Run(self, config, manager, requests, keys)
-                releases.callback(run.close)
+                engine = TransferEngine(name="kvtier-bench-transfer")
+                releases.callback(engine.shutdown)
+            run: _Run | None = None
             try:
+                with interrupts_deferred():
+                    run = _Run(self, config, manager, requests, keys, engine)
+                    releases.callback(run.close)
                 run.warm(timeout_s=self.options.stall_timeout_s)
                 run.result.setup_s = time.perf_counter() - started
                 run.run()
@@ -686,8 +690,11 @@ class Bench:
             except BaseException as exc:
                 # The frames of the failed step hold views of the CPU rows (copy pairs);
                 # the region cannot be released while they live, so drop them first.
+                # (An interrupt inside _Run(), with no deferral in force (a library caller), leaves
+                # its half-built object to these frames and to ``run``: dropped with them.)
                 with interrupts_deferred():
                     clear_exception_frames(exc)
+                    run = None
                 raise
             result = run.report()
         result.wall_s = time.perf_counter() - started
