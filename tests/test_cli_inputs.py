@@ -427,6 +427,7 @@ def refused_here(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
         (["inspect", "{dir}", "--remove-corrupt"], ["--remove-corrupt", "add --verify"]),
         (["inspect", "s3://bucket/p", "--remove-corrupt"], ["--remove-corrupt", "--verify or --sample N"]),
         (["inspect", "{dir}", "--region", "eu-west-1"], ["--region applies to S3 prefixes"]),
+        (["inspect", "s3://bucket/p", "--verify", "--sample", "3"], ["--verify", "--sample N", "give one of them"]),
         (["inspect", "redis://127.0.0.1:6379/0"], ["inspect reads an fs tier directory or an S3 prefix", "redis://"]),
         (["inspect", "gs://bucket/prefix"], ["gs://", "s3://bucket/prefix"]),
         (["inspect", "HTTP+unix://x"], ["http+unix://"]),

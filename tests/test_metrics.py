@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.config import build_manager, load_config
-from kvtier.errors import KvtierError
+from kvtier.errors import ConfigError, KvtierError
 from kvtier.keys import chain_ids
 from kvtier.metrics import KvtierMetrics
 from kvtier.types import LookupResult, RequestContext
@@ -187,3 +187,13 @@ def test_the_metrics_server_bounds_what_clients_hold_and_close_ends_it_all(monke
         time.sleep(0.05)
     for sock in held:
         sock.close()
+
+
+@pytest.mark.parametrize("addr", ["", "  ", None, 127])
+def test_serving_on_no_address_is_refused(addr: object) -> None:
+    """Regression (2026-12-06, review): ``serve(port, "")`` listened on every interface (the docs
+    say 127.0.0.1 unless told otherwise), and ``None`` raised AttributeError."""
+    metrics = KvtierMetrics()
+    with pytest.raises(ConfigError, match="metrics address must be an address or host name"):
+        metrics.serve(0, addr)  # type: ignore[arg-type]
+    assert metrics.port is None

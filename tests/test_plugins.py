@@ -33,6 +33,8 @@ BROKEN_MODULES = {
     "recursion": ("def f(): return f()\nf()\n", "RecursionError"),
     "bad_getattr": ("def __getattr__(name):\n    raise KeyError(name)\n", "KeyError"),
     "multiline": ("raise ValueError('first line\\nsecond line\\n' * 50)\n", "ValueError: first line second line"),
+    # (regression, 2026-12-06, review: a BaseException of the module's own escaped as a traceback)
+    "base_exception": ("class Stop(BaseException):\n    pass\n\nraise Stop('boom')\n", "Stop: boom"),
 }
 
 

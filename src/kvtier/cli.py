@@ -1173,6 +1173,8 @@ def _check_inspect_flags(args: argparse.Namespace) -> bool:
         )
     if args.sample is not None and not is_s3:
         raise ConfigError("--sample applies to S3 prefixes; for an fs root use --verify")
+    if args.sample is not None and args.verify:
+        raise ConfigError("--verify reads every block, --sample N only N per namespace: give one of them")
     if args.region is not None and not is_s3:
         raise ConfigError("--region applies to S3 prefixes, not to an fs tier directory: drop it")
     if args.remove_corrupt and not (args.verify or args.sample):

@@ -383,11 +383,18 @@ class KvtierMetrics:
 
         ``port=0`` picks a free port; ``addr`` is an IPv4 or IPv6 address (``::1``, also
         bracketed: ``[::1]``) or a host name. Raises :class:`ConfigError` (a ``ValueError``)
-        for a port that is not an int in [0, 65535], and :class:`KvtierError` if the port is
-        taken or the address is not one of this machine.
+        for a port that is not an int in [0, 65535] or an address that is not a non-empty string
+        (``""`` would mean every interface: say ``"0.0.0.0"``), and :class:`KvtierError` if the
+        port is taken or the address is not one of this machine.
         """
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ConfigError(f"metrics port must be a TCP port in [0, 65535] (0 = any free port), got {port!r:.40}")
+        if not isinstance(addr, str) or not addr.strip():
+            # ('' would bind every interface: serving the metrics beyond this machine is a choice, '0.0.0.0')
+            raise ConfigError(
+                f"metrics address must be an address or host name of this machine (e.g. '127.0.0.1'; '0.0.0.0' "
+                f"for every interface), got {addr!r:.40}"
+            )
         if self._server is not None:
             raise KvtierError("metrics server already running; call close() first")
         from kvtier.metrics_http import MetricsServer

@@ -62,7 +62,9 @@ def load_class(import_path: str, base: type, what: str, hint: str = "") -> Any:
         raise ConfigError(
             f"{what} {import_path!r}: module {module_name!r} failed to import: {exception_text(exc)}.{hint}"
         ) from None
-    except (Exception, SystemExit) as exc:  # the module's own code failed: say what, never a traceback
+    except BaseException as exc:  # the module's own code failed (even a BaseException of its own): say what
+        if isinstance(exc, (KeyboardInterrupt, GeneratorExit)):
+            raise
         interrupt = interrupt_behind(exc)
         if interrupt is not None:  # Ctrl-C while importing, wrapped by Python: not the module's fault
             raise interrupt from None

@@ -25,6 +25,9 @@ def test_out_of_tree_class_by_import_path() -> None:
         ("no_such_module_xyz:Policy", "failed to import"),
         ("kvtier.policies.lru:Nope", "does not name an EvictionPolicy subclass"),
         ("kvtier.keys:KVGeometry", "does not name an EvictionPolicy subclass"),
+        # regression (2026-12-06, review): accepted, then "TypeError: Can't instantiate abstract class"
+        # from the bench or the replay, "an input no check caught"
+        ("kvtier.policies.base:EvictionPolicy", r"is abstract: it does not implement clear, evict, .*touch"),
     ],
 )
 def test_bad_names_raise_config_errors(spec: str, message: str) -> None:

@@ -933,3 +933,20 @@ def test_a_root_of_an_older_release_is_read_and_its_manifest_upgraded(tmp_path: 
     finally:
         tier.shutdown()
     assert json.loads(manifest_path.read_text())["value_format_version"] == 2
+
+
+@pytest.mark.parametrize("field", ["root", "share_group"])
+def test_a_nul_character_in_a_path_or_group_is_refused_by_the_options(tmp_path: Path, field: str) -> None:
+    """Regression (2026-12-06, review): a NUL in ``root`` or ``share_group`` passed the option checks
+    (``config show`` printed it) and failed at start-up as "ValueError: embedded null byte (an
+    input no check caught)"; from Python a plain ValueError, not a ConfigError."""
+    from kvtier.tiers.fs import FilesystemTierOptions
+
+    options = {"root": str(tmp_path), field: "g\0x"}
+    with pytest.raises(ValueError, match=f"{field}[\\s\\S]*holds a NUL character") as caught:
+        FilesystemTierOptions(**options)  # type: ignore[arg-type]
+    assert "\0" not in str(caught.value)
+    from kvtier.config import load_config
+
+    with pytest.raises(ConfigError, match="holds a NUL character"):
+        load_config(env={}, cli={"tiers": [{"type": "fs", **options}]})

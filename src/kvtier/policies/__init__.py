@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 from kvtier.errors import ConfigError
 from kvtier.plugins import load_class
 from kvtier.policies.arc import ARCPolicy
@@ -28,6 +30,9 @@ def resolve_policy(name_or_path: str) -> type[EvictionPolicy]:
             "or an import path 'package.module:ClassName'"
         )
     cls: type[EvictionPolicy] = load_class(name_or_path, EvictionPolicy, "eviction policy")
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
+        raise ConfigError(f"eviction policy {name_or_path!r} is abstract: it does not implement {missing}")
     return cls
 
 

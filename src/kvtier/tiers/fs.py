@@ -205,6 +205,14 @@ class FilesystemTierOptions(TierOptions):
     def _path(cls, value: Any) -> Any:
         return os.fspath(value) if isinstance(value, os.PathLike) else value
 
+    @field_validator("root", "share_group")
+    @classmethod
+    def _no_nul(cls, value: Any) -> Any:
+        # (no path or group name holds one: refused here, not by the first system call after start-up)
+        if isinstance(value, str) and "\0" in value:
+            raise ValueError("holds a NUL character (\\0), which no path or group name can")
+        return value
+
     def capacity(self) -> int | None:
         return self.max_bytes
 
