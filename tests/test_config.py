@@ -418,3 +418,20 @@ def test_true_for_the_cpu_size_names_the_file_it_came_from(tmp_path: Path, field
         load_config(file=str(path), env={})
     assert str(caught.value).startswith(f"config field '{field}' (from file {path}): "), caught.value
     assert "true" in str(caught.value).lower()
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"cpu_bytes": ""}, "cpu_bytes from CLI flag --cpu-bytes is empty"),
+    ({"num_cpu_blocks": " "}, "num_cpu_blocks from CLI flag --num-cpu-blocks is empty"),
+    ({"region_name": ""}, "region_name from CLI flag --region-name is empty"),
+    ({"shm_dir": "  "}, "shm_dir '  ' names no directory"),
+])  # fmt: skip
+def test_an_empty_value_given_as_a_flag_from_python_is_refused(values: dict[str, str], message: str) -> None:
+    """Regression (2026-12-06, review): ``load_config(cli={"cpu_bytes": ""})`` was taken as not
+    given (the default), ``{"shm_dir": "  "}`` as a directory named by two spaces, while the
+    command line refuses an empty flag value (docs/config.md: one rule in every source)."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(env={}, cli=values)
+    if "shm_dir" in values:  # a NUL too, from any source
+        with pytest.raises(ConfigError, match="shm_dir '/dev/shm.x00x' names no directory"):
+            load_config(env={"KVTIER_SHM_DIR": "/dev/shm\0x"})

@@ -129,6 +129,10 @@ def _parse_env(env: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
+_BLANK_IS_UNSET = ("region_name", "cpu_bytes", "num_cpu_blocks")
+"""Fields whose blank text (an environment variable's) means "not given"; given as a flag, refused."""
+
+
 def _decode_text(field: str, raw: Any, *, source: str) -> Any:
     """Strings from env vars and CLI flags: JSON for nested fields, '' means unset."""
     if not isinstance(raw, str):
@@ -152,7 +156,7 @@ def _decode_text(field: str, raw: Any, *, source: str) -> Any:
         if value is None:  # taken as "not given", it would silently keep the file's value
             raise ConfigError(f"{field} from {source} is JSON null, not a value: {_leave_out(source)}")
         return value
-    if field in ("region_name", "cpu_bytes", "num_cpu_blocks") and raw.strip() == "":
+    if field in _BLANK_IS_UNSET and raw.strip() == "":
         return None
     return raw
 
@@ -261,6 +265,11 @@ def load_config(
         cli_values: dict[str, Any] = {}
         for name, value in cli.items():
             field = name.replace("-", "_")
+            if field in _BLANK_IS_UNSET and isinstance(value, str) and not value.strip():
+                # (not "unset", as from the environment: the command line refuses an empty flag value)
+                raise ConfigError(
+                    f"{field} from {field_source(field)} is empty ({value!r}): give a value or leave it out"
+                )
             cli_values[field] = _decode_text(field, value, source=field_source(field))
         layers.append((cli_source, cli_values, field_source))
     merged, sources, key_sources = _merge(layers)

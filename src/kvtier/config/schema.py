@@ -267,6 +267,13 @@ class KvtierConfig(NoBoolNumbers):
             )
         return value
 
+    @field_validator("shm_dir")
+    @classmethod
+    def _shm_dir(cls, value: str) -> str:
+        if not value.strip() or "\0" in value:  # refused when the config loads, not when the region is made
+            raise ValueError(f"shm_dir {value!r:.60} names no directory: give a tmpfs directory such as /dev/shm")
+        return value
+
     @field_validator("region_name")
     @classmethod
     def _region_name(cls, value: str | None) -> str | None:
