@@ -433,5 +433,5 @@ def test_an_empty_value_given_as_a_flag_from_python_is_refused(values: dict[str,
     with pytest.raises(ConfigError, match=message):
         load_config(env={}, cli=values)
     if "shm_dir" in values:  # a NUL too, from any source
-        with pytest.raises(ConfigError, match="shm_dir '/dev/shm.x00x' names no directory"):
+        with pytest.raises(ConfigError, match=r"shm_dir '/dev/shm\\x00x' names no directory"):
             load_config(env={"KVTIER_SHM_DIR": "/dev/shm\0x"})

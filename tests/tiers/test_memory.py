@@ -149,3 +149,11 @@ def test_load_of_a_key_evicted_meanwhile_fails_only_that_key(make: Any) -> None:
     result = wait_results(tier, {job.job_id}, 5)[job.job_id]
     assert result.succeeded(keys) == [keys[0]] and "no longer held" in (result.error or "")
     assert np.array_equal(rows[4], rows[0])
+
+
+def test_a_memory_tier_smaller_than_one_value_is_refused() -> None:
+    """Regression (2026-12-06, review): ``max_bytes`` below one value was accepted and every store
+    then failed with "no room" (the bench reported them as shed with the queue full)."""
+    with pytest.raises(ConfigError, match=r"memory tier max_bytes=1 is smaller than one value \(\d+ bytes\)"):
+        build_manager(load_config(env={}, cli={"model": "tiny", "num_cpu_blocks": 4,
+                                               "tiers": [{"type": "memory", "max_bytes": 1}]}))  # fmt: skip

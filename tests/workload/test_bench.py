@@ -127,6 +127,7 @@ def test_tier_watch_labels_dropped_stores_by_their_cause() -> None:
     tier = _FlakyTier()
     watch = TierWatch("redis")
     tier.stats.stores_dropped = 3  # queue full while serving
+    tier.stats.extra["stores_shed_queue_full"] = 3
     assert watch.sample(tier) is False  # type: ignore[arg-type]
     tier.state = HealthState.OPEN
     tier.stats.stores_dropped = 10
@@ -135,9 +136,11 @@ def test_tier_watch_labels_dropped_stores_by_their_cause() -> None:
     tier.state = HealthState.HALF_OPEN
     tier.stats.stores_dropped = 12  # dropped while it was still out at the previous sample
     watch.sample(tier)  # type: ignore[arg-type]
-    tier.stats.stores_dropped = 20
+    tier.stats.stores_dropped = 20  # 8 in service: 6 shed with the queue full, 2 found no room
+    tier.stats.extra["stores_shed_queue_full"] = 9
     watch.sample(tier)  # type: ignore[arg-type]
-    assert (watch.dropped_queue_full, watch.dropped_out_of_service) == (3 + 8, 7 + 2)
+    # (regression, 2026-12-06, review: the 2 that found no room were reported as "queue full")
+    assert (watch.dropped_queue_full, watch.dropped_no_room, watch.dropped_out_of_service) == (3 + 6, 2, 7 + 2)
     assert watch.unreachable and watch.steps_out_of_service == 2 and watch.detail == "refused"
     assert watch.to_dict()["state_at_end"] == "half_open"
 

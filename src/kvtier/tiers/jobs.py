@@ -272,6 +272,7 @@ class ThreadedTier(SecondaryTier):
         self._closed = False  # scheduler thread: no more submits
         self._shut = False
         self.stats.extra.setdefault("stores_skipped", 0)
+        self.stats.extra.setdefault("stores_shed_queue_full", 0)  # of stores_dropped: the write queue was full
 
     # --- threads ---------------------------------------------------------------------------
 
@@ -614,8 +615,8 @@ class ThreadedTier(SecondaryTier):
                 todo.append((key, int(slot)))
         works: list[Work] = []
         dropped = 0
+        reason = None
         if todo:
-            reason = None
             if not self._breaker.serving:
                 reason = "tier out of service"
             elif self._queue.queued(Lane.STORE) >= self.max_queued_stores:
@@ -625,7 +626,8 @@ class ThreadedTier(SecondaryTier):
             else:
                 dropped = len(todo)
                 state.errors.append(f"{dropped} block(s) dropped: {reason}")
-        self._count(stores_submitted=len(job.keys), stores_skipped=skipped, stores_dropped=dropped)
+        self._count(stores_submitted=len(job.keys), stores_skipped=skipped, stores_dropped=dropped,
+                    stores_shed_queue_full=dropped if reason == "write queue full" else 0)  # fmt: skip
         self._dispatch(state, works)
 
     def submit_load(self, job: TransferJob) -> None:

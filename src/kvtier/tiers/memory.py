@@ -40,7 +40,7 @@ from typing import Any
 
 from pydantic import Field
 
-from kvtier.errors import CorruptValueError
+from kvtier.errors import ConfigError, CorruptValueError
 from kvtier.failures import log_failure
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import TierContext, TierUsage
@@ -78,6 +78,11 @@ class MemoryTier(ThreadedTier):
 
     def __init__(self, context: TierContext, options: MemoryTierOptions | None = None, /, **fields: Any) -> None:
         self.options = tier_options(MemoryTierOptions, self.tier_type, options, fields)
+        if self.options.max_bytes < HEADER_SIZE + context.block_bytes:  # every store would find no room
+            raise ConfigError(
+                f"memory tier max_bytes={self.options.max_bytes} is smaller than one value "
+                f"({HEADER_SIZE + context.block_bytes} bytes): raise max_bytes"
+            )
         super().__init__(
             context,
             breaker=CircuitBreaker(),

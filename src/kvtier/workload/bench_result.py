@@ -33,7 +33,10 @@ class TierWatch:
 
     Dropped stores are attributed to their cause by the tier's state when they
     were counted: while the circuit breaker is open the tier sheds every store
-    ("out of service"); otherwise a drop means its write queue was full.
+    ("out of service"); otherwise by the tier's own count of the stores it shed
+    because its write queue was full (``stats.extra["stores_shed_queue_full"]``),
+    the rest found no room (every value it could evict was being read, or an fs
+    tier shared by engines lost a race for a value's name).
     """
 
     label: str
@@ -43,7 +46,9 @@ class TierWatch:
     state: str = HealthState.CLOSED.value
     dropped_out_of_service: int = 0
     dropped_queue_full: int = 0
+    dropped_no_room: int = 0
     _last_dropped: int = 0
+    _last_shed: int = 0
     _was_out: bool = False
 
     def sample(self, tier: SecondaryTier) -> bool:
@@ -52,11 +57,15 @@ class TierWatch:
         out = not health.serving
         dropped = tier.stats.stores_dropped
         delta, self._last_dropped = dropped - self._last_dropped, dropped
+        shed = int(tier.stats.extra.get("stores_shed_queue_full", 0))
+        shed_delta, self._last_shed = shed - self._last_shed, shed
         if delta:
             if out or self._was_out:
                 self.dropped_out_of_service += delta
             else:
-                self.dropped_queue_full += delta
+                full = min(shed_delta, delta)
+                self.dropped_queue_full += full
+                self.dropped_no_room += delta - full
         self.steps += 1
         self.state = health.state.value
         if out:
@@ -79,6 +88,7 @@ class TierWatch:
             "detail": self.detail,
             "stores_dropped_out_of_service": self.dropped_out_of_service,
             "stores_shed_queue_full": self.dropped_queue_full,
+            "stores_dropped_no_room": self.dropped_no_room,
         }
 
 

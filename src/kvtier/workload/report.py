@@ -70,6 +70,8 @@ def _summary_table(result: BenchResult, data: dict[str, Any]) -> Table:
             summary.add_row(f"{label} stores dropped (out of service)", str(watch.dropped_out_of_service))
         if watch.dropped_queue_full:
             summary.add_row(f"{label} stores shed (queue full)", str(watch.dropped_queue_full))
+        if watch.dropped_no_room:
+            summary.add_row(f"{label} stores dropped (no room)", str(watch.dropped_no_room))
         if result.stores_skipped.get(label):
             summary.add_row(f"{label} stores skipped (slow)", str(result.stores_skipped[label]))
     summary.add_row("wall time (setup)", f"{result.wall_s:.1f} s ({result.setup_s:.2f} s)")
