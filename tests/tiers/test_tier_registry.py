@@ -191,6 +191,10 @@ def test_reference_documents_every_builtin_tier_option() -> None:
         ("my tier", "without ':' or whitespace"),
         ("", "non-empty"),
         (7, "non-empty string"),
+        # regression (2026-12-06, review): a selector word, which no request could select the tier by
+        ("cpu", "a word of the per-request tier selectors"),
+        ("Local", "a word of the per-request tier selectors"),
+        ("all", "a word of the per-request tier selectors"),
     ],
 )
 def test_register_tier_refuses_names_that_would_replace_or_confuse_a_tier(name: object, fragment: str) -> None:

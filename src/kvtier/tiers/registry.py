@@ -43,15 +43,26 @@ _BUILTIN: dict[str, str] = {
 }
 _registered: dict[str, str] = {}
 
+_SELECTOR_WORDS = frozenset({"all", "cpu", "primary", "local", "remote"})
+"""Words the per-request tier selectors give a meaning of their own (``kvtier.request_control``):
+a tier type spelled so could never be selected by its name."""
+
 
 def register_tier(name: str, import_path: str) -> None:
-    """Register ``"package.module:ClassName"`` under ``name`` (process-wide). ``name`` is a tier
-    type, part of every tier label (``"<n>:<name>"``) and selector: a non-empty string without
-    ``:`` or whitespace, and not a built-in type (a plugin never replaces ``fs``, ``redis``...)."""
+    """Register ``"package.module:ClassName"`` under ``name`` (process-wide): a config's ``type``
+    may then say ``name``. A non-empty string without ``:`` or whitespace, not a built-in type (a
+    plugin never replaces ``fs``, ``redis``...) and not a word of the per-request tier selectors
+    (``all``, ``cpu``, ``primary``, ``local``, ``remote``). Labels (``"<n>:<tier_type>"``) and
+    selectors name a tier by its class's ``tier_type``: give the class ``tier_type = name``."""
     if not isinstance(name, str) or not name or ":" in name or any(c.isspace() for c in name):
         raise ConfigError(f"tier type name {name!r} must be a non-empty string without ':' or whitespace")
     if name in _BUILTIN:
         raise ConfigError(f"tier type {name!r} is a built-in tier of kvtier: register yours under another name")
+    if name.lower() in _SELECTOR_WORDS:
+        raise ConfigError(
+            f"tier type {name!r} is a word of the per-request tier selectors ({', '.join(sorted(_SELECTOR_WORDS))}): "
+            "register yours under another name"
+        )
     if not isinstance(import_path, str) or ":" not in import_path:
         raise ConfigError(f"tier import path {import_path!r} must look like 'package.module:ClassName'")
     _registered[name] = import_path
