@@ -55,7 +55,9 @@ def test_what_the_loader_takes_the_schema_takes(good: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     "bad",
     [{"wait_timeout": 0}, {"shutdown_timeout": 0}, {"wait_timeout": 5000}, {"cpu_bytes": "4 apples"},
-     {"cpu_bytes": True}, {"num_cpu_blocks": 0}, {"policy": 5}],
+     {"cpu_bytes": True}, {"num_cpu_blocks": 0}, {"policy": 5},
+     # regression (2026-12-06, review): the schema's cpu_bytes was a plain integer
+     {"cpu_bytes": -5}, {"cpu_bytes": 0}, {"cpu_bytes": 2**63}],
 )  # fmt: skip
 def test_what_the_loader_refuses_the_schema_refuses(bad: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):

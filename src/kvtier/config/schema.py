@@ -152,6 +152,8 @@ class KvtierConfig(NoBoolNumbers):
 
     cpu_bytes: int | None = Field(
         default=None,
+        gt=0,
+        lt=2**63,  # (as every size: parse_size)
         description=(
             "Size of the CPU tier in /dev/shm, in bytes or as '4GiB'/'512MiB'. "
             "Default 4GiB when num_cpu_blocks is not set either."
