@@ -435,3 +435,15 @@ def test_an_empty_value_given_as_a_flag_from_python_is_refused(values: dict[str,
     if "shm_dir" in values:  # a NUL too, from any source
         with pytest.raises(ConfigError, match=r"shm_dir '/dev/shm\\x00x' names no directory"):
             load_config(env={"KVTIER_SHM_DIR": "/dev/shm\0x"})
+
+
+@pytest.mark.parametrize("given", [{"model": "tiny"}, None, "tiny"])
+def test_build_manager_and_describe_config_name_what_they_take(given: object) -> None:
+    """Regression (2026-12-06, review): ``build_manager({...})`` and ``describe_config(None)`` raised
+    AttributeError from inside; they name what they take and how to make it."""
+    from kvtier.config import build_manager, describe_config
+
+    for call in (build_manager, describe_config):
+        with pytest.raises(ConfigError, match=f"{call.__name__} takes a KvtierConfig, got a {type(given).__name__}: "
+                                              "make one with kvtier.config.load_config"):  # fmt: skip
+            call(given)  # type: ignore[arg-type]

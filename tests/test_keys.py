@@ -166,3 +166,12 @@ def test_token_ids_of_mixed_integer_kinds_are_integers() -> None:
     integer still, and gets the keys of the same ids as plain ints."""
     assert prefix_keys([np.uint64(1), 2] * 8, 16) == prefix_keys([1, 2] * 8, 16)
     assert prefix_keys([np.uint64(7), np.int64(2)] * 8, 16) == prefix_keys([7, 2] * 8, 16)
+
+
+@pytest.mark.parametrize("geometry", [{"num_layers": 2}, (2, 2, 64, 16), "llama"])
+def test_a_namespace_with_a_geometry_that_is_no_kvgeometry_is_refused(geometry: object) -> None:
+    """Regression (2026-12-06, review): ``Namespace("m", {"num_layers": 2})`` was accepted, and the
+    manager then failed with "AttributeError: 'dict' object has no attribute 'bytes_per_block'"."""
+    refused = f"Namespace.geometry must be a kvtier.KVGeometry, got a {type(geometry).__name__}"
+    with pytest.raises(ConfigError, match=refused):
+        Namespace("m", geometry)  # type: ignore[arg-type]

@@ -255,8 +255,13 @@ class Namespace:
     extra: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if not self.model_id:
+        if not isinstance(self.model_id, str) or not self.model_id:
             raise ConfigError("Namespace.model_id must be a non-empty model name")
+        if self.geometry is not None and not isinstance(self.geometry, KVGeometry):
+            raise ConfigError(
+                f"Namespace.geometry must be a kvtier.KVGeometry, got a {type(self.geometry).__name__}: "
+                "e.g. KVGeometry(num_layers=32, num_kv_heads=8, head_dim=128, tokens_per_block=16)"
+            )
         if self.geometry is None and not self.extra:
             raise ConfigError(
                 "Namespace needs a KV geometry, or 'extra' entries that describe the engine's block layout"

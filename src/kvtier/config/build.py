@@ -10,11 +10,21 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvtier.config.schema import KvtierConfig
+from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
 from kvtier.units import format_size
 
 if TYPE_CHECKING:
     from kvtier.manager import TieringManager
+
+def _check_config(config: Any, caller: str) -> None:
+    """A :class:`KvtierConfig`, or a ConfigError saying how to make one (a dict of settings is not one)."""
+    if not isinstance(config, KvtierConfig):
+        raise ConfigError(
+            f"{caller} takes a KvtierConfig, got a {type(config).__name__}: make one with "
+            "kvtier.config.load_config(...), e.g. load_config(cli={'model': 'tiny'}) for settings in a dict"
+        )
+
 
 def build_manager(
     config: KvtierConfig,
@@ -35,6 +45,7 @@ def build_manager(
     """
     from kvtier.manager import TieringManager
 
+    _check_config(config, "build_manager")
     if block_bytes is None:
         block_bytes = config.block_bytes
     kwargs: dict[str, Any] = {
@@ -79,6 +90,7 @@ def _tier_capacity(spec: Mapping[str, Any], block_bytes: int) -> dict[str, Any]:
 
 def describe_config(config: KvtierConfig) -> dict[str, Any]:
     """The resolved configuration plus derived sizes, JSON-able (``kvtier config show``)."""
+    _check_config(config, "describe_config")
     geometry = config.kv_geometry()
     ns = config.namespace()
     blocks = config.resolved_num_cpu_blocks()
