@@ -42,7 +42,7 @@ import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 
 from kvtier.config import (
     KvtierConfig,
@@ -1525,11 +1525,17 @@ def _interrupted(command: str | None, exc: KeyboardInterrupt) -> int:
     try:
         print(f"kvtier{'' if command is None else ' ' + command}: {what}", file=sys.stderr)
     except (OSError, ValueError):  # a reader killed by the same Ctrl-C (`kvtier ... 2>&1 | less`)
-        with contextlib.suppress(OSError, ValueError):  # nor a second error when Python flushes at exit
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stderr.fileno())
-            os.close(devnull)
+        with contextlib.suppress(OSError, ValueError):
+            _to_devnull(sys.stderr)
     return 128 + signum
+
+
+def _to_devnull(stream: TextIO) -> None:
+    """Point ``stream``'s file descriptor at /dev/null: its reader went away, and Python's flush at
+    exit must not fail a second time."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, stream.fileno())
+    os.close(devnull)
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -1555,9 +1561,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return _interrupted(args.command, exc)
     except BrokenPipeError:
         # The reader (e.g. `| head`) went away: stop quietly, without a second error at exit.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        _to_devnull(sys.stdout)
         return 141
     except OSError as exc:
         # The environment refused something no check above named (a permission, a full disk, a port in use).

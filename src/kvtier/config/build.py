@@ -17,6 +17,7 @@ from kvtier.units import format_size
 if TYPE_CHECKING:
     from kvtier.manager import TieringManager
 
+
 def _check_config(config: Any, caller: str) -> None:
     """A :class:`KvtierConfig`, or a ConfigError saying how to make one (a dict of settings is not one)."""
     if not isinstance(config, KvtierConfig):

@@ -129,12 +129,14 @@ def _parse_env(env: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
-_BLANK_IS_UNSET = ("region_name", "cpu_bytes", "num_cpu_blocks")
-"""Fields whose blank text (an environment variable's) means "not given"; given as a flag, refused."""
+_BLANK_REFUSED_ON_READ = ("region_name", "cpu_bytes", "num_cpu_blocks")
+"""Fields whose blank flag value (from ``load_config(cli=...)``) is refused as it is read, as the command
+line refuses an empty flag value: their own checks would take it for "not given". (A blank
+``KVTIER_*`` is "not given" for every field: :func:`_parse_env` skips it.)"""
 
 
 def _decode_text(field: str, raw: Any, *, source: str) -> Any:
-    """Strings from env vars and CLI flags: JSON for nested fields, '' means unset."""
+    """Non-blank strings from env vars and CLI flags: JSON for nested fields."""
     if not isinstance(raw, str):
         return raw
     if field in _JSON_FIELDS:
@@ -156,8 +158,6 @@ def _decode_text(field: str, raw: Any, *, source: str) -> Any:
         if value is None:  # taken as "not given", it would silently keep the file's value
             raise ConfigError(f"{field} from {source} is JSON null, not a value: {_leave_out(source)}")
         return value
-    if field in _BLANK_IS_UNSET and raw.strip() == "":
-        return None
     return raw
 
 
@@ -265,8 +265,7 @@ def load_config(
         cli_values: dict[str, Any] = {}
         for name, value in cli.items():
             field = name.replace("-", "_")
-            if field in _BLANK_IS_UNSET and isinstance(value, str) and not value.strip():
-                # (not "unset", as from the environment: the command line refuses an empty flag value)
+            if field in _BLANK_REFUSED_ON_READ and isinstance(value, str) and not value.strip():
                 raise ConfigError(
                     f"{field} from {field_source(field)} is empty ({value!r}): give a value or leave it out"
                 )

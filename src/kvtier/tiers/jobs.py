@@ -614,20 +614,20 @@ class ThreadedTier(SecondaryTier):
             else:
                 todo.append((key, int(slot)))
         works: list[Work] = []
-        dropped = 0
-        reason = None
+        dropped = shed = 0
         if todo:
+            reason = None
             if not self._breaker.serving:
                 reason = "tier out of service"
             elif self._queue.queued(Lane.STORE) >= self.max_queued_stores:
-                reason = "write queue full"
+                reason, shed = "write queue full", len(todo)
             if reason is None:
                 works = self._plan_store(state, todo)
             else:
                 dropped = len(todo)
                 state.errors.append(f"{dropped} block(s) dropped: {reason}")
         self._count(stores_submitted=len(job.keys), stores_skipped=skipped, stores_dropped=dropped,
-                    stores_shed_queue_full=dropped if reason == "write queue full" else 0)  # fmt: skip
+                    stores_shed_queue_full=shed)  # fmt: skip
         self._dispatch(state, works)
 
     def submit_load(self, job: TransferJob) -> None:
