@@ -389,3 +389,42 @@ def test_an_idle_tier_takes_a_store_that_fits_after_a_reset(private_shm: Path, p
         mgr.complete_store(result.keys_to_store, success=False)
     finally:
         mgr.shutdown()
+
+
+class WrongAnswerTier(HoldingTier):
+    """A collaborator double whose ``lookup`` and ``on_new_request`` answer with values of the
+    wrong type (the string "HIT", None)."""
+
+    tier_type: ClassVar[str] = "regression-wrong-answer"
+
+    def lookup(self, key: BlockKey, request: RequestContext | None) -> Any:
+        return "HIT"
+
+    def on_new_request(self, request: RequestContext) -> Any:
+        return "request-level"
+
+
+register_tier("regression-wrong-answer", f"{__name__}:WrongAnswerTier")
+
+
+def test_a_tier_answering_lookups_with_a_wrong_type_is_counted_and_logged_once(
+    namespace: Namespace, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression (review, 2026-12-06): a tier whose lookup() answered a value that is no
+    LookupResult (or whose on_new_request() answered no OffloadPolicy) was taken as a MISS (as
+    block-level) without a count or a log line: a broken tier looked like an empty one."""
+    mgr = TieringManager.create(namespace=namespace, num_cpu_blocks=4, tiers=[{"type": "regression-wrong-answer"}],
+                                sweep_stale=False)  # fmt: skip
+    try:
+        req = RequestContext("r")
+        mgr.on_new_request(req)
+        for key in chain_ids(range(5), namespace):
+            assert mgr.lookup(key, req) is LookupResult.MISS
+        snapshot = mgr.stats()
+        assert snapshot.manager.tier_call_errors == 6  # five lookups and one on_new_request
+        logged = [r.getMessage() for r in caplog.records if "regression-wrong-answer" in r.getMessage()]
+        assert len(logged) == 2, logged  # once per call
+        assert any("lookup() answered 'HIT', not LookupResult HIT, MISS or RETRY" in m for m in logged)
+        assert any("on_new_request() answered 'request-level', not an OffloadPolicy" in m for m in logged)
+    finally:
+        mgr.shutdown()

@@ -328,3 +328,42 @@ def test_an_unprintable_error_from_one_tier_still_shuts_the_next_down_and_is_nam
     first.shutdown_error = None
     mgr.shutdown()
     assert mgr.is_shut_down and first.shutdown_calls == 2 and second.shutdown_calls == 1
+
+
+def test_a_tier_that_drops_its_context_in_shutdown_does_not_stop_the_others(
+    namespace: Namespace, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression (review, 2026-12-06): a tier whose shutdown() drops its own ``context`` (a way to
+    drop its view of the rows, as its contract asks) made the manager's release of that context
+    raise AttributeError: the tiers after it were never shut down, their failures never logged."""
+    boom = RuntimeError("tier 2 stuck")
+    mgr = _manager(namespace, {"drop_context": True}, {"shutdown_error": boom}, {})
+    path = region_path(mgr.region.name)
+    _store_block(mgr, b"d" * 32, 3)
+    with caplog.at_level(logging.ERROR, logger="kvtier.manager"), pytest.raises(TierShutdownError) as info:
+        mgr.shutdown()
+    assert [t.shutdown_calls for t in _tiers(mgr)] == [1, 1, 1]
+    assert [f.index for f in info.value.failures] == [2] and info.value.__cause__ is boom
+    assert any("#2" in r.getMessage() and "tier 2 stuck" in r.getMessage() for r in caplog.records)
+    assert not mgr.region.closed  # a tier failed: the CPU tier stays mapped
+    _tiers(mgr)[1].shutdown_error = None
+    mgr.shutdown()  # the retry asks only the failed tier, then releases the CPU tier
+    assert [t.shutdown_calls for t in _tiers(mgr)] == [1, 2, 1]
+    assert mgr.region.closed and not path.exists()
+
+
+def test_a_failed_create_shuts_down_every_built_tier_when_one_drops_its_context(namespace: Namespace) -> None:
+    """Regression (review, 2026-12-06): the cleanup after a failed create() released each tier's
+    context through the tier; one that dropped it in shutdown() stopped the cleanup with
+    AttributeError (the original error only in __context__, tier #1 never shut down)."""
+    original = ConfigError("tier 3 cannot reach its bucket")
+    specs = [
+        {"type": "scripted", "name": "t1"},
+        {"type": "scripted", "name": "t2", "drop_context": True},
+        {"type": "scripted", "name": "t3", "construct_error": original},
+    ]
+    with pytest.raises(ConfigError) as info:
+        TieringManager.create(namespace=namespace, num_cpu_blocks=4, tiers=specs, region_name="ctor-drops")
+    assert info.value is original
+    assert tier_doubles.CALLS == [("t2", "shutdown"), ("t1", "shutdown")]
+    assert not region_path("ctor-drops").exists()

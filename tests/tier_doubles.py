@@ -63,6 +63,7 @@ class ScriptedTier(SecondaryTier):
         construct_error: Exception | None = None,
         request_level: bool = False,
         name: str = "",
+        drop_context: bool = False,
     ) -> None:
         if construct_error is not None:
             raise construct_error
@@ -78,6 +79,7 @@ class ScriptedTier(SecondaryTier):
         self.fail_keys: set[BlockKey] = set()
         self.retry_keys: set[BlockKey] = set()
         self.shutdown_calls = 0
+        self.drop_context = drop_context  # a shutdown that succeeds drops self.context (its rows' holder)
         self.finished_requests: list[str] = []
         self.touched: list[BlockKey] = []
         self.drains = 0
@@ -148,6 +150,8 @@ class ScriptedTier(SecondaryTier):
             self.shutdown_gate.wait()
         if self.shutdown_error is not None:
             raise self.shutdown_error
+        if self.drop_context:
+            del self.context
 
     def describe(self) -> dict[str, Any]:
         return {"type": self.tier_type, "name": self.name}

@@ -221,12 +221,17 @@ def _cleanup_failed_construction(region: SharedRegion, primary: PrimaryTier | No
     """
     deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
     interrupt: BaseException | None = None
+    # Each tier's context, read before any shutdown: a tier may drop its own there (its duty is to
+    # drop every view of the rows), and the context's view is still released here.
+    contexts = [getattr(tier, "context", None) for tier in built]
     for done, tier in enumerate(reversed(built)):
+        index = len(built) - done  # tiers are built in order from #1
+        context = contexts[index - 1]
         share = None if deadline is None else max(0.0, deadline - time.monotonic()) / (len(built) - done)
-        what = (f"cleanup after failed construction: secondary tier #{tier.context.index} "
+        what = (f"cleanup after failed construction: secondary tier #{index} "
                 f"(type={tier.tier_type}, class={type(tier).__qualname__})")
         try:
-            finished, exc = BlockingCalls(tier, f"cleanup-{tier.context.index}").run("shutdown", share)
+            finished, exc = BlockingCalls(tier, f"cleanup-{index}").run("shutdown", share)
         except (KeyboardInterrupt, SystemExit) as stop:
             logger.error("%s was interrupted (%s); the CPU region stays mapped", what, type(stop).__name__)
             interrupt = interrupt or stop
@@ -236,12 +241,15 @@ def _cleanup_failed_construction(region: SharedRegion, primary: PrimaryTier | No
                          share or 0.0)  # fmt: skip
             continue
         if exc is None:
-            tier.context.release_rows()
+            if isinstance(context, TierContext):
+                context.release_rows()
         else:
             # Its traceback is kept: the error being raised (``exc.__context__``) still needs its own.
             log_failure(logger, logging.ERROR, what + " failed to shut down", exc, with_traceback=True,
                         keep_traceback=True)  # fmt: skip
     built.clear()
+    contexts.clear()  # what the tiers held, no longer kept here (a failed one's view goes with its tier)
+    context = None
     if interrupt is not None:
         region.unlink_if_ours()  # (a restart under this name is never refused for it)
         raise interrupt

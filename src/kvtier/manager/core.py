@@ -54,11 +54,12 @@ from kvtier.backpressure import BackpressureSettings
 from kvtier.errors import InvalidKeyError, ManagerClosedError, TierShutdownError
 from kvtier.keys import BlockKey, Namespace
 from kvtier.manager import build, scan, snapshot
+from kvtier.manager.handle import TierHandle
 from kvtier.manager.ledger import Ledger
 from kvtier.manager.requests import RequestTable
 from kvtier.manager.snapshot import LookupTally
 from kvtier.manager.step_hits import LOOKUP_TIMING_EVERY, StepHits
-from kvtier.manager.tierset import TierHandle, TierSet
+from kvtier.manager.tierset import TierSet
 from kvtier.manager.waits import DEFAULT_FAILED_LOAD_SECONDS, DEFAULT_WAIT_TIMEOUT, BlockWaits
 from kvtier.policies import DEFAULT_POLICY
 from kvtier.primary import IN_FLIGHT, PrepareStoreResult, PrimaryTier
@@ -483,8 +484,7 @@ class TieringManager:
         self.request_control(request)
         state = self._requests.state(request)
         assert state is not None
-        asked = self._tiers.broadcast("on_new_request", request)
-        state.request_level_tiers = [handle for handle, policy in asked if policy is OffloadPolicy.REQUEST_LEVEL]
+        state.request_level_tiers = self._tiers.request_level(request)
         return OffloadPolicy.REQUEST_LEVEL if state.request_level_tiers else OffloadPolicy.BLOCK_LEVEL
 
     def on_request_finished(self, request: RequestContext) -> None:

@@ -14,7 +14,7 @@ import logging
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from kvtier.manager.tierset import TierHandle
+    from kvtier.manager.handle import TierHandle
     from kvtier.tiers.base import JobResult
 
 logger = logging.getLogger(__name__)

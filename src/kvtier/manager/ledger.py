@@ -25,8 +25,9 @@ import numpy as np
 
 from kvtier.errors import TierError
 from kvtier.keys import BlockKey
+from kvtier.manager.handle import TierHandle
 from kvtier.manager.joblog import log_failed_job, log_unknown_job
-from kvtier.manager.tierset import TierHandle, TierSet
+from kvtier.manager.tierset import TierSet
 from kvtier.manager.waits import BlockWaits
 from kvtier.primary import PrimaryTier
 from kvtier.telemetry import ManagerCounters, TierTelemetry

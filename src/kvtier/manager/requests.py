@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from time import perf_counter
 
 from kvtier.keys import BlockKey
+from kvtier.manager.handle import TierHandle
 from kvtier.manager.ledger import Ledger
-from kvtier.manager.tierset import TierHandle, TierSet
+from kvtier.manager.tierset import TierSet
 from kvtier.primary import PrimaryTier
 from kvtier.request_control import (
     CONTROL_KEYS,

@@ -20,7 +20,8 @@ from dataclasses import asdict, fields, replace
 from typing import Any, NamedTuple
 
 from kvtier.manager.admission_guard import ReturnWatch
-from kvtier.manager.tierset import TierHandle, TierSet
+from kvtier.manager.handle import TierHandle
+from kvtier.manager.tierset import TierSet
 from kvtier.primary import PrimaryTier
 from kvtier.telemetry import (
     AdmissionSnapshot,
