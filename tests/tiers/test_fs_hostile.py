@@ -412,3 +412,19 @@ def test_a_root_that_is_not_a_directory_is_named_so(tmp_path: Path, rows: np.nda
     with pytest.raises(ConfigError, match="is not a directory"):
         make_tier(root, rows, BB)
     assert os.path.lexists(root) and not (tmp_path / "nowhere").exists()
+
+
+def test_a_manifest_of_another_user_is_refused_and_left_as_it_is(tmp_path: Path, rows: np.ndarray) -> None:
+    """Regression (review, 2026-12-06): the tier started on a manifest.json owned by another uid
+    (every other file of the namespace is checked for its owner; the manifest was not)."""
+    if not IS_ROOT:
+        pytest.skip("making a file of another user needs root")
+    ns_dir = _ns_dir(tmp_path, rows)
+    manifest = ns_dir / "manifest.json"
+    before = manifest.read_bytes()
+    os.chown(manifest, 65534, 65534)
+    with pytest.raises(ConfigError, match=r"manifest .* is not a regular file of ours \(owned by uid 65534"):
+        make_tier(tmp_path, rows, BB)
+    assert manifest.read_bytes() == before and manifest.stat().st_uid == 65534
+    os.chown(manifest, os.geteuid(), os.getegid())
+    make_tier(tmp_path, rows, BB).shutdown()  # ours again: the same directory starts

@@ -146,16 +146,23 @@ def manifest_dict(namespace_digest: bytes, namespace_canonical: str, block_bytes
     }
 
 
-def read_manifest(ns_dir: Path | int) -> dict[str, Any]:
+def read_manifest(ns_dir: Path | int, modes: FileModes | None = None) -> dict[str, Any]:
     """Parse the manifest of a namespace directory (a path, or its open descriptor).
 
     Opened without following a link or blocking on a FIFO; raises OSError,
-    :class:`UnsafeEntryError` or ValueError when it is unreadable.
+    :class:`UnsafeEntryError` or ValueError when it is unreadable, and
+    :class:`UnsafeEntryError` when ``modes`` is given and the file is not one
+    they trust (another user's, outside the shared group).
     """
     if isinstance(ns_dir, int):
         fd = open_regular(MANIFEST, os.O_RDONLY, dir_fd=ns_dir)
     else:
         fd = open_regular(ns_dir / MANIFEST, os.O_RDONLY)
+    if modes is not None:
+        st = os.fstat(fd)
+        if not modes.trusted(st):
+            os.close(fd)
+            raise UnsafeEntryError(MANIFEST, f"owned by uid {st.st_uid} (gid {st.st_gid}), not a file of ours")
     with os.fdopen(fd, encoding="utf-8") as f:
         text = f.read(_MAX_MANIFEST_BYTES)
     try:
@@ -176,11 +183,16 @@ def ensure_manifest(dirs: NamespaceDir, expected: dict[str, Any]) -> None:
     ns_dir = dirs.path
     path = ns_dir / MANIFEST
     try:
-        found = read_manifest(dirs.fd)
+        found = read_manifest(dirs.fd, dirs.modes)
     except FileNotFoundError:
         atomic_write_text(dirs, MANIFEST, json.dumps(expected, indent=2, sort_keys=True) + "\n")
         return
-    except (OSError, ValueError, UnsafeEntryError) as exc:
+    except UnsafeEntryError as exc:
+        raise ConfigError(
+            f"fs tier manifest {path} is not a regular file of ours ({exc.reason}); the directory cannot be "
+            f"trusted: remove {ns_dir} or point 'root' elsewhere"
+        ) from exc
+    except (OSError, ValueError) as exc:
         raise ConfigError(
             f"fs tier manifest {path} is unreadable ({exc}); the directory cannot be trusted: "
             f"remove {ns_dir} or point 'root' elsewhere"
