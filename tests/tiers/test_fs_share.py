@@ -590,6 +590,39 @@ def test_journals_of_dead_instances_are_deleted_once_stale(
         second.shutdown()
 
 
+def test_a_dead_instance_file_named_like_a_journal_is_deleted_only_if_it_is_one(
+    tmp_path: Path, rows: np.ndarray, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression (review, 2026-12-06): the clean-up of dead instances' journals deleted any regular
+    file of ours (or of the shared group) named like a segment, whatever it held. Now a segment goes
+    only if empty (killed before its first record) or beginning with a valid record."""
+    first = make_tier(tmp_path, rows, BB)
+    fill(rows, [0], [key_of(1)], BB)
+    assert store(first, [key_of(1)], [0]).success
+    first.shutdown()
+    journal = first.ns_dir / JOURNAL_DIR
+    (real,) = journal.iterdir()
+    garbage = journal / "4242-0123456789ab.1"
+    garbage.write_text("notes of a user, not a journal\n" * 8)
+    bad_record = journal / "4243-0123456789ab.1"
+    bad_record.write_bytes(pack_entry(ADDED, b"k" * 32, 1.0)[:-1] + b"x")  # a record whose checksum fails
+    empty = journal / "4244-0123456789ab.1"
+    empty.touch()
+    monkeypatch.setattr(fs_journal, "STALE_SECONDS", 0.0)
+    second = make_tier(tmp_path, rows, BB)
+    try:
+        deadline = time.monotonic() + 5
+        while real.exists() or empty.exists():
+            assert time.monotonic() < deadline, sorted(p.name for p in journal.iterdir())
+            time.sleep(0.05)
+        time.sleep(0.3)  # several clean-ups later
+        assert garbage.read_text().startswith("notes of a user") and bad_record.exists()
+    finally:
+        second.shutdown()
+    kept = [r.getMessage() for r in caplog.records if "keeping journal/" in r.getMessage()]
+    assert sorted(m.split("journal/")[1].split(" ")[0] for m in kept) == sorted([bad_record.name, garbage.name])
+
+
 def test_journal_records_round_trip() -> None:
     record = pack_entry(REMOVED, b"k" * 36, 123.5)
     assert len(record) == RECORD_BYTES

@@ -32,7 +32,8 @@ cost hits, nothing else.
 * **Readers start at the current ends** (their start-up scan saw what came before) and
   read a journal that appears later from its beginning.
 * **Dead instances' journals** (their lock in ``tmp/`` is free) are deleted by any
-  engine once their newest segment is :data:`STALE_SECONDS` old.
+  engine once their newest segment is :data:`STALE_SECONDS` old, each segment only if it
+  is empty or begins with a valid record: a file merely named like a segment is kept.
 * **On NFS** every read reopens the segment (close-to-open consistency: a fresh size and
   fresh data) and every append ends with a close, which sends it to the server.
 
@@ -266,7 +267,10 @@ class JournalReader:
 
     def remove_dead(self) -> int:
         """Delete the journals of dead instances whose newest segment is stale; returns how many
-        segments were deleted."""
+        segments were deleted.
+
+        A segment is deleted only once proven a journal (:meth:`_proven_journal`): a file merely
+        named like one (another user's in a shared group, a stray one) is kept and logged once."""
         removed = 0
         now = time.time()
         newest: dict[str, float] = {}
@@ -275,10 +279,42 @@ class JournalReader:
                 if now - newest[owner] < STALE_SECONDS or instance_alive(self._path, owner):
                     continue
                 for segment in segments:
+                    name = _segment_name(owner, segment)
+                    proven = self._proven_journal(name)
+                    if proven is None:
+                        continue
                     with contextlib.suppress(FileNotFoundError):
-                        os.unlink(_segment_name(owner, segment), dir_fd=self._dir_fd)
-                        removed += 1
+                        st = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+                        if (st.st_dev, st.st_ino) == proven:  # still the file proven (not replaced since)
+                            os.unlink(name, dir_fd=self._dir_fd)
+                            removed += 1
         return removed
+
+    def _proven_journal(self, name: str) -> tuple[int, int] | None:
+        """The (device, inode) of segment ``name`` if it is a journal: a regular file of ours that is
+        empty (a journal killed before its first record: nothing to lose) or begins with a valid
+        record (its magic and checksum); else None, logged once (it is never deleted)."""
+        why = "neither empty nor beginning with a journal record"
+        try:
+            fd = open_regular(name, os.O_RDONLY, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            return None
+        except (OSError, UnsafeEntryError) as exc:
+            why = describe_error(exc)
+        else:
+            try:
+                st = os.fstat(fd)
+                head = os.pread(fd, RECORD_BYTES, 0) if self._modes.trusted(st) else None
+            finally:
+                os.close(fd)
+            if head is None:
+                why = "not a file of ours"
+            elif not head or parse_entries(head)[0]:
+                return st.st_dev, st.st_ino
+        if name not in self._unsafe:
+            self._unsafe.add(name)
+            logger.warning("fs tier %s: keeping journal/%s of a dead instance: %s", self._path, name, why)
+        return None
 
     def close(self) -> None:
         with self._lock:
