@@ -206,24 +206,48 @@ def test_an_owner_killed_inside_its_cleanup_is_swept(tmp_path: Path) -> None:
     assert found.path == path and found.removed and not path.exists()
 
 
-def test_an_old_unlocked_dir_of_ours_is_swept_and_a_fresh_one_is_kept(tmp_path: Path) -> None:
-    """A directory a killed remover of an older version left without its lock file is dead after a
-    while; only names mkdtemp makes are taken so (review, 2026-12-05: a user's own directory named
-    with the prefix, say ``kvtier-replay-notes`` under a replay's --fs-root, would go too)."""
-    old, fresh, users = tmp_path / f"{PREFIX}old12345", tmp_path / f"{PREFIX}fresh123", tmp_path / f"{PREFIX}notes"
-    for path in (old, fresh, users):
+def test_an_old_empty_unlocked_dir_of_ours_is_swept_and_anything_else_unlocked_is_kept(tmp_path: Path) -> None:
+    """A directory a killed remover left without its lock file (it goes after everything else) is
+    empty, and dead after a while; only names mkdtemp makes are taken so (review, 2026-12-05: a
+    user's own directory named with the prefix, say ``kvtier-replay-notes`` under a replay's
+    --fs-root, would go too), and only empty ones (review, 2026-12-06: a user's
+    ``kvtier-bench-baseline`` holding results, eight characters after the prefix like mkdtemp's,
+    went with its files)."""
+    old, fresh = tmp_path / f"{PREFIX}old12345", tmp_path / f"{PREFIX}fresh123"
+    users, baseline = tmp_path / f"{PREFIX}notes", tmp_path / f"{PREFIX}baseline"
+    old.mkdir(mode=0o700)
+    for path in (fresh, users, baseline):
         path.mkdir(mode=0o700)
         _fill(path, 20)
     long_ago = time.time() - tempdir_mod._STALE_UNLOCKED_DIR_SECONDS - 5
-    os.utime(old, (long_ago, long_ago))
-    os.utime(users, (long_ago, long_ago))
+    for path in (old, users, baseline):
+        os.utime(path, (long_ago, long_ago))
     (found,) = sweep_stale_temp_dirs(PREFIX, tmp_path)  # listing changes nothing
-    assert found.path == old and found.size == 21 and not found.removed
+    assert found.path == old and found.size == 0 and not found.removed
     assert not (old / LOCK_NAME).exists() and os.stat(old).st_mtime == long_ago
     (found,) = sweep_stale_temp_dirs(PREFIX, tmp_path, remove=True)
     assert found.path == old and found.removed and not old.exists()
     assert len(list(fresh.iterdir())) == 21 and not (fresh / LOCK_NAME).exists()
     assert len(list(users.iterdir())) == 21, "a directory not named as mkdtemp names them is never taken"
+    assert len(list(baseline.iterdir())) == 21, "an unlocked directory with anything in it is never taken"
+    assert not (baseline / LOCK_NAME).exists()
+
+
+def test_an_old_unlocked_dir_holding_only_a_creators_staging_lock_is_swept(tmp_path: Path) -> None:
+    """A creator killed after making its lock file under the staging name, before publishing it,
+    leaves that empty file: the directory is dead all the same. A file so named that is not empty
+    is no staging lock: that directory is kept."""
+    dead, other = tmp_path / f"{PREFIX}dead1234", tmp_path / f"{PREFIX}other123"
+    for path in (dead, other):
+        path.mkdir(mode=0o700)
+    (dead / ".lock-4242-0123abcd").touch()
+    (other / ".lock-4242-0123abcd").write_text("not a lock")
+    long_ago = time.time() - tempdir_mod._STALE_UNLOCKED_DIR_SECONDS - 5
+    for path in (dead, other):
+        os.utime(path, (long_ago, long_ago))
+    (found,) = sweep_stale_temp_dirs(PREFIX, tmp_path, remove=True)
+    assert found.path == dead and found.removed and not dead.exists()
+    assert (other / ".lock-4242-0123abcd").read_text() == "not a lock"
 
 
 # A creator that stops (until a line on stdin) before its lock is in place: right after mkdtemp,

@@ -23,9 +23,12 @@ everything but the lock file first, then the lock file, then the directory: a
 remover killed half way leaves the lock file behind, so the directory is still
 provably ours and dead, and the next sweep finishes it.
 
-A directory with no lock file at all (left by a version that removed the lock
-file early, or by a remover killed between the lock file and the directory) is
-taken as dead once it has not changed for :data:`_STALE_UNLOCKED_DIR_SECONDS`.
+A directory with no lock file at all (left by a remover killed between the lock
+file and the directory, or by a creator killed before its lock was in place) is
+empty but for that creator's lock file under its staging name: it is taken as dead once it has not changed for
+:data:`_STALE_UNLOCKED_DIR_SECONDS`. One with anything in it is never taken (a
+user's own directory named like ours holds something; an older version that
+removed the lock file early left such directories too, and they are left alone).
 A creator is without its lock only between ``mkdtemp`` and two system calls
 later, so that is normally enough; and it stays safe if a creator is stopped
 for longer there: the sweeper claims such a directory by creating the lock file
@@ -65,6 +68,9 @@ _STALE_UNLOCKED_DIR_SECONDS = 60.0
 
 _MKDTEMP_SUFFIX = re.compile(r"[a-z0-9_]{8}")
 """What ``tempfile.mkdtemp`` appends to a prefix (CPython's ``_RandomNameSequence``)."""
+
+_STAGING_LOCK = re.compile(r"\.lock-\d+-[0-9a-f]{8}")
+"""The name a creator's lock file has until it is published as :data:`LOCK_NAME` (:func:`_lock_new_dir`)."""
 
 _CREATE_ATTEMPTS = 5
 """New directories a :class:`LockedTempDir` tries when a sweeper claims the one it is making."""
@@ -139,7 +145,7 @@ def _lock_new_dir(path: Path) -> tuple[int, tuple[int, int]]:
     try:
         held = os.fstat(dir_fd)
         ident = (held.st_dev, held.st_ino)
-        staging = f".lock-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        staging = f".lock-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # (_STAGING_LOCK)
         try:
             fd = os.open(staging, _LOCK_FLAGS, 0o600, dir_fd=dir_fd)
         except FileNotFoundError as exc:  # the directory was removed under us
@@ -241,10 +247,13 @@ def _take_stale_lock(dir_fd: int) -> int | None:
 
 
 def _abandoned_unlocked(dir_fd: int) -> bool:
-    """Has the directory (ours, checked by the caller) no lock file, and not changed for a while?
+    """Is the directory (ours, checked by the caller) empty, without a lock file, and unchanged for a while?
 
-    Such a directory was left by a remover killed after the lock file went (or by a creator that
-    died before making it). A future mtime is not old.
+    Such a directory was left by a remover killed after the lock file went (it goes after
+    everything else) or by a creator that died before publishing it: either way it is empty but
+    for, at most, the creator's lock file under its staging name. One with anything else in it
+    was not left so (a user's own directory that merely looks like ours, say
+    ``kvtier-bench-baseline``), and is never taken. A future mtime is not old.
     """
     try:
         os.stat(LOCK_NAME, dir_fd=dir_fd, follow_symlinks=False)
@@ -254,7 +263,21 @@ def _abandoned_unlocked(dir_fd: int) -> bool:
         return False
     else:
         return False  # a lock file (or something in its place): decided by _take_stale_lock
+    try:
+        if not all(_is_staging_lock(dir_fd, name) for name in os.listdir(dir_fd)):
+            return False
+    except OSError:
+        return False
     return time.time() - os.fstat(dir_fd).st_mtime >= _STALE_UNLOCKED_DIR_SECONDS
+
+
+def _is_staging_lock(dir_fd: int, name: str) -> bool:
+    """Is ``name`` a lock file a creator made under its staging name (see :func:`_lock_new_dir`):
+    so named, an empty regular file of our uid? Raises OSError if it cannot be checked."""
+    if not _STAGING_LOCK.fullmatch(name):
+        return False
+    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    return stat.S_ISREG(st.st_mode) and st.st_size == 0 and st.st_uid == os.geteuid()
 
 
 def _claim_unlocked(dir_fd: int) -> int | None:
