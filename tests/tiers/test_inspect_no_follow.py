@@ -231,6 +231,32 @@ def test_a_root_given_as_a_link_is_followed_as_named(tmp_path: Path, rows: np.nd
     assert [ns.digest for ns in one.namespaces] == [s.ns_dir.name] and one.namespaces[0].entries == 2
 
 
+@pytest.mark.parametrize("given", ["dot", "link", "dot-slash"])
+def test_one_namespace_directory_given_as_dot_or_through_a_link_verifies_under_its_own_name(
+    tmp_path: Path, rows: np.ndarray, monkeypatch: pytest.MonkeyPatch, given: str
+) -> None:
+    """Regression (review, 2026-12-06): a namespace directory given as ``.`` (or reached through a
+    link named otherwise) was checked against the name it was given by (empty, or the link's):
+    "manifest names namespace ..., directory is ", nothing verified."""
+    keys = [key_of(i, b"dot") for i in range(3)]
+    fill(rows, range(3), keys, BB)
+    tier = make_tier(tmp_path / "root", rows, BB)
+    try:
+        assert store(tier, keys, [0, 1, 2]).success
+        ns_dir = tier.ns_dir
+    finally:
+        tier.shutdown()
+    if given == "link":
+        arg: Path = tmp_path / "my-namespace"
+        arg.symlink_to(ns_dir, target_is_directory=True)
+    else:
+        monkeypatch.chdir(ns_dir)
+        arg = Path(".") if given == "dot" else Path("./")
+    (report,) = verify_root(arg).namespaces
+    assert report.manifest_error is None and report.digest == ns_dir.name
+    assert report.verified == 3 and not report.corrupt and report.ok
+
+
 def test_the_tier_start_sweeps_no_linked_instance_directory(tmp_path: Path, rows: np.ndarray) -> None:
     """The tier's own sweep of dead writers' temp directories walks the same way."""
     s = Scene(tmp_path, rows)

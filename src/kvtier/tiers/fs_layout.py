@@ -755,12 +755,12 @@ def verify_root(
         # The root is one namespace directory if it holds a manifest and is named like one, or
         # holds no directory named like one (a namespace directory renamed): a stray manifest.json
         # in a root of namespaces must not hide them.
-        if _kind_at(root_fd, MANIFEST) == stat.S_IFREG and (
-            _NAMESPACE_RE.fullmatch(base.name) or not any(_NAMESPACE_RE.fullmatch(n) for n in names)
-        ):
-            if base.name.startswith(prefix):
-                reports.append(_verify_namespace(root_fd, base, check_payloads, remove_corrupt))
-            return RootReport(str(base), reports)
+        if _kind_at(root_fd, MANIFEST) == stat.S_IFREG:
+            named = _opened_name(base, root_fd)
+            if _NAMESPACE_RE.fullmatch(named) or not any(_NAMESPACE_RE.fullmatch(n) for n in names):
+                if named.startswith(prefix):
+                    reports.append(_verify_namespace(root_fd, base, check_payloads, remove_corrupt, named))
+                return RootReport(str(base), reports)
         for name in names:
             if not _NAMESPACE_RE.fullmatch(name) or not name.startswith(prefix):
                 continue
@@ -964,16 +964,28 @@ def _layout_problem(manifest: dict[str, Any]) -> str | None:
     return None
 
 
-def _verify_namespace(ns_fd: int, ns_dir: Path, check_payloads: bool, remove_corrupt: bool) -> NamespaceReport:
-    """Report on the namespace directory open as ``ns_fd`` (named ``ns_dir``), through descriptors."""
+def _opened_name(given: Path, dir_fd: int) -> str:
+    """The name of the directory open as ``dir_fd``, given as ``given``: its own name, not the
+    link's it was reached through or an empty one (``.``), when the resolved path still names it."""
+    real = os.path.realpath(given)
+    try:
+        st, held = os.stat(real), os.fstat(dir_fd)
+    except OSError:
+        return given.name
+    return os.path.basename(real) if (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino) else given.name
+
+
+def _verify_namespace(ns_fd: int, ns_dir: Path, check_payloads: bool, remove_corrupt: bool,
+                      own_name: str | None = None) -> NamespaceReport:
+    """Report on the namespace directory open as ``ns_fd`` (shown as ``ns_dir``; its own name
+    ``own_name``, by default ``ns_dir``'s), through descriptors."""
+    own_name = ns_dir.name if own_name is None else own_name
     manifest: dict[str, Any] | None = None
     manifest_error: str | None = None
     try:
         manifest = read_manifest(ns_fd)
-        if manifest.get("namespace_digest") != ns_dir.name:
-            manifest_error = (
-                f"manifest names namespace {manifest.get('namespace_digest')!r}, directory is {ns_dir.name}"
-            )
+        if manifest.get("namespace_digest") != own_name:
+            manifest_error = f"manifest names namespace {manifest.get('namespace_digest')!r}, directory is {own_name}"
         elif not isinstance(manifest.get("namespace"), dict):
             manifest_error = "manifest field 'namespace' is not an object"
         else:
@@ -984,7 +996,7 @@ def _verify_namespace(ns_fd: int, ns_dir: Path, check_payloads: bool, remove_cor
     usable = manifest_error is None and type(block_bytes) is int and block_bytes > 0
     if manifest_error is None and not usable:
         manifest_error = f"manifest field 'block_bytes' is not a positive integer: {block_bytes!r:.40}"
-    digest = bytes.fromhex(ns_dir.name) if _NAMESPACE_RE.fullmatch(ns_dir.name) else b""
+    digest = bytes.fromhex(own_name) if _NAMESPACE_RE.fullmatch(own_name) else b""
     v = _Verification(digest, block_bytes if usable else None, check_payloads, remove_corrupt)
     for shard in SHARDS:
         _verify_shard(ns_fd, ns_dir, shard, v)
@@ -1002,7 +1014,7 @@ def _verify_namespace(ns_fd: int, ns_dir: Path, check_payloads: bool, remove_cor
         if name not in SHARDS and name not in (MANIFEST, TMP_DIR, LEDGER_DIR, JOURNAL_DIR):
             v.foreign.append(str(ns_dir / name))
     return NamespaceReport(
-        digest=ns_dir.name,
+        digest=own_name,
         path=str(ns_dir),
         manifest=manifest,
         manifest_error=manifest_error,
