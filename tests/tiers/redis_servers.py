@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -191,3 +192,59 @@ class MuteLink(TcpLink):
             pass
         finally:
             self._shut(src, dst)
+
+
+class TrickleServer:
+    """A fake 'Redis' on a loopback port that never finishes a reply: each connection it accepts
+    gets, after the client's first bytes, ``opening`` and then one ``filler`` byte every
+    ``interval`` seconds for as long as the client stays (so every receive of the client gets a
+    byte within any socket timeout). ``opening``: ``b"+"`` (a simple-string reply line never
+    ended) or ``b"$100000000\r\n"`` (a bulk reply that never comes). With ``tls`` (a server
+    context), the connection is TLS: the handshake completes, then the bytes trickle in TLS
+    records of one byte each. With ``trickle_on`` (e.g. ``(b"INFO", b"PING")``), commands are
+    answered ``+OK`` (a connection's setup completes) until one naming any of those words comes:
+    its reply is the one that trickles. ``close()`` stops it."""
+
+    def __init__(
+        self, opening: bytes, filler: bytes = b"O", interval: float = 0.2, tls: ssl.SSLContext | None = None,
+        trickle_on: tuple[bytes, ...] = (),
+    ) -> None:
+        self._opening, self._filler, self._interval, self._tls = opening, filler, interval, tls
+        self._trickle_on = trickle_on
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._sockets: list[socket.socket] = [self._listener]
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            self._sockets.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            if self._tls is not None:
+                conn.settimeout(10.0)
+                conn = self._tls.wrap_socket(conn, server_side=True)
+                self._sockets.append(conn)
+            data = conn.recv(65536)
+            while self._trickle_on and not any(word in data for word in self._trickle_on):
+                conn.sendall(b"+OK\r\n" * data.count(b"*"))  # (one '*' per command: none in their arguments)
+                data = conn.recv(65536)
+            conn.sendall(self._opening)
+            while not self._closed.wait(self._interval):
+                conn.sendall(self._filler)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._closed.set()
+        TcpLink._shut(*self._sockets)
+        for s in self._sockets:
+            with contextlib.suppress(OSError):
+                s.close()

@@ -19,7 +19,8 @@ server); a value in another release's format version is a MISS, counted in ``for
 
 Health: a :class:`~kvtier.tiers.health.CircuitBreaker`. A refused connection
 opens it at once; other failures (timeouts, resets, a batch of replies slower than
-``min_read_mib_per_second``, error replies by which the server refuses this client:
+``min_read_mib_per_second``, a redis-py call (a connection's setup, PING, INFO) past its overall
+deadline (:mod:`kvtier.tiers.redis_backend`), error replies by which the server refuses this client:
 :func:`refused_by_server`) open it after ``failure_threshold`` in a row. While open,
 lookups answer MISS, stores are dropped (``stats.stores_dropped``) and loads fail at
 once; after ``open_seconds`` an I/O thread sends PING and a success brings the tier back.
@@ -42,7 +43,7 @@ from urllib.parse import parse_qsl
 
 from pydantic import Field, ValidationInfo, field_serializer, field_validator, model_validator
 from redis.connection import parse_url
-from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.exceptions import NoPermissionError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvtier.errors import ConfigError, CorruptValueError, ForeignFormatError, TierError
@@ -64,7 +65,7 @@ from kvtier.tiers.format import HEADER_SIZE, PREFIX_SIZE, decode_header, encode_
 from kvtier.tiers.health import CircuitBreaker
 from kvtier.tiers.jobs import ALL_LANES, JobState, Lane, ThreadedTier, Work
 from kvtier.tiers.options import LifetimeSeconds, QueueLength, Seconds, Threads, TierOptions, tier_options
-from kvtier.tiers.redis_backend import ClusterBackend, RedisBackend, StandaloneBackend
+from kvtier.tiers.redis_backend import CallStopped, ClusterBackend, RedisBackend, StandaloneBackend
 from kvtier.tiers.redis_protocol import (
     ErrorReply,
     Piece,
@@ -97,6 +98,9 @@ _MAX_DOUBTS = 1 << 16
 """SETs in doubt remembered at most (the oldest is dropped: a lookup's check finds its block)."""
 _DOUBTS_PER_TICK = 512
 """SETs in doubt checked per housekeeping tick, in one STRLEN pipeline."""
+_CONTROL_REPLY_BYTES = 64 * 1024
+"""Bytes the deadline of a redis-py call (a connection's setup, PING, INFO memory, the cluster
+topology) allows its replies at ``min_read_mib_per_second``: INFO memory is about 2 KiB."""
 
 # Query options of a Redis URL that redis-py applies to each connection; TLS ones only with rediss://.
 _URL_QUERY = frozenset({"db", "username", "password", "socket_read_size", "socket_keepalive"})
@@ -411,9 +415,16 @@ class RedisTier(ThreadedTier):
         self._lookup_cache_seconds = opts.lookup_cache_seconds
         # A check that has not answered in this long is treated as a MISS.
         self._check_deadline = opts.socket_timeout + opts.connect_timeout + 0.5
+        # The overall deadline of each redis-py call (a connection's setup: TCP connect, TLS
+        # handshake, AUTH/SELECT/CLIENT SETNAME; PING; INFO memory; the cluster topology): a
+        # connect, a socket timeout for the setup's replies and one for the command's, plus the
+        # replies' bytes at the slowest rate accepted (socket_timeout bounds each receive only).
+        self._call_seconds = opts.connect_timeout + 2 * opts.socket_timeout + _CONTROL_REPLY_BYTES / self._read_rate
         backend = ClusterBackend if opts.cluster else StandaloneBackend
         try:
-            self._backend: RedisBackend = backend(opts.url, opts.socket_timeout, opts.connect_timeout)
+            self._backend: RedisBackend = backend(
+                opts.url, opts.socket_timeout, opts.connect_timeout, self._call_seconds
+            )
         except ValueError as exc:
             raise ConfigError(f"redis url {redact_url(opts.url)!r} is invalid: {redact_url(str(exc))}") from None
 
@@ -600,6 +611,11 @@ class RedisTier(ThreadedTier):
         else:
             self._do_touch(work.keys)
 
+    def _stop(self) -> None:
+        """Shutdown (the thread calling it): cut the redis-py calls under way (a connection being
+        set up, PING, INFO), so the I/O threads stop without waiting out their deadlines."""
+        self._backend.stop()
+
     def _close(self) -> None:
         self._backend.close()
 
@@ -655,8 +671,11 @@ class RedisTier(ThreadedTier):
             self._prune_known(now)
 
     def _read_usage(self) -> tuple[int, int | None] | None:
-        """``INFO memory``, or None when the server refuses it (an ACL user without ``INFO``): usage is
-        optional, so a refusal is logged once and leaves the capacity unknown, never a tier failure."""
+        """``INFO memory``, or None when the server answers it with an error: usage is optional, so
+        that is logged once and leaves the capacity unknown, never a tier failure. Only an ACL
+        refusal (``NOPERM``: a user without ``INFO``) gets the hint to grant ``+info``; any other
+        error says what the server answered (and, for a database it does not have, which one the
+        URL names: :meth:`_response_hint`). Housekeeping (I/O thread); bounded by the call deadline."""
         try:
             memory = self._backend.info_memory()
         except ResponseError as exc:
@@ -665,11 +684,24 @@ class RedisTier(ThreadedTier):
                 forget_frames(exc)
             else:
                 self._usage_refused = True
-                log_failure(logger, logging.WARNING, f"redis tier {self.label}: usage() is unknown: INFO memory "
-                            "is refused (give the URL's ACL user +info)", exc)  # fmt: skip
+                if isinstance(exc, NoPermissionError) or str(exc).startswith("NOPERM"):
+                    what = "INFO memory is refused (give the URL's ACL user +info)"
+                else:
+                    what = "INFO memory failed" + self._response_hint(exc)
+                log_failure(logger, logging.WARNING, f"redis tier {self.label}: usage() is unknown: {what}", exc)
             return None
         self._usage_refused = False
         return memory
+
+    def _response_hint(self, exc: BaseException) -> str:
+        """What to do about an error reply redis-py raised that the server's words leave unclear:
+        for ``DB index is out of range`` (a ``SELECT`` at connection setup), the database the URL
+        names and that the server has fewer; else an empty string."""
+        if isinstance(exc, ResponseError) and "DB index is out of range" in str(exc):
+            db = url_database(self.options.url)
+            return (f" (the URL names database {db}, and the server has fewer databases: its 'databases' "
+                    f"setting, 16 by default, must exceed {db}, or name a lower database)")  # fmt: skip
+        return ""
 
     def _guarded(self, call: Callable[[], Any]) -> Any:
         try:
@@ -680,9 +712,9 @@ class RedisTier(ThreadedTier):
 
     def _record_error(self, exc: BaseException) -> str:
         """Feed ``exc`` to the circuit breaker; called from ``except`` blocks on I/O threads."""
-        if isinstance(exc, _Stopped):  # shutdown cut the batch short: nothing the server did
+        if isinstance(exc, (_Stopped, CallStopped)):  # shutdown cut the batch short: nothing the server did
             return str(exc)
-        detail = describe_error(exc)
+        detail = describe_error(exc) + self._response_hint(exc)
         if isinstance(exc, (TimeoutError, RedisTimeoutError)):
             self._breaker.record_failure(detail)
         elif _is_refused(exc):
@@ -711,7 +743,7 @@ class RedisTier(ThreadedTier):
         """
         rate, stopping = self._read_rate, self._stopping
         for pool, indexes in self._backend.groups(rkeys):
-            conn = pool.get_connection()
+            conn = self._backend.connection(pool)  # (set up within the call deadline)
             clean = False
             try:
                 sock = conn._sock
@@ -1115,7 +1147,7 @@ class RedisTier(ThreadedTier):
         deleted, ``answer(j, 0)`` not (rewritten or gone since), ``answer(j, ErrorReply)`` refused."""
         timeout, rate = self.options.socket_timeout, self._read_rate
         for pool, indexes in self._backend.groups(rkeys):
-            conn = pool.get_connection()
+            conn = self._backend.connection(pool)  # (set up within the call deadline)
             clean = False
             try:
                 sock = conn._sock
@@ -1165,8 +1197,61 @@ class RedisTier(ThreadedTier):
                 pool.release(conn)
 
     def _do_touch(self, keys: list[BlockKey]) -> None:
-        if self._px is not None and self._breaker.serving:
-            self._best_effort(b"PEXPIRE", keys, self._px)
+        """Refresh the TTL of a step's touched keys, but only of values proven to be this tier's:
+        best effort (I/O thread, the background lane; a failure counts against the breaker and
+        is not retried).
+
+        ``PEXPIRE`` alone would give an expiry to whatever lives under a block's key name: a
+        list or hash of another application, a string of another length, a value in another
+        release's format, all of which the tier leaves alone (a MISS, never deleted), and Redis
+        would then delete them. So a first pipelined round trip asks ``STRLEN`` and ``GETRANGE
+        key 0 127`` (the header) of each key, and a second sends ``PEXPIRE`` to those whose value
+        has a block's length and a header :func:`~kvtier.tiers.format.decode_header` accepts for
+        this namespace, this key and a block's payload (a format version this release reads).
+        Cost per key: two O(1) commands and 128 bytes back (no value is read whole, no script
+        runs, so no ACL for ``EVAL`` is needed), one header check on this thread, then one
+        ``PEXPIRE``: two round trips per batch. A value another client replaces between the two
+        round trips (a few milliseconds) would get the expiry: values written under the tier's
+        key names by others are not expected there."""
+        if self._px is None or not self._breaker.serving:
+            return
+        ours = self._own_values(keys)
+        if ours and self._breaker.serving:
+            self._best_effort(b"PEXPIRE", ours, self._px)
+
+    def _own_values(self, keys: list[BlockKey]) -> list[BlockKey]:
+        """The keys whose value is this tier's (a block's length, a header valid for this
+        namespace and key): one ``STRLEN`` + ``GETRANGE`` pipeline (see :meth:`_do_touch`); an
+        error reply (``WRONGTYPE`` for another type) is not ours, and a refusal of the client
+        counts against the breaker, as a failed pipeline does (nothing is ours then). I/O thread."""
+        rkeys = [self.redis_key(k) for k in keys]
+        last = b"%d" % (HEADER_SIZE - 1)
+        ours: list[BlockKey] = []
+        refusals: list[str] = []
+
+        def send(out: list[Piece], i: int) -> None:
+            pack_command(out, b"STRLEN", rkeys[i])
+            pack_command(out, b"GETRANGE", rkeys[i], b"0", last)
+
+        def receive(reader: RespReader, i: int) -> None:
+            length, head = reader.read_reply(), reader.read_reply()
+            for reply in (length, head):
+                if isinstance(reply, ErrorReply):
+                    self._note_reply_error(reply, refusals)
+            if isinstance(length, int) and length == self._value_bytes and isinstance(head, bytes):
+                try:
+                    decode_header(head, namespace=self._ns_digest, key=keys[i], payload_len=self._block_bytes)
+                except (CorruptValueError, ForeignFormatError):
+                    return
+                ours.append(keys[i])
+
+        try:
+            self._pipeline(rkeys, send, receive)
+        except Exception as exc:
+            self._record_error(exc)
+            return []
+        self._record_outcome(refusals, "GETRANGE")
+        return ours
 
     def _best_effort(self, command: bytes, keys: list[BlockKey], *args: bytes) -> None:
         """``<command> <key> <args...>`` for every key, pipelined; replies are not inspected."""
