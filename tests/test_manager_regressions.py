@@ -407,6 +407,39 @@ class WrongAnswerTier(HoldingTier):
 register_tier("regression-wrong-answer", f"{__name__}:WrongAnswerTier")
 
 
+class RetryThenWrongTier(HoldingTier):
+    """A collaborator double whose ``lookup`` answers RETRY, then a value of the wrong type."""
+
+    tier_type: ClassVar[str] = "regression-retry-then-wrong"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked = 0
+
+    def lookup(self, key: BlockKey, request: RequestContext | None) -> Any:
+        self.asked += 1
+        return LookupResult.RETRY if self.asked == 1 else "HIT"
+
+
+register_tier("regression-retry-then-wrong", f"{__name__}:RetryThenWrongTier")
+
+
+def test_a_wrong_typed_answer_after_a_retry_ends_the_wait_like_a_miss(namespace: Namespace) -> None:
+    """Regression (review, 2026-12-06): a wrong-typed answer was taken as a MISS but left the
+    key's RETRY clock running (a later wait deadline could withhold the key from that tier)."""
+    mgr = TieringManager.create(namespace=namespace, num_cpu_blocks=4,
+                                tiers=[{"type": "regression-retry-then-wrong"}], sweep_stale=False)  # fmt: skip
+    try:
+        key, req = chain_ids(range(1), namespace)[0], RequestContext("r")
+        assert mgr.lookup(key, req) is LookupResult.RETRY
+        assert key in mgr._tiers.handles[0].retry_since
+        assert mgr.lookup(key, req) is LookupResult.MISS
+        assert key not in mgr._tiers.handles[0].retry_since
+        assert mgr.stats().manager.tier_call_errors == 1
+    finally:
+        mgr.shutdown()
+
+
 def test_a_tier_answering_lookups_with_a_wrong_type_is_counted_and_logged_once(
     namespace: Namespace, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -352,6 +352,18 @@ def test_a_tier_that_drops_its_context_in_shutdown_does_not_stop_the_others(
     assert mgr.region.closed and not path.exists()
 
 
+def test_stats_keep_the_admission_rule_of_a_tier_that_dropped_its_context(namespace: Namespace) -> None:
+    """Regression (review, 2026-12-06): the snapshot read a tier's admission rule through the
+    tier's own context: after a shutdown that dropped it, a learned rule showed as 'all'."""
+    mgr = _manager(namespace, {"drop_context": True, "admission": "learned"}, {"shutdown_error": RuntimeError("x")})
+    assert [t.admission.rule for t in mgr.stats().tiers[1:]] == ["learned", "all"]
+    with pytest.raises(TierShutdownError):
+        mgr.shutdown()
+    assert [t.admission.rule for t in mgr.stats().tiers[1:]] == ["learned", "all"]
+    _tiers(mgr)[1].shutdown_error = None
+    mgr.shutdown()
+
+
 def test_a_failed_create_shuts_down_every_built_tier_when_one_drops_its_context(namespace: Namespace) -> None:
     """Regression (review, 2026-12-06): the cleanup after a failed create() released each tier's
     context through the tier; one that dropped it in shutdown() stopped the cleanup with

@@ -215,7 +215,9 @@ def test_an_old_empty_unlocked_dir_of_ours_is_swept_and_anything_else_unlocked_i
     went with its files)."""
     old, fresh = tmp_path / f"{PREFIX}old12345", tmp_path / f"{PREFIX}fresh123"
     users, baseline = tmp_path / f"{PREFIX}notes", tmp_path / f"{PREFIX}baseline"
+    fresh_empty = tmp_path / f"{PREFIX}new12345"  # empty and lock-less, but changed lately: kept
     old.mkdir(mode=0o700)
+    fresh_empty.mkdir(mode=0o700)
     for path in (fresh, users, baseline):
         path.mkdir(mode=0o700)
         _fill(path, 20)
@@ -231,6 +233,27 @@ def test_an_old_empty_unlocked_dir_of_ours_is_swept_and_anything_else_unlocked_i
     assert len(list(users.iterdir())) == 21, "a directory not named as mkdtemp names them is never taken"
     assert len(list(baseline.iterdir())) == 21, "an unlocked directory with anything in it is never taken"
     assert not (baseline / LOCK_NAME).exists()
+    assert fresh_empty.is_dir() and not list(fresh_empty.iterdir()), "a directory changed lately is kept"
+
+
+def test_a_claimed_lock_less_dir_written_to_since_it_was_found_empty_is_given_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (review, 2026-12-06): the sweep found a lock-less directory empty, then claimed
+    it and emptied it: what was written in between went too. The claim is now withdrawn."""
+    late = tmp_path / f"{PREFIX}late1234"
+    late.mkdir(mode=0o700)
+    long_ago = time.time() - tempdir_mod._STALE_UNLOCKED_DIR_SECONDS - 5
+    os.utime(late, (long_ago, long_ago))
+    real_claim = tempdir_mod._claim_unlocked
+
+    def claim_after_a_write(dir_fd: int) -> int | None:
+        (late / "results.csv").write_text("written after the check\n")
+        return real_claim(dir_fd)
+
+    monkeypatch.setattr(tempdir_mod, "_claim_unlocked", claim_after_a_write)
+    assert sweep_stale_temp_dirs(PREFIX, tmp_path, remove=True) == []
+    assert sorted(p.name for p in late.iterdir()) == ["results.csv"], "kept, without the sweeper's lock file"
 
 
 def test_an_old_unlocked_dir_holding_only_a_creators_staging_lock_is_swept(tmp_path: Path) -> None:

@@ -263,21 +263,27 @@ def _abandoned_unlocked(dir_fd: int) -> bool:
         return False
     else:
         return False  # a lock file (or something in its place): decided by _take_stale_lock
-    try:
-        if not all(_is_staging_lock(dir_fd, name) for name in os.listdir(dir_fd)):
-            return False
-    except OSError:
+    if not _holds_only_locks(dir_fd, own_lock=False):
         return False
     return time.time() - os.fstat(dir_fd).st_mtime >= _STALE_UNLOCKED_DIR_SECONDS
 
 
-def _is_staging_lock(dir_fd: int, name: str) -> bool:
-    """Is ``name`` a lock file a creator made under its staging name (see :func:`_lock_new_dir`):
-    so named, an empty regular file of our uid? Raises OSError if it cannot be checked."""
-    if not _STAGING_LOCK.fullmatch(name):
+def _holds_only_locks(dir_fd: int, own_lock: bool) -> bool:
+    """Does the directory open as ``dir_fd`` hold nothing but creators' lock files under their
+    staging name (empty regular files of our uid so named, see :func:`_lock_new_dir`), and, with
+    ``own_lock``, the :data:`LOCK_NAME` a sweeper just made? False if it cannot be listed."""
+    try:
+        for name in os.listdir(dir_fd):
+            if own_lock and name == LOCK_NAME:
+                continue
+            if not _STAGING_LOCK.fullmatch(name):
+                return False
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if not (stat.S_ISREG(st.st_mode) and st.st_size == 0 and st.st_uid == os.getuid()):
+                return False
+    except OSError:
         return False
-    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    return stat.S_ISREG(st.st_mode) and st.st_size == 0 and st.st_uid == os.geteuid()
+    return True
 
 
 def _claim_unlocked(dir_fd: int) -> int | None:
@@ -285,6 +291,8 @@ def _claim_unlocked(dir_fd: int) -> int | None:
 
     ``O_EXCL`` makes this atomic against a creator publishing its lock (``link``) and against
     another sweeper: if the name appeared, the lock there decides (:func:`_take_stale_lock`).
+    Once claimed, the directory is listed again: anything written into it since it was found
+    empty (:func:`_abandoned_unlocked`) makes it not ours, and the claim is withdrawn (None).
     """
     try:
         fd = os.open(LOCK_NAME, _LOCK_FLAGS, 0o600, dir_fd=dir_fd)
@@ -296,6 +304,11 @@ def _claim_unlocked(dir_fd: int) -> int | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
+        os.close(fd)
+        return None
+    if not _holds_only_locks(dir_fd, own_lock=True):  # written to since it was found empty: not taken
+        with contextlib.suppress(OSError):
+            os.unlink(LOCK_NAME, dir_fd=dir_fd)
         os.close(fd)
         return None
     return fd
@@ -372,8 +385,8 @@ def sweep_stale_temp_dirs(
 
     ``parent`` defaults to :func:`tempfile.gettempdir`. See the module docstring
     for what proves a directory stale and ours (a lock file nobody holds, or no
-    lock file and no change for :data:`_STALE_UNLOCKED_DIR_SECONDS`); anything
-    else is left alone. Listing (without ``remove``) changes nothing.
+    lock file, nothing in it but creators' staging lock files, and no change for
+    :data:`_STALE_UNLOCKED_DIR_SECONDS`); anything else is left alone. Listing (without ``remove``) changes nothing.
     Raises :class:`FileNotFoundError`/:class:`NotADirectoryError` if ``parent``
     is not a directory.
     """

@@ -608,11 +608,13 @@ def test_a_dead_instance_file_named_like_a_journal_is_deleted_only_if_it_is_one(
     bad_record.write_bytes(pack_entry(ADDED, b"k" * 32, 1.0)[:-1] + b"x")  # a record whose checksum fails
     empty = journal / "4244-0123456789ab.1"
     empty.touch()
+    torn = journal / "4245-0123456789ab.1"  # its first append cut short (a full disk)
+    torn.write_bytes(pack_entry(ADDED, b"k" * 32, 1.0)[:30])
     monkeypatch.setattr(fs_journal, "STALE_SECONDS", 0.0)
     second = make_tier(tmp_path, rows, BB)
     try:
         deadline = time.monotonic() + 5
-        while real.exists() or empty.exists():
+        while real.exists() or empty.exists() or torn.exists():
             assert time.monotonic() < deadline, sorted(p.name for p in journal.iterdir())
             time.sleep(0.05)
         time.sleep(0.3)  # several clean-ups later

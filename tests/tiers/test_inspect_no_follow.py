@@ -231,7 +231,7 @@ def test_a_root_given_as_a_link_is_followed_as_named(tmp_path: Path, rows: np.nd
     assert [ns.digest for ns in one.namespaces] == [s.ns_dir.name] and one.namespaces[0].entries == 2
 
 
-@pytest.mark.parametrize("given", ["dot", "link", "dot-slash"])
+@pytest.mark.parametrize("given", ["dot", "link", "dot-slash", "digest-link"])
 def test_one_namespace_directory_given_as_dot_or_through_a_link_verifies_under_its_own_name(
     tmp_path: Path, rows: np.ndarray, monkeypatch: pytest.MonkeyPatch, given: str
 ) -> None:
@@ -249,6 +249,11 @@ def test_one_namespace_directory_given_as_dot_or_through_a_link_verifies_under_i
     if given == "link":
         arg: Path = tmp_path / "my-namespace"
         arg.symlink_to(ns_dir, target_is_directory=True)
+    elif given == "digest-link":  # a link named as the namespace, to the directory renamed
+        backup = ns_dir.with_name("ns-backup")
+        ns_dir.rename(backup)
+        arg = tmp_path / ns_dir.name
+        arg.symlink_to(backup, target_is_directory=True)
     else:
         monkeypatch.chdir(ns_dir)
         arg = Path(".") if given == "dot" else Path("./")

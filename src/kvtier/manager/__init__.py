@@ -4,9 +4,10 @@ Importers use this package (``from kvtier.manager import TieringManager``). Its 
 
 * :mod:`~kvtier.manager.core`: ``TieringManager`` itself: the scheduler API, the
   step contract, the lookup hot path and the cascade decisions;
-* :mod:`~kvtier.manager.tierset`: one ``TierHandle`` per secondary tier (its index,
-  descriptor, telemetry, admission, RETRY state, liveness) and the ``TierSet``
-  of them: every guarded call of a tier, and the shutdown that shares a deadline;
+* :mod:`~kvtier.manager.handle`: one ``TierHandle`` per secondary tier (its index,
+  context, descriptor, telemetry, admission, RETRY state, liveness, guarded calls);
+* :mod:`~kvtier.manager.tierset`: the ``TierSet`` of them: the lookup after a CPU
+  miss, broadcasts, and the shutdown that shares a deadline;
 * :mod:`~kvtier.manager.admission`: whether a tier takes a cascade (backpressure;
   the seam a learned admission plugs into);
 * :mod:`~kvtier.manager.ledger`: tier jobs, submitted with one unwind path, polled,

@@ -1,7 +1,7 @@
 """Cascade admission: whether a secondary tier takes a cascade (store) job now.
 
 A cascade copies blocks that a device store just made ready in the CPU tier
-down to a secondary tier. Each tier's :class:`~kvtier.manager.tierset.TierHandle`
+down to a secondary tier. Each tier's :class:`~kvtier.manager.handle.TierHandle`
 holds one admission object, or None, which means the tier takes every cascade
 ("admission: all"). Promotions (loads) never ask: reads are what the engine
 waits for, so they are never refused.

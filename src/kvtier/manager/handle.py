@@ -1,7 +1,7 @@
 """One secondary tier as the manager sees it: a :class:`TierHandle` (the manager keeps one per tier).
 
 A handle holds all the manager keeps of one tier: its index (1-based, as in
-labels, logs and errors), its context (the rows' holder the manager made for it),
+labels, logs and errors), its context (the rows' holder the tier was built with),
 descriptor, telemetry, cascade admission, liveness, wait state
 (:mod:`kvtier.manager.waits`: RETRY clocks, blocks it may not promise, jobs past
 the deadline) and a blocking call still running past its deadline. Every call of

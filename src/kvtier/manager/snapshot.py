@@ -167,7 +167,7 @@ def _admission(handle: TierHandle) -> AdmissionSnapshot:
     """How ``handle``'s tier admits cascades, with the learned rule's guard when it has one."""
     telemetry, admission = handle.telemetry, handle.admission
     snap = AdmissionSnapshot(
-        rule=str(getattr(getattr(handle.tier, "context", None), "admission", "all")),
+        rule=str(getattr(handle.context, "admission", "all")),  # (the handle's: a tier may drop its own)
         admitted_blocks=telemetry.admitted_blocks,
         declined_blocks=telemetry.declined_blocks,
         learned_declined=getattr(admission, "declined", 0),

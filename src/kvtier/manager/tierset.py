@@ -86,6 +86,8 @@ class TierSet:
                 continue
             if answer is not _HIT and answer is not _RETRY:  # a broken tier's: its MISS
                 handle.wrong_answer("lookup", answer, "LookupResult HIT, MISS or RETRY")
+                if handle.retry_since:
+                    handle.waits.answered(key, now or perf_counter())
                 continue
             waits = handle.waits
             if waits.withheld and waits.withholds(key, now or perf_counter()):

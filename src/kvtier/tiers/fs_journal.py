@@ -33,7 +33,8 @@ cost hits, nothing else.
   read a journal that appears later from its beginning.
 * **Dead instances' journals** (their lock in ``tmp/`` is free) are deleted by any
   engine once their newest segment is :data:`STALE_SECONDS` old, each segment only if it
-  is empty or begins with a valid record: a file merely named like a segment is kept.
+  is empty or begins with a valid record (or is a first record torn short): a file merely
+  named like a segment is kept.
 * **On NFS** every read reopens the segment (close-to-open consistency: a fresh size and
   fresh data) and every append ends with a close, which sends it to the server.
 
@@ -292,8 +293,9 @@ class JournalReader:
 
     def _proven_journal(self, name: str) -> tuple[int, int] | None:
         """The (device, inode) of segment ``name`` if it is a journal: a regular file of ours that is
-        empty (a journal killed before its first record: nothing to lose) or begins with a valid
-        record (its magic and checksum); else None, logged once (it is never deleted)."""
+        empty (a journal killed before its first record: nothing to lose), begins with a valid
+        record (its magic and checksum), or is shorter than a record and begins with its magic
+        (the first append torn, on a full disk); else None, logged once (it is never deleted)."""
         why = "neither empty nor beginning with a journal record"
         try:
             fd = open_regular(name, os.O_RDONLY, dir_fd=self._dir_fd)
@@ -309,8 +311,8 @@ class JournalReader:
                 os.close(fd)
             if head is None:
                 why = "not a file of ours"
-            elif not head or parse_entries(head)[0]:
-                return st.st_dev, st.st_ino
+            elif not head or parse_entries(head)[0] or (st.st_size < RECORD_BYTES and head.startswith(_MAGIC)):
+                return st.st_dev, st.st_ino  # (the last: a first record torn by a failed append)
         if name not in self._unsafe:
             self._unsafe.add(name)
             logger.warning("fs tier %s: keeping journal/%s of a dead instance: %s", self._path, name, why)

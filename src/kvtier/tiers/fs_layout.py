@@ -965,8 +965,12 @@ def _layout_problem(manifest: dict[str, Any]) -> str | None:
 
 
 def _opened_name(given: Path, dir_fd: int) -> str:
-    """The name of the directory open as ``dir_fd``, given as ``given``: its own name, not the
-    link's it was reached through or an empty one (``.``), when the resolved path still names it."""
+    """The name to check the directory open as ``dir_fd`` under, given as ``given``: the given name
+    when it is a namespace's (a link so named to a renamed directory checks as before), else the
+    directory's own (for ``.``, ``..`` or a link named otherwise), when the resolved path still
+    names the directory opened."""
+    if _NAMESPACE_RE.fullmatch(given.name):
+        return given.name
     real = os.path.realpath(given)
     try:
         st, held = os.stat(real), os.fstat(dir_fd)
