@@ -189,6 +189,45 @@ def test_the_metrics_server_bounds_what_clients_hold_and_close_ends_it_all(monke
         sock.close()
 
 
+def test_a_request_trickled_a_byte_at_a_time_is_dropped_at_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (review, 2026-12-06): the timeout bounded each read only, so a client sending a
+    header byte every few seconds was never dropped: 16 such connections kept every scrape out."""
+    import time
+
+    from kvtier import metrics_http
+
+    monkeypatch.setattr(metrics_http._Handler, "timeout", 1.0)
+    metrics = KvtierMetrics()
+    port = metrics.serve(0)
+    try:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        sock.sendall(b"GET /metrics HTTP/1.1\r\n")
+        start, dropped = time.monotonic(), False
+        while time.monotonic() - start < 4:  # a byte every 0.3 s: each read well within 1 s
+            try:
+                sock.sendall(b"X")
+            except OSError:
+                dropped = True
+                break
+            sock.settimeout(0.3)
+            try:
+                if sock.recv(1) == b"":
+                    dropped = True
+                    break
+            except TimeoutError:
+                continue
+            except OSError:
+                dropped = True
+                break
+        elapsed = time.monotonic() - start
+        assert dropped and elapsed < 2.5, f"dropped={dropped} after {elapsed:.1f}s"
+        sock.close()
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        assert b"kvtier_lookup_seconds" in body  # a well-behaved scrape is served as before
+    finally:
+        metrics.close()
+
+
 @pytest.mark.parametrize("addr", ["", "  ", None, 127])
 def test_serving_on_no_address_is_refused(addr: object) -> None:
     """Regression (2026-12-06, review): ``serve(port, "")`` listened on every interface (the docs

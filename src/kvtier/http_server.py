@@ -19,10 +19,12 @@ Threads: one accepting (``serve_forever``), one per connection; the bookkeeping 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import socket
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar
 
@@ -95,4 +97,28 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             log_failure(self.log, logging.WARNING, f"{self.label}: serving {client_address} failed", exc)
 
 
-__all__ = ["BoundedHTTPServer"]
+class DeadlineReader(io.RawIOBase):
+    """A connection's bytes, each read bounded by what is left of one deadline for the whole
+    request (``deadline``: a :func:`time.monotonic` time, which the handler sets per request), so
+    a client sending a byte now and then (slowloris) is dropped like a silent one: a socket
+    timeout alone restarts with every byte. Raises :class:`TimeoutError` once it has passed.
+    Wrap it in :class:`io.BufferedReader` as the handler's ``rfile``; the connection's thread only."""
+
+    def __init__(self, sock: socket.socket, timeout: float) -> None:
+        super().__init__()
+        self.sock = sock
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not arrive within its deadline")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(buffer)
+
+
+__all__ = ["BoundedHTTPServer", "DeadlineReader"]

@@ -1,8 +1,9 @@
 """The HTTP server behind ``metrics_port``: ``GET /metrics`` in the Prometheus text format, bounded.
 
 It runs inside the engine's scheduler process and any local user can connect to it, so it bounds
-what a client can hold: each connection gets :data:`REQUEST_TIMEOUT` seconds for each read and
-write (a client that sends half a request and waits is dropped), at most :data:`MAX_CONNECTIONS`
+what a client can hold: each request must arrive whole within :data:`REQUEST_TIMEOUT` seconds (a
+client that sends half a request and waits, or trickles it a byte at a time, is dropped), each
+write of the answer gets as long, at most :data:`MAX_CONNECTIONS`
 connections are served at once (more are closed at once, unanswered), and :meth:`close` shuts down
 the connections still open, so no thread or socket outlives it. A client that goes away before its
 answer is written (a scrape that timed out) is logged at debug level, and any other failure of a
@@ -14,7 +15,9 @@ connection, all daemons.
 
 from __future__ import annotations
 
+import io
 import logging
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler
 from typing import Any
@@ -22,12 +25,12 @@ from typing import Any
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvtier.failures import log_failure
-from kvtier.http_server import BoundedHTTPServer
+from kvtier.http_server import BoundedHTTPServer, DeadlineReader
 
 logger = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT = 10.0
-"""Seconds a connection may take for each read or write before it is dropped."""
+"""Seconds a request may take to arrive whole, and each write of its answer, before the connection is dropped."""
 
 MAX_CONNECTIONS = 16
 """Connections served at once; one more is closed unanswered."""
@@ -53,7 +56,19 @@ class _Handler(BaseHTTPRequestHandler):
     timeout = REQUEST_TIMEOUT
     server: MetricsServer
 
+    def setup(self) -> None:
+        super().setup()
+        plain, self._reader = self.rfile, DeadlineReader(self.connection, self.timeout)
+        self.rfile = io.BufferedReader(self._reader)
+        plain.close()  # (the socket's own reader, unused: the deadline's reads the request)
+
+    def handle_one_request(self) -> None:
+        # One deadline per request, from when the previous answer went out (keep-alive).
+        self._reader.deadline = time.monotonic() + self.timeout
+        super().handle_one_request()
+
     def do_GET(self) -> None:
+        self.connection.settimeout(self.timeout)  # the answer's writes: their own timeout each
         try:
             body = self.server.render()
         except Exception as exc:  # a collector failed: the scrape fails, the engine goes on
