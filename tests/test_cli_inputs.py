@@ -459,6 +459,9 @@ def test_no_flag_is_silently_ignored(
         (["bench", "--device-blocks", "100000000"], "argument --device-blocks: must be at most 16777216"),
         (["bench", "--device-blocks", "9" * 401], "argument --device-blocks: a number of 401 digits"),
         (["bench", "--sessions", "1e400"], "argument --sessions: '1e400' is not an integer"),
+        # Regression (review, 2026-12-06): int() reads other scripts' digits ('١٢' was 12).
+        (["bench", "--sessions", "\u0661\u0662"], "argument --sessions: '\u0661\u0662' is not an integer"),
+        (["bench", "--metrics-port", "\uff11\uff12"], "argument --metrics-port: '\uff11\uff12' is not an integer"),
         (["bench", "--seed", str(2**63)], "argument --seed: must be at most"),
         (["bench", "--prefill-tokens-per-s", "1e-300"], "argument --prefill-tokens-per-s: must be a finite number"),
         (["bench", "--prefill-tokens-per-s", "inf"], "argument --prefill-tokens-per-s"),

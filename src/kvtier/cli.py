@@ -103,6 +103,8 @@ def _int_in(low: int, high: int = MAX_COUNT) -> Callable[[str], int]:
         if len(digits) > _MAX_DIGITS and digits.isdigit():
             raise argparse.ArgumentTypeError(f"a number of {len(digits)} digits: must be at most {high}")
         try:
+            if not text.isascii():  # (int() reads other scripts' digits: '١٢' is 12)
+                raise ValueError(text)
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{shown(text)} is not an integer") from None

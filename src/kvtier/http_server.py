@@ -104,10 +104,11 @@ class DeadlineReader(io.RawIOBase):
     timeout alone restarts with every byte. Raises :class:`TimeoutError` once it has passed.
     Wrap it in :class:`io.BufferedReader` as the handler's ``rfile``; the connection's thread only."""
 
-    def __init__(self, sock: socket.socket, timeout: float) -> None:
+    def __init__(self, sock: socket.socket, timeout: float, limit: str = "its deadline") -> None:
         super().__init__()
         self.sock = sock
         self.timeout = timeout
+        self.limit = limit  # what the TimeoutError names as the bound (a setting's name, say)
         self.deadline = time.monotonic() + timeout
 
     def readable(self) -> bool:
@@ -116,7 +117,7 @@ class DeadlineReader(io.RawIOBase):
     def readinto(self, buffer: Any) -> int:
         left = self.deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError("the request did not arrive within its deadline")
+            raise TimeoutError(f"the request did not arrive within {self.limit}")
         self.sock.settimeout(left)
         return self.sock.recv_into(buffer)
 

@@ -233,3 +233,15 @@ def test_a_closed_server_answers_a_kept_alive_client_no_more() -> None:
     while any(t.is_alive() for t in ours):
         assert time.monotonic() < deadline, "a connection's thread outlived server_close"
         time.sleep(0.01)
+
+
+@pytest.mark.parametrize("text", ["\u0661\u0662", "\uff11\uff12", "99999", "-1", "1.0"])
+def test_fleet_serve_port_takes_ascii_digits_of_a_port_only(text: str) -> None:
+    """Regression (review, 2026-12-06): ``--port ١٢`` (Arabic-Indic digits) was taken as port 12."""
+    import argparse
+
+    from kvtier.fleet.cli import _port
+
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a TCP port"):
+        _port(text)
+    assert _port("0") == 0 and _port("8088") == 8088

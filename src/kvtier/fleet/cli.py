@@ -64,7 +64,7 @@ def _text(text: str) -> str:
 
 
 def _port(text: str) -> int:
-    if not text.isdigit() or not 0 <= int(text) <= 65535:
+    if not (text.isascii() and text.isdigit()) or not 0 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError(f"expected a TCP port in [0, 65535] (0 = any free port), got {text!r}")
     return int(text)
 

@@ -4,7 +4,8 @@ Endpoints:
 
 * ``POST /v1/prefix`` with ``{"tokens": [..]}`` (a prompt's token ids; hashed as the
   engines hash them, :mod:`kvtier.fleet.hashing`) or ``{"block_hashes": [..]}`` (the
-  blocks' hashes as KV events carry them: integers, or hex strings), optionally
+  blocks' hashes as KV events carry them: integers in [0, 2**64), or strings of 1 to 16 ASCII
+  hex digits, ``[0-9a-fA-F]``, nothing else: no ``0x``, sign, blank or ``_``), optionally
   ``"engines": [names]`` (each one the index knows: its engine table lists it, nothing heard from
   it yet or not; else 400 naming them) and ``"group"`` (the KV-cache group, default 0).
   Answer: ``{"blocks": n, "tokens_per_hash": t, "engines": {name: {"blocks": b, "tokens":
@@ -31,9 +32,13 @@ query string 400 naming it (the API takes no parameters there); the connection i
 each. HEAD and other methods get the standard library's 501.
 
 It is a network service and its input is untrusted: a request line must stay under 64 KiB
-(else 414), its header lines under 64 KiB in all (else 431), a request body must declare its
-length (one ``Content-Length``: a ``Transfer-Encoding`` is 411, lengths that disagree 400) and
-stay under ``max_body`` bytes, a prompt under ``max_blocks`` blocks; every
+(else 414) and name its HTTP version (an HTTP/0.9 request line, ``GET /health`` alone, is a 400
+at once, answered as HTTP/1.1 like every error: a status line, headers and a JSON body), its
+header lines under 64 KiB in all (else 431), a request body must declare its length (one
+``Content-Length`` of decimal digits, judged by value: whitespace around them and leading zeros
+are allowed; a ``Transfer-Encoding`` is 411, lengths that disagree 400), stay under ``max_body``
+bytes and arrive whole (a body the client ends early, closing its side, is a 400 saying how many
+of its bytes came), a prompt under ``max_blocks`` blocks; every
 field is type- and range-checked (errors are 4xx with a JSON ``error`` naming the
 field); a request (its line, headers and body) must arrive within ``request_timeout``
 seconds of its first byte, or of the previous answer on a kept-alive connection, else
@@ -55,6 +60,7 @@ import io
 import json
 import logging
 import math
+import re
 import socket
 import struct
 import threading
@@ -68,7 +74,7 @@ from kvtier.errors import ConfigError
 from kvtier.fleet.hashing import BlockHasher
 from kvtier.fleet.masks import StoreUnavailable
 from kvtier.fleet.records import MAX_GROUP, block_key
-from kvtier.http_server import BoundedHTTPServer
+from kvtier.http_server import BoundedHTTPServer, DeadlineReader
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +90,10 @@ _MAX_UNAVAILABLE_REASONS = 64
 """Reasons remembered for that (forgotten all at once beyond it: a reason naming a changing detail)."""
 _ROUTES = {"/v1/prefix": "POST", "/v1/engines": "GET", "/health": "GET"}  # path -> the one method it answers
 _QUOTED = 8  # names an error quotes (an unknown engine's, the known ones), the rest counted
+_HEX_HASH = re.compile(r"[0-9a-fA-F]{1,16}")
+"""A block hash given as a string (``int(s, 16)`` alone took ``0x1``, `` 1 ``, ``1_0``, ``+f`` and
+non-ASCII digits such as ``"\\u0661"``)."""
+_MAX_LENGTH_DIGITS = 18  # a Content-Length's digits (leading zeros aside) judged by value; more is too large
 
 try:  # Linux: the bytes a socket sent that its peer has not taken yet (SIOCOUTQ)
     import fcntl
@@ -298,15 +308,11 @@ class FleetServer(BoundedHTTPServer):
             raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                              f"block_hashes has {len(hashes)} entries; at most {self.max_blocks}")  # fmt: skip
         keys = []
-        for raw in hashes:
-            value = raw
-            if isinstance(raw, str) and 0 < len(raw) <= 16:
-                try:
-                    value = int(raw, 16)
-                except ValueError:
-                    value = None
+        for i, raw in enumerate(hashes):
+            value = int(raw, 16) if type(raw) is str and _HEX_HASH.fullmatch(raw) else raw
             if type(value) is not int or not 0 <= value <= _MAX_HASH:
-                message = f"block_hashes must be integers in [0, 2**64) or hex strings, got {raw!r:.40}"
+                message = f"block_hashes[{i}] must be an integer in [0, 2**64) or a string of 1 to 16 hex " \
+                    f"digits [0-9a-fA-F], got {raw!r:.40}"
                 raise BadRequest(HTTPStatus.BAD_REQUEST, message)
             keys.append(block_key(value, group))
         return keys
@@ -318,28 +324,18 @@ def _quoted(names: Sequence[str]) -> str:
     return f"{text} and {len(names) - _QUOTED} more" if len(names) > _QUOTED else text
 
 
+def _length_digits(value: str) -> str | None:
+    """A ``Content-Length`` field value's digits without the optional whitespace around them (RFC
+    9110 section 5.5: not part of the value) and without leading zeros (``"0"`` for zero); None
+    where it is not ASCII decimal digits (``"²".isdigit()`` is True)."""
+    digits = value.strip(" \t")
+    if not (digits.isascii() and digits.isdigit()):
+        return None
+    return digits.lstrip("0") or "0"
+
+
 def _encode(body: dict[str, Any]) -> bytes:
     return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()  # (strict JSON: no NaN)
-
-
-class _DeadlineReader(io.RawIOBase):
-    """A socket's bytes, each read bounded by what is left of one deadline for the whole request."""
-
-    def __init__(self, sock: socket.socket, timeout: float) -> None:
-        super().__init__()
-        self.sock = sock
-        self.timeout = timeout
-        self.deadline = time.monotonic() + timeout
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the request did not arrive within request_timeout")
-        self.sock.settimeout(left)
-        return self.sock.recv_into(buffer)
 
 
 class _HeaderBudget:
@@ -369,7 +365,7 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self.connection.settimeout(self.server.request_timeout)
-        self._reader = _DeadlineReader(self.connection, self.server.request_timeout)
+        self._reader = DeadlineReader(self.connection, self.server.request_timeout, "request_timeout")
         self.rfile = io.BufferedReader(self._reader)
         self._write_budget = self.server.request_timeout
 
@@ -382,7 +378,11 @@ class _Handler(BaseHTTPRequestHandler):
     def parse_request(self) -> bool:
         """The standard library's, after skipping up to 8 empty lines before the request line (RFC
         9112 section 2.2; a client's CRLF after a body, say): it took an empty line for a request
-        and closed the connection without an answer. A request line that never comes is a 400."""
+        and closed the connection without an answer. A request line that never comes is a 400;
+        so is one of two words, a method and a target without an HTTP version (HTTP/0.9), at once
+        and before any header is read: the standard library waited for header lines an HTTP/0.9
+        client never sends (no answer until request_timeout), and the answers written for such a
+        request had no status line nor headers, only the JSON body."""
         empty = (b"\r\n", b"\n")
         for _ in range(_EMPTY_LINES):
             if self.raw_requestline not in empty:
@@ -399,6 +399,12 @@ class _Handler(BaseHTTPRequestHandler):
                 self.send_error(HTTPStatus.BAD_REQUEST, f"no request line after {_EMPTY_LINES} empty lines")
             else:  # (the standard library took a line of blanks for no request: closed, no answer)
                 self.send_error(HTTPStatus.BAD_REQUEST, "a request line of blanks only")
+            return False
+        requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
+        if len(requestline.split()) == 2:  # (split as the standard library splits it)
+            self.requestline, self.request_version, self.command = requestline, "HTTP/1.1", ""
+            self.send_error(HTTPStatus.BAD_REQUEST, f"a request line without an HTTP version ({requestline[:100]!r}; "
+                            "HTTP/0.9) is not served: end it with HTTP/1.1")  # fmt: skip
             return False
         rfile = self.rfile
         self.rfile = cast(Any, _HeaderBudget(rfile, _MAX_HEADER_BYTES))  # (what the headers are read from)
@@ -508,7 +514,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self._misrouted():
             return
         if self.headers.get("Transfer-Encoding") is not None or any(
-            length.strip() != "0" for length in self.headers.get_all("Content-Length") or ()
+            _length_digits(length) != "0" for length in self.headers.get_all("Content-Length") or ()
         ):
             self.close_connection = True  # a body a GET never reads: what follows it is no request
         if self.path == "/health":
@@ -549,26 +555,38 @@ class _Handler(BaseHTTPRequestHandler):
         self._guarded(lambda: self._prefix(raw))
 
     def _body(self) -> bytes:
-        """The request's body, by its one ``Content-Length``. A ``Transfer-Encoding`` is refused
-        (411), with or without a length (RFC 9112 section 6.1: read by the length, what followed
-        a chunked body would be taken for the next request); so are ``Content-Length`` headers
-        that disagree (400, at once: not a wait for bytes that never come)."""
+        """The request's body, by its one ``Content-Length``: ASCII decimal digits, judged by
+        value (whitespace around them and leading zeros allowed, :func:`_length_digits`), else 411;
+        over ``max_body`` 413. A ``Transfer-Encoding`` is refused (411), with or without a length
+        (RFC 9112 section 6.1: read by the length, what followed a chunked body would be taken for
+        the next request); so are ``Content-Length`` headers whose values disagree (400, at once:
+        not a wait for bytes that never come). A body that ends before its length (the client
+        closed its side) is a 400 saying how many bytes came (it was answered as if whole), one
+        not all there within request_timeout a 408."""
         if self.headers.get("Transfer-Encoding") is not None:
             raise BadRequest(HTTPStatus.LENGTH_REQUIRED, "Transfer-Encoding is not supported: send the body with a "
                                                          "Content-Length header of decimal digits")  # fmt: skip
-        lengths = set(self.headers.get_all("Content-Length") or ())
-        if len(lengths) > 1:
-            raise BadRequest(HTTPStatus.BAD_REQUEST, f"Content-Length headers disagree ({sorted(lengths)[:4]!r:.100})")
-        length = self.headers.get("Content-Length")
-        if length is None or not (length.isascii() and length.isdigit()):  # ("²".isdigit() is True)
+        given = self.headers.get_all("Content-Length") or ()
+        lengths = {_length_digits(value) for value in given}
+        if not given or None in lengths:
             raise BadRequest(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header of decimal digits is required")
-        if len(length) > 18 or int(length) > self.server.max_body:
+        if len(lengths) > 1:
+            quoted = f"{sorted(set(given))[:4]!r:.100}"
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"Content-Length headers disagree ({quoted})")
+        digits = cast(str, lengths.pop())
+        if len(digits) > _MAX_LENGTH_DIGITS or int(digits) > self.server.max_body:
+            shown = digits if len(digits) <= 40 else f"{digits[:20]}... ({len(digits)} digits)"
             raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                             f"body of {length:.40} bytes; at most {self.server.max_body}")  # fmt: skip
+                             f"body of {shown} bytes; at most {self.server.max_body}")  # fmt: skip
+        length = int(digits)
         try:
-            raw = self.rfile.read(int(length))
+            raw = self.rfile.read(length)
         except TimeoutError:
             raise BadRequest(HTTPStatus.REQUEST_TIMEOUT, "the body did not arrive within request_timeout") from None
+        if len(raw) < length:  # (read() is short only at the end of the stream)
+            message = f"the body ended after {len(raw)} of {length} bytes (Content-Length): the client " \
+                "closed its side before the rest"
+            raise BadRequest(HTTPStatus.BAD_REQUEST, message)
         return raw
 
     def _prefix(self, raw: bytes) -> dict[str, Any]:
