@@ -29,16 +29,21 @@ OPENINGS = {
 }
 
 
+def _server_tls(tmp_path: Path, tls: bool) -> tuple[ssl.SSLContext | None, str]:
+    """The fake server's TLS context (None: plain TCP) and the URL template (``{port}``) the tier is given."""
+    if not tls:
+        return None, "redis://127.0.0.1:{port}/0"
+    ca, crt, key = make_test_certificates(tmp_path / "certs")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(crt, key)
+    return context, f"rediss://127.0.0.1:{{port}}/0?ssl_ca_certs={ca}&ssl_cert_reqs=required"
+
+
 @pytest.fixture(params=sorted(OPENINGS))
 def trickle(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[TrickleServer, str]]:
     """A trickling server and the URL the tier is given for it."""
     opening, filler, tls = OPENINGS[request.param]
-    context, url = None, "redis://127.0.0.1:{port}/0"
-    if tls:
-        ca, crt, key = make_test_certificates(tmp_path / "certs")
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(crt, key)
-        url = f"rediss://127.0.0.1:{{port}}/0?ssl_ca_certs={ca}&ssl_cert_reqs=required"
+    context, url = _server_tls(tmp_path, tls)
     server = TrickleServer(opening, filler, tls=context)
     try:
         yield server, url.format(port=server.port)
@@ -121,12 +126,7 @@ def test_a_control_command_whose_reply_trickles_is_cut_at_its_deadline(tls: bool
     every socket timeout kept going for ever (and shutdown then failed). They have the overall
     deadline too: the established connection's socket (a TLS one as well) is shut down, the call
     fails as a timeout, the connection is not used again, and shutdown finishes."""
-    context, url = None, "redis://127.0.0.1:{port}/0"
-    if tls:
-        ca, crt, key = make_test_certificates(tmp_path / "certs")
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(crt, key)
-        url = f"rediss://127.0.0.1:{{port}}/0?ssl_ca_certs={ca}&ssl_cert_reqs=required"
+    context, url = _server_tls(tmp_path, tls)
     server = TrickleServer(b"$100000000\r\n", b"x", tls=context, trickle_on=(b"INFO", b"PING"))
     tier = _tier(url.format(port=server.port), socket_timeout=0.5, connect_timeout=0.5, failure_threshold=1)
     try:
