@@ -87,7 +87,7 @@ import xxhash
 
 from kvtier.errors import UnsafeEntryError
 from kvtier.failures import describe_error
-from kvtier.tiers.fs_files import NamespaceDir, create_file
+from kvtier.tiers.fs_files import NamespaceDir, create_file, read_head
 from kvtier.tiers.fs_layout import LEDGER_DIR, instance_alive, is_no_space
 from kvtier.untrusted import SAFE_OPEN_FLAGS, open_regular
 
@@ -512,12 +512,8 @@ class SharedBudget:
         except OSError:
             return False  # another engine adopted it first
         try:
-            fd = open_regular(taken, os.O_RDONLY, dir_fd=d)
-            try:
-                fst = os.fstat(fd)
-                data = os.pread(fd, RECORD_BYTES, 0) if self._dirs.modes.trusted(fst) else b"?"
-            finally:
-                os.close(fd)
+            head = read_head(d, taken, self._dirs.modes, RECORD_BYTES)[1]
+            data = b"?" if head is None else head
         except (OSError, UnsafeEntryError):
             data = b"?"
         record = read_record(data)

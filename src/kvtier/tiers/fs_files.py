@@ -262,6 +262,19 @@ def open_for_read(dir_fd: int, name: str, flags: int, modes: FileModes) -> tuple
     return fd, st
 
 
+def read_head(dir_fd: int, name: str, modes: FileModes, size: int) -> tuple[os.stat_result, bytes | None]:
+    """The fstat of ``name`` (opened without following a link or blocking, a regular file) and its
+    first ``size`` bytes, or None instead of them when ``modes`` do not trust it (nothing read):
+    how a small file of another instance (a ledger, a journal segment) is proven one. Raises
+    FileNotFoundError, :class:`UnsafeEntryError` (not a regular file) or OSError."""
+    fd = open_regular(name, os.O_RDONLY, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        return st, (os.pread(fd, size, 0) if modes.trusted(st) else None)
+    finally:
+        os.close(fd)
+
+
 def hold_at_name(dir_fd: int, name: str, fd: int, st: os.stat_result) -> None:
     """Share-lock value ``name`` open as ``fd`` (``st`` its fstat) and check it is still at its
     name: from then on no engine rewrites it (recycling takes the exclusive lock first). Raises
@@ -426,6 +439,7 @@ __all__ = [
     "hold_at_name",
     "open_for_read",
     "place_value",
+    "read_head",
     "remove_value",
     "take_for_recycling",
 ]

@@ -61,7 +61,7 @@ import xxhash
 from kvtier.errors import UnsafeEntryError
 from kvtier.failures import describe_error
 from kvtier.tiers.format import MAX_KEY_BYTES
-from kvtier.tiers.fs_files import NamespaceDir, create_file
+from kvtier.tiers.fs_files import NamespaceDir, create_file, read_head
 from kvtier.tiers.fs_layout import INSTANCE_NAME, JOURNAL_DIR, instance_alive
 from kvtier.untrusted import SAFE_OPEN_FLAGS, open_regular
 
@@ -298,17 +298,12 @@ class JournalReader:
         (the first append torn, on a full disk); else None, logged once (it is never deleted)."""
         why = "neither empty nor beginning with a journal record"
         try:
-            fd = open_regular(name, os.O_RDONLY, dir_fd=self._dir_fd)
+            st, head = read_head(self._dir_fd, name, self._modes, RECORD_BYTES)
         except FileNotFoundError:
             return None
         except (OSError, UnsafeEntryError) as exc:
             why = describe_error(exc)
         else:
-            try:
-                st = os.fstat(fd)
-                head = os.pread(fd, RECORD_BYTES, 0) if self._modes.trusted(st) else None
-            finally:
-                os.close(fd)
             if head is None:
                 why = "not a file of ours"
             elif not head or parse_entries(head)[0] or (st.st_size < RECORD_BYTES and head.startswith(_MAGIC)):
