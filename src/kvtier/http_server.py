@@ -107,7 +107,6 @@ class DeadlineReader(io.RawIOBase):
     def __init__(self, sock: socket.socket, timeout: float, limit: str = "its deadline") -> None:
         super().__init__()
         self.sock = sock
-        self.timeout = timeout
         self.limit = limit  # what the TimeoutError names as the bound (a setting's name, say)
         self.deadline = time.monotonic() + timeout
 
@@ -122,4 +121,32 @@ class DeadlineReader(io.RawIOBase):
         return self.sock.recv_into(buffer)
 
 
-__all__ = ["BoundedHTTPServer", "DeadlineReader"]
+class DeadlineRequestHandler(BaseHTTPRequestHandler):
+    """A request handler whose every request (its line, headers and body) must arrive within
+    :meth:`request_seconds` of its first byte, or of the previous answer on a kept-alive
+    connection: its ``rfile`` reads through a :class:`DeadlineReader` (whose errors name
+    ``deadline_name``). The connection's thread only."""
+
+    deadline_name: ClassVar[str] = "its deadline"
+
+    def request_seconds(self) -> float:
+        """The seconds a request may take to arrive whole: by default the handler's ``timeout``,
+        which a subclass then sets (or it gives its own)."""
+        if self.timeout is None:
+            raise TypeError(f"{type(self).__name__} needs a timeout, or a request_seconds() of its own")
+        return float(self.timeout)
+
+    def setup(self) -> None:
+        super().setup()
+        plain, self._reader = self.rfile, DeadlineReader(self.connection, self.request_seconds(), self.deadline_name)
+        self.rfile = io.BufferedReader(self._reader)
+        plain.close()  # (the socket's own reader, unused: the deadline's reads the requests)
+
+    def handle_one_request(self) -> None:
+        # One deadline per request, from when the previous answer went out: a client that
+        # sends a byte now and then (slowloris) is dropped like a silent one.
+        self._reader.deadline = time.monotonic() + self.request_seconds()
+        super().handle_one_request()
+
+
+__all__ = ["BoundedHTTPServer", "DeadlineReader", "DeadlineRequestHandler"]

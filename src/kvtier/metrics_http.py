@@ -15,17 +15,14 @@ connection, all daemons.
 
 from __future__ import annotations
 
-import io
 import logging
-import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvtier.failures import log_failure
-from kvtier.http_server import BoundedHTTPServer, DeadlineReader
+from kvtier.http_server import BoundedHTTPServer, DeadlineRequestHandler
 
 logger = logging.getLogger(__name__)
 
@@ -52,20 +49,9 @@ class MetricsServer(BoundedHTTPServer):
         self.server_close()
 
 
-class _Handler(BaseHTTPRequestHandler):
-    timeout = REQUEST_TIMEOUT
+class _Handler(DeadlineRequestHandler):
+    timeout = REQUEST_TIMEOUT  # (the request's deadline too: request_seconds)
     server: MetricsServer
-
-    def setup(self) -> None:
-        super().setup()
-        plain, self._reader = self.rfile, DeadlineReader(self.connection, self.timeout)
-        self.rfile = io.BufferedReader(self._reader)
-        plain.close()  # (the socket's own reader, unused: the deadline's reads the request)
-
-    def handle_one_request(self) -> None:
-        # One deadline per request, from when the previous answer went out (keep-alive).
-        self._reader.deadline = time.monotonic() + self.timeout
-        super().handle_one_request()
 
     def do_GET(self) -> None:
         self.connection.settimeout(self.timeout)  # the answer's writes: their own timeout each

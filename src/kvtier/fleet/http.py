@@ -56,7 +56,6 @@ no authentication.
 from __future__ import annotations
 
 import http.client
-import io
 import json
 import logging
 import math
@@ -67,14 +66,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler
 from typing import Any, Protocol, cast
 
 from kvtier.errors import ConfigError
 from kvtier.fleet.hashing import BlockHasher
 from kvtier.fleet.masks import StoreUnavailable
 from kvtier.fleet.records import MAX_GROUP, block_key
-from kvtier.http_server import BoundedHTTPServer, DeadlineReader
+from kvtier.http_server import BoundedHTTPServer, DeadlineRequestHandler
 
 logger = logging.getLogger(__name__)
 
@@ -356,24 +354,20 @@ class _HeaderBudget:
         return line
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(DeadlineRequestHandler):
     server: FleetServer
     raw_requestline: bytes
     protocol_version = "HTTP/1.1"
     server_version = "kvtier-fleet"
+    deadline_name = "request_timeout"
+
+    def request_seconds(self) -> float:
+        return self.server.request_timeout
 
     def setup(self) -> None:
         super().setup()
         self.connection.settimeout(self.server.request_timeout)
-        self._reader = DeadlineReader(self.connection, self.server.request_timeout, "request_timeout")
-        self.rfile = io.BufferedReader(self._reader)
         self._write_budget = self.server.request_timeout
-
-    def handle_one_request(self) -> None:
-        # One deadline per request, from when the previous answer went out: a client that
-        # sends a byte now and then (slowloris) is dropped like a silent one.
-        self._reader.deadline = time.monotonic() + self.server.request_timeout
-        super().handle_one_request()
 
     def parse_request(self) -> bool:
         """The standard library's, after skipping up to 8 empty lines before the request line (RFC
