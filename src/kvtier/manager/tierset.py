@@ -80,12 +80,9 @@ class TierSet:
                 done = perf_counter()
                 handle.telemetry.lookup_seconds.pending.append(done - now)
                 now = done
-            if answer is _MISS:
-                if handle.retry_since:
-                    handle.waits.answered(key, now or perf_counter())
-                continue
-            if answer is not _HIT and answer is not _RETRY:  # a broken tier's: its MISS
-                handle.wrong_answer("lookup", answer, "LookupResult HIT, MISS or RETRY")
+            if answer is _MISS or (answer is not _HIT and answer is not _RETRY):  # (a broken tier's: its MISS)
+                if answer is not _MISS:
+                    handle.wrong_answer("lookup", answer, "LookupResult HIT, MISS or RETRY")
                 if handle.retry_since:
                     handle.waits.answered(key, now or perf_counter())
                 continue
