@@ -1086,28 +1086,6 @@ def test_a_warm_start_listing_of_endless_empty_pages_is_abandoned_and_never_hold
     assert time.monotonic() - start < 3.0
 
 
-def test_a_listing_called_from_async_code_lists_the_same_names(s3_bucket: tuple[MotoServer, str]) -> None:
-    """A listing reads obstore's stream through an event loop of its own (for its deadlines): called
-    where a loop runs already (a notebook), it lists as before instead of failing to start one."""
-    import asyncio
-
-    from kvtier.tiers.s3_store import list_objects
-
-    server, bucket = s3_bucket
-    for i in range(5):
-        put_plain(server.endpoint, bucket, f"kvtier/some/{i}")
-    store = raw_client(server.endpoint, bucket)
-
-    def names() -> list[str]:
-        return sorted(meta["path"] for batch in list_objects(store, "kvtier/", []) for meta in batch)
-
-    async def from_async_code() -> list[str]:
-        return names()
-
-    assert names() == [f"kvtier/some/{i}" for i in range(5)]
-    assert asyncio.run(from_async_code()) == names()
-
-
 def test_the_tier_lists_what_it_knows_the_bucket_holds_for_the_fleet(
     s3_bucket: tuple[MotoServer, str], make: Any
 ) -> None:

@@ -452,18 +452,10 @@ def _pages(store: S3Store, stop: Callable[[], bool], **options: Any) -> Iterator
     """``obstore.list(store, **options)``'s batches of 1,000 objects, each awaited at most
     :data:`LIST_BATCH_SECONDS` and abandoned within 0.2 s of ``stop()`` turning true (the page
     requests under way are cancelled: no more go out). The stream is read through a private event
-    loop on the calling thread, which blocks on the network meanwhile (I/O threads only; called
-    where an event loop runs already, as in a notebook, the batches come unbounded, as before)."""
+    loop on the calling thread, which blocks on the network meanwhile (I/O threads only)."""
     import obstore as obs
 
     stream = obs.list(store, chunk_size=1000, **options)
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        pass
-    else:  # called from async code (a notebook, say): no second loop may run here, so unbounded
-        yield from stream
-        return
     loop = asyncio.new_event_loop()
     task: asyncio.Task[Sequence[Any]] | None = None
     try:
