@@ -275,12 +275,6 @@ class _StubHandler(http.server.BaseHTTPRequestHandler):
         self._send(200, body, headers, head=head)
 
     def do_GET(self) -> None:
-        if self._stub().endless_listing and "list-type=2" in self.path:
-            if self._before():
-                self._send(200, b'<?xml version="1.0"?><ListBucketResult><IsTruncated>true</IsTruncated>'
-                           b"<NextContinuationToken>same</NextContinuationToken><KeyCount>0</KeyCount>"
-                           b"</ListBucketResult>", {"Content-Type": "application/xml"})  # fmt: skip
-            return
         self._object(head=False)
 
     def do_HEAD(self) -> None:
@@ -342,9 +336,6 @@ class S3Stub:
         """False: a GET's ``Range`` header is ignored (the whole object, 200), as some stores do."""
         self.ranged_gets: list[str] = []
         """The ``Range`` header of every GET that had one, in order."""
-        self.endless_listing = False
-        """True: every ListObjectsV2 page is empty and truncated, with the same continuation token
-        (a broken store: obstore asks for the next page for ever)."""
         self.hanging = threading.Event()
         self.released = threading.Event()
         self._server = _StubHTTPServer(("127.0.0.1", 0), _StubHandler)

@@ -101,8 +101,6 @@ from kvtier.tiers.s3_store import (
     MAX_MANIFEST_BYTES,
     OUTCOME_UNKNOWN,
     TRIPPING,
-    ListingStalled,
-    ListingStopped,
     S3TierOptions,
     bounded_body,
     classify_error,
@@ -943,7 +941,7 @@ class S3Tier(ThreadedTier):
         found = 0
         unlisted: list[str] = []
         try:
-            for batch in list_objects(self._store, self._ns_prefix + "/", unlisted, stop=self._stopping.is_set):
+            for batch in list_objects(self._store, self._ns_prefix + "/", unlisted):
                 if self._stopping.is_set():
                     return
                 now = time.monotonic()
@@ -955,10 +953,6 @@ class S3Tier(ThreadedTier):
                         if key not in self._present:
                             self._present[key] = now + self.options.hit_seconds
                             found += 1
-        except ListingStopped:
-            return  # the tier shuts down
-        except ListingStalled as exc:  # a store answering pages without names, for ever: not a request failure
-            logger.warning("s3 tier %s: warm-start listing abandoned after %d block(s): %s", self.label, found, exc)
         except Exception as exc:
             logger.warning("s3 tier %s: warm-start listing stopped: %s", self.label, self._io_failure(exc))
         if unlisted:

@@ -23,14 +23,12 @@ client is built, so these options are importable without it.
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import json
 import os
 import re
 import stat
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -430,62 +428,6 @@ def key_of_path(ns_prefix: str, path: str) -> BlockKey | None:
 
 _BAD_PATH = re.compile(r'Path "([^"]{0,1024})"')
 
-LIST_BATCH_SECONDS = 60.0
-"""A listing whose next batch (1,000 names, or its end) has not come in this long is abandoned
-(:class:`ListingStalled`): obstore fetches pages until one holds names, so an endpoint answering
-every page as empty and truncated would keep it going for ever, out of the caller's reach."""
-
-
-class ListingStalled(TimeoutError):
-    """A listing's next batch did not come within :data:`LIST_BATCH_SECONDS`: abandoned."""
-
-
-class ListingStopped(Exception):
-    """The caller's ``stop()`` said so while a listing waited for its next batch: abandoned."""
-
-
-async def _next_batch(stream: Any) -> Sequence[Any]:
-    return await stream.__anext__()  # type: ignore[no-any-return]
-
-
-def _pages(store: S3Store, stop: Callable[[], bool], **options: Any) -> Iterator[Sequence[Any]]:
-    """``obstore.list(store, **options)``'s batches of 1,000 objects, each awaited at most
-    :data:`LIST_BATCH_SECONDS` and abandoned within 0.2 s of ``stop()`` turning true (the page
-    requests under way are cancelled: no more go out). The stream is read through a private event
-    loop on the calling thread, which blocks on the network meanwhile (I/O threads only)."""
-    import obstore as obs
-
-    stream = obs.list(store, chunk_size=1000, **options)
-    loop = asyncio.new_event_loop()
-    task: asyncio.Task[Sequence[Any]] | None = None
-    try:
-        while True:
-            task = loop.create_task(_next_batch(stream))
-            deadline = time.monotonic() + LIST_BATCH_SECONDS
-            while not task.done():
-                left = deadline - time.monotonic()
-                if stop():
-                    raise ListingStopped("listing stopped by its caller")
-                if left <= 0:
-                    raise ListingStalled(f"listing {options.get('prefix', '')!r}: no batch of names (nor its end) "
-                                         f"came within {LIST_BATCH_SECONDS:.0f}s: abandoned")  # fmt: skip
-                loop.run_until_complete(asyncio.wait({task}, timeout=min(0.2, left)))
-            try:
-                batch = task.result()
-            except StopAsyncIteration:
-                return
-            task = None
-            yield batch
-    finally:
-        if task is not None and not task.done():
-            task.cancel()
-            loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
-        loop.close()
-
-
-def _never() -> bool:
-    return False
-
 
 def list_objects(
     store: S3Store,
@@ -493,7 +435,6 @@ def list_objects(
     unlisted: list[str],
     shards_at: int | None = 0,
     missed: list[str] | None = None,
-    stop: Callable[[], bool] = _never,
 ) -> Iterator[Sequence[Any]]:
     """Batches of the objects (``ObjectMeta``) under ``prefix`` (ending in ``/``), as ``obstore.list`` gives them,
     except that a foreign object whose name the client cannot parse (``a//b``, ``a/./b``: another
@@ -505,15 +446,13 @@ def list_objects(
     after the unparseable folder's (every kvtier name sorts after ``''``, ``.`` and ``..``) are
     listed from past it; if that listing fails too, the folder and where it stopped go to
     ``missed`` (or ``unlisted`` if None): what follows is not listed. An object may come twice:
-    callers deduplicate. Each batch is awaited at most :data:`LIST_BATCH_SECONDS` (else
-    :class:`ListingStalled`), and the listing ends with :class:`ListingStopped` within 0.2 s of
-    ``stop()`` turning true (the tier's shutdown): see :func:`_pages`.
+    callers deduplicate.
     """
     import obstore as obs
     from obstore.exceptions import InvalidPathError
 
     try:
-        yield from _pages(store, stop, prefix=prefix)
+        yield from obs.list(store, prefix=prefix, chunk_size=1000)
         return
     except InvalidPathError:
         pass
@@ -531,24 +470,24 @@ def list_objects(
             if manifest:
                 yield manifest
             for shard in range(256):
-                yield from list_objects(store, f"{prefix}{shard:02x}/", unlisted, None, missed, stop)
+                yield from list_objects(store, f"{prefix}{shard:02x}/", unlisted, None, missed)
             return
         segment = bad[len(prefix) :].split("/", 1)[0] if bad and bad.startswith(prefix) else None
         if segment in ("", ".", ".."):  # '/' + 1 is '0': past every name in the unparseable folder
             try:
-                yield from _pages(store, stop, prefix=prefix, offset=f"{prefix}{segment}0")
+                yield from obs.list(store, prefix=prefix, offset=f"{prefix}{segment}0", chunk_size=1000)
                 return
             except InvalidPathError as again:
                 found = _BAD_PATH.search(str(again))
-                where = found.group(1) if found else "a name the S3 client cannot parse"
-                (unlisted if missed is None else missed).append(f"{prefix} (listing stopped at {where!r})")
+                stop = found.group(1) if found else "a name the S3 client cannot parse"
+                (unlisted if missed is None else missed).append(f"{prefix} (listing stopped at {stop!r})")
                 return
         (unlisted if missed is None else missed).append(f"{prefix} (cannot be listed: {short_error(exc)})")
         return
     if level["objects"]:
         yield level["objects"]
     for folder in level["common_prefixes"]:
-        yield from list_objects(store, folder + "/", unlisted, None if not shards_at else shards_at - 1, missed, stop)
+        yield from list_objects(store, folder + "/", unlisted, None if not shards_at else shards_at - 1, missed)
 
 
 def manifest_dict(namespace_digest: bytes, namespace_canonical: str, block_bytes: int) -> dict[str, Any]:
