@@ -8,8 +8,11 @@ The caller-fed histograms (:meth:`observe_lookup`, :meth:`observe_step`) may be
 fed from any thread.
 
 Every metric lives in the :class:`CollectorRegistry` given to (or created by)
-the constructor; nothing is registered globally, so several managers (or
-tests) in one process never collide.
+the constructor; nothing is registered globally. One registry holds the metrics
+of one manager: a second :class:`KvtierMetrics` on a registry that already has
+kvtier's metrics raises :class:`~kvtier.errors.ConfigError` (its series would
+collide), so several managers in one process each take their own (the default:
+``KvtierMetrics()`` creates a private registry).
 
 Metric names (all prefixed ``kvtier_``; ``tier`` is ``0:primary`` for the CPU
 tier or ``<n>:<type>`` for secondary tier n, as in events and logs):
@@ -331,21 +334,34 @@ class KvtierMetrics:
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        """``registry``: where the metrics live (default: a new private one). Raises
+        :class:`ConfigError` if it holds kvtier's metrics already (one registry per manager)."""
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._collector = _SnapshotCollector()
-        self.registry.register(self._collector)
         self.lookup_seconds = Histogram(
-            "kvtier_lookup_seconds",
-            "Scheduler-side latency of one block lookup.",
-            buckets=_LOOKUP_BUCKETS,
-            registry=self.registry,
-        )
+            "kvtier_lookup_seconds", "Scheduler-side latency of one block lookup.", buckets=_LOOKUP_BUCKETS,
+            registry=None,
+        )  # fmt: skip
         self.step_seconds = Histogram(
-            "kvtier_scheduler_step_seconds",
-            "Scheduler-side time spent in kvtier per engine step.",
-            buckets=_STEP_BUCKETS,
-            registry=self.registry,
-        )
+            "kvtier_scheduler_step_seconds", "Scheduler-side time spent in kvtier per engine step.",
+            buckets=_STEP_BUCKETS, registry=None,
+        )  # fmt: skip
+        # The histograms first: their names are known before any snapshot, so a registry that holds
+        # kvtier's metrics already refuses them (the snapshot collector's names come with a snapshot).
+        collectors: tuple[Collector, ...] = (self.lookup_seconds, self.step_seconds, self._collector)
+        registered: list[Collector] = []
+        try:
+            for collector in collectors:
+                self.registry.register(collector)
+                registered.append(collector)
+        except ValueError as exc:  # prometheus-client: "Duplicated timeseries in CollectorRegistry: {...}"
+            for collector in registered:
+                self.registry.unregister(collector)
+            raise ConfigError(
+                f"this registry already holds kvtier's metrics ({exc}): a KvtierMetrics exports one manager, "
+                "and each needs a registry of its own: pass none (KvtierMetrics() creates a private one) or "
+                "a new CollectorRegistry(), and serve or render each one"
+            ) from None
         self._server: MetricsServer | None = None
         self._thread: threading.Thread | None = None
 

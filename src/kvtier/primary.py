@@ -243,8 +243,7 @@ class PrimaryTier:
         else:
             # The key is absent, so it cannot be evicted for itself: ``protected`` is the whole guard.
             chosen = self.policy.evict_one(protected)
-            if chosen is None:
-                self.stats.store_rejections += 1
+            if chosen is None:  # (the manager counts it: promotion_alloc_failures, not a device store refused)
                 return None
             slot = self._slot_of.pop(chosen)
             self.stats.evictions += 1

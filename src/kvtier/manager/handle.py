@@ -41,7 +41,7 @@ class TierHandle:
     """One secondary tier and the manager's state of it (see the module docstring)."""
 
     __slots__ = ("_calls", "_counters", "_logged", "admission", "context", "descriptor", "has_step_end", "index",
-                 "live", "overdue", "retry_since", "telemetry", "tier", "waits")  # fmt: skip
+                 "last_counters", "live", "overdue", "retry_since", "telemetry", "tier", "waits")  # fmt: skip
 
     def __init__(self, index: int, tier: SecondaryTier, admission: CascadeAdmission | None,
                  counters: ManagerCounters, waits: BlockWaits) -> None:
@@ -63,6 +63,10 @@ class TierHandle:
         base = SecondaryTier.on_schedule_end  # the base class's does nothing: a call per step saved
         self.has_step_end = getattr(getattr(tier, "on_schedule_end", None), "__func__", None) is not base
         self._counters, self._logged = counters, set[str]()
+        self.last_counters: tuple[dict[str, Any], dict[str, float], dict[str, str]] = ({}, {}, {})
+        """The tier's counters, extra metrics and their kinds as last read without error: a snapshot
+        whose read fails reuses them (:meth:`~kvtier.manager.snapshot.TierReading.of`), so one failed
+        read never drops the tier's counters to 0 (nor makes an exporter of increments send them again)."""
         self._calls = BlockingCalls(tier, f"tier{index}")
 
     def failed(self, call: str, exc: Exception) -> None:

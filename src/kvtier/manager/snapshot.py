@@ -80,9 +80,15 @@ class TierReading(NamedTuple):
     @classmethod
     def of(cls, handle: TierHandle) -> TierReading:
         """Read ``handle``'s tier: its counters, and its usage and health while it is live (a shut
-        down tier's health is ``down``, a failed ``health()`` gives ``unknown``)."""
-        nothing: _Counters = ({}, {}, {})
-        counters, extra, kinds = handle.guard("stats", lambda: _own_counters(handle.tier), nothing)
+        down tier's health is ``down``, a failed ``health()`` gives ``unknown``). Counters that fail
+        to read are the last ones read (``handle.last_counters``; none before the first): a counter
+        never falls back to 0 for one snapshot."""
+        read: _Counters | None = handle.guard("stats", lambda: _own_counters(handle.tier), None)
+        if read is None:
+            read = handle.last_counters
+        else:
+            handle.last_counters = read
+        counters, extra, kinds = read
         usage: tuple[int | None, int | None, int | None] = (None, None, None)
         health = "down"
         if handle.live:

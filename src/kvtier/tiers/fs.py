@@ -213,6 +213,19 @@ class FilesystemTierOptions(TierOptions):
             raise ValueError("holds a NUL character (\\0), which no path or group name can")
         return value
 
+    @field_validator("root")
+    @classmethod
+    def _a_directory_name(cls, value: str) -> str:
+        # Refused when the config loads: a blank root would make a directory named by its spaces, and
+        # "~" is not expanded (no shell reads the config), so "~/kv" would make "./~/kv" wherever the
+        # engine happens to run.
+        if not value.strip():
+            raise ValueError(f"root {value!r} names no directory: give a directory such as /mnt/nvme/kvtier")
+        if value.startswith("~"):
+            raise ValueError(f"root {value!r:.120} starts with '~', which is not expanded: give the full path "
+                             f"(such as {os.path.expanduser(value)!r:.120})")  # fmt: skip
+        return value
+
     def capacity(self) -> int | None:
         return self.max_bytes
 
@@ -262,6 +275,7 @@ class FilesystemTier(ThreadedTier):
     medium = "disk"
     options_model = FilesystemTierOptions
     extra_metrics: ClassVar[Mapping[str, ExtraMetric]] = {
+        **ThreadedTier.extra_metrics,
         "io_errors": ExtraMetric("counter", "I/O errors (each also counts against the health breaker)."),
         "enospc": ExtraMetric("counter", "Writes that found the file system full (capacity lowered)."),
         "vanished": ExtraMetric("counter", "Values gone from disk when read (removed by someone else)."),

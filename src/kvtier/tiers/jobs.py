@@ -56,9 +56,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -66,6 +66,7 @@ from kvtier.errors import TierDrainTimeout, TierError
 from kvtier.failures import describe_error, ends_thread, forget_frames, is_native_crash, log_failure
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import (
+    ExtraMetric,
     HealthState,
     JobResult,
     SecondaryTier,
@@ -229,6 +230,15 @@ class ThreadedTier(SecondaryTier):
     running at shutdown before the rest are failed), ``job_timeout`` (seconds
     after submission when still-queued work of a job fails; None: no deadline).
     """
+
+    extra_metrics: ClassVar[Mapping[str, ExtraMetric]] = {
+        "stores_skipped": ExtraMetric("counter", "Blocks of store jobs the tier already held (nothing written)."),
+        "stores_shed_queue_full": ExtraMetric(
+            "counter", "Blocks of store jobs shed because the write queue was full (of store_dropped)."
+        ),
+    }
+    """Kept by every tier on this platform; a subclass declaring its own extends these
+    (``{**ThreadedTier.extra_metrics, ...}``)."""
 
     housekeeping_interval: float = 0.1
     """The first worker thread wakes this often while idle to run probes and :meth:`_housekeeping`

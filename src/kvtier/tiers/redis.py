@@ -385,6 +385,7 @@ class RedisTier(ThreadedTier):
     medium = "remote"
     options_model = RedisTierOptions
     extra_metrics: ClassVar[Mapping[str, ExtraMetric]] = {
+        **ThreadedTier.extra_metrics,
         "touches_dropped": ExtraMetric(
             "counter", "Keys whose TTL refresh was dropped: too many touches queued, or a step's over its cap."
         ),

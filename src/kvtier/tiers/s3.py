@@ -138,6 +138,7 @@ class S3Tier(ThreadedTier):
     medium = "remote"
     options_model = S3TierOptions
     extra_metrics: ClassVar[Mapping[str, ExtraMetric]] = {
+        **ThreadedTier.extra_metrics,
         "objects_written": ExtraMetric("counter", "Objects PUT into the bucket."),
         "create_conflicts": ExtraMetric(
             "counter", "create_only stores refused by an object under the block's name that is not the block (kept)."

@@ -15,14 +15,17 @@ prints them. So the definitions here must cover every name the reporter sends
   ``state``/``name`` where they apply; vLLM adds its own ``model_name`` and
   ``engine`` labels. Counters appear with the ``_total`` suffix.
 * :class:`VllmStatsReporter` turns manager snapshots into those stats: counter
-  increments since its previous report, current gauge values, and the raw lookup
-  latencies observed since then as histogram samples.
+  increments over the highest value it sent (a dip is never sent twice), current
+  gauge values (a series sent before and no longer reported: 0 for a health state,
+  NaN for a figure kvtier cannot tell now, as vLLM keeps every series), and the raw
+  lookup latencies observed since then as histogram samples.
 
 Scheduler thread only (vLLM's scheduler calls ``get_stats`` there).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -169,6 +172,8 @@ class VllmStatsReporter:
         self._due = 0.0
         self._flushed_idle = False
         self._last: dict[_Key, float] = {}
+        """Each counter's highest value sent (what vLLM's counter holds)."""
+        self._gauges_sent: set[_Key] = set()
         for telemetry in manager.telemetry:
             for name in _HISTOGRAMS:  # each is the TierTelemetry attribute of that name
                 getattr(telemetry, name).keep_samples(sample_limit)
@@ -193,7 +198,12 @@ class VllmStatsReporter:
             before = last.get(key)
             if before is None or value > before:  # a series first seen is sent even at 0, so it exists
                 stats.increase_counter(key[0], value - (before or 0), key[1])
-        self._last = counters
+                last[key] = value  # (never lowered: a dip is not sent again when the figure recovers)
+        # vLLM keeps every gauge series it was sent: one kvtier no longer reports is set, not left
+        # at its last value (a health state no longer current to 0, a figure it cannot tell to NaN).
+        for key in self._gauges_sent.difference(gauges):
+            gauges[key] = 0.0 if key[0] == PREFIX + "health_state" else math.nan
+        self._gauges_sent.update(gauges)
         for (name, labels), value in gauges.items():
             stats.set_gauge(name, value, labels)
         for tier, telemetry in zip(snap.tiers, self.manager.telemetry, strict=False):
