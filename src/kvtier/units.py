@@ -168,10 +168,8 @@ def rows_that_fit(cpu_bytes: int, block_bytes: int) -> int:
     stride = row_stride_for(block_bytes)
     rows = cpu_bytes // stride
     if rows < 1:
-        raise ConfigError(
-            f"cpu_bytes={cpu_bytes} holds no block of {stride} bytes (one page-aligned row): "
-            f"raise cpu_bytes to at least {stride}"
-        )
+        fix = f"raise cpu_bytes to at least {stride}" if stride < 2**63 else "no size can hold one: check the geometry"
+        raise ConfigError(f"cpu_bytes={cpu_bytes} holds no block of {stride} bytes (one page-aligned row): {fix}")
     return rows
 
 

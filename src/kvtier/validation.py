@@ -20,7 +20,7 @@ import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_validator
 
@@ -45,6 +45,8 @@ def _leaf_types(annotation: Any) -> set[Any]:
         return _leaf_types(typing.get_args(annotation)[0])
     if origin in (typing.Union, types.UnionType):
         return set().union(*(_leaf_types(arg) for arg in typing.get_args(annotation)))
+    if origin is Literal:  # Literal[1, 2] admits numbers (pydantic takes True for 1: True == 1)
+        return {type(arg) for arg in typing.get_args(annotation)}
     return {annotation}
 
 

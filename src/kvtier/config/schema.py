@@ -10,6 +10,7 @@ Pure (no global state); any thread.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
@@ -134,6 +135,20 @@ def _validate_tier(index: int, spec: Any) -> dict[str, Any]:
     except ConfigError as exc:
         raise ValueError(str(exc)) from None
     return {"type": spec["type"], **options}
+
+
+def _one_tier_per_root(tiers: list[dict[str, Any]]) -> None:
+    """Refuse two fs tiers on one directory (the same real path): they would share one namespace
+    directory and its files under two budgets, each evicting the other's blocks."""
+    seen: dict[str, int] = {}
+    for i, tier in enumerate(tiers):
+        if tier["type"] != "fs":
+            continue
+        where = os.path.realpath(os.path.abspath(tier["root"]))
+        if where in seen:
+            raise ValueError(f"tiers[{seen[where]}] and tiers[{i}] are both fs tiers on {where}: one directory holds "
+                             "one tier; give each its own root")  # fmt: skip
+        seen[where] = i
 
 
 def _known_policies() -> list[str] | None:
@@ -304,7 +319,9 @@ class KvtierConfig(NoBoolNumbers):
             value = [value]
         if not isinstance(value, list | tuple):
             raise ValueError(f"tiers must be a list of {{type: ..., ...}} mappings, got {type(value).__name__}")
-        return [_validate_tier(i, spec) for i, spec in enumerate(value)]
+        tiers = [_validate_tier(i, spec) for i, spec in enumerate(value)]
+        _one_tier_per_root(tiers)
+        return tiers
 
     @model_validator(mode="after")
     def _geometry_complete(self, info: ValidationInfo) -> KvtierConfig:
@@ -376,7 +393,13 @@ class KvtierConfig(NoBoolNumbers):
         if self.num_cpu_blocks is not None:
             return self.num_cpu_blocks
         size = self.cpu_bytes if self.cpu_bytes is not None else DEFAULT_CPU_BYTES
-        return rows_that_fit(size, self.block_bytes if block_bytes is None else block_bytes)
+        rows = rows_that_fit(size, self.block_bytes if block_bytes is None else block_bytes)
+        if rows > MAX_CPU_BLOCKS:  # refused here, naming the setting, not by the manager's build
+            raise ConfigError(
+                f"cpu_bytes={size} (from {self.sources.get('cpu_bytes', 'default')}) holds "
+                f"{rows} blocks, above the CPU tier's limit of {MAX_CPU_BLOCKS} (2^32): give a smaller cpu_bytes"
+            )
+        return rows
 
     def namespace(self, *, tp_size: int = 1, tp_rank: int = 0, pp_size: int = 1, pp_rank: int = 0) -> Namespace:
         """The :class:`Namespace` of this configuration (one rank of the parallel layout)."""

@@ -108,9 +108,12 @@ def options_from_url(url: str, **overrides: Any) -> dict[str, Any]:
     path = [unquote(p) for p in parts.path.split("/") if p]
     options: dict[str, Any] = {}
     if parts.scheme == "s3":
-        if not parts.hostname:
+        if not parts.netloc:
             raise ConfigError(f"s3 url {shown!r} needs a bucket: s3://bucket/prefix")
-        options["bucket"] = parts.hostname
+        if ":" in parts.netloc:  # urlsplit would drop a port, and lower-case the name (another bucket)
+            raise ConfigError(f"s3 url {shown!r}: s3://bucket/prefix takes no port; for an endpoint give "
+                              "http(s)://host:port/bucket/prefix")  # fmt: skip
+        options["bucket"] = parts.netloc
     elif parts.scheme in ("http", "https"):
         if not path:
             raise ConfigError(f"s3 url {shown!r} needs a bucket after the endpoint: http://host:port/bucket/prefix")

@@ -315,7 +315,8 @@ def kv_transfer_config(**settings: Any) -> dict[str, Any]:
             )
     values, _ = _normalize_extra(settings)
     _metrics_port(settings)
-    load_config(env={}, cli=values, cli_source="kv_transfer_config", layout_from_engine=True)
+    config = load_config(env={}, cli=values, cli_source="kv_transfer_config", layout_from_engine=True)
+    region_name_for("engine", config.region_name, "kv_transfer_config")  # its length, as the engine checks it
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
