@@ -51,12 +51,15 @@ def parse_capacities(text: str, max_blocks: int, flag: str = FLAG, sizes: bool =
     return out
 
 
+_PERCENT = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")
+"""A plain decimal number, the only spelling of a share's percentage."""
+
+
 def _parse_one(part: str, max_blocks: int, flag: str, sizes: bool) -> Capacity:
     if part.endswith("%"):
-        try:
-            share = float(part[:-1]) / 100
-        except ValueError:
-            raise ConfigError(f"{flag} {shown(part)}: not a percentage like 5%") from None
+        if not _PERCENT.fullmatch(part[:-1]):  # float() also reads "1_0", "1e2", "nan", "²"
+            raise ConfigError(f"{flag} {shown(part)}: not a percentage like 5% or 0.5%")
+        share = float(part[:-1]) / 100
         if not 0 < share <= 1:  # also refuses nan
             raise ConfigError(f"{flag} {shown(part)}: a share must lie in (0%, 100%]")
         return Capacity(part, share=share)

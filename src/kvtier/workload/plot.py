@@ -81,7 +81,7 @@ def replay_plot_image(
     ax.set_ylim(0, _top([ordered[0]["unbounded"]["hit_rate"], *(max(line.get_ydata()) / 100 for line in ax.lines)]))
     ax.set_xlabel("CPU tier capacity, blocks" + (f" / bytes ({block_note})" if block_bytes else ""), fontsize=11)
     ax.set_ylabel("prefix-hit rate, % of block references" + (" (all tiers)" if split else ""), fontsize=11)
-    ax.set_title(title, fontsize=12)
+    ax.set_title(title, fontsize=12, parse_math=False)  # a file name's "$...$" is text, not mathtext
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize=9)
     if split:

@@ -32,6 +32,7 @@ Called from one thread (the caller's), which plays the scheduler.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import uuid
@@ -281,7 +282,7 @@ def compare_policies(
     """Replay ``keys`` through a manager per (capacity, policy); ``"lru"`` always runs, as the baseline.
 
     Each result's ``extra["ratio_to_lru"]`` is its hit rate over LRU's at the
-    same capacity (1.0 where both are 0). ``tiers(policy, capacity)`` gives
+    same capacity (1.0 where both are 0, infinite where only LRU's is). ``tiers(policy, capacity)`` gives
     each run its own secondary tiers (a persistent tier must not be shared
     between runs, or a later run starts warm). ``announce(policy, capacity)``
     is called before each run; ``store_chunk``, ``decode_blocks``, ``params`` and ``progress``
@@ -301,7 +302,8 @@ def compare_policies(
             )  # fmt: skip
         lru = runs["lru"].hit_rate
         for result in runs.values():
-            result.extra["ratio_to_lru"] = result.hit_rate / lru if lru else 1.0
+            # (infinite where LRU hit nothing and the policy something: None in the JSON rows)
+            result.extra["ratio_to_lru"] = result.hit_rate / lru if lru else 1.0 if not result.hit_rate else math.inf
         out[capacity] = runs
     return out
 

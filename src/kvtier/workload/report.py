@@ -274,7 +274,7 @@ def replay_table(rows: Sequence[dict[str, Any]], title: str, block_bytes: int | 
             if block_bytes is not None:
                 capacity += f" ({format_size(row['capacity'] * block_bytes)})"
             cells = [
-                capacity if first else "", policy, _pct(kv["hit_rate"]), f"{kv['ratio_to_lru']:.3f}",
+                capacity if first else "", policy, _pct(kv["hit_rate"]), ratio_text(kv["ratio_to_lru"]),
                 str(int(kv.get("self_evictions", 0))),
             ]  # fmt: skip
             if show_tiers:
@@ -286,13 +286,19 @@ def replay_table(rows: Sequence[dict[str, Any]], title: str, block_bytes: int | 
             table.add_row(*cells, end_section=i == len(row["policies"]) - 1)
     table.caption = (
         "prefix-hit rate: share of block references served from cache with every earlier block a hit; "
-        "x LRU: hit rate over LRU's at the same capacity; self-evicted: blocks evicted by a later store "
-        "of their own request; "
+        "x LRU: hit rate over LRU's at the same capacity (-: LRU hit nothing); self-evicted: blocks evicted "
+        "by a later store of their own request; "
         "Belady: the offline optimum of the CPU tier alone at that capacity, a bound on the "
         "cpu tier's hits, not on hits from secondary tiers; unbounded: a cache that never evicts, a bound "
         "on every policy, tier and capacity"
     )
     return table
+
+
+def ratio_text(ratio: float | None) -> str:
+    """A ratio to LRU as the tables show it; "-" where LRU hit nothing and the policy something
+    (the JSON rows' None)."""
+    return "-" if ratio is None else f"{ratio:.3f}"
 
 
 def replay_rows(

@@ -21,6 +21,7 @@ Pure functions over a :class:`~kvtier.workload.trace.FlatTrace`; any thread.
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -57,7 +58,7 @@ class HitRateResult:
             "tier_hits": dict(self.tier_hits),
             "tier_hit_rates": {t: h / self.refs if self.refs else 0.0 for t, h in self.tier_hits.items()},
             "seconds": self.seconds,
-            **self.extra,
+            **{k: v if math.isfinite(v) else None for k, v in self.extra.items()},  # JSON has no infinity
         }
 
 
