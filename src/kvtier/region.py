@@ -58,6 +58,7 @@ import contextlib
 import errno
 import fcntl
 import logging
+import math
 import mmap
 import os
 import secrets
@@ -107,6 +108,26 @@ from kvtier.untrusted import (
 )
 
 logger = logging.getLogger(__name__)
+
+_MAX_MAPPERS = 2**32 - 1
+"""The most ``expected_mappers`` the header records (an unsigned 32-bit count)."""
+
+
+
+def _whole(what: str, value: object) -> int:
+    """``value``, an argument given directly, as an int (a bool or a float is refused, not read)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise RegionError(f"{what} must be an integer, got {type(value).__name__} {value!r:.40}")
+    return int(value)
+
+
+def _finite_seconds(what: str, value: object) -> float:
+    """``value`` as seconds to wait: finite and >= 0 (a NaN or infinite deadline never comes)."""
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating) \
+            or not 0 <= float(value) < math.inf:
+        raise RegionError(f"{what} must be a finite number of seconds >= 0, got {value!r:.40}")
+    return float(value)
+
 
 _MADV_POPULATE_WRITE = 23
 _MAP_FIXED = 0x10  # (Linux; not in Python's mmap module)
@@ -316,10 +337,13 @@ class SharedRegion:
         scheduler: bool = False,
         worker: bool = False,
     ) -> None:
+        num_rows, row_bytes = _whole("num_rows", num_rows), _whole("row_bytes", row_bytes)
+        expected_mappers = _whole("expected_mappers", expected_mappers)
         if num_rows <= 0 or row_bytes <= 0:
             raise RegionError(f"a region needs num_rows > 0 and row_bytes > 0, got {num_rows} and {row_bytes}")
-        if expected_mappers < 1:
-            raise RegionError(f"expected_mappers must be >= 1, got {expected_mappers}")
+        if not 1 <= expected_mappers <= _MAX_MAPPERS:
+            raise RegionError(f"expected_mappers must lie in 1..{_MAX_MAPPERS}, got {expected_mappers}")
+        attach_timeout = _finite_seconds("attach_timeout", attach_timeout)
         if generation is not None and (not isinstance(generation, bytes) or len(generation) != GENERATION_BYTES):
             raise RegionError(f"generation must be {GENERATION_BYTES} bytes, got {generation!r}")
         self.name = name
