@@ -188,7 +188,9 @@ class FleetIndex:
         self._sweeps: dict[tuple[str, str], tuple[float, set[int]]] = {}
         self._sweeps_due: list[tuple[str, str]] = []
         self._max_listed = self.masks.max_keys if isinstance(self.masks, MemoryMasks) else MAX_LISTED
-        """The most keys a complete shared-store snapshot may list (:attr:`_sweeps`)."""
+        """The most keys the complete shared-store snapshots in flight may list, all together (:attr:`_sweeps`)."""
+        self._listed_held = 0
+        """The keys listed by every sweep in :attr:`_sweeps`, summed."""
         self._next_bit = 0
         self._kept_writer = clock()
         self._published_shape: dict[str, Any] | None = None
@@ -355,8 +357,10 @@ class FleetIndex:
         whatever an engine names)); the start, the device cache and the other tiers are. A tier
         labelled ``"GPU"`` (:data:`DEVICE`, the device cache's name in answers) is not followed
         either (counted as skipped with each record naming it): its blocks must not pass for the
-        device cache's."""
-        out, named = [], set(eng.stores)
+        device cache's. Nor is a second tier of the list naming the store an earlier one names (counted
+        as skipped with each record naming it): one store is one location, whose snapshots would
+        sweep each other's keys."""
+        out, named, listed = [], set(eng.stores), set()
         for tier in tiers:
             if tier.label == DEVICE:  # (answers name the device cache so: such a tier would pass for it)
                 eng.skipped += 1
@@ -364,6 +368,11 @@ class FleetIndex:
                              eng.name, DEVICE)  # fmt: skip
                 continue
             store = tier.store if tier.scope == SCOPE_SHARED else None
+            if store is not None and store in listed:
+                eng.skipped += 1
+                logger.debug("fleet: engine %s names store %.200s again as tier %s; not followed", eng.name, store,
+                             tier.label)  # fmt: skip
+                continue
             if store is not None and store not in named and len(named) >= self.max_stores_per_engine:
                 if store in eng.refused:
                     continue
@@ -377,6 +386,7 @@ class FleetIndex:
                 continue
             if store is not None:
                 named.add(store)
+                listed.add(store)
             out.append(tier)
         return tuple(out)
 
@@ -399,7 +409,7 @@ class FleetIndex:
         eng.dirty = True
         self._table = self._build_meta()  # answers say so before the store is written (it may hang or fail)
         for sweep in [k for k in self._sweeps if k[0] == eng.name]:
-            del self._sweeps[sweep]
+            self._end_sweep(sweep)
         self.masks.clear(eng.device_bit)
         for label, info in eng.tiers.items():
             if info.scope != SCOPE_SHARED:
@@ -604,7 +614,7 @@ class FleetIndex:
         elif record.op == "snapshot" and tier is not None:
             sweep = (eng.name, tier.label)
             if record.part == 0:
-                self._sweeps.pop(sweep, None)
+                self._end_sweep(sweep)
                 if record.complete:
                     self._sweeps[sweep] = (self._event_time(record), set())
             if record.last and sweep in self._sweeps:
@@ -626,11 +636,15 @@ class FleetIndex:
         sweep = (eng.name, tier.label)
         if snapshot and event.kind is Kind.STORED and sweep in self._sweeps:
             listed = self._sweeps[sweep][1]
-            if len(listed) + len(event.keys) > self._max_listed:  # (held until the last part, applied or not)
-                del self._sweeps[sweep]
-                raise IndexFull(f"a complete snapshot of {tier.label} lists more than {self._max_listed} keys; "
-                                "its sweep is given up")  # fmt: skip
+            # Held until the last part, applied or not: every sweep in flight shares one budget, so
+            # an engine naming one store under many labels (or many engines at once) holds no more.
+            if self._listed_held + len(event.keys) > self._max_listed:
+                self._end_sweep(sweep)
+                raise IndexFull(f"a complete snapshot of {tier.label} would take the keys listed by the complete "
+                                f"snapshots in flight past {self._max_listed}; its sweep is given up")  # fmt: skip
+            before = len(listed)
             listed.update(event.keys)
+            self._listed_held += len(listed) - before
         # What a snapshot lists may lag the store by an engine's view of other engines' changes.
         when = self._event_time(context) - (self.lag_seconds if snapshot else 0.0)
         keys: Sequence[int] = event.keys
@@ -696,12 +710,19 @@ class FleetIndex:
             if excess <= 0:
                 return
 
+    def _end_sweep(self, sweep: tuple[str, str]) -> tuple[float, set[int]] | None:
+        """Forget the sweep ``sweep`` (engine, tier label), if any: what it listed leaves the budget."""
+        taken_keys = self._sweeps.pop(sweep, None)
+        if taken_keys is not None:
+            self._listed_held -= len(taken_keys[1])
+        return taken_keys
+
     def _finish_sweeps(self) -> None:
         """Complete snapshots of shared stores: drop what the store was believed to hold beyond
         what the snapshot listed, unless changed since shortly before the snapshot was taken."""
         while self._sweeps_due:
             name, label = self._sweeps_due.pop()
-            taken_keys = self._sweeps.pop((name, label), None)
+            taken_keys = self._end_sweep((name, label))
             eng = self._engines[name]
             if taken_keys is None or label not in eng.bits:
                 continue

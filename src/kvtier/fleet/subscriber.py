@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import ipaddress
 import json
 import logging
 import socket
@@ -78,6 +79,21 @@ _HEARTBEAT_TIMEOUT_MS = 3000
 
 _MAX_IPC_PATH = 107
 """The longest ``ipc://`` socket path, in bytes (a Unix socket address holds 108, the NUL included)."""
+
+
+def _usable_tcp_host(host: str) -> bool:
+    """A ``tcp://`` endpoint's host: a name or address without brackets, or an IPv6 address in one
+    pair of brackets (``[::1]``). ZMQ takes a malformed one (``[::1``, ``[::1]]``) and never
+    connects: the engine would wait silently for good. (What else ZMQ refuses, start() reports.)"""
+    if host.startswith("["):
+        if not host.endswith("]") or len(host) < 3:
+            return False
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:  # (brackets inside, an IPv4 address or a name in brackets)
+            return False
+        return True
+    return "[" not in host and "]" not in host
 
 
 def _check_api_url(name: str, url: str) -> None:
@@ -129,6 +145,10 @@ class EngineEndpoint:
             if not host or host == "*":
                 raise ValueError(f"engine {self.name}: {what} endpoint {url!r} needs the engine's host "
                                  "(tcp://host:port; IPv6: tcp://[::1]:port)")  # fmt: skip
+            if not _usable_tcp_host(host):
+                raise ValueError(f"engine {self.name}: {what} endpoint {url!r:.160} has a malformed host {host!r:.80}: "
+                                 "a name or address without brackets, or an IPv6 address in one pair of brackets "
+                                 "(tcp://[::1]:port)")  # fmt: skip
 
 
 @dataclass
