@@ -68,6 +68,7 @@ from kvtier.errors import TierError
 from kvtier.integrations.vllm.stats import VllmStatsReporter
 from kvtier.keys import BlockKey
 from kvtier.manager import TieringManager
+from kvtier.manager.requests import FINISHED_KEPT
 from kvtier.metrics import KvtierMetrics
 from kvtier.primary import RESET_HOLD_STEPS
 from kvtier.request_control import ControlProblem, ControlProblemLog, describe_value
@@ -127,6 +128,11 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self._metrics_due = 0.0
         self._promoted_cap = max(promotion_memory, 2 * manager.primary.num_blocks, 1024)
         self._contexts: dict[str, RequestContext] = {}
+        # Finished requests' contexts, for the completions that arrive after on_request_finished
+        # (vLLM's usual order for a request's last store): their params are not parsed (and their
+        # malformed settings not counted) again. The FINISHED_KEPT most recent, like the manager's
+        # own finished ids.
+        self._finished: OrderedDict[str, RequestContext] = OrderedDict()
         self._promoted: OrderedDict[BlockKey, CacheHitSource] = OrderedDict()
         self._promotion_source = self._outermost_source()
         self._shut_down = False
@@ -135,12 +141,14 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     # --- translation helpers -------------------------------------------------------
 
     def _context(self, req: ReqContext, keep: bool = True) -> RequestContext:
-        # Completions may arrive after on_request_finished: those use a
-        # throwaway context (keep=False) so nothing is retained for the request.
+        # Completions may arrive after on_request_finished (keep=False): they get the finished
+        # request's context (see _finish), or one that is not retained for the request.
         # The request's kv_transfer_params come from the API client: parsed here, once, and not
         # kept (the context holds only the parsed control), so what a client sent costs nothing
         # after this call however large it was.
         ctx = self._contexts.get(req.req_id)
+        if ctx is None and not keep:
+            ctx = self._finished.get(req.req_id)
         if ctx is None:
             ctx = RequestContext(req.req_id)
             params = req.kv_transfer_params
@@ -151,6 +159,19 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                 ctx.control = self._apply_vllm_filter(self.manager.request_control(ctx), vllm_filter)
             if keep:
                 self._contexts[req.req_id] = ctx
+                self._finished.pop(req.req_id, None)  # an id used again: a new request
+        return ctx
+
+    def _finish(self, req: ReqContext) -> RequestContext:
+        """The finishing request's context, kept among the finished ones for its late completions."""
+        ctx = self._contexts.pop(req.req_id, None)
+        if ctx is None:
+            ctx = self._context(req, keep=False)
+        finished = self._finished
+        finished[req.req_id] = ctx
+        finished.move_to_end(req.req_id)
+        if len(finished) > FINISHED_KEPT:
+            finished.popitem(last=False)
         return ctx
 
     def _apply_vllm_filter(self, control: RequestControl, vllm_filter: TierFilter) -> RequestControl:
@@ -227,9 +248,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         return RequestOffloadingContext(policy=_POLICY[policy])
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        ctx = self._context(req_context, keep=False)
-        self._contexts.pop(req_context.req_id, None)
-        self.manager.on_request_finished(ctx)
+        self.manager.on_request_finished(self._finish(req_context))
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self.manager.on_schedule_end()
@@ -347,4 +366,5 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self.manager.shutdown()
         self._shut_down = True
         self._contexts.clear()
+        self._finished.clear()
         self._promoted.clear()

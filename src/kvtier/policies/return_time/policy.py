@@ -58,7 +58,7 @@ from kvtier.policies.return_time.model import (
     ReturnTimeModel,
     sample_threshold,
 )
-from kvtier.policies.return_time.wheel import CLOCK, MARK, OPEN, RING, ExpiryWheel
+from kvtier.policies.return_time.wheel import CLOCK, FIRST, MARK, OPEN, RING, ExpiryWheel
 from kvtier.policies.slot_lists import NO_KEY
 
 GAIN_NEEDED = 1.05
@@ -620,12 +620,16 @@ class ReturnTimePolicy(ExpiryWheel):
         return reach
 
     def _expire_first(self, chain: list[int]) -> None:
-        """Expire ``chain`` (slots, tail first, each the parent of the one before) and put its
-        evictable blocks first in the expired list, tail first: evicted before any other."""
+        """Give ``chain`` (slots, tail first, each the parent of the one before) expiry
+        :data:`~kvtier.policies.return_time.wheel.FIRST` and put its evictable blocks first in the
+        expired list, tail first: evicted before any other. Its blocks not evictable now (in flight:
+        the request's last store completes after it ends, under vLLM; pinned: a cascade reading
+        them) go there when they become so (:meth:`ExpiryWheel._link_first`); a reference of a
+        block (a load, a store, a raise as an ancestor) gives it a hold again."""
         expiry, flags, end = self._expiry, self._evictable, self.capacity  # the expired list's sentinel
         for i in range(len(chain) - 1, -1, -1):  # head first, each linked before the previous
             slot = chain[i]
-            expiry[slot] = 1  # expired (0 is a free slot's)
+            expiry[slot] = FIRST
             if flags[slot]:
                 self._move_to_head(slot, end)
 

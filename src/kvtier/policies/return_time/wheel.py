@@ -30,6 +30,12 @@ is ``MARK`` more than its children): an eviction that reaches it asks its
 owner first (:meth:`ExpiryWheel._reached_open`), and until then it is passed
 over like a block with children. Leaves cost the scan nothing more.
 
+**Blocks to evict first.** Its owner gives a block expiry :data:`FIRST` to
+have it evicted before any other: it sits at the head of the expired list,
+which it joins there whenever it becomes evictable (a store completing, an
+unpin; see :meth:`ExpiryWheel._link_first`), tail before parent, so what its
+owner decides does not depend on whether the block was evictable then.
+
 **Prefix links.** Each block knows its parent (``_parent[slot]``, -1 if
 unknown) and how many held blocks name it as parent (``_children[slot]``).
 Eviction passes over a block with children while leaves qualify, so the cache
@@ -69,6 +75,11 @@ CLOCK = OPEN - 1
 
 MARK = 1 << 40
 """Added to a block's child count to mark it (see the module docstring)."""
+
+FIRST = -2
+"""Expiry of a block to evict before any other (an ended conversation's: see the module docstring).
+Below every expiry a reference sets (those are at least the clock, 0 and up), so a reference, or
+a raise of the block as an ancestor, ends it. Not -1: :meth:`ExpiryWheel.mark_evictable_many`'s "no run"."""
 
 
 class ExpiryWheel(SlotListPolicy):
@@ -171,6 +182,11 @@ class ExpiryWheel(SlotListPolicy):
     def mark_evictable(self, key: BlockKey, slot: int) -> None:
         # One block (a single unpin); the CPU tier's stores and releases take mark_evictable_many.
         if not self._evictable[slot]:
+            if self._expiry[slot] == FIRST:
+                self._evictable[slot] = 1
+                self._count += 1
+                self._link_first(slot, slot)
+                return
             end = self._list_for(self._expiry[slot])
             self._link_evictable(slot, end)
             self._to_parent(slot, end)
@@ -211,7 +227,8 @@ class ExpiryWheel(SlotListPolicy):
         # the list then is what a tail append per block makes. A store completes tail first, so
         # a parent comes after its child and only the head's parent is linked already: there the
         # run goes to the list and the head before its parent (_to_parent), as a single call
-        # would do.
+        # would do. A run of blocks to evict first (end -1) goes to the expired list's head instead
+        # (_link_first): a test per run, not per block.
         flags, expiry, prv, nxt, par = self._evictable, self._expiry, self._prev, self._next, self._parent
         width, cur, cap = self._width, self._cur, self.capacity
         skipped = 0
@@ -224,10 +241,13 @@ class ExpiryWheel(SlotListPolicy):
             e = expiry[slot]
             if e != last:
                 if first >= 0:  # close the run: onto its list's tail
-                    self._link_run(first, tail, end)
+                    if end >= 0:
+                        self._link_run(first, tail, end)
+                    else:
+                        self._link_first(first, tail)
                 last = e
                 bucket = (e & CLOCK) // width  # _list_for, inlined
-                end = cap if bucket < cur else cap + 1 + bucket % RING
+                end = cap if bucket < cur else cap + 1 + bucket % RING if e >= 0 else -1
                 first = slot
             else:
                 nxt[tail] = slot
@@ -236,11 +256,17 @@ class ExpiryWheel(SlotListPolicy):
             # The parent linked already, or in this run: close the run first. (No parent, -1, reads
             # the last slot's flag: at worst a run closed early, which _to_parent leaves in place.)
             if flags[par[slot]]:
-                self._link_run(first, slot, end)
-                self._to_parent(slot, end)
+                if end >= 0:
+                    self._link_run(first, slot, end)
+                    self._to_parent(slot, end)
+                else:
+                    self._link_first(first, slot)
                 first = last = -1
         if first >= 0:
-            self._link_run(first, tail, end)
+            if end >= 0:
+                self._link_run(first, tail, end)
+            else:
+                self._link_first(first, tail)
         self._count += len(slots) - skipped
 
     def _mark_one(self, slot: int) -> None:
@@ -253,6 +279,11 @@ class ExpiryWheel(SlotListPolicy):
         cap, width, cur = self.capacity, self._width, self._cur
         expiry, prv, nxt = self._expiry, self._prev, self._next
         bucket = (expiry[slot] & CLOCK) // width
+        if bucket >= cur and expiry[slot] == FIRST:  # (FIRST's bucket is never past)
+            self._evictable[slot] = 1
+            self._count += 1
+            self._link_first(slot, slot)
+            return
         end = cap if bucket < cur else cap + 1 + bucket % RING
         parent = self._parent[slot]
         tail = prv[end]
@@ -289,7 +320,47 @@ class ExpiryWheel(SlotListPolicy):
     def _list_for(self, expiry: int) -> int:
         """The list (sentinel) of a block of this expiry: its wheel list, or the expired list."""
         bucket = (expiry & CLOCK) // self._width
-        return self.capacity if bucket < self._cur else self.capacity + 1 + bucket % RING
+        if bucket < self._cur or expiry == FIRST:
+            return self.capacity
+        return self.capacity + 1 + bucket % RING
+
+    def _link_first(self, first: int, last: int) -> None:
+        """Link the run ``first .. last`` (linked among itself, flagged evictable, expiry
+        :data:`FIRST`, tail first) into the expired list, to be evicted before any other block:
+        right before ``last``'s parent when that is linked there to go first too, else at the
+        list's head, after the run of ``first``'s descendants leading it (linked while ``first``
+        was pinned or in flight; at most ``PASS_LIMIT`` are looked at).
+
+        A chain that becomes evictable tail first (a store completing, an unpin) or head first
+        stays tail first. Only blocks to evict first come here: O(the run) at most.
+        """
+        par, nxt, cap = self._parent, self._next, self.capacity
+        parent = par[last]
+        if parent >= 0 and parent != last and self._evictable[parent] and self._expiry[parent] == FIRST:
+            slot = first
+            while slot != last and slot != parent:
+                slot = nxt[slot]
+            if slot != parent:  # linked already, in the list
+                self._link_run(first, last, parent)
+                return
+            # The parent is in the run (a chain head first in one call, where a run ends at the
+            # first block whose parent is flagged): the rest of the run first, then the block.
+            self._link_first(first, self._prev[last])
+            self._link_run(last, last, parent)
+            return
+        at = nxt[cap]
+        slot = at
+        for _ in range(PASS_LIMIT):
+            if slot >= cap:
+                break
+            up = par[slot]
+            if up == first:  # the run's child ends the descendants leading the list
+                at = nxt[slot]
+                break
+            if up != nxt[slot]:  # not a chain tail first: no descendant of the run
+                break
+            slot = up
+        self._link_run(first, last, at)
 
     def _to_parent(self, slot: int, end: int) -> None:
         """Move ``slot``, just linked at the tail of list ``end``, with the run of its descendants
