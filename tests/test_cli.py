@@ -407,7 +407,7 @@ def test_config_reference_and_schema() -> None:
     assert out.returncode == 0
     assert out.stdout == (REPO / "docs" / "configuration.md").read_text()
     out = run("config", "schema")
-    assert "cpu_bytes" in json.loads(out.stdout)["properties"]
+    assert "cpu_bytes" in json.loads(out.stdout)["$defs"]["KvtierFields"]["properties"]
 
 
 def test_usage_errors_exit_2() -> None:

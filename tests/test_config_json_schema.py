@@ -70,3 +70,22 @@ def test_the_command_prints_it() -> None:
                          check=True)  # fmt: skip
     assert json.loads(out.stdout) == config_json_schema()
     assert '"ge"' not in out.stdout and '"le"' not in out.stdout
+
+
+@pytest.mark.parametrize("data", [{"kvtier": {"cpu_bytes": "4GiB"}}, {"kvtier": {}}])
+def test_the_documented_kvtier_section_is_valid(data: dict[str, Any], tmp_path: Path) -> None:
+    # Regression (2026-12-06, review): the schema refused the kvtier: section the loader takes.
+    path = tmp_path / "kvtier.json"
+    path.write_text(json.dumps(data))
+    load_config(path, env={})
+    assert list(_validator().iter_errors(data)) == []
+
+
+@pytest.mark.parametrize("data", [{"kvtier": {"cpu_bytes": "4 apples"}}, {"kvtier": {}, "cpu_bytes": "4GiB"},
+                                  {"kvtier": 5}, {"kvtier": {"kvtier": {}}}])  # fmt: skip
+def test_a_bad_kvtier_section_is_refused_by_both(data: dict[str, Any], tmp_path: Path) -> None:
+    path = tmp_path / "kvtier.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError):
+        load_config(path, env={})
+    assert list(_validator().iter_errors(data)), data

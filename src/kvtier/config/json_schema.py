@@ -23,6 +23,9 @@ SIZE_FIELDS = ("cpu_bytes",)
 NONE_AS_TEXT = ("shutdown_timeout",)
 """Top-level fields whose null may be written ``"none"`` (as text, in the environment)."""
 
+SECTION_DEF = "KvtierFields"
+"""The name in ``$defs`` of the fields' schema (taken at the top level or under ``kvtier:``)."""
+
 _BOUNDS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "lt": "exclusiveMaximum"}
 _NAMED = ("properties", "$defs", "patternProperties")  # maps of names to schemas: their keys are names
 
@@ -36,7 +39,18 @@ def config_json_schema() -> dict[str, Any]:
         _also(fields[name], {"type": "string", "pattern": SIZE_PATTERN})
     for name in NONE_AS_TEXT:
         _also(fields[name], {"type": "string", "pattern": r"^\s*[nN][oO][nN][eE]\s*$"})
-    return schema
+    return _or_in_a_section(schema)
+
+
+def _or_in_a_section(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` (the fields at the top level) also taking the fields under a ``kvtier:`` section,
+    the file's only key, as the loader does: the fields' schema moves to ``$defs``."""
+    defs = schema.pop("$defs", {})
+    top = {k: schema.pop(k) for k in ("$schema", "title", "description") if k in schema}
+    defs[SECTION_DEF] = schema
+    ref = {"$ref": f"#/$defs/{SECTION_DEF}"}
+    section = {"type": "object", "properties": {"kvtier": ref}, "required": ["kvtier"], "additionalProperties": False}
+    return {**top, "$defs": defs, "anyOf": [ref, section]}
 
 
 def _also(field: dict[str, Any], option: dict[str, Any]) -> None:
