@@ -295,7 +295,8 @@ class ExpiryWheel(SlotListPolicy):
         self._count += 1
         if parent >= 0 and parent != slot and flags[parent]:
             up = (expiry[parent] & CLOCK) // width
-            if (cap if up < cur else cap + 1 + up % RING) == end:
+            # (a parent to evict first is in the expired list whatever its bucket says)
+            if (cap if up < cur or expiry[parent] == FIRST else cap + 1 + up % RING) == end:
                 before = prv[parent]
                 nxt[before] = slot
                 prv[slot] = before
@@ -324,7 +325,7 @@ class ExpiryWheel(SlotListPolicy):
             return self.capacity
         return self.capacity + 1 + bucket % RING
 
-    def _link_first(self, first: int, last: int) -> None:
+    def _link_first(self, first: int, last: int, outside: tuple[int, ...] = ()) -> None:
         """Link the run ``first .. last`` (linked among itself, flagged evictable, expiry
         :data:`FIRST`, tail first) into the expired list, to be evicted before any other block:
         right before ``last``'s parent when that is linked there to go first too, else at the
@@ -332,7 +333,8 @@ class ExpiryWheel(SlotListPolicy):
         was pinned or in flight; at most ``PASS_LIMIT`` are looked at).
 
         A chain that becomes evictable tail first (a store completing, an unpin) or head first
-        stays tail first. Only blocks to evict first come here: O(the run) at most.
+        stays tail first. Only blocks to evict first come here: O(the run) at most. ``outside``:
+        blocks of the caller's run not linked yet (flagged, in no list), never taken for linked.
         """
         par, nxt, cap = self._parent, self._next, self.capacity
         parent = par[last]
@@ -340,14 +342,17 @@ class ExpiryWheel(SlotListPolicy):
             slot = first
             while slot != last and slot != parent:
                 slot = nxt[slot]
-            if slot != parent:  # linked already, in the list
-                self._link_run(first, last, parent)
+            if slot != parent:
+                if parent not in outside:  # flagged, in no run of ours: linked, in the expired list
+                    self._link_run(first, last, parent)
+                    return
+                # (stale parent links made a cycle through a block of the caller's run: the head)
+            else:
+                # The parent is in the run (a chain head first in one call): the rest of the run
+                # first, then the block right before its parent.
+                self._link_first(first, self._prev[last], (*outside, last))
+                self._link_run(last, last, parent)
                 return
-            # The parent is in the run (a chain head first in one call, where a run ends at the
-            # first block whose parent is flagged): the rest of the run first, then the block.
-            self._link_first(first, self._prev[last])
-            self._link_run(last, last, parent)
-            return
         at = nxt[cap]
         slot = at
         for _ in range(PASS_LIMIT):
