@@ -46,7 +46,7 @@ def _or_in_a_section(schema: dict[str, Any]) -> dict[str, Any]:
     """``schema`` (the fields at the top level) also taking the fields under a ``kvtier:`` section,
     the file's only key, as the loader does: the fields' schema moves to ``$defs``."""
     defs = schema.pop("$defs", {})
-    top = {k: schema.pop(k) for k in ("$schema", "title", "description") if k in schema}
+    top: dict[str, Any] = {k: schema.pop(k) for k in ("$schema", "title", "description") if k in schema}
     defs[SECTION_DEF] = schema
     ref = {"$ref": f"#/$defs/{SECTION_DEF}"}
     section = {"type": "object", "properties": {"kvtier": ref}, "required": ["kvtier"], "additionalProperties": False}
