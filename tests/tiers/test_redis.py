@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import logging
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -1116,11 +1117,12 @@ def test_store_location_names_the_database_really_used_once_per_database(redis_s
 
     db0 = {location(base + suffix) for suffix in ("/0", "", "/", "?db=0", "/0?db=0")}
     db3 = {location(base + suffix) for suffix in ("/3", "?db=3", "/3?db=3")}
-    assert db0 == {f"redis:redis://127.0.0.1:{redis_server.port}/0/kvtier"}
-    assert db3 == {f"redis:redis://127.0.0.1:{redis_server.port}/3/kvtier"}
+    here = f"#host={socket.gethostname()}"  # a loopback server is this host's own (another host's differs)
+    assert db0 == {f"redis:redis://127.0.0.1:{redis_server.port}/0/kvtier{here}"}
+    assert db3 == {f"redis:redis://127.0.0.1:{redis_server.port}/3/kvtier{here}"}
     # The default port, spelled out (no tier built: nothing may connect to a real port 6379 here).
     unbuilt = types.SimpleNamespace(options=RedisTierOptions(url="redis://[::1]/0", prefix="p"))
-    assert RedisTier.store_location(unbuilt) == "redis:redis://[::1]:6379/0/p"  # type: ignore[arg-type]
+    assert RedisTier.store_location(unbuilt) == f"redis:redis://[::1]:6379/0/p{here}"  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="the path says database 0 and"):
         RedisTier(ctx, url=base + "/0?db=3")
     with pytest.raises(ConfigError, match="db must be a database number"):

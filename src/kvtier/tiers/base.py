@@ -446,7 +446,8 @@ class SecondaryTier(abc.ABC):
 
     def store_location(self) -> str | None:
         """Where the blocks live, spelled the same by every engine configured to share them
-        (an fs root's real path, a Redis URL without credentials and its prefix, an S3
+        (an fs root's real path and its directory's identity, a Redis URL without credentials and its
+        prefix (and this host's name for a loopback or unix-socket server), an S3
         endpoint, bucket and prefix); None: the blocks are private to this engine start and
         gone with it (the default). Engines whose tiers give the same location and namespace
         share one store in a fleet's index. Caller: the event stream, once. Must not block."""

@@ -7,7 +7,8 @@ How it works (layout and file format: :mod:`kvtier.tiers.fs_layout`):
 
 * Values live under ``root/<namespace digest>/``, one file per block, named by
   the block key and sharded by its first byte. A manifest records the namespace
-  and block size; a directory that holds anything else is refused.
+  and block size; a directory that holds anything else is refused. A ``store-id``
+  beside it, made once, names the directory in the fleet's events (:meth:`store_location`).
 * Stores write a temp file and link it into place (fsync optional), so no
   reader ever sees a partial value, even after SIGKILL or power loss (a value
   that lost its bytes fails its checksum and is dropped on load), and nothing
@@ -89,6 +90,7 @@ from kvtier.tiers.fs_layout import (
     RootReport,
     aligned_buffer,
     ensure_manifest,
+    ensure_store_id,
     entry_bytes,
     is_no_space,
     make_dirs,
@@ -365,7 +367,8 @@ class FilesystemTier(ThreadedTier):
 
     def _open_directories(self) -> None:
         """Adopt the namespace directory (manifest, sweep of dead writers, this instance's temp
-        directory), then choose O_DIRECT and the byte budget; each step undone if a later one fails."""
+        directory, the directory's identity), then choose O_DIRECT and the byte budget; each step
+        undone if a later one fails."""
         self._dirs = make_dirs(self.ns_dir, self.modes)
         try:
             manifest = manifest_dict(self._digest, self.context.namespace.canonical(), self.block_bytes)
@@ -376,6 +379,9 @@ class FilesystemTier(ThreadedTier):
             self._dirs.close()
             raise
         try:
+            # Read once, here: store_location() runs on the scheduler thread and must do no I/O.
+            self.store_identity = ensure_store_id(self._dirs, self._instance.fd)
+            self._location = f"fs:{os.path.realpath(self.root)}#{self.store_identity}"
             self.direct_io, self.direct_io_reason = self._choose_direct_io(self.options.direct_io)
             # Bytes moved per block: O_DIRECT needs whole pages (the row's padding rides along).
             self._io_bytes = round_up(self.block_bytes) if self.direct_io else self.block_bytes
@@ -492,9 +498,12 @@ class FilesystemTier(ThreadedTier):
     lists_holdings = True
 
     def store_location(self) -> str:
-        """``fs:<real path of the root>``: engines on one host, or hosts mounting a shared file
-        system at the same path, share the root's blocks."""
-        return f"fs:{os.path.realpath(self.root)}"
+        """``fs:<real path of the root>#<identity>``, the identity being the namespace directory's
+        (its ``store-id``, :func:`~kvtier.tiers.fs_layout.ensure_store_id`), read at start: engines
+        that see this very directory (on one host, or hosts mounting a shared file system at the
+        same path) share its blocks; a directory at the same path on another host's own disk, or
+        one made anew at this path, is another store. No I/O."""
+        return self._location
 
     def held_keys(self) -> list[BlockKey] | None:
         """The index's keys once the start-up scan is done (before: None)."""

@@ -4,6 +4,9 @@ One directory per namespace under the tier's root::
 
     <root>/<namespace hexdigest>/
         manifest.json            namespace, geometry, block size, format version
+        store-id                 the directory's identity: 32 random hex digits and a
+                                 newline, made once by the first engine to adopt it
+                                 (:func:`ensure_store_id`; part of the fleet's store id)
         00/ .. ff/               256 shards, by the first byte of the block key
             <key hex>.kv         one block: header page, then the payload
         tmp/<pid>-<token>/       one directory per live tier instance
@@ -64,6 +67,7 @@ from kvtier.tiers.format import (
 )
 from kvtier.tiers.fs_files import (
     DIR_FLAGS,
+    NO_HARD_LINKS,
     FileModes,
     NamespaceDir,
     classify_entry,
@@ -85,6 +89,8 @@ LAYOUT_VERSION = 1
 """Version of this directory layout, recorded in the manifest."""
 
 MANIFEST = "manifest.json"
+STORE_ID = "store-id"
+"""The namespace directory's identity (:func:`ensure_store_id`)."""
 TMP_DIR = "tmp"
 LEDGER_DIR = "ledger"
 JOURNAL_DIR = "journal"
@@ -96,6 +102,11 @@ SHARDS = tuple(f"{i:02x}" for i in range(256))
 _NAME_RE = re.compile(rf"^([0-9a-f]{{2,{2 * MAX_KEY_BYTES}}})\.kv\Z")
 _STALE_UNLOCKED_DIR_SECONDS = 60.0
 _MAX_MANIFEST_BYTES = 1 << 20
+_STORE_ID_RE = re.compile(rb"[0-9a-f]{32}\n")
+_STORE_ID_BYTES = 33
+_STORE_ID_PARTIAL_RE = re.compile(rb"[0-9a-f]{0,32}")
+_STORE_ID_WAIT = 2.0
+"""Seconds a partly written identity is waited for (one created in place: a root without hard links)."""
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _ZERO_TAIL = bytes(PAYLOAD_OFFSET - HEADER_SIZE)
@@ -231,6 +242,152 @@ def atomic_write_text(dirs: NamespaceDir, name: str, text: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=dirs.fd)
     os.fsync(dirs.fd)
+
+
+# --- store identity ---------------------------------------------------------------------------
+
+
+def read_store_id(ns_fd: int, modes: FileModes | None = None, *, wait: float = _STORE_ID_WAIT) -> str | None:
+    """The identity in the namespace directory open as ``ns_fd`` (32 lowercase hex digits), or
+    None when it has none (a directory of an older release, or a new one).
+
+    Opened without following a link or blocking on a FIFO. Raises :class:`UnsafeEntryError` when
+    ``store-id`` is not a regular file, or (``modes`` given) not one they trust (another user's,
+    outside the shared group); ValueError when it holds anything but one identity and a newline;
+    OSError when it cannot be read. A file that holds the start of one (an engine creating it in
+    place, on a root without hard links) is read again for up to ``wait`` seconds.
+    """
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fd = open_regular(STORE_ID, os.O_RDONLY, dir_fd=ns_fd)
+        except FileNotFoundError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if modes is not None and not modes.trusted(st):
+                raise UnsafeEntryError(STORE_ID, modes.why_untrusted(st))
+            data = os.pread(fd, _STORE_ID_BYTES + 1, 0)
+        finally:
+            os.close(fd)
+        if _STORE_ID_RE.fullmatch(data):
+            return data[:32].decode()
+        if _STORE_ID_PARTIAL_RE.fullmatch(data) and time.monotonic() < deadline:
+            time.sleep(0.01)
+            continue
+        shown = data[:_STORE_ID_BYTES] + (b"..." if len(data) > _STORE_ID_BYTES else b"")
+        raise ValueError(f"it holds {shown!r}, not 32 lowercase hex digits and a newline")
+
+
+def ensure_store_id(dirs: NamespaceDir, tmp_fd: int) -> str:
+    """The identity of the namespace directory (32 lowercase hex digits): read from its
+    ``store-id``, or, where there is none (a new directory, or one an older release made), made
+    now, once for every engine that adopts this directory.
+
+    Every engine that sees this very directory (one host's engines, hosts mounting it over NFS)
+    reads the same identity; a directory at the same path on another disk (each host's local
+    NVMe mounted at one path), or one made anew where an old one was, has another. Engines
+    making it at the same moment agree: each writes a random identity to a file in ``tmp_fd``
+    (its instance's temp directory: a leftover is swept with it) and hard-links it into place,
+    which fails if another engine's is there already, whose identity is then read. On a file
+    system without hard links it is created in place (``O_EXCL``) and written; an engine reading
+    it meanwhile waits for the rest (:func:`read_store_id`).
+
+    Raises :class:`ConfigError` naming the file and the fix when ``store-id`` is not a regular
+    file of ours (or of the shared group) holding one identity: kvtier never wrote it, and it is
+    neither followed nor removed. Raises OSError when it cannot be written (a full disk).
+    """
+    path = dirs.path / STORE_ID
+    for _ in range(5):
+        try:
+            found = read_store_id(dirs.fd, dirs.modes)
+        except UnsafeEntryError as exc:
+            raise ConfigError(
+                f"fs tier store identity {path} is not a regular file of ours ({exc.reason}): kvtier never made "
+                "it, and neither follows nor removes it. Remove it (the next engine to start makes a new one) "
+                "or point 'root' elsewhere"
+            ) from None
+        except ValueError as exc:
+            raise ConfigError(
+                f"fs tier store identity {path} is not one kvtier wrote ({exc}). Remove it (the next engine "
+                "to start makes a new one) or point 'root' elsewhere"
+            ) from None
+        except OSError as exc:
+            raise ConfigError(
+                f"fs tier store identity {path} is unreadable ({exc.strerror or exc}): make it readable, "
+                "remove it (the next engine to start makes a new one) or point 'root' elsewhere"
+            ) from exc
+        if found is not None:
+            return found
+        made = secrets.token_hex(16)
+        if _place_store_id(dirs, tmp_fd, made):
+            return made
+        # Another engine's is there now (or was, and went again: read once more).
+    raise ConfigError(f"fs tier store identity {path} keeps vanishing: another process removes it; stop it")
+
+
+def _place_store_id(dirs: NamespaceDir, tmp_fd: int, made: str) -> bool:
+    """Put identity ``made`` at ``store-id`` unless something is there; True if it now stands there."""
+    text = (made + "\n").encode()
+    tmp = f"{STORE_ID}.{secrets.token_hex(4)}.tmp"
+    fd = create_file(tmp_fd, tmp, 0, dirs.modes)
+    try:
+        try:
+            if os.write(fd, text) != len(text):
+                raise OSError(errno.EIO, "short write")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, STORE_ID, src_dir_fd=tmp_fd, dst_dir_fd=dirs.fd, follow_symlinks=False)
+        except FileExistsError:
+            # NFS: a retransmitted LINK whose first try succeeded answers EEXIST; then ours has 2 links.
+            if os.stat(tmp, dir_fd=tmp_fd, follow_symlinks=False).st_nlink <= 1:
+                return False
+        except OSError as exc:
+            if exc.errno not in NO_HARD_LINKS:
+                raise
+            return _create_store_id_in_place(dirs, text)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=tmp_fd)
+    os.fsync(dirs.fd)
+    return True
+
+
+def _create_store_id_in_place(dirs: NamespaceDir, text: bytes) -> bool:
+    """A root without hard links: create ``store-id`` exclusively and write it (readers wait for a
+    partly written one); False if something is there."""
+    try:
+        fd = create_file(dirs.fd, STORE_ID, 0, dirs.modes)
+    except FileExistsError:
+        return False
+    try:
+        if os.write(fd, text) != len(text):
+            raise OSError(errno.EIO, "short write")
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):  # ours, half written: no engine may adopt it
+            os.unlink(STORE_ID, dir_fd=dirs.fd)
+        raise
+    os.close(fd)
+    os.fsync(dirs.fd)
+    return True
+
+
+def _store_id_problem(ns_fd: int) -> str | None:
+    """Why engines refuse the namespace directory's ``store-id`` (for :func:`verify_root`), or None
+    (one identity, or none yet). Not waited for, owner not checked."""
+    try:
+        read_store_id(ns_fd, wait=0)
+    except UnsafeEntryError as exc:
+        return f"{exc.reason}, not a store identity: not followed; engines refuse the directory until it is removed"
+    except ValueError as exc:
+        return f"not a store identity ({exc}): engines refuse the directory until it is removed"
+    except OSError as exc:
+        return f"store identity unreadable ({exc.strerror or exc}): engines refuse the directory"
+    return None
 
 
 def make_dirs(ns_dir: Path, modes: FileModes) -> NamespaceDir:
@@ -622,7 +779,8 @@ class NamespaceReport:
     temp_files_live: int
     temp_files_stale: int
     unsafe_entries: list[CorruptEntry] = field(default_factory=list)
-    """Entries named like values that are not regular files of this user: never opened."""
+    """Entries named like values that are not regular files of this user: never opened; and a
+    ``store-id`` engines refuse (a link, a FIFO, not an identity): never removed."""
     unreadable: list[CorruptEntry] = field(default_factory=list)
     """Entries whose read failed (a 403, a 5xx, a timeout): not checked, kept, not counted as corrupt."""
     kept: list[CorruptEntry] = field(default_factory=list)
@@ -1015,8 +1173,11 @@ def _verify_namespace(ns_fd: int, ns_dir: Path, check_payloads: bool, remove_cor
         else:
             stale += state.files
     for name in sorted(e.name for e in os.scandir(ns_fd)):
-        if name not in SHARDS and name not in (MANIFEST, TMP_DIR, LEDGER_DIR, JOURNAL_DIR):
+        if name not in SHARDS and name not in (MANIFEST, STORE_ID, TMP_DIR, LEDGER_DIR, JOURNAL_DIR):
             v.foreign.append(str(ns_dir / name))
+    problem = _store_id_problem(ns_fd)
+    if problem is not None:  # reported, never removed (nor by remove_corrupt: not a value)
+        v.unsafe.append(CorruptEntry(str(ns_dir / STORE_ID), problem))
     return NamespaceReport(
         digest=own_name,
         path=str(ns_dir),

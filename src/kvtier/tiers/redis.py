@@ -32,9 +32,11 @@ never came may have landed, and are checked later (:mod:`kvtier.tiers.doubts`,
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import itertools
 import logging
 import os
+import socket
 import ssl
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -212,6 +214,29 @@ def _check_tls_options(parsed: dict[str, Any], where: str) -> None:
             "version number: 771 for TLS 1.2, 772 for TLS 1.3), ssl_ciphers, ssl_certfile with ssl_keyfile "
             "(and ssl_password for an encrypted key) and ssl_ca_certs/ssl_ca_path (PEM files)"
         ) from None
+
+
+_LOCAL_NAMES = frozenset({"localhost", "localhost6", "ip6-localhost", "ip6-loopback", "localhost.localdomain"})
+
+
+def host_local(host: str) -> bool:
+    """Does ``host`` (a URL's host name, as :func:`~kvtier.tiers.endpoints.parse_endpoint` gives
+    it) reach a server on this machine only: a loopback or unspecified address (IPv4-mapped and
+    the resolver's short forms such as ``127.1`` included), ``localhost`` (and ``*.localhost``,
+    the usual ``/etc/hosts`` aliases), or no host (redis-py then connects to localhost)?"""
+    name = host.lower().rstrip(".")
+    if not name or name in _LOCAL_NAMES or name.endswith(".localhost"):
+        return True
+    try:
+        address: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(name.split("%", 1)[0])
+    except ValueError:
+        try:
+            address = ipaddress.IPv4Address(socket.inet_aton(name))  # 127.1, 0x7f.1: a resolver reads them so
+        except OSError:
+            return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback or address.is_unspecified
 
 
 def url_database(url: str) -> int:
@@ -579,7 +604,14 @@ class RedisTier(ThreadedTier):
         """``redis:<scheme>://<host>:<port>/<db>/<prefix>`` (``redis:unix://<socket>/<db>/<prefix>``):
         no credentials or options; the database actually used (the path's or ``?db=``'s, 0 by
         default) and the port (6379 by default) always spelled out, so every spelling of one
-        database gives one location. Give every engine the same host (in cluster mode the same node)."""
+        database gives one location. Give every engine the same host (in cluster mode the same node).
+
+        A server only this machine reaches by that URL (a unix socket; a loopback or unspecified
+        address, ``127.0.0.0/8``, ``::1``, ``0.0.0.0``, ``::``; ``localhost`` or no host) is each
+        host's own: ``#host=<socket.gethostname()>`` is appended, so engines on two hosts each
+        with a Redis at ``redis://127.0.0.1:6379`` are two stores, and one host's engines, one.
+        (Engines of one host whose host names differ, containers sharing the host's network, are
+        then told apart too: name the server by an address they share to make them one store.)"""
         ep = parse_endpoint(self.options.url, "redis url", _SCHEMES, needs_host=False)
         db = url_database(self.options.url)
         if ep.scheme == "unix":
@@ -587,7 +619,10 @@ class RedisTier(ThreadedTier):
         else:
             host = f"[{ep.host}]" if ":" in ep.host else ep.host
             server = f"{ep.scheme}://{host}:{ep.port or 6379}"
-        return f"redis:{server}/{db}/{self.options.prefix}"
+        location = f"redis:{server}/{db}/{self.options.prefix}"
+        if ep.scheme == "unix" or host_local(ep.host):
+            location += f"#host={socket.gethostname()}"
+        return location
 
     def describe(self) -> dict[str, Any]:
         return {
