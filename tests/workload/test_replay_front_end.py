@@ -42,7 +42,7 @@ def test_capacity_forms_are_read_exactly() -> None:
         ("5 blocks", "not understood"),
         ("1e3", "not a block count"),
         ("0%", "(0%, 100%]"),
-        ("nan%", "(0%, 100%]"),
+        ("nan%", "not a percentage"),
         ("x%", "not a percentage"),
         ("0GiB", "must be positive"),
         ("4QiB", "not understood"),
